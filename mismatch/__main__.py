@@ -1,0 +1,5 @@
+"""`python -m mismatch` is the `mismatch` command."""
+
+from mismatch.cli import run
+
+run()

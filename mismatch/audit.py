@@ -1,0 +1,110 @@
+"""The audit: stored rollouts replayed through a trainer and an engine, gaps measured, results written.
+
+rollouts → plan_replay → replay(train), replay(infer) → token table → metrics → results dir.
+Everything that can be wrong with the input is checked before the first forward pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from mismatch import __version__
+from mismatch.checkpoint import checkpoint_info
+from mismatch.engines import load_engine, parse_spec
+from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
+from mismatch.replay import ProgressFactory, plan_replay, replay_column
+from mismatch.results import SUMMARY_SCHEMA, check_out_dir, write_results
+from mismatch.rollouts import load_rollouts
+
+AUDIT_PAIRS = (("train", "sampler"), ("train", "infer"), ("infer", "sampler"))
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AuditResult:
+    summary: dict[str, Any]
+    tokens: pd.DataFrame
+    out: Path | None
+
+
+def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
+          infer: str = "hf-decode", out: str | Path | None = None, force: bool = False,
+          progress: ProgressFactory | None = None) -> AuditResult:
+    """Replay `rollouts` through `train` and `infer` engines and measure every pair's gap."""
+    info = checkpoint_info(checkpoint)
+    specs = {"train": parse_spec(train), "infer": parse_spec(infer)}
+    out_dir = Path(out) if out is not None else None
+    if out_dir is not None:
+        check_out_dir(out_dir, force=force)
+    loaded = load_rollouts(rollouts, vocab_size=info.vocab_size)
+    plan = plan_replay(loaded)
+    table = plan.table
+    engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler",
+                                           "meta": _sampler_meta(loaded)}}
+    for role, spec in specs.items():
+        engine = load_engine(spec, str(checkpoint))
+        try:
+            callback = progress(f"replay {role}: {spec.text}", plan.num_scored) if progress else None
+            table[f"logp_{role}"] = replay_column(plan, engine, progress=callback)
+            engines[role] = engine.describe()
+        finally:
+            engine.close()
+    summary = build_summary(table, engines=engines, checkpoint=str(checkpoint),
+                            rollouts_file=str(rollouts), pairs=AUDIT_PAIRS, command="audit")
+    if out_dir is not None:
+        per_rollout = metrics_by(table, list(AUDIT_PAIRS), "rollout")
+        write_results(out_dir, tokens=table, summary=summary, force=force,
+                      extra={"rollouts.parquet": lambda path: per_rollout.to_parquet(path, index=False)})
+    return AuditResult(summary=summary, tokens=table, out=out_dir)
+
+
+def build_summary(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
+                  rollouts_file: str, pairs: tuple[tuple[str, str], ...], command: str) -> dict[str, Any]:
+    """summary.json (contract `mismatch.summary/v1`) from a filled token table."""
+    trainable = table[table["trainable"]]
+    return {
+        "schema": SUMMARY_SCHEMA,
+        "command": command,
+        "mismatch_version": __version__,
+        "created_unix": time.time(),
+        "checkpoint": checkpoint,
+        "rollouts_file": rollouts_file,
+        "counts": {"rollouts": int(table["rollout"].nunique()),
+                   "branches": int(table.groupby(["rollout", "branch"], observed=True).ngroups),
+                   "tokens": len(table), "trainable_tokens": len(trainable)},
+        "engines": engines,
+        "pairs": summarize_pairs(table, list(pairs)),
+        "turns": _breakdown(table, pairs, "turn"),
+        "roles": _breakdown(table, pairs, "role", trainable_only=False),
+        "branch_kinds": _breakdown(table, pairs, "branch_kind"),
+        # Filled by the localizers and the correction simulator (issues 4 and 5).
+        "localization": {},
+        "corrections": [],
+        "recommendations": [],
+    }
+
+
+def _breakdown(table: pd.DataFrame, pairs: tuple[tuple[str, str], ...], by: str, *,
+               trainable_only: bool = True) -> list[dict[str, Any]]:
+    """[{by: key, "pairs": {"A/B": {metric: value}}}] in key order, for summary.json."""
+    long = metrics_by(table, list(pairs), by, trainable_only=trainable_only)
+    rows: dict[Any, dict[str, Any]] = {}
+    for record in long.to_dict("records"):
+        key = record[by]
+        key = key.item() if hasattr(key, "item") else key
+        entry = rows.setdefault(key, {by: key, "pairs": {}})
+        entry["pairs"][record["pair"]] = {name: record[name] for name in PAIR_METRICS}
+    return [rows[key] for key in sorted(rows, key=lambda k: (str(type(k)), k))]
+
+
+def _sampler_meta(rollouts: list) -> dict[str, Any]:
+    """The sampler settings the rollouts declare (the first rollout's; differing ones are counted)."""
+    metas = [r.meta.get("sampler") for r in rollouts if isinstance(r.meta.get("sampler"), dict)]
+    if not metas:
+        return {}
+    first = metas[0]
+    return {**first, "num_rollouts_differing": sum(meta != first for meta in metas)}

@@ -1,0 +1,166 @@
+"""The `mismatch` command line: parse, call the library, print.
+
+Errors meet one boundary here: a MismatchError or a usage error becomes one line on stderr and
+exit code 2 (MISMATCH_DEBUG=1 shows the traceback); anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, Iterator, Optional
+
+import click
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from mismatch.errors import MismatchError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Measure, localize and correct the log-prob gap between an RL trainer and "
+                       "its inference engine.")
+out_console = Console()
+err_console = Console(stderr=True)
+
+KEY_METRICS = ("n_tokens", "log_ratio_abs_mean", "log_ratio_abs_max", "kl_k3", "chi2_token",
+               "ess", "ratio_p01", "ratio_p999", "bitwise_equal_frac")
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")]
+
+
+@contextmanager
+def replay_progress(enabled: bool) -> Iterator[Any]:
+    """A rich progress bar per replay (on stderr, so --json output stays clean)."""
+    if not enabled:
+        yield None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("tokens"), TimeRemainingColumn())
+    with Progress(*columns, console=err_console, transient=False) as progress:
+        def factory(label: str, total: int):
+            task = progress.add_task(label, total=total)
+            return lambda done: progress.advance(task, done)
+        yield factory
+
+
+def print_pairs(summary: dict[str, Any]) -> None:
+    table = Table(title="log-ratio log(pi_A / pi_B) over trainable tokens")
+    table.add_column("pair (A/B)")
+    for name in KEY_METRICS:
+        table.add_column(name, justify="right")
+    for pair, metrics in summary["pairs"].items():
+        table.add_row(pair, *(_fmt(metrics.get(name)) for name in KEY_METRICS))
+    out_console.print(table)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:.4g}"
+
+
+def _emit_json(payload: Any) -> None:
+    from mismatch.results import json_safe
+
+    sys.stdout.write(json.dumps(json_safe(payload), indent=1) + "\n")
+
+
+@app.command()
+def audit(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory (HF format, safetensors).")],
+    rollouts: Annotated[Path, typer.Option("--rollouts", help="Rollouts file (.jsonl or .parquet).")],
+    out: Annotated[Path, typer.Option("--out", help="Results directory to write.")],
+    train: Annotated[str, typer.Option("--train", help="Trainer engine spec.")] = "hf",
+    infer: Annotated[str, typer.Option("--infer", help="Inference engine spec.")] = "hf-decode",
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing results dir.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Replay stored rollouts through a trainer and an engine; write tokens.parquet + summary.json."""
+    from mismatch.audit import audit as run_audit
+
+    with replay_progress(not as_json) as progress:
+        result = run_audit(checkpoint, rollouts, train=train, infer=infer, out=out, force=force,
+                           progress=progress)
+    if as_json:
+        _emit_json(result.summary)
+        return
+    print_pairs(result.summary)
+    out_console.print(f"wrote {out}/")
+
+
+@app.command()
+def validate(
+    file: Annotated[Path, typer.Argument(help="Rollouts file (.jsonl or .parquet).")],
+    checkpoint: Annotated[Optional[Path], typer.Option(help="Check token ids against this vocab.")] = None,
+    vocab_size: Annotated[Optional[int], typer.Option(help="Check token ids against this size.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Check a rollouts file against format v1 and report every problem (exit 2 if any)."""
+    from mismatch.checkpoint import checkpoint_info
+    from mismatch.rollouts import validate_file
+
+    if checkpoint is not None:
+        vocab_size = checkpoint_info(checkpoint).vocab_size
+    report = validate_file(file, vocab_size=vocab_size)
+    if as_json:
+        _emit_json({"num_rollouts": report.num_rollouts, "num_branches": report.num_branches,
+                    "num_tokens": report.num_tokens, "num_trainable_tokens": report.num_trainable_tokens,
+                    "errors": [str(e) for e in report.errors], "truncated": report.truncated})
+    else:
+        for error in report.errors:
+            err_console.print(str(error), markup=False, highlight=False, soft_wrap=True)
+        status = "ok" if not report.errors else f"{len(report.errors)} error(s)"
+        out_console.print(f"{file}: {report.num_rollouts} rollouts, {report.num_branches} branches, "
+                          f"{report.num_tokens:,} tokens ({report.num_trainable_tokens:,} trainable): "
+                          f"{status}", markup=False, highlight=False)
+    if report.errors:
+        raise typer.Exit(2)
+
+
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Option("--out", help="Demo directory.")] = Path("reports/demo"),
+    as_json: JsonFlag = False,
+) -> None:
+    """Build the tiny checkpoint, sample agentic rollouts from it, and audit them."""
+    from mismatch.demo import run_demo
+
+    say = (lambda _: None) if as_json else (lambda line: err_console.print(line, markup=False))
+    with replay_progress(not as_json) as progress:
+        result = run_demo(out, progress=progress, say=say)
+    if as_json:
+        _emit_json(result.summary)
+        return
+    print_pairs(result.summary)
+    out_console.print(f"wrote {result.out}/")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: the error boundary."""
+    debug = os.environ.get("MISMATCH_DEBUG") == "1"
+    try:
+        code = app(args=argv, prog_name="mismatch", standalone_mode=False)
+    except MismatchError as exc:
+        if debug:
+            raise
+        err_console.print(f"mismatch: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return 2
+    except click.UsageError as exc:
+        err_console.print(f"mismatch: error: {exc.format_message()}", markup=False,
+                          highlight=False, soft_wrap=True)
+        return 2
+    except click.Abort:
+        err_console.print("mismatch: aborted", markup=False)
+        return 130
+    return code if isinstance(code, int) else 0
+
+
+def run() -> None:
+    sys.exit(main())

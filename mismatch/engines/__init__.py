@@ -1,0 +1,72 @@
+"""Engines turn token sequences into teacher-forced per-token log-probs.
+
+One module per backend; `load_engine(spec, checkpoint)` is the registry. Backends import their
+heavy dependencies (torch, vllm) lazily so the core stays importable without them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from mismatch.engines.spec import EngineSpec, parse_spec
+from mismatch.errors import SpecError
+
+ProgressFn = Callable[[int], None]  # called with the number of tokens just scored
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ReplayRequest:
+    """One stream to replay: the branch's context followed by its own tokens."""
+
+    tokens: np.ndarray     # int64 [L]
+    generated: np.ndarray  # bool [L]: sampled by the model (decode path), else prompt (prefill)
+    score_from: int        # log-probs are wanted for positions score_from..L-1
+
+    @property
+    def num_scored(self) -> int:
+        return len(self.tokens) - self.score_from
+
+
+class Engine(Protocol):
+    """What every backend (and a user's `python:MODULE:CALLABLE` factory) provides."""
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for summary.json: kind, resolved options, log-prob semantics, throughput."""
+
+    def replay(self, requests: Sequence[ReplayRequest], *,
+               progress: ProgressFn | None = None) -> list[np.ndarray]:
+        """Per request, float64 log p(tokens[i] | tokens[:i]) for i in score_from..L-1 (NaN at i=0)."""
+
+    def close(self) -> None:
+        """Free the model (engines may hold GBs)."""
+
+
+_BACKENDS: dict[str, str] = {
+    "hf": "mismatch.engines.hf:HFEngine",
+    "hf-decode": "mismatch.engines.hf_decode:HFDecodeEngine",
+}
+
+
+def engine_kinds() -> tuple[str, ...]:
+    return tuple(_BACKENDS)
+
+
+def load_engine(spec: str | EngineSpec, checkpoint: str) -> Engine:
+    """Build the engine a spec names; every spec accepts `checkpoint=PATH` to replay other weights."""
+    parsed = parse_spec(spec) if isinstance(spec, str) else spec
+    target = _BACKENDS.get(parsed.kind)
+    if target is None:
+        raise SpecError(f"unknown engine {parsed.kind!r} in spec {parsed.text!r} "
+                        f"(known: {', '.join(_BACKENDS)})")
+    module_name, _, class_name = target.partition(":")
+    backend = getattr(importlib.import_module(module_name), class_name)
+    return backend.from_spec(parsed, checkpoint)
+
+
+__all__ = ["Engine", "EngineSpec", "ProgressFn", "ReplayRequest", "engine_kinds", "load_engine",
+           "parse_spec"]

@@ -1,0 +1,140 @@
+"""The training path in torch: one teacher-forced full-sequence forward per padded batch.
+
+This is what an FSDP/HF trainer computes for old/new log-probs. Sequences are sorted by length
+and packed under a token budget, right-padded with no attention mask: causal attention means a
+real position never sees the padding after it, so padding cannot change a real token's result.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from mismatch.checkpoint import CheckpointInfo, checkpoint_info, load_model
+from mismatch.engines import ProgressFn, ReplayRequest
+from mismatch.engines.spec import EngineSpec, options_from
+from mismatch.logprobs import DEFAULT_CHUNK, token_logprobs
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class HFOptions:
+    dtype: str = "auto"          # auto = the dtype the checkpoint was saved in
+    attn: str = "sdpa"           # transformers attn_implementation: sdpa | eager | flash_attention_2
+    device: str = "auto"         # auto = cuda when available, else cpu
+    batch_tokens: int = 16384    # padded tokens per forward (batch rows x longest row)
+    chunk: int = DEFAULT_CHUNK   # positions per fp32 log-softmax chunk
+    checkpoint: str | None = None  # replay other weights than the audited checkpoint
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name != "auto":
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pack_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices grouped longest-first so each batch's padded size stays under `budget` tokens.
+
+    Sorting first keeps padding small: rows in a batch have similar lengths. A row longer than
+    the budget gets a batch of its own rather than an error.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for index in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return batches
+
+
+class TorchEngineBase:
+    """Model loading, options and throughput bookkeeping shared by the two torch paths."""
+
+    kind = "?"
+    options_cls: type = HFOptions
+
+    def __init__(self, options: Any, checkpoint: str, spec_text: str) -> None:
+        self.options = options
+        self.spec_text = spec_text
+        self.info: CheckpointInfo = checkpoint_info(options.checkpoint or checkpoint)
+        self.device = resolve_device(options.device)
+        self.model = load_model(self.info, dtype=options.dtype, attn=options.attn, device=self.device)
+        self.decoder = self.model.base_model  # hidden states; lm_head is applied in chunks
+        self.lm_head = self.model.get_output_embeddings()
+        self.softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        self.num_scored = 0
+        self.num_fed = 0
+        self.num_padded = 0
+        self.num_forward = 0
+        self.seconds = 0.0
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, checkpoint: str):
+        return cls(options_from(cls.options_cls, spec), checkpoint, spec.text)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "spec": self.spec_text, "options": asdict(self.options),
+            "checkpoint": str(self.info.path), "dtype": str(self.model.dtype).removeprefix("torch."),
+            "device": self.device, "logprob_semantics": "raw",
+            "num_tokens_scored": self.num_scored, "num_tokens_fed": self.num_fed,
+            "padding_frac": self.num_padded / max(self.num_fed + self.num_padded, 1),
+            "num_forward_calls": self.num_forward, "seconds": self.seconds,
+            "tokens_per_s": self.num_scored / self.seconds if self.seconds else None,
+        }
+
+    def logprobs_of(self, hidden_ND, target_N) -> np.ndarray:
+        return token_logprobs(hidden_ND, target_N, self.lm_head, chunk=self.options.chunk,
+                              softcap=self.softcap).numpy()
+
+    def close(self) -> None:
+        self.model = self.decoder = self.lm_head = None
+
+
+class HFEngine(TorchEngineBase):
+    kind = "hf"
+    options_cls = HFOptions
+
+    def replay(self, requests: Sequence[ReplayRequest], *,
+               progress: ProgressFn | None = None) -> list[np.ndarray]:
+        import torch
+
+        results: list[np.ndarray] = [np.empty(0)] * len(requests)
+        started = time.perf_counter()
+        for batch in pack_batches([len(r.tokens) for r in requests], self.options.batch_tokens):
+            width = len(requests[batch[0]].tokens)
+            ids_BL = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, index in enumerate(batch):
+                tokens = requests[index].tokens
+                ids_BL[row, : len(tokens)] = torch.from_numpy(tokens)
+            with torch.inference_mode():
+                hidden_BLD = self.decoder(input_ids=ids_BL.to(self.device)).last_hidden_state
+                for row, index in enumerate(batch):
+                    results[index] = self._score(hidden_BLD[row], requests[index])
+            self.num_forward += 1
+            self.num_fed += sum(len(requests[i].tokens) for i in batch)
+            self.num_padded += len(batch) * width - sum(len(requests[i].tokens) for i in batch)
+            scored = sum(requests[i].num_scored for i in batch)
+            self.num_scored += scored
+            if progress is not None:
+                progress(scored)
+        self.seconds += time.perf_counter() - started
+        return results
+
+    def _score(self, hidden_LD, request: ReplayRequest) -> np.ndarray:
+        import torch
+
+        # Hidden state at j predicts token j+1; position 0 has no prediction.
+        first = max(request.score_from, 1)
+        tokens = torch.from_numpy(request.tokens)
+        logp = self.logprobs_of(hidden_LD[first - 1: len(request.tokens) - 1], tokens[first:])
+        if request.score_from == 0:
+            logp = np.concatenate([[np.nan], logp])
+        return logp

@@ -1,0 +1,113 @@
+"""The inference path in torch: prompts prefilled, sampled tokens decoded one by one with a KV cache.
+
+This is how a serving engine produced the sampler's log-probs, so replaying it against the `hf`
+full forward reproduces the prefill/decode mismatch with no GPU. `prefill=none` decodes every
+token alone instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from mismatch.engines import ProgressFn, ReplayRequest
+from mismatch.engines.hf import TorchEngineBase
+from mismatch.errors import SpecError
+from mismatch.logprobs import DEFAULT_CHUNK
+
+PREFILL_MODES = ("prompt", "none")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class HFDecodeOptions:
+    dtype: str = "auto"
+    attn: str = "sdpa"
+    device: str = "auto"
+    prefill: str = "prompt"      # prompt: feed each prompt run in one forward; none: token by token
+    chunk: int = DEFAULT_CHUNK
+    checkpoint: str | None = None
+
+
+def feed_chunks(generated: np.ndarray, *, prefill: bool) -> list[tuple[int, int]]:
+    """Input ranges [start, stop) fed per forward, as a sampler feeds them.
+
+    A sampler must stop feeding right before every token it samples (it needs the logits there),
+    so a chunk ends at input j whenever token j+1 was generated. The last token is never fed.
+    """
+    num_inputs = len(generated) - 1
+    if not prefill:
+        return [(j, j + 1) for j in range(num_inputs)]
+    chunks: list[tuple[int, int]] = []
+    start = 0
+    for j in range(num_inputs):
+        if generated[j + 1] or j == num_inputs - 1:
+            chunks.append((start, j + 1))
+            start = j + 1
+    return chunks
+
+
+class DecodeSession:
+    """One KV-cached stream: feed token chunks, get their final hidden states back."""
+
+    def __init__(self, model, device: str) -> None:
+        from transformers import DynamicCache
+
+        self.decoder = model.base_model
+        self.device = device
+        self.cache = DynamicCache(config=model.config)
+
+    def feed(self, ids: np.ndarray):
+        """Hidden states [len(ids), D] of the fed tokens, extending the cache."""
+        import torch
+
+        ids_1L = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))[None].to(self.device)
+        with torch.inference_mode():
+            out = self.decoder(input_ids=ids_1L, past_key_values=self.cache, use_cache=True)
+        return out.last_hidden_state[0]
+
+
+class HFDecodeEngine(TorchEngineBase):
+    kind = "hf-decode"
+    options_cls = HFDecodeOptions
+
+    def __init__(self, options: HFDecodeOptions, checkpoint: str, spec_text: str) -> None:
+        if options.prefill not in PREFILL_MODES:
+            raise SpecError(f"engine 'hf-decode': option prefill={options.prefill!r} is not one of: "
+                            f"{', '.join(PREFILL_MODES)}")
+        super().__init__(options, checkpoint, spec_text)
+
+    def replay(self, requests: Sequence[ReplayRequest], *,
+               progress: ProgressFn | None = None) -> list[np.ndarray]:
+        started = time.perf_counter()
+        results = []
+        for request in requests:
+            results.append(self._replay_one(request))
+            self.num_scored += request.num_scored
+            self.num_fed += len(request.tokens) - 1
+            if progress is not None:
+                progress(request.num_scored)
+        self.seconds += time.perf_counter() - started
+        return results
+
+    def _replay_one(self, request: ReplayRequest) -> np.ndarray:
+        import torch
+
+        tokens = request.tokens
+        logp_L = np.full(len(tokens), np.nan)
+        session = DecodeSession(self.model, self.device)
+        for start, stop in feed_chunks(request.generated, prefill=self.options.prefill == "prompt"):
+            hidden_CD = session.feed(tokens[start:stop])
+            self.num_forward += 1
+            first = max(start, request.score_from - 1)  # inputs whose next token is scored
+            if first >= stop:
+                continue
+            targets = torch.from_numpy(tokens[first + 1: stop + 1])
+            rows = hidden_CD[first - start:]
+            # A sampler computes logits for the sampled position alone; do the same for the last
+            # row so a replay of the sampler's own config reproduces its numbers exactly.
+            logp_L[first + 1: stop] = self.logprobs_of(rows[:-1], targets[:-1])
+            logp_L[stop] = self.logprobs_of(rows[-1:], targets[-1:])[0]
+        return logp_L[request.score_from:]

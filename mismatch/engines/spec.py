@@ -1,0 +1,94 @@
+"""Engine spec strings and TOML files, parsed into a kind plus typed options.
+
+`hf:dtype=bfloat16,attn=sdpa` → EngineSpec(kind="hf", options={...}); each engine declares its
+options as a keyword-only dataclass and `options_from` checks keys and converts values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from mismatch.errors import SpecError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+T = TypeVar("T")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EngineSpec:
+    kind: str
+    options: dict[str, Any] = field(default_factory=dict)
+    text: str  # as the user wrote it, for summary.json and messages
+
+
+def parse_spec(text: str) -> EngineSpec:
+    text = text.strip()
+    if not text:
+        raise SpecError("empty engine spec")
+    if text.startswith(("http://", "https://")):
+        return EngineSpec(kind="http", options={"url": text}, text=text)
+    if text.endswith(".toml"):
+        return _spec_from_toml(Path(text))
+    kind, _, rest = text.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise SpecError(f"engine spec {text!r}: expected KEY=VALUE, got {item!r}")
+        options[key.strip()] = value.strip()
+    return EngineSpec(kind=kind.strip(), options=options, text=text)
+
+
+def _spec_from_toml(path: Path) -> EngineSpec:
+    if not path.is_file():
+        raise SpecError(f"{path}: engine TOML not found")
+    try:
+        table = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: invalid TOML: {exc}") from None
+    kind = table.pop("engine", None)
+    if not isinstance(kind, str):
+        raise SpecError(f"{path}: missing `engine = \"KIND\"` (e.g. \"hf\", \"vllm\")")
+    return EngineSpec(kind=kind, options=table, text=str(path))
+
+
+def options_from(cls: type[T], spec: EngineSpec) -> T:
+    """Build an engine's options dataclass from a spec: unknown keys and bad values are errors."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(spec.options) - set(fields))
+    if unknown:
+        raise SpecError(f"engine {spec.kind!r}: unknown option {unknown[0]!r} "
+                        f"(valid: {', '.join(sorted(fields))})")
+    values = {key: _convert(spec, key, raw, hints[key]) for key, raw in spec.options.items()}
+    return cls(**values)
+
+
+def _convert(spec: EngineSpec, key: str, raw: Any, hint: Any) -> Any:
+    allowed = [t for t in typing.get_args(hint) if t is not type(None)] \
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else [hint]
+    target = allowed[0]
+    if isinstance(raw, target) and not (target is int and isinstance(raw, bool)):
+        return raw
+    text = str(raw).strip()
+    try:
+        if target is bool:
+            if text.lower() in ("true", "1", "yes", "on"):
+                return True
+            if text.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        return target(text)
+    except ValueError:
+        raise SpecError(f"engine {spec.kind!r}: option {key}={raw!r} is not a valid "
+                        f"{target.__name__}") from None

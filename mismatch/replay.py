@@ -1,0 +1,87 @@
+"""From rollouts to replay requests and the token table they fill.
+
+Each branch becomes one request (its context, then its own tokens); the token table has one row
+per own token, in request order, so an engine's concatenated results drop straight into a column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from mismatch.engines import Engine, ProgressFn, ReplayRequest
+from mismatch.rollouts import Rollout, context_tokens
+
+TABLE_KEYS = ("rollout", "branch", "branch_kind", "turn", "segment", "pos", "role", "token_id",
+              "trainable")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ReplayPlan:
+    requests: list[ReplayRequest]
+    table: pd.DataFrame  # TABLE_KEYS + logp_sampler (+ logp_stored_NAME for extra log-probs)
+
+    @property
+    def num_scored(self) -> int:
+        return len(self.table)
+
+
+def segment_turns(roles: Sequence[str]) -> list[int]:
+    """Turn index of each segment: a model segment closes the turn of the prompts before it."""
+    turns, turn = [], 0
+    for role in roles:
+        turns.append(turn)
+        if role in ("assistant", "summary"):
+            turn += 1
+    return turns
+
+
+def plan_replay(rollouts: Sequence[Rollout]) -> ReplayPlan:
+    requests: list[ReplayRequest] = []
+    columns: dict[str, list[np.ndarray]] = {key: [] for key in TABLE_KEYS}
+    columns["logp_sampler"] = []
+    for rollout in rollouts:
+        for branch in rollout.branches:
+            context = context_tokens(rollout, branch.id)
+            own = [seg.tokens for seg in branch.segments]
+            generated = [np.full(len(seg.tokens), seg.generated) for seg in branch.segments]
+            # Context tokens were a prompt when this branch was sampled, whatever produced them.
+            requests.append(ReplayRequest(
+                tokens=np.concatenate([context, *own]).astype(np.int64),
+                generated=np.concatenate([np.zeros(len(context), bool), *generated]),
+                score_from=len(context)))
+            lengths = [len(tokens) for tokens in own]
+            num_own = sum(lengths)
+            columns["rollout"].append(np.full(num_own, rollout.id, dtype=object))
+            columns["branch"].append(np.full(num_own, branch.id, dtype=object))
+            columns["branch_kind"].append(np.full(num_own, branch.kind, dtype=object))
+            turns = segment_turns([seg.role for seg in branch.segments])
+            columns["turn"].append(np.repeat(np.asarray(turns, np.int32), lengths))
+            columns["segment"].append(np.repeat(np.arange(len(own), dtype=np.int32), lengths))
+            columns["pos"].append(np.arange(len(context), len(context) + num_own, dtype=np.int32))
+            columns["role"].append(np.repeat(np.asarray([s.role for s in branch.segments], object), lengths))
+            columns["token_id"].append(np.concatenate(own).astype(np.int64))
+            columns["trainable"].append(np.repeat([s.trainable for s in branch.segments], lengths))
+            columns["logp_sampler"].append(np.concatenate(
+                [s.logprobs if s.logprobs is not None else np.full(len(s.tokens), np.nan)
+                 for s in branch.segments]).astype(np.float64))
+    table = pd.DataFrame({key: np.concatenate(parts) if parts else np.empty(0)
+                          for key, parts in columns.items()})
+    for key in ("rollout", "branch", "branch_kind", "role"):
+        table[key] = table[key].astype("category")
+    table["trainable"] = table["trainable"].astype(bool)
+    return ReplayPlan(requests=requests, table=table)
+
+
+def replay_column(plan: ReplayPlan, engine: Engine, *, progress: ProgressFn | None = None) -> np.ndarray:
+    """One engine's log-probs for every table row (float64, NaN where undefined)."""
+    results = engine.replay(plan.requests, progress=progress)
+    for request, logp in zip(plan.requests, results, strict=True):
+        assert len(logp) == request.num_scored, "engine returned the wrong number of log-probs"
+    return np.concatenate(results).astype(np.float64) if results else np.empty(0)
+
+
+ProgressFactory = Callable[[str, int], ProgressFn | None]

@@ -1,0 +1,115 @@
+"""The results directory: tokens.parquet + summary.json, written atomically, read back for reports.
+
+Everything is built in a hidden sibling temp dir and renamed into place at the end, so a crash or
+a bad input never leaves a half-written results dir, and an existing dir is replaced only on request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from mismatch.errors import ResultsError
+
+SUMMARY_SCHEMA = "mismatch.summary/v1"
+TOKENS_FILE = "tokens.parquet"
+SUMMARY_FILE = "summary.json"
+
+
+def is_results_dir(path: Path) -> bool:
+    summary = path / SUMMARY_FILE
+    if not summary.is_file():
+        return False
+    try:
+        return json.loads(summary.read_text()).get("schema") == SUMMARY_SCHEMA
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return False
+
+
+def check_out_dir(out: Path, *, force: bool) -> None:
+    """Refuse early (before any replay) to overwrite what the user has."""
+    if out.exists() and not out.is_dir():
+        raise ResultsError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ResultsError(f"{out}: already exists; pass --force to replace it")
+    if force and out.is_dir() and any(out.iterdir()) and not is_results_dir(out):
+        raise ResultsError(f"{out}: is not a mismatch results dir (no {SUMMARY_FILE}); "
+                           "refusing to replace it even with --force")
+
+
+@contextmanager
+def staged_dir(out: Path, *, force: bool) -> Iterator[Path]:
+    """Yield a temp dir to fill; on success it replaces `out` in one rename, on error it vanishes."""
+    check_out_dir(out, force=force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield stage
+        if out.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, trash / "old")
+            os.replace(stage, out)
+            shutil.rmtree(trash)
+        else:
+            os.replace(stage, out)
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a file via temp + rename so readers never see half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def json_safe(value: Any) -> Any:
+    """NaN and ±inf become null: summary.json must parse in a browser (JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        return json_safe(value.item())
+    return value
+
+
+def write_results(out: Path, *, tokens: pd.DataFrame, summary: dict[str, Any], force: bool,
+                  extra: dict[str, Callable[[Path], None]] | None = None) -> Path:
+    with staged_dir(out, force=force) as stage:
+        tokens.to_parquet(stage / TOKENS_FILE, index=False)
+        (stage / SUMMARY_FILE).write_text(json.dumps(json_safe(summary), indent=1) + "\n")
+        for name, write in (extra or {}).items():
+            write(stage / name)
+    return out
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    if not is_results_dir(path):
+        raise ResultsError(f"{path}: not a mismatch results dir (no valid {SUMMARY_FILE})")
+    return json.loads((path / SUMMARY_FILE).read_text())
+
+
+def read_tokens(path: Path) -> pd.DataFrame:
+    file = path / TOKENS_FILE
+    if not file.is_file():
+        raise ResultsError(f"{path}: no {TOKENS_FILE}")
+    return pd.read_parquet(file)

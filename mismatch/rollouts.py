@@ -1,0 +1,570 @@
+"""Rollout format v1: the data model, a streaming loader, and a validator that names every problem.
+
+First step of the flow: a JSONL/Parquet file (written by the user or an importer) -> `Rollout`s -> replay and metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mismatch.errors import RolloutError
+
+ROLES = ("system", "user", "assistant", "tool", "summary")
+MODEL_ROLES = frozenset({"assistant", "summary"})
+BRANCH_KINDS = ("main", "subagent", "summary", "subagent_summary")
+
+PARQUET_BATCH_SIZE = 256
+
+_JSON_TYPE_NAMES = {dict: "object", list: "array", str: "string", bool: "boolean",
+                    int: "number", float: "number", type(None): "null"}
+_INT_TYPES = frozenset({int})
+_NUMBER_TYPES = frozenset({int, float})  # bool is excluded on purpose: type(True) is bool
+_UNPARSED = object()  # a line that is not JSON at all (distinct from a line that says `null`)
+
+
+# eq=False everywhere: the generated __eq__ would compare numpy arrays, whose truth value is ambiguous.
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class Segment:
+    role: str
+    tokens: np.ndarray  # int64, shape (num_tokens,)
+    logprobs: np.ndarray | None  # float64, the sampler's log-prob of each token as stored at rollout time
+    trainable: bool
+    extra_logprobs: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def generated(self) -> bool:
+        """Sampled by the model (whether or not the trainer trains on it)."""
+        return self.role in MODEL_ROLES
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class Branch:
+    id: str
+    kind: str
+    parent: str | None
+    fork_at: int | None  # token offset in the parent's own stream
+    segments: tuple[Segment, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.segments)
+
+    def stream(self) -> np.ndarray:
+        """This branch's own tokens (without the context it forks from)."""
+        return np.concatenate([s.tokens for s in self.segments])
+
+
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class Rollout:
+    id: str
+    meta: dict
+    branches: tuple[Branch, ...]
+    messages: list | None
+    file: str
+    line: int  # 1-based line (JSONL) or row (Parquet)
+
+    def branch(self, branch_id: str) -> Branch:
+        for b in self.branches:
+            if b.id == branch_id:
+                return b
+        raise KeyError(f"rollout {self.id!r} has no branch {branch_id!r}")
+
+
+def context_tokens(rollout: Rollout, branch_id: str) -> np.ndarray:
+    """The tokens a branch is replayed after: its parent's context plus the parent's stream up to fork_at."""
+    pieces: list[np.ndarray] = []
+    branch = rollout.branch(branch_id)
+    # Iterative, not recursive: validation guarantees the parent links end at the root.
+    while branch.parent is not None:
+        parent = rollout.branch(branch.parent)
+        pieces.append(parent.stream()[: branch.fork_at])
+        branch = parent
+    if not pieces:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate(pieces[::-1])
+
+
+def full_tokens(rollout: Rollout, branch_id: str) -> np.ndarray:
+    """Context plus the branch's own stream: the whole sequence the trainer sees for this branch."""
+    return np.concatenate([context_tokens(rollout, branch_id), rollout.branch(branch_id).stream()])
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ValidationReport:
+    num_rollouts: int  # valid rollouts
+    num_invalid: int  # rollouts (lines/rows) with at least one error
+    num_branches: int  # counts below are over valid rollouts only
+    num_tokens: int  # sum of each branch's own stream (shared context is not counted twice)
+    num_trainable_tokens: int
+    errors: list[RolloutError]
+    truncated: bool  # more than max_errors errors; the rest were counted in num_invalid only
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking one rollout
+
+
+@dataclass(slots=True)
+class _Problems:
+    file: str
+    line: int
+    rollout: str | None = None
+    errors: list[RolloutError] = field(default_factory=list)
+
+    def add(self, where: str | None, reason: str) -> None:
+        self.errors.append(RolloutError(reason, file=self.file, line=self.line,
+                                        rollout=self.rollout, field=where))
+
+
+def _json_type(value: object) -> str:
+    return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def _show(value: object) -> str:
+    """A value as the user wrote it (JSON), cut short so a reason stays one line."""
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _key_path(name: object) -> str:
+    return f".{name}" if isinstance(name, str) and name.isidentifier() else f"[{json.dumps(name, default=repr)}]"
+
+
+def _first_of(count: int, what: str) -> str:
+    return "" if count == 1 else f" (first of {count} {what})"
+
+
+def _first_bad_type(values: list, allowed: frozenset[type]) -> int | None:
+    # set(map(type, ...)) runs in C, so the common all-good case costs no Python loop per token.
+    if set(map(type, values)) <= allowed:
+        return None
+    return next(i for i, v in enumerate(values) if type(v) not in allowed)
+
+
+def _required(obj: dict, key: str, where: str, problems: _Problems) -> object | None:
+    if key not in obj:
+        problems.add(where, "missing required field")
+    elif obj[key] is None:
+        problems.add(where, "required field is null")
+    return obj.get(key)
+
+
+def _check_id(value: object, where: str, problems: _Problems) -> str | None:
+    if not isinstance(value, str) or not value:
+        problems.add(where, f"must be a non-empty string, got {_show(value)}")
+        return None
+    return value
+
+
+def _check_tokens(value: object, where: str, vocab_size: int | None, problems: _Problems) -> np.ndarray | None:
+    if not isinstance(value, list):
+        problems.add(where, f"must be an array of integers, got {_json_type(value)}")
+        return None
+    if not value:
+        problems.add(where, "empty token list")
+        return None
+    bad = _first_bad_type(value, _INT_TYPES)
+    if bad is not None:
+        problems.add(where, f"token at index {bad} is not an integer: {_show(value[bad])}")
+        return None
+    try:
+        tokens = np.array(value, dtype=np.int64)
+    except OverflowError:
+        i = next(i for i, t in enumerate(value) if not -(2**63) <= t < 2**63)
+        problems.add(where, f"token id {value[i]} at index {i} does not fit in int64")
+        return None
+    negative = np.flatnonzero(tokens < 0)
+    if negative.size:
+        i = int(negative[0])
+        problems.add(where, f"token id {tokens[i]} at index {i} is negative{_first_of(negative.size, 'negative')}")
+    if vocab_size is not None:
+        too_big = np.flatnonzero(tokens >= vocab_size)
+        if too_big.size:
+            i = int(too_big[0])
+            problems.add(where, f"token id {tokens[i]} at index {i} is >= vocab size {vocab_size}"
+                                f"{_first_of(too_big.size, 'out of vocab')}")
+    return tokens
+
+
+def _check_logprobs(value: object, where: str, num_tokens: int | None, problems: _Problems) -> np.ndarray | None:
+    if not isinstance(value, list):
+        problems.add(where, f"must be an array of numbers, got {_json_type(value)}")
+        return None
+    bad = _first_bad_type(value, _NUMBER_TYPES)
+    if bad is not None:
+        problems.add(where, f"logprob at index {bad} is not a number: {_show(value[bad])}")
+        return None
+    try:
+        logp = np.array(value, dtype=np.float64)
+    except OverflowError:
+        problems.add(where, "an integer logprob is too large for float64")
+        return None
+    if num_tokens is not None and len(logp) != num_tokens:
+        problems.add(where, f"{len(logp)} logprobs for {num_tokens} tokens")
+    nonfinite = np.flatnonzero(~np.isfinite(logp))
+    if nonfinite.size:
+        i = int(nonfinite[0])
+        problems.add(where, f"logprob at index {i} is {float(logp[i])!r}{_first_of(nonfinite.size, 'non-finite')}")
+    # Any positive value is a bug upstream (a probability above 1), even 1e-6 from rounding.
+    positive = np.flatnonzero(logp > 0)
+    if positive.size:
+        i = int(positive[0])
+        problems.add(where, f"logprob at index {i} is {float(logp[i])!r} > 0{_first_of(positive.size, 'positive')}")
+    return logp
+
+
+def _check_segment(raw: object, where: str, vocab_size: int | None, problems: _Problems) -> Segment | None:
+    if not isinstance(raw, dict):
+        problems.add(where, f"must be an object, got {_json_type(raw)}")
+        return None
+    num_errors = len(problems.errors)
+
+    role = _required(raw, "role", f"{where}.role", problems)
+    if role is not None and not isinstance(role, str):
+        problems.add(f"{where}.role", f"must be a string, got {_json_type(role)}")
+    elif role is not None and role not in ROLES:
+        problems.add(f"{where}.role", f"unknown role {role!r} (expected one of: {', '.join(ROLES)})")
+
+    raw_tokens = _required(raw, "tokens", f"{where}.tokens", problems)
+    tokens = None if raw_tokens is None else _check_tokens(raw_tokens, f"{where}.tokens", vocab_size, problems)
+    num_tokens = None if tokens is None else len(tokens)
+
+    # null means absent for every optional field (Parquet fills missing struct fields with null).
+    raw_logprobs = raw.get("logprobs")
+    logprobs = None if raw_logprobs is None else _check_logprobs(raw_logprobs, f"{where}.logprobs",
+                                                                 num_tokens, problems)
+
+    trainable = raw.get("trainable")
+    if trainable is not None and not isinstance(trainable, bool):
+        problems.add(f"{where}.trainable", f"must be true or false, got {_show(trainable)}")
+
+    extra: dict[str, np.ndarray] = {}
+    raw_extra = raw.get("extra_logprobs")
+    if raw_extra is not None and not isinstance(raw_extra, dict):
+        problems.add(f"{where}.extra_logprobs", f"must be an object, got {_json_type(raw_extra)}")
+    elif raw_extra is not None:
+        for name, values in raw_extra.items():
+            if values is not None:
+                extra[name] = _check_logprobs(values, f"{where}.extra_logprobs{_key_path(name)}",
+                                              num_tokens, problems)
+
+    if len(problems.errors) > num_errors:
+        return None
+    return Segment(role=role, tokens=tokens, logprobs=logprobs,
+                   trainable=role in MODEL_ROLES if trainable is None else trainable,
+                   extra_logprobs=extra)
+
+
+def _check_branch(raw: object, where: str, vocab_size: int | None, problems: _Problems) -> Branch | None:
+    if not isinstance(raw, dict):
+        problems.add(where, f"must be an object, got {_json_type(raw)}")
+        return None
+    num_errors = len(problems.errors)
+
+    raw_id = _required(raw, "id", f"{where}.id", problems)
+    branch_id = None if raw_id is None else _check_id(raw_id, f"{where}.id", problems)
+
+    parent = raw.get("parent")
+    if parent is not None:
+        _check_id(parent, f"{where}.parent", problems)
+
+    fork_at = raw.get("fork_at")
+    if fork_at is not None and type(fork_at) is not int:
+        problems.add(f"{where}.fork_at", f"must be an integer or null, got {_show(fork_at)}")
+    elif parent is None and fork_at is not None:
+        problems.add(f"{where}.fork_at", f"must be null for a root branch (parent null), got {fork_at}")
+    elif parent is not None and fork_at is None:
+        problems.add(f"{where}.fork_at", "missing required field (for a branch with a parent)")
+
+    kind = raw.get("kind")
+    if kind is None and parent is None:
+        kind = "main"  # a plain single-stream rollout need not say so
+    elif kind is None:
+        problems.add(f"{where}.kind", "missing required field (for a branch with a parent)")
+    elif not isinstance(kind, str):
+        problems.add(f"{where}.kind", f"must be a string, got {_json_type(kind)}")
+    elif kind not in BRANCH_KINDS:
+        problems.add(f"{where}.kind", f"unknown branch kind {kind!r} (expected one of: {', '.join(BRANCH_KINDS)})")
+
+    raw_segments = _required(raw, "segments", f"{where}.segments", problems)
+    segments: list[Segment | None] = []
+    if raw_segments is not None and not isinstance(raw_segments, list):
+        problems.add(f"{where}.segments", f"must be an array, got {_json_type(raw_segments)}")
+    elif raw_segments is not None and not raw_segments:
+        problems.add(f"{where}.segments", "empty segment list")
+    elif raw_segments is not None:
+        segments = [_check_segment(s, f"{where}.segments[{i}]", vocab_size, problems)
+                    for i, s in enumerate(raw_segments)]
+
+    if len(problems.errors) > num_errors:
+        return None
+    return Branch(id=branch_id, kind=kind, parent=parent, fork_at=fork_at, segments=tuple(segments))
+
+
+def _find_cycles(parent_of: dict[str, str]) -> list[list[str]]:
+    """Each cycle of parent links once, in walk order from the first branch reached."""
+    walk_of: dict[str, str] = {}  # branch -> the start of the walk that first reached it
+    cycles = []
+    for start in parent_of:
+        path: list[str] = []
+        node: str | None = start
+        while node is not None and node not in walk_of:
+            walk_of[node] = start
+            path.append(node)
+            node = parent_of.get(node)
+        if node is not None and walk_of[node] == start:  # came back to this very walk: a new cycle
+            cycles.append(path[path.index(node):])
+    return cycles
+
+
+def _check_tree(raw_branches: list, branches: list[Branch | None], problems: _Problems) -> None:
+    """Cross-branch rules: unique ids, one root, parents that exist, no cycles, fork_at in range."""
+    # Only fields whose own type checks passed take part; their type errors are already reported.
+    index_of: dict[str, int] = {}
+    fields: dict[str, tuple[str | None, object]] = {}  # id -> (parent, fork_at) of its first occurrence
+    for i, raw in enumerate(raw_branches):
+        if not isinstance(raw, dict) or not isinstance(raw.get("id"), str) or not raw["id"]:
+            continue
+        branch_id = raw["id"]
+        if branch_id in index_of:
+            problems.add(f"branches[{i}].id",
+                         f"duplicate branch id {branch_id!r} (also branches[{index_of[branch_id]}])")
+            continue
+        index_of[branch_id] = i
+        fields[branch_id] = (raw.get("parent"), raw.get("fork_at"))
+
+    roots = [index_of[branch_id] for branch_id, (parent, _) in fields.items() if parent is None]
+    if index_of and not roots:
+        problems.add("branches", "no root branch; exactly one branch must have parent null")
+    for i in roots[1:]:
+        problems.add(f"branches[{i}].parent",
+                     f"a second root branch (parent null) besides branches[{roots[0]}]; exactly one is allowed")
+
+    parent_of: dict[str, str] = {}
+    for branch_id, (parent, _) in fields.items():
+        if not isinstance(parent, str) or not parent:
+            continue
+        if parent not in index_of:
+            problems.add(f"branches[{index_of[branch_id]}].parent",
+                         f"parent {parent!r} is not a branch of this rollout")
+            continue
+        parent_of[branch_id] = parent
+
+    in_cycle: set[str] = set()
+    for cycle in _find_cycles(parent_of):
+        first = min(cycle, key=index_of.__getitem__)
+        k = cycle.index(first)
+        loop = cycle[k:] + cycle[:k] + [first]
+        problems.add(f"branches[{index_of[first]}].parent", f"parent links form a cycle: {' -> '.join(loop)}")
+        in_cycle.update(cycle)
+
+    for branch_id, parent in parent_of.items():
+        fork_at = fields[branch_id][1]
+        if type(fork_at) is not int or branch_id in in_cycle:
+            continue
+        where = f"branches[{index_of[branch_id]}].fork_at"
+        parent_branch = branches[index_of[parent]]
+        if parent_branch is None:  # parent's own length unknown (its errors are reported)
+            if fork_at < 0:
+                problems.add(where, f"fork_at {fork_at} is negative")
+        elif not 0 <= fork_at <= parent_branch.num_tokens:
+            problems.add(where, f"fork_at {fork_at} is outside 0..{parent_branch.num_tokens} "
+                                f"(the length of parent {parent!r})")
+
+
+def _check_meta(raw: dict, problems: _Problems) -> dict:
+    meta = raw.get("meta")
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        problems.add("meta", f"must be an object, got {_json_type(meta)}")
+        return {}
+    return meta
+
+
+def _check_messages(raw: dict, problems: _Problems) -> list | None:
+    messages = raw.get("messages")
+    if messages is not None and not isinstance(messages, list):
+        problems.add("messages", f"must be an array, got {_json_type(messages)}")
+        return None
+    return messages
+
+
+def check_rollout(raw: object, *, file: str, line: int,
+                  vocab_size: int | None) -> tuple[Rollout | None, list[RolloutError]]:
+    """Every problem of one parsed rollout; the `Rollout` only when there are none."""
+    problems = _Problems(file=file, line=line)
+    if not isinstance(raw, dict):
+        problems.add(None, f"rollout must be a JSON object, got {_json_type(raw)}")
+        return None, problems.errors
+
+    raw_id = _required(raw, "id", "id", problems)
+    rollout_id = None if raw_id is None else _check_id(raw_id, "id", problems)
+    problems.rollout = rollout_id
+
+    meta = _check_meta(raw, problems)
+    messages = _check_messages(raw, problems)
+
+    raw_branches = _required(raw, "branches", "branches", problems)
+    branches: list[Branch | None] = []
+    if raw_branches is not None and not isinstance(raw_branches, list):
+        problems.add("branches", f"must be an array, got {_json_type(raw_branches)}")
+    elif raw_branches is not None and not raw_branches:
+        problems.add("branches", "empty branch list")
+    elif raw_branches is not None:
+        branches = [_check_branch(b, f"branches[{i}]", vocab_size, problems) for i, b in enumerate(raw_branches)]
+        _check_tree(raw_branches, branches, problems)
+
+    if problems.errors:
+        return None, problems.errors
+    return Rollout(id=rollout_id, meta=meta, branches=tuple(branches), messages=messages,
+                   file=file, line=line), []
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading files, one rollout at a time
+
+
+def _read_jsonl(path: Path, file: str) -> Iterator[tuple[int, object, list[RolloutError]]]:
+    with path.open("rb") as f:
+        for line_no, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            raw: object = _UNPARSED
+            errors: list[RolloutError] = []
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError as e:
+                errors.append(RolloutError(f"invalid JSON: {e.msg} at column {e.colno}", file=file, line=line_no))
+            except UnicodeDecodeError as e:
+                errors.append(RolloutError(f"invalid JSON: not UTF-8 (byte 0x{e.object[e.start]:02x} "
+                                           f"at offset {e.start})", file=file, line=line_no))
+            yield line_no, raw, errors
+
+
+def _decode_json_columns(row: dict, file: str, line: int) -> list[RolloutError]:
+    """Parquet may hold the free-form `meta` and `messages` as JSON strings; decode them in place."""
+    errors = []
+    rollout_id = row.get("id") if isinstance(row.get("id"), str) and row["id"] else None
+    for key in ("meta", "messages"):
+        if isinstance(row.get(key), str):
+            try:
+                row[key] = json.loads(row[key])
+            except json.JSONDecodeError as e:
+                errors.append(RolloutError(f"invalid JSON: {e.msg} at column {e.colno}", file=file,
+                                           line=line, rollout=rollout_id, field=key))
+                row[key] = None  # reported once here, not again as "must be an object"
+    return errors
+
+
+def _read_parquet(path: Path, file: str) -> Iterator[tuple[int, object, list[RolloutError]]]:
+    # Imported here: JSONL users should not pay for pyarrow's import.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except pa.ArrowInvalid as e:
+        raise RolloutError(f"not a readable Parquet file: {e}", file=file) from None
+    row_no = 0
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_SIZE):
+        for row in batch.to_pylist():
+            row_no += 1
+            yield row_no, row, _decode_json_columns(row, file, row_no)
+
+
+def _open(path: str | os.PathLike[str]) -> tuple[str, Iterator[tuple[int, object, list[RolloutError]]]]:
+    """Check the path now (not at the first `next`) and pick the reader by suffix."""
+    file = os.fspath(path)
+    p = Path(file)
+    if not p.exists():
+        raise RolloutError("no such file", file=file)
+    if not p.is_file():
+        raise RolloutError("not a file", file=file)
+    reader = _read_parquet if p.suffix.lower() == ".parquet" else _read_jsonl
+    return file, reader(p, file)
+
+
+def _checked(file: str, rows: Iterator[tuple[int, object, list[RolloutError]]],
+             vocab_size: int | None) -> Iterator[tuple[Rollout | None, list[RolloutError]]]:
+    first_line: dict[str, int] = {}  # rollout id -> line; one small entry per rollout, not per token
+    for line, raw, read_errors in rows:
+        if raw is _UNPARSED:
+            yield None, read_errors
+            continue
+        rollout, errors = check_rollout(raw, file=file, line=line, vocab_size=vocab_size)
+        errors = read_errors + errors
+        rollout_id = raw.get("id") if isinstance(raw, dict) else None
+        if isinstance(rollout_id, str) and rollout_id:
+            if rollout_id in first_line:
+                errors.append(RolloutError(f"duplicate rollout id (first at line {first_line[rollout_id]})",
+                                           file=file, line=line, rollout=rollout_id, field="id"))
+            else:
+                first_line[rollout_id] = line
+        yield (None if errors else rollout), errors
+
+
+def _empty_file_error(file: str) -> RolloutError:
+    return RolloutError("no rollouts (empty file)", file=file)
+
+
+def iter_rollouts(path: str | os.PathLike[str], *, vocab_size: int | None = None) -> Iterator[Rollout]:
+    """Rollouts of a JSONL or Parquet file, one at a time; raises `RolloutError` at the first bad one."""
+    file, rows = _open(path)
+    return _iter_valid(file, rows, vocab_size)
+
+
+def _iter_valid(file: str, rows: Iterator[tuple[int, object, list[RolloutError]]],
+                vocab_size: int | None) -> Iterator[Rollout]:
+    num_rollouts = 0
+    for rollout, errors in _checked(file, rows, vocab_size):
+        if errors:
+            raise errors[0]
+        num_rollouts += 1
+        yield rollout
+    if num_rollouts == 0:
+        raise _empty_file_error(file)
+
+
+def load_rollouts(path: str | os.PathLike[str], *, vocab_size: int | None = None) -> list[Rollout]:
+    return list(iter_rollouts(path, vocab_size=vocab_size))
+
+
+def validate_file(path: str | os.PathLike[str], *, vocab_size: int | None = None,
+                  max_errors: int = 1000) -> ValidationReport:
+    """Every problem in a file (up to max_errors), still streaming; raises only if the file cannot be opened."""
+    file, rows = _open(path)
+    num_rollouts = num_invalid = num_branches = num_tokens = num_trainable = 0
+    errors: list[RolloutError] = []
+    truncated = False
+    for rollout, rollout_errors in _checked(file, rows, vocab_size):
+        if rollout_errors:
+            num_invalid += 1
+            room = max_errors - len(errors)
+            truncated = truncated or len(rollout_errors) > room
+            errors.extend(rollout_errors[:room])
+            continue
+        num_rollouts += 1
+        num_branches += len(rollout.branches)
+        for branch in rollout.branches:
+            num_tokens += branch.num_tokens
+            num_trainable += sum(len(s.tokens) for s in branch.segments if s.trainable)
+    if num_rollouts == 0 and num_invalid == 0:
+        errors.append(_empty_file_error(file))
+    return ValidationReport(num_rollouts=num_rollouts, num_invalid=num_invalid, num_branches=num_branches,
+                            num_tokens=num_tokens, num_trainable_tokens=num_trainable, errors=errors,
+                            truncated=truncated)

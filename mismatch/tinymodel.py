@@ -1,0 +1,470 @@
+"""A real tiny chat checkpoint (byte-level BPE + 2-layer Llama), trained offline in seconds.
+
+Tests, benchmarks and the demo replay rollouts through it: no hub download, same seed → same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+import torch
+import torch.nn.functional as F
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig,
+                          PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config)
+
+from mismatch.errors import CheckpointError
+
+# Bump when the corpus, tokenizer or training recipe changes, so cached checkpoints rebuild.
+BUILD_FORMAT = 1
+BUILD_FILE = "mismatch_build.json"
+
+BOS, EOS, PAD = "<|bos|>", "<|end|>", "<|pad|>"
+ROLES = ("system", "user", "assistant", "tool", "summary")
+EXTRA_SPECIAL_TOKENS = tuple(f"<|{role}|>" for role in ROLES if role != "summary") + (
+    "<|summary|>", "<tool_call>", "</tool_call>")
+SPECIAL_TOKENS = (PAD, BOS, EOS) + EXTRA_SPECIAL_TOKENS  # ids 0..9 in this order
+VOCAB_SIZE = 1024  # total, special tokens included
+
+SEQ_LEN = 256
+BATCH_SIZE = 16
+PEAK_LR = 3e-3
+MIN_LR_FRACTION = 0.1
+MAX_WARMUP_STEPS = 20
+LOSS_WINDOW = 20  # final_loss is the mean over this many last steps
+
+_CONFIGS: dict[str, type[LlamaConfig] | type[Qwen2Config]] = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+
+# Rendered by transformers' own sandboxed Jinja (trim_blocks, lstrip_blocks), so every literal
+# newline lives in a '\n' string literal. Arguments: a JSON string is inserted verbatim and a dict
+# goes through tojson, which matches json.dumps defaults, so both spellings render the same.
+CHAT_TEMPLATE = r"""{{- bos_token -}}
+{%- for message in messages -%}
+  {%- if message.role not in ['system', 'user', 'assistant', 'tool', 'summary'] -%}
+    {{- raise_exception('Unknown chat role: ' + message.role) -}}
+  {%- endif -%}
+  {{- '<|' + message.role + '|>\n' -}}
+  {%- if message.content is string -%}
+    {{- message.content -}}
+  {%- elif message.content is defined and message.content is not none -%}
+    {{- raise_exception('Message content must be a string') -}}
+  {%- endif -%}
+  {%- if message.tool_calls is defined and message.tool_calls -%}
+    {%- for call in message.tool_calls -%}
+      {%- set fn = call.function if call.function is defined else call -%}
+      {%- set args = fn.arguments if fn.arguments is string else (fn.arguments | tojson) -%}
+      {{- '<tool_call>{"name": ' + (fn.name | tojson) + ', "arguments": ' + args + '}</tool_call>' -}}
+    {%- endfor -%}
+  {%- endif -%}
+  {{- '<|end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|assistant|>\n' -}}
+{%- endif -%}"""
+
+
+@dataclass(frozen=True, slots=True)
+class TinyCheckpoint:
+    path: Path
+    final_loss: float
+    vocab_size: int
+    num_params: int
+    steps: int
+
+
+# --- public API -------------------------------------------------------------------------------
+
+def build_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, steps: int = 300,
+                          arch: str = "llama") -> TinyCheckpoint:
+    """Train tokenizer and model from scratch and publish them at out_dir in one rename."""
+    if arch not in _CONFIGS:
+        raise ValueError(f"arch must be one of {sorted(_CONFIGS)}, got {arch!r}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    out_dir = Path(out_dir)
+    _check_replaceable(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    # Same filesystem as out_dir, so the final rename is atomic; a crash leaves only a dot-dir.
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
+    try:
+        facts = _build_into(tmp_dir, seed=seed, steps=steps, arch=arch)
+        facts["build_seconds"] = round(time.perf_counter() - started, 3)
+        (tmp_dir / BUILD_FILE).write_text(json.dumps(facts, indent=2) + "\n")
+        os.chmod(tmp_dir, 0o755)  # mkdtemp makes it 0700
+        _publish(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return _checkpoint_from_facts(out_dir, facts)
+
+
+def ensure_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, steps: int = 300,
+                           arch: str = "llama") -> TinyCheckpoint:
+    """Return the checkpoint cached at out_dir if it was built with this recipe, else build it."""
+    out_dir = Path(out_dir)
+    facts = _read_facts(out_dir)
+    wanted = {"format": BUILD_FORMAT, "seed": seed, "steps": steps, "arch": arch}
+    if facts is not None and all(facts.get(k) == v for k, v in wanted.items()):
+        return _checkpoint_from_facts(out_dir, facts)
+    return build_tiny_checkpoint(out_dir, seed=seed, steps=steps, arch=arch)
+
+
+def render_chat(tokenizer: PreTrainedTokenizerFast, messages: Sequence[dict[str, Any]],
+                add_generation_prompt: bool = False) -> str:
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+    assert isinstance(text, str)
+    return text
+
+
+def chat_corpus(seed: int) -> list[str]:
+    """The training text: toy-agent transcripts plus the bundled prose as Q&A, chat-rendered."""
+    renderer = _template_tokenizer()
+    return [render_chat(renderer, messages) for messages in chat_conversations(seed)]
+
+
+def chat_conversations(seed: int, num_tool_conversations: int = 320) -> list[list[dict[str, Any]]]:
+    """Message lists (OpenAI style) behind chat_corpus, shuffled; every prose line is used once."""
+    rng = random.Random(seed)
+    kinds = (_single, _two_step, _follow_up, _with_summary, _delegate)
+    weights = (4, 2, 2, 2, 1)
+    conversations = [rng.choices(kinds, weights)[0](rng) for _ in range(num_tool_conversations)]
+    conversations += [_fact(topic, line, rng) for topic, line in _prose()]
+    rng.shuffle(conversations)
+    return conversations
+
+
+# --- tokenizer --------------------------------------------------------------------------------
+
+def _wrap_tokenizer(raw: Tokenizer) -> PreTrainedTokenizerFast:
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        extra_special_tokens=list(EXTRA_SPECIAL_TOKENS),
+        # Byte-level BPE must round-trip exactly; the cleanup would eat spaces before punctuation.
+        clean_up_tokenization_spaces=False, model_max_length=2048)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _byte_level(model: models.BPE) -> Tokenizer:
+    raw = Tokenizer(model)
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    return raw
+
+
+def _template_tokenizer() -> PreTrainedTokenizerFast:
+    """A merge-less byte tokenizer carrying our template: renders the corpus before BPE exists."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    vocab |= {ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    raw = _byte_level(models.BPE(vocab=vocab, merges=[]))
+    raw.add_special_tokens(list(SPECIAL_TOKENS))
+    return _wrap_tokenizer(raw)
+
+
+def _train_tokenizer(texts: Sequence[str]) -> PreTrainedTokenizerFast:
+    raw = _byte_level(models.BPE())
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    # The trainer does not split out special tokens itself; left in, they would eat merges.
+    special = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+    raw.train_from_iterator((piece for text in texts for piece in special.split(text)), trainer)
+    assert raw.get_vocab_size() == VOCAB_SIZE, raw.get_vocab_size()
+    return _wrap_tokenizer(raw)
+
+
+# --- model and training -----------------------------------------------------------------------
+
+def _config(arch: str, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig | Qwen2Config:
+    # head_dim 32: the smallest vLLM's CPU attention accepts.
+    config = _CONFIGS[arch](
+        vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=384, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config.dtype = torch.float32
+    return config
+
+
+def _lr_at(step: int, steps: int) -> float:
+    warmup = max(1, min(MAX_WARMUP_STEPS, steps // 10))
+    if step < warmup:
+        return PEAK_LR * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return PEAK_LR * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _train(model: PreTrainedModel, token_ids: torch.Tensor, *, seed: int, steps: int) -> list[float]:
+    """AdamW on random 256-token windows of the packed corpus; returns the loss of every step."""
+    generator = torch.Generator().manual_seed(seed)
+    # No weight decay: we want a peaky, near-memorising model, like a policy late in RL.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=PEAK_LR, betas=(0.9, 0.95),
+                                  weight_decay=0.0)
+    offsets_T = torch.arange(SEQ_LEN + 1)
+    losses = []
+    model.train()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, steps)
+        starts_B = torch.randint(0, len(token_ids) - SEQ_LEN, (BATCH_SIZE,), generator=generator)
+        window_BT = token_ids[starts_B[:, None] + offsets_T]
+        logits_BTV = model(input_ids=window_BT[:, :-1], use_cache=False).logits
+        loss = F.cross_entropy(logits_BTV.flatten(0, 1), window_BT[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def _build_into(directory: Path, *, seed: int, steps: int, arch: str) -> dict[str, Any]:
+    texts = chat_corpus(seed)
+    tokenizer = _train_tokenizer(texts)
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    token_ids = torch.tensor([t for ids in encoded for t in ids], dtype=torch.long)
+    assert len(token_ids) > SEQ_LEN + 1, len(token_ids)
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    # fork_rng + restoring the flag: building a checkpoint must not perturb the caller's torch.
+    with torch.random.fork_rng(devices=[]):
+        torch.use_deterministic_algorithms(True)
+        try:
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(_config(arch, tokenizer), dtype=torch.float32)
+            losses = _train(model, token_ids, seed=seed, steps=steps)
+        finally:
+            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    tail = losses[-LOSS_WINDOW:]
+    return {
+        "format": BUILD_FORMAT, "seed": seed, "steps": steps, "arch": arch,
+        "final_loss": sum(tail) / len(tail), "first_loss": losses[0],
+        "vocab_size": len(tokenizer), "num_params": sum(p.numel() for p in model.parameters()),
+        "seq_len": SEQ_LEN, "batch_size": BATCH_SIZE, "peak_lr": PEAK_LR,
+        "num_texts": len(texts), "num_tokens": len(token_ids),
+        # Bitwise reproducibility holds for a fixed torch build and thread count.
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__, "num_threads": torch.get_num_threads(),
+    }
+
+
+# --- publishing and the cache -----------------------------------------------------------------
+
+def _check_replaceable(out_dir: Path) -> None:
+    # We replace an empty dir or an earlier build of ours, never someone else's files.
+    if out_dir.exists() and not (out_dir.is_dir() and
+                                 (not any(out_dir.iterdir()) or (out_dir / BUILD_FILE).is_file())):
+        raise CheckpointError(f"{out_dir}: exists and is not a tiny checkpoint; refusing to overwrite")
+
+
+def _publish(tmp_dir: Path, out_dir: Path) -> None:
+    if not out_dir.exists():
+        tmp_dir.rename(out_dir)
+        return
+    _check_replaceable(out_dir)
+    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    out_dir.rename(old / "checkpoint")
+    tmp_dir.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _read_facts(out_dir: Path) -> dict[str, Any] | None:
+    path = out_dir / BUILD_FILE
+    if not path.is_file():
+        return None
+    try:
+        facts = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(facts, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return facts
+
+
+def _checkpoint_from_facts(out_dir: Path, facts: dict[str, Any]) -> TinyCheckpoint:
+    try:
+        return TinyCheckpoint(path=out_dir, final_loss=float(facts["final_loss"]),
+                              vocab_size=int(facts["vocab_size"]),
+                              num_params=int(facts["num_params"]), steps=int(facts["steps"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{out_dir / BUILD_FILE}: missing or bad field {e}") from None
+
+
+# --- the toy agent's transcripts --------------------------------------------------------------
+
+_SYSTEM_PROMPTS = (
+    "You are a helpful assistant. Use the calculator tool for arithmetic.",
+    "You are a careful agent with two tools: calculator and delegate. Answer briefly.",
+    "You are a math agent. Call the calculator, then give the answer in one sentence.",
+)
+_OPS = {"+": "plus", "-": "minus", "*": "times", "/": "divided by"}
+_ASKS = ("What is {e}?", "Compute {e}.", "Please calculate {e}.", "Can you work out {e} for me?",
+         "How much is {e}?", "What is {w}?", "I need {e}, please.")
+_ASKS_BY_OP = {"+": "Add {a} and {b}.", "-": "Subtract {b} from {a}.",
+               "*": "Multiply {a} by {b}.", "/": "Divide {a} by {b}."}
+_THOUGHTS = ("", "", "Let me use the calculator.", "I will compute this with the calculator.",
+             "I need the calculator for this.")
+_ANSWERS = ("The answer is {r}.", "{e} = {r}.", "It is {r}.", "The result is {r}.")
+_FOLLOW_UPS = {"+": "And what is that plus {c}?", "-": "Now subtract {c} from that.",
+               "*": "Now multiply that by {c}.", "/": "Can you divide that by {c}?"}
+_FACT_ASKS = ("Tell me something about {t}.", "Do you know a fact about {t}?",
+              "Share a tip about {t}.", "What should I know about {t}?")
+_DELEGATE_TASKS = {
+    "weather": ("Find out what the weather will be like tomorrow.", "Check the weather report."),
+    "cooking": ("Find a simple cooking tip for dinner tonight.", "Look up how to cook rice."),
+    "travel": ("Plan a short trip to the city.", "Find out when the train leaves."),
+    "gardening": ("Find out how to look after a small garden.", "Check what the tomatoes need."),
+}
+
+
+def _expression(rng: random.Random) -> tuple[int, str, int]:
+    op = rng.choice("+-*/")
+    if op == "+":
+        return rng.randint(0, 99), op, rng.randint(0, 99)
+    if op == "-":
+        a = rng.randint(0, 99)
+        return a, op, rng.randint(0, a)
+    if op == "*":
+        return rng.randint(2, 20), op, rng.randint(2, 20)
+    b = rng.randint(2, 12)  # exact division keeps every result an integer
+    return b * rng.randint(1, 12), op, b
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    return {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}[op](a, b)
+
+
+def _operand(rng: random.Random, op: str, value: int) -> int:
+    """A second operand that keeps `value op c` an integer and small."""
+    if op == "/":
+        divisors = [d for d in range(2, 10) if value % d == 0]
+        return rng.choice(divisors) if divisors else 1
+    return rng.randint(2, 9) if op == "*" else rng.randint(1, 50)
+
+
+def _call(name: str, **arguments: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _calc_turns(rng: random.Random, expression: str, thought: str | None = None) -> tuple[list[dict[str, Any]], int]:
+    """Assistant calls the calculator, the tool answers; returns the messages and the result."""
+    a, op, b = expression.split(" ")
+    result = _apply(int(a), op, int(b))
+    thought = rng.choice(_THOUGHTS) if thought is None else thought
+    return [{"role": "assistant", "content": thought, "tool_calls": [_call("calculator", expression=expression)]},
+            {"role": "tool", "name": "calculator", "content": str(result)}], result
+
+
+def _ask(rng: random.Random, a: int, op: str, b: int) -> str:
+    if rng.random() < 0.25:
+        return _ASKS_BY_OP[op].format(a=a, b=b)
+    return rng.choice(_ASKS).format(e=f"{a} {op} {b}", w=f"{a} {_OPS[op]} {b}")
+
+
+def _answer(rng: random.Random, expression: str, result: int) -> dict[str, Any]:
+    return {"role": "assistant", "content": rng.choice(_ANSWERS).format(e=expression, r=result)}
+
+
+def _system(rng: random.Random) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": rng.choice(_SYSTEM_PROMPTS)}]
+
+
+def _single(rng: random.Random) -> list[dict[str, Any]]:
+    a, op, b = _expression(rng)
+    expression = f"{a} {op} {b}"
+    turns, result = _calc_turns(rng, expression)
+    return [*_system(rng), {"role": "user", "content": _ask(rng, a, op, b)}, *turns,
+            _answer(rng, expression, result)]
+
+
+def _two_step(rng: random.Random) -> list[dict[str, Any]]:
+    a, op, b = _expression(rng)
+    first = f"{a} {op} {b}"
+    first_turns, r1 = _calc_turns(rng, first)
+    op2 = rng.choice("+-*")
+    c = _operand(rng, op2, r1)
+    second = f"{r1} {op2} {c}"
+    second_turns, r2 = _calc_turns(rng, second, thought=f"Now I apply {_OPS[op2]} {c} to {r1}.")
+    ask = f"What is ({a} {op} {b}) {op2} {c}?" if rng.random() < 0.5 else \
+        f"Take {a} {_OPS[op]} {b}, then {_OPS[op2]} {c}."
+    return [*_system(rng), {"role": "user", "content": ask}, *first_turns, *second_turns,
+            {"role": "assistant", "content": f"The answer is {r2}."}]
+
+
+def _follow_up(rng: random.Random) -> list[dict[str, Any]]:
+    messages = _single(rng)
+    r1 = int(messages[-2]["content"])
+    op2 = rng.choice("+-*/")
+    c = _operand(rng, op2, r1)
+    if op2 == "/" and c == 1:
+        op2, c = "+", rng.randint(1, 50)
+    second = f"{r1} {op2} {c}"
+    turns, r2 = _calc_turns(rng, second)
+    return [*messages, {"role": "user", "content": _FOLLOW_UPS[op2].format(c=c)}, *turns,
+            _answer(rng, second, r2)]
+
+
+def _with_summary(rng: random.Random) -> list[dict[str, Any]]:
+    messages = _single(rng) if rng.random() < 0.6 else _follow_up(rng)
+    calls = [m["tool_calls"][0]["function"]["arguments"]["expression"]
+             for m in messages if m.get("tool_calls")]
+    results = [m["content"] for m in messages if m["role"] == "tool"]
+    summary = (f"Summary: the user asked for {' and then '.join(calls)}; "
+               f"the calculator returned {' and '.join(results)}.")
+    messages += [{"role": "user", "content": "Summarize the conversation so far."},
+                 {"role": "summary", "content": summary}]
+    if rng.random() < 0.5:  # the agent keeps going after compaction
+        messages += _single(rng)[1:]
+    return messages
+
+
+def _delegate(rng: random.Random) -> list[dict[str, Any]]:
+    topic = rng.choice(sorted(_DELEGATE_TASKS))
+    task = rng.choice(_DELEGATE_TASKS[topic])
+    report = rng.choice([line for t, line in _prose() if t == topic])
+    thought = rng.choice(("", "I will hand this to a helper.", "A helper agent can do this."))
+    return [*_system(rng), {"role": "user", "content": task},
+            {"role": "assistant", "content": thought, "tool_calls": [_call("delegate", task=task)]},
+            {"role": "tool", "name": "delegate", "content": f"Report: {report}"},
+            {"role": "assistant", "content": f"The helper found this: {report}"}]
+
+
+def _fact(topic: str, line: str, rng: random.Random) -> list[dict[str, Any]]:
+    system = _system(rng) if rng.random() < 0.5 else []
+    return [*system, {"role": "user", "content": rng.choice(_FACT_ASKS).format(t=topic)},
+            {"role": "assistant", "content": line}]
+
+
+def _prose() -> Iterator[tuple[str, str]]:
+    """(topic, sentence) pairs from the bundled corpus.txt, whose `# topic` lines head sections."""
+    topic = "general"
+    for line in (Path(__file__).parent / "data" / "corpus.txt").read_text().splitlines():
+        line = line.strip()
+        if line.startswith("# "):
+            topic = line[2:]
+        elif line:
+            yield topic, line
