@@ -1,6 +1,6 @@
 """Rollout format v1: the data model, a streaming loader, and a validator that names every problem.
 
-First step of the flow: a JSONL/Parquet file (written by the user or an importer) -> `Rollout`s -> replay and metrics.
+First step of the flow: a JSONL/Parquet file (from the user or an importer) -> `Rollout`s -> replay, metrics.
 """
 
 from __future__ import annotations
@@ -219,8 +219,9 @@ def _check_logprobs(value: object, where: str, num_tokens: int | None, problems:
     if nonfinite.size:
         i = int(nonfinite[0])
         problems.add(where, f"logprob at index {i} is {float(logp[i])!r}{_first_of(nonfinite.size, 'non-finite')}")
-    # Any positive value is a bug upstream (a probability above 1), even 1e-6 from rounding.
-    positive = np.flatnonzero(logp > 0)
+    # Any positive value is a bug upstream (a probability above 1), even 1e-6 from rounding;
+    # +inf is already reported as non-finite.
+    positive = np.flatnonzero(np.isfinite(logp) & (logp > 0))
     if positive.size:
         i = int(positive[0])
         problems.add(where, f"logprob at index {i} is {float(logp[i])!r} > 0{_first_of(positive.size, 'positive')}")
@@ -447,7 +448,8 @@ def _read_jsonl(path: Path, file: str) -> Iterator[tuple[int, object, list[Rollo
             raw: object = _UNPARSED
             errors: list[RolloutError] = []
             try:
-                raw = json.loads(text)
+                # rstrip: a trailing newline would move an "unexpected end" error to a column on line 2.
+                raw = json.loads(text.rstrip(b"\r\n"))
             except json.JSONDecodeError as e:
                 errors.append(RolloutError(f"invalid JSON: {e.msg} at column {e.colno}", file=file, line=line_no))
             except UnicodeDecodeError as e:

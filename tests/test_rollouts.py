@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -322,7 +321,7 @@ def test_vocab_size(tmp_path, monkeypatch):
     assert validate_file(write_jsonl(tmp_path / "r.jsonl", [raw]), vocab_size=6000).ok
     assert [str(e) for e in validate_file("r.jsonl", vocab_size=1024).errors] == [
         MAIN + "branches[0].segments[0].tokens: token id 5000 at index 3 is >= vocab size 1024"]
-    # 23 is one past the largest id in the tree: the boundary is exclusive.
+    # The bound is exclusive (token 9 with vocab size 9 is out), and every segment reports its own.
     assert [str(e) for e in validate_file("r.jsonl", vocab_size=9).errors] == [
         MAIN + "branches[0].segments[0].tokens: token id 9 at index 2 is >= vocab size 9 (first of 2 out of vocab)",
         MAIN + "branches[1].segments[0].tokens: token id 10 at index 0 is >= vocab size 9 (first of 2 out of vocab)",
@@ -437,7 +436,7 @@ def _check_never_raises(raw: object) -> None:
     rollout, errors = check_rollout(raw, file="f.jsonl", line=1, vocab_size=100)
     assert (rollout is None) == bool(errors)
     assert all(isinstance(e, RolloutError) and e.file == "f.jsonl" and e.line == 1 for e in errors)
-    assert all("\n" not in str(e) for e in errors if not isinstance(raw, dict) or "\n" not in json.dumps(raw))
+    assert all("\n" not in str(e) for e in errors)  # one line each
 
 
 @settings(max_examples=300, deadline=None)
@@ -461,4 +460,4 @@ def test_check_rollout_never_raises_on_near_valid_rollouts(data):
         for key in path[:-1]:
             parent = parent[key]
         parent[path[-1]] = data.draw(json_values)
-    _check_never_raises(copy.deepcopy(raw))
+    _check_never_raises(raw)
