@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Iterator, Optional
 
-import click
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -35,17 +34,27 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable J
 
 @contextmanager
 def replay_progress(enabled: bool) -> Iterator[Any]:
-    """A rich progress bar per replay (on stderr, so --json output stays clean)."""
+    """A rich progress bar per replay, on stderr so --json output stays clean.
+
+    Started at the first replay, so an input error found before any replay prints only its line.
+    """
     if not enabled:
         yield None
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("tokens"), TimeRemainingColumn())
-    with Progress(*columns, console=err_console, transient=False) as progress:
-        def factory(label: str, total: int):
-            task = progress.add_task(label, total=total)
-            return lambda done: progress.advance(task, done)
+    progress = Progress(*columns, console=err_console)
+
+    def factory(label: str, total: int):
+        progress.start()
+        task = progress.add_task(label, total=total)
+        return lambda done: progress.advance(task, done)
+
+    try:
         yield factory
+    finally:
+        if progress.live.is_started:
+            progress.stop()
 
 
 def print_pairs(summary: dict[str, Any]) -> None:
@@ -111,15 +120,16 @@ def validate(
     report = validate_file(file, vocab_size=vocab_size)
     if as_json:
         _emit_json({"num_rollouts": report.num_rollouts, "num_branches": report.num_branches,
-                    "num_tokens": report.num_tokens, "num_trainable_tokens": report.num_trainable_tokens,
+                    "num_invalid": report.num_invalid, "num_tokens": report.num_tokens, "num_trainable_tokens": report.num_trainable_tokens,
                     "errors": [str(e) for e in report.errors], "truncated": report.truncated})
     else:
         for error in report.errors:
             err_console.print(str(error), markup=False, highlight=False, soft_wrap=True)
-        status = "ok" if not report.errors else f"{len(report.errors)} error(s)"
-        out_console.print(f"{file}: {report.num_rollouts} rollouts, {report.num_branches} branches, "
-                          f"{report.num_tokens:,} tokens ({report.num_trainable_tokens:,} trainable): "
-                          f"{status}", markup=False, highlight=False)
+        total = report.num_rollouts + report.num_invalid
+        status = "ok" if not report.errors else f"{len(report.errors)} error(s) in {report.num_invalid}"
+        out_console.print(f"{file}: {total} rollouts, {status}; valid ones hold {report.num_branches} "
+                          f"branches, {report.num_tokens:,} tokens ({report.num_trainable_tokens:,} "
+                          "trainable)", markup=False, highlight=False, soft_wrap=True)
     if report.errors:
         raise typer.Exit(2)
 
@@ -152,11 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         err_console.print(f"mismatch: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
-    except click.UsageError as exc:
-        err_console.print(f"mismatch: error: {exc.format_message()}", markup=False,
+    except typer.TyperException as exc:  # usage errors: missing option, bad value, unknown command
+        err_console.print(f"mismatch: error: {getattr(exc, 'format_message', exc.__str__)()}", markup=False,
                           highlight=False, soft_wrap=True)
         return 2
-    except click.Abort:
+    except typer.Abort:
         err_console.print("mismatch: aborted", markup=False)
         return 130
     return code if isinstance(code, int) else 0

@@ -1,10 +1,11 @@
 """A real tiny chat checkpoint (byte-level BPE + 2-layer Llama), trained offline in seconds.
 
-Tests, benchmarks and the demo replay rollouts through it: no hub download, same seed → same bytes.
+Tests, benchmarks and the demo replay rollouts through it: no hub, same seed → same bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import operator
@@ -26,6 +27,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig,
                           PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config)
+from transformers.utils import logging as hf_logging
 
 from mismatch.errors import CheckpointError
 
@@ -34,20 +36,24 @@ BUILD_FORMAT = 1
 BUILD_FILE = "mismatch_build.json"
 
 BOS, EOS, PAD = "<|bos|>", "<|end|>", "<|pad|>"
-ROLES = ("system", "user", "assistant", "tool", "summary")
-EXTRA_SPECIAL_TOKENS = tuple(f"<|{role}|>" for role in ROLES if role != "summary") + (
-    "<|summary|>", "<tool_call>", "</tool_call>")
+EXTRA_SPECIAL_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|summary|>",
+                        "<tool_call>", "</tool_call>")
 SPECIAL_TOKENS = (PAD, BOS, EOS) + EXTRA_SPECIAL_TOKENS  # ids 0..9 in this order
 VOCAB_SIZE = 1024  # total, special tokens included
 
 SEQ_LEN = 256
-BATCH_SIZE = 16
+# 8 rather than 16 halves the build (about 30 s of training); held-out loss is the same.
+BATCH_SIZE = 8
 PEAK_LR = 3e-3
 MIN_LR_FRACTION = 0.1
 MAX_WARMUP_STEPS = 20
 LOSS_WINDOW = 20  # final_loss is the mean over this many last steps
+# One thread: the bytes then do not depend on the core count, and on 2 shared cores two OpenMP
+# threads spin-wait to a crawl (measured 0.06 s/step alone, 2.8 s/step beside one busy process).
+TRAIN_THREADS = 1
 
-_CONFIGS: dict[str, type[LlamaConfig] | type[Qwen2Config]] = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+ModelConfig = LlamaConfig | Qwen2Config
+_CONFIGS: dict[str, type[ModelConfig]] = {"llama": LlamaConfig, "qwen2": Qwen2Config}
 
 # Rendered by transformers' own sandboxed Jinja (trim_blocks, lstrip_blocks), so every literal
 # newline lives in a '\n' string literal. Arguments: a JSON string is inserted verbatim and a dict
@@ -67,7 +73,8 @@ CHAT_TEMPLATE = r"""{{- bos_token -}}
     {%- for call in message.tool_calls -%}
       {%- set fn = call.function if call.function is defined else call -%}
       {%- set args = fn.arguments if fn.arguments is string else (fn.arguments | tojson) -%}
-      {{- '<tool_call>{"name": ' + (fn.name | tojson) + ', "arguments": ' + args + '}</tool_call>' -}}
+      {{- '<tool_call>{"name": ' + (fn.name | tojson) + ', "arguments": ' + args -}}
+      {{- '}</tool_call>' -}}
     {%- endfor -%}
   {%- endif -%}
   {{- '<|end|>\n' -}}
@@ -105,7 +112,10 @@ def build_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, steps: int = 30
         facts = _build_into(tmp_dir, seed=seed, steps=steps, arch=arch)
         facts["build_seconds"] = round(time.perf_counter() - started, 3)
         (tmp_dir / BUILD_FILE).write_text(json.dumps(facts, indent=2) + "\n")
-        os.chmod(tmp_dir, 0o755)  # mkdtemp makes it 0700
+        # mkdtemp and safetensors leave owner-only modes; a shared cache must be readable.
+        os.chmod(tmp_dir, 0o755)
+        for path in tmp_dir.iterdir():
+            os.chmod(path, 0o644)
         _publish(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -171,7 +181,8 @@ def _byte_level(model: models.BPE) -> Tokenizer:
 def _template_tokenizer() -> PreTrainedTokenizerFast:
     """A merge-less byte tokenizer carrying our template: renders the corpus before BPE exists."""
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    vocab |= {ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab |= {ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(alphabet)}
     raw = _byte_level(models.BPE(vocab=vocab, merges=[]))
     raw.add_special_tokens(list(SPECIAL_TOKENS))
     return _wrap_tokenizer(raw)
@@ -191,7 +202,7 @@ def _train_tokenizer(texts: Sequence[str]) -> PreTrainedTokenizerFast:
 
 # --- model and training -----------------------------------------------------------------------
 
-def _config(arch: str, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig | Qwen2Config:
+def _config(arch: str, tokenizer: PreTrainedTokenizerFast) -> ModelConfig:
     # head_dim 32: the smallest vLLM's CPU attention accepts.
     config = _CONFIGS[arch](
         vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -207,10 +218,12 @@ def _lr_at(step: int, steps: int) -> float:
     if step < warmup:
         return PEAK_LR * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
-    return PEAK_LR * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return PEAK_LR * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
 
 
-def _train(model: PreTrainedModel, token_ids: torch.Tensor, *, seed: int, steps: int) -> list[float]:
+def _train(model: PreTrainedModel, token_ids: torch.Tensor, *, seed: int,
+           steps: int) -> list[float]:
     """AdamW on random 256-token windows of the packed corpus; returns the loss of every step."""
     generator = torch.Generator().manual_seed(seed)
     # No weight decay: we want a peaky, near-memorising model, like a policy late in RL.
@@ -242,22 +255,21 @@ def _build_into(directory: Path, *, seed: int, steps: int, arch: str) -> dict[st
     token_ids = torch.tensor([t for ids in encoded for t in ids], dtype=torch.long)
     assert len(token_ids) > SEQ_LEN + 1, len(token_ids)
 
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    # fork_rng + restoring the flag: building a checkpoint must not perturb the caller's torch.
-    with torch.random.fork_rng(devices=[]):
-        torch.use_deterministic_algorithms(True)
-        try:
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(_config(arch, tokenizer), dtype=torch.float32)
-            losses = _train(model, token_ids, seed=seed, steps=steps)
-        finally:
-            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    with _pinned_torch(seed):
+        model = AutoModelForCausalLM.from_config(_config(arch, tokenizer), dtype=torch.float32)
+        losses = _train(model, token_ids, seed=seed, steps=steps)
 
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
-    model.save_pretrained(directory)
+    # transformers 5 draws a "Writing model shards" bar even for one shard; hide it, then restore.
+    bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(directory)  # safetensors is the only format transformers 5 writes
+    finally:
+        if bar_was_enabled:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(directory)
     tail = losses[-LOSS_WINDOW:]
     return {
@@ -266,10 +278,27 @@ def _build_into(directory: Path, *, seed: int, steps: int, arch: str) -> dict[st
         "vocab_size": len(tokenizer), "num_params": sum(p.numel() for p in model.parameters()),
         "seq_len": SEQ_LEN, "batch_size": BATCH_SIZE, "peak_lr": PEAK_LR,
         "num_texts": len(texts), "num_tokens": len(token_ids),
-        # Bitwise reproducibility holds for a fixed torch build and thread count.
+        # Bitwise reproducibility holds for a fixed torch build and CPU instruction set.
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__, "num_threads": torch.get_num_threads(),
+        "tokenizers": tokenizers.__version__, "num_threads": TRAIN_THREADS,
     }
+
+
+@contextlib.contextmanager
+def _pinned_torch(seed: int) -> Iterator[None]:
+    """Seeded RNG, deterministic kernels and one thread; the caller's torch state comes back."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    num_threads = torch.get_num_threads()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        torch.use_deterministic_algorithms(True)
+        torch.set_num_threads(TRAIN_THREADS)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(num_threads)
+            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
 
 
 # --- publishing and the cache -----------------------------------------------------------------
@@ -278,7 +307,8 @@ def _check_replaceable(out_dir: Path) -> None:
     # We replace an empty dir or an earlier build of ours, never someone else's files.
     if out_dir.exists() and not (out_dir.is_dir() and
                                  (not any(out_dir.iterdir()) or (out_dir / BUILD_FILE).is_file())):
-        raise CheckpointError(f"{out_dir}: exists and is not a tiny checkpoint; refusing to overwrite")
+        raise CheckpointError(
+            f"{out_dir}: exists and is not a tiny checkpoint; refusing to overwrite")
 
 
 def _publish(tmp_dir: Path, out_dir: Path) -> None:
@@ -322,6 +352,7 @@ _SYSTEM_PROMPTS = (
     "You are a math agent. Call the calculator, then give the answer in one sentence.",
 )
 _OPS = {"+": "plus", "-": "minus", "*": "times", "/": "divided by"}
+_OP_FUNCTIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
 _ASKS = ("What is {e}?", "Compute {e}.", "Please calculate {e}.", "Can you work out {e} for me?",
          "How much is {e}?", "What is {w}?", "I need {e}, please.")
 _ASKS_BY_OP = {"+": "Add {a} and {b}.", "-": "Subtract {b} from {a}.",
@@ -355,7 +386,7 @@ def _expression(rng: random.Random) -> tuple[int, str, int]:
 
 
 def _apply(a: int, op: str, b: int) -> int:
-    return {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}[op](a, b)
+    return _OP_FUNCTIONS[op](a, b)
 
 
 def _operand(rng: random.Random, op: str, value: int) -> int:
@@ -370,12 +401,14 @@ def _call(name: str, **arguments: str) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _calc_turns(rng: random.Random, expression: str, thought: str | None = None) -> tuple[list[dict[str, Any]], int]:
+def _calc_turns(rng: random.Random, expression: str,
+                thought: str | None = None) -> tuple[list[dict[str, Any]], int]:
     """Assistant calls the calculator, the tool answers; returns the messages and the result."""
     a, op, b = expression.split(" ")
     result = _apply(int(a), op, int(b))
     thought = rng.choice(_THOUGHTS) if thought is None else thought
-    return [{"role": "assistant", "content": thought, "tool_calls": [_call("calculator", expression=expression)]},
+    call = _call("calculator", expression=expression)
+    return [{"role": "assistant", "content": thought, "tool_calls": [call]},
             {"role": "tool", "name": "calculator", "content": str(result)}], result
 
 
@@ -409,8 +442,10 @@ def _two_step(rng: random.Random) -> list[dict[str, Any]]:
     c = _operand(rng, op2, r1)
     second = f"{r1} {op2} {c}"
     second_turns, r2 = _calc_turns(rng, second, thought=f"Now I apply {_OPS[op2]} {c} to {r1}.")
-    ask = f"What is ({a} {op} {b}) {op2} {c}?" if rng.random() < 0.5 else \
-        f"Take {a} {_OPS[op]} {b}, then {_OPS[op2]} {c}."
+    if rng.random() < 0.5:
+        ask = f"What is ({a} {op} {b}) {op2} {c}?"
+    else:
+        ask = f"Take {a} {_OPS[op]} {b}, then {_OPS[op2]} {c}."
     return [*_system(rng), {"role": "user", "content": ask}, *first_turns, *second_turns,
             {"role": "assistant", "content": f"The answer is {r2}."}]
 

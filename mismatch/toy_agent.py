@@ -29,6 +29,7 @@ SYSTEM_PROMPTS = (
 )
 SUMMARY_REQUEST = "Summarize the conversation so far."
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+SPECIAL = re.compile(r"<\|[a-z]+\|>|</?tool_call>")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -109,7 +110,8 @@ class ToyAgent:
                 break
         stream.tokens += sampled
         stream.segments.append({"role": role, "tokens": sampled, "logprobs": logprobs})
-        return self.tokenizer.decode(sampled, skip_special_tokens=True)
+        # Keep special tokens: <tool_call> is one, and the harness must see it to run the tool.
+        return self.tokenizer.decode(sampled, skip_special_tokens=False)
 
     # -- the agent loop --------------------------------------------------------------------
     def _run_loop(self, stream: _Stream, rng: random.Random, turns: int) -> str:
@@ -140,7 +142,8 @@ class ToyAgent:
             self._prompt(sub, "user", self._message_ids("user", f"Task: compute {a} + {b}."))
             answer = self._run_loop(sub, rng, turns=2)
             branches.append(_branch(f"sub-{index}", "subagent", "main", fork_at, sub))
-            self._prompt(main, "tool", self._message_ids("tool", answer.strip() or "(no answer)"))
+            answer = SPECIAL.sub("", answer).strip() or "(no answer)"
+            self._prompt(main, "tool", self._message_ids("tool", answer))
         self._run_loop(main, rng, turns=self.config.max_turns)
         if scenario == "summary":
             fork_at = len(main.tokens)

@@ -1,0 +1,128 @@
+"""The two torch engines on the tiny checkpoint: chunked extraction, batching, spec options, paths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mismatch.checkpoint import checkpoint_info, load_model
+from mismatch.engines import ReplayRequest, load_engine, parse_spec
+from mismatch.engines.hf import pack_batches
+from mismatch.engines.hf_decode import feed_chunks
+from mismatch.errors import SpecError
+from mismatch.logprobs import token_logprobs
+
+
+def _requests(vocab: int, lengths: list[int], seed: int = 0) -> list[ReplayRequest]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for length in lengths:
+        generated = rng.random(length) < 0.5
+        out.append(ReplayRequest(tokens=rng.integers(0, vocab, length), generated=generated,
+                                 score_from=min(3, length - 1)))
+    return out
+
+
+def test_token_logprobs_matches_full_log_softmax_for_any_chunk() -> None:
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(37, 16)
+    target = torch.randint(0, 50, (37,))
+    expected = torch.log_softmax(head(hidden).float(), -1).gather(1, target[:, None])[:, 0].double()
+    for chunk in (1, 5, 37, 100):
+        got = token_logprobs(hidden, target, head, chunk=chunk)
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_pack_batches_sorts_longest_first_and_respects_the_budget() -> None:
+    lengths = [5, 100, 7, 98, 6, 300]
+    batches = pack_batches(lengths, budget=210)
+    assert batches == [[5], [1, 3], [2, 4, 0]]
+    assert all(len(b) * lengths[b[0]] <= 210 for b in batches if len(b) > 1)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+
+
+def test_feed_chunks_end_right_before_each_generated_token() -> None:
+    generated = np.array([0, 0, 0, 1, 1, 1, 0, 0, 1, 1], bool)
+    # prompt 0..2 prefilled; 3,4 fed alone (their successors were sampled); 5..7 is the next prompt
+    assert feed_chunks(generated, prefill=True) == [(0, 3), (3, 4), (4, 5), (5, 8), (8, 9)]
+    assert feed_chunks(generated, prefill=False) == [(j, j + 1) for j in range(9)]
+    assert feed_chunks(np.zeros(4, bool), prefill=True) == [(0, 3)]
+
+
+def test_unknown_option_names_the_valid_keys(tiny_checkpoint) -> None:
+    with pytest.raises(SpecError) as err:
+        load_engine("hf:dtyp=bfloat16", str(tiny_checkpoint))
+    assert str(err.value) == ("engine 'hf': unknown option 'dtyp' "
+                              "(valid: attn, batch_tokens, checkpoint, chunk, device, dtype)")
+    with pytest.raises(SpecError, match=r"^engine 'hf-decode': option prefill='sometimes' is not one of"):
+        load_engine("hf-decode:prefill=sometimes", str(tiny_checkpoint))
+    with pytest.raises(SpecError, match=r"^unknown engine 'hff' in spec 'hff:dtype=x'"):
+        load_engine("hff:dtype=x", str(tiny_checkpoint))
+    with pytest.raises(SpecError, match=r"option batch_tokens='many' is not a valid int"):
+        load_engine("hf:batch_tokens=many", str(tiny_checkpoint))
+
+
+def test_spec_from_toml(tmp_path) -> None:
+    path = tmp_path / "e.toml"
+    path.write_text('engine = "hf-decode"\ndtype = "bfloat16"\nchunk = 64\n')
+    spec = parse_spec(str(path))
+    assert (spec.kind, spec.options, spec.text) == ("hf-decode", {"dtype": "bfloat16", "chunk": 64}, str(path))
+
+
+def test_hf_engine_equals_the_models_own_logits(tiny_checkpoint) -> None:
+    """The chunked extraction is the trainer's `model(ids).logits.float().log_softmax()`.
+
+    Equal to fp32 rounding, not bitwise: the lm_head matmul over a chunk of rows may round
+    differently from one over the whole [B, L] block (another M picks another kernel blocking).
+    """
+    info = checkpoint_info(tiny_checkpoint)
+    model = load_model(info, dtype="float32", attn="sdpa", device="cpu")
+    requests = _requests(info.vocab_size, [40, 17, 33])
+    engine = load_engine("hf:dtype=float32,chunk=7", str(tiny_checkpoint))
+    got = engine.replay(requests)
+    for request, logp in zip(requests, got):
+        ids = torch.from_numpy(request.tokens)[None]
+        with torch.no_grad():
+            full = torch.log_softmax(model(ids).logits.float(), -1)[0]
+        expected = full[:-1].gather(1, ids[0, 1:, None])[:, 0].double().numpy()[request.score_from - 1:]
+        assert logp.shape == (request.num_scored,)
+        np.testing.assert_allclose(logp, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_batching_changes_a_row_only_by_rounding(tiny_checkpoint) -> None:
+    """A row padded into a batch vs replayed alone: equal to fp32 rounding in fp32.
+
+    Not bitwise in bf16 on this CPU: a short row padded to a long batch goes through matmuls with
+    another M, whose blocking rounds differently (measured max |Δlogp| 0.014) — batch variance is a
+    real mismatch source, which is why `batch_tokens=1` exists.
+    """
+    info = checkpoint_info(tiny_checkpoint)
+    requests = _requests(info.vocab_size, [50, 12, 49, 30, 8], seed=1)
+    batched = load_engine("hf:dtype=float32", str(tiny_checkpoint)).replay(requests)
+    engine = load_engine("hf:dtype=float32,batch_tokens=1", str(tiny_checkpoint))
+    alone = engine.replay(requests)
+    assert engine.describe()["num_forward_calls"] == len(requests)
+    for a, b in zip(batched, alone):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_path_agrees_in_fp32_and_differs_in_bf16(tiny_checkpoint) -> None:
+    info = checkpoint_info(tiny_checkpoint)
+    requests = _requests(info.vocab_size, [60, 45], seed=2)
+    full32 = np.concatenate(load_engine("hf:dtype=float32", str(tiny_checkpoint)).replay(requests))
+    dec32 = np.concatenate(load_engine("hf-decode:dtype=float32", str(tiny_checkpoint)).replay(requests))
+    dec16 = np.concatenate(load_engine("hf-decode:dtype=bfloat16,prefill=none",
+                                       str(tiny_checkpoint)).replay(requests))
+    assert np.max(np.abs(full32 - dec32)) < 1e-4
+    assert np.max(np.abs(full32 - dec16)) > 1e-3
+
+
+def test_score_from_zero_gives_nan_first(tiny_checkpoint) -> None:
+    request = ReplayRequest(tokens=np.array([1, 2, 3, 4]), generated=np.zeros(4, bool), score_from=0)
+    for spec in ("hf", "hf-decode"):
+        logp = load_engine(spec, str(tiny_checkpoint)).replay([request])[0]
+        assert logp.shape == (4,) and np.isnan(logp[0]) and np.all(np.isfinite(logp[1:]))
+        assert np.all(logp[1:] <= 0)
