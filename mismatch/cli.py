@@ -58,12 +58,14 @@ def replay_progress(enabled: bool) -> Iterator[Any]:
 
 
 def print_pairs(summary: dict[str, Any]) -> None:
-    table = Table(title="log-ratio log(pi_A / pi_B) over trainable tokens")
-    table.add_column("pair (A/B)")
+    """Metrics as rows, pairs as columns: fits 80 columns for the three pairs of an audit."""
+    table = Table(title="log(pi_A / pi_B) over trainable tokens", title_justify="left")
+    table.add_column("metric")
+    pairs = summary["pairs"]
+    for pair in pairs:
+        table.add_column(pair, justify="right")
     for name in KEY_METRICS:
-        table.add_column(name, justify="right")
-    for pair, metrics in summary["pairs"].items():
-        table.add_row(pair, *(_fmt(metrics.get(name)) for name in KEY_METRICS))
+        table.add_row(name, *(_fmt(metrics.get(name)) for metrics in pairs.values()))
     out_console.print(table)
 
 
@@ -142,7 +144,8 @@ def demo(
     """Build the tiny checkpoint, sample agentic rollouts from it, and audit them."""
     from mismatch.demo import run_demo
 
-    say = (lambda _: None) if as_json else (lambda line: err_console.print(line, markup=False))
+    say = (lambda _: None) if as_json else (
+        lambda line: err_console.print(line, markup=False, highlight=False, soft_wrap=True))
     with replay_progress(not as_json) as progress:
         result = run_demo(out, progress=progress, say=say)
     if as_json:
@@ -152,9 +155,17 @@ def demo(
     out_console.print(f"wrote {result.out}/")
 
 
+def _quiet_transformers() -> None:
+    """Our progress bars replace transformers' per-load "Loading weights" bars in the CLI."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: the error boundary."""
     debug = os.environ.get("MISMATCH_DEBUG") == "1"
+    _quiet_transformers()
     try:
         code = app(args=argv, prog_name="mismatch", standalone_mode=False)
     except MismatchError as exc:

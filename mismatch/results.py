@@ -52,6 +52,7 @@ def staged_dir(out: Path, *, force: bool) -> Iterator[Path]:
     check_out_dir(out, force=force)
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    os.chmod(stage, 0o777 & ~_umask())  # mkdtemp makes 0700; the user expects a normal dir
     try:
         yield stage
         if out.exists():
@@ -70,6 +71,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     """Write a file via temp + rename so readers never see half of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the user expects a normal file
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
@@ -77,6 +79,12 @@ def atomic_write_text(path: Path, text: str) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def json_safe(value: Any) -> Any:

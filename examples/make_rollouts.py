@@ -1,0 +1,34 @@
+"""Sample agentic rollouts (calculator tool, a subagent, a compaction summary) from a checkpoint.
+
+Usage: python examples/make_rollouts.py CHECKPOINT OUT.jsonl [--num N] [--seed N] [--dtype bfloat16]
+
+The sampler is the `hf-decode` path (prompt prefill + KV-cached decode) at temperature 1; each
+sampled token's raw log-prob is stored as the rollout worker saw it. `examples/rollouts.jsonl`
+was made with: python examples/make_rollouts.py reports/demo/checkpoint examples/rollouts.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from mismatch.toy_agent import HarnessConfig, write_rollouts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("out", help="rollouts file to write (JSON Lines, format v1)")
+    parser.add_argument("--num", type=int, default=HarnessConfig.num_rollouts)
+    parser.add_argument("--seed", type=int, default=HarnessConfig.seed)
+    parser.add_argument("--dtype", default=HarnessConfig.dtype, choices=("bfloat16", "float32"))
+    args = parser.parse_args()
+
+    started = time.perf_counter()
+    config = HarnessConfig(num_rollouts=args.num, seed=args.seed, dtype=args.dtype)
+    count = write_rollouts(args.checkpoint, args.out, config)
+    print(f"wrote {count} rollouts to {args.out} in {time.perf_counter() - started:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
