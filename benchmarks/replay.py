@@ -68,9 +68,14 @@ def main() -> None:
     bare(), replay()  # warm up allocator and kernels
     bare_s, replay_s = best_of(args.repeats, bare), best_of(args.repeats, replay)
     tokens = sum(len(r.tokens) for r in requests)
+    # For the record, the inference path's speed on the same tokens (no bare baseline: the
+    # decode loop is the thing measured). One pass: it is slow and steady.
+    decode = load_engine(f"hf-decode:dtype={args.dtype}", args.checkpoint)
+    decode_s = best_of(1, lambda: decode.replay(plan.requests))
     result = {"tokens": tokens, "batches": len(batches), "threads": torch.get_num_threads(),
               "dtype": args.dtype, "bare_s": bare_s, "replay_s": replay_s,
-              "ratio": replay_s / bare_s, "replay_tokens_per_s": tokens / replay_s}
+              "ratio": replay_s / bare_s, "replay_tokens_per_s": tokens / replay_s,
+              "hf_decode_tokens_per_s": plan.num_scored / decode_s}
     print(json.dumps(result, indent=1))
 
 

@@ -36,7 +36,12 @@ class VLLMOptions:
     """vLLM engine args, passed through to `LLM(...)`; None leaves vLLM's own default."""
 
     dtype: str = "auto"                      # auto = the checkpoint's dtype (fp16 unsupported on CPU)
-    enable_prefix_caching: bool | None = None  # no effect on scores: see `describe()["prefix_cache_read"]`
+    enable_prefix_caching: bool | None = None  # alone, no effect on scores (see prefix_cache_read)
+    # vLLM never reads the prefix cache for a request that asks for prompt log-probs (it would
+    # lose their rows), so a replay prefills every prompt in full. True reads it anyway, as a
+    # sampler's later turns do: rows behind cached blocks are not computed, so a request whose
+    # scored tokens were cached is scored again without the cache (counted in describe()).
+    prefix_cache_read: bool = False
     max_num_seqs: int | None = None          # requests scheduled together (batch composition)
     max_num_batched_tokens: int | None = None  # tokens per step; with chunked prefill, chunk size
     enable_chunked_prefill: bool | None = None
@@ -81,6 +86,7 @@ def engine_args(options: VLLMOptions, checkpoint: str) -> dict[str, Any]:
 
     args = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
     args.pop("checkpoint")
+    args.pop("prefix_cache_read")  # a per-request setting, not an engine arg
     if args["enforce_eager"] is None and current_platform.is_cpu():
         args["enforce_eager"] = True
     args = {key: value for key, value in args.items() if value is not None}
@@ -96,7 +102,12 @@ def _acquire(args: dict[str, Any]) -> _Shared:
         shared = _LLMS.get(key)
         if shared is None:
             started = time.perf_counter()
-            shared = _Shared(vllm.LLM(**args), time.perf_counter() - started)
+            try:
+                llm = vllm.LLM(**args)
+            except ValueError as exc:  # vLLM validates its config with pydantic (a ValueError)
+                reason = " ".join(str(exc).split())
+                raise SpecError(f"engine 'vllm': vLLM rejected the engine args: {reason[:400]}") from exc
+            shared = _Shared(llm, time.perf_counter() - started)
             _LLMS[key] = shared
         shared.users += 1
         return shared
@@ -143,6 +154,8 @@ class VLLMEngine:
     kind = "vllm"
 
     def __init__(self, options: VLLMOptions, checkpoint: str, spec_text: str) -> None:
+        if options.prefix_cache_read and options.enable_prefix_caching is False:
+            raise SpecError("engine 'vllm': prefix_cache_read=true needs enable_prefix_caching")
         if options.logprobs_mode not in LOGPROBS_MODES:
             raise SpecError(f"engine 'vllm': option logprobs_mode={options.logprobs_mode!r} is not "
                             f"one of: {', '.join(LOGPROBS_MODES)} (the *_logits modes return logits, "
@@ -157,6 +170,8 @@ class VLLMEngine:
         self.num_scored = 0
         self.num_fed = 0
         self.num_generate = 0
+        self.num_cached = 0
+        self.num_rescored = 0
         self.seconds = 0.0
         self.first_replay_seconds: float | None = None
 
@@ -180,8 +195,10 @@ class VLLMEngine:
             # Prompt tokens skip vLLM's sampling processors in every logprobs mode (see LOGPROBS_MODES).
             "logprob_semantics": "raw",
             # SamplingParams sets skip_reading_prefix_cache when prompt_logprobs is requested, so a
-            # scored prompt is always prefilled in full, whatever enable_prefix_caching says.
-            "prefix_cache_read": False,
+            # scored prompt is prefilled in full, whatever enable_prefix_caching says, unless
+            # prefix_cache_read overrides it.
+            "prefix_cache_read": self.options.prefix_cache_read,
+            "num_cached_tokens": self.num_cached, "num_rescored_uncached": self.num_rescored,
             "num_tokens_scored": self.num_scored, "num_tokens_fed": self.num_fed,
             "num_generate_calls": self.num_generate, "seconds": self.seconds,
             "tokens_per_s": self.num_scored / self.seconds if self.seconds else None,
@@ -214,7 +231,6 @@ class VLLMEngine:
 
     def replay(self, requests: Sequence[ReplayRequest], *,
                progress: ProgressFn | None = None) -> list[np.ndarray]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         llm = self.llm
@@ -226,16 +242,26 @@ class VLLMEngine:
             if len(requests[i].tokens) + 1 > max_len:
                 raise MismatchError(f"engine 'vllm': a request of {len(requests[i].tokens)} tokens "
                                     f"does not fit max_model_len={max_len} (set max_model_len=)")
-        # detokenize=False: scores are looked up by token id; decoding text is wasted work.
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        prompts = [TokensPrompt(prompt_token_ids=requests[i].tokens.tolist()) for i in todo]
+        prompts = {i: TokensPrompt(prompt_token_ids=requests[i].tokens.tolist()) for i in todo}
         tracker = None if progress is None else _Progress(progress, [requests[i].num_scored for i in todo])
         started = time.perf_counter()
-        outputs = llm.generate(prompts, params,
-                               use_tqdm=False if tracker is None else tracker.bar_class())
-        elapsed = time.perf_counter() - started
+        outputs = self._generate(llm, [prompts[i] for i in todo], tracker,
+                                 read_cache=self.options.prefix_cache_read)
+        redo = []
         for i, output in zip(todo, outputs, strict=True):
-            results[i] = _realized_logprobs(output, requests[i])
+            # Row p-1 scores token p; rows behind the cached prefix were never computed.
+            num_cached = getattr(output, "num_cached_tokens", None) or 0
+            self.num_cached += num_cached
+            if max(requests[i].score_from, 1) <= num_cached:
+                redo.append(i)
+            else:
+                results[i] = _realized_logprobs(output, requests[i])
+        if redo:
+            outputs = self._generate(llm, [prompts[i] for i in redo], None, read_cache=False)
+            for i, output in zip(redo, outputs, strict=True):
+                results[i] = _realized_logprobs(output, requests[i])
+            self.num_rescored += len(redo)
+        elapsed = time.perf_counter() - started
         if tracker is not None:
             tracker.finish()
         self.num_generate += 1
@@ -245,6 +271,16 @@ class VLLMEngine:
             self.first_replay_seconds = elapsed  # includes the one-off kernel compile on CPU
         self.seconds += elapsed
         return results
+
+    @staticmethod
+    def _generate(llm: Any, prompts: list[Any], tracker: _Progress | None, *,
+                  read_cache: bool) -> list[Any]:
+        from vllm import SamplingParams
+
+        # detokenize=False: scores are looked up by token id; decoding text is wasted work.
+        extra = {"skip_reading_prefix_cache": False} if read_cache else {}
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, **extra)
+        return llm.generate(prompts, params, use_tqdm=False if tracker is None else tracker.bar_class())
 
     def close(self) -> None:
         if self.shared is not None:
@@ -261,7 +297,10 @@ def _realized_logprobs(output: Any, request: ReplayRequest) -> np.ndarray:
         raise MismatchError(f"engine 'vllm': expected {len(tokens)} prompt log-probs, got {got}")
     logp = np.full(len(tokens) - request.score_from, np.nan)
     for j, position in enumerate(range(max(request.score_from, 1), len(tokens))):
-        entry = prompt_logprobs[position][int(tokens[position])]
+        entry = prompt_logprobs[position].get(int(tokens[position]))
+        if entry is None:
+            raise MismatchError(f"engine 'vllm': no log-prob for token {int(tokens[position])} "
+                                f"at position {position}")
         logp[j + (request.score_from == 0)] = entry.logprob
     return logp
 
