@@ -11,15 +11,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from mismatch import __version__
 from mismatch.checkpoint import checkpoint_info
-from mismatch.engines import load_engine, parse_spec
+from mismatch.engines import EngineSpec, load_engine, parse_spec
+from mismatch.errors import SpecError
 from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
-from mismatch.replay import ProgressFactory, plan_replay, replay_column
+from mismatch.replay import ProgressFactory, ReplayPlan, plan_replay, replay_column
 from mismatch.results import SUMMARY_SCHEMA, check_out_dir, write_results
 from mismatch.rollouts import load_rollouts
+from mismatch.verdicts import verdicts
 
 AUDIT_PAIRS = (("train", "sampler"), ("train", "infer"), ("infer", "sampler"))
 
@@ -42,17 +45,15 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
         check_out_dir(out_dir, force=force)
     loaded = load_rollouts(rollouts, vocab_size=info.vocab_size)
     plan = plan_replay(loaded)
+    for role, spec in specs.items():  # a missing stored name is bad input: say so before replaying
+        if spec.kind == "stored" and spec.options["name"] not in plan.stored:
+            raise SpecError(f"--{role} {spec.text}: no segment of the rollouts carries "
+                            f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(plan.stored)})")
     table = plan.table
     engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler",
                                            "meta": _sampler_meta(loaded)}}
     for role, spec in specs.items():
-        engine = load_engine(spec, str(checkpoint))
-        try:
-            callback = progress(f"replay {role}: {spec.text}", plan.num_scored) if progress else None
-            table[f"logp_{role}"] = replay_column(plan, engine, progress=callback)
-            engines[role] = engine.describe()
-        finally:
-            engine.close()
+        table[f"logp_{role}"], engines[role] = _replay_role(role, spec, plan, str(checkpoint), progress)
     summary = build_summary(table, engines=engines, checkpoint=str(checkpoint),
                             rollouts_file=str(rollouts), pairs=AUDIT_PAIRS, command="audit")
     if out_dir is not None:
@@ -62,10 +63,25 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
     return AuditResult(summary=summary, tokens=table, out=out_dir)
 
 
+def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
+                 progress: ProgressFactory | None) -> tuple[np.ndarray, dict[str, Any]]:
+    """One role's log-prob column: replayed by an engine, or read from the rollouts (`stored:`)."""
+    if spec.kind == "stored":
+        name = spec.options["name"]
+        return plan.stored[name], {"kind": "stored", "spec": spec.text, "name": name}
+    engine = load_engine(spec, checkpoint)
+    try:
+        callback = progress(f"replay {role}: {spec.text}", plan.num_scored) if progress else None
+        return replay_column(plan, engine, progress=callback), engine.describe()
+    finally:
+        engine.close()
+
+
 def build_summary(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
                   rollouts_file: str, pairs: tuple[tuple[str, str], ...], command: str) -> dict[str, Any]:
     """summary.json (contract `mismatch.summary/v1`) from a filled token table."""
     trainable = table[table["trainable"]]
+    pair_metrics = summarize_pairs(table, list(pairs))
     return {
         "schema": SUMMARY_SCHEMA,
         "command": command,
@@ -77,7 +93,8 @@ def build_summary(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
                    "branches": int(table.groupby(["rollout", "branch"], observed=True).ngroups),
                    "tokens": len(table), "trainable_tokens": len(trainable)},
         "engines": engines,
-        "pairs": summarize_pairs(table, list(pairs)),
+        "pairs": pair_metrics,
+        "verdicts": verdicts(pair_metrics),
         "turns": _breakdown(table, pairs, "turn"),
         "roles": _breakdown(table, pairs, "role", trainable_only=False),
         "branch_kinds": _breakdown(table, pairs, "branch_kind"),

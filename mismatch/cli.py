@@ -67,6 +67,9 @@ def print_pairs(summary: dict[str, Any]) -> None:
     for name in KEY_METRICS:
         table.add_row(name, *(_fmt(metrics.get(name)) for metrics in pairs.values()))
     out_console.print(table)
+    for pair, verdict in summary.get("verdicts", {}).items():
+        out_console.print(f"{pair} ({verdict['meaning']}): {verdict['level']}: {verdict['text']}",
+                          markup=False, highlight=False, soft_wrap=True)
 
 
 def _fmt(value: Any) -> str:

@@ -35,6 +35,10 @@ class SpecError(MismatchError):
     """An engine spec string or TOML that cannot be understood."""
 
 
+class EngineError(MismatchError):
+    """An engine that fails in a way the user can fix (missing backend, bad output, no server)."""
+
+
 class CheckpointError(MismatchError):
     """A checkpoint directory that cannot be loaded safely."""
 

@@ -22,7 +22,8 @@ TABLE_KEYS = ("rollout", "branch", "branch_kind", "turn", "segment", "pos", "rol
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ReplayPlan:
     requests: list[ReplayRequest]
-    table: pd.DataFrame  # TABLE_KEYS + logp_sampler (+ logp_stored_NAME for extra log-probs)
+    table: pd.DataFrame  # TABLE_KEYS + logp_sampler
+    stored: dict[str, np.ndarray]  # "sampler" and every extra_logprobs NAME, aligned with table rows
 
     @property
     def num_scored(self) -> int:
@@ -39,10 +40,17 @@ def segment_turns(roles: Sequence[str]) -> list[int]:
     return turns
 
 
+def _stored(segment_logprobs: np.ndarray | None, length: int) -> np.ndarray:
+    return segment_logprobs if segment_logprobs is not None else np.full(length, np.nan)
+
+
 def plan_replay(rollouts: Sequence[Rollout]) -> ReplayPlan:
     requests: list[ReplayRequest] = []
     columns: dict[str, list[np.ndarray]] = {key: [] for key in TABLE_KEYS}
     columns["logp_sampler"] = []
+    extra_names = sorted({name for rollout in rollouts for branch in rollout.branches
+                          for segment in branch.segments for name in segment.extra_logprobs})
+    extra: dict[str, list[np.ndarray]] = {name: [] for name in extra_names}
     for rollout in rollouts:
         for branch in rollout.branches:
             context = context_tokens(rollout, branch.id)
@@ -66,14 +74,18 @@ def plan_replay(rollouts: Sequence[Rollout]) -> ReplayPlan:
             columns["token_id"].append(np.concatenate(own).astype(np.int64))
             columns["trainable"].append(np.repeat([s.trainable for s in branch.segments], lengths))
             columns["logp_sampler"].append(np.concatenate(
-                [s.logprobs if s.logprobs is not None else np.full(len(s.tokens), np.nan)
-                 for s in branch.segments]).astype(np.float64))
+                [_stored(s.logprobs, len(s.tokens)) for s in branch.segments]).astype(np.float64))
+            for name, parts in extra.items():
+                parts.append(np.concatenate([_stored(s.extra_logprobs.get(name), len(s.tokens))
+                                             for s in branch.segments]).astype(np.float64))
     table = pd.DataFrame({key: np.concatenate(parts) if parts else np.empty(0)
                           for key, parts in columns.items()})
     for key in ("rollout", "branch", "branch_kind", "role"):
         table[key] = table[key].astype("category")
     table["trainable"] = table["trainable"].astype(bool)
-    return ReplayPlan(requests=requests, table=table)
+    stored = {"sampler": table["logp_sampler"].to_numpy()}
+    stored.update({name: np.concatenate(parts) for name, parts in extra.items()})
+    return ReplayPlan(requests=requests, table=table, stored=stored)
 
 
 def replay_column(plan: ReplayPlan, engine: Engine, *, progress: ProgressFn | None = None) -> np.ndarray:
@@ -81,6 +93,7 @@ def replay_column(plan: ReplayPlan, engine: Engine, *, progress: ProgressFn | No
     results = engine.replay(plan.requests, progress=progress)
     for request, logp in zip(plan.requests, results, strict=True):
         assert len(logp) == request.num_scored, "engine returned the wrong number of log-probs"
+    # Built-in engines are trusted by this assert; user engines are checked in engines/user.py.
     return np.concatenate(results).astype(np.float64) if results else np.empty(0)
 
 

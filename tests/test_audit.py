@@ -48,6 +48,8 @@ def test_results_dir_contract(tiny_checkpoint, sampled_rollouts, tmp_path) -> No
     train_infer = summary["pairs"]["train/infer"]
     assert train_infer["log_ratio_abs_max"] > 1e-3 and train_infer["bitwise_equal_frac"] < 0.5
     assert summary["turns"] and summary["roles"] and summary["branch_kinds"]
+    assert summary["verdicts"]["infer/sampler"]["level"] == "exact"
+    assert summary["verdicts"]["train/infer"]["level"] in ("small", "large")
     assert {k["branch_kind"] for k in summary["branch_kinds"]} == {"main", "subagent", "summary"}
 
 

@@ -49,6 +49,7 @@ class Engine(Protocol):
 _BACKENDS: dict[str, str] = {
     "hf": "mismatch.engines.hf:HFEngine",
     "hf-decode": "mismatch.engines.hf_decode:HFDecodeEngine",
+    "python": "mismatch.engines.user:UserEngine",
 }
 
 
@@ -59,6 +60,8 @@ def engine_kinds() -> tuple[str, ...]:
 def load_engine(spec: str | EngineSpec, checkpoint: str) -> Engine:
     """Build the engine a spec names; every spec accepts `checkpoint=PATH` to replay other weights."""
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
+    if parsed.kind == "stored":
+        raise SpecError(f"{parsed.text!r} names stored log-probs, not an engine to run")
     target = _BACKENDS.get(parsed.kind)
     if target is None:
         raise SpecError(f"unknown engine {parsed.kind!r} in spec {parsed.text!r} "

@@ -39,7 +39,18 @@ def parse_spec(text: str) -> EngineSpec:
         return EngineSpec(kind="http", options={"url": text}, text=text)
     if text.endswith(".toml"):
         return _spec_from_toml(Path(text))
+    if text == "sampler":  # the log-probs stored with the rollouts
+        return EngineSpec(kind="stored", options={"name": "sampler"}, text=text)
     kind, _, rest = text.partition(":")
+    if kind == "stored":  # stored:NAME — a segment's extra_logprobs[NAME]
+        if not rest.strip():
+            raise SpecError(f"engine spec {text!r}: expected stored:NAME")
+        return EngineSpec(kind="stored", options={"name": rest.strip()}, text=text)
+    if kind == "python":  # python:MODULE:CALLABLE (MODULE may be a path to a .py file)
+        target, sep, callable_name = rest.rpartition(":")
+        if not sep or not target or not callable_name:
+            raise SpecError(f"engine spec {text!r}: expected python:MODULE:CALLABLE")
+        return EngineSpec(kind="python", options={"target": rest}, text=text)
     options: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, value = item.partition("=")

@@ -1,0 +1,243 @@
+"""A running inference server as an engine: teacher-forced prompt log-probs over HTTP.
+
+Speaks vLLM's OpenAI-compatible `/v1/completions` (token-id prompt + `prompt_logprobs`) and
+SGLang's native `/generate` (`input_ids` + `return_logprob`), with the standard library only.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mismatch.engines import ProgressFn, ReplayRequest
+from mismatch.engines.spec import EngineSpec, options_from
+from mismatch.errors import MismatchError, SpecError
+
+APIS = ("auto", "openai", "sglang")
+# vLLM's OpenAI server writes -inf as -9999.0 (entrypoints/generate/base/serving.py,
+# clamp_prompt_logprobs) and some SGLang versions as -999999999.0: JSON has no -inf.
+NEG_INF_FLOOR = -9999.0
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class HTTPOptions:
+    """Options come from a TOML file (`engine = "http"`): a spec string carries the URL only."""
+
+    url: str = ""                # http://HOST:PORT or http://HOST:PORT/v1
+    api: str = "auto"            # openai (vLLM) | sglang | auto: ask GET /v1/models who serves
+    model: str | None = None     # served model name (openai); default: the one /v1/models lists
+    concurrency: int = 4         # requests in flight (the server batches them)
+    timeout: float = 600.0       # seconds per HTTP request
+    retries: int = 3             # extra attempts on connection errors, timeouts and 5xx
+    backoff: float = 1.0         # seconds before the first retry, doubled on each next one
+    checkpoint: str | None = None  # the weights the server is said to serve (recorded, not loaded)
+
+
+class HTTPEngine:
+    kind = "http"
+
+    def __init__(self, options: HTTPOptions, checkpoint: str, spec_text: str) -> None:
+        if not options.url.startswith(("http://", "https://")):
+            raise SpecError(f"engine 'http': option url={options.url!r} must start with http:// "
+                            "or https://")
+        if options.api not in APIS:
+            raise SpecError(f"engine 'http': option api={options.api!r} is not one of: "
+                            f"{', '.join(APIS)}")
+        if options.concurrency < 1 or options.retries < 0 or options.timeout <= 0:
+            raise SpecError("engine 'http': concurrency must be >= 1, retries >= 0, timeout > 0")
+        self.options = options
+        self.spec_text = spec_text
+        self.checkpoint = str(Path(options.checkpoint or checkpoint))
+        self.root = options.url.rstrip("/").removesuffix("/v1")
+        self.num_scored = 0
+        self.num_requests = 0
+        self.num_retries = 0
+        self.seconds = 0.0
+        self._lock = threading.Lock()  # counters are bumped from the pool's threads
+        self.api, self.model, self.server = self._discover()
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, checkpoint: str) -> HTTPEngine:
+        return cls(options_from(HTTPOptions, spec), checkpoint, spec.text)
+
+    def _discover(self) -> tuple[str, str | None, dict[str, Any]]:
+        """Resolve api and model from GET /v1/models, which vLLM and SGLang both serve.
+
+        Its `owned_by` tells them apart: "vllm" (vllm/entrypoints/serve/engine/protocol.py,
+        ModelCard) vs "sglang" (sglang/srt/entrypoints/openai/protocol.py, ModelCard).
+        """
+        api, model = self.options.api, self.options.model
+        if api == "sglang" or (api == "openai" and model is not None):
+            return api, model, {}
+        cards = self._call("GET", "/v1/models", None).get("data") or []
+        if not cards:
+            raise MismatchError(f"server at {self.root} lists no models at /v1/models")
+        server = {"owned_by": cards[0].get("owned_by"), "root": cards[0].get("root"),
+                  "max_model_len": cards[0].get("max_model_len")}
+        if api == "auto":
+            api = "sglang" if server["owned_by"] == "sglang" else "openai"
+        if model is None and api == "openai":
+            if len(cards) > 1:
+                names = ", ".join(str(card.get("id")) for card in cards)
+                raise MismatchError(f"server at {self.root} serves several models ({names}): "
+                                    "set model = \"NAME\" in the engine TOML")
+            model = str(cards[0].get("id"))
+        return api, model, server
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "spec": self.spec_text, "options": asdict(self.options),
+            "url": self.root, "api": self.api, "model": self.model, "server": self.server,
+            "checkpoint": self.checkpoint,  # as claimed: the server loaded its own weights
+            # vLLM: prompt tokens skip the sampling processors (vllm/config/model.py, logprobs_mode).
+            # SGLang: we send temperature 1 and top_p 1, so its temperature scaling and top-p
+            # renormalization (logits_processor, compute_temp_top_p_normalized_logprobs) are no-ops.
+            "logprob_semantics": "raw",
+            "num_tokens_scored": self.num_scored, "num_requests": self.num_requests,
+            "num_retries": self.num_retries, "seconds": self.seconds,
+            "tokens_per_s": self.num_scored / self.seconds if self.seconds else None,
+        }
+
+    def replay(self, requests: Sequence[ReplayRequest], *,
+               progress: ProgressFn | None = None) -> list[np.ndarray]:
+        results: list[np.ndarray] = [np.empty(0)] * len(requests)
+        todo = [i for i, r in enumerate(requests) if r.num_scored > 0]
+        started = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=self.options.concurrency) as pool:
+            futures = {pool.submit(self._score, requests[i]): i for i in todo}
+            try:
+                for future in as_completed(futures):
+                    i = futures[future]
+                    results[i] = future.result()
+                    if progress is not None:
+                        progress(requests[i].num_scored)
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+        self.seconds += time.perf_counter() - started
+        self.num_requests += len(todo)
+        self.num_scored += sum(r.num_scored for r in requests)
+        return results
+
+    def _score(self, request: ReplayRequest) -> np.ndarray:
+        tokens = request.tokens.tolist()
+        logp_L = (self._openai if self.api == "openai" else self._sglang)(tokens)
+        logp_L[0] = np.nan
+        return logp_L[request.score_from:]
+
+    def _openai(self, tokens: list[int]) -> np.ndarray:
+        """vLLM's CompletionRequest (vllm/entrypoints/openai/completion/protocol.py): `prompt` may
+        be a list of token ids; `prompt_logprobs` (vLLM extra, vllm-project/vllm#7453) is the
+        number of top log-probs per prompt position, and the prompt token's own is always
+        included; max_tokens=0 is only allowed with echo, so one token is sampled and dropped.
+        The choice's `prompt_logprobs` is a list aligned with the prompt: None at position 0,
+        then {"TOKEN_ID": {"logprob", "rank", "decoded_token"}}.
+        """
+        body = {"model": self.model, "prompt": tokens, "max_tokens": 1, "prompt_logprobs": 0,
+                "temperature": 1.0, "top_p": 1.0, "return_token_ids": True}
+        choices = self._call("POST", "/v1/completions", body).get("choices") or [{}]
+        choice = choices[0]
+        prompt_logprobs = choice.get("prompt_logprobs")
+        if not prompt_logprobs:
+            raise MismatchError(
+                f"server at {self.root} returned no prompt_logprobs; is it vLLM >= 0.5.5, or did "
+                "a proxy drop the extra field? (for SGLang set api = \"sglang\")")
+        echoed = choice.get("prompt_token_ids")
+        if echoed is not None and list(echoed) != tokens:
+            raise MismatchError(f"server at {self.root} changed the prompt's token ids "
+                                f"({len(tokens)} sent, {len(echoed)} scored)")
+        if len(prompt_logprobs) != len(tokens):
+            raise MismatchError(f"server at {self.root} returned {len(prompt_logprobs)} prompt "
+                                f"log-probs for {len(tokens)} tokens")
+        logp_L = np.full(len(tokens), np.nan)
+        for position in range(1, len(tokens)):
+            entry = (prompt_logprobs[position] or {}).get(str(tokens[position]))
+            if entry is None:
+                raise MismatchError(f"server at {self.root}: no log-prob for token "
+                                    f"{tokens[position]} at position {position}")
+            logp_L[position] = _logprob(entry["logprob"])
+        return logp_L
+
+    def _sglang(self, tokens: list[int]) -> np.ndarray:
+        """SGLang's GenerateReqInput (sglang/srt/managers/io_struct.py): `input_ids`,
+        `return_logprob`, `logprob_start_len` (0 = from the first prompt token) and
+        `sampling_params`. `meta_info.input_token_logprobs` is aligned with
+        input_ids[logprob_start_len:] as [logprob, token_id, text] triples, entry 0 None
+        (scheduler output processor: `[None] + input_token_logprobs[:-1]`).
+        """
+        body = {"input_ids": tokens, "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0}}
+        meta = self._call("POST", "/generate", body).get("meta_info") or {}
+        triples = meta.get("input_token_logprobs")
+        if not triples:
+            raise MismatchError(f"server at {self.root} returned no meta_info.input_token_logprobs; "
+                                "is it SGLang? (for vLLM set api = \"openai\")")
+        if len(triples) != len(tokens):
+            raise MismatchError(f"server at {self.root} returned {len(triples)} input log-probs "
+                                f"for {len(tokens)} tokens")
+        logp_L = np.full(len(tokens), np.nan)
+        for position in range(1, len(tokens)):
+            value = triples[position][0]
+            if value is None:
+                raise MismatchError(f"server at {self.root}: no log-prob at position {position}")
+            logp_L[position] = _logprob(value)
+        return logp_L
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        """One JSON call, retried with exponential backoff on connection errors, timeouts, 5xx."""
+        url = self.root + path
+        data = None if body is None else json.dumps(body).encode()
+        reason = ""
+        for attempt in range(self.options.retries + 1):
+            if attempt:
+                with self._lock:
+                    self.num_retries += 1
+                time.sleep(self.options.backoff * 2 ** (attempt - 1))
+            request = urllib.request.Request(url, data=data, method=method,
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.options.timeout) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as exc:
+                message = _error_message(exc)
+                if exc.code < 500:
+                    raise MismatchError(f"server at {url} answered HTTP {exc.code}: {message}") from None
+                reason = f"HTTP {exc.code}: {message}"
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+                # refused, reset, timed out, cut off mid-answer
+                reason = str(getattr(exc, "reason", exc))
+            except json.JSONDecodeError:
+                raise MismatchError(f"server at {url} answered with something that is not JSON") from None
+        raise MismatchError(f"server at {url} unreachable after {self.options.retries + 1} "
+                            f"attempts: {reason}")
+
+    def close(self) -> None:
+        pass  # the server is not ours to stop
+
+
+def _logprob(value: float) -> float:
+    return -math.inf if value <= NEG_INF_FLOOR else float(value)
+
+
+def _error_message(exc: urllib.error.HTTPError) -> str:
+    """The server's own one-line reason: vLLM and SGLang answer {"error": {"message": ...}}."""
+    try:
+        payload = json.loads(exc.read() or b"{}")
+    except (json.JSONDecodeError, OSError):
+        return str(exc.reason)
+    error = payload.get("error", payload) if isinstance(payload, dict) else payload
+    message = error.get("message", error) if isinstance(error, dict) else error
+    return " ".join(str(message).split())[:300]

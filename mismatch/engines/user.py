@@ -1,0 +1,83 @@
+"""`python:MODULE:CALLABLE`: a user's own engine (Megatron, TorchTitan, anything) in the audit.
+
+The callable is a factory `factory(checkpoint: str, **options) -> engine`; the engine needs only
+`replay(requests, progress=None) -> list[np.ndarray]` (see `mismatch.engines.Engine`); `describe()`
+and `close()` are optional. `examples/custom_engine.py` wraps a plain torch module this way.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mismatch.engines import ProgressFn, ReplayRequest
+from mismatch.engines.spec import EngineSpec
+from mismatch.errors import EngineError, SpecError
+
+
+def import_target(target: str) -> Any:
+    """`pkg.module:name` or `path/to/file.py:name` → the object."""
+    module_name, _, attr = target.rpartition(":")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise SpecError(f"python engine {target!r}: file {path} not found")
+        spec = importlib.util.spec_from_file_location(f"mismatch_user_{path.stem}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise SpecError(f"python engine {target!r}: cannot import {module_name}: {exc}") from None
+    if not hasattr(module, attr):
+        raise SpecError(f"python engine {target!r}: {module_name} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+class UserEngine:
+    """Wraps the user's engine: fills in describe/close and checks what replay returns."""
+
+    def __init__(self, inner: Any, spec_text: str) -> None:
+        if not callable(getattr(inner, "replay", None)):
+            raise SpecError(f"python engine {spec_text!r}: the factory returned "
+                            f"{type(inner).__name__}, which has no replay(requests) method")
+        self.inner = inner
+        self.spec_text = spec_text
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, checkpoint: str) -> UserEngine:
+        options = dict(spec.options)
+        factory = import_target(options.pop("target"))
+        return cls(factory(checkpoint, **options), spec.text)
+
+    def describe(self) -> dict[str, Any]:
+        extra = self.inner.describe() if callable(getattr(self.inner, "describe", None)) else {}
+        return {"kind": "python", "spec": self.spec_text, "logprob_semantics": "unknown", **extra}
+
+    def replay(self, requests: Sequence[ReplayRequest], *,
+               progress: ProgressFn | None = None) -> list[np.ndarray]:
+        results = list(self.inner.replay(requests, progress=progress))
+        if len(results) != len(requests):
+            raise EngineError(f"python engine {self.spec_text!r}: replay returned {len(results)} "
+                              f"arrays for {len(requests)} requests")
+        checked = []
+        for index, (request, logp) in enumerate(zip(requests, results)):
+            logp = np.asarray(logp, dtype=np.float64)
+            if logp.shape != (request.num_scored,):
+                raise EngineError(f"python engine {self.spec_text!r}: request {index}: got "
+                                  f"{logp.shape} log-probs, expected ({request.num_scored},)")
+            checked.append(logp)
+        return checked
+
+    def close(self) -> None:
+        if callable(getattr(self.inner, "close", None)):
+            self.inner.close()

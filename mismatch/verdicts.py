@@ -1,0 +1,86 @@
+"""Plain-words verdicts for the three gaps of an audit (the triangle sampler / trainer / engine).
+
+Each pair's metrics map to a level by stated thresholds on kl_k3 and the tail of the ratio, and
+the level to a sentence that says what the gap means for that pair.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Thresholds (kl_k3 is per token; frac_outside_2 is the share of tokens with ratio outside [0.5, 2]).
+NEGLIGIBLE_KL = 1e-6
+SMALL_KL = 1e-3
+SMALL_TAIL = 1e-3
+
+MEANING = {
+    "train/sampler": "what the RL ratio sees",
+    "train/infer": "trainer vs engine, reproduced now",
+    "infer/sampler": "replay fidelity",
+}
+
+
+def gap_level(metrics: dict[str, Any]) -> str:
+    """exact | negligible | small | large | unknown (no tokens to judge)."""
+    if not metrics.get("n_tokens"):
+        return "unknown"
+    if metrics["bitwise_equal_frac"] == 1.0:
+        return "exact"
+    kl, tail = metrics["kl_k3"], metrics["frac_outside_2"]
+    if kl is None or tail is None or kl != kl:  # NaN/inf from overflow counts as large
+        return "large"
+    if kl < NEGLIGIBLE_KL and tail == 0.0:
+        return "negligible"
+    if kl < SMALL_KL and tail < SMALL_TAIL:
+        return "small"
+    return "large"
+
+
+def verdict(pair: str, metrics: dict[str, Any]) -> dict[str, str]:
+    """{"level", "meaning", "text"}: the level, what this pair measures, and one plain sentence."""
+    level = gap_level(metrics)
+    text = _TEXT.get(pair, _GENERIC)[level]
+    if level not in ("unknown", "exact"):
+        text += (f" (kl_k3 {metrics['kl_k3']:.3g}, ratio p1–p99.9 {metrics['ratio_p01']:.3g}–"
+                 f"{metrics['ratio_p999']:.3g}, {metrics['frac_outside_2']:.2%} of tokens outside [0.5, 2])")
+    return {"level": level, "meaning": MEANING.get(pair, f"{pair} log-ratio"), "text": text}
+
+
+_TEXT: dict[str, dict[str, str]] = {
+    "train/sampler": {
+        "unknown": "no stored sampler log-probs on trainable tokens: the RL ratio cannot be judged",
+        "exact": "the PPO ratio is exactly 1 on-policy: trainer and sampler agree bit for bit",
+        "negligible": "the PPO ratio is 1 up to rounding: no correction needed",
+        "small": "the PPO ratio drifts slightly from 1: a token-level TIS cap is cheap insurance",
+        "large": "the PPO ratio is far from 1 on-policy: correct it (TIS/MIS) or fix the source",
+    },
+    "train/infer": {
+        "unknown": "no tokens to compare",
+        "exact": "trainer and engine compute identical log-probs",
+        "negligible": "trainer and engine agree up to rounding",
+        "small": "trainer and engine differ slightly (kernels, precision or batch shapes)",
+        "large": "trainer and engine disagree strongly: check dtype, attention kernel and weights",
+    },
+    "infer/sampler": {
+        "unknown": "no stored sampler log-probs to compare the replay with",
+        "exact": "replay is faithful: this engine config reproduces the stored log-probs bit for bit",
+        "negligible": "replay is faithful up to rounding (batch shapes or kernel nondeterminism)",
+        "small": "replay differs slightly from the stored log-probs: batch shapes, prefix caching "
+                 "or another engine config than the sampler's",
+        "large": "the stored rollouts were not produced by this checkpoint and engine config: "
+                 "stale weights, another config, or a harness that changed the tokens",
+    },
+}
+
+
+_GENERIC = {
+    "unknown": "no tokens to compare",
+    "exact": "identical log-probs",
+    "negligible": "equal up to rounding",
+    "small": "a slight gap",
+    "large": "a large gap",
+}
+
+
+def verdicts(pairs: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
+    return {pair: verdict(pair, metrics) for pair, metrics in pairs.items()}

@@ -1,0 +1,35 @@
+"""Verdict levels follow their stated thresholds."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mismatch.metrics import pair_metrics
+from mismatch.verdicts import verdict
+
+
+def _metrics(log_ratio: np.ndarray) -> dict:
+    logp_b = np.full(len(log_ratio), -1.0)
+    keys = np.zeros(len(log_ratio), dtype=int)
+    return pair_metrics(logp_b + log_ratio, logp_b, seq=keys, rollout=keys)
+
+
+def test_levels() -> None:
+    n = 10_000
+    assert verdict("train/infer", _metrics(np.zeros(n)))["level"] == "exact"
+    assert verdict("train/infer", _metrics(np.full(n, 1e-4)))["level"] == "negligible"
+    assert verdict("train/infer", _metrics(np.full(n, 1e-2)))["level"] == "small"
+    assert verdict("train/infer", _metrics(np.full(n, 0.1)))["level"] == "large"  # kl_k3 ~ 5e-3
+    tail = np.zeros(n)
+    tail[:20] = 1.0  # 0.2% of tokens with ratio e > 2: small kl, heavy tail
+    assert verdict("train/sampler", _metrics(tail))["level"] == "large"
+    empty = pair_metrics(np.array([]), np.array([]), seq=np.array([]), rollout=np.array([]))
+    assert verdict("infer/sampler", empty)["level"] == "unknown"
+
+
+def test_text_names_the_meaning_and_numbers() -> None:
+    got = verdict("infer/sampler", _metrics(np.full(100, 0.1)))
+    assert got["meaning"] == "replay fidelity"
+    assert got["text"].startswith("the stored rollouts were not produced by this checkpoint")
+    assert "kl_k3 0.00517" in got["text"]
+    assert verdict("a/reference", _metrics(np.zeros(5)))["text"] == "identical log-probs"
