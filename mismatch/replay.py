@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from mismatch.engines import Engine, ProgressFn, ReplayRequest
-from mismatch.rollouts import Rollout, context_tokens
+from mismatch.checkpoint import checkpoint_info
+from mismatch.engines import Engine, EngineSpec, ProgressFn, ReplayRequest, load_engine, parse_spec
+from mismatch.errors import SpecError
+from mismatch.rollouts import Rollout, context_tokens, load_rollouts
 
 TABLE_KEYS = ("rollout", "branch", "branch_kind", "turn", "segment", "pos", "role", "token_id",
               "trainable")
@@ -98,3 +102,55 @@ def replay_column(plan: ReplayPlan, engine: Engine, *, progress: ProgressFn | No
 
 
 ProgressFactory = Callable[[str, int], ProgressFn | None]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Replayed:
+    rollouts: list[Rollout]
+    table: pd.DataFrame           # TABLE_KEYS + logp_sampler + logp_<role> per replayed role
+    engines: dict[str, Any]       # role -> describe() (the sampler's declared settings too)
+
+
+def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, str], *,
+                 progress: ProgressFactory | None = None) -> Replayed:
+    """Load and validate everything, then fill one `logp_<role>` column per role's spec.
+
+    All input checks (checkpoint, specs, rollouts, stored names) come before the first forward.
+    """
+    info = checkpoint_info(checkpoint)
+    specs = {role: parse_spec(text) for role, text in roles.items()}
+    loaded = load_rollouts(rollouts, vocab_size=info.vocab_size)
+    plan = plan_replay(loaded)
+    for role, spec in specs.items():
+        if spec.kind == "stored" and spec.options["name"] not in plan.stored:
+            raise SpecError(f"--{role} {spec.text}: no segment of the rollouts carries "
+                            f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(plan.stored)})")
+    table = plan.table
+    engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler",
+                                           "meta": _sampler_meta(loaded)}}
+    for role, spec in specs.items():
+        table[f"logp_{role}"], engines[role] = _replay_role(role, spec, plan, str(checkpoint), progress)
+    return Replayed(rollouts=loaded, table=table, engines=engines)
+
+
+def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
+                 progress: ProgressFactory | None) -> tuple[np.ndarray, dict[str, Any]]:
+    """One role's log-prob column: replayed by an engine, or read from the rollouts (`stored:`)."""
+    if spec.kind == "stored":
+        name = spec.options["name"]
+        return plan.stored[name], {"kind": "stored", "spec": spec.text, "name": name}
+    engine = load_engine(spec, checkpoint)
+    try:
+        callback = progress(f"replay {role}: {spec.text}", plan.num_scored) if progress else None
+        return replay_column(plan, engine, progress=callback), engine.describe()
+    finally:
+        engine.close()
+
+
+def _sampler_meta(rollouts: list[Rollout]) -> dict[str, Any]:
+    """The sampler settings the rollouts declare (the first rollout's; differing ones are counted)."""
+    metas = [r.meta.get("sampler") for r in rollouts if isinstance(r.meta.get("sampler"), dict)]
+    if not metas:
+        return {}
+    first = metas[0]
+    return {**first, "num_rollouts_differing": sum(meta != first for meta in metas)}
