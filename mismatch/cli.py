@@ -110,6 +110,45 @@ def audit(
 
 
 @app.command()
+def diff(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory (HF format, safetensors).")],
+    rollouts: Annotated[Path, typer.Option("--rollouts", help="Rollouts file (.jsonl or .parquet).")],
+    a: Annotated[str, typer.Option("--a", help="First engine config (spec or TOML).")],
+    b: Annotated[str, typer.Option("--b", help="Second engine config (spec or TOML).")],
+    out: Annotated[Path, typer.Option("--out", help="Results directory to write.")],
+    reference: Annotated[str, typer.Option("--reference", help="Reference engine (the trainer).")] = "hf",
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing results dir.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Replay two engine configs against a reference: which is closer, by how much, where, how fast."""
+    from mismatch.diff import diff as run_diff
+
+    with replay_progress(not as_json) as progress:
+        result = run_diff(checkpoint, rollouts, a=a, b=b, reference=reference, out=out, force=force,
+                          progress=progress)
+    if as_json:
+        _emit_json(result.summary)
+        return
+    print_pairs(result.summary)
+    print_diff(result.summary["diff"])
+    out_console.print(f"wrote {out}/")
+
+
+def print_diff(comparison: dict[str, Any]) -> None:
+    table = Table(title="b/reference − a/reference (95% bootstrap CI over rollouts)", title_justify="left")
+    for column in ("metric", "a", "b", "delta", "ci95"):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+    for name, d in comparison["deltas"].items():
+        table.add_row(name, _fmt(d["a"]), _fmt(d["b"]), _fmt(d["delta"]),
+                      f"[{_fmt(d['ci95'][0])}, {_fmt(d['ci95'][1])}]")
+    out_console.print(table)
+    speed = comparison["throughput_tokens_per_s"]
+    out_console.print(f"closer to the reference: {comparison['closer_to_reference']} "
+                      f"({comparison['closer_rule']}); replay tokens/s: a {_fmt(speed['a'])}, "
+                      f"b {_fmt(speed['b'])}", markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
 def validate(
     file: Annotated[Path, typer.Argument(help="Rollouts file (.jsonl or .parquet).")],
     checkpoint: Annotated[Optional[Path], typer.Option(help="Check token ids against this vocab.")] = None,
