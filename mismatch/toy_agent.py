@@ -36,6 +36,7 @@ SPECIAL = re.compile(r"<\|[a-z]+\|>|</?tool_call>")
 class HarnessConfig:
     num_rollouts: int = 12
     seed: int = 0
+    engine: str = "hf-decode"  # or "vllm": sample with vLLM itself
     dtype: str = "bfloat16"
     attn: str = "sdpa"
     temperature: float = 1.0
@@ -45,27 +46,111 @@ class HarnessConfig:
 
 @dataclass(kw_only=True, slots=True)
 class _Stream:
-    """A branch being sampled: what the model has seen, what it has not been fed yet, the segments."""
+    """A branch being sampled: all its tokens, those the sampler has not seen yet, the segments."""
 
-    session: Any
-    pending: list[int] = field(default_factory=list)
+    state: Any  # the turn sampler's own per-stream state (a KV cache, or nothing)
     tokens: list[int] = field(default_factory=list)
+    unsent: list[int] = field(default_factory=list)
     segments: list[dict[str, Any]] = field(default_factory=list)
+
+
+class HFDecodeSampler:
+    """Samples through the `hf-decode` path: each new prompt run prefilled, tokens decoded one by one.
+
+    It runs the very ops of the hf-decode replay (feed a chunk, score the last row alone), so
+    replaying `hf-decode` with the same dtype reproduces its log-probs bit for bit.
+    """
+
+    engine = "hf-decode"
+
+    def __init__(self, checkpoint: str | Path, config: HarnessConfig) -> None:
+        import torch
+
+        from mismatch.checkpoint import checkpoint_info, load_model
+
+        self.config = config
+        self.model = load_model(checkpoint_info(checkpoint), dtype=config.dtype, attn=config.attn,
+                                device="cpu")
+        self.lm_head = self.model.get_output_embeddings()
+        self.generator = torch.Generator().manual_seed(config.seed)
+
+    def new_state(self) -> dict[str, Any]:
+        from mismatch.engines.hf_decode import DecodeSession
+
+        return {"session": DecodeSession(self.model, "cpu"), "pending": []}
+
+    def sample(self, state: dict[str, Any], unsent: list[int], all_tokens: list[int],
+               stop_id: int) -> tuple[list[int], list[float]]:
+        import torch
+
+        # The last sampled token was never fed: it goes in front of the new prompt run.
+        pending = state["pending"] + unsent
+        sampled: list[int] = []
+        logprobs: list[float] = []
+        while len(sampled) < self.config.max_turn_tokens:
+            hidden_CD = state["session"].feed(np.asarray(pending))
+            with torch.inference_mode():
+                logits_V = self.lm_head(hidden_CD[-1:]).float()[0] / self.config.temperature
+                logp_V = torch.log_softmax(logits_V, dim=-1)
+            token = int(torch.multinomial(logp_V.exp(), 1, generator=self.generator))
+            sampled.append(token)
+            logprobs.append(float(logp_V[token]))
+            pending = [token]
+            if token == stop_id:
+                break
+        state["pending"] = pending
+        return sampled, logprobs
+
+
+class VLLMSampler:
+    """Samples with vLLM itself: each turn is one `generate` on the branch's whole token prompt.
+
+    The stored log-probs are vLLM's sampled-token log-probs (`logprobs=0`, raw mode), as a
+    vLLM rollout worker records them.
+    """
+
+    engine = "vllm"
+
+    def __init__(self, checkpoint: str | Path, config: HarnessConfig) -> None:
+        from mismatch.engines.vllm import shared_llm
+
+        self.config = config
+        self.llm = shared_llm(str(checkpoint), dtype=config.dtype, seed=config.seed)
+        self.num_calls = 0
+
+    def new_state(self) -> None:
+        return None
+
+    def sample(self, state: None, unsent: list[int], all_tokens: list[int],
+               stop_id: int) -> tuple[list[int], list[float]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        # A per-call seed keeps the rollouts reproducible whatever vLLM batches together.
+        self.num_calls += 1
+        params = SamplingParams(temperature=self.config.temperature, top_p=1.0, top_k=0,
+                                max_tokens=self.config.max_turn_tokens, stop_token_ids=[stop_id],
+                                logprobs=0, seed=self.config.seed * 1_000_003 + self.num_calls)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(all_tokens))], params,
+                                use_tqdm=False)[0].outputs[0]
+        tokens = list(out.token_ids)
+        logprobs = [float(entry[token].logprob) for token, entry in zip(tokens, out.logprobs)]
+        assert len(logprobs) == len(tokens), "vLLM returned no log-prob for a sampled token"
+        return tokens, logprobs
+
+
+SAMPLERS = {"hf-decode": HFDecodeSampler, "vllm": VLLMSampler}
 
 
 class ToyAgent:
     def __init__(self, checkpoint: str | Path, config: HarnessConfig) -> None:
-        import torch
-
-        from mismatch.checkpoint import checkpoint_info, load_model, load_tokenizer
+        from mismatch.checkpoint import checkpoint_info, load_tokenizer
 
         self.config = config
         self.info = checkpoint_info(checkpoint)
         self.tokenizer = load_tokenizer(checkpoint)
-        self.model = load_model(self.info, dtype=config.dtype, attn=config.attn, device="cpu")
-        self.lm_head = self.model.get_output_embeddings()
+        self.sampler = SAMPLERS[config.engine](checkpoint, config)
         self.end_id = self.tokenizer.convert_tokens_to_ids("<|end|>")
-        self.generator = torch.Generator().manual_seed(config.seed)
 
     # -- rendering -------------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
@@ -76,38 +161,21 @@ class ToyAgent:
 
     # -- sampling --------------------------------------------------------------------------
     def _new_stream(self, context: list[int]) -> _Stream:
-        from mismatch.engines.hf_decode import DecodeSession
-
-        return _Stream(session=DecodeSession(self.model, "cpu"), pending=list(context),
-                       tokens=list(context))
+        return _Stream(state=self.sampler.new_state(), tokens=list(context), unsent=list(context))
 
     def _prompt(self, stream: _Stream, role: str, ids: list[int]) -> None:
-        stream.pending += ids
+        stream.unsent += ids
         stream.tokens += ids
         stream.segments.append({"role": role, "tokens": list(ids)})
 
     def _sample(self, stream: _Stream, role: str) -> str:
-        """Sample one model turn (header already in the prompt); returns its text."""
-        import torch
-
+        """Sample one model turn after its header; returns its text (special tokens kept)."""
         header = self._encode(f"<|{role}|>\n")
-        stream.pending += header
+        stream.unsent += header
         stream.tokens += header
         stream.segments[-1]["tokens"] += header  # the header belongs to the prompt, not the turn
-        sampled: list[int] = []
-        logprobs: list[float] = []
-        while len(sampled) < self.config.max_turn_tokens:
-            # Same ops as the hf-decode replay: feed the pending chunk, score the last row alone.
-            hidden_CD = stream.session.feed(np.asarray(stream.pending))
-            with torch.inference_mode():
-                logits_V = self.lm_head(hidden_CD[-1:]).float()[0] / self.config.temperature
-                logp_V = torch.log_softmax(logits_V, dim=-1)
-            token = int(torch.multinomial(logp_V.exp(), 1, generator=self.generator))
-            sampled.append(token)
-            logprobs.append(float(logp_V[token]))
-            stream.pending = [token]
-            if token == self.end_id:
-                break
+        sampled, logprobs = self.sampler.sample(stream.state, stream.unsent, stream.tokens, self.end_id)
+        stream.unsent = []
         stream.tokens += sampled
         stream.segments.append({"role": role, "tokens": sampled, "logprobs": logprobs})
         # Keep special tokens: <tool_call> is one, and the harness must see it to run the tool.
@@ -156,7 +224,8 @@ class ToyAgent:
 
     def _meta(self, scenario: str) -> dict[str, Any]:
         return {"checkpoint": str(self.info.path), "scenario": scenario, "harness": "mismatch.toy_agent",
-                "sampler": {"engine": "hf-decode", "dtype": self.config.dtype, "attn": self.config.attn,
+                "sampler": {"engine": self.config.engine, "dtype": self.config.dtype,
+                            **({"attn": self.config.attn} if self.config.engine == "hf-decode" else {}),
                             "temperature": self.config.temperature, "top_p": 1.0, "top_k": -1,
                             "logprobs": "raw", "seed": self.config.seed}}
 

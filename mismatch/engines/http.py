@@ -221,8 +221,9 @@ class HTTPEngine:
                 reason = str(getattr(exc, "reason", exc))
             except json.JSONDecodeError:
                 raise MismatchError(f"server at {url} answered with something that is not JSON") from None
-        raise MismatchError(f"server at {url} unreachable after {self.options.retries + 1} "
-                            f"attempts: {reason}")
+        attempts = self.options.retries + 1
+        raise MismatchError(f"server at {url} unreachable after {attempts} "
+                            f"attempt{'s' if attempts > 1 else ''}: {reason}")
 
     def close(self) -> None:
         pass  # the server is not ours to stop

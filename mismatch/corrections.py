@@ -1,0 +1,519 @@
+"""Correction simulator: what each framework's importance-sampling fix would do to the measured ratios.
+
+Flow: token table (train/sampler `log_ratio` per trainable token) -> simulate -> summary.json["corrections"].
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mismatch.errors import MismatchError
+
+# Conventions, shared with the frameworks cited per mode below:
+# - log_ratio = log pi_train - log pi_sampler per token, ratio = exp(log_ratio); a "sequence" is one branch
+#   of one rollout; only trainable tokens with a non-NaN log_ratio count.
+# - Each mode gives every token a `weight` (the factor on its loss term; 0 = dropped) and an `affected` flag
+#   (the correction changed what that token contributes). Sequence modes give each token its sequence's weight.
+# - IS modes weight with a (processed) ratio. Rejection modes (rs_*, verl's rollout_rs) only drop tokens:
+#   weight 1 kept, 0 rejected, to be combined with an IS mode in the trainer, as verl does.
+# - No safety clamp on IS ratios (verl clamps log-ratios at +-20): an overflowing sequence ratio is inf,
+#   truncates to the cap and fails every mask, which is what the unclamped TRL does too.
+# - Inputs may be numpy arrays, lists or torch tensors; torch is never imported here (a tensor implies it is).
+
+# verl's SAFETY_BOUND for rejection statistics (verl/trainer/ppo/rollout_corr_helper.py).
+VERL_SAFETY_BOUND = 20.0
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Correction:
+    """One simulated correction: a mode name (see MODES) and its parameters."""
+
+    mode: str
+    params: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        spec = MODES.get(self.mode)
+        if spec is None:
+            raise MismatchError(f"unknown correction mode {self.mode!r} (valid: {', '.join(MODES)})")
+        if set(self.params) != set(spec.params):
+            raise MismatchError(f"correction {self.mode}: needs params {', '.join(spec.params)}; "
+                                f"got {', '.join(self.params) or 'none'}")
+        for name, value in self.params.items():
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise MismatchError(f"correction {self.mode}: {name} must be a positive number, got {value!r}")
+        if "low" in self.params and self.params["low"] > self.params["high"]:
+            raise MismatchError(f"correction {self.mode}: low {self.params['low']} is above "
+                                f"high {self.params['high']}")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CorrectionResult:
+    """What one correction does to the measured tokens (one item of summary.json["corrections"])."""
+
+    mode: str
+    params: dict[str, float]
+    level: str  # token | sequence | rollout: the unit whose weight the mode decides
+    n_tokens: int
+    n_sequences: int
+    n_rollouts: int
+    frac_tokens_affected: float
+    frac_sequences_affected: float
+    frac_rollouts_affected: float
+    weight_mean: float
+    weight_std: float
+    weight_max: float
+    ess: float
+    by_turn: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Contract keys first (ARCHITECTURE.md, "Results directory"), then the extras."""
+        return {"mode": self.mode, "params": dict(self.params),
+                "frac_tokens_affected": self.frac_tokens_affected,
+                "frac_rollouts_affected": self.frac_rollouts_affected,
+                "weight_mean": self.weight_mean, "weight_max": self.weight_max, "ess": self.ess,
+                "weight_std": self.weight_std, "level": self.level, "n_tokens": self.n_tokens,
+                "n_sequences": self.n_sequences, "n_rollouts": self.n_rollouts,
+                "frac_sequences_affected": self.frac_sequences_affected,
+                "by_turn": [dict(row) for row in self.by_turn]}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _Tokens:
+    """Trainable, non-NaN tokens with integer-coded sequences and rollouts (codes 0..n-1)."""
+
+    log_ratio: np.ndarray
+    seq: np.ndarray
+    rollout: np.ndarray
+    num_seqs: int
+    num_rollouts: int
+
+    @property
+    def ratio(self) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return np.exp(self.log_ratio)
+
+    def seq_sum(self) -> np.ndarray:
+        """Per token: the sum of its sequence's log-ratios (TRL/verl sequence level)."""
+        return np.bincount(self.seq, weights=self.log_ratio, minlength=self.num_seqs)[self.seq]
+
+    def seq_mean(self) -> np.ndarray:
+        """Per token: the mean of its sequence's log-ratios (the geometric mean, in log space)."""
+        counts = np.bincount(self.seq, minlength=self.num_seqs)
+        sums = np.bincount(self.seq, weights=self.log_ratio, minlength=self.num_seqs)
+        return (sums / np.maximum(counts, 1))[self.seq]
+
+    def rollout_sum(self) -> np.ndarray:
+        return np.bincount(self.rollout, weights=self.log_ratio, minlength=self.num_rollouts)[self.rollout]
+
+
+ModeFn = Callable[..., tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ModeSpec:
+    params: tuple[str, ...]
+    level: str
+    fn: ModeFn
+    doc: str
+
+
+def _exp(log_ratio: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.exp(log_ratio)
+
+
+def _group_reduce(values: np.ndarray, codes: np.ndarray, num: int, ufunc: np.ufunc) -> np.ndarray:
+    """Per token: ufunc.reduce over its group (max/min), via one sort and reduceat."""
+    order = np.argsort(codes, kind="stable")
+    sorted_codes = codes[order]
+    starts = np.flatnonzero(np.r_[True, sorted_codes[1:] != sorted_codes[:-1]])
+    out = np.empty(num, dtype=np.float64)
+    out[sorted_codes[starts]] = ufunc.reduceat(values[order], starts)
+    return out[codes]
+
+
+# --- IS modes: one-sided cap (TRL's four modes keep TRL's names and semantics) ---
+# TRL trl/trainer/grpo_trainer.py (_generate_and_score_completions) with GRPOConfig
+# vllm_importance_sampling_mode / vllm_importance_sampling_cap (trl/trainer/grpo_config.py):
+# ratio = exp(per-token diff) or exp(sum over the completion); *_truncate: torch.clamp(ratio, max=cap);
+# *_mask: ratio.masked_fill(ratio > cap, 0).
+
+def _truncate(ratio: np.ndarray, cap: float) -> tuple[np.ndarray, np.ndarray]:
+    return np.minimum(ratio, cap), ratio > cap
+
+
+def _mask_above(ratio: np.ndarray, cap: float) -> tuple[np.ndarray, np.ndarray]:
+    above = ratio > cap
+    return np.where(above, 0.0, ratio), above
+
+
+def token_truncate(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np.ndarray]:
+    # Also verl rollout_is="token" with a float rollout_is_threshold (TIS), slime --use-tis --tis-clip C
+    # (slime/backends/megatron_utils/loss.py vanilla_tis_function, --tis-clip-low 0 = its default).
+    return _truncate(t.ratio, cap)
+
+
+def token_mask(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np.ndarray]:
+    return _mask_above(t.ratio, cap)
+
+
+def sequence_truncate(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np.ndarray]:
+    # Also verl rollout_is="sequence" (exp of the masked sum, then clamp(max=threshold)).
+    return _truncate(_exp(t.seq_sum()), cap)
+
+
+def sequence_mask(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np.ndarray]:
+    return _mask_above(_exp(t.seq_sum()), cap)
+
+
+def geometric_truncate(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np.ndarray]:
+    # slime MIS tis_level="geometric", tis_mode="truncate"
+    # (examples/train_infer_mismatch_helper/mis.py compute_mis_weights: exp(masked_mean(log-ratio))).
+    return _truncate(_exp(t.seq_mean()), cap)
+
+
+# --- IS modes: two-sided band ---
+
+def _band_mask(ratio: np.ndarray, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
+    keep = (ratio >= low) & (ratio <= high)
+    return np.where(keep, ratio, 0.0), ~keep
+
+
+def _clip(ratio: np.ndarray, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
+    return np.clip(ratio, low, high), (ratio < low) | (ratio > high)
+
+
+def token_clip(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
+    # slime vanilla_tis_function: torch.clamp(tis, min=args.tis_clip_low, max=args.tis_clip);
+    # OpenRLHF is_correction_type="tis": exp(log-ratio).clamp(min=low, max=high) (openrlhf/models/loss.py).
+    return _clip(t.ratio, low, high)
+
+
+def token_icepop(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
+    # IcePop: zero a token's weight outside [low, high], keep its raw ratio inside.
+    # verl rollout_is="token" with rollout_is_threshold "low_high" (compute_rollout_correction_weights);
+    # OpenRLHF is_correction_type="icepop"; slime MIS tis_mode="mask" at token level; prime-rl
+    # token_mask_low/token_mask_high (src/prime_rl/trainer/rl/config.py LossConfig, ratio < low | ratio > high).
+    return _band_mask(t.ratio, low, high)
+
+
+def sequence_icepop(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
+    # verl rollout_is="sequence" with "low_high"; slime MIS tis_level="sequence", tis_mode="mask".
+    return _band_mask(_exp(t.seq_sum()), low, high)
+
+
+def geometric_icepop(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
+    # slime MIS tis_level="geometric", tis_mode="mask"; prime-rl geo_mask_low/geo_mask_high gate.
+    return _band_mask(_exp(t.seq_mean()), low, high)
+
+
+def seq_mask_tis(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
+    # OpenRLHF is_correction_type="seq-mask-tis": drop sequences whose geometric-mean ratio leaves
+    # [low, high]; kept tokens carry their own raw token ratio (openrlhf/models/loss.py PolicyLoss).
+    geometric = _exp(t.seq_mean())
+    keep = (geometric >= low) & (geometric <= high)
+    return np.where(keep, t.ratio, 0.0), ~keep
+
+
+def sequence_minmax_mask(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
+    # prime-rl sequence_mask_low / sequence_mask_high: drop the whole sequence when any token's ratio is
+    # below low or above high (the "max" of the ratios decides); kept tokens keep their token ratio.
+    ratio = t.ratio
+    keep = ((_group_reduce(ratio, t.seq, t.num_seqs, np.minimum) >= low)
+            & (_group_reduce(ratio, t.seq, t.num_seqs, np.maximum) <= high))
+    return np.where(keep, ratio, 0.0), ~keep
+
+
+# --- per-rollout modes (agentic: a rollout is many branches) ---
+
+def rollout_clip(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
+    """Each rollout's ratio (exp of the sum over all its branches' trainable tokens) clipped to [low, high]."""
+    return _clip(_exp(t.rollout_sum()), low, high)
+
+
+def rollout_balanced_truncate(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np.ndarray]:
+    """Token TIS at cap, then each rollout's weights averaged so every rollout gets the same total mass.
+
+    weight = min(ratio, cap) * (N / R) / n_tokens(rollout): a rollout that forked five subagents
+    no longer outweighs a single-branch one five times, and the mean weight stays near 1. Affected
+    are the capped tokens; the rebalancing shows in the weight stats.
+    """
+    capped, affected = _truncate(t.ratio, cap)
+    per_rollout = np.bincount(t.rollout, minlength=t.num_rollouts)[t.rollout]
+    scale = (len(t.log_ratio) / t.num_rollouts) / per_rollout
+    return capped * scale, affected
+
+
+# --- rejection modes: verl rollout_rs (verl/trainer/ppo/rollout_corr_helper.py,
+# compute_rollout_rejection_mask). Statistics on log_ratio clamped at +-20:
+# k1 = -log_ratio (kept when log(low) <= k1 <= log(high): bounds apply to 1/ratio, verl's sign),
+# k2 = log_ratio^2 / 2, k3 = ratio - 1 - log_ratio (kept when <= high). token_* per token,
+# seq_sum_* / seq_mean_* / seq_max_* aggregate over the sequence and drop it whole. ---
+
+def _verl_stat(t: _Tokens, estimator: str) -> np.ndarray:
+    log_ratio = np.clip(t.log_ratio, -VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * np.square(log_ratio)
+    return np.expm1(log_ratio) - log_ratio
+
+
+def _verl_rejection(aggregate: str, estimator: str) -> ModeFn:
+    def reject(t: _Tokens, *, high: float, low: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        stat = _verl_stat(t, estimator)
+        counts = np.bincount(t.seq, minlength=t.num_seqs)[t.seq]
+        if aggregate == "seq_sum":
+            stat = np.bincount(t.seq, weights=stat, minlength=t.num_seqs)[t.seq]
+        elif aggregate == "seq_mean":
+            stat = np.bincount(t.seq, weights=stat, minlength=t.num_seqs)[t.seq] / counts
+        elif aggregate == "seq_max":
+            stat = _group_reduce(stat, t.seq, t.num_seqs, np.maximum)
+        if estimator == "k1":
+            keep = (stat >= math.log(low)) & (stat <= math.log(high))
+        else:
+            keep = stat <= high
+        return keep.astype(np.float64), ~keep
+    return reject
+
+
+MODES: dict[str, ModeSpec] = {
+    "token_truncate": ModeSpec(params=("cap",), level="token", fn=token_truncate,
+                               doc="TRL token_truncate / token TIS: min(ratio, cap)"),
+    "token_mask": ModeSpec(params=("cap",), level="token", fn=token_mask,
+                           doc="TRL token_mask: ratio, or 0 where ratio > cap"),
+    "sequence_truncate": ModeSpec(params=("cap",), level="sequence", fn=sequence_truncate,
+                                  doc="TRL sequence_truncate: min(exp(sum log_ratio), cap)"),
+    "sequence_mask": ModeSpec(params=("cap",), level="sequence", fn=sequence_mask,
+                              doc="TRL sequence_mask: exp(sum log_ratio), or 0 above cap"),
+    "geometric_truncate": ModeSpec(params=("cap",), level="sequence", fn=geometric_truncate,
+                                   doc="slime geometric TIS: min(exp(mean log_ratio), cap)"),
+    "token_clip": ModeSpec(params=("low", "high"), level="token", fn=token_clip,
+                           doc="slime TIS / OpenRLHF tis: clip(ratio, low, high)"),
+    "token_icepop": ModeSpec(params=("low", "high"), level="token", fn=token_icepop,
+                             doc="IcePop / MIS: ratio inside [low, high], else 0"),
+    "sequence_icepop": ModeSpec(params=("low", "high"), level="sequence", fn=sequence_icepop,
+                                doc="sequence MIS: exp(sum) inside [low, high], else 0"),
+    "geometric_icepop": ModeSpec(params=("low", "high"), level="sequence", fn=geometric_icepop,
+                                 doc="geometric MIS: exp(mean) inside [low, high], else 0"),
+    "seq_mask_tis": ModeSpec(params=("low", "high"), level="sequence", fn=seq_mask_tis,
+                             doc="OpenRLHF seq-mask-tis: token ratio if exp(mean) in [low, high], else 0"),
+    "sequence_minmax_mask": ModeSpec(params=("low", "high"), level="sequence", fn=sequence_minmax_mask,
+                                     doc="prime-rl sequence_mask_low/high: token ratio, 0 for the whole "
+                                         "sequence if any ratio leaves [low, high]"),
+    "rollout_clip": ModeSpec(params=("low", "high"), level="rollout", fn=rollout_clip,
+                             doc="clip(exp(sum over the rollout), low, high)"),
+    "rollout_balanced_truncate": ModeSpec(params=("cap",), level="rollout", fn=rollout_balanced_truncate,
+                                          doc="min(ratio, cap), each rollout's weights rescaled to equal mass"),
+}
+for _aggregate in ("token", "seq_sum", "seq_mean", "seq_max"):
+    for _estimator in ("k1", "k2", "k3"):
+        if _aggregate == "seq_max" and _estimator == "k1":
+            continue  # verl has no seq_max_k1 (SUPPORTED_ROLLOUT_RS_OPTIONS)
+        _option = f"{_aggregate}_{_estimator}"
+        MODES[f"rs_{_option}"] = ModeSpec(
+            params=("low", "high") if _estimator == "k1" else ("high",),
+            level="token" if _aggregate == "token" else "sequence",
+            fn=_verl_rejection(_aggregate, _estimator),
+            doc=f"verl rollout_rs={_option}: keep (weight 1) or reject (weight 0)")
+
+
+def _correction(mode: str, **params: float) -> Correction:
+    return Correction(mode=mode, params=params)
+
+
+# What `summary.json["corrections"]` lists: TRL's four modes at several caps (the contract needs 2 and 3),
+# plus each framework's other modes at its documented defaults or typical values.
+DEFAULT_CORRECTIONS: tuple[Correction, ...] = (
+    *(_correction(mode, cap=cap)
+      for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+      # verl's RolloutCorrectionConfig docs: typical caps 1.5-5 at token level, 2-10 at sequence level.
+      for cap in (1.5, 2.0, 3.0, 5.0, 10.0)),
+    *(_correction("geometric_truncate", cap=cap) for cap in (1.01, 1.1, 2.0)),
+    _correction("token_clip", low=0.5, high=2.0),          # slime mis.yaml bounds
+    _correction("token_icepop", low=0.5, high=5.0),        # verl decoupled_token_icepop / OpenRLHF default
+    _correction("token_icepop", low=0.125, high=8.0),      # prime-rl token_mask_low/high defaults
+    _correction("sequence_icepop", low=0.5, high=2.0),     # verl decoupled_seq_is_rs bounds
+    _correction("geometric_icepop", low=0.999, high=1.001),
+    _correction("geometric_icepop", low=0.1, high=10.0),   # prime-rl geo_mask_low/high defaults
+    _correction("seq_mask_tis", low=0.999, high=1.002),
+    _correction("seq_mask_tis", low=0.95, high=1.05),
+    _correction("sequence_minmax_mask", low=0.125, high=8.0),
+    _correction("rollout_clip", low=0.5, high=2.0),
+    *(_correction("rollout_balanced_truncate", cap=cap) for cap in (2.0, 3.0)),
+    _correction("rs_token_k1", low=0.5, high=2.0),
+    _correction("rs_token_k3", high=0.01),
+    _correction("rs_seq_sum_k1", low=0.5, high=2.0),        # verl decoupled_seq_is_rs default
+    _correction("rs_seq_mean_k1", low=0.999, high=1.001),  # verl Geo-RS default
+    _correction("rs_seq_mean_k3", high=0.01),              # verl K3-RS default
+    _correction("rs_seq_max_k3", high=0.5),
+)
+
+
+# --- input handling: numpy or torch, never importing torch ourselves ---
+
+def _is_tensor(values: Any) -> bool:
+    torch = sys.modules.get("torch")  # a tensor cannot exist unless torch is already imported
+    return torch is not None and isinstance(values, torch.Tensor)
+
+
+def _to_numpy(values: Any) -> np.ndarray:
+    if _is_tensor(values):
+        values = values.detach()
+        if values.is_floating_point():
+            values = values.double()  # bf16 has no numpy dtype
+        return values.cpu().numpy()
+    return np.asarray(values)
+
+
+def _codes(keys: Any) -> tuple[np.ndarray, int]:
+    """Integer codes 0..n-1 for sortable keys (ints, strings), in sorted key order."""
+    keys = _to_numpy(keys)
+    _, codes = np.unique(keys, return_inverse=True)
+    codes = codes.reshape(-1).astype(np.int64)
+    return codes, int(codes.max()) + 1 if len(codes) else 0
+
+
+def _prepare(log_ratio: Any, *, seq: Any, rollout: Any, trainable: Any | None,
+             turn: Any | None = None) -> tuple[_Tokens, np.ndarray | None]:
+    log_ratio = _to_numpy(log_ratio).astype(np.float64, copy=False)
+    arrays = {"seq": _to_numpy(seq), "rollout": _to_numpy(rollout)}
+    if trainable is not None:
+        arrays["trainable"] = _to_numpy(trainable).astype(bool)
+    if turn is not None:
+        arrays["turn"] = _to_numpy(turn)
+    if log_ratio.ndim != 1 or any(a.shape != log_ratio.shape for a in arrays.values()):
+        shapes = ", ".join(f"{k} {a.shape}" for k, a in arrays.items())
+        raise ValueError(f"corrections need 1-D arrays of one length; got log_ratio {log_ratio.shape}, {shapes}")
+    keep = ~np.isnan(log_ratio)  # no stored sampler log-prob: nothing to correct
+    if "trainable" in arrays:
+        keep &= arrays["trainable"]
+    seq_codes, num_seqs = _codes(arrays["seq"][keep])
+    rollout_codes, num_rollouts = _codes(arrays["rollout"][keep])
+    tokens = _Tokens(log_ratio=log_ratio[keep], seq=seq_codes, rollout=rollout_codes,
+                     num_seqs=num_seqs, num_rollouts=num_rollouts)
+    return tokens, (arrays["turn"][keep] if "turn" in arrays else None)
+
+
+def _apply(tokens: _Tokens, correction: Correction) -> tuple[np.ndarray, np.ndarray]:
+    return MODES[correction.mode].fn(tokens, **correction.params)
+
+
+def correction_weights(log_ratio: Any, correction: Correction, *, seq: Any,
+                       rollout: Any | None = None) -> tuple[Any, Any]:
+    """(weight, affected) per token for one correction, for use inside a trainer.
+
+    `log_ratio`, `seq` (and `rollout`, for the rollout modes) are 1-D and aligned; pass only the
+    tokens that enter the loss. Given torch tensors, returns tensors on the same device (weight in
+    log_ratio's dtype); given arrays, numpy arrays. NaN log-ratios get weight NaN, affected False.
+    """
+    values = _to_numpy(log_ratio).astype(np.float64, copy=False)
+    rollout = seq if rollout is None else rollout
+    tokens, _ = _prepare(values, seq=seq, rollout=rollout, trainable=None)
+    valid = ~np.isnan(values)
+    weight = np.full(values.shape, np.nan)
+    affected = np.zeros(values.shape, dtype=bool)
+    weight[valid], affected[valid] = _apply(tokens, correction)
+    if _is_tensor(log_ratio):
+        torch = sys.modules["torch"]
+        return (torch.from_numpy(weight).to(device=log_ratio.device, dtype=log_ratio.dtype),
+                torch.from_numpy(affected).to(device=log_ratio.device))
+    return weight, affected
+
+
+def effective_sample_size(weight: np.ndarray) -> float:
+    """(sum w)^2 / (n sum w^2), scale-free; 0 when every weight is 0, NaN with no tokens.
+
+    Infinite weights dominate: k of them among n give k/n (the limit), not inf/inf.
+    """
+    weight = np.asarray(weight, dtype=np.float64)
+    if len(weight) == 0:
+        return math.nan
+    infinite = np.isinf(weight)
+    if infinite.any():
+        return float(infinite.sum() / len(weight))
+    top = weight.max()
+    if top <= 0:
+        return 0.0
+    scaled = weight / top  # scale-free: avoids overflow of w^2 for big sequence ratios
+    return float(np.square(scaled.sum()) / (len(scaled) * np.square(scaled).sum()))
+
+
+def _result(tokens: _Tokens, turn: np.ndarray | None, correction: Correction) -> CorrectionResult:
+    n = len(tokens.log_ratio)
+    if n == 0:
+        nan = math.nan
+        return CorrectionResult(mode=correction.mode, params=dict(correction.params),
+                                level=MODES[correction.mode].level, n_tokens=0, n_sequences=0,
+                                n_rollouts=0, frac_tokens_affected=nan, frac_sequences_affected=nan,
+                                frac_rollouts_affected=nan, weight_mean=nan, weight_std=nan,
+                                weight_max=nan, ess=nan, by_turn=[])
+    weight, affected = _apply(tokens, correction)
+    seq_hit = np.bincount(tokens.seq, weights=affected, minlength=tokens.num_seqs) > 0
+    rollout_hit = np.bincount(tokens.rollout, weights=affected, minlength=tokens.num_rollouts) > 0
+    with np.errstate(invalid="ignore", over="ignore"):
+        mean = float(weight.mean())
+        std = float(np.sqrt(np.square(weight - mean).mean())) if math.isfinite(mean) else math.nan
+    return CorrectionResult(
+        mode=correction.mode, params=dict(correction.params), level=MODES[correction.mode].level,
+        n_tokens=n, n_sequences=tokens.num_seqs, n_rollouts=tokens.num_rollouts,
+        frac_tokens_affected=float(affected.mean()), frac_sequences_affected=float(seq_hit.mean()),
+        frac_rollouts_affected=float(rollout_hit.mean()), weight_mean=mean, weight_std=std,
+        weight_max=float(weight.max()), ess=effective_sample_size(weight),
+        by_turn=_by_turn(turn, weight, affected) if turn is not None else [])
+
+
+def _by_turn(turn: np.ndarray, weight: np.ndarray, affected: np.ndarray) -> list[dict[str, Any]]:
+    """Per turn: how many tokens, the share the correction touched, and their mean weight."""
+    keys, codes = np.unique(turn, return_inverse=True)
+    codes = codes.reshape(-1)
+    counts = np.bincount(codes, minlength=len(keys))
+    hits = np.bincount(codes, weights=affected, minlength=len(keys))
+    with np.errstate(invalid="ignore", over="ignore"):
+        sums = np.bincount(codes, weights=weight, minlength=len(keys))
+    return [{"turn": key.item() if hasattr(key, "item") else key, "n_tokens": int(count),
+             "frac_tokens_affected": float(hit / count), "weight_mean": float(total / count)}
+            for key, count, hit, total in zip(keys, counts, hits, sums)]
+
+
+def simulate(log_ratio: Any, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS, *, seq: Any,
+             rollout: Any, turn: Any | None = None, trainable: Any | None = None) -> list[CorrectionResult]:
+    """Apply each correction to the measured tokens and describe the result.
+
+    All inputs are 1-D and aligned (numpy arrays, lists or torch tensors): `log_ratio` =
+    log pi_train - log pi_sampler; `seq` names each token's sequence (one branch of one rollout:
+    its ids must differ across rollouts), `rollout` its rollout, `turn` its turn (for by_turn),
+    `trainable` which tokens enter the loss. NaN log-ratios and non-trainable tokens are dropped.
+    """
+    tokens, turn_kept = _prepare(log_ratio, seq=seq, rollout=rollout, trainable=trainable, turn=turn)
+    return [_result(tokens, turn_kept, correction) for correction in corrections]
+
+
+def simulate_table(table: Any, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS, *,
+                   pair: tuple[str, str] = ("train", "sampler")) -> list[CorrectionResult]:
+    """`simulate` on a token table (tokens.parquet as a DataFrame).
+
+    Reads columns `rollout`, `branch`, `turn`, `trainable`, `logp_<A>` and `logp_<B>` of the pair;
+    log_ratio = logp_A - logp_B, a sequence is a (rollout, branch).
+    """
+    needed = ["rollout", "branch", "turn", "trainable", f"logp_{pair[0]}", f"logp_{pair[1]}"]
+    missing = [name for name in needed if name not in table.columns]
+    if missing:
+        raise MismatchError(f"token table has no column {missing[0]!r} (columns: "
+                            f"{', '.join(map(str, table.columns))})")
+    seq = table.groupby(["rollout", "branch"], sort=False, observed=True, dropna=False).ngroup().to_numpy()
+    rollout = table.groupby("rollout", sort=False, observed=True, dropna=False).ngroup().to_numpy()
+    log_ratio = table[needed[4]].to_numpy(np.float64) - table[needed[5]].to_numpy(np.float64)
+    return simulate(log_ratio, corrections, seq=seq, rollout=rollout, turn=table["turn"].to_numpy(),
+                    trainable=table["trainable"].to_numpy(bool))
+
+
+def summary_corrections(table: Any, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS) -> list[dict[str, Any]]:
+    """`summary.json["corrections"]`: every correction simulated over train/sampler trainable tokens."""
+    return [result.to_dict() for result in simulate_table(table, corrections)]

@@ -1,0 +1,306 @@
+"""CI gate: thresholds on a results dir's pair metrics and drift against a baseline, as pass/fail checks.
+
+Flow: results dir (summary.json) -> run_gate -> GateResult -> exit code (0 pass, 1 fail) + table / JSON / JUnit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mismatch.errors import MismatchError, ResultsError
+from mismatch.metrics import PAIR_METRICS
+from mismatch.results import SUMMARY_FILE, SUMMARY_SCHEMA, atomic_write_text
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - python 3.10
+    import tomli as tomllib
+
+# Fails closed: an unknown schema, a pair with no tokens, a missing or NaN metric is a failed check, never
+# a pass. Bad input (an unknown metric, a malformed threshold) is a MismatchError: exit 2 at the CLI.
+DEFAULT_PAIR = "train/sampler"
+# Drift is measured in the direction that is worse; metrics in neither set drift both ways.
+HIGHER_IS_WORSE = frozenset({"log_ratio_abs_mean", "log_ratio_abs_max", "ratio_std", "ratio_max", "ratio_p99",
+                             "ratio_p999", "kl_k2", "kl_k3", "chi2_token", "chi2_seq", "prob_abs_diff_mean",
+                             "prob_abs_diff_max", "frac_outside_2"})
+HIGHER_IS_BETTER = frozenset({"ess", "bitwise_equal_frac", "ratio_min", "ratio_p01"})
+# Compared against a baseline even when no threshold names them: the headline gap metrics.
+DRIFT_METRICS = tuple(f"{DEFAULT_PAIR}.{m}" for m in ("kl_k3", "log_ratio_abs_mean", "chi2_token", "frac_outside_2"))
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Check:
+    """One gate check: `kind` is schema | tokens | max | min | drift."""
+
+    kind: str
+    name: str
+    value: float | None
+    limit: float | None
+    passed: bool
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "value": self.value, "limit": self.limit,
+                "passed": self.passed, "message": self.message}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class GateResult:
+    checks: tuple[Check, ...]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(check.passed for check in self.checks)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+    @property
+    def failures(self) -> tuple[Check, ...]:
+        return tuple(check for check in self.checks if not check.passed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "num_checks": len(self.checks), "num_failed": len(self.failures),
+                "checks": [check.to_dict() for check in self.checks]}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Thresholds:
+    """Limits keyed "A/B.metric"; what a TOML file or --max flags give."""
+
+    maxima: dict[str, float] = field(default_factory=dict)
+    minima: dict[str, float] = field(default_factory=dict)
+    max_drift_pct: float | None = None
+
+
+def threshold_key(key: str, *, where: str) -> str:
+    """ "kl_k3" -> "train/sampler.kl_k3"; "train/infer.kl_k3" stays; anything else is a MismatchError."""
+    pair, _, metric = key.rpartition(".")
+    pair = pair or DEFAULT_PAIR
+    if metric not in PAIR_METRICS:
+        raise MismatchError(f"{where}: unknown metric {metric!r} (valid: {', '.join(PAIR_METRICS)})")
+    sides = pair.split("/")
+    if len(sides) != 2 or not all(sides):
+        raise MismatchError(f"{where}: pair {pair!r} is not A/B (e.g. train/sampler)")
+    return f"{pair}.{metric}"
+
+
+def _limit(value: Any, *, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise MismatchError(f"{where}: limit {value!r} is not a number")
+    try:
+        limit = float(value)
+    except ValueError:
+        raise MismatchError(f"{where}: limit {value!r} is not a number") from None
+    if math.isnan(limit):
+        raise MismatchError(f"{where}: limit is NaN")
+    return limit
+
+
+def parse_limits(items: Iterable[str], *, flag: str = "--max") -> dict[str, float]:
+    """`--max METRIC=VALUE` (or A/B.METRIC=VALUE) flags -> {"A/B.metric": limit}."""
+    limits = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise MismatchError(f"{flag} {item!r}: expected METRIC=VALUE, e.g. kl_k3=1e-3")
+        where = f"{flag} {item}"
+        limits[threshold_key(key.strip(), where=where)] = _limit(value.strip(), where=where)
+    return limits
+
+
+def load_thresholds(path: str | Path) -> Thresholds:
+    """A thresholds TOML: optional `max_drift_pct`, tables [max] and [min] of METRIC or "A/B.METRIC" = limit,
+    or per pair as [max."A/B"] tables."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise MismatchError(f"{path}: no such thresholds file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise MismatchError(f"{path}: not valid TOML ({exc})") from None
+    unknown = sorted(set(data) - {"max", "min", "max_drift_pct"})
+    if unknown:
+        raise MismatchError(f"{path}: unknown key {unknown[0]!r} (valid: max, min, max_drift_pct)")
+    tables = {}
+    for bound in ("max", "min"):
+        table = data.get(bound, {})
+        if not isinstance(table, dict):
+            raise MismatchError(f"{path}: {bound} must be a table of METRIC = limit")
+        tables[bound] = {}
+        for key, value in table.items():
+            entries = ({f"{key}.{metric}": v for metric, v in value.items()} if isinstance(value, dict)
+                       else {key: value})
+            for full_key, limit in entries.items():
+                where = f"{path}: [{bound}] {full_key}"
+                tables[bound][threshold_key(full_key, where=where)] = _limit(limit, where=where)
+    drift = data.get("max_drift_pct")
+    return Thresholds(maxima=tables["max"], minima=tables["min"],
+                      max_drift_pct=None if drift is None else _limit(drift, where=f"{path}: max_drift_pct"))
+
+
+def load_summary(path: str | Path) -> dict[str, Any]:
+    """summary.json of a results dir (or the file itself). Its schema is checked by the gate, not here."""
+    path = Path(path)
+    file = path / SUMMARY_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise ResultsError(f"{path}: no {SUMMARY_FILE} (not a mismatch results dir)")
+    try:
+        summary = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ResultsError(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(summary, dict):
+        raise ResultsError(f"{file}: not a JSON object")
+    return summary
+
+
+def _value(summary: dict[str, Any], key: str) -> tuple[float | None, str | None]:
+    """(value, None) or (None, why it is unusable) for "A/B.metric"; NaN is stored as null in summary.json."""
+    pair, _, metric = key.rpartition(".")
+    pairs = summary.get("pairs") if isinstance(summary.get("pairs"), dict) else {}
+    if pair not in pairs:
+        return None, f"no pair {pair!r} (pairs: {', '.join(pairs) or 'none'})"
+    if metric not in pairs[pair]:
+        return None, f"metric {metric!r} missing"
+    value = pairs[pair][metric]
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None, "NaN"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None, f"not a number: {value!r}"
+    return float(value), None
+
+
+def _schema_check(summary: dict[str, Any], *, label: str) -> Check:
+    schema = summary.get("schema")
+    ok = schema == SUMMARY_SCHEMA
+    return Check(kind="schema", name=f"{label} schema", value=None, limit=None, passed=ok,
+                 message=f"{label} schema {schema!r}" + ("" if ok else f" is not {SUMMARY_SCHEMA!r}"))
+
+
+def _tokens_check(summary: dict[str, Any], pair: str, *, label: str) -> Check:
+    value, problem = _value(summary, f"{pair}.n_tokens")
+    ok = problem is None and value > 0
+    message = (f"{label} {pair}: {problem}" if problem else
+               f"{label} {pair}: {int(value):,} tokens" + ("" if ok else " (nothing was measured)"))
+    return Check(kind="tokens", name=f"{label} {pair} tokens", value=value, limit=None, passed=ok, message=message)
+
+
+def _bound_check(summary: dict[str, Any], key: str, limit: float, bound: str) -> Check:
+    value, problem = _value(summary, key)
+    if problem is not None:
+        return Check(kind=bound, name=key, value=None, limit=limit, passed=False,
+                     message=f"{key}: {problem} ({bound} {limit:g})")
+    ok = value <= limit if bound == "max" else value >= limit
+    op = ("<=" if ok else ">") if bound == "max" else (">=" if ok else "<")
+    return Check(kind=bound, name=key, value=value, limit=limit, passed=ok,
+                 message=f"{key} = {value:.4g} {op} {bound} {limit:g}")
+
+
+def drift_pct(value: float, base: float, metric: str) -> float:
+    """Relative change from the baseline in %, in the worse direction (improvement counts as 0)."""
+    change = value - base
+    if metric in HIGHER_IS_BETTER:
+        change = -change
+    elif metric not in HIGHER_IS_WORSE:
+        change = abs(change)
+    if change <= 0:
+        return 0.0
+    return math.inf if base == 0 else 100.0 * change / abs(base)
+
+
+def _drift_check(summary: dict[str, Any], baseline: dict[str, Any], key: str, max_pct: float) -> Check:
+    value, problem = _value(summary, key)
+    base, base_problem = _value(baseline, key)
+    name = f"{key} drift"
+    if problem or base_problem:
+        why = f"{problem}" if problem else f"baseline {base_problem}"
+        return Check(kind="drift", name=name, value=None, limit=max_pct, passed=False,
+                     message=f"{key}: {why} (max drift {max_pct:g}%)")
+    pct = drift_pct(value, base, key.rpartition(".")[2])
+    ok = pct <= max_pct
+    return Check(kind="drift", name=name, value=pct, limit=max_pct, passed=ok,
+                 message=f"{key} = {value:.4g} vs baseline {base:.4g}: {pct:.3g}% worse "
+                         f"({'<=' if ok else '>'} {max_pct:g}%)")
+
+
+def run_gate(summary: dict[str, Any], *, maxima: dict[str, float] | None = None,
+             minima: dict[str, float] | None = None, baseline: dict[str, Any] | None = None,
+             max_drift_pct: float | None = None, drift_metrics: Iterable[str] | None = None) -> GateResult:
+    """Every check on `summary`: its schema, each gated pair having tokens, each max / min, each drift.
+
+    Keys are "A/B.metric" (see parse_limits / threshold_key). With a baseline summary, each of
+    `drift_metrics` (default: the gated metrics plus DRIFT_METRICS) may be at most `max_drift_pct` %
+    worse than in the baseline.
+    """
+    # Keys from the API get the same validation and "kl_k3" -> "train/sampler.kl_k3" as flags.
+    maxima = {threshold_key(key, where="gate max"): limit for key, limit in (maxima or {}).items()}
+    minima = {threshold_key(key, where="gate min"): limit for key, limit in (minima or {}).items()}
+    if drift_metrics is not None:
+        drift_metrics = [threshold_key(key, where="gate drift") for key in drift_metrics]
+    if (baseline is None) != (max_drift_pct is None):
+        raise MismatchError("--baseline DIR and --max-drift PCT go together")
+    if max_drift_pct is not None and not (max_drift_pct >= 0):
+        raise MismatchError(f"--max-drift {max_drift_pct}: must be a percentage >= 0")
+    if not maxima and not minima and baseline is None:
+        raise MismatchError("nothing to gate: give --max METRIC=VALUE, a thresholds file, or "
+                            "--baseline DIR with --max-drift PCT")
+    drift_keys = list(dict.fromkeys(drift_metrics if drift_metrics is not None
+                                    else [*maxima, *minima, *DRIFT_METRICS])) if baseline is not None else []
+    pairs = dict.fromkeys(key.rpartition(".")[0] for key in [*maxima, *minima, *drift_keys])
+    checks = [_schema_check(summary, label="results")]
+    checks += [_tokens_check(summary, pair, label="results") for pair in pairs]
+    checks += [_bound_check(summary, key, limit, "max") for key, limit in maxima.items()]
+    checks += [_bound_check(summary, key, limit, "min") for key, limit in minima.items()]
+    if baseline is not None:
+        checks.append(_schema_check(baseline, label="baseline"))
+        checks += [_tokens_check(baseline, pair, label="baseline")
+                   for pair in dict.fromkeys(key.rpartition(".")[0] for key in drift_keys)]
+        checks += [_drift_check(summary, baseline, key, max_drift_pct) for key in drift_keys]
+    return GateResult(checks=tuple(checks))
+
+
+def format_table(result: GateResult) -> str:
+    """Plain text, one check a line, then the verdict."""
+    lines = [f"{'PASS' if check.passed else 'FAIL'}  {check.message}" for check in result.checks]
+    lines.append(f"gate {'passed' if result.passed else 'FAILED'}: {len(result.checks) - len(result.failures)}"
+                 f"/{len(result.checks)} checks passed")
+    return "\n".join(lines)
+
+
+def github_annotations(result: GateResult) -> list[str]:
+    """`::error` workflow commands for the failed checks (print them when GITHUB_ACTIONS=true)."""
+    def escape(text: str) -> str:  # GitHub's workflow-command escaping for the message part
+        return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    return [f"::error title=mismatch gate::{escape(check.message)}" for check in result.failures]
+
+
+def junit_xml(result: GateResult, *, suite: str = "mismatch gate") -> str:
+    """JUnit XML: one testsuite, one testcase per check, a <failure> for each failed one."""
+    counts = {"tests": str(len(result.checks)), "failures": str(len(result.failures)), "errors": "0",
+              "skipped": "0"}
+    root = ET.Element("testsuites", {"name": suite, **counts})
+    suite_el = ET.SubElement(root, "testsuite", {"name": suite, **counts})
+    for check in result.checks:
+        case = ET.SubElement(suite_el, "testcase", {"classname": f"mismatch.gate.{check.kind}",
+                                                    "name": check.name, "time": "0"})
+        if check.passed:
+            ET.SubElement(case, "system-out").text = check.message
+        else:
+            ET.SubElement(case, "failure", {"message": check.message, "type": check.kind}).text = check.message
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def write_junit(result: GateResult, path: str | Path) -> Path:
+    """Write junit_xml(result) atomically (temp file + rename)."""
+    path = Path(path)
+    atomic_write_text(path, junit_xml(result))
+    return path

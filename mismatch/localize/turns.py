@@ -1,0 +1,288 @@
+"""Where in a rollout the gap lives: by turn (with an onset rule), along position, by token probability.
+
+The turn step of localize: token table (`logp_*` columns) -> `summary.json["localization"]["turns"]`.
+numpy/pandas only, so a report or a trainer can call it without torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from mismatch.errors import MismatchError
+from mismatch.metrics import DEFAULT_SEQ, grouped_pair_metrics
+from mismatch.results import json_safe
+
+# Per-group metrics kept in each breakdown row (the full PAIR_METRICS live in summary["turns"]).
+BREAKDOWN_METRICS = ("n_tokens", "n_rollouts", "log_ratio_mean", "log_ratio_abs_mean",
+                     "log_ratio_abs_max", "kl_k3", "frac_outside_2", "bitwise_equal_frac")
+
+# Edges of the probability buckets of p_B = exp(logp_B): [0, 1e-3), [1e-3, 1e-2), ..., [0.9, 1].
+PROB_EDGES = (1e-3, 1e-2, 0.1, 0.5, 0.9)
+PROB_LABELS = ("p<0.001", "0.001-0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", "p>=0.9")
+
+STATISTICS = ("prob_adjusted", "raw")  # what the onset rule compares across turns
+MAD_TO_SIGMA = 1.4826  # MAD of a normal sample times this estimates its standard deviation
+POSITION_UNIT = 1000   # slopes are per this many tokens of position
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class OnsetRule:
+    """Parameters of the onset rule; see `localize_turns` for the rule itself."""
+
+    statistic: str = "prob_adjusted"  # or "raw": the turn's plain mean |log_ratio|
+    k: float = 3.0            # robust standard deviations above the earlier turns' median
+    factor: float = 1.5       # ... and at least this many times that median
+    min_abs: float = 1e-4     # ... and raw mean |log_ratio| at least this far (nats) above theirs
+    min_tokens: int = 8       # turns with fewer tokens are reported but never compared
+    min_history: int = 1      # earlier (compared) turns needed before a turn can be the onset
+
+    def __post_init__(self) -> None:
+        if self.statistic not in STATISTICS:
+            raise MismatchError(f"onset statistic {self.statistic!r} is not one of: {', '.join(STATISTICS)}")
+
+    def describe(self) -> str:
+        stat = ("x_t = mean |log_ratio| of turn t / its expected value given the B-probability "
+                "buckets of its tokens" if self.statistic == "prob_adjusted"
+                else "x_t = mean |log_ratio| of turn t")
+        return (f"{stat}; onset = first turn t (of turns with >= {self.min_tokens} tokens, after >= "
+                f"{self.min_history} earlier such turns) with x_t > max(m + {self.k:g}*max(1.4826*MAD, "
+                f"se_t), {self.factor:g}*m) and raw mean |log_ratio| > {self.min_abs:g} + the earlier "
+                "turns' median, where m and MAD are the median and median absolute deviation of x "
+                "over the earlier turns and se_t is the standard error of x_t")
+
+
+def localize_turns(table: pd.DataFrame, a: str = "train", b: str = "sampler", *,
+                   trainable_only: bool = True, rule: OnsetRule = OnsetRule()) -> dict[str, Any]:
+    """`summary.json["localization"]["turns"]` for the pair A/B (log_ratio = logp_A - logp_B).
+
+    Uses the token table's `turn`, `pos`, `role`, `branch_kind`, `rollout`, `branch` and
+    `trainable` columns; only trainable tokens by default, and only tokens where both log-probs
+    are defined. Returns JSON-safe values (NaN -> None).
+
+    Onset rule (stated in the output as `onset_rule`, parameters in `onset_params`): each turn
+    gets a statistic x_t. By default (`prob_adjusted`) x_t is the turn's mean |log_ratio| over
+    its expected value, the mean over its tokens of the overall mean |log_ratio| of their
+    probability bucket (`by_prob_bucket`): mismatch lives in low-probability tokens, so a turn
+    of mostly templated, near-certain tokens would otherwise look clean and the next turn
+    would look like an onset (examples/rollouts.jsonl, hf fp32 vs its bf16 sampler, no fault:
+    raw 2.5x from turn 0 to turn 1, adjusted 1.3x). `raw` uses the plain mean |log_ratio|.
+    Turns with fewer than `min_tokens` tokens are listed but skipped. A turn t with at least
+    `min_history` earlier kept turns departs when
+        x_t > max(m + k * max(1.4826 * MAD, se_t),  factor * m)
+        and  mean |log_ratio|_t > median of the earlier turns' mean |log_ratio| + min_abs
+    where m and MAD are the median and median absolute deviation of x over the earlier kept
+    turns and se_t is the standard error of x_t. The MAD term asks for a jump beyond the
+    turn-to-turn noise, se_t keeps one small noisy turn from triggering it, and the factor and
+    min_abs terms ask for a jump that matters. `onset_turn` is the first departing turn.
+
+    `position_slope`: OLS of |log_ratio| on `pos` (context length, per 1000 tokens) with a 95%
+    Student-t confidence interval; `grows_with_position` = slope > 0 and the CI excludes 0.
+    Tokens of one sequence are not independent, so a sequence-clustered CI is given too
+    (`ci95_cluster_per_1k`), which is wider when whole sequences sit high or low.
+    """
+    tokens = _pair_tokens(table, a, b, trainable_only=trainable_only)
+    by_turn = _by_turn(tokens, rule)
+    onset = next((row["turn"] for row in by_turn if row["departs"]), None)
+    return json_safe({
+        "pair": f"{a}/{b}",
+        "trainable_only": trainable_only,
+        "n_tokens": len(tokens),
+        "onset_turn": onset,
+        "onset_rule": rule.describe(),
+        "onset_params": asdict(rule),
+        "by_turn": by_turn,
+        "position_slope": position_slope(tokens["pos"].to_numpy(), tokens["abs_log_ratio"].to_numpy(),
+                                         groups=tokens["seq"].to_numpy()),
+        "by_prob_bucket": _by_prob_bucket(tokens),
+        "by_role": _breakdown(tokens, "role"),
+        "by_branch_kind": _breakdown(tokens, "branch_kind"),
+    })
+
+
+def _pair_tokens(table: pd.DataFrame, a: str, b: str, *, trainable_only: bool) -> pd.DataFrame:
+    """The rows that enter the pair (trainable, both log-probs defined) with helper columns."""
+    col_a, col_b = f"logp_{a}", f"logp_{b}"
+    needed = [col_a, col_b, "turn", "pos", "role", "branch_kind", *DEFAULT_SEQ, "trainable"]
+    missing = [c for c in needed if c not in table.columns]
+    if missing:
+        raise MismatchError(f"pair {a}/{b}: token table has no column {missing[0]!r} "
+                            f"(columns: {', '.join(map(str, table.columns))})")
+    keep = ~(table[col_a].isna().to_numpy() | table[col_b].isna().to_numpy())
+    if trainable_only:
+        keep &= table["trainable"].to_numpy(dtype=bool)
+    tokens = table.loc[keep, needed].reset_index(drop=True)
+    tokens = tokens.rename(columns={col_a: "logp_a", col_b: "logp_b"})
+    tokens["abs_log_ratio"] = np.abs(tokens["logp_a"].to_numpy() - tokens["logp_b"].to_numpy())
+    tokens["seq"] = tokens.groupby(list(DEFAULT_SEQ), sort=False, observed=True).ngroup().to_numpy()
+    return tokens
+
+
+def _records(frame: pd.DataFrame, by: str) -> list[dict[str, Any]]:
+    columns = [by, *BREAKDOWN_METRICS]
+    return [{key: (value.item() if hasattr(value, "item") else value) for key, value in row.items()}
+            for row in frame[columns].to_dict("records")]
+
+
+def _breakdown(tokens: pd.DataFrame, by: str) -> list[dict[str, Any]]:
+    if tokens.empty:
+        return []
+    frame = grouped_pair_metrics(tokens, "logp_a", "logp_b", by=by)
+    frame[by] = frame[by].astype(str)  # role and branch_kind are categoricals; JSON wants str
+    return _records(frame, by)
+
+
+def _by_prob_bucket(tokens: pd.DataFrame) -> list[dict[str, Any]]:
+    """Mismatch by B's probability of the realized token; empty buckets keep a row (n_tokens 0)."""
+    bucket = _prob_bucket(tokens["logp_b"].to_numpy())
+    frame = grouped_pair_metrics(tokens.assign(bucket=bucket), "logp_a", "logp_b", by="bucket")
+    rows = {int(record["bucket"]): record for record in _records(frame, "bucket")}
+    out = []
+    for index, label in enumerate(PROB_LABELS):
+        row = rows.get(index, {name: 0 if name.startswith("n_") else math.nan for name in BREAKDOWN_METRICS})
+        lo = 0.0 if index == 0 else PROB_EDGES[index - 1]
+        hi = PROB_EDGES[index] if index < len(PROB_EDGES) else 1.0
+        out.append({"bucket": label, "p_min": lo, "p_max": hi,
+                    **{name: row[name] for name in BREAKDOWN_METRICS}})
+    return out
+
+
+def _by_turn(tokens: pd.DataFrame, rule: OnsetRule) -> list[dict[str, Any]]:
+    if tokens.empty:
+        return []
+    rows = _records(grouped_pair_metrics(tokens, "logp_a", "logp_b", by="turn"), "turn")
+    bucket = _prob_bucket(tokens["logp_b"].to_numpy())
+    abs_lr = tokens["abs_log_ratio"]
+    expected = abs_lr.groupby(bucket).transform("mean")  # each token's bucket mean
+    per_turn = pd.DataFrame({"turn": tokens["turn"], "abs_lr": abs_lr, "expected": expected}) \
+        .groupby("turn", sort=True).agg(std=("abs_lr", "std"), expected=("expected", "mean"))
+    history_x: list[float] = []    # x of the earlier kept turns
+    history_raw: list[float] = []  # their raw mean |log_ratio|
+    for row in rows:
+        turn, n_t, raw_t = row["turn"], row["n_tokens"], row["log_ratio_abs_mean"]
+        std_t, expected_t = per_turn.loc[turn, "std"], float(per_turn.loc[turn, "expected"])
+        se_raw = float(std_t) / math.sqrt(n_t) if n_t > 1 and np.isfinite(std_t) else math.inf
+        if rule.statistic == "raw":
+            x_t, se_t = raw_t, se_raw
+        elif expected_t > 0:
+            x_t, se_t = raw_t / expected_t, se_raw / expected_t
+        else:  # every bucket this turn touches is bitwise equal everywhere: as expected
+            x_t, se_t = 1.0, se_raw
+        row.update(expected_abs_mean=expected_t, onset_stat=x_t, compared=n_t >= rule.min_tokens,
+                   baseline=None, threshold=None, departs=False)
+        if not row["compared"]:
+            continue
+        if len(history_x) >= rule.min_history:
+            median = float(np.median(history_x))
+            mad = float(np.median(np.abs(np.asarray(history_x) - median)))
+            threshold = max(median + rule.k * max(MAD_TO_SIGMA * mad, se_t), rule.factor * median)
+            matters = raw_t > float(np.median(history_raw)) + rule.min_abs
+            row.update(baseline=median, threshold=threshold, departs=bool(x_t > threshold and matters))
+        history_x.append(x_t)
+        history_raw.append(raw_t)
+    return rows
+
+
+def _prob_bucket(logp_N: np.ndarray) -> np.ndarray:
+    """Index into PROB_LABELS of each token's probability (compared in log space)."""
+    # log space: exp() of a -1e4 placeholder log-prob would just be 0.
+    return np.searchsorted(np.log(PROB_EDGES), logp_N, side="right")
+
+
+def position_slope(pos: np.ndarray, abs_log_ratio: np.ndarray, *,
+                   groups: np.ndarray | None = None) -> dict[str, Any]:
+    """OLS fit |log_ratio| = intercept + slope * pos/1000, with 95% CIs and a two-sided p-value.
+
+    `ci95_per_1k` uses the classic OLS standard error (n - 2 degrees of freedom). With `groups`
+    (one id per token, e.g. its sequence) a cluster-robust (CR1) standard error is added, with
+    G - 1 degrees of freedom. Fewer than 3 tokens or a single position: slope is None.
+    """
+    x = np.asarray(pos, dtype=np.float64) / POSITION_UNIT
+    y = np.asarray(abs_log_ratio, dtype=np.float64)
+    n = len(x)
+    out: dict[str, Any] = {"unit_tokens": POSITION_UNIT, "n_tokens": n, "slope_per_1k": None,
+                           "intercept": None, "se": None, "ci95_per_1k": None, "p_value": None,
+                           "dof": None, "grows_with_position": False}
+    if n < 3 or np.ptp(x) == 0.0:
+        return out
+    x_dev = x - x.mean()
+    sxx = float(np.dot(x_dev, x_dev))
+    slope = float(np.dot(x_dev, y - y.mean())) / sxx
+    intercept = float(y.mean() - slope * x.mean())
+    resid = y - intercept - slope * x
+    dof = n - 2
+    se = math.sqrt(float(np.dot(resid, resid)) / dof / sxx)
+    half = t_critical(0.975, dof) * se
+    out.update(slope_per_1k=slope, intercept=intercept, se=se, dof=dof,
+               ci95_per_1k=[slope - half, slope + half], p_value=_p_two_sided(slope, se, dof),
+               grows_with_position=bool(slope > 0 and slope - half > 0))
+    if groups is not None:
+        codes, _ = pd.factorize(np.asarray(groups))
+        num_groups = int(codes.max()) + 1
+        out["n_sequences"] = num_groups
+        if num_groups >= 2:
+            score_G = np.bincount(codes, weights=x_dev * resid, minlength=num_groups)
+            # CR1 small-sample correction, as Stata's `regress, vce(cluster)`.
+            scale = num_groups / (num_groups - 1) * (n - 1) / (n - 2)
+            se_cluster = math.sqrt(scale * float(np.dot(score_G, score_G))) / sxx
+            half_cluster = t_critical(0.975, num_groups - 1) * se_cluster
+            out.update(se_cluster=se_cluster,
+                       ci95_cluster_per_1k=[slope - half_cluster, slope + half_cluster],
+                       p_value_cluster=_p_two_sided(slope, se_cluster, num_groups - 1))
+    return out
+
+
+def _p_two_sided(estimate: float, se: float, dof: int) -> float:
+    if se == 0.0:
+        return 0.0 if estimate != 0.0 else 1.0
+    return t_sf2(abs(estimate) / se, dof)
+
+
+def t_sf2(t: float, dof: float) -> float:
+    """Two-sided tail P(|T| > t) of Student's t: the regularized incomplete beta I_x(dof/2, 1/2)."""
+    if not math.isfinite(t):
+        return 0.0
+    return _betainc(dof / 2.0, 0.5, dof / (dof + t * t))
+
+
+def t_critical(q: float, dof: float) -> float:
+    """Quantile q (> 0.5) of Student's t, by bisection on `t_sf2` (no scipy dependency)."""
+    target = 2.0 * (1.0 - q)
+    lo, hi = 0.0, 1.0
+    while t_sf2(hi, dof) > target:
+        hi *= 2.0
+    for _ in range(100):  # 2^-100 of the bracket: far below float64 resolution
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if t_sf2(mid, dof) > target else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta I_x(a, b) by Lentz's continued fraction (Numerical Recipes 6.4)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                 + a * math.log(x) + b * math.log1p(-x))
+    if x > (a + 1.0) / (a + b + 2.0):  # the fraction converges fast only on this side
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    tiny, eps = 1e-300, 1e-15
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    fraction = d
+    for m in range(1, 100_000):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            fraction *= c * d
+        if abs(c * d - 1.0) < eps:
+            break
+    return math.exp(log_front) * fraction / a

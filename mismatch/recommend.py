@@ -1,0 +1,476 @@
+"""Recommendations: a stated rule turns the measured gap into a correction, fixes at the source, and configs.
+
+Flow: summary.json (pairs, counts, engines, corrections, localization) + probes -> recommend -> render_config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mismatch.errors import MismatchError
+from mismatch.verdicts import gap_level
+
+RULE = """\
+1. The stored log-probs are shifted against the tokens (alignment shift != 0): fix_alignment.
+2. Re-rendered messages give other tokens than were sampled (drift spans): fix_renderer.
+3. Correction: none when the train/sampler gap is exact or negligible (mismatch.verdicts.gap_level).
+   Otherwise truncated IS (TIS; TRL's *_truncate) at the smallest simulated cap that leaves at least 99%
+   of trainable tokens unclipped with ESS >= 0.9; at sequence level when the mismatch grows with position,
+   else at token level. If no cap meets both, the cap with the highest ESS, and the rule says so.
+4. Gap small or large: recompute_old_logprobs (cost: one extra forward pass over the batch's N tokens).
+5. Gap small or large and an engine ran in bfloat16: fp16.
+6. Probes show log-probs that change with batch shape: batch_invariant.
+7. Stored log-probs are processed (temperature / top-p) rather than raw: raw_logprobs.
+"""
+
+MAX_FRAC_AFFECTED = 0.01  # at most 1% of trainable tokens clipped
+MIN_ESS = 0.9
+PAIR = "train/sampler"
+FRAMEWORKS = ("verl", "trl", "slime", "prime-rl", "openrlhf")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Recommendation:
+    """One item of summary.json["recommendations"] (contract: kind, params, why)."""
+
+    kind: str
+    params: dict[str, Any] = field(default_factory=dict)
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "params": dict(self.params), "why": self.why}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Evidence:
+    """What the rule reads, gathered from a summary and from other findings."""
+
+    metrics: dict[str, Any]  # summary["pairs"]["train/sampler"]
+    corrections: list[dict[str, Any]]
+    num_tokens: int | None = None
+    num_trainable_tokens: int | None = None
+    bf16_roles: tuple[str, ...] = ()
+    grows_with_position: bool | None = None
+    batch_variant: bool | None = None
+    drift_spans: int = 0
+    alignment_shift: int = 0
+    logprob_semantics: str | None = None
+
+    @property
+    def level(self) -> str:
+        return gap_level(self.metrics)
+
+
+def evidence_from_summary(summary: dict[str, Any], *, corrections: list[dict[str, Any]] | None = None,
+                          grows_with_position: bool | None = None, batch_variant: bool | None = None,
+                          probes: list[dict[str, Any]] | None = None, drift: dict[str, Any] | None = None,
+                          alignment: dict[str, Any] | None = None) -> Evidence:
+    """Evidence from summary.json; keyword arguments override or add what the summary lacks.
+
+    `corrections` defaults to summary["corrections"]; `grows_with_position` to
+    summary["localization"]["turns"]["position_slope"]["grows_with_position"]; `batch_variant` to what
+    `probes` (ProbeResult dicts, probes/result.py) show; `drift` / `alignment` to summary["drift"] /
+    summary["alignment"] (or the same keys under summary["localization"]).
+    """
+    localization = summary.get("localization") or {}
+    if grows_with_position is None:
+        slope = ((localization.get("turns") or {}).get("position_slope") or {})
+        grows_with_position = slope.get("grows_with_position")
+    if batch_variant is None and probes is not None:
+        batch_variant = batch_variant_from_probes(probes)
+    drift = drift if drift is not None else summary.get("drift") or localization.get("drift") or {}
+    alignment = (alignment if alignment is not None
+                 else summary.get("alignment") or localization.get("alignment") or {})
+    counts = summary.get("counts") or {}
+    return Evidence(
+        metrics=(summary.get("pairs") or {}).get(PAIR) or {},
+        corrections=list(corrections if corrections is not None else summary.get("corrections") or []),
+        num_tokens=counts.get("tokens"), num_trainable_tokens=counts.get("trainable_tokens"),
+        bf16_roles=_bf16_roles(summary.get("engines") or {}),
+        grows_with_position=grows_with_position, batch_variant=batch_variant,
+        drift_spans=len(drift.get("spans") or []), alignment_shift=int(alignment.get("shift") or 0),
+        logprob_semantics=alignment.get("logprob_semantics"))
+
+
+# Probe variations that change with what else is in the batch (probes/result.py SOURCES).
+BATCH_SOURCES = ("batch_size", "chunking", "split_kv")
+
+
+def batch_variant_from_probes(probes: list[dict[str, Any]]) -> bool | None:
+    """True when an applicable batch-shape probe is not bitwise equal; None when none ran."""
+    relevant = [p for p in probes if p.get("source") in BATCH_SOURCES and p.get("applicable")
+                and p.get("bitwise_equal_frac") is not None]
+    if not relevant:
+        return None
+    return any(p["bitwise_equal_frac"] < 1.0 for p in relevant)
+
+
+def _bf16_roles(engines: dict[str, Any]) -> tuple[str, ...]:
+    """Roles whose engine ran in bfloat16 (the sampler's dtype comes from the rollouts' meta)."""
+    roles = []
+    for role, engine in engines.items():
+        dtype = engine.get("dtype") or (engine.get("meta") or {}).get("dtype")
+        if str(dtype).removeprefix("torch.") in ("bfloat16", "bf16"):
+            roles.append(role)
+    return tuple(roles)
+
+
+def recommend(summary: dict[str, Any], **findings: Any) -> list[Recommendation]:
+    """The rule (module docstring) applied to a summary; `findings` as for evidence_from_summary."""
+    return rule(evidence_from_summary(summary, **findings))
+
+
+def rule(evidence: Evidence) -> list[Recommendation]:
+    out: list[Recommendation] = []
+    if evidence.alignment_shift:
+        out.append(_fix_alignment(evidence.alignment_shift))
+    if evidence.drift_spans:
+        out.append(_fix_renderer(evidence.drift_spans))
+    out.append(choose_correction(evidence))
+    gap = evidence.level in ("small", "large")
+    if gap:
+        out.append(_recompute(evidence))
+    if gap and evidence.bf16_roles:
+        out.append(_fp16(evidence))
+    if evidence.batch_variant:
+        out.append(_batch_invariant())
+    if evidence.logprob_semantics == "processed":
+        out.append(_raw_logprobs())
+    return out
+
+
+def _gap_words(metrics: dict[str, Any]) -> str:
+    return (f"kl_k3 {metrics['kl_k3']:.3g}, ratio p1-p99.9 {metrics['ratio_p01']:.3g}-"
+            f"{metrics['ratio_p999']:.3g} over {metrics['n_tokens']:,} trainable tokens")
+
+
+def choose_correction(evidence: Evidence) -> Recommendation:
+    level = evidence.level
+    if level == "unknown":
+        return Recommendation(kind="no_correction", params={"gap": level},
+                              why="no stored sampler log-probs on trainable tokens: the train/sampler "
+                                  "ratio cannot be measured, so no correction can be chosen")
+    if level in ("exact", "negligible"):
+        return Recommendation(kind="no_correction", params={"gap": level},
+                              why=f"the train/sampler ratio is 1 up to rounding ({_gap_words(evidence.metrics)}): "
+                                  "a correction would change nothing")
+    unit = "sequence" if evidence.grows_with_position else "token"
+    mode = f"{unit}_truncate"
+    candidates = sorted((c for c in evidence.corrections if c.get("mode") == mode),
+                        key=lambda c: c["params"]["cap"])
+    if not candidates:
+        raise MismatchError(f"no simulated {mode} corrections to choose from: summary.json has no "
+                            "'corrections' (simulate them with mismatch.corrections.summary_corrections)")
+    passing = [c for c in candidates if _passes(c)]
+    # Fallback: the cap whose weights keep the most ESS (fewest clipped on a tie).
+    chosen = passing[0] if passing else max(
+        candidates, key=lambda c: (_num(c["ess"]), -_num(c["frac_tokens_affected"])))
+    cap = chosen["params"]["cap"]
+    why = [f"the train/sampler gap is {level} ({_gap_words(evidence.metrics)})",
+           _unit_reason(evidence.grows_with_position)]
+    if passing:
+        why.append(f"{mode} at cap {cap:g} is the smallest simulated cap that leaves "
+                   f"{1 - chosen['frac_tokens_affected']:.2%} of trainable tokens unclipped (rule: >= 99%) "
+                   f"with ESS {chosen['ess']:.3f} (rule: >= {MIN_ESS})")
+        smaller = [c for c in candidates if c["params"]["cap"] < cap]
+        if smaller:
+            below = smaller[-1]
+            why.append(f"cap {below['params']['cap']:g} would clip {below['frac_tokens_affected']:.2%} "
+                       f"(ESS {below['ess']:.3f})")
+    else:
+        why.append(f"no simulated cap leaves >= 99% of tokens unclipped with ESS >= {MIN_ESS}; cap {cap:g} "
+                   f"keeps the most ESS ({chosen['ess']:.3f}, {chosen['frac_tokens_affected']:.2%} clipped): "
+                   "the tail is too heavy for a cap alone, fix the source")
+    return Recommendation(kind="correction", why="; ".join(why), params={
+        "mode": mode, "cap": cap, "frac_tokens_affected": chosen["frac_tokens_affected"],
+        "frac_rollouts_affected": chosen["frac_rollouts_affected"], "ess": chosen["ess"],
+        "meets_rule": bool(passing)})
+
+
+def _num(value: Any) -> float:
+    return float("-inf") if value is None or value != value else float(value)
+
+
+def _passes(correction: dict[str, Any]) -> bool:
+    frac, ess = correction.get("frac_tokens_affected"), correction.get("ess")
+    return frac is not None and ess is not None and frac <= MAX_FRAC_AFFECTED and ess >= MIN_ESS
+
+
+def _unit_reason(grows_with_position: bool | None) -> str:
+    if grows_with_position:
+        return ("sequence level, because the mismatch grows with position: late tokens are biased the same "
+                "way, so the product over the sequence is what drifts and a per-token cap would miss it")
+    if grows_with_position is None:
+        return "token level (the position trend was not measured; token level is the safe default)"
+    return "token level, because the mismatch does not grow with position: per-token noise, capped per token"
+
+
+def _recompute(evidence: Evidence) -> Recommendation:
+    tokens, trainable = evidence.num_tokens, evidence.num_trainable_tokens
+    cost = "one extra forward pass (no backward) over the batch's tokens"
+    if tokens is not None:
+        cost = f"one extra forward pass (no backward) over N = {tokens:,} tokens per batch like this one"
+        cost += f" ({trainable:,} of them trainable)" if trainable is not None else ""
+    return Recommendation(kind="recompute_old_logprobs",
+                          params={"extra_forward_tokens": tokens, "trainable_tokens": trainable},
+                          why="recompute PPO's old log-probs with the trainer instead of reusing the sampler's, "
+                              "so the clip is taken against the trainer's own policy and the IS correction "
+                              f"handles only the sampler/trainer gap; cost: {cost}")
+
+
+def _fp16(evidence: Evidence) -> Recommendation:
+    roles = ", ".join(evidence.bf16_roles)
+    return Recommendation(kind="fp16", params={"dtype": "float16", "instead_of": "bfloat16",
+                                               "roles": list(evidence.bf16_roles)},
+                          why=f"{roles} ran in bfloat16 (7 mantissa bits); float16 has 10, so the same kernels "
+                              "round 8x less and the trainer/sampler gap shrinks at the source (Qi et al. 2025, "
+                              "'Defeating the Training-Inference Mismatch via FP16'); the trainer needs loss "
+                              "scaling, and weights must fit float16's range")
+
+
+def _batch_invariant() -> Recommendation:
+    return Recommendation(kind="batch_invariant",
+                          params={"vllm_env": "VLLM_BATCH_INVARIANT=1",
+                                  "sglang_flag": "--enable-deterministic-inference"},
+                          why="the probes show log-probs that change with batch composition: a batch-invariant "
+                              "(deterministic) inference mode removes that noise at the source, at a throughput "
+                              "cost (reported 10-60% for bitwise modes; measure it with mismatch diff)")
+
+
+def _fix_renderer(num_spans: int) -> Recommendation:
+    return Recommendation(kind="fix_renderer", params={"spans": num_spans},
+                          why=f"{num_spans} span(s) where re-rendering the messages gives other tokens than the "
+                              "sampler produced: the trainer is scoring text the model never sampled; train on "
+                              "the stored token ids, or fix the chat template / tool-call renderer")
+
+
+def _fix_alignment(shift: int) -> Recommendation:
+    return Recommendation(kind="fix_alignment", params={"shift": shift},
+                          why=f"the stored log-probs line up with the tokens shifted by {shift:+d}: an off-by-one "
+                              "pairs each log-prob with the wrong token; align logprob[i] with token[i] before "
+                              "any correction (every number above is measured on misaligned pairs)")
+
+
+def _raw_logprobs() -> Recommendation:
+    return Recommendation(kind="raw_logprobs", params={"vllm": "logprobs_mode=raw_logprobs"},
+                          why="the stored log-probs are processed (after temperature / top-p) while the trainer "
+                              "computes raw ones: store raw log-probs (vLLM logprobs_mode='raw_logprobs') or "
+                              "apply the same processing in the trainer")
+
+
+# --- config snippets ---
+
+def render_config(recommendations: Iterable[Recommendation | dict[str, Any]], framework: str) -> str:
+    """A ready-to-paste snippet with `framework`'s real keys: YAML (verl, trl), TOML (prime-rl), CLI flags
+    (slime, openrlhf). Fixes without a config key become comments."""
+    renderer = _RENDERERS.get(framework)
+    if renderer is None:
+        raise MismatchError(f"unknown framework {framework!r} (valid: {', '.join(FRAMEWORKS)})")
+    recs = [r if isinstance(r, Recommendation) else Recommendation(**r) for r in recommendations]
+    by_kind = {r.kind: r for r in recs}
+    lines = [f"# mismatch recommend --for {framework}"]
+    lines += [f"# {r.kind}: {r.why}" for r in recs]
+    lines += renderer(by_kind)
+    return "\n".join(lines) + "\n"
+
+
+def _correction_params(by_kind: dict[str, Recommendation]) -> tuple[str, dict[str, float]] | None:
+    rec = by_kind.get("correction")
+    if rec is None:
+        return None
+    params = {k: v for k, v in rec.params.items() if k in ("cap", "low", "high")}
+    return rec.params["mode"], params
+
+
+def _cap(params: dict[str, float]) -> float:
+    return params["cap"] if "cap" in params else params["high"]
+
+
+def _level(mode: str) -> str:
+    return "token" if mode.startswith(("token", "rs_token")) else "sequence"
+
+
+def _render_verl(by_kind: dict[str, Recommendation]) -> list[str]:
+    # Keys: verl/trainer/config/algorithm.py (RolloutCorrectionConfig: rollout_is, rollout_is_threshold,
+    # rollout_rs, rollout_rs_threshold, bypass_mode); semantics: verl/trainer/ppo/rollout_corr_helper.py.
+    # actor_rollout_ref.rollout.calculate_log_probs / .dtype: verl's ppo_trainer config (rollout section).
+    lines = ["# keys: verl/trainer/config/algorithm.py (RolloutCorrectionConfig)"]
+    algo: list[str] = []
+    rollout: list[str] = []
+    chosen = _correction_params(by_kind)
+    if chosen is not None:
+        mode, params = chosen
+        if mode in ("token_truncate", "sequence_truncate"):
+            algo += [f"rollout_is: {_level(mode)}", f"rollout_is_threshold: {params['cap']!r}", "rollout_rs: null"]
+        elif mode in ("token_icepop", "sequence_icepop"):
+            algo += [f"rollout_is: {_level(mode)}", f"rollout_is_threshold: \"{params['low']!r}_{params['high']!r}\"",
+                     "rollout_rs: null"]
+        elif mode.startswith("rs_"):
+            threshold = (f"\"{params['low']!r}_{params['high']!r}\"" if "low" in params else repr(params["high"]))
+            algo += ["rollout_is: null", f"rollout_rs: {mode[3:]}", f"rollout_rs_threshold: {threshold}"]
+        elif mode == "geometric_icepop":
+            # verl's k1 bounds apply to -log ratio, i.e. to 1/ratio: [low, high] on the ratio is [1/high, 1/low].
+            algo += ["rollout_is: null", "rollout_rs: seq_mean_k1",
+                     f"rollout_rs_threshold: \"{1 / params['high']!r}_{1 / params['low']!r}\""]
+        else:
+            lines.append(f"# verl has no {mode}; nearest: {_level(mode)}-level TIS at {_cap(params):g}")
+            algo += [f"rollout_is: {_level(mode)}", f"rollout_is_threshold: {_cap(params)!r}", "rollout_rs: null"]
+        rollout.append("calculate_log_probs: true  # the sampler's log-probs feed rollout_is / rollout_rs")
+    if "recompute_old_logprobs" in by_kind:
+        algo.append("bypass_mode: false  # decoupled mode: the trainer recomputes old log-probs")
+    if "fp16" in by_kind:
+        rollout.append("dtype: float16  # and train the actor in fp16 (fsdp mixed_precision.param_dtype: fp16)")
+    if "batch_invariant" in by_kind:
+        lines.append("# batch-invariant rollouts: export VLLM_BATCH_INVARIANT=1 (vLLM), or SGLang "
+                     "--enable-deterministic-inference")
+    if algo:
+        lines += ["algorithm:", "  rollout_correction:", *(f"    {line}" for line in algo)]
+    if rollout:
+        lines += ["actor_rollout_ref:", "  rollout:", *(f"    {line}" for line in rollout)]
+    return lines
+
+
+def _render_trl(by_kind: dict[str, Recommendation]) -> list[str]:
+    # Keys: trl/trainer/grpo_config.py (GRPOConfig: use_vllm, vllm_importance_sampling_correction,
+    # vllm_importance_sampling_mode, vllm_importance_sampling_cap); bf16 / fp16 are TrainingArguments fields.
+    # A YAML file for `trl grpo --config FILE`, or the same names as GRPOConfig(...) keyword arguments.
+    lines = ["# keys: trl/trainer/grpo_config.py (GRPOConfig)"]
+    chosen = _correction_params(by_kind)
+    if chosen is not None:
+        mode, params = chosen
+        action = "truncate" if ("truncate" in mode or "clip" in mode) else "mask"
+        trl_mode = f"{_level(mode)}_{action}"
+        if trl_mode != mode:
+            lines.append(f"# TRL has no {mode}; nearest: {trl_mode} at cap {_cap(params):g} "
+                         "(TRL caps from above only)")
+        lines += ["use_vllm: true", "vllm_importance_sampling_correction: true",
+                  f"vllm_importance_sampling_mode: {trl_mode}", f"vllm_importance_sampling_cap: {_cap(params)!r}"]
+    if "recompute_old_logprobs" in by_kind:
+        lines.append("# old log-probs: TRL already recomputes them with the trainer when "
+                     "vllm_importance_sampling_correction is on")
+    if "fp16" in by_kind:
+        lines += ["bf16: false", "fp16: true"]
+    if "batch_invariant" in by_kind:
+        lines.append("# batch-invariant vLLM: export VLLM_BATCH_INVARIANT=1 before starting vLLM")
+    return lines
+
+
+_SLIME_MIS = "examples/train_infer_mismatch_helper/mis.py:compute_mis_weights_with_cp"
+
+
+def _render_slime(by_kind: dict[str, Recommendation]) -> list[str]:
+    # Flags: slime/utils/arguments.py (--use-tis, --tis-clip, --tis-clip-low, --custom-tis-function-path,
+    # --custom-config-path); vanilla TIS: slime/backends/megatron_utils/loss.py vanilla_tis_function
+    # (clamp(ratio, min=tis_clip_low, max=tis_clip)); other levels/modes: the MIS example
+    # examples/train_infer_mismatch_helper/mis.py + mis.yaml (tis_level, tis_mode, tis_*_bound).
+    lines = ["# flags: slime/utils/arguments.py; MIS: examples/train_infer_mismatch_helper/"]
+    flags: list[str] = []
+    mis_yaml: list[str] = []
+    chosen = _correction_params(by_kind)
+    if chosen is not None:
+        mode, params = chosen
+        if mode == "token_truncate":
+            flags += ["--use-tis", f"--tis-clip {params['cap']!r}"]
+        elif mode == "token_clip":
+            flags += ["--use-tis", f"--tis-clip {params['high']!r}", f"--tis-clip-low {params['low']!r}"]
+        else:
+            geometric = mode.startswith("geometric") or mode in ("seq_mask_tis", "rs_seq_mean_k1")
+            level = "geometric" if geometric else _level(mode)
+            tis_mode = "truncate" if mode.endswith("truncate") else "mask"
+            flags += ["--use-tis", f"--custom-tis-function-path {_SLIME_MIS}", "--custom-config-path mis.yaml"]
+            mis_yaml += ["use_tis: true", "use_rs: false", f"tis_level: {level}", f"tis_mode: {tis_mode}",
+                         f"tis_upper_bound: {_cap(params)!r}"]
+            if "low" in params:
+                mis_yaml.append(f"tis_lower_bound: {params['low']!r}")
+            else:
+                mis_yaml.append("tis_lower_bound: null  # unused by truncate; mask defaults it to 1/upper")
+            mis_yaml.append("tis_batch_normalize: false")
+    if "recompute_old_logprobs" in by_kind:
+        lines.append("# old log-probs: do not pass --use-rollout-logprobs (it skips the trainer's recompute)")
+    if "batch_invariant" in by_kind:
+        flags.append("--sglang-enable-deterministic-inference")
+    if "fp16" in by_kind:
+        lines.append("# fp16: run the Megatron actor and the SGLang rollout in float16 instead of bfloat16")
+    lines += [" \\\n".join(flags)] if flags else []
+    if mis_yaml:
+        lines += ["# --- mis.yaml ---", *(f"# {line}" for line in mis_yaml)]
+    return lines
+
+
+def _render_prime_rl(by_kind: dict[str, Recommendation]) -> list[str]:
+    # Keys: src/prime_rl/trainer/rl/config.py (LossConfig: ratio_type, token_mask_low/high,
+    # sequence_clip_high, geo_mask_low/high, sequence_mask_low/high), in the [trainer.loss] table of an
+    # `rl` config ([loss] in a standalone trainer config). prime-rl masks tokens out of [low, high]
+    # instead of clamping them: token_truncate's affected tokens (ratio > cap) are exactly those masked.
+    lines = ["# keys: src/prime_rl/trainer/rl/config.py (LossConfig); [loss] in a standalone trainer config"]
+    loss: list[str] = []
+    chosen = _correction_params(by_kind)
+    if chosen is not None:
+        mode, params = chosen
+        if mode in ("token_truncate", "token_mask"):
+            loss += [f"token_mask_high = {params['cap']!r}  # masks (zeroes) ratios above the cap"]
+        elif mode in ("token_icepop", "token_clip"):
+            loss += [f"token_mask_low = {params['low']!r}", f"token_mask_high = {params['high']!r}"]
+        elif mode in ("sequence_truncate", "sequence_mask"):
+            loss += ['ratio_type = "sequence"', f"sequence_clip_high = {params['cap']!r}"]
+        elif mode in ("geometric_icepop", "seq_mask_tis"):
+            loss += [f"geo_mask_low = {params['low']!r}", f"geo_mask_high = {params['high']!r}"]
+        elif mode == "sequence_minmax_mask":
+            loss += [f"sequence_mask_low = {params['low']!r}", f"sequence_mask_high = {params['high']!r}"]
+        else:
+            lines.append(f"# prime-rl has no {mode}; nearest: token mask above {_cap(params):g}")
+            loss += [f"token_mask_high = {_cap(params)!r}"]
+        lines.append("# newer prime-rl (loss type = \"icepop\"): ratio_low / ratio_high bound the same token ratio")
+    if "recompute_old_logprobs" in by_kind:
+        lines.append("# old log-probs: prime-rl uses the inference log-probs; the IS mask above is its correction")
+    if "batch_invariant" in by_kind:
+        lines.append("# batch-invariant inference: export VLLM_BATCH_INVARIANT=1 for the inference server")
+    if "fp16" in by_kind:
+        lines.append("# fp16: set the trainer and inference model dtype to float16 instead of bfloat16")
+    if loss:
+        lines += ["[trainer.loss]", *loss]
+    return lines
+
+
+def _render_openrlhf(by_kind: dict[str, Recommendation]) -> list[str]:
+    # Flags: openrlhf/cli/train_ppo_ray.py (--algo.advantage.is_correction_enable / _type / _threshold LOW HIGH);
+    # semantics: openrlhf/models/loss.py PolicyLoss: tis = clamp(ratio, low, high), icepop = zero outside
+    # [low, high], seq-mask-tis = drop sequences whose geometric-mean ratio leaves [low, high].
+    # Older releases: --enable_vllm_is_correction --vllm_is_correction_type T --vllm_is_truncated_threshold LOW HIGH.
+    lines = ["# flags: openrlhf/cli/train_ppo_ray.py; before the --algo.* names: --enable_vllm_is_correction "
+             "--vllm_is_correction_type --vllm_is_truncated_threshold"]
+    flags: list[str] = []
+    chosen = _correction_params(by_kind)
+    if chosen is not None:
+        mode, params = chosen
+        if mode in ("token_truncate", "token_clip"):
+            low = params.get("low", 0.0)  # tis clamps from below too; 0 leaves small ratios alone
+            kind, bounds = "tis", (low, _cap(params))
+        elif mode in ("token_icepop", "token_mask"):
+            kind, bounds = "icepop", (params.get("low", 0.0), _cap(params))
+        elif mode in ("seq_mask_tis", "geometric_icepop"):
+            kind, bounds = "seq-mask-tis", (params["low"], params["high"])
+        else:
+            lines.append(f"# OpenRLHF has no {mode}; nearest: token-level tis at {_cap(params):g}")
+            kind, bounds = "tis", (0.0, _cap(params))
+        flags += ["--algo.advantage.is_correction_enable", f"--algo.advantage.is_correction_type {kind}",
+                  f"--algo.advantage.is_correction_threshold {bounds[0]!r} {bounds[1]!r}"]
+    if "recompute_old_logprobs" in by_kind:
+        lines.append("# old log-probs: OpenRLHF recomputes them with the actor unless --train.force_on_policy")
+    if "batch_invariant" in by_kind:
+        lines.append("# batch-invariant vLLM: export VLLM_BATCH_INVARIANT=1 for the vLLM engines")
+    if "fp16" in by_kind:
+        lines.append("# fp16: run the actor and vLLM in float16 instead of bfloat16")
+    lines += [" \\\n".join(flags)] if flags else []
+    return lines
+
+
+_RENDERERS = {"verl": _render_verl, "trl": _render_trl, "slime": _render_slime,
+              "prime-rl": _render_prime_rl, "openrlhf": _render_openrlhf}
+
+
+def recommendations_dicts(recommendations: Sequence[Recommendation]) -> list[dict[str, Any]]:
+    """summary.json["recommendations"]."""
+    return [r.to_dict() for r in recommendations]

@@ -1,0 +1,244 @@
+"""Checkpoint diff for weight sync: two safetensors checkpoints compared tensor by tensor, streaming.
+
+Runs before any replay (`mismatch weights A B`): did the engine load what the trainer exported?
+Only one chunk of one tensor pair is in memory at a time; sharded checkpoints follow their index.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mismatch.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_CHUNK_ELEMENTS = 1 << 22  # elements per side per step: 16 MiB each in fp32
+
+# safetensors' dtype codes, named as torch names them.
+_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+                "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TensorDiff:
+    """One tensor present in both checkpoints."""
+
+    name: str
+    dtype_a: str
+    dtype_b: str
+    shape_a: tuple[int, ...]
+    shape_b: tuple[int, ...]
+    equal: bool                  # same dtype, same shape, same bytes
+    num_elements: int            # of A
+    # The rest is None when the shapes differ (nothing to compare element by element).
+    max_abs_diff: float | None   # max |a - b|, both upcast (fp32, or fp64 for 64-bit/integer tensors)
+    max_rel_diff: float | None   # max |a - b| / max(|a|, |b|), 0 where a == b: in [0, 2], no eps
+    # Same dtype: fraction of elements with identical bits. Different dtypes: fraction whose
+    # upcast values are identical (what a lossless cast would give: bf16 -> fp32 keeps all).
+    bitwise_equal_frac: float | None
+
+    @property
+    def dtype_mismatch(self) -> bool:
+        return self.dtype_a != self.dtype_b
+
+    @property
+    def shape_mismatch(self) -> bool:
+        return self.shape_a != self.shape_b
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "equal": self.equal, "dtype_a": self.dtype_a, "dtype_b": self.dtype_b,
+                "shape_a": list(self.shape_a), "shape_b": list(self.shape_b),
+                "num_elements": self.num_elements, "max_abs_diff": self.max_abs_diff,
+                "max_rel_diff": self.max_rel_diff, "bitwise_equal_frac": self.bitwise_equal_frac}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class WeightsReport:
+    a: str
+    b: str
+    tensors: tuple[TensorDiff, ...]  # every name in both, sorted
+    only_a: tuple[str, ...]
+    only_b: tuple[str, ...]
+
+    @property
+    def differing(self) -> tuple[TensorDiff, ...]:
+        return tuple(t for t in self.tensors if not t.equal)
+
+    @property
+    def identical(self) -> bool:
+        """Same tensor names, and every tensor bit for bit the same."""
+        return not (self.only_a or self.only_b or self.differing)
+
+    @property
+    def worst(self) -> TensorDiff | None:
+        """The differing tensor with the largest max |a - b| (shape mismatches aside)."""
+        scored = [t for t in self.differing if t.max_abs_diff is not None]
+        return max(scored, key=lambda t: (t.max_abs_diff, t.name), default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        worst = self.worst
+        return {
+            "a": self.a, "b": self.b,
+            "summary": {
+                "identical": self.identical,
+                "n_tensors_a": len(self.tensors) + len(self.only_a),
+                "n_tensors_b": len(self.tensors) + len(self.only_b),
+                "n_compared": len(self.tensors),
+                "n_equal": len(self.tensors) - len(self.differing),
+                "n_differing": len(self.differing),
+                "n_only_a": len(self.only_a),
+                "n_only_b": len(self.only_b),
+                "n_dtype_mismatch": sum(t.dtype_mismatch for t in self.tensors),
+                "n_shape_mismatch": sum(t.shape_mismatch for t in self.tensors),
+                "worst": None if worst is None else {"name": worst.name, "max_abs_diff": worst.max_abs_diff,
+                                                     "max_rel_diff": worst.max_rel_diff},
+            },
+            "only_a": list(self.only_a),
+            "only_b": list(self.only_b),
+            "differing": [t.name for t in self.differing],
+            "dtype_mismatches": [t.name for t in self.tensors if t.dtype_mismatch],
+            "shape_mismatches": [t.name for t in self.tensors if t.shape_mismatch],
+            "tensors": [t.to_dict() for t in self.tensors],
+        }
+
+
+def diff_checkpoints(a_dir: str | Path, b_dir: str | Path, *,
+                     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> WeightsReport:
+    """Compare the safetensors weights of two checkpoints (dirs, or single .safetensors files).
+
+    Tensors are matched by name; a sharded checkpoint is read through its
+    `model.safetensors.index.json`. Each pair is read `chunk_elements` at a time along its first
+    dimension, so memory stays at a few chunks whatever the checkpoint size.
+    """
+    with ExitStack() as stack:
+        source_a = _Source(Path(a_dir), stack)
+        source_b = _Source(Path(b_dir), stack)
+        names_a, names_b = set(source_a.files), set(source_b.files)
+        tensors = tuple(_diff_tensor(name, source_a, source_b, chunk_elements)
+                        for name in sorted(names_a & names_b))
+    return WeightsReport(a=str(a_dir), b=str(b_dir), tensors=tensors,
+                         only_a=tuple(sorted(names_a - names_b)), only_b=tuple(sorted(names_b - names_a)))
+
+
+class _Source:
+    """Tensor name -> its safetensors file, with lazily opened (memory-mapped) handles."""
+
+    def __init__(self, root: Path, stack: ExitStack) -> None:
+        self.root, self.stack = root, stack
+        self.handles: dict[Path, Any] = {}
+        self.files: dict[str, Path] = self._weight_map()
+
+    def _weight_map(self) -> dict[str, Path]:
+        root = self.root
+        if root.is_file() and root.suffix == ".safetensors":
+            return {name: root for name in self.open(root).keys()}
+        if not root.is_dir():
+            raise CheckpointError(f"{root}: checkpoint directory not found")
+        index = root / INDEX_FILE
+        if index.is_file():
+            return self._indexed(index)
+        shards = sorted(root.glob("*.safetensors"))
+        if not shards:
+            if any(root.glob("*.bin")) or any(root.glob("*.pt")):
+                raise CheckpointError(f"{root}: weights are pickle files (.bin/.pt); mismatch reads "
+                                      "safetensors only (convert with save_pretrained(safe_serialization=True))")
+            raise CheckpointError(f"{root}: no *.safetensors weights")
+        files: dict[str, Path] = {}
+        for shard in shards:
+            for name in self.open(shard).keys():
+                if name in files:
+                    raise CheckpointError(f"{root}: tensor {name!r} is in both {files[name].name} and "
+                                          f"{shard.name} (and there is no {INDEX_FILE} to choose)")
+                files[name] = shard
+        return files
+
+    def _indexed(self, index: Path) -> dict[str, Path]:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index (no weight_map): "
+                                  f"{type(exc).__name__}") from None
+        files = {str(name): self.root / str(file) for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise CheckpointError(f"{index}: names shard {file.name!r}, which does not exist")
+            missing = sorted(name for name, f in files.items() if f == file and name not in self.open(file).keys())
+            if missing:
+                raise CheckpointError(f"{index}: tensor {missing[0]!r} is not in {file.name}")
+        return files
+
+    def open(self, file: Path):
+        if file not in self.handles:
+            from safetensors import SafetensorError, safe_open
+
+            try:
+                self.handles[file] = self.stack.enter_context(safe_open(str(file), framework="pt"))
+            except (SafetensorError, OSError) as exc:
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise CheckpointError(f"{file}: not a readable safetensors file ({reason})") from None
+        return self.handles[file]
+
+    def slice(self, name: str):
+        return self.open(self.files[name]).get_slice(name)
+
+
+def _diff_tensor(name: str, source_a: _Source, source_b: _Source, chunk_elements: int) -> TensorDiff:
+    slice_a, slice_b = source_a.slice(name), source_b.slice(name)
+    shape_a, shape_b = tuple(slice_a.get_shape()), tuple(slice_b.get_shape())
+    dtype_a, dtype_b = (_DTYPE_NAMES.get(s.get_dtype(), s.get_dtype().lower()) for s in (slice_a, slice_b))
+    num_elements = math.prod(shape_a)
+    if shape_a != shape_b:
+        return TensorDiff(name=name, dtype_a=dtype_a, dtype_b=dtype_b, shape_a=shape_a, shape_b=shape_b,
+                          equal=False, num_elements=num_elements, max_abs_diff=None, max_rel_diff=None,
+                          bitwise_equal_frac=None)
+    max_abs = max_rel = 0.0
+    num_same = 0
+    for chunk_a, chunk_b in zip(_chunks(slice_a, shape_a, chunk_elements),
+                                _chunks(slice_b, shape_b, chunk_elements), strict=True):
+        chunk_abs, chunk_rel, chunk_same = _compare(chunk_a, chunk_b)
+        max_abs, max_rel, num_same = max(max_abs, chunk_abs), max(max_rel, chunk_rel), num_same + chunk_same
+    same_frac = num_same / num_elements if num_elements else 1.0
+    return TensorDiff(name=name, dtype_a=dtype_a, dtype_b=dtype_b, shape_a=shape_a, shape_b=shape_b,
+                      equal=dtype_a == dtype_b and num_same == num_elements, num_elements=num_elements,
+                      max_abs_diff=max_abs, max_rel_diff=max_rel, bitwise_equal_frac=same_frac)
+
+
+def _chunks(tensor_slice, shape: tuple[int, ...], chunk_elements: int) -> Iterator[Any]:
+    """The tensor as flat pieces of whole rows (first dimension), about chunk_elements each."""
+    if not shape:  # a scalar: safetensors slices need a dimension
+        yield tensor_slice[...].reshape(-1)
+        return
+    row = math.prod(shape[1:])
+    step = max(1, chunk_elements // max(row, 1))
+    for start in range(0, shape[0], step):
+        yield tensor_slice[start:start + step].reshape(-1)
+
+
+def _compare(a, b) -> tuple[float, float, int]:
+    """(max |a-b|, max relative diff, number of identical elements) of two flat chunks."""
+    import torch
+
+    if a.numel() == 0:
+        return 0.0, 0.0, 0
+    if a.dtype == b.dtype:
+        # Compare bits, not values: -0.0 vs 0.0 or two NaN payloads are a difference here.
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        same = a.view(bits) == b.view(bits)
+    wide = a.element_size() >= 8 or b.element_size() >= 8 or not (a.is_floating_point() and b.is_floating_point())
+    upcast = torch.float64 if wide else torch.float32
+    a_up, b_up = a.to(upcast), b.to(upcast)
+    both_nan = a_up.isnan() & b_up.isnan()
+    value_same = (a_up == b_up) | both_nan  # equal infinities and NaN-for-NaN count as no difference
+    if a.dtype != b.dtype:
+        same = value_same
+    abs_diff = torch.where(value_same, 0.0, (a_up - b_up).abs())
+    abs_diff = torch.nan_to_num(abs_diff, nan=math.inf)  # NaN on one side only: infinitely apart
+    scale = torch.maximum(a_up.abs(), b_up.abs())
+    rel_diff = torch.nan_to_num(torch.where(value_same, 0.0, abs_diff / scale), nan=math.inf)
+    return float(abs_diff.max()), float(rel_diff.max()), int(same.sum())

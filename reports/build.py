@@ -1,0 +1,260 @@
+"""`build_report(DIR)`: summary.json + tokens.parquet → DIR/index.html, one self-contained page.
+
+The last step of the flow (results dir → HTML). It imports neither torch nor any of `mismatch`
+(whose package init loads the engines): it reads the two contract files itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import os
+import re
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from reports import aggregate, figures, sections
+from reports.banner import banner, focus_pair
+from reports.html import Html, el, join
+from reports.worst import WorstOptions, worst_rollouts
+
+# Contract names (ARCHITECTURE.md, "Results directory").
+SUMMARY_FILE = "summary.json"
+TOKENS_FILE = "tokens.parquet"
+REPORT_FILE = "index.html"
+SUMMARY_SCHEMA = "mismatch.summary/v1"
+TEMPLATES = Path(__file__).with_name("templates")
+
+
+class ReportError(ValueError):
+    """A results dir the report cannot be built from (bad input: the CLI's exit code 2)."""
+
+
+def read_summary(results_dir: Path) -> dict[str, Any]:
+    path = results_dir / SUMMARY_FILE
+    try:
+        summary = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ReportError(f"{results_dir}: no {SUMMARY_FILE}: not a mismatch results dir") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ReportError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(summary, dict) or summary.get("schema") != SUMMARY_SCHEMA:
+        raise ReportError(f"{path}: schema is not {SUMMARY_SCHEMA!r}")
+    if not isinstance(summary.get("pairs"), dict):
+        raise ReportError(f"{path}: no 'pairs' object")
+    return summary
+
+
+def read_tokens(results_dir: Path) -> pd.DataFrame:
+    path = results_dir / TOKENS_FILE
+    if not path.is_file():
+        raise ReportError(f"{results_dir}: no {TOKENS_FILE}")
+    tokens = pd.read_parquet(path)
+    missing = {"rollout", "branch", "turn", "pos", "role", "token_id", "trainable"} - set(tokens.columns)
+    if missing:
+        raise ReportError(f"{path}: missing column(s) {', '.join(sorted(missing))}")
+    if "branch_kind" not in tokens.columns:
+        tokens["branch_kind"] = "main"
+    if "segment" not in tokens.columns:
+        tokens["segment"] = 0
+    return tokens
+
+
+def find_tokenizer(summary: dict[str, Any], results_dir: Path) -> Path | None:
+    """The checkpoint's tokenizer.json: as recorded (relative to the cwd or the results dir's parent)."""
+    checkpoints = [summary.get("checkpoint")]
+    checkpoints += [(e or {}).get("checkpoint") for e in (summary.get("engines") or {}).values()
+                    if isinstance(e, dict)]
+    for checkpoint in filter(None, checkpoints):
+        for base in (Path.cwd(), results_dir.parent, results_dir.parent.parent):
+            candidate = (base / str(checkpoint) / "tokenizer.json")
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def json_safe(value: Any) -> Any:
+    """NaN and ±inf become null (JSON has neither); numpy scalars become Python numbers."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, np.generic):
+        return json_safe(value.item())
+    return value
+
+
+def script_json(data: Any) -> str:
+    """JSON that is inert inside <script type="application/json">: no '<', '>' or '&' survives.
+
+    Escaped as \\u003c etc., which JSON.parse reads back as the same characters, so token text like
+    `</script><img onerror=…>` can never close the block or open a tag.
+    """
+    text = json.dumps(json_safe(data), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return (text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
+
+
+@lru_cache(maxsize=1)
+def plotly_js() -> str:
+    from plotly.offline import get_plotlyjs
+
+    source = get_plotlyjs()
+    # The bundle goes into a <script> element verbatim: it must not be able to close it.
+    if re.search(r"</script", source, re.IGNORECASE):
+        raise RuntimeError("plotly.js bundle contains '</script': cannot inline it safely")
+    return source
+
+
+def csp_hash(source: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(source.encode()).digest()).decode() + "'"
+
+
+def chart_figures(summary: dict[str, Any], tokens: pd.DataFrame, pairs: list[str],
+                  colors: dict[str, str]) -> dict[str, Any]:
+    """Every chart of the page by id; a chart whose data are absent is simply not in the dict."""
+    figs: dict[str, Any] = {}
+    per_pair = [t for t in (aggregate.pair_tokens(tokens, p) for p in pairs) if t is not None and len(t.log_ratio)]
+    if per_pair:
+        limit = aggregate.histogram_limit([t.log_ratio for t in per_pair])
+        hists = {t.pair: aggregate.histogram(t.log_ratio, limit) for t in per_pair}
+        max_count = max(max(h["counts"]) for h in hists.values())
+        for pair, hist in hists.items():
+            figs[f"hist-{pair}"] = figures.histogram_figure(pair, hist, color=colors[pair], max_count=max_count)
+    turn = aggregate.by_key_from_summary(summary.get("turns") or [], "turn", pairs, x_title="turn") \
+        or aggregate.by_turn_from_tokens(per_pair)
+    blocks = {"turn": (turn, False, False), "position": (aggregate.by_position(per_pair), False, False),
+              "prob": (aggregate.by_probability(per_pair), True, True),
+              "branch_kind": (aggregate.by_key_from_summary(summary.get("branch_kinds") or [], "branch_kind",
+                                                            pairs, x_title="branch kind"), True, True)}
+    for fig_id, (block, categorical, bars) in blocks.items():
+        if block is not None:
+            figs[fig_id] = figures.breakdown_figure(block, colors=colors, categorical=categorical, bars=bars)
+    localization = summary.get("localization") if isinstance(summary.get("localization"), dict) else {}
+    if isinstance(localization.get("layers"), dict) and (fig := figures.layer_figure(localization["layers"])):
+        figs["layers"] = fig
+    kernels = localization.get("kernels")
+    if isinstance(kernels, dict) and isinstance(kernels.get("by_module"), list) \
+            and (fig := figures.ranked_bar_figure(kernels["by_module"])):
+        figs["kernels"] = fig
+    return figs
+
+
+def distribution_section(pairs: list[str], figs: dict[str, Any], colors: dict[str, str]) -> Html | None:
+    panels = [el("figure", el("figcaption", el("span", class_="swatch", style=f"background:{colors[p]}"), p),
+                 el("div", class_="chart", id=f"chart-hist-{i}", data_fig=f"hist-{p}"), class_="hist")
+              for i, p in enumerate(pairs) if f"hist-{p}" in figs]
+    if not panels:
+        return None
+    return sections.section("distribution", "Distribution of the log-ratio",
+                            el("div", panels, class_=f"grid-{min(len(panels), 3)}"),
+                            lead="Trainable tokens, counts on a log scale, one x-range for every pair: "
+                                 "the tails are what PPO's ratio feels.")
+
+
+def page_body(summary: dict[str, Any], tokens: pd.DataFrame, *, tokenizer_path: Path | None,
+              worst_options: WorstOptions) -> tuple[Html, dict[str, Any], str]:
+    """(static markup, JSON data for the page's script, page title)."""
+    pairs = [p for p, m in summary["pairs"].items() if isinstance(m, dict)]
+    colors = figures.pair_colors(pairs)
+    figs = chart_figures(summary, tokens, pairs, colors)
+    focus = focus_pair(summary)
+    scored = [p for p in pairs if aggregate.pair_tokens(tokens, p) is not None]
+    worst = worst_rollouts(tokens, pairs=scored, focus=focus, tokenizer_path=tokenizer_path,
+                           options=worst_options) if focus in scored else None
+    texts = worst["text"] if worst else None
+    top = banner(summary)
+    nav = [("verdict", "Verdict"), ("gaps", "Gaps"), ("diff", "A vs B"), ("distribution", "Distribution"),
+           ("where", "Where"), ("branches", "Branches"), ("localization", "Localization"),
+           ("findings", "Findings"), ("corrections", "Corrections"), ("worst", "Worst rollouts")]
+    body = [
+        sections.banner_html(top),
+        sections.context_line(summary),
+        sections.gaps_section(summary, pairs, colors),
+        sections.diff_section(summary, texts),
+        distribution_section(pairs, figs, colors),
+        sections.where_section(summary, figs, colors),
+        sections.branch_section(summary, pairs, figs, colors),
+        sections.localization_section(summary, figs),
+        sections.findings_section(summary),
+        sections.corrections_section(summary),
+        sections.worst_section(worst),
+        sections.absent_line(summary),
+        sections.footer(summary),
+    ]
+    body = [part for part in body if part]
+    present = {anchor for anchor, _ in nav if any(f'id="{anchor}"' in part for part in body)}
+    header = el("header", el("div", el("span", "mismatch", class_="brand"), el("span", "report", class_="brand-sub"),
+                             class_="brand-box"),
+                el("nav", [el("a", label, href=f"#{anchor}") for anchor, label in nav if anchor in present]),
+                class_="top")
+    data = {"figures": figs, "worst": worst, "colors": colors}
+    title = f"mismatch {summary.get('command', 'report')}: {top.label.lower()}"
+    return join(header, el("main", body)), data, title
+
+
+def render_page(body: Html, data: dict[str, Any], title: str) -> str:
+    template = (TEMPLATES / "report.html").read_text()
+    app_js = (TEMPLATES / "report.js").read_text()
+    plotly = plotly_js()
+    parts = {
+        "TITLE": el("title", title),
+        "CSS": (TEMPLATES / "report.css").read_text(),
+        # Only our two scripts may run: an injected inline handler or <script> would be blocked
+        # even if escaping ever failed, and default-src 'none' forbids every network fetch.
+        "SCRIPT_HASHES": f"{csp_hash(plotly)} {csp_hash(app_js)}",
+        "BODY": body,
+        "DATA": script_json(data),
+        "PLOTLY": plotly,
+        "APP": app_js,
+    }
+    # One pass over the template: inserted text is never scanned for placeholders again.
+    return re.sub(r"@@([A-Z_]+)@@", lambda m: parts[m.group(1)], template)
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """temp file + rename: a reader sees the old report or the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; a report is meant to be shared
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def build_report(results_dir: Path, *, tokenizer_path: Path | None = None,
+                 worst_options: WorstOptions = WorstOptions()) -> Path:
+    """Write `results_dir/index.html` from its summary.json and tokens.parquet; return its path.
+
+    Token text comes from `tokenizer_path` (a tokenizer.json), else from the checkpoint the
+    summary names when it can be found; without one, tokens show as their ids.
+    """
+    results_dir = Path(results_dir)
+    summary = read_summary(results_dir)
+    tokens = read_tokens(results_dir)
+    if tokenizer_path is None:
+        tokenizer_path = find_tokenizer(summary, results_dir)
+    body, data, title = page_body(summary, tokens, tokenizer_path=tokenizer_path, worst_options=worst_options)
+    out = results_dir / REPORT_FILE
+    atomic_write(out, render_page(body, data, title))
+    return out
+
+
+if __name__ == "__main__":  # `python -m reports.build DIR` until the CLI has `mismatch report`
+    import sys
+
+    print(build_report(Path(sys.argv[1])))

@@ -1,0 +1,436 @@
+"""The report's static sections as escaped HTML, top to bottom; charts are placeholders the page fills.
+
+Each section takes the summary (and the aggregates) and returns markup, or None when its data are
+absent, so a section never shows a number the results dir does not hold.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from reports.aggregate import pair_roles
+from reports.banner import Banner, describe, recommendation_action
+from reports.figures import LEVEL_COLORS
+from reports.html import Html, el, join, num, pct
+
+CARD_METRICS = (("kl_k3", "kl_k3 per token", "num"), ("log_ratio_abs_mean", "mean |log-ratio|", "num"),
+                ("log_ratio_abs_max", "max |log-ratio|", "num"),
+                (("ratio_p01", "ratio_p999"), "ratio p1 – p99.9", "range"), ("chi2_token", "χ² token", "num"),
+                ("ess", "ESS", "num"), ("frac_outside_2", "ratio outside [0.5, 2]", "pct"),
+                ("bitwise_equal_frac", "bitwise equal", "pct"), ("n_tokens", "trainable tokens", "num"))
+CORRECTION_COLUMNS = (("frac_tokens_affected", "tokens affected", "pct"),
+                      ("frac_rollouts_affected", "rollouts affected", "pct"),
+                      ("weight_mean", "weight mean", "num"), ("weight_max", "weight max", "num"),
+                      ("ess", "ESS", "num"))
+MAX_TABLE_ROWS = 50
+
+
+def fmt(value: Any, kind: str = "num") -> str:
+    if kind == "pct":
+        return pct(value)
+    if kind == "range":
+        low, high = value if isinstance(value, (tuple, list)) and len(value) == 2 else (None, None)
+        return f"{num(low)} – {num(high)}"
+    return num(value)
+
+
+def chart(fig_id: str, caption: str | None = None) -> Html:
+    return el("figure", el("div", class_="chart", id=f"chart-{fig_id}", data_fig=fig_id),
+              el("figcaption", caption) if caption else None)
+
+
+def pair_legend(colors: dict[str, str], pairs: list[str] | None = None) -> Html:
+    return el("p", [el("span", el("span", class_="swatch", style=f"background:{colors[p]}"), p, class_="legend-item")
+                    for p in (pairs or colors)], class_="pair-legend")
+
+
+def section(anchor: str, title: str, *body: Any, lead: str | None = None) -> Html:
+    return el("section", el("h2", title), el("p", lead, class_="lead") if lead else None, *body,
+              id=anchor, class_="panel")
+
+
+# --- header and verdict -------------------------------------------------------------------------
+
+def context_line(summary: dict[str, Any]) -> Html:
+    counts = summary.get("counts") or {}
+    items = []
+    if counts:
+        items.append(f"{num(counts.get('rollouts'))} rollouts · {num(counts.get('branches'))} branches · "
+                     f"{num(counts.get('tokens'))} tokens ({num(counts.get('trainable_tokens'))} trainable)")
+    for key, label in (("checkpoint", "checkpoint"), ("rollouts_file", "rollouts")):
+        if summary.get(key):
+            items.append(join(label, " ", el("code", str(summary[key]))))
+    created = summary.get("created_unix")
+    if isinstance(created, (int, float)):
+        items.append(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(created)))
+    if summary.get("mismatch_version"):
+        items.append(f"mismatch {summary['mismatch_version']} · {summary.get('command', '?')}")
+    separated = [join(el("span", " · ", class_="sep") if i else None, item) for i, item in enumerate(items)]
+    return el("p", separated, class_="context")
+
+
+def banner_html(b: Banner) -> Html:
+    tiles = [el("div", el("div", fmt(value, kind), class_="tile-value"), el("div", label, class_="tile-label"),
+                class_="tile") for label, value, kind in b.numbers if value is not None]
+    return el("section",
+              el("div", el("span", b.label, class_="pill"), el("h1", b.headline, id="verdict-headline"),
+                 class_="banner-head"),
+              [el("p", line, class_="banner-detail") for line in b.details],
+              el("div", tiles, class_="tiles") if tiles else None,
+              id="verdict", class_=f"banner status-{b.status}")
+
+
+# --- the gaps -----------------------------------------------------------------------------------
+
+def role_spec(summary: dict[str, Any], role: str) -> str:
+    engine = (summary.get("engines") or {}).get(role) or {}
+    return str(engine.get("spec", role))
+
+
+def pair_card(summary: dict[str, Any], pair: str, color: str) -> Html:
+    metrics = summary["pairs"][pair] or {}
+    verdict = (summary.get("verdicts") or {}).get(pair) or {}
+    level = verdict.get("level", "unknown")
+    a, b = pair_roles(pair)
+    sub = f"{a} = {role_spec(summary, a)}  vs  {b} = {role_spec(summary, b)}"
+    text = verdict.get("text", "").split(" (kl_k3", 1)[0]
+    return el("article",
+              el("header", el("span", class_="swatch", style=f"background:{color}"), el("h3", pair),
+                 el("span", level.upper() if verdict else "NOT JUDGED", class_=f"level level-{level}")),
+              el("p", verdict.get("meaning"), class_="meaning") if verdict.get("meaning") else None,
+              el("p", el("code", sub), class_="specs"),
+              el("p", text, class_="verdict-text") if text else None,
+              el("dl", [el("div", el("dt", label), el("dd", fmt(_metric(metrics, key), kind)))
+                        for key, label, kind in CARD_METRICS], class_="metrics"),
+              class_=f"card level-{level}")
+
+
+def _metric(metrics: dict[str, Any], key: str | tuple[str, ...]) -> Any:
+    return tuple(metrics.get(k) for k in key) if isinstance(key, tuple) else metrics.get(key)
+
+
+def triangle_svg(summary: dict[str, Any], pairs: list[str]) -> Html | None:
+    """Three roles, three edges colored by level: the triangle of an audit (or a diff) at a glance."""
+    roles = list(dict.fromkeys(r for pair in pairs for r in pair_roles(pair)))
+    if len(pairs) != 3 or len(roles) != 3:
+        return None
+    points = {roles[0]: (150, 34), roles[1]: (44, 196), roles[2]: (256, 196)}
+    verdicts = summary.get("verdicts") or {}
+    edges, labels = [], []
+    for pair in pairs:
+        a, b = pair_roles(pair)
+        (x1, y1), (x2, y2) = points[a], points[b]
+        level = (verdicts.get(pair) or {}).get("level", "unknown")
+        color = LEVEL_COLORS.get(level, LEVEL_COLORS["unknown"])
+        edges.append(el("line", x1=x1, y1=y1, x2=x2, y2=y2, stroke=color, stroke_width=7,
+                        stroke_linecap="round"))
+        mx, my = (x1 + x2) / 2, (y1 + y2) / 2
+        dx = -30 if mx < 150 else (30 if mx > 150 else 0)
+        dy = 22 if mx == 150 else 0
+        labels.append(el("text", level, x=mx + dx, y=my + dy, fill=color, text_anchor="middle",
+                         class_="tri-level"))
+    nodes = [join(el("circle", cx=x, cy=y, r=24, class_="tri-node"),
+                  el("text", role, x=x, y=y + 4, text_anchor="middle", class_="tri-role"))
+             for role, (x, y) in points.items()]
+    return el("svg", edges, labels, nodes, viewBox="0 -4 300 232", class_="triangle", role="img",
+              aria_label="the triangle of gaps")
+
+
+def metrics_table(summary: dict[str, Any], pairs: list[str]) -> Html:
+    names = list(dict.fromkeys(k for pair in pairs for k in (summary["pairs"][pair] or {})))
+    head = el("tr", el("th", "metric"), [el("th", pair) for pair in pairs])
+    rows = [el("tr", el("th", name, scope="row"),
+               [el("td", num((summary["pairs"][pair] or {}).get(name), 6)) for pair in pairs]) for name in names]
+    return el("details", el("summary", "All pair metrics"),
+              el("table", el("thead", head), el("tbody", rows), class_="data num"))
+
+
+def gaps_section(summary: dict[str, Any], pairs: list[str], colors: dict[str, str]) -> Html:
+    is_diff = summary.get("command") == "diff"
+    title = "The gaps, side by side" if is_diff else "The three gaps of the triangle"
+    lead = ("Each pair A/B is log π_A − log π_B over trainable tokens: ratio = π_A / π_B as PPO uses it.")
+    triangle = triangle_svg(summary, pairs)
+    return section("gaps", title,
+                   el("div", el("div", triangle, class_="triangle-box") if triangle else None,
+                      el("div", [pair_card(summary, p, colors[p]) for p in pairs], class_="cards"),
+                      class_="gaps"),
+                   metrics_table(summary, pairs), lead=lead)
+
+
+# --- generic renderers for the open-ended blocks (localization, findings) ------------------------
+
+def value_html(value: Any, depth: int = 0) -> Html:
+    """Any JSON value as escaped markup: records as tables, objects as key/value lists."""
+    if isinstance(value, dict):
+        if not value:
+            return el("span", "–")
+        return el("table", el("tbody", [el("tr", el("th", str(k), scope="row"), el("td", value_html(v, depth + 1)))
+                                        for k, v in value.items()]), class_="data kv")
+    if isinstance(value, list):
+        if value and all(isinstance(v, dict) for v in value):
+            return records_table(value)
+        return el("span", ", ".join(num(v) if isinstance(v, (int, float)) else str(v) for v in value) or "–")
+    if isinstance(value, float):
+        return el("span", num(value, 6))
+    if isinstance(value, str) and ("\n" in value or len(value) > 60):
+        return el("pre", value, class_="text")
+    return el("span", num(value) if isinstance(value, int) else ("–" if value is None else str(value)))
+
+
+def records_table(records: list[dict[str, Any]], *, limit: int = MAX_TABLE_ROWS,
+                  highlight: set[int] | None = None) -> Html:
+    columns = list(dict.fromkeys(k for r in records for k in r))
+    rows = [el("tr", [el("td", value_html(r.get(c), 1)) for c in columns],
+               class_="highlight" if highlight and i in highlight else None)
+            for i, r in enumerate(records[:limit])]
+    more = len(records) - limit
+    return join(el("table", el("thead", el("tr", [el("th", c) for c in columns])), el("tbody", rows),
+                   class_="data"),
+                el("p", f"… {more:,} more rows in summary.json", class_="note") if more > 0 else None)
+
+
+def facts(items: list[tuple[str, Any]]) -> Html | None:
+    shown = [(label, value) for label, value in items if value is not None]
+    if not shown:
+        return None
+    return el("dl", [el("div", el("dt", label), el("dd", value_html(value))) for label, value in shown],
+              class_="facts")
+
+
+# --- where: turn, position, probability, branch kind ----------------------------------------------
+
+def turn_facts(localization: dict[str, Any]) -> Html | None:
+    turns = localization.get("turns")
+    if not isinstance(turns, dict):
+        return None
+    onset = turns.get("onset_turn", "not computed")
+    items = [("onset turn", "none (no turn departs from the earlier ones)" if onset is None else onset),
+             ("drift along position", turns.get("position_slope"))]
+    items += [(k.replace("_", " "), v) for k, v in turns.items()
+              if k not in ("onset_turn", "position_slope", "by_turn")]
+    return facts(items)
+
+
+def where_section(summary: dict[str, Any], figures: dict[str, Any], colors: dict[str, str]) -> Html | None:
+    parts = []
+    localization = summary.get("localization") or {}
+    parts.append(turn_facts(localization) if isinstance(localization, dict) else None)
+    for fig_id, caption in (("turn", "By turn: a turn is one model segment with the context before it."),
+                            ("position", "By position in the token stream, binned."),
+                            ("prob", "By the probability the pair's B side gave the token: "
+                                     "low-probability tokens are where mismatch bites.")):
+        if fig_id in figures:
+            parts.append(chart(fig_id, caption))
+    if not any(parts):
+        return None
+    return section("where", "Where the gap is", el("div", parts[0], class_="wide") if parts[0] else None,
+                   pair_legend(colors), el("div", parts[1:], class_=f"grid-{min(max(len(parts) - 1, 1), 3)}"),
+                   lead="Pick the statistic in each chart's menu; hover for token counts.")
+
+
+def branch_section(summary: dict[str, Any], pairs: list[str], figures: dict[str, Any],
+                   colors: dict[str, str]) -> Html | None:
+    rows = [r for r in summary.get("branch_kinds") or [] if isinstance(r, dict) and "branch_kind" in r]
+    if not rows:
+        return None
+    records = []
+    for row in rows:
+        for pair in pairs:
+            metrics = (row.get("pairs") or {}).get(pair) or {}
+            if metrics.get("n_tokens"):
+                records.append({"branch kind": row["branch_kind"], "pair": pair,
+                                "tokens": metrics.get("n_tokens"), "rollouts": metrics.get("n_rollouts"),
+                                "mean |log-ratio|": metrics.get("log_ratio_abs_mean"),
+                                "kl_k3": metrics.get("kl_k3"), "max |log-ratio|": metrics.get("log_ratio_abs_max"),
+                                "ESS": metrics.get("ess")})
+    return section("branches", "By branch kind", pair_legend(colors),
+                   chart("branch_kind") if "branch_kind" in figures else None,
+                   el("details", el("summary", "Table"), records_table(records)) if records else None,
+                   lead="Trees: main branch, subagents and summaries, each over its own trainable tokens.")
+
+
+# --- localization, findings -----------------------------------------------------------------------
+
+def localization_section(summary: dict[str, Any], figures: dict[str, Any]) -> Html | None:
+    localization = summary.get("localization")
+    if not isinstance(localization, dict):
+        return None
+    parts = []
+    layers = localization.get("layers")
+    if isinstance(layers, dict) and layers:
+        rest = {k: v for k, v in layers.items() if k not in ("jump_layer", "jump_block", "by_layer")}
+        parts.append(el("h3", "By layer"))
+        parts.append(facts([("error jumps at layer", layers.get("jump_layer", "not computed")),
+                            ("in sub-block", layers.get("jump_block"))]))
+        if "layers" in figures:
+            parts.append(chart("layers", "Relative error of the residual stream along depth."))
+        if layers.get("by_layer"):
+            parts.append(el("details", el("summary", "by_layer table"), value_html(layers["by_layer"])))
+        if rest:
+            parts.append(value_html(rest))
+    kernels = localization.get("kernels")
+    if isinstance(kernels, dict) and kernels:
+        parts.append(el("h3", "By kernel (module-local error, ranked)"))
+        if "kernels" in figures:
+            parts.append(chart("kernels"))
+        for key, value in kernels.items():
+            parts.append(el("div", el("h4", key), value_html(value), class_="block"))
+    others = {k: v for k, v in localization.items() if k not in ("turns", "layers", "kernels") and v}
+    if others:
+        parts.append(value_html(others))
+    if not parts:
+        return None
+    return section("localization", "Layer and kernel localization", parts)
+
+
+def findings_section(summary: dict[str, Any]) -> Html | None:
+    parts = []
+    alignment = summary.get("alignment")
+    if isinstance(alignment, dict) and alignment:
+        shift = alignment.get("shift")
+        semantics = alignment.get("logprob_semantics")
+        flags = []
+        if isinstance(shift, int) and shift != 0:
+            flags.append(f"Stored log-probs fit better shifted by {shift:+d} position: an off-by-one "
+                         "in the harness; no metric is trustworthy until it is fixed.")
+        if semantics == "processed":
+            flags.append("Stored log-probs are processed (temperature / top-p / top-k renormalized) "
+                         "while the trainer's are raw: compare like for like.")
+        zero = alignment.get("padded_zero_frac")
+        if isinstance(zero, (int, float)) and zero > 0:
+            flags.append(f"{pct(zero)} of positions carry padded-zero or constant log-probs.")
+        parts += [el("h3", "Alignment"), [el("p", f, class_="flag") for f in flags], value_html(alignment)]
+    drift = summary.get("drift")
+    if isinstance(drift, dict) and drift:
+        spans = [s for s in drift.get("spans") or [] if isinstance(s, dict)]
+        parts.append(el("h3", f"Render drift: {len(spans):,} drifted span{'s' if len(spans) != 1 else ''}"))
+        if spans:
+            parts.append(records_table(spans))
+        rest = {k: v for k, v in drift.items() if k != "spans"}
+        if rest:
+            parts.append(value_html(rest))
+    if not parts:
+        return None
+    return section("findings", "Render and alignment findings", parts)
+
+
+# --- corrections and recommendations ---------------------------------------------------------------
+
+def snippet_blocks(rec: dict[str, Any]) -> list[Html]:
+    """A recommendation's config snippet(s): `snippet` text, or {framework: text} under `snippets`."""
+    blocks = []
+    for key in ("snippet", "config", "snippets"):
+        value = rec.get(key)
+        if isinstance(value, str):
+            blocks.append(el("pre", value, class_="snippet"))
+        elif isinstance(value, dict):
+            for name, text in value.items():
+                body = text if isinstance(text, str) else repr(text)
+                blocks.append(el("div", el("div", str(name), class_="snippet-label"),
+                                 el("pre", body, class_="snippet")))
+    return blocks
+
+
+def corrections_section(summary: dict[str, Any]) -> Html | None:
+    corrections = [c for c in summary.get("corrections") or [] if isinstance(c, dict)]
+    recs = [r for r in summary.get("recommendations") or [] if isinstance(r, dict)]
+    if not corrections and not recs:
+        return None
+    modes = {str(c.get("mode")) for c in corrections}
+    rec_items = []
+    for rec in recs:
+        action = recommendation_action(rec, modes)
+        badge = {"correct": "correct", "fix": "fix at the source", "none": "no action"}[action]
+        rec_items.append(el("li", el("span", badge, class_=f"badge badge-{action}"), " ",
+                            el("strong", describe(rec)),
+                            el("p", rec.get("why")) if rec.get("why") else None, snippet_blocks(rec)))
+    recommended = {(str(r.get("kind")), repr(r.get("params"))) for r in recs}
+    table = None
+    if corrections:
+        head = el("tr", el("th", "mode"), el("th", "params"), [el("th", label) for _, label, _ in CORRECTION_COLUMNS])
+        rows = []
+        for c in corrections:
+            params = c.get("params") if isinstance(c.get("params"), dict) else {}
+            mark = (str(c.get("mode")), repr(c.get("params"))) in recommended
+            rows.append(el("tr", el("td", ("★ " if mark else "") + str(c.get("mode"))),
+                           el("td", ", ".join(f"{k}={v}" for k, v in params.items()) or "–"),
+                           [el("td", fmt(c.get(key), kind)) for key, _, kind in CORRECTION_COLUMNS],
+                           class_="highlight" if mark else None))
+        table = el("table", el("thead", head), el("tbody", rows), class_="data num corrections")
+    return section("corrections", "Corrections",
+                   el("ul", rec_items, class_="recs") if rec_items else
+                   el("p", "Recommendation: not computed.", class_="note"),
+                   table, lead="Every simulated correction over train/sampler trainable tokens (★ recommended)."
+                   if corrections else None)
+
+
+# --- diff ----------------------------------------------------------------------------------------
+
+def diff_section(summary: dict[str, Any], texts: dict[str, str] | None) -> Html | None:
+    diff = summary.get("diff")
+    if summary.get("command") != "diff" or not isinstance(diff, dict):
+        return None
+    deltas = diff.get("deltas") or {}
+    rows = []
+    for name, d in deltas.items():
+        ci = d.get("ci95") or [None, None]
+        excludes_zero = all(isinstance(v, (int, float)) for v in ci) and (ci[0] > 0 or ci[1] < 0)
+        rows.append(el("tr", el("th", name, scope="row"), el("td", num(d.get("a"))), el("td", num(d.get("b"))),
+                       el("td", num(d.get("delta"))), el("td", f"{num(ci[0])} … {num(ci[1])}"),
+                       el("td", "yes" if excludes_zero else "no"), class_="highlight" if excludes_zero else None))
+    table = el("table", el("thead", el("tr", [el("th", h) for h in
+                                             ("metric", "A vs ref", "B vs ref", "Δ (B − A)", "95% CI", "CI excludes 0")])),
+               el("tbody", rows), class_="data num")
+    worst = ((diff.get("where") or {}).get("worst_tokens")) or []
+    if texts is not None:
+        worst = [{**w, "text": texts.get(str(w.get("token_id")), "")} for w in worst if isinstance(w, dict)]
+    return section("diff", "A against B", table if rows else None,
+                   el("h3", "Tokens where A and B disagree most") if worst else None,
+                   records_table(worst) if worst else None,
+                   lead="Deltas over rollouts with a bootstrap 95% interval; negative Δ means B is closer.")
+
+
+# --- worst rollouts, absent sections, footer -------------------------------------------------------
+
+def worst_section(worst: dict[str, Any] | None) -> Html | None:
+    if worst is None:
+        return None
+    lead = (f"The {len(worst['rollouts'])} worst of {worst['num_ranked']:,} rollouts by {worst['rank_by']} "
+            f"on {worst['focus']}. Each token is colored by its log-ratio (red: A gives it more probability, "
+            "blue: less); hover a token for its id, log-probs and ratio. Grey tokens are context.")
+    return section("worst", "The worst rollouts", el("div", id="worst-controls", class_="worst-controls"),
+                   el("div", id="worst-list"), lead=lead)
+
+
+def absent_line(summary: dict[str, Any]) -> Html | None:
+    localization = summary.get("localization") if isinstance(summary.get("localization"), dict) else {}
+    checks = (("turn onset and position drift", localization.get("turns")),
+              ("layer localization", localization.get("layers")),
+              ("kernel localization", localization.get("kernels")),
+              ("render drift", summary.get("drift")), ("alignment checks", summary.get("alignment")),
+              ("corrections", summary.get("corrections")), ("recommendations", summary.get("recommendations")))
+    absent = [name for name, value in checks if not value]
+    if not absent:
+        return None
+    return el("p", el("strong", "Not computed in this run: "), ", ".join(absent), ".", class_="absent")
+
+
+def engines_table(summary: dict[str, Any]) -> Html | None:
+    engines = summary.get("engines") or {}
+    if not engines:
+        return None
+    keys = ("spec", "kind", "dtype", "device", "logprob_semantics", "tokens_per_s", "seconds")
+    head = el("tr", el("th", "role"), [el("th", k) for k in keys])
+    rows = [el("tr", el("th", role, scope="row"),
+               [el("td", num(e.get(k)) if isinstance(e.get(k), (int, float)) else str(e.get(k, "–")))
+                for k in keys]) for role, e in engines.items() if isinstance(e, dict)]
+    return el("details", el("summary", "Engines and settings"),
+              el("table", el("thead", head), el("tbody", rows), class_="data"),
+              value_html(engines))
+
+
+def footer(summary: dict[str, Any]) -> Html:
+    return el("footer", engines_table(summary),
+              el("p", "Built from summary.json and tokens.parquet by mismatch's reports/. Rebuild with ",
+                 el("code", "mismatch report DIR"), ". Self-contained: no network, no external files."))

@@ -1,0 +1,164 @@
+"""The worst rollouts, token by token: ranked by their largest |log-ratio| on one pair.
+
+Only these rollouts carry per-token detail into the page, and a long one only windows around its
+worst tokens, so the page stays small however many rollouts were audited.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from reports.aggregate import pair_roles
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class WorstOptions:
+    num_rollouts: int = 12          # rollouts with token detail
+    max_tokens_per_rollout: int = 1500
+    context: int = 48               # tokens kept on each side of a bad token in a long rollout
+
+
+def logp_roles(tokens: pd.DataFrame) -> list[str]:
+    return [str(c)[len("logp_"):] for c in tokens.columns if str(c).startswith("logp_")]
+
+
+def rollout_codes(tokens: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(integer code per row, rollout id per code): codes, not strings, for 10M-row tables."""
+    column = tokens["rollout"]
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        return column.cat.codes.to_numpy(), np.asarray(column.cat.categories.astype(str))
+    codes, uniques = pd.factorize(column)
+    return codes, np.asarray(pd.Index(uniques).astype(str))
+
+
+def rank_rollouts(tokens: pd.DataFrame, pair: str, codes: np.ndarray, names: np.ndarray) -> pd.DataFrame:
+    """Per rollout over trainable tokens: max |log-ratio| (the token that hurts PPO most), mean kl_k3."""
+    a, b = (f"logp_{role}" for role in pair_roles(pair))
+    trainable = tokens["trainable"].to_numpy(dtype=bool)
+    log_ratio = tokens[a].to_numpy(np.float64) - tokens[b].to_numpy(np.float64)
+    keep = trainable & ~np.isnan(log_ratio)
+    log_ratio = log_ratio[keep]
+    with np.errstate(over="ignore", invalid="ignore"):
+        frame = pd.DataFrame({"code": codes[keep], "abs": np.abs(log_ratio),
+                              "k3": np.expm1(log_ratio) - log_ratio})
+    ranked = frame.groupby("code", sort=False).agg(
+        max_abs_log_ratio=("abs", "max"), kl_k3_mean=("k3", "mean"), n_scored=("abs", "size"))
+    ranked = ranked.reset_index()
+    ranked["rollout"] = names[ranked["code"].to_numpy()]
+    ranked = ranked.sort_values(["max_abs_log_ratio", "kl_k3_mean", "rollout"],
+                                ascending=[False, False, True], kind="stable", na_position="last")
+    return ranked.reset_index(drop=True)
+
+
+def select_rows(abs_log_ratio: np.ndarray, *, budget: int, context: int) -> np.ndarray:
+    """Indices to show of one rollout: all of it if it fits, else windows around its worst tokens."""
+    num = len(abs_log_ratio)
+    if num <= budget:
+        return np.arange(num)
+    keep = np.zeros(num, dtype=bool)
+    kept = 0
+    # Worst first; NaN (a context token) sorts last, so windows open on scored tokens first.
+    order = np.argsort(-np.nan_to_num(abs_log_ratio, nan=-1.0), kind="stable")
+    for center in order:
+        if kept >= budget:
+            break
+        # The last window shrinks to what is left of the budget rather than cutting an earlier one.
+        for half in range(context, -1, -1):
+            window = slice(max(0, center - half), center + half + 1)
+            added = int((~keep[window]).sum())
+            if kept + added <= budget:
+                keep[window] = True
+                kept += added
+                break
+    return np.flatnonzero(keep)
+
+
+def _rounded(values: np.ndarray, digits: int) -> list[float | None]:
+    # Display precision only: the page shows these numbers, it never recomputes metrics from them.
+    return [float(f"{v:.{digits}g}") if math.isfinite(v) else None for v in values.tolist()]
+
+
+def rollout_detail(rows: pd.DataFrame, *, pairs: list[str], roles: list[str],
+                   ranked: dict[str, Any], focus: str, options: WorstOptions) -> dict[str, Any]:
+    """One rollout's shown tokens as columns (JSON arrays), with its branches and scores."""
+    a, b = (f"logp_{role}" for role in pair_roles(focus))
+    focus_abs = np.abs(rows[a].to_numpy(np.float64) - rows[b].to_numpy(np.float64))
+    focus_abs[~rows["trainable"].to_numpy(dtype=bool)] = np.nan
+    shown = select_rows(focus_abs, budget=options.max_tokens_per_rollout, context=options.context)
+    rows = rows.iloc[shown]
+    branch_keys = list(dict.fromkeys(zip(rows["branch"].astype(str), rows["branch_kind"].astype(str))))
+    branch_index = {key: i for i, key in enumerate(branch_keys)}
+    role_names = sorted(set(rows["role"].astype(str)))
+    role_index = {name: i for i, name in enumerate(role_names)}
+    log_ratio = {}
+    for pair in pairs:
+        pa, pb = (f"logp_{role}" for role in pair_roles(pair))
+        log_ratio[pair] = _rounded(rows[pa].to_numpy(np.float64) - rows[pb].to_numpy(np.float64), 4)
+    return {
+        "rollout": str(ranked["rollout"]),
+        "max_abs_log_ratio": float(ranked["max_abs_log_ratio"]),
+        "kl_k3_mean": float(ranked["kl_k3_mean"]) if math.isfinite(ranked["kl_k3_mean"]) else None,
+        "n_scored": int(ranked["n_scored"]),
+        "n_rows": int(len(focus_abs)),
+        "row": shown.tolist(),
+        "branches": [{"id": bid, "kind": kind} for bid, kind in branch_keys],
+        "branch": [branch_index[k] for k in zip(rows["branch"].astype(str), rows["branch_kind"].astype(str))],
+        "roles": role_names,
+        "role": [role_index[r] for r in rows["role"].astype(str)],
+        "segment": rows["segment"].astype(int).tolist(),
+        "turn": rows["turn"].astype(int).tolist(),
+        "pos": rows["pos"].astype(int).tolist(),
+        "token_id": rows["token_id"].astype(int).tolist(),
+        "trainable": rows["trainable"].astype(int).tolist(),
+        "logp": {role: _rounded(rows[f"logp_{role}"].to_numpy(np.float64), 6) for role in roles},
+        "log_ratio": log_ratio,
+    }
+
+
+def token_texts(token_ids: set[int], tokenizer_path: Path | None) -> dict[str, str] | None:
+    """Each token id's own text, decoded alone (tokenizers only: no torch, no transformers)."""
+    if tokenizer_path is None or not tokenizer_path.is_file():
+        return None
+    from tokenizers import Tokenizer  # the Rust tokenizer: loads in milliseconds
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    ids = sorted(token_ids)
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    known = [i for i in ids if 0 <= i < vocab_size]
+    texts = tokenizer.decode_batch([[i] for i in known], skip_special_tokens=False)
+    return {str(i): text for i, text in zip(known, texts)}
+
+
+def color_scale(details: list[dict[str, Any]], pair: str) -> float:
+    """|log-ratio| that gets full color: the 99th percentile of the shown scored tokens."""
+    values = np.abs(np.asarray([v for d in details for v in d["log_ratio"].get(pair, []) if v is not None],
+                               dtype=np.float64))
+    values = values[np.isfinite(values) & (values > 0)]
+    return float(np.quantile(values, 0.99)) if len(values) else 1.0
+
+
+def worst_rollouts(tokens: pd.DataFrame, *, pairs: list[str], focus: str,
+                   tokenizer_path: Path | None, options: WorstOptions = WorstOptions()) -> dict[str, Any] | None:
+    """The `worst` block of the page data, or None when the focus pair has no scored tokens."""
+    codes, names = rollout_codes(tokens)
+    ranked = rank_rollouts(tokens, focus, codes, names)
+    if ranked.empty:
+        return None
+    top = ranked.head(options.num_rollouts)
+    roles = logp_roles(tokens)
+    details = []
+    for record in top.to_dict("records"):
+        rows = tokens.iloc[np.flatnonzero(codes == record["code"])]
+        details.append(rollout_detail(rows, pairs=pairs, roles=roles, ranked=record, focus=focus,
+                                      options=options))
+    ids = {i for d in details for i in d["token_id"]}
+    return {"focus": focus, "pairs": pairs, "roles": roles, "rank_by": "max |log-ratio| on trainable tokens",
+            "num_ranked": int(len(ranked)), "rollouts": details,
+            "scale": {pair: color_scale(details, pair) for pair in pairs},
+            "text": token_texts(ids, tokenizer_path)}

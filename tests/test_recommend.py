@@ -1,0 +1,227 @@
+"""Recommendation rule on hand-made evidence, source fixes, and config snippets that parse with real keys."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from mismatch.corrections import summary_corrections
+from mismatch.errors import MismatchError
+from mismatch.metrics import summarize_pairs
+from mismatch.recommend import (FRAMEWORKS, Recommendation, batch_variant_from_probes, recommend,
+                                render_config)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+SMALL = {"n_tokens": 1000, "kl_k3": 1e-4, "frac_outside_2": 0.0, "bitwise_equal_frac": 0.0,
+         "ratio_p01": 0.97, "ratio_p999": 1.04}
+
+
+def trunc(mode: str, cap: float, frac: float, ess: float) -> dict:
+    return {"mode": mode, "params": {"cap": cap}, "frac_tokens_affected": frac, "frac_rollouts_affected": frac,
+            "weight_mean": 1.0, "weight_max": cap, "ess": ess}
+
+
+def summary(metrics: dict | None = None, corrections: list | None = None, **extra) -> dict:
+    return {"schema": "mismatch.summary/v1", "pairs": {"train/sampler": metrics or SMALL},
+            "counts": {"tokens": 12_345, "trainable_tokens": 4_321},
+            "engines": {"sampler": {"kind": "stored", "meta": {"dtype": "float32"}}, "train": {"dtype": "float32"}},
+            "corrections": corrections if corrections is not None else [], **extra}
+
+
+TOKEN_CAPS = [trunc("token_truncate", 1.5, 0.05, 0.95), trunc("token_truncate", 2.0, 0.008, 0.93),
+              trunc("token_truncate", 3.0, 0.001, 0.91)]
+
+
+def the(recs: list[Recommendation], kind: str) -> Recommendation:
+    [rec] = [r for r in recs if r.kind == kind]
+    return rec
+
+
+def test_smallest_cap_with_99pct_unclipped_and_ess_09_is_chosen_and_explained():
+    rec = the(recommend(summary(corrections=TOKEN_CAPS)), "correction")
+    assert rec.params["mode"] == "token_truncate" and rec.params["cap"] == 2.0 and rec.params["meets_rule"]
+    assert "token_truncate at cap 2 is the smallest simulated cap that leaves 99.20% of trainable tokens " \
+           "unclipped (rule: >= 99%) with ESS 0.930 (rule: >= 0.9)" in rec.why
+    assert "cap 1.5 would clip 5.00% (ESS 0.950)" in rec.why
+    assert "kl_k3 0.0001" in rec.why and "token level (the position trend was not measured" in rec.why
+
+
+def test_a_cap_failing_ess_is_skipped():
+    caps = [trunc("token_truncate", 1.5, 0.005, 0.85), trunc("token_truncate", 2.0, 0.001, 0.92)]
+    assert the(recommend(summary(corrections=caps)), "correction").params["cap"] == 2.0
+
+
+def test_when_no_cap_meets_the_rule_the_highest_ess_is_taken_and_said():
+    caps = [trunc("token_truncate", 1.5, 0.2, 0.5), trunc("token_truncate", 3.0, 0.05, 0.8)]
+    rec = the(recommend(summary(corrections=caps)), "correction")
+    assert rec.params["cap"] == 3.0 and rec.params["meets_rule"] is False
+    assert "no simulated cap leaves >= 99% of tokens unclipped with ESS >= 0.9; cap 3 keeps the most ESS" in rec.why
+
+
+def test_sequence_level_when_mismatch_grows_with_position():
+    caps = [*TOKEN_CAPS, trunc("sequence_truncate", 2.0, 0.02, 0.9), trunc("sequence_truncate", 5.0, 0.004, 0.95)]
+    rec = the(recommend(summary(corrections=caps), grows_with_position=True), "correction")
+    assert (rec.params["mode"], rec.params["cap"]) == ("sequence_truncate", 5.0)
+    assert "sequence level, because the mismatch grows with position" in rec.why
+
+
+def test_position_trend_is_read_from_the_turns_localizer():
+    caps = [*TOKEN_CAPS, trunc("sequence_truncate", 5.0, 0.004, 0.95)]
+    located = summary(corrections=caps, localization={"turns": {"position_slope": {"grows_with_position": True}}})
+    assert the(recommend(located), "correction").params["mode"] == "sequence_truncate"
+
+
+@pytest.mark.parametrize(("metrics", "gap"), [
+    ({**SMALL, "kl_k3": 1e-8}, "negligible"), ({**SMALL, "bitwise_equal_frac": 1.0}, "exact"),
+    ({**SMALL, "n_tokens": 0}, "unknown")])
+def test_no_correction_and_no_source_fix_without_a_gap(metrics, gap):
+    recs = recommend(summary(metrics, corrections=TOKEN_CAPS))
+    assert [(r.kind, r.params) for r in recs] == [("no_correction", {"gap": gap})]
+
+
+def test_recompute_states_its_cost_from_the_counts():
+    rec = the(recommend(summary(corrections=TOKEN_CAPS)), "recompute_old_logprobs")
+    assert rec.params == {"extra_forward_tokens": 12_345, "trainable_tokens": 4_321}
+    assert rec.why.endswith("cost: one extra forward pass (no backward) over N = 12,345 tokens per batch "
+                            "like this one (4,321 of them trainable)")
+
+
+def test_fp16_only_when_an_engine_is_bf16():
+    assert "fp16" not in [r.kind for r in recommend(summary(corrections=TOKEN_CAPS))]
+    bf16 = summary(corrections=TOKEN_CAPS)
+    bf16["engines"]["sampler"]["meta"]["dtype"] = "bfloat16"
+    assert the(recommend(bf16), "fp16").params["roles"] == ["sampler"]
+
+
+def test_source_fixes_from_probes_drift_and_alignment():
+    probes = [{"source": "batch_size", "applicable": True, "bitwise_equal_frac": 0.97},
+              {"source": "dtype", "applicable": True, "bitwise_equal_frac": 0.0}]
+    recs = recommend(summary(corrections=TOKEN_CAPS), probes=probes, drift={"spans": [{}, {}]},
+                     alignment={"shift": -1, "logprob_semantics": "processed"})
+    kinds = [r.kind for r in recs]
+    assert kinds == ["fix_alignment", "fix_renderer", "correction", "recompute_old_logprobs", "batch_invariant",
+                     "raw_logprobs"]
+    assert the(recs, "fix_alignment").params == {"shift": -1}
+    assert "shifted by -1" in the(recs, "fix_alignment").why
+    assert the(recs, "fix_renderer").params == {"spans": 2}
+    assert the(recs, "batch_invariant").params["vllm_env"] == "VLLM_BATCH_INVARIANT=1"
+
+
+def test_batch_variance_from_probes():
+    assert batch_variant_from_probes([]) is None
+    assert batch_variant_from_probes([{"source": "batch_size", "applicable": True, "bitwise_equal_frac": 1.0}]) is False
+    assert batch_variant_from_probes([{"source": "split_kv", "applicable": True, "bitwise_equal_frac": 0.5}]) is True
+    assert batch_variant_from_probes([{"source": "tf32", "applicable": True, "bitwise_equal_frac": 0.5}]) is None
+
+
+def test_missing_simulations_are_a_user_error():
+    with pytest.raises(MismatchError) as info:
+        recommend(summary())
+    assert str(info.value) == ("no simulated token_truncate corrections to choose from: summary.json has no "
+                               "'corrections' (simulate them with mismatch.corrections.summary_corrections)")
+
+
+def correction(mode: str, **params: float) -> list[Recommendation]:
+    return [Recommendation(kind="correction", params={"mode": mode, **params}, why="test")]
+
+
+ALL_FIXES = [Recommendation(kind=k, why="w") for k in ("recompute_old_logprobs", "fp16", "batch_invariant")]
+
+
+def test_verl_yaml_uses_rollout_correction_keys():
+    config = yaml.safe_load(render_config(correction("token_truncate", cap=2.0) + ALL_FIXES, "verl"))
+    assert config["algorithm"]["rollout_correction"] == {"rollout_is": "token", "rollout_is_threshold": 2.0,
+                                                         "rollout_rs": None, "bypass_mode": False}
+    assert config["actor_rollout_ref"]["rollout"] == {"calculate_log_probs": True, "dtype": "float16"}
+    icepop = yaml.safe_load(render_config(correction("sequence_icepop", low=0.5, high=2.0), "verl"))
+    assert icepop["algorithm"]["rollout_correction"]["rollout_is_threshold"] == "0.5_2.0"
+
+
+def test_verl_geometric_band_is_inverted_for_k1():
+    # verl's k1 bounds apply to 1/ratio: a ratio band [0.8, 1.25] is rollout_rs_threshold "0.8_1.25".
+    config = yaml.safe_load(render_config(correction("geometric_icepop", low=0.8, high=1.25), "verl"))
+    assert config["algorithm"]["rollout_correction"] == {"rollout_is": None, "rollout_rs": "seq_mean_k1",
+                                                         "rollout_rs_threshold": "0.8_1.25"}
+    rs = yaml.safe_load(render_config(correction("rs_seq_mean_k3", high=0.01), "verl"))
+    assert rs["algorithm"]["rollout_correction"]["rollout_rs_threshold"] == 0.01
+
+
+def test_trl_yaml_uses_grpo_config_fields():
+    config = yaml.safe_load(render_config(correction("sequence_mask", cap=3.0) + ALL_FIXES, "trl"))
+    assert config == {"use_vllm": True, "vllm_importance_sampling_correction": True,
+                      "vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_cap": 3.0,
+                      "bf16": False, "fp16": True}
+
+
+def flags(text: str) -> list[str]:
+    """Words as bash reads them: a backslash-newline continues the line (shlex would keep the newline)."""
+    return shlex.split(text.replace("\\\n", " "), comments=True)
+
+
+def test_slime_flags():
+    assert flags(render_config(correction("token_truncate", cap=2.0) + ALL_FIXES, "slime")) == [
+        "--use-tis", "--tis-clip", "2.0", "--sglang-enable-deterministic-inference"]
+    assert flags(render_config(correction("token_clip", low=0.5, high=2.0), "slime")) == [
+        "--use-tis", "--tis-clip", "2.0", "--tis-clip-low", "0.5"]
+    mis = render_config(correction("sequence_truncate", cap=5.0), "slime")
+    assert flags(mis) == ["--use-tis", "--custom-tis-function-path",
+                          "examples/train_infer_mismatch_helper/mis.py:compute_mis_weights_with_cp",
+                          "--custom-config-path", "mis.yaml"]
+    mis_yaml = "\n".join(line.removeprefix("# ") for line in mis.split("# --- mis.yaml ---\n")[1].splitlines())
+    assert yaml.safe_load(mis_yaml) == {"use_tis": True, "use_rs": False, "tis_level": "sequence",
+                                        "tis_mode": "truncate", "tis_upper_bound": 5.0, "tis_lower_bound": None,
+                                        "tis_batch_normalize": False}
+
+
+def test_prime_rl_toml_uses_loss_config_keys():
+    config = tomllib.loads(render_config(correction("token_truncate", cap=2.0), "prime-rl"))
+    assert config == {"trainer": {"loss": {"token_mask_high": 2.0}}}
+    seq = tomllib.loads(render_config(correction("sequence_truncate", cap=5.0), "prime-rl"))
+    assert seq == {"trainer": {"loss": {"ratio_type": "sequence", "sequence_clip_high": 5.0}}}
+
+
+def test_openrlhf_flags():
+    assert flags(render_config(correction("token_icepop", low=0.5, high=5.0), "openrlhf")) == [
+        "--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "icepop",
+        "--algo.advantage.is_correction_threshold", "0.5", "5.0"]
+    assert flags(render_config(correction("token_truncate", cap=2.0), "openrlhf"))[-2:] == ["0.0", "2.0"]
+
+
+def test_unknown_framework():
+    with pytest.raises(MismatchError) as info:
+        render_config([], "deepspeed-chat")
+    assert str(info.value) == "unknown framework 'deepspeed-chat' (valid: verl, trl, slime, prime-rl, openrlhf)"
+
+
+def test_end_to_end_from_a_token_table_every_snippet_parses():
+    """A bf16-like gap on a tiny token table: simulate, recommend, render for every framework."""
+    rng = np.random.default_rng(0)
+    n = 400
+    rollout = np.repeat([f"r{i}" for i in range(8)], n // 8)
+    table = pd.DataFrame({"rollout": rollout, "branch": "main", "turn": np.tile(np.repeat([0, 1], 25), 8),
+                          "trainable": True, "logp_sampler": -rng.uniform(0.1, 3.0, n)})
+    table["logp_train"] = table["logp_sampler"] + rng.normal(0, 0.05, n)
+    pairs = summarize_pairs(table, [("train", "sampler")])
+    result = summary(pairs["train/sampler"], corrections=summary_corrections(table))
+    result["engines"]["sampler"]["meta"]["dtype"] = "bfloat16"
+    recs = recommend(result)
+    chosen = the(recs, "correction")
+    assert chosen.params["mode"] == "token_truncate" and chosen.params["meets_rule"]
+    for framework in FRAMEWORKS:
+        text = render_config(recs, framework)
+        if framework in ("verl", "trl"):
+            assert isinstance(yaml.safe_load(text), dict)
+        elif framework == "prime-rl":
+            assert tomllib.loads(text)["trainer"]["loss"]["token_mask_high"] == chosen.params["cap"]
+        else:
+            words = flags(text)
+            assert words[0].startswith("--") and str(chosen.params["cap"]) in words

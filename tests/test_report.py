@@ -1,0 +1,381 @@
+"""The HTML report: built from a results dir alone, self-contained, escaped, and checked in a browser.
+
+Browser tests drive Debian's /usr/bin/chromium through playwright (fresh profile per launch) from a
+file:// URL and are skipped, with the reason, when either is missing; everything else runs always.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import REPO
+from reports.aggregate import histogram
+from reports.banner import banner
+from reports.build import REPORT_FILE, ReportError, build_report, plotly_js, script_json
+from reports.worst import WorstOptions, select_rows
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+ARTIFACTS = REPO / "tests/artifacts"
+SCRIPT = "<script>alert(1)</script>"
+IMG = '"><img src=x onerror=alert(1)>'
+VOCAB = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>", "\n", "Compute", " 2+2", ".",
+         "The", " answer", " is", " 4", "<tool_call>", "calc", "</tool_call>", SCRIPT, IMG]
+WORD = {word: i for i, word in enumerate(VOCAB)}
+
+
+# --- synthetic results dirs ----------------------------------------------------------------------
+
+def ids(*words: str) -> list[int]:
+    return [WORD[w] for w in words]
+
+
+def rollout(rid: str, *, tool_text: tuple[str, ...] = (" 4",), subagent: bool = False) -> dict[str, Any]:
+    main = [("system", ids("<|system|>", "Compute", ".", "<|end|>")),
+            ("user", ids("<|user|>", "Compute", " 2+2", "<|end|>", "<|assistant|>")),
+            ("assistant", ids("<tool_call>", "calc", " 2+2", "</tool_call>", "<|end|>")),
+            ("tool", ids("<|tool|>", *tool_text, "<|end|>", "<|assistant|>")),
+            ("assistant", ids("The", " answer", " is", " 4", ".", "<|end|>"))]
+    branches = [{"id": "main", "kind": "main", "start": 0, "segments": main}]
+    if subagent:
+        branches.append({"id": "sub-1", "kind": "subagent", "start": 9,
+                         "segments": [("user", ids("<|user|>", " 2+2", "<|end|>")),
+                                      ("assistant", ids("The", " answer", " is", " 4", "<|end|>"))]})
+    return {"id": rid, "branches": branches}
+
+
+def token_table(rollouts: list[dict[str, Any]]) -> pd.DataFrame:
+    rows = []
+    for r in rollouts:
+        for b in r["branches"]:
+            pos, turn = b["start"], 0
+            for s, (role, token_ids) in enumerate(b["segments"]):
+                for token_id in token_ids:
+                    rows.append({"rollout": r["id"], "branch": b["id"], "branch_kind": b["kind"], "turn": turn,
+                                 "segment": s, "pos": pos, "role": role, "token_id": token_id,
+                                 "trainable": role in ("assistant", "summary")})
+                    pos += 1
+                turn += role in ("assistant", "summary")  # a model segment closes its turn
+    table = pd.DataFrame(rows)
+    for column in ("rollout", "branch", "branch_kind", "role"):
+        table[column] = table[column].astype("category")
+    for column in ("turn", "segment", "pos"):
+        table[column] = table[column].astype(np.int32)
+    return table
+
+
+def tokenizer_file(path: Path) -> Path:
+    """A word-level tokenizer whose tokens include the XSS payloads, so decoded text carries them."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    Tokenizer(WordLevel(vocab=dict(WORD), unk_token="<|end|>")).save(str(path))
+    return path
+
+
+def audit_dir(root: Path, rollouts: list[dict[str, Any]], *, seed: int = 0, worst: str | None = None,
+              extra: dict[str, Any] | None = None) -> Path:
+    """An audit results dir from mismatch's own summary builder; `worst` gets one big log-ratio."""
+    from mismatch.audit import AUDIT_PAIRS, build_summary
+    from mismatch.results import write_results
+
+    rng = np.random.default_rng(seed)
+    table = token_table(rollouts)
+    num = len(table)
+    logp_train = -rng.exponential(1.0, num)
+    logp_infer = logp_train + rng.normal(0.0, 0.01, num)
+    logp_sampler = logp_infer.copy()
+    if worst is not None:
+        first = np.flatnonzero((table["rollout"] == worst).to_numpy() & table["trainable"].to_numpy())[0]
+        logp_sampler[first] -= 2.0
+    logp_sampler[~table["trainable"].to_numpy()] = np.nan
+    table["logp_sampler"], table["logp_train"], table["logp_infer"] = logp_sampler, logp_train, logp_infer
+    engines = {"sampler": {"kind": "stored", "spec": "sampler"}, "train": {"kind": "hf", "spec": "hf"},
+               "infer": {"kind": "hf-decode", "spec": "hf-decode:dtype=bfloat16"}}
+    summary = build_summary(table, engines=engines, checkpoint="ckpt", rollouts_file="rollouts.jsonl",
+                            pairs=AUDIT_PAIRS, command="audit")
+    summary.update(extra or {})
+    return write_results(root, tokens=table, summary=summary, force=False)
+
+
+def diff_dir(root: Path) -> Path:
+    from mismatch.audit import build_summary
+    from mismatch.diff import DIFF_PAIRS, compare_configs
+    from mismatch.results import write_results
+
+    rng = np.random.default_rng(1)
+    table = token_table([rollout(f"r-{i}", subagent=i % 2 == 0) for i in range(8)])
+    reference = -rng.exponential(1.0, len(table))
+    table["logp_a"] = reference + rng.normal(0.0, 0.05, len(table))  # bf16-like: farther
+    table["logp_b"] = reference + rng.normal(0.0, 0.001, len(table))
+    table["logp_reference"] = reference
+    engines = {"a": {"spec": "hf:dtype=bfloat16", "tokens_per_s": 900.0},
+               "b": {"spec": "hf:dtype=float32", "tokens_per_s": 500.0}, "reference": {"spec": "hf"}}
+    summary = build_summary(table, engines=engines, checkpoint="ckpt", rollouts_file="rollouts.jsonl",
+                            pairs=DIFF_PAIRS, command="diff")
+    summary["diff"] = compare_configs(table, summary, num_bootstrap=200)
+    return write_results(root, tokens=table, summary=summary, force=False)
+
+
+FULL_EXTRA: dict[str, Any] = {
+    "localization": {
+        "turns": {"onset_turn": 1, "position_slope": {"slope": 1.2e-5, "ci95": [0.8e-5, 1.6e-5]}},
+        "layers": {"jump_layer": 2, "jump_block": "mlp",
+                   "by_layer": [{"layer": i, "block": block, "rel_error": 1e-4 * (1 + i) * (30 if i >= 2 else 1)}
+                                for i in range(4) for block in ("attn", "mlp")]},
+        "kernels": {"by_module": [{"module": f"layers.{i}.mlp.{IMG}", "rel_error": 1e-3 / (i + 1)}
+                                  for i in range(5)]}},
+    "alignment": {"shift": 1, "padded_zero_frac": 0.0, "logprob_semantics": "raw"},
+    "drift": {"spans": [{"rollout": "r-0", "turn": 1, "stored": SCRIPT, "rendered": IMG}]},
+    "corrections": [{"mode": mode, "params": {"cap": cap}, "frac_tokens_affected": 0.01 / cap,
+                     "frac_rollouts_affected": 0.2 / cap, "weight_mean": 0.99, "weight_max": float(cap),
+                     "ess": 0.98} for mode in ("token_truncate", "token_mask") for cap in (2, 3)],
+    "recommendations": [{"kind": "token_truncate", "params": {"cap": 2},
+                         "why": f"99% of tokens unclipped at cap 2 {SCRIPT}",
+                         "snippets": {"trl": f"vllm_importance_sampling_mode: token_truncate  # {IMG}\n"
+                                             "vllm_importance_sampling_cap: 2"}}],
+}
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tokenizer_file(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def hostile_report(tmp_path_factory: pytest.TempPathFactory, word_tokenizer: Path) -> Path:
+    """Every optional section present, and XSS payloads in tool output, ids, drift, snippets, names."""
+    rollouts = [rollout("r-0", tool_text=(SCRIPT, IMG), subagent=True),
+                rollout(IMG, tool_text=(IMG,)), *(rollout(f"r-{i}", subagent=i % 3 == 0) for i in range(2, 9))]
+    out = audit_dir(tmp_path_factory.mktemp("hostile") / "audit", rollouts, worst="r-0", extra=FULL_EXTRA)
+    return build_report(out, tokenizer_path=word_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def demo_report(tiny_checkpoint: Path, sampled_rollouts: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's audit (tiny checkpoint, toy-agent rollouts, fp32 trainer vs bf16 decode), reported."""
+    from mismatch.audit import audit
+    from mismatch.demo import DEMO_INFER, DEMO_TRAIN
+
+    out = tmp_path_factory.mktemp("demo") / "audit"
+    audit(tiny_checkpoint, sampled_rollouts, train=DEMO_TRAIN, infer=DEMO_INFER, out=out)
+    return build_report(out)
+
+
+# --- without a browser -----------------------------------------------------------------------------
+
+def test_reports_never_import_torch_or_the_engines(tmp_path: Path) -> None:
+    out = audit_dir(tmp_path / "audit", [rollout("r-0"), rollout("r-1")])
+    code = ("import json, sys\nfrom pathlib import Path\nfrom reports.build import build_report\n"
+            f"build_report(Path({str(out)!r}))\nprint(json.dumps(sorted(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    modules = json.loads(done.stdout)
+    heavy = [m for m in modules if m.split(".")[0] in ("torch", "transformers", "vllm", "mismatch")]
+    assert heavy == [], heavy
+    assert (out / REPORT_FILE).is_file()
+
+
+def test_report_is_self_contained_and_embeds_plotly_once(hostile_report: Path) -> None:
+    page = hostile_report.read_text()
+    assert page.count(plotly_js()) == 1
+    assert page.count("<script") == 3  # the data block, plotly, the app: nothing else
+    assert not re.search(r"<(script|img|iframe|link)[^>]*\s(src|href)=[\"']?(https?:)?//", page, re.I)
+    assert not re.search(r"@import|url\(\s*['\"]?https?:", page, re.I)
+    assert "default-src 'none'" in page  # CSP: even a missed fetch would be refused
+
+
+def test_payloads_never_appear_unescaped_in_the_html(hostile_report: Path) -> None:
+    page = hostile_report.read_text()
+    assert SCRIPT not in page and "<img" not in page.lower()
+    data = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', page, re.S).group(1)
+    assert "<" not in data and ">" not in data and "&" not in data
+    texts = json.loads(data)["worst"]["text"]
+    assert texts[str(WORD[SCRIPT])] == SCRIPT and texts[str(WORD[IMG])] == IMG  # round-trips intact
+
+
+def test_script_json_is_inert_and_round_trips() -> None:
+    value = {"t": "</script><!-- & \u2028", "n": float("nan"), "x": [1.5, float("inf")]}
+    text = script_json(value)
+    assert not set("<>&") & set(text)
+    assert json.loads(text) == {"t": "</script><!-- & \u2028", "n": None, "x": [1.5, None]}
+
+
+def test_histogram_counts_every_token_and_says_what_it_clipped() -> None:
+    log_ratio = np.array([-5.0, -0.1, 0.0, 0.0, 0.05, 0.1, 7.0, np.inf])
+    hist = histogram(log_ratio, limit=0.2, num_bins=5)
+    assert sum(hist["counts"]) == len(log_ratio)
+    assert (hist["n_below"], hist["n_above"], hist["counts"][2]) == (1, 2, 2)
+
+
+def test_long_rollouts_keep_windows_around_their_worst_tokens() -> None:
+    abs_lr = np.full(1000, 0.001)
+    abs_lr[[100, 700]] = [5.0, 3.0]
+    abs_lr[:50] = np.nan  # context: never a window centre
+    rows = select_rows(abs_lr, budget=50, context=10)
+    assert len(rows) <= 50 and {100, 700} <= set(rows) and set(range(90, 111)) <= set(rows)
+    assert list(select_rows(abs_lr[:30], budget=50, context=10)) == list(range(30))
+
+
+def test_banner_says_correct_fix_or_healthy_from_the_summary() -> None:
+    pairs = {"train/sampler": {"n_tokens": 10, "kl_k3": 1e-4}}
+    base = {"command": "audit", "pairs": pairs,
+            "verdicts": {"train/sampler": {"level": "negligible", "meaning": "what the RL ratio sees",
+                                           "text": "the PPO ratio is 1 up to rounding: no correction needed"}}}
+    assert (banner(base).status, banner(base).label) == ("healthy", "HEALTHY")
+    correct = {**base, "recommendations": [{"kind": "token_truncate", "params": {"cap": 2}, "why": "w"}]}
+    assert banner(correct).headline == "Correct with token_truncate (cap=2)"
+    fix = {**base, "recommendations": [{"kind": "recompute_old_logprobs", "params": {}, "why": "stale"},
+                                       {"kind": "token_mask", "params": {"cap": 3}, "why": "w"}]}
+    assert banner(fix).headline == ("Fix at the source: recompute_old_logprobs — meanwhile correct with "
+                                    "token_mask (cap=3)")
+    assert banner({**base, "verdicts": {}}).status == "unknown"  # no verdict is never 'healthy'
+
+
+def test_large_rollout_sets_stay_small(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("report_size", REPO / "benchmarks/report_size.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "big"
+    bench.write_synthetic(out, num_rollouts=300, seed=0)
+    options = WorstOptions(num_rollouts=5, max_tokens_per_rollout=200, context=20)
+    page = build_report(out, worst_options=options).read_text()
+    data = json.loads(re.search(r'id="report-data">(.*?)</script>', page, re.S).group(1))
+    shown = [len(r["token_id"]) for r in data["worst"]["rollouts"]]
+    assert len(shown) == 5 and max(shown) <= 200
+    assert len(page) - len(plotly_js()) < 1_000_000
+
+
+def test_rebuild_replaces_the_page_atomically_and_bad_dirs_fail_clearly(tmp_path: Path) -> None:
+    out = audit_dir(tmp_path / "audit", [rollout("r-0")])
+    (out / REPORT_FILE).write_text("old")
+    build_report(out)
+    assert (out / REPORT_FILE).read_text().startswith("<!doctype html>")
+    assert sorted(p.name for p in out.iterdir()) == ["index.html", "summary.json", "tokens.parquet"]
+    with pytest.raises(ReportError, match=r"no summary\.json: not a mismatch results dir"):
+        build_report(tmp_path)
+
+
+# --- in the browser --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    if not CHROMIUM.is_file():
+        pytest.skip(f"{CHROMIUM} not found (apt-get install chromium)")
+    with sync_api.sync_playwright() as playwright:
+        # launch() gives a fresh temporary profile; the flags keep Chromium off the network.
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+class Opened:
+    """A report loaded from file:// with everything the page did recorded."""
+
+    def __init__(self, browser, path: Path) -> None:
+        self.url = path.resolve().as_uri()
+        self.page = browser.new_page(viewport={"width": 1360, "height": 900})
+        self.requests: list[str] = []
+        self.errors: list[str] = []
+        self.dialogs: list[str] = []
+        self.page.on("request", lambda request: self.requests.append(request.url))
+        self.page.on("console", lambda msg: self.errors.append(msg.text) if msg.type == "error" else None)
+        self.page.on("pageerror", lambda exc: self.errors.append(str(exc)))
+        self.page.on("dialog", lambda dialog: (self.dialogs.append(dialog.message), dialog.dismiss()))
+        self.page.goto(self.url)
+        self.page.wait_for_selector("body[data-ready='1']", timeout=30_000)
+
+    def charts(self) -> dict[str, bool]:
+        return dict(self.page.eval_on_selector_all(
+            ".chart", "els => els.map(e => [e.dataset.fig, e.querySelector('.main-svg') !== null])"))
+
+    def assert_clean(self) -> None:
+        assert self.errors == []
+        assert self.requests == [self.url]  # the file itself, nothing else: no CDN, font or favicon
+
+
+def test_demo_report_in_chromium(browser, demo_report: Path) -> None:
+    summary = json.loads((demo_report.parent / "summary.json").read_text())
+    opened = Opened(browser, demo_report)
+    page = opened.page
+    verdict = summary["verdicts"]["train/sampler"]
+    headline = page.inner_text("#verdict-headline")
+    assert headline.lower() == verdict["text"].split(" (kl_k3")[0].lower()
+    label = {"exact": "HEALTHY", "negligible": "HEALTHY"}.get(verdict["level"], f"{verdict['level'].upper()} GAP")
+    assert page.inner_text("#verdict .pill") == label
+    charts = opened.charts()
+    expected = {f"hist-{pair}" for pair in summary["pairs"]} | {"turn", "position", "prob", "branch_kind"}
+    assert set(charts) == expected and all(charts.values()), charts
+    assert page.query_selector("#localization") is None  # not computed: said once, never invented
+    assert "layer localization" in page.inner_text(".absent")
+    assert "<|assistant|>" in page.inner_text("#worst-list")  # token text decoded from the checkpoint
+    page.hover("#worst-list .tok:not(.ctx)")
+    tooltip = page.inner_text("#tooltip")
+    assert "logp train" in tooltip and "logp sampler" in tooltip and "ratio" in tooltip
+    opened.assert_clean()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.mouse.move(0, 0)
+    page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
+    page.close()
+
+
+def test_xss_payloads_in_rollouts_render_inert(browser, hostile_report: Path) -> None:
+    opened = Opened(browser, hostile_report)
+    page = opened.page
+    page.hover("#worst-list .tok")  # run the tooltip path too
+    page.click("#worst-list details:nth-of-type(2) > summary")  # and a second rollout's token view
+    assert opened.dialogs == []
+    assert page.query_selector("img[src=x]") is None and page.query_selector("img") is None
+    assert len(page.query_selector_all("script")) == 3
+    tokens = page.inner_text("#worst-list")
+    assert SCRIPT in tokens and IMG in tokens  # shown as text
+    assert SCRIPT in page.inner_text("#findings") and IMG in page.inner_text("#corrections")
+    opened.assert_clean()
+    page.close()
+
+
+def test_every_section_renders_when_its_data_are_present(browser, hostile_report: Path) -> None:
+    opened = Opened(browser, hostile_report)
+    page = opened.page
+    charts = opened.charts()
+    assert {"layers", "kernels", "turn", "position", "prob", "branch_kind"} <= set(charts), charts
+    assert all(charts.values()), charts
+    assert page.inner_text("#verdict .pill") == "CORRECT"
+    assert page.inner_text("#verdict-headline") == "Correct with token_truncate (cap=2)"
+    assert "★ token_truncate" in page.inner_text("#corrections tr.highlight")
+    assert "vllm_importance_sampling_cap: 2" in page.inner_text("#corrections pre")
+    assert "shifted by +1" in page.inner_text("#findings")
+    assert page.query_selector(".absent") is None  # everything was computed
+    opened.assert_clean()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "report-full.png"), full_page=True)
+    page.close()
+
+
+def test_diff_report_shows_both_configs_side_by_side(browser, tmp_path: Path) -> None:
+    out = diff_dir(tmp_path / "diff")
+    summary = json.loads((out / "summary.json").read_text())
+    opened = Opened(browser, build_report(out))
+    page = opened.page
+    closer = summary["diff"]["closer_to_reference"]
+    assert closer == "b"
+    assert page.inner_text("#verdict-headline") == "Config B (hf:dtype=float32) is closer to the reference"
+    charts = opened.charts()
+    assert {"hist-a/reference", "hist-b/reference", "hist-a/b"} <= set(charts) and all(charts.values())
+    assert [c.strip() for c in page.locator("#gaps .card h3").all_inner_texts()] == list(summary["pairs"])
+    assert "kl_k3" in page.inner_text("#diff table")
+    opened.assert_clean()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "report-diff.png"), full_page=True)
+    page.close()

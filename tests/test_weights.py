@@ -1,0 +1,156 @@
+"""Checkpoint diff (weight sync) on copies of the tiny checkpoint with planted faults."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mismatch import weights
+from mismatch.errors import CheckpointError
+from mismatch.weights import diff_checkpoints
+
+FAULT = "model.layers.1.mlp.down_proj.weight"
+
+
+def edited_copy(src: Path, dst: Path, edit) -> Path:
+    """Copy of checkpoint `src` whose tensors dict went through `edit` (in place) before saving."""
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def plant_fault(tensors: dict[str, torch.Tensor]) -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = tensors[FAULT]
+    tensors[FAULT] = weight + 0.1 * weight.std() * torch.randn(weight.shape, generator=generator)
+
+
+def test_identical_copies_are_all_equal(tiny_checkpoint, tmp_path) -> None:
+    copy = shutil.copytree(tiny_checkpoint, tmp_path / "copy")
+    report = diff_checkpoints(tiny_checkpoint, copy)
+    assert report.identical and report.worst is None
+    assert len(report.tensors) == 21 and not report.only_a and not report.only_b
+    assert all(t.equal and t.max_abs_diff == 0.0 and t.bitwise_equal_frac == 1.0 for t in report.tensors)
+    summary = report.to_dict()["summary"]
+    assert summary["n_differing"] == 0 and summary["n_equal"] == 21 and summary["identical"]
+
+
+def test_planted_fault_is_the_one_tensor_named(tiny_checkpoint, tmp_path) -> None:
+    faulty = edited_copy(tiny_checkpoint, tmp_path / "faulty", plant_fault)
+    report = diff_checkpoints(tiny_checkpoint, faulty)
+    assert [t.name for t in report.differing] == [FAULT]
+    assert report.worst.name == FAULT and not report.identical
+    expected = (load_file(tiny_checkpoint / "model.safetensors")[FAULT]
+                - load_file(faulty / "model.safetensors")[FAULT]).abs().max().item()
+    assert report.worst.max_abs_diff == expected
+    assert report.worst.bitwise_equal_frac < 0.01 and report.worst.dtype_a == report.worst.dtype_b == "float32"
+    as_dict = report.to_dict()
+    assert as_dict["differing"] == [FAULT] and as_dict["summary"]["worst"]["name"] == FAULT
+    json.dumps(as_dict, allow_nan=False)
+
+
+def test_bf16_cast_copy_shows_dtype_mismatches_and_small_diffs(tiny_checkpoint, tmp_path) -> None:
+    def to_bf16(tensors):
+        tensors.update({name: t.to(torch.bfloat16) for name, t in tensors.items()})
+
+    cast = edited_copy(tiny_checkpoint, tmp_path / "bf16", to_bf16)
+    report = diff_checkpoints(tiny_checkpoint, cast)
+    summary = report.to_dict()["summary"]
+    assert summary["n_dtype_mismatch"] == summary["n_differing"] == 21
+    for tensor in report.tensors:
+        assert (tensor.dtype_a, tensor.dtype_b) == ("float32", "bfloat16")
+        assert 0 < tensor.max_rel_diff <= 2.0 ** -8  # round to nearest bf16: half an ulp of 8 bits
+        assert tensor.bitwise_equal_frac < 0.05
+    # Casting back is lossless, so the bf16 copy and its fp32 upcast agree value for value.
+    back = edited_copy(cast, tmp_path / "back", lambda ts: ts.update({n: t.float() for n, t in ts.items()}))
+    upcast = diff_checkpoints(cast, back)
+    assert all(t.bitwise_equal_frac == 1.0 and t.max_abs_diff == 0.0 and not t.equal for t in upcast.tensors)
+
+
+def test_renamed_and_reshaped_tensors(tiny_checkpoint, tmp_path) -> None:
+    def rename_and_transpose(tensors):
+        tensors["model.layers.0.mlp.down_proj.weight_renamed"] = tensors.pop("model.layers.0.mlp.down_proj.weight")
+        tensors["lm_head.weight"] = tensors["lm_head.weight"].T.contiguous()
+
+    edited = edited_copy(tiny_checkpoint, tmp_path / "edited", rename_and_transpose)
+    report = diff_checkpoints(tiny_checkpoint, edited)
+    assert report.only_a == ("model.layers.0.mlp.down_proj.weight",)
+    assert report.only_b == ("model.layers.0.mlp.down_proj.weight_renamed",)
+    head = next(t for t in report.tensors if t.name == "lm_head.weight")
+    assert head.shape_mismatch and head.shape_a == (1024, 128) and head.shape_b == (128, 1024)
+    assert head.max_abs_diff is None and not head.equal
+    assert report.to_dict()["shape_mismatches"] == ["lm_head.weight"]
+    assert [t.name for t in report.differing] == ["lm_head.weight"]
+
+
+def test_sharded_checkpoint_is_read_through_its_index(tiny_checkpoint, tmp_path) -> None:
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    tensors = load_file(tiny_checkpoint / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:10], "model-00002-of-00002.safetensors": names[10:]}
+    for file, members in shards.items():
+        save_file({n: tensors[n] for n in members}, sharded / file, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: f for f, members in shards.items() for n in members}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert diff_checkpoints(tiny_checkpoint, sharded).identical
+    index["weight_map"][names[0]] = "model-00003-of-00002.safetensors"
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError) as err:
+        diff_checkpoints(tiny_checkpoint, sharded)
+    assert str(err.value) == (f"{sharded / 'model.safetensors.index.json'}: names shard "
+                              "'model-00003-of-00002.safetensors', which does not exist")
+
+
+def test_tensors_stream_in_chunks_with_the_same_answer(tiny_checkpoint, tmp_path, monkeypatch) -> None:
+    faulty = edited_copy(tiny_checkpoint, tmp_path / "faulty", plant_fault)
+    whole = diff_checkpoints(tiny_checkpoint, faulty)
+    sizes: list[int] = []
+    compare = weights._compare
+    monkeypatch.setattr(weights, "_compare", lambda a, b: sizes.append(a.numel()) or compare(a, b))
+    chunked = diff_checkpoints(tiny_checkpoint, faulty, chunk_elements=1000)
+    assert chunked == whole
+    # Whole rows only: 7 rows of 128 (896 elements) is the biggest piece under 1000.
+    assert max(sizes) == 896 and len(sizes) > 21 * 10
+
+
+def test_bits_not_values_for_same_dtype(tmp_path) -> None:
+    save_file({"x": torch.tensor([0.0, float("nan"), 1.0, float("inf")])}, tmp_path / "a.safetensors")
+    save_file({"x": torch.tensor([-0.0, float("nan"), 1.0, float("inf")])}, tmp_path / "b.safetensors")
+    (tensor,) = diff_checkpoints(tmp_path / "a.safetensors", tmp_path / "b.safetensors").tensors
+    assert tensor.bitwise_equal_frac == 0.75 and not tensor.equal  # -0.0 has other bits
+    assert tensor.max_abs_diff == 0.0 and tensor.max_rel_diff == 0.0  # but the same value
+    save_file({"x": torch.tensor([0.0, 1.0, 2.0, float("nan")])}, tmp_path / "c.safetensors")
+    (tensor,) = diff_checkpoints(tmp_path / "a.safetensors", tmp_path / "c.safetensors").tensors
+    assert tensor.max_abs_diff == float("inf") and tensor.bitwise_equal_frac == 0.25
+
+
+def test_bad_checkpoints_are_one_line_errors(tiny_checkpoint, tmp_path) -> None:
+    with pytest.raises(CheckpointError) as err:
+        diff_checkpoints(tmp_path / "nope", tiny_checkpoint)
+    assert str(err.value) == f"{tmp_path / 'nope'}: checkpoint directory not found"
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80")
+    with pytest.raises(CheckpointError, match=r"weights are pickle files \(\.bin/\.pt\)"):
+        diff_checkpoints(tiny_checkpoint, pickled)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError) as err:
+        diff_checkpoints(empty, tiny_checkpoint)
+    assert str(err.value) == f"{empty}: no *.safetensors weights"
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "model.safetensors").write_bytes(b"not a safetensors file at all")
+    with pytest.raises(CheckpointError) as err:
+        diff_checkpoints(tiny_checkpoint, garbage)
+    message = str(err.value)
+    assert message.startswith(f"{garbage / 'model.safetensors'}: not a readable safetensors file (")
+    assert "\n" not in message
