@@ -14,8 +14,10 @@ from typing import Any
 import pandas as pd
 
 from mismatch import __version__
+from mismatch.corrections import summary_corrections
 from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
 from mismatch.replay import ProgressFactory, replay_roles
+from mismatch.recommend import recommend, recommendations_dicts
 from mismatch.results import SUMMARY_SCHEMA, check_out_dir, write_results
 from mismatch.verdicts import verdicts
 
@@ -40,6 +42,8 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
     table = replayed.table
     summary = build_summary(table, engines=replayed.engines, checkpoint=str(checkpoint),
                             rollouts_file=str(rollouts), pairs=AUDIT_PAIRS, command="audit")
+    summary["corrections"] = summary_corrections(table)
+    summary["recommendations"] = recommendations_dicts(recommend(summary))
     if out_dir is not None:
         per_rollout = metrics_by(table, list(AUDIT_PAIRS), "rollout")
         write_results(out_dir, tokens=table, summary=summary, force=force,
@@ -68,7 +72,7 @@ def build_summary(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
         "turns": _breakdown(table, pairs, "turn"),
         "roles": _breakdown(table, pairs, "role", trainable_only=False),
         "branch_kinds": _breakdown(table, pairs, "branch_kind"),
-        # Filled by the localizers and the correction simulator (issues 4 and 5).
+        # Filled by the callers that have the inputs: localizers, corrections, recommendations.
         "localization": {},
         "corrections": [],
         "recommendations": [],

@@ -149,6 +149,63 @@ def print_diff(comparison: dict[str, Any]) -> None:
 
 
 @app.command()
+def recommend(
+    results: Annotated[Path, typer.Argument(help="Results directory of an audit.")],
+    framework: Annotated[Optional[str], typer.Option(
+        "--for", help="Print a config snippet for verl, trl, slime, prime-rl or openrlhf.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """The correction (and fixes at the source) the measured gap calls for, with a config snippet."""
+    from mismatch.recommend import render_config
+    from mismatch.results import read_summary
+
+    summary = read_summary(results)
+    recommendations = summary.get("recommendations") or []
+    snippet = render_config(recommendations, framework) if framework else None
+    if as_json:
+        _emit_json({"recommendations": recommendations, "framework": framework, "config": snippet})
+        return
+    for item in recommendations:
+        out_console.print(f"{item['kind']} {json.dumps(item['params'])}: {item['why']}",
+                          markup=False, highlight=False, soft_wrap=True)
+    if snippet is not None:
+        out_console.print(snippet, markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def gate(
+    results: Annotated[Path, typer.Argument(help="Results directory to gate.")],
+    maxima: Annotated[Optional[list[str]], typer.Option(
+        "--max", help="Upper bound METRIC=VALUE (or PAIR.METRIC=VALUE; default pair train/sampler).")] = None,
+    minima: Annotated[Optional[list[str]], typer.Option("--min", help="Lower bound, e.g. ess=0.95.")] = None,
+    thresholds: Annotated[Optional[Path], typer.Option(help="Thresholds TOML ([max], [min], max_drift_pct).")] = None,
+    baseline: Annotated[Optional[Path], typer.Option(help="Baseline results dir to compare against.")] = None,
+    max_drift: Annotated[Optional[float], typer.Option(help="Allowed %% worsening vs the baseline.")] = None,
+    junit: Annotated[Optional[Path], typer.Option(help="Write a JUnit XML report here.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Fail (exit 1) when drift metrics exceed thresholds or worsen past a baseline."""
+    from mismatch import gate as gating
+
+    limits = gating.load_thresholds(thresholds) if thresholds else gating.Thresholds()
+    drift_pct = max_drift if max_drift is not None else (limits.max_drift_pct if baseline else None)
+    result = gating.run_gate(
+        gating.load_summary(results),
+        maxima={**limits.maxima, **gating.parse_limits(maxima or [])},
+        minima={**limits.minima, **gating.parse_limits(minima or [], flag="--min")},
+        baseline=gating.load_summary(baseline) if baseline else None, max_drift_pct=drift_pct)
+    if junit:
+        gating.write_junit(result, junit)
+    if as_json:
+        _emit_json(result.to_dict())
+    else:
+        if os.environ.get("GITHUB_ACTIONS") == "true":
+            print(*gating.github_annotations(result), sep="\n")
+        out_console.print(gating.format_table(result), markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(result.exit_code)
+
+
+@app.command()
 def validate(
     file: Annotated[Path, typer.Argument(help="Rollouts file (.jsonl or .parquet).")],
     checkpoint: Annotated[Optional[Path], typer.Option(help="Check token ids against this vocab.")] = None,

@@ -125,7 +125,8 @@ def test_attention_variants_agree_in_float64():
 
 def test_split_k_sharded_softmax_and_sums_agree_in_float64():
     gen = torch.Generator().manual_seed(6)
-    x, w = torch.randn(8, 96, generator=gen, dtype=torch.float64), torch.randn(16, 96, generator=gen, dtype=torch.float64)
+    x = torch.randn(8, 96, generator=gen, dtype=torch.float64)
+    w = torch.randn(16, 96, generator=gen, dtype=torch.float64)
     torch.testing.assert_close(matmul.split_k(x, w, 4), F.linear(x, w), rtol=0, atol=1e-12)
     logits = torch.randn(4, 1000, generator=gen, dtype=torch.float64) * 4
     torch.testing.assert_close(softmax.sharded_log_softmax(logits, 3), torch.log_softmax(logits, -1),

@@ -49,6 +49,9 @@ class HTTPEngine:
     kind = "http"
 
     def __init__(self, options: HTTPOptions, checkpoint: str, spec_text: str) -> None:
+        if not options.url:
+            raise SpecError("engine 'http': option url is required "
+                            "(e.g. url = \"http://127.0.0.1:8000/v1\")")
         if not options.url.startswith(("http://", "https://")):
             raise SpecError(f"engine 'http': option url={options.url!r} must start with http:// "
                             "or https://")

@@ -22,7 +22,7 @@ from mismatch.engines import ProgressFn, ReplayRequest
 from mismatch.engines.spec import EngineSpec, options_from
 from mismatch.errors import MismatchError, SpecError
 
-# vllm/config/model.py (`logprobs_mode`, vLLM >= 0.10): "for prompt_logprobs, processed_* and raw_*
+# vllm/config/model.py (`logprobs_mode`, read in vLLM 0.32): "for prompt_logprobs, processed_* and raw_*
 # yield identical results because prompt tokens do not go through sampling processors"
 # (gpu_model_runner._get_prompt_logprobs_dict scores them with a plain fp32 log_softmax). The
 # *_logits modes return logits, not log-probs, so they cannot be compared with anything here.
@@ -35,7 +35,7 @@ NOT_INSTALLED = ("engine 'vllm': vllm is not installed "
 class VLLMOptions:
     """vLLM engine args, passed through to `LLM(...)`; None leaves vLLM's own default."""
 
-    dtype: str = "auto"                      # auto = the checkpoint's dtype (fp16 unsupported on CPU)
+    dtype: str = "auto"                      # auto = the checkpoint's dtype
     enable_prefix_caching: bool | None = None  # alone, no effect on scores (see prefix_cache_read)
     # vLLM never reads the prefix cache for a request that asks for prompt log-probs (it would
     # lose their rows), so a replay prefills every prompt in full. True reads it anyway, as a
@@ -69,6 +69,7 @@ class _Shared:
 # One LLM per resolved engine-args key, shared by every engine built with those args; the last
 # engine to close shuts it down (a GPU rarely holds two at the default memory utilization).
 _LLMS: dict[tuple, _Shared] = {}
+_RETIRED: list[Any] = []  # closed LLMs whose shutdown waits (see _release)
 _LOCK = threading.Lock()
 
 
@@ -130,9 +131,6 @@ def _release(shared: _Shared) -> None:
             return
         while _RETIRED:
             _shutdown(_RETIRED.pop())
-
-
-_RETIRED: list[Any] = []
 
 
 def _multiprocessing() -> bool:
@@ -264,7 +262,6 @@ class VLLMEngine:
         elapsed = time.perf_counter() - started
         if tracker is not None:
             tracker.finish()
-        self.num_generate += 1
         self.num_scored += sum(r.num_scored for r in requests)
         self.num_fed += sum(len(requests[i].tokens) for i in todo)
         if self.first_replay_seconds is None:
@@ -272,11 +269,11 @@ class VLLMEngine:
         self.seconds += elapsed
         return results
 
-    @staticmethod
-    def _generate(llm: Any, prompts: list[Any], tracker: _Progress | None, *,
+    def _generate(self, llm: Any, prompts: list[Any], tracker: _Progress | None, *,
                   read_cache: bool) -> list[Any]:
         from vllm import SamplingParams
 
+        self.num_generate += 1
         # detokenize=False: scores are looked up by token id; decoding text is wasted work.
         extra = {"skip_reading_prefix_cache": False} if read_cache else {}
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, **extra)
@@ -297,7 +294,7 @@ def _realized_logprobs(output: Any, request: ReplayRequest) -> np.ndarray:
         raise MismatchError(f"engine 'vllm': expected {len(tokens)} prompt log-probs, got {got}")
     logp = np.full(len(tokens) - request.score_from, np.nan)
     for j, position in enumerate(range(max(request.score_from, 1), len(tokens))):
-        entry = prompt_logprobs[position].get(int(tokens[position]))
+        entry = (prompt_logprobs[position] or {}).get(int(tokens[position]))
         if entry is None:
             raise MismatchError(f"engine 'vllm': no log-prob for token {int(tokens[position])} "
                                 f"at position {position}")

@@ -376,11 +376,16 @@ class _Lens:
         self.count += len(abs_diff)
 
 
-def _logit_lens(engine: TorchEngineBase, final_norm: nn.Module, hidden_PD: torch.Tensor,
+def _logit_lens(engine: TorchEngineBase, final_norm: nn.Module, hidden_LD: torch.Tensor, first: int,
                 targets_P: torch.Tensor) -> torch.Tensor:
-    """Realized next-token log-probs read out of a layer's residual with the model's own head."""
+    """Realized next-token log-probs read out of a layer's residual with the model's own head.
+
+    The norm sees the whole captured sequence as [1, L, D], the call the model itself makes, so
+    the last layer's read-out is computed the way the engine computes its log-probs.
+    """
     with torch.inference_mode():
-        return token_logprobs(final_norm(hidden_PD), targets_P, engine.lm_head, chunk=engine.options.chunk,
+        normed_PD = final_norm(hidden_LD[None])[0, first:first + len(targets_P)]
+        return token_logprobs(normed_PD, targets_P, engine.lm_head, chunk=engine.options.chunk,
                               softcap=engine.softcap)
 
 
@@ -418,9 +423,9 @@ def _compare(engine_a: TorchEngineBase, engine_b: TorchEngineBase, requests: lis
                 local.setdefault(key, _Tally()).add(cap_a.local[key][first:stop], cap_b.outputs[key][first:stop])
             targets_P = torch.from_numpy(request.tokens[first + 1:stop + 1])
             for index, tally in enumerate(lens):
-                tally.add(_logit_lens(engine_a, structure_a.final_norm, cap_a.outputs[(index, OUTPUT)][first:stop],
+                tally.add(_logit_lens(engine_a, structure_a.final_norm, cap_a.outputs[(index, OUTPUT)], first,
                                       targets_P),
-                          _logit_lens(engine_b, structure_b.final_norm, cap_b.outputs[(index, OUTPUT)][first:stop],
+                          _logit_lens(engine_b, structure_b.final_norm, cap_b.outputs[(index, OUTPUT)], first,
                                       targets_P))
     finally:
         hooks_b.remove()

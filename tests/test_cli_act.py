@@ -1,0 +1,51 @@
+"""`mismatch recommend` and `mismatch gate` on a real audit's results dir (exit codes, JUnit)."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from mismatch.audit import audit
+from mismatch.cli import main
+
+
+@pytest.fixture(scope="module")
+def results(tiny_checkpoint, sampled_rollouts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("act") / "audit"
+    audit(tiny_checkpoint, sampled_rollouts, train="hf", infer="hf-decode:dtype=bfloat16", out=out)
+    return out
+
+
+def test_audit_summary_carries_trl_corrections_and_a_recommendation(results) -> None:
+    summary = json.loads((results / "summary.json").read_text())
+    trl = {(c["mode"], c["params"].get("cap")) for c in summary["corrections"]}
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+        assert {(mode, 2.0), (mode, 3.0)} <= trl
+    for item in summary["corrections"]:
+        assert {"mode", "params", "frac_tokens_affected", "frac_rollouts_affected", "weight_mean",
+                "weight_max", "ess"} <= set(item)
+    kinds = [r["kind"] for r in summary["recommendations"]]
+    assert kinds[0] == "correction" and "fp16" in kinds
+
+
+def test_recommend_prints_a_real_config(results, capsys) -> None:
+    assert main(["recommend", str(results), "--for", "trl"]) == 0
+    out = capsys.readouterr().out
+    assert "vllm_importance_sampling_mode: token_truncate" in out
+    assert main(["recommend", str(results), "--for", "nope"]) == 2
+    assert "unknown framework 'nope'" in capsys.readouterr().err
+
+
+def test_gate_exit_codes_and_junit(results, tmp_path, capsys) -> None:
+    junit = tmp_path / "gate.xml"
+    assert main(["gate", str(results), "--max", "kl_k3=1", "--junit", str(junit)]) == 0
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite.get("failures") == "0" and int(suite.get("tests")) >= 3
+    assert main(["gate", str(results), "--max", "train/infer.kl_k3=1e-9", "--junit", str(junit)]) == 1
+    assert ET.parse(junit).getroot().find("testsuite").get("failures") == "1"
+    capsys.readouterr()
+    assert main(["gate", str(results), "--max", "kl=1"]) == 2
+    assert capsys.readouterr().err.startswith("mismatch: error: --max kl=1: unknown metric 'kl' (valid: ")
+    assert main(["gate", str(results), "--baseline", str(results), "--max-drift", "5"]) == 0
