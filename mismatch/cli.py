@@ -206,6 +206,28 @@ def gate(
 
 
 @app.command()
+def probe(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint whose shapes the probes use.")],
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    out: Annotated[Optional[Path], typer.Option(help="Also write the results as JSON here.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Run each op (matmul, attention, norms, softmax, reductions) under the variations that differ
+    between inference and training; report bitwise-equal fraction and max abs / ULP differences."""
+    import probes
+    from mismatch.results import atomic_write_text, json_safe
+
+    results = probes.run_probes(checkpoint, device=device)
+    payload = {"environment": probes.environment(device), "results": [r.to_dict() for r in results]}
+    if out is not None:
+        atomic_write_text(out, json.dumps(json_safe(payload), indent=1) + "\n")
+    if as_json:
+        _emit_json(payload)
+        return
+    out_console.print(probes.format_table(results), markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
 def validate(
     file: Annotated[Path, typer.Argument(help="Rollouts file (.jsonl or .parquet).")],
     checkpoint: Annotated[Optional[Path], typer.Option(help="Check token ids against this vocab.")] = None,

@@ -49,3 +49,14 @@ def test_gate_exit_codes_and_junit(results, tmp_path, capsys) -> None:
     assert main(["gate", str(results), "--max", "kl=1"]) == 2
     assert capsys.readouterr().err.startswith("mismatch: error: --max kl=1: unknown metric 'kl' (valid: ")
     assert main(["gate", str(results), "--baseline", str(results), "--max-drift", "5"]) == 0
+
+
+def test_probe_command_reports_every_family(tiny_checkpoint, tmp_path, capsys) -> None:
+    out = tmp_path / "probes.json"
+    assert main(["probe", str(tiny_checkpoint), "--device", "cpu", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    families = {r["family"] for r in payload["results"]}
+    assert {"matmul", "attention", "norm", "softmax", "reductions"} <= families
+    applicable = [r for r in payload["results"] if r["applicable"]]
+    assert applicable and all(0.0 <= r["bitwise_equal_frac"] <= 1.0 for r in applicable)
+    assert "batch_size" in capsys.readouterr().out

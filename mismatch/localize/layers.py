@@ -35,7 +35,7 @@ METHOD = ("both configurations replay the same tokens one sequence at a time wit
           "applied to each layer's residual, each configuration with its own weights")
 JUMP_RULE = ("jump_layer = the layer whose residual rel_error rises most over the previous layer's (the "
              "embedding's for layer 0); jump_block = the kind of its sub-block with the largest "
-             "local_rel_error. jump_layer null with jump_block 'embed': the embedding output already "
+             "local_rel_error (ties: largest rel_error - input_rel_error). jump_layer null with jump_block 'embed': the embedding output already "
              "differs most; both null: a and b agree bit for bit")
 
 
@@ -104,8 +104,8 @@ def compare_layers(checkpoint: str | Path, inputs: Sequence[ReplayRequest] | Seq
     decode path then feeds them token by token). Sequences run alone (batch 1), in order, until
     `max_tokens` scored positions; the last one is cut to fit.
 
-    Memory: per sequence, both configurations' captures (about 2 + 3 x sub-blocks tensors of
-    [length, hidden] per layer) live at once; `max_tokens` also caps the sequence length.
+    Memory: both models, plus one sequence's captures in the models' dtypes (a Llama layer: 22
+    tensors of [length, hidden]); `max_tokens` also caps the sequence length.
     """
     specs = {"a": parse_spec(a), "b": parse_spec(b)}
     for role, spec in specs.items():
@@ -114,12 +114,12 @@ def compare_layers(checkpoint: str | Path, inputs: Sequence[ReplayRequest] | Seq
                             f"of kind {' or '.join(TORCH_KINDS)} (e.g. hf:dtype=bfloat16), not {spec.kind!r}")
     if max_tokens < 1:
         raise MismatchError(f"max_tokens must be at least 1, got {max_tokens}")
+    requests = _budget(_as_requests(inputs), max_tokens)  # bad input fails before any model loads
     engines: dict[str, TorchEngineBase] = {}
     try:
         for role in ("b", "a"):
             engines[role] = load_engine(specs[role], str(checkpoint))  # type: ignore[assignment]
-        return _compare(engines["a"], engines["b"], _budget(_as_requests(inputs), max_tokens),
-                        a=specs["a"].text, b=specs["b"].text)
+        return _compare(engines["a"], engines["b"], requests, a=specs["a"].text, b=specs["b"].text)
     finally:
         for engine in engines.values():
             engine.close()
@@ -465,7 +465,8 @@ def _report(structure: _Structure, tallies: dict[tuple[int, str], _Tally], input
         jump_layer = top - 1
         candidates = [r for r in rows if r.layer == jump_layer and r.block != "residual"]
         if candidates:
-            worst = max(candidates, key=lambda r: r.local_rel_error)
+            # Ties (all zero: the layer only amplified what it inherited) go to the biggest amplifier.
+            worst = max(candidates, key=lambda r: (r.local_rel_error, r.rel_error - r.input_rel_error))
             jump_block, jump_module = worst.block, worst.module
     return LayerReport(a=a, b=b, num_sequences=num_sequences, num_tokens=num_tokens, embed_rel_error=embed_error,
                        jump_layer=jump_layer, jump_block=jump_block, jump_module=jump_module, by_layer=tuple(rows))
