@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mismatch.errors import CheckpointError
+from mismatch.results import json_safe
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_CHUNK_ELEMENTS = 1 << 22  # elements per side per step: 16 MiB each in fp32
@@ -82,8 +83,9 @@ class WeightsReport:
         return max(scored, key=lambda t: (t.max_abs_diff, t.name), default=None)
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-safe (an infinite difference, from NaN facing a number, becomes null)."""
         worst = self.worst
-        return {
+        return json_safe({
             "a": self.a, "b": self.b,
             "summary": {
                 "identical": self.identical,
@@ -105,7 +107,7 @@ class WeightsReport:
             "dtype_mismatches": [t.name for t in self.tensors if t.dtype_mismatch],
             "shape_mismatches": [t.name for t in self.tensors if t.shape_mismatch],
             "tensors": [t.to_dict() for t in self.tensors],
-        }
+        })
 
 
 def diff_checkpoints(a_dir: str | Path, b_dir: str | Path, *,
@@ -146,8 +148,8 @@ class _Source:
         shards = sorted(root.glob("*.safetensors"))
         if not shards:
             if any(root.glob("*.bin")) or any(root.glob("*.pt")):
-                raise CheckpointError(f"{root}: weights are pickle files (.bin/.pt); mismatch reads "
-                                      "safetensors only (convert with save_pretrained(safe_serialization=True))")
+                raise CheckpointError(f"{root}: weights are pickle files (.bin/.pt); mismatch reads safetensors "
+                                      "only (convert with save_pretrained(safe_serialization=True))")
             raise CheckpointError(f"{root}: no *.safetensors weights")
         files: dict[str, Path] = {}
         for shard in shards:
@@ -168,7 +170,8 @@ class _Source:
         for file in sorted(set(files.values())):
             if not file.is_file():
                 raise CheckpointError(f"{index}: names shard {file.name!r}, which does not exist")
-            missing = sorted(name for name, f in files.items() if f == file and name not in self.open(file).keys())
+            present = set(self.open(file).keys())
+            missing = sorted(name for name, f in files.items() if f == file and name not in present)
             if missing:
                 raise CheckpointError(f"{index}: tensor {missing[0]!r} is not in {file.name}")
         return files
@@ -226,16 +229,17 @@ def _compare(a, b) -> tuple[float, float, int]:
 
     if a.numel() == 0:
         return 0.0, 0.0, 0
+    # fp32 holds every bf16/fp16 value exactly; 64-bit and integer tensors need fp64.
+    exact_in_fp32 = all(t.is_floating_point() and t.element_size() < 8 for t in (a, b))
+    upcast = torch.float32 if exact_in_fp32 else torch.float64
+    a_up, b_up = a.to(upcast), b.to(upcast)
+    # Equal infinities and NaN facing NaN are no difference in value.
+    value_same = (a_up == b_up) | (a_up.isnan() & b_up.isnan())
     if a.dtype == b.dtype:
-        # Compare bits, not values: -0.0 vs 0.0 or two NaN payloads are a difference here.
+        # Same dtype: count identical bits, so -0.0 against 0.0 (or another NaN payload) differs.
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         same = a.view(bits) == b.view(bits)
-    wide = a.element_size() >= 8 or b.element_size() >= 8 or not (a.is_floating_point() and b.is_floating_point())
-    upcast = torch.float64 if wide else torch.float32
-    a_up, b_up = a.to(upcast), b.to(upcast)
-    both_nan = a_up.isnan() & b_up.isnan()
-    value_same = (a_up == b_up) | both_nan  # equal infinities and NaN-for-NaN count as no difference
-    if a.dtype != b.dtype:
+    else:
         same = value_same
     abs_diff = torch.where(value_same, 0.0, (a_up - b_up).abs())
     abs_diff = torch.nan_to_num(abs_diff, nan=math.inf)  # NaN on one side only: infinitely apart

@@ -43,19 +43,29 @@ def pair_roles(pair: str) -> tuple[str, str]:
     return a, b
 
 
-def pair_tokens(tokens: pd.DataFrame, pair: str) -> PairTokens | None:
+def has_pair(tokens: pd.DataFrame, pair: str) -> bool:
+    return all(f"logp_{role}" in tokens.columns for role in pair_roles(pair))
+
+
+def trainable_columns(tokens: pd.DataFrame) -> dict[str, np.ndarray]:
+    """turn, pos and every logp_* column over trainable tokens, selected once for all pairs.
+
+    Only trainable tokens enter the PPO loss: the same selection as summary.json's pairs.
+    """
+    trainable = tokens["trainable"].to_numpy(dtype=bool)
+    names = ["turn", "pos", *(str(c) for c in tokens.columns if str(c).startswith("logp_"))]
+    return {name: tokens[name].to_numpy()[trainable] for name in names}
+
+
+def pair_tokens(trainable: dict[str, np.ndarray], pair: str) -> PairTokens | None:
     """None when the token table lacks a column of the pair (then its charts are left out)."""
     a, b = (f"logp_{role}" for role in pair_roles(pair))
-    if a not in tokens.columns or b not in tokens.columns:
+    if a not in trainable or b not in trainable:
         return None
-    # Only trainable tokens enter the PPO loss: the same selection as summary.json's pairs.
-    trainable = tokens["trainable"].to_numpy(dtype=bool)
-    logp_a = tokens[a].to_numpy(np.float64)[trainable]
-    logp_b = tokens[b].to_numpy(np.float64)[trainable]
+    logp_a, logp_b = trainable[a].astype(np.float64, copy=False), trainable[b].astype(np.float64, copy=False)
     valid = ~(np.isnan(logp_a) | np.isnan(logp_b))
     return PairTokens(pair=pair, log_ratio=(logp_a - logp_b)[valid], logp_b=logp_b[valid],
-                      turn=tokens["turn"].to_numpy()[trainable][valid],
-                      pos=tokens["pos"].to_numpy()[trainable][valid])
+                      turn=trainable["turn"][valid], pos=trainable["pos"][valid])
 
 
 def nice_ceil(value: float) -> float:
@@ -105,20 +115,26 @@ def _finite_or_none(value: float) -> float | None:
 
 
 def group_stats(keys: np.ndarray, log_ratio: np.ndarray) -> pd.DataFrame:
-    """BREAKDOWN_METRICS per key, with the same per-token terms as mismatch.metrics."""
+    """BREAKDOWN_METRICS per key (non-negative ints), with the per-token terms of mismatch.metrics.
+
+    bincount sums rather than a DataFrame groupby: one pass, no 13M-row temporary frames.
+    """
+    keys = np.asarray(keys, dtype=np.int64)
+    abs_lr = np.abs(log_ratio)
     with np.errstate(over="ignore", invalid="ignore"):
         ratio = np.exp(log_ratio)
-        terms = pd.DataFrame({
-            "key": keys,
-            "abs": np.abs(log_ratio),
-            # r - 1 - log r without cancellation near r = 1 (as in mismatch.metrics).
-            "k3": np.expm1(log_ratio) - log_ratio,
-            "outside": ((ratio > 2.0) | (ratio < 0.5)).astype(np.float64),
-        })
-    grouped = terms.groupby("key", sort=True)
-    stats = grouped.agg(log_ratio_abs_mean=("abs", "mean"), log_ratio_abs_max=("abs", "max"),
-                        kl_k3=("k3", "mean"), frac_outside_2=("outside", "mean"),
-                        n_tokens=("abs", "size"))
+        k3 = np.expm1(log_ratio) - log_ratio  # r - 1 - log r without cancellation near r = 1
+        outside = (ratio > 2.0) | (ratio < 0.5)
+        del ratio
+        counts = np.bincount(keys)
+        present = np.flatnonzero(counts)
+        num = counts[present]
+        stats = pd.DataFrame({
+            "log_ratio_abs_mean": np.bincount(keys, weights=abs_lr)[present] / num,
+            "log_ratio_abs_max": pd.Series(abs_lr).groupby(keys).max().reindex(present).to_numpy(),
+            "kl_k3": np.bincount(keys, weights=k3)[present] / num,
+            "frac_outside_2": np.bincount(keys, weights=outside)[present] / num,
+            "n_tokens": num}, index=present)
     return stats
 
 
@@ -150,16 +166,22 @@ def by_position(pairs: list[PairTokens]) -> dict[str, Any] | None:
     stats = {p.pair: group_stats((p.pos // width) * width, p.log_ratio) for p in populated}
     index = sorted(set().union(*(s.index for s in stats.values())))
     return {"x": [int(x) for x in index], "labels": [f"pos {x:,}–{x + width - 1:,}" for x in index],
-            "x_title": f"position in the stream (bins of {width:,} tokens)", "width": width,
+            "x_title": f"position in the stream (bins of {width:,} token{'s' if width > 1 else ''})",
+            "width": width,
             "series": _series(stats, index)}
 
 
+def _short(prob: float) -> str:
+    return f"1e{round(math.log10(prob))}" if prob < 0.01 else f"{prob:g}"
+
+
 def prob_label(low: float, high: float) -> str:
+    """Short bucket names ("1e-4–1e-3", "0.9–0.99"): they sit under narrow bars."""
     if low == 0:
-        return f"< {high:g}"
+        return f"< {_short(high)}"
     if high == 1:
-        return f"≥ {low:g}"
-    return f"{low:g}–{high:g}"
+        return f"≥ {_short(low)}"
+    return f"{_short(low)}–{_short(high)}"
 
 
 def by_probability(pairs: list[PairTokens]) -> dict[str, Any] | None:

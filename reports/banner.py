@@ -123,7 +123,7 @@ def diff_banner(summary: dict[str, Any]) -> Banner:
     ci = kl.get("ci95") or [None, None]
     numbers: list[tuple[str, Any, str]] = [
         ("kl_k3 A vs reference", kl.get("a"), "num"), ("kl_k3 B vs reference", kl.get("b"), "num"),
-        ("Δ kl_k3 (B − A)", kl.get("delta"), "num"), ("95% CI of Δ", tuple(ci), "range")]
+        ("Δ kl_k3 (B − A)", kl.get("delta"), "num"), ("95% CI of Δ", tuple(ci), "ci")]
     speed = diff.get("throughput_tokens_per_s") or {}
     numbers += [(f"{role.upper()} tokens/s", speed.get(role), "num") for role in ("a", "b") if role in speed]
     details = [f"A = {spec['a']}   ·   B = {spec['b']}   ·   reference = {spec['reference']}"]

@@ -123,7 +123,8 @@ def chart_figures(summary: dict[str, Any], tokens: pd.DataFrame, pairs: list[str
                   colors: dict[str, str]) -> dict[str, Any]:
     """Every chart of the page by id; a chart whose data are absent is simply not in the dict."""
     figs: dict[str, Any] = {}
-    per_pair = [t for t in (aggregate.pair_tokens(tokens, p) for p in pairs) if t is not None and len(t.log_ratio)]
+    trainable = aggregate.trainable_columns(tokens)
+    per_pair = [t for t in (aggregate.pair_tokens(trainable, p) for p in pairs) if t is not None and len(t.log_ratio)]
     if per_pair:
         limit = aggregate.histogram_limit([t.log_ratio for t in per_pair])
         hists = {t.pair: aggregate.histogram(t.log_ratio, limit) for t in per_pair}
@@ -168,13 +169,13 @@ def page_body(summary: dict[str, Any], tokens: pd.DataFrame, *, tokenizer_path: 
     colors = figures.pair_colors(pairs)
     figs = chart_figures(summary, tokens, pairs, colors)
     focus = focus_pair(summary)
-    scored = [p for p in pairs if aggregate.pair_tokens(tokens, p) is not None]
+    scored = [p for p in pairs if aggregate.has_pair(tokens, p)]
     worst = worst_rollouts(tokens, pairs=scored, focus=focus, tokenizer_path=tokenizer_path,
                            options=worst_options) if focus in scored else None
     texts = worst["text"] if worst else None
     top = banner(summary)
     nav = [("verdict", "Verdict"), ("gaps", "Gaps"), ("diff", "A vs B"), ("distribution", "Distribution"),
-           ("where", "Where"), ("branches", "Branches"), ("localization", "Localization"),
+           ("where", "Where"), ("localization", "Localization"),
            ("findings", "Findings"), ("corrections", "Corrections"), ("worst", "Worst rollouts")]
     body = [
         sections.banner_html(top),
@@ -182,8 +183,7 @@ def page_body(summary: dict[str, Any], tokens: pd.DataFrame, *, tokenizer_path: 
         sections.gaps_section(summary, pairs, colors),
         sections.diff_section(summary, texts),
         distribution_section(pairs, figs, colors),
-        sections.where_section(summary, figs, colors),
-        sections.branch_section(summary, pairs, figs, colors),
+        sections.where_section(summary, pairs, figs, colors),
         sections.localization_section(summary, figs),
         sections.findings_section(summary),
         sections.corrections_section(summary),

@@ -11,6 +11,7 @@ from html import escape
 from typing import Any
 
 from reports.aggregate import BREAKDOWN_METRICS
+from reports.html import num
 
 FONT = "-apple-system, BlinkMacSystemFont, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
 PAIR_PALETTE = ("#d9480f", "#6741d9", "#0c8599", "#2f9e44", "#c2255c", "#1971c2", "#e67700")
@@ -61,16 +62,16 @@ def histogram_figure(pair: str, hist: dict[str, Any], *, color: str, max_count: 
              "hovertemplate": "log-ratio %{customdata[0]:.3g} to %{customdata[1]:.3g}<br>"
                               "%{y:,} tokens<extra></extra>"}
     annotations = []
-    for side, count, x, anchor in (("below", hist["n_below"], -limit, "left"),
-                                   ("above", hist["n_above"], limit, "right")):
+    # Tokens beyond the shared range sit in the edge bins; say how many and how far, in each corner.
+    for count, x, anchor, text in ((hist["n_below"], -limit, "left", f"◀ {hist['n_below']:,} < −{limit:g}"),
+                                   (hist["n_above"], limit, "right", f"{hist['n_above']:,} > +{limit:g} ▶")):
         if count:
-            extreme = hist["min"] if side == "below" else hist["max"]
-            where = f"{'<' if side == 'below' else '>'} {'−' if side == 'below' else '+'}{limit:g}"
-            text = f"{count:,} beyond ({where}; extreme {extreme:.3g})" if extreme is not None \
-                else f"{count:,} beyond ({where})"
+            extreme = hist["min"] if anchor == "left" else hist["max"]
+            if extreme is not None:
+                text += f" ({'min' if anchor == 'left' else 'max'} {num(extreme, 3)})"
             annotations.append({"x": x, "y": 1, "xref": "x", "yref": "paper", "text": text,
                                 "showarrow": False, "xanchor": anchor, "yanchor": "bottom",
-                                "font": {"size": 11, "color": "#c92a2a"}})
+                                "font": {"size": 10.5, "color": "#c92a2a"}})
     top = math.log10(max(max_count, 1)) + 0.25
     layout = base_layout(
         height=260, bargap=0, annotations=annotations, margin={"l": 56, "r": 12, "t": 22, "b": 48},
@@ -153,10 +154,12 @@ def layer_figure(layers: dict[str, Any]) -> Figure | None:
     if _numeric(layers.get("jump_layer")):
         shapes.append({"type": "line", "x0": layers["jump_layer"], "x1": layers["jump_layer"], "y0": 0,
                        "y1": 1, "yref": "paper", "line": {"color": "#e03131", "width": 2, "dash": "dash"}})
+    x_values = [x for t in traces for x in t["x"]]
+    x_axis = _axis(escape(x_key or "index"))  # plotly reads titles as pseudo-HTML: keys are escaped
+    if x_values and all(isinstance(x, int) for x in x_values):
+        x_axis.update(tick0=0, dtick=max(1, math.ceil(len(set(x_values)) / 16)))  # layers are integers
     layout = base_layout(height=320, showlegend=len(traces) > 1, shapes=shapes,
-                         legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"},
-                         # Plotly reads titles as pseudo-HTML: keys from the data are escaped.
-                         xaxis=_axis(escape(x_key or "index")),
+                         legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"}, xaxis=x_axis,
                          yaxis=_axis(escape(y_key) + (" (log scale)" if positive else ""),
                                      type="log" if positive else "linear"))
     return {"data": traces, "layout": layout}

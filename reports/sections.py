@@ -29,9 +29,9 @@ MAX_TABLE_ROWS = 50
 def fmt(value: Any, kind: str = "num") -> str:
     if kind == "pct":
         return pct(value)
-    if kind == "range":
+    if kind in ("range", "ci"):
         low, high = value if isinstance(value, (tuple, list)) and len(value) == 2 else (None, None)
-        return f"{num(low)} – {num(high)}"
+        return f"[{num(low, 3)}, {num(high, 3)}]" if kind == "ci" else f"{num(low)} – {num(high)}"
     return num(value)
 
 
@@ -162,9 +162,15 @@ def gaps_section(summary: dict[str, Any], pairs: list[str], colors: dict[str, st
 
 def value_html(value: Any, depth: int = 0) -> Html:
     """Any JSON value as escaped markup: records as tables, objects as key/value lists."""
+    if isinstance(value, Html):
+        return value
     if isinstance(value, dict):
         if not value:
             return el("span", "–")
+        if depth > 0 and len(value) <= 4 and all(not isinstance(v, dict) for v in value.values()):
+            # A small object inside a fact or a cell reads best on one line: "slope 1.2e−5 · ci95 …".
+            return el("span", [join(" · " if i else None, el("span", str(k), class_="k"), " ", value_html(v, depth + 1))
+                               for i, (k, v) in enumerate(value.items())], class_="inline")
         return el("table", el("tbody", [el("tr", el("th", str(k), scope="row"), el("td", value_html(v, depth + 1)))
                                         for k, v in value.items()]), class_="data kv")
     if isinstance(value, list):
@@ -194,7 +200,7 @@ def facts(items: list[tuple[str, Any]]) -> Html | None:
     shown = [(label, value) for label, value in items if value is not None]
     if not shown:
         return None
-    return el("dl", [el("div", el("dt", label), el("dd", value_html(value))) for label, value in shown],
+    return el("dl", [el("div", el("dt", label), el("dd", value_html(value, 1))) for label, value in shown],
               class_="facts")
 
 
@@ -212,30 +218,12 @@ def turn_facts(localization: dict[str, Any]) -> Html | None:
     return facts(items)
 
 
-def where_section(summary: dict[str, Any], figures: dict[str, Any], colors: dict[str, str]) -> Html | None:
-    parts = []
-    localization = summary.get("localization") or {}
-    parts.append(turn_facts(localization) if isinstance(localization, dict) else None)
-    for fig_id, caption in (("turn", "By turn: a turn is one model segment with the context before it."),
-                            ("position", "By position in the token stream, binned."),
-                            ("prob", "By the probability the pair's B side gave the token: "
-                                     "low-probability tokens are where mismatch bites.")):
-        if fig_id in figures:
-            parts.append(chart(fig_id, caption))
-    if not any(parts):
-        return None
-    return section("where", "Where the gap is", el("div", parts[0], class_="wide") if parts[0] else None,
-                   pair_legend(colors), el("div", parts[1:], class_=f"grid-{min(max(len(parts) - 1, 1), 3)}"),
-                   lead="Pick the statistic in each chart's menu; hover for token counts.")
-
-
-def branch_section(summary: dict[str, Any], pairs: list[str], figures: dict[str, Any],
-                   colors: dict[str, str]) -> Html | None:
-    rows = [r for r in summary.get("branch_kinds") or [] if isinstance(r, dict) and "branch_kind" in r]
-    if not rows:
-        return None
+def branch_table(summary: dict[str, Any], pairs: list[str]) -> Html | None:
+    """summary["branch_kinds"] as rows (kind × pair) with the key metrics."""
     records = []
-    for row in rows:
+    for row in summary.get("branch_kinds") or []:
+        if not isinstance(row, dict) or "branch_kind" not in row:
+            continue
         for pair in pairs:
             metrics = (row.get("pairs") or {}).get(pair) or {}
             if metrics.get("n_tokens"):
@@ -244,10 +232,29 @@ def branch_section(summary: dict[str, Any], pairs: list[str], figures: dict[str,
                                 "mean |log-ratio|": metrics.get("log_ratio_abs_mean"),
                                 "kl_k3": metrics.get("kl_k3"), "max |log-ratio|": metrics.get("log_ratio_abs_max"),
                                 "ESS": metrics.get("ess")})
-    return section("branches", "By branch kind", pair_legend(colors),
-                   chart("branch_kind") if "branch_kind" in figures else None,
-                   el("details", el("summary", "Table"), records_table(records)) if records else None,
-                   lead="Trees: main branch, subagents and summaries, each over its own trainable tokens.")
+    if not records:
+        return None
+    return el("details", el("summary", "By branch kind: table"), records_table(records), id="branches")
+
+
+def where_section(summary: dict[str, Any], pairs: list[str], figures: dict[str, Any],
+                  colors: dict[str, str]) -> Html | None:
+    """Turn, position, probability bucket and branch kind: four views of one question, 2 × 2."""
+    localization = summary.get("localization") or {}
+    turn = turn_facts(localization) if isinstance(localization, dict) else None
+    captions = (("turn", "By turn: a turn is one model segment with the context before it."),
+                ("position", "By position in the token stream, binned."),
+                ("prob", "By the probability the pair's B side gave the token: low-probability tokens "
+                         "are where mismatch bites."),
+                ("branch_kind", "By branch kind (trees: main, subagents, summaries), each over its own "
+                                "trainable tokens."))
+    charts = [chart(fig_id, caption) for fig_id, caption in captions if fig_id in figures]
+    table = branch_table(summary, pairs)
+    if not (turn or charts or table):
+        return None
+    return section("where", "Where the gap is", turn, pair_legend(colors) if charts else None,
+                   el("div", charts, class_="grid-2") if charts else None, table,
+                   lead="Pick the statistic in each chart's menu; hover for token counts.")
 
 
 # --- localization, findings -----------------------------------------------------------------------
@@ -306,7 +313,10 @@ def findings_section(summary: dict[str, Any]) -> Html | None:
         spans = [s for s in drift.get("spans") or [] if isinstance(s, dict)]
         parts.append(el("h3", f"Render drift: {len(spans):,} drifted span{'s' if len(spans) != 1 else ''}"))
         if spans:
-            parts.append(records_table(spans))
+            # Stored vs rendered text is the finding: monospace, whitespace kept.
+            parts.append(records_table([{k: (el("code", v, class_="span-text") if k in ("stored", "rendered")
+                                             and isinstance(v, str) else v) for k, v in span.items()}
+                                        for span in spans]))
         rest = {k: v for k, v in drift.items() if k != "spans"}
         if rest:
             parts.append(value_html(rest))

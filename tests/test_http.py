@@ -128,11 +128,13 @@ def test_an_unreachable_server_fails_after_the_retries(tiny_checkpoint, tmp_path
         engine.replay([REQUEST])
     assert engine.describe()["num_retries"] == 2
     assert time.perf_counter() - started < 5
-    with pytest.raises(MismatchError, match=rf"^server at {url}/v1/models unreachable after 1 attempt: "):
+    with pytest.raises(MismatchError,
+                       match=rf"^server at {url}/v1/models unreachable after 1 attempt: "):
         load_engine(_toml(tmp_path, url=url, retries=0), str(tiny_checkpoint))  # api auto asks
 
 
-def test_5xx_is_retried_and_4xx_is_reported_with_the_servers_reason(tiny_checkpoint, tmp_path) -> None:
+def test_5xx_is_retried_and_4xx_is_reported_with_the_servers_reason(tiny_checkpoint,
+                                                                     tmp_path) -> None:
     answers = iter([(503, {"error": {"message": "busy"}}),
                     (200, {"choices": [{"prompt_logprobs": [
                         None, {"7": {"logprob": -1.5}}, {"9": {"logprob": -0.25}},
@@ -175,8 +177,9 @@ def test_sglang_generate_is_detected_and_read(tiny_checkpoint, tmp_path) -> None
 
 
 def test_bad_http_options_are_spec_errors(tiny_checkpoint, tmp_path) -> None:
-    with pytest.raises(SpecError, match=r"^engine 'http': unknown option 'concurency' \(valid: api, "
-                                        r"backoff, checkpoint, concurrency, model, retries, timeout, url\)$"):
+    with pytest.raises(SpecError, match=r"^engine 'http': unknown option 'concurency' \(valid: "
+                                        r"api, backoff, checkpoint, concurrency, model, retries, "
+                                        r"timeout, url\)$"):
         load_engine(_toml(tmp_path, url="http://x", concurency=2), str(tiny_checkpoint))
     with pytest.raises(SpecError, match=r"^engine 'http': option api='tgi' is not one of: auto, "
                                         r"openai, sglang$"):
@@ -230,7 +233,8 @@ def test_a_vllm_server_gives_the_offline_engines_numbers_bitwise(
     """Same kernels, same fp32 values: JSON carries each float exactly (shortest repr round-trips),
     and on this CPU the server's batch composition (3 requests in flight) does not change them."""
     requests = plan_replay(load_rollouts(sampled_rollouts)).requests
-    engine = load_engine(_toml(tmp_path, url=f"{vllm_server}/v1", concurrency=3), str(tiny_checkpoint))
+    spec = _toml(tmp_path, url=f"{vllm_server}/v1", concurrency=3)
+    engine = load_engine(spec, str(tiny_checkpoint))
     calls: list[int] = []
     logp_http = np.concatenate(engine.replay(requests, progress=calls.append))
     facts = engine.describe()

@@ -122,6 +122,16 @@ def test_decode_path_is_hooked_position_by_position(tiny_checkpoint, tmp_path_fa
         assert (report.jump_layer, report.jump_block) == (1, "mlp")
 
 
+def test_bf16_decode_vs_full_forward_is_introduced_by_attention(tiny_checkpoint) -> None:
+    """The prefill/decode mismatch: the MLP's output differs more, but only by what it inherits."""
+    report = layers(tiny_checkpoint, "hf-decode:dtype=bfloat16", "hf:dtype=bfloat16")
+    assert report.jump_block == "attn" and report.jump_module == "self_attn"
+    for layer in (0, 1):
+        attn, mlp = report.row(layer, "self_attn"), report.row(layer, "mlp")
+        assert attn.local_rel_error > 10 * mlp.local_rel_error
+        assert mlp.rel_error > attn.local_rel_error  # inherited error dominates what the MLP shows
+
+
 def test_budget_cuts_the_last_sequence_and_skips_unscored_ones() -> None:
     def request(length: int, score_from: int) -> ReplayRequest:
         return ReplayRequest(tokens=np.arange(length), generated=np.ones(length, bool), score_from=score_from)

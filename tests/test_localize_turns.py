@@ -18,6 +18,17 @@ from mismatch.replay import segment_turns
 EXAMPLE_ROLLOUTS = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The replay test runs a model: two OpenMP threads on 2 shared cores crawl beside other jobs.
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 def make_table(*, num_rollouts: int = 6, num_turns: int = 8, prompt_len: int = 10, reply_len: int = 30,
                sigma: float = 0.01, onset: int | None = None, onset_sigma: float = 0.05,
                growth_per_1k: float = 0.0, seed: int = 0) -> pd.DataFrame:
@@ -33,7 +44,8 @@ def make_table(*, num_rollouts: int = 6, num_turns: int = 8, prompt_len: int = 1
         for turn in range(num_turns):
             for segment, (role, length) in enumerate([("user", prompt_len), ("assistant", reply_len)]):
                 for _ in range(length):
-                    rows.append((f"r{r}", "main", "main", turn, 2 * turn + segment, pos, role, role == "assistant"))
+                    trainable = role == "assistant"
+                    rows.append((f"r{r}", "main", "main", turn, 2 * turn + segment, pos, role, trainable))
                     pos += 1
     table = pd.DataFrame(rows, columns=["rollout", "branch", "branch_kind", "turn", "segment", "pos", "role",
                                         "trainable"])

@@ -122,7 +122,7 @@ def test_prefix_cache_read_scores_on_cached_blocks_and_rescores_cached_targets(
     assert facts["num_cached_tokens"] > 0  # the child and the second parent hit the cache
     assert facts["num_rescored_uncached"] >= 1  # the second parent's scored tokens were cached
     expected = vllm32.replay([parent, child, parent])
-    for logp, reference in zip(got, expected):
+    for logp, reference in zip(got, expected, strict=True):
         # Measured bitwise on this CPU; a GPU's attention over cached blocks may round otherwise.
         np.testing.assert_allclose(logp, reference, rtol=0, atol=1e-5)
 
@@ -150,17 +150,19 @@ def test_bad_options_are_one_line_errors(tiny_checkpoint, monkeypatch) -> None:
     with pytest.raises(SpecError, match=r"^engine 'vllm': option logprobs_mode='raw_logits' is "
                                         r"not one of: raw_logprobs, processed_logprobs"):
         load_engine("vllm:logprobs_mode=raw_logits", str(tiny_checkpoint))
-    with pytest.raises(SpecError, match=r"^engine 'vllm': vLLM rejected the engine args: .*cache_dtype"):
+    with pytest.raises(SpecError,
+                       match=r"^engine 'vllm': vLLM rejected the engine args: .*cache_dtype"):
         load_engine("vllm:kv_cache_dtype=nonsense", str(tiny_checkpoint))
     monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` does when it is absent
     with pytest.raises(SpecError) as err:
         load_engine("vllm:dtype=float32", str(tiny_checkpoint))
     assert str(err.value) == NOT_INSTALLED == (
-        "engine 'vllm': vllm is not installed (pip install 'mismatch[vllm]' on CPU, or vllm on GPU)")
+        "engine 'vllm': vllm is not installed "
+        "(pip install 'mismatch[vllm]' on CPU, or vllm on GPU)")
 
 
-@pytest.mark.parametrize("path", sorted([*EXAMPLES.glob("hf-*.toml"), *EXAMPLES.glob("vllm-*.toml")]),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted([*EXAMPLES.glob("hf-*.toml"),
+                                         *EXAMPLES.glob("vllm-*.toml")]), ids=lambda p: p.name)
 def test_example_engine_tomls_have_valid_options(path: Path) -> None:
     spec = parse_spec(str(path))
     assert spec.kind == path.name.split("-")[0] and spec.options

@@ -76,7 +76,8 @@ def test_bf16_cast_copy_shows_dtype_mismatches_and_small_diffs(tiny_checkpoint, 
 
 def test_renamed_and_reshaped_tensors(tiny_checkpoint, tmp_path) -> None:
     def rename_and_transpose(tensors):
-        tensors["model.layers.0.mlp.down_proj.weight_renamed"] = tensors.pop("model.layers.0.mlp.down_proj.weight")
+        name = "model.layers.0.mlp.down_proj.weight"
+        tensors[name + "_renamed"] = tensors.pop(name)
         tensors["lm_head.weight"] = tensors["lm_head.weight"].T.contiguous()
 
     edited = edited_copy(tiny_checkpoint, tmp_path / "edited", rename_and_transpose)

@@ -104,7 +104,8 @@ class HTTPEngine:
             "kind": self.kind, "spec": self.spec_text, "options": asdict(self.options),
             "url": self.root, "api": self.api, "model": self.model, "server": self.server,
             "checkpoint": self.checkpoint,  # as claimed: the server loaded its own weights
-            # vLLM: prompt tokens skip the sampling processors (vllm/config/model.py, logprobs_mode).
+            # vLLM: prompt tokens skip the sampling processors (vllm/config/model.py,
+            # logprobs_mode).
             # SGLang: we send temperature 1 and top_p 1, so its temperature scaling and top-p
             # renormalization (logits_processor, compute_temp_top_p_normalized_logprobs) are no-ops.
             "logprob_semantics": "raw",
@@ -186,8 +187,9 @@ class HTTPEngine:
         meta = self._call("POST", "/generate", body).get("meta_info") or {}
         triples = meta.get("input_token_logprobs")
         if not triples:
-            raise MismatchError(f"server at {self.root} returned no meta_info.input_token_logprobs; "
-                                "is it SGLang? (for vLLM set api = \"openai\")")
+            raise MismatchError(f"server at {self.root} returned no "
+                                "meta_info.input_token_logprobs; is it SGLang? "
+                                "(for vLLM set api = \"openai\")")
         if len(triples) != len(tokens):
             raise MismatchError(f"server at {self.root} returned {len(triples)} input log-probs "
                                 f"for {len(tokens)} tokens")
@@ -217,13 +219,15 @@ class HTTPEngine:
             except urllib.error.HTTPError as exc:
                 message = _error_message(exc)
                 if exc.code < 500:
-                    raise MismatchError(f"server at {url} answered HTTP {exc.code}: {message}") from None
+                    raise MismatchError(
+                        f"server at {url} answered HTTP {exc.code}: {message}") from None
                 reason = f"HTTP {exc.code}: {message}"
             except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
                 # refused, reset, timed out, cut off mid-answer
                 reason = str(getattr(exc, "reason", exc))
             except json.JSONDecodeError:
-                raise MismatchError(f"server at {url} answered with something that is not JSON") from None
+                raise MismatchError(
+                    f"server at {url} answered with something that is not JSON") from None
         attempts = self.options.retries + 1
         raise MismatchError(f"server at {url} unreachable after {attempts} "
                             f"attempt{'s' if attempts > 1 else ''}: {reason}")

@@ -1,7 +1,7 @@
 """The inference path in vLLM: teacher-forced prompt log-probs from the offline `LLM` engine.
 
 Every branch goes in as a token-id prompt (never text) with `prompt_logprobs=0`, so vLLM's own
-prefill kernels score each realized token; all requests go to one `generate` call and vLLM batches them.
+prefill kernels score each realized token; all requests go to one `generate` call (vLLM batches).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from mismatch.engines import ProgressFn, ReplayRequest
 from mismatch.engines.spec import EngineSpec, options_from
 from mismatch.errors import MismatchError, SpecError
 
-# vllm/config/model.py (`logprobs_mode`, read in vLLM 0.32): "for prompt_logprobs, processed_* and raw_*
-# yield identical results because prompt tokens do not go through sampling processors"
+# vllm/config/model.py (`logprobs_mode`, read in vLLM 0.32): "for prompt_logprobs, processed_*
+# and raw_* yield identical results because prompt tokens do not go through sampling processors"
 # (gpu_model_runner._get_prompt_logprobs_dict scores them with a plain fp32 log_softmax). The
 # *_logits modes return logits, not log-probs, so they cannot be compared with anything here.
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
@@ -46,7 +46,7 @@ class VLLMOptions:
     max_num_batched_tokens: int | None = None  # tokens per step; with chunked prefill, chunk size
     enable_chunked_prefill: bool | None = None
     max_model_len: int | None = None         # None = the model's context length
-    enforce_eager: bool | None = None        # None = True on CPU (no graph capture), vLLM's default on GPU
+    enforce_eager: bool | None = None        # None = True on CPU, vLLM's default on GPU
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # mp | ray | uni | external_launcher
@@ -107,7 +107,8 @@ def _acquire(args: dict[str, Any]) -> _Shared:
                 llm = vllm.LLM(**args)
             except ValueError as exc:  # vLLM validates its config with pydantic (a ValueError)
                 reason = " ".join(str(exc).split())
-                raise SpecError(f"engine 'vllm': vLLM rejected the engine args: {reason[:400]}") from exc
+                raise SpecError(
+                    f"engine 'vllm': vLLM rejected the engine args: {reason[:400]}") from exc
             shared = _Shared(llm, time.perf_counter() - started)
             _LLMS[key] = shared
         shared.users += 1
@@ -155,9 +156,9 @@ class VLLMEngine:
         if options.prefix_cache_read and options.enable_prefix_caching is False:
             raise SpecError("engine 'vllm': prefix_cache_read=true needs enable_prefix_caching")
         if options.logprobs_mode not in LOGPROBS_MODES:
-            raise SpecError(f"engine 'vllm': option logprobs_mode={options.logprobs_mode!r} is not "
-                            f"one of: {', '.join(LOGPROBS_MODES)} (the *_logits modes return logits, "
-                            "not log-probs)")
+            raise SpecError(f"engine 'vllm': option logprobs_mode={options.logprobs_mode!r} is "
+                            f"not one of: {', '.join(LOGPROBS_MODES)} (the *_logits modes return "
+                            "logits, not log-probs)")
         vllm = _import_vllm()
         self.options = options
         self.spec_text = spec_text
@@ -190,7 +191,7 @@ class VLLMEngine:
             "engine_args": {k: v for k, v in self.args.items() if k != "model"},
             **(self._resolved() if self.shared is not None else {}),
             "device": self._device(),
-            # Prompt tokens skip vLLM's sampling processors in every logprobs mode (see LOGPROBS_MODES).
+            # Prompt tokens skip vLLM's sampling processors in any logprobs mode (LOGPROBS_MODES).
             "logprob_semantics": "raw",
             # SamplingParams sets skip_reading_prefix_cache when prompt_logprobs is requested, so a
             # scored prompt is prefilled in full, whatever enable_prefix_caching says, unless
@@ -241,7 +242,8 @@ class VLLMEngine:
                 raise MismatchError(f"engine 'vllm': a request of {len(requests[i].tokens)} tokens "
                                     f"does not fit max_model_len={max_len} (set max_model_len=)")
         prompts = {i: TokensPrompt(prompt_token_ids=requests[i].tokens.tolist()) for i in todo}
-        tracker = None if progress is None else _Progress(progress, [requests[i].num_scored for i in todo])
+        tracker = None if progress is None else _Progress(progress,
+                                                          [requests[i].num_scored for i in todo])
         started = time.perf_counter()
         outputs = self._generate(llm, [prompts[i] for i in todo], tracker,
                                  read_cache=self.options.prefix_cache_read)
@@ -277,7 +279,8 @@ class VLLMEngine:
         # detokenize=False: scores are looked up by token id; decoding text is wasted work.
         extra = {"skip_reading_prefix_cache": False} if read_cache else {}
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, **extra)
-        return llm.generate(prompts, params, use_tqdm=False if tracker is None else tracker.bar_class())
+        bar = False if tracker is None else tracker.bar_class()
+        return llm.generate(prompts, params, use_tqdm=bar)
 
     def close(self) -> None:
         if self.shared is not None:

@@ -7,6 +7,7 @@ The layer step of localize (after turns, before kernels): the same tokens throug
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -25,7 +26,8 @@ from mismatch.results import json_safe
 
 TORCH_KINDS = ("hf", "hf-decode")
 DEFAULT_MAX_TOKENS = 2048
-EMBED = (-1, "embed")   # site key of the embedding output (the residual stream before layer 0)
+Site = tuple[int, str]  # (layer index, sub-block name or OUTPUT): one hooked point
+EMBED: Site = (-1, "embed")  # the embedding output: the residual stream before layer 0
 OUTPUT = "output"       # site name of a decoder layer's output (the residual stream after it)
 
 METHOD = ("both configurations replay the same tokens one sequence at a time with forward hooks on "
@@ -35,8 +37,9 @@ METHOD = ("both configurations replay the same tokens one sequence at a time wit
           "applied to each layer's residual, each configuration with its own weights")
 JUMP_RULE = ("jump_layer = the layer whose residual rel_error rises most over the previous layer's (the "
              "embedding's for layer 0); jump_block = the kind of its sub-block with the largest "
-             "local_rel_error (ties: largest rel_error - input_rel_error). jump_layer null with jump_block 'embed': the embedding output already "
-             "differs most; both null: a and b agree bit for bit")
+             "local_rel_error (ties: largest rel_error - input_rel_error). jump_layer null with "
+             "jump_block 'embed': the embedding output already differs most; both null: a and b agree "
+             "bit for bit")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -244,10 +247,10 @@ def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor, cache: Any) ->
 class _Capture:
     """Per site key (layer, name): the [positions, D] chunks seen in one sequence."""
 
-    inputs: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
-    outputs: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
-    local: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
-    order: list[tuple[int, str]] = field(default_factory=list)  # sub-block sites, first-call order
+    inputs: dict[Site, list[torch.Tensor]] = field(default_factory=dict)
+    outputs: dict[Site, list[torch.Tensor]] = field(default_factory=dict)
+    local: dict[Site, list[torch.Tensor]] = field(default_factory=dict)
+    order: list[Site] = field(default_factory=list)  # sub-block sites, first-call order
 
     def cat(self) -> _Capture:
         join = lambda parts: {key: torch.cat(chunks) for key, chunks in parts.items()}  # noqa: E731
@@ -262,7 +265,7 @@ class _Hooks:
     def __init__(self, engine: TorchEngineBase, structure: _Structure, reference: _Capture | None) -> None:
         self.engine, self.reference = engine, reference
         self.capture = _Capture()
-        self.seen: dict[tuple[int, str], int] = {}
+        self.seen: dict[Site, int] = {}
         self.local_cache: Any = None
         self.in_local = False
         self.handles = [structure.embed.register_forward_hook(self._output_hook(EMBED))]
@@ -272,13 +275,13 @@ class _Hooks:
                 self.handles.append(module.register_forward_hook(self._block_hook((index, name)),
                                                                  with_kwargs=True))
 
-    def _output_hook(self, key: tuple[int, str]):
+    def _output_hook(self, key: Site):
         def hook(module, args, output):
             if not self.in_local:
                 self.capture.outputs.setdefault(key, []).append(_first_tensor(output)[0].detach().clone())
         return hook
 
-    def _block_hook(self, key: tuple[int, str]):
+    def _block_hook(self, key: Site):
         def hook(module, args, kwargs, output):
             if self.in_local:
                 return
@@ -288,11 +291,12 @@ class _Hooks:
             self.capture.inputs.setdefault(key, []).append(hidden_1CD[0].detach().clone())
             self.capture.outputs.setdefault(key, []).append(_first_tensor(output)[0].detach().clone())
             if self.reference is not None:
-                self.capture.local.setdefault(key, []).append(self._rerun(module, key, hidden_1CD, args, kwargs))
+                local_CD = self._rerun(module, key, hidden_1CD, args, kwargs)
+                self.capture.local.setdefault(key, []).append(local_CD)
             self.seen[key] = self.seen.get(key, 0) + hidden_1CD.shape[1]
         return hook
 
-    def _rerun(self, module: nn.Module, key: tuple[int, str], hidden_1CD: torch.Tensor,
+    def _rerun(self, module: nn.Module, key: Site, hidden_1CD: torch.Tensor,
                args: tuple, kwargs: dict) -> torch.Tensor:
         """This sub-block, as called just now, but on the reference's input at the same positions."""
         start, num = self.seen.get(key, 0), hidden_1CD.shape[1]
@@ -389,6 +393,28 @@ def _logit_lens(engine: TorchEngineBase, final_norm: nn.Module, hidden_LD: torch
                               softcap=engine.softcap)
 
 
+@dataclass(slots=True)
+class _Totals:
+    """Everything pooled over the sequences, per site."""
+
+    output: defaultdict[Site, _Tally] = field(default_factory=lambda: defaultdict(_Tally))
+    input: defaultdict[Site, _Tally] = field(default_factory=lambda: defaultdict(_Tally))
+    local: defaultdict[Site, _Tally] = field(default_factory=lambda: defaultdict(_Tally))
+    lens: defaultdict[int, _Lens] = field(default_factory=lambda: defaultdict(_Lens))
+    order: list[Site] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def add(self, cap_a: _Capture, cap_b: _Capture, first: int, stop: int) -> None:
+        """Positions first..stop-1 of one sequence's captures (a against reference b)."""
+        self.order = self.order or cap_b.order
+        self.num_tokens += stop - first
+        for site, out_b in cap_b.outputs.items():
+            self.output[site].add(cap_a.outputs[site][first:stop], out_b[first:stop])
+        for site, in_b in cap_b.inputs.items():
+            self.input[site].add(cap_a.inputs[site][first:stop], in_b[first:stop])
+            self.local[site].add(cap_a.local[site][first:stop], cap_b.outputs[site][first:stop])
+
+
 def _compare(engine_a: TorchEngineBase, engine_b: TorchEngineBase, requests: list[ReplayRequest], *,
              a: str, b: str) -> LayerReport:
     structure_a, structure_b = decoder_structure(engine_a.model), decoder_structure(engine_b.model)
@@ -398,12 +424,7 @@ def _compare(engine_a: TorchEngineBase, engine_b: TorchEngineBase, requests: lis
     vocab = engine_b.model.config.vocab_size
     hooks_b = _Hooks(engine_b, structure_b, reference=None)
     hooks_a = _Hooks(engine_a, structure_a, reference=None)
-    tallies: dict[tuple[int, str], _Tally] = {}
-    inputs: dict[tuple[int, str], _Tally] = {}
-    local: dict[tuple[int, str], _Tally] = {}
-    lens = [_Lens() for _ in structure_b.layers]
-    order: list[tuple[int, str]] = []
-    num_tokens = 0
+    totals = _Totals()
     try:
         for request in requests:
             if int(request.tokens.max()) >= vocab:
@@ -412,61 +433,60 @@ def _compare(engine_a: TorchEngineBase, engine_b: TorchEngineBase, requests: lis
             cap_b = hooks_b.run(request)
             hooks_a.reference = cap_b  # a's sub-blocks are re-run on these inputs
             cap_a = hooks_a.run(request)
-            order = order or cap_b.order
             # Hidden state at j predicts token j+1: compare the positions whose next token is scored.
             first, stop = max(request.score_from, 1) - 1, len(request.tokens) - 1
-            num_tokens += stop - first
-            for key, out_b in cap_b.outputs.items():
-                tallies.setdefault(key, _Tally()).add(cap_a.outputs[key][first:stop], out_b[first:stop])
-            for key, in_b in cap_b.inputs.items():
-                inputs.setdefault(key, _Tally()).add(cap_a.inputs[key][first:stop], in_b[first:stop])
-                local.setdefault(key, _Tally()).add(cap_a.local[key][first:stop], cap_b.outputs[key][first:stop])
+            totals.add(cap_a, cap_b, first, stop)
             targets_P = torch.from_numpy(request.tokens[first + 1:stop + 1])
-            for index, tally in enumerate(lens):
-                tally.add(_logit_lens(engine_a, structure_a.final_norm, cap_a.outputs[(index, OUTPUT)], first,
-                                      targets_P),
-                          _logit_lens(engine_b, structure_b.final_norm, cap_b.outputs[(index, OUTPUT)], first,
-                                      targets_P))
+            for index in range(len(structure_b.layers)):
+                site = (index, OUTPUT)
+                totals.lens[index].add(
+                    _logit_lens(engine_a, structure_a.final_norm, cap_a.outputs[site], first, targets_P),
+                    _logit_lens(engine_b, structure_b.final_norm, cap_b.outputs[site], first, targets_P))
     finally:
         hooks_b.remove()
         hooks_a.remove()
-    return _report(structure_b, tallies, inputs, local, lens, order, a=a, b=b,
-                   num_sequences=len(requests), num_tokens=num_tokens)
+    rows = _rows(structure_b, totals)
+    embed_error = totals.output[EMBED].rel()
+    jump_layer, jump_block, jump_module = _jump(rows, embed_error)
+    return LayerReport(a=a, b=b, num_sequences=len(requests), num_tokens=totals.num_tokens,
+                       embed_rel_error=embed_error, jump_layer=jump_layer, jump_block=jump_block,
+                       jump_module=jump_module, by_layer=tuple(rows))
 
 
-def _report(structure: _Structure, tallies: dict[tuple[int, str], _Tally], inputs: dict[tuple[int, str], _Tally],
-            local: dict[tuple[int, str], _Tally], lens: list[_Lens], order: list[tuple[int, str]], *,
-            a: str, b: str, num_sequences: int, num_tokens: int) -> LayerReport:
+def _rows(structure: _Structure, totals: _Totals) -> list[LayerRow]:
     kinds = {(index, name): kind for index, blocks in enumerate(structure.blocks) for name, kind, _ in blocks}
     rows: list[LayerRow] = []
-    previous = embed_error = tallies[EMBED].rel()
-    increases: list[float] = [embed_error]  # [embedding, layer 0, layer 1, ...]
-    for index, layer_lens in enumerate(lens):
-        for key in (k for k in order if k[0] == index):
-            rows.append(LayerRow(layer=index, block=kinds[key], module=key[1], rel_error=tallies[key].rel(),
-                                 rel_error_token_max=tallies[key].token_max,
-                                 input_rel_error=inputs[key].rel(), local_rel_error=local[key].rel()))
-        residual = tallies[(index, OUTPUT)]
-        increase = residual.rel() - previous
-        increases.append(increase)
-        previous = residual.rel()
-        count = max(layer_lens.count, 1)
+    previous = totals.output[EMBED].rel()
+    for index in range(len(structure.layers)):
+        for site in (s for s in totals.order if s[0] == index):
+            output = totals.output[site]
+            rows.append(LayerRow(layer=index, block=kinds[site], module=site[1], rel_error=output.rel(),
+                                 rel_error_token_max=output.token_max, input_rel_error=totals.input[site].rel(),
+                                 local_rel_error=totals.local[site].rel()))
+        residual, lens = totals.output[(index, OUTPUT)], totals.lens[index]
+        count = max(lens.count, 1)
         rows.append(LayerRow(layer=index, block="residual", module=OUTPUT, rel_error=residual.rel(),
-                             rel_error_token_max=residual.token_max, rel_error_increase=increase,
-                             logit_lens_logp_a=layer_lens.sum_logp_a / count,
-                             logit_lens_logp_b=layer_lens.sum_logp_b / count,
-                             logit_lens_abs_diff=layer_lens.sum_abs_diff / count,
-                             logit_lens_abs_diff_max=layer_lens.max_abs_diff))
-    jump_layer = jump_block = jump_module = None
-    top = max(range(len(increases)), key=lambda i: increases[i])  # first of equals
-    if increases[top] > 0 and top == 0:
-        jump_block = "embed"
-    elif increases[top] > 0:
-        jump_layer = top - 1
-        candidates = [r for r in rows if r.layer == jump_layer and r.block != "residual"]
-        if candidates:
-            # Ties (all zero: the layer only amplified what it inherited) go to the biggest amplifier.
-            worst = max(candidates, key=lambda r: (r.local_rel_error, r.rel_error - r.input_rel_error))
-            jump_block, jump_module = worst.block, worst.module
-    return LayerReport(a=a, b=b, num_sequences=num_sequences, num_tokens=num_tokens, embed_rel_error=embed_error,
-                       jump_layer=jump_layer, jump_block=jump_block, jump_module=jump_module, by_layer=tuple(rows))
+                             rel_error_token_max=residual.token_max, rel_error_increase=residual.rel() - previous,
+                             logit_lens_logp_a=lens.sum_logp_a / count, logit_lens_logp_b=lens.sum_logp_b / count,
+                             logit_lens_abs_diff=lens.sum_abs_diff / count,
+                             logit_lens_abs_diff_max=lens.max_abs_diff))
+        previous = residual.rel()
+    return rows
+
+
+def _jump(rows: list[LayerRow], embed_error: float) -> tuple[int | None, str | None, str | None]:
+    """(jump_layer, jump_block, jump_module) by JUMP_RULE."""
+    residual = [row for row in rows if row.block == "residual"]
+    increases = [embed_error] + [row.rel_error_increase for row in residual]  # embedding, layer 0, ...
+    top = max(range(len(increases)), key=lambda i: increases[i])  # the first of equals
+    if increases[top] <= 0:
+        return None, None, None
+    if top == 0:
+        return None, "embed", None
+    layer = residual[top - 1].layer
+    blocks = [row for row in rows if row.layer == layer and row.block != "residual"]
+    if not blocks:
+        return layer, None, None
+    # Ties (all zero: the layer only amplified what it inherited) go to the biggest amplifier.
+    worst = max(blocks, key=lambda row: (row.local_rel_error, row.rel_error - row.input_rel_error))
+    return layer, worst.block, worst.module

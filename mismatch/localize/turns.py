@@ -188,8 +188,7 @@ def _by_turn(tokens: pd.DataFrame, rule: OnsetRule) -> list[dict[str, Any]]:
 
 
 def _prob_bucket(logp_N: np.ndarray) -> np.ndarray:
-    """Index into PROB_LABELS of each token's probability (compared in log space)."""
-    # log space: exp() of a -1e4 placeholder log-prob would just be 0.
+    """Index into PROB_LABELS of each token's probability; edges compared in log space."""
     return np.searchsorted(np.log(PROB_EDGES), logp_N, side="right")
 
 
