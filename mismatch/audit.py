@@ -15,6 +15,8 @@ import pandas as pd
 
 from mismatch import __version__
 from mismatch.corrections import summary_corrections
+from mismatch.localize import localize_models as run_model_localizers
+from mismatch.localize.turns import localize_turns
 from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
 from mismatch.replay import ProgressFactory, replay_roles
 from mismatch.recommend import recommend, recommendations_dicts
@@ -33,8 +35,12 @@ class AuditResult:
 
 def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
           infer: str = "hf-decode", out: str | Path | None = None, force: bool = False,
-          progress: ProgressFactory | None = None) -> AuditResult:
-    """Replay `rollouts` through `train` and `infer` engines and measure every pair's gap."""
+          localize_models: bool = False, progress: ProgressFactory | None = None) -> AuditResult:
+    """Replay `rollouts` through `train` and `infer` engines and measure every pair's gap.
+
+    The turn localizer always runs (it reads the table); `localize_models=True` also reruns the
+    two configs with hooks for the layer and kernel localizers (train vs infer as reference).
+    """
     out_dir = Path(out) if out is not None else None
     if out_dir is not None:
         check_out_dir(out_dir, force=force)
@@ -42,6 +48,10 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
     table = replayed.table
     summary = build_summary(table, engines=replayed.engines, checkpoint=str(checkpoint),
                             rollouts_file=str(rollouts), pairs=AUDIT_PAIRS, command="audit")
+    summary["localization"]["turns"] = localize_turns(table, "train", "sampler")
+    if localize_models:
+        summary["localization"].update(run_model_localizers(
+            checkpoint, replayed.requests, a=train, b=infer))
     summary["corrections"] = summary_corrections(table)
     summary["recommendations"] = recommendations_dicts(recommend(summary))
     if out_dir is not None:

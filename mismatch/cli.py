@@ -94,6 +94,8 @@ def audit(
     train: Annotated[str, typer.Option("--train", help="Trainer engine spec.")] = "hf",
     infer: Annotated[str, typer.Option("--infer", help="Inference engine spec.")] = "hf-decode",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing results dir.")] = False,
+    localize: Annotated[bool, typer.Option(
+        "--localize", help="Also localize train vs infer by layer and kernel (torch engines).")] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Replay stored rollouts through a trainer and an engine; write tokens.parquet + summary.json."""
@@ -101,7 +103,7 @@ def audit(
 
     with replay_progress(not as_json) as progress:
         result = run_audit(checkpoint, rollouts, train=train, infer=infer, out=out, force=force,
-                           progress=progress)
+                           localize_models=localize, progress=progress)
     if as_json:
         _emit_json(result.summary)
         return
@@ -225,6 +227,95 @@ def probe(
         _emit_json(payload)
         return
     out_console.print(probes.format_table(results), markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def layers(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory.")],
+    rollouts: Annotated[Path, typer.Option("--rollouts", help="Rollouts file (.jsonl or .parquet).")],
+    a: Annotated[str, typer.Option("--a", help="Candidate config (hf or hf-decode spec).")],
+    b: Annotated[str, typer.Option("--b", help="Reference config (hf or hf-decode spec).")],
+    max_tokens: Annotated[int, typer.Option(help="Tokens to compare (first branches first).")] = 2048,
+    out: Annotated[Optional[Path], typer.Option(help="Also write the localization JSON here.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Where a's residual stream departs from b's: per layer and sub-block, logit lens, kernels."""
+    from mismatch.checkpoint import checkpoint_info
+    from mismatch.localize import localize_models
+    from mismatch.replay import plan_replay
+    from mismatch.results import atomic_write_text, json_safe
+    from mismatch.rollouts import load_rollouts
+
+    plan = plan_replay(load_rollouts(rollouts, vocab_size=checkpoint_info(checkpoint).vocab_size))
+    found = localize_models(checkpoint, plan.requests, a=a, b=b, max_tokens=max_tokens)
+    if out is not None:
+        atomic_write_text(out, json.dumps(json_safe(found), indent=1) + "\n")
+    if as_json:
+        _emit_json(found)
+        return
+    print_layers(found)
+
+
+def print_layers(found: dict[str, Any]) -> None:
+    found_layers = found["layers"]
+    if "skipped" in found_layers:
+        out_console.print(f"layers: skipped: {found_layers['skipped']}", markup=False)
+    else:
+        table = Table(title="relative error of a vs b (reference) by layer and sub-block",
+                      title_justify="left")
+        for column in ("layer", "block", "rel_error", "local_rel_error", "logit_lens |Δlogp|"):
+            table.add_column(column, justify="left" if column == "block" else "right")
+        for row in found_layers["by_layer"]:
+            table.add_row(str(row["layer"]), row["block"], _fmt(row.get("rel_error")),
+                          _fmt(row.get("local_rel_error")), _fmt(row.get("logit_lens_abs_diff")))
+        out_console.print(table)
+        out_console.print(f"jump: layer {found_layers['jump_layer']} {found_layers['jump_block']}",
+                          markup=False)
+    kernels = found["kernels"]
+    if "skipped" in kernels:
+        out_console.print(f"kernels: skipped: {kernels['skipped']}", markup=False)
+        return
+    table = Table(title="error introduced by each module type (module-local)", title_justify="left")
+    for column in ("type", "rel_error", "max_abs"):
+        table.add_column(column, justify="left" if column == "type" else "right")
+    for row in kernels["by_type"]:
+        table.add_row(row["type"], _fmt(row.get("rel_error")), _fmt(row.get("max_abs")))
+    out_console.print(table)
+
+
+@app.command()
+def weights(
+    a: Annotated[Path, typer.Argument(help="First checkpoint (e.g. the trainer's export).")],
+    b: Annotated[Path, typer.Argument(help="Second checkpoint (e.g. what the engine loaded).")],
+    fail_on_diff: Annotated[bool, typer.Option(help="Exit 1 when any tensor differs.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Tensor-by-tensor diff of two safetensors checkpoints, streamed: the weight-sync bug finder."""
+    from mismatch.weights import diff_checkpoints
+
+    report = diff_checkpoints(a, b)
+    payload = report.to_dict()
+    if as_json:
+        _emit_json(payload)
+    else:
+        print_weights(payload)
+    if fail_on_diff and not report.identical:
+        raise typer.Exit(1)
+
+
+def print_weights(payload: dict[str, Any]) -> None:
+    differing = [t for t in payload["tensors"] if not t.get("equal")]
+    for tensor in differing:
+        out_console.print(
+            f"{tensor['name']}: {tensor.get('dtype_a')} {tensor.get('shape_a')} vs {tensor.get('dtype_b')} "
+            f"{tensor.get('shape_b')}: max abs {_fmt(tensor.get('max_abs_diff'))}, max rel "
+            f"{_fmt(tensor.get('max_rel_diff'))}, bitwise equal {_fmt(tensor.get('bitwise_equal_frac'))}",
+            markup=False, highlight=False, soft_wrap=True)
+    for side in ("only_a", "only_b"):
+        for name in payload.get(side) or []:
+            out_console.print(f"{name}: {side.replace('_', ' in ')}", markup=False)
+    total = len(payload["tensors"])
+    out_console.print(f"{total - len(differing)}/{total} shared tensors bitwise equal", markup=False)
 
 
 @app.command()

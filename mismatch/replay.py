@@ -107,6 +107,7 @@ ProgressFactory = Callable[[str, int], ProgressFn | None]
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Replayed:
     rollouts: list[Rollout]
+    requests: list[ReplayRequest]  # one per branch, in table order
     table: pd.DataFrame           # TABLE_KEYS + logp_sampler + logp_<role> per replayed role
     engines: dict[str, Any]       # role -> describe() (the sampler's declared settings too)
 
@@ -130,7 +131,7 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
                                            "meta": _sampler_meta(loaded)}}
     for role, spec in specs.items():
         table[f"logp_{role}"], engines[role] = _replay_role(role, spec, plan, str(checkpoint), progress)
-    return Replayed(rollouts=loaded, table=table, engines=engines)
+    return Replayed(rollouts=loaded, requests=plan.requests, table=table, engines=engines)
 
 
 def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,

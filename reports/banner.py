@@ -1,7 +1,7 @@
 """The verdict in one glance: healthy, correct with X, or fix at the source: Y, with key numbers.
 
 Read from summary.json only (`verdicts`, `recommendations`, and `diff` for diff reports): the
-banner restates what the audit concluded and never derives a new conclusion of its own.
+banner restates what the audit concluded; its one rule is which recommendation leads (audit_banner).
 """
 
 from __future__ import annotations
@@ -9,12 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Recommendation kinds that reweight or mask tokens in the loss (TRL's four modes, verl/slime
-# names); any other kind changes the stack itself and is a fix at the source. An item's explicit
-# "action": "correct" | "fix" | "none" wins over the name.
-CORRECTION_PREFIXES = ("token_", "sequence_", "seq_", "geo_", "tis", "mis", "icepop", "is_",
-                       "rejection", "rs_", "clip", "cap", "truncate", "mask", "weight")
-NO_ACTION_KINDS = frozenset({"none", "healthy", "no_correction", "nothing"})
+# How each recommendation kind reads in a headline (mismatch.recommend's kinds); an unknown kind
+# is shown by its name. An item's explicit "action": "correct" | "fix" | "none" wins over the kind.
+CORRECT_KINDS = frozenset({"correction"})
+NO_ACTION_KINDS = frozenset({"no_correction", "none", "healthy"})
+# Fixes for a comparison that is itself wrong: a correction on top would correct the wrong thing.
+BUG_KINDS = frozenset({"fix_alignment", "fix_renderer", "raw_logprobs"})
+LABELS = {"recompute_old_logprobs": "recompute old log-probs with the trainer",
+          "fp16": "fp16 instead of bf16", "batch_invariant": "a batch-invariant inference mode",
+          "fix_renderer": "the renderer (re-rendered tokens differ from the sampled ones)",
+          "fix_alignment": "the log-prob alignment (off by {shift:+d})",
+          "raw_logprobs": "store raw log-probs (they are temperature/top-p processed)"}
 HEALTHY_LEVELS = frozenset({"exact", "negligible"})
 
 
@@ -36,25 +41,36 @@ def focus_pair(summary: dict[str, Any]) -> str | None:
     return next(iter(pairs), None)
 
 
-def recommendation_action(rec: dict[str, Any], correction_modes: set[str]) -> str:
+def recommendation_action(rec: dict[str, Any], correction_modes: set[str] = frozenset()) -> str:
     """correct | fix | none, for one item of summary["recommendations"]."""
     action = str(rec.get("action", "")).lower()
     if action in ("correct", "fix", "none"):
         return action
-    kind = str(rec.get("kind", "")).lower()
+    kind = str(rec.get("kind", ""))
     if kind in NO_ACTION_KINDS:
         return "none"
-    if kind in correction_modes or kind.startswith(CORRECTION_PREFIXES):
+    if kind in CORRECT_KINDS or kind in correction_modes:  # a bare mode name is a correction too
         return "correct"
     return "fix"
 
 
 def describe(rec: dict[str, Any]) -> str:
-    """`token_truncate (cap=2)`: the kind and its parameters as a reader would type them."""
-    params = rec.get("params")
-    if isinstance(params, dict) and params:
-        return f"{rec.get('kind', '?')} ({', '.join(f'{k}={v}' for k, v in params.items())})"
-    return str(rec.get("kind", "?"))
+    """A recommendation as a reader would say it: `token_truncate (cap=1.5)`, `fp16 instead of bf16`."""
+    params = rec.get("params") if isinstance(rec.get("params"), dict) else {}
+    kind = str(rec.get("kind", "?"))
+    if kind == "correction" and "mode" in params:
+        # The parameters that configure the correction; the rest (its simulated effect) is evidence.
+        knobs = {k: v for k, v in params.items() if k in ("cap", "low", "high", "threshold")}
+        return f"{params['mode']} ({', '.join(f'{k}={v:g}' if isinstance(v, float) else f'{k}={v}' for k, v in knobs.items())})" \
+            if knobs else str(params["mode"])
+    if kind in LABELS:
+        try:
+            return LABELS[kind].format(**params)
+        except (KeyError, ValueError, TypeError):
+            return kind.replace("_", " ")
+    if params and all(isinstance(v, (int, float, str)) for v in params.values()):
+        return f"{kind} ({', '.join(f'{k}={v}' for k, v in params.items())})"
+    return kind
 
 
 def key_numbers(metrics: dict[str, Any]) -> list[tuple[str, Any, str]]:
@@ -74,37 +90,48 @@ def _sentence(text: str) -> str:
 
 
 def audit_banner(summary: dict[str, Any]) -> Banner:
+    """Fix at the source when the comparison is broken, the gap is large or no cap meets the rule;
+    correct with X when a correction meets its rule; else the verdict level (healthy, small, large)."""
     pair = focus_pair(summary)
     metrics = (summary.get("pairs") or {}).get(pair) or {}
     verdict = (summary.get("verdicts") or {}).get(pair) if pair else None
+    level = (verdict or {}).get("level", "unknown")
     recs = [r for r in summary.get("recommendations") or [] if isinstance(r, dict)]
     modes = {str(c.get("mode")) for c in summary.get("corrections") or [] if isinstance(c, dict)}
     actions = [(recommendation_action(r, modes), r) for r in recs]
     fixes = [r for a, r in actions if a == "fix"]
     corrections = [r for a, r in actions if a == "correct"]
+    bugs = [r for r in fixes if r.get("kind") in BUG_KINDS]
+    uncorrectable = any((r.get("params") or {}).get("meets_rule") is False for r in corrections)
     numbers = key_numbers(metrics)
-    # With a recommendation the verdict sentence is evidence under it; without, it is the headline.
-    details = [f"{pair}: {_sentence(verdict['text'])}."] if recs and verdict and verdict.get("text") else []
-    details += [f"Why: {r['why']}" for r in fixes + corrections if r.get("why")]
-    if fixes:
-        headline = "Fix at the source: " + "; ".join(describe(r) for r in fixes)
-        if corrections:
+    details = []
+    if verdict and verdict.get("text"):
+        details.append(f"{pair} ({verdict.get('meaning', 'log-ratio')}): {_sentence(verdict['text'])}.")
+    if bugs or (fixes and (level == "large" or uncorrectable or not corrections)):
+        first = bugs or fixes
+        headline = "Fix at the source: " + "; ".join(describe(r) for r in first)
+        if corrections and not bugs:
             headline += " — meanwhile correct with " + "; ".join(describe(r) for r in corrections)
+        rest = [r for r in fixes if r not in first]
+        if rest:
+            details.append("Also at the source: " + "; ".join(describe(r) for r in rest) + ".")
         return Banner(status="fix", label="FIX AT THE SOURCE", headline=headline, details=details,
                       numbers=numbers)
     if corrections:
+        if fixes:
+            details.append("At the source, optionally: " + "; ".join(describe(r) for r in fixes) + ".")
         return Banner(status="correct", label="CORRECT", details=details, numbers=numbers,
                       headline="Correct with " + "; ".join(describe(r) for r in corrections))
     if verdict is None:
         return Banner(status="unknown", label="NO VERDICT", numbers=numbers, details=details,
                       headline="No verdict recorded in summary.json (re-run the audit to get one)")
-    level = verdict.get("level", "unknown")
     if level in HEALTHY_LEVELS:
         status, label = "healthy", "HEALTHY"
     elif level in ("small", "large"):
         status, label = level, f"{level.upper()} GAP"
     else:
         status, label = "unknown", "NOT JUDGED"
+    details = details[1:]  # the verdict sentence is the headline itself
     if pair:
         details.append(f"On {pair} ({verdict.get('meaning', 'its log-ratio')}), trainable tokens.")
     if not recs and level not in HEALTHY_LEVELS:

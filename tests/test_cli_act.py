@@ -31,9 +31,11 @@ def test_audit_summary_carries_trl_corrections_and_a_recommendation(results) -> 
 
 
 def test_recommend_prints_a_real_config(results, capsys) -> None:
+    summary = json.loads((results / "summary.json").read_text())
+    mode = summary["recommendations"][0]["params"]["mode"]
     assert main(["recommend", str(results), "--for", "trl"]) == 0
     out = capsys.readouterr().out
-    assert "vllm_importance_sampling_mode: token_truncate" in out
+    assert f"vllm_importance_sampling_mode: {mode}" in out
     assert main(["recommend", str(results), "--for", "nope"]) == 2
     assert "unknown framework 'nope'" in capsys.readouterr().err
 
@@ -60,3 +62,29 @@ def test_probe_command_reports_every_family(tiny_checkpoint, tmp_path, capsys) -
     applicable = [r for r in payload["results"] if r["applicable"]]
     assert applicable and all(0.0 <= r["bitwise_equal_frac"] <= 1.0 for r in applicable)
     assert "batch_size" in capsys.readouterr().out
+
+
+def test_layers_and_weights_commands_name_a_planted_fault(tiny_checkpoint, sampled_rollouts, tmp_path,
+                                                         capsys) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    faulty = tmp_path / "faulty"
+    shutil.copytree(tiny_checkpoint, faulty)
+    tensors = load_file(faulty / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name] * 1.1
+    save_file(tensors, faulty / "model.safetensors", metadata={"format": "pt"})
+
+    assert main(["weights", str(tiny_checkpoint), str(faulty), "--fail-on-diff"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"{name}: ") and "20/21 shared tensors bitwise equal" in out
+
+    assert main(["layers", str(tiny_checkpoint), "--rollouts", str(sampled_rollouts), "--a",
+                 f"hf:dtype=float32,checkpoint={faulty}", "--b", "hf:dtype=float32", "--max-tokens",
+                 "256", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert (found["layers"]["jump_layer"], found["layers"]["jump_block"]) == (1, "mlp")
+    worst = found["kernels"]["by_module"][0]
+    assert worst["name"].endswith("layers.1.mlp.down_proj") and worst["rel_error"] > 0

@@ -115,6 +115,17 @@ def _acquire(args: dict[str, Any]) -> _Shared:
         return shared
 
 
+def shared_llm(checkpoint: str, **options: Any) -> Any:
+    """The process's `LLM` for these options (VLLMOptions keys), for callers that drive vLLM
+    themselves (the toy agent's vLLM sampler); engines built with the same options share it.
+
+    It is pinned: it lives until the process ends, whatever engines close.
+    """
+    resolved = VLLMOptions(**options)
+    shared = _acquire(engine_args(resolved, str(checkpoint_info(checkpoint).path)))
+    return shared.llm
+
+
 def _release(shared: _Shared) -> None:
     with _LOCK:
         shared.users -= 1
