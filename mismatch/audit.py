@@ -18,9 +18,9 @@ from mismatch.corrections import summary_corrections
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import localize_turns
 from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
-from mismatch.replay import ProgressFactory, replay_roles
 from mismatch.recommend import recommend, recommendations_dicts
-from mismatch.results import SUMMARY_SCHEMA, check_out_dir, write_results
+from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_roles
+from mismatch.results import SUMMARY_SCHEMA, WorkDir, check_out_dir, file_identity, write_results
 from mismatch.verdicts import verdicts
 
 AUDIT_PAIRS = (("train", "sampler"), ("train", "infer"), ("infer", "sampler"))
@@ -35,30 +35,70 @@ class AuditResult:
 
 def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
           infer: str = "hf-decode", out: str | Path | None = None, force: bool = False,
-          localize_models: bool = False, progress: ProgressFactory | None = None) -> AuditResult:
+          localize_models: bool = False, shard: Shard | None = None, block_size: int = DEFAULT_BLOCK,
+          progress: ProgressFactory | None = None) -> AuditResult:
     """Replay `rollouts` through `train` and `infer` engines and measure every pair's gap.
 
     The turn localizer always runs (it reads the table); `localize_models=True` also reruns the
     two configs with hooks for the layer and kernel localizers (train vs infer as reference).
+    With `out`, finished blocks are kept in a work dir so the same call resumes after a kill.
     """
+    roles = {"train": train, "infer": infer}
     out_dir = Path(out) if out is not None else None
-    if out_dir is not None:
-        check_out_dir(out_dir, force=force)
-    replayed = replay_roles(checkpoint, rollouts, {"train": train, "infer": infer}, progress=progress)
-    table = replayed.table
-    summary = build_summary(table, engines=replayed.engines, checkpoint=str(checkpoint),
-                            rollouts_file=str(rollouts), pairs=AUDIT_PAIRS, command="audit")
-    summary["localization"]["turns"] = localize_turns(table, "train", "sampler")
+    replayed, work = replay_for_results(checkpoint, rollouts, roles, out=out_dir, force=force,
+                                        shard=shard, block_size=block_size, progress=progress,
+                                        command="audit")
+    summary = analyze_audit(replayed.table, engines=replayed.engines, checkpoint=str(checkpoint),
+                            rollouts_file=str(rollouts))
+    summary["shard"] = _shard_info(shard, block_size)
     if localize_models:
         summary["localization"].update(run_model_localizers(
             checkpoint, replayed.requests, a=train, b=infer))
+    if out_dir is not None:
+        publish(out_dir, replayed.table, summary, AUDIT_PAIRS, force=force, work=work)
+    return AuditResult(summary=summary, tokens=replayed.table, out=out_dir)
+
+
+def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
+                  rollouts_file: str) -> dict[str, Any]:
+    """Everything an audit's summary.json says that follows from the token table alone."""
+    summary = build_summary(table, engines=engines, checkpoint=checkpoint,
+                            rollouts_file=rollouts_file, pairs=AUDIT_PAIRS, command="audit")
+    summary["localization"]["turns"] = localize_turns(table, "train", "sampler")
     summary["corrections"] = summary_corrections(table)
     summary["recommendations"] = recommendations_dicts(recommend(summary))
-    if out_dir is not None:
-        per_rollout = metrics_by(table, list(AUDIT_PAIRS), "rollout")
-        write_results(out_dir, tokens=table, summary=summary, force=force,
-                      extra={"rollouts.parquet": lambda path: per_rollout.to_parquet(path, index=False)})
-    return AuditResult(summary=summary, tokens=table, out=out_dir)
+    return summary
+
+
+def replay_for_results(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, str], *,
+                       out: Path | None, force: bool, shard: Shard | None, block_size: int,
+                       progress: ProgressFactory | None, command: str) -> tuple[Replayed, WorkDir | None]:
+    """Refuse a taken results dir first, then replay with a resumable work dir beside it."""
+    work = None
+    if out is not None:
+        check_out_dir(out, force=force)
+        manifest = {"command": command, "checkpoint": file_identity(checkpoint),
+                    "rollouts": file_identity(rollouts), "roles": roles,
+                    "shard": _shard_info(shard, block_size), "mismatch_version": __version__}
+        work = WorkDir.open(out, manifest, force=force)
+    replayed = replay_roles(checkpoint, rollouts, roles, progress=progress, shard=shard,
+                            block_size=block_size, work=work)
+    return replayed, work
+
+
+def publish(out: Path, table: pd.DataFrame, summary: dict[str, Any],
+            pairs: tuple[tuple[str, str], ...], *, force: bool, work: WorkDir | None) -> None:
+    """Write the results dir in one rename, then drop the work dir it no longer needs."""
+    per_rollout = metrics_by(table, list(pairs), "rollout")
+    write_results(out, tokens=table, summary=summary, force=force,
+                  extra={"rollouts.parquet": lambda path: per_rollout.to_parquet(path, index=False)})
+    if work is not None:
+        work.remove()
+
+
+def _shard_info(shard: Shard | None, block_size: int) -> dict[str, Any]:
+    return {"index": shard.index if shard else 0, "count": shard.count if shard else 1,
+            "block_size": block_size}
 
 
 def build_summary(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,

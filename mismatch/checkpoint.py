@@ -35,17 +35,35 @@ def checkpoint_info(path: str | Path) -> CheckpointInfo:
         config = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{config_file}: invalid JSON: {exc}") from None
+    except RecursionError:  # the C decoder recurses once per level of [ or {
+        raise CheckpointError(f"{config_file}: invalid JSON: arrays/objects nested too deeply") from None
+    except ValueError as exc:  # an integer literal longer than sys.get_int_max_str_digits()
+        raise CheckpointError(f"{config_file}: invalid JSON: {_first_line(exc)}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file}: must be a JSON object")
+    _check_weights(root)
+    vocab_size = config.get("vocab_size")
+    # bool is an int subclass: `"vocab_size": true` must not pass as a vocab of 1.
+    if type(vocab_size) is not int or vocab_size <= 0:
+        raise CheckpointError(f"{config_file}: vocab_size missing or not a positive integer")
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return CheckpointInfo(path=root, model_type=str(config.get("model_type", "?")),
+                          vocab_size=vocab_size, dtype=str(dtype))
+
+
+def _check_weights(root: Path) -> None:
+    """Safetensors or nothing: a `.bin`/`.pt` is a pickle, and unpickling runs the file's code."""
     if not any(root.glob("*.safetensors")):
         if any(root.glob("*.bin")) or any(root.glob("*.pt")):
             raise CheckpointError(f"{root}: weights are pickle files (.bin/.pt); mismatch loads "
                                   "safetensors only (convert with save_pretrained(safe_serialization=True))")
         raise CheckpointError(f"{root}: no *.safetensors weights")
-    vocab_size = config.get("vocab_size")
-    if not isinstance(vocab_size, int) or vocab_size <= 0:
-        raise CheckpointError(f"{config_file}: vocab_size missing or not a positive integer")
-    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return CheckpointInfo(path=root, model_type=str(config.get("model_type", "?")),
-                          vocab_size=vocab_size, dtype=str(dtype))
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's message as one line of at most 300 characters."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def torch_dtype(name: str, info: CheckpointInfo):
@@ -55,20 +73,61 @@ def torch_dtype(name: str, info: CheckpointInfo):
     if name not in DTYPES:
         raise CheckpointError(f"unknown dtype {name!r} (expected one of: {', '.join(DTYPES)})")
     resolved = info.dtype if name == "auto" else name
-    return getattr(torch, resolved)
+    dtype = getattr(torch, resolved, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # only `auto` gets here
+        raise CheckpointError(f"{info.path / 'config.json'}: dtype {resolved!r} is not a floating-point "
+                              "torch dtype (pass dtype=float32 or bfloat16 in the engine spec)")
+    return dtype
 
 
 def load_model(info: CheckpointInfo, *, dtype: str, attn: str, device: str):
-    """A causal LM in eval mode with gradients off, loaded offline from safetensors."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """A causal LM in eval mode with gradients off, loaded offline from safetensors.
 
-    model = AutoModelForCausalLM.from_pretrained(
-        info.path, dtype=torch_dtype(dtype, info), attn_implementation=attn,
-        use_safetensors=True, trust_remote_code=False, local_files_only=True)
+    Refuses (CheckpointError, one line) whatever transformers cannot load from the directory, and
+    a load that would leave weights randomly initialized (missing, or shaped unlike config.json).
+    """
+    from huggingface_hub.errors import StrictDataclassError
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    _check_weights(info.path)  # again: `info` may be older than the directory's contents
+    torch_dt = torch_dtype(dtype, info)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its multi-line load report would bury our one-line error
+    try:
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            info.path, dtype=torch_dt, attn_implementation=attn, use_safetensors=True,
+            trust_remote_code=False, local_files_only=True, output_loading_info=True,
+            ignore_mismatched_sizes=True)  # reported below, with the shapes, instead of a RuntimeError
+    # What a broken or foreign checkpoint makes transformers raise: bad config values, unknown
+    # model types or remote code (ValueError), unreadable or truncated files (OSError, SafetensorError).
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError, SafetensorError, StrictDataclassError) as exc:
+        raise CheckpointError(f"{info.path}: cannot load the model: {_first_line(exc)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    mismatched = sorted(loading.get("mismatched_keys") or [])
+    if mismatched:
+        key, shape_ckpt, shape_model = mismatched[0]
+        raise CheckpointError(f"{info.path}: weight {key} has shape {list(shape_ckpt)} but config.json "
+                              f"implies {list(shape_model)}{_more(len(mismatched), 'mismatched')}")
+    missing = sorted(loading.get("missing_keys") or [])
+    if missing:
+        raise CheckpointError(f"{info.path}: weight {missing[0]} is missing from the safetensors files"
+                              f"{_more(len(missing), 'missing')}; refusing to replay random weights")
+    # transformers already drops the extras it knows to be harmless (`_keys_to_ignore_on_load_unexpected`);
+    # any other saved weight the model does not use means config.json describes another model.
+    unexpected = sorted(loading.get("unexpected_keys") or [])
+    if unexpected:
+        raise CheckpointError(f"{info.path}: weight {unexpected[0]} is not used by the model config.json "
+                              f"describes{_more(len(unexpected), 'unused')}")
     model.to(device).eval()
     model.requires_grad_(False)
     return model
+
+
+def _more(count: int, what: str) -> str:
+    return "" if count == 1 else f" (first of {count} {what})"
 
 
 def load_tokenizer(path: str | Path):

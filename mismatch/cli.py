@@ -30,6 +30,17 @@ KEY_METRICS = ("n_tokens", "log_ratio_abs_mean", "log_ratio_abs_max", "kl_k3", "
                "ess", "ratio_p01", "ratio_p999", "bitwise_equal_frac")
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")]
+ShardOption = Annotated[Optional[str], typer.Option(
+    "--shard", help="Replay only shard I of N (I/N, 0-based); combine with `mismatch merge`.")]
+BlockOption = Annotated[int, typer.Option(
+    "--block-size", min=1, help="Rollouts per unit of work (resume, shards, batching).")]
+DEFAULT_BLOCK = 64  # mismatch.replay.DEFAULT_BLOCK, repeated so --help needs no heavy import
+
+
+def _shard(text: str | None):
+    from mismatch.replay import Shard
+
+    return Shard.parse(text) if text is not None else None
 
 
 @contextmanager
@@ -96,14 +107,19 @@ def audit(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing results dir.")] = False,
     localize: Annotated[bool, typer.Option(
         "--localize", help="Also localize train vs infer by layer and kernel (torch engines).")] = False,
+    shard: ShardOption = None,
+    block_size: BlockOption = DEFAULT_BLOCK,
     as_json: JsonFlag = False,
 ) -> None:
-    """Replay stored rollouts through a trainer and an engine; write tokens.parquet + summary.json."""
+    """Replay stored rollouts through a trainer and an engine; write tokens.parquet + summary.json.
+
+    Rerunning the same command after an interruption resumes from the finished blocks."""
     from mismatch.audit import audit as run_audit
 
     with replay_progress(not as_json) as progress:
         result = run_audit(checkpoint, rollouts, train=train, infer=infer, out=out, force=force,
-                           localize_models=localize, progress=progress)
+                           localize_models=localize, shard=_shard(shard), block_size=block_size,
+                           progress=progress)
     if as_json:
         _emit_json(result.summary)
         return
@@ -120,6 +136,8 @@ def diff(
     out: Annotated[Path, typer.Option("--out", help="Results directory to write.")],
     reference: Annotated[str, typer.Option("--reference", help="Reference engine (the trainer).")] = "hf",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing results dir.")] = False,
+    shard: ShardOption = None,
+    block_size: BlockOption = DEFAULT_BLOCK,
     as_json: JsonFlag = False,
 ) -> None:
     """Replay two engine configs against a reference: which is closer, by how much, where, how fast."""
@@ -127,7 +145,7 @@ def diff(
 
     with replay_progress(not as_json) as progress:
         result = run_diff(checkpoint, rollouts, a=a, b=b, reference=reference, out=out, force=force,
-                          progress=progress)
+                          shard=_shard(shard), block_size=block_size, progress=progress)
     if as_json:
         _emit_json(result.summary)
         return
@@ -148,6 +166,24 @@ def print_diff(comparison: dict[str, Any]) -> None:
     out_console.print(f"closer to the reference: {comparison['closer_to_reference']} "
                       f"({comparison['closer_rule']}); replay tokens/s: a {_fmt(speed['a'])}, "
                       f"b {_fmt(speed['b'])}", markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def merge(
+    dirs: Annotated[list[Path], typer.Argument(help="Results dirs of shards 0..N-1.")],
+    out: Annotated[Path, typer.Option("--out", help="Merged results directory to write.")],
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing results dir.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Combine the results of `--shard I/N` runs into the results of one run."""
+    from mismatch.merge import merge as run_merge
+
+    summary = run_merge(dirs, out, force=force)
+    if as_json:
+        _emit_json(summary)
+        return
+    print_pairs(summary)
+    out_console.print(f"wrote {out}/")
 
 
 @app.command()

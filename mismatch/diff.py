@@ -13,10 +13,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.audit import build_summary
-from mismatch.metrics import metrics_by
-from mismatch.replay import ProgressFactory, replay_roles
-from mismatch.results import check_out_dir, write_results
+from mismatch.audit import build_summary, publish, replay_for_results
+from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Shard
 
 DIFF_PAIRS = (("a", "reference"), ("b", "reference"), ("a", "b"))
 # Metrics that are token means: their bootstrap over rollouts is exact from per-rollout sums.
@@ -34,22 +32,28 @@ class DiffResult:
 
 def diff(checkpoint: str | Path, rollouts: str | Path, *, a: str, b: str, reference: str = "hf",
          out: str | Path | None = None, force: bool = False, seed: int = 0,
+         shard: Shard | None = None, block_size: int = DEFAULT_BLOCK,
          progress: ProgressFactory | None = None) -> DiffResult:
     """Which of configs `a` and `b` is closer to `reference`, by how much, and where."""
     out_dir = Path(out) if out is not None else None
+    replayed, work = replay_for_results(checkpoint, rollouts, {"a": a, "b": b, "reference": reference},
+                                        out=out_dir, force=force, shard=shard, block_size=block_size,
+                                        progress=progress, command="diff")
+    summary = analyze_diff(replayed.table, engines=replayed.engines, checkpoint=str(checkpoint),
+                           rollouts_file=str(rollouts), seed=seed)
+    summary["shard"] = {"index": shard.index if shard else 0, "count": shard.count if shard else 1,
+                        "block_size": block_size}
     if out_dir is not None:
-        check_out_dir(out_dir, force=force)
-    replayed = replay_roles(checkpoint, rollouts, {"a": a, "b": b, "reference": reference},
-                            progress=progress)
-    table = replayed.table
-    summary = build_summary(table, engines=replayed.engines, checkpoint=str(checkpoint),
-                            rollouts_file=str(rollouts), pairs=DIFF_PAIRS, command="diff")
+        publish(out_dir, replayed.table, summary, DIFF_PAIRS, force=force, work=work)
+    return DiffResult(summary=summary, tokens=replayed.table, out=out_dir)
+
+
+def analyze_diff(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
+                 rollouts_file: str, seed: int = 0) -> dict[str, Any]:
+    summary = build_summary(table, engines=engines, checkpoint=checkpoint,
+                            rollouts_file=rollouts_file, pairs=DIFF_PAIRS, command="diff")
     summary["diff"] = compare_configs(table, summary, seed=seed)
-    if out_dir is not None:
-        per_rollout = metrics_by(table, list(DIFF_PAIRS), "rollout")
-        write_results(out_dir, tokens=table, summary=summary, force=force,
-                      extra={"rollouts.parquet": lambda path: per_rollout.to_parquet(path, index=False)})
-    return DiffResult(summary=summary, tokens=table, out=out_dir)
+    return summary
 
 
 def compare_configs(table: pd.DataFrame, summary: dict[str, Any], *, seed: int = 0,

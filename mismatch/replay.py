@@ -16,22 +16,55 @@ import pandas as pd
 
 from mismatch.checkpoint import checkpoint_info
 from mismatch.engines import Engine, EngineSpec, ProgressFn, ReplayRequest, load_engine, parse_spec
-from mismatch.errors import SpecError
+from mismatch.errors import MismatchError, SpecError
+from mismatch.results import WorkDir
 from mismatch.rollouts import Rollout, context_tokens, load_rollouts
 
-TABLE_KEYS = ("rollout", "branch", "branch_kind", "turn", "segment", "pos", "role", "token_id",
-              "trainable")
+TABLE_KEYS = ("rollout_index", "rollout", "branch", "branch_kind", "turn", "segment", "pos", "role",
+              "token_id", "trainable")
+# Rollouts per unit of work. Engines see one block at a time, so batch composition (and with it
+# every bit of a batch-variant kernel's output) is the same whether a run is whole, sharded or resumed.
+DEFAULT_BLOCK = 64
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ReplayPlan:
     requests: list[ReplayRequest]
+    request_block: np.ndarray  # int [num_requests]: the block of each request's rollout
     table: pd.DataFrame  # TABLE_KEYS + logp_sampler
     stored: dict[str, np.ndarray]  # "sampler" and every extra_logprobs NAME, aligned with table rows
 
     @property
     def num_scored(self) -> int:
         return len(self.table)
+
+    def blocks(self) -> list[tuple[int, list[ReplayRequest]]]:
+        """(block id, its requests) in table order: rows of a block are contiguous."""
+        grouped: dict[int, list[ReplayRequest]] = {}
+        for request, block in zip(self.requests, self.request_block.tolist()):
+            grouped.setdefault(block, []).append(request)
+        return list(grouped.items())
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Shard:
+    """Shard `index` of `count` (0-based) takes blocks index, index+count, index+2·count, …"""
+
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        index, slash, count = text.partition("/")
+        if not slash or not index.strip().isdigit() or not count.strip().isdigit():
+            raise MismatchError(f"--shard {text!r}: expected I/N with 0 <= I < N, e.g. 0/4")
+        shard = cls(index=int(index), count=int(count))
+        if not 0 <= shard.index < shard.count:
+            raise MismatchError(f"--shard {text!r}: expected I/N with 0 <= I < N, e.g. 0/4")
+        return shard
+
+    def takes(self, block: int) -> bool:
+        return block % self.count == self.index
 
 
 def segment_turns(roles: Sequence[str]) -> list[int]:
@@ -48,14 +81,18 @@ def _stored(segment_logprobs: np.ndarray | None, length: int) -> np.ndarray:
     return segment_logprobs if segment_logprobs is not None else np.full(length, np.nan)
 
 
-def plan_replay(rollouts: Sequence[Rollout]) -> ReplayPlan:
+def plan_replay(rollouts: Sequence[Rollout], *, indices: Sequence[int] | None = None,
+                block_size: int = DEFAULT_BLOCK) -> ReplayPlan:
+    """Requests and table rows for `rollouts`; `indices` are their positions in the file."""
+    indices = list(range(len(rollouts))) if indices is None else list(indices)
     requests: list[ReplayRequest] = []
+    request_block: list[int] = []
     columns: dict[str, list[np.ndarray]] = {key: [] for key in TABLE_KEYS}
     columns["logp_sampler"] = []
     extra_names = sorted({name for rollout in rollouts for branch in rollout.branches
                           for segment in branch.segments for name in segment.extra_logprobs})
     extra: dict[str, list[np.ndarray]] = {name: [] for name in extra_names}
-    for rollout in rollouts:
+    for file_index, rollout in zip(indices, rollouts, strict=True):
         for branch in rollout.branches:
             context = context_tokens(rollout, branch.id)
             own = [seg.tokens for seg in branch.segments]
@@ -65,8 +102,10 @@ def plan_replay(rollouts: Sequence[Rollout]) -> ReplayPlan:
                 tokens=np.concatenate([context, *own]).astype(np.int64),
                 generated=np.concatenate([np.zeros(len(context), bool), *generated]),
                 score_from=len(context)))
+            request_block.append(file_index // block_size)
             lengths = [len(tokens) for tokens in own]
             num_own = sum(lengths)
+            columns["rollout_index"].append(np.full(num_own, file_index, dtype=np.int64))
             columns["rollout"].append(np.full(num_own, rollout.id, dtype=object))
             columns["branch"].append(np.full(num_own, branch.id, dtype=object))
             columns["branch_kind"].append(np.full(num_own, branch.kind, dtype=object))
@@ -89,15 +128,17 @@ def plan_replay(rollouts: Sequence[Rollout]) -> ReplayPlan:
     table["trainable"] = table["trainable"].astype(bool)
     stored = {"sampler": table["logp_sampler"].to_numpy()}
     stored.update({name: np.concatenate(parts) for name, parts in extra.items()})
-    return ReplayPlan(requests=requests, table=table, stored=stored)
+    return ReplayPlan(requests=requests, request_block=np.asarray(request_block, dtype=np.int64),
+                      table=table, stored=stored)
 
 
-def replay_column(plan: ReplayPlan, engine: Engine, *, progress: ProgressFn | None = None) -> np.ndarray:
-    """One engine's log-probs for every table row (float64, NaN where undefined)."""
-    results = engine.replay(plan.requests, progress=progress)
-    for request, logp in zip(plan.requests, results, strict=True):
+def replay_column(requests: Sequence[ReplayRequest], engine: Engine, *,
+                  progress: ProgressFn | None = None) -> np.ndarray:
+    """One engine's log-probs for these requests' rows (float64, NaN where undefined)."""
+    results = engine.replay(requests, progress=progress)
+    for request, logp in zip(requests, results, strict=True):
+        # Built-in engines are trusted by this assert; user engines are checked in engines/user.py.
         assert len(logp) == request.num_scored, "engine returned the wrong number of log-probs"
-    # Built-in engines are trusted by this assert; user engines are checked in engines/user.py.
     return np.concatenate(results).astype(np.float64) if results else np.empty(0)
 
 
@@ -113,39 +154,60 @@ class Replayed:
 
 
 def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, str], *,
-                 progress: ProgressFactory | None = None) -> Replayed:
+                 progress: ProgressFactory | None = None, shard: Shard | None = None,
+                 block_size: int = DEFAULT_BLOCK, work: WorkDir | None = None) -> Replayed:
     """Load and validate everything, then fill one `logp_<role>` column per role's spec.
 
     All input checks (checkpoint, specs, rollouts, stored names) come before the first forward.
+    With `work`, each (role, block) result is saved as it finishes and reused on a rerun.
     """
     info = checkpoint_info(checkpoint)
     specs = {role: parse_spec(text) for role, text in roles.items()}
     loaded = load_rollouts(rollouts, vocab_size=info.vocab_size)
-    plan = plan_replay(loaded)
+    indices = [i for i in range(len(loaded)) if shard is None or shard.takes(i // block_size)]
+    if not indices:
+        raise MismatchError(f"shard {shard.index}/{shard.count} has no rollouts: {len(loaded)} "
+                            f"rollouts make {-(-len(loaded) // block_size)} block(s) of {block_size}")
+    selected = [loaded[i] for i in indices]
+    plan = plan_replay(selected, indices=indices, block_size=block_size)
     for role, spec in specs.items():
         if spec.kind == "stored" and spec.options["name"] not in plan.stored:
             raise SpecError(f"--{role} {spec.text}: no segment of the rollouts carries "
                             f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(plan.stored)})")
     table = plan.table
     engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler",
-                                           "meta": _sampler_meta(loaded)}}
+                                           "meta": _sampler_meta(selected)}}
     for role, spec in specs.items():
-        table[f"logp_{role}"], engines[role] = _replay_role(role, spec, plan, str(checkpoint), progress)
-    return Replayed(rollouts=loaded, requests=plan.requests, table=table, engines=engines)
+        table[f"logp_{role}"], engines[role] = _replay_role(role, spec, plan, str(checkpoint),
+                                                            progress, work)
+    return Replayed(rollouts=selected, requests=plan.requests, table=table, engines=engines)
 
 
 def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
-                 progress: ProgressFactory | None) -> tuple[np.ndarray, dict[str, Any]]:
-    """One role's log-prob column: replayed by an engine, or read from the rollouts (`stored:`)."""
+                 progress: ProgressFactory | None, work: WorkDir | None) -> tuple[np.ndarray, dict[str, Any]]:
+    """One role's log-prob column: replayed block by block, or read from the rollouts (`stored:`)."""
     if spec.kind == "stored":
         name = spec.options["name"]
         return plan.stored[name], {"kind": "stored", "spec": spec.text, "name": name}
-    engine = load_engine(spec, checkpoint)
+    callback = progress(f"replay {role}: {spec.text}", plan.num_scored) if progress else None
+    engine: Engine | None = None
+    parts: list[np.ndarray] = []
     try:
-        callback = progress(f"replay {role}: {spec.text}", plan.num_scored) if progress else None
-        return replay_column(plan, engine, progress=callback), engine.describe()
+        for block, requests in plan.blocks():
+            done = work.load(role, block) if work is not None else None
+            if done is None:
+                engine = engine or load_engine(spec, checkpoint)  # not at all if every block is done
+                done = replay_column(requests, engine, progress=callback)
+                if work is not None:
+                    work.save(role, block, done)
+            elif callback is not None:
+                callback(len(done))
+            parts.append(done)
+        described = engine.describe() if engine is not None else {"spec": spec.text, "resumed": True}
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
+    return np.concatenate(parts), {**described, "resumed_blocks": work.num_loaded(role) if work else 0}
 
 
 def _sampler_meta(rollouts: list[Rollout]) -> dict[str, Any]:

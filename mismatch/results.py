@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from mismatch.errors import ResultsError
@@ -121,3 +122,67 @@ def read_tokens(path: Path) -> pd.DataFrame:
     if not file.is_file():
         raise ResultsError(f"{path}: no {TOKENS_FILE}")
     return pd.read_parquet(file)
+
+
+class WorkDir:
+    """Finished (role, block) log-prob columns of an audit in progress, for resuming after a kill.
+
+    Lives beside the results dir as `.NAME.work/`; its manifest names the inputs, so a rerun of the
+    same command resumes and a different command never picks up another run's blocks.
+    """
+
+    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+        self.path = path
+        self.manifest = manifest
+        self._loaded: dict[str, int] = {}
+
+    @classmethod
+    def open(cls, out: Path, manifest: dict[str, Any], *, force: bool) -> WorkDir:
+        path = out.parent / f".{out.name}.work"
+        manifest_file = path / "manifest.json"
+        if path.exists():
+            previous = json.loads(manifest_file.read_text()) if manifest_file.is_file() else None
+            if previous != json_safe(manifest):
+                if not force:
+                    raise ResultsError(f"{path}: holds an interrupted run with other inputs; "
+                                       "pass --force to discard it")
+                shutil.rmtree(path)
+        # Nothing is created until the first block is saved: bad input must leave nothing behind.
+        return cls(path, manifest)
+
+    def _file(self, role: str, block: int) -> Path:
+        return self.path / f"{role}-{block:06d}.npy"
+
+    def load(self, role: str, block: int) -> np.ndarray | None:
+        file = self._file(role, block)
+        if not file.is_file():
+            return None
+        self._loaded[role] = self._loaded.get(role, 0) + 1
+        return np.load(file, allow_pickle=False)
+
+    def save(self, role: str, block: int, logp: np.ndarray) -> None:
+        if not (self.path / "manifest.json").is_file():
+            self.path.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.path / "manifest.json", json.dumps(json_safe(self.manifest), indent=1) + "\n")
+        file = self._file(role, block)
+        fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.tmp-", dir=self.path)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                np.save(handle, logp, allow_pickle=False)
+            os.replace(tmp, file)  # a kill mid-write leaves a temp file, never a short block
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def num_loaded(self, role: str) -> int:
+        return self._loaded.get(role, 0)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def file_identity(path: str | Path) -> dict[str, Any]:
+    """What a resume must match: absolute path, size and mtime (cheap; no hashing of GBs)."""
+    resolved = Path(path).resolve()
+    stat = resolved.stat()
+    return {"path": str(resolved), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}

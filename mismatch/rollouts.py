@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,10 @@ MODEL_ROLES = frozenset({"assistant", "summary"})
 BRANCH_KINDS = ("main", "subagent", "summary", "subagent_summary")
 
 PARQUET_BATCH_SIZE = 256
+# Limits that turn hostile input into an error instead of a hang, a huge message or a RecursionError.
+MAX_TREE_DEPTH = 1000  # parent links from the root; each level replays its whole context again
+MAX_NESTING = 64  # levels of arrays/objects in free-form `meta` and `messages` (written to summary.json)
+MAX_NAME_CHARS = 60  # ids and names quoted in an error message are cut to this
 
 _JSON_TYPE_NAMES = {dict: "object", list: "array", str: "string", bool: "boolean",
                     int: "number", float: "number", type(None): "null"}
@@ -72,12 +77,17 @@ class Rollout:
     messages: list | None
     file: str
     line: int  # 1-based line (JSONL) or row (Parquet)
+    # id -> branch, so walking a deep or wide tree costs one dict lookup per step, not a scan.
+    _by_id: dict[str, Branch] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_id", {b.id: b for b in self.branches})
 
     def branch(self, branch_id: str) -> Branch:
-        for b in self.branches:
-            if b.id == branch_id:
-                return b
-        raise KeyError(f"rollout {self.id!r} has no branch {branch_id!r}")
+        try:
+            return self._by_id[branch_id]
+        except KeyError:
+            raise KeyError(f"rollout {self.id!r} has no branch {branch_id!r}") from None
 
 
 def context_tokens(rollout: Rollout, branch_id: str) -> np.ndarray:
@@ -87,11 +97,22 @@ def context_tokens(rollout: Rollout, branch_id: str) -> np.ndarray:
     # Iterative, not recursive: validation guarantees the parent links end at the root.
     while branch.parent is not None:
         parent = rollout.branch(branch.parent)
-        pieces.append(parent.stream()[: branch.fork_at])
+        pieces.append(_prefix(parent, branch.fork_at))
         branch = parent
     if not pieces:
         return np.zeros(0, dtype=np.int64)
     return np.concatenate(pieces[::-1])
+
+
+def _prefix(branch: Branch, num_tokens: int) -> np.ndarray:
+    """The first num_tokens of a branch's stream, touching only the segments it needs."""
+    parts, left = [], num_tokens
+    for segment in branch.segments:
+        if left <= 0:
+            break
+        parts.append(segment.tokens[:left])
+        left -= len(segment.tokens)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def full_tokens(rollout: Rollout, branch_id: str) -> np.ndarray:
@@ -136,12 +157,33 @@ def _json_type(value: object) -> str:
 
 def _show(value: object) -> str:
     """A value as the user wrote it (JSON), cut short so a reason stays one line."""
-    text = json.dumps(value, default=repr)
+    try:
+        text = json.dumps(value, default=repr)
+    except (RecursionError, ValueError):  # nested too deeply to print, or an int too long for str()
+        return f"<{_json_type(value)} too large to show>"
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _name(text: str) -> str:
+    """repr() of an id or name for a message, cut to MAX_NAME_CHARS (a 10 MB id stays one short line)."""
+    return repr(text) if len(text) <= MAX_NAME_CHARS else repr(text[:MAX_NAME_CHARS]) + "..."
+
+
+def _nesting(value: object) -> int:
+    """Levels of arrays/objects in a JSON value, counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
 def _key_path(name: object) -> str:
-    return f".{name}" if isinstance(name, str) and name.isidentifier() else f"[{json.dumps(name, default=repr)}]"
+    if isinstance(name, str) and name.isidentifier() and len(name) <= MAX_NAME_CHARS:
+        return f".{name}"
+    return f"[{_show(name)}]"
 
 
 def _first_of(count: int, what: str) -> str:
@@ -185,7 +227,7 @@ def _check_tokens(value: object, where: str, vocab_size: int | None, problems: _
         tokens = np.array(value, dtype=np.int64)
     except OverflowError:
         i = next(i for i, t in enumerate(value) if not -(2**63) <= t < 2**63)
-        problems.add(where, f"token id {value[i]} at index {i} does not fit in int64")
+        problems.add(where, f"token id {_show(value[i])} at index {i} does not fit in int64")
         return None
     negative = np.flatnonzero(tokens < 0)
     if negative.size:
@@ -238,7 +280,7 @@ def _check_segment(raw: object, where: str, vocab_size: int | None, problems: _P
     if role is not None and not isinstance(role, str):
         problems.add(f"{where}.role", f"must be a string, got {_json_type(role)}")
     elif role is not None and role not in ROLES:
-        problems.add(f"{where}.role", f"unknown role {role!r} (expected one of: {', '.join(ROLES)})")
+        problems.add(f"{where}.role", f"unknown role {_name(role)} (expected one of: {', '.join(ROLES)})")
 
     raw_tokens = _required(raw, "tokens", f"{where}.tokens", problems)
     tokens = None if raw_tokens is None else _check_tokens(raw_tokens, f"{where}.tokens", vocab_size, problems)
@@ -299,7 +341,8 @@ def _check_branch(raw: object, where: str, vocab_size: int | None, problems: _Pr
     elif not isinstance(kind, str):
         problems.add(f"{where}.kind", f"must be a string, got {_json_type(kind)}")
     elif kind not in BRANCH_KINDS:
-        problems.add(f"{where}.kind", f"unknown branch kind {kind!r} (expected one of: {', '.join(BRANCH_KINDS)})")
+        problems.add(f"{where}.kind", f"unknown branch kind {_name(kind)} "
+                                      f"(expected one of: {', '.join(BRANCH_KINDS)})")
 
     raw_segments = _required(raw, "segments", f"{where}.segments", problems)
     segments: list[Segment | None] = []
@@ -343,7 +386,7 @@ def _check_tree(raw_branches: list, branches: list[Branch | None], problems: _Pr
         branch_id = raw["id"]
         if branch_id in index_of:
             problems.add(f"branches[{i}].id",
-                         f"duplicate branch id {branch_id!r} (also branches[{index_of[branch_id]}])")
+                         f"duplicate branch id {_name(branch_id)} (also branches[{index_of[branch_id]}])")
             continue
         index_of[branch_id] = i
         fields[branch_id] = (raw.get("parent"), raw.get("fork_at"))
@@ -361,7 +404,7 @@ def _check_tree(raw_branches: list, branches: list[Branch | None], problems: _Pr
             continue
         if parent not in index_of:
             problems.add(f"branches[{index_of[branch_id]}].parent",
-                         f"parent {parent!r} is not a branch of this rollout")
+                         f"parent {_name(parent)} is not a branch of this rollout")
             continue
         parent_of[branch_id] = parent
 
@@ -369,8 +412,12 @@ def _check_tree(raw_branches: list, branches: list[Branch | None], problems: _Pr
     for cycle in _find_cycles(parent_of):
         first = min(cycle, key=index_of.__getitem__)
         k = cycle.index(first)
-        loop = cycle[k:] + cycle[:k] + [first]
-        problems.add(f"branches[{index_of[first]}].parent", f"parent links form a cycle: {' -> '.join(loop)}")
+        loop = [_short_id(b) for b in cycle[k:] + cycle[:k] + [first]]
+        if len(loop) > 8:  # a 10k-branch cycle is named by its ends, not by 10k ids on one line
+            loop = [*loop[:4], "...", *loop[-3:]]
+        size = f" ({len(cycle)} branches)" if len(cycle) > 7 else ""
+        problems.add(f"branches[{index_of[first]}].parent",
+                     f"parent links form a cycle: {' -> '.join(loop)}{size}")
         in_cycle.update(cycle)
 
     for branch_id, parent in parent_of.items():
@@ -384,7 +431,36 @@ def _check_tree(raw_branches: list, branches: list[Branch | None], problems: _Pr
                 problems.add(where, f"fork_at {fork_at} is negative")
         elif not 0 <= fork_at <= parent_branch.num_tokens:
             problems.add(where, f"fork_at {fork_at} is outside 0..{parent_branch.num_tokens} "
-                                f"(the length of parent {parent!r})")
+                                f"(the length of parent {_name(parent)})")
+
+    deepest = _deepest_branch(parent_of, in_cycle)
+    if deepest is not None and deepest[1] > MAX_TREE_DEPTH:
+        branch_id, depth = deepest
+        problems.add(f"branches[{index_of[branch_id]}].parent",
+                     f"branch {_name(branch_id)} is {depth} levels below the root; at most "
+                     f"{MAX_TREE_DEPTH} are allowed (each level replays its whole context again)")
+
+
+def _deepest_branch(parent_of: dict[str, str], in_cycle: set[str]) -> tuple[str, int] | None:
+    """(id, depth) of the branch with the most parent links above it (first such in `parent_of` order).
+
+    Iterative with memo: O(branches) even for a 10k-level chain. Branches that hang off a cycle
+    have no depth (the cycle is reported).
+    """
+    depth: dict[str, int] = {}  # -1: no way up to a root
+    deepest: tuple[str, int] | None = None
+    for start in parent_of:
+        path: list[str] = []
+        node = start
+        while node in parent_of and node not in depth and node not in in_cycle:
+            path.append(node)
+            node = parent_of[node]
+        base = -1 if node in in_cycle else depth.get(node, 0)
+        for k, branch_id in enumerate(reversed(path), start=1):
+            depth[branch_id] = -1 if base < 0 else base + k
+        if depth.get(start, -1) > (deepest[1] if deepest else 0):
+            deepest = (start, depth[start])
+    return deepest
 
 
 def _check_meta(raw: dict, problems: _Problems) -> dict:
@@ -394,6 +470,9 @@ def _check_meta(raw: dict, problems: _Problems) -> dict:
     if not isinstance(meta, dict):
         problems.add("meta", f"must be an object, got {_json_type(meta)}")
         return {}
+    if _nesting(meta) > MAX_NESTING:  # it is copied into summary.json, whose writers recurse
+        problems.add("meta", f"nested deeper than {MAX_NESTING} levels")
+        return {}
     return meta
 
 
@@ -401,6 +480,9 @@ def _check_messages(raw: dict, problems: _Problems) -> list | None:
     messages = raw.get("messages")
     if messages is not None and not isinstance(messages, list):
         problems.add("messages", f"must be an array, got {_json_type(messages)}")
+        return None
+    if messages is not None and _nesting(messages) > MAX_NESTING:
+        problems.add("messages", f"nested deeper than {MAX_NESTING} levels")
         return None
     return messages
 
@@ -415,7 +497,7 @@ def check_rollout(raw: object, *, file: str, line: int,
 
     raw_id = _required(raw, "id", "id", problems)
     rollout_id = None if raw_id is None else _check_id(raw_id, "id", problems)
-    problems.rollout = rollout_id
+    problems.rollout = _short_id(rollout_id)
 
     meta = _check_meta(raw, problems)
     messages = _check_messages(raw, problems)
@@ -436,8 +518,30 @@ def check_rollout(raw: object, *, file: str, line: int,
                    file=file, line=line), []
 
 
+def _short_id(rollout_id: str | None) -> str | None:
+    """A rollout id as error messages quote it: cut to MAX_NAME_CHARS so the message stays short."""
+    if rollout_id is None or len(rollout_id) <= MAX_NAME_CHARS:
+        return rollout_id
+    return rollout_id[:MAX_NAME_CHARS] + "..."
+
+
 # ---------------------------------------------------------------------------------------------
 # Reading files, one rollout at a time
+
+
+def _loads(text: str | bytes) -> tuple[object, str | None]:
+    """(value, None) for valid JSON, else (_UNPARSED, why) -- whatever the bytes hold."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as e:
+        # removesuffix: "Unterminated string starting at" would read "... at at column N".
+        return _UNPARSED, f"{e.msg.removesuffix(' at')} at column {e.colno}"
+    except UnicodeDecodeError as e:
+        return _UNPARSED, f"not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+    except RecursionError:  # the C decoder recurses once per level of [ or {
+        return _UNPARSED, "arrays/objects nested too deeply"
+    except ValueError:  # int() refuses a literal longer than sys.get_int_max_str_digits()
+        return _UNPARSED, f"a number has more than {sys.get_int_max_str_digits()} digits"
 
 
 def _read_jsonl(path: Path, file: str) -> Iterator[tuple[int, object, list[RolloutError]]]:
@@ -445,16 +549,9 @@ def _read_jsonl(path: Path, file: str) -> Iterator[tuple[int, object, list[Rollo
         for line_no, text in enumerate(f, start=1):
             if not text.strip():
                 continue
-            raw: object = _UNPARSED
-            errors: list[RolloutError] = []
-            try:
-                # rstrip: a trailing newline would move an "unexpected end" error to a column on line 2.
-                raw = json.loads(text.rstrip(b"\r\n"))
-            except json.JSONDecodeError as e:
-                errors.append(RolloutError(f"invalid JSON: {e.msg} at column {e.colno}", file=file, line=line_no))
-            except UnicodeDecodeError as e:
-                errors.append(RolloutError(f"invalid JSON: not UTF-8 (byte 0x{e.object[e.start]:02x} "
-                                           f"at offset {e.start})", file=file, line=line_no))
+            # rstrip: a trailing newline would move an "unexpected end" error to a column on line 2.
+            raw, why = _loads(text.rstrip(b"\r\n"))
+            errors = [] if why is None else [RolloutError(f"invalid JSON: {why}", file=file, line=line_no)]
             yield line_no, raw, errors
 
 
@@ -464,11 +561,10 @@ def _decode_json_columns(row: dict, file: str, line: int) -> list[RolloutError]:
     rollout_id = row.get("id") if isinstance(row.get("id"), str) and row["id"] else None
     for key in ("meta", "messages"):
         if isinstance(row.get(key), str):
-            try:
-                row[key] = json.loads(row[key])
-            except json.JSONDecodeError as e:
-                errors.append(RolloutError(f"invalid JSON: {e.msg} at column {e.colno}", file=file,
-                                           line=line, rollout=rollout_id, field=key))
+            row[key], why = _loads(row[key])
+            if why is not None:
+                errors.append(RolloutError(f"invalid JSON: {why}", file=file, line=line,
+                                           rollout=_short_id(rollout_id), field=key))
                 row[key] = None  # reported once here, not again as "must be an object"
     return errors
 
@@ -478,13 +574,26 @@ def _read_parquet(path: Path, file: str) -> Iterator[tuple[int, object, list[Rol
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    def unreadable(e: Exception) -> RolloutError:
+        # Arrow's messages may span lines (thrift errors end in "\n"); keep the first.
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return RolloutError(f"not a readable Parquet file: {reason}", file=file)
+
     try:
         parquet = pq.ParquetFile(path)
-    except pa.ArrowInvalid as e:
-        raise RolloutError(f"not a readable Parquet file: {e}", file=file) from None
+    except (pa.ArrowException, OSError) as e:  # ArrowInvalid, or OSError for a corrupt footer
+        raise unreadable(e) from None
+    batches = parquet.iter_batches(batch_size=PARQUET_BATCH_SIZE)
     row_no = 0
-    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_SIZE):
-        for row in batch.to_pylist():
+    while True:
+        try:  # a corrupt page surfaces only when its batch is read
+            batch = next(batches, None)
+            rows = None if batch is None else batch.to_pylist()
+        except (pa.ArrowException, OSError) as e:
+            raise unreadable(e) from None
+        if rows is None:
+            return
+        for row in rows:
             row_no += 1
             yield row_no, row, _decode_json_columns(row, file, row_no)
 
@@ -497,6 +606,10 @@ def _open(path: str | os.PathLike[str]) -> tuple[str, Iterator[tuple[int, object
         raise RolloutError("no such file", file=file)
     if not p.is_file():
         raise RolloutError("not a file", file=file)
+    try:  # fail now, with one line, rather than with a PermissionError at the first `next`
+        p.open("rb").close()
+    except OSError as e:
+        raise RolloutError(f"cannot read: {e.strerror or e}", file=file) from None
     reader = _read_parquet if p.suffix.lower() == ".parquet" else _read_jsonl
     return file, reader(p, file)
 
@@ -514,7 +627,7 @@ def _checked(file: str, rows: Iterator[tuple[int, object, list[RolloutError]]],
         if isinstance(rollout_id, str) and rollout_id:
             if rollout_id in first_line:
                 errors.append(RolloutError(f"duplicate rollout id (first at line {first_line[rollout_id]})",
-                                           file=file, line=line, rollout=rollout_id, field="id"))
+                                           file=file, line=line, rollout=_short_id(rollout_id), field="id"))
             else:
                 first_line[rollout_id] = line
         yield (None if errors else rollout), errors

@@ -1,8 +1,11 @@
 """A small agent harness that samples real multi-turn rollouts from a checkpoint (format v1 out).
 
 It runs the model in a loop with a calculator tool, a delegated subagent and a compaction summary,
-sampling in bf16 through the `hf-decode` path and recording each sampled token's raw log-prob,
-as a rollout worker does. `examples/make_rollouts.py` and `mismatch demo` use it.
+sampling in bf16 through the `hf-decode` path and recording each sampled token's log-prob (raw at
+temperature 1, temperature-processed otherwise), as a rollout worker does. The main branch's chat
+is also kept as OpenAI-style `messages` that re-render to its very token ids through the chat
+template; `HarnessConfig.faults` injects known harness bugs for the drift and alignment checks.
+`examples/make_rollouts.py` and `mismatch demo` use it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,15 @@ SYSTEM_PROMPTS = (
 SUMMARY_REQUEST = "Summarize the conversation so far."
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 SPECIAL = re.compile(r"<\|[a-z]+\|>|</?tool_call>")
+# The whole of a model turn that the chat template can produce from (content, tool_calls).
+TEMPLATE_TURN = re.compile(r"(?P<content>.*?)(?P<calls>(?:<tool_call>.*?</tool_call>)*)", re.S)
+
+# Harness bugs `HarnessConfig.faults` can inject, each into one place of one rollout:
+# rewrite_tool_args: the stored `messages` re-serialize one tool call's arguments as compact JSON
+#   (the first call of the first rollout that has one), while the tokens keep what was sampled;
+# shift_logprobs: the last rollout stores every model segment's log-probs one position early
+#   (stored[i] is the log-prob of token i+1; the last token keeps its own).
+FAULTS = ("rewrite_tool_args", "shift_logprobs")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -42,6 +54,15 @@ class HarnessConfig:
     temperature: float = 1.0
     max_turns: int = 4
     max_turn_tokens: int = 48
+    faults: tuple[str, ...] = ()  # names from FAULTS
+
+    def __post_init__(self) -> None:
+        from mismatch.errors import MismatchError
+
+        unknown = [name for name in self.faults if name not in FAULTS]
+        if unknown:
+            raise MismatchError(f"HarnessConfig.faults: unknown fault {unknown[0]!r} "
+                                f"(known: {', '.join(FAULTS)})")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,6 +73,10 @@ class _Stream:
     tokens: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)
     segments: list[dict[str, Any]] = field(default_factory=list)
+    # What the template puts after the last sampled turn (`\n`, or `<|end|>\n` when the model ran
+    # out of tokens): it opens the next prompt, so the stream is exactly the rendered chat.
+    close: list[int] = field(default_factory=list)
+    messages: list[dict[str, Any]] | None = None  # kept for the main branch only
 
 
 class HFDecodeSampler:
@@ -151,6 +176,8 @@ class ToyAgent:
         self.tokenizer = load_tokenizer(checkpoint)
         self.sampler = SAMPLERS[config.engine](checkpoint, config)
         self.end_id = self.tokenizer.convert_tokens_to_ids("<|end|>")
+        self.bos_id = self.tokenizer.convert_tokens_to_ids("<|bos|>")
+        self._rewrites_left = 1 if "rewrite_tool_args" in config.faults else 0
 
     # -- rendering -------------------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
@@ -159,14 +186,39 @@ class ToyAgent:
     def _message_ids(self, role: str, content: str) -> list[int]:
         return self._encode(f"<|{role}|>\n{content}<|end|>\n")
 
-    # -- sampling --------------------------------------------------------------------------
-    def _new_stream(self, context: list[int]) -> _Stream:
-        return _Stream(state=self.sampler.new_state(), tokens=list(context), unsent=list(context))
+    def _assistant_message(self, role: str, body: str) -> dict[str, Any]:
+        """The OpenAI-style message a careful harness stores for a sampled turn's text.
 
-    def _prompt(self, stream: _Stream, role: str, ids: list[int]) -> None:
+        Tool calls are parsed out with their arguments kept verbatim (a JSON string), so the
+        template renders the very text that was sampled; a turn the template cannot produce
+        from (content, tool_calls) keeps its raw text as content.
+        """
+        parsed = TEMPLATE_TURN.fullmatch(body)
+        calls = [] if parsed is None else [_parse_call(text) for text in
+                                           re.findall(r"<tool_call>(.*?)</tool_call>", parsed["calls"], re.S)]
+        if parsed is None or None in calls or "<tool_call>" in parsed["content"]:
+            return {"role": role, "content": body}
+        message: dict[str, Any] = {"role": role, "content": parsed["content"]}
+        if calls:
+            message["tool_calls"] = [{"id": f"call_{i}", "type": "function",
+                                      "function": {"name": name, "arguments": arguments}}
+                                     for i, (name, arguments) in enumerate(calls)]
+        return message
+
+    # -- sampling --------------------------------------------------------------------------
+    def _new_stream(self, context: list[int], *, close: list[int] = (),
+                    messages: list[dict[str, Any]] | None = None) -> _Stream:
+        return _Stream(state=self.sampler.new_state(), tokens=list(context), unsent=list(context),
+                       close=list(close), messages=messages)
+
+    def _prompt(self, stream: _Stream, role: str, content: str, *, bos: bool = False) -> None:
+        ids = stream.close + ([self.bos_id] if bos else []) + self._message_ids(role, content)
+        stream.close = []
         stream.unsent += ids
         stream.tokens += ids
-        stream.segments.append({"role": role, "tokens": list(ids)})
+        stream.segments.append({"role": role, "tokens": ids})
+        if stream.messages is not None:
+            stream.messages.append({"role": role, "content": content})
 
     def _sample(self, stream: _Stream, role: str) -> str:
         """Sample one model turn after its header; returns its text (special tokens kept)."""
@@ -179,7 +231,13 @@ class ToyAgent:
         stream.tokens += sampled
         stream.segments.append({"role": role, "tokens": sampled, "logprobs": logprobs})
         # Keep special tokens: <tool_call> is one, and the harness must see it to run the tool.
-        return self.tokenizer.decode(sampled, skip_special_tokens=False)
+        text = self.tokenizer.decode(sampled, skip_special_tokens=False)
+        finished = sampled[-1] == self.end_id
+        stream.close = self._encode("\n" if finished else "<|end|>\n")
+        if stream.messages is not None:
+            body = text[: -len("<|end|>")] if finished else text
+            stream.messages.append(self._assistant_message(role, body))
+        return text
 
     # -- the agent loop --------------------------------------------------------------------
     def _run_loop(self, stream: _Stream, rng: random.Random, turns: int) -> str:
@@ -190,44 +248,62 @@ class ToyAgent:
             call = TOOL_CALL.search(text)
             if call is None:
                 break
-            self._prompt(stream, "tool", self._message_ids("tool", run_tool(call.group(1))))
+            self._prompt(stream, "tool", run_tool(call.group(1)))
         return text
 
     def rollout(self, index: int) -> dict[str, Any]:
         rng = random.Random(self.config.seed * 100_003 + index)
         a, b = rng.randint(2, 99), rng.randint(2, 99)
         question = rng.choice(QUESTIONS).format(a=a, b=b)
-        main = self._new_stream([])
-        self._prompt(main, "system", [self.tokenizer.convert_tokens_to_ids("<|bos|>")]
-                     + self._message_ids("system", rng.choice(SYSTEM_PROMPTS)))
-        self._prompt(main, "user", self._message_ids("user", question))
+        main = self._new_stream([], messages=[])
+        self._prompt(main, "system", rng.choice(SYSTEM_PROMPTS), bos=True)
+        self._prompt(main, "user", question)
         branches = []
         scenario = ("plain", "subagent", "summary")[index % 3]
         if scenario == "subagent":
             self._sample(main, "assistant")
             fork_at = len(main.tokens)
-            sub = self._new_stream(main.tokens)
-            self._prompt(sub, "user", self._message_ids("user", f"Task: compute {a} + {b}."))
+            sub = self._new_stream(main.tokens, close=main.close)
+            self._prompt(sub, "user", f"Task: compute {a} + {b}.")
             answer = self._run_loop(sub, rng, turns=2)
             branches.append(_branch(f"sub-{index}", "subagent", "main", fork_at, sub))
             answer = SPECIAL.sub("", answer).strip() or "(no answer)"
-            self._prompt(main, "tool", self._message_ids("tool", answer))
+            self._prompt(main, "tool", answer)
         self._run_loop(main, rng, turns=self.config.max_turns)
         if scenario == "summary":
             fork_at = len(main.tokens)
-            summary = self._new_stream(main.tokens)
-            self._prompt(summary, "user", self._message_ids("user", SUMMARY_REQUEST))
+            summary = self._new_stream(main.tokens, close=main.close)
+            self._prompt(summary, "user", SUMMARY_REQUEST)
             self._sample(summary, "summary")
             branches.append(_branch("compact-1", "summary", "main", fork_at, summary))
         branches.insert(0, _branch("main", "main", None, None, main))
-        return {"id": f"r-{index}", "meta": self._meta(scenario), "branches": branches}
+        meta = self._meta(scenario)
+        faults = self._inject_faults(index, main, branches)
+        if faults:
+            meta["injected_faults"] = faults  # ground truth for tests; no check reads it
+        return {"id": f"r-{index}", "meta": meta, "branches": branches, "messages": main.messages}
+
+    def _inject_faults(self, index: int, main: _Stream, branches: list[dict[str, Any]]) -> list[str]:
+        faults = []
+        if self._rewrites_left and _rewrite_first_tool_args(main.messages):
+            self._rewrites_left -= 1
+            faults.append("rewrite_tool_args")
+        if "shift_logprobs" in self.config.faults and index == self.config.num_rollouts - 1:
+            for segment in (seg for branch in branches for seg in branch["segments"]):
+                if "logprobs" in segment:
+                    segment["logprobs"] = segment["logprobs"][1:] + segment["logprobs"][-1:]
+            faults.append("shift_logprobs")
+        return faults
 
     def _meta(self, scenario: str) -> dict[str, Any]:
+        # The hf-decode sampler stores log_softmax(logits / T): processed unless T = 1. vLLM's
+        # default logprobs mode returns raw log-probs whatever the temperature.
+        processed = self.config.engine == "hf-decode" and self.config.temperature != 1.0
         return {"checkpoint": str(self.info.path), "scenario": scenario, "harness": "mismatch.toy_agent",
                 "sampler": {"engine": self.config.engine, "dtype": self.config.dtype,
                             **({"attn": self.config.attn} if self.config.engine == "hf-decode" else {}),
                             "temperature": self.config.temperature, "top_p": 1.0, "top_k": -1,
-                            "logprobs": "raw", "seed": self.config.seed}}
+                            "logprobs": "processed" if processed else "raw", "seed": self.config.seed}}
 
     def rollouts(self) -> Iterator[dict[str, Any]]:
         for index in range(self.config.num_rollouts):
@@ -238,6 +314,37 @@ def _branch(branch_id: str, kind: str, parent: str | None, fork_at: int | None,
             stream: _Stream) -> dict[str, Any]:
     return {"id": branch_id, "kind": kind, "parent": parent, "fork_at": fork_at,
             "segments": stream.segments}
+
+
+def _parse_call(text: str) -> tuple[str, str] | None:
+    """(name, arguments JSON text) of a call the template would render as `text`, else None."""
+    try:
+        call = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    prefix = '{"name": ' + json.dumps(call["name"]) + ', "arguments": '
+    if not (text.startswith(prefix) and text.endswith("}")):
+        return None
+    arguments = text[len(prefix):-1]
+    try:
+        json.loads(arguments)
+    except json.JSONDecodeError:
+        return None
+    return call["name"], arguments
+
+
+def _rewrite_first_tool_args(messages: list[dict[str, Any]]) -> bool:
+    """The rewrite_tool_args fault: compact-JSON the first call whose arguments then change."""
+    for message in messages:
+        for call in message.get("tool_calls", ()):
+            arguments = call["function"]["arguments"]
+            compact = json.dumps(json.loads(arguments), separators=(",", ":"))
+            if compact != arguments:
+                call["function"]["arguments"] = compact
+                return True
+    return False
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,

@@ -60,9 +60,9 @@ def describe(rec: dict[str, Any]) -> str:
     kind = str(rec.get("kind", "?"))
     if kind == "correction" and "mode" in params:
         # The parameters that configure the correction; the rest (its simulated effect) is evidence.
-        knobs = {k: v for k, v in params.items() if k in ("cap", "low", "high", "threshold")}
-        return f"{params['mode']} ({', '.join(f'{k}={v:g}' if isinstance(v, float) else f'{k}={v}' for k, v in knobs.items())})" \
-            if knobs else str(params["mode"])
+        knobs = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()
+                 if k in ("cap", "low", "high", "threshold")]
+        return f"{params['mode']} ({', '.join(knobs)})" if knobs else str(params["mode"])
     if kind in LABELS:
         try:
             return LABELS[kind].format(**params)

@@ -126,6 +126,16 @@ def _numeric(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _layer_series(row: dict[str, Any]) -> str:
+    """One line per hooked point: "residual", "attn", "norm: input_layernorm" (two norms per layer)."""
+    block, module = row.get("block"), row.get("module")
+    if block is None:
+        return str(module or "value")
+    if module is None or module in (block, "output") or block == "residual":
+        return str(block)
+    return f"{block}: {module}"
+
+
 def layer_figure(layers: dict[str, Any]) -> Figure | None:
     """by_layer's error along depth, one line per sub-block, the jump layer marked."""
     rows = [r for r in layers.get("by_layer") or [] if isinstance(r, dict)]
@@ -138,10 +148,9 @@ def layer_figure(layers: dict[str, Any]) -> Figure | None:
         y_key = next((k for k in rows[0] if k != x_key and _numeric(rows[0][k])), None)
     if y_key is None:
         return None
-    group_key = next((k for k in ("block", "sub_block", "module", "kind") if k in rows[0]), None)
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault(str(r.get(group_key, "")) if group_key else y_key, []).append(r)
+        groups.setdefault(_layer_series(r), []).append(r)
     traces = []
     for i, (name, members) in enumerate(groups.items()):
         xs = [m.get(x_key) if x_key else j for j, m in enumerate(members)]

@@ -71,8 +71,10 @@ def context_line(summary: dict[str, Any]) -> Html:
 
 
 def banner_html(b: Banner) -> Html:
-    tiles = [el("div", el("div", fmt(value, kind), class_="tile-value"), el("div", label, class_="tile-label"),
-                class_="tile") for label, value, kind in b.numbers if value is not None]
+    tiles = [el("div", el("div", fmt(value, kind), class_="tile-value tile-range" if kind in ("range", "ci")
+                          else "tile-value"),
+                el("div", label, class_="tile-label"), class_="tile")
+             for label, value, kind in b.numbers if value is not None]
     return el("section",
               el("div", el("span", b.label, class_="pill"), el("h1", b.headline, id="verdict-headline"),
                  class_="banner-head"),
@@ -130,7 +132,7 @@ def triangle_svg(summary: dict[str, Any], pairs: list[str]) -> Html | None:
         dy = 22 if mx == 150 else 0
         labels.append(el("text", level, x=mx + dx, y=my + dy, fill=color, text_anchor="middle",
                          class_="tri-level"))
-    nodes = [join(el("circle", cx=x, cy=y, r=24, class_="tri-node"),
+    nodes = [join(el("circle", cx=x, cy=y, r=27, class_="tri-node"),
                   el("text", role, x=x, y=y + 4, text_anchor="middle", class_="tri-role"))
              for role, (x, y) in points.items()]
     return el("svg", edges, labels, nodes, viewBox="0 -4 300 232", class_="triangle", role="img",
@@ -169,17 +171,18 @@ def value_html(value: Any, depth: int = 0) -> Html:
             return el("span", "–")
         if depth > 0 and len(value) <= 4 and all(not isinstance(v, dict) for v in value.values()):
             # A small object inside a fact or a cell reads best on one line: "slope 1.2e−5 · ci95 …".
-            return el("span", [join(" · " if i else None, el("span", str(k), class_="k"), " ", value_html(v, depth + 1))
-                               for i, (k, v) in enumerate(value.items())], class_="inline")
-        return el("table", el("tbody", [el("tr", el("th", str(k), scope="row"), el("td", value_html(v, depth + 1)))
-                                        for k, v in value.items()]), class_="data kv")
+            return el("span", [join(" · " if i else None, el("span", str(k), class_="k"), " ",
+                                    value_html(v, depth + 1)) for i, (k, v) in enumerate(value.items())],
+                      class_="inline")
+        rows = [el("tr", el("th", str(k), scope="row"), el("td", value_html(v, depth + 1))) for k, v in value.items()]
+        return el("table", el("tbody", rows), class_="data kv")
     if isinstance(value, list):
         if value and all(isinstance(v, dict) for v in value):
             return records_table(value)
         return el("span", ", ".join(num(v) if isinstance(v, (int, float)) else str(v) for v in value) or "–")
     if isinstance(value, float):
         return el("span", num(value, 6))
-    if isinstance(value, str) and ("\n" in value or len(value) > 60):
+    if isinstance(value, str) and depth == 0 and ("\n" in value or len(value) > 60):
         return el("pre", value, class_="text")
     return el("span", num(value) if isinstance(value, int) else ("–" if value is None else str(value)))
 
@@ -206,16 +209,35 @@ def facts(items: list[tuple[str, Any]]) -> Html | None:
 
 # --- where: turn, position, probability, branch kind ----------------------------------------------
 
+def slope_text(slope: Any) -> Any:
+    """position_slope ({slope_per_1k, ci95_per_1k, grows_with_position, …}) in one line."""
+    if not isinstance(slope, dict) or "slope_per_1k" not in slope:
+        return slope
+    if slope.get("slope_per_1k") is None:
+        return "not enough tokens to fit"
+    ci = slope.get("ci95_per_1k") or [None, None]
+    grows = "grows with context" if slope.get("grows_with_position") else "no significant growth"
+    return (f"{num(slope['slope_per_1k'], 3)} |log-ratio| per 1k tokens, 95% CI {fmt(tuple(ci), 'ci')}"
+            f"{', p ' + num(slope['p_value'], 2) if slope.get('p_value') is not None else ''}: {grows}")
+
+
 def turn_facts(localization: dict[str, Any]) -> Html | None:
+    """localization["turns"]: the onset turn and the drift along position, tables one click away."""
     turns = localization.get("turns")
     if not isinstance(turns, dict):
         return None
     onset = turns.get("onset_turn", "not computed")
-    items = [("onset turn", "none (no turn departs from the earlier ones)" if onset is None else onset),
-             ("drift along position", turns.get("position_slope"))]
-    items += [(k.replace("_", " "), v) for k, v in turns.items()
-              if k not in ("onset_turn", "position_slope", "by_turn")]
-    return facts(items)
+    items = [("onset turn" + (f" ({turns['pair']})" if turns.get("pair") else ""),
+              "none: no turn departs from the earlier ones" if onset is None else onset),
+             ("drift along position", slope_text(turns.get("position_slope")))]
+    tables = {k: v for k, v in turns.items() if isinstance(v, list) and v}
+    rules = {k: v for k, v in turns.items() if k in ("onset_rule", "onset_params")}
+    lines = el("ul", [el("li", el("strong", label + ": "), value_html(value, 1)) for label, value in items],
+               class_="fact-lines")
+    return join(lines,
+                el("details", el("summary", "Turn localization: tables and the onset rule"),
+                   [join(el("h4", k.replace("_", " ")), value_html(v)) for k, v in tables.items()],
+                   value_html(rules) if rules else None) if tables or rules else None)
 
 
 def branch_table(summary: dict[str, Any], pairs: list[str]) -> Html | None:
@@ -259,34 +281,57 @@ def where_section(summary: dict[str, Any], pairs: list[str], figures: dict[str, 
 
 # --- localization, findings -----------------------------------------------------------------------
 
+LAYER_FACTS = (("jump_layer", "error jumps at layer"), ("jump_block", "in sub-block"), ("jump_module", "module"),
+               ("embed_rel_error", "embedding rel. error"), ("output_logp_abs_diff_mean", "output mean |Δ logp|"),
+               ("a", "a"), ("b", "b (reference)"), ("num_sequences", "sequences"), ("num_tokens", "tokens compared"))
+KERNEL_FACTS = (("candidate", "candidate"), ("reference", "reference"), ("num_sequences", "sequences"),
+                ("num_tokens", "tokens compared"))
+METHOD_KEYS = ("method", "jump_rule")
+
+
+def _named_facts(block: dict[str, Any], names: tuple[tuple[str, str], ...]) -> Html | None:
+    return facts([(label, block[key] if block[key] is not None else "none") for key, label in names if key in block])
+
+
+def _method(block: dict[str, Any]) -> Html | None:
+    texts = [(k, block[k]) for k in METHOD_KEYS if isinstance(block.get(k), str)]
+    if not texts:
+        return None
+    return el("details", el("summary", "How this was measured"),
+              [el("p", join(el("strong", k.replace("_", " ") + ": "), text), class_="note") for k, text in texts])
+
+
 def localization_section(summary: dict[str, Any], figures: dict[str, Any]) -> Html | None:
+    """localization["layers"] and ["kernels"] (turns are under "Where the gap is")."""
     localization = summary.get("localization")
     if not isinstance(localization, dict):
         return None
-    parts = []
+    parts: list[Any] = []
     layers = localization.get("layers")
     if isinstance(layers, dict) and layers:
-        rest = {k: v for k, v in layers.items() if k not in ("jump_layer", "jump_block", "by_layer")}
-        parts.append(el("h3", "By layer"))
-        parts.append(facts([("error jumps at layer", layers.get("jump_layer", "not computed")),
-                            ("in sub-block", layers.get("jump_block"))]))
-        if "layers" in figures:
-            parts.append(chart("layers", "Relative error of the residual stream along depth."))
-        if layers.get("by_layer"):
-            parts.append(el("details", el("summary", "by_layer table"), value_html(layers["by_layer"])))
-        if rest:
-            parts.append(value_html(rest))
+        shown = {key for key, _ in LAYER_FACTS} | set(METHOD_KEYS) | {"by_layer"}
+        parts += [el("h3", "By layer"), _named_facts(layers, LAYER_FACTS),
+                  chart("layers", "Relative error of the hidden states along depth, per sub-block; "
+                                  "the dashed line marks the jump layer.") if "layers" in figures else None,
+                  el("details", el("summary", "by_layer table (logit lens included)"),
+                     value_html(layers["by_layer"])) if layers.get("by_layer") else None,
+                  value_html({k: v for k, v in layers.items() if k not in shown}) if set(layers) - shown else None,
+                  _method(layers)]
     kernels = localization.get("kernels")
     if isinstance(kernels, dict) and kernels:
-        parts.append(el("h3", "By kernel (module-local error, ranked)"))
-        if "kernels" in figures:
-            parts.append(chart("kernels"))
+        shown = {key for key, _ in KERNEL_FACTS} | set(METHOD_KEYS)
+        parts += [el("h3", "By kernel: error each module introduces on the reference's input, ranked"),
+                  _named_facts(kernels, KERNEL_FACTS),
+                  chart("kernels") if "kernels" in figures else None]
         for key, value in kernels.items():
-            parts.append(el("div", el("h4", key), value_html(value), class_="block"))
+            if key not in shown:
+                parts.append(el("details", el("summary", key.replace("_", " ")), value_html(value),
+                                open=key == "by_type" or None))
+        parts.append(_method(kernels))
     others = {k: v for k, v in localization.items() if k not in ("turns", "layers", "kernels") and v}
     if others:
         parts.append(value_html(others))
-    if not parts:
+    if not any(parts):
         return None
     return section("localization", "Layer and kernel localization", parts)
 
@@ -327,19 +372,32 @@ def findings_section(summary: dict[str, Any]) -> Html | None:
 
 # --- corrections and recommendations ---------------------------------------------------------------
 
-def snippet_blocks(rec: dict[str, Any]) -> list[Html]:
-    """A recommendation's config snippet(s): `snippet` text, or {framework: text} under `snippets`."""
-    blocks = []
-    for key in ("snippet", "config", "snippets"):
-        value = rec.get(key)
-        if isinstance(value, str):
-            blocks.append(el("pre", value, class_="snippet"))
-        elif isinstance(value, dict):
-            for name, text in value.items():
-                body = text if isinstance(text, str) else repr(text)
-                blocks.append(el("div", el("div", str(name), class_="snippet-label"),
-                                 el("pre", body, class_="snippet")))
-    return blocks
+def snippet_blocks(value: Any) -> list[Html]:
+    """Config snippet(s): one text, or {framework: text} (each a block people copy as is)."""
+    if isinstance(value, str):
+        return [el("pre", value, class_="snippet")]
+    if isinstance(value, dict):
+        return [el("details", el("summary", str(name)), el("pre", text if isinstance(text, str) else repr(text),
+                                                            class_="snippet"), open=i == 0 or None)
+                for i, (name, text) in enumerate(value.items())]
+    return []
+
+
+def _compact(params: Any) -> str:
+    if not isinstance(params, dict) or not params:
+        return ""
+    return ", ".join(f"{k}={num(v) if isinstance(v, float) else v}" for k, v in params.items())
+
+
+def is_recommended(correction: dict[str, Any], recs: list[dict[str, Any]]) -> bool:
+    """The simulated row a `correction` recommendation chose: same mode, same cap/bounds."""
+    params = correction.get("params") if isinstance(correction.get("params"), dict) else {}
+    for rec in recs:
+        chosen = rec.get("params") if isinstance(rec.get("params"), dict) else {}
+        mode = chosen.get("mode", rec.get("kind"))
+        if mode == correction.get("mode") and all(chosen.get(k) == v for k, v in params.items()):
+            return True
+    return False
 
 
 def corrections_section(summary: dict[str, Any]) -> Html | None:
@@ -353,26 +411,34 @@ def corrections_section(summary: dict[str, Any]) -> Html | None:
         action = recommendation_action(rec, modes)
         badge = {"correct": "correct", "fix": "fix at the source", "none": "no action"}[action]
         rec_items.append(el("li", el("span", badge, class_=f"badge badge-{action}"), " ",
-                            el("strong", describe(rec)),
-                            el("p", rec.get("why")) if rec.get("why") else None, snippet_blocks(rec)))
-    recommended = {(str(r.get("kind")), repr(r.get("params"))) for r in recs}
+                            el("strong", describe(rec)), " ", el("code", str(rec.get("kind", "")), class_="kind"),
+                            el("p", rec.get("why")) if rec.get("why") else None,
+                            el("p", _compact(rec.get("params")), class_="params") if rec.get("params") else None,
+                            snippet_blocks(rec.get("snippets") or rec.get("snippet"))))
+    # Snippets for the whole set, per framework (what `mismatch recommend --for F` prints), if stored.
+    snippets = snippet_blocks(summary.get("config_snippets"))
     table = None
     if corrections:
-        head = el("tr", el("th", "mode"), el("th", "params"), [el("th", label) for _, label, _ in CORRECTION_COLUMNS])
+        extra = [("level", "level", "text")] if any("level" in c for c in corrections) else []
+        columns = extra + list(CORRECTION_COLUMNS)
+        head = el("tr", el("th", "mode"), el("th", "params"), [el("th", label) for _, label, _ in columns])
         rows = []
         for c in corrections:
-            params = c.get("params") if isinstance(c.get("params"), dict) else {}
-            mark = (str(c.get("mode")), repr(c.get("params"))) in recommended
+            mark = is_recommended(c, [r for r in recs if recommendation_action(r, modes) == "correct"])
             rows.append(el("tr", el("td", ("★ " if mark else "") + str(c.get("mode"))),
-                           el("td", ", ".join(f"{k}={v}" for k, v in params.items()) or "–"),
-                           [el("td", fmt(c.get(key), kind)) for key, _, kind in CORRECTION_COLUMNS],
+                           el("td", _compact(c.get("params")) or "–"),
+                           [el("td", str(c.get(key, "–")) if kind == "text" else fmt(c.get(key), kind))
+                            for key, _, kind in columns],
                            class_="highlight" if mark else None))
-        table = el("table", el("thead", head), el("tbody", rows), class_="data num corrections")
-    return section("corrections", "Corrections",
+        table = el("div", el("table", el("thead", head), el("tbody", rows), class_="data num corrections"),
+                   class_="scroll")
+    return section("corrections", "Recommendation and corrections",
                    el("ul", rec_items, class_="recs") if rec_items else
                    el("p", "Recommendation: not computed.", class_="note"),
-                   table, lead="Every simulated correction over train/sampler trainable tokens (★ recommended)."
-                   if corrections else None)
+                   join(el("h3", "Config snippets"), snippets) if snippets else None,
+                   join(el("h3", f"Simulated corrections ({len(corrections)})"),
+                        el("p", "Over train/sampler trainable tokens; ★ the recommended one.", class_="note"),
+                        table) if table else None)
 
 
 # --- diff ----------------------------------------------------------------------------------------
@@ -389,9 +455,8 @@ def diff_section(summary: dict[str, Any], texts: dict[str, str] | None) -> Html 
         rows.append(el("tr", el("th", name, scope="row"), el("td", num(d.get("a"))), el("td", num(d.get("b"))),
                        el("td", num(d.get("delta"))), el("td", f"{num(ci[0])} … {num(ci[1])}"),
                        el("td", "yes" if excludes_zero else "no"), class_="highlight" if excludes_zero else None))
-    table = el("table", el("thead", el("tr", [el("th", h) for h in
-                                             ("metric", "A vs ref", "B vs ref", "Δ (B − A)", "95% CI", "CI excludes 0")])),
-               el("tbody", rows), class_="data num")
+    heads = ("metric", "A vs ref", "B vs ref", "Δ (B − A)", "95% CI", "CI excludes 0")
+    table = el("table", el("thead", el("tr", [el("th", h) for h in heads])), el("tbody", rows), class_="data num")
     worst = ((diff.get("where") or {}).get("worst_tokens")) or []
     if texts is not None:
         worst = [{**w, "text": texts.get(str(w.get("token_id")), "")} for w in worst if isinstance(w, dict)]

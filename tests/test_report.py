@@ -141,10 +141,12 @@ FULL_EXTRA: dict[str, Any] = {
     "corrections": [{"mode": mode, "params": {"cap": cap}, "frac_tokens_affected": 0.01 / cap,
                      "frac_rollouts_affected": 0.2 / cap, "weight_mean": 0.99, "weight_max": float(cap),
                      "ess": 0.98} for mode in ("token_truncate", "token_mask") for cap in (2, 3)],
-    "recommendations": [{"kind": "token_truncate", "params": {"cap": 2},
-                         "why": f"99% of tokens unclipped at cap 2 {SCRIPT}",
-                         "snippets": {"trl": f"vllm_importance_sampling_mode: token_truncate  # {IMG}\n"
-                                             "vllm_importance_sampling_cap: 2"}}],
+    # The shape mismatch.recommend writes (kind "correction", the chosen mode and cap in params).
+    "recommendations": [{"kind": "correction", "why": f"99% of tokens unclipped at cap 2 {SCRIPT}",
+                         "params": {"mode": "token_truncate", "cap": 2, "frac_tokens_affected": 0.005,
+                                    "frac_rollouts_affected": 0.1, "ess": 0.98, "meets_rule": True}}],
+    "config_snippets": {"trl": f"vllm_importance_sampling_mode: token_truncate  # {IMG}\n"
+                               "vllm_importance_sampling_cap: 2"},
 }
 
 
@@ -227,19 +229,37 @@ def test_long_rollouts_keep_windows_around_their_worst_tokens() -> None:
     assert list(select_rows(abs_lr[:30], budget=50, context=10)) == list(range(30))
 
 
-def test_banner_says_correct_fix_or_healthy_from_the_summary() -> None:
-    pairs = {"train/sampler": {"n_tokens": 10, "kl_k3": 1e-4}}
-    base = {"command": "audit", "pairs": pairs,
-            "verdicts": {"train/sampler": {"level": "negligible", "meaning": "what the RL ratio sees",
-                                           "text": "the PPO ratio is 1 up to rounding: no correction needed"}}}
-    assert (banner(base).status, banner(base).label) == ("healthy", "HEALTHY")
-    correct = {**base, "recommendations": [{"kind": "token_truncate", "params": {"cap": 2}, "why": "w"}]}
-    assert banner(correct).headline == "Correct with token_truncate (cap=2)"
-    fix = {**base, "recommendations": [{"kind": "recompute_old_logprobs", "params": {}, "why": "stale"},
-                                       {"kind": "token_mask", "params": {"cap": 3}, "why": "w"}]}
-    assert banner(fix).headline == ("Fix at the source: recompute_old_logprobs — meanwhile correct with "
-                                    "token_mask (cap=3)")
-    assert banner({**base, "verdicts": {}}).status == "unknown"  # no verdict is never 'healthy'
+def verdict_summary(level: str, *recs: dict[str, Any]) -> dict[str, Any]:
+    return {"command": "audit", "pairs": {"train/sampler": {"n_tokens": 10, "kl_k3": 1e-4}},
+            "verdicts": {"train/sampler": {"level": level, "meaning": "what the RL ratio sees",
+                                           "text": f"the PPO ratio is {level} (kl_k3 1e-4, …)"}},
+            "recommendations": list(recs)}
+
+
+CORRECTION = {"kind": "correction", "params": {"mode": "token_truncate", "cap": 1.5, "meets_rule": True}, "why": "w"}
+RECOMPUTE = {"kind": "recompute_old_logprobs", "params": {"extra_forward_tokens": 10}, "why": "w"}
+
+
+@pytest.mark.parametrize(("level", "recs", "label", "headline"), [
+    ("negligible", [{"kind": "no_correction", "params": {"gap": "negligible"}, "why": "w"}], "HEALTHY",
+     "The PPO ratio is negligible"),
+    ("small", [CORRECTION, RECOMPUTE], "CORRECT", "Correct with token_truncate (cap=1.5)"),
+    ("large", [CORRECTION, RECOMPUTE], "FIX AT THE SOURCE",
+     "Fix at the source: recompute old log-probs with the trainer — meanwhile correct with token_truncate (cap=1.5)"),
+    ("small", [{**CORRECTION, "params": {**CORRECTION["params"], "meets_rule": False}}, RECOMPUTE],
+     "FIX AT THE SOURCE", "Fix at the source: recompute old log-probs with the trainer — meanwhile correct with "
+                          "token_truncate (cap=1.5)"),
+    ("small", [{"kind": "fix_alignment", "params": {"shift": 1}, "why": "w"}, CORRECTION], "FIX AT THE SOURCE",
+     "Fix at the source: the log-prob alignment (off by +1)"),  # never "correct" a misaligned comparison
+    ("small", [], "SMALL GAP", "The PPO ratio is small"),
+])
+def test_banner_leads_with_the_right_action(level: str, recs: list, label: str, headline: str) -> None:
+    top = banner(verdict_summary(level, *recs))
+    assert (top.label, top.headline) == (label, headline)
+
+
+def test_no_verdict_is_never_healthy() -> None:
+    assert banner({**verdict_summary("exact"), "verdicts": {}}).status == "unknown"
 
 
 def test_large_rollout_sets_stay_small(tmp_path: Path) -> None:
@@ -309,16 +329,18 @@ def test_demo_report_in_chromium(browser, demo_report: Path) -> None:
     summary = json.loads((demo_report.parent / "summary.json").read_text())
     opened = Opened(browser, demo_report)
     page = opened.page
-    verdict = summary["verdicts"]["train/sampler"]
-    headline = page.inner_text("#verdict-headline")
-    assert headline.lower() == verdict["text"].split(" (kl_k3")[0].lower()
-    label = {"exact": "HEALTHY", "negligible": "HEALTHY"}.get(verdict["level"], f"{verdict['level'].upper()} GAP")
-    assert page.inner_text("#verdict .pill") == label
+    verdict = summary["verdicts"]["train/sampler"]["text"].split(" (kl_k3")[0]
+    assert verdict.lower() in page.inner_text("#verdict").lower()  # the audit's own words, in the banner
+    assert page.inner_text("#verdict .pill") in ("HEALTHY", "CORRECT", "FIX AT THE SOURCE", "SMALL GAP", "LARGE GAP")
+    correction = next((r for r in summary["recommendations"] if r["kind"] == "correction"), None)
+    if correction is not None:
+        assert correction["params"]["mode"] in page.inner_text("#verdict-headline")
     charts = opened.charts()
     expected = {f"hist-{pair}" for pair in summary["pairs"]} | {"turn", "position", "prob", "branch_kind"}
     assert set(charts) == expected and all(charts.values()), charts
-    assert page.query_selector("#localization") is None  # not computed: said once, never invented
-    assert "layer localization" in page.inner_text(".absent")
+    if not summary["localization"].get("layers"):
+        assert page.query_selector("#localization") is None  # not computed: said once, never invented
+        assert "layer localization" in page.inner_text(".absent")
     assert "<|assistant|>" in page.inner_text("#worst-list")  # token text decoded from the checkpoint
     page.hover("#worst-list .tok:not(.ctx)")
     tooltip = page.inner_text("#tooltip")
@@ -326,6 +348,7 @@ def test_demo_report_in_chromium(browser, demo_report: Path) -> None:
     opened.assert_clean()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.mouse.move(0, 0)
+    page.evaluate("window.scrollTo(0, 0)")  # the sticky header belongs at the top of the shot
     page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
     page.close()
 
@@ -354,11 +377,12 @@ def test_every_section_renders_when_its_data_are_present(browser, hostile_report
     assert page.inner_text("#verdict .pill") == "CORRECT"
     assert page.inner_text("#verdict-headline") == "Correct with token_truncate (cap=2)"
     assert "★ token_truncate" in page.inner_text("#corrections tr.highlight")
-    assert "vllm_importance_sampling_cap: 2" in page.inner_text("#corrections pre")
+    assert "vllm_importance_sampling_cap: 2" in page.inner_text("#corrections pre.snippet")
     assert "shifted by +1" in page.inner_text("#findings")
     assert page.query_selector(".absent") is None  # everything was computed
     opened.assert_clean()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(ARTIFACTS / "report-full.png"), full_page=True)
     page.close()
 

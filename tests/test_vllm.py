@@ -167,3 +167,11 @@ def test_example_engine_tomls_have_valid_options(path: Path) -> None:
     spec = parse_spec(str(path))
     assert spec.kind == path.name.split("-")[0] and spec.options
     options_from(VLLMOptions if spec.kind == "vllm" else HFOptions, spec)
+
+
+def test_shared_llm_is_the_engines_llm_for_the_same_options(tiny_checkpoint, vllm32) -> None:
+    """The toy agent samples through `shared_llm`; a replay with the same options reuses it.
+    (Pinned for the rest of the session, so this test runs last.)"""
+    from mismatch.engines.vllm import shared_llm
+
+    assert shared_llm(str(tiny_checkpoint), dtype="float32", seed=0) is vllm32.llm

@@ -49,6 +49,8 @@ class Engine(Protocol):
 _BACKENDS: dict[str, str] = {
     "hf": "mismatch.engines.hf:HFEngine",
     "hf-decode": "mismatch.engines.hf_decode:HFDecodeEngine",
+    "vllm": "mismatch.engines.vllm:VLLMEngine",
+    "http": "mismatch.engines.http:HTTPEngine",
     "python": "mismatch.engines.user:UserEngine",
 }
 

@@ -1,0 +1,348 @@
+"""Alignment sanity: is the stored log-prob column the same quantity, at the same positions, as
+the replayed one? Checked on the token table before any metric is trusted (summary `alignment`).
+
+Finds shifted-by-one log-probs, padded zeros and constant placeholders, missing log-probs on
+trainable tokens, and temperature/top-p/top-k "processed" log-probs; `recompute_processed` then
+replays the trainer side under the sampler's own processing so the comparison is like for like.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from mismatch.errors import MismatchError, SpecError
+
+SHIFTS = (-1, 0, 1)
+SHIFT_FACTOR = 4.0     # a shift must fit at least this many times better than no shift
+SHIFT_MIN_GAP = 0.01   # nats of mean |Δ| at shift 0 below which there is nothing to explain
+LIKELY_LOGP = math.log(0.5)    # tokens the replay finds likely: temperature < 1 raises them all
+SURE_LOGP = math.log(0.99)     # a stored 0.0 is padding when the replay says p < 0.99
+MIN_RUN = 4                    # identical stored values in a row that make a constant placeholder
+RUN_SPREAD = 0.05              # ... while the replayed values in that run spread at least this much
+ONE_SIDED = 0.9                # fraction of likely tokens moved one way that means "processed"
+RAW_SLOPE_TOL = 0.05           # |log slope| under this (T within ~5% of 1) reads as raw
+MIN_TOKENS = 20                # fewer likely tokens than this: semantics "unknown"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Sampling:
+    """The sampler's logit processing, in vLLM's order: temperature, then top-k, then top-p."""
+
+    temperature: float = 1.0
+    top_k: int = -1       # -1 or 0: off
+    top_p: float = 1.0    # 1.0: off
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any] | None) -> Sampling:
+        """From `meta.sampler` (temperature, top_k, top_p; missing keys mean off)."""
+        meta = meta or {}
+        return cls(temperature=float(meta.get("temperature", 1.0) or 1.0),
+                   top_k=int(meta.get("top_k", -1) if meta.get("top_k") is not None else -1),
+                   top_p=float(meta.get("top_p", 1.0) if meta.get("top_p") is not None else 1.0))
+
+    @property
+    def is_identity(self) -> bool:
+        return self.temperature == 1.0 and self.top_k <= 0 and self.top_p >= 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Processed log-probs (torch; imported lazily so the checks above stay numpy-only)
+
+
+def processed_logprobs(logits_CV, sampling: Sampling):
+    """log-softmax of the logits after the sampler's processing; filtered-out tokens get -inf.
+
+    fp32 throughout, as a sampler computes them. Temperature divides the logits (exactly the
+    toy harness's `logits / T`); top-k keeps the k largest; top-p keeps the smallest set of
+    largest-probability tokens whose mass reaches p (always at least one).
+    """
+    import torch
+
+    logits_CV = logits_CV.float()
+    if sampling.temperature != 1.0:
+        logits_CV = logits_CV / sampling.temperature
+    if 0 < sampling.top_k < logits_CV.shape[-1]:
+        kth_C1 = torch.topk(logits_CV, sampling.top_k, dim=-1).values[:, -1:]
+        logits_CV = logits_CV.masked_fill(logits_CV < kth_C1, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_CV, order_CV = torch.sort(logits_CV, dim=-1, descending=True)
+        mass_before_CV = torch.softmax(sorted_CV, dim=-1).cumsum(-1) - torch.softmax(sorted_CV, dim=-1)
+        drop_CV = mass_before_CV >= sampling.top_p  # the first token has mass_before 0: always kept
+        logits_CV = logits_CV.masked_fill(torch.zeros_like(drop_CV).scatter(-1, order_CV, drop_CV),
+                                          float("-inf"))
+    return torch.log_softmax(logits_CV, dim=-1)
+
+
+def processed_token_logprobs(hidden_ND, target_N, lm_head, *, sampling: Sampling, chunk: int = 512,
+                             softcap: float | None = None):
+    """`mismatch.logprobs.token_logprobs` under the sampler's processing (float64 on the CPU).
+
+    Same chunking and fp32 upcast as the raw path, so at temperature 1 with no top-k/top-p the
+    numbers are the raw ones bit for bit.
+    """
+    import torch
+
+    num_rows = hidden_ND.shape[0]
+    logp_N = torch.empty(num_rows, dtype=torch.float64)
+    for start in range(0, num_rows, chunk):
+        stop = min(start + chunk, num_rows)
+        logits_CV = lm_head(hidden_ND[start:stop]).float()
+        if softcap is not None:  # part of the model, applied before any sampling processing
+            logits_CV = torch.tanh(logits_CV / softcap) * softcap
+        logp_CV = processed_logprobs(logits_CV, sampling)
+        picked_C = logp_CV.gather(1, target_N[start:stop, None].to(logp_CV.device)).squeeze(1)
+        logp_N[start:stop] = picked_C.to("cpu", torch.float64)
+    return logp_N
+
+
+def replay_processed(plan, spec: str, checkpoint: str | os.PathLike[str], sampling: Sampling) -> np.ndarray:
+    """One column of the plan's token table: `spec`'s log-probs under `sampling`'s processing.
+
+    `spec` must be a torch engine (`hf`, `hf-decode`, with any options): its own forward path
+    runs unchanged and only the last step, hidden states → log-probs, is processed.
+    """
+    from mismatch.engines import load_engine
+    from mismatch.engines.hf import TorchEngineBase
+    from mismatch.replay import replay_column
+
+    engine = load_engine(spec, os.fspath(checkpoint))
+    try:
+        if not isinstance(engine, TorchEngineBase):
+            raise SpecError(f"{spec}: recomputing under the sampler's temperature/top-k/top-p needs a "
+                            "torch engine (hf, hf-decode)")
+        # Every torch engine turns hidden states into log-probs through `logprobs_of`; swapping
+        # it on this instance keeps the engine's batching, padding and decode schedule as is.
+        engine.logprobs_of = lambda hidden, target: processed_token_logprobs(
+            hidden, target, engine.lm_head, sampling=sampling, chunk=engine.options.chunk,
+            softcap=engine.softcap).numpy()
+        # Block by block, as replay_roles does: batch composition, and so every bit, is the same.
+        parts = [replay_column(requests, engine) for _, requests in plan.blocks()]
+        return np.concatenate(parts) if parts else np.empty(0)
+    finally:
+        engine.close()
+
+
+def recompute_processed(checkpoint: str | os.PathLike[str], rollouts: str | os.PathLike[str], *,
+                        spec: str = "hf", sampling: Sampling | None = None) -> np.ndarray:
+    """The trainer side recomputed like the sampler's stored log-probs, aligned with the token
+    table `replay_roles` builds for the same file. `sampling` defaults to the first rollout's
+    declared `meta.sampler` (the one `summary.engines.sampler.meta` shows)."""
+    from mismatch.checkpoint import checkpoint_info
+    from mismatch.replay import plan_replay
+    from mismatch.rollouts import load_rollouts
+
+    loaded = load_rollouts(rollouts, vocab_size=checkpoint_info(checkpoint).vocab_size)
+    if sampling is None:
+        metas = [r.meta.get("sampler") for r in loaded if isinstance(r.meta.get("sampler"), dict)]
+        sampling = Sampling.from_meta(metas[0] if metas else None)
+    return replay_processed(plan_replay(loaded), spec, checkpoint, sampling)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks on the token table
+
+
+def _segment_ids(table: pd.DataFrame) -> np.ndarray:
+    """One id per (rollout, branch, segment), in table order: shifts never cross a segment."""
+    return table.groupby(["rollout", "branch", "segment"], sort=False, observed=True).ngroup().to_numpy()
+
+
+def _shift_fits(stored: np.ndarray, replayed: np.ndarray, segment: np.ndarray,
+                group: np.ndarray) -> pd.DataFrame:
+    """Mean |stored[i] - replayed[i + k]| per group (rows) and shift k (columns), over pairs
+    inside one segment: a shift never borrows a neighbour segment's token."""
+    fits = {}
+    n = len(stored)
+    for k in SHIFTS:
+        i = np.arange(max(0, -k), n - max(0, k))
+        j = i + k
+        ok = (segment[i] == segment[j]) & np.isfinite(stored[i]) & np.isfinite(replayed[j])
+        fits[k] = pd.Series(np.abs(stored[i][ok] - replayed[j][ok])).groupby(group[i][ok]).mean()
+    return pd.DataFrame(fits).reindex(pd.unique(group))
+
+
+def _best_shift(fits: dict[int, float]) -> int:
+    """The shift that fits clearly better than none (SHIFT_FACTOR), else 0."""
+    base = fits[0]
+    if not math.isfinite(base) or base < SHIFT_MIN_GAP:
+        return 0
+    better = [k for k in (-1, 1) if math.isfinite(fits[k]) and fits[k] * SHIFT_FACTOR <= base]
+    return min(better, key=lambda k: fits[k]) if better else 0
+
+
+def _constant_runs(stored: np.ndarray, replayed: np.ndarray, segment: np.ndarray) -> np.ndarray:
+    """Rows inside a run of >= MIN_RUN identical stored values whose replay clearly varies."""
+    flagged = np.zeros(len(stored), dtype=bool)
+    starts = np.flatnonzero(np.r_[True, (stored[1:] != stored[:-1]) | (segment[1:] != segment[:-1])])
+    stops = np.r_[starts[1:], len(stored)]
+    for start, stop in zip(starts, stops):
+        if stop - start < MIN_RUN or not np.isfinite(stored[start]) or stored[start] == 0.0:
+            continue  # zeros are counted as padding, not as a constant
+        values = replayed[start:stop]
+        values = values[np.isfinite(values)]
+        if len(values) and values.max() - values.min() >= RUN_SPREAD:
+            flagged[start:stop] = True
+    return flagged
+
+
+def _semantics(stored: np.ndarray, replayed: np.ndarray) -> dict[str, Any]:
+    """Raw or processed, from tokens the replay finds likely (stored 0.0 left to the padding check).
+
+    Temperature T < 1 raises every likely token (log q = log p / T + log-normalizer, both
+    pushing toward 0), T > 1 lowers them all; raw log-probs only scatter around the replay.
+    For likely tokens -log q ~ (-log p)^(1/T), so the slope of log(-stored) on log(-replayed)
+    estimates 1/T (biased toward lower T when several tokens compete; an estimate, not a fit).
+    """
+    likely = (np.isfinite(stored) & np.isfinite(replayed) & (replayed > LIKELY_LOGP)
+              & (replayed < 0) & (stored < 0))
+    out: dict[str, Any] = {"n_likely": int(likely.sum()), "frac_likely_raised": None,
+                           "frac_likely_lowered": None, "loglog_slope": None}
+    if likely.sum() < MIN_TOKENS:
+        return {**out, "semantics": "unknown", "estimated_temperature": None}
+    s, r = stored[likely], replayed[likely]
+    raised, lowered = float(np.mean(s > r)), float(np.mean(s < r))
+    x, y = np.log(-r), np.log(-s)
+    slope = float(np.polyfit(x, y, 1)[0]) if np.ptp(x) > 0 else 1.0
+    out.update(frac_likely_raised=raised, frac_likely_lowered=lowered, loglog_slope=slope)
+    if max(raised, lowered) >= ONE_SIDED and abs(math.log(max(slope, 1e-9))) >= RAW_SLOPE_TOL:
+        return {**out, "semantics": "processed", "estimated_temperature": round(1.0 / slope, 3)}
+    if max(raised, lowered) < ONE_SIDED and abs(math.log(max(slope, 1e-9))) < RAW_SLOPE_TOL:
+        return {**out, "semantics": "raw", "estimated_temperature": 1.0}
+    return {**out, "semantics": "unknown", "estimated_temperature": None}
+
+
+def _finding(kind: str, message: str, fix: str, rollout: str | None = None) -> dict[str, Any]:
+    return {"kind": kind, **({"rollout": rollout} if rollout is not None else {}),
+            "message": message, "fix": fix}
+
+
+def check_alignment(table: pd.DataFrame, *, stored: str = "sampler", replayed: str = "train",
+                    sampler_meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`summary["alignment"]`: do `logp_<stored>` and `logp_<replayed>` measure the same thing?
+
+    Contract keys: `shift` (-1, 0, +1: stored[i] is the log-prob of token i + shift, over all
+    rollouts), `padded_zero_frac`, `logprob_semantics` ("raw" | "processed" | "unknown"); also
+    `estimated_temperature`, `missing_trainable_frac`, `constant_frac`, `shift_fit` (mean |Δ|
+    per shift), `shift_by_rollout` (rollouts with a branch whose own best shift is not 0), `semantics`
+    (the evidence), `declared` (from `sampler_meta`), and `findings`: [{kind, rollout?, message,
+    fix}]. Fractions are over trainable tokens. Rollouts with a shift are left out of the
+    semantics check, whose evidence they would scramble.
+    """
+    columns = [f"logp_{stored}", f"logp_{replayed}"]
+    needed = [*columns, "rollout", "branch", "segment", "trainable"]
+    missing_columns = [c for c in needed if c not in table.columns]
+    if missing_columns:
+        raise MismatchError(f"alignment: token table has no column {missing_columns[0]!r}")
+    trainable = table["trainable"].to_numpy(dtype=bool)
+    s_all = table[columns[0]].to_numpy(np.float64)
+    r_all = table[columns[1]].to_numpy(np.float64)
+    segment = _segment_ids(table)
+    rollout = table["rollout"].astype(str).to_numpy()
+    findings: list[dict[str, Any]] = []
+    num_trainable = max(int(trainable.sum()), 1)
+
+    missing = trainable & np.isnan(s_all)
+    missing_frac = float(missing.sum() / num_trainable)
+    if missing.any():
+        worst = pd.Series(missing[trainable]).groupby(rollout[trainable]).mean().idxmax()
+        findings.append(_finding("missing_logprobs", f"{missing.sum()} trainable tokens have no stored "
+                                 f"{stored} log-prob (most in rollout {worst!r})",
+                                 "store the sampler's log-prob of every generated token; a ratio "
+                                 "needs both sides", rollout=str(worst)))
+
+    overall = _shift_fits(s_all, r_all, segment, np.zeros(len(table), dtype=np.int64))
+    fits = {k: float(overall[k].iloc[0]) if len(overall) else float("nan") for k in SHIFTS}
+    shift = _best_shift(fits)
+    by_rollout: dict[str, int] = {}
+    # Per branch, not per rollout: an exporter bug may hit one branch kind and not another.
+    branch_code = table.groupby(["rollout", "branch"], sort=False, observed=True).ngroup().to_numpy()
+    codes, first_row = np.unique(branch_code, return_index=True)
+    branch_ids = table["branch"].astype(str).to_numpy()
+    branch_names = {code: (rollout[row], branch_ids[row]) for code, row in zip(codes, first_row)}
+    for code, row in _shift_fits(s_all, r_all, segment, branch_code).iterrows():
+        k = _best_shift({k: float(row[k]) for k in SHIFTS})
+        if not k:
+            continue
+        rollout_id, branch_id = branch_names[code]
+        by_rollout.setdefault(rollout_id, k)
+        findings.append(_finding(
+            "shift", f"rollout {rollout_id!r} branch {branch_id!r}: stored log-probs fit the replay "
+            f"shifted by {k:+d} (stored[i] is the log-prob of token i{k:+d}; mean |Δ| {row[k]:.3g} "
+            f"vs {row[0]:.3g} unshifted)",
+            "realign the log-probs with their tokens in the exporter (an off-by-one between the "
+            "logits row and the token it scores); do not trust this rollout's ratios until then",
+            rollout=rollout_id))
+
+    sure = trainable & (r_all < SURE_LOGP)
+    zero_rows = sure & (s_all == 0.0)
+    padded_frac = float(zero_rows.sum() / num_trainable)
+    if zero_rows.any():
+        findings.append(_finding("padded_zero", f"{zero_rows.sum()} trainable tokens store log-prob 0.0 "
+                                 "where the replay gives p < 0.99",
+                                 "zeros are padding or a placeholder: store real log-probs, or mask "
+                                 "these tokens out of the ratio (unless the sampler used top-p/top-k, "
+                                 "which legitimately gives 0.0 to a lone surviving token)"))
+    constant_rows = _constant_runs(s_all, r_all, segment) & trainable
+    constant_frac = float(constant_rows.sum() / num_trainable)
+    if constant_rows.any():
+        value = float(s_all[constant_rows][0])
+        findings.append(_finding("constant_logprobs", f"{constant_rows.sum()} trainable tokens sit in runs "
+                                 f"of one repeated stored log-prob (e.g. {value!r}) while the replay varies",
+                                 "a placeholder was stored instead of log-probs: fix the exporter or "
+                                 "mask these tokens"))
+
+    keep = trainable & ~np.isin(rollout, list(by_rollout)) & (s_all != 0.0)
+    semantics = _semantics(s_all[keep], r_all[keep])
+    declared = dict(sampler_meta or {})
+    declared_sampling = Sampling.from_meta(declared)
+    if semantics["semantics"] == "processed":
+        temperature = declared_sampling.temperature if not declared_sampling.is_identity else \
+            semantics["estimated_temperature"]
+        findings.append(_finding(
+            "processed_logprobs", f"stored {stored} log-probs are processed (likely tokens "
+            f"{'raised' if semantics['frac_likely_raised'] >= ONE_SIDED else 'lowered'} in "
+            f"{max(semantics['frac_likely_raised'], semantics['frac_likely_lowered']):.0%} of cases; "
+            f"temperature ~ {semantics['estimated_temperature']}) while {replayed} computes raw ones"
+            + (f"; meta.sampler declares logprobs={declared['logprobs']!r}" if declared.get("logprobs") else ""),
+            f"compare like for like: recompute the {replayed} side under the sampler's processing "
+            f"(mismatch.alignment.recompute_processed, temperature={temperature}, "
+            f"top_k={declared_sampling.top_k}, top_p={declared_sampling.top_p}), or store raw "
+            "log-probs (vLLM: logprobs_mode='raw_logprobs')"))
+    elif semantics["semantics"] == "raw" and declared.get("logprobs") == "processed" \
+            and not declared_sampling.is_identity:
+        findings.append(_finding(
+            "semantics_mismatch", "meta.sampler declares processed log-probs but they read as raw",
+            "fix meta.sampler.logprobs so corrections use the right semantics"))
+    return {
+        "stored": stored, "replayed": replayed,
+        "shift": shift, "shift_fit": {str(k): v for k, v in fits.items()}, "shift_by_rollout": by_rollout,
+        "padded_zero_frac": padded_frac, "constant_frac": constant_frac,
+        "missing_trainable_frac": missing_frac,
+        "logprob_semantics": semantics["semantics"],
+        "estimated_temperature": semantics["estimated_temperature"],
+        "semantics": semantics, "declared": declared,
+        "findings": findings,
+    }
+
+
+def like_for_like(table: pd.DataFrame, recomputed: np.ndarray, *, stored: str = "sampler",
+                  replayed: str = "train", name: str | None = None,
+                  pairs: Sequence[tuple[str, str]] = ()) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """Add the recomputed column (`logp_<replayed>_processed`) and its pair metrics against
+    `stored`, next to the raw pair and any other `pairs`, for summary.json."""
+    from mismatch.metrics import summarize_pairs
+
+    role = name or f"{replayed}_processed"
+    if len(recomputed) != len(table):
+        raise MismatchError(f"recomputed column has {len(recomputed)} rows, token table {len(table)}")
+    out = table.copy()
+    out[f"logp_{role}"] = np.asarray(recomputed, np.float64)
+    wanted = [(replayed, stored), (role, stored), *pairs]
+    return out, summarize_pairs(out, wanted)

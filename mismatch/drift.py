@@ -1,0 +1,214 @@
+"""Render drift: the stored token ids against the chat the harness says it had, re-rendered.
+
+Rollouts that carry `messages` → chat template → token ids → token diff with the main branch's
+stream → drifted spans per turn (what a trainer that re-renders would train on instead).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mismatch.errors import MismatchError, RolloutError
+from mismatch.replay import segment_turns
+from mismatch.rollouts import Rollout
+
+# Equal runs this short between two edits are folded into one span: BPE splits one logical edit
+# ("2 + 3" -> "2+3") into several opcodes around the tokens that happen to survive it.
+MERGE_GAP = 2
+MAX_WIDEN = 8  # tokens a span may grow on each side to show whole words
+CONTEXT_TOKENS = 6  # unchanged tokens shown on each side of a span, so a reader can place it
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _MainStream:
+    """The main branch's stream with, per token, what the drift report needs to name a span."""
+
+    tokens: list[int]
+    turn: np.ndarray       # int, per token
+    segment: np.ndarray    # int, per token
+    role: list[str]        # per segment
+    trainable: np.ndarray  # bool, per token
+
+
+def _main_stream(rollout: Rollout) -> _MainStream:
+    main = next(b for b in rollout.branches if b.parent is None)  # validation: exactly one root
+    lengths = [len(s.tokens) for s in main.segments]
+    turns = segment_turns([s.role for s in main.segments])
+    return _MainStream(tokens=main.stream().tolist(),
+                       turn=np.repeat(np.asarray(turns, np.int64), lengths),
+                       segment=np.repeat(np.arange(len(lengths)), lengths),
+                       role=[s.role for s in main.segments],
+                       trainable=np.repeat([s.trainable for s in main.segments], lengths).astype(bool))
+
+
+def _render(tokenizer: Any, messages: list, rollout: Rollout) -> str:
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - Jinja raises many types; each is the user's data
+        raise RolloutError(f"chat template cannot render them: {type(e).__name__}: {e}",
+                           file=rollout.file, line=rollout.line, rollout=rollout.id,
+                           field="messages") from None
+    if not isinstance(text, str):
+        raise RolloutError("chat template did not return text", file=rollout.file, line=rollout.line,
+                           rollout=rollout.id, field="messages")
+    return text
+
+
+def render_ids(tokenizer: Any, rollout: Rollout) -> tuple[list[int], list[int]]:
+    """Token ids of the rollout's `messages` rendered by the chat template, and each id's message.
+
+    Each message's text (the growth of the rendered prefix) is tokenized on its own and the
+    pieces concatenated: that is how a harness builds the stream turn by turn, so BPE merges
+    never cross a message boundary. A template whose render of a prefix is not a prefix of the
+    next render (one that rewrites history, e.g. drops old think blocks) is tokenized whole.
+    """
+    messages = list(rollout.messages or [])
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise MismatchError("drift: the checkpoint's tokenizer has no chat_template to render messages with")
+    texts = [_render(tokenizer, messages[: k + 1], rollout) for k in range(len(messages))]
+    if all(b.startswith(a) for a, b in zip(texts, texts[1:])):
+        pieces = [b[len(a):] for a, b in zip([""] + texts[:-1], texts)]
+    else:
+        pieces = [texts[-1]] if texts else []
+    ids: list[int] = []
+    owner: list[int] = []
+    for index, piece in enumerate(pieces):
+        piece_ids = tokenizer.encode(piece, add_special_tokens=False)
+        ids += piece_ids
+        owner += [index] * len(piece_ids)
+    return ids, owner
+
+
+def _edits(stored: list[int], rendered: list[int]) -> list[tuple[int, int, int, int]]:
+    """(i1, i2, j1, j2) of each drifted span: stored[i1:i2] became rendered[j1:j2]."""
+    # autojunk off: in long streams the frequent tokens (newlines, headers) are the anchors.
+    opcodes = difflib.SequenceMatcher(None, stored, rendered, autojunk=False).get_opcodes()
+    spans: list[list[int]] = []
+    for tag, i1, i2, j1, j2 in opcodes:
+        if tag == "equal":
+            continue
+        if spans and i1 - spans[-1][1] <= MERGE_GAP and j1 - spans[-1][3] <= MERGE_GAP:
+            spans[-1][1], spans[-1][3] = i2, j2
+        else:
+            spans.append([i1, i2, j1, j2])
+    # Tokens the template adds after the last stored token (the separator after the final
+    # `<|end|>`) were never sampled nor trained on: not drift.
+    if spans and spans[-1][0] == spans[-1][1] == len(stored):
+        spans.pop()
+    return [tuple(span) for span in spans]
+
+
+def _word_edges(stored: list[int], rendered: list[int], span: tuple[int, int, int, int],
+                text: Any, floor: tuple[int, int], ceiling: tuple[int, int]) -> tuple[int, int, int, int]:
+    """Widen a span over the unchanged tokens that continue its first and last word.
+
+    The token diff is minimal (`false` -> `False` is ` f` -> ` F`); a reader wants the word. The
+    tokens added on each side are equal on both sides, so the edit itself does not change; the
+    edges stay within `floor` (the previous span's end) and `ceiling` (the next one's start), so
+    spans never overlap.
+    """
+    i1, i2, j1, j2 = span
+    for _ in range(MAX_WIDEN):
+        edge = text(stored[i1:i2]) or text(rendered[j1:j2])
+        if not (i1 > floor[0] and j1 > floor[1] and edge[:1].isalnum()
+                and text(stored[i1 - 1:i1])[-1:].isalnum()):
+            break
+        i1, j1 = i1 - 1, j1 - 1
+    for _ in range(MAX_WIDEN):
+        edge = text(stored[i1:i2]) or text(rendered[j1:j2])
+        if not (i2 < ceiling[0] and j2 < ceiling[1] and edge[-1:].isalnum()
+                and text(stored[i2:i2 + 1])[:1].isalnum()):
+            break
+        i2, j2 = i2 + 1, j2 + 1
+    return i1, i2, j1, j2
+
+
+def _kind(stored: str, rendered: str, in_tool_call: bool) -> str:
+    if stored == rendered:
+        return "retokenized"  # same text, other ids: the trainer re-tokenized what was sampled
+    if re.sub(r"\s+", "", stored) == re.sub(r"\s+", "", rendered):
+        return "whitespace"
+    if stored.lower() == rendered.lower():
+        return "case"  # e.g. false -> False from a Python-side re-serialization
+    if "<think>" in stored and "<think>" not in rendered:
+        return "think_dropped"
+    return "tool_call" if in_tool_call else "content"
+
+
+def _in_tool_call(text_before: str) -> bool:
+    return text_before.rfind("<tool_call>") > text_before.rfind("</tool_call>")
+
+
+def rollout_drift(rollout: Rollout, tokenizer: Any) -> list[dict[str, Any]]:
+    """Drifted spans of one rollout (empty when it carries no messages or nothing drifted)."""
+    if not rollout.messages:
+        return []
+    main = _main_stream(rollout)
+    rendered, owner = render_ids(tokenizer, rollout)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    spans = []
+    edits = _edits(main.tokens, rendered)
+    floor = (0, 0)
+    for k, edit in enumerate(edits):
+        ceiling = edits[k + 1][0::2] if k + 1 < len(edits) else (len(main.tokens), len(rendered))
+        i1, i2, j1, j2 = _word_edges(main.tokens, rendered, edit, decode, floor, ceiling)
+        floor = (i2, j2)
+        at = min(i1, len(main.tokens) - 1)  # an insertion is placed at the token it precedes
+        segment = int(main.segment[at])
+        stored_text, rendered_text = decode(main.tokens[i1:i2]), decode(rendered[j1:j2])
+        in_call = _in_tool_call(decode(main.tokens[:i1]))
+        spans.append({
+            "rollout": rollout.id, "turn": int(main.turn[at]), "segment": segment,
+            "role": main.role[segment], "message": owner[min(j1, len(owner) - 1)] if owner else None,
+            "stored": stored_text, "rendered": rendered_text,
+            "kind": _kind(stored_text, rendered_text, in_call), "in_tool_call": in_call,
+            "trainable_tokens": int(main.trainable[i1:i2].sum()),
+            "stored_start": i1, "stored_ids": main.tokens[i1:i2], "rendered_ids": rendered[j1:j2],
+            "stored_context": decode(main.tokens[max(0, i1 - CONTEXT_TOKENS):i2 + CONTEXT_TOKENS]),
+            "rendered_context": decode(rendered[max(0, j1 - CONTEXT_TOKENS):j2 + CONTEXT_TOKENS]),
+        })
+    return spans
+
+
+def find_drift(rollouts: Sequence[Rollout], tokenizer: Any) -> dict[str, Any]:
+    """`summary["drift"]`: every drifted span of the rollouts that carry `messages`.
+
+    `spans` (contract: each has `rollout`, `turn`, `stored`, `rendered`) also say `segment`,
+    `role`, `message` (index into `messages` where the rendered side starts), `kind`
+    (retokenized | whitespace | case | think_dropped | tool_call | content), `in_tool_call`,
+    `trainable_tokens` (stored tokens in the span that the trainer would train on), the ids, and
+    `stored_context` / `rendered_context` (the span with a few unchanged tokens either side).
+    """
+    checked = [r for r in rollouts if r.messages]
+    spans = [span for rollout in checked for span in rollout_drift(rollout, tokenizer)]
+    return {
+        "num_rollouts_checked": len(checked),
+        "num_rollouts_without_messages": len(rollouts) - len(checked),
+        "num_rollouts_drifted": len({span["rollout"] for span in spans}),
+        "num_spans": len(spans),
+        "trainable_tokens_touched": sum(span["trainable_tokens"] for span in spans),
+        "spans": spans,
+    }
+
+
+def drift_file(checkpoint: str | os.PathLike[str], rollouts: str | os.PathLike[str]) -> dict[str, Any]:
+    """`find_drift` for a checkpoint directory (its tokenizer and template) and a rollouts file."""
+    from mismatch.checkpoint import checkpoint_info, load_tokenizer
+    from mismatch.rollouts import load_rollouts
+
+    info = checkpoint_info(checkpoint)
+    return find_drift(load_rollouts(rollouts, vocab_size=info.vocab_size), load_tokenizer(checkpoint))
+
+
+def describe_span(span: dict[str, Any]) -> str:
+    """One line for a terminal: where, what kind, and both spellings."""
+    return (f"{span['rollout']} turn {span['turn']} ({span['role']}, {span['kind']}, "
+            f"{span['trainable_tokens']} trainable tokens): stored {span['stored_context']!r} "
+            f"-> rendered {span['rendered_context']!r}")

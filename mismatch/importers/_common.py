@@ -1,0 +1,130 @@
+"""What every importer shares: where a record came from, typed field access, and segment building.
+
+Framework modules turn one record of their dump into format v1 rollout dicts with these helpers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mismatch.errors import MismatchError
+
+
+class ImportFormatError(MismatchError):
+    """A dump that does not follow its framework's documented fields (names file, record, field)."""
+
+    def __init__(self, message: str, *, where: str, field: str | None = None) -> None:
+        self.where, self.field, self.reason = where, field, message
+        super().__init__(": ".join([where, *([field] if field else []), message]))
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Where:
+    """One record of a dump: `file:line` for JSON Lines / Parquet rows, `file[i]` for array items."""
+
+    file: str
+    index: int   # 1-based line or row; 0-based item
+    kind: str    # "line" | "item"
+
+    @property
+    def text(self) -> str:
+        return f"{self.file}:{self.index}" if self.kind == "line" else f"{self.file}[{self.index}]"
+
+    @property
+    def line(self) -> int:
+        """A positive number for the v1 validator's messages (items count from 1 there)."""
+        return self.index if self.kind == "line" else self.index + 1
+
+    def error(self, field: str | None, reason: str) -> ImportFormatError:
+        return ImportFormatError(reason, where=self.text, field=field)
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__ if value is not None else "null"
+
+
+def get(record: Any, key: str, where: Where, *, prefix: str = "") -> Any:
+    """record[key], or an error naming the field when the record has no such key."""
+    if not isinstance(record, dict):
+        raise where.error(prefix.rstrip(".") or None,
+                          f"expected an object with {key!r}, got {_type_name(record)}")
+    if key not in record or record[key] is None:
+        raise where.error(prefix + key, "missing required field")
+    return record[key]
+
+
+def ints(value: Any, field: str, where: Where) -> list[int]:
+    if not isinstance(value, list):
+        raise where.error(field, f"must be an array of integers, got {_type_name(value)}")
+    bad = next((i for i, v in enumerate(value) if type(v) is not int), None)  # bool is not a token id
+    if bad is not None:
+        raise where.error(field, f"must be an array of integers (item {bad} is {_type_name(value[bad])})")
+    return value
+
+
+def floats(value: Any, field: str, where: Where) -> list[float]:
+    if not isinstance(value, list) or not all(type(v) in (int, float) for v in value):
+        raise where.error(field, "must be an array of numbers")
+    return [float(v) for v in value]
+
+
+def same_length(field: str, values: Sequence, other: str, reference: Sequence, where: Where) -> None:
+    if len(values) != len(reference):
+        raise where.error(field, f"has {len(values)} entries for {len(reference)} {other}")
+
+
+def runs(mask: Sequence[int]) -> list[tuple[int, int, bool]]:
+    """(start, stop, on) for each run of equal mask values."""
+    out: list[tuple[int, int, bool]] = []
+    start = 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or bool(mask[i]) != bool(mask[start]):
+            out.append((start, i, bool(mask[start])))
+            start = i
+    return out
+
+
+def masked_segments(ids: list[int], mask: Sequence[int], logprobs: list[float] | None, *,
+                    off_role: str) -> list[dict[str, Any]]:
+    """Segments of a response whose mask marks trained (1) and other (0) tokens.
+
+    Mask-1 runs are assistant turns with their log-probs. Mask-0 runs are `off_role`: "tool"
+    for frameworks whose 0 means environment tokens inside the response (their placeholder
+    log-probs are dropped), or "assistant" for ones whose 0 means a sampled token left out of
+    the loss (kept with its log-probs, trainable false).
+    """
+    segments = []
+    for start, stop, on in runs(mask):
+        role = "assistant" if on else off_role
+        segment: dict[str, Any] = {"role": role, "tokens": ids[start:stop]}
+        if logprobs is not None and role == "assistant":
+            segment["logprobs"] = logprobs[start:stop]
+        if role == "assistant" and not on:
+            segment["trainable"] = False
+        segments.append(segment)
+    return segments
+
+
+def branch(branch_id: str, segments: list[dict[str, Any]], *, kind: str = "main", parent: str | None = None,
+           fork_at: int | None = None) -> dict[str, Any]:
+    return {"id": branch_id, "kind": kind, "parent": parent, "fork_at": fork_at,
+            "segments": [s for s in segments if s["tokens"]]}
+
+
+def source_meta(format_name: str, where: Where, **extra: Any) -> dict[str, Any]:
+    """`meta` for an imported rollout: where it came from, plus the framework's own facts."""
+    return {"source": {"format": format_name, "file": where.file, where.kind: where.index},
+            **{key: value for key, value in extra.items() if value is not None}}
+
+
+def rows_of(record: dict[str, Any], keys: Sequence[str], where: Where) -> list[dict[str, Any]]:
+    """A columnar batch (each key a list, one entry per sample) as one dict per sample."""
+    present = [key for key in keys if record.get(key) is not None]
+    lengths = {key: len(record[key]) for key in present if isinstance(record[key], list)}
+    if len(set(lengths.values())) > 1:
+        detail = ", ".join(f"{key} {n}" for key, n in lengths.items())
+        raise where.error(None, f"batch columns differ in length ({detail})")
+    num_rows = next(iter(lengths.values()), 0)
+    return [{key: record[key][i] for key in lengths} for i in range(num_rows)]

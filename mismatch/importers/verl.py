@@ -1,0 +1,69 @@
+"""verl agent-loop outputs → format v1: one rollout per sample, the response split at its mask.
+
+Field names from volcengine/verl `verl/experimental/agent_loop/agent_loop.py` (`AgentLoopOutput`:
+prompt_ids, response_ids, response_mask — 1 for LLM-generated tokens, 0 for tool-response
+tokens —, response_logprobs, reward_score, num_turns, extra_fields) and its `_postprocess`
+batch (`prompts`, `responses`, `response_mask`, `attention_mask`, `rollout_log_probs`, left-
+padded prompts and right-padded responses, with 0.0 log-probs on padding and tool tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mismatch.importers._common import (Where, branch, floats, get, ints, masked_segments, rows_of,
+                                        same_length, source_meta)
+
+AGENT_LOOP_KEYS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score",
+                   "num_turns")
+BATCH_KEYS = ("prompts", "responses", "response_mask", "attention_mask", "rollout_log_probs")
+
+
+def convert(record: Any, where: Where) -> list[dict[str, Any]]:
+    """One AgentLoopOutput (dict), or a columnar batch of them / of `_postprocess` rows."""
+    padded = isinstance(record, dict) and "prompts" in record
+    first = get(record, "prompts" if padded else "prompt_ids", where)
+    if isinstance(first, list) and first and isinstance(first[0], list):  # a batch: one row per sample
+        rows = rows_of(record, BATCH_KEYS if padded else AGENT_LOOP_KEYS, where)
+        return [_rollout(row, where, f"verl-{where.index}-{i}", padded, prefix=f"[{i}].")
+                for i, row in enumerate(rows)]
+    return [_rollout(record, where, f"verl-{where.index}", padded, prefix="")]
+
+
+def _unpad(row: dict[str, Any], where: Where, prefix: str) -> tuple[list[int], list[int], list[int],
+                                                                     list[float] | None]:
+    """A `_postprocess` row without its padding (attention_mask 0)."""
+    prompt = ints(get(row, "prompts", where, prefix=prefix), prefix + "prompts", where)
+    response = ints(get(row, "responses", where, prefix=prefix), prefix + "responses", where)
+    attention = ints(get(row, "attention_mask", where, prefix=prefix), prefix + "attention_mask", where)
+    mask = ints(get(row, "response_mask", where, prefix=prefix), prefix + "response_mask", where)
+    if len(attention) != len(prompt) + len(response):
+        raise where.error(prefix + "attention_mask", f"has {len(attention)} entries for "
+                          f"{len(prompt)} prompt + {len(response)} response tokens")
+    same_length(prefix + "response_mask", mask, "response tokens", response, where)
+    logprobs = row.get("rollout_log_probs")
+    if logprobs is not None:
+        logprobs = floats(logprobs, prefix + "rollout_log_probs", where)
+        same_length(prefix + "rollout_log_probs", logprobs, "response tokens", response, where)
+    keep_prompt, keep_response = attention[: len(prompt)], attention[len(prompt):]
+    kept = [i for i, on in enumerate(keep_response) if on]
+    return ([t for t, on in zip(prompt, keep_prompt) if on], [response[i] for i in kept],
+            [mask[i] for i in kept], None if logprobs is None else [logprobs[i] for i in kept])
+
+
+def _rollout(row: dict[str, Any], where: Where, rollout_id: str, padded: bool, prefix: str) -> dict[str, Any]:
+    if padded:
+        prompt, response, mask, logprobs = _unpad(row, where, prefix)
+    else:
+        prompt = ints(get(row, "prompt_ids", where, prefix=prefix), prefix + "prompt_ids", where)
+        response = ints(get(row, "response_ids", where, prefix=prefix), prefix + "response_ids", where)
+        mask = ints(get(row, "response_mask", where, prefix=prefix), prefix + "response_mask", where)
+        same_length(prefix + "response_mask", mask, "response_ids", response, where)
+        logprobs = row.get("response_logprobs")
+        if logprobs is not None:
+            logprobs = floats(logprobs, prefix + "response_logprobs", where)
+            same_length(prefix + "response_logprobs", logprobs, "response_ids", response, where)
+    # The prompt is the dataset's chat (system + user) as one run of prompt tokens.
+    segments = [{"role": "user", "tokens": prompt}, *masked_segments(response, mask, logprobs, off_role="tool")]
+    meta = source_meta("verl", where, reward=row.get("reward_score"), num_turns=row.get("num_turns"))
+    return {"id": rollout_id, "meta": meta, "branches": [branch("main", segments)]}

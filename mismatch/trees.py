@@ -1,0 +1,209 @@
+"""Rollout trees as a trainer weighs them: Tree Training token weights and the QwenGyre path cap.
+
+rollouts + token table → `weight_tree` / `weight_gyre` columns → weighted pair metrics next to
+the unweighted ones, overall and per branch kind (summary.json `trees`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from mismatch.errors import MismatchError
+from mismatch.rollouts import Rollout
+
+DEFAULT_MAX_PATHS = 5
+WEIGHTS = ("tree", "gyre")
+WEIGHTED_METRICS = ("n_tokens", "weight_sum", "log_ratio_mean", "log_ratio_abs_mean", "ratio_mean",
+                    "kl_k1", "kl_k2", "kl_k3", "chi2_token", "ess", "frac_outside_2")
+GYRE_NORMALIZATION = (
+    "weight_gyre = 1/|P| on every token of a kept path, 0 on dropped ones, where P is the rollout's "
+    "kept paths (at most max_paths, in the order main, main's summaries, subagents, their summaries): "
+    "each rollout contributes the mean of its kept paths, never their sum, so its total weight is "
+    "its paths' mean token count however many branches it has")
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights of one rollout
+
+
+def _subtree_sizes(rollout: Rollout) -> dict[str, int]:
+    """Branches in each branch's subtree, itself included (iterative: trees may be 1000 deep)."""
+    parent_of = {b.id: b.parent for b in rollout.branches}
+    depth: dict[str, int] = {}
+    for branch_id in parent_of:
+        path, node = [], branch_id
+        while node is not None and node not in depth:
+            path.append(node)
+            node = parent_of[node]
+        base = -1 if node is None else depth[node]
+        for k, node_id in enumerate(reversed(path), start=1):
+            depth[node_id] = base + k
+    sizes = dict.fromkeys(parent_of, 1)
+    for branch_id in sorted(parent_of, key=depth.__getitem__, reverse=True):  # leaves first
+        if parent_of[branch_id] is not None:
+            sizes[parent_of[branch_id]] += sizes[branch_id]
+    return sizes
+
+
+def tree_weights(rollout: Rollout) -> dict[str, np.ndarray]:
+    """Tree Training weight of each own token, per branch id: the fraction of the rollout's
+    branches whose history (context + own stream) holds that token.
+
+    A token at offset t of branch X is in X's history and in that of every branch below a child
+    of X that forked at fork_at > t (its context is X's stream up to fork_at), so its count is
+    1 + the subtree sizes of those children.
+    """
+    sizes = _subtree_sizes(rollout)
+    counts = {b.id: np.ones(b.num_tokens, dtype=np.float64) for b in rollout.branches}
+    for branch in rollout.branches:
+        if branch.parent is not None:
+            counts[branch.parent][: branch.fork_at] += sizes[branch.id]
+    return {branch_id: count / len(rollout.branches) for branch_id, count in counts.items()}
+
+
+def _path_rank(branch: Any, root_id: str) -> int:
+    if branch.parent is None:
+        return 0
+    if branch.kind == "summary":
+        return 1 if branch.parent == root_id else 4  # a summary of a subagent's summary, etc.
+    return {"subagent": 2, "subagent_summary": 3}.get(branch.kind, 4)
+
+
+def gyre_paths(rollout: Rollout, max_paths: int = DEFAULT_MAX_PATHS) -> list[str]:
+    """Ids of the branches QwenGyre trains as paths (at most max_paths), in priority order:
+    main, main's summaries, subagents, their summaries, anything else; ties keep file order."""
+    if max_paths < 1:
+        raise MismatchError(f"max_paths must be >= 1, got {max_paths}")
+    root_id = next(b.id for b in rollout.branches if b.parent is None)
+    ordered = sorted(rollout.branches, key=lambda b: _path_rank(b, root_id))  # stable: file order
+    return [branch.id for branch in ordered[:max_paths]]
+
+
+def gyre_weights(rollout: Rollout, max_paths: int = DEFAULT_MAX_PATHS) -> dict[str, np.ndarray]:
+    """QwenGyre weight of each own token, per branch id (see GYRE_NORMALIZATION)."""
+    kept = set(gyre_paths(rollout, max_paths))
+    return {b.id: np.full(b.num_tokens, 1.0 / len(kept) if b.id in kept else 0.0)
+            for b in rollout.branches}
+
+
+# ---------------------------------------------------------------------------------------------
+# The token table
+
+
+def add_tree_weights(table: pd.DataFrame, rollouts: Sequence[Rollout], *,
+                     max_paths: int = DEFAULT_MAX_PATHS) -> pd.DataFrame:
+    """`table` with `weight_tree` and `weight_gyre` columns (float64), aligned row for row.
+
+    `table` must be the token table of exactly these rollouts in `plan_replay` order (each
+    branch's own tokens, rollout by rollout, branch by branch); the rollout and branch columns
+    are checked against that order.
+    """
+    rollout_ids, branch_ids, tree, gyre = [], [], [], []
+    for rollout in rollouts:
+        by_tree, by_gyre = tree_weights(rollout), gyre_weights(rollout, max_paths)
+        for branch in rollout.branches:
+            rollout_ids.append(np.full(branch.num_tokens, rollout.id, dtype=object))
+            branch_ids.append(np.full(branch.num_tokens, branch.id, dtype=object))
+            tree.append(by_tree[branch.id])
+            gyre.append(by_gyre[branch.id])
+    num_rows = sum(len(part) for part in tree)
+    if num_rows != len(table):
+        raise MismatchError(f"token table has {len(table)} rows but the rollouts have {num_rows} "
+                            "own tokens; pass the table plan_replay built for these rollouts")
+    if num_rows and (np.any(table["rollout"].astype(str).to_numpy() != np.concatenate(rollout_ids))
+                     or np.any(table["branch"].astype(str).to_numpy() != np.concatenate(branch_ids))):
+        raise MismatchError("token table rows are not in the rollouts' branch order; pass the table "
+                            "plan_replay built for these rollouts")
+    out = table.copy()
+    out["weight_tree"] = np.concatenate(tree) if tree else np.empty(0)
+    out["weight_gyre"] = np.concatenate(gyre) if gyre else np.empty(0)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Weighted metrics
+
+
+def weighted_pair_metrics(logp_a: np.ndarray, logp_b: np.ndarray, weight: np.ndarray) -> dict[str, float]:
+    """WEIGHTED_METRICS of A against B (log_ratio = logp_a - logp_b), each token counting `weight`.
+
+    Every mean is sum(w * x) / sum(w); ess = (sum w r)^2 / (sum w * sum w r^2), which is the
+    unweighted (sum r)^2 / (n sum r^2) when all w = 1. Tokens with a NaN log-prob or weight 0
+    are left out; n_tokens counts the rest. No tokens: n_tokens 0, the rest NaN.
+    """
+    logp_a, logp_b = np.asarray(logp_a, np.float64), np.asarray(logp_b, np.float64)
+    weight = np.asarray(weight, np.float64)
+    keep = ~(np.isnan(logp_a) | np.isnan(logp_b)) & (weight > 0)
+    log_ratio, w = logp_a[keep] - logp_b[keep], weight[keep]
+    if not keep.any():
+        return {name: 0 if name == "n_tokens" else (0.0 if name == "weight_sum" else float("nan"))
+                for name in WEIGHTED_METRICS}
+    total = w.sum()
+    mean = lambda x: float(np.sum(w * x) / total)  # noqa: E731
+    with np.errstate(over="ignore", invalid="ignore"):
+        ratio = np.exp(log_ratio)
+        # ESS is scale-free: weigh by exp(log_ratio - max) so one huge ratio cannot overflow it.
+        shifted = np.exp(log_ratio - log_ratio.max())
+        ess = float(np.sum(w * shifted) ** 2 / (total * np.sum(w * shifted ** 2)))
+        return {
+            "n_tokens": int(keep.sum()), "weight_sum": float(total),
+            "log_ratio_mean": mean(log_ratio), "log_ratio_abs_mean": mean(np.abs(log_ratio)),
+            "ratio_mean": mean(ratio), "kl_k1": mean(-log_ratio), "kl_k2": mean(0.5 * log_ratio ** 2),
+            "kl_k3": mean(np.expm1(log_ratio) - log_ratio), "chi2_token": mean(ratio ** 2) - 1.0,
+            "ess": ess, "frac_outside_2": mean(((ratio > 2.0) | (ratio < 0.5)).astype(np.float64)),
+        }
+
+
+def _pair_block(tokens: pd.DataFrame, pair: tuple[str, str]) -> dict[str, dict[str, float]]:
+    a, b = (tokens[f"logp_{role}"].to_numpy() for role in pair)
+    block = {"unweighted": weighted_pair_metrics(a, b, np.ones(len(tokens)))}
+    for name in WEIGHTS:
+        block[name] = weighted_pair_metrics(a, b, tokens[f"weight_{name}"].to_numpy())
+    return block
+
+
+def _check_columns(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> None:
+    wanted = [f"weight_{name}" for name in WEIGHTS] + [f"logp_{role}" for pair in pairs for role in pair]
+    missing = [column for column in wanted if column not in table.columns]
+    if missing:
+        hint = " (add them with mismatch.trees.add_tree_weights)" if missing[0].startswith("weight_") else ""
+        raise MismatchError(f"token table has no column {missing[0]!r}{hint}")
+
+
+def tree_summary(table: pd.DataFrame, pairs: Sequence[tuple[str, str]], *,
+                 max_paths: int = DEFAULT_MAX_PATHS) -> dict[str, Any]:
+    """`summary["trees"]`: weights, weighted and unweighted pair metrics, a per-branch-kind view.
+
+    Over trainable tokens only (the PPO loss's tokens). `max_paths` is only reported: the
+    weights were fixed by `add_tree_weights`.
+    """
+    _check_columns(table, pairs)
+    tokens = table[table["trainable"].to_numpy(dtype=bool)]
+    branch_gyre = table.groupby(["rollout", "branch"], observed=True)["weight_gyre"].max()
+    totals = {name: float(tokens[f"weight_{name}"].sum()) for name in WEIGHTS}
+    kinds = []
+    for kind, group in tokens.groupby("branch_kind", observed=True, sort=True):
+        kinds.append({
+            "branch_kind": str(kind),
+            "n_branches": int(group.groupby(["rollout", "branch"], observed=True).ngroups),
+            "n_tokens": len(group),
+            # What share of the loss each kind gets: tokens alone overstate long subagents.
+            "weight_share": {"tokens": len(group) / max(len(tokens), 1),
+                             **{name: float(group[f"weight_{name}"].sum()) / totals[name]
+                                if totals[name] else float("nan") for name in WEIGHTS}},
+            "pairs": {f"{a}/{b}": _pair_block(group, (a, b)) for a, b in pairs},
+        })
+    return {
+        "max_paths": max_paths,
+        "gyre_normalization": GYRE_NORMALIZATION,
+        "num_paths": int(len(branch_gyre)),
+        "num_paths_dropped": int((branch_gyre == 0).sum()),
+        "num_rollouts_capped": int((branch_gyre == 0).groupby(level="rollout", observed=True).any().sum()),
+        "weight_tree_mean": float(tokens["weight_tree"].mean()) if len(tokens) else float("nan"),
+        "pairs": {f"{a}/{b}": _pair_block(tokens, (a, b)) for a, b in pairs},
+        "branch_kinds": kinds,
+    }

@@ -1,0 +1,123 @@
+"""Render drift: stored token ids against the re-rendered `messages`, on hand-built chats and on
+toy-agent rollouts whose harness rewrote one tool call's arguments."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mismatch.checkpoint import load_tokenizer
+from mismatch.drift import describe_span, drift_file, find_drift, render_ids
+from mismatch.errors import RolloutError
+from mismatch.rollouts import Rollout, check_rollout, load_rollouts
+from mismatch.toy_agent import HarnessConfig, write_rollouts
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint: Path):
+    return load_tokenizer(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def faulty_rollouts(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("drift") / "rollouts.jsonl"
+    write_rollouts(tiny_checkpoint, path, HarnessConfig(num_rollouts=2, max_turns=2,
+                                                        faults=("rewrite_tool_args",)))
+    return path
+
+
+def _call(arguments: str) -> dict:
+    return {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
+
+
+def _chat(answer: str = "The answer is 5.", arguments: str = '{"expression": "2 + 3"}') -> list[dict]:
+    return [{"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": "", "tool_calls": [_call(arguments)]},
+            {"role": "tool", "content": "5"},
+            {"role": "assistant", "content": answer}]
+
+
+def _rollout(tokenizer, sampled: list[dict], stored_messages: list[dict]) -> Rollout:
+    """A main branch whose tokens are `sampled` rendered (as the harness streamed them), carrying
+    `stored_messages` as its messages."""
+    probe, _ = check_rollout({"id": "probe", "branches": [{"id": "main", "segments": [
+        {"role": "user", "tokens": [1]}]}], "messages": sampled}, file="t", line=1, vocab_size=None)
+    ids, owner = render_ids(tokenizer, probe)
+    ids, owner = ids[:-1], owner[:-1]  # generation stopped at the last <|end|>: no separator after it
+    segments = []
+    for index, message in enumerate(sampled):
+        tokens = [t for t, o in zip(ids, owner) if o == index]
+        segment = {"role": message["role"], "tokens": tokens}
+        if message["role"] == "assistant":
+            segment["logprobs"] = [-0.1] * len(tokens)
+        segments.append(segment)
+    rollout, errors = check_rollout({"id": "r-hand", "branches": [{"id": "main", "segments": segments}],
+                                     "messages": stored_messages}, file="t", line=1, vocab_size=None)
+    assert not errors, errors
+    return rollout
+
+
+def test_messages_that_match_the_tokens_drift_nowhere(tokenizer) -> None:
+    drift = find_drift([_rollout(tokenizer, _chat(), _chat())], tokenizer)
+    assert drift["spans"] == [] and drift["num_rollouts_checked"] == 1
+
+
+def test_a_python_rewritten_false_is_named_with_its_turn(tokenizer) -> None:
+    sampled = _chat(arguments='{"expression": "2 + 3", "exact": false}')
+    stored = _chat(arguments='{"expression": "2 + 3", "exact": False}')  # a harness str(dict) round-trip
+    [span] = find_drift([_rollout(tokenizer, sampled, stored)], tokenizer)["spans"]
+    assert (span["rollout"], span["turn"], span["role"], span["message"]) == ("r-hand", 0, "assistant", 2)
+    assert span["kind"] == "case" and span["in_tool_call"]
+    assert "false" in span["stored"] and "False" in span["rendered"]
+    assert span["trainable_tokens"] == len(span["stored_ids"]) > 0
+
+
+def test_a_dropped_think_block_counts_its_trainable_tokens(tokenizer) -> None:
+    sampled = _chat(answer="<think>2 plus 3 is 5.</think>The answer is 5.")
+    [span] = find_drift([_rollout(tokenizer, sampled, _chat())], tokenizer)["spans"]
+    assert span["turn"] == 1 and span["kind"] == "think_dropped" and not span["in_tool_call"]
+    assert span["stored"] == "<think>2 plus 3 is 5.</think>" and span["rendered"] == ""
+    assert span["trainable_tokens"] == len(tokenizer.encode(span["stored"], add_special_tokens=False))
+
+
+def test_reformatted_tool_call_json_is_whitespace_drift(tokenizer) -> None:
+    stored = _chat(arguments=json.dumps({"expression": "2 + 3"}, separators=(",", ":")))
+    [span] = find_drift([_rollout(tokenizer, _chat(), stored)], tokenizer)["spans"]
+    assert span["kind"] == "whitespace" and span["in_tool_call"] and span["turn"] == 0
+    assert '"expression": "2 + 3"' in span["stored_context"]
+    assert '"expression":"2 + 3"' in span["rendered_context"]
+
+
+def test_messages_the_template_cannot_render_name_the_rollout(tokenizer) -> None:
+    bad = [*_chat()[:-1], {"role": "robot", "content": "beep"}]
+    with pytest.raises(RolloutError, match=r"^t:1: rollout 'r-hand': messages: chat template cannot "
+                                           r"render them: .*Unknown chat role: robot"):
+        find_drift([_rollout(tokenizer, _chat(), bad)], tokenizer)
+
+
+def test_toy_agent_messages_rerender_to_the_stored_tokens_except_the_injected_rewrite(
+        tiny_checkpoint, faulty_rollouts) -> None:
+    rollouts = load_rollouts(faulty_rollouts)
+    faulty = [r for r in rollouts if "rewrite_tool_args" in r.meta.get("injected_faults", [])]
+    assert len(faulty) == 1, "the fault must land in exactly one rollout"
+    rollout = faulty[0]
+    # The rewritten call: its turn is the number of model turns before its message.
+    index = next(i for i, m in enumerate(rollout.messages) for call in m.get("tool_calls", ())
+                 if '":"' in call["function"]["arguments"])
+    turn = sum(m["role"] == "assistant" for m in rollout.messages[:index])
+
+    drift = drift_file(tiny_checkpoint, faulty_rollouts)
+    assert drift["num_rollouts_checked"] == 2 and drift["num_rollouts_drifted"] == 1
+    [span] = drift["spans"]
+    assert (span["rollout"], span["turn"], span["message"]) == (rollout.id, turn, index)
+    assert span["kind"] == "whitespace" and span["in_tool_call"] and span["trainable_tokens"] >= 1
+    assert '{"expression": "' in span["stored_context"] and '{"expression":"' in span["rendered_context"]
+    assert describe_span(span).startswith(f"{rollout.id} turn {turn} (assistant, whitespace, ")
+    # Every other message list is a faithful OpenAI-style record: arguments are JSON strings.
+    for r in rollouts:
+        for message in r.messages:
+            for call in message.get("tool_calls", ()):
+                assert isinstance(json.loads(call["function"]["arguments"]), dict)

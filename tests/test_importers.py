@@ -1,0 +1,249 @@
+"""Importers: a small file in each framework's documented field names round-trips through format v1."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mismatch.errors import MismatchError
+from mismatch.importers import ImportFormatError, import_file
+from mismatch.importers._msgpack import MsgpackError, unpack_all
+from mismatch.rollouts import Rollout, load_rollouts
+
+# A two-turn agentic sample: prompt, model turn, tool output (mask 0), model turn.
+PROMPT = [1, 3, 208, 40, 41, 2, 208, 5, 208]
+RESPONSE = [8, 50, 51, 9, 2, 6, 208, 77, 2, 208, 5, 208, 60, 61, 2]
+MASK = [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1]
+LOGPROBS = [-0.5, -0.25, -0.125, -1.0, -0.01, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -2.0, -0.75, -0.05]
+
+
+def _jsonl(path: Path, records: list[Any]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _imported(format_name: str, path: Path, tmp_path: Path, **kwargs: Any) -> list[Rollout]:
+    out = tmp_path / "out.jsonl"
+    count = import_file(format_name, path, out, **kwargs)
+    rollouts = load_rollouts(out)
+    assert count == len(rollouts)
+    return rollouts
+
+
+def _back(rollout: Rollout, branch: str = "main") -> tuple[list[int], list[int], list[int], list[float]]:
+    """The framework view again: (prompt, response, mask, log-probs on mask-1 tokens)."""
+    segments = rollout.branch(branch).segments
+    prompt = segments[0].tokens.tolist()
+    response, mask, logprobs = [], [], []
+    for segment in segments[1:]:
+        response += segment.tokens.tolist()
+        mask += [int(segment.trainable)] * len(segment.tokens)
+        if segment.trainable and segment.logprobs is not None:
+            logprobs += segment.logprobs.tolist()
+    return prompt, response, mask, logprobs
+
+
+def _trained_logprobs() -> list[float]:
+    return [lp for lp, m in zip(LOGPROBS, MASK) if m]
+
+
+def test_verl_agent_loop_outputs_round_trip(tmp_path: Path) -> None:
+    records = [{"prompt_ids": PROMPT, "response_ids": RESPONSE, "response_mask": MASK,
+                "response_logprobs": LOGPROBS, "reward_score": 1.0, "num_turns": 4,
+                "metrics": {"generate_sequences": 0.1, "tool_calls": 0.0}, "extra_fields": {}},
+               {"prompt_ids": PROMPT, "response_ids": RESPONSE[:5], "response_mask": MASK[:5],
+                "response_logprobs": None, "num_turns": 2}]
+    first, second = _imported("verl", _jsonl(tmp_path / "agent_loop.jsonl", records), tmp_path)
+    assert _back(first) == (PROMPT, RESPONSE, MASK, _trained_logprobs())
+    assert [s.role for s in first.branch("main").segments] == ["user", "assistant", "tool", "assistant"]
+    assert first.meta["reward"] == 1.0 and first.meta["source"] == {"format": "verl",
+                                                                     "file": str(tmp_path / "agent_loop.jsonl"),
+                                                                     "line": 1}
+    assert second.id == "verl-2" and second.branch("main").segments[1].logprobs is None
+
+
+def test_verl_postprocess_batch_drops_its_padding(tmp_path: Path) -> None:
+    # `_postprocess` rows: prompts left-padded, responses right-padded, 0.0 log-probs on padding.
+    pad_prompt, pad_response = 3, 4
+    batch = {"prompts": [[0] * pad_prompt + PROMPT], "responses": [RESPONSE + [0] * pad_response],
+             "response_mask": [MASK + [0] * pad_response],
+             "attention_mask": [[0] * pad_prompt + [1] * len(PROMPT) + [1] * len(RESPONSE) + [0] * pad_response],
+             "rollout_log_probs": [LOGPROBS + [0.0] * pad_response]}
+    path = tmp_path / "batch.json"
+    path.write_text(json.dumps(batch))
+    [rollout] = _imported("verl", path, tmp_path)
+    assert rollout.id == "verl-0-0" and _back(rollout) == (PROMPT, RESPONSE, MASK, _trained_logprobs())
+
+
+def _msgpack(value: Any) -> bytes:
+    """The subset of MessagePack that msgspec writes for prime-rl's structs."""
+    if isinstance(value, bool):
+        return b"\xc3" if value else b"\xc2"
+    if isinstance(value, int):
+        return bytes([value]) if 0 <= value < 128 else (b"\xd3" + struct.pack(">q", value))
+    if isinstance(value, float):
+        return b"\xcb" + struct.pack(">d", value)
+    if isinstance(value, str):
+        data = value.encode()
+        return bytes([0xa0 | len(data)]) + data
+    if isinstance(value, list):
+        head = bytes([0x90 | len(value)]) if len(value) < 16 else b"\xdc" + struct.pack(">H", len(value))
+        return head + b"".join(_msgpack(v) for v in value)
+    if isinstance(value, dict):
+        return bytes([0x80 | len(value)]) + b"".join(_msgpack(k) + _msgpack(v) for k, v in value.items())
+    raise TypeError(type(value))
+
+
+def test_prime_rl_rollouts_bin_round_trips(tmp_path: Path) -> None:
+    # TrainingBatch(examples, temperature, seq_len, step), array_like: fields in declaration order;
+    # the second example omits its default advantage (omit_defaults).
+    examples = [[PROMPT, [0] * len(PROMPT), RESPONSE, MASK, LOGPROBS, 0.5],
+                [PROMPT, [0] * len(PROMPT), RESPONSE[:5], MASK[:5], LOGPROBS[:5]]]
+    path = tmp_path / "rollouts.bin"
+    path.write_bytes(_msgpack([examples, 0.7, 4096, 12]))
+    first, second = _imported("prime-rl", path, tmp_path)
+    assert _back(first) == (PROMPT, RESPONSE, MASK, _trained_logprobs())
+    assert first.meta["sampler"] == {"engine": "prime-rl", "temperature": 0.7}
+    assert first.meta["step"] == 12 and first.meta["advantage"] == 0.5 and "advantage" not in second.meta
+    assert (first.id, second.id) == ("prime-rl-0-0", "prime-rl-0-1")
+
+
+def test_prime_rl_json_examples_use_the_same_names(tmp_path: Path) -> None:
+    example = {"prompt_ids": PROMPT, "prompt_mask": [0] * len(PROMPT), "completion_ids": RESPONSE,
+               "completion_mask": MASK, "completion_logprobs": LOGPROBS, "advantage": -1.0}
+    [rollout] = _imported("prime-rl", _jsonl(tmp_path / "examples.jsonl", [example]), tmp_path)
+    assert _back(rollout) == (PROMPT, RESPONSE, MASK, _trained_logprobs()) and "sampler" not in rollout.meta
+
+
+def test_skyrl_generator_output_round_trips(tmp_path: Path) -> None:
+    output = {"prompt_token_ids": [PROMPT, PROMPT, PROMPT], "response_ids": [RESPONSE, RESPONSE[:5], RESPONSE[:5]],
+              "rewards": [1.0, 0.0, 0.5], "loss_masks": [MASK, MASK[:5], MASK[:5]],
+              "stop_reasons": ["stop", "length", "stop"], "rollout_metrics": {"mean_turns": 2},
+              "rollout_logprobs": [LOGPROBS, LOGPROBS[:5], LOGPROBS[:5]],
+              "trajectory_ids": [{"instance_id": "q7", "repetition_id": 0}, {"instance_id": "q7", "repetition_id": 1},
+                                 {"instance_id": "q7", "repetition_id": 1}],
+              "is_last_step": [True, False, True]}
+    path = tmp_path / "generator_output.json"
+    path.write_text(json.dumps(output))
+    rollouts = _imported("skyrl", path, tmp_path)
+    # TrajectoryID.to_string(); step-wise repeats of one trajectory get numbered.
+    assert [r.id for r in rollouts] == ["q7_0", "q7_1-step0", "q7_1-step1"]
+    assert _back(rollouts[0]) == (PROMPT, RESPONSE, MASK, _trained_logprobs())
+    assert rollouts[1].meta["stop_reason"] == "length" and rollouts[1].meta["reward"] == 0.0
+
+
+def _step(prompt: list[int], completion: list[int], *, logprobs: list[float] | None = None,
+          messages: tuple[list, list] | None = None) -> dict[str, Any]:
+    prompt_messages, completion_messages = messages or ([], [])
+    return {"prompt": prompt_messages, "completion": completion_messages, "response": None, "reward": None,
+            "advantage": None, "is_truncated": False, "trajectory_id": "t0", "extras": {},
+            "tokens": {"prompt_ids": prompt, "prompt_mask": [0] * len(prompt), "completion_ids": completion,
+                       "completion_mask": [1] * len(completion),
+                       "completion_logprobs": logprobs or [-0.5] * len(completion),
+                       "overlong_prompt": False, "is_truncated": False}}
+
+
+def test_verifiers_steps_merge_while_the_prompt_extends_and_fork_when_it_breaks(tmp_path: Path) -> None:
+    first, tool, second = RESPONSE[:5], RESPONSE[5:12], RESPONSE[12:]
+    compacted = PROMPT[:4] + [99, 98]  # a summary replaces the history after token 4
+    steps = [_step(PROMPT, first, logprobs=LOGPROBS[:5]),
+             _step(PROMPT + first + tool, second, logprobs=LOGPROBS[12:]),
+             _step(compacted, [70, 2])]
+    record = {"example_id": 3, "task": "calc", "reward": 1.0, "trajectory": steps}
+    [rollout] = _imported("verifiers", _jsonl(tmp_path / "results.jsonl", [record]), tmp_path)
+    assert _back(rollout) == (PROMPT, RESPONSE, MASK, _trained_logprobs())  # steps 1-2: one sample
+    fork = rollout.branch("step-1")
+    assert (fork.parent, fork.fork_at, fork.kind) == ("main", 4, "subagent")
+    assert [s.tokens.tolist() for s in fork.segments] == [[99, 98], [70, 2]]
+    assert rollout.meta["example_id"] == 3 and rollout.messages is None  # two branches: no one chat
+
+
+def test_verifiers_single_branch_rollouts_carry_their_chat(tmp_path: Path) -> None:
+    chat = ([{"role": "user", "content": "2+3?"}], [{"role": "assistant", "content": "5"}])
+    record = {"state": {"trajectory": [_step(PROMPT, RESPONSE[:5], messages=chat)]}}
+    [rollout] = _imported("verifiers", _jsonl(tmp_path / "states.jsonl", [record]), tmp_path)
+    assert rollout.messages == [*chat[0], *chat[1]]
+
+
+def test_pickles_are_refused_unless_allowed(tmp_path: Path) -> None:
+    path = tmp_path / "outputs.pkl"
+    path.write_bytes(pickle.dumps([{"prompt_ids": PROMPT, "response_ids": RESPONSE, "response_mask": MASK}]))
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(MismatchError) as refused:
+        import_file("verl", path, out)
+    assert str(refused.value) == (f"{path}: .pkl files are pickles and unpickling runs code from the file; "
+                                  "export JSON Lines or Parquet instead, or pass --allow-pickle if you trust it")
+    assert not out.exists()
+    [rollout] = _imported("verl", path, tmp_path, allow_pickle=True)
+    assert _back(rollout)[:3] == (PROMPT, RESPONSE, MASK)
+
+
+def test_bad_records_name_file_record_and_field(tmp_path: Path) -> None:
+    path = _jsonl(tmp_path / "bad.jsonl", [{"prompt_ids": PROMPT, "response_ids": RESPONSE}])
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(ImportFormatError, match=rf"^{path}:1: response_mask: missing required field$"):
+        import_file("verl", path, out)
+    short = _jsonl(tmp_path / "short.jsonl", [{"prompt_ids": PROMPT, "response_ids": RESPONSE,
+                                               "response_mask": MASK[:-1]}])
+    with pytest.raises(ImportFormatError, match=rf"^{short}:1: response_mask: has 14 entries for 15 response_ids$"):
+        import_file("verl", short, out)
+    positive = _jsonl(tmp_path / "positive.jsonl", [{"prompt_ids": PROMPT, "response_ids": [5], "response_mask": [1],
+                                                     "response_logprobs": [0.5]}])
+    with pytest.raises(MismatchError, match=r"positive.jsonl:1: rollout 'verl-1': .*logprobs: logprob at index 0 "
+                                            r"is 0.5 > 0"):
+        import_file("verl", positive, out)
+    with pytest.raises(MismatchError, match="unknown import format 'openrlhf' \\(known: verl, prime-rl, skyrl, verifiers\\)"):
+        import_file("openrlhf", path, out)
+    assert not out.exists()
+
+
+def test_msgpack_decoder_reads_known_bytes_and_rejects_the_rest() -> None:
+    assert unpack_all(b"\x93\x01\xa1a\xc3\x81\xa1k\xcb" + struct.pack(">d", -0.5)) == [[1, "a", True], {"k": -0.5}]
+    with pytest.raises(MsgpackError, match="truncated at byte 2"):
+        unpack_all(b"\x92\x01")
+    with pytest.raises(MsgpackError, match="unsupported type byte 0xc7 at byte 0"):
+        unpack_all(b"\xc7\x01\x01\x00")
+    with pytest.raises(MsgpackError, match="nested deeper than 64 levels"):
+        unpack_all(b"\x91" * 100 + b"\x00")
+
+
+_values = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False)
+                       | st.text(max_size=20), lambda inner: st.lists(inner, max_size=20)
+                       | st.dictionaries(st.text(max_size=5), inner, max_size=5), max_leaves=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_values)
+def test_msgpack_decoder_inverts_the_encoding(value: Any) -> None:
+    assert unpack_all(_msgpack_full(value)) == [value]
+
+
+def _msgpack_full(value: Any) -> bytes:
+    """A fuller encoder for the property test (every width the decoder reads)."""
+    if value is None:
+        return b"\xc0"
+    if isinstance(value, bool):
+        return b"\xc3" if value else b"\xc2"
+    if isinstance(value, int):
+        if 0 <= value < 128:
+            return bytes([value])
+        if -32 <= value < 0:
+            return struct.pack(">b", value)
+        return b"\xd3" + struct.pack(">q", value) if value < 0 else b"\xcf" + struct.pack(">Q", value)
+    if isinstance(value, float):
+        return b"\xcb" + struct.pack(">d", value)
+    if isinstance(value, str):
+        data = value.encode()
+        return (bytes([0xa0 | len(data)]) if len(data) < 32 else b"\xd9" + bytes([len(data)])) + data
+    if isinstance(value, list):
+        head = bytes([0x90 | len(value)]) if len(value) < 16 else b"\xdc" + struct.pack(">H", len(value))
+        return head + b"".join(_msgpack_full(v) for v in value)
+    head = bytes([0x80 | len(value)]) if len(value) < 16 else b"\xde" + struct.pack(">H", len(value))
+    return head + b"".join(_msgpack_full(k) + _msgpack_full(v) for k, v in value.items())

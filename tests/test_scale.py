@@ -1,0 +1,112 @@
+"""Shards merge into exactly one run's results; a killed audit resumes to exactly the same results."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import REPO
+from mismatch.audit import audit
+from mismatch.cli import main
+from mismatch.merge import merge
+from mismatch.replay import Shard
+
+EXAMPLE = REPO / "examples/rollouts.jsonl"
+SPECS = {"train": "hf:dtype=bfloat16", "infer": "hf-decode:dtype=bfloat16"}  # batch-variant: a real test
+PER_TOKEN = ["rollout_index", "rollout", "branch", "turn", "segment", "pos", "role", "token_id",
+             "trainable", "logp_sampler", "logp_train", "logp_infer"]
+
+
+def _same_tokens(left: pd.DataFrame, right: pd.DataFrame) -> None:
+    assert len(left) == len(right)
+    for column in PER_TOKEN:
+        a, b = left[column].to_numpy(), right[column].to_numpy()
+        if a.dtype.kind == "f":
+            assert np.array_equal(a, b, equal_nan=True), column  # bitwise, NaNs included
+        else:
+            assert (a.astype(str) == b.astype(str)).all(), column
+
+
+def test_three_shards_merge_to_one_run(tiny_checkpoint, tmp_path) -> None:
+    whole = audit(tiny_checkpoint, EXAMPLE, **SPECS, out=tmp_path / "whole", block_size=2)
+    shards = []
+    for index in range(3):
+        out = tmp_path / f"shard{index}"
+        audit(tiny_checkpoint, EXAMPLE, **SPECS, out=out, block_size=2, shard=Shard(index=index, count=3))
+        shards.append(out)
+    assert main(["merge", *map(str, shards), "--out", str(tmp_path / "merged")]) == 0
+    merged = json.loads((tmp_path / "merged/summary.json").read_text())
+    _same_tokens(pd.read_parquet(tmp_path / "whole/tokens.parquet"),
+                 pd.read_parquet(tmp_path / "merged/tokens.parquet"))
+    for key in ("pairs", "turns", "roles", "branch_kinds", "corrections", "recommendations", "counts"):
+        assert json.dumps(merged[key]) == json.dumps(json.loads(
+            (tmp_path / "whole/summary.json").read_text())[key]), key
+    assert merged["localization"]["turns"] == json.loads(
+        (tmp_path / "whole/summary.json").read_text())["localization"]["turns"]
+    assert whole.summary["counts"]["rollouts"] == 12
+
+
+def test_merge_refuses_incomplete_or_mixed_shards(tiny_checkpoint, tmp_path) -> None:
+    for index in (0, 1):
+        audit(tiny_checkpoint, EXAMPLE, train="hf", infer="hf", out=tmp_path / f"s{index}",
+              block_size=4, shard=Shard(index=index, count=3))
+    with pytest.raises(Exception, match=r"^shards \[0, 1\] of 3: need each of 0\.\.2 exactly once$"):
+        merge([tmp_path / "s0", tmp_path / "s1"], tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
+def test_shard_argument_errors(tiny_checkpoint, tmp_path, capsys) -> None:
+    args = ["audit", str(tiny_checkpoint), "--rollouts", str(EXAMPLE), "--out", str(tmp_path / "o")]
+    assert main([*args, "--shard", "3/3"]) == 2
+    assert capsys.readouterr().err.strip() == "mismatch: error: --shard '3/3': expected I/N with 0 <= I < N, e.g. 0/4"
+    assert main([*args, "--shard", "5/6", "--block-size", "64"]) == 2
+    assert capsys.readouterr().err.strip() == ("mismatch: error: shard 5/6 has no rollouts: 12 rollouts "
+                                               "make 1 block(s) of 64")
+    assert not (tmp_path / "o").exists() and not (tmp_path / ".o.work").exists()
+
+
+def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_checkpoint, tmp_path) -> None:
+    script = Path(sys.executable).with_name("mismatch")
+    out = tmp_path / "resumed"
+    command = [str(script), "audit", str(tiny_checkpoint), "--rollouts", str(EXAMPLE), "--train",
+               SPECS["train"], "--infer", "hf-decode:dtype=bfloat16,prefill=none", "--block-size", "1",
+               "--out", str(out)]
+    work = tmp_path / ".resumed.work"
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(list(work.glob("infer-*.npy"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the audit finished before it could be killed: make the workload bigger"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not out.exists() and len(list(work.glob("infer-*.npy"))) >= 3
+    subprocess.run(command, check=True, capture_output=True)
+    assert not work.exists()
+    resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["engines"]["train"]["resumed_blocks"] == 12
+    assert resumed["engines"]["infer"]["resumed_blocks"] >= 3
+    whole = tmp_path / "whole"
+    subprocess.run([*command[:-1], str(whole)], check=True, capture_output=True)
+    _same_tokens(pd.read_parquet(whole / "tokens.parquet"), pd.read_parquet(out / "tokens.parquet"))
+    assert json.dumps(resumed["pairs"]) == json.dumps(json.loads((whole / "summary.json").read_text())["pairs"])
+
+
+def test_work_dir_of_another_run_is_not_reused(tiny_checkpoint, tmp_path, capsys) -> None:
+    work = tmp_path / ".o.work"
+    work.mkdir()
+    (work / "manifest.json").write_text('{"command": "something else"}')
+    args = ["audit", str(tiny_checkpoint), "--rollouts", str(EXAMPLE), "--out", str(tmp_path / "o"),
+            "--infer", "hf"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip() == (f"mismatch: error: {work}: holds an interrupted run with "
+                                               "other inputs; pass --force to discard it")
+    assert main([*args, "--force"]) == 0 and not work.exists()
