@@ -16,7 +16,8 @@ Usage: python benchmarks/analysis.py [--tokens 10000000] [--rollouts 10000] [--r
    (building them is not timed); per batch and per pair torch computes log-ratio mean/|mean|/max,
    ratio mean/std/min/max, k1, k2, k3, chi2 (token and sequence), ESS sums, fraction outside
    [0.5, 2] and bitwise-equal fraction, accumulated across batches.
-Both are best of --repeats, in this process, with torch's default threads (the 2 cores here).
+Both are best of --repeats, in this process; the baseline runs with 1 torch thread and with
+the default (2 here), and the faster counts. mismatch's path is numpy/pandas (one core).
 Prints one JSON object; --profile N adds the top N functions (cProfile, cumulative) of step 2.
 """
 
@@ -115,13 +116,13 @@ def synthetic_table(num_tokens: int, num_rollouts: int, seed: int) -> pd.DataFra
 
 def mismatch_analysis(path: Path) -> tuple[dict[str, float], dict]:
     """Stage timings (s) and the results, from reading the Parquet file to the last correction."""
-    times, started = {}, time.perf_counter()
+    times, started, started_cpu = {}, time.perf_counter(), time.process_time()
 
-    def lap(name: str) -> None:
-        nonlocal started
-        now = time.perf_counter()
-        times[name] = now - started
-        started = now
+    def lap(name: str) -> None:  # wall and CPU seconds of each stage
+        nonlocal started, started_cpu
+        now, now_cpu = time.perf_counter(), time.process_time()
+        times[name] = [round(now - started, 4), round(now_cpu - started_cpu, 4)]
+        started, started_cpu = now, now_cpu
 
     table = pd.read_parquet(path)
     lap("read_parquet")
@@ -133,7 +134,7 @@ def mismatch_analysis(path: Path) -> tuple[dict[str, float], dict]:
     lap("localize_turns")
     corrections = summary_corrections(table)
     lap("summary_corrections")
-    times["total"] = sum(times.values())
+    times["total"] = [round(sum(t[0] for t in times.values()), 4), round(sum(t[1] for t in times.values()), 4)]
     return times, {"pairs": pairs, "turns": turns, "localization": localization, "corrections": corrections}
 
 
@@ -221,12 +222,15 @@ def torch_baseline(batches: list[dict[str, torch.Tensor]]) -> dict[str, dict[str
 
 
 def best_of(repeats: int, run):
-    best, result = math.inf, None
+    """Best wall seconds of `repeats` runs, the CPU seconds of that run, and its result."""
+    best, best_cpu, result = math.inf, math.inf, None
     for _ in range(repeats):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         result = run()
-        best = min(best, time.perf_counter() - started)
-    return best, result
+        seconds = time.perf_counter() - started
+        if seconds < best:
+            best, best_cpu = seconds, time.process_time() - started_cpu
+    return best, best_cpu, result
 
 
 def main() -> None:
@@ -252,8 +256,18 @@ def main() -> None:
     padded_cells = sum(b["mask"].numel() for b in batches)
     del table
 
-    ours_s, (stages, ours) = best_of(args.repeats, lambda: mismatch_analysis(args.parquet))
-    base_s, base = best_of(args.repeats, lambda: torch_baseline(batches))
+    load_before = os.getloadavg()[0]
+    ours_s, ours_cpu, (stages, ours) = best_of(args.repeats, lambda: mismatch_analysis(args.parquet))
+    # The strongest baseline: torch on 1 thread and on all of them, the faster counts. (On a
+    # shared machine OpenMP's spinning threads can make 2 threads 40x slower than 1.)
+    default_threads = torch.get_num_threads()
+    baseline_runs = {}
+    for threads in sorted({1, default_threads}):
+        torch.set_num_threads(threads)
+        baseline_runs[threads] = best_of(args.repeats, lambda: torch_baseline(batches))
+    torch.set_num_threads(default_threads)
+    base_threads = min(baseline_runs, key=lambda t: baseline_runs[t][0])
+    base_s, base_cpu, base = baseline_runs[base_threads]
 
     # The two must agree on what they both compute (float32 baseline: to ~1e-6 relative).
     agree = {}
@@ -263,10 +277,12 @@ def main() -> None:
             agree[f"{pair}:{name}"] = abs(ours_v - base_v) / max(abs(ours_v), 1e-300)
     result = {
         "rows": num_rows, "trainable_rows": num_trainable, "rollouts": args.rollouts,
-        "parquet_mb": round(os.path.getsize(args.parquet) / 2**20, 1), "threads": torch.get_num_threads(),
+        "parquet_mb": round(os.path.getsize(args.parquet) / 2**20, 1),
         "baseline_dtype": args.dtype, "baseline_batches": len(batches), "baseline_padded_cells": padded_cells,
-        "mismatch_s": ours_s, "mismatch_stages_s_last_run": stages,
-        "baseline_s": base_s,
+        "load_average_1min": round(load_before, 2),
+        "mismatch_s": ours_s, "mismatch_cpu_s": ours_cpu, "mismatch_stages_s_last_run": stages,
+        "baseline_s": base_s, "baseline_cpu_s": base_cpu, "baseline_threads": base_threads,
+        "baseline_s_by_threads": {t: run[0] for t, run in baseline_runs.items()},
         "mismatch_tokens_per_s": num_rows / ours_s, "baseline_tokens_per_s": num_rows / base_s,
         "speedup_vs_baseline": base_s / ours_s,
         "target_10M_tokens_per_s_met": num_rows / ours_s >= 10e6,
@@ -274,7 +290,7 @@ def main() -> None:
         "max_rel_diff_vs_baseline": max(agree.values()), "generate_s": generate_s,
     }
     if args.profile:
-        profiler = cProfile.Profile()
+        profiler = cProfile.Profile(time.process_time)  # CPU time: steadier on a shared machine
         profiler.enable()
         mismatch_analysis(args.parquet)
         profiler.disable()

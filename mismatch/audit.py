@@ -18,7 +18,7 @@ from mismatch.corrections import summary_corrections
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import localize_turns
 from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
-from mismatch.recommend import recommend, recommendations_dicts
+from mismatch.recommend import FRAMEWORKS, recommend, recommendations_dicts, render_config
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_roles
 from mismatch.results import SUMMARY_SCHEMA, WorkDir, check_out_dir, file_identity, write_results
 from mismatch.verdicts import verdicts
@@ -67,6 +67,8 @@ def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
     summary["localization"]["turns"] = localize_turns(table, "train", "sampler")
     summary["corrections"] = summary_corrections(table)
     summary["recommendations"] = recommendations_dicts(recommend(summary))
+    summary["config_snippets"] = {framework: render_config(summary["recommendations"], framework)
+                                  for framework in FRAMEWORKS}
     return summary
 
 
@@ -89,9 +91,13 @@ def replay_for_results(checkpoint: str | Path, rollouts: str | Path, roles: dict
 def publish(out: Path, table: pd.DataFrame, summary: dict[str, Any],
             pairs: tuple[tuple[str, str], ...], *, force: bool, work: WorkDir | None) -> None:
     """Write the results dir in one rename, then drop the work dir it no longer needs."""
+    from reports.build import build_report
+
     per_rollout = metrics_by(table, list(pairs), "rollout")
+    # The report is built inside the staged dir, so it appears in the same rename as its data.
     write_results(out, tokens=table, summary=summary, force=force,
-                  extra={"rollouts.parquet": lambda path: per_rollout.to_parquet(path, index=False)})
+                  extra={"rollouts.parquet": lambda path: per_rollout.to_parquet(path, index=False),
+                         "index.html": lambda path: build_report(path.parent)})
     if work is not None:
         work.remove()
 

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from mismatch.errors import MismatchError
+from reports.build import ReportError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Measure, localize and correct the log-prob gap between an RL trainer and "
@@ -184,6 +185,18 @@ def merge(
         return
     print_pairs(summary)
     out_console.print(f"wrote {out}/")
+
+
+@app.command()
+def report(
+    results: Annotated[Path, typer.Argument(help="Results directory (audit, diff or merge).")],
+    tokenizer: Annotated[Optional[Path], typer.Option(
+        help="tokenizer.json for token text (default: the checkpoint's, when it is found).")] = None,
+) -> None:
+    """Rebuild DIR/index.html from DIR/summary.json and DIR/tokens.parquet."""
+    from reports.build import build_report
+
+    out_console.print(f"wrote {build_report(results, tokenizer_path=tokenizer)}", markup=False)
 
 
 @app.command()
@@ -416,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_transformers()
     try:
         code = app(args=argv, prog_name="mismatch", standalone_mode=False)
-    except MismatchError as exc:
+    except (MismatchError, ReportError) as exc:
         if debug:
             raise
         err_console.print(f"mismatch: error: {exc}", markup=False, highlight=False, soft_wrap=True)

@@ -31,6 +31,8 @@ def fmt(value: Any, kind: str = "num") -> str:
         return pct(value)
     if kind in ("range", "ci"):
         low, high = value if isinstance(value, (tuple, list)) and len(value) == 2 else (None, None)
+        if low is None and high is None:
+            return "–"
         return f"[{num(low, 3)}, {num(high, 3)}]" if kind == "ci" else f"{num(low)} – {num(high)}"
     return num(value)
 

@@ -10,7 +10,7 @@ import pytest
 
 from mismatch.checkpoint import load_tokenizer
 from mismatch.drift import describe_span, drift_file, find_drift, render_ids
-from mismatch.errors import RolloutError
+from mismatch.errors import MismatchError, RolloutError
 from mismatch.rollouts import Rollout, check_rollout, load_rollouts
 from mismatch.toy_agent import HarnessConfig, write_rollouts
 
@@ -121,3 +121,9 @@ def test_toy_agent_messages_rerender_to_the_stored_tokens_except_the_injected_re
         for message in r.messages:
             for call in message.get("tool_calls", ()):
                 assert isinstance(json.loads(call["function"]["arguments"]), dict)
+
+
+def test_an_unknown_harness_fault_is_refused() -> None:
+    with pytest.raises(MismatchError, match=r"^HarnessConfig.faults: unknown fault 'drop_think' "
+                                            r"\(known: rewrite_tool_args, shift_logprobs\)$"):
+        HarnessConfig(faults=("drop_think",))

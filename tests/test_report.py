@@ -171,7 +171,8 @@ def demo_report(tiny_checkpoint: Path, sampled_rollouts: Path, tmp_path_factory:
     from mismatch.demo import DEMO_INFER, DEMO_TRAIN
 
     out = tmp_path_factory.mktemp("demo") / "audit"
-    audit(tiny_checkpoint, sampled_rollouts, train=DEMO_TRAIN, infer=DEMO_INFER, out=out)
+    # sampled_rollouts come from the hf-decode sampler: the demo replays a sampler with its own path.
+    audit(tiny_checkpoint, sampled_rollouts, train=DEMO_TRAIN, infer=DEMO_INFER["hf-decode"], out=out)
     return build_report(out)
 
 
