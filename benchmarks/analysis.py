@@ -53,7 +53,8 @@ BATCH = 64
 def synthetic_table(num_tokens: int, num_rollouts: int, seed: int) -> pd.DataFrame:
     """About num_tokens rows over num_rollouts rollouts, in the column layout audit writes."""
     rng = np.random.default_rng(seed)
-    mean_prompt = mean_answer = max(8, num_tokens // num_rollouts // 12)  # ~6 turns x 2 segments per rollout
+    # ~15 prompt/answer segments per rollout on average (main: 2-8 turns, subagents: 1-3 each).
+    mean_prompt = mean_answer = max(8, num_tokens // num_rollouts // 15)
     seg: dict[str, list] = {k: [] for k in ("rollout", "branch", "kind", "role", "turn", "segment", "start", "length")}
     for r in range(num_rollouts):
         kinds = ["main"] + ["subagent"] * int(rng.integers(0, 3))

@@ -223,54 +223,62 @@ def _finding(kind: str, message: str, fix: str, rollout: str | None = None) -> d
             "message": message, "fix": fix}
 
 
-def check_alignment(table: pd.DataFrame, *, stored: str = "sampler", replayed: str = "train",
-                    sampler_meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`summary["alignment"]`: do `logp_<stored>` and `logp_<replayed>` measure the same thing?
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _Columns:
+    """The token table as the checks read it: one array per column, table order."""
 
-    Contract keys: `shift` (-1, 0, +1: stored[i] is the log-prob of token i + shift, over all
-    rollouts), `padded_zero_frac`, `logprob_semantics` ("raw" | "processed" | "unknown"); also
-    `estimated_temperature`, `missing_trainable_frac`, `constant_frac`, `shift_fit` (mean |Δ|
-    per shift), `shift_by_rollout` (rollouts with a branch whose own best shift is not 0), `semantics`
-    (the evidence), `declared` (from `sampler_meta`), and `findings`: [{kind, rollout?, message,
-    fix}]. Fractions are over trainable tokens. Rollouts with a shift are left out of the
-    semantics check, whose evidence they would scramble.
-    """
-    columns = [f"logp_{stored}", f"logp_{replayed}"]
-    needed = [*columns, "rollout", "branch", "segment", "trainable"]
-    missing_columns = [c for c in needed if c not in table.columns]
-    if missing_columns:
-        raise MismatchError(f"alignment: token table has no column {missing_columns[0]!r}")
-    trainable = table["trainable"].to_numpy(dtype=bool)
-    s_all = table[columns[0]].to_numpy(np.float64)
-    r_all = table[columns[1]].to_numpy(np.float64)
-    segment = _segment_ids(table)
-    rollout = table["rollout"].astype(str).to_numpy()
-    findings: list[dict[str, Any]] = []
-    num_trainable = max(int(trainable.sum()), 1)
+    stored: np.ndarray     # float64
+    replayed: np.ndarray   # float64
+    trainable: np.ndarray  # bool
+    rollout: np.ndarray    # str
+    branch: np.ndarray     # int code per (rollout, branch)
+    segment: np.ndarray    # int code per (rollout, branch, segment)
 
-    missing = trainable & np.isnan(s_all)
-    missing_frac = float(missing.sum() / num_trainable)
+    @property
+    def num_trainable(self) -> int:
+        return max(int(self.trainable.sum()), 1)
+
+
+def _columns(table: pd.DataFrame, stored: str, replayed: str) -> _Columns:
+    needed = [f"logp_{stored}", f"logp_{replayed}", "rollout", "branch", "segment", "trainable"]
+    missing = [c for c in needed if c not in table.columns]
+    if missing:
+        raise MismatchError(f"alignment: token table has no column {missing[0]!r}")
+    return _Columns(stored=table[needed[0]].to_numpy(np.float64),
+                    replayed=table[needed[1]].to_numpy(np.float64),
+                    trainable=table["trainable"].to_numpy(dtype=bool),
+                    rollout=table["rollout"].astype(str).to_numpy(),
+                    branch=table.groupby(["rollout", "branch"], sort=False, observed=True).ngroup().to_numpy(),
+                    segment=_segment_ids(table))
+
+
+def _missing_check(cols: _Columns, stored: str, findings: list[dict[str, Any]]) -> float:
+    missing = cols.trainable & np.isnan(cols.stored)
     if missing.any():
-        worst = pd.Series(missing[trainable]).groupby(rollout[trainable]).mean().idxmax()
+        worst = str(pd.Series(missing[cols.trainable]).groupby(cols.rollout[cols.trainable]).mean().idxmax())
         findings.append(_finding("missing_logprobs", f"{missing.sum()} trainable tokens have no stored "
                                  f"{stored} log-prob (most in rollout {worst!r})",
                                  "store the sampler's log-prob of every generated token; a ratio "
-                                 "needs both sides", rollout=str(worst)))
+                                 "needs both sides", rollout=worst))
+    return float(missing.sum() / cols.num_trainable)
 
-    overall = _shift_fits(s_all, r_all, segment, np.zeros(len(table), dtype=np.int64))
+
+def _shift_check(cols: _Columns, branch_ids: np.ndarray,
+                 findings: list[dict[str, Any]]) -> tuple[int, dict[int, float], dict[str, int]]:
+    """The overall shift, its fits, and the rollouts with a shifted branch.
+
+    Per branch, not per rollout: an exporter bug may hit one branch kind and not another.
+    """
+    overall = _shift_fits(cols.stored, cols.replayed, cols.segment, np.zeros(len(cols.stored), np.int64))
     fits = {k: float(overall[k].iloc[0]) if len(overall) else float("nan") for k in SHIFTS}
-    shift = _best_shift(fits)
+    codes, first_row = np.unique(cols.branch, return_index=True)
+    names = {code: (cols.rollout[row], branch_ids[row]) for code, row in zip(codes, first_row)}
     by_rollout: dict[str, int] = {}
-    # Per branch, not per rollout: an exporter bug may hit one branch kind and not another.
-    branch_code = table.groupby(["rollout", "branch"], sort=False, observed=True).ngroup().to_numpy()
-    codes, first_row = np.unique(branch_code, return_index=True)
-    branch_ids = table["branch"].astype(str).to_numpy()
-    branch_names = {code: (rollout[row], branch_ids[row]) for code, row in zip(codes, first_row)}
-    for code, row in _shift_fits(s_all, r_all, segment, branch_code).iterrows():
+    for code, row in _shift_fits(cols.stored, cols.replayed, cols.segment, cols.branch).iterrows():
         k = _best_shift({k: float(row[k]) for k in SHIFTS})
         if not k:
             continue
-        rollout_id, branch_id = branch_names[code]
+        rollout_id, branch_id = names[code]
         by_rollout.setdefault(rollout_id, k)
         findings.append(_finding(
             "shift", f"rollout {rollout_id!r} branch {branch_id!r}: stored log-probs fit the replay "
@@ -279,47 +287,72 @@ def check_alignment(table: pd.DataFrame, *, stored: str = "sampler", replayed: s
             "realign the log-probs with their tokens in the exporter (an off-by-one between the "
             "logits row and the token it scores); do not trust this rollout's ratios until then",
             rollout=rollout_id))
+    return _best_shift(fits), fits, by_rollout
 
-    sure = trainable & (r_all < SURE_LOGP)
-    zero_rows = sure & (s_all == 0.0)
-    padded_frac = float(zero_rows.sum() / num_trainable)
+
+def _placeholder_check(cols: _Columns, findings: list[dict[str, Any]]) -> tuple[float, float]:
+    """(padded_zero_frac, constant_frac) over trainable tokens."""
+    zero_rows = cols.trainable & (cols.replayed < SURE_LOGP) & (cols.stored == 0.0)
     if zero_rows.any():
         findings.append(_finding("padded_zero", f"{zero_rows.sum()} trainable tokens store log-prob 0.0 "
                                  "where the replay gives p < 0.99",
                                  "zeros are padding or a placeholder: store real log-probs, or mask "
                                  "these tokens out of the ratio (unless the sampler used top-p/top-k, "
                                  "which legitimately gives 0.0 to a lone surviving token)"))
-    constant_rows = _constant_runs(s_all, r_all, segment) & trainable
-    constant_frac = float(constant_rows.sum() / num_trainable)
+    constant_rows = _constant_runs(cols.stored, cols.replayed, cols.segment) & cols.trainable
     if constant_rows.any():
-        value = float(s_all[constant_rows][0])
+        value = float(cols.stored[constant_rows][0])
         findings.append(_finding("constant_logprobs", f"{constant_rows.sum()} trainable tokens sit in runs "
                                  f"of one repeated stored log-prob (e.g. {value!r}) while the replay varies",
                                  "a placeholder was stored instead of log-probs: fix the exporter or "
                                  "mask these tokens"))
+    return float(zero_rows.sum() / cols.num_trainable), float(constant_rows.sum() / cols.num_trainable)
 
-    keep = trainable & ~np.isin(rollout, list(by_rollout)) & (s_all != 0.0)
-    semantics = _semantics(s_all[keep], r_all[keep])
-    declared = dict(sampler_meta or {})
-    declared_sampling = Sampling.from_meta(declared)
+
+def _semantics_finding(semantics: dict[str, Any], declared: dict[str, Any], stored: str, replayed: str,
+                       findings: list[dict[str, Any]]) -> None:
+    sampling = Sampling.from_meta(declared)
     if semantics["semantics"] == "processed":
-        temperature = declared_sampling.temperature if not declared_sampling.is_identity else \
-            semantics["estimated_temperature"]
+        # The declared settings are exact where given; the estimate is only a fallback.
+        temperature = semantics["estimated_temperature"] if sampling.is_identity else sampling.temperature
+        raised = semantics["frac_likely_raised"] >= ONE_SIDED
+        share = max(semantics["frac_likely_raised"], semantics["frac_likely_lowered"])
+        declared_text = (f"; meta.sampler declares logprobs={declared['logprobs']!r}"
+                         if declared.get("logprobs") else "")
         findings.append(_finding(
             "processed_logprobs", f"stored {stored} log-probs are processed (likely tokens "
-            f"{'raised' if semantics['frac_likely_raised'] >= ONE_SIDED else 'lowered'} in "
-            f"{max(semantics['frac_likely_raised'], semantics['frac_likely_lowered']):.0%} of cases; "
-            f"temperature ~ {semantics['estimated_temperature']}) while {replayed} computes raw ones"
-            + (f"; meta.sampler declares logprobs={declared['logprobs']!r}" if declared.get("logprobs") else ""),
+            f"{'raised' if raised else 'lowered'} in {share:.0%} of cases; temperature ~ "
+            f"{semantics['estimated_temperature']}) while {replayed} computes raw ones{declared_text}",
             f"compare like for like: recompute the {replayed} side under the sampler's processing "
-            f"(mismatch.alignment.recompute_processed, temperature={temperature}, "
-            f"top_k={declared_sampling.top_k}, top_p={declared_sampling.top_p}), or store raw "
-            "log-probs (vLLM: logprobs_mode='raw_logprobs')"))
-    elif semantics["semantics"] == "raw" and declared.get("logprobs") == "processed" \
-            and not declared_sampling.is_identity:
-        findings.append(_finding(
-            "semantics_mismatch", "meta.sampler declares processed log-probs but they read as raw",
-            "fix meta.sampler.logprobs so corrections use the right semantics"))
+            f"(mismatch.alignment.recompute_processed, temperature={temperature}, top_k={sampling.top_k}, "
+            f"top_p={sampling.top_p}), or store raw log-probs (vLLM: logprobs_mode='raw_logprobs')"))
+    elif semantics["semantics"] == "raw" and declared.get("logprobs") == "processed" and not sampling.is_identity:
+        findings.append(_finding("semantics_mismatch",
+                                 "meta.sampler declares processed log-probs but they read as raw",
+                                 "fix meta.sampler.logprobs so corrections use the right semantics"))
+
+
+def check_alignment(table: pd.DataFrame, *, stored: str = "sampler", replayed: str = "train",
+                    sampler_meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`summary["alignment"]`: do `logp_<stored>` and `logp_<replayed>` measure the same thing?
+
+    Contract keys: `shift` (-1, 0, +1: stored[i] is the log-prob of token i + shift, over all
+    rollouts), `padded_zero_frac`, `logprob_semantics` ("raw" | "processed" | "unknown"); also
+    `estimated_temperature`, `missing_trainable_frac`, `constant_frac`, `shift_fit` (mean |Δ|
+    per shift), `shift_by_rollout` (rollouts with a branch whose own best shift is not 0),
+    `semantics` (the evidence), `declared` (from `sampler_meta`), and `findings`: [{kind,
+    rollout?, message, fix}]. Fractions are over trainable tokens. Rollouts with a shift are
+    left out of the semantics check, whose evidence they would scramble.
+    """
+    cols = _columns(table, stored, replayed)
+    findings: list[dict[str, Any]] = []
+    missing_frac = _missing_check(cols, stored, findings)
+    shift, fits, by_rollout = _shift_check(cols, table["branch"].astype(str).to_numpy(), findings)
+    padded_frac, constant_frac = _placeholder_check(cols, findings)
+    keep = cols.trainable & ~np.isin(cols.rollout, list(by_rollout)) & (cols.stored != 0.0)
+    semantics = _semantics(cols.stored[keep], cols.replayed[keep])
+    declared = dict(sampler_meta or {})
+    _semantics_finding(semantics, declared, stored, replayed, findings)
     return {
         "stored": stored, "replayed": replayed,
         "shift": shift, "shift_fit": {str(k): v for k, v in fits.items()}, "shift_by_rollout": by_rollout,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +63,8 @@ def _render(tokenizer: Any, messages: list, rollout: Rollout) -> str:
 
 
 def render_ids(tokenizer: Any, rollout: Rollout) -> tuple[list[int], list[int]]:
-    """Token ids of the rollout's `messages` rendered by the chat template, and each id's message.
+    """Token ids of the rollout's `messages` rendered by the chat template, and each id's message
+    index (-1 when the render could not be split by message).
 
     Each message's text (the growth of the rendered prefix) is tokenized on its own and the
     pieces concatenated: that is how a harness builds the stream turn by turn, so BPE merges
@@ -73,14 +75,13 @@ def render_ids(tokenizer: Any, rollout: Rollout) -> tuple[list[int], list[int]]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise MismatchError("drift: the checkpoint's tokenizer has no chat_template to render messages with")
     texts = [_render(tokenizer, messages[: k + 1], rollout) for k in range(len(messages))]
-    if all(b.startswith(a) for a, b in zip(texts, texts[1:])):
-        pieces = [b[len(a):] for a, b in zip([""] + texts[:-1], texts)]
-    else:
-        pieces = [texts[-1]] if texts else []
+    if not all(b.startswith(a) for a, b in zip(texts, texts[1:])):
+        ids = tokenizer.encode(texts[-1], add_special_tokens=False)
+        return ids, [-1] * len(ids)
     ids: list[int] = []
     owner: list[int] = []
-    for index, piece in enumerate(pieces):
-        piece_ids = tokenizer.encode(piece, add_special_tokens=False)
+    for index, (before, after) in enumerate(zip([""] + texts[:-1], texts)):
+        piece_ids = tokenizer.encode(after[len(before):], add_special_tokens=False)
         ids += piece_ids
         owner += [index] * len(piece_ids)
     return ids, owner
@@ -90,6 +91,11 @@ def _edits(stored: list[int], rendered: list[int]) -> list[tuple[int, int, int, 
     """(i1, i2, j1, j2) of each drifted span: stored[i1:i2] became rendered[j1:j2]."""
     # autojunk off: in long streams the frequent tokens (newlines, headers) are the anchors.
     opcodes = difflib.SequenceMatcher(None, stored, rendered, autojunk=False).get_opcodes()
+    # Tokens the template adds after the last stored token (the separator after the final
+    # `<|end|>`) were never sampled nor trained on: not drift. Dropped before merging so they
+    # never ride along with a real edit just before them.
+    if opcodes and opcodes[-1][0] == "insert" and opcodes[-1][1] == len(stored):
+        opcodes = opcodes[:-1]
     spans: list[list[int]] = []
     for tag, i1, i2, j1, j2 in opcodes:
         if tag == "equal":
@@ -98,10 +104,6 @@ def _edits(stored: list[int], rendered: list[int]) -> list[tuple[int, int, int, 
             spans[-1][1], spans[-1][3] = i2, j2
         else:
             spans.append([i1, i2, j1, j2])
-    # Tokens the template adds after the last stored token (the separator after the final
-    # `<|end|>`) were never sampled nor trained on: not drift.
-    if spans and spans[-1][0] == spans[-1][1] == len(stored):
-        spans.pop()
     return [tuple(span) for span in spans]
 
 
@@ -128,6 +130,12 @@ def _word_edges(stored: list[int], rendered: list[int], span: tuple[int, int, in
             break
         i2, j2 = i2 + 1, j2 + 1
     return i1, i2, j1, j2
+
+
+def _message_at(owner: list[int], j: int) -> int | None:
+    """Index of the message the rendered side starts in (None when the render was not split)."""
+    index = owner[min(j, len(owner) - 1)] if owner else -1
+    return index if index >= 0 else None
 
 
 def _kind(stored: str, rendered: str, in_tool_call: bool) -> str:
@@ -166,7 +174,7 @@ def rollout_drift(rollout: Rollout, tokenizer: Any) -> list[dict[str, Any]]:
         in_call = _in_tool_call(decode(main.tokens[:i1]))
         spans.append({
             "rollout": rollout.id, "turn": int(main.turn[at]), "segment": segment,
-            "role": main.role[segment], "message": owner[min(j1, len(owner) - 1)] if owner else None,
+            "role": main.role[segment], "message": _message_at(owner, j1),
             "stored": stored_text, "rendered": rendered_text,
             "kind": _kind(stored_text, rendered_text, in_call), "in_tool_call": in_call,
             "trainable_tokens": int(main.trainable[i1:i2].sum()),
@@ -181,7 +189,8 @@ def find_drift(rollouts: Sequence[Rollout], tokenizer: Any) -> dict[str, Any]:
     """`summary["drift"]`: every drifted span of the rollouts that carry `messages`.
 
     `spans` (contract: each has `rollout`, `turn`, `stored`, `rendered`) also say `segment`,
-    `role`, `message` (index into `messages` where the rendered side starts), `kind`
+    `role`, `message` (index into `messages` where the rendered side starts, or None for a
+    template that rewrites history and so is tokenized whole), `kind`
     (retokenized | whitespace | case | think_dropped | tool_call | content), `in_tool_call`,
     `trainable_tokens` (stored tokens in the span that the trainer would train on), the ids, and
     `stored_context` / `rendered_context` (the span with a few unchanged tokens either side).
@@ -193,6 +202,9 @@ def find_drift(rollouts: Sequence[Rollout], tokenizer: Any) -> dict[str, Any]:
         "num_rollouts_without_messages": len(rollouts) - len(checked),
         "num_rollouts_drifted": len({span["rollout"] for span in spans}),
         "num_spans": len(spans),
+        # "retokenized" (the model sampled a non-canonical split of its own text) is a different
+        # hazard from a harness that rewrote the text; a report should tell them apart.
+        "spans_by_kind": dict(sorted(Counter(span["kind"] for span in spans).items())),
         "trainable_tokens_touched": sum(span["trainable_tokens"] for span in spans),
         "spans": spans,
     }

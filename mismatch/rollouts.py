@@ -518,11 +518,11 @@ def check_rollout(raw: object, *, file: str, line: int,
                    file=file, line=line), []
 
 
-def _short_id(rollout_id: str | None) -> str | None:
-    """A rollout id as error messages quote it: cut to MAX_NAME_CHARS so the message stays short."""
-    if rollout_id is None or len(rollout_id) <= MAX_NAME_CHARS:
-        return rollout_id
-    return rollout_id[:MAX_NAME_CHARS] + "..."
+def _short_id(text: str | None) -> str | None:
+    """A rollout or branch id as messages show it: cut to MAX_NAME_CHARS so the message stays short."""
+    if text is None or len(text) <= MAX_NAME_CHARS:
+        return text
+    return text[:MAX_NAME_CHARS] + "..."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,13 +575,16 @@ def _read_parquet(path: Path, file: str) -> Iterator[tuple[int, object, list[Rol
     import pyarrow.parquet as pq
 
     def unreadable(e: Exception) -> RolloutError:
-        # Arrow's messages may span lines (thrift errors end in "\n"); keep the first.
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if isinstance(e, UnicodeDecodeError):  # Arrow does not check UTF-8 on read; Python decodes
+            reason = f"a string is not UTF-8 (byte 0x{e.object[e.start]:02x})"
+        else:  # Arrow's messages may span lines (thrift errors end in "\n"); keep the first.
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return RolloutError(f"not a readable Parquet file: {reason}", file=file)
 
     try:
         parquet = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:  # ArrowInvalid, or OSError for a corrupt footer
+    # ArrowInvalid; OSError for a corrupt footer; UnicodeDecodeError for damaged schema names
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
         raise unreadable(e) from None
     batches = parquet.iter_batches(batch_size=PARQUET_BATCH_SIZE)
     row_no = 0
@@ -589,7 +592,7 @@ def _read_parquet(path: Path, file: str) -> Iterator[tuple[int, object, list[Rol
         try:  # a corrupt page surfaces only when its batch is read
             batch = next(batches, None)
             rows = None if batch is None else batch.to_pylist()
-        except (pa.ArrowException, OSError) as e:
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
             raise unreadable(e) from None
         if rows is None:
             return

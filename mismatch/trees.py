@@ -121,6 +121,7 @@ def add_tree_weights(table: pd.DataFrame, rollouts: Sequence[Rollout], *,
     out = table.copy()
     out["weight_tree"] = np.concatenate(tree) if tree else np.empty(0)
     out["weight_gyre"] = np.concatenate(gyre) if gyre else np.empty(0)
+    out.attrs["gyre_max_paths"] = max_paths  # so tree_summary reports the cap these weights used
     return out
 
 
@@ -174,12 +175,10 @@ def _check_columns(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> Non
         raise MismatchError(f"token table has no column {missing[0]!r}{hint}")
 
 
-def tree_summary(table: pd.DataFrame, pairs: Sequence[tuple[str, str]], *,
-                 max_paths: int = DEFAULT_MAX_PATHS) -> dict[str, Any]:
+def tree_summary(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> dict[str, Any]:
     """`summary["trees"]`: weights, weighted and unweighted pair metrics, a per-branch-kind view.
 
-    Over trainable tokens only (the PPO loss's tokens). `max_paths` is only reported: the
-    weights were fixed by `add_tree_weights`.
+    Over trainable tokens only (the PPO loss's tokens); `table` comes from `add_tree_weights`.
     """
     _check_columns(table, pairs)
     tokens = table[table["trainable"].to_numpy(dtype=bool)]
@@ -198,7 +197,7 @@ def tree_summary(table: pd.DataFrame, pairs: Sequence[tuple[str, str]], *,
             "pairs": {f"{a}/{b}": _pair_block(group, (a, b)) for a, b in pairs},
         })
     return {
-        "max_paths": max_paths,
+        "max_paths": table.attrs.get("gyre_max_paths"),  # None if the table lost its attrs
         "gyre_normalization": GYRE_NORMALIZATION,
         "num_paths": int(len(branch_gyre)),
         "num_paths_dropped": int((branch_gyre == 0).sum()),

@@ -108,6 +108,12 @@ def test_temperature_processed_logprobs_are_detected_with_their_temperature() ->
     assert hot["logprob_semantics"] == "processed" and hot["estimated_temperature"] > 1.2
 
 
+def test_raw_logprobs_declared_processed_are_called_out() -> None:
+    result = check_alignment(_table(), sampler_meta={"temperature": 0.7, "logprobs": "processed"})
+    assert result["logprob_semantics"] == "raw"
+    assert [f["kind"] for f in result["findings"]] == ["semantics_mismatch"]
+
+
 def test_a_table_without_the_columns_is_bad_input() -> None:
     with pytest.raises(MismatchError, match="alignment: token table has no column 'logp_infer'"):
         check_alignment(_table(), replayed="infer")

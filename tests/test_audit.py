@@ -31,7 +31,8 @@ def test_results_dir_contract(tiny_checkpoint, sampled_rollouts, tmp_path) -> No
     code = main(["audit", str(tiny_checkpoint), "--rollouts", str(sampled_rollouts),
                  "--train", "hf:dtype=float32", "--infer", "hf-decode:dtype=bfloat16", "--out", str(out)])
     assert code == 0
-    assert sorted(p.name for p in out.iterdir()) == ["rollouts.parquet", "summary.json", "tokens.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == ["index.html", "rollouts.parquet", "summary.json",
+                                                     "tokens.parquet"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["schema"] == "mismatch.summary/v1"
     assert set(summary["pairs"]) == {"train/sampler", "train/infer", "infer/sampler"}

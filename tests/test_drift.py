@@ -91,6 +91,29 @@ def test_reformatted_tool_call_json_is_whitespace_drift(tokenizer) -> None:
     assert '"expression":"2 + 3"' in span["rendered_context"]
 
 
+def test_a_non_canonical_sampled_split_is_retokenized_drift(tokenizer) -> None:
+    rollout = _rollout(tokenizer, _chat(answer="It is 60."), _chat(answer="It is 60."))
+    merged = tokenizer.encode(" 60", add_special_tokens=False)
+    split = tokenizer.encode(" 6", add_special_tokens=False) + tokenizer.encode("0", add_special_tokens=False)
+    assert len(merged) == 1 and len(split) == 2  # BPE merges what the model may sample apart
+    segments = []
+    for segment in rollout.branch("main").segments:
+        tokens = segment.tokens.tolist()
+        at = next((i for i in range(len(tokens)) if tokens[i:i + 1] == merged), None)
+        if segment.role == "assistant" and at is not None:
+            tokens[at:at + 1] = split
+        segments.append({"role": segment.role, "tokens": tokens,
+                         **({"logprobs": [-0.1] * len(tokens)} if segment.role == "assistant" else {})})
+    sampled, errors = check_rollout({"id": "r-split", "branches": [{"id": "main", "segments": segments}],
+                                     "messages": rollout.messages}, file="t", line=1, vocab_size=None)
+    assert not errors
+    drift = find_drift([sampled], tokenizer)
+    [span] = drift["spans"]
+    assert (span["kind"], span["stored"], span["rendered"], span["turn"]) == ("retokenized", " 60", " 60", 1)
+    assert span["stored_ids"] == split and span["rendered_ids"] == merged and span["trainable_tokens"] == 2
+    assert drift["spans_by_kind"] == {"retokenized": 1}
+
+
 def test_messages_the_template_cannot_render_name_the_rollout(tokenizer) -> None:
     bad = [*_chat()[:-1], {"role": "robot", "content": "beep"}]
     with pytest.raises(RolloutError, match=r"^t:1: rollout 'r-hand': messages: chat template cannot "
@@ -111,6 +134,7 @@ def test_toy_agent_messages_rerender_to_the_stored_tokens_except_the_injected_re
 
     drift = drift_file(tiny_checkpoint, faulty_rollouts)
     assert drift["num_rollouts_checked"] == 2 and drift["num_rollouts_drifted"] == 1
+    assert drift["spans_by_kind"] == {"whitespace": 1}
     [span] = drift["spans"]
     assert (span["rollout"], span["turn"], span["message"]) == (rollout.id, turn, index)
     assert span["kind"] == "whitespace" and span["in_tool_call"] and span["trainable_tokens"] >= 1

@@ -377,6 +377,11 @@ lines = st.one_of(
 )
 
 
+# The module-scoped dir is rewritten per example (fine); the strategies filter and grow on purpose.
+FUZZ_HEALTH_CHECKS_OFF = [HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much, HealthCheck.too_slow,
+                          HealthCheck.data_too_large]
+
+
 @pytest.fixture(scope="module")
 def fuzz_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("fuzz")
@@ -395,8 +400,7 @@ def load_everything(path: Path) -> None:
         assert "\n" not in str(e)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=FUZZ_HEALTH_CHECKS_OFF)
 @given(st.lists(lines, max_size=6))
 def test_fuzz_jsonl_loader(fuzz_dir, content):
     path = fuzz_dir / "fuzz.jsonl"
@@ -404,8 +408,7 @@ def test_fuzz_jsonl_loader(fuzz_dir, content):
     load_everything(path)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=FUZZ_HEALTH_CHECKS_OFF)
 @given(st.lists(json_values.filter(lambda v: isinstance(v, dict) and v), min_size=1, max_size=3),
        st.data())
 def test_fuzz_parquet_loader(fuzz_dir, rows, data):

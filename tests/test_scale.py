@@ -78,22 +78,22 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_checkpoint, tmp_pat
     script = Path(sys.executable).with_name("mismatch")
     out = tmp_path / "resumed"
     command = [str(script), "audit", str(tiny_checkpoint), "--rollouts", str(EXAMPLE), "--train",
-               SPECS["train"], "--infer", "hf-decode:dtype=bfloat16,prefill=none", "--block-size", "1",
+               SPECS["train"], "--infer", SPECS["infer"], "--block-size", "1",
                "--out", str(out)]
     work = tmp_path / ".resumed.work"
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while len(list(work.glob("infer-*.npy"))) < 3 and time.monotonic() < deadline:
+    while len(list(work.glob("infer-*.npy"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, "the audit finished before it could be killed: make the workload bigger"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not out.exists() and len(list(work.glob("infer-*.npy"))) >= 3
+    assert not out.exists() and len(list(work.glob("infer-*.npy"))) >= 2
     subprocess.run(command, check=True, capture_output=True)
     assert not work.exists()
     resumed = json.loads((out / "summary.json").read_text())
     assert resumed["engines"]["train"]["resumed_blocks"] == 12
-    assert resumed["engines"]["infer"]["resumed_blocks"] >= 3
+    assert resumed["engines"]["infer"]["resumed_blocks"] >= 2
     whole = tmp_path / "whole"
     subprocess.run([*command[:-1], str(whole)], check=True, capture_output=True)
     _same_tokens(pd.read_parquet(whole / "tokens.parquet"), pd.read_parquet(out / "tokens.parquet"))

@@ -152,7 +152,8 @@ def test_weights_count_tokens_by_hand() -> None:
 def test_tree_summary_reports_weighted_next_to_unweighted_per_branch_kind() -> None:
     rollouts = [_tree(), _plain("plain", 3)]
     table = add_tree_weights(_table(rollouts), rollouts, max_paths=2)
-    summary = tree_summary(table, [("train", "sampler")], max_paths=2)
+    summary = tree_summary(table, [("train", "sampler")])
+    assert summary["max_paths"] == 2
     pair = summary["pairs"]["train/sampler"]
     assert set(pair) == {"unweighted", "tree", "gyre"}
     assert pair["unweighted"]["n_tokens"] == 5 + 2 + 2 + 1 + 3  # trainable (model) tokens only
