@@ -14,16 +14,26 @@ from typing import Any
 import pandas as pd
 
 from mismatch import __version__
+from mismatch.alignment import Sampling, check_alignment, replay_processed
+from mismatch.checkpoint import load_tokenizer
 from mismatch.corrections import summary_corrections
+from mismatch.drift import find_drift
+from mismatch.engines import parse_spec
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import localize_turns
 from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
 from mismatch.recommend import FRAMEWORKS, recommend, recommendations_dicts, render_config
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_roles
 from mismatch.results import SUMMARY_SCHEMA, WorkDir, check_out_dir, file_identity, write_results
+from mismatch.trees import tree_summary
 from mismatch.verdicts import verdicts
 
 AUDIT_PAIRS = (("train", "sampler"), ("train", "infer"), ("infer", "sampler"))
+PROCESSED_PAIR = ("train_processed", "sampler")  # when the sampler stored processed log-probs
+
+
+def audit_pairs(table: pd.DataFrame) -> tuple[tuple[str, str], ...]:
+    return AUDIT_PAIRS + ((PROCESSED_PAIR,) if "logp_train_processed" in table.columns else ())
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -48,22 +58,33 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
     replayed, work = replay_for_results(checkpoint, rollouts, roles, out=out_dir, force=force,
                                         shard=shard, block_size=block_size, progress=progress,
                                         command="audit")
-    summary = analyze_audit(replayed.table, engines=replayed.engines, checkpoint=str(checkpoint),
+    table = replayed.table
+    alignment = check_alignment(table, sampler_meta=replayed.engines["sampler"]["meta"])
+    if alignment["logprob_semantics"] == "processed" and parse_spec(train).kind in ("hf", "hf-decode"):
+        # Like for like: the trainer side recomputed under the sampler's temperature/top-k/top-p.
+        sampling = Sampling.from_meta(replayed.engines["sampler"]["meta"])
+        table["logp_train_processed"] = replay_processed(replayed.plan, train, checkpoint, sampling)
+    summary = analyze_audit(table, engines=replayed.engines, checkpoint=str(checkpoint),
                             rollouts_file=str(rollouts))
     summary["shard"] = _shard_info(shard, block_size)
+    if any(rollout.messages for rollout in replayed.rollouts):
+        summary["drift"] = find_drift(replayed.rollouts, load_tokenizer(checkpoint))
     if localize_models:
         summary["localization"].update(run_model_localizers(
             checkpoint, replayed.requests, a=train, b=infer))
     if out_dir is not None:
-        publish(out_dir, replayed.table, summary, AUDIT_PAIRS, force=force, work=work)
-    return AuditResult(summary=summary, tokens=replayed.table, out=out_dir)
+        publish(out_dir, table, summary, audit_pairs(table), force=force, work=work)
+    return AuditResult(summary=summary, tokens=table, out=out_dir)
 
 
 def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
                   rollouts_file: str) -> dict[str, Any]:
     """Everything an audit's summary.json says that follows from the token table alone."""
+    pairs = audit_pairs(table)
     summary = build_summary(table, engines=engines, checkpoint=checkpoint,
-                            rollouts_file=rollouts_file, pairs=AUDIT_PAIRS, command="audit")
+                            rollouts_file=rollouts_file, pairs=pairs, command="audit")
+    summary["alignment"] = check_alignment(table, sampler_meta=engines["sampler"].get("meta"))
+    summary["trees"] = tree_summary(table, pairs)
     summary["localization"]["turns"] = localize_turns(table, "train", "sampler")
     summary["corrections"] = summary_corrections(table)
     summary["recommendations"] = recommendations_dicts(recommend(summary))

@@ -368,6 +368,42 @@ def print_weights(payload: dict[str, Any]) -> None:
 
 
 @app.command()
+def drift(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint whose chat template renders messages.")],
+    rollouts: Annotated[Path, typer.Option("--rollouts", help="Rollouts with `messages`.")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Re-render each rollout's messages with the chat template; show where the stored tokens differ."""
+    from mismatch.drift import describe_span, drift_file
+
+    found = drift_file(checkpoint, rollouts)
+    if as_json:
+        _emit_json(found)
+        return
+    for span in found["spans"]:
+        out_console.print(describe_span(span), markup=False, highlight=False, soft_wrap=True)
+    out_console.print(f"{len(found['spans'])} drifted span(s)", markup=False)
+
+
+@app.command(name="import")
+def import_(
+    fmt: Annotated[str, typer.Argument(metavar="FORMAT", help="verl, prime-rl, skyrl or verifiers.")],
+    file: Annotated[Path, typer.Argument(help="The framework's dump.")],
+    out: Annotated[Path, typer.Option("--out", help="Rollouts file to write (format v1 JSONL).")],
+    allow_pickle: Annotated[bool, typer.Option(
+        "--allow-pickle", help="Allow unpickling (runs code from the file: trusted files only).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output file.")] = False,
+) -> None:
+    """Convert another framework's rollout dump into mismatch's format v1."""
+    from mismatch.importers import import_file
+
+    if out.exists() and not force:
+        raise MismatchError(f"{out}: already exists; pass --force to replace it")
+    count = import_file(fmt, file, out, allow_pickle=allow_pickle)
+    out_console.print(f"wrote {count} rollouts to {out}", markup=False)
+
+
+@app.command()
 def validate(
     file: Annotated[Path, typer.Argument(help="Rollouts file (.jsonl or .parquet).")],
     checkpoint: Annotated[Optional[Path], typer.Option(help="Check token ids against this vocab.")] = None,

@@ -53,7 +53,9 @@ def run_demo(out: str | Path = DEFAULT_DIR, *, progress: ProgressFactory | None 
         if engine == "hf-decode":
             say("vllm is not importable: sampling with the torch hf-decode path instead "
                 "(pip install 'mismatch[vllm]' for a real engine)")
-        count = write_rollouts(checkpoint, rollouts, HarnessConfig(engine=engine))
+        # One harness bug on purpose: a re-rendered tool call that `drift` must find.
+        count = write_rollouts(checkpoint, rollouts,
+                               HarnessConfig(engine=engine, faults=("rewrite_tool_args",)))
         say(f"sampled {count} rollouts with the bf16 {engine} sampler -> {rollouts}")
     sampler = _sampler_engine(rollouts)
     if sampler == "vllm" and not vllm_available():

@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from mismatch.audit import AUDIT_PAIRS, analyze_audit, publish
+from mismatch.audit import analyze_audit, audit_pairs, publish
 from mismatch.diff import DIFF_PAIRS, analyze_diff
 from mismatch.errors import ResultsError
 from mismatch.results import check_out_dir, read_summary, read_tokens
@@ -37,7 +37,10 @@ def merge(dirs: Sequence[str | Path], out: str | Path, *, force: bool = False) -
                for role, engine in first["engines"].items()}
     common = {"engines": engines, "checkpoint": first["checkpoint"], "rollouts_file": first["rollouts_file"]}
     if first["command"] == "audit":
-        summary, pairs = analyze_audit(table, **common), AUDIT_PAIRS
+        summary, pairs = analyze_audit(table, **common), audit_pairs(table)
+        spans = [span for s in summaries for span in (s.get("drift") or {}).get("spans", [])]
+        if any("drift" in s for s in summaries):
+            summary["drift"] = {"spans": spans, "merged_from_shards": True}
     else:
         summary, pairs = analyze_diff(table, **common), DIFF_PAIRS
     summary["shard"] = {"index": 0, "count": 1, "block_size": first["shard"]["block_size"],

@@ -19,6 +19,7 @@ from mismatch.engines import Engine, EngineSpec, ProgressFn, ReplayRequest, load
 from mismatch.errors import MismatchError, SpecError
 from mismatch.results import WorkDir
 from mismatch.rollouts import Rollout, context_tokens, load_rollouts
+from mismatch.trees import add_tree_weights
 
 TABLE_KEYS = ("rollout_index", "rollout", "branch", "branch_kind", "turn", "segment", "pos", "role",
               "token_id", "trainable")
@@ -148,6 +149,7 @@ ProgressFactory = Callable[[str, int], ProgressFn | None]
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Replayed:
     rollouts: list[Rollout]
+    plan: ReplayPlan
     requests: list[ReplayRequest]  # one per branch, in table order
     table: pd.DataFrame           # TABLE_KEYS + logp_sampler + logp_<role> per replayed role
     engines: dict[str, Any]       # role -> describe() (the sampler's declared settings too)
@@ -174,13 +176,14 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
         if spec.kind == "stored" and spec.options["name"] not in plan.stored:
             raise SpecError(f"--{role} {spec.text}: no segment of the rollouts carries "
                             f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(plan.stored)})")
-    table = plan.table
+    # Tree weights are per rollout, so shards compute exactly the weights one run would.
+    table = add_tree_weights(plan.table, selected)
     engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler",
                                            "meta": _sampler_meta(selected)}}
     for role, spec in specs.items():
         table[f"logp_{role}"], engines[role] = _replay_role(role, spec, plan, str(checkpoint),
                                                             progress, work)
-    return Replayed(rollouts=selected, requests=plan.requests, table=table, engines=engines)
+    return Replayed(rollouts=selected, plan=plan, requests=plan.requests, table=table, engines=engines)
 
 
 def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
