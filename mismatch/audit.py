@@ -64,11 +64,11 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
         # Like for like: the trainer side recomputed under the sampler's temperature/top-k/top-p.
         sampling = Sampling.from_meta(replayed.engines["sampler"]["meta"])
         table["logp_train_processed"] = replay_processed(replayed.plan, train, checkpoint, sampling)
+    drift = (find_drift(replayed.rollouts, load_tokenizer(checkpoint))
+             if any(rollout.messages for rollout in replayed.rollouts) else None)
     summary = analyze_audit(table, engines=replayed.engines, checkpoint=str(checkpoint),
-                            rollouts_file=str(rollouts))
+                            rollouts_file=str(rollouts), drift=drift)
     summary["shard"] = _shard_info(shard, block_size)
-    if any(rollout.messages for rollout in replayed.rollouts):
-        summary["drift"] = find_drift(replayed.rollouts, load_tokenizer(checkpoint))
     if localize_models:
         summary["localization"].update(run_model_localizers(
             checkpoint, replayed.requests, a=train, b=infer))
@@ -78,14 +78,17 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
 
 
 def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
-                  rollouts_file: str) -> dict[str, Any]:
-    """Everything an audit's summary.json says that follows from the token table alone."""
+                  rollouts_file: str, drift: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything an audit's summary.json says that follows from the token table (and the
+    render-drift findings, which need the rollouts' messages and are passed in)."""
     pairs = audit_pairs(table)
     summary = build_summary(table, engines=engines, checkpoint=checkpoint,
                             rollouts_file=rollouts_file, pairs=pairs, command="audit")
     summary["alignment"] = check_alignment(table, sampler_meta=engines["sampler"].get("meta"))
     summary["trees"] = tree_summary(table, pairs)
     summary["localization"]["turns"] = localize_turns(table, "train", "sampler")
+    if drift is not None:
+        summary["drift"] = drift
     summary["corrections"] = summary_corrections(table)
     summary["recommendations"] = recommendations_dicts(recommend(summary))
     summary["config_snippets"] = {framework: render_config(summary["recommendations"], framework)

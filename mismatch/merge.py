@@ -37,10 +37,11 @@ def merge(dirs: Sequence[str | Path], out: str | Path, *, force: bool = False) -
                for role, engine in first["engines"].items()}
     common = {"engines": engines, "checkpoint": first["checkpoint"], "rollouts_file": first["rollouts_file"]}
     if first["command"] == "audit":
-        summary, pairs = analyze_audit(table, **common), audit_pairs(table)
-        spans = [span for s in summaries for span in (s.get("drift") or {}).get("spans", [])]
+        drift = None
         if any("drift" in s for s in summaries):
-            summary["drift"] = {"spans": spans, "merged_from_shards": True}
+            spans = [span for s in summaries for span in (s.get("drift") or {}).get("spans", [])]
+            drift = {"spans": spans, "merged_from_shards": True}
+        summary, pairs = analyze_audit(table, **common, drift=drift), audit_pairs(table)
     else:
         summary, pairs = analyze_diff(table, **common), DIFF_PAIRS
     summary["shard"] = {"index": 0, "count": 1, "block_size": first["shard"]["block_size"],
