@@ -80,8 +80,12 @@ def torch_dtype(name: str, info: CheckpointInfo):
     return dtype
 
 
-def load_model(info: CheckpointInfo, *, dtype: str, attn: str, device: str):
+def load_model(info: CheckpointInfo, *, dtype: str, attn: str, device: str,
+               device_map: str | None = None):
     """A causal LM in eval mode with gradients off, loaded offline from safetensors.
+
+    `device_map` (e.g. "auto", needs accelerate) spreads a model too big for one GPU over all of
+    them; the model then stays where transformers placed it.
 
     Refuses (CheckpointError, one line) whatever transformers cannot load from the directory, and
     a load that would leave weights randomly initialized (missing, or shaped unlike config.json).
@@ -99,7 +103,8 @@ def load_model(info: CheckpointInfo, *, dtype: str, attn: str, device: str):
         model, loading = AutoModelForCausalLM.from_pretrained(
             info.path, dtype=torch_dt, attn_implementation=attn, use_safetensors=True,
             trust_remote_code=False, local_files_only=True, output_loading_info=True,
-            ignore_mismatched_sizes=True)  # reported below, with the shapes, instead of a RuntimeError
+            ignore_mismatched_sizes=True,  # reported below, with the shapes, instead of a RuntimeError
+            **({"device_map": device_map} if device_map else {}))
     # What a broken or foreign checkpoint makes transformers raise: bad config values, unknown
     # model types or remote code (ValueError), unreadable or truncated files (OSError, SafetensorError).
     except (OSError, ValueError, TypeError, KeyError, RuntimeError, SafetensorError, StrictDataclassError) as exc:
@@ -121,7 +126,9 @@ def load_model(info: CheckpointInfo, *, dtype: str, attn: str, device: str):
     if unexpected:
         raise CheckpointError(f"{info.path}: weight {unexpected[0]} is not used by the model config.json "
                               f"describes{_more(len(unexpected), 'unused')}")
-    model.to(device).eval()
+    if not device_map:
+        model.to(device)
+    model.eval()
     model.requires_grad_(False)
     return model
 

@@ -25,6 +25,7 @@ class HFOptions:
     dtype: str = "auto"          # auto = the dtype the checkpoint was saved in
     attn: str = "sdpa"           # transformers attn_implementation: sdpa | eager | flash_attention_2
     device: str = "auto"         # auto = cuda when available, else cpu
+    device_map: str | None = None  # e.g. auto: spread a model too big for one GPU (accelerate)
     batch_tokens: int = 16384    # padded tokens per forward (batch rows x longest row)
     chunk: int = DEFAULT_CHUNK   # positions per fp32 log-softmax chunk
     checkpoint: str | None = None  # replay other weights than the audited checkpoint
@@ -65,7 +66,10 @@ class TorchEngineBase:
         self.spec_text = spec_text
         self.info: CheckpointInfo = checkpoint_info(options.checkpoint or checkpoint)
         self.device = resolve_device(options.device)
-        self.model = load_model(self.info, dtype=options.dtype, attn=options.attn, device=self.device)
+        self.model = load_model(self.info, dtype=options.dtype, attn=options.attn, device=self.device,
+                                device_map=options.device_map)
+        if options.device_map:
+            self.device = str(self.model.device)  # inputs go where the embedding landed
         self.decoder = self.model.base_model  # hidden states; lm_head is applied in chunks
         self.lm_head = self.model.get_output_embeddings()
         self.softcap = getattr(self.model.config, "final_logit_softcapping", None)

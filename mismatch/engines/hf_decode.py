@@ -27,6 +27,7 @@ class HFDecodeOptions:
     dtype: str = "auto"
     attn: str = "sdpa"
     device: str = "auto"
+    device_map: str | None = None  # e.g. auto: spread a model too big for one GPU (accelerate)
     prefill: str = "prompt"      # prompt: feed each prompt run in one forward; none: token by token
     chunk: int = DEFAULT_CHUNK
     checkpoint: str | None = None
