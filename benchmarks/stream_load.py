@@ -4,7 +4,8 @@ Usage: python benchmarks/stream_load.py [--size-mb 1024] [--small-mb 100] [--dir
 
 Generates (once; reused when the size matches) a JSONL of agentic rollouts in format v1 (main
 branch of 4-7 turns, a subagent in every third rollout, float32-like sampler log-probs printed as
-Python floats, about 50 KB a line) at --size-mb and a --small-mb prefix of it (the 1 GiB file takes ~1 min to write), outside the repo.
+Python floats, about 50 KB a line) at --size-mb and a --small-mb prefix of it, outside the repo
+(about a second per GiB: 256 distinct rollouts repeated under fresh ids).
 Then, each in a fresh subprocess so peak RSS is its own (`getrusage(RUSAGE_SELF).ru_maxrss`,
 minus the RSS after imports; the parent's `RUSAGE_CHILDREN.ru_maxrss` is the overall maximum):
 - `json_lines`: a bare `for line in f: json.loads(line)` loop -- the parsing floor, no checks;

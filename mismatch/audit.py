@@ -103,7 +103,12 @@ def replay_for_results(checkpoint: str | Path, rollouts: str | Path, roles: dict
     work = None
     if out is not None:
         check_out_dir(out, force=force)
-        manifest = {"command": command, "checkpoint": file_identity(checkpoint),
+    # A missing checkpoint or rollouts file gets its own one-line error from replay_roles.
+    if out is not None and Path(checkpoint).is_dir() and Path(rollouts).is_file():
+        # The weights' files, not the directory: rewriting a file in place leaves a dir's mtime alone.
+        weights = sorted([*Path(checkpoint).glob("*.safetensors"), Path(checkpoint) / "config.json"])
+        manifest = {"command": command,
+                    "checkpoint": [file_identity(path) for path in weights if path.is_file()],
                     "rollouts": file_identity(rollouts), "roles": roles,
                     "shard": _shard_info(shard, block_size), "mismatch_version": __version__}
         work = WorkDir.open(out, manifest, force=force)

@@ -192,7 +192,7 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
     if spec.kind == "stored":
         name = spec.options["name"]
         return plan.stored[name], {"kind": "stored", "spec": spec.text, "name": name}
-    callback = progress(f"replay {role}: {spec.text}", plan.num_scored) if progress else None
+    callback: ProgressFn | None = None
     engine: Engine | None = None
     parts: list[np.ndarray] = []
     try:
@@ -200,6 +200,10 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
             done = work.load(role, block) if work is not None else None
             if done is None:
                 engine = engine or load_engine(spec, checkpoint)  # not at all if every block is done
+            # The bar starts once the engine loaded: a checkpoint that fails prints only its error.
+            if callback is None and progress is not None:
+                callback = progress(f"replay {role}: {spec.text}", plan.num_scored)
+            if done is None:
                 done = replay_column(requests, engine, progress=callback)
                 if work is not None:
                     work.save(role, block, done)

@@ -39,7 +39,8 @@ GOOD = {"id": "r-0", "branches": [{"id": "main", "segments": [
 CORPUS = {
     "truncated.jsonl": ":2: invalid JSON: Unterminated string starting at column 135",
     "wrong_types.jsonl": ":2: rollout 'r-1': branches[0].segments[1].tokens: must be an array of integers, got string",
-    "bool_logprob.jsonl": ":2: rollout 'r-1': branches[0].segments[1].logprobs: logprob at index 0 is not a number: true",
+    "bool_logprob.jsonl": ":2: rollout 'r-1': branches[0].segments[1].logprobs: "
+                          "logprob at index 0 is not a number: true",
     "segments_object.jsonl": ":2: rollout 'r-1': branches[0].segments: must be an array, got object",
     "token_int64_overflow.jsonl": ":2: rollout 'r-1': branches[0].segments[1].tokens: "
                                   "token id 18446744073709551616 at index 1 does not fit in int64",
@@ -265,7 +266,8 @@ CHECKPOINTS = {
     "corrupt_safetensors": (lambda root: (root / "model.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"{garbage"),
                             "{root}: cannot load the model: Error while deserializing header:"),
     "truncated_safetensors": (lambda root: (root / "model.safetensors").write_bytes(
-        (root / "model.safetensors").read_bytes()[:10_000]), "{root}: cannot load the model: Error while deserializing"),
+        (root / "model.safetensors").read_bytes()[:10_000]),
+        "{root}: cannot load the model: Error while deserializing"),
     "bad_architecture": (edit_config(num_attention_heads=3),
                          "{root}: cannot load the model: Class validation error for validator 'validate_architecture': "
                          "ValueError: The hidden size (128) is not a multiple of the number of attention heads (3)."),
