@@ -263,8 +263,10 @@ def probe(
     out: Annotated[Optional[Path], typer.Option(help="Also write the results as JSON here.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Run each op (matmul, attention, norms, softmax, reductions) under the variations that differ
-    between inference and training; report bitwise-equal fraction and max abs / ULP differences."""
+    """Kernel probes: each op under the variations that differ between inference and training.
+
+    Matmul, attention, norms, softmax and reductions at the model's shapes; bitwise-equal
+    fraction and max abs / ULP difference per variation."""
     import probes
     from mismatch.results import atomic_write_text, json_safe
 
