@@ -445,7 +445,8 @@ def effective_sample_size(weight: np.ndarray) -> float:
     return float(np.square(scaled.sum()) / (len(scaled) * np.square(scaled).sum()))
 
 
-def _result(tokens: _Tokens, turn: np.ndarray | None, correction: Correction) -> CorrectionResult:
+def _result(tokens: _Tokens, turn: tuple[np.ndarray, np.ndarray] | None,
+            correction: Correction) -> CorrectionResult:
     n = len(tokens.log_ratio)
     if n == 0:
         nan = math.nan
@@ -469,10 +470,11 @@ def _result(tokens: _Tokens, turn: np.ndarray | None, correction: Correction) ->
         by_turn=_by_turn(turn, weight, affected) if turn is not None else [])
 
 
-def _by_turn(turn: np.ndarray, weight: np.ndarray, affected: np.ndarray) -> list[dict[str, Any]]:
-    """Per turn: how many tokens, the share the correction touched, and their mean weight."""
-    keys, codes = np.unique(turn, return_inverse=True)
-    codes = codes.reshape(-1)
+def _by_turn(turn: tuple[np.ndarray, np.ndarray], weight: np.ndarray,
+             affected: np.ndarray) -> list[dict[str, Any]]:
+    """Per turn (`turn` = its distinct keys and each token's code): how many tokens, the share the
+    correction touched, and their mean weight."""
+    keys, codes = turn
     counts = np.bincount(codes, minlength=len(keys))
     hits = np.bincount(codes, weights=affected, minlength=len(keys))
     with np.errstate(invalid="ignore", over="ignore"):
@@ -492,7 +494,12 @@ def simulate(log_ratio: Any, corrections: Sequence[Correction] = DEFAULT_CORRECT
     `trainable` which tokens enter the loss. NaN log-ratios and non-trainable tokens are dropped.
     """
     tokens, turn_kept = _prepare(log_ratio, seq=seq, rollout=rollout, trainable=trainable, turn=turn)
-    return [_result(tokens, turn_kept, correction) for correction in corrections]
+    # Factorize the turns once, not once per correction (a full sort of every token each time).
+    turn_codes = None
+    if turn_kept is not None:
+        keys, codes = np.unique(turn_kept, return_inverse=True)
+        turn_codes = (keys, codes.reshape(-1))
+    return [_result(tokens, turn_codes, correction) for correction in corrections]
 
 
 def simulate_table(table: Any, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS, *,
