@@ -455,10 +455,12 @@ def demo(
 
 
 def _quiet_transformers() -> None:
-    """Our progress bars replace transformers' per-load "Loading weights" bars in the CLI."""
+    """Our progress bars replace transformers' per-load bars and vLLM's INFO/WARNING chatter
+    (dozens of lines per engine start) in the CLI; VLLM_LOGGING_LEVEL set by the user wins."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def main(argv: list[str] | None = None) -> int:
