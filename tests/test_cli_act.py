@@ -88,3 +88,42 @@ def test_layers_and_weights_commands_name_a_planted_fault(tiny_checkpoint, sampl
     assert (found["layers"]["jump_layer"], found["layers"]["jump_block"]) == (1, "mlp")
     worst = found["kernels"]["by_module"][0]
     assert worst["name"].endswith("layers.1.mlp.down_proj") and worst["rel_error"] > 0
+
+
+def _copy_with(results, tmp_path, name, edit):
+    import shutil
+
+    copy = tmp_path / name
+    shutil.copytree(results, copy)
+    summary = json.loads((copy / "summary.json").read_text())
+    edit(summary)
+    (copy / "summary.json").write_text(json.dumps(summary))
+    return copy
+
+
+def test_gate_drift_and_fail_closed_cases_through_the_cli(results, tmp_path, capsys) -> None:
+    def halve_baseline(summary):
+        summary["pairs"]["train/sampler"]["kl_k3"] /= 2  # today's run is then 100% worse
+
+    baseline = _copy_with(results, tmp_path, "baseline", halve_baseline)
+    junit = tmp_path / "drift.xml"
+    assert main(["gate", str(results), "--baseline", str(baseline), "--max-drift", "50",
+                 "--junit", str(junit)]) == 1
+    failures = [case for case in ET.parse(junit).getroot().iter("testcase") if case.find("failure") is not None]
+    assert [case.get("name") for case in failures] == ["train/sampler.kl_k3 drift"]
+
+    cases = {
+        "null_metric": lambda s: s["pairs"]["train/sampler"].update(kl_k3=None),   # NaN on disk
+        "missing_pair": lambda s: s["pairs"].pop("train/infer"),
+        "no_tokens": lambda s: s["pairs"]["train/infer"].update(n_tokens=0),
+        "old_schema": lambda s: s.update(schema="mismatch.summary/v0"),
+    }
+    for name, edit in cases.items():
+        broken = _copy_with(results, tmp_path, name, edit)
+        junit = tmp_path / f"{name}.xml"
+        code = main(["gate", str(broken), "--max", "kl_k3=1", "--max", "train/infer.kl_k3=1",
+                     "--junit", str(junit)])
+        assert code == 1, name  # fails closed: what cannot be checked does not pass
+        suite = ET.parse(junit).getroot().find("testsuite")
+        assert int(suite.get("failures")) >= 1, name
+    capsys.readouterr()
