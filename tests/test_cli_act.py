@@ -127,3 +127,11 @@ def test_gate_drift_and_fail_closed_cases_through_the_cli(results, tmp_path, cap
         suite = ET.parse(junit).getroot().find("testsuite")
         assert int(suite.get("failures")) >= 1, name
     capsys.readouterr()
+
+
+def test_shipped_ci_thresholds_gate_the_demo_results(results) -> None:
+    from conftest import REPO
+
+    thresholds = REPO / "examples/ci/thresholds.toml"
+    assert main(["gate", str(results), "--thresholds", str(thresholds)]) == 0
+    assert main(["gate", str(results), "--thresholds", str(thresholds), "--baseline", str(results)]) == 0
