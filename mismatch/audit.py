@@ -67,24 +67,27 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
     drift = (find_drift(replayed.rollouts, load_tokenizer(checkpoint))
              if any(rollout.messages for rollout in replayed.rollouts) else None)
     summary = analyze_audit(table, engines=replayed.engines, checkpoint=str(checkpoint),
-                            rollouts_file=str(rollouts), drift=drift)
-    summary["shard"] = _shard_info(shard, block_size)
+                            rollouts_file=str(rollouts), drift=drift, alignment=alignment)
+    summary["shard"] = shard_info(shard, block_size)
     if localize_models:
         summary["localization"].update(run_model_localizers(
-            checkpoint, replayed.requests, a=train, b=infer))
+            checkpoint, replayed.plan.requests, a=train, b=infer))
     if out_dir is not None:
         publish(out_dir, table, summary, audit_pairs(table), force=force, work=work)
     return AuditResult(summary=summary, tokens=table, out=out_dir)
 
 
 def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
-                  rollouts_file: str, drift: dict[str, Any] | None = None) -> dict[str, Any]:
+                  rollouts_file: str, drift: dict[str, Any] | None = None,
+                  alignment: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything an audit's summary.json says that follows from the token table (and the
-    render-drift findings, which need the rollouts' messages and are passed in)."""
+    render-drift findings, which need the rollouts' messages and are passed in). `alignment` is
+    the check_alignment result when the caller already has it (it reads the same columns)."""
     pairs = audit_pairs(table)
     summary = build_summary(table, engines=engines, checkpoint=checkpoint,
                             rollouts_file=rollouts_file, pairs=pairs, command="audit")
-    summary["alignment"] = check_alignment(table, sampler_meta=engines["sampler"].get("meta"))
+    summary["alignment"] = alignment if alignment is not None else check_alignment(
+        table, sampler_meta=engines["sampler"].get("meta"))
     summary["trees"] = tree_summary(table, pairs)
     summary["localization"]["turns"] = localize_turns(table, "train", "sampler")
     if drift is not None:
@@ -110,7 +113,7 @@ def replay_for_results(checkpoint: str | Path, rollouts: str | Path, roles: dict
         manifest = {"command": command,
                     "checkpoint": [file_identity(path) for path in weights if path.is_file()],
                     "rollouts": file_identity(rollouts), "roles": roles,
-                    "shard": _shard_info(shard, block_size), "mismatch_version": __version__}
+                    "shard": shard_info(shard, block_size), "mismatch_version": __version__}
         work = WorkDir.open(out, manifest, force=force)
     replayed = replay_roles(checkpoint, rollouts, roles, progress=progress, shard=shard,
                             block_size=block_size, work=work)
@@ -131,7 +134,8 @@ def publish(out: Path, table: pd.DataFrame, summary: dict[str, Any],
         work.remove()
 
 
-def _shard_info(shard: Shard | None, block_size: int) -> dict[str, Any]:
+def shard_info(shard: Shard | None, block_size: int) -> dict[str, Any]:
+    """summary.json's `shard`: which slice of the blocks a run replayed (0 of 1: all of them)."""
     return {"index": shard.index if shard else 0, "count": shard.count if shard else 1,
             "block_size": block_size}
 

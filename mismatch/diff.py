@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.audit import build_summary, publish, replay_for_results
+from mismatch.audit import build_summary, publish, replay_for_results, shard_info
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Shard
 
 DIFF_PAIRS = (("a", "reference"), ("b", "reference"), ("a", "b"))
@@ -41,8 +41,7 @@ def diff(checkpoint: str | Path, rollouts: str | Path, *, a: str, b: str, refere
                                         progress=progress, command="diff")
     summary = analyze_diff(replayed.table, engines=replayed.engines, checkpoint=str(checkpoint),
                            rollouts_file=str(rollouts), seed=seed)
-    summary["shard"] = {"index": shard.index if shard else 0, "count": shard.count if shard else 1,
-                        "block_size": block_size}
+    summary["shard"] = shard_info(shard, block_size)
     if out_dir is not None:
         publish(out_dir, replayed.table, summary, DIFF_PAIRS, force=force, work=work)
     return DiffResult(summary=summary, tokens=replayed.table, out=out_dir)

@@ -149,9 +149,8 @@ ProgressFactory = Callable[[str, int], ProgressFn | None]
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Replayed:
     rollouts: list[Rollout]
-    plan: ReplayPlan
-    requests: list[ReplayRequest]  # one per branch, in table order
-    table: pd.DataFrame           # TABLE_KEYS + logp_sampler + logp_<role> per replayed role
+    plan: ReplayPlan               # its requests: one per branch, in table order
+    table: pd.DataFrame           # TABLE_KEYS, logp_sampler, weight_tree/gyre, logp_<role> per role
     engines: dict[str, Any]       # role -> describe() (the sampler's declared settings too)
 
 
@@ -183,7 +182,7 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
     for role, spec in specs.items():
         table[f"logp_{role}"], engines[role] = _replay_role(role, spec, plan, str(checkpoint),
                                                             progress, work)
-    return Replayed(rollouts=selected, plan=plan, requests=plan.requests, table=table, engines=engines)
+    return Replayed(rollouts=selected, plan=plan, table=table, engines=engines)
 
 
 def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,

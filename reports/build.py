@@ -80,6 +80,8 @@ def find_tokenizer(summary: dict[str, Any], results_dir: Path) -> Path | None:
     return None
 
 
+# The same as mismatch.results.json_safe, on purpose: importing any mismatch module runs
+# mismatch/__init__.py, which loads mismatch.engines — which reports/ must never import.
 def json_safe(value: Any) -> Any:
     """NaN and ±inf become null (JSON has neither); numpy scalars become Python numbers."""
     if isinstance(value, float):
