@@ -68,3 +68,14 @@ def test_python_spec_errors(tiny_checkpoint) -> None:
         load_engine(f"python:{REPO / 'examples/custom_engine.py'}:nope", str(tiny_checkpoint))
     with pytest.raises(SpecError, match=r"cannot import no_such_module_x"):
         load_engine("python:no_such_module_x:f", str(tiny_checkpoint))
+
+
+def test_python_engine_from_toml_takes_checkpoint_and_options(tiny_checkpoint, sampled_rollouts,
+                                                             tmp_path) -> None:
+    toml = tmp_path / "mine.toml"
+    toml.write_text(f'engine = "python"\ntarget = "{REPO / "examples/custom_engine.py"}:make_engine"\n'
+                    f'checkpoint = "{tiny_checkpoint}"\ndtype = "bfloat16"\n')
+    result = audit(tiny_checkpoint, sampled_rollouts,
+                   train=str(toml), infer="hf:dtype=bfloat16")
+    assert result.summary["engines"]["train"]["module"] == "LogitsOnly(bfloat16)"
+    assert result.summary["pairs"]["train/infer"]["log_ratio_abs_max"] < 0.1

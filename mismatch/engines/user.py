@@ -57,7 +57,9 @@ class UserEngine:
     def from_spec(cls, spec: EngineSpec, checkpoint: str) -> UserEngine:
         options = dict(spec.options)
         factory = import_target(options.pop("target"))
-        return cls(factory(checkpoint, **options), spec.text)
+        # Every spec accepts checkpoint=PATH (ARCHITECTURE.md): it replaces the audited checkpoint
+        # as the factory's first argument rather than reaching it as a second `checkpoint`.
+        return cls(factory(str(options.pop("checkpoint", checkpoint)), **options), spec.text)
 
     def describe(self) -> dict[str, Any]:
         extra = self.inner.describe() if callable(getattr(self.inner, "describe", None)) else {}
