@@ -8,16 +8,17 @@ Usage: python benchmarks/analysis.py [--tokens 10000000] [--rollouts 10000] [--r
    turn, segment, pos, role, token_id, trainable, logp_sampler, logp_train, logp_infer) to
    Parquet, once (10k agentic rollouts of 1-3 branches, 2-8 turns; bf16-like noise that grows
    at low probability; NaN sampler log-probs on prompt tokens, as an audit writes them).
-2. mismatch, end to end, timed from `pd.read_parquet` to the last result: `summarize_pairs`
-   for the three audit pairs, `metrics_by(..., "turn")`, `localize_turns` and
-   `summary_corrections` (the full default correction set).
+2. mismatch, end to end, timed from `pd.read_parquet` (of the columns the analysis reads) to the
+   last result: one `TokenView` (trainable rows, keys, runs), then `summarize_pairs` for the three
+   audit pairs, `metrics_by(..., "turn")`, `localize_turns` and `summary_corrections` (the full
+   default correction set), all on that view, as `mismatch audit` runs them.
 3. Baseline, the way RL trainers log these metrics (verl's rollout_corr metrics, TRL/OpenRLHF
    alike): the table already in memory as padded [64, max_len] tensors with a response mask
    (building them is not timed); per batch and per pair torch computes log-ratio mean/|mean|/max,
    ratio mean/std/min/max, k1, k2, k3, chi2 (token and sequence), ESS sums, fraction outside
    [0.5, 2] and bitwise-equal fraction, accumulated across batches.
 Both are best of --repeats, in this process; the baseline runs with 1 torch thread and with
-the default (2 here), and the faster counts. mismatch's path is numpy/pandas (one core).
+the default (2 here), and the faster counts. mismatch's path is numpy/pandas (one thread).
 Prints one JSON object; --profile N adds the top N functions (cProfile, cumulative) of step 2.
 """
 
@@ -40,8 +41,12 @@ import torch
 from mismatch.corrections import summary_corrections
 from mismatch.localize.turns import localize_turns
 from mismatch.metrics import metrics_by, summarize_pairs
+from mismatch.tokenview import TokenView
 
 PAIRS = [("train", "sampler"), ("train", "infer"), ("infer", "sampler")]
+# What the analysis reads (token_id and segment are not used by it, and Parquet is columnar).
+ANALYSIS_COLUMNS = ["rollout", "branch", "branch_kind", "turn", "pos", "role", "trainable",
+                    "logp_sampler", "logp_train", "logp_infer"]
 SYSTEM_TOKENS = 48
 BATCH = 64
 
@@ -125,15 +130,17 @@ def mismatch_analysis(path: Path) -> tuple[dict[str, float], dict]:
         times[name] = [round(now - started, 4), round(now_cpu - started_cpu, 4)]
         started, started_cpu = now, now_cpu
 
-    table = pd.read_parquet(path)
+    table = pd.read_parquet(path, columns=ANALYSIS_COLUMNS)
     lap("read_parquet")
-    pairs = summarize_pairs(table, PAIRS)
+    view = TokenView(table)  # the trainable rows, keyed and cut into runs once for every step below
+    lap("token_view")
+    pairs = summarize_pairs(view, PAIRS)
     lap("summarize_pairs")
-    turns = metrics_by(table, PAIRS, "turn")
+    turns = metrics_by(view, PAIRS, "turn")
     lap("metrics_by_turn")
-    localization = localize_turns(table, "train", "sampler")
+    localization = localize_turns(view, "train", "sampler")
     lap("localize_turns")
-    corrections = summary_corrections(table)
+    corrections = summary_corrections(view)
     lap("summary_corrections")
     times["total"] = [round(sum(t[0] for t in times.values()), 4), round(sum(t[1] for t in times.values()), 4)]
     return times, {"pairs": pairs, "turns": turns, "localization": localization, "corrections": corrections}

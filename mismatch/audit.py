@@ -25,6 +25,7 @@ from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
 from mismatch.recommend import FRAMEWORKS, recommend, recommendations_dicts, render_config
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_roles
 from mismatch.results import SUMMARY_SCHEMA, WorkDir, check_out_dir, file_identity, write_results
+from mismatch.tokenview import TokenView
 from mismatch.trees import tree_summary
 from mismatch.verdicts import verdicts
 
@@ -84,15 +85,16 @@ def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
     render-drift findings, which need the rollouts' messages and are passed in). `alignment` is
     the check_alignment result when the caller already has it (it reads the same columns)."""
     pairs = audit_pairs(table)
+    view = TokenView(table)  # trainable rows keyed once, shared by every step below
     summary = build_summary(table, engines=engines, checkpoint=checkpoint,
-                            rollouts_file=rollouts_file, pairs=pairs, command="audit")
+                            rollouts_file=rollouts_file, pairs=pairs, command="audit", view=view)
     summary["alignment"] = alignment if alignment is not None else check_alignment(
         table, sampler_meta=engines["sampler"].get("meta"))
     summary["trees"] = tree_summary(table, pairs)
-    summary["localization"]["turns"] = localize_turns(table, "train", "sampler")
+    summary["localization"]["turns"] = localize_turns(view, "train", "sampler")
     if drift is not None:
         summary["drift"] = drift
-    summary["corrections"] = summary_corrections(table)
+    summary["corrections"] = summary_corrections(view)
     summary["recommendations"] = recommendations_dicts(recommend(summary))
     summary["config_snippets"] = {framework: render_config(summary["recommendations"], framework)
                                   for framework in FRAMEWORKS}
@@ -141,10 +143,12 @@ def shard_info(shard: Shard | None, block_size: int) -> dict[str, Any]:
 
 
 def build_summary(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
-                  rollouts_file: str, pairs: tuple[tuple[str, str], ...], command: str) -> dict[str, Any]:
-    """summary.json (contract `mismatch.summary/v1`) from a filled token table."""
-    trainable = table[table["trainable"]]
-    pair_metrics = summarize_pairs(table, list(pairs))
+                  rollouts_file: str, pairs: tuple[tuple[str, str], ...], command: str,
+                  view: TokenView | None = None) -> dict[str, Any]:
+    """summary.json (contract `mismatch.summary/v1`) from a filled token table (and its
+    trainable-row view, when the caller has one to share)."""
+    view = view if view is not None else TokenView(table)
+    pair_metrics = summarize_pairs(view, list(pairs))
     return {
         "schema": SUMMARY_SCHEMA,
         "command": command,
@@ -154,13 +158,13 @@ def build_summary(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
         "rollouts_file": rollouts_file,
         "counts": {"rollouts": int(table["rollout"].nunique()),
                    "branches": int(table.groupby(["rollout", "branch"], observed=True).ngroups),
-                   "tokens": len(table), "trainable_tokens": len(trainable)},
+                   "tokens": len(table), "trainable_tokens": view.num_tokens},
         "engines": engines,
         "pairs": pair_metrics,
         "verdicts": verdicts(pair_metrics),
-        "turns": _breakdown(table, pairs, "turn"),
-        "roles": _breakdown(table, pairs, "role", trainable_only=False),
-        "branch_kinds": _breakdown(table, pairs, "branch_kind"),
+        "turns": _breakdown(view, pairs, "turn"),
+        "roles": _breakdown(TokenView.of(view, trainable_only=False), pairs, "role"),
+        "branch_kinds": _breakdown(view, pairs, "branch_kind"),
         # Filled by the callers that have the inputs: localizers, corrections, recommendations.
         "localization": {},
         "corrections": [],
@@ -168,10 +172,9 @@ def build_summary(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
     }
 
 
-def _breakdown(table: pd.DataFrame, pairs: tuple[tuple[str, str], ...], by: str, *,
-               trainable_only: bool = True) -> list[dict[str, Any]]:
+def _breakdown(view: TokenView, pairs: tuple[tuple[str, str], ...], by: str) -> list[dict[str, Any]]:
     """[{by: key, "pairs": {"A/B": {metric: value}}}] in key order, for summary.json."""
-    long = metrics_by(table, list(pairs), by, trainable_only=trainable_only)
+    long = metrics_by(view, list(pairs), by, trainable_only=view.trainable_only)
     rows: dict[Any, dict[str, Any]] = {}
     for record in long.to_dict("records"):
         key = record[by]

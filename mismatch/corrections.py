@@ -9,11 +9,16 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from mismatch.errors import MismatchError
+from mismatch.groups import Runs, find_runs
+from mismatch.metrics import pair_tokens
+from mismatch.tokenview import TokenView
 
 # Conventions, shared with the frameworks cited per mode below:
 # - log_ratio = log pi_train - log pi_sampler per token, ratio = exp(log_ratio); a "sequence" is one branch
@@ -83,33 +88,64 @@ class CorrectionResult:
                 "by_turn": [dict(row) for row in self.by_turn]}
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
 class _Tokens:
-    """Trainable, non-NaN tokens with integer-coded sequences and rollouts (codes 0..n-1)."""
+    """Trainable, non-NaN tokens cut into runs that never cross a sequence, a rollout or a turn.
 
-    log_ratio: np.ndarray
-    seq: np.ndarray
-    rollout: np.ndarray
-    num_seqs: int
-    num_rollouts: int
+    A mode's weight is either per token or, for modes that weigh whole sequences or rollouts,
+    per run (`ModeSpec.per_run`): such weights are constant over a run, and working on ~1e5
+    runs instead of ~1e7 tokens is what keeps the 41 default corrections cheap.
+    """
 
-    @property
+    def __init__(self, log_ratio: np.ndarray, runs: Runs, *, run_seq: np.ndarray, num_seqs: int,
+                 run_rollout: np.ndarray, num_rollouts: int, turn: tuple[np.ndarray, np.ndarray] | None = None,
+                 ratio: np.ndarray | None = None) -> None:
+        self.log_ratio = log_ratio
+        self.runs = runs
+        self.run_seq, self.num_seqs = run_seq, num_seqs
+        self.run_rollout, self.num_rollouts = run_rollout, num_rollouts
+        self.turn = turn  # (distinct turn keys, turn code of each run), or None
+        if ratio is not None:
+            self.__dict__["ratio"] = ratio
+
+    @cached_property
     def ratio(self) -> np.ndarray:
         with np.errstate(over="ignore"):
             return np.exp(self.log_ratio)
 
+    def per_seq(self, per_run: np.ndarray) -> np.ndarray:
+        return np.bincount(self.run_seq, weights=per_run, minlength=self.num_seqs)
+
+    @cached_property
+    def seq_count(self) -> np.ndarray:
+        return self.per_seq(self.runs.lengths)
+
+    @cached_property
+    def run_log_ratio(self) -> np.ndarray:
+        return self.runs.sum(self.log_ratio)
+
+    @cached_property
     def seq_sum(self) -> np.ndarray:
-        """Per token: the sum of its sequence's log-ratios (TRL/verl sequence level)."""
-        return np.bincount(self.seq, weights=self.log_ratio, minlength=self.num_seqs)[self.seq]
+        """Per run: the sum of its sequence's log-ratios (TRL/verl sequence level)."""
+        return self.per_seq(self.run_log_ratio)[self.run_seq]
 
+    @cached_property
     def seq_mean(self) -> np.ndarray:
-        """Per token: the mean of its sequence's log-ratios (the geometric mean, in log space)."""
-        counts = np.bincount(self.seq, minlength=self.num_seqs)
-        sums = np.bincount(self.seq, weights=self.log_ratio, minlength=self.num_seqs)
-        return (sums / np.maximum(counts, 1))[self.seq]
+        """Per run: the mean of its sequence's log-ratios (the geometric mean, in log space)."""
+        return (self.per_seq(self.run_log_ratio) / np.maximum(self.seq_count, 1))[self.run_seq]
 
+    @cached_property
     def rollout_sum(self) -> np.ndarray:
-        return np.bincount(self.rollout, weights=self.log_ratio, minlength=self.num_rollouts)[self.rollout]
+        """Per run: the sum of its rollout's log-ratios."""
+        return np.bincount(self.run_rollout, weights=self.run_log_ratio, minlength=self.num_rollouts)[self.run_rollout]
+
+    def seq_reduce(self, values: np.ndarray, ufunc: np.ufunc, empty: float) -> np.ndarray:
+        """Per run: ufunc.reduce (max/min) of a per-token array over the run's sequence."""
+        per_seq = np.full(self.num_seqs, empty)
+        ufunc.at(per_seq, self.run_seq, ufunc.reduceat(values, self.runs.starts))
+        return per_seq[self.run_seq]
+
+    def spread(self, per_run: np.ndarray) -> np.ndarray:
+        return self.runs.spread(per_run)
 
 
 ModeFn = Callable[..., tuple[np.ndarray, np.ndarray]]
@@ -121,21 +157,12 @@ class ModeSpec:
     level: str
     fn: ModeFn
     doc: str
+    per_run: bool = False  # fn returns one weight per run (constant over sequences or rollouts)
 
 
 def _exp(log_ratio: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         return np.exp(log_ratio)
-
-
-def _group_reduce(values: np.ndarray, codes: np.ndarray, num: int, ufunc: np.ufunc) -> np.ndarray:
-    """Per token: ufunc.reduce over its group (max/min), via one sort and reduceat."""
-    order = np.argsort(codes, kind="stable")
-    sorted_codes = codes[order]
-    starts = np.flatnonzero(np.r_[True, sorted_codes[1:] != sorted_codes[:-1]])
-    out = np.empty(num, dtype=np.float64)
-    out[sorted_codes[starts]] = ufunc.reduceat(values[order], starts)
-    return out[codes]
 
 
 # --- IS modes: one-sided cap (TRL's four modes keep TRL's names and semantics) ---
@@ -165,17 +192,17 @@ def token_mask(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np.ndarray]:
 
 def sequence_truncate(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np.ndarray]:
     # Also verl rollout_is="sequence" (exp of the masked sum, then clamp(max=threshold)).
-    return _truncate(_exp(t.seq_sum()), cap)
+    return _truncate(_exp(t.seq_sum), cap)
 
 
 def sequence_mask(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np.ndarray]:
-    return _mask_above(_exp(t.seq_sum()), cap)
+    return _mask_above(_exp(t.seq_sum), cap)
 
 
 def geometric_truncate(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np.ndarray]:
     # slime MIS tis_level="geometric", tis_mode="truncate"
     # (examples/train_infer_mismatch_helper/mis.py compute_mis_weights: exp(masked_mean(log-ratio))).
-    return _truncate(_exp(t.seq_mean()), cap)
+    return _truncate(_exp(t.seq_mean), cap)
 
 
 # --- IS modes: two-sided band ---
@@ -205,19 +232,19 @@ def token_icepop(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np
 
 def sequence_icepop(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
     # verl rollout_is="sequence" with "low_high"; slime MIS tis_level="sequence", tis_mode="mask".
-    return _band_mask(_exp(t.seq_sum()), low, high)
+    return _band_mask(_exp(t.seq_sum), low, high)
 
 
 def geometric_icepop(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
     # slime MIS tis_level="geometric", tis_mode="mask"; prime-rl geo_mask_low/geo_mask_high gate.
-    return _band_mask(_exp(t.seq_mean()), low, high)
+    return _band_mask(_exp(t.seq_mean), low, high)
 
 
 def seq_mask_tis(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
     # OpenRLHF is_correction_type="seq-mask-tis": drop sequences whose geometric-mean ratio leaves
     # [low, high]; kept tokens carry their own raw token ratio (openrlhf/models/loss.py PolicyLoss).
-    geometric = _exp(t.seq_mean())
-    keep = (geometric >= low) & (geometric <= high)
+    geometric = _exp(t.seq_mean)
+    keep = t.spread((geometric >= low) & (geometric <= high))
     return np.where(keep, t.ratio, 0.0), ~keep
 
 
@@ -225,8 +252,8 @@ def sequence_minmax_mask(t: _Tokens, *, low: float, high: float) -> tuple[np.nda
     # prime-rl sequence_mask_low / sequence_mask_high: drop the whole sequence when any token's ratio is
     # below low or above high (the "max" of the ratios decides); kept tokens keep their token ratio.
     ratio = t.ratio
-    keep = ((_group_reduce(ratio, t.seq, t.num_seqs, np.minimum) >= low)
-            & (_group_reduce(ratio, t.seq, t.num_seqs, np.maximum) <= high))
+    keep = t.spread((t.seq_reduce(ratio, np.minimum, np.inf) >= low)
+                    & (t.seq_reduce(ratio, np.maximum, -np.inf) <= high))
     return np.where(keep, ratio, 0.0), ~keep
 
 
@@ -234,7 +261,7 @@ def sequence_minmax_mask(t: _Tokens, *, low: float, high: float) -> tuple[np.nda
 
 def rollout_clip(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
     """Each rollout's ratio (exp of the sum over all its branches' trainable tokens) clipped to [low, high]."""
-    return _clip(_exp(t.rollout_sum()), low, high)
+    return _clip(_exp(t.rollout_sum), low, high)
 
 
 def rollout_balanced_truncate(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np.ndarray]:
@@ -245,9 +272,9 @@ def rollout_balanced_truncate(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np
     are the capped tokens; the rebalancing shows in the weight stats.
     """
     capped, affected = _truncate(t.ratio, cap)
-    per_rollout = np.bincount(t.rollout, minlength=t.num_rollouts)[t.rollout]
+    per_rollout = np.bincount(t.run_rollout, weights=t.runs.lengths, minlength=t.num_rollouts)[t.run_rollout]
     scale = (len(t.log_ratio) / t.num_rollouts) / per_rollout
-    return capped * scale, affected
+    return capped * t.spread(scale), affected
 
 
 # --- rejection modes: verl rollout_rs (verl/trainer/ppo/rollout_corr_helper.py,
@@ -268,13 +295,12 @@ def _verl_stat(t: _Tokens, estimator: str) -> np.ndarray:
 def _verl_rejection(aggregate: str, estimator: str) -> ModeFn:
     def reject(t: _Tokens, *, high: float, low: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         stat = _verl_stat(t, estimator)
-        counts = np.bincount(t.seq, minlength=t.num_seqs)[t.seq]
-        if aggregate == "seq_sum":
-            stat = np.bincount(t.seq, weights=stat, minlength=t.num_seqs)[t.seq]
+        if aggregate == "seq_sum":  # per run from here on (the sequence's statistic)
+            stat = t.per_seq(t.runs.sum(stat))[t.run_seq]
         elif aggregate == "seq_mean":
-            stat = np.bincount(t.seq, weights=stat, minlength=t.num_seqs)[t.seq] / counts
+            stat = (t.per_seq(t.runs.sum(stat)) / t.seq_count)[t.run_seq]
         elif aggregate == "seq_max":
-            stat = _group_reduce(stat, t.seq, t.num_seqs, np.maximum)
+            stat = t.seq_reduce(stat, np.maximum, -np.inf)
         if estimator == "k1":
             keep = (stat >= math.log(low)) & (stat <= math.log(high))
         else:
@@ -288,26 +314,26 @@ MODES: dict[str, ModeSpec] = {
                                doc="TRL token_truncate / token TIS: min(ratio, cap)"),
     "token_mask": ModeSpec(params=("cap",), level="token", fn=token_mask,
                            doc="TRL token_mask: ratio, or 0 where ratio > cap"),
-    "sequence_truncate": ModeSpec(params=("cap",), level="sequence", fn=sequence_truncate,
+    "sequence_truncate": ModeSpec(params=("cap",), per_run=True, level="sequence", fn=sequence_truncate,
                                   doc="TRL sequence_truncate: min(exp(sum log_ratio), cap)"),
-    "sequence_mask": ModeSpec(params=("cap",), level="sequence", fn=sequence_mask,
+    "sequence_mask": ModeSpec(params=("cap",), per_run=True, level="sequence", fn=sequence_mask,
                               doc="TRL sequence_mask: exp(sum log_ratio), or 0 above cap"),
-    "geometric_truncate": ModeSpec(params=("cap",), level="sequence", fn=geometric_truncate,
+    "geometric_truncate": ModeSpec(params=("cap",), per_run=True, level="sequence", fn=geometric_truncate,
                                    doc="slime geometric TIS: min(exp(mean log_ratio), cap)"),
     "token_clip": ModeSpec(params=("low", "high"), level="token", fn=token_clip,
                            doc="slime TIS / OpenRLHF tis: clip(ratio, low, high)"),
     "token_icepop": ModeSpec(params=("low", "high"), level="token", fn=token_icepop,
                              doc="IcePop / MIS: ratio inside [low, high], else 0"),
-    "sequence_icepop": ModeSpec(params=("low", "high"), level="sequence", fn=sequence_icepop,
+    "sequence_icepop": ModeSpec(params=("low", "high"), per_run=True, level="sequence", fn=sequence_icepop,
                                 doc="sequence MIS: exp(sum) inside [low, high], else 0"),
-    "geometric_icepop": ModeSpec(params=("low", "high"), level="sequence", fn=geometric_icepop,
+    "geometric_icepop": ModeSpec(params=("low", "high"), per_run=True, level="sequence", fn=geometric_icepop,
                                  doc="geometric MIS: exp(mean) inside [low, high], else 0"),
     "seq_mask_tis": ModeSpec(params=("low", "high"), level="sequence", fn=seq_mask_tis,
                              doc="OpenRLHF seq-mask-tis: token ratio if exp(mean) in [low, high], else 0"),
     "sequence_minmax_mask": ModeSpec(params=("low", "high"), level="sequence", fn=sequence_minmax_mask,
                                      doc="prime-rl sequence_mask_low/high: token ratio, 0 for the whole "
                                          "sequence if any ratio leaves [low, high]"),
-    "rollout_clip": ModeSpec(params=("low", "high"), level="rollout", fn=rollout_clip,
+    "rollout_clip": ModeSpec(params=("low", "high"), per_run=True, level="rollout", fn=rollout_clip,
                              doc="clip(exp(sum over the rollout), low, high)"),
     "rollout_balanced_truncate": ModeSpec(params=("cap",), level="rollout", fn=rollout_balanced_truncate,
                                           doc="min(ratio, cap), each rollout's weights rescaled to equal mass"),
@@ -319,7 +345,7 @@ for _aggregate in ("token", "seq_sum", "seq_mean", "seq_max"):
         _option = f"{_aggregate}_{_estimator}"
         MODES[f"rs_{_option}"] = ModeSpec(
             params=("low", "high") if _estimator == "k1" else ("high",),
-            level="token" if _aggregate == "token" else "sequence",
+            level="token" if _aggregate == "token" else "sequence", per_run=_aggregate != "token",
             fn=_verl_rejection(_aggregate, _estimator),
             doc=f"verl rollout_rs={_option}: keep (weight 1) or reject (weight 0)")
 
@@ -381,7 +407,8 @@ def _codes(keys: Any) -> tuple[np.ndarray, int]:
 
 
 def _prepare(log_ratio: Any, *, seq: Any, rollout: Any, trainable: Any | None,
-             turn: Any | None = None) -> tuple[_Tokens, np.ndarray | None]:
+             turn: Any | None = None) -> tuple[_Tokens, np.ndarray]:
+    """The tokens to correct, and which of the given ones they are."""
     log_ratio = _to_numpy(log_ratio).astype(np.float64, copy=False)
     arrays = {"seq": _to_numpy(seq), "rollout": _to_numpy(rollout)}
     if trainable is not None:
@@ -396,13 +423,24 @@ def _prepare(log_ratio: Any, *, seq: Any, rollout: Any, trainable: Any | None,
         keep &= arrays["trainable"]
     seq_codes, num_seqs = _codes(arrays["seq"][keep])
     rollout_codes, num_rollouts = _codes(arrays["rollout"][keep])
-    tokens = _Tokens(log_ratio=log_ratio[keep], seq=seq_codes, rollout=rollout_codes,
-                     num_seqs=num_seqs, num_rollouts=num_rollouts)
-    return tokens, (arrays["turn"][keep] if "turn" in arrays else None)
+    keys = [seq_codes, rollout_codes]
+    if turn is not None:
+        turn_keys, turn_codes = np.unique(arrays["turn"][keep], return_inverse=True)
+        keys.append(turn_codes.reshape(-1))
+    runs = find_runs(keys, int(keep.sum()))
+    tokens = _Tokens(log_ratio[keep], runs, run_seq=seq_codes[runs.starts], num_seqs=num_seqs,
+                     run_rollout=rollout_codes[runs.starts], num_rollouts=num_rollouts,
+                     turn=(turn_keys, keys[2][runs.starts]) if turn is not None else None)
+    return tokens, keep
 
 
 def _apply(tokens: _Tokens, correction: Correction) -> tuple[np.ndarray, np.ndarray]:
-    return MODES[correction.mode].fn(tokens, **correction.params)
+    """(weight, affected) per token."""
+    spec = MODES[correction.mode]
+    weight, affected = spec.fn(tokens, **correction.params)
+    if spec.per_run:
+        weight, affected = tokens.spread(weight), tokens.spread(affected)
+    return weight, affected
 
 
 def correction_weights(log_ratio: Any, correction: Correction, *, seq: Any,
@@ -415,8 +453,7 @@ def correction_weights(log_ratio: Any, correction: Correction, *, seq: Any,
     """
     values = _to_numpy(log_ratio).astype(np.float64, copy=False)
     rollout = seq if rollout is None else rollout
-    tokens, _ = _prepare(values, seq=seq, rollout=rollout, trainable=None)
-    valid = ~np.isnan(values)
+    tokens, valid = _prepare(values, seq=seq, rollout=rollout, trainable=None)
     weight = np.full(values.shape, np.nan)
     affected = np.zeros(values.shape, dtype=bool)
     weight[valid], affected[valid] = _apply(tokens, correction)
@@ -427,58 +464,72 @@ def correction_weights(log_ratio: Any, correction: Correction, *, seq: Any,
     return weight, affected
 
 
-def effective_sample_size(weight: np.ndarray) -> float:
+def effective_sample_size(weight: np.ndarray, counts: np.ndarray | None = None) -> float:
     """(sum w)^2 / (n sum w^2), scale-free; 0 when every weight is 0, NaN with no tokens.
 
-    Infinite weights dominate: k of them among n give k/n (the limit), not inf/inf.
+    `counts`: how many tokens carry each weight (one each by default). Infinite weights
+    dominate: k of them among n give k/n (the limit), not inf/inf.
     """
     weight = np.asarray(weight, dtype=np.float64)
-    if len(weight) == 0:
+    n = len(weight) if counts is None else int(counts.sum())
+    if n == 0:
         return math.nan
     infinite = np.isinf(weight)
     if infinite.any():
-        return float(infinite.sum() / len(weight))
+        return float((infinite.sum() if counts is None else counts[infinite].sum()) / n)
     top = weight.max()
     if top <= 0:
         return 0.0
-    scaled = weight / top  # scale-free: avoids overflow of w^2 for big sequence ratios
-    return float(np.square(scaled.sum()) / (len(scaled) * np.square(scaled).sum()))
+    if not 1e-100 < top < 1e100:
+        weight = weight / top  # scale-free: keeps sum w^2 from overflowing (big sequence ratios)
+    if counts is None:
+        total, total_sq = weight.sum(), np.dot(weight, weight)
+    else:
+        total, total_sq = np.dot(counts, weight), np.dot(counts, np.square(weight))
+    return float(np.square(total) / (n * total_sq))
 
 
-def _result(tokens: _Tokens, turn: tuple[np.ndarray, np.ndarray] | None,
-            correction: Correction) -> CorrectionResult:
+def _result(tokens: _Tokens, correction: Correction) -> CorrectionResult:
     n = len(tokens.log_ratio)
+    spec = MODES[correction.mode]
     if n == 0:
         nan = math.nan
-        return CorrectionResult(mode=correction.mode, params=dict(correction.params),
-                                level=MODES[correction.mode].level, n_tokens=0, n_sequences=0,
-                                n_rollouts=0, frac_tokens_affected=nan, frac_sequences_affected=nan,
-                                frac_rollouts_affected=nan, weight_mean=nan, weight_std=nan,
-                                weight_max=nan, ess=nan, by_turn=[])
-    weight, affected = _apply(tokens, correction)
-    seq_hit = np.bincount(tokens.seq, weights=affected, minlength=tokens.num_seqs) > 0
-    rollout_hit = np.bincount(tokens.rollout, weights=affected, minlength=tokens.num_rollouts) > 0
+        return CorrectionResult(mode=correction.mode, params=dict(correction.params), level=spec.level,
+                                n_tokens=0, n_sequences=0, n_rollouts=0, frac_tokens_affected=nan,
+                                frac_sequences_affected=nan, frac_rollouts_affected=nan, weight_mean=nan,
+                                weight_std=nan, weight_max=nan, ess=nan, by_turn=[])
+    weight, affected = spec.fn(tokens, **correction.params)
+    runs = tokens.runs
+    counts = runs.lengths if spec.per_run else None
     with np.errstate(invalid="ignore", over="ignore"):
-        mean = float(weight.mean())
-        std = float(np.sqrt(np.square(weight - mean).mean())) if math.isfinite(mean) else math.nan
+        if spec.per_run:
+            run_weight, run_hits = weight * counts, affected * counts
+        else:
+            run_weight, run_hits = runs.sum(weight), runs.sum(affected, dtype=np.int64)
+        mean = float(run_weight.sum() / n)
+        std = math.nan
+        if math.isfinite(mean):
+            deviation = weight - mean
+            spread = np.dot(deviation, deviation) if counts is None else np.dot(counts, np.square(deviation))
+            std = float(np.sqrt(spread / n))
+    seq_hit = tokens.per_seq(run_hits) > 0
+    rollout_hit = np.bincount(tokens.run_rollout, weights=run_hits, minlength=tokens.num_rollouts) > 0
     return CorrectionResult(
-        mode=correction.mode, params=dict(correction.params), level=MODES[correction.mode].level,
+        mode=correction.mode, params=dict(correction.params), level=spec.level,
         n_tokens=n, n_sequences=tokens.num_seqs, n_rollouts=tokens.num_rollouts,
-        frac_tokens_affected=float(affected.mean()), frac_sequences_affected=float(seq_hit.mean()),
+        frac_tokens_affected=float(run_hits.sum() / n), frac_sequences_affected=float(seq_hit.mean()),
         frac_rollouts_affected=float(rollout_hit.mean()), weight_mean=mean, weight_std=std,
-        weight_max=float(weight.max()), ess=effective_sample_size(weight),
-        by_turn=_by_turn(turn, weight, affected) if turn is not None else [])
+        weight_max=float(weight.max()), ess=effective_sample_size(weight, counts),
+        by_turn=_by_turn(tokens, run_weight, run_hits) if tokens.turn is not None else [])
 
 
-def _by_turn(turn: tuple[np.ndarray, np.ndarray], weight: np.ndarray,
-             affected: np.ndarray) -> list[dict[str, Any]]:
-    """Per turn (`turn` = its distinct keys and each token's code): how many tokens, the share the
-    correction touched, and their mean weight."""
-    keys, codes = turn
-    counts = np.bincount(codes, minlength=len(keys))
-    hits = np.bincount(codes, weights=affected, minlength=len(keys))
+def _by_turn(tokens: _Tokens, run_weight: np.ndarray, run_hits: np.ndarray) -> list[dict[str, Any]]:
+    """Per turn: how many tokens, the share the correction touched, and their mean weight."""
+    keys, run_turn = tokens.turn
+    counts = np.bincount(run_turn, weights=tokens.runs.lengths, minlength=len(keys))
+    hits = np.bincount(run_turn, weights=run_hits, minlength=len(keys))
     with np.errstate(invalid="ignore", over="ignore"):
-        sums = np.bincount(codes, weights=weight, minlength=len(keys))
+        sums = np.bincount(run_turn, weights=run_weight, minlength=len(keys))
     return [{"turn": key.item() if hasattr(key, "item") else key, "n_tokens": int(count),
              "frac_tokens_affected": float(hit / count), "weight_mean": float(total / count)}
             for key, count, hit, total in zip(keys, counts, hits, sums)]
@@ -493,18 +544,13 @@ def simulate(log_ratio: Any, corrections: Sequence[Correction] = DEFAULT_CORRECT
     its ids must differ across rollouts), `rollout` its rollout, `turn` its turn (for by_turn),
     `trainable` which tokens enter the loss. NaN log-ratios and non-trainable tokens are dropped.
     """
-    tokens, turn_kept = _prepare(log_ratio, seq=seq, rollout=rollout, trainable=trainable, turn=turn)
-    # Factorize the turns once, not once per correction (a full sort of every token each time).
-    turn_codes = None
-    if turn_kept is not None:
-        keys, codes = np.unique(turn_kept, return_inverse=True)
-        turn_codes = (keys, codes.reshape(-1))
-    return [_result(tokens, turn_codes, correction) for correction in corrections]
+    tokens, _ = _prepare(log_ratio, seq=seq, rollout=rollout, trainable=trainable, turn=turn)
+    return [_result(tokens, correction) for correction in corrections]
 
 
-def simulate_table(table: Any, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS, *,
+def simulate_table(table: pd.DataFrame | TokenView, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS, *,
                    pair: tuple[str, str] = ("train", "sampler")) -> list[CorrectionResult]:
-    """`simulate` on a token table (tokens.parquet as a DataFrame).
+    """`simulate` on a token table (tokens.parquet as a DataFrame, or a TokenView of it).
 
     Reads columns `rollout`, `branch`, `turn`, `trainable`, `logp_<A>` and `logp_<B>` of the pair;
     log_ratio = logp_A - logp_B, a sequence is a (rollout, branch).
@@ -514,13 +560,18 @@ def simulate_table(table: Any, corrections: Sequence[Correction] = DEFAULT_CORRE
     if missing:
         raise MismatchError(f"token table has no column {missing[0]!r} (columns: "
                             f"{', '.join(map(str, table.columns))})")
-    seq = table.groupby(["rollout", "branch"], sort=False, observed=True, dropna=False).ngroup().to_numpy()
-    rollout = table.groupby("rollout", sort=False, observed=True, dropna=False).ngroup().to_numpy()
-    log_ratio = table[needed[4]].to_numpy(np.float64) - table[needed[5]].to_numpy(np.float64)
-    return simulate(log_ratio, corrections, seq=seq, rollout=rollout, turn=table["turn"].to_numpy(),
-                    trainable=table["trainable"].to_numpy(bool))
+    view = TokenView.of(table, trainable_only=True)
+    # The metrics' own pair: its log-ratio, ratio and runs are computed once for both.
+    pair_view = pair_tokens(view, needed[4], needed[5])
+    tokens_view = pair_view.view
+    runs, turns = tokens_view.grouping(["turn"])
+    tokens = _Tokens(pair_view.log_ratio, runs, run_seq=tokens_view.run_seq, num_seqs=tokens_view.num_seqs,
+                     run_rollout=tokens_view.run_rollout, num_rollouts=tokens_view.num_rollouts,
+                     turn=(turns.keys["turn"].to_numpy(), turns.run_group), ratio=pair_view.ratio)
+    return [_result(tokens, correction) for correction in corrections]
 
 
-def summary_corrections(table: Any, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS) -> list[dict[str, Any]]:
+def summary_corrections(table: pd.DataFrame | TokenView,
+                        corrections: Sequence[Correction] = DEFAULT_CORRECTIONS) -> list[dict[str, Any]]:
     """`summary.json["corrections"]`: every correction simulated over train/sampler trainable tokens."""
     return [result.to_dict() for result in simulate_table(table, corrections)]

@@ -5,12 +5,15 @@ Flow: token table (`logp_*` columns, one row per replayed token) -> metrics -> l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from mismatch.errors import MismatchError
+from mismatch.groups import Grouping, Runs, quantiles, single_group
+from mismatch.tokenview import DEFAULT_SEQ, TokenView
 
 # Contract names and order of `summary.json["pairs"]["A/B"]` (ARCHITECTURE.md, "Results directory").
 PAIR_METRICS: tuple[str, ...] = (
@@ -22,126 +25,179 @@ PAIR_METRICS: tuple[str, ...] = (
 )
 _COUNTS = ("n_tokens", "n_rollouts")
 _QUANTILES = {"ratio_p01": 0.01, "ratio_p99": 0.99, "ratio_p999": 0.999}
-DEFAULT_SEQ = ("rollout", "branch")
+# Beyond this |log_ratio| the sums of r and r^2 behind ESS could overflow or underflow float64.
+_ESS_DIRECT_LIMIT = 300.0
 
 
-def _token_terms(logp_a: np.ndarray, logp_b: np.ndarray) -> dict[str, np.ndarray]:
-    """Per-token values whose plain mean over a group is the metric of the same name.
+@dataclass(frozen=True, slots=True, eq=False)
+class PairTokens:
+    """The tokens of a view where both log-probs are defined, with their log-ratio and ratio."""
 
-    `chi2_token` holds r^2 here; the caller subtracts 1 after averaging.
-    """
+    view: TokenView           # exactly those tokens
+    columns: tuple[str, str]  # the two log-prob columns, A then B
+    keep: np.ndarray | None   # which of the parent view's tokens they are (None: all of them)
+    logp_a: np.ndarray        # float64 (float32 inputs are upcast before any arithmetic)
+    logp_b: np.ndarray
+    log_ratio: np.ndarray
+    ratio: np.ndarray
+
+
+def pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
+    """Columns `a` against `b` on the view (log_ratio = a - b), computed once per view."""
+    return view.memo(("pair", a, b), lambda: _pair_tokens(view, a, b))
+
+
+def _pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
+    logp_a = view.column(a).astype(np.float64, copy=False)
+    logp_b = view.column(b).astype(np.float64, copy=False)
+    valid = ~(np.isnan(logp_a) | np.isnan(logp_b))
+    keep, tokens = None, view
+    if not valid.all():  # dropped before anything else; the common case copies nothing
+        keep, tokens = valid, view.subset(valid)
+        logp_a, logp_b = logp_a[valid], logp_b[valid]
     log_ratio = logp_a - logp_b
     # A ratio that overflows is reported as inf, not hidden by a clamp: that is the finding.
-    with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore"):
         ratio = np.exp(log_ratio)
-        return {
-            "log_ratio_mean": log_ratio,
-            "log_ratio_abs_mean": np.abs(log_ratio),
-            "ratio_mean": ratio,
-            # logp_b - logp_a, not -log_ratio: equal log-probs then give +0.0, never -0.0.
-            "kl_k1": logp_b - logp_a,
-            # Halving is exact in binary floating point, so mean(x^2 / 2) == mean(x^2) / 2.
-            "kl_k2": 0.5 * np.square(log_ratio),
-            # r - 1 - log r without cancellation near r = 1, and exactly 0 at log_ratio = 0.
-            "kl_k3": np.expm1(log_ratio) - log_ratio,
-            "chi2_token": np.square(ratio),
-            "prob_abs_diff_mean": np.abs(np.exp(logp_a) - np.exp(logp_b)),
-            "frac_outside_2": ((ratio > 2.0) | (ratio < 0.5)).astype(np.float64),
-            "bitwise_equal_frac": (logp_a == logp_b).astype(np.float64),
-        }
+    return PairTokens(view=tokens, columns=(a, b), keep=keep, logp_a=logp_a, logp_b=logp_b, log_ratio=log_ratio, ratio=ratio)
 
 
-def _group_metrics(group_id: np.ndarray, num_groups: int, logp_a: np.ndarray, logp_b: np.ndarray,
-                   seq_id: np.ndarray, rollout_id: np.ndarray) -> pd.DataFrame:
-    """All PAIR_METRICS for groups 0..num_groups-1 of integer-coded tokens, one row per group.
+def _token_terms(pair: PairTokens, scratch: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """Per-token values whose group sums (`name`) or group maxima (`name_max`) the metrics are made of.
 
-    The single implementation behind `pair_metrics` (one group) and `grouped_pair_metrics`,
-    so the two can never drift apart. Every reduction is a groupby aggregation: no Python
-    loop over tokens or groups.
+    Each value is written into `scratch` (or is an array the pair already holds) and is valid until
+    the next one is asked for: one buffer instead of a dozen fresh ~40 MB arrays, whose page faults
+    cost more than the arithmetic (benchmarks/analysis.py).
     """
-    logp_a = np.asarray(logp_a, dtype=np.float64)
-    logp_b = np.asarray(logp_b, dtype=np.float64)
-    valid = ~(np.isnan(logp_a) | np.isnan(logp_b))
-    logp_a, logp_b = logp_a[valid], logp_b[valid]
-    group_id, seq_id, rollout_id = group_id[valid], seq_id[valid], rollout_id[valid]
-    if not valid.any():
-        return _empty_metrics(num_groups)
-
-    terms = pd.DataFrame(_token_terms(logp_a, logp_b))
-    # Token means as bincount sums / counts: one pass per term, no groupby machinery (the hot
-    # spot of the analysis benchmark). Only groups with tokens get a row, as groupby would.
-    counts = np.bincount(group_id, minlength=num_groups)
-    present = np.flatnonzero(counts)
+    log_ratio, ratio = pair.log_ratio, pair.ratio
+    yield "log_ratio", log_ratio
+    yield "ratio", ratio
+    yield "log_ratio_sq", np.square(log_ratio, out=scratch)
+    yield "ratio_sq", np.square(ratio, out=scratch)
+    # r - 1 - log r without cancellation near r = 1, and exactly 0 at log_ratio = 0.
     with np.errstate(over="ignore", invalid="ignore"):
-        out = pd.DataFrame({name: np.bincount(group_id, weights=values.to_numpy(), minlength=num_groups)[present]
-                            / counts[present] for name, values in terms.items()},
-                           index=pd.Index(present))
-    out["chi2_token"] -= 1.0
-    out["n_tokens"] = counts[present]
-    out["n_rollouts"] = pd.Series(rollout_id).groupby(group_id).nunique()
-
-    log_ratio = terms["log_ratio_mean"]
-    lr_by_group = log_ratio.groupby(group_id)
-    lr_min, lr_max = lr_by_group.min(), lr_by_group.max()
-    out["log_ratio_abs_max"] = terms["log_ratio_abs_mean"].groupby(group_id).max()
-    out["prob_abs_diff_max"] = terms["prob_abs_diff_mean"].groupby(group_id).max()
+        yield "k3", np.subtract(np.expm1(log_ratio, out=scratch), log_ratio, out=scratch)
+    flags = scratch.view(np.bool_)[:len(log_ratio)]  # the same buffer, read as flags
+    yield "outside_2", np.logical_or(ratio > 2.0, ratio < 0.5, out=flags)
+    yield "equal", np.equal(pair.logp_a, pair.logp_b, out=flags)
+    abs_log_ratio = np.abs(log_ratio, out=scratch)
+    yield "abs_log_ratio", abs_log_ratio
+    yield "log_ratio_abs_max", abs_log_ratio
     with np.errstate(over="ignore", invalid="ignore"):
-        # exp is monotonic, so exp(max log_ratio) is max(ratio) bit for bit.
-        out["ratio_min"] = np.exp(lr_min)
-        out["ratio_max"] = np.exp(lr_max)
-
-        # Two passes (deviations from the group mean) rather than E[r^2] - E[r]^2, which
-        # cancels to noise for the ratio ~ 1 +- 1e-8 that good engine pairs produce. ddof=0.
-        ratio = terms["ratio_mean"].to_numpy()
-        deviation = ratio - out["ratio_mean"].to_numpy()[_positions(out.index, group_id)]
-        out["ratio_std"] = np.sqrt(pd.Series(np.square(deviation)).groupby(group_id).mean())
-
-        # ESS is scale-free, so weigh by exp(log_ratio - group max): same number, but a single
-        # huge ratio (a -9999 placeholder log-prob) gives ESS ~ 1/n instead of inf/inf = NaN.
-        weight = np.exp(log_ratio.to_numpy() - lr_max.to_numpy()[_positions(out.index, group_id)])
-        weights = pd.DataFrame({"w": weight, "w2": np.square(weight)}).groupby(group_id).sum()
-        out["ess"] = np.square(weights["w"]) / (out["n_tokens"] * weights["w2"])
-
-        quantiles = pd.Series(ratio).groupby(group_id).quantile(list(_QUANTILES.values()))
-        quantiles = quantiles.unstack()
-        for name, q in _QUANTILES.items():
-            out[name] = quantiles[q]
-
-        # Sequence level: sum log-ratios first, exponentiate once per sequence. No clamp (verl
-        # clamps the sum at +-20): a sequence weight that overflows float64 makes chi2_seq inf.
-        per_seq = log_ratio.groupby([group_id, seq_id]).agg(["sum", "count"])
-        seq_group = per_seq.index.get_level_values(0)
-        out["chi2_seq"] = pd.Series(np.exp(2.0 * per_seq["sum"].to_numpy())).groupby(seq_group).mean() - 1.0
-        # verl's rollout_corr/ppl_ratio: each sequence's PPL_A / PPL_B = exp(-mean log_ratio),
-        # then the mean over sequences.
-        seq_ppl_ratio = np.exp(-(per_seq["sum"] / per_seq["count"]).to_numpy())
-        out["ppl_ratio"] = pd.Series(seq_ppl_ratio).groupby(seq_group).mean()
-
-    # Groups whose tokens were all NaN still get a row: zero counts, NaN metrics.
-    out = out.reindex(pd.RangeIndex(num_groups))
-    for name in _COUNTS:
-        out[name] = out[name].fillna(0).astype(np.int64)
-    return out[list(PAIR_METRICS)]
+        prob_b = np.exp(pair.logp_b)
+        prob_abs_diff = np.abs(np.subtract(np.exp(pair.logp_a, out=scratch), prob_b, out=scratch), out=scratch)
+    yield "prob_abs_diff", prob_abs_diff
+    yield "prob_abs_diff_max", prob_abs_diff
 
 
-def _empty_metrics(num_groups: int) -> pd.DataFrame:
-    out = pd.DataFrame(np.nan, index=pd.RangeIndex(num_groups), columns=list(PAIR_METRICS))
-    for name in _COUNTS:
-        out[name] = np.zeros(num_groups, dtype=np.int64)
-    return out
+def _run_sums(pair: PairTokens, runs: Runs) -> dict[str, np.ndarray]:
+    """Per run of the pair's view: every sum, extreme and spread the metrics are made of."""
+    scratch = np.empty(len(pair.log_ratio))
+    sums = {name: (runs.max(values) if name.endswith("_max") else
+                   runs.sum(values, dtype=np.int64 if values.dtype == bool else None))
+            for name, values in _token_terms(pair, scratch)}
+    sums["log_ratio_min"], sums["log_ratio_max"] = runs.min(pair.log_ratio), runs.max(pair.log_ratio)
+    with np.errstate(over="ignore", invalid="ignore"):
+        # Each run's squared deviations from its own mean (two passes, no E[r^2] - E[r]^2, which
+        # cancels to noise for the ratio ~ 1 +- 1e-8 of good engine pairs); runs merge by Chan's rule.
+        deviation = np.subtract(pair.ratio, runs.spread(sums["ratio"] / runs.lengths), out=scratch)
+        sums["ratio_m2"] = runs.sum(np.square(deviation, out=scratch))
+    return sums
 
 
-def _positions(group_index: pd.Index, group_id: np.ndarray) -> np.ndarray:
-    """Row of each token's group in a per-group frame indexed by the sorted present group ids."""
-    return np.searchsorted(group_index.to_numpy(), group_id)
+def _group_metrics(pair: PairTokens, runs: Runs, grouping: Grouping, *, with_quantiles: bool = True) -> pd.DataFrame:
+    """PAIR_METRICS for groups 0..G-1 of the pair's runs, one row per group.
+
+    The single implementation behind `pair_metrics` (one group) and every breakdown, so the two
+    can never drift apart. Empty groups keep a row: zero counts, NaN metrics.
+    """
+    view = pair.view
+    sums = view.memo(("run_sums", id(pair), id(runs)), lambda: _run_sums(pair, runs))
+    total = grouping.sum
+    n = grouping.count(runs)
+    out: dict[str, np.ndarray] = {"n_tokens": n,
+                                  "n_rollouts": grouping.distinct(view.run_rollout[_run_of(view, runs)],
+                                                                  view.num_rollouts)}
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        log_ratio_mean = total(sums["log_ratio"]) / n
+        ratio_sum, ratio_sq_sum = total(sums["ratio"]), total(sums["ratio_sq"])
+        ratio_mean = ratio_sum / n
+        lr_min, lr_max = grouping.min(sums["log_ratio_min"]), grouping.max(sums["log_ratio_max"])
+        run_mean = sums["ratio"] / runs.lengths
+        m2 = total(sums["ratio_m2"] + runs.lengths * np.square(run_mean - ratio_mean[grouping.run_group]))
+        out.update({
+            "log_ratio_mean": log_ratio_mean,
+            "log_ratio_abs_mean": total(sums["abs_log_ratio"]) / n,
+            "log_ratio_abs_max": grouping.max(sums["log_ratio_abs_max"]),
+            "ratio_mean": ratio_mean,
+            "ratio_std": np.sqrt(m2 / n),  # population std (ddof=0)
+            # exp is monotonic, so exp(max log_ratio) is max(ratio) bit for bit.
+            "ratio_min": np.exp(lr_min),
+            "ratio_max": np.exp(lr_max),
+            # Each k1 term logp_b - logp_a is exactly -(logp_a - logp_b); 0.0 - x turns -0.0 into +0.0.
+            "kl_k1": 0.0 - log_ratio_mean,
+            # Halving is exact in binary floating point, so mean(x^2) / 2 == mean(x^2 / 2).
+            "kl_k2": total(sums["log_ratio_sq"]) / n / 2.0,
+            "kl_k3": total(sums["k3"]) / n,
+            "chi2_token": ratio_sq_sum / n - 1.0,
+            "ess": _ess(pair, runs, grouping, n, ratio_sum, ratio_sq_sum, lr_min, lr_max),
+            "prob_abs_diff_mean": total(sums["prob_abs_diff"]) / n,
+            "prob_abs_diff_max": grouping.max(sums["prob_abs_diff_max"]),
+            "frac_outside_2": total(sums["outside_2"]) / n,
+            "bitwise_equal_frac": total(sums["equal"]) / n,
+        })
+        out.update(_sequence_metrics(view, runs, grouping, sums))
+        if with_quantiles:
+            token_group = None if grouping.num_groups == 1 else runs.spread(grouping.run_group)
+            table = quantiles(pair.ratio, token_group, grouping.num_groups, list(_QUANTILES.values()))
+            out.update({name: table[:, i] for i, name in enumerate(_QUANTILES)})
+    frame = pd.DataFrame(out)
+    empty = n == 0
+    floats = [name for name in frame.columns if name not in _COUNTS]
+    frame.loc[empty, floats] = np.nan
+    return frame[[name for name in PAIR_METRICS if name in frame.columns]]
 
 
-def _codes(keys: np.ndarray | pd.Series) -> np.ndarray:
-    """Integer code per distinct key (ints, strings, categoricals); NaN is a key of its own."""
-    if not isinstance(keys, (pd.Series, pd.Index, pd.Categorical)):
-        keys = np.asarray(keys)
-    codes, _ = pd.factorize(keys, use_na_sentinel=False)
-    return codes
+def _run_of(view: TokenView, runs: Runs) -> np.ndarray:
+    """For runs cut finer than the view's base runs: the base run each one lies in."""
+    if runs is view.runs:
+        return np.arange(runs.num_runs)
+    return np.searchsorted(view.runs.starts, runs.starts, side="right") - 1
+
+
+def _ess(pair: PairTokens, runs: Runs, grouping: Grouping, n: np.ndarray, ratio_sum: np.ndarray,
+         ratio_sq_sum: np.ndarray, lr_min: np.ndarray, lr_max: np.ndarray) -> np.ndarray:
+    """(sum r)^2 / (n sum r^2) per group; scale-free, so far-out groups use exp(log_ratio - group max)
+    and a single huge ratio (a -9999 placeholder log-prob) gives ESS ~ 1/n instead of inf/inf."""
+    ess = np.square(ratio_sum) / (n * ratio_sq_sum)
+    far = (lr_max > _ESS_DIRECT_LIMIT) | (lr_min < -_ESS_DIRECT_LIMIT)
+    if far.any():
+        token_group = runs.spread(grouping.run_group)
+        picked = far[token_group]
+        group = token_group[picked]
+        weight = np.exp(pair.log_ratio[picked] - lr_max[group])
+        w_sum = np.bincount(group, weights=weight, minlength=grouping.num_groups)
+        w_sq_sum = np.bincount(group, weights=np.square(weight), minlength=grouping.num_groups)
+        ess = np.where(far, np.square(w_sum) / (n * w_sq_sum), ess)
+    return ess
+
+
+def _sequence_metrics(view: TokenView, runs: Runs, grouping: Grouping,
+                      sums: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """chi2_seq and ppl_ratio: sum each sequence's log-ratios first (within the group), then average.
+
+    No clamp (verl clamps the sum at +-20): a sequence weight that overflows float64 makes
+    chi2_seq inf. ppl_ratio is verl's rollout_corr/ppl_ratio: each sequence's PPL_A / PPL_B =
+    exp(-mean log_ratio), then the mean over sequences.
+    """
+    pair_group, run_pair = grouping.pairs_with(view.run_seq[_run_of(view, runs)], view.num_seqs)
+    seq_sum = np.bincount(run_pair, weights=sums["log_ratio"], minlength=len(pair_group))
+    seq_count = np.bincount(run_pair, weights=runs.lengths, minlength=len(pair_group))
+    num_seqs = np.bincount(pair_group, minlength=grouping.num_groups)
+    return {"chi2_seq": np.bincount(pair_group, weights=np.exp(2.0 * seq_sum), minlength=grouping.num_groups)
+            / num_seqs - 1.0,
+            "ppl_ratio": np.bincount(pair_group, weights=np.exp(-seq_sum / seq_count),
+                                     minlength=grouping.num_groups) / num_seqs}
 
 
 def pair_metrics(logp_a: np.ndarray, logp_b: np.ndarray, *, seq: np.ndarray,
@@ -166,85 +222,126 @@ def pair_metrics(logp_a: np.ndarray, logp_b: np.ndarray, *, seq: np.ndarray,
     if not (logp_a.shape == logp_b.shape == np.shape(seq) == np.shape(rollout)) or logp_a.ndim != 1:
         raise ValueError(f"pair_metrics needs 1-D arrays of one length; got shapes {logp_a.shape}, "
                          f"{logp_b.shape}, seq {np.shape(seq)}, rollout {np.shape(rollout)}")
-    group_id = np.zeros(len(logp_a), dtype=np.int64)
-    row = _group_metrics(group_id, 1, logp_a, logp_b, _codes(seq), _codes(rollout)).iloc[0]
+    table = pd.DataFrame({"a": logp_a, "b": logp_b, "seq": np.asarray(seq), "rollout": np.asarray(rollout)})
+    view = TokenView(table, trainable_only=False, seq=("seq",), rollout="rollout")
+    return _one_group(pair_tokens(view, "a", "b"))
+
+
+def _one_group(pair: PairTokens) -> dict[str, float]:
+    runs = pair.view.runs
+    row = _group_metrics(pair, runs, single_group(runs)).iloc[0]
     return {name: int(row[name]) if name in _COUNTS else float(row[name]) for name in PAIR_METRICS}
+
+
+def token_grouped_metrics(pair: PairTokens, token_group: np.ndarray, num_groups: int) -> pd.DataFrame:
+    """The per-token metrics (means, maxima, counts; no spreads, quantiles or sequence metrics) for
+    groups given per token, such as a probability bucket, which change too often for runs to pay off."""
+    n = np.bincount(token_group, minlength=num_groups)
+    token_rollout = pair.view.runs.spread(pair.view.run_rollout)
+    pairs = np.bincount(token_group * max(pair.view.num_rollouts, 1) + token_rollout,
+                        minlength=num_groups * max(pair.view.num_rollouts, 1))
+    out: dict[str, np.ndarray] = {"n_tokens": n, "n_rollouts": (pairs.reshape(num_groups, -1) > 0).sum(axis=1)}
+    means = {}
+    with np.errstate(over="ignore", invalid="ignore"):
+        for name, values in _token_terms(pair, np.empty(len(pair.log_ratio))):
+            if name.endswith("_max"):
+                top = np.full(num_groups, -np.inf)
+                np.maximum.at(top, token_group, values)
+                out[name] = top
+            elif name in ("log_ratio", "abs_log_ratio", "k3", "outside_2", "equal"):
+                means[name] = np.bincount(token_group, weights=values, minlength=num_groups) / n
+    out.update({"log_ratio_mean": means["log_ratio"], "log_ratio_abs_mean": means["abs_log_ratio"],
+                "kl_k3": means["k3"], "frac_outside_2": means["outside_2"], "bitwise_equal_frac": means["equal"]})
+    frame = pd.DataFrame(out)
+    frame.loc[n == 0, [name for name in frame.columns if name not in _COUNTS]] = np.nan
+    return frame[[name for name in PAIR_METRICS if name in frame.columns]]
 
 
 def _as_list(columns: str | Sequence[str]) -> list[str]:
     return [columns] if isinstance(columns, str) else list(columns)
 
 
-def grouped_pair_metrics(table: pd.DataFrame, a: str, b: str, *, by: str | Sequence[str],
+def grouped_view_metrics(view: TokenView, a: str, b: str, by: Sequence[str], *,
+                         with_quantiles: bool = True) -> pd.DataFrame:
+    """`grouped_pair_metrics` on a view: the `by` columns, then PAIR_METRICS, one row per group.
+
+    Without quantiles the three ratio_p* columns are left out (they are the only per-token sort).
+    """
+    by = list(by)
+    pair = pair_tokens(view, a, b)
+    runs, grouping = view.grouping(by)
+    if pair.keep is not None:  # the pair's runs lie inside the view's; map them to its groups
+        token_group = runs.spread(grouping.run_group)[pair.keep]
+        runs = pair.view.runs_for(by)
+        grouping = Grouping(run_group=token_group[runs.starts], num_groups=grouping.num_groups,
+                            keys=grouping.keys)
+    metrics = _group_metrics(pair, runs, grouping, with_quantiles=with_quantiles)
+    return pd.concat([grouping.keys.reset_index(drop=True), metrics], axis=1)
+
+
+def grouped_pair_metrics(table: pd.DataFrame | TokenView, a: str, b: str, *, by: str | Sequence[str],
                          seq: Sequence[str] = DEFAULT_SEQ, rollout: str = "rollout") -> pd.DataFrame:
     """`pair_metrics` of columns `a` against `b` for every group of `by`, in one vectorized pass.
 
     Returns one row per group (sorted by the keys, including groups whose tokens are all
     NaN), with the `by` columns followed by PAIR_METRICS. A sequence is a distinct `seq`
-    tuple within a group, so by="turn" gives each branch's tokens of that turn.
+    tuple within a group, so by="turn" gives each branch's tokens of that turn. A DataFrame
+    is taken whole (every row); a TokenView brings its own rows and keys.
     """
-    by_cols, seq_cols = _as_list(by), _as_list(seq)
-    missing = [c for c in [a, b, rollout, *by_cols, *seq_cols] if c not in table.columns]
-    if missing:
-        columns = ", ".join(map(str, table.columns))
-        raise MismatchError(f"token table has no column {missing[0]!r} (columns: {columns})")
-    groups = table.groupby(by_cols, sort=True, observed=True, dropna=False)
-    group_id = groups.ngroup().to_numpy(dtype=np.int64)
-    seq_groups = table.groupby(seq_cols, sort=False, observed=True, dropna=False)
-    seq_id = seq_groups.ngroup().to_numpy(dtype=np.int64)
-    metrics = _group_metrics(group_id, groups.ngroups, table[a].to_numpy(), table[b].to_numpy(),
-                             seq_id, _codes(table[rollout]))
-    # Keys from each group's first row: ngroup numbers groups in sorted-key order.
-    _, first_row = np.unique(group_id, return_index=True)
-    keys = table[by_cols].iloc[first_row].reset_index(drop=True)
-    return pd.concat([keys, metrics.reset_index(drop=True)], axis=1)
+    by_cols = _as_list(by)
+    if isinstance(table, TokenView):
+        view = table
+    else:
+        missing = [c for c in [a, b, rollout, *by_cols, *seq] if c not in table.columns]
+        if missing:
+            columns = ", ".join(map(str, table.columns))
+            raise MismatchError(f"token table has no column {missing[0]!r} (columns: {columns})")
+        view = TokenView(table, trainable_only=False, seq=seq, rollout=rollout)
+    return grouped_view_metrics(view, a, b, by_cols)
 
 
-def _pair_columns(table: pd.DataFrame, pair: tuple[str, str]) -> tuple[str, str]:
+def _pair_columns(view: TokenView, pair: tuple[str, str]) -> tuple[str, str]:
     a, b = f"logp_{pair[0]}", f"logp_{pair[1]}"
     for column in (a, b):
-        if column not in table.columns:
-            have = sorted(str(c) for c in table.columns if str(c).startswith("logp_"))
+        if not view.has(column):
+            have = sorted(str(c) for c in view.columns if str(c).startswith("logp_"))
             raise MismatchError(f"pair {pair[0]}/{pair[1]}: token table has no column {column!r} "
                                 f"(log-prob columns: {', '.join(have) or 'none'})")
     return a, b
 
 
-def _trainable(table: pd.DataFrame, trainable_only: bool) -> pd.DataFrame:
-    # Only trainable tokens enter the PPO loss, so only their ratio matters (contract).
-    return table[table["trainable"].to_numpy(dtype=bool)] if trainable_only else table
-
-
-def summarize_pairs(table: pd.DataFrame, pairs: list[tuple[str, str]], *,
+def summarize_pairs(table: pd.DataFrame | TokenView, pairs: list[tuple[str, str]], *,
                     trainable_only: bool = True) -> dict[str, dict[str, float]]:
     """`summary.json["pairs"]`: {"A/B": pair_metrics of logp_A against logp_B} for each pair.
 
     A sequence is one branch of one rollout; only `trainable` tokens count unless
     trainable_only=False.
     """
-    tokens = _trainable(table, trainable_only)
-    seq_id = tokens.groupby(list(DEFAULT_SEQ), sort=False, observed=True, dropna=False).ngroup().to_numpy()
+    view = TokenView.of(table, trainable_only=trainable_only)
     summary = {}
     for pair in pairs:
-        a, b = _pair_columns(tokens, pair)
-        summary[f"{pair[0]}/{pair[1]}"] = pair_metrics(tokens[a].to_numpy(), tokens[b].to_numpy(),
-                                                       seq=seq_id, rollout=tokens["rollout"].to_numpy())
+        a, b = _pair_columns(view, pair)
+        summary[f"{pair[0]}/{pair[1]}"] = _one_group(pair_tokens(view, a, b))
     return summary
 
 
-def metrics_by(table: pd.DataFrame, pairs: list[tuple[str, str]], by: str | Sequence[str], *,
+def metrics_by(table: pd.DataFrame | TokenView, pairs: list[tuple[str, str]], by: str | Sequence[str], *,
                trainable_only: bool = True) -> pd.DataFrame:
     """Long-format breakdown: columns `pair` ("A/B"), the `by` keys, then PAIR_METRICS.
 
     One row per (pair, group); e.g. by="rollout", by="turn" or by="role" for the report.
     """
-    tokens = _trainable(table, trainable_only)
+    view = TokenView.of(table, trainable_only=trainable_only)
+    by_cols = _as_list(by)
+    missing = [c for c in by_cols if not view.has(c)]
+    if missing:
+        raise MismatchError(f"token table has no column {missing[0]!r} (columns: {', '.join(map(str, view.columns))})")
     frames = []
     for pair in pairs:
-        a, b = _pair_columns(tokens, pair)
-        frame = grouped_pair_metrics(tokens, a, b, by=by)
+        a, b = _pair_columns(view, pair)
+        frame = grouped_view_metrics(view, a, b, by_cols)
         frame.insert(0, "pair", f"{pair[0]}/{pair[1]}")
         frames.append(frame)
     if not frames:
-        return pd.DataFrame(columns=["pair", *_as_list(by), *PAIR_METRICS])
+        return pd.DataFrame(columns=["pair", *by_cols, *PAIR_METRICS])
     return pd.concat(frames, ignore_index=True)

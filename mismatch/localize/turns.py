@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from mismatch.errors import MismatchError
-from mismatch.metrics import DEFAULT_SEQ, grouped_pair_metrics
+from mismatch.metrics import PairTokens, grouped_view_metrics, pair_tokens, token_grouped_metrics
 from mismatch.results import json_safe
+from mismatch.tokenview import TokenView
 
 # Per-group metrics kept in each breakdown row (the full PAIR_METRICS live in summary["turns"]).
 BREAKDOWN_METRICS = ("n_tokens", "n_rollouts", "log_ratio_mean", "log_ratio_abs_mean",
@@ -56,7 +58,7 @@ class OnsetRule:
                 "over the earlier turns and se_t is the standard error of x_t")
 
 
-def localize_turns(table: pd.DataFrame, a: str = "train", b: str = "sampler", *,
+def localize_turns(table: pd.DataFrame | TokenView, a: str = "train", b: str = "sampler", *,
                    trainable_only: bool = True, rule: OnsetRule = OnsetRule()) -> dict[str, Any]:
     """`summary.json["localization"]["turns"]` for the pair A/B (log_ratio = logp_A - logp_B).
 
@@ -85,41 +87,40 @@ def localize_turns(table: pd.DataFrame, a: str = "train", b: str = "sampler", *,
     Tokens of one sequence are not independent, so a sequence-clustered CI is given too
     (`ci95_cluster_per_1k`), which is wider when whole sequences sit high or low.
     """
-    tokens = _pair_tokens(table, a, b, trainable_only=trainable_only)
-    by_turn = _by_turn(tokens, rule)
+    view = TokenView.of(table, trainable_only=trainable_only)
+    col_a, col_b = f"logp_{a}", f"logp_{b}"
+    missing = [c for c in (col_a, col_b, "turn", "pos", "role", "branch_kind") if not view.has(c)]
+    if missing:
+        raise MismatchError(f"pair {a}/{b}: token table has no column {missing[0]!r} "
+                            f"(columns: {', '.join(map(str, view.columns))})")
+    pair = pair_tokens(view, col_a, col_b)
+    tokens = pair.view
+    abs_log_ratio = np.abs(pair.log_ratio)
+    bucket = _prob_bucket(pair.logp_b)
+    buckets = token_grouped_metrics(pair, bucket, len(PROB_LABELS))
+    by_turn = _by_turn(view, pair, bucket, buckets, rule) if tokens.num_tokens else []
     onset = next((row["turn"] for row in by_turn if row["departs"]), None)
     return json_safe({
         "pair": f"{a}/{b}",
         "trainable_only": trainable_only,
-        "n_tokens": len(tokens),
+        "n_tokens": tokens.num_tokens,
         "onset_turn": onset,
         "onset_rule": rule.describe(),
         "onset_params": asdict(rule),
         "by_turn": by_turn,
-        "position_slope": position_slope(tokens["pos"].to_numpy(), tokens["abs_log_ratio"].to_numpy(),
-                                         groups=tokens["seq"].to_numpy()),
-        "by_prob_bucket": _by_prob_bucket(tokens),
-        "by_role": _breakdown(tokens, "role"),
-        "by_branch_kind": _breakdown(tokens, "branch_kind"),
+        "position_slope": _position_slope(tokens.column("pos").astype(np.float64) / POSITION_UNIT,
+                                          abs_log_ratio, _sequence_sums(tokens)),
+        "by_prob_bucket": _by_prob_bucket(buckets),
+        "by_role": _breakdown(view, pair, "role"),
+        "by_branch_kind": _breakdown(view, pair, "branch_kind"),
     })
 
 
-def _pair_tokens(table: pd.DataFrame, a: str, b: str, *, trainable_only: bool) -> pd.DataFrame:
-    """The rows that enter the pair (trainable, both log-probs defined) with helper columns."""
-    col_a, col_b = f"logp_{a}", f"logp_{b}"
-    needed = [col_a, col_b, "turn", "pos", "role", "branch_kind", *DEFAULT_SEQ, "trainable"]
-    missing = [c for c in needed if c not in table.columns]
-    if missing:
-        raise MismatchError(f"pair {a}/{b}: token table has no column {missing[0]!r} "
-                            f"(columns: {', '.join(map(str, table.columns))})")
-    keep = ~(table[col_a].isna().to_numpy() | table[col_b].isna().to_numpy())
-    if trainable_only:
-        keep &= table["trainable"].to_numpy(dtype=bool)
-    tokens = table.loc[keep, needed].reset_index(drop=True)
-    tokens = tokens.rename(columns={col_a: "logp_a", col_b: "logp_b"})
-    tokens["abs_log_ratio"] = np.abs(tokens["logp_a"].to_numpy() - tokens["logp_b"].to_numpy())
-    tokens["seq"] = tokens.groupby(list(DEFAULT_SEQ), sort=False, observed=True).ngroup().to_numpy()
-    return tokens
+def _sequence_sums(tokens: TokenView) -> tuple[Callable[[np.ndarray], np.ndarray], int]:
+    """Per-sequence sums of a per-token array (through the runs, which never cross sequences)."""
+    runs = tokens.runs
+    return (lambda values: np.bincount(tokens.run_seq, weights=runs.sum(values), minlength=tokens.num_seqs),
+            tokens.num_seqs)
 
 
 def _records(frame: pd.DataFrame, by: str) -> list[dict[str, Any]]:
@@ -128,44 +129,55 @@ def _records(frame: pd.DataFrame, by: str) -> list[dict[str, Any]]:
             for row in frame[columns].to_dict("records")]
 
 
-def _breakdown(tokens: pd.DataFrame, by: str) -> list[dict[str, Any]]:
-    if tokens.empty:
+def _breakdown(view: TokenView, pair: PairTokens, by: str) -> list[dict[str, Any]]:
+    if not pair.view.num_tokens:
         return []
-    frame = grouped_pair_metrics(tokens, "logp_a", "logp_b", by=by)
+    frame = _without_empty(grouped_view_metrics(view, *pair.columns, [by], with_quantiles=False))
     frame[by] = frame[by].astype(str)  # role and branch_kind are categoricals; JSON wants str
     return _records(frame, by)
 
 
-def _by_prob_bucket(tokens: pd.DataFrame) -> list[dict[str, Any]]:
+def _without_empty(frame: pd.DataFrame) -> pd.DataFrame:
+    # Groups whose tokens all lack a log-prob of the pair: a breakdown lists only what it measured.
+    return frame[frame["n_tokens"] > 0].reset_index(drop=True)
+
+
+def _by_prob_bucket(frame: pd.DataFrame) -> list[dict[str, Any]]:
     """Mismatch by B's probability of the realized token; empty buckets keep a row (n_tokens 0)."""
-    bucket = _prob_bucket(tokens["logp_b"].to_numpy())
-    frame = grouped_pair_metrics(tokens.assign(bucket=bucket), "logp_a", "logp_b", by="bucket")
-    rows = {int(record["bucket"]): record for record in _records(frame, "bucket")}
     out = []
     for index, label in enumerate(PROB_LABELS):
-        row = rows.get(index, {name: 0 if name.startswith("n_") else math.nan for name in BREAKDOWN_METRICS})
         lo = 0.0 if index == 0 else PROB_EDGES[index - 1]
         hi = PROB_EDGES[index] if index < len(PROB_EDGES) else 1.0
+        row = frame.iloc[index]
         out.append({"bucket": label, "p_min": lo, "p_max": hi,
-                    **{name: row[name] for name in BREAKDOWN_METRICS}})
+                    **{name: row[name].item() for name in BREAKDOWN_METRICS}})
     return out
 
 
-def _by_turn(tokens: pd.DataFrame, rule: OnsetRule) -> list[dict[str, Any]]:
-    if tokens.empty:
-        return []
-    rows = _records(grouped_pair_metrics(tokens, "logp_a", "logp_b", by="turn"), "turn")
-    bucket = _prob_bucket(tokens["logp_b"].to_numpy())
-    abs_lr = tokens["abs_log_ratio"]
-    expected = abs_lr.groupby(bucket).transform("mean")  # each token's bucket mean
-    per_turn = pd.DataFrame({"turn": tokens["turn"], "abs_lr": abs_lr, "expected": expected}) \
-        .groupby("turn", sort=True).agg(std=("abs_lr", "std"), expected=("expected", "mean"))
+def _by_turn(view: TokenView, pair: PairTokens, bucket: np.ndarray, buckets: pd.DataFrame,
+             rule: OnsetRule) -> list[dict[str, Any]]:
+    frame = _without_empty(grouped_view_metrics(view, *pair.columns, ["turn"], with_quantiles=False))
+    rows = _records(frame, "turn")
+    n_t = frame["n_tokens"].to_numpy()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        # Sample std (ddof=1) of |log_ratio| per turn from moments the metrics hold: mean(x^2) =
+        # 2 * kl_k2 and mean |x|; no pass over the tokens.
+        mean_sq = 2.0 * frame["kl_k2"].to_numpy()
+        std = np.sqrt(np.maximum(mean_sq - np.square(frame["log_ratio_abs_mean"].to_numpy()), 0.0) * n_t / (n_t - 1))
+    # Each turn's tokens by bucket: the turn's expected mean |log_ratio| given its probability mix.
+    runs = pair.view.runs_for(["turn"])
+    turn_of_run = pd.factorize(pair.view.series_at("turn", runs.starts), sort=True)[0]
+    num_turns, num_buckets = int(turn_of_run.max()) + 1, len(PROB_LABELS)
+    token_turn_bucket = runs.spread((turn_of_run * num_buckets).astype(np.int32)) + bucket
+    count_tb = np.bincount(token_turn_bucket, minlength=num_turns * num_buckets).reshape(num_turns, num_buckets)
+    bucket_mean = np.nan_to_num(buckets["log_ratio_abs_mean"].to_numpy())  # empty buckets hold no tokens
+    expected = (count_tb * bucket_mean).sum(axis=1) / count_tb.sum(axis=1)
     history_x: list[float] = []    # x of the earlier kept turns
     history_raw: list[float] = []  # their raw mean |log_ratio|
-    for row in rows:
-        turn, n_t, raw_t = row["turn"], row["n_tokens"], row["log_ratio_abs_mean"]
-        std_t, expected_t = per_turn.loc[turn, "std"], float(per_turn.loc[turn, "expected"])
-        se_raw = float(std_t) / math.sqrt(n_t) if n_t > 1 and np.isfinite(std_t) else math.inf
+    for index, row in enumerate(rows):
+        n_t, raw_t = row["n_tokens"], row["log_ratio_abs_mean"]
+        std_t, expected_t = float(std[index]) if n_t > 1 else math.nan, float(expected[index])
+        se_raw = std_t / math.sqrt(n_t) if n_t > 1 and np.isfinite(std_t) else math.inf
         if rule.statistic == "raw":
             x_t, se_t = raw_t, se_raw
         elif expected_t > 0:
@@ -188,8 +200,14 @@ def _by_turn(tokens: pd.DataFrame, rule: OnsetRule) -> list[dict[str, Any]]:
 
 
 def _prob_bucket(logp_N: np.ndarray) -> np.ndarray:
-    """Index into PROB_LABELS of each token's probability; edges compared in log space."""
-    return np.searchsorted(np.log(PROB_EDGES), logp_N, side="right")
+    """Index into PROB_LABELS of each token's probability; edges compared in log space.
+
+    As np.searchsorted(log edges, logp, side="right"), by one comparison per edge (6x faster).
+    """
+    bucket = np.zeros(len(logp_N), dtype=np.int32)
+    for edge in np.log(PROB_EDGES):
+        bucket += logp_N >= edge
+    return bucket
 
 
 def position_slope(pos: np.ndarray, abs_log_ratio: np.ndarray, *,
@@ -200,8 +218,18 @@ def position_slope(pos: np.ndarray, abs_log_ratio: np.ndarray, *,
     (one id per token, e.g. its sequence) a cluster-robust (CR1) standard error is added, with
     G - 1 degrees of freedom. Fewer than 3 tokens or a single position: slope is None.
     """
-    x = np.asarray(pos, dtype=np.float64) / POSITION_UNIT
-    y = np.asarray(abs_log_ratio, dtype=np.float64)
+    clusters = None
+    if groups is not None:
+        codes, uniques = pd.factorize(np.asarray(groups))
+        clusters = (lambda values: np.bincount(codes, weights=values, minlength=len(uniques)), len(uniques))
+    return _position_slope(np.asarray(pos, dtype=np.float64) / POSITION_UNIT,
+                           np.asarray(abs_log_ratio, dtype=np.float64), clusters)
+
+
+def _position_slope(x: np.ndarray, y: np.ndarray,
+                    clusters: tuple[Callable[[np.ndarray], np.ndarray], int] | None) -> dict[str, Any]:
+    """`position_slope` on x = pos / POSITION_UNIT; `clusters` = (per-cluster sums of a per-token
+    array, number of clusters), or None for no cluster-robust error."""
     n = len(x)
     out: dict[str, Any] = {"unit_tokens": POSITION_UNIT, "n_tokens": n, "slope_per_1k": None,
                            "intercept": None, "se": None, "ci95_per_1k": None, "p_value": None,
@@ -219,12 +247,11 @@ def position_slope(pos: np.ndarray, abs_log_ratio: np.ndarray, *,
     out.update(slope_per_1k=slope, intercept=intercept, se=se, dof=dof,
                ci95_per_1k=[slope - half, slope + half], p_value=_p_two_sided(slope, se, dof),
                grows_with_position=bool(slope > 0 and slope - half > 0))
-    if groups is not None:
-        codes, _ = pd.factorize(np.asarray(groups))
-        num_groups = int(codes.max()) + 1
+    if clusters is not None:
+        cluster_sum, num_groups = clusters
         out["n_sequences"] = num_groups
         if num_groups >= 2:
-            score_G = np.bincount(codes, weights=x_dev * resid, minlength=num_groups)
+            score_G = cluster_sum(x_dev * resid)
             # CR1 small-sample correction, as Stata's `regress, vce(cluster)`.
             scale = num_groups / (num_groups - 1) * (n - 1) / (n - 2)
             se_cluster = math.sqrt(scale * float(np.dot(score_G, score_G))) / sxx

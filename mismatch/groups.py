@@ -1,0 +1,181 @@
+"""Grouped reductions over runs of tokens: runs of equal keys, groups of runs, sums, extremes, quantiles.
+
+The engine under metrics, localize and corrections. A token table is stored rollout by rollout,
+branch by branch, in position order, so a key that changes only at turn, role or branch
+boundaries is constant over long runs of rows. Each run is reduced once (`ufunc.reduceat`, a
+plain sweep), and runs are then combined into groups (`np.bincount` over ~1e5 runs instead of
+~1e7 tokens): no hashing of token keys, no groupby machinery, one pass per term. Correctness never
+depends on the order: an unsorted table only makes the runs shorter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Runs:
+    """Maximal stretches of consecutive tokens whose keys are all equal."""
+
+    starts: np.ndarray   # int64, first token of each run
+    lengths: np.ndarray  # int64
+    num_tokens: int
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.starts)
+
+    def sum(self, values: np.ndarray, dtype: type | None = None) -> np.ndarray:
+        """Per run: the sum of `values` (bool values count with dtype=np.int64)."""
+        if self.num_runs == 0:
+            return np.zeros(0, dtype=dtype or np.float64)
+        return np.add.reduceat(values, self.starts, dtype=dtype)
+
+    def max(self, values: np.ndarray) -> np.ndarray:
+        if self.num_runs == 0:
+            return np.zeros(0, dtype=np.float64)
+        return np.maximum.reduceat(values, self.starts)
+
+    def min(self, values: np.ndarray) -> np.ndarray:
+        if self.num_runs == 0:
+            return np.zeros(0, dtype=np.float64)
+        return np.minimum.reduceat(values, self.starts)
+
+    def spread(self, per_run: np.ndarray) -> np.ndarray:
+        """Per token: the value of its run."""
+        return np.repeat(per_run, self.lengths)
+
+
+def key_codes(column: pd.Series) -> np.ndarray:
+    """Per-token values that are equal exactly where the keys are (for finding runs).
+
+    Categoricals give their codes and numbers themselves, without a hashing pass; a NaN number
+    differs even from itself, which only starts a new run.
+    """
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        return column.cat.codes.to_numpy()
+    values = column.to_numpy()
+    if values.dtype.kind in "biuf":
+        return values
+    codes, _ = pd.factorize(values, use_na_sentinel=False)
+    return codes
+
+
+def find_runs(keys: Sequence[np.ndarray], num_tokens: int) -> Runs:
+    """Cut tokens 0..num_tokens-1 wherever any of the aligned key arrays changes value."""
+    change = np.zeros(num_tokens, dtype=bool)
+    if num_tokens:
+        change[0] = True
+    for key in keys:
+        change[1:] |= key[1:] != key[:-1]
+    starts = np.flatnonzero(change)
+    lengths = np.diff(np.append(starts, num_tokens))
+    return Runs(starts=starts, lengths=lengths, num_tokens=num_tokens)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Grouping:
+    """Runs assigned to groups numbered 0..num_groups-1 in sorted key order."""
+
+    run_group: np.ndarray  # int64 group of each run
+    num_groups: int
+    keys: pd.DataFrame     # one row per group: the key columns' values
+
+    def sum(self, per_run: np.ndarray) -> np.ndarray:
+        return np.bincount(self.run_group, weights=per_run, minlength=self.num_groups)
+
+    def count(self, runs: Runs) -> np.ndarray:
+        return np.bincount(self.run_group, weights=runs.lengths, minlength=self.num_groups).astype(np.int64)
+
+    def max(self, per_run: np.ndarray) -> np.ndarray:
+        out = np.full(self.num_groups, -np.inf)
+        np.maximum.at(out, self.run_group, per_run)
+        return out
+
+    def min(self, per_run: np.ndarray) -> np.ndarray:
+        out = np.full(self.num_groups, np.inf)
+        np.minimum.at(out, self.run_group, per_run)
+        return out
+
+    def pairs_with(self, run_entity: np.ndarray, num_entities: int) -> tuple[np.ndarray, np.ndarray]:
+        """Distinct (group, entity) pairs among the runs: (group of each pair, pair of each run)."""
+        combined = self.run_group * max(num_entities, 1) + run_entity
+        unique, inverse = np.unique(combined, return_inverse=True)
+        return unique // max(num_entities, 1), inverse.reshape(-1)
+
+    def distinct(self, run_entity: np.ndarray, num_entities: int) -> np.ndarray:
+        """Per group: how many distinct entities (e.g. rollouts) its runs belong to."""
+        pair_group, _ = self.pairs_with(run_entity, num_entities)
+        return np.bincount(pair_group, minlength=self.num_groups).astype(np.int64)
+
+
+def group_runs(at_start: dict[str, pd.Series], runs: Runs) -> Grouping:
+    """Group runs by the key columns' values at each run's first token (`at_start`, one per run).
+
+    Groups are sorted by key like `DataFrame.groupby(sort=True, observed=True, dropna=False)`:
+    categoricals in category order, missing keys last. The runs must not cross a change of
+    these columns (cut them with `find_runs` on these columns' `key_codes`).
+    """
+    codes = []
+    for values in at_start.values():
+        column_codes, _ = pd.factorize(values, sort=True, use_na_sentinel=False)
+        codes.append(column_codes.astype(np.int64))
+    if not codes or runs.num_runs == 0:
+        run_group = np.zeros(runs.num_runs, dtype=np.int64)
+        num_groups = 1 if runs.num_runs and not codes else 0
+    else:
+        stacked = np.stack(codes, axis=1)
+        unique, run_group = np.unique(stacked, axis=0, return_inverse=True)
+        run_group, num_groups = run_group.reshape(-1).astype(np.int64), len(unique)
+    first_run = np.full(num_groups, runs.num_runs, dtype=np.int64)
+    np.minimum.at(first_run, run_group, np.arange(runs.num_runs))
+    keys = pd.DataFrame({name: values.iloc[first_run].reset_index(drop=True) for name, values in at_start.items()})
+    return Grouping(run_group=run_group, num_groups=num_groups, keys=keys)
+
+
+def single_group(runs: Runs) -> Grouping:
+    """Every run in group 0."""
+    return Grouping(run_group=np.zeros(runs.num_runs, dtype=np.int64), num_groups=1, keys=pd.DataFrame(index=[0]))
+
+
+def quantiles(values: np.ndarray, token_group: np.ndarray | None, num_groups: int,
+              qs: Sequence[float]) -> np.ndarray:
+    """[num_groups, len(qs)] quantiles of `values` per group, numpy's default (linear) method.
+
+    Each group's values are partitioned at the order statistics the quantiles need, never
+    fully sorted. An empty group gives NaN. `token_group` None means one group of all values.
+    """
+    out = np.full((num_groups, len(qs)), np.nan)
+    if token_group is None or num_groups == 1:
+        if len(values):
+            out[0] = _quantiles_of(values.copy(), qs)
+        return out
+    # A stable counting sort on small codes groups the values without comparing them.
+    small = token_group.astype(np.int16 if num_groups < 2**15 else np.int64)
+    order = np.argsort(small, kind="stable")
+    by_group = values[order]
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(token_group, minlength=num_groups))])
+    for group in range(num_groups):
+        lo, hi = bounds[group], bounds[group + 1]
+        if hi > lo:
+            out[group] = _quantiles_of(by_group[lo:hi], qs)
+    return out
+
+
+def _quantiles_of(values: np.ndarray, qs: Sequence[float]) -> np.ndarray:
+    """Quantiles of a 1-D array (partitioned in place), as np.quantile(method="linear")."""
+    n = len(values)
+    virtual = np.asarray(qs, dtype=np.float64) * (n - 1)
+    lo = np.floor(virtual).astype(np.int64)
+    hi = np.minimum(lo + 1, n - 1)
+    values.partition(np.unique(np.concatenate([lo, hi])))
+    a, b, t = values[lo], values[hi], virtual - lo
+    with np.errstate(invalid="ignore"):
+        diff = b - a
+        # numpy's _lerp: from the nearer end, so t = 1 gives b exactly; equal ends (inf too) give a.
+        out = np.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
+    return np.where(a == b, a, out)

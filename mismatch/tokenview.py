@@ -1,0 +1,128 @@
+"""The tokens an analysis reads: a token table's (trainable) rows as arrays, keyed and cut into runs once.
+
+Flow: token table -> TokenView -> metrics / localize / corrections. Each of those accepts a view
+in place of the table, so an audit filters the rows, finds the runs and computes each pair's
+per-token terms once, not once per breakdown (benchmarks/analysis.py measures the difference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import pandas as pd
+
+from mismatch.errors import MismatchError
+from mismatch.groups import Grouping, Runs, find_runs, group_runs, key_codes
+
+DEFAULT_SEQ = ("rollout", "branch")
+# Keys that change only at turn, role or branch boundaries: cutting runs on them too keeps the runs
+# long and lets every breakdown by them reuse the same per-run sums.
+RUN_KEYS = ("turn", "role", "branch_kind")
+
+T = TypeVar("T")
+
+
+class TokenView:
+    """Rows of a token table (the trainable ones by default) with their runs, sequences and rollouts.
+
+    A sequence is a distinct `seq` tuple (one branch of one rollout); runs never cross a change
+    of sequence, rollout or any RUN_KEYS column the table has. Column values are read lazily
+    and kept, as are whatever the analyses `memo`ize on the view (per-pair terms, per-run sums).
+    """
+
+    def __init__(self, table: pd.DataFrame, *, trainable_only: bool = True,
+                 seq: Sequence[str] = DEFAULT_SEQ, rollout: str = "rollout",
+                 rows: np.ndarray | None = None) -> None:
+        needed = [*seq, rollout, *(["trainable"] if trainable_only and rows is None else [])]
+        missing = [name for name in needed if name not in table.columns]
+        if missing:
+            raise MismatchError(f"token table has no column {missing[0]!r} "
+                                f"(columns: {', '.join(map(str, table.columns))})")
+        if rows is None and trainable_only:
+            # Only trainable tokens enter the PPO loss, so only their ratio matters (contract).
+            rows = np.flatnonzero(table["trainable"].to_numpy(dtype=bool))
+        self.table = table
+        self.trainable_only = trainable_only
+        self.seq_columns = tuple(seq)
+        self.rollout_column = rollout
+        self.rows = rows  # positions in `table`, or None for every row
+        self.num_tokens = len(table) if rows is None else len(rows)
+        self._columns: dict[str, np.ndarray] = {}
+        self._memo: dict[Any, Any] = {}
+        self.base_keys = tuple(dict.fromkeys([*seq, rollout, *(c for c in RUN_KEYS if c in table.columns)]))
+        self.runs = self.runs_for(())
+        self.run_seq, self.num_seqs = self._run_codes(self.seq_columns, self.runs)
+        self.run_rollout, self.num_rollouts = self._run_codes((rollout,), self.runs)
+
+    @classmethod
+    def of(cls, table: pd.DataFrame | TokenView, *, trainable_only: bool = True) -> TokenView:
+        """`table` itself when it is already a view with the same row selection, else a new view."""
+        if isinstance(table, TokenView):
+            if table.trainable_only != trainable_only:
+                return cls(table.table, trainable_only=trainable_only, seq=table.seq_columns,
+                           rollout=table.rollout_column)
+            return table
+        return cls(table, trainable_only=trainable_only)
+
+    @property
+    def columns(self) -> pd.Index:
+        return self.table.columns
+
+    def has(self, name: str) -> bool:
+        return name in self.table.columns
+
+    def column(self, name: str) -> np.ndarray:
+        """The column's values on the view's rows (read once)."""
+        if name not in self._columns:
+            if name not in self.table.columns:
+                raise MismatchError(f"token table has no column {name!r} "
+                                    f"(columns: {', '.join(map(str, self.table.columns))})")
+            values = self.table[name].to_numpy()
+            self._columns[name] = values if self.rows is None else values[self.rows]
+        return self._columns[name]
+
+    def series_at(self, name: str, positions: np.ndarray) -> pd.Series:
+        """The column's values (dtype kept: categoricals stay categorical) at view positions."""
+        rows = positions if self.rows is None else self.rows[positions]
+        return self.table[name].iloc[rows].reset_index(drop=True)
+
+    def memo(self, key: Any, compute: Callable[[], T]) -> T:
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    def runs_for(self, by: Sequence[str]) -> Runs:
+        """Runs cut on the base keys and on `by` (the base runs when `by` adds nothing)."""
+        keys = tuple(dict.fromkeys([*self.base_keys, *by]))
+        return self.memo(("runs", keys), lambda: find_runs([self._key(name) for name in keys], self.num_tokens))
+
+    def grouping(self, by: Sequence[str]) -> tuple[Runs, Grouping]:
+        """The runs for `by` and their groups, sorted by key."""
+        runs = self.runs_for(by)
+        return runs, self.memo(("grouping", tuple(by), id(runs)), lambda: group_runs(
+            {name: self.series_at(name, runs.starts) for name in by}, runs))
+
+    def subset(self, keep: np.ndarray) -> TokenView:
+        """A view of the tokens where `keep` (aligned with this view) is True."""
+        positions = np.flatnonzero(keep)
+        rows = positions if self.rows is None else self.rows[positions]
+        return TokenView(self.table, trainable_only=self.trainable_only, seq=self.seq_columns,
+                         rollout=self.rollout_column, rows=rows)
+
+    def _key(self, name: str) -> np.ndarray:
+        return self.memo(("key", name), lambda: self._select(key_codes(self.table[name])))
+
+    def _select(self, values: np.ndarray) -> np.ndarray:
+        return values if self.rows is None else values[self.rows]
+
+    def _run_codes(self, names: Sequence[str], runs: Runs) -> tuple[np.ndarray, int]:
+        """Compact codes (0..k-1) of the `names` tuple at each run, and k."""
+        if runs.num_runs == 0:
+            return np.zeros(0, dtype=np.int64), 0
+        stacked = np.stack([self._key(name)[runs.starts] for name in names], axis=1)
+        # NaN keys compare unequal to themselves; as codes they must be one key.
+        stacked = np.where(np.isnan(stacked), -1, stacked) if stacked.dtype.kind == "f" else stacked
+        unique, inverse = np.unique(stacked, axis=0, return_inverse=True)
+        return inverse.reshape(-1).astype(np.int64), len(unique)

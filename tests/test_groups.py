@@ -1,0 +1,120 @@
+"""Runs and grouped reductions: quantiles as numpy's, and every analysis independent of row order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from mismatch.corrections import simulate, summary_corrections
+from mismatch.groups import find_runs, quantiles
+from mismatch.localize.turns import localize_turns
+from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
+from mismatch.tokenview import TokenView
+
+QS = [0.0, 0.01, 0.5, 0.99, 0.999, 1.0]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000])
+def test_quantiles_equal_numpy_linear(n):
+    rng = np.random.default_rng(n)
+    values = np.exp(rng.normal(0, 0.3, n))
+    group = rng.integers(0, 3, n)
+    got = quantiles(values, group, 3, QS)
+    for g in range(3):
+        if (group == g).any():
+            np.testing.assert_array_equal(got[g], np.quantile(values[group == g], QS))
+        else:
+            assert np.isnan(got[g]).all()
+    np.testing.assert_array_equal(quantiles(values, None, 1, QS)[0], np.quantile(values, QS))
+
+
+def test_quantiles_of_equal_infinite_ends_are_inf_not_nan():
+    assert quantiles(np.array([1.0, np.inf, np.inf]), None, 1, [0.9])[0, 0] == np.inf
+
+
+def test_runs_cut_where_any_key_changes():
+    runs = find_runs([np.array([0, 0, 0, 1, 1, 1]), np.array([5, 5, 6, 6, 6, 6])], 6)
+    assert runs.starts.tolist() == [0, 2, 3] and runs.lengths.tolist() == [2, 1, 3]
+    assert runs.sum(np.arange(6.0)).tolist() == [1.0, 2.0, 12.0]
+
+
+def agentic_table(seed: int = 0) -> pd.DataFrame:
+    """A token table in audit order: rollouts, branches, turns; user prompts not trainable."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for r in range(30):
+        for branch, kind in [("main", "main"), *([("sub-1", "subagent")] if r % 3 == 0 else [])]:
+            pos = 0
+            for turn in range(int(rng.integers(1, 5))):
+                for role, length in (("user", int(rng.integers(2, 6))), ("assistant", int(rng.integers(3, 20)))):
+                    for _ in range(length):
+                        rows.append((f"r{r}", branch, kind, turn, pos, role, role == "assistant"))
+                        pos += 1
+    table = pd.DataFrame(rows, columns=["rollout", "branch", "branch_kind", "turn", "pos", "role", "trainable"])
+    for key in ("rollout", "branch", "branch_kind", "role"):
+        table[key] = table[key].astype("category")
+    n = len(table)
+    logp = -rng.exponential(1.0, n)
+    table["logp_sampler"] = np.where(table["trainable"], logp, np.nan)
+    table["logp_train"] = logp + rng.normal(0, 0.02, n)
+    table["logp_infer"] = np.where(rng.random(n) < 0.5, logp, logp + rng.normal(0, 0.005, n))
+    table.loc[rng.random(n) < 0.02, "logp_infer"] = np.nan  # a pair with its own dropped tokens
+    return table
+
+
+PAIRS = [("train", "sampler"), ("train", "infer"), ("infer", "sampler")]
+EXACT = {"n_tokens", "n_rollouts", "ratio_min", "ratio_max", "log_ratio_abs_max", "prob_abs_diff_max",
+         "bitwise_equal_frac", "frac_outside_2", "ratio_p01", "ratio_p99", "ratio_p999"}
+
+
+def assert_metrics_close(got: dict, want: dict) -> None:
+    for name in PAIR_METRICS:
+        if name in EXACT:
+            assert got[name] == want[name], name
+        else:
+            assert got[name] == pytest.approx(want[name], rel=1e-12, abs=1e-15), name
+
+
+def test_shuffled_rows_give_the_same_analysis():
+    # Sorted rows make long runs, shuffled ones runs of about one token: the numbers must not care.
+    table = agentic_table()
+    shuffled = table.sample(frac=1.0, random_state=1).reset_index(drop=True)
+    ordered, mixed = TokenView(table), TokenView(shuffled)
+    assert ordered.runs.num_runs < ordered.num_tokens / 4 and mixed.runs.num_runs > mixed.num_tokens / 2
+    for pair, metrics in summarize_pairs(ordered, PAIRS).items():
+        assert_metrics_close(summarize_pairs(mixed, PAIRS)[pair], metrics)
+    by_turn, by_turn_mixed = metrics_by(ordered, PAIRS, "turn"), metrics_by(mixed, PAIRS, "turn")
+    for (_, row), (_, other) in zip(by_turn.iterrows(), by_turn_mixed.iterrows()):
+        assert (row["pair"], row["turn"]) == (other["pair"], other["turn"])
+        assert_metrics_close(other.to_dict(), row.to_dict())
+    located, located_mixed = localize_turns(ordered), localize_turns(mixed)
+    assert located["onset_turn"] == located_mixed["onset_turn"]
+    for row, other in zip(located["by_turn"] + located["by_prob_bucket"],
+                          located_mixed["by_turn"] + located_mixed["by_prob_bucket"]):
+        assert row.keys() == other.keys()
+        for key, value in row.items():
+            assert other[key] == (pytest.approx(value, rel=1e-9) if isinstance(value, float) else value), key
+    assert located["position_slope"]["slope_per_1k"] == pytest.approx(
+        located_mixed["position_slope"]["slope_per_1k"], rel=1e-9)
+    for result, other in zip(summary_corrections(ordered), summary_corrections(mixed)):
+        assert result["mode"] == other["mode"] and result["frac_tokens_affected"] == other["frac_tokens_affected"]
+        assert result["weight_mean"] == pytest.approx(other["weight_mean"], rel=1e-12), result["mode"]
+        assert result["ess"] == pytest.approx(other["ess"], rel=1e-12), result["mode"]
+
+
+def test_corrections_on_a_view_equal_corrections_on_arrays():
+    table = agentic_table(seed=2)
+    from_view = summary_corrections(TokenView(table))
+    seq = (table["rollout"].astype(str) + "/" + table["branch"].astype(str)).to_numpy()
+    from_arrays = simulate((table["logp_train"] - table["logp_sampler"]).to_numpy(), seq=seq,
+                           rollout=table["rollout"].astype(str).to_numpy(), turn=table["turn"].to_numpy(),
+                           trainable=table["trainable"].to_numpy())
+    for result, other in zip(from_view, (r.to_dict() for r in from_arrays)):
+        assert result.keys() == other.keys()
+        for key in ("n_tokens", "n_sequences", "n_rollouts", "frac_tokens_affected", "frac_sequences_affected",
+                    "frac_rollouts_affected", "weight_max"):
+            assert result[key] == other[key], (result["mode"], key)
+        for key in ("weight_mean", "weight_std", "ess"):
+            assert result[key] == pytest.approx(other[key], rel=1e-12), (result["mode"], key)
+        assert [row["n_tokens"] for row in result["by_turn"]] == [row["n_tokens"] for row in other["by_turn"]]
