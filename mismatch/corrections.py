@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -158,6 +159,8 @@ class ModeSpec:
     fn: ModeFn
     doc: str
     per_run: bool = False  # fn returns one weight per run (constant over sequences or rollouts)
+    # For token-level modes: (fused.weight_run_stats rule, its options), the same weights in one sweep.
+    rule: Callable[..., tuple[int, dict[str, Any]]] | None = None
 
 
 def _exp(log_ratio: np.ndarray) -> np.ndarray:
@@ -309,6 +312,45 @@ def _verl_rejection(aggregate: str, estimator: str) -> ModeFn:
     return reject
 
 
+# --- the token-level modes as fused.weight_run_stats rules (ModeSpec.rule): the same weights in one
+# sweep; tests hold simulate() equal with and without them. fused is imported only when available. ---
+
+def _fused_rule(name: str, **options: Any) -> tuple[int, dict[str, Any]]:
+    from mismatch import fused
+
+    return getattr(fused, name), options
+
+
+def _seq_mask_tis_rule(t: _Tokens, *, low: float, high: float) -> tuple[int, dict[str, Any]]:
+    geometric = _exp(t.seq_mean)
+    return _fused_rule("KEEP_RATIO", run_keep=(geometric >= low) & (geometric <= high))
+
+
+def _minmax_rule(t: _Tokens, *, low: float, high: float) -> tuple[int, dict[str, Any]]:
+    keep = ((t.seq_reduce(t.ratio, np.minimum, np.inf) >= low)
+            & (t.seq_reduce(t.ratio, np.maximum, -np.inf) <= high))
+    return _fused_rule("KEEP_RATIO", run_keep=keep)
+
+
+def _balanced_rule(t: _Tokens, *, cap: float) -> tuple[int, dict[str, Any]]:
+    per_rollout = np.bincount(t.run_rollout, weights=t.runs.lengths, minlength=t.num_rollouts)[t.run_rollout]
+    return _fused_rule("TRUNCATE", high=cap, run_scale=(len(t.log_ratio) / t.num_rollouts) / per_rollout)
+
+
+_RULES: dict[str, Callable[..., tuple[int, dict[str, Any]]]] = {
+    "token_truncate": lambda t, *, cap: _fused_rule("TRUNCATE", high=cap),
+    "token_mask": lambda t, *, cap: _fused_rule("MASK_ABOVE", high=cap),
+    "token_clip": lambda t, *, low, high: _fused_rule("CLIP", low=low, high=high),
+    "token_icepop": lambda t, *, low, high: _fused_rule("BAND_MASK", low=low, high=high),
+    "seq_mask_tis": _seq_mask_tis_rule,
+    "sequence_minmax_mask": _minmax_rule,
+    "rollout_balanced_truncate": _balanced_rule,
+    "rs_token_k1": lambda t, *, low, high: _fused_rule("REJECT_K1", low=low, high=high),
+    "rs_token_k2": lambda t, *, high: _fused_rule("REJECT_K2", high=high),
+    "rs_token_k3": lambda t, *, high: _fused_rule("REJECT_K3", high=high),
+}
+
+
 MODES: dict[str, ModeSpec] = {
     "token_truncate": ModeSpec(params=("cap",), level="token", fn=token_truncate,
                                doc="TRL token_truncate / token TIS: min(ratio, cap)"),
@@ -348,6 +390,8 @@ for _aggregate in ("token", "seq_sum", "seq_mean", "seq_max"):
             level="token" if _aggregate == "token" else "sequence", per_run=_aggregate != "token",
             fn=_verl_rejection(_aggregate, _estimator),
             doc=f"verl rollout_rs={_option}: keep (weight 1) or reject (weight 0)")
+for _mode, _rule in _RULES.items():
+    MODES[_mode] = dataclasses.replace(MODES[_mode], rule=_rule)
 
 
 def _correction(mode: str, **params: float) -> Correction:
@@ -489,6 +533,18 @@ def effective_sample_size(weight: np.ndarray, counts: np.ndarray | None = None) 
     return float(np.square(total) / (n * total_sq))
 
 
+@dataclass(frozen=True, slots=True)
+class _WeightSummary:
+    """What `_result` reports about one correction's weights, per run and overall."""
+
+    run_weight: np.ndarray  # per run: sum of weights
+    run_hits: np.ndarray    # per run: affected tokens
+    mean: float
+    std: float
+    top: float
+    ess: float
+
+
 def _result(tokens: _Tokens, correction: Correction) -> CorrectionResult:
     n = len(tokens.log_ratio)
     spec = MODES[correction.mode]
@@ -498,8 +554,27 @@ def _result(tokens: _Tokens, correction: Correction) -> CorrectionResult:
                                 n_tokens=0, n_sequences=0, n_rollouts=0, frac_tokens_affected=nan,
                                 frac_sequences_affected=nan, frac_rollouts_affected=nan, weight_mean=nan,
                                 weight_std=nan, weight_max=nan, ess=nan, by_turn=[])
+    from mismatch import fused
+
+    if spec.rule is not None and fused.available():
+        summary = _fused_summary(tokens, *spec.rule(tokens, **correction.params))
+    else:
+        summary = _numpy_summary(tokens, spec, correction)
+    seq_hit = tokens.per_seq(summary.run_hits) > 0
+    rollout_hit = np.bincount(tokens.run_rollout, weights=summary.run_hits, minlength=tokens.num_rollouts) > 0
+    return CorrectionResult(
+        mode=correction.mode, params=dict(correction.params), level=spec.level,
+        n_tokens=n, n_sequences=tokens.num_seqs, n_rollouts=tokens.num_rollouts,
+        frac_tokens_affected=float(summary.run_hits.sum() / n), frac_sequences_affected=float(seq_hit.mean()),
+        frac_rollouts_affected=float(rollout_hit.mean()), weight_mean=summary.mean, weight_std=summary.std,
+        weight_max=summary.top, ess=summary.ess,
+        by_turn=_by_turn(tokens, summary.run_weight, summary.run_hits) if tokens.turn is not None else [])
+
+
+def _numpy_summary(tokens: _Tokens, spec: ModeSpec, correction: Correction) -> _WeightSummary:
+    """The reference path: per-token (or per-run) weights from the mode's own function."""
+    n, runs = len(tokens.log_ratio), tokens.runs
     weight, affected = spec.fn(tokens, **correction.params)
-    runs = tokens.runs
     counts = runs.lengths if spec.per_run else None
     with np.errstate(invalid="ignore", over="ignore"):
         if spec.per_run:
@@ -512,15 +587,38 @@ def _result(tokens: _Tokens, correction: Correction) -> CorrectionResult:
             deviation = weight - mean
             spread = np.dot(deviation, deviation) if counts is None else np.dot(counts, np.square(deviation))
             std = float(np.sqrt(spread / n))
-    seq_hit = tokens.per_seq(run_hits) > 0
-    rollout_hit = np.bincount(tokens.run_rollout, weights=run_hits, minlength=tokens.num_rollouts) > 0
-    return CorrectionResult(
-        mode=correction.mode, params=dict(correction.params), level=spec.level,
-        n_tokens=n, n_sequences=tokens.num_seqs, n_rollouts=tokens.num_rollouts,
-        frac_tokens_affected=float(run_hits.sum() / n), frac_sequences_affected=float(seq_hit.mean()),
-        frac_rollouts_affected=float(rollout_hit.mean()), weight_mean=mean, weight_std=std,
-        weight_max=float(weight.max()), ess=effective_sample_size(weight, counts),
-        by_turn=_by_turn(tokens, run_weight, run_hits) if tokens.turn is not None else [])
+    return _WeightSummary(run_weight=run_weight, run_hits=run_hits, mean=mean, std=std,
+                          top=float(weight.max()), ess=effective_sample_size(weight, counts))
+
+
+def _fused_summary(tokens: _Tokens, rule: int, options: dict[str, Any]) -> _WeightSummary:
+    """The same summary from one fused sweep per correction, for token-level modes (`ModeSpec.rule`)."""
+    from mismatch import fused
+
+    n, runs = len(tokens.log_ratio), tokens.runs
+    stats = fused.weight_run_stats(tokens.ratio, tokens.log_ratio, runs.starts, rule, **options)
+    run_weight, top = stats["weight"], float(stats["weight_max"].max())
+    with np.errstate(invalid="ignore", over="ignore"):
+        total = float(run_weight.sum())
+        mean = total / n
+        std = math.nan
+        if math.isfinite(mean):  # Chan's merge of the runs' own M2
+            spread = stats["weight_m2"].sum() + np.dot(runs.lengths, np.square(run_weight / runs.lengths - mean))
+            std = float(np.sqrt(spread / n))
+    # As effective_sample_size: infinite weights dominate; otherwise scale-free, so rescale by the
+    # top weight only when sum w^2 could overflow or underflow.
+    infinite = float(stats["infinite"].sum())
+    if infinite:
+        ess = infinite / n
+    elif top <= 0:
+        ess = 0.0
+    elif 1e-100 < top < 1e100:
+        ess = total ** 2 / (n * float(stats["weight_sq"].sum()))
+    else:
+        scaled = fused.weight_run_stats(tokens.ratio, tokens.log_ratio, runs.starts, rule, inv_scale=1.0 / top,
+                                        **options)
+        ess = (total / top) ** 2 / (n * float(scaled["weight_sq"].sum()))
+    return _WeightSummary(run_weight=run_weight, run_hits=stats["affected"], mean=mean, std=std, top=top, ess=ess)
 
 
 def _by_turn(tokens: _Tokens, run_weight: np.ndarray, run_hits: np.ndarray) -> list[dict[str, Any]]:

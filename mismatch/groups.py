@@ -142,23 +142,34 @@ def single_group(runs: Runs) -> Grouping:
     return Grouping(run_group=np.zeros(runs.num_runs, dtype=np.int64), num_groups=1, keys=pd.DataFrame(index=[0]))
 
 
-def quantiles(values: np.ndarray, token_group: np.ndarray | None, num_groups: int,
-              qs: Sequence[float]) -> np.ndarray:
-    """[num_groups, len(qs)] quantiles of `values` per group, numpy's default (linear) method.
+def quantiles(values: np.ndarray, runs: Runs, grouping: Grouping, qs: Sequence[float],
+              scratch: np.ndarray | None = None) -> np.ndarray:
+    """[num_groups, len(qs)] quantiles of the per-token `values` per group of runs, numpy's
+    default (linear) method. An empty group gives NaN.
 
-    Each group's values are partitioned at the order statistics the quantiles need, never
-    fully sorted. An empty group gives NaN. `token_group` None means one group of all values.
+    Each group's values are gathered side by side (into `scratch`, a float64 buffer of at least
+    len(values) that the caller may reuse across calls) and partitioned at the order statistics
+    the quantiles need, never fully sorted.
     """
+    from mismatch import fused
+
+    num_groups = grouping.num_groups
     out = np.full((num_groups, len(qs)), np.nan)
-    if token_group is None or num_groups == 1:
-        if len(values):
-            out[0] = _quantiles_of(values.copy(), qs)
+    if len(values) == 0:
         return out
-    # A stable counting sort on small codes groups the values without comparing them.
-    small = token_group.astype(np.int16 if num_groups < 2**15 else np.int64)
-    order = np.argsort(small, kind="stable")
-    by_group = values[order]
-    bounds = np.concatenate([[0], np.cumsum(np.bincount(token_group, minlength=num_groups))])
+    counts = grouping.count(runs)
+    if num_groups == 1:
+        by_group = values.copy() if scratch is None else scratch[:len(values)]
+        by_group[:] = values
+        bounds = np.array([0, len(values)])
+    elif fused.available():  # one sweep, run by run (a stable counting sort by group)
+        by_group, bounds = fused.group_values(values, runs.starts, grouping.run_group, counts, scratch)
+    else:
+        token_group = runs.spread(grouping.run_group)
+        # A stable counting sort on small codes groups the values without comparing them.
+        order = np.argsort(token_group.astype(np.int16 if num_groups < 2**15 else np.int64), kind="stable")
+        by_group = values[order]
+        bounds = np.concatenate([[0], np.cumsum(counts)])
     for group in range(num_groups):
         lo, hi = bounds[group], bounds[group + 1]
         if hi > lo:

@@ -6,7 +6,7 @@ Flow: token table (`logp_*` columns, one row per replayed token) -> metrics -> l
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
@@ -29,17 +29,40 @@ _QUANTILES = {"ratio_p01": 0.01, "ratio_p99": 0.99, "ratio_p999": 0.999}
 _ESS_DIRECT_LIMIT = 300.0
 
 
-@dataclass(frozen=True, slots=True, eq=False)
 class PairTokens:
-    """The tokens of a view where both log-probs are defined, with their log-ratio and ratio."""
+    """The tokens of a view where both log-probs are defined; their log-ratio and ratio on demand.
 
-    view: TokenView           # exactly those tokens
-    columns: tuple[str, str]  # the two log-prob columns, A then B
-    keep: np.ndarray | None   # which of the parent view's tokens they are (None: all of them)
-    logp_a: np.ndarray        # float64 (float32 inputs are upcast before any arithmetic)
-    logp_b: np.ndarray
-    log_ratio: np.ndarray
-    ratio: np.ndarray
+    log_ratio and ratio are materialized only when something needs them per token (corrections,
+    the numpy paths); the fused sums and the quantiles compute them on the fly, which spares two
+    ~40 MB arrays per pair.
+    """
+
+    def __init__(self, view: TokenView, columns: tuple[str, str], keep: np.ndarray | None,
+                 logp_a: np.ndarray, logp_b: np.ndarray) -> None:
+        self.view = view          # exactly those tokens
+        self.columns = columns    # the two log-prob columns, A then B
+        self.keep = keep          # which of the parent view's tokens they are (None: all of them)
+        self.logp_a = logp_a      # float64 (float32 inputs are upcast before any arithmetic)
+        self.logp_b = logp_b
+
+    @cached_property
+    def log_ratio(self) -> np.ndarray:
+        return self.logp_a - self.logp_b
+
+    @cached_property
+    def ratio(self) -> np.ndarray:
+        # A ratio that overflows is reported as inf, not hidden by a clamp: that is the finding.
+        with np.errstate(over="ignore"):
+            return np.exp(self.log_ratio)
+
+    def ratio_into(self, buffer: np.ndarray) -> np.ndarray:
+        """`ratio`, the kept array if there is one, else computed into `buffer` (same bits)."""
+        if "ratio" in self.__dict__:
+            return self.ratio
+        out = buffer[:len(self.logp_a)]
+        np.subtract(self.logp_a, self.logp_b, out=out)
+        with np.errstate(over="ignore"):
+            return np.exp(out, out=out)
 
 
 def pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
@@ -55,11 +78,7 @@ def _pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
     if not valid.all():  # dropped before anything else; the common case copies nothing
         keep, tokens = valid, view.subset(valid)
         logp_a, logp_b = logp_a[valid], logp_b[valid]
-    log_ratio = logp_a - logp_b
-    # A ratio that overflows is reported as inf, not hidden by a clamp: that is the finding.
-    with np.errstate(over="ignore"):
-        ratio = np.exp(log_ratio)
-    return PairTokens(view=tokens, columns=(a, b), keep=keep, logp_a=logp_a, logp_b=logp_b, log_ratio=log_ratio, ratio=ratio)
+    return PairTokens(tokens, (a, b), keep, logp_a, logp_b)
 
 
 def _token_terms(pair: PairTokens, scratch: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
@@ -92,6 +111,10 @@ def _token_terms(pair: PairTokens, scratch: np.ndarray) -> Iterator[tuple[str, n
 
 def _run_sums(pair: PairTokens, runs: Runs) -> dict[str, np.ndarray]:
     """Per run of the pair's view: every sum, extreme and spread the metrics are made of."""
+    from mismatch import fused
+
+    if fused.available():  # the same sums in one fused sweep (tests hold the two paths equal)
+        return fused.pair_run_stats(pair.logp_a, pair.logp_b, runs.starts)
     scratch = np.empty(len(pair.log_ratio))
     sums = {name: (runs.max(values) if name.endswith("_max") else
                    runs.sum(values, dtype=np.int64 if values.dtype == bool else None))
@@ -148,8 +171,8 @@ def _group_metrics(pair: PairTokens, runs: Runs, grouping: Grouping, *, with_qua
         })
         out.update(_sequence_metrics(view, runs, grouping, sums))
         if with_quantiles:
-            token_group = None if grouping.num_groups == 1 else runs.spread(grouping.run_group)
-            table = quantiles(pair.ratio, token_group, grouping.num_groups, list(_QUANTILES.values()))
+            ratio = pair.ratio_into(view.scratch(1))
+            table = quantiles(ratio, runs, grouping, list(_QUANTILES.values()), scratch=view.scratch(0))
             out.update({name: table[:, i] for i, name in enumerate(_QUANTILES)})
     frame = pd.DataFrame(out)
     empty = n == 0

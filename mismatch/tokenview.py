@@ -88,6 +88,11 @@ class TokenView:
         rows = positions if self.rows is None else self.rows[positions]
         return self.table[name].iloc[rows].reset_index(drop=True)
 
+    def scratch(self, index: int = 0) -> np.ndarray:
+        """Float64 buffer `index` (0 or 1) of one value per token, reused by whoever needs one for
+        the length of a call (fresh ~40 MB arrays cost more in page faults than the work in them)."""
+        return self.memo(("scratch", index), lambda: np.empty(self.num_tokens))
+
     def memo(self, key: Any, compute: Callable[[], T]) -> T:
         if key not in self._memo:
             self._memo[key] = compute()

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from mismatch.corrections import simulate, summary_corrections
-from mismatch.groups import find_runs, quantiles
+from mismatch.groups import Grouping, find_runs, quantiles, single_group
 from mismatch.localize.turns import localize_turns
 from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
 from mismatch.tokenview import TokenView
@@ -19,18 +19,22 @@ QS = [0.0, 0.01, 0.5, 0.99, 0.999, 1.0]
 def test_quantiles_equal_numpy_linear(n):
     rng = np.random.default_rng(n)
     values = np.exp(rng.normal(0, 0.3, n))
-    group = rng.integers(0, 3, n)
-    got = quantiles(values, group, 3, QS)
-    for g in range(3):
+    runs = find_runs([np.arange(n) // 3], n)  # runs of three tokens, each in a random group of 4
+    grouping = Grouping(run_group=rng.integers(0, 4, runs.num_runs), num_groups=4, keys=pd.DataFrame())
+    group = runs.spread(grouping.run_group)
+    got = quantiles(values, runs, grouping, QS, scratch=np.empty(n))
+    for g in range(4):
         if (group == g).any():
             np.testing.assert_array_equal(got[g], np.quantile(values[group == g], QS))
         else:
             assert np.isnan(got[g]).all()
-    np.testing.assert_array_equal(quantiles(values, None, 1, QS)[0], np.quantile(values, QS))
+    np.testing.assert_array_equal(quantiles(values, runs, single_group(runs), QS)[0], np.quantile(values, QS))
 
 
 def test_quantiles_of_equal_infinite_ends_are_inf_not_nan():
-    assert quantiles(np.array([1.0, np.inf, np.inf]), None, 1, [0.9])[0, 0] == np.inf
+    values = np.array([1.0, np.inf, np.inf])
+    runs = find_runs([], 3)
+    assert quantiles(values, runs, single_group(runs), [0.9])[0, 0] == np.inf
 
 
 def test_runs_cut_where_any_key_changes():

@@ -95,10 +95,8 @@ def localize_turns(table: pd.DataFrame | TokenView, a: str = "train", b: str = "
                             f"(columns: {', '.join(map(str, view.columns))})")
     pair = pair_tokens(view, col_a, col_b)
     tokens = pair.view
-    abs_log_ratio = np.abs(pair.log_ratio)
-    bucket = _prob_bucket(pair.logp_b)
-    buckets = token_grouped_metrics(pair, bucket, len(PROB_LABELS))
-    by_turn = _by_turn(view, pair, bucket, buckets, rule) if tokens.num_tokens else []
+    buckets, turn_bucket = _buckets(pair)
+    by_turn = _by_turn(view, pair, buckets, turn_bucket, rule) if tokens.num_tokens else []
     onset = next((row["turn"] for row in by_turn if row["departs"]), None)
     return json_safe({
         "pair": f"{a}/{b}",
@@ -108,19 +106,59 @@ def localize_turns(table: pd.DataFrame | TokenView, a: str = "train", b: str = "
         "onset_rule": rule.describe(),
         "onset_params": asdict(rule),
         "by_turn": by_turn,
-        "position_slope": _position_slope(tokens.column("pos").astype(np.float64) / POSITION_UNIT,
-                                          abs_log_ratio, _sequence_sums(tokens)),
+        "position_slope": _tokens_position_slope(pair),
         "by_prob_bucket": _by_prob_bucket(buckets),
         "by_role": _breakdown(view, pair, "role"),
         "by_branch_kind": _breakdown(view, pair, "branch_kind"),
     })
 
 
-def _sequence_sums(tokens: TokenView) -> tuple[Callable[[np.ndarray], np.ndarray], int]:
-    """Per-sequence sums of a per-token array (through the runs, which never cross sequences)."""
-    runs = tokens.runs
-    return (lambda values: np.bincount(tokens.run_seq, weights=runs.sum(values), minlength=tokens.num_seqs),
+def _tokens_position_slope(pair: PairTokens) -> dict[str, Any]:
+    """`position_slope` of the pair's |log_ratio| on `pos`, clustered by sequence."""
+    from mismatch import fused
+
+    tokens = pair.view
+    if tokens.num_tokens == 0:
+        return _slope_from_moments(0, 0.0, 0.0, 0.0, 0.0, 0.0, None)
+    pos = tokens.column("pos")
+    if fused.available():
+        x_mean, y_mean, sxx, sxy, sse, scores = fused.slope_fit(
+            np.ascontiguousarray(pos), pair.log_ratio, POSITION_UNIT, tokens.runs.starts, tokens.run_seq,
             tokens.num_seqs)
+        return _slope_from_moments(tokens.num_tokens, x_mean, y_mean, sxx, sxy, sse, scores)
+    runs = tokens.runs  # runs never cross sequences: per-sequence sums through them
+    return _position_slope(pos.astype(np.float64) / POSITION_UNIT, np.abs(pair.log_ratio),
+                           (lambda values: np.bincount(tokens.run_seq, weights=runs.sum(values),
+                                                       minlength=tokens.num_seqs), tokens.num_seqs))
+
+
+def _buckets(pair: PairTokens) -> tuple[pd.DataFrame, np.ndarray]:
+    """Per probability bucket of logp_B: BREAKDOWN_METRICS (one row per bucket, empty ones too);
+    and tokens per (turn, bucket), turns in sorted order."""
+    from mismatch import fused
+
+    tokens = pair.view
+    runs = tokens.runs_for(["turn"])
+    turn_of_run = pd.factorize(tokens.series_at("turn", runs.starts), sort=True)[0]
+    num_turns, num_buckets = (int(turn_of_run.max()) + 1 if len(turn_of_run) else 0), len(PROB_LABELS)
+    run_rollout = tokens.run_rollout[np.searchsorted(tokens.runs.starts, runs.starts, side="right") - 1]
+    if fused.available():
+        sums, turn_bucket, n_rollouts = fused.bucket_stats(
+            pair.logp_a, pair.logp_b, pair.log_ratio, pair.ratio, runs.starts, turn_of_run, num_turns,
+            run_rollout, tokens.num_rollouts, np.log(PROB_EDGES))
+        n = sums["n_tokens"]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            frame = pd.DataFrame({
+                "n_tokens": n.astype(np.int64), "n_rollouts": n_rollouts,
+                "log_ratio_mean": sums["log_ratio"] / n, "log_ratio_abs_mean": sums["abs_log_ratio"] / n,
+                "log_ratio_abs_max": np.where(n > 0, sums["log_ratio_abs_max"], np.nan), "kl_k3": sums["k3"] / n,
+                "frac_outside_2": sums["outside_2"] / n, "bitwise_equal_frac": sums["equal"] / n})
+        return frame, turn_bucket
+    bucket = _prob_bucket(pair.logp_b)
+    frame = token_grouped_metrics(pair, bucket, num_buckets)
+    token_turn_bucket = runs.spread((turn_of_run * num_buckets).astype(np.int32)) + bucket
+    turn_bucket = np.bincount(token_turn_bucket, minlength=num_turns * num_buckets).reshape(num_turns, num_buckets)
+    return frame, turn_bucket
 
 
 def _records(frame: pd.DataFrame, by: str) -> list[dict[str, Any]]:
@@ -145,16 +183,14 @@ def _without_empty(frame: pd.DataFrame) -> pd.DataFrame:
 def _by_prob_bucket(frame: pd.DataFrame) -> list[dict[str, Any]]:
     """Mismatch by B's probability of the realized token; empty buckets keep a row (n_tokens 0)."""
     out = []
-    for index, label in enumerate(PROB_LABELS):
+    for index, (label, row) in enumerate(zip(PROB_LABELS, frame[list(BREAKDOWN_METRICS)].to_dict("records"))):
         lo = 0.0 if index == 0 else PROB_EDGES[index - 1]
         hi = PROB_EDGES[index] if index < len(PROB_EDGES) else 1.0
-        row = frame.iloc[index]
-        out.append({"bucket": label, "p_min": lo, "p_max": hi,
-                    **{name: row[name].item() for name in BREAKDOWN_METRICS}})
+        out.append({"bucket": label, "p_min": lo, "p_max": hi, **row})
     return out
 
 
-def _by_turn(view: TokenView, pair: PairTokens, bucket: np.ndarray, buckets: pd.DataFrame,
+def _by_turn(view: TokenView, pair: PairTokens, buckets: pd.DataFrame, turn_bucket: np.ndarray,
              rule: OnsetRule) -> list[dict[str, Any]]:
     frame = _without_empty(grouped_view_metrics(view, *pair.columns, ["turn"], with_quantiles=False))
     rows = _records(frame, "turn")
@@ -165,13 +201,8 @@ def _by_turn(view: TokenView, pair: PairTokens, bucket: np.ndarray, buckets: pd.
         mean_sq = 2.0 * frame["kl_k2"].to_numpy()
         std = np.sqrt(np.maximum(mean_sq - np.square(frame["log_ratio_abs_mean"].to_numpy()), 0.0) * n_t / (n_t - 1))
     # Each turn's tokens by bucket: the turn's expected mean |log_ratio| given its probability mix.
-    runs = pair.view.runs_for(["turn"])
-    turn_of_run = pd.factorize(pair.view.series_at("turn", runs.starts), sort=True)[0]
-    num_turns, num_buckets = int(turn_of_run.max()) + 1, len(PROB_LABELS)
-    token_turn_bucket = runs.spread((turn_of_run * num_buckets).astype(np.int32)) + bucket
-    count_tb = np.bincount(token_turn_bucket, minlength=num_turns * num_buckets).reshape(num_turns, num_buckets)
     bucket_mean = np.nan_to_num(buckets["log_ratio_abs_mean"].to_numpy())  # empty buckets hold no tokens
-    expected = (count_tb * bucket_mean).sum(axis=1) / count_tb.sum(axis=1)
+    expected = (turn_bucket * bucket_mean).sum(axis=1) / turn_bucket.sum(axis=1)
     history_x: list[float] = []    # x of the earlier kept turns
     history_raw: list[float] = []  # their raw mean |log_ratio|
     for index, row in enumerate(rows):
@@ -231,30 +262,42 @@ def _position_slope(x: np.ndarray, y: np.ndarray,
     """`position_slope` on x = pos / POSITION_UNIT; `clusters` = (per-cluster sums of a per-token
     array, number of clusters), or None for no cluster-robust error."""
     n = len(x)
+    if n < 3 or np.ptp(x) == 0.0:
+        return _slope_from_moments(n, 0.0, 0.0, 0.0, 0.0, 0.0, None)
+    x_mean, y_mean = x.mean(), y.mean()
+    x_dev = x - x_mean
+    sxx = float(np.dot(x_dev, x_dev))
+    slope = float(np.dot(x_dev, y - y_mean)) / sxx
+    resid = y - float(y_mean - slope * x_mean) - slope * x
+    scores = clusters[0](x_dev * resid) if clusters is not None else None
+    return _slope_from_moments(n, float(x_mean), float(y_mean), sxx, slope * sxx, float(np.dot(resid, resid)),
+                               scores)
+
+
+def _slope_from_moments(n: int, x_mean: float, y_mean: float, sxx: float, sxy: float, sse: float,
+                        scores: np.ndarray | None) -> dict[str, Any]:
+    """The fit and its CIs from the centred moments; `scores` = per-cluster sums of (x - x mean) *
+    residual, for the cluster-robust (CR1) error. Fewer than 3 tokens or one position: no fit."""
     out: dict[str, Any] = {"unit_tokens": POSITION_UNIT, "n_tokens": n, "slope_per_1k": None,
                            "intercept": None, "se": None, "ci95_per_1k": None, "p_value": None,
                            "dof": None, "grows_with_position": False}
-    if n < 3 or np.ptp(x) == 0.0:
+    if n < 3 or sxx == 0.0:
         return out
-    x_dev = x - x.mean()
-    sxx = float(np.dot(x_dev, x_dev))
-    slope = float(np.dot(x_dev, y - y.mean())) / sxx
-    intercept = float(y.mean() - slope * x.mean())
-    resid = y - intercept - slope * x
+    slope = sxy / sxx
+    intercept = y_mean - slope * x_mean
     dof = n - 2
-    se = math.sqrt(float(np.dot(resid, resid)) / dof / sxx)
+    se = math.sqrt(sse / dof / sxx)
     half = t_critical(0.975, dof) * se
     out.update(slope_per_1k=slope, intercept=intercept, se=se, dof=dof,
                ci95_per_1k=[slope - half, slope + half], p_value=_p_two_sided(slope, se, dof),
                grows_with_position=bool(slope > 0 and slope - half > 0))
-    if clusters is not None:
-        cluster_sum, num_groups = clusters
+    if scores is not None:
+        num_groups = len(scores)
         out["n_sequences"] = num_groups
         if num_groups >= 2:
-            score_G = cluster_sum(x_dev * resid)
             # CR1 small-sample correction, as Stata's `regress, vce(cluster)`.
             scale = num_groups / (num_groups - 1) * (n - 1) / (n - 2)
-            se_cluster = math.sqrt(scale * float(np.dot(score_G, score_G))) / sxx
+            se_cluster = math.sqrt(scale * float(np.dot(scores, scores))) / sxx
             half_cluster = t_critical(0.975, num_groups - 1) * se_cluster
             out.update(se_cluster=se_cluster,
                        ci95_cluster_per_1k=[slope - half_cluster, slope + half_cluster],

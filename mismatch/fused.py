@@ -1,0 +1,272 @@
+"""Fused one-pass loops (numba) for the analysis hot spots: per-run pair sums, correction weights, buckets.
+
+Under metrics, corrections and localize. Each loop does in one sweep over a run of tokens what
+the numpy code beside its caller does in a dozen passes over ~40 MB arrays, which on 2 cores is
+the difference between ~3M and >10M analysed tokens per second (benchmarks/analysis.py). The
+numpy code stays as the reference and the fallback: `available()` is False without numba or with
+MISMATCH_NO_JIT=1, and tests hold both paths equal. Callers import this module inside the
+functions that use it, so importing mismatch does not import numba; compiled loops are cached
+on disk (`cache=True`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+try:
+    import numba
+except ImportError:  # the numpy paths run instead
+    numba = None
+
+# Columns of `pair_run_stats`, in order (names as metrics._run_sums uses them).
+PAIR_STATS = ("log_ratio", "abs_log_ratio", "log_ratio_abs_max", "log_ratio_min", "log_ratio_max",
+              "ratio", "log_ratio_sq", "k3", "ratio_sq", "prob_abs_diff", "prob_abs_diff_max",
+              "outside_2", "equal", "ratio_m2")
+
+# Weight rules of `weight_run_stats` (corrections.py maps its token-level modes onto them).
+# The REJECT_* rules are verl's token-level rollout_rs on log_ratio clamped at +-20: weight 1 or 0.
+TRUNCATE, MASK_ABOVE, CLIP, BAND_MASK, KEEP_RATIO, REJECT_K1, REJECT_K2, REJECT_K3 = range(8)
+# Columns of `weight_run_stats`: sum w, sum w^2 (w / scale), max w, affected count, infinite count, M2.
+WEIGHT_STATS = ("weight", "weight_sq", "weight_max", "affected", "infinite", "weight_m2")
+
+
+def available() -> bool:
+    """Whether the fused loops can run (numba importable and not switched off)."""
+    return numba is not None and os.environ.get("MISMATCH_NO_JIT", "") in ("", "0")
+
+
+def _jit(fn):
+    return numba.njit(cache=True, nogil=True)(fn) if numba is not None else fn
+
+
+@_jit
+def _pair_run_stats(logp_a, logp_b, starts, out):  # pragma: no cover - compiled
+    n, num_runs = len(logp_a), len(starts)
+    for r in range(num_runs):
+        start = starts[r]
+        end = starts[r + 1] if r + 1 < num_runs else n
+        s_lr = s_abs = s_ratio = s_lr2 = s_k3 = s_r2 = s_pd = 0.0
+        max_abs = max_pd = max_lr = -math.inf
+        min_lr = math.inf
+        outside = equal = 0.0
+        for i in range(start, end):
+            a, b = logp_a[i], logp_b[i]
+            x = a - b
+            r_i = math.exp(x)
+            ax = abs(x)
+            s_lr += x
+            s_abs += ax
+            max_abs = max(max_abs, ax)
+            min_lr = min(min_lr, x)
+            max_lr = max(max_lr, x)
+            s_ratio += r_i
+            s_lr2 += x * x
+            s_k3 += math.expm1(x) - x  # r - 1 - log r without cancellation near r = 1
+            s_r2 += r_i * r_i
+            d = abs(math.exp(a) - math.exp(b))
+            s_pd += d
+            max_pd = max(max_pd, d)
+            if r_i > 2.0 or r_i < 0.5:
+                outside += 1.0
+            if a == b:
+                equal += 1.0
+        mean = s_ratio / (end - start)
+        m2 = 0.0
+        for i in range(start, end):  # second pass over a run already in cache
+            m2 += (math.exp(logp_a[i] - logp_b[i]) - mean) ** 2
+        row = out[r]
+        row[0], row[1], row[2], row[3], row[4] = s_lr, s_abs, max_abs, min_lr, max_lr
+        row[5], row[6], row[7], row[8], row[9] = s_ratio, s_lr2, s_k3, s_r2, s_pd
+        row[10], row[11], row[12], row[13] = max_pd, outside, equal, m2
+
+
+def pair_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
+    """Per run: the PAIR_STATS sums and extremes of log_ratio = logp_a - logp_b and ratio =
+    exp(log_ratio), and the ratio's M2 around the run's own mean (for Chan's merge)."""
+    out = np.empty((len(starts), len(PAIR_STATS)))
+    if len(starts):
+        _pair_run_stats(logp_a, logp_b, starts, out)
+    return {name: out[:, i] for i, name in enumerate(PAIR_STATS)}
+
+
+@_jit
+def _weight(rule, x, log_ratio, low, high, keep_run, scale):  # pragma: no cover - compiled
+    """(weight, affected) of one token of ratio x under `rule` (see the rule constants)."""
+    if rule == 0:    # TRUNCATE: min(ratio, high)
+        hit = x > high
+        w = high if hit else x
+    elif rule == 1:  # MASK_ABOVE: ratio, 0 above high
+        hit = x > high
+        w = 0.0 if hit else x
+    elif rule == 2:  # CLIP: clip(ratio, low, high)
+        hit = x < low or x > high
+        w = min(max(x, low), high)
+    elif rule == 3:  # BAND_MASK: ratio inside [low, high], else 0
+        hit = not (x >= low and x <= high)
+        w = 0.0 if hit else x
+    elif rule == 4:  # KEEP_RATIO: ratio where the run is kept, else 0
+        hit = not keep_run
+        w = x if keep_run else 0.0
+    else:            # REJECT_K1/K2/K3
+        c = min(max(log_ratio, -20.0), 20.0)
+        if rule == 5:
+            hit = not (-c >= math.log(low) and -c <= math.log(high))
+        elif rule == 6:
+            hit = not (0.5 * c * c <= high)
+        else:
+            hit = not (math.expm1(c) - c <= high)
+        w = 0.0 if hit else 1.0
+    return w * scale, hit
+
+
+@_jit
+def _weight_run_stats(ratio, log_ratio, starts, rule, low, high, run_keep, run_scale, inv_scale, out):  # pragma: no cover
+    n, num_runs = len(ratio), len(starts)
+    for r in range(num_runs):
+        start = starts[r]
+        end = starts[r + 1] if r + 1 < num_runs else n
+        keep_run, scale = run_keep[r], run_scale[r]
+        s_w = s_w2 = hits = infinite = 0.0
+        top = -math.inf
+        for i in range(start, end):
+            w, hit = _weight(rule, ratio[i], log_ratio[i], low, high, keep_run, scale)
+            if hit:
+                hits += 1.0
+            if math.isinf(w):
+                infinite += 1.0
+            top = max(top, w)
+            s_w += w
+            s_w2 += (w * inv_scale) ** 2
+        mean = s_w / (end - start)
+        m2 = 0.0
+        for i in range(start, end):  # second pass over a run already in cache
+            w, hit = _weight(rule, ratio[i], log_ratio[i], low, high, keep_run, scale)
+            m2 += (w - mean) ** 2
+        row = out[r]
+        row[0], row[1], row[2], row[3], row[4], row[5] = s_w, s_w2, top, hits, infinite, m2
+
+
+def weight_run_stats(ratio: np.ndarray, log_ratio: np.ndarray, starts: np.ndarray, rule: int, *,
+                     low: float = 0.0, high: float = 0.0, run_keep: np.ndarray | None = None,
+                     run_scale: np.ndarray | None = None, inv_scale: float = 1.0) -> dict[str, np.ndarray]:
+    """Per run, for a token-level correction whose weight follows `rule` (times the run's scale):
+    WEIGHT_STATS, with sum w^2 taken of w * inv_scale and M2 around the run's own mean."""
+    num_runs = len(starts)
+    out = np.zeros((num_runs, len(WEIGHT_STATS)))
+    if num_runs:
+        _weight_run_stats(ratio, log_ratio, starts, rule, float(low), float(high),
+                          np.ones(num_runs, dtype=np.bool_) if run_keep is None else run_keep,
+                          np.ones(num_runs) if run_scale is None else run_scale, float(inv_scale), out)
+    return {name: out[:, i] for i, name in enumerate(WEIGHT_STATS)}
+
+
+@_jit
+def _group_values(values, starts, run_group, bounds, out):  # pragma: no cover - compiled
+    n, num_runs = len(values), len(starts)
+    fill = bounds[:-1].copy()
+    for r in range(num_runs):
+        start = starts[r]
+        end = starts[r + 1] if r + 1 < num_runs else n
+        g = run_group[r]
+        out[fill[g]:fill[g] + end - start] = values[start:end]
+        fill[g] += end - start
+
+
+def group_values(values: np.ndarray, starts: np.ndarray, run_group: np.ndarray, counts: np.ndarray,
+                 out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The values of each group side by side (run by run, a stable counting sort) and the bounds;
+    written into `out` (float64, at least len(values)) when given."""
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    out = np.empty(len(values)) if out is None else out[:len(values)]
+    if len(starts):
+        _group_values(values, starts, run_group, bounds, out)
+    return out, bounds
+
+
+# Columns of `bucket_stats` per probability bucket.
+BUCKET_STATS = ("n_tokens", "log_ratio", "abs_log_ratio", "log_ratio_abs_max", "k3", "outside_2", "equal")
+
+
+@_jit
+def _bucket_stats(logp_a, logp_b, log_ratio, ratio, starts, run_turn, run_rollout, log_edges,
+                  stats, turn_bucket, seen):  # pragma: no cover - compiled
+    n, num_runs, num_edges = len(log_ratio), len(starts), len(log_edges)
+    for r in range(num_runs):
+        start = starts[r]
+        end = starts[r + 1] if r + 1 < num_runs else n
+        turn, rollout = run_turn[r], run_rollout[r]
+        for i in range(start, end):
+            b = 0
+            for e in range(num_edges):  # as searchsorted(log_edges, logp_b, side="right")
+                if logp_b[i] >= log_edges[e]:
+                    b += 1
+            x = log_ratio[i]
+            row = stats[b]
+            row[0] += 1.0
+            row[1] += x
+            row[2] += abs(x)
+            row[3] = max(row[3], abs(x))
+            row[4] += math.expm1(x) - x
+            if ratio[i] > 2.0 or ratio[i] < 0.5:
+                row[5] += 1.0
+            if logp_a[i] == logp_b[i]:
+                row[6] += 1.0
+            turn_bucket[turn, b] += 1
+            seen[b, rollout] = True
+
+
+def bucket_stats(logp_a: np.ndarray, logp_b: np.ndarray, log_ratio: np.ndarray, ratio: np.ndarray,
+                 starts: np.ndarray, run_turn: np.ndarray, num_turns: int, run_rollout: np.ndarray,
+                 num_rollouts: int, log_edges: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """Per probability bucket of logp_b: BUCKET_STATS; tokens per (turn, bucket); rollouts per bucket."""
+    num_buckets = len(log_edges) + 1
+    stats = np.zeros((num_buckets, len(BUCKET_STATS)))
+    stats[:, 3] = -np.inf
+    turn_bucket = np.zeros((num_turns, num_buckets), dtype=np.int64)
+    seen = np.zeros((num_buckets, max(num_rollouts, 1)), dtype=np.bool_)
+    if len(starts):
+        _bucket_stats(logp_a, logp_b, log_ratio, ratio, starts, run_turn, run_rollout,
+                      np.ascontiguousarray(log_edges, dtype=np.float64), stats, turn_bucket, seen)
+    return ({name: stats[:, i] for i, name in enumerate(BUCKET_STATS)}, turn_bucket,
+            seen.sum(axis=1).astype(np.int64))
+
+
+@_jit
+def _slope_fit(pos, log_ratio, unit, starts, run_seq, scores):  # pragma: no cover - compiled
+    n, num_runs = len(pos), len(starts)
+    sum_x = sum_y = 0.0
+    for i in range(n):
+        sum_x += pos[i] / unit
+        sum_y += abs(log_ratio[i])
+    x_mean, y_mean = sum_x / n, sum_y / n
+    sxx = sxy = 0.0
+    for i in range(n):
+        dx, dy = pos[i] / unit - x_mean, abs(log_ratio[i]) - y_mean
+        sxx += dx * dx
+        sxy += dx * dy
+    slope = sxy / sxx if sxx > 0.0 else 0.0
+    intercept = y_mean - slope * x_mean
+    sse = 0.0
+    for r in range(num_runs):
+        start = starts[r]
+        end = starts[r + 1] if r + 1 < num_runs else n
+        score = 0.0
+        for i in range(start, end):
+            x = pos[i] / unit
+            resid = abs(log_ratio[i]) - intercept - slope * x
+            sse += resid * resid
+            score += (x - x_mean) * resid
+        scores[run_seq[r]] += score
+    return x_mean, y_mean, sxx, sxy, sse
+
+
+def slope_fit(pos: np.ndarray, log_ratio: np.ndarray, unit: float, starts: np.ndarray, run_seq: np.ndarray,
+              num_seqs: int) -> tuple[float, float, float, float, float, np.ndarray]:
+    """OLS of |log_ratio| on pos / unit: x mean, y mean, Sxx, Sxy, residual sum of squares, and the
+    per-sequence scores sum (x - x mean) * residual (for a cluster-robust error). Needs n >= 1."""
+    scores = np.zeros(num_seqs)
+    x_mean, y_mean, sxx, sxy, sse = _slope_fit(pos, log_ratio, float(unit), starts, run_seq, scores)
+    return x_mean, y_mean, sxx, sxy, sse, scores
