@@ -18,7 +18,7 @@ import pandas as pd
 
 from mismatch.errors import MismatchError
 from mismatch.groups import Runs, find_runs
-from mismatch.metrics import pair_tokens
+from mismatch.metrics import pair_tokens, run_sums
 from mismatch.tokenview import TokenView
 
 # Conventions, shared with the frameworks cited per mode below:
@@ -97,16 +97,23 @@ class _Tokens:
     runs instead of ~1e7 tokens is what keeps the 41 default corrections cheap.
     """
 
-    def __init__(self, log_ratio: np.ndarray, runs: Runs, *, run_seq: np.ndarray, num_seqs: int,
+    def __init__(self, logp: tuple[np.ndarray, np.ndarray], runs: Runs, *, run_seq: np.ndarray, num_seqs: int,
                  run_rollout: np.ndarray, num_rollouts: int, turn: tuple[np.ndarray, np.ndarray] | None = None,
-                 ratio: np.ndarray | None = None) -> None:
-        self.log_ratio = log_ratio
+                 run_stats: dict[str, np.ndarray] | None = None) -> None:
+        # log_ratio = logp_a - logp_b, materialized only if a numpy path asks for it: the fused
+        # sweeps read the two log-prob columns directly. (simulate() passes (log_ratio, 0).)
+        self.logp_a, self.logp_b = logp
+        self.num_tokens = len(self.logp_a)
         self.runs = runs
         self.run_seq, self.num_seqs = run_seq, num_seqs
         self.run_rollout, self.num_rollouts = run_rollout, num_rollouts
         self.turn = turn  # (distinct turn keys, turn code of each run), or None
-        if ratio is not None:
-            self.__dict__["ratio"] = ratio
+        if run_stats is not None:  # the metrics' own per-run sums, when the caller has them
+            self.__dict__["run_stats"] = run_stats
+
+    @cached_property
+    def log_ratio(self) -> np.ndarray:
+        return self.logp_a - self.logp_b
 
     @cached_property
     def ratio(self) -> np.ndarray:
@@ -121,8 +128,27 @@ class _Tokens:
         return self.per_seq(self.runs.lengths)
 
     @cached_property
+    def run_stats(self) -> dict[str, np.ndarray]:
+        """Per run: sum, min and max of the log-ratio (keys as metrics.run_sums)."""
+        from mismatch import fused
+
+        if fused.available():
+            return fused.pair_run_stats(self.logp_a, self.logp_b, self.runs.starts)
+        return {"log_ratio": self.runs.sum(self.log_ratio), "log_ratio_min": self.runs.min(self.log_ratio),
+                "log_ratio_max": self.runs.max(self.log_ratio)}
+
+    @property
     def run_log_ratio(self) -> np.ndarray:
-        return self.runs.sum(self.log_ratio)
+        return self.run_stats["log_ratio"]
+
+    def seq_ratio_range(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per run: the smallest and largest token ratio of its sequence (exp is monotonic, so
+        exp(min log_ratio) is min(ratio) bit for bit)."""
+        low, high = np.full(self.num_seqs, np.inf), np.full(self.num_seqs, -np.inf)
+        np.minimum.at(low, self.run_seq, self.run_stats["log_ratio_min"])
+        np.maximum.at(high, self.run_seq, self.run_stats["log_ratio_max"])
+        with np.errstate(over="ignore"):
+            return np.exp(low)[self.run_seq], np.exp(high)[self.run_seq]
 
     @cached_property
     def seq_sum(self) -> np.ndarray:
@@ -139,11 +165,18 @@ class _Tokens:
         """Per run: the sum of its rollout's log-ratios."""
         return np.bincount(self.run_rollout, weights=self.run_log_ratio, minlength=self.num_rollouts)[self.run_rollout]
 
-    def seq_reduce(self, values: np.ndarray, ufunc: np.ufunc, empty: float) -> np.ndarray:
-        """Per run: ufunc.reduce (max/min) of a per-token array over the run's sequence."""
-        per_seq = np.full(self.num_seqs, empty)
-        ufunc.at(per_seq, self.run_seq, ufunc.reduceat(values, self.runs.starts))
-        return per_seq[self.run_seq]
+    @cached_property
+    def verl_run_stats(self) -> dict[str, np.ndarray]:
+        """Per run: sums and maxima of verl's k1/k2/k3 (names of fused.VERL_STATS)."""
+        from mismatch import fused
+
+        if fused.available():
+            return fused.verl_run_stats(self.logp_a, self.logp_b, self.runs.starts)
+        stats = {}
+        for estimator in ("k1", "k2", "k3"):
+            values = _verl_stat(self, estimator)
+            stats[estimator], stats[f"{estimator}_max"] = self.runs.sum(values), self.runs.max(values)
+        return stats
 
     def spread(self, per_run: np.ndarray) -> np.ndarray:
         return self.runs.spread(per_run)
@@ -254,10 +287,9 @@ def seq_mask_tis(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np
 def sequence_minmax_mask(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
     # prime-rl sequence_mask_low / sequence_mask_high: drop the whole sequence when any token's ratio is
     # below low or above high (the "max" of the ratios decides); kept tokens keep their token ratio.
-    ratio = t.ratio
-    keep = t.spread((t.seq_reduce(ratio, np.minimum, np.inf) >= low)
-                    & (t.seq_reduce(ratio, np.maximum, -np.inf) <= high))
-    return np.where(keep, ratio, 0.0), ~keep
+    seq_min, seq_max = t.seq_ratio_range()
+    keep = t.spread((seq_min >= low) & (seq_max <= high))
+    return np.where(keep, t.ratio, 0.0), ~keep
 
 
 # --- per-rollout modes (agentic: a rollout is many branches) ---
@@ -276,7 +308,7 @@ def rollout_balanced_truncate(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np
     """
     capped, affected = _truncate(t.ratio, cap)
     per_rollout = np.bincount(t.run_rollout, weights=t.runs.lengths, minlength=t.num_rollouts)[t.run_rollout]
-    scale = (len(t.log_ratio) / t.num_rollouts) / per_rollout
+    scale = (t.num_tokens / t.num_rollouts) / per_rollout
     return capped * t.spread(scale), affected
 
 
@@ -297,13 +329,16 @@ def _verl_stat(t: _Tokens, estimator: str) -> np.ndarray:
 
 def _verl_rejection(aggregate: str, estimator: str) -> ModeFn:
     def reject(t: _Tokens, *, high: float, low: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-        stat = _verl_stat(t, estimator)
-        if aggregate == "seq_sum":  # per run from here on (the sequence's statistic)
-            stat = t.per_seq(t.runs.sum(stat))[t.run_seq]
+        if aggregate == "token":
+            stat = _verl_stat(t, estimator)
+        elif aggregate == "seq_sum":  # per run from here on (the sequence's statistic)
+            stat = t.per_seq(t.verl_run_stats[estimator])[t.run_seq]
         elif aggregate == "seq_mean":
-            stat = (t.per_seq(t.runs.sum(stat)) / t.seq_count)[t.run_seq]
-        elif aggregate == "seq_max":
-            stat = t.seq_reduce(stat, np.maximum, -np.inf)
+            stat = (t.per_seq(t.verl_run_stats[estimator]) / t.seq_count)[t.run_seq]
+        else:  # seq_max
+            per_seq = np.full(t.num_seqs, -np.inf)
+            np.maximum.at(per_seq, t.run_seq, t.verl_run_stats[f"{estimator}_max"])
+            stat = per_seq[t.run_seq]
         if estimator == "k1":
             keep = (stat >= math.log(low)) & (stat <= math.log(high))
         else:
@@ -327,14 +362,13 @@ def _seq_mask_tis_rule(t: _Tokens, *, low: float, high: float) -> tuple[int, dic
 
 
 def _minmax_rule(t: _Tokens, *, low: float, high: float) -> tuple[int, dict[str, Any]]:
-    keep = ((t.seq_reduce(t.ratio, np.minimum, np.inf) >= low)
-            & (t.seq_reduce(t.ratio, np.maximum, -np.inf) <= high))
-    return _fused_rule("KEEP_RATIO", run_keep=keep)
+    seq_min, seq_max = t.seq_ratio_range()
+    return _fused_rule("KEEP_RATIO", run_keep=(seq_min >= low) & (seq_max <= high))
 
 
 def _balanced_rule(t: _Tokens, *, cap: float) -> tuple[int, dict[str, Any]]:
     per_rollout = np.bincount(t.run_rollout, weights=t.runs.lengths, minlength=t.num_rollouts)[t.run_rollout]
-    return _fused_rule("TRUNCATE", high=cap, run_scale=(len(t.log_ratio) / t.num_rollouts) / per_rollout)
+    return _fused_rule("TRUNCATE", high=cap, run_scale=(t.num_tokens / t.num_rollouts) / per_rollout)
 
 
 _RULES: dict[str, Callable[..., tuple[int, dict[str, Any]]]] = {
@@ -472,7 +506,8 @@ def _prepare(log_ratio: Any, *, seq: Any, rollout: Any, trainable: Any | None,
         turn_keys, turn_codes = np.unique(arrays["turn"][keep], return_inverse=True)
         keys.append(turn_codes.reshape(-1))
     runs = find_runs(keys, int(keep.sum()))
-    tokens = _Tokens(log_ratio[keep], runs, run_seq=seq_codes[runs.starts], num_seqs=num_seqs,
+    kept = log_ratio[keep]
+    tokens = _Tokens((kept, np.zeros_like(kept)), runs, run_seq=seq_codes[runs.starts], num_seqs=num_seqs,
                      run_rollout=rollout_codes[runs.starts], num_rollouts=num_rollouts,
                      turn=(turn_keys, keys[2][runs.starts]) if turn is not None else None)
     return tokens, keep
@@ -545,8 +580,20 @@ class _WeightSummary:
     ess: float
 
 
-def _result(tokens: _Tokens, correction: Correction) -> CorrectionResult:
-    n = len(tokens.log_ratio)
+def _results(tokens: _Tokens, corrections: Sequence[Correction]) -> list[CorrectionResult]:
+    """Every correction's result; the token-level ones with a fused rule in one sweep together."""
+    from mismatch import fused
+
+    summaries: dict[int, _WeightSummary] = {}
+    if tokens.num_tokens and fused.available():
+        ruled = [(i, MODES[c.mode].rule(tokens, **c.params)) for i, c in enumerate(corrections)
+                 if MODES[c.mode].rule is not None]
+        summaries = dict(zip([i for i, _ in ruled], _fused_summaries(tokens, [rule for _, rule in ruled])))
+    return [_result(tokens, correction, summaries.get(i)) for i, correction in enumerate(corrections)]
+
+
+def _result(tokens: _Tokens, correction: Correction, summary: _WeightSummary | None) -> CorrectionResult:
+    n = tokens.num_tokens
     spec = MODES[correction.mode]
     if n == 0:
         nan = math.nan
@@ -554,11 +601,7 @@ def _result(tokens: _Tokens, correction: Correction) -> CorrectionResult:
                                 n_tokens=0, n_sequences=0, n_rollouts=0, frac_tokens_affected=nan,
                                 frac_sequences_affected=nan, frac_rollouts_affected=nan, weight_mean=nan,
                                 weight_std=nan, weight_max=nan, ess=nan, by_turn=[])
-    from mismatch import fused
-
-    if spec.rule is not None and fused.available():
-        summary = _fused_summary(tokens, *spec.rule(tokens, **correction.params))
-    else:
+    if summary is None:
         summary = _numpy_summary(tokens, spec, correction)
     seq_hit = tokens.per_seq(summary.run_hits) > 0
     rollout_hit = np.bincount(tokens.run_rollout, weights=summary.run_hits, minlength=tokens.num_rollouts) > 0
@@ -573,7 +616,7 @@ def _result(tokens: _Tokens, correction: Correction) -> CorrectionResult:
 
 def _numpy_summary(tokens: _Tokens, spec: ModeSpec, correction: Correction) -> _WeightSummary:
     """The reference path: per-token (or per-run) weights from the mode's own function."""
-    n, runs = len(tokens.log_ratio), tokens.runs
+    n, runs = tokens.num_tokens, tokens.runs
     weight, affected = spec.fn(tokens, **correction.params)
     counts = runs.lengths if spec.per_run else None
     with np.errstate(invalid="ignore", over="ignore"):
@@ -591,34 +634,42 @@ def _numpy_summary(tokens: _Tokens, spec: ModeSpec, correction: Correction) -> _
                           top=float(weight.max()), ess=effective_sample_size(weight, counts))
 
 
-def _fused_summary(tokens: _Tokens, rule: int, options: dict[str, Any]) -> _WeightSummary:
-    """The same summary from one fused sweep per correction, for token-level modes (`ModeSpec.rule`)."""
+def _fused_summaries(tokens: _Tokens, rules: list[tuple[int, dict[str, Any]]]) -> list[_WeightSummary]:
+    """`_numpy_summary` for token-level modes (`ModeSpec.rule`), all of them from one fused sweep."""
     from mismatch import fused
 
-    n, runs = len(tokens.log_ratio), tokens.runs
-    stats = fused.weight_run_stats(tokens.ratio, tokens.log_ratio, runs.starts, rule, **options)
-    run_weight, top = stats["weight"], float(stats["weight_max"].max())
-    with np.errstate(invalid="ignore", over="ignore"):
-        total = float(run_weight.sum())
-        mean = total / n
-        std = math.nan
-        if math.isfinite(mean):  # Chan's merge of the runs' own M2
-            spread = stats["weight_m2"].sum() + np.dot(runs.lengths, np.square(run_weight / runs.lengths - mean))
-            std = float(np.sqrt(spread / n))
-    # As effective_sample_size: infinite weights dominate; otherwise scale-free, so rescale by the
-    # top weight only when sum w^2 could overflow or underflow.
-    infinite = float(stats["infinite"].sum())
-    if infinite:
-        ess = infinite / n
-    elif top <= 0:
-        ess = 0.0
-    elif 1e-100 < top < 1e100:
-        ess = total ** 2 / (n * float(stats["weight_sq"].sum()))
-    else:
-        scaled = fused.weight_run_stats(tokens.ratio, tokens.log_ratio, runs.starts, rule, inv_scale=1.0 / top,
-                                        **options)
-        ess = (total / top) ** 2 / (n * float(scaled["weight_sq"].sum()))
-    return _WeightSummary(run_weight=run_weight, run_hits=stats["affected"], mean=mean, std=std, top=top, ess=ess)
+    n, runs = tokens.num_tokens, tokens.runs
+    all_stats = fused.weight_run_stats(tokens.logp_a, tokens.logp_b, runs.starts, rules)
+    # As effective_sample_size: scale-free, so where sum w^2 could overflow or underflow the sums
+    # are taken again of w / top.
+    tops = [float(stats["weight_max"].max()) for stats in all_stats]
+    far = [k for k, top in enumerate(tops) if top > 0 and not 1e-100 < top < 1e100]
+    if far:
+        again = fused.weight_run_stats(tokens.logp_a, tokens.logp_b, runs.starts,
+                                       [(rules[k][0], {**rules[k][1], "inv_scale": 1.0 / tops[k]}) for k in far])
+        for k, stats in zip(far, again):
+            all_stats[k]["weight_sq"] = stats["weight_sq"]
+    summaries = []
+    for stats, top in zip(all_stats, tops):
+        run_weight = stats["weight"]
+        with np.errstate(invalid="ignore", over="ignore"):
+            total = float(run_weight.sum())
+            mean = total / n
+            std = math.nan
+            if math.isfinite(mean):  # Chan's merge of the runs' own M2
+                spread = stats["weight_m2"].sum() + np.dot(runs.lengths, np.square(run_weight / runs.lengths - mean))
+                std = float(np.sqrt(spread / n))
+        infinite = float(stats["infinite"].sum())
+        if infinite:  # infinite weights dominate: k of n give k/n
+            ess = infinite / n
+        elif top <= 0:
+            ess = 0.0
+        else:
+            scale = top if not 1e-100 < top < 1e100 else 1.0
+            ess = (total / scale) ** 2 / (n * float(stats["weight_sq"].sum()))
+        summaries.append(_WeightSummary(run_weight=run_weight, run_hits=stats["affected"], mean=mean, std=std,
+                                        top=top, ess=ess))
+    return summaries
 
 
 def _by_turn(tokens: _Tokens, run_weight: np.ndarray, run_hits: np.ndarray) -> list[dict[str, Any]]:
@@ -643,7 +694,7 @@ def simulate(log_ratio: Any, corrections: Sequence[Correction] = DEFAULT_CORRECT
     `trainable` which tokens enter the loss. NaN log-ratios and non-trainable tokens are dropped.
     """
     tokens, _ = _prepare(log_ratio, seq=seq, rollout=rollout, trainable=trainable, turn=turn)
-    return [_result(tokens, correction) for correction in corrections]
+    return _results(tokens, corrections)
 
 
 def simulate_table(table: pd.DataFrame | TokenView, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS, *,
@@ -663,10 +714,11 @@ def simulate_table(table: pd.DataFrame | TokenView, corrections: Sequence[Correc
     pair_view = pair_tokens(view, needed[4], needed[5])
     tokens_view = pair_view.view
     runs, turns = tokens_view.grouping(["turn"])
-    tokens = _Tokens(pair_view.log_ratio, runs, run_seq=tokens_view.run_seq, num_seqs=tokens_view.num_seqs,
-                     run_rollout=tokens_view.run_rollout, num_rollouts=tokens_view.num_rollouts,
-                     turn=(turns.keys["turn"].to_numpy(), turns.run_group), ratio=pair_view.ratio)
-    return [_result(tokens, correction) for correction in corrections]
+    tokens = _Tokens((pair_view.logp_a, pair_view.logp_b), runs, run_seq=tokens_view.run_seq,
+                     num_seqs=tokens_view.num_seqs, run_rollout=tokens_view.run_rollout,
+                     num_rollouts=tokens_view.num_rollouts, turn=(turns.keys["turn"].to_numpy(), turns.run_group),
+                     run_stats=run_sums(pair_view, runs))
+    return _results(tokens, corrections)
 
 
 def summary_corrections(table: pd.DataFrame | TokenView,

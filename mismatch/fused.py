@@ -29,7 +29,7 @@ PAIR_STATS = ("log_ratio", "abs_log_ratio", "log_ratio_abs_max", "log_ratio_min"
 # Weight rules of `weight_run_stats` (corrections.py maps its token-level modes onto them).
 # The REJECT_* rules are verl's token-level rollout_rs on log_ratio clamped at +-20: weight 1 or 0.
 TRUNCATE, MASK_ABOVE, CLIP, BAND_MASK, KEEP_RATIO, REJECT_K1, REJECT_K2, REJECT_K3 = range(8)
-# Columns of `weight_run_stats`: sum w, sum w^2 (w / scale), max w, affected count, infinite count, M2.
+# Columns of `weight_run_stats`: sum w, sum (w * inv_scale)^2, max w, affected and infinite counts, M2.
 WEIGHT_STATS = ("weight", "weight_sq", "weight_max", "affected", "infinite", "weight_m2")
 
 
@@ -38,8 +38,14 @@ def available() -> bool:
     return numba is not None and os.environ.get("MISMATCH_NO_JIT", "") in ("", "0")
 
 
-def _jit(fn):
-    return numba.njit(cache=True, nogil=True)(fn) if numba is not None else fn
+def _jit(fn=None, *, reassociate: bool = False):
+    """numba.njit with the disk cache. `reassociate` lets LLVM reorder float sums (the only fast-math
+    flag used: inf and NaN keep their meaning), so long sums vectorize instead of waiting on each add."""
+    if fn is None:
+        return lambda fn: _jit(fn, reassociate=reassociate)
+    if numba is None:
+        return fn
+    return numba.njit(cache=True, nogil=True, fastmath={"reassoc"} if reassociate else False)(fn)
 
 
 @_jit
@@ -92,75 +98,138 @@ def pair_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, starts: np.ndarray) -
     return {name: out[:, i] for i, name in enumerate(PAIR_STATS)}
 
 
-@_jit
-def _weight(rule, x, log_ratio, low, high, keep_run, scale):  # pragma: no cover - compiled
-    """(weight, affected) of one token of ratio x under `rule` (see the rule constants)."""
+@_jit(reassociate=True)
+def _rule_weights(rule, ratio, log_ratio, length, low, high, keep_run, scale, weight, hit):  # pragma: no cover
+    """Weights and affected flags of a run's tokens under `rule` (see the rule constants), one
+    branch-free loop per rule so that each vectorizes."""
     if rule == 0:    # TRUNCATE: min(ratio, high)
-        hit = x > high
-        w = high if hit else x
+        for j in range(length):
+            hit[j] = ratio[j] > high
+            weight[j] = min(ratio[j], high)
     elif rule == 1:  # MASK_ABOVE: ratio, 0 above high
-        hit = x > high
-        w = 0.0 if hit else x
+        for j in range(length):
+            hit[j] = ratio[j] > high
+            weight[j] = 0.0 if ratio[j] > high else ratio[j]
     elif rule == 2:  # CLIP: clip(ratio, low, high)
-        hit = x < low or x > high
-        w = min(max(x, low), high)
+        for j in range(length):
+            hit[j] = ratio[j] < low or ratio[j] > high
+            weight[j] = min(max(ratio[j], low), high)
     elif rule == 3:  # BAND_MASK: ratio inside [low, high], else 0
-        hit = not (x >= low and x <= high)
-        w = 0.0 if hit else x
+        for j in range(length):
+            hit[j] = not (ratio[j] >= low and ratio[j] <= high)
+            weight[j] = ratio[j] if ratio[j] >= low and ratio[j] <= high else 0.0
     elif rule == 4:  # KEEP_RATIO: ratio where the run is kept, else 0
-        hit = not keep_run
-        w = x if keep_run else 0.0
-    else:            # REJECT_K1/K2/K3
-        c = min(max(log_ratio, -20.0), 20.0)
-        if rule == 5:
-            hit = not (-c >= math.log(low) and -c <= math.log(high))
-        elif rule == 6:
-            hit = not (0.5 * c * c <= high)
-        else:
-            hit = not (math.expm1(c) - c <= high)
-        w = 0.0 if hit else 1.0
-    return w * scale, hit
+        for j in range(length):
+            hit[j] = not keep_run
+            weight[j] = ratio[j] if keep_run else 0.0
+    elif rule == 5:  # REJECT_K1: kept when log(low) <= -clamp(log_ratio) <= log(high)
+        lo, hi = math.log(low), math.log(high)
+        for j in range(length):
+            k1 = -min(max(log_ratio[j], -20.0), 20.0)
+            hit[j] = not (k1 >= lo and k1 <= hi)
+            weight[j] = 0.0 if hit[j] else 1.0
+    elif rule == 6:  # REJECT_K2: kept when clamp(log_ratio)^2 / 2 <= high
+        for j in range(length):
+            c = min(max(log_ratio[j], -20.0), 20.0)
+            hit[j] = not (0.5 * c * c <= high)
+            weight[j] = 0.0 if hit[j] else 1.0
+    else:            # REJECT_K3: kept when expm1(c) - c <= high, c = clamp(log_ratio)
+        for j in range(length):
+            c = min(max(log_ratio[j], -20.0), 20.0)
+            hit[j] = not (math.expm1(c) - c <= high)
+            weight[j] = 0.0 if hit[j] else 1.0
+    if scale != 1.0:
+        for j in range(length):
+            weight[j] *= scale
+
+
+@_jit(reassociate=True)
+def _weight_run_stats(logp_a, logp_b, starts, rules, lows, highs, run_keep, run_scale, inv_scales,
+                      out):  # pragma: no cover - compiled
+    n, num_runs, num_rules = len(logp_a), len(starts), len(rules)
+    longest = 0
+    for r in range(num_runs):
+        longest = max(longest, (starts[r + 1] if r + 1 < num_runs else n) - starts[r])
+    log_ratio, ratio, weight = np.empty(longest), np.empty(longest), np.empty(longest)
+    hit = np.empty(longest, dtype=np.bool_)
+    for r in range(num_runs):
+        start = starts[r]
+        length = (starts[r + 1] if r + 1 < num_runs else n) - start
+        for j in range(length):  # the run's ratios once, then every rule over them from cache
+            log_ratio[j] = logp_a[start + j] - logp_b[start + j]
+            ratio[j] = math.exp(log_ratio[j])
+        for k in range(num_rules):
+            _rule_weights(rules[k], ratio, log_ratio, length, lows[k], highs[k], run_keep[k, r],
+                          run_scale[k, r], weight, hit)
+            inv = inv_scales[k]
+            s_w = s_w2 = hits = infinite = 0.0
+            top = -math.inf
+            for j in range(length):
+                w = weight[j]
+                hits += hit[j]
+                infinite += math.isinf(w)
+                top = max(top, w)
+                s_w += w
+                s_w2 += (w * inv) ** 2
+            mean = s_w / length
+            m2 = 0.0
+            for j in range(length):  # M2 around the run's own mean
+                m2 += (weight[j] - mean) ** 2
+            row = out[k, r]
+            row[0], row[1], row[2], row[3], row[4], row[5] = s_w, s_w2, top, hits, infinite, m2
+
+
+def weight_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, starts: np.ndarray,
+                     rules: list[tuple[int, dict]]) -> list[dict[str, np.ndarray]]:
+    """Per run, for each token-level correction `(rule, options)` (options: low, high, run_keep,
+    run_scale, inv_scale) on ratio = exp(logp_a - logp_b): WEIGHT_STATS, with sum w^2 taken of
+    w * inv_scale and M2 around the run's own mean. All corrections in one sweep."""
+    num_runs, num_rules = len(starts), len(rules)
+    out = np.zeros((num_rules, num_runs, len(WEIGHT_STATS)))
+    if num_runs and num_rules:
+        run_keep = np.ones((num_rules, num_runs), dtype=np.bool_)
+        run_scale = np.ones((num_rules, num_runs))
+        for k, (_, options) in enumerate(rules):
+            if options.get("run_keep") is not None:
+                run_keep[k] = options["run_keep"]
+            if options.get("run_scale") is not None:
+                run_scale[k] = options["run_scale"]
+        _weight_run_stats(logp_a, logp_b, starts, np.array([rule for rule, _ in rules], dtype=np.int64),
+                          np.array([float(o.get("low", 0.0)) for _, o in rules]),
+                          np.array([float(o.get("high", 0.0)) for _, o in rules]), run_keep, run_scale,
+                          np.array([float(o.get("inv_scale", 1.0)) for _, o in rules]), out)
+    return [{name: out[k, :, i] for i, name in enumerate(WEIGHT_STATS)} for k in range(num_rules)]
+
+
+# Columns of `verl_run_stats`: per run, sums and maxima of verl's k1/k2/k3 on log_ratio clamped at +-20.
+VERL_STATS = ("k1", "k2", "k3", "k1_max", "k2_max", "k3_max")
 
 
 @_jit
-def _weight_run_stats(ratio, log_ratio, starts, rule, low, high, run_keep, run_scale, inv_scale, out):  # pragma: no cover
-    n, num_runs = len(ratio), len(starts)
+def _verl_run_stats(logp_a, logp_b, starts, out):  # pragma: no cover - compiled
+    n, num_runs = len(logp_a), len(starts)
     for r in range(num_runs):
         start = starts[r]
         end = starts[r + 1] if r + 1 < num_runs else n
-        keep_run, scale = run_keep[r], run_scale[r]
-        s_w = s_w2 = hits = infinite = 0.0
-        top = -math.inf
-        for i in range(start, end):
-            w, hit = _weight(rule, ratio[i], log_ratio[i], low, high, keep_run, scale)
-            if hit:
-                hits += 1.0
-            if math.isinf(w):
-                infinite += 1.0
-            top = max(top, w)
-            s_w += w
-            s_w2 += (w * inv_scale) ** 2
-        mean = s_w / (end - start)
-        m2 = 0.0
-        for i in range(start, end):  # second pass over a run already in cache
-            w, hit = _weight(rule, ratio[i], log_ratio[i], low, high, keep_run, scale)
-            m2 += (w - mean) ** 2
         row = out[r]
-        row[0], row[1], row[2], row[3], row[4], row[5] = s_w, s_w2, top, hits, infinite, m2
+        row[3] = row[4] = row[5] = -math.inf
+        for i in range(start, end):
+            c = min(max(logp_a[i] - logp_b[i], -20.0), 20.0)
+            k1, k2, k3 = -c, 0.5 * c * c, math.expm1(c) - c
+            row[0] += k1
+            row[1] += k2
+            row[2] += k3
+            row[3] = max(row[3], k1)
+            row[4] = max(row[4], k2)
+            row[5] = max(row[5], k3)
 
 
-def weight_run_stats(ratio: np.ndarray, log_ratio: np.ndarray, starts: np.ndarray, rule: int, *,
-                     low: float = 0.0, high: float = 0.0, run_keep: np.ndarray | None = None,
-                     run_scale: np.ndarray | None = None, inv_scale: float = 1.0) -> dict[str, np.ndarray]:
-    """Per run, for a token-level correction whose weight follows `rule` (times the run's scale):
-    WEIGHT_STATS, with sum w^2 taken of w * inv_scale and M2 around the run's own mean."""
-    num_runs = len(starts)
-    out = np.zeros((num_runs, len(WEIGHT_STATS)))
-    if num_runs:
-        _weight_run_stats(ratio, log_ratio, starts, rule, float(low), float(high),
-                          np.ones(num_runs, dtype=np.bool_) if run_keep is None else run_keep,
-                          np.ones(num_runs) if run_scale is None else run_scale, float(inv_scale), out)
-    return {name: out[:, i] for i, name in enumerate(WEIGHT_STATS)}
+def verl_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
+    """Per run: VERL_STATS of log_ratio = logp_a - logp_b."""
+    out = np.zeros((len(starts), len(VERL_STATS)))
+    if len(starts):
+        _verl_run_stats(logp_a, logp_b, starts, out)
+    return {name: out[:, i] for i, name in enumerate(VERL_STATS)}
 
 
 @_jit
@@ -191,9 +260,9 @@ BUCKET_STATS = ("n_tokens", "log_ratio", "abs_log_ratio", "log_ratio_abs_max", "
 
 
 @_jit
-def _bucket_stats(logp_a, logp_b, log_ratio, ratio, starts, run_turn, run_rollout, log_edges,
+def _bucket_stats(logp_a, logp_b, starts, run_turn, run_rollout, log_edges,
                   stats, turn_bucket, seen):  # pragma: no cover - compiled
-    n, num_runs, num_edges = len(log_ratio), len(starts), len(log_edges)
+    n, num_runs, num_edges = len(logp_a), len(starts), len(log_edges)
     for r in range(num_runs):
         start = starts[r]
         end = starts[r + 1] if r + 1 < num_runs else n
@@ -203,14 +272,15 @@ def _bucket_stats(logp_a, logp_b, log_ratio, ratio, starts, run_turn, run_rollou
             for e in range(num_edges):  # as searchsorted(log_edges, logp_b, side="right")
                 if logp_b[i] >= log_edges[e]:
                     b += 1
-            x = log_ratio[i]
+            x = logp_a[i] - logp_b[i]
+            ratio = math.exp(x)
             row = stats[b]
             row[0] += 1.0
             row[1] += x
             row[2] += abs(x)
             row[3] = max(row[3], abs(x))
             row[4] += math.expm1(x) - x
-            if ratio[i] > 2.0 or ratio[i] < 0.5:
+            if ratio > 2.0 or ratio < 0.5:
                 row[5] += 1.0
             if logp_a[i] == logp_b[i]:
                 row[6] += 1.0
@@ -218,8 +288,7 @@ def _bucket_stats(logp_a, logp_b, log_ratio, ratio, starts, run_turn, run_rollou
             seen[b, rollout] = True
 
 
-def bucket_stats(logp_a: np.ndarray, logp_b: np.ndarray, log_ratio: np.ndarray, ratio: np.ndarray,
-                 starts: np.ndarray, run_turn: np.ndarray, num_turns: int, run_rollout: np.ndarray,
+def bucket_stats(logp_a: np.ndarray, logp_b: np.ndarray, starts: np.ndarray, run_turn: np.ndarray, num_turns: int, run_rollout: np.ndarray,
                  num_rollouts: int, log_edges: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """Per probability bucket of logp_b: BUCKET_STATS; tokens per (turn, bucket); rollouts per bucket."""
     num_buckets = len(log_edges) + 1
@@ -228,23 +297,23 @@ def bucket_stats(logp_a: np.ndarray, logp_b: np.ndarray, log_ratio: np.ndarray, 
     turn_bucket = np.zeros((num_turns, num_buckets), dtype=np.int64)
     seen = np.zeros((num_buckets, max(num_rollouts, 1)), dtype=np.bool_)
     if len(starts):
-        _bucket_stats(logp_a, logp_b, log_ratio, ratio, starts, run_turn, run_rollout,
+        _bucket_stats(logp_a, logp_b, starts, run_turn, run_rollout,
                       np.ascontiguousarray(log_edges, dtype=np.float64), stats, turn_bucket, seen)
     return ({name: stats[:, i] for i, name in enumerate(BUCKET_STATS)}, turn_bucket,
             seen.sum(axis=1).astype(np.int64))
 
 
 @_jit
-def _slope_fit(pos, log_ratio, unit, starts, run_seq, scores):  # pragma: no cover - compiled
+def _slope_fit(pos, logp_a, logp_b, unit, starts, run_seq, scores):  # pragma: no cover - compiled
     n, num_runs = len(pos), len(starts)
     sum_x = sum_y = 0.0
     for i in range(n):
         sum_x += pos[i] / unit
-        sum_y += abs(log_ratio[i])
+        sum_y += abs(logp_a[i] - logp_b[i])
     x_mean, y_mean = sum_x / n, sum_y / n
     sxx = sxy = 0.0
     for i in range(n):
-        dx, dy = pos[i] / unit - x_mean, abs(log_ratio[i]) - y_mean
+        dx, dy = pos[i] / unit - x_mean, abs(logp_a[i] - logp_b[i]) - y_mean
         sxx += dx * dx
         sxy += dx * dy
     slope = sxy / sxx if sxx > 0.0 else 0.0
@@ -256,17 +325,17 @@ def _slope_fit(pos, log_ratio, unit, starts, run_seq, scores):  # pragma: no cov
         score = 0.0
         for i in range(start, end):
             x = pos[i] / unit
-            resid = abs(log_ratio[i]) - intercept - slope * x
+            resid = abs(logp_a[i] - logp_b[i]) - intercept - slope * x
             sse += resid * resid
             score += (x - x_mean) * resid
         scores[run_seq[r]] += score
     return x_mean, y_mean, sxx, sxy, sse
 
 
-def slope_fit(pos: np.ndarray, log_ratio: np.ndarray, unit: float, starts: np.ndarray, run_seq: np.ndarray,
-              num_seqs: int) -> tuple[float, float, float, float, float, np.ndarray]:
-    """OLS of |log_ratio| on pos / unit: x mean, y mean, Sxx, Sxy, residual sum of squares, and the
+def slope_fit(pos: np.ndarray, logp_a: np.ndarray, logp_b: np.ndarray, unit: float, starts: np.ndarray,
+              run_seq: np.ndarray, num_seqs: int) -> tuple[float, float, float, float, float, np.ndarray]:
+    """OLS of |logp_a - logp_b| on pos / unit: x mean, y mean, Sxx, Sxy, residual sum of squares, and the
     per-sequence scores sum (x - x mean) * residual (for a cluster-robust error). Needs n >= 1."""
     scores = np.zeros(num_seqs)
-    x_mean, y_mean, sxx, sxy, sse = _slope_fit(pos, log_ratio, float(unit), starts, run_seq, scores)
+    x_mean, y_mean, sxx, sxy, sse = _slope_fit(pos, logp_a, logp_b, float(unit), starts, run_seq, scores)
     return x_mean, y_mean, sxx, sxy, sse, scores

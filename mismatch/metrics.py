@@ -109,6 +109,11 @@ def _token_terms(pair: PairTokens, scratch: np.ndarray) -> Iterator[tuple[str, n
     yield "prob_abs_diff_max", prob_abs_diff
 
 
+def run_sums(pair: PairTokens, runs: Runs) -> dict[str, np.ndarray]:
+    """Per run of the pair's view: the sums and extremes behind every metric (kept on the view)."""
+    return pair.view.memo(("run_sums", id(pair), id(runs)), lambda: _run_sums(pair, runs))
+
+
 def _run_sums(pair: PairTokens, runs: Runs) -> dict[str, np.ndarray]:
     """Per run of the pair's view: every sum, extreme and spread the metrics are made of."""
     from mismatch import fused
@@ -135,7 +140,7 @@ def _group_metrics(pair: PairTokens, runs: Runs, grouping: Grouping, *, with_qua
     can never drift apart. Empty groups keep a row: zero counts, NaN metrics.
     """
     view = pair.view
-    sums = view.memo(("run_sums", id(pair), id(runs)), lambda: _run_sums(pair, runs))
+    sums = run_sums(pair, runs)
     total = grouping.sum
     n = grouping.count(runs)
     out: dict[str, np.ndarray] = {"n_tokens": n,

@@ -123,8 +123,8 @@ def _tokens_position_slope(pair: PairTokens) -> dict[str, Any]:
     pos = tokens.column("pos")
     if fused.available():
         x_mean, y_mean, sxx, sxy, sse, scores = fused.slope_fit(
-            np.ascontiguousarray(pos), pair.log_ratio, POSITION_UNIT, tokens.runs.starts, tokens.run_seq,
-            tokens.num_seqs)
+            np.ascontiguousarray(pos), pair.logp_a, pair.logp_b, POSITION_UNIT, tokens.runs.starts,
+            tokens.run_seq, tokens.num_seqs)
         return _slope_from_moments(tokens.num_tokens, x_mean, y_mean, sxx, sxy, sse, scores)
     runs = tokens.runs  # runs never cross sequences: per-sequence sums through them
     return _position_slope(pos.astype(np.float64) / POSITION_UNIT, np.abs(pair.log_ratio),
@@ -144,7 +144,7 @@ def _buckets(pair: PairTokens) -> tuple[pd.DataFrame, np.ndarray]:
     run_rollout = tokens.run_rollout[np.searchsorted(tokens.runs.starts, runs.starts, side="right") - 1]
     if fused.available():
         sums, turn_bucket, n_rollouts = fused.bucket_stats(
-            pair.logp_a, pair.logp_b, pair.log_ratio, pair.ratio, runs.starts, turn_of_run, num_turns,
+            pair.logp_a, pair.logp_b, runs.starts, turn_of_run, num_turns,
             run_rollout, tokens.num_rollouts, np.log(PROB_EDGES))
         n = sums["n_tokens"]
         with np.errstate(invalid="ignore", divide="ignore"):
