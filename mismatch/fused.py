@@ -2,11 +2,15 @@
 
 Under metrics, corrections and localize. Each loop does in one sweep over a run of tokens what
 the numpy code beside its caller does in a dozen passes over ~40 MB arrays, which on 2 cores is
-the difference between ~3M and >10M analysed tokens per second (benchmarks/analysis.py). The
+the difference between ~3M and ~10M analysed tokens per second (benchmarks/analysis.py). The
 numpy code stays as the reference and the fallback: `available()` is False without numba or with
 MISMATCH_NO_JIT=1, and tests hold both paths equal. Callers import this module inside the
 functions that use it, so importing mismatch does not import numba; compiled loops are cached
 on disk (`cache=True`).
+
+Every loop walks runs given as (`rows`, `lengths`): the table row of each run's first token and
+its token count (groups.Runs), so it reads the table's own columns, with no copy of the rows a
+view selects.
 """
 
 from __future__ import annotations
@@ -49,11 +53,9 @@ def _jit(fn=None, *, reassociate: bool = False):
 
 
 @_jit
-def _pair_run_stats(logp_a, logp_b, starts, out):  # pragma: no cover - compiled
-    n, num_runs = len(logp_a), len(starts)
-    for r in range(num_runs):
-        start = starts[r]
-        end = starts[r + 1] if r + 1 < num_runs else n
+def _pair_run_stats(logp_a, logp_b, rows, lengths, out):  # pragma: no cover - compiled
+    for r in range(len(rows)):
+        start, end = rows[r], rows[r] + lengths[r]
         s_lr = s_abs = s_ratio = s_lr2 = s_k3 = s_r2 = s_pd = 0.0
         max_abs = max_pd = max_lr = -math.inf
         min_lr = math.inf
@@ -89,12 +91,13 @@ def _pair_run_stats(logp_a, logp_b, starts, out):  # pragma: no cover - compiled
         row[10], row[11], row[12], row[13] = max_pd, outside, equal, m2
 
 
-def pair_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
+def pair_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray,
+                   lengths: np.ndarray) -> dict[str, np.ndarray]:
     """Per run: the PAIR_STATS sums and extremes of log_ratio = logp_a - logp_b and ratio =
     exp(log_ratio), and the ratio's M2 around the run's own mean (for Chan's merge)."""
-    out = np.empty((len(starts), len(PAIR_STATS)))
-    if len(starts):
-        _pair_run_stats(logp_a, logp_b, starts, out)
+    out = np.empty((len(rows), len(PAIR_STATS)))
+    if len(rows):
+        _pair_run_stats(logp_a, logp_b, rows, lengths, out)
     return {name: out[:, i] for i, name in enumerate(PAIR_STATS)}
 
 
@@ -144,17 +147,16 @@ def _rule_weights(rule, ratio, log_ratio, length, low, high, keep_run, scale, we
 
 
 @_jit(reassociate=True)
-def _weight_run_stats(logp_a, logp_b, starts, rules, lows, highs, run_keep, run_scale, inv_scales,
+def _weight_run_stats(logp_a, logp_b, rows, lengths, rules, lows, highs, run_keep, run_scale, inv_scales,
                       out):  # pragma: no cover - compiled
-    n, num_runs, num_rules = len(logp_a), len(starts), len(rules)
+    num_runs, num_rules = len(rows), len(rules)
     longest = 0
     for r in range(num_runs):
-        longest = max(longest, (starts[r + 1] if r + 1 < num_runs else n) - starts[r])
+        longest = max(longest, lengths[r])
     log_ratio, ratio, weight = np.empty(longest), np.empty(longest), np.empty(longest)
     hit = np.empty(longest, dtype=np.bool_)
     for r in range(num_runs):
-        start = starts[r]
-        length = (starts[r + 1] if r + 1 < num_runs else n) - start
+        start, length = rows[r], lengths[r]
         for j in range(length):  # the run's ratios once, then every rule over them from cache
             log_ratio[j] = logp_a[start + j] - logp_b[start + j]
             ratio[j] = math.exp(log_ratio[j])
@@ -179,12 +181,12 @@ def _weight_run_stats(logp_a, logp_b, starts, rules, lows, highs, run_keep, run_
             row[0], row[1], row[2], row[3], row[4], row[5] = s_w, s_w2, top, hits, infinite, m2
 
 
-def weight_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, starts: np.ndarray,
+def weight_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
                      rules: list[tuple[int, dict]]) -> list[dict[str, np.ndarray]]:
     """Per run, for each token-level correction `(rule, options)` (options: low, high, run_keep,
     run_scale, inv_scale) on ratio = exp(logp_a - logp_b): WEIGHT_STATS, with sum w^2 taken of
     w * inv_scale and M2 around the run's own mean. All corrections in one sweep."""
-    num_runs, num_rules = len(starts), len(rules)
+    num_runs, num_rules = len(rows), len(rules)
     out = np.zeros((num_rules, num_runs, len(WEIGHT_STATS)))
     if num_runs and num_rules:
         run_keep = np.ones((num_rules, num_runs), dtype=np.bool_)
@@ -194,9 +196,9 @@ def weight_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, starts: np.ndarray,
                 run_keep[k] = options["run_keep"]
             if options.get("run_scale") is not None:
                 run_scale[k] = options["run_scale"]
-        _weight_run_stats(logp_a, logp_b, starts, np.array([rule for rule, _ in rules], dtype=np.int64),
-                          np.array([float(o.get("low", 0.0)) for _, o in rules]),
-                          np.array([float(o.get("high", 0.0)) for _, o in rules]), run_keep, run_scale,
+        _weight_run_stats(logp_a, logp_b, rows, lengths, np.array([rule for rule, _ in rules], dtype=np.int64),
+                          np.array([float(o.get("low", 1.0)) for _, o in rules]),
+                          np.array([float(o.get("high", 1.0)) for _, o in rules]), run_keep, run_scale,
                           np.array([float(o.get("inv_scale", 1.0)) for _, o in rules]), out)
     return [{name: out[k, :, i] for i, name in enumerate(WEIGHT_STATS)} for k in range(num_rules)]
 
@@ -206,14 +208,11 @@ VERL_STATS = ("k1", "k2", "k3", "k1_max", "k2_max", "k3_max")
 
 
 @_jit
-def _verl_run_stats(logp_a, logp_b, starts, out):  # pragma: no cover - compiled
-    n, num_runs = len(logp_a), len(starts)
-    for r in range(num_runs):
-        start = starts[r]
-        end = starts[r + 1] if r + 1 < num_runs else n
+def _verl_run_stats(logp_a, logp_b, rows, lengths, out):  # pragma: no cover - compiled
+    for r in range(len(rows)):
         row = out[r]
         row[3] = row[4] = row[5] = -math.inf
-        for i in range(start, end):
+        for i in range(rows[r], rows[r] + lengths[r]):
             c = min(max(logp_a[i] - logp_b[i], -20.0), 20.0)
             k1, k2, k3 = -c, 0.5 * c * c, math.expm1(c) - c
             row[0] += k1
@@ -224,34 +223,33 @@ def _verl_run_stats(logp_a, logp_b, starts, out):  # pragma: no cover - compiled
             row[5] = max(row[5], k3)
 
 
-def verl_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
+def verl_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray,
+                   lengths: np.ndarray) -> dict[str, np.ndarray]:
     """Per run: VERL_STATS of log_ratio = logp_a - logp_b."""
-    out = np.zeros((len(starts), len(VERL_STATS)))
-    if len(starts):
-        _verl_run_stats(logp_a, logp_b, starts, out)
+    out = np.zeros((len(rows), len(VERL_STATS)))
+    if len(rows):
+        _verl_run_stats(logp_a, logp_b, rows, lengths, out)
     return {name: out[:, i] for i, name in enumerate(VERL_STATS)}
 
 
 @_jit
-def _group_values(values, starts, run_group, bounds, out):  # pragma: no cover - compiled
-    n, num_runs = len(values), len(starts)
+def _group_ratios(logp_a, logp_b, rows, lengths, run_group, bounds, out):  # pragma: no cover - compiled
     fill = bounds[:-1].copy()
-    for r in range(num_runs):
-        start = starts[r]
-        end = starts[r + 1] if r + 1 < num_runs else n
+    for r in range(len(rows)):
         g = run_group[r]
-        out[fill[g]:fill[g] + end - start] = values[start:end]
-        fill[g] += end - start
+        for i in range(rows[r], rows[r] + lengths[r]):
+            out[fill[g]] = math.exp(logp_a[i] - logp_b[i])
+            fill[g] += 1
 
 
-def group_values(values: np.ndarray, starts: np.ndarray, run_group: np.ndarray, counts: np.ndarray,
-                 out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The values of each group side by side (run by run, a stable counting sort) and the bounds;
-    written into `out` (float64, at least len(values)) when given."""
+def group_ratios(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
+                 run_group: np.ndarray, counts: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ratios exp(logp_a - logp_b) of each group side by side (run by run: a stable counting
+    sort by group), written into `out` (float64, at least as long as the tokens), and the bounds."""
     bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    out = np.empty(len(values)) if out is None else out[:len(values)]
-    if len(starts):
-        _group_values(values, starts, run_group, bounds, out)
+    out = out[:bounds[-1]]
+    if len(rows):
+        _group_ratios(logp_a, logp_b, rows, lengths, run_group, bounds, out)
     return out, bounds
 
 
@@ -260,14 +258,12 @@ BUCKET_STATS = ("n_tokens", "log_ratio", "abs_log_ratio", "log_ratio_abs_max", "
 
 
 @_jit
-def _bucket_stats(logp_a, logp_b, starts, run_turn, run_rollout, log_edges,
+def _bucket_stats(logp_a, logp_b, rows, lengths, run_turn, run_rollout, log_edges,
                   stats, turn_bucket, seen):  # pragma: no cover - compiled
-    n, num_runs, num_edges = len(logp_a), len(starts), len(log_edges)
-    for r in range(num_runs):
-        start = starts[r]
-        end = starts[r + 1] if r + 1 < num_runs else n
+    num_edges = len(log_edges)
+    for r in range(len(rows)):
         turn, rollout = run_turn[r], run_rollout[r]
-        for i in range(start, end):
+        for i in range(rows[r], rows[r] + lengths[r]):
             b = 0
             for e in range(num_edges):  # as searchsorted(log_edges, logp_b, side="right")
                 if logp_b[i] >= log_edges[e]:
@@ -288,42 +284,45 @@ def _bucket_stats(logp_a, logp_b, starts, run_turn, run_rollout, log_edges,
             seen[b, rollout] = True
 
 
-def bucket_stats(logp_a: np.ndarray, logp_b: np.ndarray, starts: np.ndarray, run_turn: np.ndarray, num_turns: int, run_rollout: np.ndarray,
-                 num_rollouts: int, log_edges: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+def bucket_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
+                 run_turn: np.ndarray, num_turns: int, run_rollout: np.ndarray, num_rollouts: int,
+                 log_edges: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """Per probability bucket of logp_b: BUCKET_STATS; tokens per (turn, bucket); rollouts per bucket."""
     num_buckets = len(log_edges) + 1
     stats = np.zeros((num_buckets, len(BUCKET_STATS)))
     stats[:, 3] = -np.inf
     turn_bucket = np.zeros((num_turns, num_buckets), dtype=np.int64)
     seen = np.zeros((num_buckets, max(num_rollouts, 1)), dtype=np.bool_)
-    if len(starts):
-        _bucket_stats(logp_a, logp_b, starts, run_turn, run_rollout,
+    if len(rows):
+        _bucket_stats(logp_a, logp_b, rows, lengths, run_turn, run_rollout,
                       np.ascontiguousarray(log_edges, dtype=np.float64), stats, turn_bucket, seen)
     return ({name: stats[:, i] for i, name in enumerate(BUCKET_STATS)}, turn_bucket,
             seen.sum(axis=1).astype(np.int64))
 
 
 @_jit
-def _slope_fit(pos, logp_a, logp_b, unit, starts, run_seq, scores):  # pragma: no cover - compiled
-    n, num_runs = len(pos), len(starts)
+def _slope_fit(pos, logp_a, logp_b, unit, rows, lengths, run_seq, scores):  # pragma: no cover - compiled
+    num_runs = len(rows)
+    n = 0
     sum_x = sum_y = 0.0
-    for i in range(n):
-        sum_x += pos[i] / unit
-        sum_y += abs(logp_a[i] - logp_b[i])
+    for r in range(num_runs):
+        for i in range(rows[r], rows[r] + lengths[r]):
+            sum_x += pos[i] / unit
+            sum_y += abs(logp_a[i] - logp_b[i])
+            n += 1
     x_mean, y_mean = sum_x / n, sum_y / n
     sxx = sxy = 0.0
-    for i in range(n):
-        dx, dy = pos[i] / unit - x_mean, abs(logp_a[i] - logp_b[i]) - y_mean
-        sxx += dx * dx
-        sxy += dx * dy
+    for r in range(num_runs):
+        for i in range(rows[r], rows[r] + lengths[r]):
+            dx, dy = pos[i] / unit - x_mean, abs(logp_a[i] - logp_b[i]) - y_mean
+            sxx += dx * dx
+            sxy += dx * dy
     slope = sxy / sxx if sxx > 0.0 else 0.0
     intercept = y_mean - slope * x_mean
     sse = 0.0
     for r in range(num_runs):
-        start = starts[r]
-        end = starts[r + 1] if r + 1 < num_runs else n
         score = 0.0
-        for i in range(start, end):
+        for i in range(rows[r], rows[r] + lengths[r]):
             x = pos[i] / unit
             resid = abs(logp_a[i] - logp_b[i]) - intercept - slope * x
             sse += resid * resid
@@ -332,10 +331,11 @@ def _slope_fit(pos, logp_a, logp_b, unit, starts, run_seq, scores):  # pragma: n
     return x_mean, y_mean, sxx, sxy, sse
 
 
-def slope_fit(pos: np.ndarray, logp_a: np.ndarray, logp_b: np.ndarray, unit: float, starts: np.ndarray,
-              run_seq: np.ndarray, num_seqs: int) -> tuple[float, float, float, float, float, np.ndarray]:
-    """OLS of |logp_a - logp_b| on pos / unit: x mean, y mean, Sxx, Sxy, residual sum of squares, and the
-    per-sequence scores sum (x - x mean) * residual (for a cluster-robust error). Needs n >= 1."""
+def slope_fit(pos: np.ndarray, logp_a: np.ndarray, logp_b: np.ndarray, unit: float, rows: np.ndarray,
+              lengths: np.ndarray, run_seq: np.ndarray, num_seqs: int) -> tuple[float, float, float, float, float,
+                                                                              np.ndarray]:
+    """OLS of |logp_a - logp_b| on pos / unit: x mean, y mean, Sxx, Sxy, residual sum of squares, and
+    the per-sequence sums of (x - x mean) * residual (for a cluster-robust error). Needs a token."""
     scores = np.zeros(num_seqs)
-    x_mean, y_mean, sxx, sxy, sse = _slope_fit(pos, logp_a, logp_b, float(unit), starts, run_seq, scores)
+    x_mean, y_mean, sxx, sxy, sse = _slope_fit(pos, logp_a, logp_b, float(unit), rows, lengths, run_seq, scores)
     return x_mean, y_mean, sxx, sxy, sse, scores

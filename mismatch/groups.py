@@ -19,11 +19,17 @@ import pandas as pd
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Runs:
-    """Maximal stretches of consecutive tokens whose keys are all equal."""
+    """Maximal stretches of consecutive tokens whose keys are all equal.
+
+    `starts` index the tokens (the view's positions); `rows` index the same first tokens in the
+    table the tokens were taken from. A run is contiguous in both, so a fused loop can sweep the
+    table's own columns, run by run, without a copy of the selected rows.
+    """
 
     starts: np.ndarray   # int64, first token of each run
     lengths: np.ndarray  # int64
     num_tokens: int
+    rows: np.ndarray     # int64, the table row of each run's first token
 
     @property
     def num_runs(self) -> int:
@@ -65,16 +71,25 @@ def key_codes(column: pd.Series) -> np.ndarray:
     return codes
 
 
-def find_runs(keys: Sequence[np.ndarray], num_tokens: int) -> Runs:
-    """Cut tokens 0..num_tokens-1 wherever any of the aligned key arrays changes value."""
-    change = np.zeros(num_tokens, dtype=bool)
-    if num_tokens:
+def find_runs(keys: Sequence[np.ndarray], num_rows: int, mask: np.ndarray | None = None) -> Runs:
+    """Runs of the rows where `mask` (default: all rows), cut wherever any of the aligned key
+    arrays changes value or a masked-out row comes between two tokens."""
+    change = np.zeros(num_rows, dtype=bool)
+    if num_rows:
         change[0] = True
     for key in keys:
         change[1:] |= key[1:] != key[:-1]
-    starts = np.flatnonzero(change)
-    lengths = np.diff(np.append(starts, num_tokens))
-    return Runs(starts=starts, lengths=lengths, num_tokens=num_tokens)
+    if mask is None:
+        rows = np.flatnonzero(change)
+        lengths = np.diff(np.append(rows, num_rows))
+        return Runs(starts=rows, lengths=lengths, num_tokens=num_rows, rows=rows)
+    # A kept row starts a run after a change or after a dropped row; count each run's kept rows.
+    change[1:] |= ~mask[:-1]
+    rows = np.flatnonzero(change & mask)
+    ends = np.flatnonzero(mask & np.append(change[1:] | ~mask[1:], True))
+    lengths = ends - rows + 1
+    starts = np.cumsum(lengths) - lengths
+    return Runs(starts=starts, lengths=lengths, num_tokens=int(lengths.sum()), rows=rows)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -148,29 +163,24 @@ def quantiles(values: np.ndarray, runs: Runs, grouping: Grouping, qs: Sequence[f
     default (linear) method. An empty group gives NaN.
 
     Each group's values are gathered side by side (into `scratch`, a float64 buffer of at least
-    len(values) that the caller may reuse across calls) and partitioned at the order statistics
-    the quantiles need, never fully sorted.
+    len(values) that the caller may reuse across calls) by a stable counting sort on the group
+    codes, and partitioned at the order statistics the quantiles need, never fully sorted.
     """
-    from mismatch import fused
-
-    num_groups = grouping.num_groups
-    out = np.full((num_groups, len(qs)), np.nan)
-    if len(values) == 0:
-        return out
     counts = grouping.count(runs)
-    if num_groups == 1:
+    if grouping.num_groups <= 1:
         by_group = values.copy() if scratch is None else scratch[:len(values)]
         by_group[:] = values
-        bounds = np.array([0, len(values)])
-    elif fused.available():  # one sweep, run by run (a stable counting sort by group)
-        by_group, bounds = fused.group_values(values, runs.starts, grouping.run_group, counts, scratch)
     else:
         token_group = runs.spread(grouping.run_group)
-        # A stable counting sort on small codes groups the values without comparing them.
-        order = np.argsort(token_group.astype(np.int16 if num_groups < 2**15 else np.int64), kind="stable")
+        order = np.argsort(token_group.astype(np.int16 if grouping.num_groups < 2**15 else np.int64), kind="stable")
         by_group = values[order]
-        bounds = np.concatenate([[0], np.cumsum(counts)])
-    for group in range(num_groups):
+    return segment_quantiles(by_group, np.concatenate([[0], np.cumsum(counts)]), qs)
+
+
+def segment_quantiles(by_group: np.ndarray, bounds: np.ndarray, qs: Sequence[float]) -> np.ndarray:
+    """Quantiles of each segment by_group[bounds[g]:bounds[g + 1]] (partitioned in place)."""
+    out = np.full((len(bounds) - 1, len(qs)), np.nan)
+    for group in range(len(bounds) - 1):
         lo, hi = bounds[group], bounds[group + 1]
         if hi > lo:
             out[group] = _quantiles_of(by_group[lo:hi], qs)

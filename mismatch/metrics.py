@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.errors import MismatchError
-from mismatch.groups import Grouping, Runs, quantiles, single_group
+from mismatch.groups import Grouping, Runs, quantiles, segment_quantiles, single_group
 from mismatch.tokenview import DEFAULT_SEQ, TokenView
 
 # Contract names and order of `summary.json["pairs"]["A/B"]` (ARCHITECTURE.md, "Results directory").
@@ -32,18 +32,26 @@ _ESS_DIRECT_LIMIT = 300.0
 class PairTokens:
     """The tokens of a view where both log-probs are defined; their log-ratio and ratio on demand.
 
-    log_ratio and ratio are materialized only when something needs them per token (corrections,
-    the numpy paths); the fused sums and the quantiles compute them on the fly, which spares two
-    ~40 MB arrays per pair.
+    The fused loops read the two columns over the whole table (`table_a`, `table_b`) through the
+    runs' table rows; the per-token arrays (the selected log-probs, log_ratio, ratio) are made
+    only when a numpy path asks for them, which spares several ~40 MB arrays per pair.
     """
 
     def __init__(self, view: TokenView, columns: tuple[str, str], keep: np.ndarray | None,
-                 logp_a: np.ndarray, logp_b: np.ndarray) -> None:
+                 table_a: np.ndarray, table_b: np.ndarray) -> None:
         self.view = view          # exactly those tokens
         self.columns = columns    # the two log-prob columns, A then B
         self.keep = keep          # which of the parent view's tokens they are (None: all of them)
-        self.logp_a = logp_a      # float64 (float32 inputs are upcast before any arithmetic)
-        self.logp_b = logp_b
+        self.table_a = table_a    # float64 over every table row (float32 is upcast first)
+        self.table_b = table_b
+
+    @cached_property
+    def logp_a(self) -> np.ndarray:
+        return self.table_a if self.view.mask is None else self.table_a[self.view.mask]
+
+    @cached_property
+    def logp_b(self) -> np.ndarray:
+        return self.table_b if self.view.mask is None else self.table_b[self.view.mask]
 
     @cached_property
     def log_ratio(self) -> np.ndarray:
@@ -59,7 +67,7 @@ class PairTokens:
         """`ratio`, the kept array if there is one, else computed into `buffer` (same bits)."""
         if "ratio" in self.__dict__:
             return self.ratio
-        out = buffer[:len(self.logp_a)]
+        out = buffer[:self.view.num_tokens]
         np.subtract(self.logp_a, self.logp_b, out=out)
         with np.errstate(over="ignore"):
             return np.exp(out, out=out)
@@ -71,14 +79,16 @@ def pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
 
 
 def _pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
-    logp_a = view.column(a).astype(np.float64, copy=False)
-    logp_b = view.column(b).astype(np.float64, copy=False)
-    valid = ~(np.isnan(logp_a) | np.isnan(logp_b))
-    keep, tokens = None, view
-    if not valid.all():  # dropped before anything else; the common case copies nothing
-        keep, tokens = valid, view.subset(valid)
-        logp_a, logp_b = logp_a[valid], logp_b[valid]
-    return PairTokens(tokens, (a, b), keep, logp_a, logp_b)
+    table_a = view.table_column(a).astype(np.float64, copy=False)
+    table_b = view.table_column(b).astype(np.float64, copy=False)
+    undefined = np.isnan(table_a) | np.isnan(table_b)
+    if view.mask is not None:
+        undefined &= view.mask
+    if not undefined.any():  # the common case: no copy, no new view
+        return PairTokens(view, (a, b), None, table_a, table_b)
+    # Tokens without both log-probs are dropped before anything else.
+    keep = ~(undefined if view.mask is None else undefined[view.mask])
+    return PairTokens(view.subset(keep), (a, b), keep, table_a, table_b)
 
 
 def _token_terms(pair: PairTokens, scratch: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
@@ -119,7 +129,7 @@ def _run_sums(pair: PairTokens, runs: Runs) -> dict[str, np.ndarray]:
     from mismatch import fused
 
     if fused.available():  # the same sums in one fused sweep (tests hold the two paths equal)
-        return fused.pair_run_stats(pair.logp_a, pair.logp_b, runs.starts)
+        return fused.pair_run_stats(pair.table_a, pair.table_b, runs.rows, runs.lengths)
     scratch = np.empty(len(pair.log_ratio))
     sums = {name: (runs.max(values) if name.endswith("_max") else
                    runs.sum(values, dtype=np.int64 if values.dtype == bool else None))
@@ -176,14 +186,25 @@ def _group_metrics(pair: PairTokens, runs: Runs, grouping: Grouping, *, with_qua
         })
         out.update(_sequence_metrics(view, runs, grouping, sums))
         if with_quantiles:
-            ratio = pair.ratio_into(view.scratch(1))
-            table = quantiles(ratio, runs, grouping, list(_QUANTILES.values()), scratch=view.scratch(0))
+            table = _ratio_quantiles(pair, runs, grouping)
             out.update({name: table[:, i] for i, name in enumerate(_QUANTILES)})
     frame = pd.DataFrame(out)
     empty = n == 0
     floats = [name for name in frame.columns if name not in _COUNTS]
     frame.loc[empty, floats] = np.nan
     return frame[[name for name in PAIR_METRICS if name in frame.columns]]
+
+
+def _ratio_quantiles(pair: PairTokens, runs: Runs, grouping: Grouping) -> np.ndarray:
+    """[num_groups, 3] ratio quantiles (_QUANTILES) per group."""
+    from mismatch import fused
+
+    qs, view = list(_QUANTILES.values()), pair.view
+    if fused.available():  # the ratios of each group side by side, straight from the table columns
+        by_group, bounds = fused.group_ratios(pair.table_a, pair.table_b, runs.rows, runs.lengths,
+                                              grouping.run_group, grouping.count(runs), view.scratch(0))
+        return segment_quantiles(by_group, bounds, qs)
+    return quantiles(pair.ratio_into(view.scratch(1)), runs, grouping, qs, scratch=view.scratch(0))
 
 
 def _run_of(view: TokenView, runs: Runs) -> np.ndarray:

@@ -28,31 +28,32 @@ class TokenView:
     """Rows of a token table (the trainable ones by default) with their runs, sequences and rollouts.
 
     A sequence is a distinct `seq` tuple (one branch of one rollout); runs never cross a change
-    of sequence, rollout or any RUN_KEYS column the table has. Column values are read lazily
-    and kept, as are whatever the analyses `memo`ize on the view (per-pair terms, per-run sums).
+    of sequence, rollout or any RUN_KEYS column the table has, nor a row the view leaves out, so
+    every run is contiguous in the table too (`Runs.rows`). Selected column values are read
+    lazily and kept, as is whatever the analyses `memo`ize on the view (per-pair sums, groupings).
     """
 
     def __init__(self, table: pd.DataFrame, *, trainable_only: bool = True,
                  seq: Sequence[str] = DEFAULT_SEQ, rollout: str = "rollout",
-                 rows: np.ndarray | None = None) -> None:
-        needed = [*seq, rollout, *(["trainable"] if trainable_only and rows is None else [])]
+                 mask: np.ndarray | None = None) -> None:
+        needed = [*seq, rollout, *(["trainable"] if trainable_only and mask is None else [])]
         missing = [name for name in needed if name not in table.columns]
         if missing:
             raise MismatchError(f"token table has no column {missing[0]!r} "
                                 f"(columns: {', '.join(map(str, table.columns))})")
-        if rows is None and trainable_only:
+        if mask is None and trainable_only:
             # Only trainable tokens enter the PPO loss, so only their ratio matters (contract).
-            rows = np.flatnonzero(table["trainable"].to_numpy(dtype=bool))
+            mask = table["trainable"].to_numpy(dtype=bool)
         self.table = table
         self.trainable_only = trainable_only
         self.seq_columns = tuple(seq)
         self.rollout_column = rollout
-        self.rows = rows  # positions in `table`, or None for every row
-        self.num_tokens = len(table) if rows is None else len(rows)
+        self.mask = mask  # which rows of `table` the view holds, or None for every row
         self._columns: dict[str, np.ndarray] = {}
         self._memo: dict[Any, Any] = {}
         self.base_keys = tuple(dict.fromkeys([*seq, rollout, *(c for c in RUN_KEYS if c in table.columns)]))
         self.runs = self.runs_for(())
+        self.num_tokens = self.runs.num_tokens
         self.run_seq, self.num_seqs = self._run_codes(self.seq_columns, self.runs)
         self.run_rollout, self.num_rollouts = self._run_codes((rollout,), self.runs)
 
@@ -73,20 +74,32 @@ class TokenView:
     def has(self, name: str) -> bool:
         return name in self.table.columns
 
+    def table_column(self, name: str) -> np.ndarray:
+        """The column's values on every row of the table (no copy where pandas can avoid one);
+        with `Runs.rows` this is what the fused loops read."""
+        if name not in self.table.columns:
+            raise MismatchError(f"token table has no column {name!r} "
+                                f"(columns: {', '.join(map(str, self.table.columns))})")
+        return self.memo(("table_column", name), lambda: self.table[name].to_numpy())
+
     def column(self, name: str) -> np.ndarray:
-        """The column's values on the view's rows (read once)."""
+        """The column's values on the view's rows (selected once)."""
         if name not in self._columns:
-            if name not in self.table.columns:
-                raise MismatchError(f"token table has no column {name!r} "
-                                    f"(columns: {', '.join(map(str, self.table.columns))})")
-            values = self.table[name].to_numpy()
-            self._columns[name] = values if self.rows is None else values[self.rows]
+            values = self.table_column(name)
+            self._columns[name] = values if self.mask is None else values[self.mask]
         return self._columns[name]
+
+    def rows_of(self, positions: np.ndarray) -> np.ndarray:
+        """Table rows of view positions (through the runs, without a row index of every token)."""
+        if self.mask is None:
+            return positions
+        runs = self.runs
+        run = np.searchsorted(runs.starts, positions, side="right") - 1
+        return runs.rows[run] + (positions - runs.starts[run])
 
     def series_at(self, name: str, positions: np.ndarray) -> pd.Series:
         """The column's values (dtype kept: categoricals stay categorical) at view positions."""
-        rows = positions if self.rows is None else self.rows[positions]
-        return self.table[name].iloc[rows].reset_index(drop=True)
+        return self.table[name].iloc[self.rows_of(positions)].reset_index(drop=True)
 
     def scratch(self, index: int = 0) -> np.ndarray:
         """Float64 buffer `index` (0 or 1) of one value per token, reused by whoever needs one for
@@ -101,7 +114,8 @@ class TokenView:
     def runs_for(self, by: Sequence[str]) -> Runs:
         """Runs cut on the base keys and on `by` (the base runs when `by` adds nothing)."""
         keys = tuple(dict.fromkeys([*self.base_keys, *by]))
-        return self.memo(("runs", keys), lambda: find_runs([self._key(name) for name in keys], self.num_tokens))
+        return self.memo(("runs", keys), lambda: find_runs([self._key(name) for name in keys], len(self.table),
+                                                           self.mask))
 
     def grouping(self, by: Sequence[str]) -> tuple[Runs, Grouping]:
         """The runs for `by` and their groups, sorted by key."""
@@ -111,22 +125,20 @@ class TokenView:
 
     def subset(self, keep: np.ndarray) -> TokenView:
         """A view of the tokens where `keep` (aligned with this view) is True."""
-        positions = np.flatnonzero(keep)
-        rows = positions if self.rows is None else self.rows[positions]
+        mask = np.zeros(len(self.table), dtype=bool)
+        mask[self.rows_of(np.flatnonzero(keep))] = True
         return TokenView(self.table, trainable_only=self.trainable_only, seq=self.seq_columns,
-                         rollout=self.rollout_column, rows=rows)
+                         rollout=self.rollout_column, mask=mask)
 
     def _key(self, name: str) -> np.ndarray:
-        return self.memo(("key", name), lambda: self._select(key_codes(self.table[name])))
-
-    def _select(self, values: np.ndarray) -> np.ndarray:
-        return values if self.rows is None else values[self.rows]
+        """Per table row: values equal exactly where the key is (groups.key_codes)."""
+        return self.memo(("key", name), lambda: key_codes(self.table[name]))
 
     def _run_codes(self, names: Sequence[str], runs: Runs) -> tuple[np.ndarray, int]:
         """Compact codes (0..k-1) of the `names` tuple at each run, and k."""
         if runs.num_runs == 0:
             return np.zeros(0, dtype=np.int64), 0
-        stacked = np.stack([self._key(name)[runs.starts] for name in names], axis=1)
+        stacked = np.stack([self._key(name)[runs.rows] for name in names], axis=1)
         # NaN keys compare unequal to themselves; as codes they must be one key.
         stacked = np.where(np.isnan(stacked), -1, stacked) if stacked.dtype.kind == "f" else stacked
         unique, inverse = np.unique(stacked, axis=0, return_inverse=True)

@@ -120,14 +120,13 @@ def _tokens_position_slope(pair: PairTokens) -> dict[str, Any]:
     tokens = pair.view
     if tokens.num_tokens == 0:
         return _slope_from_moments(0, 0.0, 0.0, 0.0, 0.0, 0.0, None)
-    pos = tokens.column("pos")
+    runs = tokens.runs  # runs never cross sequences: per-sequence sums through them
     if fused.available():
         x_mean, y_mean, sxx, sxy, sse, scores = fused.slope_fit(
-            np.ascontiguousarray(pos), pair.logp_a, pair.logp_b, POSITION_UNIT, tokens.runs.starts,
-            tokens.run_seq, tokens.num_seqs)
+            np.ascontiguousarray(tokens.table_column("pos")), pair.table_a, pair.table_b, POSITION_UNIT,
+            runs.rows, runs.lengths, tokens.run_seq, tokens.num_seqs)
         return _slope_from_moments(tokens.num_tokens, x_mean, y_mean, sxx, sxy, sse, scores)
-    runs = tokens.runs  # runs never cross sequences: per-sequence sums through them
-    return _position_slope(pos.astype(np.float64) / POSITION_UNIT, np.abs(pair.log_ratio),
+    return _position_slope(tokens.column("pos").astype(np.float64) / POSITION_UNIT, np.abs(pair.log_ratio),
                            (lambda values: np.bincount(tokens.run_seq, weights=runs.sum(values),
                                                        minlength=tokens.num_seqs), tokens.num_seqs))
 
@@ -144,7 +143,7 @@ def _buckets(pair: PairTokens) -> tuple[pd.DataFrame, np.ndarray]:
     run_rollout = tokens.run_rollout[np.searchsorted(tokens.runs.starts, runs.starts, side="right") - 1]
     if fused.available():
         sums, turn_bucket, n_rollouts = fused.bucket_stats(
-            pair.logp_a, pair.logp_b, runs.starts, turn_of_run, num_turns,
+            pair.table_a, pair.table_b, runs.rows, runs.lengths, turn_of_run, num_turns,
             run_rollout, tokens.num_rollouts, np.log(PROB_EDGES))
         n = sums["n_tokens"]
         with np.errstate(invalid="ignore", divide="ignore"):
