@@ -188,15 +188,57 @@ def segment_quantiles(by_group: np.ndarray, bounds: np.ndarray, qs: Sequence[flo
 
 
 def _quantiles_of(values: np.ndarray, qs: Sequence[float]) -> np.ndarray:
-    """Quantiles of a 1-D array (partitioned in place), as np.quantile(method="linear")."""
+    """Quantiles of a 1-D array (may reorder it), as np.quantile(method="linear")."""
     n = len(values)
     virtual = np.asarray(qs, dtype=np.float64) * (n - 1)
     lo = np.floor(virtual).astype(np.int64)
     hi = np.minimum(lo + 1, n - 1)
-    values.partition(np.unique(np.concatenate([lo, hi])))
-    a, b, t = values[lo], values[hi], virtual - lo
+    ranks = np.unique(np.concatenate([lo, hi]))
+    ordered = dict(zip(ranks.tolist(), order_statistics(values, ranks)))
+    a, b, t = np.array([ordered[k] for k in lo]), np.array([ordered[k] for k in hi]), virtual - lo
     with np.errstate(invalid="ignore"):
         diff = b - a
         # numpy's _lerp: from the nearer end, so t = 1 gives b exactly; equal ends (inf too) give a.
         out = np.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
     return np.where(a == b, a, out)
+
+
+TAIL = 0.05          # ranks this close to either end are selected from the tail alone
+_SAMPLE = 4096       # values in the strided sample that places the tail's threshold
+_MARGIN = 64         # sample positions of slack: ~10 standard errors of a 1% quantile's position
+
+
+def order_statistics(values: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """values' order statistics at `ranks` (0-based, sorted), exactly; `values` may be reordered.
+
+    The ratio quantiles the metrics report sit in the tails (p01, p99, p999). Rather than
+    partition all n values, a strided sample places a threshold just inside each tail, and only
+    the values beyond it (a few percent) are partitioned. A threshold that turns out too tight
+    (the rank is not beyond it) falls back to partitioning everything, so the answer never
+    depends on the sample.
+    """
+    n = len(values)
+    low, high = ranks[ranks < TAIL * n], ranks[ranks >= (1 - TAIL) * n]
+    if n < 16 * _SAMPLE or len(low) + len(high) < len(ranks):
+        values.partition(ranks)
+        return values[ranks]
+    sample = np.sort(values[::n // _SAMPLE])
+    out = []
+    if len(low):
+        cut = sample[min(len(sample) - 1, int(low[-1] / n * len(sample)) + _MARGIN)]
+        tail = values[values <= cut]  # every value left out is above every value kept
+        if len(tail) <= low[-1]:
+            values.partition(ranks)
+            return values[ranks]
+        tail.partition(low)
+        out.append(tail[low])
+    if len(high):
+        cut = sample[max(0, int(high[0] / n * len(sample)) - _MARGIN)]
+        tail = values[values >= cut]
+        offset = n - len(tail)  # values left out, all below every value kept
+        if high[0] < offset:
+            values.partition(ranks)
+            return values[ranks]
+        tail.partition(high - offset)
+        out.append(tail[high - offset])
+    return np.concatenate(out)

@@ -79,8 +79,19 @@ def pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
 
 
 def _pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
+    from mismatch import fused
+
     table_a = view.table_column(a).astype(np.float64, copy=False)
     table_b = view.table_column(b).astype(np.float64, copy=False)
+    if fused.available():
+        # The run sums are needed anyway; a NaN token would make its run's sum NaN, so a NaN-free
+        # sum proves there is none to drop without a pass over every row.
+        runs = view.runs
+        sums = fused.pair_run_stats(table_a, table_b, runs.rows, runs.lengths)
+        if not np.isnan(sums["log_ratio"]).any():
+            pair = PairTokens(view, (a, b), None, table_a, table_b)
+            view.memo(("run_sums", id(pair), id(runs)), lambda: sums)
+            return pair
     undefined = np.isnan(table_a) | np.isnan(table_b)
     if view.mask is not None:
         undefined &= view.mask

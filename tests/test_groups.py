@@ -122,3 +122,18 @@ def test_corrections_on_a_view_equal_corrections_on_arrays():
         for key in ("weight_mean", "weight_std", "ess"):
             assert result[key] == pytest.approx(other[key], rel=1e-12), (result["mode"], key)
         assert [row["n_tokens"] for row in result["by_turn"]] == [row["n_tokens"] for row in other["by_turn"]]
+
+
+@pytest.mark.parametrize("shape", ["normal", "ties", "heavy_tail", "constant"])
+def test_order_statistics_from_the_tails_are_exact(shape):
+    from mismatch.groups import order_statistics
+
+    rng = np.random.default_rng(7)
+    n = 200_003
+    values = {"normal": rng.normal(size=n), "ties": rng.integers(0, 5, n).astype(float),
+              "heavy_tail": np.exp(rng.standard_cauchy(n)), "constant": np.ones(n)}[shape]
+    values[17] = np.inf
+    ranks = np.array([0, 1, 2000, 2001, n - 201, n - 200, n - 2, n - 1])
+    np.testing.assert_array_equal(order_statistics(values.copy(), ranks), np.sort(values)[ranks])
+    middle = np.array([10, n // 2])  # not all in the tails: the plain partition
+    np.testing.assert_array_equal(order_statistics(values.copy(), middle), np.sort(values)[middle])
