@@ -71,49 +71,57 @@ def available() -> bool:
     return numba is not None and os.environ.get("MISMATCH_NO_JIT", "") in ("", "0")
 
 
-def _jit(fn=None, *, reassociate: bool = False):
+def _jit(fn=None, *, reassociate: bool = False, parallel: bool = False):
     """numba.njit with the disk cache. `reassociate` lets LLVM reorder float sums (the only fast-math
-    flag used: inf and NaN keep their meaning), so long sums vectorize instead of waiting on each add."""
+    flag used: inf and NaN keep their meaning), so long sums vectorize instead of waiting on each add.
+    `parallel` spreads a `numba.prange` loop over runs across the cores; each run writes only its
+    own output row, so the result does not depend on the number of threads."""
     if fn is None:
-        return lambda fn: _jit(fn, reassociate=reassociate)
+        return lambda fn: _jit(fn, reassociate=reassociate, parallel=parallel)
     if numba is None:
         return fn
-    return numba.njit(cache=True, nogil=True, fastmath={"reassoc"} if reassociate else False)(fn)
+    return numba.njit(cache=True, nogil=True, parallel=parallel,
+                      fastmath={"reassoc"} if reassociate else False)(fn)
 
 
-@_jit
+@_jit(parallel=True)
 def _pair_run_stats(logp_a, logp_b, rows, lengths, out):  # pragma: no cover - compiled
-    for r in range(len(rows)):
-        start, end = rows[r], rows[r] + lengths[r]
+    for r in numba.prange(len(rows)):
+        start, length = rows[r], lengths[r]
+        ratios = np.empty(length)
         s_lr = s_abs = s_ratio = s_lr2 = s_k3 = s_r2 = s_pd = 0.0
         max_abs = max_pd = max_lr = -math.inf
         min_lr = math.inf
         outside = equal = 0.0
-        for i in range(start, end):
-            a, b = logp_a[i], logp_b[i]
+        for j in range(length):
+            a, b = logp_a[start + j], logp_b[start + j]
             x = a - b
-            r_i = math.exp(x)
+            r_j = math.exp(x)
+            ratios[j] = r_j
+            em1 = math.expm1(x)
             ax = abs(x)
             s_lr += x
             s_abs += ax
             max_abs = max(max_abs, ax)
             min_lr = min(min_lr, x)
             max_lr = max(max_lr, x)
-            s_ratio += r_i
+            s_ratio += r_j
             s_lr2 += x * x
-            s_k3 += math.expm1(x) - x  # r - 1 - log r without cancellation near r = 1
-            s_r2 += r_i * r_i
-            d = abs(math.exp(a) - math.exp(b))
+            s_k3 += em1 - x  # r - 1 - log r without cancellation near r = 1
+            s_r2 += r_j * r_j
+            # |p_a - p_b| = p_b |r - 1|, one exp fewer; where r - 1 overflows (or is undefined) the
+            # plain difference, as p_b = 0 would make it 0 * inf.
+            d = math.exp(b) * abs(em1) if math.isfinite(em1) else abs(math.exp(a) - math.exp(b))
             s_pd += d
             max_pd = max(max_pd, d)
-            if r_i > 2.0 or r_i < 0.5:
+            if r_j > 2.0 or r_j < 0.5:
                 outside += 1.0
             if a == b:
                 equal += 1.0
-        mean = s_ratio / (end - start)
+        mean = s_ratio / length
         m2 = 0.0
-        for i in range(start, end):  # second pass over a run already in cache
-            m2 += (math.exp(logp_a[i] - logp_b[i]) - mean) ** 2
+        for j in range(length):  # second pass over the run's ratios, in cache
+            m2 += (ratios[j] - mean) ** 2
         row = out[r]
         row[0], row[1], row[2], row[3], row[4] = s_lr, s_abs, max_abs, min_lr, max_lr
         row[5], row[6], row[7], row[8], row[9] = s_ratio, s_lr2, s_k3, s_r2, s_pd
@@ -175,21 +183,17 @@ def _rule_weights(rule, ratio, log_ratio, length, low, high, keep_run, scale, we
             weight[j] *= scale
 
 
-@_jit(reassociate=True)
+@_jit(reassociate=True, parallel=True)
 def _weight_run_stats(logp_a, logp_b, rows, lengths, rules, lows, highs, run_keep, run_scale, inv_scales,
                       out):  # pragma: no cover - compiled
-    num_runs, num_rules = len(rows), len(rules)
-    longest = 0
-    for r in range(num_runs):
-        longest = max(longest, lengths[r])
-    log_ratio, ratio, weight = np.empty(longest), np.empty(longest), np.empty(longest)
-    hit = np.empty(longest, dtype=np.bool_)
-    for r in range(num_runs):
+    for r in numba.prange(len(rows)):
         start, length = rows[r], lengths[r]
+        log_ratio, ratio, weight = np.empty(length), np.empty(length), np.empty(length)
+        hit = np.empty(length, dtype=np.bool_)
         for j in range(length):  # the run's ratios once, then every rule over them from cache
             log_ratio[j] = logp_a[start + j] - logp_b[start + j]
             ratio[j] = math.exp(log_ratio[j])
-        for k in range(num_rules):
+        for k in range(len(rules)):
             _rule_weights(rules[k], ratio, log_ratio, length, lows[k], highs[k], run_keep[k, r],
                           run_scale[k, r], weight, hit)
             inv = inv_scales[k]
@@ -236,9 +240,9 @@ def weight_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, l
 VERL_STATS = ("k1", "k2", "k3", "k1_max", "k2_max", "k3_max")
 
 
-@_jit
+@_jit(parallel=True)
 def _verl_run_stats(logp_a, logp_b, rows, lengths, out):  # pragma: no cover - compiled
-    for r in range(len(rows)):
+    for r in numba.prange(len(rows)):
         row = out[r]
         row[3] = row[4] = row[5] = -math.inf
         for i in range(rows[r], rows[r] + lengths[r]):
@@ -261,14 +265,12 @@ def verl_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray,
     return {name: out[:, i] for i, name in enumerate(VERL_STATS)}
 
 
-@_jit
-def _group_ratios(logp_a, logp_b, rows, lengths, run_group, bounds, out):  # pragma: no cover - compiled
-    fill = bounds[:-1].copy()
-    for r in range(len(rows)):
-        g = run_group[r]
-        for i in range(rows[r], rows[r] + lengths[r]):
-            out[fill[g]] = math.exp(logp_a[i] - logp_b[i])
-            fill[g] += 1
+@_jit(parallel=True)
+def _group_ratios(logp_a, logp_b, rows, lengths, destinations, out):  # pragma: no cover - compiled
+    for r in numba.prange(len(rows)):
+        start, to = rows[r], destinations[r]
+        for j in range(lengths[r]):
+            out[to + j] = math.exp(logp_a[start + j] - logp_b[start + j])
 
 
 def group_ratios(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
@@ -278,8 +280,19 @@ def group_ratios(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengt
     bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     out = out[:bounds[-1]]
     if len(rows):
-        _group_ratios(logp_a, logp_b, rows, lengths, run_group, bounds, out)
+        # Where each run's ratios go: its group's start plus the lengths of the group's earlier runs.
+        order = np.argsort(run_group, kind="stable")
+        destinations = np.empty(len(rows), dtype=np.int64)
+        destinations[order] = _group_offsets(lengths[order], run_group[order], bounds)
+        _group_ratios(logp_a, logp_b, rows, lengths, destinations, out)
     return out, bounds
+
+
+def _group_offsets(lengths: np.ndarray, run_group: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """For runs sorted by group: each run's first slot (its group's start + the group's earlier runs)."""
+    before = np.cumsum(lengths) - lengths           # tokens of all earlier runs
+    first_of_group = np.searchsorted(run_group, run_group, side="left")
+    return bounds[run_group] + before - before[first_of_group]
 
 
 # Columns of `bucket_stats` per probability bucket.
