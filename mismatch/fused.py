@@ -299,31 +299,42 @@ def _group_offsets(lengths: np.ndarray, run_group: np.ndarray, bounds: np.ndarra
 BUCKET_STATS = ("n_tokens", "log_ratio", "abs_log_ratio", "log_ratio_abs_max", "k3", "outside_2", "equal")
 
 
-@_jit
-def _bucket_stats(logp_a, logp_b, rows, lengths, run_turn, run_rollout, log_edges,
+# Fixed chunks of runs for loops that accumulate: each chunk sums on its own, then the chunks are
+# added in order, so the result depends on neither the thread count nor the scheduling.
+_CHUNKS = 16
+
+
+def _chunk_bounds(num_runs: int) -> np.ndarray:
+    return np.linspace(0, num_runs, _CHUNKS + 1).astype(np.int64)
+
+
+@_jit(parallel=True)
+def _bucket_stats(logp_a, logp_b, rows, lengths, run_turn, run_rollout, log_edges, chunks,
                   stats, turn_bucket, seen):  # pragma: no cover - compiled
     num_edges = len(log_edges)
-    for r in range(len(rows)):
-        turn, rollout = run_turn[r], run_rollout[r]
-        for i in range(rows[r], rows[r] + lengths[r]):
-            b = 0
-            for e in range(num_edges):  # as searchsorted(log_edges, logp_b, side="right")
-                if logp_b[i] >= log_edges[e]:
-                    b += 1
-            x = logp_a[i] - logp_b[i]
-            ratio = math.exp(x)
-            row = stats[b]
-            row[0] += 1.0
-            row[1] += x
-            row[2] += abs(x)
-            row[3] = max(row[3], abs(x))
-            row[4] += math.expm1(x) - x
-            if ratio > 2.0 or ratio < 0.5:
-                row[5] += 1.0
-            if logp_a[i] == logp_b[i]:
-                row[6] += 1.0
-            turn_bucket[turn, b] += 1
-            seen[b, rollout] = True
+    for c in numba.prange(len(chunks) - 1):
+        part = stats[c]
+        for r in range(chunks[c], chunks[c + 1]):
+            turn, rollout = run_turn[r], run_rollout[r]
+            for i in range(rows[r], rows[r] + lengths[r]):
+                b = 0
+                for e in range(num_edges):  # as searchsorted(log_edges, logp_b, side="right")
+                    if logp_b[i] >= log_edges[e]:
+                        b += 1
+                x = logp_a[i] - logp_b[i]
+                ratio = math.exp(x)
+                row = part[b]
+                row[0] += 1.0
+                row[1] += x
+                row[2] += abs(x)
+                row[3] = max(row[3], abs(x))
+                row[4] += math.expm1(x) - x
+                if ratio > 2.0 or ratio < 0.5:
+                    row[5] += 1.0
+                if logp_a[i] == logp_b[i]:
+                    row[6] += 1.0
+                turn_bucket[c, turn, b] += 1
+                seen[c, b, rollout] = True
 
 
 def bucket_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
@@ -331,46 +342,45 @@ def bucket_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengt
                  log_edges: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """Per probability bucket of logp_b: BUCKET_STATS; tokens per (turn, bucket); rollouts per bucket."""
     num_buckets = len(log_edges) + 1
-    stats = np.zeros((num_buckets, len(BUCKET_STATS)))
-    stats[:, 3] = -np.inf
-    turn_bucket = np.zeros((num_turns, num_buckets), dtype=np.int64)
-    seen = np.zeros((num_buckets, max(num_rollouts, 1)), dtype=np.bool_)
+    stats = np.zeros((_CHUNKS, num_buckets, len(BUCKET_STATS)))
+    stats[:, :, 3] = -np.inf
+    turn_bucket = np.zeros((_CHUNKS, num_turns, num_buckets), dtype=np.int64)
+    seen = np.zeros((_CHUNKS, num_buckets, max(num_rollouts, 1)), dtype=np.bool_)
     if len(rows):
         _bucket_stats(logp_a, logp_b, rows, lengths, run_turn, run_rollout,
-                      np.ascontiguousarray(log_edges, dtype=np.float64), stats, turn_bucket, seen)
-    return ({name: stats[:, i] for i, name in enumerate(BUCKET_STATS)}, turn_bucket,
-            seen.sum(axis=1).astype(np.int64))
+                      np.ascontiguousarray(log_edges, dtype=np.float64), _chunk_bounds(len(rows)),
+                      stats, turn_bucket, seen)
+    total = stats.sum(axis=0)
+    total[:, 3] = stats[:, :, 3].max(axis=0)
+    return ({name: total[:, i] for i, name in enumerate(BUCKET_STATS)}, turn_bucket.sum(axis=0),
+            seen.any(axis=0).sum(axis=1).astype(np.int64))
 
 
-@_jit
-def _slope_fit(pos, logp_a, logp_b, unit, rows, lengths, run_seq, scores):  # pragma: no cover - compiled
-    num_runs = len(rows)
-    n = 0
-    sum_x = sum_y = 0.0
-    for r in range(num_runs):
-        for i in range(rows[r], rows[r] + lengths[r]):
-            sum_x += pos[i] / unit
-            sum_y += abs(logp_a[i] - logp_b[i])
-            n += 1
-    x_mean, y_mean = sum_x / n, sum_y / n
-    sxx = sxy = 0.0
-    for r in range(num_runs):
-        for i in range(rows[r], rows[r] + lengths[r]):
-            dx, dy = pos[i] / unit - x_mean, abs(logp_a[i] - logp_b[i]) - y_mean
-            sxx += dx * dx
-            sxy += dx * dy
-    slope = sxy / sxx if sxx > 0.0 else 0.0
-    intercept = y_mean - slope * x_mean
-    sse = 0.0
-    for r in range(num_runs):
-        score = 0.0
+@_jit(parallel=True)
+def _slope_sums(pos, logp_a, logp_b, unit, rows, lengths, chunks, x_mean, y_mean, centred,
+                out):  # pragma: no cover - compiled
+    """Per chunk of runs: sum x and sum y, or (centred, given the means) Sxx and Sxy."""
+    for c in numba.prange(len(chunks) - 1):
+        s0 = s1 = 0.0
+        for r in range(chunks[c], chunks[c + 1]):
+            for i in range(rows[r], rows[r] + lengths[r]):
+                x, y = pos[i] / unit - x_mean, abs(logp_a[i] - logp_b[i]) - y_mean
+                s0 += x * x if centred else x
+                s1 += x * y if centred else y
+        out[c, 0], out[c, 1] = s0, s1
+
+
+@_jit(parallel=True)
+def _slope_residuals(pos, logp_a, logp_b, unit, rows, lengths, x_mean, slope, intercept, run_sse,
+                     run_score):  # pragma: no cover - compiled
+    for r in numba.prange(len(rows)):
+        sse = score = 0.0
         for i in range(rows[r], rows[r] + lengths[r]):
             x = pos[i] / unit
             resid = abs(logp_a[i] - logp_b[i]) - intercept - slope * x
             sse += resid * resid
             score += (x - x_mean) * resid
-        scores[run_seq[r]] += score
-    return x_mean, y_mean, sxx, sxy, sse
+        run_sse[r], run_score[r] = sse, score
 
 
 def slope_fit(pos: np.ndarray, logp_a: np.ndarray, logp_b: np.ndarray, unit: float, rows: np.ndarray,
@@ -378,6 +388,16 @@ def slope_fit(pos: np.ndarray, logp_a: np.ndarray, logp_b: np.ndarray, unit: flo
                                                                               np.ndarray]:
     """OLS of |logp_a - logp_b| on pos / unit: x mean, y mean, Sxx, Sxy, residual sum of squares, and
     the per-sequence sums of (x - x mean) * residual (for a cluster-robust error). Needs a token."""
-    scores = np.zeros(num_seqs)
-    x_mean, y_mean, sxx, sxy, sse = _slope_fit(pos, logp_a, logp_b, float(unit), rows, lengths, run_seq, scores)
-    return x_mean, y_mean, sxx, sxy, sse, scores
+    n, chunks, unit = int(lengths.sum()), _chunk_bounds(len(rows)), float(unit)
+    sums = np.zeros((_CHUNKS, 2))
+    _slope_sums(pos, logp_a, logp_b, unit, rows, lengths, chunks, 0.0, 0.0, False, sums)
+    x_mean, y_mean = sums[:, 0].sum() / n, sums[:, 1].sum() / n
+    moments = np.zeros((_CHUNKS, 2))
+    _slope_sums(pos, logp_a, logp_b, unit, rows, lengths, chunks, x_mean, y_mean, True, moments)
+    sxx, sxy = float(moments[:, 0].sum()), float(moments[:, 1].sum())
+    slope = sxy / sxx if sxx > 0.0 else 0.0
+    run_sse, run_score = np.zeros(len(rows)), np.zeros(len(rows))
+    _slope_residuals(pos, logp_a, logp_b, unit, rows, lengths, x_mean, slope, y_mean - slope * x_mean,
+                     run_sse, run_score)
+    scores = np.bincount(run_seq, weights=run_score, minlength=num_seqs)
+    return x_mean, y_mean, sxx, sxy, float(run_sse.sum()), scores

@@ -138,8 +138,10 @@ class TokenView:
         """Compact codes (0..k-1) of the `names` tuple at each run, and k."""
         if runs.num_runs == 0:
             return np.zeros(0, dtype=np.int64), 0
-        stacked = np.stack([self._key(name)[runs.rows] for name in names], axis=1)
-        # NaN keys compare unequal to themselves; as codes they must be one key.
-        stacked = np.where(np.isnan(stacked), -1, stacked) if stacked.dtype.kind == "f" else stacked
-        unique, inverse = np.unique(stacked, axis=0, return_inverse=True)
+        combined = np.zeros(runs.num_runs, dtype=np.int64)
+        for name in names:
+            # Each key's own compact codes, then mixed radix: one integer per tuple, sorted like it.
+            codes, uniques = pd.factorize(self._key(name)[runs.rows], sort=True, use_na_sentinel=False)
+            combined = combined * len(uniques) + codes
+        unique, inverse = np.unique(combined, return_inverse=True)
         return inverse.reshape(-1).astype(np.int64), len(unique)
