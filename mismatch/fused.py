@@ -401,3 +401,50 @@ def slope_fit(pos: np.ndarray, logp_a: np.ndarray, logp_b: np.ndarray, unit: flo
                      run_sse, run_score)
     scores = np.bincount(run_seq, weights=run_score, minlength=num_seqs)
     return x_mean, y_mean, sxx, sxy, float(run_sse.sum()), scores
+
+
+@_jit(parallel=True)
+def _count_tails(logp_a, logp_b, rows, lengths, run_group, low_cut, high_cut, low, high):  # pragma: no cover
+    for r in numba.prange(len(rows)):
+        g, below, above = run_group[r], 0, 0
+        for i in range(rows[r], rows[r] + lengths[r]):
+            x = logp_a[i] - logp_b[i]
+            below += x <= low_cut[g]
+            above += x >= high_cut[g]
+        low[r], high[r] = below, above
+
+
+@_jit(parallel=True)
+def _collect_tails(logp_a, logp_b, rows, lengths, run_group, low_cut, high_cut, low_to, high_to,
+                   low_out, high_out):  # pragma: no cover - compiled
+    for r in numba.prange(len(rows)):
+        g, below, above = run_group[r], low_to[r], high_to[r]
+        for i in range(rows[r], rows[r] + lengths[r]):
+            x = logp_a[i] - logp_b[i]
+            if x <= low_cut[g]:
+                low_out[below] = x
+                below += 1
+            if x >= high_cut[g]:
+                high_out[above] = x
+                above += 1
+
+
+def log_ratio_tails(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
+                    run_group: np.ndarray, num_groups: int, low_cut: np.ndarray,
+                    high_cut: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per group g, the log-ratios logp_a - logp_b at or below low_cut[g] and at or above
+    high_cut[g]: (low values, low bounds, high values, high bounds), each group's side by side."""
+    low, high = np.zeros(len(rows), dtype=np.int64), np.zeros(len(rows), dtype=np.int64)
+    _count_tails(logp_a, logp_b, rows, lengths, run_group, low_cut, high_cut, low, high)
+    order = np.argsort(run_group, kind="stable")
+    out = []
+    for counts in (low, high):
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(run_group, weights=counts, minlength=num_groups))])
+        bounds = bounds.astype(np.int64)
+        to = np.empty(len(rows), dtype=np.int64)
+        to[order] = _group_offsets(counts[order], run_group[order], bounds)
+        out.append((to, bounds))
+    (low_to, low_bounds), (high_to, high_bounds) = out
+    low_out, high_out = np.empty(low_bounds[-1]), np.empty(high_bounds[-1])
+    _collect_tails(logp_a, logp_b, rows, lengths, run_group, low_cut, high_cut, low_to, high_to, low_out, high_out)
+    return low_out, low_bounds, high_out, high_bounds

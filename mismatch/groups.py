@@ -189,12 +189,19 @@ def segment_quantiles(by_group: np.ndarray, bounds: np.ndarray, qs: Sequence[flo
 
 def _quantiles_of(values: np.ndarray, qs: Sequence[float]) -> np.ndarray:
     """Quantiles of a 1-D array (may reorder it), as np.quantile(method="linear")."""
-    n = len(values)
+    lo, hi, virtual = _ranks(len(values), qs)
+    ranks = np.unique(np.concatenate([lo, hi]))
+    return _lerp(dict(zip(ranks.tolist(), order_statistics(values, ranks))), lo, hi, virtual)
+
+
+def _ranks(n: int, qs: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The order statistics (lower, upper) numpy's linear method interpolates between, and where."""
     virtual = np.asarray(qs, dtype=np.float64) * (n - 1)
     lo = np.floor(virtual).astype(np.int64)
-    hi = np.minimum(lo + 1, n - 1)
-    ranks = np.unique(np.concatenate([lo, hi]))
-    ordered = dict(zip(ranks.tolist(), order_statistics(values, ranks)))
+    return lo, np.minimum(lo + 1, n - 1), virtual
+
+
+def _lerp(ordered: dict[int, float], lo: np.ndarray, hi: np.ndarray, virtual: np.ndarray) -> np.ndarray:
     a, b, t = np.array([ordered[k] for k in lo]), np.array([ordered[k] for k in hi]), virtual - lo
     with np.errstate(invalid="ignore"):
         diff = b - a
@@ -225,7 +232,7 @@ def order_statistics(values: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     sample = np.sort(values[::n // _SAMPLE])
     out = []
     if len(low):
-        cut = sample[min(len(sample) - 1, int(low[-1] / n * len(sample)) + _MARGIN)]
+        cut = sample[np.clip(int(low[-1] / n * len(sample)) + _MARGIN, 0, len(sample) - 1)]
         tail = values[values <= cut]  # every value left out is above every value kept
         if len(tail) <= low[-1]:
             values.partition(ranks)
@@ -233,7 +240,7 @@ def order_statistics(values: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         tail.partition(low)
         out.append(tail[low])
     if len(high):
-        cut = sample[max(0, int(high[0] / n * len(sample)) - _MARGIN)]
+        cut = sample[np.clip(int(high[0] / n * len(sample)) - _MARGIN, 0, len(sample) - 1)]
         tail = values[values >= cut]
         offset = n - len(tail)  # values left out, all below every value kept
         if high[0] < offset:
@@ -242,3 +249,83 @@ def order_statistics(values: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         tail.partition(high - offset)
         out.append(tail[high - offset])
     return np.concatenate(out)
+
+
+def ratio_quantiles(logp_a: np.ndarray, logp_b: np.ndarray, runs: Runs, grouping: Grouping,
+                    qs: Sequence[float]) -> np.ndarray:
+    """[num_groups, len(qs)] quantiles of ratio = exp(logp_a - logp_b) per group, read by fused loops
+    straight from the table columns at the runs' rows (`order_statistics`' tail rule, per group).
+
+    exp is monotonic, so the ratio's order statistics are exp of the log-ratio's: only each
+    group's tails of log-ratios are collected (cuts placed from a strided sample), never a ratio
+    per token. A group too small to sample, or whose cut turns out too tight, is collected whole.
+    """
+    from mismatch import fused
+
+    counts = grouping.count(runs)
+    num_groups = grouping.num_groups
+    out = np.full((num_groups, len(qs)), np.nan)
+    if runs.num_tokens == 0:
+        return out
+    ranks = [_ranks(int(n), qs) for n in counts]
+    low_cut, high_cut = np.full(num_groups, np.inf), np.full(num_groups, np.nan)  # whole groups
+    _place_cuts(logp_a, logp_b, runs, grouping, counts, ranks, low_cut, high_cut)
+    low, low_bounds, high, high_bounds = fused.log_ratio_tails(
+        logp_a, logp_b, runs.rows, runs.lengths, grouping.run_group, num_groups, low_cut, high_cut)
+    ordered: dict[int, dict[int, float]] = {}
+    retry = np.zeros(num_groups, dtype=bool)
+    for g in range(num_groups):
+        n = int(counts[g])
+        if n == 0:
+            continue
+        lo, hi, _ = ranks[g]
+        wanted = np.unique(np.concatenate([lo, hi]))
+        tail_low = low[low_bounds[g]:low_bounds[g + 1]]
+        tail_high = high[high_bounds[g]:high_bounds[g + 1]]
+        offset = n - len(tail_high)  # values below every collected high one
+        from_low, from_high = wanted[wanted < len(tail_low)], wanted[wanted >= len(tail_low)]
+        if len(from_high) and from_high[0] < offset:  # a rank neither tail holds: the cut was too tight
+            retry[g] = True
+            continue
+        values = order_statistics(tail_low, from_low) if len(from_low) else np.zeros(0)
+        if len(from_high):
+            values = np.concatenate([values, order_statistics(tail_high, from_high - offset)])
+        ordered[g] = dict(zip(wanted.tolist(), values.tolist()))
+    if retry.any():  # whole groups this time: every value at or below +inf
+        again = fused.log_ratio_tails(logp_a, logp_b, runs.rows, runs.lengths, grouping.run_group, num_groups,
+                                      np.where(retry, np.inf, np.nan), np.full(num_groups, np.nan))
+        for g in np.flatnonzero(retry):
+            lo, hi, _ = ranks[g]
+            wanted = np.unique(np.concatenate([lo, hi]))
+            ordered[g] = dict(zip(wanted.tolist(), order_statistics(again[0][again[1][g]:again[1][g + 1]], wanted)))
+    with np.errstate(over="ignore"):
+        for g, stats in ordered.items():
+            lo, hi, virtual = ranks[g]
+            out[g] = _lerp({k: np.exp(v) for k, v in stats.items()}, lo, hi, virtual)
+    return out
+
+
+def _place_cuts(logp_a: np.ndarray, logp_b: np.ndarray, runs: Runs, grouping: Grouping, counts: np.ndarray,
+                ranks: list[tuple[np.ndarray, np.ndarray, np.ndarray]], low_cut: np.ndarray,
+                high_cut: np.ndarray) -> None:
+    """Per group whose wanted ranks all lie in the tails: log-ratio cuts from a strided sample,
+    _MARGIN sample positions beyond the wanted ranks (others keep their whole-group cuts)."""
+    step = max(1, runs.num_tokens // (_SAMPLE * max(grouping.num_groups, 1)))
+    positions = np.arange(0, runs.num_tokens, step)
+    run = np.searchsorted(runs.starts, positions, side="right") - 1
+    rows = runs.rows[run] + (positions - runs.starts[run])
+    sample_group = grouping.run_group[run]
+    sample = logp_a[rows] - logp_b[rows]
+    order = np.lexsort((sample, sample_group))
+    sample, sample_group = sample[order], sample_group[order]
+    bounds = np.searchsorted(sample_group, np.arange(grouping.num_groups + 1))
+    for g in range(grouping.num_groups):
+        n, (lo, hi, _) = int(counts[g]), ranks[g]
+        wanted = np.unique(np.concatenate([lo, hi]))
+        low, high = wanted[wanted < TAIL * n], wanted[wanted >= (1 - TAIL) * n]
+        group_sample = sample[bounds[g]:bounds[g + 1]]
+        m = len(group_sample)
+        if m < 256 or len(low) + len(high) < len(wanted):
+            continue
+        low_cut[g] = group_sample[np.clip(int(low[-1] / n * m) + _MARGIN, 0, m - 1)] if len(low) else np.nan
+        high_cut[g] = group_sample[np.clip(int(high[0] / n * m) - _MARGIN, 0, m - 1)] if len(high) else np.nan

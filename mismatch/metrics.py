@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.errors import MismatchError
-from mismatch.groups import Grouping, Runs, quantiles, segment_quantiles, single_group
+from mismatch.groups import Grouping, Runs, quantiles, ratio_quantiles, single_group
 from mismatch.tokenview import DEFAULT_SEQ, TokenView
 
 # Contract names and order of `summary.json["pairs"]["A/B"]` (ARCHITECTURE.md, "Results directory").
@@ -211,10 +211,8 @@ def _ratio_quantiles(pair: PairTokens, runs: Runs, grouping: Grouping) -> np.nda
     from mismatch import fused
 
     qs, view = list(_QUANTILES.values()), pair.view
-    if fused.available():  # the ratios of each group side by side, straight from the table columns
-        by_group, bounds = fused.group_ratios(pair.table_a, pair.table_b, runs.rows, runs.lengths,
-                                              grouping.run_group, grouping.count(runs), view.scratch(0))
-        return segment_quantiles(by_group, bounds, qs)
+    if fused.available():  # from each group's tails of log-ratios, read straight from the table columns
+        return ratio_quantiles(pair.table_a, pair.table_b, runs, grouping, qs)
     return quantiles(pair.ratio_into(view.scratch(1)), runs, grouping, qs, scratch=view.scratch(0))
 
 

@@ -112,3 +112,26 @@ def test_every_mode_equal_fused_and_numpy(mode, monkeypatch):
     [slow] = simulate(log_ratio, correction, seq=seq, rollout=rollout, turn=turn)
     assert_same(fast.to_dict(), slow.to_dict())
     assert 0.0 < fast.frac_tokens_affected < 1.0  # the case exercises both branches of the rule
+
+
+@pytest.mark.parametrize("margin", [64, -3000])  # -3000: every cut too tight, each group collected again whole
+def test_ratio_quantiles_from_tails_equal_numpy(margin, monkeypatch):
+    from mismatch import groups
+    from mismatch.groups import Grouping, find_runs, ratio_quantiles
+
+    monkeypatch.setattr(groups, "_MARGIN", margin)
+    rng = np.random.default_rng(11)
+    n = 400_000
+    logp_b = -rng.exponential(1.0, n)
+    logp_a = logp_b + rng.standard_t(3, n) * 0.05
+    logp_a[::1000] = logp_b[::1000]  # ties at ratio 1
+    runs = find_runs([np.arange(n) // 50], n)
+    run_group = np.minimum(np.arange(runs.num_runs) // 2000, 3)  # groups of 100k, 100k, 100k, 100k
+    grouping = Grouping(run_group=run_group, num_groups=5, keys=pd.DataFrame())  # group 4 is empty
+    qs = [0.001, 0.01, 0.99, 0.999]
+    got = ratio_quantiles(logp_a, logp_b, runs, grouping, qs)
+    token_group = runs.spread(run_group)
+    for g in range(4):
+        want = np.quantile(np.exp(logp_a - logp_b)[token_group == g], qs)
+        np.testing.assert_array_equal(got[g], want)
+    assert np.isnan(got[4]).all()
