@@ -17,8 +17,12 @@ Usage: python benchmarks/analysis.py [--tokens 10000000] [--rollouts 10000] [--r
    (building them is not timed); per batch and per pair torch computes log-ratio mean/|mean|/max,
    ratio mean/std/min/max, k1, k2, k3, chi2 (token and sequence), ESS sums, fraction outside
    [0.5, 2] and bitwise-equal fraction, accumulated across batches.
-Both are best of --repeats, in this process; the baseline runs with 1 torch thread and with
-the default (2 here), and the faster counts. mismatch's path is numpy/pandas (one thread).
+4. The part both compute, on equal terms: mismatch's pair metrics for the three pairs from the
+   table already in memory (`TokenView` + `summarize_pairs`, which also gives quantiles,
+   ppl_ratio, n_rollouts and the probability gap the baseline leaves out) against the baseline.
+All are best of --repeats, in this process; the baseline runs with 1 torch thread and with
+the default (2 here), and the faster counts. mismatch's hot loops are fused numba loops
+(mismatch/fused.py) on all cores; --no-jit measures the numpy fallback instead.
 Prints one JSON object; --profile N adds the top N functions (cProfile, cumulative) of step 2.
 """
 
@@ -38,6 +42,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from mismatch import fused
 from mismatch.corrections import summary_corrections
 from mismatch.localize.turns import localize_turns
 from mismatch.metrics import metrics_by, summarize_pairs
@@ -251,7 +256,10 @@ def main() -> None:
                         help="baseline tensor dtype (trainers keep log-probs in float32)")
     parser.add_argument("--parquet", type=Path, default=Path("/tmp/mismatch-bench/analysis-tokens.parquet"))
     parser.add_argument("--profile", type=int, default=0, help="also print the top N functions of mismatch's path")
+    parser.add_argument("--no-jit", action="store_true", help="the numpy paths, not the fused loops")
     args = parser.parse_args()
+    if args.no_jit:
+        os.environ["MISMATCH_NO_JIT"] = "1"
 
     started = time.perf_counter()
     table = synthetic_table(args.tokens, args.rollouts, args.seed)
@@ -266,6 +274,9 @@ def main() -> None:
 
     load_before = os.getloadavg()[0]
     ours_s, ours_cpu, (stages, ours) = best_of(args.repeats, lambda: mismatch_analysis(args.parquet))
+    in_memory = pd.read_parquet(args.parquet, columns=ANALYSIS_COLUMNS)
+    pairs_s, pairs_cpu, _ = best_of(args.repeats, lambda: summarize_pairs(TokenView(in_memory), PAIRS))
+    del in_memory
     # The strongest baseline: torch on 1 thread and on all of them, the faster counts. (On a
     # shared machine OpenMP's spinning threads can make 2 threads 40x slower than 1.)
     default_threads = torch.get_num_threads()
@@ -291,6 +302,10 @@ def main() -> None:
         "mismatch_s": ours_s, "mismatch_cpu_s": ours_cpu, "mismatch_stages_s_last_run": stages,
         "baseline_s": base_s, "baseline_cpu_s": base_cpu, "baseline_threads": base_threads,
         "baseline_s_by_threads": {t: run[0] for t, run in baseline_runs.items()},
+        "mismatch_pair_metrics_in_memory_s": pairs_s, "mismatch_pair_metrics_in_memory_cpu_s": pairs_cpu,
+        "pair_metrics_speedup_vs_baseline": base_s / pairs_s,
+        "fused": fused.available(), "numba": getattr(fused.numba, "__version__", None),
+        "numba_threads": fused.numba.get_num_threads() if fused.available() else None,
         "mismatch_tokens_per_s": num_rows / ours_s, "baseline_tokens_per_s": num_rows / base_s,
         "speedup_vs_baseline": base_s / ours_s,
         "target_10M_tokens_per_s_met": num_rows / ours_s >= 10e6,

@@ -53,6 +53,11 @@ def _shield_llvmlite_library() -> None:
 
 if numba is not None:
     _shield_llvmlite_library()
+    # Numba's OpenMP layer leaves its threads spinning after each loop, which slows torch's own
+    # OpenMP threads in the same process 5x (benchmarks/analysis.py); the workqueue layer parks
+    # them. A layer chosen with NUMBA_THREADING_LAYER is left alone.
+    if "NUMBA_THREADING_LAYER" not in os.environ:
+        numba.config.THREADING_LAYER = "workqueue"
 
 # Columns of `pair_run_stats`, in order (names as metrics._run_sums uses them).
 PAIR_STATS = ("log_ratio", "abs_log_ratio", "log_ratio_abs_max", "log_ratio_min", "log_ratio_max",
