@@ -270,29 +270,6 @@ def verl_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray,
     return {name: out[:, i] for i, name in enumerate(VERL_STATS)}
 
 
-@_jit(parallel=True)
-def _group_ratios(logp_a, logp_b, rows, lengths, destinations, out):  # pragma: no cover - compiled
-    for r in numba.prange(len(rows)):
-        start, to = rows[r], destinations[r]
-        for j in range(lengths[r]):
-            out[to + j] = math.exp(logp_a[start + j] - logp_b[start + j])
-
-
-def group_ratios(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
-                 run_group: np.ndarray, counts: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The ratios exp(logp_a - logp_b) of each group side by side (run by run: a stable counting
-    sort by group), written into `out` (float64, at least as long as the tokens), and the bounds."""
-    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    out = out[:bounds[-1]]
-    if len(rows):
-        # Where each run's ratios go: its group's start plus the lengths of the group's earlier runs.
-        order = np.argsort(run_group, kind="stable")
-        destinations = np.empty(len(rows), dtype=np.int64)
-        destinations[order] = _group_offsets(lengths[order], run_group[order], bounds)
-        _group_ratios(logp_a, logp_b, rows, lengths, destinations, out)
-    return out, bounds
-
-
 def _group_offsets(lengths: np.ndarray, run_group: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     """For runs sorted by group: each run's first slot (its group's start + the group's earlier runs)."""
     before = np.cumsum(lengths) - lengths           # tokens of all earlier runs

@@ -2,10 +2,10 @@
 
 The engine under metrics, localize and corrections. A token table is stored rollout by rollout,
 branch by branch, in position order, so a key that changes only at turn, role or branch
-boundaries is constant over long runs of rows. Each run is reduced once (`ufunc.reduceat`, a
-plain sweep), and runs are then combined into groups (`np.bincount` over ~1e5 runs instead of
-~1e7 tokens): no hashing of token keys, no groupby machinery, one pass per term. Correctness never
-depends on the order: an unsorted table only makes the runs shorter.
+boundaries is constant over long runs of rows. Each run is reduced once (a fused loop, or
+`ufunc.reduceat` on the numpy path), and runs are then combined into groups (`np.bincount` over
+~1e5 runs instead of ~1e7 tokens): no hashing of token keys, no groupby machinery. Correctness
+never depends on the order: an unsorted table only makes the runs shorter.
 """
 
 from __future__ import annotations

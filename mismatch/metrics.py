@@ -85,7 +85,8 @@ def _pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
     table_b = view.table_column(b).astype(np.float64, copy=False)
     if fused.available():
         # The run sums are needed anyway; a NaN token would make its run's sum NaN, so a NaN-free
-        # sum proves there is none to drop without a pass over every row.
+        # sum proves there is none to drop without a pass over every row. (inf - inf is NaN too;
+        # the exact check below then finds nothing to drop.)
         runs = view.runs
         sums = fused.pair_run_stats(table_a, table_b, runs.rows, runs.lengths)
         if not np.isnan(sums["log_ratio"]).any():
