@@ -323,10 +323,11 @@ def t_critical(q: float, dof: float) -> float:
     lo, hi = 0.0, 1.0
     while t_sf2(hi, dof) > target:
         hi *= 2.0
-    for _ in range(100):  # 2^-100 of the bracket: far below float64 resolution
+    while True:  # until the bracket is a few ulps wide (~55 halvings), not a fixed 100
         mid = 0.5 * (lo + hi)
+        if not lo < mid < hi or hi - lo <= 4e-16 * hi:
+            return mid
         lo, hi = (mid, hi) if t_sf2(mid, dof) > target else (lo, mid)
-    return 0.5 * (lo + hi)
 
 
 def _betainc(a: float, b: float, x: float) -> float:
