@@ -1,8 +1,8 @@
 """Fused one-pass loops (numba) for the analysis hot spots: per-run pair sums, correction weights, buckets.
 
 Under metrics, corrections and localize. Each loop does in one sweep over a run of tokens what
-the numpy code beside its caller does in a dozen passes over ~40 MB arrays, which on 2 cores is
-the difference between ~3M and ~10M analysed tokens per second (benchmarks/analysis.py). The
+the numpy code beside its caller does in a dozen passes over ~40 MB arrays: on 2 cores the whole
+analysis of a 10M-token table goes from ~3M to ~6M tokens per second (benchmarks/RESULTS.md). The
 numpy code stays as the reference and the fallback: `available()` is False without numba or with
 MISMATCH_NO_JIT=1, and tests hold both paths equal. Callers import this module inside the
 functions that use it, so importing mismatch does not import numba; compiled loops are cached
@@ -55,7 +55,8 @@ if numba is not None:
     _shield_llvmlite_library()
     # Numba's OpenMP layer leaves its threads spinning after each loop, which slows torch's own
     # OpenMP threads in the same process 5x (benchmarks/analysis.py); the workqueue layer parks
-    # them. A layer chosen with NUMBA_THREADING_LAYER is left alone.
+    # them. This sets numba's process-wide default, before any parallel loop runs; a layer chosen
+    # with NUMBA_THREADING_LAYER is left alone.
     if "NUMBA_THREADING_LAYER" not in os.environ:
         numba.config.THREADING_LAYER = "workqueue"
 
@@ -270,17 +271,6 @@ def verl_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray,
     return {name: out[:, i] for i, name in enumerate(VERL_STATS)}
 
 
-def _group_offsets(lengths: np.ndarray, run_group: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """For runs sorted by group: each run's first slot (its group's start + the group's earlier runs)."""
-    before = np.cumsum(lengths) - lengths           # tokens of all earlier runs
-    first_of_group = np.searchsorted(run_group, run_group, side="left")
-    return bounds[run_group] + before - before[first_of_group]
-
-
-# Columns of `bucket_stats` per probability bucket.
-BUCKET_STATS = ("n_tokens", "log_ratio", "abs_log_ratio", "log_ratio_abs_max", "k3", "outside_2", "equal")
-
-
 # Fixed chunks of runs for loops that accumulate: each chunk sums on its own, then the chunks are
 # added in order, so the result depends on neither the thread count nor the scheduling.
 _CHUNKS = 16
@@ -409,6 +399,17 @@ def _collect_tails(logp_a, logp_b, rows, lengths, run_group, low_cut, high_cut, 
             if x >= high_cut[g]:
                 high_out[above] = x
                 above += 1
+
+
+def _group_offsets(lengths: np.ndarray, run_group: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """For runs sorted by group: each run's first slot (its group's start + the group's earlier runs)."""
+    before = np.cumsum(lengths) - lengths           # tokens of all earlier runs
+    first_of_group = np.searchsorted(run_group, run_group, side="left")
+    return bounds[run_group] + before - before[first_of_group]
+
+
+# Columns of `bucket_stats` per probability bucket.
+BUCKET_STATS = ("n_tokens", "log_ratio", "abs_log_ratio", "log_ratio_abs_max", "k3", "outside_2", "equal")
 
 
 def log_ratio_tails(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
