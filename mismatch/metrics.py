@@ -84,21 +84,22 @@ def _pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
     table_a = view.table_column(a).astype(np.float64, copy=False)
     table_b = view.table_column(b).astype(np.float64, copy=False)
     if fused.available():
-        # The run sums are needed anyway; a NaN token would make its run's sum NaN, so a NaN-free
-        # sum proves there is none to drop without a pass over every row. (inf - inf is NaN too;
-        # the exact check below then finds nothing to drop.)
+        # The run sums are needed anyway; an undefined log-ratio makes its run's sum NaN, so a
+        # NaN-free sum proves there is none to drop without a pass over every row.
         runs = view.runs
         sums = fused.pair_run_stats(table_a, table_b, runs.rows, runs.lengths)
         if not np.isnan(sums["log_ratio"]).any():
             pair = PairTokens(view, (a, b), None, table_a, table_b)
             view.memo(("run_sums", id(pair), id(runs)), lambda: sums)
             return pair
-    undefined = np.isnan(table_a) | np.isnan(table_b)
+    # Undefined: a missing log-prob (NaN), or both engines at -inf (probability 0 twice).
+    with np.errstate(invalid="ignore"):
+        undefined = np.isnan(table_a - table_b)
     if view.mask is not None:
         undefined &= view.mask
     if not undefined.any():  # the common case: no copy, no new view
         return PairTokens(view, (a, b), None, table_a, table_b)
-    # Tokens without both log-probs are dropped before anything else.
+    # Tokens without a defined log-ratio are dropped before anything else.
     keep = ~(undefined if view.mask is None else undefined[view.mask])
     return PairTokens(view.subset(keep), (a, b), keep, table_a, table_b)
 
@@ -265,7 +266,8 @@ def pair_metrics(logp_a: np.ndarray, logp_b: np.ndarray, *, seq: np.ndarray,
 
     `seq` and `rollout` are keys aligned with the log-probs: `seq` names each token's
     sequence (one branch of one rollout) for chi2_seq and ppl_ratio, `rollout` its rollout
-    for n_rollouts. Tokens where either log-prob is NaN are dropped before anything else.
+    for n_rollouts. Tokens where either log-prob is NaN, or both are -inf (the log-ratio is
+    undefined), are dropped before anything else.
     Everything is computed in float64 (float32 inputs are upcast).
 
     Sequence-level metrics follow verl (`verl/trainer/ppo/rollout_corr_helper.py`,

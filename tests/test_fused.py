@@ -135,3 +135,31 @@ def test_ratio_quantiles_from_tails_equal_numpy(margin, monkeypatch):
         want = np.quantile(np.exp(logp_a - logp_b)[token_group == g], qs)
         np.testing.assert_array_equal(got[g], want)
     assert np.isnan(got[4]).all()
+
+
+def small_table(seed: int) -> pd.DataFrame:
+    """Shuffled rows, missing and -inf log-probs, placeholders: the corners of both paths."""
+    r = np.random.default_rng(seed)
+    n = int(r.integers(0, 40))
+    frame = pd.DataFrame({
+        "rollout": pd.Categorical(r.choice(["a", "b", "c"], n)), "branch": pd.Categorical(r.choice(["main", "s"], n)),
+        "branch_kind": pd.Categorical(r.choice(["main", "subagent"], n)), "turn": r.integers(0, 3, n),
+        "pos": r.integers(0, 50, n), "role": pd.Categorical(r.choice(["assistant", "user"], n)),
+        "trainable": r.random(n) < 0.7})
+    for name in ("logp_sampler", "logp_train", "logp_infer"):
+        values = -r.exponential(1.0, n)
+        values[r.random(n) < 0.1] = np.nan
+        values[r.random(n) < 0.05] = -np.inf
+        values[r.random(n) < 0.05] = -9999.0
+        frame[name] = values
+    return frame
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fused_equals_numpy_on_small_odd_tables(seed, monkeypatch):
+    frame = small_table(seed)
+    with np.errstate(all="ignore"):
+        fast = analysis(frame)
+        monkeypatch.setenv("MISMATCH_NO_JIT", "1")
+        slow = analysis(frame)
+    assert_same(fast, slow)

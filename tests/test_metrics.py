@@ -280,3 +280,14 @@ def test_metrics_by_is_long_format_per_pair():
     want = grouped_pair_metrics(trainable, "logp_train", "logp_sampler", by="turn")
     got = long[long["pair"] == "train/sampler"].drop(columns="pair").reset_index(drop=True)
     pd.testing.assert_frame_equal(got, want)
+
+
+def test_both_minus_inf_is_an_undefined_log_ratio_and_dropped():
+    # Both engines give the token probability 0: the ratio is 0/0, not a measurement.
+    a, b = np.array([-1.0, -np.inf, -0.5, -np.inf]), np.array([-1.2, -np.inf, -0.5, -3.0])
+    seq, rollout = np.array([0, 0, 1, 1]), np.array([0, 0, 0, 0])
+    got = pair_metrics(a, b, seq=seq, rollout=rollout)
+    keep = [0, 2, 3]
+    assert got["n_tokens"] == 3
+    assert got == pair_metrics(a[keep], b[keep], seq=seq[keep], rollout=rollout[keep])
+    assert got["ratio_min"] == 0.0  # -inf against a finite log-prob stays: ratio 0
