@@ -190,8 +190,8 @@ def _rule_weights(rule, ratio, log_ratio, length, low, high, keep_run, scale, we
 
 
 @_jit(reassociate=True, parallel=True)
-def _weight_run_stats(logp_a, logp_b, rows, lengths, rules, lows, highs, run_keep, run_scale, inv_scales,
-                      out):  # pragma: no cover - compiled
+def _weight_run_stats(logp_a, logp_b, rows, lengths, rules, lows, highs, keep_row, run_keep, scale_row,
+                      run_scale, inv_scales, out):  # pragma: no cover - compiled
     for r in numba.prange(len(rows)):
         start, length = rows[r], lengths[r]
         log_ratio, ratio, weight = np.empty(length), np.empty(length), np.empty(length)
@@ -200,8 +200,8 @@ def _weight_run_stats(logp_a, logp_b, rows, lengths, rules, lows, highs, run_kee
             log_ratio[j] = logp_a[start + j] - logp_b[start + j]
             ratio[j] = math.exp(log_ratio[j])
         for k in range(len(rules)):
-            _rule_weights(rules[k], ratio, log_ratio, length, lows[k], highs[k], run_keep[k, r],
-                          run_scale[k, r], weight, hit)
+            _rule_weights(rules[k], ratio, log_ratio, length, lows[k], highs[k], run_keep[keep_row[k], r],
+                          run_scale[scale_row[k], r], weight, hit)
             inv = inv_scales[k]
             s_w = s_w2 = hits = infinite = 0.0
             top = -math.inf
@@ -220,25 +220,45 @@ def _weight_run_stats(logp_a, logp_b, rows, lengths, rules, lows, highs, run_kee
             row[0], row[1], row[2], row[3], row[4], row[5] = s_w, s_w2, top, hits, infinite, m2
 
 
+# Bytes of per-run statistics one sweep may hold; more corrections than fit take more sweeps.
+_WEIGHT_STATS_BUDGET = 256 * 2**20
+
+
 def weight_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
                      rules: list[tuple[int, dict]]) -> list[dict[str, np.ndarray]]:
     """Per run, for each token-level correction `(rule, options)` (options: low, high, run_keep,
     run_scale, inv_scale) on ratio = exp(logp_a - logp_b): WEIGHT_STATS, with sum w^2 taken of
-    w * inv_scale and M2 around the run's own mean. All corrections in one sweep."""
+    w * inv_scale and M2 around the run's own mean. As many corrections per sweep as fit
+    _WEIGHT_STATS_BUDGET (all 20 of the defaults for up to ~280k runs)."""
+    num_runs = len(rows)
+    per_sweep = max(1, _WEIGHT_STATS_BUDGET // max(1, num_runs * len(WEIGHT_STATS) * 8))
+    stats: list[dict[str, np.ndarray]] = []
+    for first in range(0, len(rules), per_sweep):
+        stats.extend(_weight_sweep(logp_a, logp_b, rows, lengths, rules[first:first + per_sweep]))
+    return stats
+
+
+def _weight_sweep(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
+                  rules: list[tuple[int, dict]]) -> list[dict[str, np.ndarray]]:
     num_runs, num_rules = len(rows), len(rules)
     out = np.zeros((num_rules, num_runs, len(WEIGHT_STATS)))
     if num_runs and num_rules:
-        run_keep = np.ones((num_rules, num_runs), dtype=np.bool_)
-        run_scale = np.ones((num_rules, num_runs))
+        # Row 0 of each per-run table is the default (keep every run, scale 1); a rule with its own
+        # per-run values gets a row of its own.
+        keeps, scales = [np.ones(num_runs, dtype=np.bool_)], [np.ones(num_runs)]
+        keep_row, scale_row = np.zeros(num_rules, dtype=np.int64), np.zeros(num_rules, dtype=np.int64)
         for k, (_, options) in enumerate(rules):
             if options.get("run_keep") is not None:
-                run_keep[k] = options["run_keep"]
+                keep_row[k] = len(keeps)
+                keeps.append(np.asarray(options["run_keep"], dtype=np.bool_))
             if options.get("run_scale") is not None:
-                run_scale[k] = options["run_scale"]
+                scale_row[k] = len(scales)
+                scales.append(np.asarray(options["run_scale"], dtype=np.float64))
         _weight_run_stats(logp_a, logp_b, rows, lengths, np.array([rule for rule, _ in rules], dtype=np.int64),
                           np.array([float(o.get("low", 1.0)) for _, o in rules]),
-                          np.array([float(o.get("high", 1.0)) for _, o in rules]), run_keep, run_scale,
-                          np.array([float(o.get("inv_scale", 1.0)) for _, o in rules]), out)
+                          np.array([float(o.get("high", 1.0)) for _, o in rules]), keep_row, np.stack(keeps),
+                          scale_row, np.stack(scales), np.array([float(o.get("inv_scale", 1.0)) for _, o in rules]),
+                          out)
     return [{name: out[k, :, i] for i, name in enumerate(WEIGHT_STATS)} for k in range(num_rules)]
 
 

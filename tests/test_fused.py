@@ -163,3 +163,12 @@ def test_fused_equals_numpy_on_small_odd_tables(seed, monkeypatch):
         monkeypatch.setenv("MISMATCH_NO_JIT", "1")
         slow = analysis(frame)
     assert_same(fast, slow)
+
+
+def test_corrections_in_several_sweeps_equal_one(monkeypatch):
+    # Huge tables split the corrections into sweeps that fit a memory budget; the numbers must not move.
+    rng = np.random.default_rng(5)
+    log_ratio, seq = rng.normal(0, 0.3, 5000), np.arange(5000) // 20
+    one = [r.to_dict() for r in simulate(log_ratio, seq=seq, rollout=seq // 3, turn=seq % 2)]
+    monkeypatch.setattr(fused, "_WEIGHT_STATS_BUDGET", 1)  # one correction per sweep
+    assert [r.to_dict() for r in simulate(log_ratio, seq=seq, rollout=seq // 3, turn=seq % 2)] == one
