@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.cli import main
-from mismatch.diff import bootstrap_deltas, diff
+from mismatch.diff import bootstrap_deltas
 
 
 def test_diff_names_the_closer_config(tiny_checkpoint, sampled_rollouts, tmp_path, capsys) -> None:
