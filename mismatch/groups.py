@@ -73,20 +73,33 @@ def key_codes(column: pd.Series) -> np.ndarray:
 
 def find_runs(keys: Sequence[np.ndarray], num_rows: int, mask: np.ndarray | None = None) -> Runs:
     """Runs of the rows where `mask` (default: all rows), cut wherever any of the aligned key
-    arrays changes value or a masked-out row comes between two tokens."""
-    change = np.zeros(num_rows, dtype=bool)
-    if num_rows:
-        change[0] = True
+    arrays changes value or a masked-out row comes between two tokens.
+
+    Two row-length flag buffers, updated in place: fresh arrays of ~1e7 rows cost more in page
+    faults than the comparisons (benchmarks/RESULTS.md).
+    """
+    change = np.zeros(num_rows, dtype=bool)  # row i starts a run (if kept)
+    if num_rows == 0:
+        return Runs(starts=np.zeros(0, dtype=np.int64), lengths=np.zeros(0, dtype=np.int64), num_tokens=0,
+                    rows=np.zeros(0, dtype=np.int64))
+    change[0] = True
+    flags = np.empty(num_rows - 1, dtype=bool)
     for key in keys:
-        change[1:] |= key[1:] != key[:-1]
+        np.not_equal(key[1:], key[:-1], out=flags)
+        np.logical_or(change[1:], flags, out=change[1:])
     if mask is None:
         rows = np.flatnonzero(change)
         lengths = np.diff(np.append(rows, num_rows))
         return Runs(starts=rows, lengths=lengths, num_tokens=num_rows, rows=rows)
-    # A kept row starts a run after a change or after a dropped row; count each run's kept rows.
-    change[1:] |= ~mask[:-1]
-    rows = np.flatnonzero(change & mask)
-    ends = np.flatnonzero(mask & np.append(change[1:] | ~mask[1:], True))
+    # A kept row starts a run after a change or after a dropped row, and ends one before a change
+    # or a dropped row (or at the end).
+    np.logical_or(change[1:], np.logical_not(mask[:-1], out=flags), out=change[1:])
+    ends_here = np.empty(num_rows, dtype=bool)
+    np.logical_or(change[1:], np.logical_not(mask[1:], out=flags), out=ends_here[:-1])
+    ends_here[-1] = True
+    np.logical_and(ends_here, mask, out=ends_here)
+    np.logical_and(change, mask, out=change)
+    rows, ends = np.flatnonzero(change), np.flatnonzero(ends_here)
     lengths = ends - rows + 1
     starts = np.cumsum(lengths) - lengths
     return Runs(starts=starts, lengths=lengths, num_tokens=int(lengths.sum()), rows=rows)
