@@ -24,6 +24,10 @@ PARQUET_BATCH_SIZE = 256
 # Limits that turn hostile input into an error instead of a hang, a huge message or a RecursionError.
 MAX_TREE_DEPTH = 1000  # parent links from the root; each level replays its whole context again
 MAX_NESTING = 64  # levels of arrays/objects in free-form `meta` and `messages` (written to summary.json)
+# Levels of arrays/objects a JSON text may have before it is parsed at all. json's C decoder
+# recurses once per level: near the interpreter's recursion limit any finalizer the garbage
+# collector runs there fails too (an "unraisable" RecursionError), so deep texts are refused first.
+MAX_JSON_DEPTH = 256
 MAX_NAME_CHARS = 60  # ids and names quoted in an error message are cut to this
 
 _JSON_TYPE_NAMES = {dict: "object", list: "array", str: "string", bool: "boolean",
@@ -531,6 +535,8 @@ def _short_id(text: str | None) -> str | None:
 
 def _loads(text: str | bytes) -> tuple[object, str | None]:
     """(value, None) for valid JSON, else (_UNPARSED, why) -- whatever the bytes hold."""
+    if _deeper_than(text, MAX_JSON_DEPTH):
+        return _UNPARSED, "arrays/objects nested too deeply"
     try:
         return json.loads(text), None
     except json.JSONDecodeError as e:
@@ -542,6 +548,34 @@ def _loads(text: str | bytes) -> tuple[object, str | None]:
         return _UNPARSED, "arrays/objects nested too deeply"
     except ValueError:  # int() refuses a literal longer than sys.get_int_max_str_digits()
         return _UNPARSED, f"a number has more than {sys.get_int_max_str_digits()} digits"
+
+
+def _deeper_than(text: str | bytes, limit: int) -> bool:
+    """Whether a JSON text opens more than `limit` arrays/objects at once, without parsing it.
+
+    Vectorized over the bytes: brackets inside strings (between unescaped quotes) do not count.
+    A text with at most `limit` opening brackets in all cannot be deeper, so most lines cost two
+    `count` calls.
+    """
+    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    data = np.frombuffer(raw, dtype=np.uint8)
+    index = np.arange(len(data))
+    backslash = data == ord("\\")
+    # A quote is escaped when an odd run of backslashes comes right before it.
+    last_plain = np.maximum.accumulate(np.where(backslash, -1, index))
+    quotes = np.flatnonzero(data == ord('"'))
+    run = quotes - 1 - last_plain[np.maximum(quotes - 1, 0)]
+    run[quotes == 0] = 0
+    toggles = np.zeros(len(data) + 1, dtype=np.int64)
+    toggles[quotes[run % 2 == 0] + 1] = 1
+    in_string = (np.cumsum(toggles)[:-1] % 2).astype(bool)
+    step = np.zeros(len(data), dtype=np.int64)
+    step[(data == ord("[")) | (data == ord("{"))] = 1
+    step[(data == ord("]")) | (data == ord("}"))] = -1
+    step[in_string] = 0
+    return int(np.cumsum(step).max()) > limit
 
 
 def _read_jsonl(path: Path, file: str) -> Iterator[tuple[int, object, list[RolloutError]]]:

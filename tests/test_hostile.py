@@ -432,3 +432,14 @@ def test_fuzz_parquet_loader(fuzz_dir, rows, data):
         load_everything(path)
     except MismatchError:  # an unreadable file raises at open, by design
         pass
+
+
+def test_depth_is_checked_before_parsing_and_ignores_brackets_in_strings(tmp_path):
+    from mismatch.rollouts import MAX_JSON_DEPTH, _deeper_than
+
+    deep = "[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1)
+    assert _deeper_than(deep, MAX_JSON_DEPTH) and not _deeper_than(deep[1:-1], MAX_JSON_DEPTH)
+    # Brackets in strings, escaped quotes and escaped backslashes: a flat object, many '[' characters.
+    text = json.dumps({"code": "[" * 1000, "quote": '\\"[[[', "slash": "\\\\" + "{" * 500})
+    assert not _deeper_than(text, MAX_JSON_DEPTH) and not _deeper_than(text.encode(), MAX_JSON_DEPTH)
+    assert json.loads(text)["code"] == "[" * 1000
