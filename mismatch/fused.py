@@ -15,8 +15,10 @@ view selects.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import threading
 
 import numpy as np
 
@@ -81,13 +83,26 @@ def _jit(fn=None, *, reassociate: bool = False, parallel: bool = False):
     """numba.njit with the disk cache. `reassociate` lets LLVM reorder float sums (the only fast-math
     flag used: inf and NaN keep their meaning), so long sums vectorize instead of waiting on each add.
     `parallel` spreads a `numba.prange` loop over runs across the cores; each run writes only its
-    own output row, so the result does not depend on the number of threads."""
+    own output row, so the result does not depend on the number of threads. Parallel loops are
+    entry points only, and run one at a time: the workqueue layer must not be entered by two
+    Python threads at once."""
     if fn is None:
         return lambda fn: _jit(fn, reassociate=reassociate, parallel=parallel)
     if numba is None:
         return fn
-    return numba.njit(cache=True, nogil=True, parallel=parallel,
-                      fastmath={"reassoc"} if reassociate else False)(fn)
+    compiled = numba.njit(cache=True, nogil=True, parallel=parallel,
+                          fastmath={"reassoc"} if reassociate else False)(fn)
+    if not parallel:
+        return compiled
+
+    @functools.wraps(fn)
+    def one_at_a_time(*args):
+        with _PARALLEL_LOCK:
+            return compiled(*args)
+    return one_at_a_time
+
+
+_PARALLEL_LOCK = threading.Lock()
 
 
 @_jit(parallel=True)

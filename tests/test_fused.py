@@ -172,3 +172,24 @@ def test_corrections_in_several_sweeps_equal_one(monkeypatch):
     one = [r.to_dict() for r in simulate(log_ratio, seq=seq, rollout=seq // 3, turn=seq % 2)]
     monkeypatch.setattr(fused, "_WEIGHT_STATS_BUDGET", 1)  # one correction per sweep
     assert [r.to_dict() for r in simulate(log_ratio, seq=seq, rollout=seq // 3, turn=seq % 2)] == one
+
+
+def test_two_threads_analysing_at_once_get_the_same_numbers():
+    # numba's workqueue layer aborts the process when two threads enter parallel loops at once
+    # ("Concurrent access has been detected"); fused serializes them.
+    import threading
+
+    rng = np.random.default_rng(9)
+    log_ratio, seq = rng.normal(0, 0.3, 1_000_000), np.arange(1_000_000) // 50
+    want = [r.to_dict() for r in simulate(log_ratio, seq=seq, rollout=seq // 3, turn=seq % 2)]
+    got: list = [None, None]
+
+    def run(i: int) -> None:
+        got[i] = [r.to_dict() for r in simulate(log_ratio, seq=seq, rollout=seq // 3, turn=seq % 2)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert got == [want, want]

@@ -122,8 +122,10 @@ def _tokens_position_slope(pair: PairTokens) -> dict[str, Any]:
         return _slope_from_moments(0, 0.0, 0.0, 0.0, 0.0, 0.0, None)
     runs = tokens.runs  # runs never cross sequences: per-sequence sums through them
     if fused.available():
+        pos = tokens.table_column("pos")
+        pos = np.ascontiguousarray(pos if pos.dtype.kind in "iuf" else pos.astype(np.float64))
         x_mean, y_mean, sxx, sxy, sse, scores = fused.slope_fit(
-            np.ascontiguousarray(tokens.table_column("pos")), pair.table_a, pair.table_b, POSITION_UNIT,
+            pos, pair.table_a, pair.table_b, POSITION_UNIT,
             runs.rows, runs.lengths, tokens.run_seq, tokens.num_seqs)
         return _slope_from_moments(tokens.num_tokens, x_mean, y_mean, sxx, sxy, sse, scores)
     return _position_slope(tokens.column("pos").astype(np.float64) / POSITION_UNIT, np.abs(pair.log_ratio),
