@@ -51,3 +51,18 @@ def demo_dir(tmp_path: Path, tiny_checkpoint: Path) -> Path:
     root = tmp_path / "demo"
     shutil.copytree(tiny_checkpoint, root / "checkpoint")
     return root
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`).
+
+    Two OpenMP threads on two shared cores spin-wait whenever another process is busy: many small
+    ops took 0.4 s on one thread and 17 s on two beside a busy process (measured).
+    """
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

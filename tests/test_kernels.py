@@ -19,14 +19,7 @@ CORPUS = Path(__file__).resolve().parents[1] / "mismatch" / "data" / "corpus.txt
 ALL_TYPES = {"Embedding", "Linear", "RMSNorm", "RoPE", "attention", "SiLU-mul", "lm_head+log_softmax"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Two OpenMP threads on two shared cores spin-wait whenever another process is busy: these
-    # many small ops took 0.4 s on one thread and 17 s on two beside a busy process (measured).
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

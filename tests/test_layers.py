@@ -20,13 +20,7 @@ MAX_TOKENS = 160  # scored positions per comparison: enough signal, under a seco
 SUB_BLOCKS = ["input_layernorm", "self_attn", "post_attention_layernorm", "mlp"]  # execution order
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two OpenMP threads on 2 shared cores spin-wait to a crawl beside other jobs (see tinymodel).
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def planted(src: Path, root: Path, tensor: str) -> Path:

@@ -18,15 +18,7 @@ from mismatch.replay import segment_turns
 EXAMPLE_ROLLOUTS = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The replay test runs a model: two OpenMP threads on 2 shared cores crawl beside other jobs.
-    import torch
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_table(*, num_rollouts: int = 6, num_turns: int = 8, prompt_len: int = 10, reply_len: int = 30,

@@ -20,14 +20,7 @@ from probes.ulp import bitwise_equal, max_ulp_diff, ordinal, ulp_diff
 TINY = ProbeShapes(hidden=128, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=384, vocab=1024)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Two OpenMP threads on two shared cores spin-wait whenever another process is busy: these
-    # many small ops took 0.4 s on one thread and 17 s on two beside a busy process (measured).
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def f32(*values: float) -> torch.Tensor:
