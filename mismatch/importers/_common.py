@@ -75,6 +75,21 @@ def same_length(field: str, values: Sequence, other: str, reference: Sequence, w
         raise where.error(field, f"has {len(values)} entries for {len(reference)} {other}")
 
 
+def response_sample(row: Any, where: Where, prefix: str, *, prompt: str, response: str, mask: str,
+                    logprobs: str) -> tuple[list[int], list[int], list[int], list[float] | None]:
+    """(prompt ids, response ids, loss mask, sampler log-probs or None) of a flat sample record,
+    under the record's own field names; the mask and log-probs must align with the response."""
+    prompt_ids = ints(get(row, prompt, where, prefix=prefix), prefix + prompt, where)
+    response_ids = ints(get(row, response, where, prefix=prefix), prefix + response, where)
+    loss_mask = ints(get(row, mask, where, prefix=prefix), prefix + mask, where)
+    same_length(prefix + mask, loss_mask, response, response_ids, where)
+    logp = row.get(logprobs)
+    if logp is not None:
+        logp = floats(logp, prefix + logprobs, where)
+        same_length(prefix + logprobs, logp, response, response_ids, where)
+    return prompt_ids, response_ids, loss_mask, logp
+
+
 def runs(mask: Sequence[int]) -> list[tuple[int, int, bool]]:
     """(start, stop, on) for each run of equal mask values."""
     out: list[tuple[int, int, bool]] = []

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mismatch.importers._common import (Where, branch, floats, get, ints, masked_segments, rows_of,
-                                        same_length, source_meta)
+from mismatch.importers._common import (Where, branch, get, masked_segments, response_sample, rows_of,
+                                        source_meta)
 
 COLUMNS = ("prompt_token_ids", "response_ids", "rewards", "loss_masks", "stop_reasons", "rollout_logprobs",
            "trajectory_ids", "is_last_step")
@@ -51,14 +51,9 @@ def _trajectory_id(value: Any, where: Where, i: int) -> str | None:
 
 
 def _rollout(row: dict[str, Any], where: Where, rollout_id: str, prefix: str) -> dict[str, Any]:
-    prompt = ints(get(row, "prompt_token_ids", where, prefix=prefix), prefix + "prompt_token_ids", where)
-    response = ints(get(row, "response_ids", where, prefix=prefix), prefix + "response_ids", where)
-    mask = ints(get(row, "loss_masks", where, prefix=prefix), prefix + "loss_masks", where)
-    same_length(prefix + "loss_masks", mask, "response_ids", response, where)
-    logprobs = row.get("rollout_logprobs")
-    if logprobs is not None:
-        logprobs = floats(logprobs, prefix + "rollout_logprobs", where)
-        same_length(prefix + "rollout_logprobs", logprobs, "response_ids", response, where)
+    prompt, response, mask, logprobs = response_sample(row, where, prefix, prompt="prompt_token_ids",
+                                                       response="response_ids", mask="loss_masks",
+                                                       logprobs="rollout_logprobs")
     segments = [{"role": "user", "tokens": prompt}, *masked_segments(response, mask, logprobs, off_role="tool")]
     meta = source_meta("skyrl", where, reward=row.get("rewards"), stop_reason=row.get("stop_reasons"),
                        is_last_step=row.get("is_last_step"))

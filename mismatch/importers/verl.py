@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mismatch.importers._common import (Where, branch, floats, get, ints, masked_segments, rows_of,
+from mismatch.importers._common import (Where, branch, floats, get, ints, masked_segments, response_sample, rows_of,
                                         same_length, source_meta)
 
 AGENT_LOOP_KEYS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score",
@@ -55,14 +55,9 @@ def _rollout(row: dict[str, Any], where: Where, rollout_id: str, padded: bool, p
     if padded:
         prompt, response, mask, logprobs = _unpad(row, where, prefix)
     else:
-        prompt = ints(get(row, "prompt_ids", where, prefix=prefix), prefix + "prompt_ids", where)
-        response = ints(get(row, "response_ids", where, prefix=prefix), prefix + "response_ids", where)
-        mask = ints(get(row, "response_mask", where, prefix=prefix), prefix + "response_mask", where)
-        same_length(prefix + "response_mask", mask, "response_ids", response, where)
-        logprobs = row.get("response_logprobs")
-        if logprobs is not None:
-            logprobs = floats(logprobs, prefix + "response_logprobs", where)
-            same_length(prefix + "response_logprobs", logprobs, "response_ids", response, where)
+        prompt, response, mask, logprobs = response_sample(row, where, prefix, prompt="prompt_ids",
+                                                           response="response_ids", mask="response_mask",
+                                                           logprobs="response_logprobs")
     # The prompt is the dataset's chat (system + user) as one run of prompt tokens.
     segments = [{"role": "user", "tokens": prompt}, *masked_segments(response, mask, logprobs, off_role="tool")]
     meta = source_meta("verl", where, reward=row.get("reward_score"), num_turns=row.get("num_turns"))
