@@ -97,17 +97,11 @@ class _Tokens:
     runs instead of ~1e7 tokens is what keeps the 41 default corrections cheap.
     """
 
-    def __init__(self, columns: tuple[np.ndarray, np.ndarray], runs: Runs, *, run_seq: np.ndarray,
+    def __init__(self, log_ratio: np.ndarray, runs: Runs, *, run_seq: np.ndarray,
                  num_seqs: int, run_rollout: np.ndarray, num_rollouts: int,
                  turn: tuple[np.ndarray, np.ndarray] | None = None,
-                 log_ratio: Callable[[], np.ndarray] | None = None,
                  run_stats: dict[str, np.ndarray] | None = None) -> None:
-        # log_ratio = A - B per token, with A and B the two `columns` read at the runs' table rows
-        # (simulate() passes its compact (log_ratio, 0)). The fused sweeps read the columns
-        # directly; the per-token log_ratio is made (by `log_ratio`, or from the columns when they
-        # are compact) only if a numpy path asks for it.
-        self.logp_a, self.logp_b = columns
-        self._log_ratio = log_ratio
+        self.log_ratio = log_ratio  # log pi_train - log pi_sampler, one per token, in run order
         self.num_tokens = runs.num_tokens
         self.runs = runs
         self.run_seq, self.num_seqs = run_seq, num_seqs
@@ -115,10 +109,6 @@ class _Tokens:
         self.turn = turn  # (distinct turn keys, turn code of each run), or None
         if run_stats is not None:  # the metrics' own per-run sums, when the caller has them
             self.__dict__["run_stats"] = run_stats
-
-    @cached_property
-    def log_ratio(self) -> np.ndarray:
-        return self._log_ratio() if self._log_ratio is not None else self.logp_a - self.logp_b
 
     @cached_property
     def ratio(self) -> np.ndarray:
@@ -135,10 +125,6 @@ class _Tokens:
     @cached_property
     def run_stats(self) -> dict[str, np.ndarray]:
         """Per run: sum, min and max of the log-ratio (keys as metrics.run_sums)."""
-        from mismatch import fused
-
-        if fused.available():
-            return fused.pair_run_stats(self.logp_a, self.logp_b, self.runs.rows, self.runs.lengths)
         return {"log_ratio": self.runs.sum(self.log_ratio), "log_ratio_min": self.runs.min(self.log_ratio),
                 "log_ratio_max": self.runs.max(self.log_ratio)}
 
@@ -176,7 +162,7 @@ class _Tokens:
         from mismatch import fused
 
         if fused.available():
-            return fused.verl_run_stats(self.logp_a, self.logp_b, self.runs.rows, self.runs.lengths)
+            return fused.verl_run_stats(self.log_ratio, self.runs.starts, self.runs.lengths)
         stats = {}
         for estimator in ("k1", "k2", "k3"):
             values = _verl_stat(self, estimator)
@@ -511,8 +497,7 @@ def _prepare(log_ratio: Any, *, seq: Any, rollout: Any, trainable: Any | None,
         turn_keys, turn_codes = np.unique(arrays["turn"][keep], return_inverse=True)
         keys.append(turn_codes.reshape(-1))
     runs = find_runs(keys, int(keep.sum()))
-    kept = log_ratio[keep]
-    tokens = _Tokens((kept, np.zeros_like(kept)), runs, run_seq=seq_codes[runs.starts], num_seqs=num_seqs,
+    tokens = _Tokens(log_ratio[keep], runs, run_seq=seq_codes[runs.starts], num_seqs=num_seqs,
                      run_rollout=rollout_codes[runs.starts], num_rollouts=num_rollouts,
                      turn=(turn_keys, keys[2][runs.starts]) if turn is not None else None)
     return tokens, keep
@@ -644,13 +629,13 @@ def _fused_summaries(tokens: _Tokens, rules: list[tuple[int, dict[str, Any]]]) -
     from mismatch import fused
 
     n, runs = tokens.num_tokens, tokens.runs
-    all_stats = fused.weight_run_stats(tokens.logp_a, tokens.logp_b, runs.rows, runs.lengths, rules)
+    all_stats = fused.weight_run_stats(tokens.log_ratio, runs.starts, runs.lengths, rules)
     # As effective_sample_size: scale-free, so where sum w^2 could overflow or underflow the sums
     # are taken again of w / top.
     tops = [float(stats["weight_max"].max()) for stats in all_stats]
     far = [k for k, top in enumerate(tops) if top > 0 and not 1e-100 < top < 1e100]
     if far:
-        again = fused.weight_run_stats(tokens.logp_a, tokens.logp_b, runs.rows, runs.lengths,
+        again = fused.weight_run_stats(tokens.log_ratio, runs.starts, runs.lengths,
                                        [(rules[k][0], {**rules[k][1], "inv_scale": 1.0 / tops[k]}) for k in far])
         for k, stats in zip(far, again):
             all_stats[k]["weight_sq"] = stats["weight_sq"]
@@ -719,10 +704,10 @@ def simulate_table(table: pd.DataFrame | TokenView, corrections: Sequence[Correc
     pair_view = pair_tokens(view, needed[4], needed[5])
     tokens_view = pair_view.view
     runs, turns = tokens_view.grouping(["turn"])
-    tokens = _Tokens((pair_view.table_a, pair_view.table_b), runs, run_seq=tokens_view.run_seq,
+    tokens = _Tokens(pair_view.log_ratio, runs, run_seq=tokens_view.run_seq,
                      num_seqs=tokens_view.num_seqs, run_rollout=tokens_view.run_rollout,
                      num_rollouts=tokens_view.num_rollouts, turn=(turns.keys["turn"].to_numpy(), turns.run_group),
-                     log_ratio=lambda: pair_view.log_ratio, run_stats=run_sums(pair_view, runs))
+                     run_stats=run_sums(pair_view, runs))
     return _results(tokens, corrections)
 
 

@@ -8,9 +8,13 @@ MISMATCH_NO_JIT=1, and tests hold both paths equal. Callers import this module i
 functions that use it, so importing mismatch does not import numba; compiled loops are cached
 on disk (`cache=True`).
 
-Every loop walks runs given as (`rows`, `lengths`): the table row of each run's first token and
-its token count (groups.Runs), so it reads the table's own columns, with no copy of the rows a
-view selects.
+Runs come as (`rows` or `starts`, `lengths`): each run's first token as a table row or as a
+position among the view's tokens, and its token count (groups.Runs). `pair_run_stats`, the first
+sweep of a pair, reads the two log-prob columns of the table at the runs' rows and writes the
+pair's log-ratio, compact (one value per token, in view order); every later loop reads that
+array at the runs' `starts`. A pass over it reads 8 bytes per token rather than two columns
+across the whole table, interleaved prompt rows included, which is what bounds these loops
+(benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -106,10 +110,9 @@ _PARALLEL_LOCK = threading.Lock()
 
 
 @_jit(parallel=True)
-def _pair_run_stats(logp_a, logp_b, rows, lengths, out):  # pragma: no cover - compiled
+def _pair_run_stats(logp_a, logp_b, rows, starts, lengths, log_ratio, out):  # pragma: no cover - compiled
     for r in numba.prange(len(rows)):
-        start, length = rows[r], lengths[r]
-        ratios = np.empty(length)
+        start, first, length = rows[r], starts[r], lengths[r]
         s_lr = s_abs = s_ratio = s_lr2 = s_k3 = s_r2 = s_pd = 0.0
         max_abs = max_pd = max_lr = -math.inf
         min_lr = math.inf
@@ -117,8 +120,8 @@ def _pair_run_stats(logp_a, logp_b, rows, lengths, out):  # pragma: no cover - c
         for j in range(length):
             a, b = logp_a[start + j], logp_b[start + j]
             x = a - b
+            log_ratio[first + j] = x
             r_j = math.exp(x)
-            ratios[j] = r_j
             em1 = math.expm1(x)
             ax = abs(x)
             s_lr += x
@@ -141,22 +144,27 @@ def _pair_run_stats(logp_a, logp_b, rows, lengths, out):  # pragma: no cover - c
                 equal += 1.0
         mean = s_ratio / length
         m2 = 0.0
-        for j in range(length):  # second pass over the run's ratios, in cache
-            m2 += (ratios[j] - mean) ** 2
+        for j in range(length):  # second pass over the run's log-ratios, in cache
+            m2 += (math.exp(log_ratio[first + j]) - mean) ** 2
         row = out[r]
         row[0], row[1], row[2], row[3], row[4] = s_lr, s_abs, max_abs, min_lr, max_lr
         row[5], row[6], row[7], row[8], row[9] = s_ratio, s_lr2, s_k3, s_r2, s_pd
         row[10], row[11], row[12], row[13] = max_pd, outside, equal, m2
 
 
-def pair_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray,
-                   lengths: np.ndarray) -> dict[str, np.ndarray]:
+def pair_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, starts: np.ndarray,
+                   lengths: np.ndarray, log_ratio: np.ndarray | None = None) -> tuple[dict[str, np.ndarray],
+                                                                                np.ndarray]:
     """Per run: the PAIR_STATS sums and extremes of log_ratio = logp_a - logp_b and ratio =
-    exp(log_ratio), and the ratio's M2 around the run's own mean (for Chan's merge)."""
+    exp(log_ratio), and the ratio's M2 around the run's own mean (for Chan's merge); and the
+    log-ratio of every token, compact (token starts[r] + j is table row rows[r] + j), written into
+    `log_ratio` (a new array when None)."""
     out = np.empty((len(rows), len(PAIR_STATS)))
+    if log_ratio is None:
+        log_ratio = np.empty(int(starts[-1] + lengths[-1]) if len(rows) else 0)
     if len(rows):
-        _pair_run_stats(logp_a, logp_b, rows, lengths, out)
-    return {name: out[:, i] for i, name in enumerate(PAIR_STATS)}
+        _pair_run_stats(logp_a, logp_b, rows, starts, lengths, log_ratio, out)
+    return {name: out[:, i] for i, name in enumerate(PAIR_STATS)}, log_ratio
 
 
 @_jit(reassociate=True)
@@ -205,14 +213,14 @@ def _rule_weights(rule, ratio, log_ratio, length, low, high, keep_run, scale, we
 
 
 @_jit(reassociate=True, parallel=True)
-def _weight_run_stats(logp_a, logp_b, rows, lengths, rules, lows, highs, keep_row, run_keep, scale_row,
+def _weight_run_stats(values, starts, lengths, rules, lows, highs, keep_row, run_keep, scale_row,
                       run_scale, inv_scales, out):  # pragma: no cover - compiled
-    for r in numba.prange(len(rows)):
-        start, length = rows[r], lengths[r]
+    for r in numba.prange(len(starts)):
+        start, length = starts[r], lengths[r]
         log_ratio, ratio, weight = np.empty(length), np.empty(length), np.empty(length)
         hit = np.empty(length, dtype=np.bool_)
         for j in range(length):  # the run's ratios once, then every rule over them from cache
-            log_ratio[j] = logp_a[start + j] - logp_b[start + j]
+            log_ratio[j] = values[start + j]
             ratio[j] = math.exp(log_ratio[j])
         for k in range(len(rules)):
             _rule_weights(rules[k], ratio, log_ratio, length, lows[k], highs[k], run_keep[keep_row[k], r],
@@ -239,23 +247,23 @@ def _weight_run_stats(logp_a, logp_b, rows, lengths, rules, lows, highs, keep_ro
 _WEIGHT_STATS_BUDGET = 256 * 2**20
 
 
-def weight_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
+def weight_run_stats(log_ratio: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                      rules: list[tuple[int, dict]]) -> list[dict[str, np.ndarray]]:
     """Per run, for each token-level correction `(rule, options)` (options: low, high, run_keep,
-    run_scale, inv_scale) on ratio = exp(logp_a - logp_b): WEIGHT_STATS, with sum w^2 taken of
+    run_scale, inv_scale) on ratio = exp(log_ratio): WEIGHT_STATS, with sum w^2 taken of
     w * inv_scale and M2 around the run's own mean. As many corrections per sweep as fit
     _WEIGHT_STATS_BUDGET (all 20 of the defaults for up to ~280k runs)."""
-    num_runs = len(rows)
+    num_runs = len(starts)
     per_sweep = max(1, _WEIGHT_STATS_BUDGET // max(1, num_runs * len(WEIGHT_STATS) * 8))
     stats: list[dict[str, np.ndarray]] = []
     for first in range(0, len(rules), per_sweep):
-        stats.extend(_weight_sweep(logp_a, logp_b, rows, lengths, rules[first:first + per_sweep]))
+        stats.extend(_weight_sweep(log_ratio, starts, lengths, rules[first:first + per_sweep]))
     return stats
 
 
-def _weight_sweep(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
+def _weight_sweep(log_ratio: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                   rules: list[tuple[int, dict]]) -> list[dict[str, np.ndarray]]:
-    num_runs, num_rules = len(rows), len(rules)
+    num_runs, num_rules = len(starts), len(rules)
     out = np.zeros((num_rules, num_runs, len(WEIGHT_STATS)))
     if num_runs and num_rules:
         # Row 0 of each per-run table is the default (keep every run, scale 1); a rule with its own
@@ -269,7 +277,7 @@ def _weight_sweep(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, leng
             if options.get("run_scale") is not None:
                 scale_row[k] = len(scales)
                 scales.append(np.asarray(options["run_scale"], dtype=np.float64))
-        _weight_run_stats(logp_a, logp_b, rows, lengths, np.array([rule for rule, _ in rules], dtype=np.int64),
+        _weight_run_stats(log_ratio, starts, lengths, np.array([rule for rule, _ in rules], dtype=np.int64),
                           np.array([float(o.get("low", 1.0)) for _, o in rules]),
                           np.array([float(o.get("high", 1.0)) for _, o in rules]), keep_row, np.stack(keeps),
                           scale_row, np.stack(scales), np.array([float(o.get("inv_scale", 1.0)) for _, o in rules]),
@@ -282,12 +290,12 @@ VERL_STATS = ("k1", "k2", "k3", "k1_max", "k2_max", "k3_max")
 
 
 @_jit(parallel=True)
-def _verl_run_stats(logp_a, logp_b, rows, lengths, out):  # pragma: no cover - compiled
-    for r in numba.prange(len(rows)):
+def _verl_run_stats(log_ratio, starts, lengths, out):  # pragma: no cover - compiled
+    for r in numba.prange(len(starts)):
         row = out[r]
         row[3] = row[4] = row[5] = -math.inf
-        for i in range(rows[r], rows[r] + lengths[r]):
-            c = min(max(logp_a[i] - logp_b[i], -20.0), 20.0)
+        for i in range(starts[r], starts[r] + lengths[r]):
+            c = min(max(log_ratio[i], -20.0), 20.0)
             k1, k2, k3 = -c, 0.5 * c * c, math.expm1(c) - c
             row[0] += k1
             row[1] += k2
@@ -297,12 +305,11 @@ def _verl_run_stats(logp_a, logp_b, rows, lengths, out):  # pragma: no cover - c
             row[5] = max(row[5], k3)
 
 
-def verl_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray,
-                   lengths: np.ndarray) -> dict[str, np.ndarray]:
-    """Per run: VERL_STATS of log_ratio = logp_a - logp_b."""
-    out = np.zeros((len(rows), len(VERL_STATS)))
-    if len(rows):
-        _verl_run_stats(logp_a, logp_b, rows, lengths, out)
+def verl_run_stats(log_ratio: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
+    """Per run: VERL_STATS of the log-ratio."""
+    out = np.zeros((len(starts), len(VERL_STATS)))
+    if len(starts):
+        _verl_run_stats(log_ratio, starts, lengths, out)
     return {name: out[:, i] for i, name in enumerate(VERL_STATS)}
 
 
@@ -316,19 +323,19 @@ def _chunk_bounds(num_runs: int) -> np.ndarray:
 
 
 @_jit(parallel=True)
-def _bucket_stats(logp_a, logp_b, rows, lengths, run_turn, run_rollout, log_edges, chunks,
+def _bucket_stats(logp_b, rows, log_ratio, starts, lengths, run_turn, run_rollout, log_edges, chunks,
                   stats, turn_bucket, seen):  # pragma: no cover - compiled
     num_edges = len(log_edges)
     for c in numba.prange(len(chunks) - 1):
         part = stats[c]
         for r in range(chunks[c], chunks[c + 1]):
-            turn, rollout = run_turn[r], run_rollout[r]
-            for i in range(rows[r], rows[r] + lengths[r]):
+            turn, rollout, row0, first = run_turn[r], run_rollout[r], rows[r], starts[r]
+            for j in range(lengths[r]):
                 b = 0
                 for e in range(num_edges):  # as searchsorted(log_edges, logp_b, side="right")
-                    if logp_b[i] >= log_edges[e]:
+                    if logp_b[row0 + j] >= log_edges[e]:
                         b += 1
-                x = logp_a[i] - logp_b[i]
+                x = log_ratio[first + j]
                 ratio = math.exp(x)
                 row = part[b]
                 row[0] += 1.0
@@ -338,23 +345,24 @@ def _bucket_stats(logp_a, logp_b, rows, lengths, run_turn, run_rollout, log_edge
                 row[4] += math.expm1(x) - x
                 if ratio > 2.0 or ratio < 0.5:
                     row[5] += 1.0
-                if logp_a[i] == logp_b[i]:
+                if x == 0.0:  # logp_a == logp_b: for the defined log-ratios a pair keeps, the same test
                     row[6] += 1.0
                 turn_bucket[c, turn, b] += 1
                 seen[c, b, rollout] = True
 
 
-def bucket_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
-                 run_turn: np.ndarray, num_turns: int, run_rollout: np.ndarray, num_rollouts: int,
-                 log_edges: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    """Per probability bucket of logp_b: BUCKET_STATS; tokens per (turn, bucket); rollouts per bucket."""
+def bucket_stats(logp_b: np.ndarray, rows: np.ndarray, log_ratio: np.ndarray, starts: np.ndarray,
+                 lengths: np.ndarray, run_turn: np.ndarray, num_turns: int, run_rollout: np.ndarray,
+                 num_rollouts: int, log_edges: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """Per probability bucket of logp_b (the table column, at the runs' rows): BUCKET_STATS of the
+    compact log-ratio; tokens per (turn, bucket); rollouts per bucket."""
     num_buckets = len(log_edges) + 1
     stats = np.zeros((_CHUNKS, num_buckets, len(BUCKET_STATS)))
     stats[:, :, 3] = -np.inf
     turn_bucket = np.zeros((_CHUNKS, num_turns, num_buckets), dtype=np.int64)
     seen = np.zeros((_CHUNKS, num_buckets, max(num_rollouts, 1)), dtype=np.bool_)
     if len(rows):
-        _bucket_stats(logp_a, logp_b, rows, lengths, run_turn, run_rollout,
+        _bucket_stats(logp_b, rows, log_ratio, starts, lengths, run_turn, run_rollout,
                       np.ascontiguousarray(log_edges, dtype=np.float64), _chunk_bounds(len(rows)),
                       stats, turn_bucket, seen)
     total = stats.sum(axis=0)
@@ -364,74 +372,79 @@ def bucket_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengt
 
 
 @_jit(parallel=True)
-def _slope_sums(pos, logp_a, logp_b, unit, rows, lengths, chunks, x_mean, y_mean, centred,
+def _slope_sums(pos, rows, log_ratio, starts, lengths, unit, chunks, x_mean, y_mean, centred,
                 out):  # pragma: no cover - compiled
     """Per chunk of runs: sum x and sum y, or (centred, given the means) Sxx and Sxy."""
     for c in numba.prange(len(chunks) - 1):
         s0 = s1 = 0.0
         for r in range(chunks[c], chunks[c + 1]):
-            for i in range(rows[r], rows[r] + lengths[r]):
-                x, y = pos[i] / unit - x_mean, abs(logp_a[i] - logp_b[i]) - y_mean
+            row0, first = rows[r], starts[r]
+            for j in range(lengths[r]):
+                x, y = pos[row0 + j] / unit - x_mean, abs(log_ratio[first + j]) - y_mean
                 s0 += x * x if centred else x
                 s1 += x * y if centred else y
         out[c, 0], out[c, 1] = s0, s1
 
 
 @_jit(parallel=True)
-def _slope_residuals(pos, logp_a, logp_b, unit, rows, lengths, x_mean, slope, intercept, run_sse,
+def _slope_residuals(pos, rows, log_ratio, starts, lengths, unit, x_mean, slope, intercept, run_sse,
                      run_score):  # pragma: no cover - compiled
     for r in numba.prange(len(rows)):
         sse = score = 0.0
-        for i in range(rows[r], rows[r] + lengths[r]):
-            x = pos[i] / unit
-            resid = abs(logp_a[i] - logp_b[i]) - intercept - slope * x
+        row0, first = rows[r], starts[r]
+        for j in range(lengths[r]):
+            x = pos[row0 + j] / unit
+            resid = abs(log_ratio[first + j]) - intercept - slope * x
             sse += resid * resid
             score += (x - x_mean) * resid
         run_sse[r], run_score[r] = sse, score
 
 
-def slope_fit(pos: np.ndarray, logp_a: np.ndarray, logp_b: np.ndarray, unit: float, rows: np.ndarray,
-              lengths: np.ndarray, run_seq: np.ndarray, num_seqs: int) -> tuple[float, float, float, float, float,
-                                                                              np.ndarray]:
-    """OLS of |logp_a - logp_b| on pos / unit: x mean, y mean, Sxx, Sxy, residual sum of squares, and
-    the per-sequence sums of (x - x mean) * residual (for a cluster-robust error). Needs a token."""
+def slope_fit(pos: np.ndarray, rows: np.ndarray, log_ratio: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+              unit: float, run_seq: np.ndarray, num_seqs: int) -> tuple[float, float, float, float, float,
+                                                                      np.ndarray]:
+    """OLS of |log_ratio| (compact) on pos / unit (the table column, at the runs' rows): x mean, y mean,
+    Sxx, Sxy, residual sum of squares, and the per-sequence sums of (x - x mean) * residual (for a
+    cluster-robust error). Needs a token."""
     n, chunks, unit = int(lengths.sum()), _chunk_bounds(len(rows)), float(unit)
     sums = np.zeros((_CHUNKS, 2))
-    _slope_sums(pos, logp_a, logp_b, unit, rows, lengths, chunks, 0.0, 0.0, False, sums)
+    _slope_sums(pos, rows, log_ratio, starts, lengths, unit, chunks, 0.0, 0.0, False, sums)
     x_mean, y_mean = sums[:, 0].sum() / n, sums[:, 1].sum() / n
     moments = np.zeros((_CHUNKS, 2))
-    _slope_sums(pos, logp_a, logp_b, unit, rows, lengths, chunks, x_mean, y_mean, True, moments)
+    _slope_sums(pos, rows, log_ratio, starts, lengths, unit, chunks, x_mean, y_mean, True, moments)
     sxx, sxy = float(moments[:, 0].sum()), float(moments[:, 1].sum())
     slope = sxy / sxx if sxx > 0.0 else 0.0
     run_sse, run_score = np.zeros(len(rows)), np.zeros(len(rows))
-    _slope_residuals(pos, logp_a, logp_b, unit, rows, lengths, x_mean, slope, y_mean - slope * x_mean,
+    _slope_residuals(pos, rows, log_ratio, starts, lengths, unit, x_mean, slope, y_mean - slope * x_mean,
                      run_sse, run_score)
     scores = np.bincount(run_seq, weights=run_score, minlength=num_seqs)
     return x_mean, y_mean, sxx, sxy, float(run_sse.sum()), scores
 
 
 @_jit(parallel=True)
-def _count_tails(logp_a, logp_b, rows, lengths, run_group, low_cut, high_cut, low, high):  # pragma: no cover
-    for r in numba.prange(len(rows)):
+def _count_tails(log_ratio, starts, lengths, run_group, low_cut, high_cut, low, high):  # pragma: no cover
+    for r in numba.prange(len(starts)):
         g, below, above = run_group[r], 0, 0
-        for i in range(rows[r], rows[r] + lengths[r]):
-            x = logp_a[i] - logp_b[i]
-            below += x <= low_cut[g]
-            above += x >= high_cut[g]
+        lo, hi = low_cut[g], high_cut[g]
+        for i in range(starts[r], starts[r] + lengths[r]):
+            x = log_ratio[i]
+            below += x <= lo
+            above += x >= hi
         low[r], high[r] = below, above
 
 
 @_jit(parallel=True)
-def _collect_tails(logp_a, logp_b, rows, lengths, run_group, low_cut, high_cut, low_to, high_to,
+def _collect_tails(log_ratio, starts, lengths, run_group, low_cut, high_cut, low_to, high_to,
                    low_out, high_out):  # pragma: no cover - compiled
-    for r in numba.prange(len(rows)):
+    for r in numba.prange(len(starts)):
         g, below, above = run_group[r], low_to[r], high_to[r]
-        for i in range(rows[r], rows[r] + lengths[r]):
-            x = logp_a[i] - logp_b[i]
-            if x <= low_cut[g]:
+        lo, hi = low_cut[g], high_cut[g]
+        for i in range(starts[r], starts[r] + lengths[r]):
+            x = log_ratio[i]
+            if x <= lo:
                 low_out[below] = x
                 below += 1
-            if x >= high_cut[g]:
+            if x >= hi:
                 high_out[above] = x
                 above += 1
 
@@ -447,22 +460,22 @@ def _group_offsets(lengths: np.ndarray, run_group: np.ndarray, bounds: np.ndarra
 BUCKET_STATS = ("n_tokens", "log_ratio", "abs_log_ratio", "log_ratio_abs_max", "k3", "outside_2", "equal")
 
 
-def log_ratio_tails(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, lengths: np.ndarray,
+def log_ratio_tails(log_ratio: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                     run_group: np.ndarray, num_groups: int, low_cut: np.ndarray,
                     high_cut: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per group g, the log-ratios logp_a - logp_b at or below low_cut[g] and at or above
-    high_cut[g]: (low values, low bounds, high values, high bounds), each group's side by side."""
-    low, high = np.zeros(len(rows), dtype=np.int64), np.zeros(len(rows), dtype=np.int64)
-    _count_tails(logp_a, logp_b, rows, lengths, run_group, low_cut, high_cut, low, high)
+    """Per group g, the (compact) log-ratios at or below low_cut[g] and at or above high_cut[g]:
+    (low values, low bounds, high values, high bounds), each group's side by side."""
+    low, high = np.zeros(len(starts), dtype=np.int64), np.zeros(len(starts), dtype=np.int64)
+    _count_tails(log_ratio, starts, lengths, run_group, low_cut, high_cut, low, high)
     order = np.argsort(run_group, kind="stable")
     out = []
     for counts in (low, high):
         bounds = np.concatenate([[0], np.cumsum(np.bincount(run_group, weights=counts, minlength=num_groups))])
         bounds = bounds.astype(np.int64)
-        to = np.empty(len(rows), dtype=np.int64)
+        to = np.empty(len(starts), dtype=np.int64)
         to[order] = _group_offsets(counts[order], run_group[order], bounds)
         out.append((to, bounds))
     (low_to, low_bounds), (high_to, high_bounds) = out
     low_out, high_out = np.empty(low_bounds[-1]), np.empty(high_bounds[-1])
-    _collect_tails(logp_a, logp_b, rows, lengths, run_group, low_cut, high_cut, low_to, high_to, low_out, high_out)
+    _collect_tails(log_ratio, starts, lengths, run_group, low_cut, high_cut, low_to, high_to, low_out, high_out)
     return low_out, low_bounds, high_out, high_bounds

@@ -132,8 +132,8 @@ class Grouping:
     def pairs_with(self, run_entity: np.ndarray, num_entities: int) -> tuple[np.ndarray, np.ndarray]:
         """Distinct (group, entity) pairs among the runs: (group of each pair, pair of each run)."""
         combined = self.run_group * max(num_entities, 1) + run_entity
-        unique, inverse = np.unique(combined, return_inverse=True)
-        return unique // max(num_entities, 1), inverse.reshape(-1)
+        unique, inverse = dense_codes(combined, self.num_groups * max(num_entities, 1))
+        return unique // max(num_entities, 1), inverse
 
     def distinct(self, run_entity: np.ndarray, num_entities: int) -> np.ndarray:
         """Per group: how many distinct entities (e.g. rollouts) its runs belong to."""
@@ -156,13 +156,34 @@ def group_runs(at_start: dict[str, pd.Series], runs: Runs) -> Grouping:
         run_group = np.zeros(runs.num_runs, dtype=np.int64)
         num_groups = 1 if runs.num_runs and not codes else 0
     else:
-        stacked = np.stack(codes, axis=1)
-        unique, run_group = np.unique(stacked, axis=0, return_inverse=True)
+        # Mixed radix: one integer per key tuple, ordered like the tuples (each code < its column's
+        # number of values), then numbered densely.
+        combined, domain = np.zeros(runs.num_runs, dtype=np.int64), 1
+        for column_codes in codes:
+            size = int(column_codes.max()) + 1
+            combined, domain = combined * size + column_codes, domain * size
+        if domain < 2**62:
+            unique, run_group = dense_codes(combined, domain)
+        else:  # too many combinations for one int64: rows of codes
+            unique, run_group = np.unique(np.stack(codes, axis=1), axis=0, return_inverse=True)
         run_group, num_groups = run_group.reshape(-1).astype(np.int64), len(unique)
     first_run = np.full(num_groups, runs.num_runs, dtype=np.int64)
     np.minimum.at(first_run, run_group, np.arange(runs.num_runs))
     keys = pd.DataFrame({name: values.iloc[first_run].reset_index(drop=True) for name, values in at_start.items()})
     return Grouping(run_group=run_group, num_groups=num_groups, keys=keys)
+
+
+def dense_codes(values: np.ndarray, domain: int) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(values, return_inverse=True) for non-negative ints below `domain`: by a table of
+    the domain when it is not much larger than the values (no sort), else by np.unique."""
+    if domain > 4 * len(values) + 4096:
+        unique, inverse = np.unique(values, return_inverse=True)
+        return unique, inverse.reshape(-1)
+    present = np.zeros(domain, dtype=bool)
+    present[values] = True
+    unique = np.flatnonzero(present)
+    rank = np.cumsum(present, dtype=np.int64) - 1
+    return unique, rank[values]
 
 
 def single_group(runs: Runs) -> Grouping:
@@ -264,10 +285,9 @@ def order_statistics(values: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     return np.concatenate(out)
 
 
-def ratio_quantiles(logp_a: np.ndarray, logp_b: np.ndarray, runs: Runs, grouping: Grouping,
-                    qs: Sequence[float]) -> np.ndarray:
-    """[num_groups, len(qs)] quantiles of ratio = exp(logp_a - logp_b) per group, read by fused loops
-    straight from the table columns at the runs' rows (`order_statistics`' tail rule, per group).
+def ratio_quantiles(log_ratio: np.ndarray, runs: Runs, grouping: Grouping, qs: Sequence[float]) -> np.ndarray:
+    """[num_groups, len(qs)] quantiles of ratio = exp(log_ratio) per group (`log_ratio`: one per
+    token of the runs), by fused loops (`order_statistics`' tail rule, per group).
 
     exp is monotonic, so the ratio's order statistics are exp of the log-ratio's: only each
     group's tails of log-ratios are collected (cuts placed from a strided sample), never a ratio
@@ -282,9 +302,9 @@ def ratio_quantiles(logp_a: np.ndarray, logp_b: np.ndarray, runs: Runs, grouping
         return out
     ranks = [_ranks(int(n), qs) for n in counts]
     low_cut, high_cut = np.full(num_groups, np.inf), np.full(num_groups, np.nan)  # whole groups
-    _place_cuts(logp_a, logp_b, runs, grouping, counts, ranks, low_cut, high_cut)
+    _place_cuts(log_ratio, runs, grouping, counts, ranks, low_cut, high_cut)
     low, low_bounds, high, high_bounds = fused.log_ratio_tails(
-        logp_a, logp_b, runs.rows, runs.lengths, grouping.run_group, num_groups, low_cut, high_cut)
+        log_ratio, runs.starts, runs.lengths, grouping.run_group, num_groups, low_cut, high_cut)
     ordered: dict[int, dict[int, float]] = {}
     retry = np.zeros(num_groups, dtype=bool)
     for g in range(num_groups):
@@ -305,7 +325,7 @@ def ratio_quantiles(logp_a: np.ndarray, logp_b: np.ndarray, runs: Runs, grouping
             values = np.concatenate([values, order_statistics(tail_high, from_high - offset)])
         ordered[g] = dict(zip(wanted.tolist(), values.tolist()))
     if retry.any():  # whole groups this time: every value at or below +inf
-        again = fused.log_ratio_tails(logp_a, logp_b, runs.rows, runs.lengths, grouping.run_group, num_groups,
+        again = fused.log_ratio_tails(log_ratio, runs.starts, runs.lengths, grouping.run_group, num_groups,
                                       np.where(retry, np.inf, np.nan), np.full(num_groups, np.nan))
         for g in np.flatnonzero(retry):
             lo, hi, _ = ranks[g]
@@ -318,7 +338,7 @@ def ratio_quantiles(logp_a: np.ndarray, logp_b: np.ndarray, runs: Runs, grouping
     return out
 
 
-def _place_cuts(logp_a: np.ndarray, logp_b: np.ndarray, runs: Runs, grouping: Grouping, counts: np.ndarray,
+def _place_cuts(log_ratio: np.ndarray, runs: Runs, grouping: Grouping, counts: np.ndarray,
                 ranks: list[tuple[np.ndarray, np.ndarray, np.ndarray]], low_cut: np.ndarray,
                 high_cut: np.ndarray) -> None:
     """Per group whose wanted ranks all lie in the tails: log-ratio cuts from a strided sample,
@@ -326,9 +346,8 @@ def _place_cuts(logp_a: np.ndarray, logp_b: np.ndarray, runs: Runs, grouping: Gr
     step = max(1, runs.num_tokens // (_SAMPLE * max(grouping.num_groups, 1)))
     positions = np.arange(0, runs.num_tokens, step)
     run = np.searchsorted(runs.starts, positions, side="right") - 1
-    rows = runs.rows[run] + (positions - runs.starts[run])
     sample_group = grouping.run_group[run]
-    sample = logp_a[rows] - logp_b[rows]
+    sample = log_ratio[positions]
     order = np.lexsort((sample, sample_group))
     sample, sample_group = sample[order], sample_group[order]
     bounds = np.searchsorted(sample_group, np.arange(grouping.num_groups + 1))

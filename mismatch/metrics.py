@@ -32,18 +32,21 @@ _ESS_DIRECT_LIMIT = 300.0
 class PairTokens:
     """The tokens of a view where both log-probs are defined; their log-ratio and ratio on demand.
 
-    The fused loops read the two columns over the whole table (`table_a`, `table_b`) through the
-    runs' table rows; the per-token arrays (the selected log-probs, log_ratio, ratio) are made
-    only when a numpy path asks for them, which spares several ~40 MB arrays per pair.
+    The first fused sweep reads the two columns over the whole table (`table_a`, `table_b`)
+    through the runs' table rows and leaves `log_ratio` behind, compact, for every later loop;
+    the other per-token arrays (the selected log-probs, ratio) are made only when a numpy path
+    asks for them, which spares several ~40 MB arrays per pair.
     """
 
     def __init__(self, view: TokenView, columns: tuple[str, str], keep: np.ndarray | None,
-                 table_a: np.ndarray, table_b: np.ndarray) -> None:
+                 table_a: np.ndarray, table_b: np.ndarray, log_ratio: np.ndarray | None = None) -> None:
         self.view = view          # exactly those tokens
         self.columns = columns    # the two log-prob columns, A then B
         self.keep = keep          # which of the parent view's tokens they are (None: all of them)
         self.table_a = table_a    # float64 over every table row (float32 is upcast first)
         self.table_b = table_b
+        if log_ratio is not None:  # already made by a fused sweep (the same bits as a - b)
+            self.__dict__["log_ratio"] = log_ratio
 
     @cached_property
     def logp_a(self) -> np.ndarray:
@@ -87,11 +90,13 @@ def _pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
         # The run sums are needed anyway; an undefined log-ratio makes its run's sum NaN, so a
         # NaN-free sum proves there is none to drop without a pass over every row.
         runs = view.runs
-        sums = fused.pair_run_stats(table_a, table_b, runs.rows, runs.lengths)
+        sums, log_ratio = fused.pair_run_stats(table_a, table_b, runs.rows, runs.starts, runs.lengths)
         if not np.isnan(sums["log_ratio"]).any():
-            pair = PairTokens(view, (a, b), None, table_a, table_b)
+            pair = PairTokens(view, (a, b), None, table_a, table_b, log_ratio)
             view.memo(("run_sums", id(pair), id(runs)), lambda: sums)
             return pair
+        keep = ~np.isnan(log_ratio)  # a missing log-prob (NaN), or both engines at -inf
+        return PairTokens(view.subset(keep), (a, b), keep, table_a, table_b, log_ratio[keep])
     # Undefined: a missing log-prob (NaN), or both engines at -inf (probability 0 twice).
     with np.errstate(invalid="ignore"):
         undefined = np.isnan(table_a - table_b)
@@ -142,7 +147,9 @@ def _run_sums(pair: PairTokens, runs: Runs) -> dict[str, np.ndarray]:
     from mismatch import fused
 
     if fused.available():  # the same sums in one fused sweep (tests hold the two paths equal)
-        return fused.pair_run_stats(pair.table_a, pair.table_b, runs.rows, runs.lengths)
+        # Runs cut finer than the pair's own: the same tokens, so the same log-ratios are rewritten.
+        return fused.pair_run_stats(pair.table_a, pair.table_b, runs.rows, runs.starts, runs.lengths,
+                                    pair.log_ratio)[0]
     scratch = np.empty(len(pair.log_ratio))
     sums = {name: (runs.max(values) if name.endswith("_max") else
                    runs.sum(values, dtype=np.int64 if values.dtype == bool else None))
@@ -213,8 +220,8 @@ def _ratio_quantiles(pair: PairTokens, runs: Runs, grouping: Grouping) -> np.nda
     from mismatch import fused
 
     qs, view = list(_QUANTILES.values()), pair.view
-    if fused.available():  # from each group's tails of log-ratios, read straight from the table columns
-        return ratio_quantiles(pair.table_a, pair.table_b, runs, grouping, qs)
+    if fused.available():  # from each group's tails of log-ratios
+        return ratio_quantiles(pair.log_ratio, runs, grouping, qs)
     return quantiles(pair.ratio_into(view.scratch(1)), runs, grouping, qs, scratch=view.scratch(0))
 
 

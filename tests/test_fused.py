@@ -129,7 +129,7 @@ def test_ratio_quantiles_from_tails_equal_numpy(margin, monkeypatch):
     run_group = np.minimum(np.arange(runs.num_runs) // 2000, 3)  # groups of 100k, 100k, 100k, 100k
     grouping = Grouping(run_group=run_group, num_groups=5, keys=pd.DataFrame())  # group 4 is empty
     qs = [0.001, 0.01, 0.99, 0.999]
-    got = ratio_quantiles(logp_a, logp_b, runs, grouping, qs)
+    got = ratio_quantiles(logp_a - logp_b, runs, grouping, qs)
     token_group = runs.spread(run_group)
     for g in range(4):
         want = np.quantile(np.exp(logp_a - logp_b)[token_group == g], qs)

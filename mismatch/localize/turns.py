@@ -125,8 +125,8 @@ def _tokens_position_slope(pair: PairTokens) -> dict[str, Any]:
         pos = tokens.table_column("pos")
         pos = np.ascontiguousarray(pos if pos.dtype.kind in "iuf" else pos.astype(np.float64))
         x_mean, y_mean, sxx, sxy, sse, scores = fused.slope_fit(
-            pos, pair.table_a, pair.table_b, POSITION_UNIT,
-            runs.rows, runs.lengths, tokens.run_seq, tokens.num_seqs)
+            pos, runs.rows, pair.log_ratio, runs.starts, runs.lengths, POSITION_UNIT, tokens.run_seq,
+            tokens.num_seqs)
         return _slope_from_moments(tokens.num_tokens, x_mean, y_mean, sxx, sxy, sse, scores)
     return _position_slope(tokens.column("pos").astype(np.float64) / POSITION_UNIT, np.abs(pair.log_ratio),
                            (lambda values: np.bincount(tokens.run_seq, weights=runs.sum(values),
@@ -145,7 +145,7 @@ def _buckets(pair: PairTokens) -> tuple[pd.DataFrame, np.ndarray]:
     run_rollout = tokens.run_rollout[np.searchsorted(tokens.runs.starts, runs.starts, side="right") - 1]
     if fused.available():
         sums, turn_bucket, n_rollouts = fused.bucket_stats(
-            pair.table_a, pair.table_b, runs.rows, runs.lengths, turn_of_run, num_turns,
+            pair.table_b, runs.rows, pair.log_ratio, runs.starts, runs.lengths, turn_of_run, num_turns,
             run_rollout, tokens.num_rollouts, np.log(PROB_EDGES))
         n = sums["n_tokens"]
         with np.errstate(invalid="ignore", divide="ignore"):
