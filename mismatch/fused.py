@@ -26,6 +26,8 @@ import threading
 
 import numpy as np
 
+from mismatch.simd import exp_expm1, from_order_key, order_key
+
 try:
     import numba
 except ImportError:  # the numpy paths run instead
@@ -109,47 +111,48 @@ def _jit(fn=None, *, reassociate: bool = False, parallel: bool = False):
 _PARALLEL_LOCK = threading.Lock()
 
 
-@_jit(parallel=True)
+@_jit(reassociate=True, parallel=True)
 def _pair_run_stats(logp_a, logp_b, rows, starts, lengths, log_ratio, out):  # pragma: no cover - compiled
+    lowest, highest = order_key(-math.inf), order_key(math.inf)
     for r in numba.prange(len(rows)):
         start, first, length = rows[r], starts[r], lengths[r]
-        s_lr = s_abs = s_ratio = s_lr2 = s_k3 = s_r2 = s_pd = 0.0
-        max_abs = max_pd = max_lr = -math.inf
-        min_lr = math.inf
-        outside = equal = 0.0
+        s_lr = s_abs = s_ratio = s_lr2 = s_k3 = s_r2 = s_pd = outside = equal = 0.0
+        max_abs = max_pd = max_lr = lowest  # order keys: integer max/min, so the loop vectorizes
+        min_lr = highest
         for j in range(length):
             a, b = logp_a[start + j], logp_b[start + j]
             x = a - b
             log_ratio[first + j] = x
-            r_j = math.exp(x)
-            em1 = math.expm1(x)
+            ratio, em1 = exp_expm1(x)
+            p_a, _ = exp_expm1(a)
+            p_b, _ = exp_expm1(b)
             ax = abs(x)
             s_lr += x
             s_abs += ax
-            max_abs = max(max_abs, ax)
-            min_lr = min(min_lr, x)
-            max_lr = max(max_lr, x)
-            s_ratio += r_j
+            s_ratio += ratio
             s_lr2 += x * x
             s_k3 += em1 - x  # r - 1 - log r without cancellation near r = 1
-            s_r2 += r_j * r_j
-            # |p_a - p_b| = p_b |r - 1|, one exp fewer; where r - 1 overflows (or is undefined) the
-            # plain difference, as p_b = 0 would make it 0 * inf.
-            d = math.exp(b) * abs(em1) if math.isfinite(em1) else abs(math.exp(a) - math.exp(b))
+            s_r2 += ratio * ratio
+            # |p_a - p_b| = p_b |r - 1| without cancellation; where r - 1 overflows (or is
+            # undefined) the plain difference, as p_b = 0 would make it 0 * inf.
+            d = p_b * abs(em1) if abs(em1) < math.inf else abs(p_a - p_b)
             s_pd += d
-            max_pd = max(max_pd, d)
-            if r_j > 2.0 or r_j < 0.5:
-                outside += 1.0
-            if a == b:
-                equal += 1.0
+            outside += (ratio > 2.0) | (ratio < 0.5)
+            equal += a == b
+            max_abs = max(max_abs, order_key(ax))
+            max_pd = max(max_pd, order_key(d))
+            max_lr = max(max_lr, order_key(x))
+            min_lr = min(min_lr, order_key(x))
         mean = s_ratio / length
         m2 = 0.0
         for j in range(length):  # second pass over the run's log-ratios, in cache
-            m2 += (math.exp(log_ratio[first + j]) - mean) ** 2
+            ratio, _ = exp_expm1(log_ratio[first + j])
+            m2 += (ratio - mean) ** 2
         row = out[r]
-        row[0], row[1], row[2], row[3], row[4] = s_lr, s_abs, max_abs, min_lr, max_lr
+        row[0], row[1], row[2] = s_lr, s_abs, from_order_key(max_abs)
+        row[3], row[4] = from_order_key(min_lr), from_order_key(max_lr)
         row[5], row[6], row[7], row[8], row[9] = s_ratio, s_lr2, s_k3, s_r2, s_pd
-        row[10], row[11], row[12], row[13] = max_pd, outside, equal, m2
+        row[10], row[11], row[12], row[13] = from_order_key(max_pd), outside, equal, m2
 
 
 def pair_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, starts: np.ndarray,
@@ -205,7 +208,8 @@ def _rule_weights(rule, ratio, log_ratio, length, low, high, keep_run, scale, we
     else:            # REJECT_K3: kept when expm1(c) - c <= high, c = clamp(log_ratio)
         for j in range(length):
             c = min(max(log_ratio[j], -20.0), 20.0)
-            hit[j] = not (math.expm1(c) - c <= high)
+            _, em1 = exp_expm1(c)
+            hit[j] = not (em1 - c <= high)
             weight[j] = 0.0 if hit[j] else 1.0
     if scale != 1.0:
         for j in range(length):
@@ -215,24 +219,25 @@ def _rule_weights(rule, ratio, log_ratio, length, low, high, keep_run, scale, we
 @_jit(reassociate=True, parallel=True)
 def _weight_run_stats(values, starts, lengths, rules, lows, highs, keep_row, run_keep, scale_row,
                       run_scale, inv_scales, out):  # pragma: no cover - compiled
+    lowest = order_key(-math.inf)
     for r in numba.prange(len(starts)):
         start, length = starts[r], lengths[r]
-        log_ratio, ratio, weight = np.empty(length), np.empty(length), np.empty(length)
+        log_ratio = values[start:start + length]
+        ratio, weight = np.empty(length), np.empty(length)
         hit = np.empty(length, dtype=np.bool_)
         for j in range(length):  # the run's ratios once, then every rule over them from cache
-            log_ratio[j] = values[start + j]
-            ratio[j] = math.exp(log_ratio[j])
+            ratio[j], _ = exp_expm1(log_ratio[j])
         for k in range(len(rules)):
             _rule_weights(rules[k], ratio, log_ratio, length, lows[k], highs[k], run_keep[keep_row[k], r],
                           run_scale[scale_row[k], r], weight, hit)
             inv = inv_scales[k]
             s_w = s_w2 = hits = infinite = 0.0
-            top = -math.inf
+            top = lowest  # an order key: integer max, so the loop vectorizes
             for j in range(length):
                 w = weight[j]
                 hits += hit[j]
-                infinite += math.isinf(w)
-                top = max(top, w)
+                infinite += abs(w) == math.inf
+                top = max(top, order_key(w))
                 s_w += w
                 s_w2 += (w * inv) ** 2
             mean = s_w / length
@@ -240,7 +245,7 @@ def _weight_run_stats(values, starts, lengths, rules, lows, highs, keep_row, run
             for j in range(length):  # M2 around the run's own mean
                 m2 += (weight[j] - mean) ** 2
             row = out[k, r]
-            row[0], row[1], row[2], row[3], row[4], row[5] = s_w, s_w2, top, hits, infinite, m2
+            row[0], row[1], row[2], row[3], row[4], row[5] = s_w, s_w2, from_order_key(top), hits, infinite, m2
 
 
 # Bytes of per-run statistics one sweep may hold; more corrections than fit take more sweeps.
@@ -289,20 +294,24 @@ def _weight_sweep(log_ratio: np.ndarray, starts: np.ndarray, lengths: np.ndarray
 VERL_STATS = ("k1", "k2", "k3", "k1_max", "k2_max", "k3_max")
 
 
-@_jit(parallel=True)
+@_jit(reassociate=True, parallel=True)
 def _verl_run_stats(log_ratio, starts, lengths, out):  # pragma: no cover - compiled
     for r in numba.prange(len(starts)):
-        row = out[r]
-        row[3] = row[4] = row[5] = -math.inf
+        k1_sum = k2_sum = k3_sum = 0.0
+        k1_max = k2_max = k3_max = order_key(-math.inf)  # order keys: integer max, so it vectorizes
         for i in range(starts[r], starts[r] + lengths[r]):
             c = min(max(log_ratio[i], -20.0), 20.0)
-            k1, k2, k3 = -c, 0.5 * c * c, math.expm1(c) - c
-            row[0] += k1
-            row[1] += k2
-            row[2] += k3
-            row[3] = max(row[3], k1)
-            row[4] = max(row[4], k2)
-            row[5] = max(row[5], k3)
+            _, em1 = exp_expm1(c)
+            k1, k2, k3 = -c, 0.5 * c * c, em1 - c
+            k1_sum += k1
+            k2_sum += k2
+            k3_sum += k3
+            k1_max = max(k1_max, order_key(k1))
+            k2_max = max(k2_max, order_key(k2))
+            k3_max = max(k3_max, order_key(k3))
+        row = out[r]
+        row[0], row[1], row[2] = k1_sum, k2_sum, k3_sum
+        row[3], row[4], row[5] = from_order_key(k1_max), from_order_key(k2_max), from_order_key(k3_max)
 
 
 def verl_run_stats(log_ratio: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
@@ -336,13 +345,13 @@ def _bucket_stats(logp_b, rows, log_ratio, starts, lengths, run_turn, run_rollou
                     if logp_b[row0 + j] >= log_edges[e]:
                         b += 1
                 x = log_ratio[first + j]
-                ratio = math.exp(x)
+                ratio, em1 = exp_expm1(x)
                 row = part[b]
                 row[0] += 1.0
                 row[1] += x
                 row[2] += abs(x)
                 row[3] = max(row[3], abs(x))
-                row[4] += math.expm1(x) - x
+                row[4] += em1 - x
                 if ratio > 2.0 or ratio < 0.5:
                     row[5] += 1.0
                 if x == 0.0:  # logp_a == logp_b: for the defined log-ratios a pair keeps, the same test
