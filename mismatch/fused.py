@@ -23,6 +23,7 @@ import functools
 import math
 import os
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -111,63 +112,72 @@ def _jit(fn=None, *, reassociate: bool = False, parallel: bool = False):
 _PARALLEL_LOCK = threading.Lock()
 
 
-@_jit(reassociate=True, parallel=True)
-def _pair_run_stats(logp_a, logp_b, rows, starts, lengths, log_ratio, out):  # pragma: no cover - compiled
+@_jit(reassociate=True)
+def _pair_run(logp_a, logp_b, start, first, length, log_ratio, row):  # pragma: no cover - compiled
+    """One run of one pair: PAIR_STATS into `row`, the log-ratios into log_ratio[first:]."""
     lowest, highest = order_key(-math.inf), order_key(math.inf)
+    s_lr = s_abs = s_ratio = s_lr2 = s_k3 = s_r2 = s_pd = outside = equal = 0.0
+    max_abs = max_pd = max_lr = lowest  # order keys: integer max/min, so the loop vectorizes
+    min_lr = highest
+    for j in range(length):
+        a, b = logp_a[start + j], logp_b[start + j]
+        x = a - b
+        log_ratio[first + j] = x
+        ratio, em1 = exp_expm1(x)
+        p_a, _ = exp_expm1(a)
+        p_b, _ = exp_expm1(b)
+        ax = abs(x)
+        s_lr += x
+        s_abs += ax
+        s_ratio += ratio
+        s_lr2 += x * x
+        s_k3 += em1 - x  # r - 1 - log r without cancellation near r = 1
+        s_r2 += ratio * ratio
+        # |p_a - p_b| = p_b |r - 1| without cancellation; where r - 1 overflows (or is
+        # undefined) the plain difference, as p_b = 0 would make it 0 * inf.
+        d = p_b * abs(em1) if abs(em1) < math.inf else abs(p_a - p_b)
+        s_pd += d
+        outside += (ratio > 2.0) | (ratio < 0.5)
+        equal += a == b
+        max_abs = max(max_abs, order_key(ax))
+        max_pd = max(max_pd, order_key(d))
+        max_lr = max(max_lr, order_key(x))
+        min_lr = min(min_lr, order_key(x))
+    mean = s_ratio / length
+    m2 = 0.0
+    for j in range(length):  # second pass over the run's log-ratios, in cache
+        ratio, _ = exp_expm1(log_ratio[first + j])
+        m2 += (ratio - mean) ** 2
+    row[0], row[1], row[2] = s_lr, s_abs, from_order_key(max_abs)
+    row[3], row[4] = from_order_key(min_lr), from_order_key(max_lr)
+    row[5], row[6], row[7], row[8], row[9] = s_ratio, s_lr2, s_k3, s_r2, s_pd
+    row[10], row[11], row[12], row[13] = from_order_key(max_pd), outside, equal, m2
+
+
+@_jit(parallel=True)
+def _pair_run_stats(columns, pairs, rows, starts, lengths, log_ratio, out):  # pragma: no cover - compiled
     for r in numba.prange(len(rows)):
-        start, first, length = rows[r], starts[r], lengths[r]
-        s_lr = s_abs = s_ratio = s_lr2 = s_k3 = s_r2 = s_pd = outside = equal = 0.0
-        max_abs = max_pd = max_lr = lowest  # order keys: integer max/min, so the loop vectorizes
-        min_lr = highest
-        for j in range(length):
-            a, b = logp_a[start + j], logp_b[start + j]
-            x = a - b
-            log_ratio[first + j] = x
-            ratio, em1 = exp_expm1(x)
-            p_a, _ = exp_expm1(a)
-            p_b, _ = exp_expm1(b)
-            ax = abs(x)
-            s_lr += x
-            s_abs += ax
-            s_ratio += ratio
-            s_lr2 += x * x
-            s_k3 += em1 - x  # r - 1 - log r without cancellation near r = 1
-            s_r2 += ratio * ratio
-            # |p_a - p_b| = p_b |r - 1| without cancellation; where r - 1 overflows (or is
-            # undefined) the plain difference, as p_b = 0 would make it 0 * inf.
-            d = p_b * abs(em1) if abs(em1) < math.inf else abs(p_a - p_b)
-            s_pd += d
-            outside += (ratio > 2.0) | (ratio < 0.5)
-            equal += a == b
-            max_abs = max(max_abs, order_key(ax))
-            max_pd = max(max_pd, order_key(d))
-            max_lr = max(max_lr, order_key(x))
-            min_lr = min(min_lr, order_key(x))
-        mean = s_ratio / length
-        m2 = 0.0
-        for j in range(length):  # second pass over the run's log-ratios, in cache
-            ratio, _ = exp_expm1(log_ratio[first + j])
-            m2 += (ratio - mean) ** 2
-        row = out[r]
-        row[0], row[1], row[2] = s_lr, s_abs, from_order_key(max_abs)
-        row[3], row[4] = from_order_key(min_lr), from_order_key(max_lr)
-        row[5], row[6], row[7], row[8], row[9] = s_ratio, s_lr2, s_k3, s_r2, s_pd
-        row[10], row[11], row[12], row[13] = from_order_key(max_pd), outside, equal, m2
+        for p in range(len(pairs)):  # every pair of the run while its columns are in cache
+            _pair_run(columns[pairs[p, 0]], columns[pairs[p, 1]], rows[r], starts[r], lengths[r],
+                      log_ratio[p], out[p, r])
 
 
-def pair_run_stats(logp_a: np.ndarray, logp_b: np.ndarray, rows: np.ndarray, starts: np.ndarray,
-                   lengths: np.ndarray, log_ratio: np.ndarray | None = None) -> tuple[dict[str, np.ndarray],
-                                                                                np.ndarray]:
-    """Per run: the PAIR_STATS sums and extremes of log_ratio = logp_a - logp_b and ratio =
-    exp(log_ratio), and the ratio's M2 around the run's own mean (for Chan's merge); and the
-    log-ratio of every token, compact (token starts[r] + j is table row rows[r] + j), written into
-    `log_ratio` (a new array when None)."""
-    out = np.empty((len(rows), len(PAIR_STATS)))
+def pair_run_stats(columns: Sequence[np.ndarray], pairs: Sequence[tuple[int, int]], rows: np.ndarray,
+                   starts: np.ndarray, lengths: np.ndarray,
+                   log_ratio: np.ndarray | None = None) -> list[tuple[dict[str, np.ndarray], np.ndarray]]:
+    """For each pair (i, j) of `columns` (float64 table columns), per run: the PAIR_STATS sums and
+    extremes of log_ratio = columns[i] - columns[j] and ratio = exp(log_ratio), and the ratio's M2
+    around the run's own mean (for Chan's merge); and the log-ratio of every token, compact (token
+    starts[r] + k is table row rows[r] + k), in row p of `log_ratio` (a new [pairs, tokens] array
+    when None). All pairs in one sweep: a column shared by two pairs is read from memory once."""
+    num_tokens = int(starts[-1] + lengths[-1]) if len(rows) else 0
+    out = np.empty((len(pairs), len(rows), len(PAIR_STATS)))
     if log_ratio is None:
-        log_ratio = np.empty(int(starts[-1] + lengths[-1]) if len(rows) else 0)
-    if len(rows):
-        _pair_run_stats(logp_a, logp_b, rows, starts, lengths, log_ratio, out)
-    return {name: out[:, i] for i, name in enumerate(PAIR_STATS)}, log_ratio
+        log_ratio = np.empty((len(pairs), num_tokens))
+    if len(rows) and len(pairs):
+        _pair_run_stats(tuple(np.ascontiguousarray(column, dtype=np.float64) for column in columns),
+                        np.asarray(pairs, dtype=np.int64).reshape(-1, 2), rows, starts, lengths, log_ratio, out)
+    return [({name: out[p, :, i] for i, name in enumerate(PAIR_STATS)}, log_ratio[p]) for p in range(len(pairs))]
 
 
 @_jit(reassociate=True)

@@ -78,25 +78,43 @@ class PairTokens:
 
 def pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
     """Columns `a` against `b` on the view (log_ratio = a - b), computed once per view."""
-    return view.memo(("pair", a, b), lambda: _pair_tokens(view, a, b))
+    return pairs_tokens(view, [(a, b)])[0]
 
 
-def _pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
+def pairs_tokens(view: TokenView, pairs: Sequence[tuple[str, str]]) -> list[PairTokens]:
+    """`pair_tokens` of each (a, b); the ones the view does not hold yet are made together, in one
+    fused sweep (a column that two pairs share is read from memory once)."""
+    todo = [pair for pair in dict.fromkeys(pairs) if not view.memoized(("pair", *pair))]
+    made = dict(zip(todo, _make_pairs(view, todo)))
+    return [view.memo(("pair", *pair), lambda pair=pair: made[pair]) for pair in pairs]
+
+
+def _make_pairs(view: TokenView, pairs: list[tuple[str, str]]) -> list[PairTokens]:
     from mismatch import fused
 
-    table_a = view.table_column(a).astype(np.float64, copy=False)
-    table_b = view.table_column(b).astype(np.float64, copy=False)
-    if fused.available():
-        # The run sums are needed anyway; an undefined log-ratio makes its run's sum NaN, so a
-        # NaN-free sum proves there is none to drop without a pass over every row.
-        runs = view.runs
-        sums, log_ratio = fused.pair_run_stats(table_a, table_b, runs.rows, runs.starts, runs.lengths)
+    names = list(dict.fromkeys(name for pair in pairs for name in pair))
+    columns = {name: view.table_column(name).astype(np.float64, copy=False) for name in names}
+    if not (fused.available() and pairs):
+        return [_numpy_pair(view, a, b, columns[a], columns[b]) for a, b in pairs]
+    runs = view.runs
+    swept = fused.pair_run_stats([columns[name] for name in names],
+                                 [(names.index(a), names.index(b)) for a, b in pairs],
+                                 runs.rows, runs.starts, runs.lengths)
+    out = []
+    for (a, b), (sums, log_ratio) in zip(pairs, swept):
+        # An undefined log-ratio (a missing log-prob, or both engines at -inf) makes its run's sum
+        # NaN, so a NaN-free sum proves there is none to drop without another pass.
         if not np.isnan(sums["log_ratio"]).any():
-            pair = PairTokens(view, (a, b), None, table_a, table_b, log_ratio)
-            view.memo(("run_sums", id(pair), id(runs)), lambda: sums)
-            return pair
-        keep = ~np.isnan(log_ratio)  # a missing log-prob (NaN), or both engines at -inf
-        return PairTokens(view.subset(keep), (a, b), keep, table_a, table_b, log_ratio[keep])
+            pair = PairTokens(view, (a, b), None, columns[a], columns[b], log_ratio)
+            view.memo(("run_sums", id(pair), id(runs)), lambda sums=sums: sums)
+        else:
+            keep = ~np.isnan(log_ratio)
+            pair = PairTokens(view.subset(keep), (a, b), keep, columns[a], columns[b], log_ratio[keep])
+        out.append(pair)
+    return out
+
+
+def _numpy_pair(view: TokenView, a: str, b: str, table_a: np.ndarray, table_b: np.ndarray) -> PairTokens:
     # Undefined: a missing log-prob (NaN), or both engines at -inf (probability 0 twice).
     with np.errstate(invalid="ignore"):
         undefined = np.isnan(table_a - table_b)
@@ -148,8 +166,9 @@ def _run_sums(pair: PairTokens, runs: Runs) -> dict[str, np.ndarray]:
 
     if fused.available():  # the same sums in one fused sweep (tests hold the two paths equal)
         # Runs cut finer than the pair's own: the same tokens, so the same log-ratios are rewritten.
-        return fused.pair_run_stats(pair.table_a, pair.table_b, runs.rows, runs.starts, runs.lengths,
-                                    pair.log_ratio)[0]
+        [(sums, _)] = fused.pair_run_stats([pair.table_a, pair.table_b], [(0, 1)], runs.rows, runs.starts,
+                                           runs.lengths, pair.log_ratio.reshape(1, -1))
+        return sums
     scratch = np.empty(len(pair.log_ratio))
     sums = {name: (runs.max(values) if name.endswith("_max") else
                    runs.sum(values, dtype=np.int64 if values.dtype == bool else None))
@@ -386,11 +405,9 @@ def summarize_pairs(table: pd.DataFrame | TokenView, pairs: list[tuple[str, str]
     trainable_only=False.
     """
     view = TokenView.of(table, trainable_only=trainable_only)
-    summary = {}
-    for pair in pairs:
-        a, b = _pair_columns(view, pair)
-        summary[f"{pair[0]}/{pair[1]}"] = _one_group(pair_tokens(view, a, b))
-    return summary
+    columns = [_pair_columns(view, pair) for pair in pairs]
+    return {f"{pair[0]}/{pair[1]}": _one_group(tokens)
+            for pair, tokens in zip(pairs, pairs_tokens(view, columns))}
 
 
 def metrics_by(table: pd.DataFrame | TokenView, pairs: list[tuple[str, str]], by: str | Sequence[str], *,
@@ -405,6 +422,7 @@ def metrics_by(table: pd.DataFrame | TokenView, pairs: list[tuple[str, str]], by
     if missing:
         raise MismatchError(f"token table has no column {missing[0]!r} (columns: {', '.join(map(str, view.columns))})")
     frames = []
+    pairs_tokens(view, [_pair_columns(view, pair) for pair in pairs])  # all pairs in one sweep
     for pair in pairs:
         a, b = _pair_columns(view, pair)
         frame = grouped_view_metrics(view, a, b, by_cols)

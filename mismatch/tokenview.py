@@ -106,6 +106,9 @@ class TokenView:
         the length of a call (fresh ~40 MB arrays cost more in page faults than the work in them)."""
         return self.memo(("scratch", index), lambda: np.empty(self.num_tokens))
 
+    def memoized(self, key: Any) -> bool:
+        return key in self._memo
+
     def memo(self, key: Any, compute: Callable[[], T]) -> T:
         if key not in self._memo:
             self._memo[key] = compute()
