@@ -2,14 +2,15 @@
 read from Parquet, vs a trainer-style torch per-batch computation of the core metrics, in one run.
 
 Usage: python benchmarks/analysis.py [--tokens 10000000] [--rollouts 10000] [--repeats 3]
-                                     [--dtype float32] [--profile 25] [--parquet PATH]
+                                     [--dtype float32] [--profile 25] [--results DIR]
 
 1. Writes a synthetic token table (the tokens.parquet contract: rollout, branch, branch_kind,
    turn, segment, pos, role, token_id, trainable, logp_sampler, logp_train, logp_infer) to
-   Parquet, once (10k agentic rollouts of 1-3 branches, 2-8 turns; bf16-like noise that grows
-   at low probability; NaN sampler log-probs on prompt tokens, as an audit writes them).
-2. mismatch, end to end, timed from `pd.read_parquet` (of the columns the analysis reads) to the
-   last result: one `TokenView` (trainable rows, keys, runs), then `summarize_pairs` for the three
+   DIR/tokens.parquet with `results.write_tokens`, as an audit writes it, once (10k agentic
+   rollouts of 1-3 branches, 2-8 turns; bf16-like noise that grows at low probability; NaN
+   sampler log-probs on prompt tokens, as an audit writes them).
+2. mismatch, end to end, timed from `results.read_tokens` (of the columns the analysis reads) to
+   the last result: one `TokenView` (trainable rows, keys, runs), then `summarize_pairs` for the three
    audit pairs, `metrics_by(..., "turn")`, `localize_turns` and `summary_corrections` (the full
    default correction set), all on that view, as `mismatch audit` runs them.
 3. Baseline, the way RL trainers log these metrics (verl's rollout_corr metrics, TRL/OpenRLHF
@@ -46,6 +47,7 @@ from mismatch import fused
 from mismatch.corrections import summary_corrections
 from mismatch.localize.turns import localize_turns
 from mismatch.metrics import metrics_by, summarize_pairs
+from mismatch.results import TOKENS_FILE, read_tokens, write_tokens
 from mismatch.tokenview import TokenView
 
 PAIRS = [("train", "sampler"), ("train", "infer"), ("infer", "sampler")]
@@ -135,8 +137,8 @@ def mismatch_analysis(path: Path) -> tuple[dict[str, float], dict]:
         times[name] = [round(now - started, 4), round(now_cpu - started_cpu, 4)]
         started, started_cpu = now, now_cpu
 
-    table = pd.read_parquet(path, columns=ANALYSIS_COLUMNS)
-    lap("read_parquet")
+    table = read_tokens(path, columns=ANALYSIS_COLUMNS)
+    lap("read_tokens")
     view = TokenView(table)  # the trainable rows, keyed and cut into runs once for every step below
     lap("token_view")
     pairs = summarize_pairs(view, PAIRS)
@@ -154,7 +156,7 @@ def mismatch_analysis(path: Path) -> tuple[dict[str, float], dict]:
 def pair_metrics_in_memory(path: Path, repeats: int) -> tuple[float, float]:
     """Best wall and CPU seconds of what the baseline computes, done by mismatch: the table already
     in memory, one TokenView, the three pairs' metrics (summarize_pairs)."""
-    table = pd.read_parquet(path, columns=ANALYSIS_COLUMNS)
+    table = read_tokens(path, columns=ANALYSIS_COLUMNS)
     seconds, cpu_seconds, _ = best_of(repeats, lambda: summarize_pairs(TokenView(table), PAIRS))
     return seconds, cpu_seconds
 
@@ -242,13 +244,16 @@ def torch_baseline(batches: list[dict[str, torch.Tensor]]) -> dict[str, dict[str
 # ---------------------------------------------------------------------------------------------
 
 
-def best_of(repeats: int, run):
-    """Best wall seconds of `repeats` runs, the CPU seconds of that run, and its result."""
+def best_of(repeats: int, run, every: list[float] | None = None):
+    """Best wall seconds of `repeats` runs, the CPU seconds of that run, and its result; each
+    run's wall seconds are appended to `every`."""
     best, best_cpu, result = math.inf, math.inf, None
     for _ in range(repeats):
         started, started_cpu = time.perf_counter(), time.process_time()
         result = run()
         seconds = time.perf_counter() - started
+        if every is not None:
+            every.append(round(seconds, 4))
         if seconds < best:
             best, best_cpu = seconds, time.process_time() - started_cpu
     return best, best_cpu, result
@@ -262,7 +267,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                         help="baseline tensor dtype (trainers keep log-probs in float32)")
-    parser.add_argument("--parquet", type=Path, default=Path("/tmp/mismatch-bench/analysis-tokens.parquet"))
+    parser.add_argument("--results", type=Path, default=Path("/tmp/mismatch-bench/analysis"),
+                        help="where to write the token table (DIR/tokens.parquet)")
     parser.add_argument("--profile", type=int, default=0, help="also print the top N functions of mismatch's path")
     parser.add_argument("--no-jit", action="store_true", help="the numpy paths, not the fused loops")
     args = parser.parse_args()
@@ -271,8 +277,8 @@ def main() -> None:
 
     started = time.perf_counter()
     table = synthetic_table(args.tokens, args.rollouts, args.seed)
-    args.parquet.parent.mkdir(parents=True, exist_ok=True)
-    table.to_parquet(args.parquet, index=False)  # as results.write_results writes tokens.parquet
+    args.results.mkdir(parents=True, exist_ok=True)
+    write_tokens(table, args.results / TOKENS_FILE)  # as results.write_results writes it
     generate_s = time.perf_counter() - started
     num_rows, num_trainable = len(table), int(table["trainable"].sum())
 
@@ -281,8 +287,9 @@ def main() -> None:
     del table
 
     load_before = os.getloadavg()[0]
-    ours_s, ours_cpu, (stages, ours) = best_of(args.repeats, lambda: mismatch_analysis(args.parquet))
-    pairs_s, pairs_cpu = pair_metrics_in_memory(args.parquet, args.repeats)
+    every: list[float] = []
+    ours_s, ours_cpu, (stages, ours) = best_of(args.repeats, lambda: mismatch_analysis(args.results), every)
+    pairs_s, pairs_cpu = pair_metrics_in_memory(args.results, args.repeats)
     # The strongest baseline: torch on 1 thread and on all of them, the faster counts. (On a
     # shared machine OpenMP's spinning threads can make 2 threads 40x slower than 1.)
     default_threads = torch.get_num_threads()
@@ -302,10 +309,11 @@ def main() -> None:
             agree[f"{pair}:{name}"] = abs(ours_v - base_v) / max(abs(ours_v), 1e-300)
     result = {
         "rows": num_rows, "trainable_rows": num_trainable, "rollouts": args.rollouts,
-        "parquet_mb": round(os.path.getsize(args.parquet) / 2**20, 1),
+        "parquet_mb": round(os.path.getsize(args.results / TOKENS_FILE) / 2**20, 1),
         "baseline_dtype": args.dtype, "baseline_batches": len(batches), "baseline_padded_cells": padded_cells,
         "load_average_1min": round(load_before, 2),
-        "mismatch_s": ours_s, "mismatch_cpu_s": ours_cpu, "mismatch_stages_s_last_run": stages,
+        "mismatch_s": ours_s, "mismatch_cpu_s": ours_cpu, "mismatch_s_every_repeat": every,
+        "mismatch_s_median": float(np.median(every)), "mismatch_stages_s_last_run": stages,
         "baseline_s": base_s, "baseline_cpu_s": base_cpu, "baseline_threads": base_threads,
         "baseline_s_by_threads": {t: run[0] for t, run in baseline_runs.items()},
         "mismatch_pair_metrics_in_memory_s": pairs_s, "mismatch_pair_metrics_in_memory_cpu_s": pairs_cpu,
@@ -321,7 +329,7 @@ def main() -> None:
     if args.profile:
         profiler = cProfile.Profile(time.process_time)  # CPU time: steadier on a shared machine
         profiler.enable()
-        mismatch_analysis(args.parquet)
+        mismatch_analysis(args.results)
         profiler.disable()
         text = io.StringIO()
         stats = pstats.Stats(profiler, stream=text)

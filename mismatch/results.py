@@ -11,7 +11,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -104,7 +104,7 @@ def json_safe(value: Any) -> Any:
 def write_results(out: Path, *, tokens: pd.DataFrame, summary: dict[str, Any], force: bool,
                   extra: dict[str, Callable[[Path], None]] | None = None) -> Path:
     with staged_dir(out, force=force) as stage:
-        tokens.to_parquet(stage / TOKENS_FILE, index=False)
+        write_tokens(tokens, stage / TOKENS_FILE)
         (stage / SUMMARY_FILE).write_text(json.dumps(json_safe(summary), indent=1) + "\n")
         for name, write in (extra or {}).items():
             write(stage / name)
@@ -117,11 +117,38 @@ def read_summary(path: Path) -> dict[str, Any]:
     return json.loads((path / SUMMARY_FILE).read_text())
 
 
-def read_tokens(path: Path) -> pd.DataFrame:
+# Rows per Parquet row group of tokens.parquet: the whole table up to this many rows (~1.5 GB of
+# columns in memory), so that a reader gets every column back as one array (see write_tokens).
+TOKENS_ROW_GROUP = 64 * 2**20
+
+
+def write_tokens(tokens: pd.DataFrame, file: Path) -> None:
+    """tokens.parquet, laid out for a fast read back: missing log-probs stay NaN (the contract)
+    rather than becoming Parquet nulls, and the rows are one row group (up to TOKENS_ROW_GROUP).
+    Then each column decodes into one Arrow buffer that pandas takes without a copy (read_tokens),
+    where nulls or several row groups would mean a second, freshly allocated copy of every
+    column (benchmarks/analysis.py measures the read)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pandas(tokens, preserve_index=False)
+    for index, field in enumerate(table.schema):
+        if pa.types.is_floating(field.type) and table.column(index).null_count:
+            values = pa.array(tokens[field.name].to_numpy(), type=field.type, from_pandas=False)
+            table = table.set_column(index, field, values)
+    pq.write_table(table, file, row_group_size=max(1, min(len(table), TOKENS_ROW_GROUP)))
+
+
+def read_tokens(path: Path, *, columns: Sequence[str] | None = None) -> pd.DataFrame:
+    """The token table of results dir `path` (only `columns`, when given)."""
+    import pyarrow.parquet as pq
+
     file = path / TOKENS_FILE
     if not file.is_file():
         raise ResultsError(f"{path}: no {TOKENS_FILE}")
-    return pd.read_parquet(file)
+    table = pq.ParquetFile(file).read(columns=None if columns is None else list(columns))
+    # One block per column and the Arrow buffers handed over: no consolidating copy (write_tokens).
+    return table.to_pandas(split_blocks=True, self_destruct=True)
 
 
 class WorkDir:
