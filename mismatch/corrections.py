@@ -632,7 +632,7 @@ def _fused_summaries(tokens: _Tokens, rules: list[tuple[int, dict[str, Any]]]) -
     all_stats = fused.weight_run_stats(tokens.log_ratio, runs.starts, runs.lengths, rules)
     # As effective_sample_size: scale-free, so where sum w^2 could overflow or underflow the sums
     # are taken again of w / top.
-    tops = [float(stats["weight_max"].max()) for stats in all_stats]
+    tops = [stats["weight_max"] for stats in all_stats]
     far = [k for k, top in enumerate(tops) if top > 0 and not 1e-100 < top < 1e100]
     if far:
         again = fused.weight_run_stats(tokens.log_ratio, runs.starts, runs.lengths,
@@ -647,16 +647,16 @@ def _fused_summaries(tokens: _Tokens, rules: list[tuple[int, dict[str, Any]]]) -
             mean = total / n
             std = math.nan
             if math.isfinite(mean):  # Chan's merge of the runs' own M2
-                spread = stats["weight_m2"].sum() + np.dot(runs.lengths, np.square(run_weight / runs.lengths - mean))
+                spread = stats["weight_m2"] + np.dot(runs.lengths, np.square(run_weight / runs.lengths - mean))
                 std = float(np.sqrt(spread / n))
-        infinite = float(stats["infinite"].sum())
+        infinite = stats["infinite"]
         if infinite:  # infinite weights dominate: k of n give k/n
             ess = infinite / n
         elif top <= 0:
             ess = 0.0
         else:
             scale = top if not 1e-100 < top < 1e100 else 1.0
-            ess = (total / scale) ** 2 / (n * float(stats["weight_sq"].sum()))
+            ess = (total / scale) ** 2 / (n * stats["weight_sq"])
         summaries.append(_WeightSummary(run_weight=run_weight, run_hits=stats["affected"], mean=mean, std=std,
                                         top=top, ess=ess))
     return summaries

@@ -77,8 +77,10 @@ PAIR_STATS = ("log_ratio", "abs_log_ratio", "log_ratio_abs_max", "log_ratio_min"
 # Weight rules of `weight_run_stats` (corrections.py maps its token-level modes onto them).
 # The REJECT_* rules are verl's token-level rollout_rs on log_ratio clamped at +-20: weight 1 or 0.
 TRUNCATE, MASK_ABOVE, CLIP, BAND_MASK, KEEP_RATIO, REJECT_K1, REJECT_K2, REJECT_K3 = range(8)
-# Columns of `weight_run_stats`: sum w, sum (w * inv_scale)^2, max w, affected and infinite counts, M2.
-WEIGHT_STATS = ("weight", "weight_sq", "weight_max", "affected", "infinite", "weight_m2")
+# What `weight_run_stats` gives per run (sum w, affected tokens) and over all runs (sum (w * inv_scale)^2,
+# max w, infinite weights, sum of the runs' M2).
+WEIGHT_RUN_STATS = ("weight", "affected")
+WEIGHT_TOTALS = ("weight_sq", "weight_max", "infinite", "weight_m2")
 
 
 def available() -> bool:
@@ -227,35 +229,47 @@ def _rule_weights(rule, ratio, log_ratio, length, low, high, keep_run, scale, we
 
 
 @_jit(reassociate=True, parallel=True)
-def _weight_run_stats(values, starts, lengths, rules, lows, highs, keep_row, run_keep, scale_row,
-                      run_scale, inv_scales, out):  # pragma: no cover - compiled
-    lowest = order_key(-math.inf)
-    for r in numba.prange(len(starts)):
-        start, length = starts[r], lengths[r]
-        log_ratio = values[start:start + length]
-        ratio, weight = np.empty(length), np.empty(length)
-        hit = np.empty(length, dtype=np.bool_)
-        for j in range(length):  # the run's ratios once, then every rule over them from cache
-            ratio[j], _ = exp_expm1(log_ratio[j])
-        for k in range(len(rules)):
-            _rule_weights(rules[k], ratio, log_ratio, length, lows[k], highs[k], run_keep[keep_row[k], r],
-                          run_scale[scale_row[k], r], weight, hit)
-            inv = inv_scales[k]
-            s_w = s_w2 = hits = infinite = 0.0
-            top = lowest  # an order key: integer max, so the loop vectorizes
-            for j in range(length):
-                w = weight[j]
-                hits += hit[j]
-                infinite += abs(w) == math.inf
-                top = max(top, order_key(w))
-                s_w += w
-                s_w2 += (w * inv) ** 2
-            mean = s_w / length
-            m2 = 0.0
-            for j in range(length):  # M2 around the run's own mean
-                m2 += (weight[j] - mean) ** 2
-            row = out[k, r]
-            row[0], row[1], row[2], row[3], row[4], row[5] = s_w, s_w2, from_order_key(top), hits, infinite, m2
+def _weight_run_stats(values, starts, lengths, chunks, rules, lows, highs, keep_row, run_keep, scale_row,
+                      run_scale, inv_scales, per_run, totals):  # pragma: no cover - compiled
+    num_rules = len(rules)
+    for c in numba.prange(len(chunks) - 1):
+        longest = 0
+        for r in range(chunks[c], chunks[c + 1]):
+            longest = max(longest, lengths[r])
+        ratio, weight = np.empty(longest), np.empty(longest)
+        hit = np.empty(longest, dtype=np.bool_)
+        sq, infinite, m2 = np.zeros(num_rules), np.zeros(num_rules), np.zeros(num_rules)
+        top = np.full(num_rules, order_key(-math.inf))  # order keys: integer max, so the loop vectorizes
+        for r in range(chunks[c], chunks[c + 1]):
+            start, length = starts[r], lengths[r]
+            log_ratio = values[start:start + length]
+            for j in range(length):  # the run's ratios once, then every rule over them from cache
+                ratio[j], _ = exp_expm1(log_ratio[j])
+            for k in range(num_rules):
+                _rule_weights(rules[k], ratio, log_ratio, length, lows[k], highs[k], run_keep[keep_row[k], r],
+                              run_scale[scale_row[k], r], weight, hit)
+                inv = inv_scales[k]
+                s_w = s_w2 = hits = n_inf = 0.0
+                run_top = top[k]
+                for j in range(length):
+                    w = weight[j]
+                    hits += hit[j]
+                    n_inf += abs(w) == math.inf
+                    run_top = max(run_top, order_key(w))
+                    s_w += w
+                    s_w2 += (w * inv) ** 2
+                mean = s_w / length
+                run_m2 = 0.0
+                for j in range(length):  # M2 around the run's own mean
+                    run_m2 += (weight[j] - mean) ** 2
+                per_run[k, r, 0], per_run[k, r, 1] = s_w, hits
+                sq[k] += s_w2
+                infinite[k] += n_inf
+                m2[k] += run_m2
+                top[k] = run_top
+        for k in range(num_rules):  # per fixed chunk, so totals do not depend on the thread count
+            totals[c, k, 0], totals[c, k, 1] = sq[k], from_order_key(top[k])
+            totals[c, k, 2], totals[c, k, 3] = infinite[k], m2[k]
 
 
 # Bytes of per-run statistics one sweep may hold; more corrections than fit take more sweeps.
@@ -263,23 +277,25 @@ _WEIGHT_STATS_BUDGET = 256 * 2**20
 
 
 def weight_run_stats(log_ratio: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                     rules: list[tuple[int, dict]]) -> list[dict[str, np.ndarray]]:
-    """Per run, for each token-level correction `(rule, options)` (options: low, high, run_keep,
-    run_scale, inv_scale) on ratio = exp(log_ratio): WEIGHT_STATS, with sum w^2 taken of
-    w * inv_scale and M2 around the run's own mean. As many corrections per sweep as fit
-    _WEIGHT_STATS_BUDGET (all 20 of the defaults for up to ~280k runs)."""
+                     rules: list[tuple[int, dict]]) -> list[dict[str, np.ndarray | float]]:
+    """For each token-level correction `(rule, options)` (options: low, high, run_keep, run_scale,
+    inv_scale) on ratio = exp(log_ratio): WEIGHT_RUN_STATS per run and WEIGHT_TOTALS, with sum w^2
+    taken of w * inv_scale and each run's M2 around its own mean. As many corrections per sweep as
+    fit _WEIGHT_STATS_BUDGET (all 20 of the defaults for up to ~800k runs)."""
     num_runs = len(starts)
-    per_sweep = max(1, _WEIGHT_STATS_BUDGET // max(1, num_runs * len(WEIGHT_STATS) * 8))
-    stats: list[dict[str, np.ndarray]] = []
+    per_sweep = max(1, _WEIGHT_STATS_BUDGET // max(1, num_runs * len(WEIGHT_RUN_STATS) * 8))
+    stats: list[dict[str, np.ndarray | float]] = []
     for first in range(0, len(rules), per_sweep):
         stats.extend(_weight_sweep(log_ratio, starts, lengths, rules[first:first + per_sweep]))
     return stats
 
 
 def _weight_sweep(log_ratio: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                  rules: list[tuple[int, dict]]) -> list[dict[str, np.ndarray]]:
+                  rules: list[tuple[int, dict]]) -> list[dict[str, np.ndarray | float]]:
     num_runs, num_rules = len(starts), len(rules)
-    out = np.zeros((num_rules, num_runs, len(WEIGHT_STATS)))
+    per_run = np.zeros((num_rules, num_runs, len(WEIGHT_RUN_STATS)))
+    totals = np.zeros((_CHUNKS, num_rules, len(WEIGHT_TOTALS)))
+    totals[:, :, 1] = -np.inf
     if num_runs and num_rules:
         # Row 0 of each per-run table is the default (keep every run, scale 1); a rule with its own
         # per-run values gets a row of its own.
@@ -292,12 +308,20 @@ def _weight_sweep(log_ratio: np.ndarray, starts: np.ndarray, lengths: np.ndarray
             if options.get("run_scale") is not None:
                 scale_row[k] = len(scales)
                 scales.append(np.asarray(options["run_scale"], dtype=np.float64))
-        _weight_run_stats(log_ratio, starts, lengths, np.array([rule for rule, _ in rules], dtype=np.int64),
+        _weight_run_stats(log_ratio, starts, lengths, _chunk_bounds(num_runs),
+                          np.array([rule for rule, _ in rules], dtype=np.int64),
                           np.array([float(o.get("low", 1.0)) for _, o in rules]),
                           np.array([float(o.get("high", 1.0)) for _, o in rules]), keep_row, np.stack(keeps),
                           scale_row, np.stack(scales), np.array([float(o.get("inv_scale", 1.0)) for _, o in rules]),
-                          out)
-    return [{name: out[k, :, i] for i, name in enumerate(WEIGHT_STATS)} for k in range(num_rules)]
+                          per_run, totals)
+    out = []
+    for k in range(num_rules):
+        stats: dict[str, np.ndarray | float] = {name: per_run[k, :, i] for i, name in enumerate(WEIGHT_RUN_STATS)}
+        chunk_totals = totals[:, k, :]
+        stats.update(weight_sq=float(chunk_totals[:, 0].sum()), weight_max=float(chunk_totals[:, 1].max()),
+                     infinite=float(chunk_totals[:, 2].sum()), weight_m2=float(chunk_totals[:, 3].sum()))
+        out.append(stats)
+    return out
 
 
 # Columns of `verl_run_stats`: per run, sums and maxima of verl's k1/k2/k3 on log_ratio clamped at +-20.
@@ -473,6 +497,60 @@ def _group_offsets(lengths: np.ndarray, run_group: np.ndarray, bounds: np.ndarra
     before = np.cumsum(lengths) - lengths           # tokens of all earlier runs
     first_of_group = np.searchsorted(run_group, run_group, side="left")
     return bounds[run_group] + before - before[first_of_group]
+
+
+@_jit(parallel=True)
+def _mark_changes(key, chunks, change):  # pragma: no cover - compiled
+    for c in numba.prange(len(chunks) - 1):
+        for i in range(max(chunks[c], 1), chunks[c + 1]):
+            change[i] |= key[i] != key[i - 1]
+
+
+@_jit
+def _starts_run(change, mask, has_mask, i):  # pragma: no cover - compiled
+    if has_mask:
+        return mask[i] and (i == 0 or change[i] or not mask[i - 1])
+    return i == 0 or change[i]
+
+
+@_jit(parallel=True)
+def _count_runs(change, mask, has_mask, chunks, counts):  # pragma: no cover - compiled
+    for c in numba.prange(len(chunks) - 1):
+        k = 0
+        for i in range(chunks[c], chunks[c + 1]):
+            k += _starts_run(change, mask, has_mask, i)
+        counts[c] = k
+
+
+@_jit(parallel=True)
+def _fill_runs(change, mask, has_mask, chunks, first_run, rows, lengths):  # pragma: no cover - compiled
+    n = len(change)
+    for c in numba.prange(len(chunks) - 1):
+        k = first_run[c]
+        for i in range(chunks[c], chunks[c + 1]):
+            if _starts_run(change, mask, has_mask, i):
+                end = i + 1  # the run goes on until a change or a left-out row (may cross the chunk)
+                while end < n and not change[end] and (not has_mask or mask[end]):
+                    end += 1
+                rows[k], lengths[k] = i, end - i
+                k += 1
+
+
+def find_runs(keys: Sequence[np.ndarray], num_rows: int, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """groups.find_runs's runs as (first row, length) of each: one byte of flags per row, set key
+    by key, then the runs counted and written per chunk of rows."""
+    chunks = _chunk_bounds(num_rows)
+    change = np.zeros(num_rows, dtype=np.bool_)
+    for key in keys:
+        _mark_changes(np.ascontiguousarray(key), chunks, change)
+    has_mask = mask is not None
+    mask = np.ascontiguousarray(mask, dtype=np.bool_) if has_mask else np.ones(1, dtype=np.bool_)
+    counts = np.zeros(_CHUNKS, dtype=np.int64)
+    _count_runs(change, mask, has_mask, chunks, counts)
+    first_run = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    rows, lengths = np.empty(first_run[-1], dtype=np.int64), np.empty(first_run[-1], dtype=np.int64)
+    _fill_runs(change, mask, has_mask, chunks, first_run, rows, lengths)
+    return rows, lengths
 
 
 # Columns of `bucket_stats` per probability bucket.

@@ -146,7 +146,8 @@ def read_tokens(path: Path, *, columns: Sequence[str] | None = None) -> pd.DataF
     file = path / TOKENS_FILE
     if not file.is_file():
         raise ResultsError(f"{path}: no {TOKENS_FILE}")
-    table = pq.ParquetFile(file).read(columns=None if columns is None else list(columns))
+    # Mapped, not read into buffers: the compressed bytes are the page cache's, not fresh memory.
+    table = pq.ParquetFile(file, memory_map=True).read(columns=None if columns is None else list(columns))
     # One block per column and the Arrow buffers handed over: no consolidating copy (write_tokens).
     return table.to_pandas(split_blocks=True, self_destruct=True)
 
