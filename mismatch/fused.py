@@ -499,60 +499,6 @@ def _group_offsets(lengths: np.ndarray, run_group: np.ndarray, bounds: np.ndarra
     return bounds[run_group] + before - before[first_of_group]
 
 
-@_jit(parallel=True)
-def _mark_changes(key, chunks, change):  # pragma: no cover - compiled
-    for c in numba.prange(len(chunks) - 1):
-        for i in range(max(chunks[c], 1), chunks[c + 1]):
-            change[i] |= key[i] != key[i - 1]
-
-
-@_jit
-def _starts_run(change, mask, has_mask, i):  # pragma: no cover - compiled
-    if has_mask:
-        return mask[i] and (i == 0 or change[i] or not mask[i - 1])
-    return i == 0 or change[i]
-
-
-@_jit(parallel=True)
-def _count_runs(change, mask, has_mask, chunks, counts):  # pragma: no cover - compiled
-    for c in numba.prange(len(chunks) - 1):
-        k = 0
-        for i in range(chunks[c], chunks[c + 1]):
-            k += _starts_run(change, mask, has_mask, i)
-        counts[c] = k
-
-
-@_jit(parallel=True)
-def _fill_runs(change, mask, has_mask, chunks, first_run, rows, lengths):  # pragma: no cover - compiled
-    n = len(change)
-    for c in numba.prange(len(chunks) - 1):
-        k = first_run[c]
-        for i in range(chunks[c], chunks[c + 1]):
-            if _starts_run(change, mask, has_mask, i):
-                end = i + 1  # the run goes on until a change or a left-out row (may cross the chunk)
-                while end < n and not change[end] and (not has_mask or mask[end]):
-                    end += 1
-                rows[k], lengths[k] = i, end - i
-                k += 1
-
-
-def find_runs(keys: Sequence[np.ndarray], num_rows: int, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """groups.find_runs's runs as (first row, length) of each: one byte of flags per row, set key
-    by key, then the runs counted and written per chunk of rows."""
-    chunks = _chunk_bounds(num_rows)
-    change = np.zeros(num_rows, dtype=np.bool_)
-    for key in keys:
-        _mark_changes(np.ascontiguousarray(key), chunks, change)
-    has_mask = mask is not None
-    mask = np.ascontiguousarray(mask, dtype=np.bool_) if has_mask else np.ones(1, dtype=np.bool_)
-    counts = np.zeros(_CHUNKS, dtype=np.int64)
-    _count_runs(change, mask, has_mask, chunks, counts)
-    first_run = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    rows, lengths = np.empty(first_run[-1], dtype=np.int64), np.empty(first_run[-1], dtype=np.int64)
-    _fill_runs(change, mask, has_mask, chunks, first_run, rows, lengths)
-    return rows, lengths
-
-
 # Columns of `bucket_stats` per probability bucket.
 BUCKET_STATS = ("n_tokens", "log_ratio", "abs_log_ratio", "log_ratio_abs_max", "k3", "outside_2", "equal")
 

@@ -75,20 +75,14 @@ def find_runs(keys: Sequence[np.ndarray], num_rows: int, mask: np.ndarray | None
     """Runs of the rows where `mask` (default: all rows), cut wherever any of the aligned key
     arrays changes value or a masked-out row comes between two tokens.
 
-    With numba, one byte of flags per row and two sweeps (fused.find_runs); else two row-length
-    flag buffers, updated in place: fresh arrays of ~1e7 rows cost more in page faults than the
-    comparisons (benchmarks/RESULTS.md).
+    Two row-length flag buffers, updated in place: fresh arrays of ~1e7 rows cost more in page
+    faults than the comparisons (benchmarks/RESULTS.md). (A numba version, one byte of flags per
+    row and two sweeps, measured slower: 23-33 ms against 17.5 ms for 10M rows and 5 keys.)
     """
-    from mismatch import fused
-
+    change = np.zeros(num_rows, dtype=bool)  # row i starts a run (if kept)
     if num_rows == 0:
         return Runs(starts=np.zeros(0, dtype=np.int64), lengths=np.zeros(0, dtype=np.int64), num_tokens=0,
                     rows=np.zeros(0, dtype=np.int64))
-    if fused.available():  # the same runs without the row-length temporaries (tests hold them equal)
-        rows, lengths = fused.find_runs(keys, num_rows, mask)
-        starts = np.cumsum(lengths) - lengths
-        return Runs(starts=starts, lengths=lengths, num_tokens=int(lengths.sum()), rows=rows)
-    change = np.zeros(num_rows, dtype=bool)  # row i starts a run (if kept)
     change[0] = True
     flags = np.empty(num_rows - 1, dtype=bool)
     for key in keys:

@@ -193,25 +193,3 @@ def test_two_threads_analysing_at_once_get_the_same_numbers():
     for thread in threads:
         thread.join()
     assert got == [want, want]
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_find_runs_fused_equals_numpy(seed, monkeypatch):
-    # Keys of every width, a float key with NaNs (a NaN starts a run), with and without a row mask.
-    from mismatch.groups import find_runs
-
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(1, 5000))
-    keys = [np.sort(rng.integers(0, 40, n)).astype(dtype) for dtype in (np.int8, np.int16, np.int32, np.int64)]
-    keys.append(rng.integers(0, 2, n).astype(np.int8))
-    floats = np.repeat(rng.normal(size=n // 7 + 1), 7)[:n]
-    floats[rng.random(n) < 0.05] = np.nan
-    keys.append(floats)
-    for mask in (None, rng.random(n) < 0.6):
-        fast = find_runs(keys, n, mask)
-        monkeypatch.setenv("MISMATCH_NO_JIT", "1")
-        slow = find_runs(keys, n, mask)
-        monkeypatch.delenv("MISMATCH_NO_JIT")
-        for name in ("starts", "lengths", "rows"):
-            np.testing.assert_array_equal(getattr(fast, name), getattr(slow, name), err_msg=name)
-        assert fast.num_tokens == slow.num_tokens
