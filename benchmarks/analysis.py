@@ -21,9 +21,11 @@ Usage: python benchmarks/analysis.py [--tokens 10000000] [--rollouts 10000] [--r
 4. The part both compute, on equal terms: mismatch's pair metrics for the three pairs from the
    table already in memory (`TokenView` + `summarize_pairs`, which also gives quantiles,
    ppl_ratio, n_rollouts and the probability gap the baseline leaves out) against the baseline.
-All are best of --repeats, in this process; the baseline runs with 1 torch thread and with
-the default (2 here), and the faster counts. mismatch's hot loops are fused numba loops
-(mismatch/fused.py) on all cores; --no-jit measures the numpy fallback instead.
+All are best of --repeats, in this process, taken round-robin (each round runs 2, 4 and the
+baseline once) so that all of them see the same machine; every repeat's wall and system seconds
+of 2 are printed too. The baseline runs with 1 torch thread and with the default (2 here), and the
+faster counts. mismatch's hot loops are fused numba loops (mismatch/fused.py, mismatch/simd.py)
+on all cores; --no-jit measures the numpy fallback instead.
 Prints one JSON object; --profile N adds the top N functions (cProfile, cumulative) of step 2.
 """
 
@@ -36,6 +38,7 @@ import json
 import math
 import os
 import pstats
+import resource
 import time
 from pathlib import Path
 
@@ -153,14 +156,6 @@ def mismatch_analysis(path: Path) -> tuple[dict[str, float], dict]:
     return times, {"pairs": pairs, "turns": turns, "localization": localization, "corrections": corrections}
 
 
-def pair_metrics_in_memory(path: Path, repeats: int) -> tuple[float, float]:
-    """Best wall and CPU seconds of what the baseline computes, done by mismatch: the table already
-    in memory, one TokenView, the three pairs' metrics (summarize_pairs)."""
-    table = read_tokens(path, columns=ANALYSIS_COLUMNS)
-    seconds, cpu_seconds, _ = best_of(repeats, lambda: summarize_pairs(TokenView(table), PAIRS))
-    return seconds, cpu_seconds
-
-
 # ---------------------------------------------------------------------------------------------
 # Trainer-style baseline
 
@@ -244,19 +239,25 @@ def torch_baseline(batches: list[dict[str, torch.Tensor]]) -> dict[str, dict[str
 # ---------------------------------------------------------------------------------------------
 
 
-def best_of(repeats: int, run, every: list[float] | None = None):
-    """Best wall seconds of `repeats` runs, the CPU seconds of that run, and its result; each
-    run's wall seconds are appended to `every`."""
-    best, best_cpu, result = math.inf, math.inf, None
-    for _ in range(repeats):
+class Best:
+    """Best wall seconds of the runs so far, the CPU (and system) seconds of that run, its result,
+    and every run's wall and system seconds."""
+
+    def __init__(self) -> None:
+        self.seconds = self.cpu_seconds = math.inf
+        self.result = None
+        self.every: list[float] = []
+        self.every_sys: list[float] = []
+
+    def run(self, work):
+        sys_before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
         started, started_cpu = time.perf_counter(), time.process_time()
-        result = run()
-        seconds = time.perf_counter() - started
-        if every is not None:
-            every.append(round(seconds, 4))
-        if seconds < best:
-            best, best_cpu = seconds, time.process_time() - started_cpu
-    return best, best_cpu, result
+        result = work()
+        seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - started_cpu
+        self.every.append(round(seconds, 4))
+        self.every_sys.append(round(resource.getrusage(resource.RUSAGE_SELF).ru_stime - sys_before, 3))
+        if seconds < self.seconds:
+            self.seconds, self.cpu_seconds, self.result = seconds, cpu_seconds, result
 
 
 def main() -> None:
@@ -287,36 +288,44 @@ def main() -> None:
     del table
 
     load_before = os.getloadavg()[0]
-    every: list[float] = []
-    ours_s, ours_cpu, (stages, ours) = best_of(args.repeats, lambda: mismatch_analysis(args.results), every)
-    pairs_s, pairs_cpu = pair_metrics_in_memory(args.results, args.repeats)
-    # The strongest baseline: torch on 1 thread and on all of them, the faster counts. (On a
-    # shared machine OpenMP's spinning threads can make 2 threads 40x slower than 1.)
+    table = read_tokens(args.results, columns=ANALYSIS_COLUMNS)  # for the in-memory comparison
+    # Round-robin, so that every contender sees the same machine (this sandbox's cost of fresh
+    # memory drifts within a process, see RESULTS.md): mismatch end to end, mismatch's pair
+    # metrics from the table in memory, and the baseline on 1 torch thread and on all of them
+    # (on a shared machine OpenMP's spinning threads can make 2 threads 40x slower than 1).
     default_threads = torch.get_num_threads()
-    baseline_runs = {}
-    for threads in sorted({1, default_threads}):
-        torch.set_num_threads(threads)
-        baseline_runs[threads] = best_of(args.repeats, lambda: torch_baseline(batches))
+    ours, pairs_only = Best(), Best()
+    baseline_runs = {threads: Best() for threads in sorted({1, default_threads})}
+    for _ in range(args.repeats):
+        ours.run(lambda: mismatch_analysis(args.results))
+        pairs_only.run(lambda: summarize_pairs(TokenView(table), PAIRS))
+        for threads, best in baseline_runs.items():
+            torch.set_num_threads(threads)
+            best.run(lambda: torch_baseline(batches))
     torch.set_num_threads(default_threads)
-    base_threads = min(baseline_runs, key=lambda t: baseline_runs[t][0])
-    base_s, base_cpu, base = baseline_runs[base_threads]
+    stages, ours_result = ours.result
+    base_threads = min(baseline_runs, key=lambda t: baseline_runs[t].seconds)
+    baseline = baseline_runs[base_threads]
+    ours_s, base_s, pairs_s = ours.seconds, baseline.seconds, pairs_only.seconds
 
     # The two must agree on what they both compute (float32 baseline: to ~1e-6 relative).
     agree = {}
     for pair in ("train/sampler", "train/infer"):
         for name in ("n_tokens", "log_ratio_abs_mean", "kl_k3", "chi2_token", "ratio_max", "ess"):
-            ours_v, base_v = ours["pairs"][pair][name], base[pair][name]
+            ours_v, base_v = ours_result["pairs"][pair][name], baseline.result[pair][name]
             agree[f"{pair}:{name}"] = abs(ours_v - base_v) / max(abs(ours_v), 1e-300)
     result = {
         "rows": num_rows, "trainable_rows": num_trainable, "rollouts": args.rollouts,
         "parquet_mb": round(os.path.getsize(args.results / TOKENS_FILE) / 2**20, 1),
         "baseline_dtype": args.dtype, "baseline_batches": len(batches), "baseline_padded_cells": padded_cells,
         "load_average_1min": round(load_before, 2),
-        "mismatch_s": ours_s, "mismatch_cpu_s": ours_cpu, "mismatch_s_every_repeat": every,
-        "mismatch_s_median": float(np.median(every)), "mismatch_stages_s_last_run": stages,
-        "baseline_s": base_s, "baseline_cpu_s": base_cpu, "baseline_threads": base_threads,
-        "baseline_s_by_threads": {t: run[0] for t, run in baseline_runs.items()},
-        "mismatch_pair_metrics_in_memory_s": pairs_s, "mismatch_pair_metrics_in_memory_cpu_s": pairs_cpu,
+        "mismatch_s": ours_s, "mismatch_cpu_s": ours.cpu_seconds, "mismatch_s_every_repeat": ours.every,
+        "mismatch_sys_s_every_repeat": ours.every_sys, "mismatch_s_median": float(np.median(ours.every)),
+        "mismatch_stages_s_best_run": stages,
+        "baseline_s": base_s, "baseline_cpu_s": baseline.cpu_seconds, "baseline_threads": base_threads,
+        "baseline_s_by_threads": {t: best.seconds for t, best in baseline_runs.items()},
+        "mismatch_pair_metrics_in_memory_s": pairs_s, "mismatch_pair_metrics_in_memory_cpu_s": pairs_only.cpu_seconds,
+        "mismatch_pair_metrics_in_memory_s_every_repeat": pairs_only.every,
         "pair_metrics_speedup_vs_baseline": base_s / pairs_s,
         "fused": fused.available(), "numba": getattr(fused.numba, "__version__", None),
         "numba_threads": fused.numba.get_num_threads() if fused.available() else None,
