@@ -91,7 +91,7 @@ def exp_expm1(x: float) -> tuple[float, float]:  # pragma: no cover - compiled
     m = (q + (1.0 - _float_from_bits((1023 - near) << 52))) * _float_from_bits((near + 1023) << 52)
     if ki != near:
         m = e - 1.0
-    if x != x:  # NaN in, NaN out
+    if math.isnan(x):  # NaN in, NaN out
         e = m = x
     return e, m
 
