@@ -3,6 +3,7 @@ read from Parquet, vs a trainer-style torch per-batch computation of the core me
 
 Usage: python benchmarks/analysis.py [--tokens 10000000] [--rollouts 10000] [--repeats 3]
                                      [--dtype float32] [--profile 25] [--results DIR] [--fresh N]
+                                     [--prefault-mb MB]
 
 1. Writes a synthetic token table (the tokens.parquet contract: rollout, branch, branch_kind,
    turn, segment, pos, role, token_id, trainable, logp_sampler, logp_train, logp_infer) to
@@ -26,9 +27,10 @@ baseline once) so that all of them see the same machine; every repeat's wall and
 of 2 are printed too. The baseline runs with 1 torch thread and with the default (2 here), and the
 faster counts. mismatch's hot loops are fused numba loops (mismatch/fused.py, mismatch/simd.py)
 on all cores; --no-jit measures the numpy fallback instead.
---fresh N also runs step 2 once in each of N new processes (as a CLI command would), after loading
-the compiled loops there on a tiny table. Prints one JSON object; --profile N adds the top N
-functions (cProfile, cumulative) of step 2.
+--prefault-mb MB touches and frees MB of memory before every timed run, untimed (see `prefault`:
+this sandbox charges for memory its host has reclaimed). --fresh N also runs step 2 once in each
+of N new processes (as a CLI command would), after loading the compiled loops there on a tiny
+table. Prints one JSON object; --profile N adds the top N functions (cProfile, cumulative) of 2.
 """
 
 from __future__ import annotations
@@ -243,6 +245,18 @@ def torch_baseline(batches: list[dict[str, torch.Tensor]]) -> dict[str, dict[str
 # ---------------------------------------------------------------------------------------------
 
 
+def prefault(megabytes: int) -> None:
+    """Touch and free `megabytes` of memory. On this sandbox's VM, memory a process frees goes back
+    to the host (virtio-balloon free page reporting) and the first touch of it costs up to ~2 ms
+    per MB; memory freed a moment ago is still backed, and the next allocations reuse it. Run
+    untimed before a repeat, this makes the repeat's fresh memory cost what it costs on a machine
+    that does not reclaim it (RESULTS.md has both)."""
+    if megabytes > 0:
+        block = np.empty(megabytes * 2**17)
+        block.fill(0.0)
+        del block
+
+
 class Best:
     """Best wall seconds of the runs so far, the CPU (and system) seconds of that run, its result,
     and every run's wall and system seconds."""
@@ -291,6 +305,8 @@ def main() -> None:
     parser.add_argument("--no-jit", action="store_true", help="the numpy paths, not the fused loops")
     parser.add_argument("--fresh", type=int, default=0,
                         help="also time the end-to-end analysis once in each of N new processes")
+    parser.add_argument("--prefault-mb", type=int, default=0,
+                        help="touch and free this much memory, untimed, before every timed run (see prefault)")
     parser.add_argument("--fresh-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.no_jit:
@@ -320,10 +336,13 @@ def main() -> None:
     ours, pairs_only = Best(), Best()
     baseline_runs = {threads: Best() for threads in sorted({1, default_threads})}
     for _ in range(args.repeats):
+        prefault(args.prefault_mb)
         ours.run(lambda: mismatch_analysis(args.results))
+        prefault(args.prefault_mb)
         pairs_only.run(lambda: summarize_pairs(TokenView(table), PAIRS))
         for threads, best in baseline_runs.items():
             torch.set_num_threads(threads)
+            prefault(args.prefault_mb)
             best.run(lambda: torch_baseline(batches))
     torch.set_num_threads(default_threads)
     stages, ours_result = ours.result
@@ -341,7 +360,7 @@ def main() -> None:
         "rows": num_rows, "trainable_rows": num_trainable, "rollouts": args.rollouts,
         "parquet_mb": round(os.path.getsize(args.results / TOKENS_FILE) / 2**20, 1),
         "baseline_dtype": args.dtype, "baseline_batches": len(batches), "baseline_padded_cells": padded_cells,
-        "load_average_1min": round(load_before, 2),
+        "load_average_1min": round(load_before, 2), "prefault_mb": args.prefault_mb,
         "mismatch_s": ours_s, "mismatch_cpu_s": ours.cpu_seconds, "mismatch_s_every_repeat": ours.every,
         "mismatch_sys_s_every_repeat": ours.every_sys, "mismatch_s_median": float(np.median(ours.every)),
         "mismatch_stages_s_best_run": stages,
