@@ -117,8 +117,8 @@ def read_summary(path: Path) -> dict[str, Any]:
     return json.loads((path / SUMMARY_FILE).read_text())
 
 
-# Rows per Parquet row group of tokens.parquet: the whole table up to this many rows (~1.5 GB of
-# columns in memory), so that a reader gets every column back as one array (see write_tokens).
+# Rows per Parquet row group of tokens.parquet: one group for any table up to this size, so that a
+# reader gets every column back as one array (write_tokens); a bigger table gets several.
 TOKENS_ROW_GROUP = 64 * 2**20
 
 
