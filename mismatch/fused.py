@@ -117,6 +117,12 @@ _PARALLEL_LOCK = threading.Lock()
 @_jit(reassociate=True)
 def _pair_run(logp_a, logp_b, start, first, length, log_ratio, row):  # pragma: no cover - compiled
     """One run of one pair: PAIR_STATS into `row`, the log-ratios into log_ratio[first:]."""
+    for j in range(length):
+        log_ratio[first + j] = logp_a[start + j] - logp_b[start + j]
+    # No store in a loop that sums: LLVM guards a vectorized loop that stores by a check that the
+    # stores cannot overlap its loads, and runs it unvectorized where the arrays happen to lie
+    # close in memory; with reordered sums (reassociate), the last bits would then depend on
+    # memory addresses (a merge of shards differed from one run that way, now and then).
     lowest, highest = order_key(-math.inf), order_key(math.inf)
     s_lr = s_abs = s_ratio = s_lr2 = s_k3 = s_r2 = s_pd = outside = equal = 0.0
     max_abs = max_pd = max_lr = lowest  # order keys: integer max/min, so the loop vectorizes
@@ -124,7 +130,6 @@ def _pair_run(logp_a, logp_b, start, first, length, log_ratio, row):  # pragma: 
     for j in range(length):
         a, b = logp_a[start + j], logp_b[start + j]
         x = a - b
-        log_ratio[first + j] = x
         ratio, em1 = exp_expm1(x)
         p_a, _ = exp_expm1(a)
         p_b, _ = exp_expm1(b)
