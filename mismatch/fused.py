@@ -2,7 +2,7 @@
 
 Under metrics, corrections and localize. Each loop does in one sweep over a run of tokens what
 the numpy code beside its caller does in a dozen passes over ~40 MB arrays: on 2 cores the whole
-analysis of a 10M-token table goes from ~3M to ~6M tokens per second (benchmarks/RESULTS.md). The
+analysis of a 10M-token table goes from ~5M to ~14M tokens per second (benchmarks/RESULTS.md). The
 numpy code stays as the reference and the fallback: `available()` is False without numba or with
 MISMATCH_NO_JIT=1, and tests hold both paths equal. Callers import this module inside the
 functions that use it, so importing mismatch does not import numba; compiled loops are cached
@@ -10,8 +10,8 @@ on disk (`cache=True`).
 
 Runs come as (`rows` or `starts`, `lengths`): each run's first token as a table row or as a
 position among the view's tokens, and its token count (groups.Runs). `pair_run_stats`, the first
-sweep of a pair, reads the two log-prob columns of the table at the runs' rows and writes the
-pair's log-ratio, compact (one value per token, in view order); every later loop reads that
+sweep, of every pair at once, reads the log-prob columns of the table at the runs' rows and writes
+each pair's log-ratio, compact (one value per token, in view order); every later loop reads that
 array at the runs' `starts`. A pass over it reads 8 bytes per token rather than two columns
 across the whole table, interleaved prompt rows included, which is what bounds these loops
 (benchmarks/RESULTS.md).
