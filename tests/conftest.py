@@ -11,6 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,3 +68,25 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+# The three pairs an audit measures, for the analysis tests.
+PAIRS = [("train", "sampler"), ("train", "infer"), ("infer", "sampler")]
+
+
+def agentic_frame(rng: np.random.Generator, *, rollouts: int, subagent_every: int, answer_max: int) -> pd.DataFrame:
+    """The key columns of a token table in audit order (rollouts, branches, turns; a user prompt
+    then an assistant answer per turn, only answers trainable); the caller adds log-prob columns."""
+    rows = []
+    for r in range(rollouts):
+        for branch, kind in [("main", "main"), *([("sub-1", "subagent")] if r % subagent_every == 0 else [])]:
+            pos = 0
+            for turn in range(int(rng.integers(1, 5))):
+                for role, length in (("user", int(rng.integers(2, 6))), ("assistant", int(rng.integers(3, answer_max)))):
+                    for _ in range(length):
+                        rows.append((f"r{r}", branch, kind, turn, pos, role, role == "assistant"))
+                        pos += 1
+    frame = pd.DataFrame(rows, columns=["rollout", "branch", "branch_kind", "turn", "pos", "role", "trainable"])
+    for key in ("rollout", "branch", "branch_kind", "role"):
+        frame[key] = frame[key].astype("category")
+    return frame

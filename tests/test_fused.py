@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import PAIRS, agentic_frame
 
 from mismatch import fused
 from mismatch.corrections import MODES, Correction, simulate, summary_corrections
@@ -16,24 +17,10 @@ from mismatch.tokenview import TokenView
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="numba is not installed")
 
-PAIRS = [("train", "sampler"), ("train", "infer"), ("infer", "sampler")]
-
-
 def table(seed: int = 0) -> pd.DataFrame:
     """Agentic token table with wide log-prob tails, ties, a placeholder log-prob and dropped tokens."""
     rng = np.random.default_rng(seed)
-    rows = []
-    for r in range(25):
-        for branch, kind in [("main", "main"), *([("sub-1", "subagent")] if r % 4 == 0 else [])]:
-            pos = 0
-            for turn in range(int(rng.integers(1, 5))):
-                for role, length in (("user", int(rng.integers(2, 6))), ("assistant", int(rng.integers(3, 25)))):
-                    for _ in range(length):
-                        rows.append((f"r{r}", branch, kind, turn, pos, role, role == "assistant"))
-                        pos += 1
-    frame = pd.DataFrame(rows, columns=["rollout", "branch", "branch_kind", "turn", "pos", "role", "trainable"])
-    for key in ("rollout", "branch", "branch_kind", "role"):
-        frame[key] = frame[key].astype("category")
+    frame = agentic_frame(rng, rollouts=25, subagent_every=4, answer_max=25)
     n = len(frame)
     logp = -rng.exponential(1.5, n)
     frame["logp_sampler"] = np.where(frame["trainable"], logp, np.nan)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import PAIRS, agentic_frame
 
 from mismatch.corrections import simulate, summary_corrections
 from mismatch.groups import Grouping, find_runs, quantiles, single_group
@@ -46,18 +47,7 @@ def test_runs_cut_where_any_key_changes():
 def agentic_table(seed: int = 0) -> pd.DataFrame:
     """A token table in audit order: rollouts, branches, turns; user prompts not trainable."""
     rng = np.random.default_rng(seed)
-    rows = []
-    for r in range(30):
-        for branch, kind in [("main", "main"), *([("sub-1", "subagent")] if r % 3 == 0 else [])]:
-            pos = 0
-            for turn in range(int(rng.integers(1, 5))):
-                for role, length in (("user", int(rng.integers(2, 6))), ("assistant", int(rng.integers(3, 20)))):
-                    for _ in range(length):
-                        rows.append((f"r{r}", branch, kind, turn, pos, role, role == "assistant"))
-                        pos += 1
-    table = pd.DataFrame(rows, columns=["rollout", "branch", "branch_kind", "turn", "pos", "role", "trainable"])
-    for key in ("rollout", "branch", "branch_kind", "role"):
-        table[key] = table[key].astype("category")
+    table = agentic_frame(rng, rollouts=30, subagent_every=3, answer_max=20)
     n = len(table)
     logp = -rng.exponential(1.0, n)
     table["logp_sampler"] = np.where(table["trainable"], logp, np.nan)
@@ -67,7 +57,6 @@ def agentic_table(seed: int = 0) -> pd.DataFrame:
     return table
 
 
-PAIRS = [("train", "sampler"), ("train", "infer"), ("infer", "sampler")]
 EXACT = {"n_tokens", "n_rollouts", "ratio_min", "ratio_max", "log_ratio_abs_max", "prob_abs_diff_max",
          "bitwise_equal_frac", "frac_outside_2", "ratio_p01", "ratio_p99", "ratio_p999"}
 
