@@ -270,17 +270,27 @@ def geometric_icepop(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray
 def seq_mask_tis(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
     # OpenRLHF is_correction_type="seq-mask-tis": drop sequences whose geometric-mean ratio leaves
     # [low, high]; kept tokens carry their own raw token ratio (openrlhf/models/loss.py PolicyLoss).
-    geometric = _exp(t.seq_mean)
-    keep = t.spread((geometric >= low) & (geometric <= high))
+    keep = t.spread(_geometric_kept(t, low, high))
     return np.where(keep, t.ratio, 0.0), ~keep
+
+
+def _geometric_kept(t: _Tokens, low: float, high: float) -> np.ndarray:
+    """Per run: whether its sequence's geometric-mean ratio lies in [low, high]."""
+    geometric = _exp(t.seq_mean)
+    return (geometric >= low) & (geometric <= high)
 
 
 def sequence_minmax_mask(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
     # prime-rl sequence_mask_low / sequence_mask_high: drop the whole sequence when any token's ratio is
     # below low or above high (the "max" of the ratios decides); kept tokens keep their token ratio.
-    seq_min, seq_max = t.seq_ratio_range()
-    keep = t.spread((seq_min >= low) & (seq_max <= high))
+    keep = t.spread(_minmax_kept(t, low, high))
     return np.where(keep, t.ratio, 0.0), ~keep
+
+
+def _minmax_kept(t: _Tokens, low: float, high: float) -> np.ndarray:
+    """Per run: whether every token ratio of its sequence lies in [low, high]."""
+    seq_min, seq_max = t.seq_ratio_range()
+    return (seq_min >= low) & (seq_max <= high)
 
 
 # --- per-rollout modes (agentic: a rollout is many branches) ---
@@ -298,9 +308,13 @@ def rollout_balanced_truncate(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np
     are the capped tokens; the rebalancing shows in the weight stats.
     """
     capped, affected = _truncate(t.ratio, cap)
+    return capped * t.spread(_balance_scale(t)), affected
+
+
+def _balance_scale(t: _Tokens) -> np.ndarray:
+    """Per run: (N / R) / n_tokens of its rollout."""
     per_rollout = np.bincount(t.run_rollout, weights=t.runs.lengths, minlength=t.num_rollouts)[t.run_rollout]
-    scale = (t.num_tokens / t.num_rollouts) / per_rollout
-    return capped * t.spread(scale), affected
+    return (t.num_tokens / t.num_rollouts) / per_rollout
 
 
 # --- rejection modes: verl rollout_rs (verl/trainer/ppo/rollout_corr_helper.py,
@@ -347,29 +361,14 @@ def _fused_rule(name: str, **options: Any) -> tuple[int, dict[str, Any]]:
     return getattr(fused, name), options
 
 
-def _seq_mask_tis_rule(t: _Tokens, *, low: float, high: float) -> tuple[int, dict[str, Any]]:
-    geometric = _exp(t.seq_mean)
-    return _fused_rule("KEEP_RATIO", run_keep=(geometric >= low) & (geometric <= high))
-
-
-def _minmax_rule(t: _Tokens, *, low: float, high: float) -> tuple[int, dict[str, Any]]:
-    seq_min, seq_max = t.seq_ratio_range()
-    return _fused_rule("KEEP_RATIO", run_keep=(seq_min >= low) & (seq_max <= high))
-
-
-def _balanced_rule(t: _Tokens, *, cap: float) -> tuple[int, dict[str, Any]]:
-    per_rollout = np.bincount(t.run_rollout, weights=t.runs.lengths, minlength=t.num_rollouts)[t.run_rollout]
-    return _fused_rule("TRUNCATE", high=cap, run_scale=(t.num_tokens / t.num_rollouts) / per_rollout)
-
-
 _RULES: dict[str, Callable[..., tuple[int, dict[str, Any]]]] = {
     "token_truncate": lambda t, *, cap: _fused_rule("TRUNCATE", high=cap),
     "token_mask": lambda t, *, cap: _fused_rule("MASK_ABOVE", high=cap),
     "token_clip": lambda t, *, low, high: _fused_rule("CLIP", low=low, high=high),
     "token_icepop": lambda t, *, low, high: _fused_rule("BAND_MASK", low=low, high=high),
-    "seq_mask_tis": _seq_mask_tis_rule,
-    "sequence_minmax_mask": _minmax_rule,
-    "rollout_balanced_truncate": _balanced_rule,
+    "seq_mask_tis": lambda t, *, low, high: _fused_rule("KEEP_RATIO", run_keep=_geometric_kept(t, low, high)),
+    "sequence_minmax_mask": lambda t, *, low, high: _fused_rule("KEEP_RATIO", run_keep=_minmax_kept(t, low, high)),
+    "rollout_balanced_truncate": lambda t, *, cap: _fused_rule("TRUNCATE", high=cap, run_scale=_balance_scale(t)),
     "rs_token_k1": lambda t, *, low, high: _fused_rule("REJECT_K1", low=low, high=high),
     "rs_token_k2": lambda t, *, high: _fused_rule("REJECT_K2", high=high),
     "rs_token_k3": lambda t, *, high: _fused_rule("REJECT_K3", high=high),
