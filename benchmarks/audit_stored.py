@@ -1,0 +1,137 @@
+"""The command users run on a real dump: `mismatch audit --train stored:trainer --infer stored:engine`.
+
+Usage: python benchmarks/audit_stored.py [--rollouts 10000] [--big 30000] [--dir /tmp/mismatch-audit-bench]
+
+Generates (once; reused when present) agentic rollouts in format v1 outside the repo: one main
+branch each, system + user (~100 tokens), then 6 x (assistant ~80 tokens with `logprobs` and
+`extra_logprobs` "trainer" and "engine", tool ~60 tokens): ~940 tokens a rollout, about half of
+them trainable. A stored-log-prob audit needs a checkpoint only for its vocab size, so a
+config-only checkpoint with one tiny safetensors file is written beside it.
+
+Then, in one run and each in a fresh subprocess (peak RSS from `wait4`'s rusage of that child):
+- the floor: `json.loads` of every line of the --rollouts file;
+- `mismatch audit CKPT --rollouts F --train stored:trainer --infer stored:engine --out D` on the
+  --rollouts file and on the --big one (memory must not grow with the input);
+- `mismatch --help` (best of 3).
+Prints one JSON object: wall and peak RSS of each, and the audit / floor ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+MIB = 2**20
+VOCAB = 151_000
+NUM_TEMPLATES = 512  # distinct rollouts; the file repeats them under fresh ids
+
+
+def rollout_line(rng: np.random.Generator, index: int) -> str:
+    def prompt(role: str, n: int) -> dict:
+        return {"role": role, "tokens": rng.integers(0, VOCAB, n).tolist()}
+
+    def assistant(n: int) -> dict:
+        # Log-probs rounded to 6 decimals, as dumps usually store them; the trainer and the re-run
+        # engine differ from the sampler by a small, heavy-ish tailed gap.
+        logp = np.minimum(-rng.exponential(0.7, n), 0.0)
+        trainer = np.minimum(logp + rng.standard_t(3, n) * 0.01, 0.0)
+        engine = np.minimum(logp + rng.normal(0.0, 0.002, n), 0.0)
+        return {"role": "assistant", "tokens": rng.integers(0, VOCAB, n).tolist(),
+                "logprobs": np.round(logp, 6).tolist(),
+                "extra_logprobs": {"trainer": np.round(trainer, 6).tolist(),
+                                   "engine": np.round(engine, 6).tolist()}}
+
+    segments = [prompt("system", int(rng.integers(30, 50))), prompt("user", int(rng.integers(40, 80)))]
+    for _ in range(6):
+        segments.append(assistant(int(rng.integers(60, 100))))
+        segments.append(prompt("tool", int(rng.integers(45, 75))))
+    meta = {"sampler": {"engine": "vllm", "dtype": "bfloat16", "temperature": 1.0, "top_p": 1.0,
+                        "top_k": -1, "logprobs": "raw"}}
+    return json.dumps({"id": f"r-{index:08d}", "meta": meta, "branches": [
+        {"id": "main", "kind": "main", "parent": None, "fork_at": None, "segments": segments}]})
+
+
+def generate(path: Path, num_rollouts: int, seed: int = 0) -> None:
+    if path.exists():
+        return
+    rng = np.random.default_rng(seed)
+    templates = [rollout_line(rng, i) for i in range(NUM_TEMPLATES)]
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        for i in range(num_rollouts):
+            template = templates[i % NUM_TEMPLATES]
+            f.write(template.replace('"r-%08d"' % (i % NUM_TEMPLATES), '"r-%08d"' % i, 1) + "\n")
+    tmp.rename(path)
+
+
+def write_checkpoint(root: Path) -> None:
+    from safetensors.numpy import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": VOCAB}))
+    save_file({"unused": np.zeros(1, dtype=np.float32)}, str(root / "model.safetensors"))
+
+
+def timed(argv: list[str]) -> dict[str, float]:
+    """Wall seconds, CPU seconds and peak RSS (MiB) of one child process, which must succeed."""
+    start = time.perf_counter()
+    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - start
+    stderr = child.stderr.read().decode(errors="replace") if child.stderr else ""
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"failed ({os.waitstatus_to_exitcode(status)}): {' '.join(argv)}\n{stderr[-3000:]}")
+    return {"wall_s": round(wall, 3), "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
+            "sys_s": round(usage.ru_stime, 3), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}
+
+
+FLOOR = "import json,sys\nwith open(sys.argv[1],'rb') as f:\n    for line in f: json.loads(line)\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rollouts", type=int, default=10_000)
+    parser.add_argument("--big", type=int, default=30_000, help="0 skips the memory check")
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/mismatch-audit-bench"))
+    args = parser.parse_args()
+    mismatch = str(Path(sys.executable).with_name("mismatch"))
+    args.dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = args.dir / "checkpoint"
+    write_checkpoint(checkpoint)
+    sizes = [args.rollouts] + ([args.big] if args.big else [])
+    files = {n: args.dir / f"rollouts-{n}.jsonl" for n in sizes}
+    for n, path in files.items():
+        generate(path, n)
+
+    result: dict[str, object] = {"python": sys.version.split()[0], "cores": os.cpu_count()}
+    small = files[args.rollouts]
+    result["file_mib"] = round(small.stat().st_size / MIB, 1)
+    result["json_loads_floor"] = timed([sys.executable, "-c", FLOOR, str(small)])
+    for n, path in files.items():
+        out = args.dir / f"audit-{n}"
+        shutil.rmtree(out, ignore_errors=True)
+        result[f"audit_{n}"] = timed([mismatch, "audit", str(checkpoint), "--rollouts", str(path),
+                                      "--train", "stored:trainer", "--infer", "stored:engine",
+                                      "--out", str(out)])
+        summary = json.loads((out / "summary.json").read_text())
+        result[f"audit_{n}"]["tokens"] = summary["counts"]["tokens"]
+        result[f"audit_{n}"]["trainable_tokens"] = summary["counts"]["trainable_tokens"]
+    result["help"] = min((timed([mismatch, "--help"]) for _ in range(3)), key=lambda r: r["wall_s"])
+    audit = result[f"audit_{args.rollouts}"]
+    result["audit_over_floor"] = round(audit["wall_s"] / result["json_loads_floor"]["wall_s"], 2)
+    if args.big:
+        result["peak_rss_big_over_small"] = round(
+            result[f"audit_{args.big}"]["peak_rss_mib"] / audit["peak_rss_mib"], 2)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The analysis gives the numbers it gave before it was rewritten: a stored-log-prob audit of a
+small tree-shaped fixture against the summary.json the numba-era main wrote for it
+(tests/data/golden, made by its make.py; expected_summary.json is that run's output, unedited).
+
+Floats may move by reassociation only (1e-9 relative); everything else is equal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mismatch
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+# Where and when a run happened, not what it found.
+RUN_FACTS = {"created_unix", "checkpoint", "rollouts_file"}
+
+
+def stored_checkpoint(root: Path) -> Path:
+    """A stored-log-prob audit reads only the vocab size; the weights file must merely exist."""
+    from safetensors.numpy import save_file
+
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 1000}))
+    save_file({"unused": np.zeros(1, dtype=np.float32)}, str(root / "model.safetensors"))
+    return root
+
+
+def differences(got: object, want: object, path: str = "") -> list[str]:
+    if isinstance(want, dict) and isinstance(got, dict):
+        out = [f"{path}.{k}: missing" for k in want if k not in got]
+        out += [f"{path}.{k}: unexpected" for k in got if k not in want]
+        for key in want.keys() & got.keys():
+            if key not in RUN_FACTS:
+                out += differences(got[key], want[key], f"{path}.{key}")
+        return out
+    if isinstance(want, list) and isinstance(got, list):
+        if len(got) != len(want):
+            return [f"{path}: {len(got)} items, expected {len(want)}"]
+        return [d for i, (g, w) in enumerate(zip(got, want)) for d in differences(g, w, f"{path}[{i}]")]
+    numbers = (int, float)
+    if (isinstance(want, float) and isinstance(got, numbers) and not isinstance(got, bool)
+            and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-300)):
+        return []
+    return [] if (got == want and type(got) is type(want)) else [f"{path}: {got!r} != {want!r}"]
+
+
+def test_stored_audit_matches_the_summary_from_before_the_rewrite(tmp_path: Path) -> None:
+    checkpoint = stored_checkpoint(tmp_path / "ckpt")
+    result = mismatch.audit(checkpoint, GOLDEN / "rollouts.jsonl", train="stored:trainer",
+                            infer="stored:engine", out=tmp_path / "out")
+    got = json.loads((tmp_path / "out" / "summary.json").read_text())
+    want = json.loads((GOLDEN / "expected_summary.json").read_text())
+    found = differences(got, want)
+    assert not found, f"{len(found)} differences, first: " + "; ".join(found[:8])
+    assert result.summary["counts"] == want["counts"]
+
+
+def test_the_comparison_sees_a_moved_number() -> None:
+    want = json.loads((GOLDEN / "expected_summary.json").read_text())
+    got = json.loads(json.dumps(want))
+    got["pairs"]["train/sampler"]["kl_k3"] *= 1 + 1e-8
+    assert differences(got, want) == [".pairs.train/sampler.kl_k3: "
+                                      f"{got['pairs']['train/sampler']['kl_k3']!r} != "
+                                      f"{want['pairs']['train/sampler']['kl_k3']!r}"]
