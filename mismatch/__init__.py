@@ -1,17 +1,58 @@
 """mismatch: measure, localize and correct the log-prob gap between an RL trainer and its engine.
 
-The library API; `mismatch.cli` is a thin layer over it. Importing it needs neither torch nor vLLM
-(engines import their backends on first use).
+The library API; `mismatch.cli` is a thin layer over it. The public names load on first use
+(PEP 562), so `import mismatch` and `mismatch --help` pay for neither pandas, torch nor vLLM.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from mismatch.errors import MismatchError, RolloutError  # noqa: E402
-from mismatch.metrics import PAIR_METRICS, metrics_by, pair_metrics, summarize_pairs  # noqa: E402
-from mismatch.rollouts import iter_rollouts, load_rollouts, validate_file  # noqa: E402
-from mismatch.audit import AuditResult, audit  # noqa: E402  (binds the function over the module name)
+from mismatch.errors import MismatchError, RolloutError  # noqa: E402  (light: no third-party import)
+
+# public name -> the module that defines it
+_LAZY = {
+    "PAIR_METRICS": "mismatch.metrics", "metrics_by": "mismatch.metrics",
+    "pair_metrics": "mismatch.metrics", "summarize_pairs": "mismatch.metrics",
+    "iter_rollouts": "mismatch.rollouts", "load_rollouts": "mismatch.rollouts",
+    "validate_file": "mismatch.rollouts",
+    "AuditResult": "mismatch.audit", "audit": "mismatch.audit",
+}
+
+if TYPE_CHECKING:
+    from mismatch.audit import AuditResult, audit
+    from mismatch.metrics import PAIR_METRICS, metrics_by, pair_metrics, summarize_pairs
+    from mismatch.rollouts import iter_rollouts, load_rollouts, validate_file
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mismatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value: Any) -> None:
+        # `import mismatch.audit` ends by binding the submodule over the package attribute of the
+        # same name; `mismatch.audit` is the function, whichever was imported first.
+        if name == "audit" and isinstance(value, types.ModuleType):
+            value = value.audit
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __all__ = ["PAIR_METRICS", "AuditResult", "MismatchError", "RolloutError", "audit", "iter_rollouts",
            "load_rollouts", "metrics_by", "pair_metrics", "summarize_pairs", "validate_file"]

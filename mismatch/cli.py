@@ -11,15 +11,15 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Iterator, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
 from mismatch.errors import MismatchError
-from reports.build import ReportError
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Measure, localize and correct the log-prob gap between an RL trainer and "
@@ -53,6 +53,8 @@ def replay_progress(enabled: bool) -> Iterator[Any]:
     if not enabled:
         yield None
         return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("tokens"), TimeRemainingColumn())
     progress = Progress(*columns, console=err_console)
@@ -71,7 +73,7 @@ def replay_progress(enabled: bool) -> Iterator[Any]:
 
 def print_pairs(summary: dict[str, Any]) -> None:
     """Metrics as rows, pairs as columns: fits 80 columns for the three pairs of an audit."""
-    table = Table(title="log(pi_A / pi_B) over trainable tokens", title_justify="left")
+    table = _table(title="log(pi_A / pi_B) over trainable tokens", title_justify="left")
     table.add_column("metric")
     pairs = summary["pairs"]
     for pair in pairs:
@@ -82,6 +84,13 @@ def print_pairs(summary: dict[str, Any]) -> None:
     for pair, verdict in summary.get("verdicts", {}).items():
         out_console.print(f"{pair} ({verdict['meaning']}): {verdict['level']}: {verdict['text']}",
                           markup=False, highlight=False, soft_wrap=True)
+
+
+def _table(**options: Any) -> Table:
+    # Imported on use: `mismatch --help` should not pay for rich's table layout.
+    from rich.table import Table
+
+    return Table(**options)
 
 
 def _fmt(value: Any) -> str:
@@ -156,7 +165,7 @@ def diff(
 
 
 def print_diff(comparison: dict[str, Any]) -> None:
-    table = Table(title="b/reference − a/reference (95% bootstrap CI over rollouts)", title_justify="left")
+    table = _table(title="b/reference − a/reference (95% bootstrap CI over rollouts)", title_justify="left")
     for column in ("metric", "a", "b", "delta", "ci95"):
         table.add_column(column, justify="left" if column == "metric" else "right")
     for name, d in comparison["deltas"].items():
@@ -312,7 +321,7 @@ def print_layers(found: dict[str, Any]) -> None:
     if "skipped" in found_layers:
         out_console.print(f"layers: skipped: {found_layers['skipped']}", markup=False)
     else:
-        table = Table(title="relative error of a vs b (reference) by layer and sub-block",
+        table = _table(title="relative error of a vs b (reference) by layer and sub-block",
                       title_justify="left")
         for column in ("layer", "block", "rel_error", "local_rel_error", "logit_lens |Δlogp|"):
             table.add_column(column, justify="left" if column == "block" else "right")
@@ -326,7 +335,7 @@ def print_layers(found: dict[str, Any]) -> None:
     if "skipped" in kernels:
         out_console.print(f"kernels: skipped: {kernels['skipped']}", markup=False)
         return
-    table = Table(title="error introduced by each module type (module-local)", title_justify="left")
+    table = _table(title="error introduced by each module type (module-local)", title_justify="left")
     for column in ("type", "rel_error", "max_abs"):
         table.add_column(column, justify="left" if column == "type" else "right")
     for row in kernels["by_type"]:
@@ -456,11 +465,17 @@ def demo(
 
 def _quiet_transformers() -> None:
     """Our progress bars replace transformers' per-load bars and vLLM's INFO/WARNING chatter
-    (dozens of lines per engine start) in the CLI; VLLM_LOGGING_LEVEL set by the user wins."""
-    from transformers.utils import logging as hf_logging
+    (dozens of lines per engine start) in the CLI; a value the user set wins.
 
-    hf_logging.disable_progress_bar()
+    Environment, not `transformers.utils.logging.disable_progress_bar()`: transformers reads
+    HF_HUB_DISABLE_PROGRESS_BARS when it is imported, and importing it here would cost every
+    command (`--help` included) a second and a half."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if "transformers" in sys.modules:  # too late for the environment (a caller imported it first)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -469,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_transformers()
     try:
         code = app(args=argv, prog_name="mismatch", standalone_mode=False)
-    except (MismatchError, ReportError) as exc:
+    except MismatchError as exc:
         if debug:
             raise
         err_console.print(f"mismatch: error: {exc}", markup=False, highlight=False, soft_wrap=True)

@@ -45,3 +45,8 @@ class CheckpointError(MismatchError):
 
 class ResultsError(MismatchError):
     """A results directory that is missing, malformed, or would overwrite the user's files."""
+
+
+class ReportError(MismatchError, ValueError):
+    """A results dir the report cannot be built from (raised by `reports/`, which may import only this
+    module of the core: a light import, so the CLI catches it without loading the report builder)."""

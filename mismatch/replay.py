@@ -18,7 +18,7 @@ from mismatch.checkpoint import checkpoint_info
 from mismatch.engines import Engine, EngineSpec, ProgressFn, ReplayRequest, load_engine, parse_spec
 from mismatch.errors import MismatchError, SpecError
 from mismatch.results import WorkDir
-from mismatch.rollouts import Rollout, context_tokens, load_rollouts
+from mismatch.rollouts import Rollout, Segment, context_tokens, load_rollouts
 from mismatch.trees import add_tree_weights
 
 TABLE_KEYS = ("rollout_index", "rollout", "branch", "branch_kind", "turn", "segment", "pos", "role",
@@ -84,53 +84,84 @@ def _stored(segment_logprobs: np.ndarray | None, length: int) -> np.ndarray:
 
 def plan_replay(rollouts: Sequence[Rollout], *, indices: Sequence[int] | None = None,
                 block_size: int = DEFAULT_BLOCK) -> ReplayPlan:
-    """Requests and table rows for `rollouts`; `indices` are their positions in the file."""
+    """Requests and table rows for `rollouts`; `indices` are their positions in the file.
+
+    Python loops run per branch and per segment only; every per-token column is made by numpy
+    from those short vectors (a dump has ~100 tokens a segment and 10^7-10^8 tokens in all).
+    """
     indices = list(range(len(rollouts))) if indices is None else list(indices)
     requests: list[ReplayRequest] = []
     request_block: list[int] = []
-    columns: dict[str, list[np.ndarray]] = {key: [] for key in TABLE_KEYS}
-    columns["logp_sampler"] = []
-    extra_names = sorted({name for rollout in rollouts for branch in rollout.branches
-                          for segment in branch.segments for name in segment.extra_logprobs})
-    extra: dict[str, list[np.ndarray]] = {name: [] for name in extra_names}
-    for file_index, rollout in zip(indices, rollouts, strict=True):
+    branch_rollout: list[int] = []    # per branch: position of its rollout in `rollouts`
+    branch_ids: list[str] = []
+    branch_kinds: list[str] = []
+    branch_context: list[int] = []    # per branch: tokens of context before its own stream
+    segment_branch: list[int] = []    # per segment: its branch
+    segments: list[Segment] = []
+    segment_turn: list[int] = []
+    segment_index: list[int] = []     # per segment: its index in its branch
+    for k, (file_index, rollout) in enumerate(zip(indices, rollouts, strict=True)):
         for branch in rollout.branches:
             context = context_tokens(rollout, branch.id)
             own = [seg.tokens for seg in branch.segments]
-            generated = [np.full(len(seg.tokens), seg.generated) for seg in branch.segments]
             # Context tokens were a prompt when this branch was sampled, whatever produced them.
-            requests.append(ReplayRequest(
-                tokens=np.concatenate([context, *own]).astype(np.int64),
-                generated=np.concatenate([np.zeros(len(context), bool), *generated]),
-                score_from=len(context)))
+            generated = np.zeros(len(context) + sum(map(len, own)), dtype=bool)
+            start = len(context)
+            for seg in branch.segments:
+                generated[start:start + len(seg.tokens)] = seg.generated
+                start += len(seg.tokens)
+            requests.append(ReplayRequest(tokens=np.concatenate([context, *own]).astype(np.int64),
+                                          generated=generated, score_from=len(context)))
             request_block.append(file_index // block_size)
-            lengths = [len(tokens) for tokens in own]
-            num_own = sum(lengths)
-            columns["rollout_index"].append(np.full(num_own, file_index, dtype=np.int64))
-            columns["rollout"].append(np.full(num_own, rollout.id, dtype=object))
-            columns["branch"].append(np.full(num_own, branch.id, dtype=object))
-            columns["branch_kind"].append(np.full(num_own, branch.kind, dtype=object))
-            turns = segment_turns([seg.role for seg in branch.segments])
-            columns["turn"].append(np.repeat(np.asarray(turns, np.int32), lengths))
-            columns["segment"].append(np.repeat(np.arange(len(own), dtype=np.int32), lengths))
-            columns["pos"].append(np.arange(len(context), len(context) + num_own, dtype=np.int32))
-            columns["role"].append(np.repeat(np.asarray([s.role for s in branch.segments], object), lengths))
-            columns["token_id"].append(np.concatenate(own).astype(np.int64))
-            columns["trainable"].append(np.repeat([s.trainable for s in branch.segments], lengths))
-            columns["logp_sampler"].append(np.concatenate(
-                [_stored(s.logprobs, len(s.tokens)) for s in branch.segments]).astype(np.float64))
-            for name, parts in extra.items():
-                parts.append(np.concatenate([_stored(s.extra_logprobs.get(name), len(s.tokens))
-                                             for s in branch.segments]).astype(np.float64))
-    table = pd.DataFrame({key: np.concatenate(parts) if parts else np.empty(0)
-                          for key, parts in columns.items()})
-    for key in ("rollout", "branch", "branch_kind", "role"):
-        table[key] = table[key].astype("category")
-    table["trainable"] = table["trainable"].astype(bool)
+            segment_branch.extend([len(branch_ids)] * len(own))
+            segment_turn.extend(segment_turns([seg.role for seg in branch.segments]))
+            segment_index.extend(range(len(own)))
+            segments.extend(branch.segments)
+            branch_rollout.append(k)
+            branch_ids.append(branch.id)
+            branch_kinds.append(branch.kind)
+            branch_context.append(len(context))
+    lengths = np.fromiter((len(seg.tokens) for seg in segments), dtype=np.int64, count=len(segments))
+    seg_branch = np.asarray(segment_branch, dtype=np.int64)
+    row_branch = np.repeat(seg_branch, lengths)
+    row_rollout = np.asarray(branch_rollout, dtype=np.int64)[row_branch]
+    branch_start = np.zeros(len(branch_ids) + 1, dtype=np.int64)  # first row of each branch
+    np.add.at(branch_start, seg_branch + 1, lengths)
+    branch_start = np.cumsum(branch_start)
+    # pos: the row's offset in its request (context first), so own tokens count from the context.
+    offset = np.asarray(branch_context, dtype=np.int64) - branch_start[:-1]
+    pos = np.arange(int(lengths.sum()), dtype=np.int64) + offset[row_branch]
+    table = pd.DataFrame({
+        "rollout_index": np.asarray(indices, dtype=np.int64)[row_rollout],
+        "rollout": _categorical([rollouts[k].id for k in range(len(rollouts))], row_rollout),
+        "branch": _categorical(branch_ids, row_branch),
+        "branch_kind": _categorical(branch_kinds, row_branch),
+        "turn": np.repeat(np.asarray(segment_turn, dtype=np.int32), lengths),
+        "segment": np.repeat(np.asarray(segment_index, dtype=np.int32), lengths),
+        "pos": pos.astype(np.int32),
+        "role": _categorical([seg.role for seg in segments], np.repeat(np.arange(len(segments)), lengths)),
+        "token_id": _concat([seg.tokens for seg in segments], np.int64),
+        "trainable": np.repeat(np.fromiter((seg.trainable for seg in segments), dtype=bool,
+                                           count=len(segments)), lengths),
+        "logp_sampler": _concat([_stored(seg.logprobs, len(seg.tokens)) for seg in segments], np.float64),
+    })
+    extra_names = sorted({name for seg in segments for name in seg.extra_logprobs})
     stored = {"sampler": table["logp_sampler"].to_numpy()}
-    stored.update({name: np.concatenate(parts) for name, parts in extra.items()})
+    stored.update({name: _concat([_stored(seg.extra_logprobs.get(name), len(seg.tokens)) for seg in segments],
+                                 np.float64) for name in extra_names})
     return ReplayPlan(requests=requests, request_block=np.asarray(request_block, dtype=np.int64),
                       table=table, stored=stored)
+
+
+def _categorical(values: list[str], rows: np.ndarray) -> pd.Categorical:
+    """values[rows] as a pandas categorical with sorted categories (what astype("category") gives),
+    built from the short `values` list, not from a per-row array of Python strings."""
+    categories, codes = np.unique(np.asarray(values, dtype=object), return_inverse=True)
+    return pd.Categorical.from_codes(codes.reshape(-1)[rows], categories=pd.Index(categories.tolist()))
+
+
+def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype=dtype)
 
 
 def replay_column(requests: Sequence[ReplayRequest], engine: Engine, *,

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from mismatch.errors import RolloutError
@@ -233,6 +234,8 @@ def _check_tokens(value: object, where: str, vocab_size: int | None, problems: _
         i = next(i for i, t in enumerate(value) if not -(2**63) <= t < 2**63)
         problems.add(where, f"token id {_show(value[i])} at index {i} does not fit in int64")
         return None
+    if tokens.min() >= 0 and (vocab_size is None or tokens.max() < vocab_size):
+        return tokens  # the common case in two reductions; the scans below name what is wrong
     negative = np.flatnonzero(tokens < 0)
     if negative.size:
         i = int(negative[0])
@@ -261,6 +264,8 @@ def _check_logprobs(value: object, where: str, num_tokens: int | None, problems:
         return None
     if num_tokens is not None and len(logp) != num_tokens:
         problems.add(where, f"{len(logp)} logprobs for {num_tokens} tokens")
+    if ((logp <= 0.0) & (logp > -np.inf)).all():  # finite and <= 0 (NaN fails both): nothing to name
+        return logp
     nonfinite = np.flatnonzero(~np.isfinite(logp))
     if nonfinite.size:
         i = int(nonfinite[0])
@@ -537,6 +542,10 @@ def _loads(text: str | bytes) -> tuple[object, str | None]:
     """(value, None) for valid JSON, else (_UNPARSED, why) -- whatever the bytes hold."""
     if _deeper_than(text, MAX_JSON_DEPTH):
         return _UNPARSED, "arrays/objects nested too deeply"
+    try:  # msgspec parses a dump's number arrays ~4x faster than json, into the same Python values
+        return msgspec.json.decode(text), None
+    except msgspec.DecodeError:
+        pass  # not plain JSON to msgspec: json decides (it takes NaN/Infinity) and words the error
     try:
         return json.loads(text), None
     except json.JSONDecodeError as e:

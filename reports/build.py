@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mismatch.errors import ReportError  # noqa: F401  (re-exported: raised here, caught by the CLI)
 from reports import aggregate, figures, sections
 from reports.banner import banner, focus_pair
 from reports.html import Html, el, join
@@ -31,10 +32,6 @@ TOKENS_FILE = "tokens.parquet"
 REPORT_FILE = "index.html"
 SUMMARY_SCHEMA = "mismatch.summary/v1"
 TEMPLATES = Path(__file__).with_name("templates")
-
-
-class ReportError(ValueError):
-    """A results dir the report cannot be built from (bad input: the CLI's exit code 2)."""
 
 
 def read_summary(results_dir: Path) -> dict[str, Any]:
