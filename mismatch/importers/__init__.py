@@ -133,14 +133,22 @@ def _parquet(path: Path, file: str) -> Iterator[tuple[Where, Any]]:
 
 
 def _msgpack_records(path: Path, file: str) -> Iterator[tuple[Where, Any]]:
-    from mismatch.importers._msgpack import MsgpackError, unpack_all
+    """prime-rl's `train_rollouts.bin`: one msgspec-encoded TrainingBatch (decoded as plain
+    arrays and maps; extension types are refused, nothing in the file is executed)."""
+    import msgspec
+
+    from mismatch.rollouts import MAX_NESTING, _nesting
+
+    def refuse_extension(code: int, data: memoryview) -> Any:
+        raise ValueError(f"extension type {code} is not supported")
 
     try:
-        objects = unpack_all(path.read_bytes())
-    except MsgpackError as e:
+        value = msgspec.msgpack.Decoder(ext_hook=refuse_extension).decode(path.read_bytes())
+    except (msgspec.DecodeError, ValueError, RecursionError) as e:
         raise MismatchError(f"{file}: not a readable MessagePack file: {e}") from None
-    for index, value in enumerate(objects):
-        yield Where(file=file, index=index, kind="item"), value
+    if _nesting(value) > MAX_NESTING:  # the converters below walk it recursively
+        raise MismatchError(f"{file}: not a readable MessagePack file: nested deeper than {MAX_NESTING} levels")
+    yield Where(file=file, index=0, kind="item"), value
 
 
 def _unpickle(path: Path, suffix: str) -> Any:
