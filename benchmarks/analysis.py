@@ -25,12 +25,12 @@ Usage: python benchmarks/analysis.py [--tokens 10000000] [--rollouts 10000] [--r
 All are best of --repeats, in this process, taken round-robin (each round runs 2, 4 and the
 baseline once) so that all of them see the same machine; every repeat's wall and system seconds
 of 2 are printed too. The baseline runs with 1 torch thread and with the default (2 here), and the
-faster counts. mismatch's hot loops are fused numba loops (mismatch/fused.py, mismatch/simd.py)
-on all cores; --no-jit measures the numpy fallback instead.
+faster counts. mismatch's analysis is plain numpy, vectorized over the tokens and their runs.
 --prefault-mb MB touches and frees MB of memory before every timed run, untimed (see `prefault`:
 this sandbox charges for memory its host has reclaimed). --fresh N also runs step 2 once in each
-of N new processes (as a CLI command would), after loading the compiled loops there on a tiny
-table. Prints one JSON object; --profile N adds the top N functions (cProfile, cumulative) of 2.
+of N new processes (as a CLI command would), after a warm-up there on a tiny table (imports and
+first calls, reported apart). Prints one JSON object; --profile N adds the top N functions
+(cProfile, cumulative) of 2.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-from mismatch import fused
 from mismatch.corrections import summary_corrections
 from mismatch.localize.turns import localize_turns
 from mismatch.metrics import metrics_by, summarize_pairs
@@ -279,16 +278,16 @@ class Best:
 
 
 def fresh_process_run(results: Path) -> dict:
-    """What `mismatch merge` or a one-off analysis pays: a new process, its compiled loops loaded
-    from numba's cache on a tiny table first (a fixed cost per process, reported apart), then the
-    table read and analysed once."""
+    """What `mismatch merge` or a one-off analysis pays: a new process, warmed up on a tiny table
+    first (lazy imports and first calls: a fixed cost per process, reported apart), then the table
+    read and analysed once."""
     started = time.perf_counter()
     small = TokenView(synthetic_table(20_000, 20, seed=1))
     summarize_pairs(small, PAIRS), metrics_by(small, PAIRS, "turn"), localize_turns(small), summary_corrections(small)
-    load_s = time.perf_counter() - started
+    warmup_s = time.perf_counter() - started
     started = time.perf_counter()
     stages, _ = mismatch_analysis(results)
-    return {"load_loops_s": round(load_s, 3), "analysis_s": round(time.perf_counter() - started, 4), "stages": stages}
+    return {"warmup_s": round(warmup_s, 3), "analysis_s": round(time.perf_counter() - started, 4), "stages": stages}
 
 
 def main() -> None:
@@ -302,15 +301,12 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=Path("/tmp/mismatch-bench/analysis"),
                         help="where to write the token table (DIR/tokens.parquet)")
     parser.add_argument("--profile", type=int, default=0, help="also print the top N functions of mismatch's path")
-    parser.add_argument("--no-jit", action="store_true", help="the numpy paths, not the fused loops")
     parser.add_argument("--fresh", type=int, default=0,
                         help="also time the end-to-end analysis once in each of N new processes")
     parser.add_argument("--prefault-mb", type=int, default=0,
                         help="touch and free this much memory, untimed, before every timed run (see prefault)")
     parser.add_argument("--fresh-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.no_jit:
-        os.environ["MISMATCH_NO_JIT"] = "1"
     if args.fresh_child:
         print(json.dumps(fresh_process_run(args.results)))
         return
@@ -369,8 +365,6 @@ def main() -> None:
         "mismatch_pair_metrics_in_memory_s": pairs_s, "mismatch_pair_metrics_in_memory_cpu_s": pairs_only.cpu_seconds,
         "mismatch_pair_metrics_in_memory_s_every_repeat": pairs_only.every,
         "pair_metrics_speedup_vs_baseline": base_s / pairs_s,
-        "fused": fused.available(), "numba": getattr(fused.numba, "__version__", None),
-        "numba_threads": fused.numba.get_num_threads() if fused.available() else None,
         "mismatch_tokens_per_s": num_rows / ours_s, "baseline_tokens_per_s": num_rows / base_s,
         "speedup_vs_baseline": base_s / ours_s,
         "target_10M_tokens_per_s_met": num_rows / ours_s >= 10e6,
@@ -378,15 +372,14 @@ def main() -> None:
         "max_rel_diff_vs_baseline": max(agree.values()), "generate_s": generate_s,
     }
     if args.fresh:
-        command = [sys.executable, __file__, "--fresh-child", "--results", str(args.results),
-                   *(["--no-jit"] if args.no_jit else [])]
+        command = [sys.executable, __file__, "--fresh-child", "--results", str(args.results)]
         runs = [json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
                 for _ in range(args.fresh)]
         seconds = [run["analysis_s"] for run in runs]
         result["fresh_process_s_every_run"] = seconds
         result["fresh_process_s_best"], result["fresh_process_s_median"] = min(seconds), float(np.median(seconds))
         result["fresh_process_tokens_per_s_best"] = num_rows / min(seconds)
-        result["fresh_process_load_loops_s"] = [run["load_loops_s"] for run in runs]
+        result["fresh_process_warmup_s"] = [run["warmup_s"] for run in runs]
     if args.profile:
         profiler = cProfile.Profile(time.process_time)  # CPU time: steadier on a shared machine
         profiler.enable()

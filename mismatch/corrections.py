@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Sequence
-import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -158,11 +157,7 @@ class _Tokens:
 
     @cached_property
     def verl_run_stats(self) -> dict[str, np.ndarray]:
-        """Per run: sums and maxima of verl's k1/k2/k3 (names of fused.VERL_STATS)."""
-        from mismatch import fused
-
-        if fused.available():
-            return fused.verl_run_stats(self.log_ratio, self.runs.starts, self.runs.lengths)
+        """Per run: sums (k1, k2, k3) and maxima (k1_max, k2_max, k3_max) of verl's estimators."""
         stats = {}
         for estimator in ("k1", "k2", "k3"):
             values = _verl_stat(self, estimator)
@@ -183,8 +178,6 @@ class ModeSpec:
     fn: ModeFn
     doc: str
     per_run: bool = False  # fn returns one weight per run (constant over sequences or rollouts)
-    # For token-level modes: (fused.weight_run_stats rule, its options), the same weights in one sweep.
-    rule: Callable[..., tuple[int, dict[str, Any]]] | None = None
 
 
 def _exp(log_ratio: np.ndarray) -> np.ndarray:
@@ -352,29 +345,6 @@ def _verl_rejection(aggregate: str, estimator: str) -> ModeFn:
     return reject
 
 
-# --- the token-level modes as fused.weight_run_stats rules (ModeSpec.rule): the same weights in one
-# sweep; tests hold simulate() equal with and without them. fused is imported only when available. ---
-
-def _fused_rule(name: str, **options: Any) -> tuple[int, dict[str, Any]]:
-    from mismatch import fused
-
-    return getattr(fused, name), options
-
-
-_RULES: dict[str, Callable[..., tuple[int, dict[str, Any]]]] = {
-    "token_truncate": lambda t, *, cap: _fused_rule("TRUNCATE", high=cap),
-    "token_mask": lambda t, *, cap: _fused_rule("MASK_ABOVE", high=cap),
-    "token_clip": lambda t, *, low, high: _fused_rule("CLIP", low=low, high=high),
-    "token_icepop": lambda t, *, low, high: _fused_rule("BAND_MASK", low=low, high=high),
-    "seq_mask_tis": lambda t, *, low, high: _fused_rule("KEEP_RATIO", run_keep=_geometric_kept(t, low, high)),
-    "sequence_minmax_mask": lambda t, *, low, high: _fused_rule("KEEP_RATIO", run_keep=_minmax_kept(t, low, high)),
-    "rollout_balanced_truncate": lambda t, *, cap: _fused_rule("TRUNCATE", high=cap, run_scale=_balance_scale(t)),
-    "rs_token_k1": lambda t, *, low, high: _fused_rule("REJECT_K1", low=low, high=high),
-    "rs_token_k2": lambda t, *, high: _fused_rule("REJECT_K2", high=high),
-    "rs_token_k3": lambda t, *, high: _fused_rule("REJECT_K3", high=high),
-}
-
-
 MODES: dict[str, ModeSpec] = {
     "token_truncate": ModeSpec(params=("cap",), level="token", fn=token_truncate,
                                doc="TRL token_truncate / token TIS: min(ratio, cap)"),
@@ -414,8 +384,6 @@ for _aggregate in ("token", "seq_sum", "seq_mean", "seq_max"):
             level="token" if _aggregate == "token" else "sequence", per_run=_aggregate != "token",
             fn=_verl_rejection(_aggregate, _estimator),
             doc=f"verl rollout_rs={_option}: keep (weight 1) or reject (weight 0)")
-for _mode, _rule in _RULES.items():
-    MODES[_mode] = dataclasses.replace(MODES[_mode], rule=_rule)
 
 
 def _correction(mode: str, **params: float) -> Correction:
@@ -570,18 +538,11 @@ class _WeightSummary:
 
 
 def _results(tokens: _Tokens, corrections: Sequence[Correction]) -> list[CorrectionResult]:
-    """Every correction's result; the token-level ones with a fused rule in one sweep together."""
-    from mismatch import fused
-
-    summaries: dict[int, _WeightSummary] = {}
-    if tokens.num_tokens and fused.available():
-        ruled = [(i, MODES[c.mode].rule(tokens, **c.params)) for i, c in enumerate(corrections)
-                 if MODES[c.mode].rule is not None]
-        summaries = dict(zip([i for i, _ in ruled], _fused_summaries(tokens, [rule for _, rule in ruled])))
-    return [_result(tokens, correction, summaries.get(i)) for i, correction in enumerate(corrections)]
+    """Every correction's result."""
+    return [_result(tokens, correction) for correction in corrections]
 
 
-def _result(tokens: _Tokens, correction: Correction, summary: _WeightSummary | None) -> CorrectionResult:
+def _result(tokens: _Tokens, correction: Correction) -> CorrectionResult:
     n = tokens.num_tokens
     spec = MODES[correction.mode]
     if n == 0:
@@ -590,8 +551,7 @@ def _result(tokens: _Tokens, correction: Correction, summary: _WeightSummary | N
                                 n_tokens=0, n_sequences=0, n_rollouts=0, frac_tokens_affected=nan,
                                 frac_sequences_affected=nan, frac_rollouts_affected=nan, weight_mean=nan,
                                 weight_std=nan, weight_max=nan, ess=nan, by_turn=[])
-    if summary is None:
-        summary = _numpy_summary(tokens, spec, correction)
+    summary = _summary(tokens, spec, correction)
     seq_hit = tokens.per_seq(summary.run_hits) > 0
     rollout_hit = np.bincount(tokens.run_rollout, weights=summary.run_hits, minlength=tokens.num_rollouts) > 0
     return CorrectionResult(
@@ -603,8 +563,8 @@ def _result(tokens: _Tokens, correction: Correction, summary: _WeightSummary | N
         by_turn=_by_turn(tokens, summary.run_weight, summary.run_hits) if tokens.turn is not None else [])
 
 
-def _numpy_summary(tokens: _Tokens, spec: ModeSpec, correction: Correction) -> _WeightSummary:
-    """The reference path: per-token (or per-run) weights from the mode's own function."""
+def _summary(tokens: _Tokens, spec: ModeSpec, correction: Correction) -> _WeightSummary:
+    """Per-token (or per-run) weights from the mode's own function, summed per run and overall."""
     n, runs = tokens.num_tokens, tokens.runs
     weight, affected = spec.fn(tokens, **correction.params)
     counts = runs.lengths if spec.per_run else None
@@ -621,44 +581,6 @@ def _numpy_summary(tokens: _Tokens, spec: ModeSpec, correction: Correction) -> _
             std = float(np.sqrt(spread / n))
     return _WeightSummary(run_weight=run_weight, run_hits=run_hits, mean=mean, std=std,
                           top=float(weight.max()), ess=effective_sample_size(weight, counts))
-
-
-def _fused_summaries(tokens: _Tokens, rules: list[tuple[int, dict[str, Any]]]) -> list[_WeightSummary]:
-    """`_numpy_summary` for token-level modes (`ModeSpec.rule`), all of them from one fused sweep."""
-    from mismatch import fused
-
-    n, runs = tokens.num_tokens, tokens.runs
-    all_stats = fused.weight_run_stats(tokens.log_ratio, runs.starts, runs.lengths, rules)
-    # As effective_sample_size: scale-free, so where sum w^2 could overflow or underflow the sums
-    # are taken again of w / top.
-    tops = [stats["weight_max"] for stats in all_stats]
-    far = [k for k, top in enumerate(tops) if top > 0 and not 1e-100 < top < 1e100]
-    if far:
-        again = fused.weight_run_stats(tokens.log_ratio, runs.starts, runs.lengths,
-                                       [(rules[k][0], {**rules[k][1], "inv_scale": 1.0 / tops[k]}) for k in far])
-        for k, stats in zip(far, again):
-            all_stats[k]["weight_sq"] = stats["weight_sq"]
-    summaries = []
-    for stats, top in zip(all_stats, tops):
-        run_weight = stats["weight"]
-        with np.errstate(invalid="ignore", over="ignore"):
-            total = float(run_weight.sum())
-            mean = total / n
-            std = math.nan
-            if math.isfinite(mean):  # Chan's merge of the runs' own M2
-                spread = stats["weight_m2"] + np.dot(runs.lengths, np.square(run_weight / runs.lengths - mean))
-                std = float(np.sqrt(spread / n))
-        infinite = stats["infinite"]
-        if infinite:  # infinite weights dominate: k of n give k/n
-            ess = infinite / n
-        elif top <= 0:
-            ess = 0.0
-        else:
-            scale = top if not 1e-100 < top < 1e100 else 1.0
-            ess = (total / scale) ** 2 / (n * stats["weight_sq"])
-        summaries.append(_WeightSummary(run_weight=run_weight, run_hits=stats["affected"], mean=mean, std=std,
-                                        top=top, ess=ess))
-    return summaries
 
 
 def _by_turn(tokens: _Tokens, run_weight: np.ndarray, run_hits: np.ndarray) -> list[dict[str, Any]]:

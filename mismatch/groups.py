@@ -2,10 +2,10 @@
 
 The engine under metrics, localize and corrections. A token table is stored rollout by rollout,
 branch by branch, in position order, so a key that changes only at turn, role or branch
-boundaries is constant over long runs of rows. Each run is reduced once (a fused loop, or
-`ufunc.reduceat` on the numpy path), and runs are then combined into groups (`np.bincount` over
-~1e5 runs instead of ~1e7 tokens): no hashing of token keys, no groupby machinery. Correctness
-never depends on the order: an unsorted table only makes the runs shorter.
+boundaries is constant over long runs of rows. Each run is reduced once (`ufunc.reduceat`), and
+runs are then combined into groups (`np.bincount` over ~1e5 runs instead of ~1e7 tokens): no
+hashing of token keys, no groupby machinery. Correctness never depends on the order: an unsorted
+table only makes the runs shorter.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ class Runs:
     """Maximal stretches of consecutive tokens whose keys are all equal.
 
     `starts` index the tokens (the view's positions); `rows` index the same first tokens in the
-    table the tokens were taken from. A run is contiguous in both, so a fused loop can sweep the
-    table's own columns, run by run, without a copy of the selected rows.
+    table the tokens were taken from. A run is contiguous in both, so a view position maps back
+    to its table row through its run, without a row index of every token.
     """
 
     starts: np.ndarray   # int64, first token of each run
@@ -76,8 +76,7 @@ def find_runs(keys: Sequence[np.ndarray], num_rows: int, mask: np.ndarray | None
     arrays changes value or a masked-out row comes between two tokens.
 
     Two row-length flag buffers, updated in place: fresh arrays of ~1e7 rows cost more in page
-    faults than the comparisons (benchmarks/RESULTS.md). (A numba version, one byte of flags per
-    row and two sweeps, measured slower: 23-33 ms against 17.5 ms for 10M rows and 5 keys.)
+    faults than the comparisons (benchmarks/RESULTS.md).
     """
     change = np.zeros(num_rows, dtype=bool)  # row i starts a run (if kept)
     if num_rows == 0:
@@ -284,81 +283,3 @@ def order_statistics(values: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         tail.partition(high - offset)
         out.append(tail[high - offset])
     return np.concatenate(out)
-
-
-def ratio_quantiles(log_ratio: np.ndarray, runs: Runs, grouping: Grouping, qs: Sequence[float]) -> np.ndarray:
-    """[num_groups, len(qs)] quantiles of ratio = exp(log_ratio) per group (`log_ratio`: one per
-    token of the runs), by fused loops (`order_statistics`' tail rule, per group).
-
-    exp is monotonic, so the ratio's order statistics are exp of the log-ratio's: only each
-    group's tails of log-ratios are collected (cuts placed from a strided sample), never a ratio
-    per token. A group too small to sample, or whose cut turns out too tight, is collected whole.
-    """
-    from mismatch import fused
-
-    counts = grouping.count(runs)
-    num_groups = grouping.num_groups
-    out = np.full((num_groups, len(qs)), np.nan)
-    if runs.num_tokens == 0:
-        return out
-    ranks = [_ranks(int(n), qs) for n in counts]
-    low_cut, high_cut = np.full(num_groups, np.inf), np.full(num_groups, np.nan)  # whole groups
-    _place_cuts(log_ratio, runs, grouping, counts, ranks, low_cut, high_cut)
-    low, low_bounds, high, high_bounds = fused.log_ratio_tails(
-        log_ratio, runs.starts, runs.lengths, grouping.run_group, num_groups, low_cut, high_cut)
-    ordered: dict[int, dict[int, float]] = {}
-    retry = np.zeros(num_groups, dtype=bool)
-    for g in range(num_groups):
-        n = int(counts[g])
-        if n == 0:
-            continue
-        lo, hi, _ = ranks[g]
-        wanted = np.unique(np.concatenate([lo, hi]))
-        tail_low = low[low_bounds[g]:low_bounds[g + 1]]
-        tail_high = high[high_bounds[g]:high_bounds[g + 1]]
-        offset = n - len(tail_high)  # values below every collected high one
-        from_low, from_high = wanted[wanted < len(tail_low)], wanted[wanted >= len(tail_low)]
-        if len(from_high) and from_high[0] < offset:  # a rank neither tail holds: the cut was too tight
-            retry[g] = True
-            continue
-        values = order_statistics(tail_low, from_low) if len(from_low) else np.zeros(0)
-        if len(from_high):
-            values = np.concatenate([values, order_statistics(tail_high, from_high - offset)])
-        ordered[g] = dict(zip(wanted.tolist(), values.tolist()))
-    if retry.any():  # whole groups this time: every value at or below +inf
-        again = fused.log_ratio_tails(log_ratio, runs.starts, runs.lengths, grouping.run_group, num_groups,
-                                      np.where(retry, np.inf, np.nan), np.full(num_groups, np.nan))
-        for g in np.flatnonzero(retry):
-            lo, hi, _ = ranks[g]
-            wanted = np.unique(np.concatenate([lo, hi]))
-            ordered[g] = dict(zip(wanted.tolist(), order_statistics(again[0][again[1][g]:again[1][g + 1]], wanted)))
-    with np.errstate(over="ignore"):
-        for g, stats in ordered.items():
-            lo, hi, virtual = ranks[g]
-            out[g] = _lerp({k: np.exp(v) for k, v in stats.items()}, lo, hi, virtual)
-    return out
-
-
-def _place_cuts(log_ratio: np.ndarray, runs: Runs, grouping: Grouping, counts: np.ndarray,
-                ranks: list[tuple[np.ndarray, np.ndarray, np.ndarray]], low_cut: np.ndarray,
-                high_cut: np.ndarray) -> None:
-    """Per group whose wanted ranks all lie in the tails: log-ratio cuts from a strided sample,
-    _MARGIN sample positions beyond the wanted ranks (others keep their whole-group cuts)."""
-    step = max(1, runs.num_tokens // (_SAMPLE * max(grouping.num_groups, 1)))
-    positions = np.arange(0, runs.num_tokens, step)
-    run = np.searchsorted(runs.starts, positions, side="right") - 1
-    sample_group = grouping.run_group[run]
-    sample = log_ratio[positions]
-    order = np.lexsort((sample, sample_group))
-    sample, sample_group = sample[order], sample_group[order]
-    bounds = np.searchsorted(sample_group, np.arange(grouping.num_groups + 1))
-    for g in range(grouping.num_groups):
-        n, (lo, hi, _) = int(counts[g]), ranks[g]
-        wanted = np.unique(np.concatenate([lo, hi]))
-        low, high = wanted[wanted < TAIL * n], wanted[wanted >= (1 - TAIL) * n]
-        group_sample = sample[bounds[g]:bounds[g + 1]]
-        m = len(group_sample)
-        if m < 256 or len(low) + len(high) < len(wanted):
-            continue
-        low_cut[g] = group_sample[np.clip(int(low[-1] / n * m) + _MARGIN, 0, m - 1)] if len(low) else np.nan
-        high_cut[g] = group_sample[np.clip(int(high[0] / n * m) - _MARGIN, 0, m - 1)] if len(high) else np.nan

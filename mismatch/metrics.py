@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.errors import MismatchError
-from mismatch.groups import Grouping, Runs, quantiles, ratio_quantiles, single_group
+from mismatch.groups import Grouping, Runs, quantiles, single_group
 from mismatch.tokenview import DEFAULT_SEQ, TokenView
 
 # Contract names and order of `summary.json["pairs"]["A/B"]` (ARCHITECTURE.md, "Results directory").
@@ -32,21 +32,17 @@ _ESS_DIRECT_LIMIT = 300.0
 class PairTokens:
     """The tokens of a view where both log-probs are defined; their log-ratio and ratio on demand.
 
-    The first fused sweep reads the two columns over the whole table (`table_a`, `table_b`)
-    through the runs' table rows and leaves `log_ratio` behind, compact, for every later loop;
-    the other per-token arrays (the selected log-probs, ratio) are made only when a numpy path
-    asks for them, which spares several ~40 MB arrays per pair.
+    Each per-token array (the selected log-probs, log-ratio, ratio) is made only when a metric
+    asks for it, which spares several ~40 MB arrays per pair when none does.
     """
 
     def __init__(self, view: TokenView, columns: tuple[str, str], keep: np.ndarray | None,
-                 table_a: np.ndarray, table_b: np.ndarray, log_ratio: np.ndarray | None = None) -> None:
+                 table_a: np.ndarray, table_b: np.ndarray) -> None:
         self.view = view          # exactly those tokens
         self.columns = columns    # the two log-prob columns, A then B
         self.keep = keep          # which of the parent view's tokens they are (None: all of them)
         self.table_a = table_a    # float64 over every table row (float32 is upcast first)
         self.table_b = table_b
-        if log_ratio is not None:  # already made by a fused sweep (the same bits as a - b)
-            self.__dict__["log_ratio"] = log_ratio
 
     @cached_property
     def logp_a(self) -> np.ndarray:
@@ -82,39 +78,13 @@ def pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
 
 
 def pairs_tokens(view: TokenView, pairs: Sequence[tuple[str, str]]) -> list[PairTokens]:
-    """`pair_tokens` of each (a, b); the ones the view does not hold yet are made together, in one
-    fused sweep (a column that two pairs share is read from memory once)."""
-    todo = [pair for pair in dict.fromkeys(pairs) if not view.memoized(("pair", *pair))]
-    made = dict(zip(todo, _make_pairs(view, todo)))
-    return [view.memo(("pair", *pair), lambda pair=pair: made[pair]) for pair in pairs]
+    """`pair_tokens` of each (a, b)."""
+    return [view.memo(("pair", a, b), lambda a=a, b=b: _make_pair(view, a, b)) for a, b in pairs]
 
 
-def _make_pairs(view: TokenView, pairs: list[tuple[str, str]]) -> list[PairTokens]:
-    from mismatch import fused
-
-    names = list(dict.fromkeys(name for pair in pairs for name in pair))
-    columns = {name: view.table_column(name).astype(np.float64, copy=False) for name in names}
-    if not (fused.available() and pairs):
-        return [_numpy_pair(view, a, b, columns[a], columns[b]) for a, b in pairs]
-    runs = view.runs
-    swept = fused.pair_run_stats([columns[name] for name in names],
-                                 [(names.index(a), names.index(b)) for a, b in pairs],
-                                 runs.rows, runs.starts, runs.lengths)
-    out = []
-    for (a, b), (sums, log_ratio) in zip(pairs, swept):
-        # An undefined log-ratio (a missing log-prob, or both engines at -inf) makes its run's sum
-        # NaN, so a NaN-free sum proves there is none to drop without another pass.
-        if not np.isnan(sums["log_ratio"]).any():
-            pair = PairTokens(view, (a, b), None, columns[a], columns[b], log_ratio)
-            view.memo(("run_sums", id(pair), id(runs)), lambda sums=sums: sums)
-        else:
-            keep = ~np.isnan(log_ratio)
-            pair = PairTokens(view.subset(keep), (a, b), keep, columns[a], columns[b], log_ratio[keep])
-        out.append(pair)
-    return out
-
-
-def _numpy_pair(view: TokenView, a: str, b: str, table_a: np.ndarray, table_b: np.ndarray) -> PairTokens:
+def _make_pair(view: TokenView, a: str, b: str) -> PairTokens:
+    """The pair's tokens: those of the view where log_ratio = a - b is defined."""
+    table_a, table_b = _float64_column(view, a), _float64_column(view, b)
     # Undefined: a missing log-prob (NaN), or both engines at -inf (probability 0 twice).
     with np.errstate(invalid="ignore"):
         undefined = np.isnan(table_a - table_b)
@@ -125,6 +95,11 @@ def _numpy_pair(view: TokenView, a: str, b: str, table_a: np.ndarray, table_b: n
     # Tokens without a defined log-ratio are dropped before anything else.
     keep = ~(undefined if view.mask is None else undefined[view.mask])
     return PairTokens(view.subset(keep), (a, b), keep, table_a, table_b)
+
+
+def _float64_column(view: TokenView, name: str) -> np.ndarray:
+    """The table column as float64, upcast once per view (a column two pairs share is one copy)."""
+    return view.memo(("float64", name), lambda: view.table_column(name).astype(np.float64, copy=False))
 
 
 def _token_terms(pair: PairTokens, scratch: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
@@ -162,13 +137,6 @@ def run_sums(pair: PairTokens, runs: Runs) -> dict[str, np.ndarray]:
 
 def _run_sums(pair: PairTokens, runs: Runs) -> dict[str, np.ndarray]:
     """Per run of the pair's view: every sum, extreme and spread the metrics are made of."""
-    from mismatch import fused
-
-    if fused.available():  # the same sums in one fused sweep (tests hold the two paths equal)
-        # Runs cut finer than the pair's own: the same tokens, so the same log-ratios are rewritten.
-        [(sums, _)] = fused.pair_run_stats([pair.table_a, pair.table_b], [(0, 1)], runs.rows, runs.starts,
-                                           runs.lengths, pair.log_ratio.reshape(1, -1))
-        return sums
     scratch = np.empty(len(pair.log_ratio))
     sums = {name: (runs.max(values) if name.endswith("_max") else
                    runs.sum(values, dtype=np.int64 if values.dtype == bool else None))
@@ -236,11 +204,7 @@ def _group_metrics(pair: PairTokens, runs: Runs, grouping: Grouping, *, with_qua
 
 def _ratio_quantiles(pair: PairTokens, runs: Runs, grouping: Grouping) -> np.ndarray:
     """[num_groups, 3] ratio quantiles (_QUANTILES) per group."""
-    from mismatch import fused
-
     qs, view = list(_QUANTILES.values()), pair.view
-    if fused.available():  # from each group's tails of log-ratios
-        return ratio_quantiles(pair.log_ratio, runs, grouping, qs)
     return quantiles(pair.ratio_into(view.scratch(1)), runs, grouping, qs, scratch=view.scratch(0))
 
 
@@ -422,7 +386,6 @@ def metrics_by(table: pd.DataFrame | TokenView, pairs: list[tuple[str, str]], by
     if missing:
         raise MismatchError(f"token table has no column {missing[0]!r} (columns: {', '.join(map(str, view.columns))})")
     frames = []
-    pairs_tokens(view, [_pair_columns(view, pair) for pair in pairs])  # all pairs in one sweep
     for pair in pairs:
         a, b = _pair_columns(view, pair)
         frame = grouped_view_metrics(view, a, b, by_cols)

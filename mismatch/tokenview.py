@@ -75,8 +75,7 @@ class TokenView:
         return name in self.table.columns
 
     def table_column(self, name: str) -> np.ndarray:
-        """The column's values on every row of the table (no copy where pandas can avoid one);
-        with `Runs.rows` this is what the fused loops read."""
+        """The column's values on every row of the table (no copy where pandas can avoid one)."""
         if name not in self.table.columns:
             raise MismatchError(f"token table has no column {name!r} "
                                 f"(columns: {', '.join(map(str, self.table.columns))})")
@@ -105,9 +104,6 @@ class TokenView:
         """Float64 buffer `index` (0 or 1) of one value per token, reused by whoever needs one for
         the length of a call (fresh ~40 MB arrays cost more in page faults than the work in them)."""
         return self.memo(("scratch", index), lambda: np.empty(self.num_tokens))
-
-    def memoized(self, key: Any) -> bool:
-        return key in self._memo
 
     def memo(self, key: Any, compute: Callable[[], T]) -> T:
         if key not in self._memo:

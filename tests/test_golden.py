@@ -1,6 +1,7 @@
 """The analysis gives the numbers it gave before it was rewritten: a stored-log-prob audit of a
-small tree-shaped fixture against the summary.json the numba-era main wrote for it
-(tests/data/golden, made by its make.py; expected_summary.json is that run's output, unedited).
+small tree-shaped fixture against the summary.json written for it before the rewrite (commit
+2bd13b5, with the numba loops and hand-written Student-t of that time): tests/data/golden, made by
+its make.py; expected_summary.json is that run's output, unedited.
 
 Floats may move by reassociation only (1e-9 relative); everything else is equal.
 """

@@ -32,6 +32,26 @@ def test_quantiles_equal_numpy_linear(n):
     np.testing.assert_array_equal(quantiles(values, runs, single_group(runs), QS)[0], np.quantile(values, QS))
 
 
+@pytest.mark.parametrize("margin", [64, -3000])  # -3000: every tail cut too tight, each group partitioned whole
+def test_quantiles_of_large_groups_from_their_tails_equal_numpy(margin, monkeypatch):
+    from mismatch import groups
+
+    monkeypatch.setattr(groups, "_MARGIN", margin)
+    rng = np.random.default_rng(11)
+    n = 400_000
+    values = np.exp(rng.standard_t(3, n) * 0.05)
+    values[::1000] = 1.0  # ties
+    runs = find_runs([np.arange(n) // 50], n)
+    run_group = np.minimum(np.arange(runs.num_runs) // 2000, 3)  # groups of 100k tokens each
+    grouping = Grouping(run_group=run_group, num_groups=5, keys=pd.DataFrame())  # group 4 is empty
+    qs = [0.001, 0.01, 0.99, 0.999]
+    got = quantiles(values, runs, grouping, qs)
+    token_group = runs.spread(run_group)
+    for g in range(4):
+        np.testing.assert_array_equal(got[g], np.quantile(values[token_group == g], qs))
+    assert np.isnan(got[4]).all()
+
+
 def test_quantiles_of_equal_infinite_ends_are_inf_not_nan():
     values = np.array([1.0, np.inf, np.inf])
     runs = find_runs([], 3)

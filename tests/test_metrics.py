@@ -291,3 +291,15 @@ def test_both_minus_inf_is_an_undefined_log_ratio_and_dropped():
     assert got["n_tokens"] == 3
     assert got == pair_metrics(a[keep], b[keep], seq=seq[keep], rollout=rollout[keep])
     assert got["ratio_min"] == 0.0  # -inf against a finite log-prob stays: ratio 0
+
+
+def test_pairs_summarized_together_equal_each_alone():
+    # Pairs of one view share its float64 columns; each pair's numbers must not depend on the others.
+    table = token_table(6, seed=5)
+    table["logp_infer"] = (table["logp_sampler"] + 0.01).astype(np.float32)  # in two pairs, upcast once
+    table.loc[::7, "logp_infer"] = np.nan  # a pair with dropped tokens of its own
+    pairs = [("train", "sampler"), ("train", "infer"), ("infer", "sampler")]
+    together = summarize_pairs(table, pairs)
+    for a, b in pairs:
+        alone = summarize_pairs(table, [(a, b)])[f"{a}/{b}"]
+        assert np.array_equal(list(together[f"{a}/{b}"].values()), list(alone.values()), equal_nan=True), (a, b)

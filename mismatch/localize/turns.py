@@ -115,19 +115,10 @@ def localize_turns(table: pd.DataFrame | TokenView, a: str = "train", b: str = "
 
 def _tokens_position_slope(pair: PairTokens) -> dict[str, Any]:
     """`position_slope` of the pair's |log_ratio| on `pos`, clustered by sequence."""
-    from mismatch import fused
-
     tokens = pair.view
     if tokens.num_tokens == 0:
         return _slope_from_moments(0, 0.0, 0.0, 0.0, 0.0, 0.0, None)
     runs = tokens.runs  # runs never cross sequences: per-sequence sums through them
-    if fused.available():
-        pos = tokens.table_column("pos")
-        pos = np.ascontiguousarray(pos if pos.dtype.kind in "iuf" else pos.astype(np.float64))
-        x_mean, y_mean, sxx, sxy, sse, scores = fused.slope_fit(
-            pos, runs.rows, pair.log_ratio, runs.starts, runs.lengths, POSITION_UNIT, tokens.run_seq,
-            tokens.num_seqs)
-        return _slope_from_moments(tokens.num_tokens, x_mean, y_mean, sxx, sxy, sse, scores)
     return _position_slope(tokens.column("pos").astype(np.float64) / POSITION_UNIT, np.abs(pair.log_ratio),
                            (lambda values: np.bincount(tokens.run_seq, weights=runs.sum(values),
                                                        minlength=tokens.num_seqs), tokens.num_seqs))
@@ -136,25 +127,10 @@ def _tokens_position_slope(pair: PairTokens) -> dict[str, Any]:
 def _buckets(pair: PairTokens) -> tuple[pd.DataFrame, np.ndarray]:
     """Per probability bucket of logp_B: BREAKDOWN_METRICS (one row per bucket, empty ones too);
     and tokens per (turn, bucket), turns in sorted order."""
-    from mismatch import fused
-
     tokens = pair.view
     runs = tokens.runs_for(["turn"])
     turn_of_run = pd.factorize(tokens.series_at("turn", runs.starts), sort=True)[0]
     num_turns, num_buckets = (int(turn_of_run.max()) + 1 if len(turn_of_run) else 0), len(PROB_LABELS)
-    run_rollout = tokens.run_rollout[np.searchsorted(tokens.runs.starts, runs.starts, side="right") - 1]
-    if fused.available():
-        sums, turn_bucket, n_rollouts = fused.bucket_stats(
-            pair.table_b, runs.rows, pair.log_ratio, runs.starts, runs.lengths, turn_of_run, num_turns,
-            run_rollout, tokens.num_rollouts, np.log(PROB_EDGES))
-        n = sums["n_tokens"]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            frame = pd.DataFrame({
-                "n_tokens": n.astype(np.int64), "n_rollouts": n_rollouts,
-                "log_ratio_mean": sums["log_ratio"] / n, "log_ratio_abs_mean": sums["abs_log_ratio"] / n,
-                "log_ratio_abs_max": np.where(n > 0, sums["log_ratio_abs_max"], np.nan), "kl_k3": sums["k3"] / n,
-                "frac_outside_2": sums["outside_2"] / n, "bitwise_equal_frac": sums["equal"] / n})
-        return frame, turn_bucket
     bucket = _prob_bucket(pair.logp_b)
     frame = token_grouped_metrics(pair, bucket, num_buckets)
     token_turn_bucket = runs.spread((turn_of_run * num_buckets).astype(np.int32)) + bucket
@@ -313,47 +289,16 @@ def _p_two_sided(estimate: float, se: float, dof: int) -> float:
 
 
 def t_sf2(t: float, dof: float) -> float:
-    """Two-sided tail P(|T| > t) of Student's t: the regularized incomplete beta I_x(dof/2, 1/2)."""
-    if not math.isfinite(t):
+    """Two-sided tail P(|T| > |t|) of Student's t."""
+    if not math.isfinite(t):  # an infinite or undefined statistic (inf log-ratios): as far out as it gets
         return 0.0
-    return _betainc(dof / 2.0, 0.5, dof / (dof + t * t))
+    from scipy import stats  # here, so that importing mismatch does not import scipy
+
+    return float(2.0 * stats.t.sf(abs(t), dof))
 
 
 def t_critical(q: float, dof: float) -> float:
-    """Quantile q (> 0.5) of Student's t, by bisection on `t_sf2` (no scipy dependency)."""
-    target = 2.0 * (1.0 - q)
-    lo, hi = 0.0, 1.0
-    while t_sf2(hi, dof) > target:
-        hi *= 2.0
-    while True:  # until the bracket is a few ulps wide (~55 halvings), not a fixed 100
-        mid = 0.5 * (lo + hi)
-        if not lo < mid < hi or hi - lo <= 4e-16 * hi:
-            return mid
-        lo, hi = (mid, hi) if t_sf2(mid, dof) > target else (lo, mid)
+    """Quantile q of Student's t."""
+    from scipy import stats
 
-
-def _betainc(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta I_x(a, b) by Lentz's continued fraction (Numerical Recipes 6.4)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                 + a * math.log(x) + b * math.log1p(-x))
-    if x > (a + 1.0) / (a + b + 2.0):  # the fraction converges fast only on this side
-        return 1.0 - _betainc(b, a, 1.0 - x)
-    tiny, eps = 1e-300, 1e-15
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    fraction = d
-    for m in range(1, 100_000):
-        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + numerator * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            fraction *= c * d
-        if abs(c * d - 1.0) < eps:
-            break
-    return math.exp(log_front) * fraction / a
+    return float(stats.t.ppf(q, dof))
