@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.errors import MismatchError, SpecError
+from mismatch.groups import find_runs, key_codes
 
 SHIFTS = (-1, 0, 1)
 SHIFT_FACTOR = 4.0     # a shift must fit at least this many times better than no shift
@@ -149,9 +150,12 @@ def recompute_processed(checkpoint: str | os.PathLike[str], rollouts: str | os.P
 # Checks on the token table
 
 
-def _segment_ids(table: pd.DataFrame) -> np.ndarray:
-    """One id per (rollout, branch, segment), in table order: shifts never cross a segment."""
-    return table.groupby(["rollout", "branch", "segment"], sort=False, observed=True).ngroup().to_numpy()
+def _span_ids(table: pd.DataFrame, keys: Sequence[str]) -> np.ndarray:
+    """One id per stretch of equal `keys` in table order (0, 1, ...): per branch or per segment,
+    as every token table mismatch writes keeps each branch's rows together. Shifts never cross
+    a segment."""
+    runs = find_runs([key_codes(table[name]) for name in keys], len(table))
+    return np.repeat(np.arange(runs.num_runs, dtype=np.int64), runs.lengths)
 
 
 def _shift_fits(stored: np.ndarray, replayed: np.ndarray, segment: np.ndarray,
@@ -180,16 +184,29 @@ def _best_shift(fits: dict[int, float]) -> int:
 def _constant_runs(stored: np.ndarray, replayed: np.ndarray, segment: np.ndarray) -> np.ndarray:
     """Rows inside a run of >= MIN_RUN identical stored values whose replay clearly varies."""
     flagged = np.zeros(len(stored), dtype=bool)
+    if not len(stored):
+        return flagged
     starts = np.flatnonzero(np.r_[True, (stored[1:] != stored[:-1]) | (segment[1:] != segment[:-1])])
     stops = np.r_[starts[1:], len(stored)]
-    for start, stop in zip(starts, stops):
-        if stop - start < MIN_RUN or not np.isfinite(stored[start]) or stored[start] == 0.0:
-            continue  # zeros are counted as padding, not as a constant
-        values = replayed[start:stop]
-        values = values[np.isfinite(values)]
-        if len(values) and values.max() - values.min() >= RUN_SPREAD:
-            flagged[start:stop] = True
-    return flagged
+    first = stored[starts]
+    # Zeros are counted as padding, not as a constant.
+    candidate = (stops - starts >= MIN_RUN) & np.isfinite(first) & (first != 0.0)
+    starts, stops = starts[candidate], stops[candidate]
+    if not len(starts):
+        return flagged
+    finite = np.isfinite(replayed)
+    # The spread of each candidate run's finite replayed values (-inf where it has none): reduceat
+    # over [start, stop) pairs, keeping every other result.
+    bounds = np.column_stack([starts, stops]).reshape(-1)
+    bounds = bounds[:-1] if bounds[-1] == len(stored) else bounds
+    high = np.maximum.reduceat(np.where(finite, replayed, -np.inf), bounds)[::2]
+    low = np.minimum.reduceat(np.where(finite, replayed, np.inf), bounds)[::2]
+    with np.errstate(invalid="ignore"):
+        varies = high - low >= RUN_SPREAD
+    marks = np.zeros(len(stored) + 1, dtype=np.int64)
+    np.add.at(marks, starts[varies], 1)
+    np.add.at(marks, stops[varies], -1)
+    return np.cumsum(marks[:-1]) > 0
 
 
 def _semantics(stored: np.ndarray, replayed: np.ndarray) -> dict[str, Any]:
@@ -230,7 +247,8 @@ class _Columns:
     stored: np.ndarray     # float64
     replayed: np.ndarray   # float64
     trainable: np.ndarray  # bool
-    rollout: np.ndarray    # str
+    rollout: np.ndarray    # int code per rollout
+    rollout_names: np.ndarray  # str per rollout code
     branch: np.ndarray     # int code per (rollout, branch)
     segment: np.ndarray    # int code per (rollout, branch, segment)
 
@@ -244,18 +262,21 @@ def _columns(table: pd.DataFrame, stored: str, replayed: str) -> _Columns:
     missing = [c for c in needed if c not in table.columns]
     if missing:
         raise MismatchError(f"alignment: token table has no column {missing[0]!r}")
+    # Codes, not a Python string per row: names are looked up only for the rows a finding names.
+    rollout_codes, rollout_names = pd.factorize(table["rollout"])
     return _Columns(stored=table[needed[0]].to_numpy(np.float64),
                     replayed=table[needed[1]].to_numpy(np.float64),
                     trainable=table["trainable"].to_numpy(dtype=bool),
-                    rollout=table["rollout"].astype(str).to_numpy(),
-                    branch=table.groupby(["rollout", "branch"], sort=False, observed=True).ngroup().to_numpy(),
-                    segment=_segment_ids(table))
+                    rollout=rollout_codes, rollout_names=np.asarray(rollout_names.astype(str), dtype=object),
+                    branch=_span_ids(table, ["rollout", "branch"]),
+                    segment=_span_ids(table, ["rollout", "branch", "segment"]))
 
 
 def _missing_check(cols: _Columns, stored: str, findings: list[dict[str, Any]]) -> float:
     missing = cols.trainable & np.isnan(cols.stored)
     if missing.any():
-        worst = str(pd.Series(missing[cols.trainable]).groupby(cols.rollout[cols.trainable]).mean().idxmax())
+        worst = cols.rollout_names[pd.Series(missing[cols.trainable]).groupby(
+            cols.rollout[cols.trainable]).mean().idxmax()]
         findings.append(_finding("missing_logprobs", f"{missing.sum()} trainable tokens have no stored "
                                  f"{stored} log-prob (most in rollout {worst!r})",
                                  "store the sampler's log-prob of every generated token; a ratio "
@@ -263,7 +284,7 @@ def _missing_check(cols: _Columns, stored: str, findings: list[dict[str, Any]]) 
     return float(missing.sum() / cols.num_trainable)
 
 
-def _shift_check(cols: _Columns, branch_ids: np.ndarray,
+def _shift_check(cols: _Columns, branch_column: pd.Series,
                  findings: list[dict[str, Any]]) -> tuple[int, dict[int, float], dict[str, int]]:
     """The overall shift, its fits, and the rollouts with a shifted branch.
 
@@ -272,7 +293,9 @@ def _shift_check(cols: _Columns, branch_ids: np.ndarray,
     overall = _shift_fits(cols.stored, cols.replayed, cols.segment, np.zeros(len(cols.stored), np.int64))
     fits = {k: float(overall[k].iloc[0]) if len(overall) else float("nan") for k in SHIFTS}
     codes, first_row = np.unique(cols.branch, return_index=True)
-    names = {code: (cols.rollout[row], branch_ids[row]) for code, row in zip(codes, first_row)}
+    branch_ids = branch_column.iloc[first_row].astype(str).tolist()
+    names = {code: (cols.rollout_names[cols.rollout[row]], branch_ids[i])
+             for i, (code, row) in enumerate(zip(codes, first_row))}
     by_rollout: dict[str, int] = {}
     for code, row in _shift_fits(cols.stored, cols.replayed, cols.segment, cols.branch).iterrows():
         k = _best_shift({k: float(row[k]) for k in SHIFTS})
@@ -347,9 +370,10 @@ def check_alignment(table: pd.DataFrame, *, stored: str = "sampler", replayed: s
     cols = _columns(table, stored, replayed)
     findings: list[dict[str, Any]] = []
     missing_frac = _missing_check(cols, stored, findings)
-    shift, fits, by_rollout = _shift_check(cols, table["branch"].astype(str).to_numpy(), findings)
+    shift, fits, by_rollout = _shift_check(cols, table["branch"], findings)
     padded_frac, constant_frac = _placeholder_check(cols, findings)
-    keep = cols.trainable & ~np.isin(cols.rollout, list(by_rollout)) & (cols.stored != 0.0)
+    shifted = np.flatnonzero(np.isin(cols.rollout_names, list(by_rollout)))
+    keep = cols.trainable & ~np.isin(cols.rollout, shifted) & (cols.stored != 0.0)
     semantics = _semantics(cols.stored[keep], cols.replayed[keep])
     declared = dict(sampler_meta or {})
     _semantics_finding(semantics, declared, stored, replayed, findings)

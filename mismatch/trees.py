@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.errors import MismatchError
+from mismatch.groups import find_runs, key_codes
 from mismatch.rollouts import Rollout
 
 DEFAULT_MAX_PATHS = 5
@@ -102,20 +103,18 @@ def add_tree_weights(table: pd.DataFrame, rollouts: Sequence[Rollout], *,
     branch's own tokens, rollout by rollout, branch by branch); the rollout and branch columns
     are checked against that order.
     """
-    rollout_ids, branch_ids, tree, gyre = [], [], [], []
+    branch_keys, tree, gyre = [], [], []  # branch_keys: (rollout id, branch id, own tokens)
     for rollout in rollouts:
         by_tree, by_gyre = tree_weights(rollout), gyre_weights(rollout, max_paths)
         for branch in rollout.branches:
-            rollout_ids.append(np.full(branch.num_tokens, rollout.id, dtype=object))
-            branch_ids.append(np.full(branch.num_tokens, branch.id, dtype=object))
+            branch_keys.append((rollout.id, branch.id, branch.num_tokens))
             tree.append(by_tree[branch.id])
             gyre.append(by_gyre[branch.id])
-    num_rows = sum(len(part) for part in tree)
+    num_rows = sum(length for _, _, length in branch_keys)
     if num_rows != len(table):
         raise MismatchError(f"token table has {len(table)} rows but the rollouts have {num_rows} "
                             "own tokens; pass the table plan_replay built for these rollouts")
-    if num_rows and (np.any(table["rollout"].astype(str).to_numpy() != np.concatenate(rollout_ids))
-                     or np.any(table["branch"].astype(str).to_numpy() != np.concatenate(branch_ids))):
+    if num_rows and _branch_spans(table) != branch_keys:
         raise MismatchError("token table rows are not in the rollouts' branch order; pass the table "
                             "plan_replay built for these rollouts")
     out = table.copy()
@@ -123,6 +122,15 @@ def add_tree_weights(table: pd.DataFrame, rollouts: Sequence[Rollout], *,
     out["weight_gyre"] = np.concatenate(gyre) if gyre else np.empty(0)
     out.attrs["gyre_max_paths"] = max_paths  # so tree_summary reports the cap these weights used
     return out
+
+
+def _branch_spans(table: pd.DataFrame) -> list[tuple[str, str, int]]:
+    """(rollout, branch, rows) of each stretch of equal (rollout, branch) in table order, read from
+    the key codes at the stretches' starts, not from a Python string per row."""
+    codes = [key_codes(table[name]) for name in ("rollout", "branch")]
+    runs = find_runs(codes, len(table))
+    rollout, branch = (table[name].iloc[runs.starts].astype(str).tolist() for name in ("rollout", "branch"))
+    return list(zip(rollout, branch, runs.lengths.tolist()))
 
 
 # ---------------------------------------------------------------------------------------------
