@@ -167,11 +167,12 @@ def weighted_pair_metrics(logp_a: np.ndarray, logp_b: np.ndarray, weight: np.nda
         }
 
 
-def _pair_block(tokens: pd.DataFrame, pair: tuple[str, str]) -> dict[str, dict[str, float]]:
-    a, b = (tokens[f"logp_{role}"].to_numpy() for role in pair)
-    block = {"unweighted": weighted_pair_metrics(a, b, np.ones(len(tokens)))}
+def _pair_block(columns: dict[str, np.ndarray], pair: tuple[str, str],
+                rows: np.ndarray | slice) -> dict[str, dict[str, float]]:
+    a, b = (columns[f"logp_{role}"][rows] for role in pair)
+    block = {"unweighted": weighted_pair_metrics(a, b, np.ones(len(a)))}
     for name in WEIGHTS:
-        block[name] = weighted_pair_metrics(a, b, tokens[f"weight_{name}"].to_numpy())
+        block[name] = weighted_pair_metrics(a, b, columns[f"weight_{name}"][rows])
     return block
 
 
@@ -187,30 +188,41 @@ def tree_summary(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> dict[
     """`summary["trees"]`: weights, weighted and unweighted pair metrics, a per-branch-kind view.
 
     Over trainable tokens only (the PPO loss's tokens); `table` comes from `add_tree_weights`.
+    Columns are read once as arrays and selected per kind by row index (no copy of the table).
     """
     _check_columns(table, pairs)
-    tokens = table[table["trainable"].to_numpy(dtype=bool)]
-    branch_gyre = table.groupby(["rollout", "branch"], observed=True)["weight_gyre"].max()
-    totals = {name: float(tokens[f"weight_{name}"].sum()) for name in WEIGHTS}
+    trainable = table["trainable"].to_numpy(dtype=bool)
+    names = [f"weight_{name}" for name in WEIGHTS] + list({f"logp_{r}": 0 for pair in pairs for r in pair})
+    columns = {name: table[name].to_numpy()[trainable] for name in names}
+    # Per branch (a stretch of equal rollout and branch): its gyre weight, the same on every row.
+    branches = find_runs([key_codes(table[name]) for name in ("rollout", "branch")], len(table))
+    branch_gyre = branches.max(table["weight_gyre"].to_numpy())
+    branch_rollout = key_codes(table["rollout"])[branches.starts]
+    kind_codes, kind_names = pd.factorize(table["branch_kind"][trainable], sort=True)
+    branch_of_row = np.repeat(np.arange(branches.num_runs), branches.lengths)[trainable]
+    totals = {name: float(columns[f"weight_{name}"].sum()) for name in WEIGHTS}
+    num_tokens = int(trainable.sum())
     kinds = []
-    for kind, group in tokens.groupby("branch_kind", observed=True, sort=True):
+    for code, kind in enumerate(kind_names):
+        rows = np.flatnonzero(kind_codes == code)
         kinds.append({
             "branch_kind": str(kind),
-            "n_branches": int(group.groupby(["rollout", "branch"], observed=True).ngroups),
-            "n_tokens": len(group),
+            "n_branches": int(len(np.unique(branch_of_row[rows]))),
+            "n_tokens": len(rows),
             # What share of the loss each kind gets: tokens alone overstate long subagents.
-            "weight_share": {"tokens": len(group) / max(len(tokens), 1),
-                             **{name: float(group[f"weight_{name}"].sum()) / totals[name]
+            "weight_share": {"tokens": len(rows) / max(num_tokens, 1),
+                             **{name: float(columns[f"weight_{name}"][rows].sum()) / totals[name]
                                 if totals[name] else float("nan") for name in WEIGHTS}},
-            "pairs": {f"{a}/{b}": _pair_block(group, (a, b)) for a, b in pairs},
+            "pairs": {f"{a}/{b}": _pair_block(columns, (a, b), rows) for a, b in pairs},
         })
+    dropped = branch_gyre == 0
     return {
         "max_paths": table.attrs.get("gyre_max_paths"),  # None if the table lost its attrs
         "gyre_normalization": GYRE_NORMALIZATION,
-        "num_paths": int(len(branch_gyre)),
-        "num_paths_dropped": int((branch_gyre == 0).sum()),
-        "num_rollouts_capped": int((branch_gyre == 0).groupby(level="rollout", observed=True).any().sum()),
-        "weight_tree_mean": float(tokens["weight_tree"].mean()) if len(tokens) else float("nan"),
-        "pairs": {f"{a}/{b}": _pair_block(tokens, (a, b)) for a, b in pairs},
+        "num_paths": int(branches.num_runs),
+        "num_paths_dropped": int(dropped.sum()),
+        "num_rollouts_capped": int(len(np.unique(branch_rollout[dropped]))),
+        "weight_tree_mean": float(columns["weight_tree"].mean()) if num_tokens else float("nan"),
+        "pairs": {f"{a}/{b}": _pair_block(columns, (a, b), slice(None)) for a, b in pairs},
         "branch_kinds": kinds,
     }
