@@ -53,7 +53,12 @@ def read_tokens(results_dir: Path) -> pd.DataFrame:
     path = results_dir / TOKENS_FILE
     if not path.is_file():
         raise ReportError(f"{results_dir}: no {TOKENS_FILE}")
-    tokens = pd.read_parquet(path)
+    import pyarrow.parquet as pq
+
+    # Only what the charts and the worst-tokens view read: the tree weights and the rest stay on disk.
+    wanted = {"rollout", "branch", "branch_kind", "turn", "segment", "pos", "role", "token_id", "trainable"}
+    names = pq.ParquetFile(path).schema_arrow.names
+    tokens = pd.read_parquet(path, columns=[n for n in names if n in wanted or n.startswith("logp_")])
     missing = {"rollout", "branch", "turn", "pos", "role", "token_id", "trainable"} - set(tokens.columns)
     if missing:
         raise ReportError(f"{path}: missing column(s) {', '.join(sorted(missing))}")
