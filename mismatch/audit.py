@@ -59,20 +59,21 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
     replayed, work = replay_for_results(checkpoint, rollouts, roles, out=out_dir, force=force,
                                         shard=shard, block_size=block_size, progress=progress,
                                         command="audit")
-    table = replayed.table
-    alignment = check_alignment(table, sampler_meta=replayed.engines["sampler"]["meta"])
+    table, engines = replayed.table, replayed.engines
+    alignment = check_alignment(table, sampler_meta=engines["sampler"]["meta"])
     if alignment["logprob_semantics"] == "processed" and parse_spec(train).kind in ("hf", "hf-decode"):
         # Like for like: the trainer side recomputed under the sampler's temperature/top-k/top-p.
-        sampling = Sampling.from_meta(replayed.engines["sampler"]["meta"])
+        sampling = Sampling.from_meta(engines["sampler"]["meta"])
         table["logp_train_processed"] = replay_processed(replayed.plan, train, checkpoint, sampling)
     drift = (find_drift(replayed.rollouts, load_tokenizer(checkpoint))
              if any(rollout.messages for rollout in replayed.rollouts) else None)
-    summary = analyze_audit(table, engines=replayed.engines, checkpoint=str(checkpoint),
+    requests = replayed.plan.requests if localize_models else None
+    del replayed  # the rollouts and their requests: from here on only the table is read
+    summary = analyze_audit(table, engines=engines, checkpoint=str(checkpoint),
                             rollouts_file=str(rollouts), drift=drift, alignment=alignment)
     summary["shard"] = shard_info(shard, block_size)
-    if localize_models:
-        summary["localization"].update(run_model_localizers(
-            checkpoint, replayed.plan.requests, a=train, b=infer))
+    if requests is not None:
+        summary["localization"].update(run_model_localizers(checkpoint, requests, a=train, b=infer))
     if out_dir is not None:
         publish(out_dir, table, summary, audit_pairs(table), force=force, work=work)
     return AuditResult(summary=summary, tokens=table, out=out_dir)

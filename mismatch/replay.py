@@ -32,7 +32,7 @@ DEFAULT_BLOCK = 64
 class ReplayPlan:
     requests: list[ReplayRequest]
     request_block: np.ndarray  # int [num_requests]: the block of each request's rollout
-    table: pd.DataFrame  # TABLE_KEYS + logp_sampler
+    table: pd.DataFrame  # TABLE_KEYS + logp_sampler (replay_roles adds the weights and engine columns)
     stored: dict[str, np.ndarray]  # "sampler" and every extra_logprobs NAME, aligned with table rows
 
     @property
@@ -206,8 +206,9 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
         if spec.kind == "stored" and spec.options["name"] not in plan.stored:
             raise SpecError(f"--{role} {spec.text}: no segment of the rollouts carries "
                             f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(plan.stored)})")
-    # Tree weights are per rollout, so shards compute exactly the weights one run would.
-    table = add_tree_weights(plan.table, selected)
+    # Tree weights are per rollout, so shards compute exactly the weights one run would. The
+    # plan's table is filled in place (the plan keeps its requests; one table, not two).
+    table = add_tree_weights(plan.table, selected, inplace=True)
     engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler",
                                            "meta": _sampler_meta(selected)}}
     for role, spec in specs.items():

@@ -96,8 +96,9 @@ def gyre_weights(rollout: Rollout, max_paths: int = DEFAULT_MAX_PATHS) -> dict[s
 
 
 def add_tree_weights(table: pd.DataFrame, rollouts: Sequence[Rollout], *,
-                     max_paths: int = DEFAULT_MAX_PATHS) -> pd.DataFrame:
-    """`table` with `weight_tree` and `weight_gyre` columns (float64), aligned row for row.
+                     max_paths: int = DEFAULT_MAX_PATHS, inplace: bool = False) -> pd.DataFrame:
+    """`table` with `weight_tree` and `weight_gyre` columns (float64), aligned row for row
+    (a copy, or `table` itself with `inplace`: the replay adds them to the table it just built).
 
     `table` must be the token table of exactly these rollouts in `plan_replay` order (each
     branch's own tokens, rollout by rollout, branch by branch); the rollout and branch columns
@@ -117,7 +118,7 @@ def add_tree_weights(table: pd.DataFrame, rollouts: Sequence[Rollout], *,
     if num_rows and _branch_spans(table) != branch_keys:
         raise MismatchError("token table rows are not in the rollouts' branch order; pass the table "
                             "plan_replay built for these rollouts")
-    out = table.copy()
+    out = table if inplace else table.copy()
     out["weight_tree"] = np.concatenate(tree) if tree else np.empty(0)
     out["weight_gyre"] = np.concatenate(gyre) if gyre else np.empty(0)
     out.attrs["gyre_max_paths"] = max_paths  # so tree_summary reports the cap these weights used
