@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mismatch import terms
 from mismatch.errors import MismatchError
 from mismatch.groups import Runs, find_runs
 from mismatch.metrics import pair_tokens, run_sums
@@ -318,11 +319,7 @@ def _balance_scale(t: _Tokens) -> np.ndarray:
 
 def _verl_stat(t: _Tokens, estimator: str) -> np.ndarray:
     log_ratio = np.clip(t.log_ratio, -VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
-    if estimator == "k1":
-        return -log_ratio
-    if estimator == "k2":
-        return 0.5 * np.square(log_ratio)
-    return np.expm1(log_ratio) - log_ratio
+    return {"k1": terms.k1, "k2": terms.k2, "k3": terms.k3}[estimator](log_ratio)
 
 
 def _verl_rejection(aggregate: str, estimator: str) -> ModeFn:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mismatch import terms
 from mismatch.audit import build_summary, publish, replay_for_results, shard_info
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Shard
 
@@ -84,19 +85,20 @@ def _per_rollout_terms(table: pd.DataFrame, a: str, b: str) -> pd.DataFrame:
     log_ratio = logp_a - logp_b
     valid = ~np.isnan(log_ratio)
     with np.errstate(invalid="ignore", over="ignore"):
-        terms = pd.DataFrame({
+        ratio = terms.ratio(log_ratio)
+        per_token = pd.DataFrame({
             "n": valid.astype(np.float64),
             "log_ratio_abs_mean": np.abs(log_ratio),
-            "kl_k1": logp_b - logp_a,
-            "kl_k2": 0.5 * np.square(log_ratio),
-            "kl_k3": np.expm1(log_ratio) - log_ratio,
-            "chi2_token": np.exp(2.0 * log_ratio) - 1.0,
-            "prob_abs_diff_mean": np.abs(np.exp(logp_a) - np.exp(logp_b)),
-            "frac_outside_2": (np.abs(log_ratio) > np.log(2.0)).astype(np.float64),
+            "kl_k1": terms.k1(log_ratio),
+            "kl_k2": terms.k2(log_ratio),
+            "kl_k3": terms.k3(log_ratio),
+            "chi2_token": terms.ratio_sq(ratio) - 1.0,
+            "prob_abs_diff_mean": terms.prob_abs_diff(logp_a, logp_b),
+            "frac_outside_2": terms.outside(ratio).astype(np.float64),
             "bitwise_equal_frac": (logp_a == logp_b).astype(np.float64),
         })
-    terms.loc[~valid] = 0.0  # NaN tokens (no value on one side) count in neither sum nor n
-    return terms.groupby(np.asarray(table["rollout"])).sum()
+    per_token.loc[~valid] = 0.0  # NaN tokens (no value on one side) count in neither sum nor n
+    return per_token.groupby(np.asarray(table["rollout"])).sum()
 
 
 def bootstrap_deltas(table: pd.DataFrame, *, seed: int, num_bootstrap: int) -> dict[str, Any]:

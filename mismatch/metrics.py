@@ -11,6 +11,7 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
+from mismatch import terms
 from mismatch.errors import MismatchError
 from mismatch.groups import Grouping, Runs, quantiles, single_group
 from mismatch.tokenview import DEFAULT_SEQ, TokenView
@@ -58,9 +59,7 @@ class PairTokens:
 
     @cached_property
     def ratio(self) -> np.ndarray:
-        # A ratio that overflows is reported as inf, not hidden by a clamp: that is the finding.
-        with np.errstate(over="ignore"):
-            return np.exp(self.log_ratio)
+        return terms.ratio(self.log_ratio)
 
     def ratio_into(self, buffer: np.ndarray) -> np.ndarray:
         """`ratio`, the kept array if there is one, else computed into `buffer` (same bits)."""
@@ -68,8 +67,7 @@ class PairTokens:
             return self.ratio
         out = buffer[:self.view.num_tokens]
         np.subtract(self.logp_a, self.logp_b, out=out)
-        with np.errstate(over="ignore"):
-            return np.exp(out, out=out)
+        return terms.ratio(out, out=out)
 
 
 def pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
@@ -113,19 +111,15 @@ def _token_terms(pair: PairTokens, scratch: np.ndarray) -> Iterator[tuple[str, n
     yield "log_ratio", log_ratio
     yield "ratio", ratio
     yield "log_ratio_sq", np.square(log_ratio, out=scratch)
-    yield "ratio_sq", np.square(ratio, out=scratch)
-    # r - 1 - log r without cancellation near r = 1, and exactly 0 at log_ratio = 0.
-    with np.errstate(over="ignore", invalid="ignore"):
-        yield "k3", np.subtract(np.expm1(log_ratio, out=scratch), log_ratio, out=scratch)
+    yield "ratio_sq", terms.ratio_sq(ratio, out=scratch)
+    yield "k3", terms.k3(log_ratio, out=scratch)
     flags = scratch.view(np.bool_)[:len(log_ratio)]  # the same buffer, read as flags
-    yield "outside_2", np.logical_or(ratio > 2.0, ratio < 0.5, out=flags)
+    yield "outside_2", terms.outside(ratio, out=flags)
     yield "equal", np.equal(pair.logp_a, pair.logp_b, out=flags)
     abs_log_ratio = np.abs(log_ratio, out=scratch)
     yield "abs_log_ratio", abs_log_ratio
     yield "log_ratio_abs_max", abs_log_ratio
-    with np.errstate(over="ignore", invalid="ignore"):
-        prob_b = np.exp(pair.logp_b)
-        prob_abs_diff = np.abs(np.subtract(np.exp(pair.logp_a, out=scratch), prob_b, out=scratch), out=scratch)
+    prob_abs_diff = terms.prob_abs_diff(pair.logp_a, pair.logp_b, out=scratch)
     yield "prob_abs_diff", prob_abs_diff
     yield "prob_abs_diff_max", prob_abs_diff
 

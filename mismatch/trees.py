@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mismatch import terms
 from mismatch.errors import MismatchError
 from mismatch.groups import find_runs, key_codes
 from mismatch.rollouts import Rollout
@@ -155,16 +156,16 @@ def weighted_pair_metrics(logp_a: np.ndarray, logp_b: np.ndarray, weight: np.nda
     total = w.sum()
     mean = lambda x: float(np.sum(w * x) / total)  # noqa: E731
     with np.errstate(over="ignore", invalid="ignore"):
-        ratio = np.exp(log_ratio)
+        ratio = terms.ratio(log_ratio)
         # ESS is scale-free: weigh by exp(log_ratio - max) so one huge ratio cannot overflow it.
         shifted = np.exp(log_ratio - log_ratio.max())
         ess = float(np.sum(w * shifted) ** 2 / (total * np.sum(w * shifted ** 2)))
         return {
             "n_tokens": int(keep.sum()), "weight_sum": float(total),
             "log_ratio_mean": mean(log_ratio), "log_ratio_abs_mean": mean(np.abs(log_ratio)),
-            "ratio_mean": mean(ratio), "kl_k1": mean(-log_ratio), "kl_k2": mean(0.5 * log_ratio ** 2),
-            "kl_k3": mean(np.expm1(log_ratio) - log_ratio), "chi2_token": mean(ratio ** 2) - 1.0,
-            "ess": ess, "frac_outside_2": mean(((ratio > 2.0) | (ratio < 0.5)).astype(np.float64)),
+            "ratio_mean": mean(ratio), "kl_k1": mean(terms.k1(log_ratio)), "kl_k2": mean(terms.k2(log_ratio)),
+            "kl_k3": mean(terms.k3(log_ratio)), "chi2_token": mean(terms.ratio_sq(ratio)) - 1.0,
+            "ess": ess, "frac_outside_2": mean(terms.outside(ratio).astype(np.float64)),
         }
 
 

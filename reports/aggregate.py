@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mismatch import terms
+
 # Breakdown statistics, with the summary.json names they share (ARCHITECTURE.md, pair metrics).
 BREAKDOWN_METRICS: dict[str, str] = {
     "log_ratio_abs_mean": "mean |log-ratio|",
@@ -122,10 +124,8 @@ def group_stats(keys: np.ndarray, log_ratio: np.ndarray) -> pd.DataFrame:
     keys = np.asarray(keys, dtype=np.int64)
     abs_lr = np.abs(log_ratio)
     with np.errstate(over="ignore", invalid="ignore"):
-        ratio = np.exp(log_ratio)
-        k3 = np.expm1(log_ratio) - log_ratio  # r - 1 - log r without cancellation near r = 1
-        outside = (ratio > 2.0) | (ratio < 0.5)
-        del ratio
+        outside = terms.outside(terms.ratio(log_ratio))
+        k3 = terms.k3(log_ratio)
         counts = np.bincount(keys)
         present = np.flatnonzero(counts)
         num = counts[present]

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mismatch import terms
 from reports.aggregate import pair_roles
 
 
@@ -46,7 +47,7 @@ def rank_rollouts(tokens: pd.DataFrame, pair: str, codes: np.ndarray, names: np.
     log_ratio = log_ratio[keep]
     with np.errstate(over="ignore", invalid="ignore"):
         frame = pd.DataFrame({"code": codes[keep], "abs": np.abs(log_ratio),
-                              "k3": np.expm1(log_ratio) - log_ratio})
+                              "k3": terms.k3(log_ratio)})
     ranked = frame.groupby("code", sort=False).agg(
         max_abs_log_ratio=("abs", "max"), kl_k3_mean=("k3", "mean"), n_scored=("abs", "size"))
     ranked = ranked.reset_index()
