@@ -23,8 +23,6 @@ BREAKDOWN_METRICS: dict[str, str] = {
     "frac_outside_2": "share outside [0.5, 2]",
     "n_tokens": "tokens",
 }
-# Probability the B side gave the token: low-probability tokens are where mismatch bites.
-PROB_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0)
 NUM_HIST_BINS = 121  # odd, so exact zeros sit alone in the middle bin's centre
 MAX_POSITION_BINS = 40
 
@@ -175,27 +173,15 @@ def _short(prob: float) -> str:
     return f"1e{round(math.log10(prob))}" if prob < 0.01 else f"{prob:g}"
 
 
-def prob_label(low: float, high: float) -> str:
-    """Short bucket names ("1e-4–1e-3", "0.9–0.99"): they sit under narrow bars."""
-    if low == 0:
-        return f"< {_short(high)}"
-    if high == 1:
-        return f"≥ {_short(low)}"
-    return f"{_short(low)}–{_short(high)}"
-
-
-def by_probability(pairs: list[PairTokens]) -> dict[str, Any] | None:
-    """Buckets of the probability the pair's B side gave the token (e.g. the sampler's)."""
-    populated = [p for p in pairs if len(p.pos)]
-    if not populated:
+def by_probability_from_summary(summary: dict[str, Any], pairs: list[str]) -> dict[str, Any] | None:
+    """summary.json's probability buckets (localization.turns.by_prob_bucket, of the pair the turn
+    localizer reads): the report draws the buckets the analysis defined, never its own."""
+    turns = (summary.get("localization") or {}).get("turns")
+    if not isinstance(turns, dict) or not isinstance(turns.get("by_prob_bucket"), list):
         return None
-    inner = np.log(np.asarray(PROB_EDGES[1:-1]))
-    stats = {p.pair: group_stats(np.searchsorted(inner, p.logp_b, side="right"), p.log_ratio)
-             for p in populated}
-    index = list(range(len(PROB_EDGES) - 1))
-    labels = [prob_label(PROB_EDGES[i], PROB_EDGES[i + 1]) for i in index]
-    return {"x": labels, "labels": labels, "x_title": "probability of the token under the pair's B side",
-            "series": _series(stats, index)}
+    rows = [{"bucket": row.get("bucket"), "pairs": {turns.get("pair"): row}}
+            for row in turns["by_prob_bucket"] if isinstance(row, dict)]
+    return by_key_from_summary(rows, "bucket", pairs, x_title="probability of the token under the pair's B side")
 
 
 def by_turn_from_tokens(pairs: list[PairTokens]) -> dict[str, Any] | None:

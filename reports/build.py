@@ -138,7 +138,7 @@ def chart_figures(summary: dict[str, Any], tokens: pd.DataFrame, pairs: list[str
     turn = aggregate.by_key_from_summary(summary.get("turns") or [], "turn", pairs, x_title="turn") \
         or aggregate.by_turn_from_tokens(per_pair)
     blocks = {"turn": (turn, False, False), "position": (aggregate.by_position(per_pair), False, False),
-              "prob": (aggregate.by_probability(per_pair), True, True),
+              "prob": (aggregate.by_probability_from_summary(summary, pairs), True, True),
               "branch_kind": (aggregate.by_key_from_summary(summary.get("branch_kinds") or [], "branch_kind",
                                                             pairs, x_title="branch kind"), True, True)}
     for fig_id, (block, categorical, bars) in blocks.items():

@@ -130,7 +130,13 @@ def diff_dir(root: Path) -> Path:
 
 FULL_EXTRA: dict[str, Any] = {
     "localization": {
-        "turns": {"onset_turn": 1, "position_slope": {"slope": 1.2e-5, "ci95": [0.8e-5, 1.6e-5]}},
+        "turns": {"onset_turn": 1, "position_slope": {"slope": 1.2e-5, "ci95": [0.8e-5, 1.6e-5]},
+                  # The report draws these buckets as the analysis wrote them, never its own.
+                  "pair": "train/sampler",
+                  "by_prob_bucket": [{"bucket": label, "n_tokens": 10 * (i + 1), "log_ratio_abs_mean": 0.01 / (i + 1),
+                                      "log_ratio_abs_max": 0.1 / (i + 1), "kl_k3": 1e-4 / (i + 1),
+                                      "frac_outside_2": 0.0}
+                                     for i, label in enumerate(("p<0.001", "0.001-0.01", f"{IMG}"))]},
         "layers": {"jump_layer": 2, "jump_block": "mlp",
                    "by_layer": [{"layer": i, "block": block, "rel_error": 1e-4 * (1 + i) * (30 if i >= 2 else 1)}
                                 for i in range(4) for block in ("attn", "mlp")]},
