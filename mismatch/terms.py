@@ -80,3 +80,60 @@ PAIR_METRIC_TERMS: dict[str, MetricTerm] = {
     "frac_outside_2": MetricTerm("outside", "mean", "higher"),
     "bitwise_equal_frac": MetricTerm("logp_a == logp_b", "mean", "lower"),
 }
+
+
+# What each framework logs under its own name for (nearly) the same quantity, read from its source
+# (log_ratio = logp_train - logp_rollout there too). "same" means the same formula and reduction
+# as ours; otherwise the difference is said. Sources, at the commits read:
+#   verl   b178a3cd56f5 verl/trainer/ppo/rollout_corr_helper.py (keys prefixed rollout_corr/),
+#          verl/utils/debug/metrics.py (training/...)
+#   TRL    f2cd57710ae3 trl/trainer/grpo_trainer.py (sampling/...)
+#   slime  624b824a898a slime/backends/megatron_utils/loss.py (train/...),
+#          examples/train_infer_mismatch_helper/mis.py (train/mis_...)
+#   prime-rl 559b44772e47 src/prime_rl/trainer/rl/loss.py, trainer/rl/train.py (mismatch_kl/...)
+#   OpenRLHF 3c3be6234e0c openrlhf/models/loss.py, openrlhf/trainer/ray/ppo_actor.py (train/vllm_kl)
+FRAMEWORK_NAMES: dict[str, dict[str, str]] = {
+    "kl_k1": {
+        "verl": "rollout_corr/kl (same: token mean of logp_rollout - logp_train)",
+        "slime": "train/mis_kl (per sequence, then the mean over sequences)",
+        "openrlhf": "train/vllm_kl (same: a global token mean)",
+    },
+    "kl_k3": {
+        "verl": "rollout_corr/k3_kl (same, no clamp)",
+        "slime": "train/mis_k3_kl (per sequence, then the mean over sequences)",
+        "prime-rl": "mismatch_kl/all/mean (same formula; against the current trainer forward)",
+        "trl": "kl (async GRPO only; against the generator's log-probs)",
+    },
+    "chi2_token": {
+        "verl": "rollout_corr/chi2_token (log-ratio clamped to +-20 before exp)",
+        "slime": "train/mis_chi2_token (clamped +-20; per sequence, then over sequences)",
+    },
+    "chi2_seq": {
+        "verl": "rollout_corr/chi2_seq (sequence log-ratio sum clamped to +-20 before exp)",
+        "slime": "train/mis_chi2_seq (clamped +-20)",
+    },
+    "ppl_ratio": {
+        "verl": "rollout_corr/ppl_ratio (same: mean over sequences of exp(-mean log-ratio))",
+        "slime": "train/mis_ppl_ratio (same)",
+    },
+    "ess": {
+        "verl": "rollout_corr/rollout_is_eff_sample_size (on weights clamped to [1/T, T])",
+    },
+    "log_ratio_abs_mean": {
+        "trl": "sampling/sampling_logp_difference/mean (same: token mean of |log-ratio|)",
+        "slime": "train/train_rollout_logprob_abs_diff (per sequence, then over sequences)",
+    },
+    "log_ratio_abs_max": {
+        "trl": "sampling/sampling_logp_difference/max (same)",
+    },
+    "prob_abs_diff_mean": {
+        "verl": "training/rollout_probs_diff_mean (same: |p_train - p_rollout|, token mean)",
+    },
+    "prob_abs_diff_max": {
+        "verl": "training/rollout_probs_diff_max (same)",
+    },
+    "ratio_mean": {
+        "slime": "train/tis (raw ratio; per sequence, then over sequences)",
+        "verl": "rollout_corr/rollout_is_mean (token mode: ratio of the log-ratio clamped +-20)",
+    },
+}
