@@ -160,16 +160,20 @@ def _span_ids(table: pd.DataFrame, keys: Sequence[str]) -> np.ndarray:
 
 def _shift_fits(stored: np.ndarray, replayed: np.ndarray, segment: np.ndarray,
                 group: np.ndarray) -> pd.DataFrame:
-    """Mean |stored[i] - replayed[i + k]| per group (rows) and shift k (columns), over pairs
-    inside one segment: a shift never borrows a neighbour segment's token."""
+    """Mean |stored[i] - replayed[i + k]| per group (rows, in order of first appearance) and shift
+    k (columns), over pairs inside one segment: a shift never borrows a neighbour segment's token."""
+    codes, uniques = pd.factorize(group)
+    num_groups, n = len(uniques), len(stored)
     fits = {}
-    n = len(stored)
     for k in SHIFTS:
-        i = np.arange(max(0, -k), n - max(0, k))
-        j = i + k
-        ok = (segment[i] == segment[j]) & np.isfinite(stored[i]) & np.isfinite(replayed[j])
-        fits[k] = pd.Series(np.abs(stored[i][ok] - replayed[j][ok])).groupby(group[i][ok]).mean()
-    return pd.DataFrame(fits).reindex(pd.unique(group))
+        here, there = slice(max(0, -k), n - max(0, k)), slice(max(0, k), n - max(0, -k))
+        ok = (segment[here] == segment[there]) & np.isfinite(stored[here]) & np.isfinite(replayed[there])
+        gap = np.abs(stored[here][ok] - replayed[there][ok])
+        sums = np.bincount(codes[here][ok], weights=gap, minlength=num_groups)
+        counts = np.bincount(codes[here][ok], minlength=num_groups)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            fits[k] = np.where(counts > 0, sums / counts, np.nan)
+    return pd.DataFrame(fits, index=uniques)
 
 
 def _best_shift(fits: dict[int, float]) -> int:

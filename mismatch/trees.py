@@ -146,36 +146,65 @@ def weighted_pair_metrics(logp_a: np.ndarray, logp_b: np.ndarray, weight: np.nda
     unweighted (sum r)^2 / (n sum r^2) when all w = 1. Tokens with a NaN log-prob or weight 0
     are left out; n_tokens counts the rest. No tokens: n_tokens 0, the rest NaN.
     """
+    return weighted_pair_metrics_by(logp_a, logp_b, {"weight": weight})["weight"]
+
+
+def weighted_pair_metrics_by(logp_a: np.ndarray, logp_b: np.ndarray,
+                             weights: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
+    """`weighted_pair_metrics` under each of several weights: each per-token term is made once
+    and reduced by one dot product per weight (not one temporary array per weight and term)."""
     logp_a, logp_b = np.asarray(logp_a, np.float64), np.asarray(logp_b, np.float64)
-    weight = np.asarray(weight, np.float64)
-    keep = ~(np.isnan(logp_a) | np.isnan(logp_b)) & (weight > 0)
-    log_ratio, w = logp_a[keep] - logp_b[keep], weight[keep]
-    if not keep.any():
+    valid = ~(np.isnan(logp_a) | np.isnan(logp_b))
+    log_ratio = logp_a[valid] - logp_b[valid]
+    kept = {name: np.asarray(w, np.float64)[valid] for name, w in weights.items()}
+    out: dict[str, dict[str, float]] = {}
+    shared = {}  # weights positive on every valid token: they share the term arrays
+    for name, w in kept.items():
+        if not len(w) or not (w > 0).all():
+            out[name] = _weighted(log_ratio[w > 0], w[w > 0]) if len(w) else _weighted(log_ratio, w)
+        else:
+            shared[name] = w
+    if shared:
+        out.update(zip(shared, _weighted_many(log_ratio, list(shared.values()))))
+    return {name: out[name] for name in weights}
+
+
+def _weighted(log_ratio: np.ndarray, w: np.ndarray) -> dict[str, float]:
+    if not len(w):
         return {name: 0 if name == "n_tokens" else (0.0 if name == "weight_sum" else float("nan"))
                 for name in WEIGHTED_METRICS}
-    total = w.sum()
-    mean = lambda x: float(np.sum(w * x) / total)  # noqa: E731
+    return _weighted_many(log_ratio, [w])[0]
+
+
+def _weighted_many(log_ratio: np.ndarray, weights: list[np.ndarray]) -> list[dict[str, float]]:
+    """Weighted metrics over tokens that every weight keeps (all weights > 0, log_ratio defined)."""
+    W = np.stack(weights)  # [num_weights, num_tokens]
+    totals = W.sum(axis=1)
     with np.errstate(over="ignore", invalid="ignore"):
         ratio = terms.ratio(log_ratio)
         # ESS is scale-free: weigh by exp(log_ratio - max) so one huge ratio cannot overflow it.
         shifted = np.exp(log_ratio - log_ratio.max())
-        ess = float(np.sum(w * shifted) ** 2 / (total * np.sum(w * shifted ** 2)))
-        return {
-            "n_tokens": int(keep.sum()), "weight_sum": float(total),
-            "log_ratio_mean": mean(log_ratio), "log_ratio_abs_mean": mean(np.abs(log_ratio)),
-            "ratio_mean": mean(ratio), "kl_k1": mean(terms.k1(log_ratio)), "kl_k2": mean(terms.k2(log_ratio)),
-            "kl_k3": mean(terms.k3(log_ratio)), "chi2_token": mean(terms.ratio_sq(ratio)) - 1.0,
-            "ess": ess, "frac_outside_2": mean(terms.outside(ratio).astype(np.float64)),
-        }
+        sums = {"log_ratio": W @ log_ratio, "abs": W @ np.abs(log_ratio), "ratio": W @ ratio,
+                "k1": W @ terms.k1(log_ratio), "k2": W @ terms.k2(log_ratio), "k3": W @ terms.k3(log_ratio),
+                "ratio_sq": W @ terms.ratio_sq(ratio), "outside": W @ terms.outside(ratio).astype(np.float64),
+                "shifted": W @ shifted, "shifted_sq": W @ np.square(shifted)}
+        return [{
+            "n_tokens": len(log_ratio), "weight_sum": float(total),
+            "log_ratio_mean": float(sums["log_ratio"][i] / total),
+            "log_ratio_abs_mean": float(sums["abs"][i] / total),
+            "ratio_mean": float(sums["ratio"][i] / total), "kl_k1": float(sums["k1"][i] / total),
+            "kl_k2": float(sums["k2"][i] / total), "kl_k3": float(sums["k3"][i] / total),
+            "chi2_token": float(sums["ratio_sq"][i] / total) - 1.0,
+            "ess": float(sums["shifted"][i] ** 2 / (total * sums["shifted_sq"][i])),
+            "frac_outside_2": float(sums["outside"][i] / total),
+        } for i, total in enumerate(totals)]
 
 
 def _pair_block(columns: dict[str, np.ndarray], pair: tuple[str, str],
                 rows: np.ndarray | slice) -> dict[str, dict[str, float]]:
     a, b = (columns[f"logp_{role}"][rows] for role in pair)
-    block = {"unweighted": weighted_pair_metrics(a, b, np.ones(len(a)))}
-    for name in WEIGHTS:
-        block[name] = weighted_pair_metrics(a, b, columns[f"weight_{name}"][rows])
-    return block
+    weights = {"unweighted": np.ones(len(a)), **{name: columns[f"weight_{name}"][rows] for name in WEIGHTS}}
+    return weighted_pair_metrics_by(a, b, weights)
 
 
 def _check_columns(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> None:
