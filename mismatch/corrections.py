@@ -53,7 +53,7 @@ class Correction:
         for name, value in self.params.items():
             if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
                 raise MismatchError(f"correction {self.mode}: {name} must be a positive number, got {value!r}")
-        if "low" in self.params and self.params["low"] > self.params["high"]:
+        if {"low", "high"} <= set(self.params) and self.params["low"] > self.params["high"]:
             raise MismatchError(f"correction {self.mode}: low {self.params['low']} is above "
                                 f"high {self.params['high']}")
 
@@ -100,8 +100,10 @@ class _Tokens:
     def __init__(self, log_ratio: np.ndarray, runs: Runs, *, run_seq: np.ndarray,
                  num_seqs: int, run_rollout: np.ndarray, num_rollouts: int,
                  turn: tuple[np.ndarray, np.ndarray] | None = None,
-                 run_stats: dict[str, np.ndarray] | None = None) -> None:
+                 run_stats: dict[str, np.ndarray] | None = None,
+                 logp: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         self.log_ratio = log_ratio  # log pi_train - log pi_sampler, one per token, in run order
+        self.logp = logp  # (logp_train, logp_sampler) per token, for the probability-gap modes
         self.num_tokens = runs.num_tokens
         self.runs = runs
         self.run_seq, self.num_seqs = run_seq, num_seqs
@@ -167,6 +169,16 @@ class _Tokens:
 
     def spread(self, per_run: np.ndarray) -> np.ndarray:
         return self.runs.spread(per_run)
+
+    @cached_property
+    def prob_gap(self) -> np.ndarray:
+        """pi_train - pi_sampler of each token (signed)."""
+        if self.logp is None:
+            raise MismatchError("probability-gap corrections (ipo_mask, dppo_*) need both log-probs, "
+                                "not only their log-ratio: pass logp_train and logp_sampler")
+        logp_train, logp_sampler = self.logp
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.exp(logp_train) - np.exp(logp_sampler)
 
 
 ModeFn = Callable[..., tuple[np.ndarray, np.ndarray]]
@@ -287,6 +299,28 @@ def _minmax_kept(t: _Tokens, low: float, high: float) -> np.ndarray:
     return (seq_min >= low) & (seq_max <= high)
 
 
+# --- probability-gap masks: prime-rl's losses since 2026-03 (src/prime_rl/trainer/rl/loss.py @559b4477,
+# configs in packages/prime-rl-configs/src/prime_rl/configs/trainer.py:494-519). A token is masked by
+# the gap of its probabilities, dp = pi_train - pi_infer, not by its ratio; a kept token weighs its
+# raw ratio (no clip). IPO masks |dp| > ipo_threshold whatever the advantage; DPPO (the default) masks
+# dp > dppo_mask_high on tokens of positive-advantage samples and dp < -dppo_mask_low on negative
+# ones. Rollouts carry no advantages, so DPPO is simulated per sign, as if every sample had it. ---
+
+def ipo_mask(t: _Tokens, *, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    masked = np.abs(t.prob_gap) > threshold
+    return np.where(masked, 0.0, t.ratio), masked
+
+
+def dppo_positive(t: _Tokens, *, high: float) -> tuple[np.ndarray, np.ndarray]:
+    masked = t.prob_gap > high
+    return np.where(masked, 0.0, t.ratio), masked
+
+
+def dppo_negative(t: _Tokens, *, low: float) -> tuple[np.ndarray, np.ndarray]:
+    masked = t.prob_gap < -low
+    return np.where(masked, 0.0, t.ratio), masked
+
+
 # --- per-rollout modes (agentic: a rollout is many branches) ---
 
 def rollout_clip(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
@@ -366,6 +400,14 @@ MODES: dict[str, ModeSpec] = {
     "sequence_minmax_mask": ModeSpec(params=("low", "high"), level="sequence", fn=sequence_minmax_mask,
                                      doc="prime-rl sequence_mask_low/high: token ratio, 0 for the whole "
                                          "sequence if any ratio leaves [low, high]"),
+    "ipo_mask": ModeSpec(params=("threshold",), level="token", fn=ipo_mask,
+                         doc="prime-rl IPO: ratio, or 0 where |p_train - p_sampler| > threshold"),
+    "dppo_positive": ModeSpec(params=("high",), level="token", fn=dppo_positive,
+                              doc="prime-rl DPPO on positive-advantage samples: ratio, or 0 where "
+                                  "p_train - p_sampler > high"),
+    "dppo_negative": ModeSpec(params=("low",), level="token", fn=dppo_negative,
+                              doc="prime-rl DPPO on negative-advantage samples: ratio, or 0 where "
+                                  "p_train - p_sampler < -low"),
     "rollout_clip": ModeSpec(params=("low", "high"), per_run=True, level="rollout", fn=rollout_clip,
                              doc="clip(exp(sum over the rollout), low, high)"),
     "rollout_balanced_truncate": ModeSpec(params=("cap",), level="rollout", fn=rollout_balanced_truncate,
@@ -381,6 +423,10 @@ for _aggregate in ("token", "seq_sum", "seq_mean", "seq_max"):
             level="token" if _aggregate == "token" else "sequence", per_run=_aggregate != "token",
             fn=_verl_rejection(_aggregate, _estimator),
             doc=f"verl rollout_rs={_option}: keep (weight 1) or reject (weight 0)")
+
+
+# Modes that read the tokens' probabilities, not only their log-ratio.
+PROB_GAP_MODES = frozenset({"ipo_mask", "dppo_positive", "dppo_negative"})
 
 
 def _correction(mode: str, **params: float) -> Correction:
@@ -412,6 +458,9 @@ DEFAULT_CORRECTIONS: tuple[Correction, ...] = (
     _correction("rs_seq_mean_k1", low=0.999, high=1.001),  # verl Geo-RS default
     _correction("rs_seq_mean_k3", high=0.01),              # verl K3-RS default
     _correction("rs_seq_max_k3", high=0.5),
+    *(_correction("ipo_mask", threshold=threshold) for threshold in (0.05, 0.1, 0.2)),  # prime-rl: 0.1
+    _correction("dppo_positive", high=0.2),                # prime-rl dppo_mask_high default
+    _correction("dppo_negative", low=0.2),                 # prime-rl dppo_mask_low default
 )
 
 
@@ -440,10 +489,12 @@ def _codes(keys: Any) -> tuple[np.ndarray, int]:
 
 
 def _prepare(log_ratio: Any, *, seq: Any, rollout: Any, trainable: Any | None,
-             turn: Any | None = None) -> tuple[_Tokens, np.ndarray]:
+             turn: Any | None = None, logp_sampler: Any | None = None) -> tuple[_Tokens, np.ndarray]:
     """The tokens to correct, and which of the given ones they are."""
     log_ratio = _to_numpy(log_ratio).astype(np.float64, copy=False)
     arrays = {"seq": _to_numpy(seq), "rollout": _to_numpy(rollout)}
+    if logp_sampler is not None:
+        arrays["logp_sampler"] = _to_numpy(logp_sampler).astype(np.float64, copy=False)
     if trainable is not None:
         arrays["trainable"] = _to_numpy(trainable).astype(bool)
     if turn is not None:
@@ -461,9 +512,13 @@ def _prepare(log_ratio: Any, *, seq: Any, rollout: Any, trainable: Any | None,
         turn_keys, turn_codes = np.unique(arrays["turn"][keep], return_inverse=True)
         keys.append(turn_codes.reshape(-1))
     runs = find_runs(keys, int(keep.sum()))
+    logp = None
+    if logp_sampler is not None:
+        sampler = arrays["logp_sampler"][keep]
+        logp = (sampler + log_ratio[keep], sampler)
     tokens = _Tokens(log_ratio[keep], runs, run_seq=seq_codes[runs.starts], num_seqs=num_seqs,
                      run_rollout=rollout_codes[runs.starts], num_rollouts=num_rollouts,
-                     turn=(turn_keys, keys[2][runs.starts]) if turn is not None else None)
+                     turn=(turn_keys, keys[2][runs.starts]) if turn is not None else None, logp=logp)
     return tokens, keep
 
 
@@ -477,16 +532,17 @@ def _apply(tokens: _Tokens, correction: Correction) -> tuple[np.ndarray, np.ndar
 
 
 def correction_weights(log_ratio: Any, correction: Correction, *, seq: Any,
-                       rollout: Any | None = None) -> tuple[Any, Any]:
+                       rollout: Any | None = None, logp_sampler: Any | None = None) -> tuple[Any, Any]:
     """(weight, affected) per token for one correction, for use inside a trainer.
 
     `log_ratio`, `seq` (and `rollout`, for the rollout modes) are 1-D and aligned; pass only the
     tokens that enter the loss. Given torch tensors, returns tensors on the same device (weight in
     log_ratio's dtype); given arrays, numpy arrays. NaN log-ratios get weight NaN, affected False.
+    The probability-gap modes (PROB_GAP_MODES) also need the sampler's log-probs, `logp_sampler`.
     """
     values = _to_numpy(log_ratio).astype(np.float64, copy=False)
     rollout = seq if rollout is None else rollout
-    tokens, valid = _prepare(values, seq=seq, rollout=rollout, trainable=None)
+    tokens, valid = _prepare(values, seq=seq, rollout=rollout, trainable=None, logp_sampler=logp_sampler)
     weight = np.full(values.shape, np.nan)
     affected = np.zeros(values.shape, dtype=bool)
     weight[valid], affected[valid] = _apply(tokens, correction)
@@ -592,16 +648,22 @@ def _by_turn(tokens: _Tokens, run_weight: np.ndarray, run_hits: np.ndarray) -> l
             for key, count, hit, total in zip(keys, counts, hits, sums)]
 
 
-def simulate(log_ratio: Any, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS, *, seq: Any,
-             rollout: Any, turn: Any | None = None, trainable: Any | None = None) -> list[CorrectionResult]:
+def simulate(log_ratio: Any, corrections: Sequence[Correction] | None = None, *, seq: Any,
+             rollout: Any, turn: Any | None = None, trainable: Any | None = None,
+             logp_sampler: Any | None = None) -> list[CorrectionResult]:
     """Apply each correction to the measured tokens and describe the result.
 
     All inputs are 1-D and aligned (numpy arrays, lists or torch tensors): `log_ratio` =
     log pi_train - log pi_sampler; `seq` names each token's sequence (one branch of one rollout:
     its ids must differ across rollouts), `rollout` its rollout, `turn` its turn (for by_turn),
-    `trainable` which tokens enter the loss. NaN log-ratios and non-trainable tokens are dropped.
+    `trainable` which tokens enter the loss, `logp_sampler` the sampler's log-probs (needed by the
+    probability-gap modes). NaN log-ratios and non-trainable tokens are dropped. By default every
+    DEFAULT_CORRECTIONS item, less the probability-gap ones when `logp_sampler` is not given.
     """
-    tokens, _ = _prepare(log_ratio, seq=seq, rollout=rollout, trainable=trainable, turn=turn)
+    if corrections is None:
+        corrections = [c for c in DEFAULT_CORRECTIONS if logp_sampler is not None or c.mode not in PROB_GAP_MODES]
+    tokens, _ = _prepare(log_ratio, seq=seq, rollout=rollout, trainable=trainable, turn=turn,
+                         logp_sampler=logp_sampler)
     return _results(tokens, corrections)
 
 
@@ -625,7 +687,7 @@ def simulate_table(table: pd.DataFrame | TokenView, corrections: Sequence[Correc
     tokens = _Tokens(pair_view.log_ratio, runs, run_seq=tokens_view.run_seq,
                      num_seqs=tokens_view.num_seqs, run_rollout=tokens_view.run_rollout,
                      num_rollouts=tokens_view.num_rollouts, turn=(turns.keys["turn"].to_numpy(), turns.run_group),
-                     run_stats=run_sums(pair_view, runs))
+                     run_stats=run_sums(pair_view, runs), logp=(pair_view.logp_a, pair_view.logp_b))
     return _results(tokens, corrections)
 
 

@@ -23,6 +23,10 @@ ROLLOUT = ["r0", "r0", "r0", "r0", "r1", "r1", "r1", "r1"]
 TURN = [0, 0, 1, 1, 0, 0, 1, 1]
 TRAINABLE = [True, False, True, True, True, True, True, True]
 LOG_RATIO = np.log(RATIOS)
+# The sampler's probabilities, for the probability-gap modes: pi_train = ratio * pi_sampler, so the
+# gaps pi_train - pi_sampler of the kept tokens are 0.3 -0.3 0.2 0 -0.6 0.35.
+P_SAMPLER = [0.1, 0.005, 0.6, 0.4, 0.5, 0.8, 0.3, 0.05]
+LOGP_SAMPLER = np.log(P_SAMPLER)
 G2, G3 = math.sqrt(2), 2 ** (1 / 3)
 
 # mode, params, expected weight and affected flag of the 6 kept tokens A0 A1 B0 C0 C1 C2.
@@ -67,6 +71,12 @@ HAND_CASES = [
     ("rs_seq_max_k2", {"high": 1.0}, [1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1]),
     # max of k3: A 1.614, B 0.095, C 4.921
     ("rs_seq_max_k3", {"high": 1.5}, [0, 0, 1, 0, 0, 0], [1, 1, 0, 1, 1, 1]),
+    # prime-rl IPO: |gap| > 0.25 masks A0 (0.3), A1 (-0.3), C1 (-0.6), C2 (0.35); kept tokens keep their ratio.
+    ("ipo_mask", {"threshold": .25}, [0, 0, 1.5, 1, 0, 0], [1, 1, 0, 0, 1, 1]),
+    # prime-rl DPPO, positive advantage: gap > 0.25 masks A0 and C2.
+    ("dppo_positive", {"high": .25}, [0, .5, 1.5, 1, .25, 0], [1, 0, 0, 0, 0, 1]),
+    # prime-rl DPPO, negative advantage: gap < -0.25 masks A1 and C1.
+    ("dppo_negative", {"low": .25}, [4, 0, 1.5, 1, 0, 8], [0, 1, 0, 0, 1, 0]),
 ]
 
 
@@ -83,7 +93,8 @@ def test_every_mode_has_a_hand_case():
 def test_mode_matches_hand_computed_case(mode, params, weight, affected):
     keep = np.array(TRAINABLE) & ~np.isnan(LOG_RATIO)
     got_weight, got_affected = correction_weights(LOG_RATIO[keep], Correction(mode=mode, params=params),
-                                                  seq=np.array(SEQ)[keep], rollout=np.array(ROLLOUT)[keep])
+                                                  seq=np.array(SEQ)[keep], rollout=np.array(ROLLOUT)[keep],
+                                                  logp_sampler=LOGP_SAMPLER[keep])
     assert got_weight.tolist() == pytest.approx(weight, rel=1e-12)
     assert got_affected.tolist() == [bool(a) for a in affected]
 
@@ -259,3 +270,45 @@ def test_importable_without_torch_or_the_cli():
             "print(sorted(m for m in ('torch', 'typer', 'rich', 'plotly', 'vllm') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def prime_rl_kept(logp_train: list[float], logp_infer: list[float], advantage: list[float], *,
+                  loss_type: str, ipo_threshold: float = 0.1, dppo_low: float = 0.2,
+                  dppo_high: float = 0.2) -> list[bool]:
+    """prime-rl's token keep mask, transcribed token by token from src/prime_rl/trainer/rl/loss.py
+    @559b44772e47 (:130-146 default/DPPO, :177-185 IPO): dp = exp(train) - exp(infer)."""
+    kept = []
+    for train, infer, adv in zip(logp_train, logp_infer, advantage):
+        dp = math.exp(train) - math.exp(infer)
+        if loss_type == "ipo":
+            kept.append(not abs(dp) > ipo_threshold)
+        else:
+            kept.append(not ((adv > 0 and dp > dppo_high) or (adv < 0 and dp < -dppo_low)))
+    return kept
+
+
+def test_probability_gap_modes_equal_prime_rl_transcription():
+    rng = np.random.default_rng(7)
+    n = 500
+    logp_infer = np.log(rng.uniform(0.01, 1.0, n))
+    logp_train = np.minimum(logp_infer + rng.normal(0, 0.4, n), 0.0)
+    log_ratio, seq = logp_train - logp_infer, np.repeat(np.arange(10), n // 10)
+    cases = [("ipo_mask", {"threshold": 0.1}, "ipo", 1.0), ("dppo_positive", {"high": 0.2}, "default", 1.0),
+             ("dppo_negative", {"low": 0.2}, "default", -1.0)]
+    for mode, params, loss_type, sign in cases:
+        weight, affected = correction_weights(log_ratio, Correction(mode=mode, params=params), seq=seq,
+                                              logp_sampler=logp_infer)
+        kept = prime_rl_kept(list(logp_train), list(logp_infer), [sign] * n, loss_type=loss_type)
+        assert (~affected).tolist() == kept, mode
+        assert 0 < sum(kept) < n  # both kinds of token occur
+        # Kept tokens weigh their raw ratio (prime-rl does not clip it); masked ones 0.
+        np.testing.assert_allclose(weight, np.where(kept, np.exp(log_ratio), 0.0), rtol=1e-12)
+
+
+def test_probability_gap_modes_need_the_sampler_logprobs():
+    with pytest.raises(MismatchError, match="need both log-probs"):
+        correction_weights(LOG_RATIO[:1], Correction(mode="ipo_mask", params={"threshold": 0.1}), seq=[0])
+    # Without them, the default simulation leaves exactly those modes out (and says so in its docstring).
+    results = simulate(np.log([1.5, 0.9]), seq=[0, 0], rollout=[0, 0])
+    assert {r.mode for r in results} == {c.mode for c in DEFAULT_CORRECTIONS} - {"ipo_mask", "dppo_positive",
+                                                                                 "dppo_negative"}

@@ -3,7 +3,9 @@ small tree-shaped fixture against the summary.json written for it before the rew
 2bd13b5, with the numba loops and hand-written Student-t of that time): tests/data/golden, made by
 its make.py; expected_summary.json is that run's output, unedited.
 
-Floats may move by reassociation only (1e-9 relative); everything else is equal.
+Floats may move by reassociation only (1e-9 relative); everything else is equal, except what later
+work changed on purpose: advice prose and snippets (`why`, `config_snippets`), and corrections
+added to the simulated list (each one there before must be there still, with the same numbers).
 """
 
 from __future__ import annotations
@@ -18,8 +20,13 @@ import pytest
 import mismatch
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
-# Where and when a run happened, not what it found.
+# Where and when a run happened, not what it found; and the advice's prose.
 RUN_FACTS = {"created_unix", "checkpoint", "rollouts_file"}
+PROSE = {"why", "config_snippets"}
+
+
+def _correction_key(item: dict) -> str:
+    return json.dumps([item.get("mode"), item.get("params")], sort_keys=True)
 
 
 def stored_checkpoint(root: Path) -> Path:
@@ -37,9 +44,15 @@ def differences(got: object, want: object, path: str = "") -> list[str]:
         out = [f"{path}.{k}: missing" for k in want if k not in got]
         out += [f"{path}.{k}: unexpected" for k in got if k not in want]
         for key in want.keys() & got.keys():
-            if key not in RUN_FACTS:
+            if key not in RUN_FACTS | PROSE:
                 out += differences(got[key], want[key], f"{path}.{key}")
         return out
+    if path == ".corrections" and isinstance(want, list) and isinstance(got, list):
+        by_key = {_correction_key(item): item for item in got}
+        return [d for item in want for d in (differences(by_key[_correction_key(item)], item,
+                                                         f"{path}[{_correction_key(item)}]")
+                                             if _correction_key(item) in by_key
+                                             else [f"{path}: {_correction_key(item)} missing"])]
     if isinstance(want, list) and isinstance(got, list):
         if len(got) != len(want):
             return [f"{path}: {len(got)} items, expected {len(want)}"]
