@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mismatch.corrections import PROB_GAP_MODES
 from mismatch.errors import MismatchError
 from mismatch.verdicts import gap_level
 
@@ -183,10 +184,25 @@ def choose_correction(evidence: Evidence) -> Recommendation:
         why.append(f"no simulated cap leaves >= 99% of tokens unclipped with ESS >= {MIN_ESS}; cap {cap:g} "
                    f"keeps the most ESS ({chosen['ess']:.3f}, {chosen['frac_tokens_affected']:.2%} clipped): "
                    "the tail is too heavy for a cap alone, fix the source")
-    return Recommendation(kind="correction", why="; ".join(why), params={
-        "mode": mode, "cap": cap, "frac_tokens_affected": chosen["frac_tokens_affected"],
-        "frac_rollouts_affected": chosen["frac_rollouts_affected"], "ess": chosen["ess"],
-        "meets_rule": bool(passing)})
+    params = {"mode": mode, "cap": cap, "frac_tokens_affected": chosen["frac_tokens_affected"],
+              "frac_rollouts_affected": chosen["frac_rollouts_affected"], "ess": chosen["ess"],
+              "meets_rule": bool(passing)}
+    ipo = _nearest_ipo(evidence.corrections)
+    if ipo is not None:  # for frameworks that mask by the probability gap instead (prime-rl)
+        params["prime_rl_ipo"] = ipo
+    return Recommendation(kind="correction", why="; ".join(why), params=params)
+
+
+def _nearest_ipo(corrections: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The simulated IPO mask (prime-rl) by the correction rule: the smallest threshold that masks at
+    most MAX_FRAC_AFFECTED of the tokens with ESS >= MIN_ESS, else the one that masks the fewest."""
+    candidates = sorted((c for c in corrections if c.get("mode") == "ipo_mask"),
+                        key=lambda c: c["params"]["threshold"])
+    if not candidates:
+        return None
+    chosen = next((c for c in candidates if _passes(c)), candidates[-1])
+    return {"threshold": chosen["params"]["threshold"], "frac_tokens_affected": chosen["frac_tokens_affected"],
+            "ess": chosen["ess"], "meets_rule": _passes(chosen)}
 
 
 def _num(value: Any) -> float:
@@ -272,6 +288,11 @@ def render_config(recommendations: Iterable[Recommendation | dict[str, Any]], fr
     by_kind = {r.kind: r for r in recs}
     lines = [f"# mismatch recommend --for {framework}"]
     lines += [f"# {r.kind}: {r.why}" for r in recs]
+    correction = by_kind.get("correction")
+    if correction is not None and correction.params.get("mode") in PROB_GAP_MODES and framework != "prime-rl":
+        lines.append(f"# {framework} has no mask by probability gap ({correction.params['mode']}): "
+                     "nothing to set for it")
+        del by_kind["correction"]
     lines += renderer(by_kind)
     return "\n".join(lines) + "\n"
 
@@ -280,7 +301,7 @@ def _correction_params(by_kind: dict[str, Recommendation]) -> tuple[str, dict[st
     rec = by_kind.get("correction")
     if rec is None:
         return None
-    params = {k: v for k, v in rec.params.items() if k in ("cap", "low", "high")}
+    params = {k: v for k, v in rec.params.items() if k in ("cap", "low", "high", "threshold")}
     return rec.params["mode"], params
 
 
@@ -293,9 +314,11 @@ def _level(mode: str) -> str:
 
 
 def _render_verl(by_kind: dict[str, Recommendation]) -> list[str]:
-    # Keys: verl/trainer/config/algorithm.py (RolloutCorrectionConfig: rollout_is, rollout_is_threshold,
-    # rollout_rs, rollout_rs_threshold, bypass_mode); semantics: verl/trainer/ppo/rollout_corr_helper.py.
-    # actor_rollout_ref.rollout.calculate_log_probs / .dtype: verl's ppo_trainer config (rollout section).
+    # verl @ b178a3cd56f5: verl/trainer/config/algorithm.py:60-179 (RolloutCorrectionConfig: rollout_is
+    # "token" | "sequence" | null, rollout_is_threshold a float > 0 (a string raises TypeError at
+    # rollout_corr_helper.py:526), rollout_rs options, rollout_rs_threshold, bypass_mode); rollout_rs
+    # thresholds: rollout_corr_helper.py:93-153 ("low_high" for *_k1 options only, on k1 = -log ratio,
+    # so a ratio band [low, high] is "1/high_1/low"); verl/workers/config/rollout.py:156, :189.
     lines = ["# keys: verl/trainer/config/algorithm.py (RolloutCorrectionConfig)"]
     algo: list[str] = []
     rollout: list[str] = []
@@ -303,20 +326,25 @@ def _render_verl(by_kind: dict[str, Recommendation]) -> list[str]:
     if chosen is not None:
         mode, params = chosen
         if mode in ("token_truncate", "sequence_truncate"):
-            algo += [f"rollout_is: {_level(mode)}", f"rollout_is_threshold: {params['cap']!r}", "rollout_rs: null"]
-        elif mode in ("token_icepop", "sequence_icepop"):
-            algo += [f"rollout_is: {_level(mode)}", f"rollout_is_threshold: \"{params['low']!r}_{params['high']!r}\"",
+            algo += [f"rollout_is: {_level(mode)}", f"rollout_is_threshold: {float(params['cap'])!r}",
                      "rollout_rs: null"]
+        elif mode in ("token_icepop", "sequence_icepop"):
+            # IcePop = drop outside [low, high] (rollout_rs on k1), keep the raw ratio inside: rollout_is
+            # truncates at high, which a surviving ratio never exceeds.
+            option = "token_k1" if _level(mode) == "token" else "seq_sum_k1"
+            algo += [f"rollout_is: {_level(mode)}", f"rollout_is_threshold: {float(params['high'])!r}",
+                     f"rollout_rs: {option}", f"rollout_rs_threshold: \"{_verl_k1_band(params)}\""]
         elif mode.startswith("rs_"):
-            threshold = (f"\"{params['low']!r}_{params['high']!r}\"" if "low" in params else repr(params["high"]))
+            threshold = (f"\"{params['low']!r}_{params['high']!r}\"" if "low" in params
+                         else repr(float(params["high"])))
             algo += ["rollout_is: null", f"rollout_rs: {mode[3:]}", f"rollout_rs_threshold: {threshold}"]
         elif mode == "geometric_icepop":
-            # verl's k1 bounds apply to -log ratio, i.e. to 1/ratio: [low, high] on the ratio is [1/high, 1/low].
             algo += ["rollout_is: null", "rollout_rs: seq_mean_k1",
-                     f"rollout_rs_threshold: \"{1 / params['high']!r}_{1 / params['low']!r}\""]
+                     f"rollout_rs_threshold: \"{_verl_k1_band(params)}\""]
         else:
             lines.append(f"# verl has no {mode}; nearest: {_level(mode)}-level TIS at {_cap(params):g}")
-            algo += [f"rollout_is: {_level(mode)}", f"rollout_is_threshold: {_cap(params)!r}", "rollout_rs: null"]
+            algo += [f"rollout_is: {_level(mode)}", f"rollout_is_threshold: {float(_cap(params))!r}",
+                     "rollout_rs: null"]
         rollout.append("calculate_log_probs: true  # the sampler's log-probs feed rollout_is / rollout_rs")
     if "recompute_old_logprobs" in by_kind:
         algo.append("bypass_mode: false  # decoupled mode: the trainer recomputes old log-probs")
@@ -332,21 +360,28 @@ def _render_verl(by_kind: dict[str, Recommendation]) -> list[str]:
     return lines
 
 
+def _verl_k1_band(params: dict[str, float]) -> str:
+    """verl's "lower_upper" for a ratio band [low, high]: its k1 is -log ratio, so the bounds invert."""
+    return f"{1 / params['high']!r}_{1 / params['low']!r}"
+
+
 def _render_trl(by_kind: dict[str, Recommendation]) -> list[str]:
-    # Keys: trl/trainer/grpo_config.py (GRPOConfig: use_vllm, vllm_importance_sampling_correction,
-    # vllm_importance_sampling_mode, vllm_importance_sampling_cap); bf16 / fp16 are TrainingArguments fields.
-    # A YAML file for `trl grpo --config FILE`, or the same names as GRPOConfig(...) keyword arguments.
+    # TRL @ f2cd57710ae3: trl/trainer/grpo_config.py:915-945 (vllm_importance_sampling_correction, _mode,
+    # _clip_max, _clip_min; _cap is deprecated since 1.6.0), :1131-1150 (clip_min < clip_max; a *_truncate
+    # mode needs a bound); grpo_trainer.py:2579-2619: truncate clamps to [clip_min, clip_max], mask zeroes
+    # ratios outside it (token ratio, or exp of the completion's sum at sequence level).
     lines = ["# keys: trl/trainer/grpo_config.py (GRPOConfig)"]
     chosen = _correction_params(by_kind)
     if chosen is not None:
         mode, params = chosen
-        action = "truncate" if ("truncate" in mode or "clip" in mode) else "mask"
-        trl_mode = f"{_level(mode)}_{action}"
-        if trl_mode != mode:
-            lines.append(f"# TRL has no {mode}; nearest: {trl_mode} at cap {_cap(params):g} "
-                         "(TRL caps from above only)")
+        trl_mode, low, high = _trl_equivalent(mode, params)
+        if trl_mode is None:
+            trl_mode = f"{_level(mode)}_{'truncate' if 'truncate' in mode else 'mask'}"
+            lines.append(f"# TRL has no {mode}; nearest: {trl_mode} at {_cap(params):g}")
+            low, high = None, float(_cap(params))
         lines += ["use_vllm: true", "vllm_importance_sampling_correction: true",
-                  f"vllm_importance_sampling_mode: {trl_mode}", f"vllm_importance_sampling_cap: {_cap(params)!r}"]
+                  f"vllm_importance_sampling_mode: {trl_mode}", f"vllm_importance_sampling_clip_max: {high!r}"]
+        lines.append(f"vllm_importance_sampling_clip_min: {'null' if low is None else repr(low)}")
     if "recompute_old_logprobs" in by_kind:
         lines.append("# old log-probs: TRL already recomputes them with the trainer when "
                      "vllm_importance_sampling_correction is on")
@@ -357,14 +392,27 @@ def _render_trl(by_kind: dict[str, Recommendation]) -> list[str]:
     return lines
 
 
-_SLIME_MIS = "examples/train_infer_mismatch_helper/mis.py:compute_mis_weights_with_cp"
+def _trl_equivalent(mode: str, params: dict[str, float]) -> tuple[str | None, float | None, float | None]:
+    """(TRL mode, clip_min, clip_max) that computes exactly `mode`, or (None, ...) when none does."""
+    if mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+        return mode, None, float(params["cap"])
+    exact = {"token_clip": "token_truncate", "token_icepop": "token_mask", "sequence_icepop": "sequence_mask"}
+    if mode in exact:
+        return exact[mode], float(params["low"]), float(params["high"])
+    return None, None, None
+
+
+# slime's --custom-tis-function-path takes a dotted import path.
+_SLIME_MIS = "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
+_SLIME_ICEPOP = "slime.backends.megatron_utils.loss.icepop_function"
 
 
 def _render_slime(by_kind: dict[str, Recommendation]) -> list[str]:
-    # Flags: slime/utils/arguments.py (--use-tis, --tis-clip, --tis-clip-low, --custom-tis-function-path,
-    # --custom-config-path); vanilla TIS: slime/backends/megatron_utils/loss.py vanilla_tis_function
-    # (clamp(ratio, min=tis_clip_low, max=tis_clip)); other levels/modes: the MIS example
-    # examples/train_infer_mismatch_helper/mis.py + mis.yaml (tis_level, tis_mode, tis_*_bound).
+    # slime @ 624b824a898a: slime/utils/arguments.py:1027-1079 (--use-tis, --tis-clip, --tis-clip-low,
+    # --custom-tis-function-path), :1572 and :2013-2019 (--custom-config-path: a YAML whose keys are set
+    # on args); slime/backends/megatron_utils/loss.py:895-931 (vanilla_tis_function clamps the ratio to
+    # [tis_clip_low, tis_clip]; icepop_function zeroes it outside); MIS: examples/train_infer_mismatch_helper
+    # mis.py + mis.yaml (tis_level token|sequence|geometric, tis_mode truncate|clip|mask, tis_*_bound).
     lines = ["# flags: slime/utils/arguments.py; MIS: examples/train_infer_mismatch_helper/"]
     flags: list[str] = []
     mis_yaml: list[str] = []
@@ -372,16 +420,22 @@ def _render_slime(by_kind: dict[str, Recommendation]) -> list[str]:
     if chosen is not None:
         mode, params = chosen
         if mode == "token_truncate":
-            flags += ["--use-tis", f"--tis-clip {params['cap']!r}"]
+            flags += ["--use-tis", f"--tis-clip {float(params['cap'])!r}"]
         elif mode == "token_clip":
             flags += ["--use-tis", f"--tis-clip {params['high']!r}", f"--tis-clip-low {params['low']!r}"]
+        elif mode == "token_icepop":
+            flags += ["--use-tis", f"--custom-tis-function-path {_SLIME_ICEPOP}",
+                      f"--tis-clip {params['high']!r}", f"--tis-clip-low {params['low']!r}"]
+        elif mode.startswith("rs_"):
+            lines.append(f"# slime has no {mode}: its MIS rejection (use_rs) bounds the ratio itself, not "
+                         "verl's k1/k2/k3 statistics; nothing emitted for it")
         else:
             geometric = mode.startswith("geometric") or mode in ("seq_mask_tis", "rs_seq_mean_k1")
             level = "geometric" if geometric else _level(mode)
             tis_mode = "truncate" if mode.endswith("truncate") else "mask"
             flags += ["--use-tis", f"--custom-tis-function-path {_SLIME_MIS}", "--custom-config-path mis.yaml"]
             mis_yaml += ["use_tis: true", "use_rs: false", f"tis_level: {level}", f"tis_mode: {tis_mode}",
-                         f"tis_upper_bound: {_cap(params)!r}"]
+                         f"tis_upper_bound: {float(_cap(params))!r}"]
             if "low" in params:
                 mis_yaml.append(f"tis_lower_bound: {params['low']!r}")
             else:
@@ -400,31 +454,34 @@ def _render_slime(by_kind: dict[str, Recommendation]) -> list[str]:
 
 
 def _render_prime_rl(by_kind: dict[str, Recommendation]) -> list[str]:
-    # Keys: src/prime_rl/trainer/rl/config.py (LossConfig: ratio_type, token_mask_low/high,
-    # sequence_clip_high, geo_mask_low/high, sequence_mask_low/high), in the [trainer.loss] table of an
-    # `rl` config ([loss] in a standalone trainer config). prime-rl masks tokens out of [low, high]
-    # instead of clamping them: token_truncate's affected tokens (ratio > cap) are exactly those masked.
-    lines = ["# keys: src/prime_rl/trainer/rl/config.py (LossConfig); [loss] in a standalone trainer config"]
+    # prime-rl @ 559b44772e47: packages/prime-rl-configs/src/prime_rl/configs/trainer.py:494-532
+    # ([trainer.loss] = DefaultLossConfig (DPPO: dppo_mask_low/high) | IPOLossConfig (ipo_threshold) |
+    # CustomLossConfig, by `type`). Ratio-based masks and caps (token_mask_*, geo_mask_*, sequence_mask_*,
+    # sequence_clip_high, ratio_type) were removed in 02bdca2e419f (2026-03-03): prime-rl masks by the
+    # probability gap p_train - p_infer and never caps the ratio.
+    lines = ["# keys: prime-rl configs/trainer.py ([trainer.loss] of an rl config; [loss] in a standalone "
+             "trainer config)"]
     loss: list[str] = []
     chosen = _correction_params(by_kind)
     if chosen is not None:
         mode, params = chosen
-        if mode in ("token_truncate", "token_mask"):
-            loss += [f"token_mask_high = {params['cap']!r}  # masks (zeroes) ratios above the cap"]
-        elif mode in ("token_icepop", "token_clip"):
-            loss += [f"token_mask_low = {params['low']!r}", f"token_mask_high = {params['high']!r}"]
-        elif mode in ("sequence_truncate", "sequence_mask"):
-            loss += ['ratio_type = "sequence"', f"sequence_clip_high = {params['cap']!r}"]
-        elif mode in ("geometric_icepop", "seq_mask_tis"):
-            loss += [f"geo_mask_low = {params['low']!r}", f"geo_mask_high = {params['high']!r}"]
-        elif mode == "sequence_minmax_mask":
-            loss += [f"sequence_mask_low = {params['low']!r}", f"sequence_mask_high = {params['high']!r}"]
+        if mode == "ipo_mask":
+            loss += ['type = "ipo"', f"ipo_threshold = {float(params['threshold'])!r}"]
+        elif mode in ("dppo_positive", "dppo_negative"):
+            loss += ['type = "default"', f"dppo_mask_high = {float(params.get('high', 0.2))!r}",
+                     f"dppo_mask_low = {float(params.get('low', 0.2))!r}"]
         else:
-            lines.append(f"# prime-rl has no {mode}; nearest: token mask above {_cap(params):g}")
-            loss += [f"token_mask_high = {_cap(params)!r}"]
-        lines.append("# newer prime-rl (loss type = \"icepop\"): ratio_low / ratio_high bound the same token ratio")
+            ipo = by_kind["correction"].params.get("prime_rl_ipo")
+            lines.append(f"# prime-rl has no ratio-based {mode}: it masks tokens by p_train - p_infer "
+                         "(DPPO, its default, or IPO) and never caps the ratio")
+            if ipo is not None:
+                lines.append(f"# nearest: IPO at ipo_threshold {ipo['threshold']:g}, simulated on these "
+                             f"tokens: masks {ipo['frac_tokens_affected']:.2%} of them (ESS {ipo['ess']:.3f})")
+                loss += ['type = "ipo"', f"ipo_threshold = {float(ipo['threshold'])!r}"]
+            else:
+                lines.append("# nearest: the default DPPO loss as it is (no key to set)")
     if "recompute_old_logprobs" in by_kind:
-        lines.append("# old log-probs: prime-rl uses the inference log-probs; the IS mask above is its correction")
+        lines.append("# old log-probs: prime-rl uses the inference log-probs; its mask is the correction")
     if "batch_invariant" in by_kind:
         lines.append("# batch-invariant inference: export VLLM_BATCH_INVARIANT=1 for the inference server")
     if "fp16" in by_kind:
