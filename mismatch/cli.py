@@ -225,11 +225,12 @@ def recommend(
     if as_json:
         _emit_json({"recommendations": recommendations, "framework": framework, "config": snippet})
         return
+    if snippet is not None:  # the snippet alone (its comments carry each recommendation): pipeable
+        sys.stdout.write(snippet)
+        return
     for item in recommendations:
         out_console.print(f"{item['kind']} {json.dumps(item['params'])}: {item['why']}",
-                          markup=False, highlight=False, soft_wrap=True)
-    if snippet is not None:
-        out_console.print(snippet, markup=False, highlight=False, soft_wrap=True)
+                          markup=False, highlight=False)
 
 
 @app.command()

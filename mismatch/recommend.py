@@ -5,6 +5,7 @@ Flow: summary.json (pairs, counts, engines, corrections, localization) + probes 
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,14 +15,16 @@ from mismatch.errors import MismatchError
 from mismatch.verdicts import gap_level
 
 RULE = """\
-1. The stored log-probs are shifted against the tokens (alignment shift != 0): fix_alignment.
+1. The stored log-probs are shifted against the tokens (alignment shift != 0): fix_alignment, alone;
+   every ratio is then measured on misaligned pairs, so no correction or cost can be chosen from it.
 2. Re-rendered messages give other tokens than were sampled (drift spans): fix_renderer.
 3. Correction: none when the train/sampler gap is exact or negligible (mismatch.verdicts.gap_level).
    Otherwise truncated IS (TIS; TRL's *_truncate) at the smallest simulated cap that leaves at least 99%
    of trainable tokens unclipped with ESS >= 0.9; at sequence level when the mismatch grows with position,
    else at token level. If no cap meets both, the cap with the highest ESS, and the rule says so.
-4. Gap small or large: recompute_old_logprobs (cost: one extra forward pass over the batch's N tokens).
-5. Gap small or large and an engine ran in bfloat16: fp16.
+4. Gap large: recompute_old_logprobs (cost: one extra forward pass over the batch's N tokens). A small
+   gap gets the cap alone: nothing heavier than the gap justifies.
+5. Gap large and an engine ran in bfloat16: fp16.
 6. Probes show log-probs that change with batch shape: batch_invariant.
 7. Stored log-probs are processed (temperature / top-p) rather than raw: raw_logprobs.
 """
@@ -124,16 +127,16 @@ def recommend(summary: dict[str, Any], **findings: Any) -> list[Recommendation]:
 
 
 def rule(evidence: Evidence) -> list[Recommendation]:
-    out: list[Recommendation] = []
     if evidence.alignment_shift:
-        out.append(_fix_alignment(evidence.alignment_shift))
+        return [_fix_alignment(evidence.alignment_shift)]
+    out: list[Recommendation] = []
     if evidence.drift_spans:
         out.append(_fix_renderer(evidence.drift_spans))
     out.append(choose_correction(evidence))
-    gap = evidence.level in ("small", "large")
-    if gap:
+    large = evidence.level == "large"
+    if large:
         out.append(_recompute(evidence))
-    if gap and evidence.bf16_roles:
+    if large and evidence.bf16_roles:
         out.append(_fp16(evidence))
     if evidence.batch_variant:
         out.append(_batch_invariant())
@@ -287,14 +290,27 @@ def render_config(recommendations: Iterable[Recommendation | dict[str, Any]], fr
     recs = [r if isinstance(r, Recommendation) else Recommendation(**r) for r in recommendations]
     by_kind = {r.kind: r for r in recs}
     lines = [f"# mismatch recommend --for {framework}"]
-    lines += [f"# {r.kind}: {r.why}" for r in recs]
+    lines += [f"# {rec.kind}: {rec.why}" for rec in recs]
     correction = by_kind.get("correction")
     if correction is not None and correction.params.get("mode") in PROB_GAP_MODES and framework != "prime-rl":
         lines.append(f"# {framework} has no mask by probability gap ({correction.params['mode']}): "
                      "nothing to set for it")
         del by_kind["correction"]
     lines += renderer(by_kind)
-    return "\n".join(lines) + "\n"
+    return "\n".join(_wrapped(lines)) + "\n"
+
+
+def _wrapped(lines: list[str], width: int = 100) -> list[str]:
+    """Comment lines wrapped to `width` columns (a snippet is read in an editor); config lines as
+    they are (a YAML value or a shell flag must not be split)."""
+    out = []
+    for line in lines:
+        if line.startswith("# ") and len(line) > width:
+            out += textwrap.wrap(line[2:], width=width, initial_indent="# ", subsequent_indent="#   ",
+                                 break_on_hyphens=False, break_long_words=False)
+        else:
+            out.append(line)
+    return out
 
 
 def _correction_params(by_kind: dict[str, Recommendation]) -> tuple[str, dict[str, float]] | None:

@@ -90,16 +90,25 @@ def test_no_correction_and_no_source_fix_without_a_gap(metrics, gap):
     assert [(r.kind, r.params) for r in recs] == [("no_correction", {"gap": gap})]
 
 
+LARGE = {**SMALL, "kl_k3": 5e-3, "frac_outside_2": 0.004}
+
+
+def test_a_small_gap_gets_the_cap_alone():
+    bf16 = summary(corrections=TOKEN_CAPS)
+    bf16["engines"]["sampler"]["meta"]["dtype"] = "bfloat16"
+    assert [r.kind for r in recommend(bf16)] == ["correction"]  # no recompute pass, no fp16 migration
+
+
 def test_recompute_states_its_cost_from_the_counts():
-    rec = the(recommend(summary(corrections=TOKEN_CAPS)), "recompute_old_logprobs")
+    rec = the(recommend(summary(LARGE, corrections=TOKEN_CAPS)), "recompute_old_logprobs")
     assert rec.params == {"extra_forward_tokens": 12_345, "trainable_tokens": 4_321}
     assert rec.why.endswith("cost: one extra forward pass (no backward) over N = 12,345 tokens per batch "
                             "like this one (4,321 of them trainable)")
 
 
 def test_fp16_only_when_an_engine_is_bf16():
-    assert "fp16" not in [r.kind for r in recommend(summary(corrections=TOKEN_CAPS))]
-    bf16 = summary(corrections=TOKEN_CAPS)
+    assert "fp16" not in [r.kind for r in recommend(summary(LARGE, corrections=TOKEN_CAPS))]
+    bf16 = summary(LARGE, corrections=TOKEN_CAPS)
     bf16["engines"]["sampler"]["meta"]["dtype"] = "bfloat16"
     assert the(recommend(bf16), "fp16").params["roles"] == ["sampler"]
 
@@ -107,15 +116,20 @@ def test_fp16_only_when_an_engine_is_bf16():
 def test_source_fixes_from_probes_drift_and_alignment():
     probes = [{"source": "batch_size", "applicable": True, "bitwise_equal_frac": 0.97},
               {"source": "dtype", "applicable": True, "bitwise_equal_frac": 0.0}]
-    recs = recommend(summary(corrections=TOKEN_CAPS), probes=probes, drift={"spans": [{}, {}]},
-                     alignment={"shift": -1, "logprob_semantics": "processed"})
+    recs = recommend(summary(LARGE, corrections=TOKEN_CAPS), probes=probes, drift={"spans": [{}, {}]},
+                     alignment={"shift": 0, "logprob_semantics": "processed"})
     kinds = [r.kind for r in recs]
-    assert kinds == ["fix_alignment", "fix_renderer", "correction", "recompute_old_logprobs", "batch_invariant",
-                     "raw_logprobs"]
-    assert the(recs, "fix_alignment").params == {"shift": -1}
-    assert "shifted by -1" in the(recs, "fix_alignment").why
+    assert kinds == ["fix_renderer", "correction", "recompute_old_logprobs", "batch_invariant", "raw_logprobs"]
     assert the(recs, "fix_renderer").params == {"spans": 2}
     assert the(recs, "batch_invariant").params["vllm_env"] == "VLLM_BATCH_INVARIANT=1"
+
+
+def test_a_shift_is_fixed_first_and_alone():
+    # Misaligned pairs make every ratio meaningless: no cap, no recompute, no fp16 from them.
+    recs = recommend(summary(LARGE, corrections=TOKEN_CAPS), drift={"spans": [{}]},
+                     alignment={"shift": -1, "logprob_semantics": "processed"})
+    assert [r.kind for r in recs] == ["fix_alignment"]
+    assert recs[0].params == {"shift": -1} and "shifted by -1" in recs[0].why
 
 
 def test_batch_variance_from_probes():
@@ -243,6 +257,7 @@ def test_every_simulated_mode_renders_a_config_the_framework_accepts(framework):
         rec = Recommendation(kind="correction", why="w", params={"mode": item.mode, **item.params,
                                                                  "prime_rl_ipo": ipo})
         text = render_config([rec, *ALL_FIXES], framework)
+        assert max(len(line) for line in text.splitlines() if line.startswith("#")) <= 100, text
         try:
             LOADERS[framework](text)
         except SchemaError as e:
