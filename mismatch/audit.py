@@ -19,6 +19,7 @@ from mismatch.checkpoint import load_tokenizer
 from mismatch.corrections import summary_corrections
 from mismatch.drift import find_drift
 from mismatch.engines import parse_spec
+from mismatch.framework_metrics import framework_metrics, pair_arrays
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import localize_turns
 from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
@@ -92,6 +93,7 @@ def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
     summary["alignment"] = alignment if alignment is not None else check_alignment(
         table, sampler_meta=engines["sampler"].get("meta"))
     summary["trees"] = tree_summary(table, pairs)
+    summary["framework_metrics"] = {f"{a}/{b}": framework_metrics(pair_arrays(table, a, b)) for a, b in pairs}
     summary["localization"]["turns"] = localize_turns(view, "train", "sampler")
     if drift is not None:
         summary["drift"] = drift

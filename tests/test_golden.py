@@ -4,9 +4,9 @@ small tree-shaped fixture against the summary.json written for it before the rew
 its make.py; expected_summary.json is that run's output, unedited.
 
 Floats may move by reassociation only (1e-9 relative); everything else is equal, except what later
-work changed on purpose: advice prose and snippets (`why`, `config_snippets`), keys added to an
-object, and corrections added to the simulated list (each one there before must be there still,
-with the same numbers).
+work changed on purpose: advice prose and snippets (`why`, `config_snippets`), which fixes are
+recommended beside the correction, keys added to an object, and corrections added to the
+simulated list (each one there before must be there still, with the same numbers).
 """
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ def differences(got: object, want: object, path: str = "") -> list[str]:
             if key not in RUN_FACTS | PROSE:
                 out += differences(got[key], want[key], f"{path}.{key}")
         return out
+    if path == ".recommendations" and isinstance(want, list) and isinstance(got, list):
+        # Which fixes are advised changed on purpose (the advice issue: proportionate); the chosen
+        # correction's numbers did not.
+        chosen = [[item for item in items if item.get("kind") == "correction"] for items in (got, want)]
+        return differences(chosen[0], chosen[1], f"{path}[correction]")
     if path == ".corrections" and isinstance(want, list) and isinstance(got, list):
         by_key = {_correction_key(item): item for item in got}
         return [d for item in want for d in (differences(by_key[_correction_key(item)], item,

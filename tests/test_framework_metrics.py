@@ -1,0 +1,115 @@
+"""Framework-named metrics against plain-Python transcriptions of each framework's formula (sources in
+mismatch/framework_metrics.py), and against our own metric wherever the framework's is the same number."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import REPO
+from mismatch.framework_metrics import FRAMEWORK_METRICS, crosswalk_rows, framework_metrics, pair_arrays
+from mismatch.metrics import summarize_pairs
+
+
+@pytest.fixture(scope="module")
+def table() -> pd.DataFrame:
+    """Three rollouts of two branches each, some untrainable and missing log-probs, a heavy tail."""
+    rng = np.random.default_rng(3)
+    n = 600
+    table = pd.DataFrame({"rollout": np.repeat(["r0", "r1", "r2"], n // 3),
+                          "branch": np.tile(np.repeat(["main", "sub"], n // 6), 3),
+                          "trainable": rng.random(n) < 0.8, "logp_sampler": np.log(rng.uniform(0.001, 1.0, n))})
+    gap = rng.standard_t(2, n) * 0.05
+    gap[::97] = 30.0  # past verl's +-20 clamp
+    table["logp_train"] = np.minimum(table["logp_sampler"] + gap, 0.0)
+    table.loc[::50, "logp_sampler"] = np.nan
+    return table
+
+
+def rows(table: pd.DataFrame) -> list[tuple[str, str, float, float]]:
+    """(rollout, sequence, logp_train, logp_rollout) of each trainable token with both log-probs."""
+    out = []
+    for r, b, t, a, s in zip(table["rollout"], table["branch"], table["trainable"], table["logp_train"],
+                             table["logp_sampler"]):
+        if t and not (math.isnan(a) or math.isnan(s)):
+            out.append((r, f"{r}/{b}", a, s))
+    return out
+
+
+def by(items: list[tuple[str, float]]) -> dict[str, list[float]]:
+    groups: dict[str, list[float]] = {}
+    for key, value in items:
+        groups.setdefault(key, []).append(value)
+    return groups
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def transcribed(table: pd.DataFrame) -> dict[str, float]:
+    """Each formula as the framework's source writes it, token by token."""
+    tokens = rows(table)
+    lr = [a - s for _, _, a, s in tokens]
+    clamp = [max(-20.0, min(20.0, x)) for x in lr]
+    seq_sum = {k: sum(v) for k, v in by([(q, a - s) for _, q, a, s in tokens]).items()}
+    d_s = [mean(v) for v in by([(q, s) for _, q, _, s in tokens]).values()]
+    d_s = [m_b - m_a for m_b, m_a in zip(d_s, [mean(v) for v in by([(q, a) for _, q, a, _ in tokens]).values()])]
+    w = [min(2.0, max(0.5, math.exp(c))) for c in clamp]  # verl: truncated to [1/T, T] for the ESS
+    w_mean = mean(w)
+    trl = [math.exp(v) if math.exp(v) <= 3.0 else 0.0 for v in seq_sum.values()]  # sequence_mask, clip_max 3
+    per_rollout = lambda f: mean(mean(v) for v in by([(r, f(a, s)) for r, _, a, s in tokens]).values())  # noqa: E731
+    return {
+        "verl/rollout_corr/kl": mean(s - a for _, _, a, s in tokens),
+        "verl/rollout_corr/k3_kl": mean(math.exp(x) - x - 1 for x in lr),
+        "verl/rollout_corr/log_ppl_diff": mean(d_s),
+        "verl/rollout_corr/ppl_ratio": mean(math.exp(d) for d in d_s),
+        "verl/rollout_corr/chi2_token": mean(math.exp(c) ** 2 for c in clamp) - 1.0,
+        "verl/rollout_corr/chi2_seq": mean(math.exp(2 * max(-20.0, min(20.0, v))) for v in seq_sum.values()) - 1.0,
+        "verl/rollout_corr/rollout_is_eff_sample_size": 1.0 / mean((x / w_mean) ** 2 for x in w),
+        "trl/sampling/importance_sampling_ratio/mean": mean(trl),
+        "trl/sampling/sampling_logp_difference/max": max(abs(x) for x in lr),
+        "slime/train/tis_clipfrac": per_rollout(lambda a, s: float(math.exp(a - s) > 2.0)),
+        "slime/train/mis_chi2_token": mean(
+            mean(v) - 1.0 for v in by([(r, math.exp(max(-20.0, min(20.0, a - s))) ** 2)
+                                       for r, _, a, s in tokens]).values()),
+        "prime-rl/mismatch_kl/all/max": max(math.exp(x) - x - 1 for x in lr),
+        "openrlhf/train/vllm_kl": mean(s - a for _, _, a, s in tokens),
+    }
+
+
+def test_framework_metrics_equal_the_frameworks_formulas(table) -> None:
+    got = framework_metrics(pair_arrays(table, "train", "sampler"))
+    flat = {f"{framework}/{key}": value for framework, keys in got.items() for key, value in keys.items()}
+    for name, want in transcribed(table).items():
+        assert flat[name] == pytest.approx(want, rel=1e-9), name
+
+
+def test_same_named_metrics_equal_ours_and_the_clamp_is_what_differs(table) -> None:
+    ours = summarize_pairs(table, [("train", "sampler")])["train/sampler"]
+    got = framework_metrics(pair_arrays(table, "train", "sampler"))
+    for metric in FRAMEWORK_METRICS:
+        if metric.ours is not None and not metric.note:
+            assert got[metric.framework][metric.key] == pytest.approx(ours[metric.ours], rel=1e-9), metric.key
+    # A log-ratio of 30 overflows nothing in float64 but verl clamps it at 20: verl's chi2 is smaller.
+    assert got["verl"]["rollout_corr/chi2_token"] < ours["chi2_token"]
+
+
+def test_readme_crosswalk_is_the_table_in_the_code() -> None:
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"<!-- crosswalk -->\n(.*?)<!-- /crosswalk -->", readme, re.S)
+    assert block is not None, "README.md has no crosswalk block"
+    assert block.group(1) == crosswalk_markdown()
+
+
+def crosswalk_markdown() -> str:
+    lines = ["| framework | logged as | mismatch's metric | how it differs |", "|---|---|---|---|"]
+    for row in crosswalk_rows():
+        lines.append(f"| {row['framework']} | `{row['key']}` | {('`' + row['ours'] + '`') if row['ours'] else '—'} "
+                     f"| {row['note'] or 'same number'} |")
+    return "\n".join(lines) + "\n"
