@@ -255,6 +255,12 @@ def token_clip(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.n
     return _clip(t.ratio, low, high)
 
 
+def sequence_clip(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
+    # TRL sequence_truncate with both vllm_importance_sampling_clip_min and _clip_max
+    # (grpo_trainer.py:2579-2619 @f2cd5771: torch.clamp(exp(sum of the completion), min, max)).
+    return _clip(_exp(t.seq_sum), low, high)
+
+
 def token_icepop(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
     # IcePop: zero a token's weight outside [low, high], keep its raw ratio inside.
     # verl rollout_is="token" with rollout_is_threshold "low_high" (compute_rollout_correction_weights);
@@ -389,6 +395,8 @@ MODES: dict[str, ModeSpec] = {
                                    doc="slime geometric TIS: min(exp(mean log_ratio), cap)"),
     "token_clip": ModeSpec(params=("low", "high"), level="token", fn=token_clip,
                            doc="slime TIS / OpenRLHF tis: clip(ratio, low, high)"),
+    "sequence_clip": ModeSpec(params=("low", "high"), per_run=True, level="sequence", fn=sequence_clip,
+                              doc="TRL sequence_truncate with clip_min: clip(exp(sum log_ratio), low, high)"),
     "token_icepop": ModeSpec(params=("low", "high"), level="token", fn=token_icepop,
                              doc="IcePop / MIS: ratio inside [low, high], else 0"),
     "sequence_icepop": ModeSpec(params=("low", "high"), per_run=True, level="sequence", fn=sequence_icepop,
@@ -442,6 +450,7 @@ DEFAULT_CORRECTIONS: tuple[Correction, ...] = (
       for cap in (1.5, 2.0, 3.0, 5.0, 10.0)),
     *(_correction("geometric_truncate", cap=cap) for cap in (1.01, 1.1, 2.0)),
     _correction("token_clip", low=0.5, high=2.0),          # slime mis.yaml bounds
+    _correction("sequence_clip", low=0.5, high=3.0),       # TRL sequence_truncate, clip_min 0.5, clip_max 3
     _correction("token_icepop", low=0.5, high=5.0),        # verl decoupled_token_icepop / OpenRLHF default
     _correction("token_icepop", low=0.125, high=8.0),      # prime-rl token_mask_low/high defaults
     _correction("sequence_icepop", low=0.5, high=2.0),     # verl decoupled_seq_is_rs bounds

@@ -412,7 +412,8 @@ def _trl_equivalent(mode: str, params: dict[str, float]) -> tuple[str | None, fl
     """(TRL mode, clip_min, clip_max) that computes exactly `mode`, or (None, ...) when none does."""
     if mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
         return mode, None, float(params["cap"])
-    exact = {"token_clip": "token_truncate", "token_icepop": "token_mask", "sequence_icepop": "sequence_mask"}
+    exact = {"token_clip": "token_truncate", "sequence_clip": "sequence_truncate", "token_icepop": "token_mask",
+             "sequence_icepop": "sequence_mask"}
     if mode in exact:
         return exact[mode], float(params["low"]), float(params["high"])
     return None, None, None
@@ -448,7 +449,7 @@ def _render_slime(by_kind: dict[str, Recommendation]) -> list[str]:
         else:
             geometric = mode.startswith("geometric") or mode in ("seq_mask_tis", "rs_seq_mean_k1")
             level = "geometric" if geometric else _level(mode)
-            tis_mode = "truncate" if mode.endswith("truncate") else "mask"
+            tis_mode = "truncate" if mode.endswith("truncate") else "clip" if mode.endswith("clip") else "mask"
             flags += ["--use-tis", f"--custom-tis-function-path {_SLIME_MIS}", "--custom-config-path mis.yaml"]
             mis_yaml += ["use_tis: true", "use_rs: false", f"tis_level: {level}", f"tis_mode: {tis_mode}",
                          f"tis_upper_bound: {float(_cap(params))!r}"]

@@ -39,6 +39,8 @@ HAND_CASES = [
     # 0.5 sits exactly on the lower bound: kept, as clamp / >= keep it.
     ("token_clip", {"low": .5, "high": 2.0}, [2, .5, 1.5, 1, .5, 2], [1, 0, 0, 0, 1, 1]),
     ("token_icepop", {"low": .5, "high": 5.0}, [4, .5, 1.5, 1, 0, 0], [0, 0, 0, 0, 1, 1]),
+    # TRL sequence_truncate with clip_min: A and C (sequence ratio 2) clamp to 1.8, B (1.5) is inside.
+    ("sequence_clip", {"low": .5, "high": 1.8}, [1.8, 1.8, 1.5, 1.8, 1.8, 1.8], [1, 1, 0, 1, 1, 1]),
     ("sequence_icepop", {"low": .5, "high": 1.8}, [0, 0, 1.5, 0, 0, 0], [1, 1, 0, 1, 1, 1]),
     ("geometric_icepop", {"low": 1.3, "high": 1.45}, [G2, G2, 0, 0, 0, 0], [0, 0, 1, 1, 1, 1]),
     # OpenRLHF seq-mask-tis: A's geometric ratio passes, so A keeps its raw token ratios 4 and 0.5.

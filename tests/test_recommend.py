@@ -188,6 +188,9 @@ def test_trl_yaml_uses_grpo_config_fields():
             clip.vllm_importance_sampling_clip_max) == ("token_truncate", 0.5, 2.0)
     band = load_trl(render_config(correction("sequence_icepop", low=0.5, high=2.0), "trl"))
     assert band.vllm_importance_sampling_mode == "sequence_mask"
+    two_sided = load_trl(render_config(correction("sequence_clip", low=0.5, high=3.0), "trl"))
+    assert (two_sided.vllm_importance_sampling_mode, two_sided.vllm_importance_sampling_clip_min,
+            two_sided.vllm_importance_sampling_clip_max) == ("sequence_truncate", 0.5, 3.0)
 
 
 def flags(text: str) -> list[str]:
