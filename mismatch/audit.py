@@ -16,6 +16,7 @@ import pandas as pd
 from mismatch import __version__
 from mismatch.alignment import Sampling, check_alignment, replay_processed
 from mismatch.checkpoint import load_tokenizer
+from mismatch.clip import ClipRange, clip_summary
 from mismatch.corrections import summary_corrections
 from mismatch.drift import find_drift
 from mismatch.engines import parse_spec
@@ -48,12 +49,13 @@ class AuditResult:
 def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
           infer: str = "hf-decode", out: str | Path | None = None, force: bool = False,
           localize_models: bool = False, shard: Shard | None = None, block_size: int = DEFAULT_BLOCK,
-          progress: ProgressFactory | None = None) -> AuditResult:
+          progress: ProgressFactory | None = None, clip: ClipRange = ClipRange()) -> AuditResult:
     """Replay `rollouts` through `train` and `infer` engines and measure every pair's gap.
 
     The turn localizer always runs (it reads the table); `localize_models=True` also reruns the
     two configs with hooks for the layer and kernel localizers (train vs infer as reference).
     With `out`, finished blocks are kept in a work dir so the same call resumes after a kill.
+    `clip` is the PPO clip range the gap is also measured against (summary.json `clip`).
     """
     roles = {"train": train, "infer": infer}
     out_dir = Path(out) if out is not None else None
@@ -71,7 +73,7 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
     requests = replayed.plan.requests if localize_models else None
     del replayed  # the rollouts and their requests: from here on only the table is read
     summary = analyze_audit(table, engines=engines, checkpoint=str(checkpoint),
-                            rollouts_file=str(rollouts), drift=drift, alignment=alignment)
+                            rollouts_file=str(rollouts), drift=drift, alignment=alignment, clip=clip)
     summary["shard"] = shard_info(shard, block_size)
     if requests is not None:
         summary["localization"].update(run_model_localizers(checkpoint, requests, a=train, b=infer))
@@ -82,7 +84,7 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
 
 def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
                   rollouts_file: str, drift: dict[str, Any] | None = None,
-                  alignment: dict[str, Any] | None = None) -> dict[str, Any]:
+                  alignment: dict[str, Any] | None = None, clip: ClipRange = ClipRange()) -> dict[str, Any]:
     """Everything an audit's summary.json says that follows from the token table (and the
     render-drift findings, which need the rollouts' messages and are passed in). `alignment` is
     the check_alignment result when the caller already has it (it reads the same columns)."""
@@ -94,6 +96,7 @@ def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
         table, sampler_meta=engines["sampler"].get("meta"))
     summary["trees"] = tree_summary(table, pairs)
     summary["framework_metrics"] = {f"{a}/{b}": framework_metrics(pair_arrays(table, a, b)) for a, b in pairs}
+    summary["clip"] = clip_summary(view, pairs, clip)
     summary["localization"]["turns"] = localize_turns(view, "train", "sampler")
     if drift is not None:
         summary["drift"] = drift

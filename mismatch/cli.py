@@ -81,6 +81,11 @@ def print_pairs(summary: dict[str, Any]) -> None:
     for name in KEY_METRICS:
         table.add_row(name, *(_fmt(metrics.get(name)) for metrics in pairs.values()))
     out_console.print(table)
+    from mismatch.clip import clip_sentence
+
+    if sentence := clip_sentence(summary):  # the question behind the table: is my ratio OK?
+        out_console.print(sentence[:1].upper() + sentence[1:] + ".", markup=False, highlight=False,
+                          soft_wrap=True)
     for pair, verdict in summary.get("verdicts", {}).items():
         out_console.print(f"{pair} ({verdict['meaning']}): {verdict['level']}: {verdict['text']}",
                           markup=False, highlight=False, soft_wrap=True)
@@ -119,17 +124,21 @@ def audit(
         "--localize", help="Also localize train vs infer by layer and kernel (torch engines).")] = False,
     shard: ShardOption = None,
     block_size: BlockOption = DEFAULT_BLOCK,
+    clip_eps: Annotated[str, typer.Option(
+        "--clip-eps", help="PPO clip range to measure the gap against: EPS or EPS_LOW,EPS_HIGH.")] = "0.2",
     as_json: JsonFlag = False,
 ) -> None:
     """Replay stored rollouts through a trainer and an engine; write tokens.parquet + summary.json.
 
     Rerunning the same command after an interruption resumes from the finished blocks."""
     from mismatch.audit import audit as run_audit
+    from mismatch.clip import ClipRange
 
+    clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
     with replay_progress(not as_json) as progress:
         result = run_audit(checkpoint, rollouts, train=train, infer=infer, out=out, force=force,
                            localize_models=localize, shard=_shard(shard), block_size=block_size,
-                           progress=progress)
+                           progress=progress, clip=clip)
     if as_json:
         _emit_json(result.summary)
         return

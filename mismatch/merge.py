@@ -13,6 +13,7 @@ from typing import Any
 import pandas as pd
 
 from mismatch.audit import analyze_audit, audit_pairs, publish
+from mismatch.clip import ClipRange
 from mismatch.diff import DIFF_PAIRS, analyze_diff
 from mismatch.errors import ResultsError
 from mismatch.results import check_out_dir, read_summary, read_tokens
@@ -41,7 +42,9 @@ def merge(dirs: Sequence[str | Path], out: str | Path, *, force: bool = False) -
         if any("drift" in s for s in summaries):
             spans = [span for s in summaries for span in (s.get("drift") or {}).get("spans", [])]
             drift = {"spans": spans, "merged_from_shards": True}
-        summary, pairs = analyze_audit(table, **common, drift=drift), audit_pairs(table)
+        clip = first.get("clip") or {}  # the shards' clip range (one run's, as every shard had it)
+        clip_range = ClipRange(low=clip.get("eps_low", 0.2), high=clip.get("eps_high", 0.2))
+        summary, pairs = analyze_audit(table, **common, drift=drift, clip=clip_range), audit_pairs(table)
     else:
         summary, pairs = analyze_diff(table, **common), DIFF_PAIRS
     summary["shard"] = {"index": 0, "count": 1, "block_size": first["shard"]["block_size"],

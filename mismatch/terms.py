@@ -52,6 +52,12 @@ def outside(ratio_values: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     return np.logical_or(ratio_values > OUTSIDE_FACTOR, ratio_values < 1.0 / OUTSIDE_FACTOR, out=out)
 
 
+def outside_clip(ratio_values: np.ndarray, eps_low: float, eps_high: float,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """ratio < 1 - eps_low or ratio > 1 + eps_high (bool): outside PPO's clip range."""
+    return np.logical_or(ratio_values < 1.0 - eps_low, ratio_values > 1.0 + eps_high, out=out)
+
+
 def prob_abs_diff(logp_a: np.ndarray, logp_b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """|pi_A - pi_B| of the token."""
     with np.errstate(over="ignore", invalid="ignore"):

@@ -105,8 +105,17 @@ def audit_banner(summary: dict[str, Any]) -> Banner:
     uncorrectable = any((r.get("params") or {}).get("meets_rule") is False for r in corrections)
     numbers = key_numbers(metrics)
     details = []
+    clip = (summary.get("clip") or {})
+    if pair and (clip.get("pairs") or {}).get(pair) is not None and clip.get("range"):
+        # The first line answers "is my ratio OK?" in the user's own clip range.
+        low, high = clip["range"]
+        details.append(f"Mismatch alone takes {clip['pairs'][pair]:.2%} of {pair} tokens out of the "
+                       f"PPO clip range [{low:g}, {high:g}].")
+        numbers.insert(0, (f"outside clip [{low:g}, {high:g}]", clip["pairs"][pair], "pct"))
+    verdict_line = None
     if verdict and verdict.get("text"):
-        details.append(f"{pair} ({verdict.get('meaning', 'log-ratio')}): {_sentence(verdict['text'])}.")
+        verdict_line = f"{pair} ({verdict.get('meaning', 'log-ratio')}): {_sentence(verdict['text'])}."
+        details.append(verdict_line)
     if bugs or (fixes and (level == "large" or uncorrectable or not corrections)):
         first = bugs or fixes
         headline = "Fix at the source: " + "; ".join(describe(r) for r in first)
@@ -131,7 +140,7 @@ def audit_banner(summary: dict[str, Any]) -> Banner:
         status, label = level, f"{level.upper()} GAP"
     else:
         status, label = "unknown", "NOT JUDGED"
-    details = details[1:]  # the verdict sentence is the headline itself
+    details = [line for line in details if line != verdict_line]  # the verdict is the headline itself
     if pair:
         details.append(f"On {pair} ({verdict.get('meaning', 'its log-ratio')}), trainable tokens.")
     if not recs and level not in HEALTHY_LEVELS:

@@ -1,0 +1,83 @@
+"""The gap against the PPO clip range the user trains with: the share of tokens whose ratio the
+mismatch alone pushes out of [1 - eps_low, 1 + eps_high], per pair, turn and branch kind.
+
+Flow: TokenView + the audit pairs + ClipRange -> summary.json["clip"] -> verdict line, report banner.
+On-policy the PPO ratio would be exactly 1; every token the mismatch moves past the clip bound
+gets no gradient from the clipped side of the objective, whatever its advantage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mismatch import terms
+from mismatch.errors import MismatchError
+from mismatch.metrics import pair_tokens
+from mismatch.tokenview import TokenView
+
+BREAKDOWNS = {"turn": "turns", "branch_kind": "branch_kinds"}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ClipRange:
+    """PPO's clip: ratios in [1 - low, 1 + high] are inside (DAPO-style clip-higher: high > low)."""
+
+    low: float = 0.2
+    high: float = 0.2
+
+    @classmethod
+    def parse(cls, text: str) -> ClipRange:
+        """"0.2" (symmetric) or "0.2,0.28" (eps_low, eps_high)."""
+        parts = [part.strip() for part in text.split(",")]
+        try:
+            values = [float(part) for part in parts]
+        except ValueError:
+            values = []
+        if len(values) not in (1, 2) or not all(0 < v < 1 for v in values):
+            raise MismatchError(f"--clip-eps {text!r}: expected EPS or EPS_LOW,EPS_HIGH, each in (0, 1), "
+                                "e.g. 0.2 or 0.2,0.28")
+        return cls(low=values[0], high=values[-1])
+
+    def describe(self) -> str:
+        return f"[{1 - self.low:g}, {1 + self.high:g}]"
+
+
+def clip_summary(view: TokenView, pairs: Sequence[tuple[str, str]], clip: ClipRange) -> dict[str, Any]:
+    """summary.json["clip"]: the clip range and, per pair, the share of tokens outside it overall,
+    by turn and by branch kind."""
+    out: dict[str, Any] = {"eps_low": clip.low, "eps_high": clip.high, "range": [1 - clip.low, 1 + clip.high],
+                           "pairs": {}, **{key: {} for key in BREAKDOWNS.values()}}
+    for a, b in pairs:
+        name = f"{a}/{b}"
+        pair = pair_tokens(view, f"logp_{a}", f"logp_{b}")
+        flags = terms.outside_clip(pair.ratio, clip.low, clip.high)
+        out["pairs"][name] = float(flags.mean()) if len(flags) else None
+        for by, key in BREAKDOWNS.items():
+            if pair.view.has(by):
+                out[key][name] = _by(pair.view, flags, by)
+    return out
+
+
+def _by(view: TokenView, flags: np.ndarray, by: str) -> list[dict[str, Any]]:
+    runs, grouping = view.grouping([by])
+    hits = grouping.sum(runs.sum(flags, dtype=np.int64))
+    counts = grouping.count(runs)
+    keys = grouping.keys[by].tolist()
+    return [{by: key, "n_tokens": int(n), "frac_outside_clip": float(hit / n) if n else None}
+            for key, n, hit in zip(keys, counts, hits)]
+
+
+def clip_sentence(summary: dict[str, Any], pair: str = "train/sampler") -> str | None:
+    """"mismatch alone takes 0.30% of train/sampler tokens out of the clip range [0.8, 1.2]"."""
+    clip = summary.get("clip") or {}
+    frac = (clip.get("pairs") or {}).get(pair)
+    if frac is None or not clip.get("range"):
+        return None
+    low, high = clip["range"]
+    return (f"mismatch alone takes {frac:.2%} of {pair} tokens out of the clip range "
+            f"[{low:g}, {high:g}]")
+
