@@ -180,7 +180,8 @@ def page_body(summary: dict[str, Any], tokens: pd.DataFrame, *, tokenizer_path: 
     top = banner(summary)
     nav = [("verdict", "Verdict"), ("gaps", "Gaps"), ("diff", "A vs B"), ("distribution", "Distribution"),
            ("where", "Where"), ("localization", "Localization"),
-           ("findings", "Findings"), ("corrections", "Corrections"), ("worst", "Worst rollouts")]
+           ("findings", "Findings"), ("corrections", "Corrections"), ("frameworks", "Frameworks"),
+           ("worst", "Worst rollouts")]
     body = [
         sections.banner_html(top),
         sections.context_line(summary),
@@ -191,6 +192,7 @@ def page_body(summary: dict[str, Any], tokens: pd.DataFrame, *, tokenizer_path: 
         sections.localization_section(summary, figs),
         sections.findings_section(summary),
         sections.corrections_section(summary),
+        sections.frameworks_section(summary),
         sections.worst_section(worst),
         sections.absent_line(summary),
         sections.footer(summary),

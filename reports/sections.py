@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from reports.aggregate import pair_roles
-from reports.banner import Banner, describe, recommendation_action
+from reports.banner import Banner, describe, focus_pair, recommendation_action
 from reports.figures import LEVEL_COLORS
 from reports.html import Html, el, join, num, pct
 
@@ -444,6 +444,24 @@ def corrections_section(summary: dict[str, Any]) -> Html | None:
 
 
 # --- diff ----------------------------------------------------------------------------------------
+
+def frameworks_section(summary: dict[str, Any]) -> Html | None:
+    """The focus pair under each framework's own metric names (summary.json framework_metrics), with
+    the crosswalk: our metric when it is the same number, and how it differs when it is not."""
+    from mismatch.framework_metrics import crosswalk_rows
+
+    by_pair = summary.get("framework_metrics") if isinstance(summary.get("framework_metrics"), dict) else {}
+    pair = focus_pair(summary)
+    values = by_pair.get(pair) if isinstance(by_pair.get(pair), dict) else None
+    if not values:
+        return None
+    records = [{"framework": row["framework"], "logged as": row["key"],
+                "value": (values.get(row["framework"]) or {}).get(row["key"]),
+                "mismatch's metric": row["ours"] or "–", "how it differs": row["note"] or "same number"}
+               for row in crosswalk_rows()]
+    return section("frameworks", "Under your framework's names", records_table(records, limit=len(records)),
+                   lead=f"{pair}, as verl, TRL, slime, prime-rl and OpenRLHF log it, computed their way.")
+
 
 def diff_section(summary: dict[str, Any], texts: dict[str, str] | None) -> Html | None:
     diff = summary.get("diff")

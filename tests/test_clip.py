@@ -63,3 +63,7 @@ def test_the_audit_says_it_first_in_the_cli_and_the_report(tmp_path: Path, capsy
     banner = audit_banner(summary)
     assert banner.details[0].startswith(f"Mismatch alone takes {frac:.2%} of train/sampler tokens")
     assert banner.numbers[0] == ("outside clip [0.99, 1.02]", frac, "pct")
+    page = (out / "index.html").read_text()
+    assert f"Mismatch alone takes {frac:.2%} of train/sampler tokens" in page
+    # The framework-named metrics in the report too, with the crosswalk.
+    assert 'id="frameworks"' in page and "rollout_corr/k3_kl" in page and "mismatch_kl/all/mean" in page

@@ -297,3 +297,27 @@ def test_end_to_end_from_a_token_table_every_snippet_parses():
         elif framework in ("slime", "openrlhf"):
             words = flags(text)
             assert words[0].startswith("--") and str(chosen.params["cap"]) in words
+
+
+def test_a_planted_off_by_one_gets_only_the_alignment_fix(tmp_path) -> None:
+    """End to end: the golden fixture with every stored sampler log-prob moved one token left."""
+    import json
+
+    import mismatch
+    from test_golden import GOLDEN, stored_checkpoint
+
+    lines = []
+    for line in (GOLDEN / "rollouts.jsonl").read_text().splitlines():
+        rollout = json.loads(line)
+        for branch in rollout["branches"]:
+            for segment in branch["segments"]:
+                if segment.get("logprobs"):  # stored[i] is now the log-prob of token i + 1
+                    segment["logprobs"] = segment["logprobs"][1:] + segment["logprobs"][-1:]
+        lines.append(json.dumps(rollout))
+    shifted = tmp_path / "shifted.jsonl"
+    shifted.write_text("\n".join(lines) + "\n")
+    result = mismatch.audit(stored_checkpoint(tmp_path / "ckpt"), shifted, train="stored:trainer",
+                            infer="stored:engine")
+    assert result.summary["alignment"]["shift"] == 1
+    assert [r["kind"] for r in result.summary["recommendations"]] == ["fix_alignment"]
+    assert "rollout_correction" not in result.summary["config_snippets"]["verl"]
