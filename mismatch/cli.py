@@ -31,11 +31,24 @@ KEY_METRICS = ("n_tokens", "log_ratio_abs_mean", "log_ratio_abs_max", "kl_k3", "
                "ess", "ratio_p01", "ratio_p999", "bitwise_equal_frac")
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")]
+FrameworkOption = Annotated[Optional[str], typer.Option(
+    "--for", help="Your trainer: verl, trl, slime, prime-rl or openrlhf (default: $MISMATCH_FRAMEWORK).")]
 ShardOption = Annotated[Optional[str], typer.Option(
     "--shard", help="Replay only shard I of N (I/N, 0-based); combine with `mismatch merge`.")]
 BlockOption = Annotated[int, typer.Option(
     "--block-size", min=1, help="Rollouts per unit of work (resume, shards, batching).")]
 DEFAULT_BLOCK = 64  # mismatch.replay.DEFAULT_BLOCK, repeated so --help needs no heavy import
+
+
+def _framework(name: str | None) -> str | None:
+    """--for, else $MISMATCH_FRAMEWORK; checked before any work."""
+    from mismatch.recommend import FRAMEWORKS
+
+    name = name or os.environ.get("MISMATCH_FRAMEWORK") or None
+    if name is not None and name not in FRAMEWORKS:
+        source = "--for" if name != os.environ.get("MISMATCH_FRAMEWORK") else "MISMATCH_FRAMEWORK"
+        raise MismatchError(f"{source}: unknown framework {name!r} (valid: {', '.join(FRAMEWORKS)})")
+    return name
 
 
 def _shard(text: str | None):
@@ -71,8 +84,9 @@ def replay_progress(enabled: bool) -> Iterator[Any]:
             progress.stop()
 
 
-def print_pairs(summary: dict[str, Any]) -> None:
-    """Metrics as rows, pairs as columns: fits 80 columns for the three pairs of an audit."""
+def print_pairs(summary: dict[str, Any], framework: str | None = None) -> None:
+    """Metrics as rows, pairs as columns: fits 80 columns for the three pairs of an audit. With a
+    framework, its own metric names and values (summary.json framework_metrics) as well."""
     table = _table(title="log(pi_A / pi_B) over trainable tokens", title_justify="left")
     table.add_column("metric")
     pairs = summary["pairs"]
@@ -81,6 +95,16 @@ def print_pairs(summary: dict[str, Any]) -> None:
     for name in KEY_METRICS:
         table.add_row(name, *(_fmt(metrics.get(name)) for metrics in pairs.values()))
     out_console.print(table)
+    named = {pair: (block or {}).get(framework) or {} for pair, block in
+             (summary.get("framework_metrics") or {}).items()} if framework else {}
+    if any(named.values()):
+        table = _table(title=f"as {framework} logs it (computed its way)", title_justify="left")
+        table.add_column("key")
+        for pair in named:
+            table.add_column(pair, justify="right")
+        for key in dict.fromkeys(k for values in named.values() for k in values):
+            table.add_row(key, *(_fmt(values.get(key)) for values in named.values()))
+        out_console.print(table)
     from mismatch.clip import clip_sentence
 
     if sentence := clip_sentence(summary):  # the question behind the table: is my ratio OK?
@@ -126,6 +150,7 @@ def audit(
     block_size: BlockOption = DEFAULT_BLOCK,
     clip_eps: Annotated[str, typer.Option(
         "--clip-eps", help="PPO clip range to measure the gap against: EPS or EPS_LOW,EPS_HIGH.")] = "0.2",
+    framework: FrameworkOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Replay stored rollouts through a trainer and an engine; write tokens.parquet + summary.json.
@@ -135,6 +160,7 @@ def audit(
     from mismatch.clip import ClipRange
 
     clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
+    framework = _framework(framework)
     with replay_progress(not as_json) as progress:
         result = run_audit(checkpoint, rollouts, train=train, infer=infer, out=out, force=force,
                            localize_models=localize, shard=_shard(shard), block_size=block_size,
@@ -142,7 +168,7 @@ def audit(
     if as_json:
         _emit_json(result.summary)
         return
-    print_pairs(result.summary)
+    print_pairs(result.summary, framework)
     out_console.print(f"wrote {out}/")
 
 
@@ -220,14 +246,14 @@ def report(
 @app.command()
 def recommend(
     results: Annotated[Path, typer.Argument(help="Results directory of an audit.")],
-    framework: Annotated[Optional[str], typer.Option(
-        "--for", help="Print a config snippet for verl, trl, slime, prime-rl or openrlhf.")] = None,
+    framework: FrameworkOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """The correction (and fixes at the source) the measured gap calls for, with a config snippet."""
     from mismatch.recommend import render_config
     from mismatch.results import read_summary
 
+    framework = _framework(framework)
     summary = read_summary(results)
     recommendations = summary.get("recommendations") or []
     snippet = render_config(recommendations, framework) if framework else None

@@ -67,3 +67,18 @@ def test_the_audit_says_it_first_in_the_cli_and_the_report(tmp_path: Path, capsy
     assert f"Mismatch alone takes {frac:.2%} of train/sampler tokens" in page
     # The framework-named metrics in the report too, with the crosswalk.
     assert 'id="frameworks"' in page and "rollout_corr/k3_kl" in page and "mismatch_kl/all/mean" in page
+
+
+def test_the_audit_table_speaks_the_users_framework(tmp_path: Path, capsys, monkeypatch) -> None:
+    checkpoint = stored_checkpoint(tmp_path / "ckpt")
+    args = ["audit", str(checkpoint), "--rollouts", str(GOLDEN / "rollouts.jsonl"), "--train", "stored:trainer",
+            "--infer", "stored:engine"]
+    monkeypatch.setenv("MISMATCH_FRAMEWORK", "verl")  # the default when --for is not given
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    k3 = summary["framework_metrics"]["train/sampler"]["verl"]["rollout_corr/k3_kl"]
+    assert "as verl logs it" in out and "rollout_corr/k3_kl" in out and f"{k3:.4g}" in out
+    assert main([*args, "--out", str(tmp_path / "b"), "--for", "deepspeed"]) == 2
+    assert capsys.readouterr().err.startswith("mismatch: error: --for: unknown framework 'deepspeed'")
+    assert not (tmp_path / "b").exists()
