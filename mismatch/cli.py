@@ -264,7 +264,8 @@ def recommend(
         sys.stdout.write(snippet)
         return
     for item in recommendations:
-        out_console.print(f"{item['kind']} {json.dumps(item['params'])}: {item['why']}",
+        cost = f" Cost: {item['cost']}." if item.get("cost") else ""
+        out_console.print(f"{item['kind']} {json.dumps(item['params'])}: {item['why']}.{cost}",
                           markup=False, highlight=False)
 
 

@@ -37,14 +37,31 @@ FRAMEWORKS = ("verl", "trl", "slime", "prime-rl", "openrlhf")
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Recommendation:
-    """One item of summary.json["recommendations"] (contract: kind, params, why)."""
+    """One item of summary.json["recommendations"] (contract: kind, params, why; plus its cost)."""
 
     kind: str
     params: dict[str, Any] = field(default_factory=dict)
     why: str
+    cost: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.cost:  # what the fix costs to run: the other half of choosing it
+            object.__setattr__(self, "cost", COSTS.get(self.kind, ""))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "params": dict(self.params), "why": self.why}
+        return {"kind": self.kind, "params": dict(self.params), "why": self.why, "cost": self.cost}
+
+
+COSTS = {
+    "no_correction": "none",
+    "fix_alignment": "an exporter fix; nothing at run time",
+    "fix_renderer": "a harness or chat-template fix; nothing at run time",
+    "correction": "a few element-wise operations per token in the loss; no extra pass",
+    "recompute_old_logprobs": "one extra forward pass (no backward) over every token of each batch",
+    "fp16": "loss scaling in the trainer, and weights within float16's range; memory as bf16",
+    "batch_invariant": "inference throughput (reported 10-60% for bitwise modes)",
+    "raw_logprobs": "none: an engine setting",
+}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -290,7 +307,8 @@ def render_config(recommendations: Iterable[Recommendation | dict[str, Any]], fr
     recs = [r if isinstance(r, Recommendation) else Recommendation(**r) for r in recommendations]
     by_kind = {r.kind: r for r in recs}
     lines = [f"# mismatch recommend --for {framework}"]
-    lines += [f"# {rec.kind}: {rec.why}" for rec in recs]
+    lines += [f"# {rec.kind}: {rec.why} (cost: {rec.cost})" if rec.cost else f"# {rec.kind}: {rec.why}"
+              for rec in recs]
     correction = by_kind.get("correction")
     if correction is not None and correction.params.get("mode") in PROB_GAP_MODES and framework != "prime-rl":
         lines.append(f"# {framework} has no mask by probability gap ({correction.params['mode']}): "

@@ -321,3 +321,16 @@ def test_a_planted_off_by_one_gets_only_the_alignment_fix(tmp_path) -> None:
     assert result.summary["alignment"]["shift"] == 1
     assert [r["kind"] for r in result.summary["recommendations"]] == ["fix_alignment"]
     assert "rollout_correction" not in result.summary["config_snippets"]["verl"]
+
+
+def test_every_recommendation_says_what_it_costs():
+    from mismatch.recommend import COSTS
+
+    probes = [{"source": "batch_size", "applicable": True, "bitwise_equal_frac": 0.97}]
+    bf16 = summary(LARGE, corrections=TOKEN_CAPS)
+    bf16["engines"]["sampler"]["meta"]["dtype"] = "bfloat16"
+    recs = recommend(bf16, probes=probes, drift={"spans": [{}]}, alignment={"logprob_semantics": "processed"})
+    assert {r.kind for r in recs} == {"fix_renderer", "correction", "recompute_old_logprobs", "fp16",
+                                      "batch_invariant", "raw_logprobs"}
+    assert all(r.cost == COSTS[r.kind] and r.to_dict()["cost"] for r in recs)
+    assert "(cost: one extra forward pass" in render_config(recs, "verl")
