@@ -327,6 +327,15 @@ def dppo_negative(t: _Tokens, *, low: float) -> tuple[np.ndarray, np.ndarray]:
     return np.where(masked, 0.0, t.ratio), masked
 
 
+def veto_mask(t: _Tokens, *, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    # slime MIS rs_veto_threshold (examples/train_infer_mismatch_helper/mis.py:90-96 @624b824a): a
+    # sequence holding any token with ratio < threshold (a "catastrophic" token) is rejected whole;
+    # rejection semantics like verl's rollout_rs: weight 1 kept, 0 rejected.
+    seq_min, _ = t.seq_ratio_range()
+    vetoed = seq_min < threshold
+    return np.where(vetoed, 0.0, 1.0), vetoed
+
+
 # --- per-rollout modes (agentic: a rollout is many branches) ---
 
 def rollout_clip(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
@@ -416,6 +425,8 @@ MODES: dict[str, ModeSpec] = {
     "dppo_negative": ModeSpec(params=("low",), level="token", fn=dppo_negative,
                               doc="prime-rl DPPO on negative-advantage samples: ratio, or 0 where "
                                   "p_train - p_sampler < -low"),
+    "veto_mask": ModeSpec(params=("threshold",), per_run=True, level="sequence", fn=veto_mask,
+                          doc="slime rs_veto_threshold: reject a sequence with any ratio below threshold"),
     "rollout_clip": ModeSpec(params=("low", "high"), per_run=True, level="rollout", fn=rollout_clip,
                              doc="clip(exp(sum over the rollout), low, high)"),
     "rollout_balanced_truncate": ModeSpec(params=("cap",), level="rollout", fn=rollout_balanced_truncate,
@@ -470,6 +481,7 @@ DEFAULT_CORRECTIONS: tuple[Correction, ...] = (
     *(_correction("ipo_mask", threshold=threshold) for threshold in (0.05, 0.1, 0.2)),  # prime-rl: 0.1
     _correction("dppo_positive", high=0.2),                # prime-rl dppo_mask_high default
     _correction("dppo_negative", low=0.2),                 # prime-rl dppo_mask_low default
+    _correction("veto_mask", threshold=1e-4),              # slime mis.yaml rs_veto_threshold
 )
 
 

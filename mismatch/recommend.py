@@ -310,9 +310,14 @@ def render_config(recommendations: Iterable[Recommendation | dict[str, Any]], fr
     lines += [f"# {rec.kind}: {rec.why} (cost: {rec.cost})" if rec.cost else f"# {rec.kind}: {rec.why}"
               for rec in recs]
     correction = by_kind.get("correction")
-    if correction is not None and correction.params.get("mode") in PROB_GAP_MODES and framework != "prime-rl":
-        lines.append(f"# {framework} has no mask by probability gap ({correction.params['mode']}): "
-                     "nothing to set for it")
+    mode = correction.params.get("mode") if correction is not None else None
+    if mode in PROB_GAP_MODES and framework != "prime-rl":
+        lines.append(f"# {framework} has no mask by probability gap ({mode}): nothing to set for it")
+        del by_kind["correction"]
+    elif mode == "veto_mask":
+        lines.append(f"# veto_mask: slime only, as rs_veto_threshold: {correction.params['threshold']!r} (with "
+                     "use_rs: true) in its MIS config, beside the TIS settings you use"
+                     if framework == "slime" else f"# {framework} has no sequence veto (veto_mask): nothing to set")
         del by_kind["correction"]
     lines += renderer(by_kind)
     return "\n".join(_wrapped(lines)) + "\n"

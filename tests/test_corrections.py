@@ -73,6 +73,8 @@ HAND_CASES = [
     ("rs_seq_max_k2", {"high": 1.0}, [1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1]),
     # max of k3: A 1.614, B 0.095, C 4.921
     ("rs_seq_max_k3", {"high": 1.5}, [0, 0, 1, 0, 0, 0], [1, 1, 0, 1, 1, 1]),
+    # slime's veto: C holds a ratio 0.25 < 0.3, so C is rejected whole; A and B are kept (weight 1).
+    ("veto_mask", {"threshold": .3}, [1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1]),
     # prime-rl IPO: |gap| > 0.25 masks A0 (0.3), A1 (-0.3), C1 (-0.6), C2 (0.35); kept tokens keep their ratio.
     ("ipo_mask", {"threshold": .25}, [0, 0, 1.5, 1, 0, 0], [1, 1, 0, 0, 1, 1]),
     # prime-rl DPPO, positive advantage: gap > 0.25 masks A0 and C2.
