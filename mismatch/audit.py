@@ -19,7 +19,7 @@ from mismatch.checkpoint import load_tokenizer
 from mismatch.clip import ClipRange, clip_summary
 from mismatch.corrections import summary_corrections
 from mismatch.drift import find_drift
-from mismatch.engines import parse_spec
+from mismatch.engines import check_spec, parse_spec
 from mismatch.framework_metrics import framework_metrics, pair_arrays
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import localize_turns
@@ -114,6 +114,8 @@ def replay_for_results(checkpoint: str | Path, rollouts: str | Path, roles: dict
     work = None
     if out is not None:
         check_out_dir(out, force=force)
+    for text in roles.values():  # a bad spec leaves no work dir behind (and costs no replay)
+        check_spec(text)
     # A missing checkpoint or rollouts file gets its own one-line error from replay_roles.
     if out is not None and Path(checkpoint).is_dir() and Path(rollouts).is_file():
         # The weights' files, not the directory: rewriting a file in place leaves a dir's mtime alone.

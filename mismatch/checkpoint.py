@@ -13,6 +13,17 @@ from pathlib import Path
 from mismatch.errors import CheckpointError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# What users type for them (torch's and vLLM's short names).
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def normalize_dtype(name: str) -> str:
+    """A `dtype=` option as one of DTYPES (aliases resolved); anything else is a CheckpointError."""
+    resolved = DTYPE_ALIASES.get(name, name)
+    if resolved not in DTYPES:
+        raise CheckpointError(f"unknown dtype {name!r} (expected one of: {', '.join(DTYPES)}; "
+                              f"or {', '.join(DTYPE_ALIASES)})")
+    return resolved
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -70,8 +81,7 @@ def torch_dtype(name: str, info: CheckpointInfo):
     """Map an engine's `dtype=` option to a torch dtype; `auto` keeps the saved dtype."""
     import torch
 
-    if name not in DTYPES:
-        raise CheckpointError(f"unknown dtype {name!r} (expected one of: {', '.join(DTYPES)})")
+    name = normalize_dtype(name)
     resolved = info.dtype if name == "auto" else name
     dtype = getattr(torch, resolved, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # only `auto` gets here

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.checkpoint import checkpoint_info
-from mismatch.engines import Engine, EngineSpec, ProgressFn, ReplayRequest, load_engine, parse_spec
+from mismatch.engines import Engine, EngineSpec, ProgressFn, ReplayRequest, check_spec, load_engine
 from mismatch.errors import MismatchError, SpecError
 from mismatch.results import WorkDir
 from mismatch.rollouts import Rollout, Segment, context_tokens, load_rollouts
@@ -194,7 +194,9 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
     With `work`, each (role, block) result is saved as it finishes and reused on a rerun.
     """
     info = checkpoint_info(checkpoint)
-    specs = {role: parse_spec(text) for role, text in roles.items()}
+    # Every spec checked in full (options, values, dtype) before the rollouts are read and before
+    # the first replay: a typo in the second engine's spec must not cost the first one's replay.
+    specs = {role: check_spec(text) for role, text in roles.items()}
     loaded = load_rollouts(rollouts, vocab_size=info.vocab_size)
     indices = [i for i in range(len(loaded)) if shard is None or shard.takes(i // block_size)]
     if not indices:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -126,3 +128,33 @@ def test_score_from_zero_gives_nan_first(tiny_checkpoint) -> None:
         logp = load_engine(spec, str(tiny_checkpoint)).replay([request])[0]
         assert logp.shape == (4,) and np.isnan(logp[0]) and np.all(np.isfinite(logp[1:]))
         assert np.all(logp[1:] <= 0)
+
+
+def test_every_spec_is_checked_before_any_replay(tiny_checkpoint, tmp_path, capsys) -> None:
+    """A typo in the second engine's spec: one line, exit 2, no model loaded, no work dir left."""
+    import time
+
+    from mismatch.cli import main
+
+    rollouts = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
+    cases = {"vllm:dtyp=bfloat16": "engine 'vllm': unknown option 'dtyp' (valid: ",
+             "hf-decode:dtype=bf17": "engine 'hf-decode': unknown dtype 'bf17' (expected one of: ",
+             "hf:batch_tokens=many": "engine 'hf': option batch_tokens='many' is not a valid int",
+             "hff": "unknown engine 'hff' in spec 'hff' (known: "}
+    for spec, message in cases.items():
+        started = time.perf_counter()
+        code = main(["audit", str(tiny_checkpoint), "--rollouts", str(rollouts), "--out", str(tmp_path / "x"),
+                     "--infer", spec])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith(f"mismatch: error: {message}") and err.count("\n") == 1, err
+        assert time.perf_counter() - started < 10
+        assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither results nor a work dir
+
+
+def test_dtype_aliases_are_the_dtypes_they_name() -> None:
+    from mismatch.checkpoint import normalize_dtype
+    from mismatch.engines import check_spec
+
+    assert [normalize_dtype(d) for d in ("bf16", "fp16", "half", "fp32", "float", "auto")] == [
+        "bfloat16", "float16", "float16", "float32", "float32", "auto"]
+    assert check_spec("hf-decode:dtype=bf16").options == {"dtype": "bf16"}

@@ -59,19 +59,43 @@ def engine_kinds() -> tuple[str, ...]:
     return tuple(_BACKENDS)
 
 
-def load_engine(spec: str | EngineSpec, checkpoint: str) -> Engine:
-    """Build the engine a spec names; every spec accepts `checkpoint=PATH` to replay other weights."""
+def check_spec(spec: str | EngineSpec) -> EngineSpec:
+    """Every problem of a spec that shows without loading a model (unknown engine, unknown option,
+    a value of the wrong type, an unknown dtype), so a typo costs nothing: every command checks
+    all its specs before its first replay. Returns the parsed spec."""
+    from mismatch.checkpoint import normalize_dtype
+    from mismatch.engines.spec import options_from
+    from mismatch.errors import CheckpointError
+
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
-    if parsed.kind == "stored":
-        raise SpecError(f"{parsed.text!r} names stored log-probs, not an engine to run")
+    if parsed.kind in ("stored", "python"):  # a python: engine's options are its factory's to check
+        return parsed
+    backend = _backend(parsed)
+    options = options_from(backend.options_cls, parsed)
+    if hasattr(options, "dtype"):
+        try:
+            normalize_dtype(options.dtype)
+        except CheckpointError as exc:
+            raise SpecError(f"engine {parsed.kind!r}: {exc}") from None
+    return parsed
+
+
+def _backend(parsed: EngineSpec) -> Any:
     target = _BACKENDS.get(parsed.kind)
     if target is None:
         raise SpecError(f"unknown engine {parsed.kind!r} in spec {parsed.text!r} "
                         f"(known: {', '.join(_BACKENDS)})")
     module_name, _, class_name = target.partition(":")
-    backend = getattr(importlib.import_module(module_name), class_name)
-    return backend.from_spec(parsed, checkpoint)
+    return getattr(importlib.import_module(module_name), class_name)
 
 
-__all__ = ["Engine", "EngineSpec", "ProgressFn", "ReplayRequest", "engine_kinds", "load_engine",
+def load_engine(spec: str | EngineSpec, checkpoint: str) -> Engine:
+    """Build the engine a spec names; every spec accepts `checkpoint=PATH` to replay other weights."""
+    parsed = parse_spec(spec) if isinstance(spec, str) else spec
+    if parsed.kind == "stored":
+        raise SpecError(f"{parsed.text!r} names stored log-probs, not an engine to run")
+    return _backend(parsed).from_spec(parsed, checkpoint)
+
+
+__all__ = ["Engine", "EngineSpec", "ProgressFn", "ReplayRequest", "check_spec", "engine_kinds", "load_engine",
            "parse_spec"]

@@ -47,6 +47,7 @@ class HTTPOptions:
 
 class HTTPEngine:
     kind = "http"
+    options_cls = HTTPOptions
 
     def __init__(self, options: HTTPOptions, checkpoint: str, spec_text: str) -> None:
         if not options.url:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mismatch.checkpoint import checkpoint_info
+from mismatch.checkpoint import checkpoint_info, normalize_dtype
 from mismatch.engines import ProgressFn, ReplayRequest
 from mismatch.engines.spec import EngineSpec, options_from
 from mismatch.errors import MismatchError, SpecError
@@ -91,6 +91,7 @@ def engine_args(options: VLLMOptions, checkpoint: str) -> dict[str, Any]:
     if args["enforce_eager"] is None and current_platform.is_cpu():
         args["enforce_eager"] = True
     args = {key: value for key, value in args.items() if value is not None}
+    args["dtype"] = normalize_dtype(args["dtype"])  # bf16 / fp16 aliases as the torch engines take them
     # The project's loading rules (checkpoint.py): local safetensors only, no remote code.
     return {"model": str(Path(checkpoint).resolve()), "load_format": "safetensors",
             "trust_remote_code": False, **args}
@@ -162,6 +163,7 @@ def _shutdown(llm: Any) -> None:
 
 class VLLMEngine:
     kind = "vllm"
+    options_cls = VLLMOptions
 
     def __init__(self, options: VLLMOptions, checkpoint: str, spec_text: str) -> None:
         if options.prefix_cache_read and options.enable_prefix_caching is False:
