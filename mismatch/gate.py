@@ -197,11 +197,18 @@ def _bound_check(summary: dict[str, Any], key: str, limit: float, bound: str) ->
     value, problem = _value(summary, key)
     if problem is not None:
         return Check(kind=bound, name=key, value=None, limit=limit, passed=False,
-                     message=f"{key}: {problem} ({bound} {limit:g})")
+                     message=f"{key}: {problem} ({bound} {limit!r})")
     ok = value <= limit if bound == "max" else value >= limit
     op = ("<=" if ok else ">") if bound == "max" else (">=" if ok else "<")
     return Check(kind=bound, name=key, value=value, limit=limit, passed=ok,
-                 message=f"{key} = {value:.4g} {op} {bound} {limit:g}")
+                 message=f"{key} = {_shown(value, limit)} {op} {bound} {_shown(limit, value)}")
+
+
+def _shown(number: float, other: float) -> str:
+    """6 significant digits, or every digit where 6 would make `number` read like `other` (a
+    failure must never print "1.066 > max 1.066")."""
+    short = f"{number:.6g}"
+    return short if number == other or short != f"{other:.6g}" else repr(number)
 
 
 def drift_pct(value: float, base: float, metric: str) -> float:
@@ -223,12 +230,12 @@ def _drift_check(summary: dict[str, Any], baseline: dict[str, Any], key: str, ma
     if problem or base_problem:
         why = f"{problem}" if problem else f"baseline {base_problem}"
         return Check(kind="drift", name=name, value=None, limit=max_pct, passed=False,
-                     message=f"{key}: {why} (max drift {max_pct:g}%)")
+                     message=f"{key}: {why} (max drift {max_pct!r}%)")
     pct = drift_pct(value, base, key.rpartition(".")[2])
     ok = pct <= max_pct
     return Check(kind="drift", name=name, value=pct, limit=max_pct, passed=ok,
-                 message=f"{key} = {value:.4g} vs baseline {base:.4g}: {pct:.3g}% worse "
-                         f"({'<=' if ok else '>'} {max_pct:g}%)")
+                 message=f"{key} = {_shown(value, base)} vs baseline {_shown(base, value)}: "
+                         f"{_shown(pct, max_pct)}% worse ({'<=' if ok else '>'} {_shown(max_pct, pct)}%)")
 
 
 def run_gate(summary: dict[str, Any], *, maxima: dict[str, float] | None = None,
@@ -255,6 +262,12 @@ def run_gate(summary: dict[str, Any], *, maxima: dict[str, float] | None = None,
     drift_keys = list(dict.fromkeys(drift_metrics if drift_metrics is not None
                                     else [*maxima, *minima, *DRIFT_METRICS])) if baseline is not None else []
     pairs = dict.fromkeys(key.rpartition(".")[0] for key in [*maxima, *minima, *drift_keys])
+    # A pair the results do not have is a typo in the thresholds (exit 2), not a failed gate (exit 1).
+    for label, measured in (("results", summary), ("baseline", baseline)):
+        available = (measured or {}).get("pairs") if isinstance((measured or {}).get("pairs"), dict) else {}
+        missing = [pair for pair in pairs if measured is not None and available and pair not in available]
+        if missing:
+            raise MismatchError(f"gate: the {label} have no pair {missing[0]!r} (pairs: {', '.join(available)})")
     checks = [_schema_check(summary, label="results")]
     checks += [_tokens_check(summary, pair, label="results") for pair in pairs]
     checks += [_bound_check(summary, key, limit, "max") for key, limit in maxima.items()]

@@ -124,7 +124,6 @@ def test_gate_drift_and_fail_closed_cases_through_the_cli(results, tmp_path, cap
 
     cases = {
         "null_metric": lambda s: s["pairs"]["train/sampler"].update(kl_k3=None),   # NaN on disk
-        "missing_pair": lambda s: s["pairs"].pop("train/infer"),
         "no_tokens": lambda s: s["pairs"]["train/infer"].update(n_tokens=0),
         "old_schema": lambda s: s.update(schema="mismatch.summary/v0"),
     }
@@ -137,6 +136,11 @@ def test_gate_drift_and_fail_closed_cases_through_the_cli(results, tmp_path, cap
         suite = ET.parse(junit).getroot().find("testsuite")
         assert int(suite.get("failures")) >= 1, name
     capsys.readouterr()
+    # A pair the results do not have: the thresholds name something that is not there (exit 2).
+    broken = _copy_with(results, tmp_path, "missing_pair", lambda s: s["pairs"].pop("train/infer"))
+    assert main(["gate", str(broken), "--max", "train/infer.kl_k3=1"]) == 2
+    assert capsys.readouterr().err == ("mismatch: error: gate: the results have no pair 'train/infer' "
+                                       "(pairs: train/sampler, infer/sampler)\n")
 
 
 def test_shipped_ci_thresholds_gate_the_demo_results(results) -> None:

@@ -99,8 +99,6 @@ def test_failing_gate_names_the_metric_value_and_limit():
      "train/sampler.kl_k3: NaN (max 0.001)"),
     ({"pairs": {"train/sampler": {k: v for k, v in METRICS.items() if k != "kl_k3"}}}, "train/sampler.kl_k3",
      "train/sampler.kl_k3: metric 'kl_k3' missing (max 0.001)"),
-    ({"pairs": {"train/infer": METRICS}}, "results train/sampler tokens",
-     "results train/sampler: no pair 'train/sampler' (pairs: train/infer)"),
 ])
 def test_fails_closed(broken, failing, message):
     result = run_gate(summary() | broken, maxima={"kl_k3": 1e-3})
@@ -194,3 +192,19 @@ def test_load_summary(tmp_path: Path):
         load_summary(tmp_path)
     (tmp_path / "summary.json").write_text(json.dumps({"schema": "x"}))
     assert load_summary(tmp_path) == load_summary(tmp_path / "summary.json") == {"schema": "x"}
+
+
+def test_a_pair_the_results_do_not_have_is_bad_input_not_a_failure():
+    # `--max foo/bar.kl_k3=1` is a typo (exit 2, the valid pairs listed), never "gate FAILED" (exit 1).
+    with pytest.raises(MismatchError) as info:
+        run_gate(summary(), maxima=parse_limits(["foo/bar.kl_k3=1"]))
+    assert str(info.value) == "gate: the results have no pair 'foo/bar' (pairs: train/sampler, train/infer)"
+    with pytest.raises(MismatchError, match="the results have no pair 'train/sampler' \\(pairs: train/infer\\)"):
+        run_gate({**summary(), "pairs": {"train/infer": METRICS}}, maxima={"kl_k3": 1e-3})
+
+
+def test_failures_print_the_digits_that_tell_value_and_limit_apart():
+    result = run_gate(summary(), maxima={"train/infer.kl_k3": 0.0049999999999999})
+    assert [c.message for c in result.failures] == ["train/infer.kl_k3 = 0.005 > max 0.0049999999999999"]
+    result = run_gate(summary(), maxima={"train/infer.kl_k3": 0.0049999})
+    assert [c.message for c in result.failures] == ["train/infer.kl_k3 = 0.005 > max 0.0049999"]
