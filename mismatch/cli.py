@@ -21,9 +21,15 @@ from mismatch.errors import MismatchError
 if TYPE_CHECKING:
     from rich.table import Table
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+# Plain Click help (no rich markup): brackets and % print as written, flags have no metavar.
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Measure, localize and correct the log-prob gap between an RL trainer and "
-                       "its inference engine.")
+                       "its inference engine.",
+                  epilog="Engine specs (--train, --infer, --a, --b, --reference): hf, hf:dtype=bf16,attn=eager, "
+                         "hf-decode:dtype=bfloat16, vllm:dtype=bfloat16,enable_prefix_caching=false, "
+                         "http://127.0.0.1:8000/v1, sampler, stored:NAME, python:MODULE:CALLABLE, or "
+                         "engine.toml. Exit codes: 0 ok, 1 gate failed, 2 bad input or usage "
+                         "(MISMATCH_DEBUG=1 shows tracebacks).")
 out_console = Console()
 err_console = Console(stderr=True)
 
@@ -38,6 +44,20 @@ ShardOption = Annotated[Optional[str], typer.Option(
 BlockOption = Annotated[int, typer.Option(
     "--block-size", min=1, help="Rollouts per unit of work (resume, shards, batching).")]
 DEFAULT_BLOCK = 64  # mismatch.replay.DEFAULT_BLOCK, repeated so --help needs no heavy import
+
+
+def _version(show: bool) -> None:
+    if show:
+        from mismatch import __version__
+
+        out_console.print(f"mismatch {__version__}", markup=False, highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=_version, help="Print the version and exit.")] = False) -> None:
+    """Options of `mismatch` itself (before the command)."""
 
 
 def _framework(name: str | None) -> str | None:
@@ -138,7 +158,8 @@ def _emit_json(payload: Any) -> None:
 
 @app.command()
 def audit(
-    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory (HF format, safetensors).")],
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT",
+                                               help="Checkpoint directory (HF format, safetensors).")],
     rollouts: Annotated[Path, typer.Option("--rollouts", help="Rollouts file (.jsonl or .parquet).")],
     out: Annotated[Path, typer.Option("--out", help="Results directory to write.")],
     train: Annotated[str, typer.Option("--train", help="Trainer engine spec.")] = "hf",
@@ -174,7 +195,8 @@ def audit(
 
 @app.command()
 def diff(
-    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory (HF format, safetensors).")],
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT",
+                                               help="Checkpoint directory (HF format, safetensors).")],
     rollouts: Annotated[Path, typer.Option("--rollouts", help="Rollouts file (.jsonl or .parquet).")],
     a: Annotated[str, typer.Option("--a", help="First engine config (spec or TOML).")],
     b: Annotated[str, typer.Option("--b", help="Second engine config (spec or TOML).")],
@@ -215,7 +237,7 @@ def print_diff(comparison: dict[str, Any]) -> None:
 
 @app.command()
 def merge(
-    dirs: Annotated[list[Path], typer.Argument(help="Results dirs of shards 0..N-1.")],
+    dirs: Annotated[list[Path], typer.Argument(metavar="DIR...", help="Results dirs of shards 0..N-1.")],
     out: Annotated[Path, typer.Option("--out", help="Merged results directory to write.")],
     force: Annotated[bool, typer.Option("--force", help="Replace an existing results dir.")] = False,
     as_json: JsonFlag = False,
@@ -233,7 +255,8 @@ def merge(
 
 @app.command()
 def report(
-    results: Annotated[Path, typer.Argument(help="Results directory (audit, diff or merge).")],
+    results: Annotated[Path, typer.Argument(metavar="RESULTS",
+                                            help="Results directory (audit, diff or merge).")],
     tokenizer: Annotated[Optional[Path], typer.Option(
         help="tokenizer.json for token text (default: the checkpoint's, when it is found).")] = None,
 ) -> None:
@@ -245,7 +268,7 @@ def report(
 
 @app.command()
 def recommend(
-    results: Annotated[Path, typer.Argument(help="Results directory of an audit.")],
+    results: Annotated[Path, typer.Argument(metavar="RESULTS", help="Results directory of an audit.")],
     framework: FrameworkOption = None,
     as_json: JsonFlag = False,
 ) -> None:
@@ -271,13 +294,13 @@ def recommend(
 
 @app.command()
 def gate(
-    results: Annotated[Path, typer.Argument(help="Results directory to gate.")],
+    results: Annotated[Path, typer.Argument(metavar="RESULTS", help="Results directory to gate.")],
     maxima: Annotated[Optional[list[str]], typer.Option(
         "--max", help="Upper bound METRIC=VALUE (or PAIR.METRIC=VALUE; default pair train/sampler).")] = None,
     minima: Annotated[Optional[list[str]], typer.Option("--min", help="Lower bound, e.g. ess=0.95.")] = None,
     thresholds: Annotated[Optional[Path], typer.Option(help="Thresholds TOML ([max], [min], max_drift_pct).")] = None,
     baseline: Annotated[Optional[Path], typer.Option(help="Baseline results dir to compare against.")] = None,
-    max_drift: Annotated[Optional[float], typer.Option(help="Allowed %% worsening vs the baseline.")] = None,
+    max_drift: Annotated[Optional[float], typer.Option(help="Allowed % worsening vs the baseline.")] = None,
     junit: Annotated[Optional[Path], typer.Option(help="Write a JUnit XML report here.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
@@ -304,7 +327,8 @@ def gate(
 
 @app.command()
 def probe(
-    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint whose shapes the probes use.")],
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT",
+                                               help="Checkpoint whose shapes the probes use.")],
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     out: Annotated[Optional[Path], typer.Option(help="Also write the results as JSON here.")] = None,
     as_json: JsonFlag = False,
@@ -328,7 +352,7 @@ def probe(
 
 @app.command()
 def layers(
-    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory.")],
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="Checkpoint directory.")],
     rollouts: Annotated[Path, typer.Option("--rollouts", help="Rollouts file (.jsonl or .parquet).")],
     a: Annotated[str, typer.Option("--a", help="Candidate config (hf or hf-decode spec).")],
     b: Annotated[str, typer.Option("--b", help="Reference config (hf or hf-decode spec).")],
@@ -382,8 +406,10 @@ def print_layers(found: dict[str, Any]) -> None:
 
 @app.command()
 def weights(
-    a: Annotated[Path, typer.Argument(help="First checkpoint (e.g. the trainer's export).")],
-    b: Annotated[Path, typer.Argument(help="Second checkpoint (e.g. what the engine loaded).")],
+    a: Annotated[Path, typer.Argument(metavar="CKPT_A",
+                                      help="First checkpoint (e.g. the trainer's export).")],
+    b: Annotated[Path, typer.Argument(metavar="CKPT_B",
+                                      help="Second checkpoint (e.g. what the engine loaded).")],
     fail_on_diff: Annotated[bool, typer.Option(help="Exit 1 when any tensor differs.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
@@ -417,7 +443,8 @@ def print_weights(payload: dict[str, Any]) -> None:
 
 @app.command()
 def drift(
-    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint whose chat template renders messages.")],
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT",
+                                               help="Checkpoint whose chat template renders messages.")],
     rollouts: Annotated[Path, typer.Option("--rollouts", help="Rollouts with `messages`.")],
     as_json: JsonFlag = False,
 ) -> None:
@@ -436,7 +463,7 @@ def drift(
 @app.command(name="import")
 def import_(
     fmt: Annotated[str, typer.Argument(metavar="FORMAT", help="verl, prime-rl, skyrl or verifiers.")],
-    file: Annotated[Path, typer.Argument(help="The framework's dump.")],
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="The framework's dump.")],
     out: Annotated[Path, typer.Option("--out", help="Rollouts file to write (format v1 JSONL).")],
     allow_pickle: Annotated[bool, typer.Option(
         "--allow-pickle", help="Allow unpickling (runs code from the file: trusted files only).")] = False,
@@ -453,7 +480,7 @@ def import_(
 
 @app.command()
 def validate(
-    file: Annotated[Path, typer.Argument(help="Rollouts file (.jsonl or .parquet).")],
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="Rollouts file (.jsonl or .parquet).")],
     checkpoint: Annotated[Optional[Path], typer.Option(help="Check token ids against this vocab.")] = None,
     vocab_size: Annotated[Optional[int], typer.Option(help="Check token ids against this size.")] = None,
     as_json: JsonFlag = False,
@@ -527,8 +554,11 @@ def main(argv: list[str] | None = None) -> int:
         err_console.print(f"mismatch: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
     except typer.TyperException as exc:  # usage errors: missing option, bad value, unknown command
-        err_console.print(f"mismatch: error: {getattr(exc, 'format_message', exc.__str__)()}", markup=False,
-                          highlight=False, soft_wrap=True)
+        message = getattr(exc, "format_message", exc.__str__)()
+        if message.startswith("Usage:"):  # bare `mismatch`: its help is the message, not an error
+            sys.stderr.write(message.rstrip("\n") + "\n")
+        elif message:
+            err_console.print(f"mismatch: error: {message}", markup=False, highlight=False, soft_wrap=True)
         return 2
     except typer.Abort:
         err_console.print("mismatch: aborted", markup=False)

@@ -149,3 +149,20 @@ def test_shipped_ci_thresholds_gate_the_demo_results(results) -> None:
     thresholds = REPO / "examples/ci/thresholds.toml"
     assert main(["gate", str(results), "--thresholds", str(thresholds)]) == 0
     assert main(["gate", str(results), "--thresholds", str(thresholds), "--baseline", str(results)]) == 0
+
+
+def test_help_follows_click_conventions(capsys) -> None:
+    from mismatch import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"mismatch {__version__}\n"
+    assert main([]) == 2  # bare: the help, and no empty error line after it
+    captured = capsys.readouterr()
+    assert "Usage: mismatch [OPTIONS] COMMAND" in captured.out + captured.err
+    assert "mismatch: error:" not in captured.err
+    assert main(["gate", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "([max], [min], max_drift_pct)" in text and "Allowed % worsening" in text and "%%" not in text
+    assert "<bool>" not in text and "RESULTS" in text
+    assert main(["--help"]) == 0
+    assert "stored:NAME, python:MODULE:CALLABLE" in " ".join(capsys.readouterr().out.split())
