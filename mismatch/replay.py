@@ -199,15 +199,15 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
     specs = {role: check_spec(text) for role, text in roles.items()}
     loaded = load_rollouts(rollouts, vocab_size=info.vocab_size)
     indices = [i for i in range(len(loaded)) if shard is None or shard.takes(i // block_size)]
-    if not indices:
-        raise MismatchError(f"shard {shard.index}/{shard.count} has no rollouts: {len(loaded)} "
-                            f"rollouts make {-(-len(loaded) // block_size)} block(s) of {block_size}")
     selected = [loaded[i] for i in indices]
     plan = plan_replay(selected, indices=indices, block_size=block_size)
+    # Names over the whole file, not the shard: a shard (or an empty one) must accept what one run would.
+    names = ["sampler", *sorted({name for rollout in loaded for branch in rollout.branches
+                                 for segment in branch.segments for name in segment.extra_logprobs})]
     for role, spec in specs.items():
-        if spec.kind == "stored" and spec.options["name"] not in plan.stored:
+        if spec.kind == "stored" and spec.options["name"] not in names:
             raise SpecError(f"--{role} {spec.text}: no segment of the rollouts carries "
-                            f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(plan.stored)})")
+                            f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(names)})")
     # Tree weights are per rollout, so shards compute exactly the weights one run would. The
     # plan's table is filled in place (the plan keeps its requests; one table, not two).
     table = add_tree_weights(plan.table, selected, inplace=True)
@@ -224,7 +224,9 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
     """One role's log-prob column: replayed block by block, or read from the rollouts (`stored:`)."""
     if spec.kind == "stored":
         name = spec.options["name"]
-        return plan.stored[name], {"kind": "stored", "spec": spec.text, "name": name}
+        # A name no segment of this shard carries is NaN on its rows, as in one run's table.
+        values = plan.stored.get(name, np.full(plan.num_scored, np.nan))
+        return values, {"kind": "stored", "spec": spec.text, "name": name}
     callback: ProgressFn | None = None
     engine: Engine | None = None
     parts: list[np.ndarray] = []
