@@ -42,7 +42,10 @@ def test_demo_lays_out_the_contract_and_reruns(demo_dir: Path) -> None:
     assert summary["engines"]["train"]["spec"] == "hf"
     assert summary["engines"]["infer"]["spec"] == DEMO_INFER[engine]
     assert summary["pairs"]["train/infer"]["kl_k3"] > 0
-    assert summary["pairs"]["infer/sampler"]["bitwise_equal_frac"] == 1.0
+    # Sampled and replayed in this run by the same engine config; vLLM's sampling path and its
+    # prompt-log-prob path may still round a few tokens differently on another machine (0.977
+    # measured on one): bitwise equality is a property of the machine, so only "nearly all".
+    assert summary["pairs"]["infer/sampler"]["bitwise_equal_frac"] > 0.9
     kinds = {b.kind for r in load_rollouts(demo_dir / "rollouts.jsonl") for b in r.branches}
     assert kinds == {"main", "subagent", "summary"}
 
@@ -59,4 +62,8 @@ def test_shipped_example_was_sampled_from_the_default_checkpoint(tiny_checkpoint
     assert len(rollouts) == 12
     assert {b.kind for r in rollouts for b in r.branches} == {"main", "subagent", "summary"}
     result = audit(tiny_checkpoint, example, train="hf", infer="hf-decode:dtype=bfloat16")
-    assert result.summary["pairs"]["infer/sampler"]["bitwise_equal_frac"] == 1.0
+    # The file was sampled on another machine, whose bf16 kernels may round differently (3% of
+    # tokens bitwise equal on one): what must hold anywhere is that the sampler's own path replays
+    # it within bf16 noise (here 0 on the machine that sampled it, and 0.0037 between fp32 and bf16),
+    # where another checkpoint's log-probs would be off by O(1).
+    assert result.summary["pairs"]["infer/sampler"]["log_ratio_abs_mean"] < 0.02
