@@ -21,6 +21,7 @@ from mismatch.corrections import summary_corrections
 from mismatch.drift import find_drift
 from mismatch.engines import check_spec, parse_spec
 from mismatch.framework_metrics import framework_metrics, pair_arrays
+from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import localize_turns
 from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
@@ -58,6 +59,8 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
     `clip` is the PPO clip range the gap is also measured against (summary.json `clip`).
     """
     roles = {"train": train, "infer": infer}
+    if localize_models:
+        check_localizable(train, infer)  # before any replay: requested work is done or refused
     out_dir = Path(out) if out is not None else None
     replayed, work = replay_for_results(checkpoint, rollouts, roles, out=out_dir, force=force,
                                         shard=shard, block_size=block_size, progress=progress,

@@ -190,6 +190,11 @@ def audit(
         _emit_json(result.summary)
         return
     print_pairs(result.summary, framework)
+    if localize:
+        from mismatch.localize import localized_what
+
+        for line in localized_what(result.summary["localization"]):
+            err_console.print(f"localize: {line}", markup=False, highlight=False, soft_wrap=True)
     out_console.print(f"wrote {out}/")
 
 
@@ -362,11 +367,12 @@ def layers(
 ) -> None:
     """Where a's residual stream departs from b's: per layer and sub-block, logit lens, kernels."""
     from mismatch.checkpoint import checkpoint_info
-    from mismatch.localize import localize_models
+    from mismatch.localize import check_localizable, localize_models
     from mismatch.replay import plan_replay
     from mismatch.results import atomic_write_text, json_safe
     from mismatch.rollouts import load_rollouts
 
+    check_localizable(a, b, flag="layers")
     plan = plan_replay(load_rollouts(rollouts, vocab_size=checkpoint_info(checkpoint).vocab_size))
     found = localize_models(checkpoint, plan.requests, a=a, b=b, max_tokens=max_tokens)
     if out is not None:

@@ -166,3 +166,21 @@ def test_help_follows_click_conventions(capsys) -> None:
     assert "<bool>" not in text and "RESULTS" in text
     assert main(["--help"]) == 0
     assert "stored:NAME, python:MODULE:CALLABLE" in " ".join(capsys.readouterr().out.split())
+
+
+def test_localization_that_cannot_run_is_refused_up_front(tmp_path, capsys) -> None:
+    from mismatch.localize import localized_what
+    from test_golden import GOLDEN, stored_checkpoint
+
+    checkpoint = stored_checkpoint(tmp_path / "ckpt")
+    code = main(["audit", str(checkpoint), "--rollouts", str(GOLDEN / "rollouts.jsonl"), "--out", str(tmp_path / "o"),
+                 "--train", "stored:trainer", "--infer", "vllm:dtype=bfloat16", "--localize"])
+    assert code == 2 and not (tmp_path / "o").exists()
+    assert capsys.readouterr().err.startswith("mismatch: error: --localize: the layer and kernel localizers hook "
+                                              "torch models (hf, hf-decode); 'stored:trainer' is 'stored'.")
+    assert main(["layers", str(checkpoint), "--rollouts", str(GOLDEN / "rollouts.jsonl"),
+                 "--a", "vllm:dtype=bfloat16", "--b", "hf"]) == 2
+    assert "'vllm:dtype=bfloat16' is 'vllm'" in capsys.readouterr().err
+    # What did run is said, and what was skipped with its reason.
+    assert localized_what({"layers": {"by_layer": []}, "kernels": {"skipped": "needs two `hf` configs"}}) == [
+        "layers: done", "kernels: skipped: needs two `hf` configs"]

@@ -14,6 +14,29 @@ from mismatch.engines import ReplayRequest, parse_spec
 TORCH_KINDS = ("hf", "hf-decode")
 
 
+def check_localizable(a: str, b: str, *, flag: str = "--localize") -> None:
+    """Refuse up front (before any replay) a model localization that cannot run: the hooks need
+    both configs as torch models in this process."""
+    from mismatch.errors import MismatchError
+
+    for spec in (a, b):
+        kind = parse_spec(spec).kind
+        if kind not in TORCH_KINDS:
+            raise MismatchError(
+                f"{flag}: the layer and kernel localizers hook torch models ({', '.join(TORCH_KINDS)}); "
+                f"{spec!r} is {kind!r}. Nearest: localize the torch config closest to it, e.g. the "
+                "hf-decode or hf dtype that `mismatch diff` shows closest to your engine")
+
+
+def localized_what(found: dict[str, Any]) -> list[str]:
+    """One line per localizer: what ran, or what was skipped and why (said, never silent)."""
+    lines = []
+    for name in ("layers", "kernels"):
+        block = found.get(name) or {}
+        lines.append(f"{name}: skipped: {block['skipped']}" if "skipped" in block else f"{name}: done")
+    return lines
+
+
 def localize_models(checkpoint: str | Path, requests: list[ReplayRequest], *, a: str, b: str,
                     max_tokens: int = 2048) -> dict[str, Any]:
     """`layers` (both torch kinds) and `kernels` (both `hf`: module-local error) for specs a vs b.
@@ -35,5 +58,6 @@ def localize_models(checkpoint: str | Path, requests: list[ReplayRequest], *, a:
         out["kernels"] = module_local_errors(checkpoint, token_lists, reference=b, candidate=a,
                                              max_tokens=max_tokens).to_dict()
     else:
-        out["kernels"] = {"skipped": f"module-local error needs two `hf` configs, got {kinds}"}
+        out["kernels"] = {"skipped": f"module-local error needs two `hf` configs (it compares the same full "
+                                     f"forward module by module), got {kinds[0]} and {kinds[1]}"}
     return out
