@@ -283,6 +283,9 @@ def recommend(
 
     framework = _framework(framework)
     summary = read_summary(results)
+    if summary.get("command") != "audit":  # a diff compares two configs: it recommends nothing
+        raise MismatchError(f"{results}: a `mismatch {summary.get('command')}` results dir; recommend reads an "
+                            "audit's (mismatch audit … --out DIR)")
     recommendations = summary.get("recommendations") or []
     snippet = render_config(recommendations, framework) if framework else None
     if as_json:

@@ -216,7 +216,11 @@ def drift_file(checkpoint: str | os.PathLike[str], rollouts: str | os.PathLike[s
     from mismatch.rollouts import load_rollouts
 
     info = checkpoint_info(checkpoint)
-    return find_drift(load_rollouts(rollouts, vocab_size=info.vocab_size), load_tokenizer(checkpoint))
+    loaded = load_rollouts(rollouts, vocab_size=info.vocab_size)
+    if not any(rollout.messages for rollout in loaded):  # "0 drifted spans" would claim a check
+        raise MismatchError(f"{rollouts}: no rollout carries `messages`, so there is nothing to "
+                            "re-render; record them with the rollouts (format v1 `messages`)")
+    return find_drift(loaded, load_tokenizer(checkpoint))
 
 
 def describe_span(span: dict[str, Any]) -> str:

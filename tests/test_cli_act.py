@@ -184,3 +184,17 @@ def test_localization_that_cannot_run_is_refused_up_front(tmp_path, capsys) -> N
     # What did run is said, and what was skipped with its reason.
     assert localized_what({"layers": {"by_layer": []}, "kernels": {"skipped": "needs two `hf` configs"}}) == [
         "layers: done", "kernels: skipped: needs two `hf` configs"]
+
+
+def test_commands_that_would_do_nothing_say_so_and_exit_2(tmp_path, capsys) -> None:
+    from test_golden import GOLDEN, stored_checkpoint
+
+    checkpoint = stored_checkpoint(tmp_path / "ckpt")
+    assert main(["drift", str(checkpoint), "--rollouts", str(GOLDEN / "rollouts.jsonl")]) == 2
+    assert "no rollout carries `messages`, so there is nothing to re-render" in capsys.readouterr().err
+    diff_dir = tmp_path / "diff"
+    diff_dir.mkdir()
+    (diff_dir / "summary.json").write_text(json.dumps({"schema": "mismatch.summary/v1", "command": "diff",
+                                                       "pairs": {}}))
+    assert main(["recommend", str(diff_dir)]) == 2
+    assert "a `mismatch diff` results dir; recommend reads an audit's" in capsys.readouterr().err
