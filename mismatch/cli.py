@@ -534,6 +534,12 @@ def demo(
         return
     print_pairs(result.summary)
     out_console.print(f"wrote {result.out}/")
+    out_console.print(f"report: {result.out / 'index.html'}  (open it in a browser)", markup=False,
+                      highlight=False, soft_wrap=True)
+    out_console.print("next:", markup=False)
+    for command in (f"mismatch recommend {result.out} --for verl   # the fix, as a config to paste",
+                    f"mismatch gate {result.out} --max kl_k3=1e-3   # the CI check (exit 1 past it)"):
+        out_console.print(f"  {command}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _quiet_transformers() -> None:

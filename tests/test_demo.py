@@ -35,6 +35,8 @@ def test_demo_lays_out_the_contract_and_reruns(demo_dir: Path) -> None:
         done = subprocess.run([str(script), "demo", "--out", str(demo_dir)], capture_output=True,
                               text=True, check=True)
         assert "train/sampler" in done.stdout and f"wrote {demo_dir}/audit/" in done.stdout
+        assert f"report: {demo_dir}/audit/index.html" in done.stdout
+        assert f"mismatch recommend {demo_dir}/audit --for verl" in done.stdout
     assert sorted(p.name for p in demo_dir.iterdir()) == ["audit", "checkpoint", "rollouts.jsonl"]
     summary = json.loads((demo_dir / "audit/summary.json").read_text())
     engine = "vllm" if vllm_available() else "hf-decode"  # a real engine whenever it is installed
