@@ -60,6 +60,20 @@ def _options(version: Annotated[bool, typer.Option(
     """Options of `mismatch` itself (before the command)."""
 
 
+def _read_probes(path: Path) -> list[dict[str, Any]]:
+    """The `results` of a `mismatch probe --out FILE` JSON."""
+    try:
+        payload = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MismatchError(f"{path}: no such probes file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise MismatchError(f"{path}: not valid JSON ({exc})") from None
+    results = payload.get("results") if isinstance(payload, dict) else None
+    if not isinstance(results, list) or not all(isinstance(item, dict) for item in results):
+        raise MismatchError(f"{path}: not a `mismatch probe --out` file (no `results` list)")
+    return results
+
+
 def _framework(name: str | None) -> str | None:
     """--for, else $MISMATCH_FRAMEWORK; checked before any work."""
     from mismatch.recommend import FRAMEWORKS
@@ -275,18 +289,24 @@ def report(
 def recommend(
     results: Annotated[Path, typer.Argument(metavar="RESULTS", help="Results directory of an audit.")],
     framework: FrameworkOption = None,
+    probes: Annotated[Optional[Path], typer.Option(
+        "--probes", help="`mismatch probe --out` JSON: batch-shape variance adds the batch-invariant fix.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """The correction (and fixes at the source) the measured gap calls for, with a config snippet."""
-    from mismatch.recommend import render_config
+    from mismatch.recommend import recommend as apply_rule
+    from mismatch.recommend import recommendations_dicts, render_config
     from mismatch.results import read_summary
 
     framework = _framework(framework)
+    probe_results = _read_probes(probes) if probes is not None else None
     summary = read_summary(results)
     if summary.get("command") != "audit":  # a diff compares two configs: it recommends nothing
         raise MismatchError(f"{results}: a `mismatch {summary.get('command')}` results dir; recommend reads an "
                             "audit's (mismatch audit … --out DIR)")
     recommendations = summary.get("recommendations") or []
+    if probe_results is not None:  # the rule again, with the probes' evidence beside the audit's
+        recommendations = recommendations_dicts(apply_rule(summary, probes=probe_results))
     snippet = render_config(recommendations, framework) if framework else None
     if as_json:
         _emit_json({"recommendations": recommendations, "framework": framework, "config": snippet})

@@ -198,3 +198,15 @@ def test_commands_that_would_do_nothing_say_so_and_exit_2(tmp_path, capsys) -> N
                                                        "pairs": {}}))
     assert main(["recommend", str(diff_dir)]) == 2
     assert "a `mismatch diff` results dir; recommend reads an audit's" in capsys.readouterr().err
+
+
+def test_recommend_reads_probes_that_show_batch_variance(results, tmp_path, capsys) -> None:
+    probes = tmp_path / "probes.json"
+    probes.write_text(json.dumps({"results": [
+        {"source": "batch_size", "applicable": True, "bitwise_equal_frac": 0.93, "family": "matmul"}]}))
+    assert main(["recommend", str(results), "--probes", str(probes), "--json"]) == 0
+    kinds = [r["kind"] for r in json.loads(capsys.readouterr().out)["recommendations"]]
+    assert kinds == ["correction", "batch_invariant"]
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert main(["recommend", str(results), "--probes", str(tmp_path / "bad.json")]) == 2
+    assert "not a `mismatch probe --out` file" in capsys.readouterr().err
