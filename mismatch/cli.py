@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 # Plain Click help (no rich markup): brackets and % print as written, flags have no metavar.
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode=None,
                   help="Measure, localize and correct the log-prob gap between an RL trainer and "
                        "its inference engine.",
                   epilog="Engine specs (--train, --infer, --a, --b, --reference): hf, hf:dtype=bf16,attn=eager, "
@@ -278,11 +279,16 @@ def report(
                                             help="Results directory (audit, diff or merge).")],
     tokenizer: Annotated[Optional[Path], typer.Option(
         help="tokenizer.json for token text (default: the checkpoint's, when it is found).")] = None,
+    as_json: JsonFlag = False,
 ) -> None:
     """Rebuild DIR/index.html from DIR/summary.json and DIR/tokens.parquet."""
     from reports.build import build_report
 
-    out_console.print(f"wrote {build_report(results, tokenizer_path=tokenizer)}", markup=False)
+    path = build_report(results, tokenizer_path=tokenizer)
+    if as_json:
+        _emit_json({"report": str(path)})
+        return
+    out_console.print(f"wrote {path}", markup=False)
 
 
 @app.command()
@@ -497,6 +503,7 @@ def import_(
     allow_pickle: Annotated[bool, typer.Option(
         "--allow-pickle", help="Allow unpickling (runs code from the file: trusted files only).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output file.")] = False,
+    as_json: JsonFlag = False,
 ) -> None:
     """Convert another framework's rollout dump into mismatch's format v1."""
     from mismatch.importers import import_file
@@ -504,6 +511,9 @@ def import_(
     if out.exists() and not force:
         raise MismatchError(f"{out}: already exists; pass --force to replace it")
     count = import_file(fmt, file, out, allow_pickle=allow_pickle)
+    if as_json:
+        _emit_json({"out": str(out), "num_rollouts": count})
+        return
     out_console.print(f"wrote {count} rollouts to {out}", markup=False)
 
 

@@ -210,3 +210,15 @@ def test_recommend_reads_probes_that_show_batch_variance(results, tmp_path, caps
     (tmp_path / "bad.json").write_text("[1, 2]")
     assert main(["recommend", str(results), "--probes", str(tmp_path / "bad.json")]) == 2
     assert "not a `mismatch probe --out` file" in capsys.readouterr().err
+
+
+def test_report_and_import_speak_json(results, tmp_path, capsys) -> None:
+    assert main(["report", str(results), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"report": str(results / "index.html")}
+    example = {"prompt_ids": [1, 2], "prompt_mask": [0, 0], "completion_ids": [3, 4],
+               "completion_mask": [1, 1], "completion_logprobs": [-0.5, -0.25]}
+    dump = tmp_path / "examples.jsonl"
+    dump.write_text(json.dumps(example) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["import", "prime-rl", str(dump), "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"out": str(out), "num_rollouts": 1}

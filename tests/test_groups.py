@@ -122,7 +122,8 @@ def test_corrections_on_a_view_equal_corrections_on_arrays():
     seq = (table["rollout"].astype(str) + "/" + table["branch"].astype(str)).to_numpy()
     from_arrays = simulate((table["logp_train"] - table["logp_sampler"]).to_numpy(), seq=seq,
                            rollout=table["rollout"].astype(str).to_numpy(), turn=table["turn"].to_numpy(),
-                           trainable=table["trainable"].to_numpy())
+                           trainable=table["trainable"].to_numpy(), logp_sampler=table["logp_sampler"].to_numpy())
+    assert [r["mode"] for r in from_view] == [r.mode for r in from_arrays]
     for result, other in zip(from_view, (r.to_dict() for r in from_arrays)):
         assert result.keys() == other.keys()
         for key in ("n_tokens", "n_sequences", "n_rollouts", "frac_tokens_affected", "frac_sequences_affected",
