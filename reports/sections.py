@@ -155,11 +155,16 @@ def gaps_section(summary: dict[str, Any], pairs: list[str], colors: dict[str, st
     title = "The gaps, side by side" if is_diff else "The three gaps of the triangle"
     lead = ("Each pair A/B is log π_A − log π_B over trainable tokens: ratio = π_A / π_B as PPO uses it.")
     triangle = triangle_svg(summary, pairs)
+    negative_chi2 = any(isinstance(v, (int, float)) and v < 0 for p in pairs
+                        for v in ((summary["pairs"][p] or {}).get(k) for k in ("chi2_token", "chi2_seq")))
+    caveat = el("p", "A χ² below 0 is an estimate, not a divergence: mean(r²) − 1 over a sample can dip "
+                     "under its true value (≥ 0) when the gap is small; read it as ≈ 0.",
+                class_="note") if negative_chi2 else None
     return section("gaps", title,
                    el("div", el("div", triangle, class_="triangle-box") if triangle else None,
                       el("div", [pair_card(summary, p, colors[p]) for p in pairs], class_="cards"),
                       class_="gaps"),
-                   metrics_table(summary, pairs), lead=lead)
+                   caveat, metrics_table(summary, pairs), lead=lead)
 
 
 # --- generic renderers for the open-ended blocks (localization, findings) ------------------------
@@ -425,7 +430,17 @@ def corrections_section(summary: dict[str, Any]) -> Html | None:
         columns = extra + list(CORRECTION_COLUMNS)
         head = el("tr", el("th", "mode"), el("th", "params"), [el("th", label) for _, label, _ in columns])
         rows = []
-        for c in corrections:
+        # Corrections that change nothing here read the same on every column: one line names them.
+        untouched = [c for c in corrections if c.get("frac_tokens_affected") == 0
+                     and not is_recommended(c, recs)]
+        shown = [c for c in corrections if not any(c is u for u in untouched)]
+        if len(untouched) > 1:
+            rows.append(el("tr", el("td", f"{len(untouched)} corrections change no token here: " + ", ".join(
+                f"{c.get('mode')} ({_compact(c.get('params'))})" for c in untouched),
+                colspan=str(2 + len(columns))), class_="collapsed"))
+        else:
+            shown = corrections
+        for c in shown:
             mark = is_recommended(c, [r for r in recs if recommendation_action(r, modes) == "correct"])
             rows.append(el("tr", el("td", ("★ " if mark else "") + str(c.get("mode"))),
                            el("td", _compact(c.get("params")) or "–"),
@@ -442,8 +457,6 @@ def corrections_section(summary: dict[str, Any]) -> Html | None:
                         el("p", "Over train/sampler trainable tokens; ★ the recommended one.", class_="note"),
                         table) if table else None)
 
-
-# --- diff ----------------------------------------------------------------------------------------
 
 def frameworks_section(summary: dict[str, Any]) -> Html | None:
     """The focus pair under each framework's own metric names (summary.json framework_metrics), with
@@ -462,6 +475,8 @@ def frameworks_section(summary: dict[str, Any]) -> Html | None:
     return section("frameworks", "Under your framework's names", records_table(records, limit=len(records)),
                    lead=f"{pair}, as verl, TRL, slime, prime-rl and OpenRLHF log it, computed their way.")
 
+
+# --- diff ----------------------------------------------------------------------------------------
 
 def diff_section(summary: dict[str, Any], texts: dict[str, str] | None) -> Html | None:
     diff = summary.get("diff")

@@ -414,3 +414,24 @@ def test_diff_report_shows_both_configs_side_by_side(browser, tmp_path: Path) ->
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "report-diff.png"), full_page=True)
     page.close()
+
+
+def test_corrections_that_change_nothing_collapse_to_one_line_and_negative_chi2_is_explained() -> None:
+    from reports.sections import corrections_section, gaps_section
+
+    def row(mode: str, cap: float, frac: float) -> dict:
+        return {"mode": mode, "params": {"cap": cap}, "frac_tokens_affected": frac, "frac_rollouts_affected": frac,
+                "weight_mean": 1.0, "weight_max": 1.0, "ess": 1.0}
+
+    corrections = [row("token_truncate", 2.0, 0.0), row("token_mask", 2.0, 0.0), row("sequence_mask", 3.0, 0.0),
+                   row("token_truncate", 1.5, 0.004)]
+    recs = [{"kind": "correction", "params": {"mode": "token_truncate", "cap": 1.5}, "why": "w"}]
+    page = corrections_section({"corrections": corrections, "recommendations": recs})
+    assert "3 corrections change no token here: token_truncate (cap=2), token_mask (cap=2), sequence_mask (cap=3)" \
+        in page
+    assert page.count("<tr") == 3  # the header, the collapsed line, the one that acts (recommended)
+    metrics = {"n_tokens": 10, "chi2_token": -2e-7, "chi2_seq": 1e-3}
+    summary = {"command": "audit", "pairs": {"train/sampler": metrics}}
+    assert "A χ² below 0 is an estimate" in gaps_section(summary, ["train/sampler"], {"train/sampler": "#000"})
+    summary["pairs"]["train/sampler"]["chi2_token"] = 2e-7
+    assert "A χ² below 0" not in gaps_section(summary, ["train/sampler"], {"train/sampler": "#000"})
