@@ -314,9 +314,9 @@ def browser():
 class Opened:
     """A report loaded from file:// with everything the page did recorded."""
 
-    def __init__(self, browser, path: Path) -> None:
+    def __init__(self, browser, path: Path, width: int = 1360) -> None:
         self.url = path.resolve().as_uri()
-        self.page = browser.new_page(viewport={"width": 1360, "height": 900})
+        self.page = browser.new_page(viewport={"width": width, "height": 900})
         self.requests: list[str] = []
         self.errors: list[str] = []
         self.dialogs: list[str] = []
@@ -435,3 +435,12 @@ def test_corrections_that_change_nothing_collapse_to_one_line_and_negative_chi2_
     assert "A χ² below 0 is an estimate" in gaps_section(summary, ["train/sampler"], {"train/sampler": "#000"})
     summary["pairs"]["train/sampler"]["chi2_token"] = 2e-7
     assert "A χ² below 0" not in gaps_section(summary, ["train/sampler"], {"train/sampler": "#000"})
+
+
+@pytest.mark.parametrize("width", [390, 1440])
+def test_the_page_never_scrolls_sideways(browser, hostile_report: Path, demo_report: Path, width: int) -> None:
+    """A phone (390 px) or a laptop: wide tables scroll inside themselves, the page does not."""
+    for report in (hostile_report, demo_report):
+        opened = Opened(browser, report, width=width)
+        assert opened.page.evaluate("document.documentElement.scrollWidth") <= width, report
+        opened.page.close()
