@@ -444,3 +444,9 @@ def test_the_page_never_scrolls_sideways(browser, hostile_report: Path, demo_rep
         opened = Opened(browser, report, width=width)
         assert opened.page.evaluate("document.documentElement.scrollWidth") <= width, report
         opened.page.close()
+
+
+def test_the_demo_report_stays_small(demo_report: Path) -> None:
+    # plotly's basic bundle (bar and scatter are all the report draws): 1.2 MB, not the full 4.8 MB.
+    assert demo_report.stat().st_size <= 1.5 * 2**20
+    assert "plotly.js (basic - minified) v4.1.1" in demo_report.read_text()
