@@ -450,3 +450,20 @@ def test_the_demo_report_stays_small(demo_report: Path) -> None:
     # plotly's basic bundle (bar and scatter are all the report draws): 1.2 MB, not the full 4.8 MB.
     assert demo_report.stat().st_size <= 1.5 * 2**20
     assert "plotly.js (basic - minified) v4.1.1" in demo_report.read_text()
+
+
+def test_a_few_redrawn_tokens_do_not_take_the_headline() -> None:
+    from reports.banner import audit_banner
+
+    def summary(touched: int) -> dict:
+        return {"pairs": {"train/sampler": {"n_tokens": 598}},
+                "verdicts": {"train/sampler": {"level": "small", "text": "small gap", "meaning": "m"}},
+                "counts": {"trainable_tokens": 598}, "drift": {"trainable_tokens_touched": touched},
+                "recommendations": [{"kind": "fix_renderer", "params": {"spans": 3}, "why": "w"},
+                                    {"kind": "correction", "params": {"mode": "token_truncate", "cap": 2.0},
+                                     "why": "w"}]}
+
+    minor = audit_banner(summary(4))  # 4 of 598 trained tokens: the gap's own answer leads
+    assert minor.headline == "Correct with token_truncate (cap=2)" and "the renderer" in " ".join(minor.details)
+    major = audit_banner(summary(100))
+    assert major.headline.startswith("Fix at the source: the renderer")
