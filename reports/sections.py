@@ -343,6 +343,10 @@ def localization_section(summary: dict[str, Any], figures: dict[str, Any]) -> Ht
     return section("localization", "Layer and kernel localization", parts)
 
 
+def _pct_or_none(value: Any) -> str | None:
+    return pct(value) if isinstance(value, (int, float)) else None
+
+
 def findings_section(summary: dict[str, Any]) -> Html | None:
     parts = []
     alignment = summary.get("alignment")
@@ -359,19 +363,31 @@ def findings_section(summary: dict[str, Any]) -> Html | None:
         zero = alignment.get("padded_zero_frac")
         if isinstance(zero, (int, float)) and zero > 0:
             flags.append(f"{pct(zero)} of positions carry padded-zero or constant log-probs.")
-        parts += [el("h3", "Alignment"), [el("p", f, class_="flag") for f in flags], value_html(alignment)]
+        findings = [f for f in alignment.get("findings") or [] if isinstance(f, dict)]
+        parts += [el("h3", "Alignment"), [el("p", f, class_="flag") for f in flags],
+                  facts([("shift (stored[i] fits token i + shift)", shift), ("log-prob semantics", semantics),
+                         ("estimated temperature", alignment.get("estimated_temperature")),
+                         ("trainable tokens without a stored log-prob",
+                          _pct_or_none(alignment.get("missing_trainable_frac"))),
+                         ("padded zeros", _pct_or_none(alignment.get("padded_zero_frac"))),
+                         ("constant runs", _pct_or_none(alignment.get("constant_frac")))]),
+                  el("ul", [el("li", el("strong", f.get("kind", "")), ": ", f.get("message", ""),
+                               el("p", "Fix: " + str(f.get("fix")), class_="note") if f.get("fix") else None)
+                            for f in findings], class_="findings") if findings else None,
+                  el("details", el("summary", "Every alignment field"), value_html(alignment))]
     drift = summary.get("drift")
     if isinstance(drift, dict) and drift:
         spans = [s for s in drift.get("spans") or [] if isinstance(s, dict)]
         parts.append(el("h3", f"Render drift: {len(spans):,} drifted span{'s' if len(spans) != 1 else ''}"))
         if spans:
             # Stored vs rendered text is the finding: monospace, whitespace kept.
-            parts.append(records_table([{k: (el("code", v, class_="span-text") if k in ("stored", "rendered")
-                                             and isinstance(v, str) else v) for k, v in span.items()}
+            # The columns a reader needs; ids and contexts stay in summary.json.
+            shown = ("rollout", "turn", "role", "kind", "trainable_tokens", "stored", "rendered")
+            parts.append(records_table([{k: (el("code", span[k], class_="span-text") if k in ("stored", "rendered")
+                                             and isinstance(span.get(k), str) else span.get(k)) for k in shown}
                                         for span in spans]))
-        rest = {k: v for k, v in drift.items() if k != "spans"}
-        if rest:
-            parts.append(value_html(rest))
+        parts.append(facts([(k.replace("_", " "), v) for k, v in drift.items()
+                            if k != "spans" and isinstance(v, (int, float, str))]))
     if not parts:
         return None
     return section("findings", "Render and alignment findings", parts)

@@ -111,7 +111,8 @@ def load_verl(text: str) -> dict[str, Any]:
         raise SchemaError(f"verl: unknown top-level key(s) {', '.join(unknown)}")
     correction = (config.get("algorithm") or {}).get("rollout_correction")
     if correction is not None:
-        VerlRolloutCorrection(**_fields(VerlRolloutCorrection, correction, "verl algorithm.rollout_correction")).check()
+        where = "verl algorithm.rollout_correction"
+        VerlRolloutCorrection(**_fields(VerlRolloutCorrection, correction, where)).check()
     rollout = (config.get("actor_rollout_ref") or {}).get("rollout")
     if rollout is not None:
         parsed = VerlRollout(**_fields(VerlRollout, rollout, "verl actor_rollout_ref.rollout"))
