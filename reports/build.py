@@ -24,7 +24,7 @@ from mismatch.errors import ReportError  # noqa: F401  (re-exported: raised here
 from reports import aggregate, figures, sections
 from reports.banner import banner, focus_pair
 from reports.html import Html, el, join
-from reports.worst import WorstOptions, worst_rollouts
+from reports.worst import WorstOptions, worst_rollouts, worst_tokens
 
 # Contract names (ARCHITECTURE.md, "Results directory").
 SUMMARY_FILE = "summary.json"
@@ -197,7 +197,8 @@ def page_body(summary: dict[str, Any], tokens: pd.DataFrame, *, tokenizer_path: 
         sections.findings_section(summary),
         sections.corrections_section(summary),
         sections.frameworks_section(summary),
-        sections.worst_section(worst),
+        sections.worst_section(worst, worst_tokens(tokens, focus, tokenizer_path)
+                               if worst and summary.get("command") != "diff" else None),
         sections.absent_line(summary),
         sections.footer(summary),
     ]

@@ -519,13 +519,15 @@ def diff_section(summary: dict[str, Any], texts: dict[str, str] | None) -> Html 
 
 # --- worst rollouts, absent sections, footer -------------------------------------------------------
 
-def worst_section(worst: dict[str, Any] | None) -> Html | None:
+def worst_section(worst: dict[str, Any] | None, tokens: list[dict[str, Any]] | None = None) -> Html | None:
     if worst is None:
         return None
     lead = (f"The {len(worst['rollouts'])} worst of {worst['num_ranked']:,} rollouts by {worst['rank_by']} "
             f"on {worst['focus']}. Each token is colored by its log-ratio (red: A gives it more probability, "
             "blue: less); hover a token for its id, log-probs and ratio. Grey tokens are context.")
-    return section("worst", "The worst rollouts", el("div", id="worst-controls", class_="worst-controls"),
+    table = join(el("h3", f"The {len(tokens)} trainable tokens with the largest |log-ratio| on {worst['focus']}"),
+                 records_table(tokens, limit=len(tokens))) if tokens else None
+    return section("worst", "The worst rollouts", table, el("div", id="worst-controls", class_="worst-controls"),
                    el("div", id="worst-list"), lead=lead)
 
 

@@ -163,3 +163,23 @@ def worst_rollouts(tokens: pd.DataFrame, *, pairs: list[str], focus: str,
             "num_ranked": int(len(ranked)), "rollouts": details,
             "scale": {pair: color_scale(details, pair) for pair in pairs},
             "text": token_texts(ids, tokenizer_path)}
+
+
+def worst_tokens(tokens: pd.DataFrame, pair: str, tokenizer_path: Path | None, *,
+                 limit: int = 20) -> list[dict[str, Any]]:
+    """The trainable tokens with the largest |log-ratio| of `pair`: where, which token, both log-probs."""
+    a, b = (f"logp_{role}" for role in pair_roles(pair))
+    logp_a, logp_b = tokens[a].to_numpy(np.float64), tokens[b].to_numpy(np.float64)
+    gap = np.abs(logp_a - logp_b)
+    gap[~tokens["trainable"].to_numpy(dtype=bool) | np.isnan(gap)] = -1.0
+    rows = np.argsort(-gap, kind="stable")[:limit]
+    rows = rows[gap[rows] >= 0]
+    texts = token_texts({int(tokens["token_id"].iat[r]) for r in rows}, tokenizer_path) or {}
+    out = []
+    for row in rows.tolist():
+        token_id = int(tokens["token_id"].iat[row])
+        out.append({"rollout": str(tokens["rollout"].iat[row]), "branch": str(tokens["branch"].iat[row]),
+                    "turn": int(tokens["turn"].iat[row]), "pos": int(tokens["pos"].iat[row]),
+                    "token": texts.get(str(token_id), f"#{token_id}"), a: float(logp_a[row]), b: float(logp_b[row]),
+                    "|log-ratio|": float(gap[row])})
+    return out

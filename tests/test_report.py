@@ -467,3 +467,14 @@ def test_a_few_redrawn_tokens_do_not_take_the_headline() -> None:
     assert minor.headline == "Correct with token_truncate (cap=2)" and "the renderer" in " ".join(minor.details)
     major = audit_banner(summary(100))
     assert major.headline.startswith("Fix at the source: the renderer")
+
+
+def test_the_audit_report_lists_its_worst_tokens(demo_report: Path) -> None:
+    page = demo_report.read_text()
+    assert "trainable tokens with the largest |log-ratio| on train/sampler" in page
+    tokens = pd.read_parquet(demo_report.parent / "tokens.parquet")
+    trainable = tokens[tokens["trainable"]]
+    worst = (trainable["logp_train"] - trainable["logp_sampler"]).abs().max()
+    from reports.html import num
+
+    assert f"<td><span>{num(worst, 6)}</span></td></tr>" in page  # the largest gap, rendered as the table does
