@@ -79,7 +79,10 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
                             rollouts_file=str(rollouts), drift=drift, alignment=alignment, clip=clip)
     summary["shard"] = shard_info(shard, block_size)
     if requests is not None:
+        done = progress("localize: layers and kernels, both models with hooks", 1) if progress else None
         summary["localization"].update(run_model_localizers(checkpoint, requests, a=train, b=infer))
+        if done is not None:
+            done(1)
     if out_dir is not None:
         publish(out_dir, table, summary, audit_pairs(table), force=force, work=work)
     return AuditResult(summary=summary, tokens=table, out=out_dir)

@@ -119,6 +119,16 @@ def replay_progress(enabled: bool) -> Iterator[Any]:
             progress.stop()
 
 
+@contextmanager
+def working(label: str, enabled: bool) -> Iterator[None]:
+    """A spinner with its label on stderr while a phase without a token count runs (not with --json)."""
+    if not enabled:
+        yield
+        return
+    with err_console.status(label + " …"):
+        yield
+
+
 def print_pairs(summary: dict[str, Any], framework: str | None = None) -> None:
     """Metrics as rows, pairs as columns: fits 80 columns for the three pairs of an audit. With a
     framework, its own metric names and values (summary.json framework_metrics) as well."""
@@ -374,7 +384,8 @@ def probe(
     import probes
     from mismatch.results import atomic_write_text, json_safe
 
-    results = probes.run_probes(checkpoint, device=device)
+    with working("probing each op under batch, chunking, split-KV, dtype and rounding variations", not as_json):
+        results = probes.run_probes(checkpoint, device=device)
     payload = {"environment": probes.environment(device), "results": [r.to_dict() for r in results]}
     if out is not None:
         atomic_write_text(out, json.dumps(json_safe(payload), indent=1) + "\n")
@@ -403,7 +414,8 @@ def layers(
 
     check_localizable(a, b, flag="layers")
     plan = plan_replay(load_rollouts(rollouts, vocab_size=checkpoint_info(checkpoint).vocab_size))
-    found = localize_models(checkpoint, plan.requests, a=a, b=b, max_tokens=max_tokens)
+    with working(f"layers: replaying {a} and {b} with hooks on every layer", not as_json):
+        found = localize_models(checkpoint, plan.requests, a=a, b=b, max_tokens=max_tokens)
     if out is not None:
         atomic_write_text(out, json.dumps(json_safe(found), indent=1) + "\n")
     if as_json:
@@ -451,7 +463,8 @@ def weights(
     """Tensor-by-tensor diff of two safetensors checkpoints, streamed: the weight-sync bug finder."""
     from mismatch.weights import diff_checkpoints
 
-    report = diff_checkpoints(a, b)
+    with working("comparing the checkpoints tensor by tensor", not as_json):
+        report = diff_checkpoints(a, b)
     payload = report.to_dict()
     if as_json:
         _emit_json(payload)
@@ -486,7 +499,8 @@ def drift(
     """Re-render each rollout's messages with the chat template; show where the stored tokens differ."""
     from mismatch.drift import describe_span, drift_file
 
-    found = drift_file(checkpoint, rollouts)
+    with working("re-rendering each rollout's messages with the chat template", not as_json):
+        found = drift_file(checkpoint, rollouts)
     if as_json:
         _emit_json(found)
         return

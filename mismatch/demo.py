@@ -46,6 +46,8 @@ def run_demo(out: str | Path = DEFAULT_DIR, *, progress: ProgressFactory | None 
     root = Path(out)
     checkpoint = root / "checkpoint"
     rollouts = root / "rollouts.jsonl"
+    if not (checkpoint / "config.json").is_file():
+        say(f"building the tiny checkpoint in {checkpoint} (a minute on 2 cores, once) …")
     built = ensure_tiny_checkpoint(checkpoint)
     say(f"checkpoint {checkpoint} ({built.num_params:,} params, final train loss {built.final_loss:.3f})")
     if not rollouts.is_file():
@@ -53,6 +55,7 @@ def run_demo(out: str | Path = DEFAULT_DIR, *, progress: ProgressFactory | None 
         if engine == "hf-decode":
             say("vllm is not importable: sampling with the torch hf-decode path instead "
                 "(pip install 'mismatch[vllm]' for a real engine)")
+        say(f"sampling agentic rollouts with the bf16 {engine} sampler …")
         # One harness bug on purpose: a re-rendered tool call that `drift` must find.
         count = write_rollouts(checkpoint, rollouts,
                                HarnessConfig(engine=engine, faults=("rewrite_tool_args",)))
