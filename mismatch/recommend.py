@@ -314,6 +314,10 @@ def render_config(recommendations: Iterable[Recommendation | dict[str, Any]], fr
     if mode in PROB_GAP_MODES and framework != "prime-rl":
         lines.append(f"# {framework} has no mask by probability gap ({mode}): nothing to set for it")
         del by_kind["correction"]
+    elif mode is not None and mode.startswith("rs_") and framework != "verl":
+        # A threshold on verl's k1/k2/k3 statistics is no ratio cap: no other framework takes it.
+        lines.append(f"# {framework} has no rejection on verl's k-statistics ({mode}): nothing to set for it")
+        del by_kind["correction"]
     elif mode == "veto_mask":
         lines.append(f"# veto_mask: slime only, as rs_veto_threshold: {correction.params['threshold']!r} (with "
                      "use_rs: true) in its MIS config, beside the TIS settings you use"
@@ -466,9 +470,6 @@ def _render_slime(by_kind: dict[str, Recommendation]) -> list[str]:
         elif mode == "token_icepop":
             flags += ["--use-tis", f"--custom-tis-function-path {_SLIME_ICEPOP}",
                       f"--tis-clip {params['high']!r}", f"--tis-clip-low {params['low']!r}"]
-        elif mode.startswith("rs_"):
-            lines.append(f"# slime has no {mode}: its MIS rejection (use_rs) bounds the ratio itself, not "
-                         "verl's k1/k2/k3 statistics; nothing emitted for it")
         else:
             geometric = mode.startswith("geometric") or mode in ("seq_mask_tis", "rs_seq_mean_k1")
             level = "geometric" if geometric else _level(mode)

@@ -334,3 +334,11 @@ def test_every_recommendation_says_what_it_costs():
                                       "batch_invariant", "raw_logprobs"}
     assert all(r.cost == COSTS[r.kind] and r.to_dict()["cost"] for r in recs)
     assert "(cost: one extra forward pass" in render_config(recs, "verl")
+
+
+def test_verl_k_statistic_rejection_is_never_turned_into_a_ratio_cap():
+    for framework in ("trl", "slime", "prime-rl", "openrlhf"):
+        text = render_config(correction("rs_token_k3", high=0.01), framework)
+        assert f"# {framework} has no rejection on verl's k-statistics (rs_token_k3)" in text
+        assert "0.01" not in text.split("rs_token_k3")[-1]
+    assert "rollout_rs: token_k3" in render_config(correction("rs_token_k3", high=0.01), "verl")
