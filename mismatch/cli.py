@@ -175,10 +175,15 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}"
 
 
+# Where --json output goes: the real stdout, kept aside while the command runs with sys.stdout
+# pointed at stderr, so whatever a dependency prints (vLLM logs to stdout) cannot corrupt the JSON.
+_json_stdout: Any = None
+
+
 def _emit_json(payload: Any) -> None:
     from mismatch.results import json_safe
 
-    sys.stdout.write(json.dumps(json_safe(payload), indent=1) + "\n")
+    (_json_stdout or sys.stdout).write(json.dumps(json_safe(payload), indent=1) + "\n")
 
 
 @app.command()
@@ -603,8 +608,13 @@ def _quiet_transformers() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: the error boundary."""
+    global _json_stdout
     debug = os.environ.get("MISMATCH_DEBUG") == "1"
     _quiet_transformers()
+    args = sys.argv[1:] if argv is None else argv
+    saved = sys.stdout
+    if "--json" in args:
+        _json_stdout, sys.stdout = saved, sys.stderr
     try:
         code = app(args=argv, prog_name="mismatch", standalone_mode=False)
     except MismatchError as exc:
@@ -622,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Abort:
         err_console.print("mismatch: aborted", markup=False)
         return 130
+    finally:
+        sys.stdout, _json_stdout = saved, None
     return code if isinstance(code, int) else 0
 
 

@@ -222,3 +222,26 @@ def test_report_and_import_speak_json(results, tmp_path, capsys) -> None:
     out = tmp_path / "out.jsonl"
     assert main(["import", "prime-rl", str(dump), "--out", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"out": str(out), "num_rollouts": 1}
+
+
+def test_json_stdout_holds_only_the_json(tmp_path, capsys, monkeypatch) -> None:
+    """Whatever runs inside a --json command and prints (vLLM logs to stdout) lands on stderr."""
+    import importlib
+
+    from test_golden import GOLDEN, stored_checkpoint
+
+    audit_module = importlib.import_module("mismatch.audit")  # the module (mismatch.audit is the function)
+
+    analyze = audit_module.analyze_audit
+
+    def noisy(*args, **kwargs):
+        print("INFO some dependency chatter")
+        return analyze(*args, **kwargs)
+
+    monkeypatch.setattr(audit_module, "analyze_audit", noisy)
+    checkpoint = stored_checkpoint(tmp_path / "ckpt")
+    assert main(["audit", str(checkpoint), "--rollouts", str(GOLDEN / "rollouts.jsonl"), "--out", str(tmp_path / "o"),
+                 "--train", "stored:trainer", "--infer", "stored:engine", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["schema"] == "mismatch.summary/v1"
+    assert "INFO some dependency chatter" in captured.err
