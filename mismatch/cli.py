@@ -119,6 +119,45 @@ def replay_progress(enabled: bool) -> Iterator[Any]:
             progress.stop()
 
 
+DEPENDENCY_LOG = "dependencies.log"
+
+
+@contextmanager
+def dependency_log(out: Path) -> Iterator[None]:
+    """Python warnings and vLLM's log lines go to DIR/dependencies.log, not between the progress bars.
+
+    They are written beside the results dir while it is being made and moved into it once it is
+    published (its path said once); a run that fails leaves no log behind (its error is one line).
+    """
+    import logging
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pending = out.parent / f".{out.name}.{os.getpid()}.log"
+    handler = logging.FileHandler(pending, delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    loggers = [logging.getLogger(name) for name in ("py.warnings", "vllm")]
+    saved = [(logger.handlers[:], logger.propagate) for logger in loggers]
+    logging.captureWarnings(True)
+    for logger in loggers:
+        logger.handlers, logger.propagate = [handler], False
+    published = False
+    try:
+        yield
+        published = out.is_dir()
+    finally:
+        logging.captureWarnings(False)
+        for logger, (handlers, propagate) in zip(loggers, saved):
+            logger.handlers, logger.propagate = handlers, propagate
+        handler.close()
+        if pending.exists():
+            if published and pending.stat().st_size:
+                os.replace(pending, out / DEPENDENCY_LOG)
+                err_console.print(f"dependency messages: {out / DEPENDENCY_LOG}", markup=False, highlight=False,
+                                  soft_wrap=True)
+            else:
+                pending.unlink()
+
+
 @contextmanager
 def working(label: str, enabled: bool) -> Iterator[None]:
     """A spinner with its label on stderr while a phase without a token count runs (not with --json)."""
@@ -212,7 +251,7 @@ def audit(
 
     clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
     framework = _framework(framework)
-    with replay_progress(not as_json) as progress:
+    with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_audit(checkpoint, rollouts, train=train, infer=infer, out=out, force=force,
                            localize_models=localize, shard=_shard(shard), block_size=block_size,
                            progress=progress, clip=clip)
@@ -245,7 +284,7 @@ def diff(
     """Replay two engine configs against a reference: which is closer, by how much, where, how fast."""
     from mismatch.diff import diff as run_diff
 
-    with replay_progress(not as_json) as progress:
+    with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_diff(checkpoint, rollouts, a=a, b=b, reference=reference, out=out, force=force,
                           shard=_shard(shard), block_size=block_size, progress=progress)
     if as_json:
@@ -576,7 +615,7 @@ def demo(
 
     say = (lambda _: None) if as_json else (
         lambda line: err_console.print(line, markup=False, highlight=False, soft_wrap=True))
-    with replay_progress(not as_json) as progress:
+    with dependency_log(out / "audit"), replay_progress(not as_json) as progress:
         result = run_demo(out, progress=progress, say=say)
     if as_json:
         _emit_json(result.summary)
@@ -600,6 +639,12 @@ def _quiet_transformers() -> None:
     command (`--help` included) a second and a half."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # vLLM then logs through its "vllm" logger without a handler of its own (dependency_log gives
+    # it one); it would otherwise write to stdout.
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    import logging
+
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     if "transformers" in sys.modules:  # too late for the environment (a caller imported it first)
         from transformers.utils import logging as hf_logging
 

@@ -245,3 +245,31 @@ def test_json_stdout_holds_only_the_json(tmp_path, capsys, monkeypatch) -> None:
     captured = capsys.readouterr()
     assert json.loads(captured.out)["schema"] == "mismatch.summary/v1"
     assert "INFO some dependency chatter" in captured.err
+
+
+def test_dependency_warnings_go_to_a_log_in_the_results_dir(tmp_path, capsys, monkeypatch) -> None:
+    import importlib
+    import warnings
+
+    from test_golden import GOLDEN, stored_checkpoint
+
+    audit_module = importlib.import_module("mismatch.audit")
+    analyze = audit_module.analyze_audit
+
+    def warns(*args, **kwargs):
+        warnings.warn("some dependency's FutureWarning", FutureWarning, stacklevel=1)
+        return analyze(*args, **kwargs)
+
+    monkeypatch.setattr(audit_module, "analyze_audit", warns)
+    checkpoint = stored_checkpoint(tmp_path / "ckpt")
+    args = ["audit", str(checkpoint), "--rollouts", str(GOLDEN / "rollouts.jsonl"), "--train", "stored:trainer",
+            "--infer", "stored:engine"]
+    assert main([*args, "--out", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert "FutureWarning" not in err and f"dependency messages: {tmp_path / 'o' / 'dependencies.log'}" in err
+    assert "some dependency's FutureWarning" in (tmp_path / "o" / "dependencies.log").read_text()
+    # A run that fails leaves no log behind.
+    (tmp_path / "bad.jsonl").write_text("{}\n")
+    before = set(tmp_path.iterdir())
+    assert main(["audit", str(checkpoint), "--rollouts", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "x")]) == 2
+    assert set(tmp_path.iterdir()) == before
