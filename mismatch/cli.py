@@ -35,7 +35,7 @@ out_console = Console()
 err_console = Console(stderr=True)
 
 KEY_METRICS = ("n_tokens", "log_ratio_abs_mean", "log_ratio_abs_max", "kl_k3", "chi2_token",
-               "ess", "ratio_p01", "ratio_p999", "bitwise_equal_frac")
+               "ess", "ratio_q001", "ratio_q999", "bitwise_equal_frac")
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")]
 FrameworkOption = Annotated[Optional[str], typer.Option(

@@ -27,10 +27,12 @@ else:  # pragma: no cover - python 3.10
 # a pass. Bad input (an unknown metric, a malformed threshold) is a MismatchError: exit 2 at the CLI.
 DEFAULT_PAIR = "train/sampler"
 # Drift is measured in the direction that is worse; metrics in neither set drift both ways.
-HIGHER_IS_WORSE = frozenset({"log_ratio_abs_mean", "log_ratio_abs_max", "ratio_std", "ratio_max", "ratio_p99",
-                             "ratio_p999", "kl_k2", "kl_k3", "chi2_token", "chi2_seq", "prob_abs_diff_mean",
+HIGHER_IS_WORSE = frozenset({"log_ratio_abs_mean", "log_ratio_abs_max", "ratio_std", "ratio_max", "ratio_q99",
+                             "ratio_q999", "kl_k2", "kl_k3", "chi2_token", "chi2_seq", "prob_abs_diff_mean",
                              "prob_abs_diff_max", "frac_outside_2"})
-HIGHER_IS_BETTER = frozenset({"ess", "bitwise_equal_frac", "ratio_min", "ratio_p01"})
+HIGHER_IS_BETTER = frozenset({"ess", "bitwise_equal_frac", "ratio_min", "ratio_q001", "ratio_q01"})
+# The quantiles' names before they were ratio_qXYZ: thresholds written with them keep working.
+RENAMED = {"ratio_p01": "ratio_q01", "ratio_p99": "ratio_q99", "ratio_p999": "ratio_q999"}
 # Compared against a baseline even when no threshold names them: the headline gap metrics.
 DRIFT_METRICS = tuple(f"{DEFAULT_PAIR}.{m}" for m in ("kl_k3", "log_ratio_abs_mean", "chi2_token", "frac_outside_2"))
 
@@ -85,6 +87,7 @@ def threshold_key(key: str, *, where: str) -> str:
     """ "kl_k3" -> "train/sampler.kl_k3"; "train/infer.kl_k3" stays; anything else is a MismatchError."""
     pair, _, metric = key.rpartition(".")
     pair = pair or DEFAULT_PAIR
+    metric = RENAMED.get(metric, metric)
     if metric not in PAIR_METRICS:
         raise MismatchError(f"{where}: unknown metric {metric!r} (valid: {', '.join(PAIR_METRICS)})")
     sides = pair.split("/")

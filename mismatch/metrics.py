@@ -20,12 +20,13 @@ from mismatch.tokenview import DEFAULT_SEQ, TokenView
 PAIR_METRICS: tuple[str, ...] = (
     "n_tokens", "n_rollouts",
     "log_ratio_mean", "log_ratio_abs_mean", "log_ratio_abs_max",
-    "ratio_mean", "ratio_std", "ratio_min", "ratio_max", "ratio_p01", "ratio_p99", "ratio_p999",
+    "ratio_mean", "ratio_std", "ratio_min", "ratio_max", "ratio_q001", "ratio_q01", "ratio_q99", "ratio_q999",
     "kl_k1", "kl_k2", "kl_k3", "chi2_token", "chi2_seq", "ppl_ratio", "ess",
     "prob_abs_diff_mean", "prob_abs_diff_max", "frac_outside_2", "bitwise_equal_frac",
 )
 _COUNTS = ("n_tokens", "n_rollouts")
-_QUANTILES = {"ratio_p01": 0.01, "ratio_p99": 0.99, "ratio_p999": 0.999}
+# ratio_qXYZ is the 0.XYZ quantile: both tails at 1% and at 0.1% (the tails are what PPO feels).
+_QUANTILES = {"ratio_q001": 0.001, "ratio_q01": 0.01, "ratio_q99": 0.99, "ratio_q999": 0.999}
 # Beyond this |log_ratio| the sums of r and r^2 behind ESS could overflow or underflow float64.
 _ESS_DIRECT_LIMIT = 300.0
 

@@ -163,8 +163,8 @@ def rule(evidence: Evidence) -> list[Recommendation]:
 
 
 def _gap_words(metrics: dict[str, Any]) -> str:
-    return (f"kl_k3 {metrics['kl_k3']:.3g}, ratio p1-p99.9 {metrics['ratio_p01']:.3g}-"
-            f"{metrics['ratio_p999']:.3g} over {metrics['n_tokens']:,} trainable tokens")
+    return (f"kl_k3 {metrics['kl_k3']:.3g}, ratio q0.1-q99.9 {metrics['ratio_q001']:.3g}-"
+            f"{metrics['ratio_q999']:.3g} over {metrics['n_tokens']:,} trainable tokens")
 
 
 def choose_correction(evidence: Evidence) -> Recommendation:

@@ -41,8 +41,8 @@ def verdict(pair: str, metrics: dict[str, Any]) -> dict[str, str]:
     level = gap_level(metrics)
     text = _TEXT.get(pair, _GENERIC)[level]
     if level not in ("unknown", "exact"):
-        text += (f" (kl_k3 {metrics['kl_k3']:.3g}, ratio p1–p99.9 {metrics['ratio_p01']:.3g}–"
-                 f"{metrics['ratio_p999']:.3g}, {metrics['frac_outside_2']:.2%} of tokens outside [0.5, 2])")
+        text += (f" (kl_k3 {metrics['kl_k3']:.3g}, ratio q0.1–q99.9 {metrics['ratio_q001']:.3g}–"
+                 f"{metrics['ratio_q999']:.3g}, {metrics['frac_outside_2']:.2%} of tokens outside [0.5, 2])")
     return {"level": level, "meaning": MEANING.get(pair, f"{pair} log-ratio"), "text": text}
 
 

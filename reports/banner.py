@@ -75,7 +75,7 @@ def describe(rec: dict[str, Any]) -> str:
 
 def key_numbers(metrics: dict[str, Any]) -> list[tuple[str, Any, str]]:
     return [("kl_k3 per token", metrics.get("kl_k3"), "num"),
-            ("ratio p1 – p99.9", (metrics.get("ratio_p01"), metrics.get("ratio_p999")), "range"),
+            ("ratio q0.1 – q99.9", (metrics.get("ratio_q001"), metrics.get("ratio_q999")), "range"),
             ("max |log-ratio|", metrics.get("log_ratio_abs_max"), "num"),
             ("tokens outside [0.5, 2]", metrics.get("frac_outside_2"), "pct"),
             ("ESS", metrics.get("ess"), "num"),

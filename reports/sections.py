@@ -16,7 +16,7 @@ from reports.html import Html, el, join, num, pct
 
 CARD_METRICS = (("kl_k3", "kl_k3 per token", "num"), ("log_ratio_abs_mean", "mean |log-ratio|", "num"),
                 ("log_ratio_abs_max", "max |log-ratio|", "num"),
-                (("ratio_p01", "ratio_p999"), "ratio p1 – p99.9", "range"), ("chi2_token", "χ² token", "num"),
+                (("ratio_q001", "ratio_q999"), "ratio q0.1 – q99.9", "range"), ("chi2_token", "χ² token", "num"),
                 ("ess", "ESS", "num"), ("frac_outside_2", "ratio outside [0.5, 2]", "pct"),
                 ("bitwise_equal_frac", "bitwise equal", "pct"), ("n_tokens", "trainable tokens", "num"))
 CORRECTION_COLUMNS = (("frac_tokens_affected", "tokens affected", "pct"),

@@ -15,7 +15,7 @@ from mismatch.gate import (DRIFT_METRICS, drift_pct, github_annotations, load_su
 from mismatch.metrics import PAIR_METRICS
 
 METRICS = {name: 0.5 for name in PAIR_METRICS} | {"n_tokens": 100, "n_rollouts": 4, "kl_k3": 2e-4,
-                                                   "ratio_p999": 1.5, "ess": 0.99}
+                                                   "ratio_q999": 1.5, "ess": 0.99}
 
 
 def summary(**pairs_override) -> dict:
@@ -30,8 +30,11 @@ def failed(result) -> list[str]:
 
 
 def test_parse_limits_defaults_to_train_sampler_and_keeps_qualified_pairs():
-    assert parse_limits(["kl_k3=1e-3", "train/infer.ratio_p999=2"]) == {
-        "train/sampler.kl_k3": 1e-3, "train/infer.ratio_p999": 2.0}
+    assert parse_limits(["kl_k3=1e-3", "train/infer.ratio_q999=2"]) == {
+        "train/sampler.kl_k3": 1e-3, "train/infer.ratio_q999": 2.0}
+    # The quantiles' former names still gate the renamed metrics.
+    assert parse_limits(["ratio_p999=2", "ratio_p01=0.5"]) == {"train/sampler.ratio_q999": 2.0,
+                                                             "train/sampler.ratio_q01": 0.5}
 
 
 @pytest.mark.parametrize(("item", "message"), [
@@ -49,10 +52,10 @@ def test_bad_limits_are_one_line_user_errors(item, message):
 
 def test_thresholds_toml(tmp_path: Path):
     path = tmp_path / "gate.toml"
-    path.write_text('max_drift_pct = 10\n[max]\nkl_k3 = 1e-3\n"train/infer.ratio_p999" = 2\n'
+    path.write_text('max_drift_pct = 10\n[max]\nkl_k3 = 1e-3\n"train/infer.ratio_q999" = 2\n'
                     '[max."infer/sampler"]\nkl_k3 = 1e-6\n[min]\ness = 0.9\n')
     thresholds = load_thresholds(path)
-    assert thresholds.maxima == {"train/sampler.kl_k3": 1e-3, "train/infer.ratio_p999": 2.0,
+    assert thresholds.maxima == {"train/sampler.kl_k3": 1e-3, "train/infer.ratio_q999": 2.0,
                                  "infer/sampler.kl_k3": 1e-6}
     assert thresholds.minima == {"train/sampler.ess": 0.9}
     assert thresholds.max_drift_pct == 10.0

@@ -4,7 +4,8 @@ small tree-shaped fixture against the summary.json written for it before the rew
 its make.py; expected_summary.json is that run's output, unedited.
 
 Floats may move by reassociation only (1e-9 relative); everything else is equal, except what later
-work changed on purpose: advice prose and snippets (`why`, `config_snippets`), which fixes are
+work changed on purpose: advice prose, verdict sentences and snippets (`why`, `text`,
+`config_snippets`), the renamed quantiles (ratio_qXYZ), which fixes are
 recommended beside the correction, keys added to an object, and corrections added to the
 simulated list (each one there before must be there still, with the same numbers).
 """
@@ -23,7 +24,7 @@ import mismatch
 GOLDEN = Path(__file__).parent / "data" / "golden"
 # Where and when a run happened, not what it found; and the advice's prose.
 RUN_FACTS = {"created_unix", "checkpoint", "rollouts_file"}
-PROSE = {"why", "config_snippets"}
+PROSE = {"why", "config_snippets", "text"}  # advice and verdict sentences (their numbers are compared as numbers)
 
 
 def _correction_key(item: dict) -> str:
@@ -70,12 +71,24 @@ def differences(got: object, want: object, path: str = "") -> list[str]:
     return [] if (got == want and type(got) is type(want)) else [f"{path}: {got!r} != {want!r}"]
 
 
+# Renamed since the expected file was written (issue 15: both tails, named by quantile).
+RENAMED = {"ratio_p01": "ratio_q01", "ratio_p99": "ratio_q99", "ratio_p999": "ratio_q999"}
+
+
+def renamed(value: object) -> object:
+    if isinstance(value, dict):
+        return {RENAMED.get(k, k): renamed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [renamed(v) for v in value]
+    return value
+
+
 def test_stored_audit_matches_the_summary_from_before_the_rewrite(tmp_path: Path) -> None:
     checkpoint = stored_checkpoint(tmp_path / "ckpt")
     result = mismatch.audit(checkpoint, GOLDEN / "rollouts.jsonl", train="stored:trainer",
                             infer="stored:engine", out=tmp_path / "out")
     got = json.loads((tmp_path / "out" / "summary.json").read_text())
-    want = json.loads((GOLDEN / "expected_summary.json").read_text())
+    want = renamed(json.loads((GOLDEN / "expected_summary.json").read_text()))
     found = differences(got, want)
     assert not found, f"{len(found)} differences, first: " + "; ".join(found[:8])
     assert result.summary["counts"] == want["counts"]

@@ -78,7 +78,7 @@ def agentic_table(seed: int = 0) -> pd.DataFrame:
 
 
 EXACT = {"n_tokens", "n_rollouts", "ratio_min", "ratio_max", "log_ratio_abs_max", "prob_abs_diff_max",
-         "bitwise_equal_frac", "frac_outside_2", "ratio_p01", "ratio_p99", "ratio_p999"}
+         "bitwise_equal_frac", "frac_outside_2", "ratio_q001", "ratio_q01", "ratio_q99", "ratio_q999"}
 
 
 def assert_metrics_close(got: dict, want: dict) -> None:

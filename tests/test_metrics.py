@@ -14,7 +14,7 @@ from mismatch.errors import MismatchError
 from mismatch.metrics import PAIR_METRICS, grouped_pair_metrics, metrics_by, pair_metrics, summarize_pairs
 
 CONTRACT_NAMES = """n_tokens n_rollouts log_ratio_mean log_ratio_abs_mean log_ratio_abs_max
-ratio_mean ratio_std ratio_min ratio_max ratio_p01 ratio_p99 ratio_p999 kl_k1 kl_k2 kl_k3
+ratio_mean ratio_std ratio_min ratio_max ratio_q001 ratio_q01 ratio_q99 ratio_q999 kl_k1 kl_k2 kl_k3
 chi2_token chi2_seq ppl_ratio ess prob_abs_diff_mean prob_abs_diff_max frac_outside_2
 bitwise_equal_frac""".split()
 
@@ -51,9 +51,10 @@ def reference(logp_a: list[float], logp_b: list[float], seq: list, rollout: list
         "ratio_std": math.sqrt(mean([(x - r_mean) ** 2 for x in r])),
         "ratio_min": min(r),
         "ratio_max": max(r),
-        "ratio_p01": quantile(r, 0.01),
-        "ratio_p99": quantile(r, 0.99),
-        "ratio_p999": quantile(r, 0.999),
+        "ratio_q001": quantile(r, 0.001),
+        "ratio_q01": quantile(r, 0.01),
+        "ratio_q99": quantile(r, 0.99),
+        "ratio_q999": quantile(r, 0.999),
         "kl_k1": mean([y - x for x, y in zip(a, b)]),
         "kl_k2": mean([x * x for x in lr]) / 2,
         "kl_k3": mean([x - 1 - math.log(x) for x in r]),
@@ -116,7 +117,7 @@ def test_zero_log_ratio_gives_exact_identities():
     logp = np.array([-0.25, -3.5, -1e-9, -17.0])
     got = pair_metrics(logp, logp.copy(), seq=np.array([0, 0, 1, 1]), rollout=np.array([0, 0, 0, 0]))
     assert got["ratio_mean"] == 1.0 and got["ratio_std"] == 0.0
-    assert got["ratio_min"] == got["ratio_max"] == got["ratio_p01"] == got["ratio_p999"] == 1.0
+    assert got["ratio_min"] == got["ratio_max"] == got["ratio_q001"] == got["ratio_q999"] == 1.0
     for name in ("kl_k1", "kl_k2", "kl_k3", "chi2_token", "chi2_seq", "log_ratio_mean",
                  "prob_abs_diff_max", "frac_outside_2"):
         assert got[name] == 0.0 and math.copysign(1, got[name]) == 1, name

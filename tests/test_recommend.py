@@ -24,7 +24,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 SMALL = {"n_tokens": 1000, "kl_k3": 1e-4, "frac_outside_2": 0.0, "bitwise_equal_frac": 0.0,
-         "ratio_p01": 0.97, "ratio_p999": 1.04}
+         "ratio_q001": 0.97, "ratio_q999": 1.04}
 
 
 def trunc(mode: str, cap: float, frac: float, ess: float) -> dict:
