@@ -175,3 +175,14 @@ def test_shared_llm_is_the_engines_llm_for_the_same_options(tiny_checkpoint, vll
     from mismatch.engines.vllm import shared_llm
 
     assert shared_llm(str(tiny_checkpoint), dtype="float32", seed=0) is vllm32.llm
+
+
+def test_engine_args_are_checked_against_vllms_own_schema_before_any_load() -> None:
+    from mismatch.engines import check_spec
+    from mismatch.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"^engine 'vllm': kv_cache_dtype='fp9' is not one of vLLM's choices \(auto, "):
+        check_spec("vllm:kv_cache_dtype=fp9")
+    with pytest.raises(SpecError, match=r"logprobs_mode='raw' is not one of vLLM's choices \(raw_logits, raw_logprobs"):
+        check_spec("vllm:logprobs_mode=raw")
+    assert check_spec("vllm:dtype=bf16,enable_prefix_caching=false").kind == "vllm"  # aliases and bools pass

@@ -77,6 +77,10 @@ def check_spec(spec: str | EngineSpec) -> EngineSpec:
             normalize_dtype(options.dtype)
         except CheckpointError as exc:
             raise SpecError(f"engine {parsed.kind!r}: {exc}") from None
+    if parsed.kind == "vllm":  # values against vLLM's own arg schema (imports vLLM, loads nothing)
+        from mismatch.engines.vllm import check_options
+
+        check_options(options)
     return parsed
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import threading
 import time
+import types
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -79,6 +80,37 @@ def _import_vllm():
     except ImportError:
         raise SpecError(NOT_INSTALLED) from None
     return vllm
+
+
+def check_options(options: VLLMOptions) -> None:
+    """Each option's value against vLLM's own engine-arg schema (vllm/engine/arg_utils.py EngineArgs:
+    a value outside a field's Literal choices is refused), without loading a model. Needs vLLM."""
+    import typing
+
+    _import_vllm()
+    from vllm.engine.arg_utils import EngineArgs
+
+    hints = {f.name: f.type for f in dataclasses.fields(EngineArgs)}
+    for name in (f.name for f in dataclasses.fields(options)):
+        value = getattr(options, name)
+        if name == "dtype":
+            value = normalize_dtype(value)
+        choices = _literal_choices(hints.get(name), typing)
+        if value is not None and choices and not isinstance(value, bool) and value not in choices:
+            raise SpecError(f"engine 'vllm': {name}={value!r} is not one of vLLM's choices "
+                            f"({', '.join(map(str, choices))})")
+
+
+def _literal_choices(hint: Any, typing: Any) -> tuple[Any, ...]:
+    """The values a Literal annotation (alone, or as the only kind of a Union with None) allows; ()
+    when the field also takes something open-ended (a str, a type)."""
+    if typing.get_origin(hint) is typing.Literal:
+        return typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        parts = [part for part in typing.get_args(hint) if part is not type(None)]
+        if parts and all(typing.get_origin(part) is typing.Literal for part in parts):
+            return tuple(value for part in parts for value in typing.get_args(part))
+    return ()
 
 
 def engine_args(options: VLLMOptions, checkpoint: str) -> dict[str, Any]:
