@@ -107,7 +107,15 @@ def replay_progress(enabled: bool) -> Iterator[Any]:
                TextColumn("tokens"), TimeRemainingColumn())
     progress = Progress(*columns, console=err_console)
 
-    def factory(label: str, total: int):
+    loading: set[Any] = set()
+
+    def factory(label: str, total: int | None):
+        if total is None:  # a phase without a count (an engine starting), shown while it runs
+            if not progress.live.is_started:  # nothing on screen yet: a failing first load stays one line
+                return lambda done: None
+            task = progress.add_task(label, total=None)
+            loading.add(task)
+            return lambda done: (progress.remove_task(task), loading.discard(task))
         progress.start()
         task = progress.add_task(label, total=total)
         return lambda done: progress.advance(task, done)
@@ -115,6 +123,8 @@ def replay_progress(enabled: bool) -> Iterator[Any]:
     try:
         yield factory
     finally:
+        for task in list(loading):  # a load that failed: its error line says the rest
+            progress.remove_task(task)
         if progress.live.is_started:
             progress.stop()
 

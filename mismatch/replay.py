@@ -174,7 +174,9 @@ def replay_column(requests: Sequence[ReplayRequest], engine: Engine, *,
     return np.concatenate(results).astype(np.float64) if results else np.empty(0)
 
 
-ProgressFactory = Callable[[str, int], ProgressFn | None]
+# (label, total tokens) -> a callback per batch of tokens done; total None: a phase without a count
+# (an engine starting), whose callback is called once when it ends.
+ProgressFactory = Callable[[str, int | None], ProgressFn | None]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -233,8 +235,11 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
     try:
         for block, requests in plan.blocks():
             done = work.load(role, block) if work is not None else None
-            if done is None:
-                engine = engine or load_engine(spec, checkpoint)  # not at all if every block is done
+            if done is None and engine is None:  # not at all if every block is done
+                starting = progress(f"starting {role}: {spec.text}", None) if progress is not None else None
+                engine = load_engine(spec, checkpoint)
+                if starting is not None:
+                    starting(0)
             # The bar starts once the engine loaded: a checkpoint that fails prints only its error.
             if callback is None and progress is not None:
                 callback = progress(f"replay {role}: {spec.text}", plan.num_scored)

@@ -172,3 +172,22 @@ def test_console_script_json_output(tiny_checkpoint, sampled_rollouts, tmp_path)
     summary = json.loads(done.stdout)
     assert summary["pairs"]["train/infer"]["bitwise_equal_frac"] == 1.0
     assert all(v is None or math.isfinite(v) for v in summary["pairs"]["train/sampler"].values())
+
+
+def test_engine_start_is_a_labelled_phase(tiny_checkpoint, tmp_path) -> None:
+    """Each engine's start is announced (total None) before its token bar, and closed when done."""
+    from mismatch.replay import replay_roles
+
+    events = []
+
+    def factory(label, total):
+        events.append((label, total))
+        return lambda done: events.append((label, "done")) if total is None else None
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
+    replay_roles(tiny_checkpoint, example, {"train": "hf", "infer": "hf-decode"}, progress=factory)
+    starts = [(label, total) for label, total in events if total is None or total == "done"]
+    assert starts == [("starting train: hf", None), ("starting train: hf", "done"),
+                      ("starting infer: hf-decode", None), ("starting infer: hf-decode", "done")]
+    assert events.index(("starting infer: hf-decode", "done")) < events.index(
+        next(e for e in events if e[0] == "replay infer: hf-decode"))
