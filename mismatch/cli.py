@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Iterator, Optional
 import typer
 from rich.console import Console
 
-from mismatch.errors import MismatchError
+from mismatch.errors import EngineError, MismatchError
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -134,38 +134,99 @@ DEPENDENCY_LOG = "dependencies.log"
 
 @contextmanager
 def dependency_log(out: Path) -> Iterator[None]:
-    """Python warnings and vLLM's log lines go to DIR/dependencies.log, not between the progress bars.
+    """Everything the dependencies print goes to DIR/dependencies.log, not between the progress bars.
 
-    They are written beside the results dir while it is being made and moved into it once it is
-    published (its path said once); a run that fails leaves no log behind (its error is one line).
+    File descriptor 2 itself is pointed at the log, so vLLM's engine-core process, C++ warnings
+    (NUMA, Triton) and tqdm bars go there too; our own console keeps the real stderr. Python
+    warnings and the "vllm" logger are routed to the same file. The log is written beside the
+    results dir and moved into it once it is published (its path said once). A failed run keeps
+    it as OUT.failed.log only when it holds something (an engine's own account of why it failed)
+    and says where; a later successful run removes that file.
     """
     import logging
 
     out.parent.mkdir(parents=True, exist_ok=True)
     pending = out.parent / f".{out.name}.{os.getpid()}.log"
-    handler = logging.FileHandler(pending, delay=True)
+    failed_log = out.parent / f"{out.name}.failed.log"
+    log_file = pending.open("ab")
+    handler = logging.StreamHandler(open(log_file.fileno(), "w", closefd=False, buffering=1))
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     loggers = [logging.getLogger(name) for name in ("py.warnings", "vllm")]
     saved = [(logger.handlers[:], logger.propagate) for logger in loggers]
+    sys.stderr.flush()
+    real_stderr = os.dup(2)
+    # Console._file: None means "whatever sys.stderr is at each write" (what it goes back to).
+    restore_file = err_console._file
+    console_stream = None
+    if _is_fd2(sys.stderr):  # the console writes to the real stderr, not to the log
+        console_stream = open(real_stderr, "w", closefd=False, buffering=1)
+        err_console.file = console_stream
+    os.dup2(log_file.fileno(), 2)
     logging.captureWarnings(True)
     for logger in loggers:
         logger.handlers, logger.propagate = [handler], False
-    published = False
+    published, keep = False, False
     try:
         yield
         published = out.is_dir()
+    except BaseException as exc:
+        # An engine that failed may have said why only in its own output; bad input has its line.
+        keep = isinstance(exc, EngineError) or not isinstance(exc, (MismatchError, typer.Abort,
+                                                                     KeyboardInterrupt))
+        raise
     finally:
         logging.captureWarnings(False)
         for logger, (handlers, propagate) in zip(loggers, saved):
             logger.handlers, logger.propagate = handlers, propagate
-        handler.close()
-        if pending.exists():
-            if published and pending.stat().st_size:
-                os.replace(pending, out / DEPENDENCY_LOG)
-                err_console.print(f"dependency messages: {out / DEPENDENCY_LOG}", markup=False, highlight=False,
-                                  soft_wrap=True)
-            else:
-                pending.unlink()
+        handler.flush()
+        sys.stderr.flush()
+        if console_stream is not None:
+            console_stream.close()  # flushed; the descriptor itself is closed just below
+        os.dup2(real_stderr, 2)
+        os.close(real_stderr)
+        err_console._file = restore_file
+        log_file.close()
+        _settle_log(pending, out, failed_log, published, keep)
+
+
+def _is_fd2(stream: Any) -> bool:
+    try:
+        return stream.fileno() == 2
+    except (AttributeError, OSError, ValueError):  # a test runner's buffer
+        return False
+
+
+def _last_error_line(log: Path) -> str | None:
+    """The last `SomeError: text` line of a log that is not a pointer to another one (a root
+    cause raised in an engine's worker process is re-raised as "see above" in the parent)."""
+    import re
+
+    pattern = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): \S")
+    lines = log.read_text(errors="replace").splitlines()
+    causes = [line for line in lines if pattern.match(line) and "root cause" not in line
+              and "stack trace" not in line]
+    return causes[-1][:400] if causes else None
+
+
+def _settle_log(pending: Path, out: Path, failed_log: Path, published: bool, keep: bool) -> None:
+    """The log into the published dir, kept beside a failed run as OUT.failed.log (`keep`: an
+    engine failed), or removed."""
+    size = pending.stat().st_size if pending.exists() else 0
+    if published:
+        failed_log.unlink(missing_ok=True)  # ours, from an earlier failed run of this command
+    if size and published:
+        os.replace(pending, out / DEPENDENCY_LOG)
+        say = f"dependency messages: {out / DEPENDENCY_LOG}"
+    elif size and keep:
+        os.replace(pending, failed_log)
+        say = f"the dependencies' own output of this failed run: {failed_log}"
+        cause = _last_error_line(failed_log)
+        if cause:
+            say += f"; it ends with: {cause}"
+    else:
+        pending.unlink(missing_ok=True)
+        return
+    err_console.print(say, markup=False, highlight=False, soft_wrap=True)
 
 
 @contextmanager

