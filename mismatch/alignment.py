@@ -111,7 +111,7 @@ def replay_processed(plan, spec: str, checkpoint: str | os.PathLike[str], sampli
     """
     from mismatch.engines import load_engine
     from mismatch.engines.hf import TorchEngineBase
-    from mismatch.replay import replay_column
+    from mismatch.replay import check_column, replay_column
 
     engine = load_engine(spec, os.fspath(checkpoint))
     try:
@@ -124,8 +124,10 @@ def replay_processed(plan, spec: str, checkpoint: str | os.PathLike[str], sampli
             hidden, target, engine.lm_head, sampling=sampling, chunk=engine.options.chunk,
             softcap=engine.softcap).numpy()
         # Block by block, as replay_roles does: batch composition, and so every bit, is the same.
-        parts = [replay_column(requests, engine) for _, requests in plan.blocks()]
-        return np.concatenate(parts) if parts else np.empty(0)
+        parts = [replay_column(requests, engine, name=f"{spec} (processed)") for _, requests in plan.blocks()]
+        values = np.concatenate(parts) if parts else np.empty(0)
+        check_column(values, plan.table, f"{spec} (processed)")
+        return values
     finally:
         engine.close()
 

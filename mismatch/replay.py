@@ -16,7 +16,7 @@ import pandas as pd
 
 from mismatch.checkpoint import checkpoint_info
 from mismatch.engines import Engine, EngineSpec, ProgressFn, ReplayRequest, check_spec, load_engine
-from mismatch.errors import MismatchError, SpecError
+from mismatch.errors import EngineError, MismatchError, SpecError
 from mismatch.results import WorkDir
 from mismatch.rollouts import Rollout, Segment, context_tokens, load_rollouts
 from mismatch.trees import add_tree_weights
@@ -165,13 +165,44 @@ def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
 
 
 def replay_column(requests: Sequence[ReplayRequest], engine: Engine, *,
-                  progress: ProgressFn | None = None) -> np.ndarray:
-    """One engine's log-probs for these requests' rows (float64, NaN where undefined)."""
+                  progress: ProgressFn | None = None, name: str = "engine") -> np.ndarray:
+    """One engine's log-probs for these requests' rows (float64), checked at the boundary.
+
+    Every engine kind answers the same contract: one log-prob per requested token, each a number
+    <= 0 (-inf allowed: probability 0, as processed log-probs under top-k give), NaN only where
+    the request has no context to score from (position 0). Anything else is refused with the
+    request and position (`check_column` names the rollout), never dropped or kept silently.
+    """
     results = engine.replay(requests, progress=progress)
-    for request, logp in zip(requests, results, strict=True):
-        # Built-in engines are trusted by this assert; user engines are checked in engines/user.py.
-        assert len(logp) == request.num_scored, "engine returned the wrong number of log-probs"
+    if len(results) != len(requests):
+        raise EngineError(f"{name}: returned {len(results)} results for {len(requests)} requests")
+    for index, (request, logp) in enumerate(zip(requests, results, strict=True)):
+        if np.shape(logp) != (request.num_scored,):
+            raise EngineError(f"{name}: request {index}: returned {np.shape(logp)} log-probs for "
+                              f"{request.num_scored} requested tokens")
     return np.concatenate(results).astype(np.float64) if results else np.empty(0)
+
+
+def bad_logprob_rows(values: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Rows whose log-prob breaks the engine contract (replay_column): NaN with context before it,
+    +inf, or a positive log-prob."""
+    with np.errstate(invalid="ignore"):
+        bad = (np.isnan(values) & (pos > 0)) | (values > 0)
+    return np.flatnonzero(bad)
+
+
+def check_column(values: np.ndarray, rows: pd.DataFrame, name: str) -> None:
+    """EngineError naming the rollout, branch, position and token of the first value an engine
+    should never have returned (`rows`: the token-table rows `values` fill, in order)."""
+    bad = bad_logprob_rows(values, rows["pos"].to_numpy())
+    if not len(bad):
+        return
+    first = int(bad[0])
+    row = rows.iloc[first]
+    raise EngineError(f"{name}: log-prob {float(values[first])!r} for token {int(row['token_id'])} at rollout "
+                      f"{row['rollout']!r} branch {row['branch']!r} position {int(row['pos'])} "
+                      f"({len(bad)} such value{'s' if len(bad) > 1 else ''}; an engine must return one "
+                      "log-prob <= 0 per requested token)")
 
 
 # (label, total tokens) -> a callback per batch of tokens done; total None: a phase without a count
@@ -232,6 +263,7 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
     callback: ProgressFn | None = None
     engine: Engine | None = None
     parts: list[np.ndarray] = []
+    offset = 0  # the block's first row in the table
     try:
         for block, requests in plan.blocks():
             done = work.load(role, block) if work is not None else None
@@ -244,12 +276,14 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
             if callback is None and progress is not None:
                 callback = progress(f"replay {role}: {spec.text}", plan.num_scored)
             if done is None:
-                done = replay_column(requests, engine, progress=callback)
+                done = replay_column(requests, engine, progress=callback, name=f"--{role} {spec.text}")
+                check_column(done, plan.table.iloc[offset:offset + len(done)], f"--{role} {spec.text}")
                 if work is not None:
                     work.save(role, block, done)
             elif callback is not None:
                 callback(len(done))
             parts.append(done)
+            offset += len(done)
         described = engine.describe() if engine is not None else {"spec": spec.text, "resumed": True}
     finally:
         if engine is not None:

@@ -247,3 +247,77 @@ def test_a_vllm_server_gives_the_offline_engines_numbers_bitwise(
         offline.close()
     print(f"http vs offline vllm: max |dlogp| = {np.nanmax(np.abs(logp_http - logp_offline))!r}")
     assert np.array_equal(logp_http, logp_offline, equal_nan=True)
+
+
+def _sglang_answer(fault: Callable[[int, int], tuple[float, int]]) -> Route:
+    """/generate answering each input position with fault(position, token) = (logprob, token id)."""
+    def answer(body: dict[str, Any] | None) -> tuple[int, Any]:
+        ids = (body or {})["input_ids"]
+        triples = [None] + [[*fault(i, token), None] for i, token in enumerate(ids) if i > 0]
+        return 200, {"text": "", "meta_info": {"input_token_logprobs": triples}}
+    return answer
+
+
+def _openai_answer(value: Callable[[int], float]) -> Route:
+    def answer(body: dict[str, Any] | None) -> tuple[int, Any]:
+        ids = (body or {})["prompt"]
+        rows = [None] + [{str(token): {"logprob": value(i)}} for i, token in enumerate(ids) if i > 0]
+        return 200, {"choices": [{"prompt_logprobs": rows, "prompt_token_ids": ids}]}
+    return answer
+
+
+@pytest.mark.parametrize("api, route, needle", [
+    ("sglang", _sglang_answer(lambda i, token: (-0.5, token + 1 if i == 5 else token)),
+     "answered for token"),
+    ("openai", _openai_answer(lambda i: float("nan") if i == 7 else -0.5), "log-prob nan for token"),
+    ("openai", _openai_answer(lambda i: float("inf") if i == 7 else -0.5), "log-prob inf for token"),
+    ("openai", _openai_answer(lambda i: 0.25 if i == 7 else -0.5), "log-prob 0.25 for token"),
+])
+def test_a_server_that_answers_wrong_stops_the_audit_with_the_position(tmp_path, capsys, api, route,
+                                                                      needle) -> None:
+    from test_golden import GOLDEN, stored_checkpoint
+
+    from mismatch.cli import main
+
+    path = "POST /generate" if api == "sglang" else "POST /v1/completions"
+    with _server({"GET /v1/models": _models("vllm"), path: route}) as url:
+        spec = _toml(tmp_path, url=f"{url}/v1", api=api, model="tiny", retries=0)
+        code = main(["audit", str(stored_checkpoint(tmp_path / "ckpt")), "--rollouts",
+                     str(GOLDEN / "rollouts.jsonl"), "--train", "sampler", "--infer", spec,
+                     "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err, err
+    if api == "openai":  # the boundary check names where: rollout, branch, position
+        assert "at rollout " in err and " position " in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_server_that_drips_its_answer_hits_the_request_deadline(tiny_checkpoint, tmp_path) -> None:
+    class Drip(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            for _ in range(1000):  # a byte every 0.1 s: no single read ever times out
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(0.1)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Drip)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        engine = load_engine(_toml(tmp_path, url=f"{url}/v1", api="openai", model="tiny", timeout=1.0),
+                             str(tiny_checkpoint))
+        started = time.perf_counter()
+        with pytest.raises(MismatchError, match=r"did not answer within timeout = 1 s"):
+            engine.replay([REQUEST])
+        assert time.perf_counter() - started < 5
+    finally:
+        server.shutdown()
+        server.server_close()

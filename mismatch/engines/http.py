@@ -39,7 +39,7 @@ class HTTPOptions:
     api: str = "auto"            # openai (vLLM) | sglang | auto: ask GET /v1/models who serves
     model: str | None = None     # served model name (openai); default: the one /v1/models lists
     concurrency: int = 4         # requests in flight (the server batches them)
-    timeout: float = 600.0       # seconds per HTTP request
+    timeout: float = 300.0       # seconds for a whole HTTP request, answer included (a deadline)
     retries: int = 3             # extra attempts on connection errors, timeouts and 5xx
     backoff: float = 1.0         # seconds before the first retry, doubled on each next one
     checkpoint: str | None = None  # the weights the server is said to serve (recorded, not loaded)
@@ -173,7 +173,8 @@ class HTTPEngine:
             if entry is None:
                 raise MismatchError(f"server at {self.root}: no log-prob for token "
                                     f"{tokens[position]} at position {position}")
-            logp_L[position] = _logprob(entry["logprob"])
+            logp_L[position] = _number(entry.get("logprob") if isinstance(entry, dict) else None,
+                                       self.root, position)
         return logp_L
 
     def _sglang(self, tokens: list[int]) -> np.ndarray:
@@ -196,10 +197,14 @@ class HTTPEngine:
                                 f"for {len(tokens)} tokens")
         logp_L = np.full(len(tokens), np.nan)
         for position in range(1, len(tokens)):
-            value = triples[position][0]
-            if value is None:
-                raise MismatchError(f"server at {self.root}: no log-prob at position {position}")
-            logp_L[position] = _logprob(value)
+            triple = triples[position]
+            if not isinstance(triple, (list, tuple)) or len(triple) < 2 or triple[0] is None:
+                raise MismatchError(f"server at {self.root}: no log-prob at position {position} "
+                                    f"(got {str(triple)[:80]})")
+            if triple[1] != tokens[position]:  # a log-prob of another token is no answer at all
+                raise MismatchError(f"server at {self.root}: answered for token {triple[1]!r} at "
+                                    f"position {position}, where the prompt has {tokens[position]}")
+            logp_L[position] = _number(triple[0], self.root, position)
         return logp_L
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
@@ -215,8 +220,11 @@ class HTTPEngine:
             request = urllib.request.Request(url, data=data, method=method,
                                              headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=self.options.timeout) as response:
-                    return json.loads(response.read())
+                return json.loads(_read_by(request, time.monotonic() + self.options.timeout))
+            except _DeadlineExpired:
+                # Not retried: a server that used the whole deadline once would use it again.
+                raise MismatchError(f"server at {url} did not answer within timeout = "
+                                    f"{self.options.timeout:g} s") from None
             except urllib.error.HTTPError as exc:
                 message = _error_message(exc)
                 if exc.code < 500:
@@ -237,7 +245,34 @@ class HTTPEngine:
         pass  # the server is not ours to stop
 
 
-def _logprob(value: float) -> float:
+class _DeadlineExpired(Exception):
+    pass
+
+
+def _read_by(request: urllib.request.Request, deadline: float) -> bytes:
+    """The whole answer, or _DeadlineExpired once `deadline` passes between two reads. The socket
+    timeout alone bounds one read, so a server dripping a byte at a time would never time out;
+    a silent one is still cut by the socket timeout (the time left when the request started)."""
+    def remaining() -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _DeadlineExpired
+        return left
+
+    with urllib.request.urlopen(request, timeout=remaining()) as response:
+        chunks = []
+        while chunk := response.read1(1 << 16):
+            chunks.append(chunk)
+            remaining()
+        return b"".join(chunks)
+
+
+def _number(value: Any, root: str, position: int) -> float:
+    """A log-prob from a server's JSON; vLLM's -9999 floor is probability 0 (-inf). Whether it is
+    a valid log-prob (<= 0, not NaN) is checked for every engine at one boundary (replay.py)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MismatchError(f"server at {root}: log-prob at position {position} is not a number "
+                            f"({str(value)[:40]})")
     return -math.inf if value <= NEG_INF_FLOOR else float(value)
 
 
