@@ -27,7 +27,8 @@ from mismatch.localize.turns import localize_turns
 from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
 from mismatch.recommend import FRAMEWORKS, recommend, recommendations_dicts, render_config
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_roles
-from mismatch.results import SUMMARY_SCHEMA, WorkDir, check_out_dir, file_identity, write_results
+from mismatch.identity import run_inputs
+from mismatch.results import SUMMARY_SCHEMA, WorkDir, check_out_dir, results_lock, write_results
 from mismatch.tokenview import TokenView
 from mismatch.trees import tree_summary
 from mismatch.verdicts import verdicts
@@ -58,13 +59,22 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
     With `out`, finished blocks are kept in a work dir so the same call resumes after a kill.
     `clip` is the PPO clip range the gap is also measured against (summary.json `clip`).
     """
+    out_dir = Path(out) if out is not None else None
+    with results_lock(out_dir):  # one run at a time into OUT, from its first check to its publish
+        return _audit(checkpoint, rollouts, train=train, infer=infer, out_dir=out_dir, force=force,
+                      localize_models=localize_models, shard=shard, block_size=block_size,
+                      progress=progress, clip=clip)
+
+
+def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: str, out_dir: Path | None,
+           force: bool, localize_models: bool, shard: Shard | None, block_size: int,
+           progress: ProgressFactory | None, clip: ClipRange) -> AuditResult:
     roles = {"train": train, "infer": infer}
     if localize_models:
         check_localizable(train, infer)  # before any replay: requested work is done or refused
-    out_dir = Path(out) if out is not None else None
-    replayed, work = replay_for_results(checkpoint, rollouts, roles, out=out_dir, force=force,
-                                        shard=shard, block_size=block_size, progress=progress,
-                                        command="audit")
+    replayed, work, inputs = replay_for_results(checkpoint, rollouts, roles, out=out_dir, force=force,
+                                                shard=shard, block_size=block_size, progress=progress,
+                                                command="audit")
     table, engines = replayed.table, replayed.engines
     alignment = check_alignment(table, sampler_meta=engines["sampler"]["meta"])
     if alignment["logprob_semantics"] == "processed" and parse_spec(train).kind in ("hf", "hf-decode"):
@@ -78,6 +88,7 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
     summary = analyze_audit(table, engines=engines, checkpoint=str(checkpoint),
                             rollouts_file=str(rollouts), drift=drift, alignment=alignment, clip=clip)
     summary["shard"] = shard_info(shard, block_size)
+    summary["inputs"] = inputs
     if requests is not None:
         done = progress("localize: layers and kernels, both models with hooks", 1) if progress else None
         summary["localization"].update(run_model_localizers(checkpoint, requests, a=train, b=infer))
@@ -115,25 +126,25 @@ def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
 
 def replay_for_results(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, str], *,
                        out: Path | None, force: bool, shard: Shard | None, block_size: int,
-                       progress: ProgressFactory | None, command: str) -> tuple[Replayed, WorkDir | None]:
-    """Refuse a taken results dir first, then replay with a resumable work dir beside it."""
+                       progress: ProgressFactory | None,
+                       command: str) -> tuple[Replayed, WorkDir | None, dict[str, Any] | None]:
+    """Refuse a taken results dir first, then replay with a resumable work dir beside it; also
+    returns the inputs' identity (summary.json `inputs`), which the work dir must match."""
     work = None
     if out is not None:
         check_out_dir(out, force=force)
-    for text in roles.values():  # a bad spec leaves no work dir behind (and costs no replay)
-        check_spec(text)
+    # Every spec checked before anything else: a bad one leaves no work dir and costs no replay.
+    specs = {role: check_spec(text) for role, text in roles.items()}
+    inputs = None
     # A missing checkpoint or rollouts file gets its own one-line error from replay_roles.
-    if out is not None and Path(checkpoint).is_dir() and Path(rollouts).is_file():
-        # The weights' files, not the directory: rewriting a file in place leaves a dir's mtime alone.
-        weights = sorted([*Path(checkpoint).glob("*.safetensors"), Path(checkpoint) / "config.json"])
-        manifest = {"command": command,
-                    "checkpoint": [file_identity(path) for path in weights if path.is_file()],
-                    "rollouts": file_identity(rollouts), "roles": roles,
-                    "shard": shard_info(shard, block_size), "mismatch_version": __version__}
-        work = WorkDir.open(out, manifest, force=force)
+    if Path(checkpoint).is_dir() and Path(rollouts).is_file():
+        inputs = run_inputs(command=command, checkpoint=checkpoint, rollouts=rollouts, engines=specs,
+                            block_size=block_size, version=__version__)
+    if out is not None and inputs is not None:
+        work = WorkDir.open(out, {**inputs, "shard": shard_info(shard, block_size)}, force=force)
     replayed = replay_roles(checkpoint, rollouts, roles, progress=progress, shard=shard,
                             block_size=block_size, work=work)
-    return replayed, work
+    return replayed, work, inputs
 
 
 def publish(out: Path, table: pd.DataFrame, summary: dict[str, Any],

@@ -215,7 +215,9 @@ def _settle_log(pending: Path, out: Path, failed_log: Path, published: bool, kee
     if published:
         failed_log.unlink(missing_ok=True)  # ours, from an earlier failed run of this command
     if size and published:
-        os.replace(pending, out / DEPENDENCY_LOG)
+        import shutil
+
+        shutil.move(pending, out / DEPENDENCY_LOG)  # a rename, or a copy when OUT is a mount point
         say = f"dependency messages: {out / DEPENDENCY_LOG}"
     elif size and keep:
         os.replace(pending, failed_log)

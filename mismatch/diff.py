@@ -16,6 +16,7 @@ import pandas as pd
 from mismatch import terms
 from mismatch.audit import build_summary, publish, replay_for_results, shard_info
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Shard
+from mismatch.results import results_lock
 
 DIFF_PAIRS = (("a", "reference"), ("b", "reference"), ("a", "b"))
 # Metrics that are token means: their bootstrap over rollouts is exact from per-rollout sums.
@@ -37,12 +38,21 @@ def diff(checkpoint: str | Path, rollouts: str | Path, *, a: str, b: str, refere
          progress: ProgressFactory | None = None) -> DiffResult:
     """Which of configs `a` and `b` is closer to `reference`, by how much, and where."""
     out_dir = Path(out) if out is not None else None
-    replayed, work = replay_for_results(checkpoint, rollouts, {"a": a, "b": b, "reference": reference},
+    with results_lock(out_dir):
+        return _diff(checkpoint, rollouts, a=a, b=b, reference=reference, out_dir=out_dir, force=force,
+                     seed=seed, shard=shard, block_size=block_size, progress=progress)
+
+
+def _diff(checkpoint: str | Path, rollouts: str | Path, *, a: str, b: str, reference: str,
+          out_dir: Path | None, force: bool, seed: int, shard: Shard | None, block_size: int,
+          progress: ProgressFactory | None) -> DiffResult:
+    replayed, work, inputs = replay_for_results(checkpoint, rollouts, {"a": a, "b": b, "reference": reference},
                                         out=out_dir, force=force, shard=shard, block_size=block_size,
                                         progress=progress, command="diff")
     summary = analyze_diff(replayed.table, engines=replayed.engines, checkpoint=str(checkpoint),
                            rollouts_file=str(rollouts), seed=seed)
     summary["shard"] = shard_info(shard, block_size)
+    summary["inputs"] = inputs
     if out_dir is not None:
         publish(out_dir, replayed.table, summary, DIFF_PAIRS, force=force, work=work)
     return DiffResult(summary=summary, tokens=replayed.table, out=out_dir)

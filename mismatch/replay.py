@@ -267,6 +267,8 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
     try:
         for block, requests in plan.blocks():
             done = work.load(role, block) if work is not None else None
+            if done is not None and len(done) != sum(request.num_scored for request in requests):
+                done = None  # not this block's rows (the manifest matched, the file did not)
             if done is None and engine is None:  # not at all if every block is done
                 starting = progress(f"starting {role}: {spec.text}", None) if progress is not None else None
                 engine = load_engine(spec, checkpoint)
@@ -284,7 +286,13 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
                 callback(len(done))
             parts.append(done)
             offset += len(done)
-        described = engine.describe() if engine is not None else {"spec": spec.text, "resumed": True}
+        if engine is not None:
+            described = engine.describe()
+            if work is not None:
+                work.save_described(role, described)
+        else:  # every block was done: the engine as the run that replayed them described it
+            described = (work.load_described(role) if work is not None else None) or {
+                "spec": spec.text, "resumed": True}
     finally:
         if engine is not None:
             engine.close()

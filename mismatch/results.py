@@ -36,6 +36,84 @@ def is_results_dir(path: Path) -> bool:
         return False
 
 
+@contextmanager
+def results_lock(out: Path | None) -> Iterator[None]:
+    """Hold OUT for one run from its first check to its publish (a no-op without OUT).
+
+    A second run into the same OUT (or its work dir) exits 2 naming the first's pid and host,
+    instead of mixing its blocks into the first's. Under the lock, whatever a killed run of this
+    OUT left is ours to settle: a `--force` replace killed between its two renames is rolled
+    back, and hidden stage, trash and temp files are removed.
+    """
+    if out is None:
+        yield
+        return
+    import fcntl
+    import socket
+
+    out = Path(out)
+    _writable_parent(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = out.parent / f".{out.name}.lock"
+    while True:
+        handle = lock_path.open("a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise ResultsError(f"{out}: another mismatch run is writing it ({holder}); wait for it "
+                               "to finish or choose another --out") from None
+        # The file we locked may have been removed by the run that held it a moment ago.
+        if lock_path.exists() and os.stat(lock_path).st_ino == os.fstat(handle.fileno()).st_ino:
+            break
+        handle.close()
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        _settle_leftovers(out)
+        yield
+    finally:
+        lock_path.unlink(missing_ok=True)
+        handle.close()
+
+
+def _writable_parent(out: Path) -> None:
+    """Refuse an OUT whose directory cannot be written, before any work (not at the first block)."""
+    existing = out.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ResultsError(f"{out}: cannot write in {existing} (permission denied or read-only)")
+    if out.is_dir() and os.path.ismount(out) and not os.access(out, os.W_OK | os.X_OK):
+        raise ResultsError(f"{out}: a mount point that cannot be written")
+
+
+def _settle_leftovers(out: Path) -> None:
+    """What killed runs of OUT left beside or inside it (called with OUT's lock held)."""
+    parent = out.parent
+    trashes = sorted(parent.glob(f".{glob_escape(out.name)}.old-*"))
+    if not out.exists():
+        for trash in trashes:  # killed between "old out -> trash" and "stage -> out": roll back
+            if (trash / "old").is_dir():
+                os.replace(trash / "old", out)
+                break
+    for leftover in [*trashes, *parent.glob(f".{glob_escape(out.name)}.tmp-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+    if out.is_dir():
+        for leftover in [*out.glob(".index.html.tmp-*"), *out.glob(f"{STAGE_IN_PLACE}*")]:
+            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
+
+
+def glob_escape(name: str) -> str:
+    import glob
+
+    return glob.escape(name)
+
+
 def check_out_dir(out: Path, *, force: bool) -> None:
     """Refuse early (before any replay) to overwrite what the user has."""
     if out.exists() and not out.is_dir():
@@ -47,16 +125,26 @@ def check_out_dir(out: Path, *, force: bool) -> None:
                            "refusing to replace it even with --force")
 
 
+# A results dir that is a mount point (a container volume: `-v …:/out --out /out`) cannot be
+# renamed; its files are staged inside it under this prefix and moved in one by one.
+STAGE_IN_PLACE = ".mismatch-stage-"
+
+
 @contextmanager
 def staged_dir(out: Path, *, force: bool) -> Iterator[Path]:
-    """Yield a temp dir to fill; on success it replaces `out` in one rename, on error it vanishes."""
+    """Yield a temp dir to fill; on success it replaces `out` in one rename (file by file when
+    `out` is a mount point), on error it vanishes."""
     check_out_dir(out, force=force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    in_place = out.is_dir() and os.path.ismount(out)
+    stage = Path(tempfile.mkdtemp(prefix=STAGE_IN_PLACE if in_place else f".{out.name}.tmp-",
+                                  dir=out if in_place else out.parent))
     os.chmod(stage, 0o777 & ~_umask())  # mkdtemp makes 0700; the user expects a normal dir
     try:
         yield stage
-        if out.exists():
+        if in_place:
+            _replace_contents(out, stage)
+        elif out.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, trash / "old")
             os.replace(stage, out)
@@ -66,6 +154,18 @@ def staged_dir(out: Path, *, force: bool) -> Iterator[Path]:
     finally:
         if stage.exists():
             shutil.rmtree(stage)
+
+
+def _replace_contents(out: Path, stage: Path) -> None:
+    """The staged files into `out` one by one (each an atomic rename; summary.json last, so a
+    reader that sees it sees the rest), after the previous results (checked by check_out_dir)."""
+    for old in out.iterdir():
+        if old != stage:
+            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+    names = sorted(path.name for path in stage.iterdir())
+    for name in sorted(names, key=lambda name: name == SUMMARY_FILE):
+        os.replace(stage / name, out / name)
+    stage.rmdir()
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -185,8 +285,15 @@ class WorkDir:
         file = self._file(role, block)
         if not file.is_file():
             return None
+        try:
+            values = np.load(file, allow_pickle=False)
+        except (ValueError, OSError, EOFError):
+            # Saves are atomic, so only something outside this tool makes a block unreadable
+            # (an empty or cut file): replayed again, never trusted and never fatal.
+            file.unlink(missing_ok=True)
+            return None
         self._loaded[role] = self._loaded.get(role, 0) + 1
-        return np.load(file, allow_pickle=False)
+        return values
 
     def save(self, role: str, block: int, logp: np.ndarray) -> None:
         if not (self.path / "manifest.json").is_file():
@@ -202,15 +309,21 @@ class WorkDir:
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
+    def save_described(self, role: str, described: dict[str, Any]) -> None:
+        """The engine's describe() once its blocks are done: a resume that replays nothing for a
+        role still reports the engine as it was (resolved options, semantics), as one run would."""
+        if self.path.is_dir():
+            atomic_write_text(self.path / f"{role}-described.json", json.dumps(json_safe(described)) + "\n")
+
+    def load_described(self, role: str) -> dict[str, Any] | None:
+        file = self.path / f"{role}-described.json"
+        try:
+            return json.loads(file.read_text()) if file.is_file() else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+
     def num_loaded(self, role: str) -> int:
         return self._loaded.get(role, 0)
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
-
-
-def file_identity(path: str | Path) -> dict[str, Any]:
-    """What a resume must match: absolute path, size and mtime (cheap; no hashing of GBs)."""
-    resolved = Path(path).resolve()
-    stat = resolved.stat()
-    return {"path": str(resolved), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
