@@ -32,6 +32,7 @@ class CheckpointInfo:
     model_type: str
     vocab_size: int
     dtype: str  # the dtype the weights were saved in, as named in config.json
+    max_positions: int | None = None  # the context the model was built for (config.json), if it says
 
 
 def checkpoint_info(path: str | Path) -> CheckpointInfo:
@@ -59,7 +60,17 @@ def checkpoint_info(path: str | Path) -> CheckpointInfo:
         raise CheckpointError(f"{config_file}: vocab_size missing or not a positive integer")
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     return CheckpointInfo(path=root, model_type=str(config.get("model_type", "?")),
-                          vocab_size=vocab_size, dtype=str(dtype))
+                          vocab_size=vocab_size, dtype=str(dtype), max_positions=_max_positions(config))
+
+
+def _max_positions(config: dict) -> int | None:
+    """The context length config.json declares (the text model's, for a multimodal config)."""
+    for scope in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
+        for key in ("max_position_embeddings", "n_positions", "seq_length"):
+            value = scope.get(key)
+            if type(value) is int and value > 0:
+                return value
+    return None
 
 
 def _check_weights(root: Path) -> None:

@@ -16,7 +16,7 @@ import pandas as pd
 
 from mismatch.checkpoint import checkpoint_info
 from mismatch.engines import Engine, EngineSpec, ProgressFn, ReplayRequest, check_spec, load_engine
-from mismatch.errors import EngineError, MismatchError, SpecError
+from mismatch.errors import EngineError, MismatchError, RolloutError, SpecError
 from mismatch.results import WorkDir
 from mismatch.rollouts import Rollout, Segment, context_tokens, load_rollouts
 from mismatch.trees import add_tree_weights
@@ -241,6 +241,7 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
         if spec.kind == "stored" and spec.options["name"] not in names:
             raise SpecError(f"--{role} {spec.text}: no segment of the rollouts carries "
                             f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(names)})")
+    _check_context(plan, info, specs, file=str(rollouts))
     # Tree weights are per rollout, so shards compute exactly the weights one run would. The
     # plan's table is filled in place (the plan keeps its requests; one table, not two).
     table = add_tree_weights(plan.table, selected, inplace=True)
@@ -250,6 +251,28 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
         table[f"logp_{role}"], engines[role] = _replay_role(role, spec, plan, str(checkpoint),
                                                             progress, work)
     return Replayed(rollouts=selected, plan=plan, table=table, engines=engines)
+
+
+MODEL_KINDS = ("hf", "hf-decode", "vllm")  # engines that run the checkpoint's model themselves
+
+
+def _check_context(plan: ReplayPlan, info: Any, specs: dict[str, EngineSpec], *, file: str) -> None:
+    """Refuse, before any replay, a stream longer than the model's declared context: its positions
+    past that have no trained embedding, and the replay would score noise without a word."""
+    if info.max_positions is None or plan.num_scored == 0:
+        return
+    if not any(spec.kind in MODEL_KINDS and "checkpoint" not in spec.options for spec in specs.values()):
+        return
+    pos = plan.table["pos"].to_numpy()
+    longest = int(np.argmax(pos))
+    if int(pos[longest]) + 1 <= info.max_positions:
+        return
+    row = plan.table.iloc[longest]
+    too_long = int(np.count_nonzero(pos == info.max_positions))  # streams that reach past the context
+    raise RolloutError(f"{int(pos[longest]) + 1} tokens to replay (context included), past the model's "
+                       f"context of {info.max_positions} (config.json); {too_long} "
+                       f"stream{'s' if too_long != 1 else ''} in all", file=file, rollout=str(row["rollout"]),
+                       field=f"branch {row['branch']!r}")
 
 
 def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
@@ -276,7 +299,9 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
                     starting(0)
             # The bar starts once the engine loaded: a checkpoint that fails prints only its error.
             if callback is None and progress is not None:
-                callback = progress(f"replay {role}: {spec.text}", plan.num_scored)
+                fed = sum(len(request.tokens) for request in plan.requests)
+                # What the engine will feed: a branch's context is fed again with each branch.
+                callback = progress(f"replay {role}: {spec.text} (feeds {_count(fed)} tokens)", plan.num_scored)
             if done is None:
                 done = replay_column(requests, engine, progress=callback, name=f"--{role} {spec.text}")
                 check_column(done, plan.table.iloc[offset:offset + len(done)], f"--{role} {spec.text}")
@@ -297,6 +322,10 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
         if engine is not None:
             engine.close()
     return np.concatenate(parts), {**described, "resumed_blocks": work.num_loaded(role) if work else 0}
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(n)
 
 
 def _sampler_meta(rollouts: list[Rollout]) -> dict[str, Any]:

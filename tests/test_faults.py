@@ -177,3 +177,18 @@ def test_an_empty_or_cut_work_block_is_replayed_not_fatal(tmp_path) -> None:
     assert work.load("infer", 0).tolist() == [-1.0, -2.0]
     assert work.load("infer", 1) is None and work.load("infer", 2) is None
     assert not (work.path / "infer-000001.npy").exists()
+
+
+def test_a_stream_past_the_models_context_is_refused_before_any_replay(tmp_path, capsys) -> None:
+    checkpoint = stored_checkpoint(tmp_path / "ckpt")
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16}))
+    code = main(["audit", str(checkpoint), "--rollouts", str(ROLLOUTS), "--train", "hf", "--infer", "stored:engine",
+                 "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "past the model's context of 16 (config.json)" in err and "rollout 'g-" in err
+    assert not (tmp_path / "o").exists() and not (tmp_path / ".o.work").exists()
+    # Stored log-probs replay no model: nothing to refuse.
+    assert main(["audit", str(checkpoint), "--rollouts", str(ROLLOUTS), *sum(
+        ([f"--{k}", v] for k, v in STORED.items()), []), "--out", str(tmp_path / "s")]) == 0
