@@ -472,8 +472,10 @@ def gate(
     drift_pct = max_drift if max_drift is not None else (limits.max_drift_pct if baseline else None)
     result = gating.run_gate(
         gating.load_summary(results),
-        maxima={**limits.maxima, **gating.parse_limits(maxima or [])},
-        minima={**limits.minima, **gating.parse_limits(minima or [], flag="--min")},
+        maxima=gating.combined_limits(limits.maxima, gating.parse_limits(maxima or []), bound="max",
+                                      file=thresholds),
+        minima=gating.combined_limits(limits.minima, gating.parse_limits(minima or [], flag="--min"),
+                                      bound="min", file=thresholds),
         baseline=gating.load_summary(baseline) if baseline else None, max_drift_pct=drift_pct)
     if junit:
         gating.write_junit(result, junit)

@@ -17,6 +17,7 @@ from typing import Any
 from mismatch.errors import MismatchError, ResultsError
 from mismatch.metrics import PAIR_METRICS
 from mismatch.results import SUMMARY_FILE, SUMMARY_SCHEMA, atomic_write_text
+from mismatch.terms import METRIC_RANGES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -116,8 +117,22 @@ def parse_limits(items: Iterable[str], *, flag: str = "--max") -> dict[str, floa
         if not sep or not key.strip():
             raise MismatchError(f"{flag} {item!r}: expected METRIC=VALUE, e.g. kl_k3=1e-3")
         where = f"{flag} {item}"
-        limits[threshold_key(key.strip(), where=where)] = _limit(value.strip(), where=where)
+        full_key, limit = threshold_key(key.strip(), where=where), _limit(value.strip(), where=where)
+        if full_key in limits and limits[full_key] != limit:
+            raise MismatchError(f"{flag} {full_key}: given twice ({limits[full_key]!r} and {limit!r}); keep one")
+        limits[full_key] = limit
     return limits
+
+
+def combined_limits(from_file: dict[str, float], from_flags: dict[str, float], *, bound: str,
+                    file: str | Path | None) -> dict[str, float]:
+    """A thresholds file's limits and the flags' together; one metric limited twice, differently, is
+    refused (which one a user meant cannot be guessed; the looser would pass what the other fails)."""
+    for key, limit in from_flags.items():
+        if key in from_file and from_file[key] != limit:
+            raise MismatchError(f"--{bound} {key}={limit!r} conflicts with {file}'s [{bound}] "
+                                f"{key} = {from_file[key]!r}; keep one")
+    return {**from_file, **from_flags}
 
 
 def load_thresholds(path: str | Path) -> Thresholds:
@@ -157,12 +172,34 @@ def load_summary(path: str | Path) -> dict[str, Any]:
     if not file.is_file():
         raise ResultsError(f"{path}: no {SUMMARY_FILE} (not a mismatch results dir)")
     try:
-        summary = json.loads(file.read_text())
+        # summary.json writes NaN and infinities as null: a literal NaN or Infinity was put there by hand.
+        summary = json.loads(file.read_text(), parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ResultsError(f"{file}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ResultsError(f"{file}: not valid JSON (nested too deeply)") from None
+    except ValueError as exc:  # _no_constant, or an integer literal with too many digits
+        raise ResultsError(f"{file}: not a summary.json mismatch writes ({' '.join(str(exc).split())[:200]})") from None
     if not isinstance(summary, dict):
         raise ResultsError(f"{file}: not a JSON object")
     return summary
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a value summary.json holds (it writes null)")
+
+
+def check_possible(summary: dict[str, Any], keys: Iterable[str], *, label: str) -> None:
+    """Refuse (exit 2) a gated value no measurement can have: a hand-edited or corrupted file
+    must not pass a gate, nor fail it as if it were a measured regression."""
+    for key in keys:
+        value, problem = _value(summary, key)
+        if problem is not None:
+            continue  # missing or NaN: the check itself reports it
+        low, high = METRIC_RANGES[key.rpartition(".")[2]]
+        if not (math.isfinite(value) and low <= value <= high):
+            raise MismatchError(f"{label}: {key} = {value!r} is impossible ({key.rpartition('.')[2]} lies "
+                                f"in [{low:g}, {high:g}]): its summary.json was edited or corrupted")
 
 
 def _value(summary: dict[str, Any], key: str) -> tuple[float | None, str | None]:
@@ -259,6 +296,9 @@ def run_gate(summary: dict[str, Any], *, maxima: dict[str, float] | None = None,
         raise MismatchError("--baseline DIR and --max-drift PCT go together")
     if max_drift_pct is not None and not (max_drift_pct >= 0):
         raise MismatchError(f"--max-drift {max_drift_pct}: must be a percentage >= 0")
+    for key in maxima.keys() & minima.keys():
+        if minima[key] > maxima[key]:
+            raise MismatchError(f"gate: {key} must be >= {minima[key]!r} and <= {maxima[key]!r}: no value can pass")
     if not maxima and not minima and baseline is None:
         raise MismatchError("nothing to gate: give --max METRIC=VALUE, a thresholds file, or "
                             "--baseline DIR with --max-drift PCT")
@@ -271,6 +311,9 @@ def run_gate(summary: dict[str, Any], *, maxima: dict[str, float] | None = None,
         missing = [pair for pair in pairs if measured is not None and available and pair not in available]
         if missing:
             raise MismatchError(f"gate: the {label} have no pair {missing[0]!r} (pairs: {', '.join(available)})")
+    check_possible(summary, [*maxima, *minima, *drift_keys], label="results")
+    if baseline is not None:
+        check_possible(baseline, drift_keys, label="baseline")
     checks = [_schema_check(summary, label="results")]
     checks += [_tokens_check(summary, pair, label="results") for pair in pairs]
     checks += [_bound_check(summary, key, limit, "max") for key, limit in maxima.items()]

@@ -87,3 +87,18 @@ PAIR_METRIC_TERMS: dict[str, MetricTerm] = {
     "bitwise_equal_frac": MetricTerm("logp_a == logp_b", "mean", "lower"),
 }
 
+
+INF = float("inf")
+# The values each summary.json pair metric can take at all (closed bounds, always finite): what
+# a value outside them means is a file that was edited or corrupted, not a measurement. k1 is a
+# mean log-ratio (either sign); chi-square estimates are mean(r^2) - 1 >= -1; ESS is normalized.
+METRIC_RANGES: dict[str, tuple[float, float]] = {
+    "n_tokens": (0, INF), "n_rollouts": (0, INF),
+    "log_ratio_mean": (-INF, INF), "log_ratio_abs_mean": (0, INF), "log_ratio_abs_max": (0, INF),
+    "ratio_mean": (0, INF), "ratio_std": (0, INF), "ratio_min": (0, INF), "ratio_max": (0, INF),
+    "ratio_q001": (0, INF), "ratio_q01": (0, INF), "ratio_q99": (0, INF), "ratio_q999": (0, INF),
+    "kl_k1": (-INF, INF), "kl_k2": (0, INF), "kl_k3": (0, INF), "chi2_token": (-1, INF),
+    "chi2_seq": (-1, INF), "ppl_ratio": (0, INF), "ess": (0, 1),
+    "prob_abs_diff_mean": (0, 1), "prob_abs_diff_max": (0, 1), "frac_outside_2": (0, 1),
+    "bitwise_equal_frac": (0, 1),
+}

@@ -211,3 +211,33 @@ def test_failures_print_the_digits_that_tell_value_and_limit_apart():
     assert [c.message for c in result.failures] == ["train/infer.kl_k3 = 0.005 > max 0.0049999999999999"]
     result = run_gate(summary(), maxima={"train/infer.kl_k3": 0.0049999})
     assert [c.message for c in result.failures] == ["train/infer.kl_k3 = 0.005 > max 0.0049999"]
+
+
+@pytest.mark.parametrize("metric, value", [("kl_k3", -1e-4), ("ess", 1.2), ("bitwise_equal_frac", -0.5),
+                                           ("ratio_q999", -1.0), ("kl_k3", math.inf)])
+def test_an_impossible_value_is_bad_input_not_a_pass_or_a_failure(metric, value):
+    edited = summary(train__sampler=dict(METRICS) | {metric: value})
+    with pytest.raises(MismatchError, match=rf"^results: train/sampler\.{metric} = .* is impossible"):
+        run_gate(edited, maxima={metric: 1e9}, minima={})
+
+
+def test_literal_infinity_or_nan_in_summary_json_is_refused(tmp_path: Path):
+    (tmp_path / "summary.json").write_text('{"schema": "mismatch.summary/v1", "pairs": '
+                                           '{"train/sampler": {"kl_k3": -Infinity}}}')
+    with pytest.raises(ResultsError, match=r"-Infinity is not a value summary.json holds"):
+        load_summary(tmp_path)
+    (tmp_path / "summary.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ResultsError, match=r"nested too deeply"):
+        load_summary(tmp_path)
+
+
+def test_one_metric_limited_twice_differently_is_refused(tmp_path: Path):
+    from mismatch.gate import combined_limits
+
+    with pytest.raises(MismatchError, match=r"^--max train/sampler.kl_k3: given twice \(0.001 and 0.01\); keep one$"):
+        parse_limits(["kl_k3=1e-3", "train/sampler.kl_k3=1e-2"])
+    assert parse_limits(["kl_k3=1e-3", "kl_k3=0.001"]) == {"train/sampler.kl_k3": 1e-3}
+    with pytest.raises(MismatchError, match=r"conflicts with t.toml's \[max\] train/sampler.kl_k3 = 0.001"):
+        combined_limits({"train/sampler.kl_k3": 1e-3}, {"train/sampler.kl_k3": 1e-2}, bound="max", file="t.toml")
+    with pytest.raises(MismatchError, match=r"no value can pass"):
+        run_gate(summary(), maxima={"ess": 0.9}, minima={"ess": 0.95})
