@@ -31,6 +31,17 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
                          "http://127.0.0.1:8000/v1, sampler, stored:NAME, python:MODULE:CALLABLE, or "
                          "engine.toml. Exit codes: 0 ok, 1 gate failed, 2 bad input or usage "
                          "(MISMATCH_DEBUG=1 shows tracebacks).")
+
+
+def _click_usage_name(self: Any) -> str:
+    """Click's convention on the usage line: a required argument is NAME, an optional one [NAME]
+    (typer >= 0.20 writes {NAME}, which reads like a set or a placeholder to fill with braces)."""
+    name = self.display_name_raw if self.required else f"[{self.display_name_raw}]"
+    return name + ("..." if self.nargs != 1 else "")
+
+
+if hasattr(typer.core.TyperArgument, "_usage_display_name"):
+    typer.core.TyperArgument._usage_display_name = _click_usage_name  # type: ignore[method-assign]
 out_console = Console()
 err_console = Console(stderr=True)
 

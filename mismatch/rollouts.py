@@ -214,6 +214,11 @@ def _check_id(value: object, where: str, problems: _Problems) -> str | None:
     if not isinstance(value, str) or not value:
         problems.add(where, f"must be a non-empty string, got {_show(value)}")
         return None
+    try:
+        value.encode("utf-8")  # JSON's \ud800 escapes decode to lone surrogates: no text file holds them
+    except UnicodeEncodeError:
+        problems.add(where, f"must be valid Unicode text, got {_show(value)} (a lone surrogate)")
+        return None
     return value
 
 

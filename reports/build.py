@@ -36,12 +36,18 @@ TEMPLATES = Path(__file__).with_name("templates")
 
 def read_summary(results_dir: Path) -> dict[str, Any]:
     path = results_dir / SUMMARY_FILE
+    if not results_dir.is_dir():
+        raise ReportError(f"{results_dir}: not a directory (give the results dir an audit, diff or merge wrote)")
     try:
         summary = json.loads(path.read_text())
     except FileNotFoundError:
         raise ReportError(f"{results_dir}: no {SUMMARY_FILE}: not a mismatch results dir") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ReportError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ReportError(f"{path}: not valid JSON (nested too deeply)") from None
+    except ValueError as exc:  # an integer literal longer than Python converts
+        raise ReportError(f"{path}: not valid JSON ({' '.join(str(exc).split())[:200]})") from None
     if not isinstance(summary, dict) or summary.get("schema") != SUMMARY_SCHEMA:
         raise ReportError(f"{path}: schema is not {SUMMARY_SCHEMA!r}")
     if not isinstance(summary.get("pairs"), dict):

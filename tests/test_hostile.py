@@ -443,3 +443,27 @@ def test_depth_is_checked_before_parsing_and_ignores_brackets_in_strings(tmp_pat
     text = json.dumps({"code": "[" * 1000, "quote": '\\"[[[', "slash": "\\\\" + "{" * 500})
     assert not _deeper_than(text, MAX_JSON_DEPTH) and not _deeper_than(text.encode(), MAX_JSON_DEPTH)
     assert json.loads(text)["code"] == "[" * 1000
+
+
+def test_other_commands_inputs_are_one_line_too(tiny_checkpoint, tmp_path, capsys):
+    """A lone-surrogate id, over-deep JSON handed to report and import, a file where a dir belongs."""
+    surrogate = tmp_path / "surrogate.jsonl"
+    surrogate.write_text(json.dumps(GOOD).replace('"r-0"', '"\\ud800"') + "\n")
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000)
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "summary.json").write_text("[" * 100_000)
+    cases = [
+        (["audit", str(tiny_checkpoint), "--rollouts", str(surrogate), "--out", str(tmp_path / "o")],
+         f"{surrogate}:1: id: must be valid Unicode text"),
+        (["report", str(deep)], f"{deep}: not a directory"),
+        (["report", str(results)], f"{results / 'summary.json'}: not valid JSON (nested too deeply)"),
+        (["import", "verl", str(deep), "--out", str(tmp_path / "x.jsonl")], f"{deep}: invalid JSON: maximum recursion"),
+        (["gate", str(results), "--max", "kl_k3=1"], "not valid JSON (nested too deeply)"),
+    ]
+    for args, message in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("mismatch: error: ") and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "x.jsonl").exists()

@@ -99,14 +99,14 @@ def _jsonl(path: Path, file: str) -> Iterator[tuple[Where, Any]]:
                 continue
             try:
                 yield Where(file=file, index=line_no, kind="line"), json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                 raise ImportFormatError(f"invalid JSON: {e}", where=f"{file}:{line_no}") from None
 
 
 def _load_json(path: Path, file: str) -> Any:
     try:
         return json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ImportFormatError(f"invalid JSON: {e}", where=file) from None
 
 
