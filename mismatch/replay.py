@@ -253,6 +253,15 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
     return Replayed(rollouts=selected, plan=plan, table=table, engines=engines)
 
 
+# What an engine reports about itself once loaded that its spec does not fix (the dtype "auto"
+# resolved to, the model and version an HTTP server serves): a resume must find it unchanged.
+ENGINE_FACTS = ("kind", "dtype", "api", "model", "server", "logprob_semantics")
+
+
+def engine_facts(described: dict[str, Any]) -> dict[str, Any]:
+    return {key: described[key] for key in ENGINE_FACTS if key in described}
+
+
 MODEL_KINDS = ("hf", "hf-decode", "vllm")  # engines that run the checkpoint's model themselves
 
 
@@ -297,6 +306,8 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
                 engine = load_engine(spec, checkpoint)
                 if starting is not None:
                     starting(0)
+                if work is not None:
+                    work.check_engine(role, engine_facts(engine.describe()))
             # The bar starts once the engine loaded: a checkpoint that fails prints only its error.
             if callback is None and progress is not None:
                 fed = sum(len(request.tokens) for request in plan.requests)

@@ -263,6 +263,7 @@ class WorkDir:
         self.path = path
         self.manifest = manifest
         self._loaded: dict[str, int] = {}
+        self._facts: dict[str, dict[str, Any]] = {}  # role -> engine_facts, written with its first block
 
     @classmethod
     def open(cls, out: Path, manifest: dict[str, Any], *, force: bool) -> WorkDir:
@@ -299,6 +300,8 @@ class WorkDir:
         if not (self.path / "manifest.json").is_file():
             self.path.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.path / "manifest.json", json.dumps(json_safe(self.manifest), indent=1) + "\n")
+        if role in self._facts and not (self.path / f"{role}-engine.json").is_file():
+            atomic_write_text(self.path / f"{role}-engine.json", json.dumps(self._facts[role]) + "\n")
         file = self._file(role, block)
         fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.tmp-", dir=self.path)
         try:
@@ -321,6 +324,20 @@ class WorkDir:
             return json.loads(file.read_text()) if file.is_file() else None
         except (json.JSONDecodeError, UnicodeDecodeError):
             return None
+
+    def check_engine(self, role: str, facts: dict[str, Any]) -> None:
+        """Refuse to mix blocks from an engine that reports itself differently (an HTTP server now
+        serving another model or version, "auto" resolving to another dtype); remember the facts."""
+        file = self.path / f"{role}-engine.json"
+        facts = json_safe(facts)
+        previous = json.loads(file.read_text()) if file.is_file() else None
+        if previous is not None and previous != facts and any(self.path.glob(f"{role}-*.npy")):
+            changed = sorted(key for key in set(previous) | set(facts) if previous.get(key) != facts.get(key))
+            raise ResultsError(f"{self.path}: its {role} blocks came from an engine reporting "
+                               f"{', '.join(f'{k}={previous.get(k)!r}' for k in changed)}; it now reports "
+                               f"{', '.join(f'{k}={facts.get(k)!r}' for k in changed)}; pass --force to "
+                               "discard those blocks")
+        self._facts[role] = facts
 
     def num_loaded(self, role: str) -> int:
         return self._loaded.get(role, 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -189,5 +190,7 @@ def test_engine_start_is_a_labelled_phase(tiny_checkpoint, tmp_path) -> None:
     starts = [(label, total) for label, total in events if total is None or total == "done"]
     assert starts == [("starting train: hf", None), ("starting train: hf", "done"),
                       ("starting infer: hf-decode", None), ("starting infer: hf-decode", "done")]
-    assert events.index(("starting infer: hf-decode", "done")) < events.index(
-        next(e for e in events if e[0] == "replay infer: hf-decode"))
+    bar = next(e for e in events if e[0].startswith("replay infer: hf-decode"))
+    assert events.index(("starting infer: hf-decode", "done")) < events.index(bar)
+    # The bar says what the engine feeds: every branch's context again, so more than it scores.
+    assert re.fullmatch(r"replay infer: hf-decode \(feeds \d+(\.\d)?k? tokens\)", bar[0]), bar[0]

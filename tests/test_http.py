@@ -50,7 +50,8 @@ def _server(routes: dict[str, Route]) -> Iterator[str]:
         def _answer(self, method: str) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length)) if length else None
-            status, payload = routes[f"{method} {self.path}"](body)
+            route = routes.get(f"{method} {self.path}", lambda _: (404, {"error": {"message": "no route"}}))
+            status, payload = route(body)
             data = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -321,3 +322,33 @@ def test_a_server_that_drips_its_answer_hits_the_request_deadline(tiny_checkpoin
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_resume_against_a_server_that_now_serves_another_model_is_refused(tmp_path, capsys) -> None:
+    from test_golden import GOLDEN, stored_checkpoint
+
+    from mismatch.cli import main
+
+    state = {"model": "tiny", "fail": True}
+    answer = _openai_answer(lambda i: -0.5)
+
+    def completions(body):
+        if state["fail"] and list((tmp_path / ".o.work").glob("infer-*.npy")):
+            return 400, {"error": {"message": "gone"}}  # the run dies after its first block
+        return answer(body)
+
+    routes = {"GET /v1/models": lambda _: (200, {"data": [{"id": state["model"], "owned_by": "vllm"}]}),
+              "POST /v1/completions": completions}
+    with _server(routes) as url:
+        spec = _toml(tmp_path, url=f"{url}/v1", retries=0, concurrency=1)
+        args = ["audit", str(stored_checkpoint(tmp_path / "ckpt")), "--rollouts", str(GOLDEN / "rollouts.jsonl"),
+                "--train", "stored:trainer", "--infer", spec, "--block-size", "8", "--out", str(tmp_path / "o")]
+        assert main(args) == 2
+        assert list((tmp_path / ".o.work").glob("infer-*.npy"))
+        capsys.readouterr()
+        state["model"], state["fail"] = "another", False  # restarted with other weights
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "its infer blocks came from an engine reporting model='tiny'; it now reports model='another'" in err
+        state["model"] = "tiny"  # the same server as before: the run resumes
+        assert main(args) == 0

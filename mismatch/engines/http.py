@@ -89,7 +89,7 @@ class HTTPEngine:
         if not cards:
             raise MismatchError(f"server at {self.root} lists no models at /v1/models")
         server = {"owned_by": cards[0].get("owned_by"), "root": cards[0].get("root"),
-                  "max_model_len": cards[0].get("max_model_len")}
+                  "max_model_len": cards[0].get("max_model_len"), "version": self._version()}
         if api == "auto":
             api = "sglang" if server["owned_by"] == "sglang" else "openai"
         if model is None and api == "openai":
@@ -99,6 +99,16 @@ class HTTPEngine:
                                     "set model = \"NAME\" in the engine TOML")
             model = str(cards[0].get("id"))
         return api, model, server
+
+    def _version(self) -> str | None:
+        """vLLM's GET /version (entrypoints/serve/instrumentator/basic.py: {"version": ...}); None
+        where the server has no such route. Part of what a resume must find unchanged."""
+        try:
+            with urllib.request.urlopen(self.root + "/version", timeout=min(self.options.timeout, 10.0)) as answer:
+                version = json.loads(answer.read()).get("version")
+        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError, AttributeError):
+            return None
+        return str(version) if version is not None else None
 
     def describe(self) -> dict[str, Any]:
         return {
