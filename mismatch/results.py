@@ -103,9 +103,23 @@ def _settle_leftovers(out: Path) -> None:
                 break
     for leftover in [*trashes, *parent.glob(f".{glob_escape(out.name)}.tmp-*")]:
         shutil.rmtree(leftover, ignore_errors=True)
+    for log in parent.glob(f".{glob_escape(out.name)}.*.log"):  # the CLI's pending dependency logs
+        pid = log.name.removeprefix(f".{out.name}.").removesuffix(".log")
+        if pid.isdigit() and not _alive(int(pid)):
+            log.unlink(missing_ok=True)
     if out.is_dir():
         for leftover in [*out.glob(".index.html.tmp-*"), *out.glob(f"{STAGE_IN_PLACE}*")]:
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def glob_escape(name: str) -> str:

@@ -161,6 +161,7 @@ def test_leftovers_of_killed_runs_are_settled_by_the_next_run(tmp_path, capsys) 
     os.replace(out, trash / "old")
     (tmp_path / ".o.tmp-def456").mkdir()  # and a stage of a run killed before publishing
     (tmp_path / ".o.tmp-def456" / "tokens.parquet").write_bytes(b"half")
+    (tmp_path / ".o.999999999.log").write_text("a killed run's pending dependency log")
     assert main(args) == 2  # no --force: the restored results are the user's
     assert "already exists; pass --force" in capsys.readouterr().err
     assert (out / "summary.json").read_text() == before
@@ -192,3 +193,22 @@ def test_a_stream_past_the_models_context_is_refused_before_any_replay(tmp_path,
     # Stored log-probs replay no model: nothing to refuse.
     assert main(["audit", str(checkpoint), "--rollouts", str(ROLLOUTS), *sum(
         ([f"--{k}", v] for k, v in STORED.items()), []), "--out", str(tmp_path / "s")]) == 0
+
+
+def test_a_nan_weight_is_named_at_the_first_token_not_blamed_on_the_sampler(tiny_checkpoint, tmp_path, capsys) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "nan-ckpt"
+    shutil.copytree(tiny_checkpoint, broken)
+    weights = load_file(broken / "model.safetensors")
+    name = next(key for key in weights if "layers.0.mlp" in key)
+    weights[name][0, 0] = float("nan")
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    example = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
+    code = main(["audit", str(broken), "--rollouts", str(example), "--train", "hf", "--infer", "sampler",
+                 "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--train hf: log-prob nan for token" in err and " position " in err, err
+    assert not (tmp_path / "o").exists()
