@@ -352,3 +352,18 @@ def test_a_resume_against_a_server_that_now_serves_another_model_is_refused(tmp_
         assert "its infer blocks came from an engine reporting model='tiny'; it now reports model='another'" in err
         state["model"] = "tiny"  # the same server as before: the run resumes
         assert main(args) == 0
+
+
+@pytest.mark.parametrize("body", [[1, 2], "text", {"choices": "x"}, {"choices": [{"prompt_logprobs": [None, 5, 6, 7]}]},
+                                  {"choices": [{"prompt_logprobs": [None, {"7": {"logprob": "x"}}, {}, {}]}]}])
+def test_a_body_of_another_shape_is_one_error(tiny_checkpoint, tmp_path, body) -> None:
+    with _server({"POST /v1/completions": lambda _: (200, body)}) as url:
+        engine = load_engine(_toml(tmp_path, url=f"{url}/v1", api="openai", model="tiny"), str(tiny_checkpoint))
+        with pytest.raises(MismatchError, match=rf"^server at {url}"):
+            engine.replay([REQUEST])
+
+
+def test_a_models_listing_of_another_shape_is_one_error(tiny_checkpoint, tmp_path) -> None:
+    with _server({"GET /v1/models": lambda _: (200, ["tiny"])}) as url:
+        with pytest.raises(MismatchError, match="is not a model list"):
+            load_engine(_toml(tmp_path, url=f"{url}/v1"), str(tiny_checkpoint))

@@ -85,7 +85,10 @@ class HTTPEngine:
         api, model = self.options.api, self.options.model
         if api == "sglang" or (api == "openai" and model is not None):
             return api, model, {}
-        cards = self._call("GET", "/v1/models", None).get("data") or []
+        listing = self._call("GET", "/v1/models", None)
+        cards = listing.get("data") if isinstance(listing, dict) else None
+        if not isinstance(cards, list) or not all(isinstance(card, dict) for card in cards):
+            raise MismatchError(f"server at {self.root} answered /v1/models with something that is not a model list")
         if not cards:
             raise MismatchError(f"server at {self.root} lists no models at /v1/models")
         server = {"owned_by": cards[0].get("owned_by"), "root": cards[0].get("root"),
@@ -149,7 +152,12 @@ class HTTPEngine:
 
     def _score(self, request: ReplayRequest) -> np.ndarray:
         tokens = request.tokens.tolist()
-        logp_L = (self._openai if self.api == "openai" else self._sglang)(tokens)
+        try:
+            logp_L = (self._openai if self.api == "openai" else self._sglang)(tokens)
+        except (AttributeError, TypeError, KeyError, IndexError) as exc:
+            # A body of another shape than the API's (a list, a string, a field of the wrong type).
+            raise MismatchError(f"server at {self.root} answered a body this API never sends "
+                                f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]})") from None
         logp_L[0] = np.nan
         return logp_L[request.score_from:]
 
