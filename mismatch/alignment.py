@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,28 +104,43 @@ def processed_token_logprobs(hidden_ND, target_N, lm_head, *, sampling: Sampling
     return logp_N
 
 
+@contextmanager
+def processed_logprobs_on(engine: Any, sampling: Sampling) -> Iterator[None]:
+    """While inside, `engine` (a torch engine) returns log-probs under `sampling`'s processing.
+
+    Every torch engine turns hidden states into log-probs through `logprobs_of`; swapping it on
+    this instance keeps the engine's batching, padding and decode schedule as they are, so the
+    processed column is the same forward as the raw one, processed only at its last step.
+    """
+    from mismatch.engines.hf import TorchEngineBase
+
+    if not isinstance(engine, TorchEngineBase):
+        raise SpecError(f"{engine.spec_text}: recomputing under the sampler's temperature/top-k/top-p "
+                        "needs a torch engine (hf, hf-decode)")
+    engine.logprobs_of = lambda hidden, target: processed_token_logprobs(
+        hidden, target, engine.lm_head, sampling=sampling, chunk=engine.options.chunk,
+        softcap=engine.softcap).numpy()
+    try:
+        yield
+    finally:
+        del engine.logprobs_of  # the class's own method again
+
+
 def replay_processed(plan, spec: str, checkpoint: str | os.PathLike[str], sampling: Sampling) -> np.ndarray:
     """One column of the plan's token table: `spec`'s log-probs under `sampling`'s processing.
 
-    `spec` must be a torch engine (`hf`, `hf-decode`, with any options): its own forward path
-    runs unchanged and only the last step, hidden states → log-probs, is processed.
+    `spec` must be a torch engine (`hf`, `hf-decode`, with any options). An audit plans this
+    pass with the trainer's own (replay.py, when meta.sampler declares processed log-probs);
+    this stand-alone pass serves rollouts whose processing is found only in the data.
     """
     from mismatch.engines import load_engine
-    from mismatch.engines.hf import TorchEngineBase
     from mismatch.replay import check_column, replay_column
 
     engine = load_engine(spec, os.fspath(checkpoint))
     try:
-        if not isinstance(engine, TorchEngineBase):
-            raise SpecError(f"{spec}: recomputing under the sampler's temperature/top-k/top-p needs a "
-                            "torch engine (hf, hf-decode)")
-        # Every torch engine turns hidden states into log-probs through `logprobs_of`; swapping
-        # it on this instance keeps the engine's batching, padding and decode schedule as is.
-        engine.logprobs_of = lambda hidden, target: processed_token_logprobs(
-            hidden, target, engine.lm_head, sampling=sampling, chunk=engine.options.chunk,
-            softcap=engine.softcap).numpy()
-        # Block by block, as replay_roles does: batch composition, and so every bit, is the same.
-        parts = [replay_column(requests, engine, name=f"{spec} (processed)") for _, requests in plan.blocks()]
+        with processed_logprobs_on(engine, sampling):
+            # Block by block, as replay_roles does: batch composition, and so every bit, is the same.
+            parts = [replay_column(requests, engine, name=f"{spec} (processed)") for _, requests in plan.blocks()]
         values = np.concatenate(parts) if parts else np.empty(0)
         check_column(values, plan.table, f"{spec} (processed)")
         return values

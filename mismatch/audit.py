@@ -26,7 +26,7 @@ from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import localize_turns
 from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
 from mismatch.recommend import FRAMEWORKS, recommend, recommendations_dicts, render_config
-from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_roles
+from mismatch.replay import DEFAULT_BLOCK, TORCH_KINDS, ProgressFactory, Replayed, Shard, replay_roles
 from mismatch.identity import run_inputs
 from mismatch.results import SUMMARY_SCHEMA, WorkDir, check_out_dir, results_lock, write_results
 from mismatch.tokenview import TokenView
@@ -77,8 +77,11 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
                                                 command="audit")
     table, engines = replayed.table, replayed.engines
     alignment = check_alignment(table, sampler_meta=engines["sampler"]["meta"])
-    if alignment["logprob_semantics"] == "processed" and parse_spec(train).kind in ("hf", "hf-decode"):
-        # Like for like: the trainer side recomputed under the sampler's temperature/top-k/top-p.
+    if ("logp_train_processed" not in table.columns and alignment["logprob_semantics"] == "processed"
+            and parse_spec(train).kind in TORCH_KINDS):
+        # Processed log-probs the rollouts do not declare are found only in the data: then, and
+        # only then, the like-for-like pass runs after the analysis began (a declared one is
+        # planned with the trainer's replay, resumable with it).
         sampling = Sampling.from_meta(engines["sampler"]["meta"])
         table["logp_train_processed"] = replay_processed(replayed.plan, train, checkpoint, sampling)
     drift = (find_drift(replayed.rollouts, load_tokenizer(checkpoint))
@@ -143,7 +146,8 @@ def replay_for_results(checkpoint: str | Path, rollouts: str | Path, roles: dict
     if out is not None and inputs is not None:
         work = WorkDir.open(out, {**inputs, "shard": shard_info(shard, block_size)}, force=force)
     replayed = replay_roles(checkpoint, rollouts, roles, progress=progress, shard=shard,
-                            block_size=block_size, work=work)
+                            block_size=block_size, work=work,
+                            processed_role="train" if command == "audit" else None)
     return replayed, work, inputs
 
 

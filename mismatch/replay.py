@@ -7,6 +7,7 @@ per own token, in request order, so an engine's concatenated results drop straig
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,11 +221,16 @@ class Replayed:
 
 def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, str], *,
                  progress: ProgressFactory | None = None, shard: Shard | None = None,
-                 block_size: int = DEFAULT_BLOCK, work: WorkDir | None = None) -> Replayed:
+                 block_size: int = DEFAULT_BLOCK, work: WorkDir | None = None,
+                 processed_role: str | None = None) -> Replayed:
     """Load and validate everything, then fill one `logp_<role>` column per role's spec.
 
     All input checks (checkpoint, specs, rollouts, stored names) come before the first forward.
     With `work`, each (role, block) result is saved as it finishes and reused on a rerun.
+    `processed_role` (a torch engine's role): when the rollouts' meta.sampler declares processed
+    log-probs under a non-trivial temperature/top-k/top-p, that engine also fills
+    `logp_<role>_processed` under the same processing, like for like with the sampler's, in the
+    same load and block by block (planned here, resumable like every other column).
     """
     info = checkpoint_info(checkpoint)
     # Every spec checked in full (options, values, dtype) before the rollouts are read and before
@@ -245,12 +251,31 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
     # Tree weights are per rollout, so shards compute exactly the weights one run would. The
     # plan's table is filled in place (the plan keeps its requests; one table, not two).
     table = add_tree_weights(plan.table, selected, inplace=True)
-    engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler",
-                                           "meta": _sampler_meta(selected)}}
+    meta = _sampler_meta(selected)
+    engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler", "meta": meta}}
     for role, spec in specs.items():
-        table[f"logp_{role}"], engines[role] = _replay_role(role, spec, plan, str(checkpoint),
-                                                            progress, work)
+        sampling = _declared_processing(meta) if role == processed_role and spec.kind in TORCH_KINDS else None
+        columns, engines[role] = _replay_role(role, spec, plan, str(checkpoint), progress, work, sampling)
+        table[f"logp_{role}"] = columns[0]
+        if sampling is not None:
+            table[f"logp_{role}_processed"] = columns[1]
+            engines[role] = {**engines[role], "processed": {"temperature": sampling.temperature,
+                                                            "top_k": sampling.top_k, "top_p": sampling.top_p}}
     return Replayed(rollouts=selected, plan=plan, table=table, engines=engines)
+
+
+TORCH_KINDS = ("hf", "hf-decode")  # engines whose last step can be processed (alignment.py)
+
+
+def _declared_processing(meta: dict[str, Any]) -> Any:
+    """The Sampling the rollouts declare their log-probs were processed under, or None (raw,
+    undeclared, or a processing that changes nothing)."""
+    from mismatch.alignment import Sampling
+
+    if meta.get("logprobs") != "processed":
+        return None
+    sampling = Sampling.from_meta(meta)
+    return None if sampling.is_identity else sampling
 
 
 # What an engine reports about itself once loaded that its spec does not fix (the dtype "auto"
@@ -285,23 +310,31 @@ def _check_context(plan: ReplayPlan, info: Any, specs: dict[str, EngineSpec], *,
 
 
 def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
-                 progress: ProgressFactory | None, work: WorkDir | None) -> tuple[np.ndarray, dict[str, Any]]:
-    """One role's log-prob column: replayed block by block, or read from the rollouts (`stored:`)."""
+                 progress: ProgressFactory | None, work: WorkDir | None,
+                 processed: Any = None) -> tuple[list[np.ndarray], dict[str, Any]]:
+    """One role's log-prob column (and with `processed`, a Sampling, its processed column too):
+    replayed block by block, or read from the rollouts (`stored:`)."""
     if spec.kind == "stored":
         name = spec.options["name"]
         # A name no segment of this shard carries is NaN on its rows, as in one run's table.
         values = plan.stored.get(name, np.full(plan.num_scored, np.nan))
-        return values, {"kind": "stored", "spec": spec.text, "name": name}
+        return [values], {"kind": "stored", "spec": spec.text, "name": name}
+    from mismatch.alignment import processed_logprobs_on
+
+    columns = [(role, f"--{role} {spec.text}", None)]
+    if processed is not None:
+        columns.append((f"{role}_processed", f"--{role} {spec.text} (processed like the sampler's)", processed))
     callback: ProgressFn | None = None
     engine: Engine | None = None
-    parts: list[np.ndarray] = []
+    parts: list[list[np.ndarray]] = [[] for _ in columns]
     offset = 0  # the block's first row in the table
     try:
         for block, requests in plan.blocks():
-            done = work.load(role, block) if work is not None else None
-            if done is not None and len(done) != sum(request.num_scored for request in requests):
-                done = None  # not this block's rows (the manifest matched, the file did not)
-            if done is None and engine is None:  # not at all if every block is done
+            num_rows = sum(request.num_scored for request in requests)
+            done = [work.load(name, block) if work is not None else None for name, _, _ in columns]
+            # Not this block's rows (the manifest matched, the file did not): replayed again.
+            done = [None if d is not None and len(d) != num_rows else d for d in done]
+            if any(d is None for d in done) and engine is None:  # not at all if every block is done
                 starting = progress(f"starting {role}: {spec.text}", None) if progress is not None else None
                 engine = load_engine(spec, checkpoint)
                 if starting is not None:
@@ -310,18 +343,21 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
                     work.check_engine(role, engine_facts(engine.describe()))
             # The bar starts once the engine loaded: a checkpoint that fails prints only its error.
             if callback is None and progress is not None:
-                fed = sum(len(request.tokens) for request in plan.requests)
+                fed = sum(len(request.tokens) for request in plan.requests) * len(columns)
                 # What the engine will feed: a branch's context is fed again with each branch.
-                callback = progress(f"replay {role}: {spec.text} (feeds {_count(fed)} tokens)", plan.num_scored)
-            if done is None:
-                done = replay_column(requests, engine, progress=callback, name=f"--{role} {spec.text}")
-                check_column(done, plan.table.iloc[offset:offset + len(done)], f"--{role} {spec.text}")
-                if work is not None:
-                    work.save(role, block, done)
-            elif callback is not None:
-                callback(len(done))
-            parts.append(done)
-            offset += len(done)
+                callback = progress(f"replay {role}: {spec.text} (feeds {_count(fed)} tokens)",
+                                    plan.num_scored * len(columns))
+            for k, (name, label, sampling) in enumerate(columns):
+                if done[k] is None:
+                    with processed_logprobs_on(engine, sampling) if sampling is not None else nullcontext():
+                        done[k] = replay_column(requests, engine, progress=callback, name=label)
+                    check_column(done[k], plan.table.iloc[offset:offset + num_rows], label)
+                    if work is not None:
+                        work.save(name, block, done[k])
+                elif callback is not None:
+                    callback(num_rows)
+                parts[k].append(done[k])
+            offset += num_rows
         if engine is not None:
             described = engine.describe()
             if work is not None:
@@ -332,7 +368,8 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
     finally:
         if engine is not None:
             engine.close()
-    return np.concatenate(parts), {**described, "resumed_blocks": work.num_loaded(role) if work else 0}
+    values = [np.concatenate(p) if p else np.empty(0) for p in parts]
+    return values, {**described, "resumed_blocks": work.num_loaded(role) if work else 0}
 
 
 def _count(n: int) -> str:

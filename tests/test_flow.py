@@ -1,0 +1,82 @@
+"""One audit, walked: every engine loaded once per config, every stage once, in order; the
+processed-log-prob audit (the like-for-like trainer column planned with the trainer's own replay)
+resumes after kill -9 to the same results."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mismatch.toy_agent import HarnessConfig, write_rollouts
+from test_scale import VOLATILE, WORK_DONE, comparable
+
+
+@pytest.fixture(scope="module")
+def processed_rollouts(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The toy agent at T=0.7: its rollouts declare processed log-probs in meta.sampler."""
+    path = tmp_path_factory.mktemp("flow") / "rollouts.jsonl"
+    write_rollouts(tiny_checkpoint, path, HarnessConfig(num_rollouts=6, max_turns=2, temperature=0.7))
+    return path
+
+
+def test_one_audit_loads_each_engine_once_and_runs_each_stage_once(tiny_checkpoint, processed_rollouts,
+                                                                     tmp_path, monkeypatch) -> None:
+    replay = importlib.import_module("mismatch.replay")
+    audit_module = importlib.import_module("mismatch.audit")
+    calls: list[str] = []
+
+    def counted(module, name, label=None):
+        original = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls.append(label or name)
+            return original(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapper)
+
+    loads: list[str] = []
+    original_load = replay.load_engine
+    monkeypatch.setattr(replay, "load_engine", lambda spec, checkpoint: (loads.append(spec.text),
+                                                                       original_load(spec, checkpoint))[1])
+    for name in ("load_rollouts", "plan_replay"):
+        counted(replay, name)
+    for name in ("check_alignment", "analyze_audit", "publish", "replay_processed"):
+        counted(audit_module, name)
+    counted(audit_module, "run_model_localizers", "localize_models")
+    result = audit_module.audit(tiny_checkpoint, processed_rollouts, train="hf", infer="hf-decode:dtype=bfloat16",
+                                out=tmp_path / "o", localize_models=True)
+    assert loads == ["hf", "hf-decode:dtype=bfloat16"]  # the processed column came with the trainer's load
+    assert calls == ["load_rollouts", "plan_replay", "check_alignment", "analyze_audit", "localize_models",
+                     "publish"]  # no replay_processed: it was planned, not run after the fact
+    assert "logp_train_processed" in result.tokens.columns
+    assert result.summary["engines"]["train"]["processed"] == {"temperature": 0.7, "top_k": -1, "top_p": 1.0}
+    assert "train_processed/sampler" in result.summary["pairs"]
+
+
+def test_the_processed_audit_resumes_after_kill_9_identically(tiny_checkpoint, processed_rollouts, tmp_path) -> None:
+    command = [sys.executable, "-m", "mismatch", "audit", str(tiny_checkpoint), "--rollouts", str(processed_rollouts),
+               "--train", "hf", "--infer", "hf-decode:dtype=bfloat16", "--block-size", "1", "--out"]
+    work = tmp_path / ".resumed.work"
+    proc = subprocess.Popen([*command, str(tmp_path / "resumed")], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while not list(work.glob("train_processed-*.npy")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the audit finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert list(work.glob("train_processed-*.npy"))
+    subprocess.run([*command, str(tmp_path / "resumed")], check=True, capture_output=True)
+    subprocess.run([*command, str(tmp_path / "whole")], check=True, capture_output=True)
+    resumed = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert resumed["engines"]["train"]["resumed_blocks"] >= 1
+    assert comparable(resumed, VOLATILE | WORK_DONE) == comparable(whole, VOLATILE | WORK_DONE)
+    assert "train_processed/sampler" in resumed["pairs"]
