@@ -20,6 +20,7 @@ from mismatch.clip import ClipRange, clip_summary
 from mismatch.corrections import summary_corrections
 from mismatch.drift import find_drift
 from mismatch.engines import check_spec, parse_spec
+from mismatch.errors import MismatchError
 from mismatch.framework_metrics import framework_metrics, pair_arrays
 from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
@@ -72,6 +73,11 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
     roles = {"train": train, "infer": infer}
     if localize_models:
         check_localizable(train, infer)  # before any replay: requested work is done or refused
+        if shard is not None:
+            # Layer and kernel localization reads the whole run's streams; a shard has a slice
+            # and `merge` has no model to rerun it with.
+            raise MismatchError("--localize with --shard: localization needs the whole run; audit "
+                                "--localize without --shard (or run `mismatch layers` on the checkpoint)")
     replayed, work, inputs = replay_for_results(checkpoint, rollouts, roles, out=out_dir, force=force,
                                                 shard=shard, block_size=block_size, progress=progress,
                                                 command="audit")

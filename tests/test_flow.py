@@ -49,12 +49,10 @@ def test_one_audit_loads_each_engine_once_and_runs_each_stage_once(tiny_checkpoi
         counted(replay, name)
     for name in ("check_alignment", "analyze_audit", "publish", "replay_processed"):
         counted(audit_module, name)
-    counted(audit_module, "run_model_localizers", "localize_models")
     result = audit_module.audit(tiny_checkpoint, processed_rollouts, train="hf", infer="hf-decode:dtype=bfloat16",
-                                out=tmp_path / "o", localize_models=True)
+                                out=tmp_path / "o")
     assert loads == ["hf", "hf-decode:dtype=bfloat16"]  # the processed column came with the trainer's load
-    assert calls == ["load_rollouts", "plan_replay", "check_alignment", "analyze_audit", "localize_models",
-                     "publish"]  # no replay_processed: it was planned, not run after the fact
+    assert calls == ["load_rollouts", "plan_replay", "check_alignment", "analyze_audit", "publish"]  # no replay_processed: it was planned, not run after the fact
     assert "logp_train_processed" in result.tokens.columns
     assert result.summary["engines"]["train"]["processed"] == {"temperature": 0.7, "top_k": -1, "top_p": 1.0}
     assert "train_processed/sampler" in result.summary["pairs"]
@@ -80,3 +78,13 @@ def test_the_processed_audit_resumes_after_kill_9_identically(tiny_checkpoint, p
     assert resumed["engines"]["train"]["resumed_blocks"] >= 1
     assert comparable(resumed, VOLATILE | WORK_DONE) == comparable(whole, VOLATILE | WORK_DONE)
     assert "train_processed/sampler" in resumed["pairs"]
+
+
+def test_localize_with_a_shard_is_refused_before_any_replay(tiny_checkpoint, tmp_path, capsys) -> None:
+    from mismatch.cli import main
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
+    assert main(["audit", str(tiny_checkpoint), "--rollouts", str(example), "--localize", "--shard", "0/2",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "--localize with --shard: localization needs the whole run" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() and not (tmp_path / ".o.work").exists()
