@@ -29,7 +29,8 @@ from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
 from mismatch.recommend import FRAMEWORKS, recommend, recommendations_dicts, render_config
 from mismatch.replay import DEFAULT_BLOCK, TORCH_KINDS, ProgressFactory, Replayed, Shard, replay_roles
 from mismatch.identity import run_inputs
-from mismatch.results import SUMMARY_SCHEMA, WorkDir, check_out_dir, results_lock, write_results
+from mismatch.results import (REPORT_FILE, ROLLOUTS_FILE, SUMMARY_SCHEMA, WorkDir, check_out_dir, results_lock,
+                              write_results)
 from mismatch.tokenview import TokenView
 from mismatch.trees import tree_summary
 from mismatch.verdicts import verdicts
@@ -165,8 +166,8 @@ def publish(out: Path, table: pd.DataFrame, summary: dict[str, Any],
     per_rollout = metrics_by(table, list(pairs), "rollout")
     # The report is built inside the staged dir, so it appears in the same rename as its data.
     write_results(out, tokens=table, summary=summary, force=force,
-                  extra={"rollouts.parquet": lambda path: per_rollout.to_parquet(path, index=False),
-                         "index.html": lambda path: build_report(path.parent)})
+                  extra={ROLLOUTS_FILE: lambda path: per_rollout.to_parquet(path, index=False),
+                         REPORT_FILE: lambda path: build_report(path.parent)})
     if work is not None:
         work.remove()
 

@@ -140,9 +140,6 @@ def replay_progress(enabled: bool) -> Iterator[Any]:
             progress.stop()
 
 
-DEPENDENCY_LOG = "dependencies.log"
-
-
 @contextmanager
 def dependency_log(out: Path) -> Iterator[None]:
     """Everything the dependencies print goes to DIR/dependencies.log, not between the progress bars.
@@ -155,6 +152,8 @@ def dependency_log(out: Path) -> Iterator[None]:
     and says where; a later successful run removes that file.
     """
     import logging
+
+    from mismatch.results import DEPENDENCY_LOG
 
     out.parent.mkdir(parents=True, exist_ok=True)
     pending = out.parent / f".{out.name}.{os.getpid()}.log"
@@ -197,7 +196,7 @@ def dependency_log(out: Path) -> Iterator[None]:
         os.close(real_stderr)
         err_console._file = restore_file
         log_file.close()
-        _settle_log(pending, out, failed_log, published, keep)
+        _settle_log(pending, out, failed_log, published, keep, DEPENDENCY_LOG)
 
 
 def _is_fd2(stream: Any) -> bool:
@@ -219,7 +218,8 @@ def _last_error_line(log: Path) -> str | None:
     return causes[-1][:400] if causes else None
 
 
-def _settle_log(pending: Path, out: Path, failed_log: Path, published: bool, keep: bool) -> None:
+def _settle_log(pending: Path, out: Path, failed_log: Path, published: bool, keep: bool,
+                name: str) -> None:
     """The log into the published dir, kept beside a failed run as OUT.failed.log (`keep`: an
     engine failed), or removed."""
     size = pending.stat().st_size if pending.exists() else 0
@@ -228,8 +228,8 @@ def _settle_log(pending: Path, out: Path, failed_log: Path, published: bool, kee
     if size and published:
         import shutil
 
-        shutil.move(pending, out / DEPENDENCY_LOG)  # a rename, or a copy when OUT is a mount point
-        say = f"dependency messages: {out / DEPENDENCY_LOG}"
+        shutil.move(pending, out / name)  # a rename, or a copy when OUT is a mount point
+        say = f"dependency messages: {out / name}"
     elif size and keep:
         os.replace(pending, failed_log)
         say = f"the dependencies' own output of this failed run: {failed_log}"

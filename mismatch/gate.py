@@ -5,7 +5,6 @@ Flow: results dir (summary.json) -> run_gate -> GateResult -> exit code (0 pass,
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import xml.etree.ElementTree as ET
@@ -16,7 +15,7 @@ from typing import Any
 
 from mismatch.errors import MismatchError, ResultsError
 from mismatch.metrics import PAIR_METRICS
-from mismatch.results import SUMMARY_FILE, SUMMARY_SCHEMA, atomic_write_text
+from mismatch.results import SUMMARY_FILE, SUMMARY_SCHEMA, atomic_write_text, load_json
 from mismatch.terms import METRIC_RANGES
 
 if sys.version_info >= (3, 11):
@@ -171,22 +170,10 @@ def load_summary(path: str | Path) -> dict[str, Any]:
     file = path / SUMMARY_FILE if path.is_dir() else path
     if not file.is_file():
         raise ResultsError(f"{path}: no {SUMMARY_FILE} (not a mismatch results dir)")
-    try:
-        # summary.json writes NaN and infinities as null: a literal NaN or Infinity was put there by hand.
-        summary = json.loads(file.read_text(), parse_constant=_no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ResultsError(f"{file}: not valid JSON ({exc})") from None
-    except RecursionError:
-        raise ResultsError(f"{file}: not valid JSON (nested too deeply)") from None
-    except ValueError as exc:  # _no_constant, or an integer literal with too many digits
-        raise ResultsError(f"{file}: not a summary.json mismatch writes ({' '.join(str(exc).split())[:200]})") from None
+    summary = load_json(file)
     if not isinstance(summary, dict):
         raise ResultsError(f"{file}: not a JSON object")
     return summary
-
-
-def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a value summary.json holds (it writes null)")
 
 
 def check_possible(summary: dict[str, Any], keys: Iterable[str], *, label: str) -> None:

@@ -1,4 +1,9 @@
-"""The results directory: tokens.parquet + summary.json, written atomically, read back for reports.
+"""The results directory, the one contract between the commands, the report, gate and merge.
+
+Its names (the files below), the schema of summary.json (`mismatch/data/summary.schema.json`,
+checked by `validate_summary`), `json_safe`, the readers and the writers live here and nowhere
+else; ARCHITECTURE.md, "Results directory", says what each file holds. Importing this module
+loads numpy only (pandas and pyarrow when a table is read or written).
 
 Everything is built in a hidden sibling temp dir and renamed into place at the end, so a crash or
 a bad input never leaves a half-written results dir, and an existing dir is replaced only on request.
@@ -16,14 +21,22 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import pandas as pd
 
 from mismatch.errors import ResultsError
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 SUMMARY_SCHEMA = "mismatch.summary/v1"
-TOKENS_FILE = "tokens.parquet"
-SUMMARY_FILE = "summary.json"
+SUMMARY_FILE = "summary.json"          # the numbers (schema: SCHEMA_FILE)
+TOKENS_FILE = "tokens.parquet"         # one row per replayed token
+ROLLOUTS_FILE = "rollouts.parquet"     # the pair metrics per rollout
+REPORT_FILE = "index.html"             # the report (reports/)
+DEPENDENCY_LOG = "dependencies.log"    # what the dependencies printed during the run
+SCHEMA_FILE = Path(__file__).with_name("data") / "summary.schema.json"
 
 
 def is_results_dir(path: Path) -> bool:
@@ -225,10 +238,48 @@ def write_results(out: Path, *, tokens: pd.DataFrame, summary: dict[str, Any], f
     return out
 
 
+def load_json(file: Path) -> Any:
+    """A JSON file as summary.json is written: strict (a literal NaN or Infinity was put there by
+    hand), and any way it fails to parse is one ResultsError naming the file."""
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a value summary.json holds (it writes null)")
+
+    try:
+        return json.loads(Path(file).read_bytes(), parse_constant=no_constant)
+    except RecursionError:
+        raise ResultsError(f"{file}: not valid JSON (nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, no_constant, a huge integer
+        raise ResultsError(f"{file}: not valid JSON ({' '.join(str(exc).split())[:200]})") from None
+
+
 def read_summary(path: Path) -> dict[str, Any]:
-    if not is_results_dir(path):
-        raise ResultsError(f"{path}: not a mismatch results dir (no valid {SUMMARY_FILE})")
-    return json.loads((path / SUMMARY_FILE).read_text())
+    """summary.json of results dir `path`, checked to be one (its schema name and pairs)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ResultsError(f"{path}: not a directory (give the results dir an audit, diff or merge wrote)")
+    file = path / SUMMARY_FILE
+    if not file.is_file():
+        raise ResultsError(f"{path}: no {SUMMARY_FILE}: not a mismatch results dir")
+    summary = load_json(file)
+    if not isinstance(summary, dict) or summary.get("schema") != SUMMARY_SCHEMA:
+        raise ResultsError(f"{file}: schema is not {SUMMARY_SCHEMA!r}")
+    if not isinstance(summary.get("pairs"), dict):
+        raise ResultsError(f"{file}: no 'pairs' object")
+    return summary
+
+
+def summary_schema() -> dict[str, Any]:
+    """The JSON Schema of summary.json (draft 2020-12), shipped in the package."""
+    return json.loads(SCHEMA_FILE.read_text())
+
+
+def validate_summary(summary: dict[str, Any]) -> list[str]:
+    """Where `summary` breaks the schema, one line each (empty: it conforms). Needs jsonschema."""
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(summary_schema())
+    return [f"{'/'.join(map(str, error.absolute_path)) or '(top)'}: {error.message}"
+            for error in sorted(validator.iter_errors(summary), key=lambda e: list(map(str, e.absolute_path)))]
 
 
 # Rows per Parquet row group of tokens.parquet: one group for any table up to this size, so that a

@@ -1,7 +1,7 @@
 """`build_report(DIR)`: summary.json + tokens.parquet → DIR/index.html, one self-contained page.
 
-The last step of the flow (results dir → HTML). It imports neither torch nor any of `mismatch`
-(whose package init loads the engines): it reads the two contract files itself.
+The last step of the flow (results dir → HTML). It reads the results dir through its contract
+module, `mismatch.results` (names, readers, `json_safe`), and imports neither torch nor the engines.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import math
 import os
 import re
 import tempfile
@@ -17,42 +16,24 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
-from mismatch.errors import ReportError  # noqa: F401  (re-exported: raised here, caught by the CLI)
+from mismatch.errors import ReportError, ResultsError
+from mismatch.results import REPORT_FILE, TOKENS_FILE, json_safe
+from mismatch.results import read_summary as read_results_summary
 from reports import aggregate, figures, sections
 from reports.banner import banner, focus_pair
 from reports.html import Html, el, join
 from reports.worst import WorstOptions, worst_rollouts, worst_tokens
 
-# Contract names (ARCHITECTURE.md, "Results directory").
-SUMMARY_FILE = "summary.json"
-TOKENS_FILE = "tokens.parquet"
-REPORT_FILE = "index.html"
-SUMMARY_SCHEMA = "mismatch.summary/v1"
 TEMPLATES = Path(__file__).with_name("templates")
 
 
 def read_summary(results_dir: Path) -> dict[str, Any]:
-    path = results_dir / SUMMARY_FILE
-    if not results_dir.is_dir():
-        raise ReportError(f"{results_dir}: not a directory (give the results dir an audit, diff or merge wrote)")
     try:
-        summary = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ReportError(f"{results_dir}: no {SUMMARY_FILE}: not a mismatch results dir") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ReportError(f"{path}: not valid JSON ({exc})") from None
-    except RecursionError:
-        raise ReportError(f"{path}: not valid JSON (nested too deeply)") from None
-    except ValueError as exc:  # an integer literal longer than Python converts
-        raise ReportError(f"{path}: not valid JSON ({' '.join(str(exc).split())[:200]})") from None
-    if not isinstance(summary, dict) or summary.get("schema") != SUMMARY_SCHEMA:
-        raise ReportError(f"{path}: schema is not {SUMMARY_SCHEMA!r}")
-    if not isinstance(summary.get("pairs"), dict):
-        raise ReportError(f"{path}: no 'pairs' object")
-    return summary
+        return read_results_summary(results_dir)
+    except ResultsError as exc:  # the report's own error kind, for callers that catch it
+        raise ReportError(str(exc)) from None
 
 
 def read_tokens(results_dir: Path) -> pd.DataFrame:
@@ -86,21 +67,6 @@ def find_tokenizer(summary: dict[str, Any], results_dir: Path) -> Path | None:
             if candidate.is_file():
                 return candidate
     return None
-
-
-# The same as mismatch.results.json_safe, on purpose: importing any mismatch module runs
-# mismatch/__init__.py, which loads mismatch.engines — which reports/ must never import.
-def json_safe(value: Any) -> Any:
-    """NaN and ±inf become null (JSON has neither); numpy scalars become Python numbers."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, np.generic):
-        return json_safe(value.item())
-    return value
 
 
 def script_json(data: Any) -> str:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from conftest import REPO
+from mismatch.results import validate_summary
 from mismatch.audit import audit
 from mismatch.demo import DEMO_INFER, vllm_available
 from mismatch.rollouts import load_rollouts
@@ -39,6 +40,7 @@ def test_demo_lays_out_the_contract_and_reruns(demo_dir: Path) -> None:
         assert f"mismatch recommend {demo_dir}/audit --for verl" in done.stdout
     assert sorted(p.name for p in demo_dir.iterdir()) == ["audit", "checkpoint", "rollouts.jsonl"]
     summary = json.loads((demo_dir / "audit/summary.json").read_text())
+    assert validate_summary(summary) == []  # the shipped schema, mismatch/data/summary.schema.json
     engine = "vllm" if vllm_available() else "hf-decode"  # a real engine whenever it is installed
     assert summary["engines"]["sampler"]["meta"]["engine"] == engine
     assert summary["engines"]["train"]["spec"] == "hf"

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pandas as pd
 
+from mismatch.results import validate_summary
 from mismatch.cli import main
 from mismatch.diff import bootstrap_deltas
 
@@ -18,7 +19,7 @@ def test_diff_names_the_closer_config(tiny_checkpoint, sampled_rollouts, tmp_pat
     assert code == 0
     assert "closer to the reference: a" in capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["command"] == "diff"
+    assert summary["command"] == "diff" and validate_summary(summary) == []
     assert set(summary["pairs"]) == {"a/reference", "b/reference", "a/b"}
     comparison = summary["diff"]
     assert comparison["closer_to_reference"] == "a"

@@ -17,7 +17,6 @@ import math
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import mismatch
 

@@ -192,10 +192,11 @@ def test_reports_never_import_torch_or_the_engines(tmp_path: Path) -> None:
     modules = json.loads(done.stdout)
     heavy = [m for m in modules if m.split(".")[0] in ("torch", "transformers", "vllm")]
     assert heavy == [], heavy
-    # Of the core, only its light modules: the package root, the errors (ReportError), the terms and
-    # the frameworks' metric names (numpy and pandas only).
+    # Of the core, only its light modules: the package root, the errors (ReportError), the results
+    # contract, the terms and the frameworks' metric names (numpy and pandas only).
     assert [m for m in modules if m.split(".")[0] == "mismatch"] == [
-        "mismatch", "mismatch.errors", "mismatch.framework_metrics", "mismatch.groups", "mismatch.terms"]
+        "mismatch", "mismatch.errors", "mismatch.framework_metrics", "mismatch.groups", "mismatch.results",
+        "mismatch.terms"]
     assert (out / REPORT_FILE).is_file()
 
 

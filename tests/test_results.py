@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
@@ -44,3 +46,39 @@ def test_empty_table(tmp_path):
     frame = tokens().iloc[:0]
     write_tokens(frame, tmp_path / TOKENS_FILE)
     assert len(read_tokens(tmp_path)) == 0
+
+
+def test_the_shipped_schema_describes_what_an_audit_and_a_merge_write(tmp_path):
+    from mismatch.audit import audit
+    from mismatch.merge import merge
+    from mismatch.metrics import PAIR_METRICS
+    from mismatch.replay import Shard
+    from mismatch.results import summary_schema, validate_summary
+    from test_golden import GOLDEN, stored_checkpoint
+
+    schema = summary_schema()
+    assert schema["$defs"]["metrics"]["required"] == list(PAIR_METRICS)  # one list of metric names
+    checkpoint, rollouts = stored_checkpoint(tmp_path / "ckpt"), GOLDEN / "rollouts.jsonl"
+    stored = {"train": "stored:trainer", "infer": "stored:engine"}
+    whole = audit(checkpoint, rollouts, **stored, out=tmp_path / "whole", block_size=16)
+    assert validate_summary(whole.summary) == validate_summary(
+        json.loads((tmp_path / "whole" / "summary.json").read_text())) == []
+    for index in range(2):
+        audit(checkpoint, rollouts, **stored, out=tmp_path / f"s{index}", block_size=16, shard=Shard(index=index, count=2))
+    assert validate_summary(merge([tmp_path / "s0", tmp_path / "s1"], tmp_path / "m")) == []
+    broken = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    del broken["pairs"]["train/sampler"]["kl_k3"]
+    broken["counts"]["tokens"] = -1
+    assert validate_summary(broken) == ["counts/tokens: -1 is less than the minimum of 0",
+                                        "pairs/train/sampler: 'kl_k3' is a required property"]
+
+
+def test_importing_the_results_contract_loads_no_model_code():
+    import subprocess
+    import sys
+
+    code = "import json, sys, mismatch.results; print(json.dumps(sorted(sys.modules)))"
+    modules = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                        check=True).stdout)
+    assert not [m for m in modules if m.split(".")[0] in ("torch", "transformers", "vllm", "pandas", "pyarrow")]
+    assert [m for m in modules if m.startswith("mismatch")] == ["mismatch", "mismatch.errors", "mismatch.results"]

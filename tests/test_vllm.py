@@ -7,6 +7,7 @@ replay is bitwise reproducible. One fp32 engine serves the module (the first cal
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -188,11 +189,9 @@ def test_engine_args_are_checked_against_vllms_own_schema_before_any_load() -> N
     assert check_spec("vllm:dtype=bf16,enable_prefix_caching=false").kind == "vllm"  # aliases and bools pass
 
 
-def _audit_cli(checkpoint: Path, rollouts: Path, out: Path, infer: str) -> "subprocess.CompletedProcess[str]":
+def _audit_cli(checkpoint: Path, rollouts: Path, out: Path, infer: str) -> subprocess.CompletedProcess[str]:
     """`mismatch audit` as a user runs it: its own process, vLLM's engine core in another, and no
     KV-cache environment (the engine's CPU default applies)."""
-    import subprocess
-
     env = {k: v for k, v in os.environ.items()
            if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
     return subprocess.run([sys.executable, "-m", "mismatch", "audit", str(checkpoint), "--rollouts", str(rollouts),

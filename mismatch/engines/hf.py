@@ -90,7 +90,7 @@ class TorchEngineBase:
             "device": self.device, "logprob_semantics": "raw",
             "num_tokens_scored": self.num_scored, "num_tokens_fed": self.num_fed,
             "padding_frac": self.num_padded / max(self.num_fed + self.num_padded, 1),
-            "num_tokens_fed": self.num_fed, "num_tokens_padded": self.num_padded,
+            "num_tokens_padded": self.num_padded,
             "num_forward_calls": self.num_forward, "seconds": self.seconds,
             "tokens_per_s": self.num_scored / self.seconds if self.seconds else None,
         }
