@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -158,3 +159,55 @@ def test_dtype_aliases_are_the_dtypes_they_name() -> None:
     assert [normalize_dtype(d) for d in ("bf16", "fp16", "half", "fp32", "float", "auto")] == [
         "bfloat16", "float16", "float16", "float32", "float32", "auto"]
     assert check_spec("hf-decode:dtype=bf16").options == {"dtype": "bf16"}
+
+
+def test_a_pip_installed_package_registers_a_spec_kind(tmp_path, monkeypatch) -> None:
+    """An entry point in the `mismatch.engines` group (as `pip install` writes one) adds a kind that
+    every command takes, with its options checked like a built-in's."""
+    import sys
+
+    from mismatch.engines import check_spec, engine_kinds, load_engine
+    from mismatch.errors import SpecError
+
+    package = tmp_path / "site"
+    (package / "fake_engine_pkg").mkdir(parents=True)
+    (package / "fake_engine_pkg" / "__init__.py").write_text(
+        "from dataclasses import dataclass\n"
+        "import numpy as np\n"
+        "from mismatch.engines.spec import options_from\n\n"
+        "@dataclass(frozen=True)\n"
+        "class Options:\n"
+        "    level: float = -1.0\n\n"
+        "class Constant:\n"
+        "    kind = 'constant'\n"
+        "    options_cls = Options\n"
+        "    def __init__(self, options):\n"
+        "        self.options = options\n"
+        "    @classmethod\n"
+        "    def from_spec(cls, spec, checkpoint):\n"
+        "        return cls(options_from(Options, spec))\n"
+        "    def describe(self):\n"
+        "        return {'kind': 'constant', 'spec': 'constant', 'logprob_semantics': 'raw'}\n"
+        "    def replay(self, requests, progress=None):\n"
+        "        return [np.full(r.num_scored, self.options.level) for r in requests]\n"
+        "    def close(self):\n"
+        "        pass\n")
+    info = package / "fake_engine_pkg-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-engine-pkg\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[mismatch.engines]\nconstant = fake_engine_pkg:Constant\n"
+                                           "hf = fake_engine_pkg:Constant\n")  # cannot shadow a built-in
+    monkeypatch.syspath_prepend(str(package))
+    assert "constant" in engine_kinds() and engine_kinds().count("hf") == 1
+    assert check_spec("constant:level=-0.5").kind == "constant"
+    with pytest.raises(SpecError, match="unknown option 'levle'"):
+        check_spec("constant:levle=-0.5")
+    engine = load_engine("constant:level=-0.5", "unused")
+    assert type(engine).__module__ == "fake_engine_pkg"
+    from mismatch.cli import main
+    from test_golden import GOLDEN, stored_checkpoint
+
+    assert main(["audit", str(stored_checkpoint(tmp_path / "ckpt")), "--rollouts", str(GOLDEN / "rollouts.jsonl"),
+                 "--train", "stored:trainer", "--infer", "constant:level=-0.5", "--out", str(tmp_path / "o")]) == 0
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["engines"]["infer"]["kind"] == "constant"
+    sys.modules.pop("fake_engine_pkg", None)

@@ -1,7 +1,9 @@
 """Engines turn token sequences into teacher-forced per-token log-probs.
 
 One module per backend; `load_engine(spec, checkpoint)` is the registry. Backends import their
-heavy dependencies (torch, vllm) lazily so the core stays importable without them.
+heavy dependencies (torch, vllm) lazily so the core stays importable without them. A pip-installed
+package adds a spec kind through the `mismatch.engines` entry-point group (README.md beside this
+file says what a backend provides).
 """
 
 from __future__ import annotations
@@ -55,8 +57,24 @@ _BACKENDS: dict[str, str] = {
 }
 
 
+ENTRY_POINT_GROUP = "mismatch.engines"
+
+
+def _plugins() -> dict[str, Any]:
+    """Spec kinds other packages register (`[project.entry-points."mismatch.engines"]`, name =
+    "pkg.module:Backend"); a built-in kind cannot be shadowed. Read at each call: cheap, and a
+    package installed after import is seen."""
+    from importlib.metadata import entry_points
+
+    found = {}
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        if point.name not in _BACKENDS and point.name not in ("stored", "sampler"):
+            found.setdefault(point.name, point)
+    return found
+
+
 def engine_kinds() -> tuple[str, ...]:
-    return tuple(_BACKENDS)
+    return (*_BACKENDS, *sorted(_plugins()))
 
 
 def check_spec(spec: str | EngineSpec) -> EngineSpec:
@@ -86,11 +104,23 @@ def check_spec(spec: str | EngineSpec) -> EngineSpec:
 
 def _backend(parsed: EngineSpec) -> Any:
     target = _BACKENDS.get(parsed.kind)
-    if target is None:
+    if target is not None:
+        module_name, _, class_name = target.partition(":")
+        return getattr(importlib.import_module(module_name), class_name)
+    plugin = _plugins().get(parsed.kind)
+    if plugin is None:
         raise SpecError(f"unknown engine {parsed.kind!r} in spec {parsed.text!r} "
-                        f"(known: {', '.join(_BACKENDS)})")
-    module_name, _, class_name = target.partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
+                        f"(known: {', '.join(engine_kinds())})")
+    try:
+        backend = plugin.load()
+    except Exception as exc:  # a plug-in that does not import is the user's install to fix
+        raise SpecError(f"engine {parsed.kind!r} ({plugin.value}, entry point of "
+                        f"{getattr(plugin.dist, 'name', '?')}): cannot load it: {exc}") from None
+    for needed in ("options_cls", "from_spec"):
+        if not hasattr(backend, needed):
+            raise SpecError(f"engine {parsed.kind!r} ({plugin.value}): has no {needed} "
+                            "(see mismatch/engines/README.md)")
+    return backend
 
 
 def load_engine(spec: str | EngineSpec, checkpoint: str) -> Engine:
