@@ -52,11 +52,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from mismatch.corrections import summary_corrections
+from mismatch.advise.corrections import summary_corrections
 from mismatch.localize.turns import localize_turns
-from mismatch.metrics import metrics_by, summarize_pairs
+from mismatch.analysis.metrics import metrics_by, summarize_pairs
 from mismatch.results import TOKENS_FILE, read_tokens, write_tokens
-from mismatch.tokenview import TokenView
+from mismatch.analysis.tokenview import TokenView
 
 PAIRS = [("train", "sampler"), ("train", "infer"), ("infer", "sampler")]
 # What the analysis reads (token_id and segment are not used by it, and Parquet is columnar).

@@ -1,4 +1,4 @@
-"""Peak memory of log-prob extraction: `mismatch.logprobs.token_logprobs` (chunked) vs the naive
+"""Peak memory of log-prob extraction: `mismatch.engines.logprobs.token_logprobs` (chunked) vs the naive
 full `log_softmax(lm_head(h).float())`, for one long sequence, in one run.
 
 Usage: python benchmarks/logprob_memory.py [--tokens 32768] [--vocab 32768] [--hidden 256]
@@ -36,7 +36,7 @@ def child(case: str, tokens: int, vocab: int, hidden: int, dtype_name: str, seed
     import torch
     from torch import nn
 
-    from mismatch.logprobs import token_logprobs
+    from mismatch.engines.logprobs import token_logprobs
 
     torch.manual_seed(seed)
     dtype = getattr(torch, dtype_name)

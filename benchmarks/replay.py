@@ -20,7 +20,7 @@ from mismatch.engines import load_engine
 from mismatch.engines.hf import pack_batches
 from mismatch.replay import plan_replay
 from mismatch.rollouts import load_rollouts
-from mismatch.tinymodel import ensure_tiny_checkpoint
+from mismatch.demo.tinymodel import ensure_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 

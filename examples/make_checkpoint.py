@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from mismatch.tinymodel import build_tiny_checkpoint
+from mismatch.demo.tinymodel import build_tiny_checkpoint
 
 
 def main() -> None:

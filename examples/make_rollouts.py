@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from mismatch.toy_agent import FAULTS, SAMPLERS, HarnessConfig, write_rollouts
+from mismatch.demo.toy_agent import FAULTS, SAMPLERS, HarnessConfig, write_rollouts
 
 DEFAULTS = HarnessConfig()
 

@@ -17,8 +17,8 @@ from mismatch.errors import MismatchError, RolloutError  # noqa: E402  (light: n
 
 # public name -> the module that defines it
 _LAZY = {
-    "PAIR_METRICS": "mismatch.metrics", "metrics_by": "mismatch.metrics",
-    "pair_metrics": "mismatch.metrics", "summarize_pairs": "mismatch.metrics",
+    "PAIR_METRICS": "mismatch.analysis.metrics", "metrics_by": "mismatch.analysis.metrics",
+    "pair_metrics": "mismatch.analysis.metrics", "summarize_pairs": "mismatch.analysis.metrics",
     "iter_rollouts": "mismatch.rollouts", "load_rollouts": "mismatch.rollouts",
     "validate_file": "mismatch.rollouts",
     "AuditResult": "mismatch.audit", "audit": "mismatch.audit",
@@ -26,7 +26,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from mismatch.audit import AuditResult, audit
-    from mismatch.metrics import PAIR_METRICS, metrics_by, pair_metrics, summarize_pairs
+    from mismatch.analysis.metrics import PAIR_METRICS, metrics_by, pair_metrics, summarize_pairs
     from mismatch.rollouts import iter_rollouts, load_rollouts, validate_file
 
 

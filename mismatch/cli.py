@@ -88,7 +88,7 @@ def _read_probes(path: Path) -> list[dict[str, Any]]:
 
 def _framework(name: str | None) -> str | None:
     """--for, else $MISMATCH_FRAMEWORK; checked before any work."""
-    from mismatch.recommend import FRAMEWORKS
+    from mismatch.advise.recommend import FRAMEWORKS
 
     name = name or os.environ.get("MISMATCH_FRAMEWORK") or None
     if name is not None and name not in FRAMEWORKS:
@@ -273,7 +273,7 @@ def print_pairs(summary: dict[str, Any], framework: str | None = None) -> None:
         for key in dict.fromkeys(k for values in named.values() for k in values):
             table.add_row(key, *(_fmt(values.get(key)) for values in named.values()))
         out_console.print(table)
-    from mismatch.clip import clip_sentence
+    from mismatch.analysis.clip import clip_sentence
 
     if sentence := clip_sentence(summary):  # the question behind the table: is my ratio OK?
         out_console.print(sentence[:1].upper() + sentence[1:] + ".", markup=False, highlight=False,
@@ -331,7 +331,7 @@ def audit(
 
     Rerunning the same command after an interruption resumes from the finished blocks."""
     from mismatch.audit import audit as run_audit
-    from mismatch.clip import ClipRange
+    from mismatch.analysis.clip import ClipRange
 
     clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
     framework = _framework(framework)
@@ -438,8 +438,8 @@ def recommend(
     as_json: JsonFlag = False,
 ) -> None:
     """The correction (and fixes at the source) the measured gap calls for, with a config snippet."""
-    from mismatch.recommend import recommend as apply_rule
-    from mismatch.recommend import recommendations_dicts, render_config
+    from mismatch.advise.recommend import recommend as apply_rule
+    from mismatch.advise.recommend import recommendations_dicts, render_config
     from mismatch.results import read_summary
 
     framework = _framework(framework)
@@ -477,7 +477,7 @@ def gate(
     as_json: JsonFlag = False,
 ) -> None:
     """Fail (exit 1) when drift metrics exceed thresholds or worsen past a baseline."""
-    from mismatch import gate as gating
+    from mismatch.advise import gate as gating
 
     limits = gating.load_thresholds(thresholds) if thresholds else gating.Thresholds()
     drift_pct = max_drift if max_drift is not None else (limits.max_drift_pct if baseline else None)
@@ -627,7 +627,7 @@ def drift(
     as_json: JsonFlag = False,
 ) -> None:
     """Re-render each rollout's messages with the chat template; show where the stored tokens differ."""
-    from mismatch.drift import describe_span, drift_file
+    from mismatch.rollouts.drift import describe_span, drift_file
 
     with working("re-rendering each rollout's messages with the chat template", not as_json):
         found = drift_file(checkpoint, rollouts)
@@ -650,7 +650,7 @@ def import_(
     as_json: JsonFlag = False,
 ) -> None:
     """Convert another framework's rollout dump into mismatch's format v1."""
-    from mismatch.importers import import_file
+    from mismatch.rollouts.importers import import_file
 
     if out.exists() and not force:
         raise MismatchError(f"{out}: already exists; pass --force to replace it")

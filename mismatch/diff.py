@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch import terms
+from mismatch.analysis import terms
 from mismatch.audit import build_summary, publish, replay_for_results, shard_info
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Shard
 from mismatch.results import results_lock

@@ -20,7 +20,7 @@ from mismatch.engines import Engine, EngineSpec, ProgressFn, ReplayRequest, chec
 from mismatch.errors import EngineError, MismatchError, RolloutError, SpecError
 from mismatch.results import WorkDir
 from mismatch.rollouts import Rollout, Segment, context_tokens, load_rollouts
-from mismatch.trees import add_tree_weights
+from mismatch.rollouts.trees import add_tree_weights
 
 TABLE_KEYS = ("rollout_index", "rollout", "branch", "branch_kind", "turn", "segment", "pos", "role",
               "token_id", "trainable")
@@ -270,7 +270,7 @@ TORCH_KINDS = ("hf", "hf-decode")  # engines whose last step can be processed (a
 def _declared_processing(meta: dict[str, Any]) -> Any:
     """The Sampling the rollouts declare their log-probs were processed under, or None (raw,
     undeclared, or a processing that changes nothing)."""
-    from mismatch.alignment import Sampling
+    from mismatch.analysis.alignment import Sampling
 
     if meta.get("logprobs") != "processed":
         return None
@@ -319,7 +319,7 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
         # A name no segment of this shard carries is NaN on its rows, as in one run's table.
         values = plan.stored.get(name, np.full(plan.num_scored, np.nan))
         return [values], {"kind": "stored", "spec": spec.text, "name": name}
-    from mismatch.alignment import processed_logprobs_on
+    from mismatch.analysis.alignment import processed_logprobs_on
 
     columns = [(role, f"--{role} {spec.text}", None)]
     if processed is not None:

@@ -2,7 +2,7 @@
 
 Its names (the files below), the schema of summary.json (`mismatch/data/summary.schema.json`,
 checked by `validate_summary`), `json_safe`, the readers and the writers live here and nowhere
-else; ARCHITECTURE.md, "Results directory", says what each file holds. Importing this module
+else; ARCHITECTURE.md, "Results dir", says what each file holds. Importing this module
 loads numpy only (pandas and pyarrow when a table is read or written).
 
 Everything is built in a hidden sibling temp dir and renamed into place at the end, so a crash or

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch import terms
+from mismatch.analysis import terms
 
-# Breakdown statistics, with the summary.json names they share (ARCHITECTURE.md, pair metrics).
+# Breakdown statistics, with the summary.json names they share (ARCHITECTURE.md, "Results dir").
 BREAKDOWN_METRICS: dict[str, str] = {
     "log_ratio_abs_mean": "mean |log-ratio|",
     "kl_k3": "kl_k3 (per token)",
@@ -115,7 +115,7 @@ def _finite_or_none(value: float) -> float | None:
 
 
 def group_stats(keys: np.ndarray, log_ratio: np.ndarray) -> pd.DataFrame:
-    """BREAKDOWN_METRICS per key (non-negative ints), with the per-token terms of mismatch.metrics.
+    """BREAKDOWN_METRICS per key (non-negative ints), with the per-token terms of mismatch.analysis.metrics.
 
     bincount sums rather than a DataFrame groupby: one pass, no 13M-row temporary frames.
     """
@@ -167,10 +167,6 @@ def by_position(pairs: list[PairTokens]) -> dict[str, Any] | None:
             "x_title": f"position in the stream (bins of {width:,} token{'s' if width > 1 else ''})",
             "width": width,
             "series": _series(stats, index)}
-
-
-def _short(prob: float) -> str:
-    return f"1e{round(math.log10(prob))}" if prob < 0.01 else f"{prob:g}"
 
 
 def by_probability_from_summary(summary: dict[str, Any], pairs: list[str]) -> dict[str, Any] | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# How each recommendation kind reads in a headline (mismatch.recommend's kinds); an unknown kind
+# How each recommendation kind reads in a headline (mismatch.advise.recommend's kinds); an unknown kind
 # is shown by its name. An item's explicit "action": "correct" | "fix" | "none" wins over the kind.
 CORRECT_KINDS = frozenset({"correction"})
 NO_ACTION_KINDS = frozenset({"no_correction", "none", "healthy"})

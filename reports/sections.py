@@ -477,7 +477,7 @@ def corrections_section(summary: dict[str, Any]) -> Html | None:
 def frameworks_section(summary: dict[str, Any]) -> Html | None:
     """The focus pair under each framework's own metric names (summary.json framework_metrics), with
     the crosswalk: our metric when it is the same number, and how it differs when it is not."""
-    from mismatch.framework_metrics import crosswalk_rows
+    from mismatch.analysis.framework_metrics import crosswalk_rows
 
     by_pair = summary.get("framework_metrics") if isinstance(summary.get("framework_metrics"), dict) else {}
     pair = focus_pair(summary)

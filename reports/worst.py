@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch import terms
+from mismatch.analysis import terms
 from reports.aggregate import pair_roles
 
 

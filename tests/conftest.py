@@ -27,20 +27,20 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint() -> Path:
-    from mismatch import tinymodel
-    from mismatch.tinymodel import ensure_tiny_checkpoint
+    from mismatch.demo import tinymodel
+    from mismatch.demo.tinymodel import ensure_tiny_checkpoint
 
     # Keyed by the builder's source and corpus so a changed builder never serves a stale cache.
     builder = Path(tinymodel.__file__)
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(
-        [builder, *builder.parent.joinpath("data").glob("*.txt")]))).hexdigest()[:12]
+        [builder, *builder.parent.glob("*.txt")]))).hexdigest()[:12]
     return ensure_tiny_checkpoint(CACHE / f"tiny-llama-seed0-{digest}").path
 
 
 @pytest.fixture(scope="session")
 def sampled_rollouts(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Rollouts sampled by the toy agent (bf16 hf-decode sampler) from the tiny checkpoint."""
-    from mismatch.toy_agent import HarnessConfig, write_rollouts
+    from mismatch.demo.toy_agent import HarnessConfig, write_rollouts
 
     path = tmp_path_factory.mktemp("rollouts") / "rollouts.jsonl"
     write_rollouts(tiny_checkpoint, path, HarnessConfig(num_rollouts=6))

@@ -12,14 +12,14 @@ import pandas as pd
 import pytest
 import torch
 
-from mismatch.alignment import (Sampling, check_alignment, like_for_like, processed_logprobs,
+from mismatch.analysis.alignment import (Sampling, check_alignment, like_for_like, processed_logprobs,
                                 processed_token_logprobs, recompute_processed, replay_processed)
 from mismatch.errors import MismatchError
-from mismatch.logprobs import token_logprobs
-from mismatch.metrics import summarize_pairs
+from mismatch.engines.logprobs import token_logprobs
+from mismatch.analysis.metrics import summarize_pairs
 from mismatch.replay import plan_replay, replay_roles
 from mismatch.rollouts import load_rollouts
-from mismatch.toy_agent import HarnessConfig, write_rollouts
+from mismatch.demo.toy_agent import HarnessConfig, write_rollouts
 
 NUM_ROLLOUTS, PROMPT, ANSWER, VOCAB = 4, 5, 60, 40
 

@@ -16,7 +16,7 @@ import pytest
 
 from mismatch.audit import audit
 from mismatch.cli import main
-from mismatch.metrics import PAIR_METRICS
+from mismatch.analysis.metrics import PAIR_METRICS
 
 
 def test_clean_control_is_bitwise_equal(tiny_checkpoint, sampled_rollouts, tmp_path) -> None:

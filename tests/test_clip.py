@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 
 from mismatch.cli import main
-from mismatch.clip import ClipRange, clip_sentence, clip_summary
+from mismatch.analysis.clip import ClipRange, clip_sentence, clip_summary
 from mismatch.errors import MismatchError
-from mismatch.tokenview import TokenView
+from mismatch.analysis.tokenview import TokenView
 from reports.banner import audit_banner
 from test_golden import GOLDEN, stored_checkpoint
 

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from mismatch.corrections import (DEFAULT_CORRECTIONS, MODES, Correction, correction_weights,
+from mismatch.advise.corrections import (DEFAULT_CORRECTIONS, MODES, Correction, correction_weights,
                                   effective_sample_size, simulate, simulate_table, summary_corrections)
 from mismatch.errors import MismatchError
 
@@ -270,7 +270,7 @@ def test_importable_without_torch_or_the_cli():
     import subprocess
     import sys
 
-    code = ("import sys, mismatch.corrections, mismatch.recommend, mismatch.gate; "
+    code = ("import sys, mismatch.advise.corrections, mismatch.advise.recommend, mismatch.advise.gate; "
             "print(sorted(m for m in ('torch', 'typer', 'rich', 'plotly', 'vllm') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from mismatch.checkpoint import load_tokenizer
-from mismatch.drift import describe_span, drift_file, find_drift, render_ids
+from mismatch.rollouts.drift import describe_span, drift_file, find_drift, render_ids
 from mismatch.errors import MismatchError, RolloutError
 from mismatch.rollouts import Rollout, check_rollout, load_rollouts
-from mismatch.toy_agent import HarnessConfig, write_rollouts
+from mismatch.demo.toy_agent import HarnessConfig, write_rollouts
 
 
 @pytest.fixture(scope="module")

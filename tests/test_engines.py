@@ -14,7 +14,7 @@ from mismatch.engines import ReplayRequest, load_engine, parse_spec
 from mismatch.engines.hf import pack_batches
 from mismatch.engines.hf_decode import feed_chunks
 from mismatch.errors import SpecError
-from mismatch.logprobs import token_logprobs
+from mismatch.engines.logprobs import token_logprobs
 
 
 def _requests(vocab: int, lengths: list[int], seed: int = 0) -> list[ReplayRequest]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mismatch.toy_agent import HarnessConfig, write_rollouts
+from mismatch.demo.toy_agent import HarnessConfig, write_rollouts
 from test_scale import VOLATILE, WORK_DONE, comparable
 
 

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 from conftest import REPO
-from mismatch.framework_metrics import FRAMEWORK_METRICS, crosswalk_rows, framework_metrics, pair_arrays
-from mismatch.metrics import summarize_pairs
+from mismatch.analysis.framework_metrics import FRAMEWORK_METRICS, crosswalk_rows, framework_metrics, pair_arrays
+from mismatch.analysis.metrics import summarize_pairs
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from mismatch.errors import MismatchError, ResultsError
-from mismatch.gate import (DRIFT_METRICS, drift_pct, github_annotations, load_summary, load_thresholds,
+from mismatch.advise.gate import (DRIFT_METRICS, drift_pct, github_annotations, load_summary, load_thresholds,
                            parse_limits, run_gate, write_junit)
-from mismatch.metrics import PAIR_METRICS
+from mismatch.analysis.metrics import PAIR_METRICS
 
 METRICS = {name: 0.5 for name in PAIR_METRICS} | {"n_tokens": 100, "n_rollouts": 4, "kl_k3": 2e-4,
                                                    "ratio_q999": 1.5, "ess": 0.99}
@@ -181,7 +181,7 @@ def test_junit_xml_parses_with_one_testcase_per_check(tmp_path: Path):
 def test_github_annotations_escape_the_message():
     result = run_gate(summary(), maxima={"train/infer.kl_k3": 1e-3})
     assert github_annotations(result) == ["::error title=mismatch gate::train/infer.kl_k3 = 0.005 > max 0.001"]
-    from mismatch.gate import Check, GateResult
+    from mismatch.advise.gate import Check, GateResult
     odd = GateResult(checks=(Check(kind="max", name="x", value=1.0, limit=0.0, passed=False, message="50%\nup"),))
     assert github_annotations(odd) == ["::error title=mismatch gate::50%25%0Aup"]
 
@@ -232,7 +232,7 @@ def test_literal_infinity_or_nan_in_summary_json_is_refused(tmp_path: Path):
 
 
 def test_one_metric_limited_twice_differently_is_refused(tmp_path: Path):
-    from mismatch.gate import combined_limits
+    from mismatch.advise.gate import combined_limits
 
     with pytest.raises(MismatchError, match=r"^--max train/sampler.kl_k3: given twice \(0.001 and 0.01\); keep one$"):
         parse_limits(["kl_k3=1e-3", "train/sampler.kl_k3=1e-2"])

@@ -7,11 +7,11 @@ import pandas as pd
 import pytest
 from conftest import PAIRS, agentic_frame
 
-from mismatch.corrections import simulate, summary_corrections
-from mismatch.groups import Grouping, find_runs, quantiles, single_group
+from mismatch.advise.corrections import simulate, summary_corrections
+from mismatch.analysis.groups import Grouping, find_runs, quantiles, single_group
 from mismatch.localize.turns import localize_turns
-from mismatch.metrics import PAIR_METRICS, metrics_by, summarize_pairs
-from mismatch.tokenview import TokenView
+from mismatch.analysis.metrics import PAIR_METRICS, metrics_by, summarize_pairs
+from mismatch.analysis.tokenview import TokenView
 
 QS = [0.0, 0.01, 0.5, 0.99, 0.999, 1.0]
 
@@ -34,7 +34,7 @@ def test_quantiles_equal_numpy_linear(n):
 
 @pytest.mark.parametrize("margin", [64, -3000])  # -3000: every tail cut too tight, each group partitioned whole
 def test_quantiles_of_large_groups_from_their_tails_equal_numpy(margin, monkeypatch):
-    from mismatch import groups
+    from mismatch.analysis import groups
 
     monkeypatch.setattr(groups, "_MARGIN", margin)
     rng = np.random.default_rng(11)
@@ -136,7 +136,7 @@ def test_corrections_on_a_view_equal_corrections_on_arrays():
 
 @pytest.mark.parametrize("shape", ["normal", "ties", "heavy_tail", "constant"])
 def test_order_statistics_from_the_tails_are_exact(shape):
-    from mismatch.groups import order_statistics
+    from mismatch.analysis.groups import order_statistics
 
     rng = np.random.default_rng(7)
     n = 200_003

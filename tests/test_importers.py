@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from mismatch.errors import MismatchError
-from mismatch.importers import ImportFormatError, import_file
+from mismatch.rollouts.importers import ImportFormatError, import_file
 from mismatch.rollouts import Rollout, load_rollouts
 
 # A two-turn agentic sample: prompt, model turn, tool output (mask 0), model turn.

@@ -15,7 +15,7 @@ from mismatch.checkpoint import load_tokenizer
 from mismatch.errors import MismatchError, SpecError
 from mismatch.localize.kernels import budgeted, module_local_errors
 
-CORPUS = Path(__file__).resolve().parents[1] / "mismatch" / "data" / "corpus.txt"
+CORPUS = Path(__file__).resolve().parents[1] / "mismatch" / "demo" / "corpus.txt"
 ALL_TYPES = {"Embedding", "Linear", "RMSNorm", "RoPE", "attention", "SiLU-mul", "lm_head+log_softmax"}
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mismatch.errors import MismatchError
-from mismatch.metrics import PAIR_METRICS, grouped_pair_metrics, metrics_by, pair_metrics, summarize_pairs
+from mismatch.analysis.metrics import PAIR_METRICS, grouped_pair_metrics, metrics_by, pair_metrics, summarize_pairs
 
 CONTRACT_NAMES = """n_tokens n_rollouts log_ratio_mean log_ratio_abs_mean log_ratio_abs_max
 ratio_mean ratio_std ratio_min ratio_max ratio_q001 ratio_q01 ratio_q99 ratio_q999 kl_k1 kl_k2 kl_k3

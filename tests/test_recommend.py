@@ -12,10 +12,10 @@ import yaml
 
 from framework_schemas import (LOADERS, SchemaError, load_prime_rl, load_slime, load_trl,
                                load_verl)
-from mismatch.corrections import DEFAULT_CORRECTIONS, summary_corrections
+from mismatch.advise.corrections import DEFAULT_CORRECTIONS, summary_corrections
 from mismatch.errors import MismatchError
-from mismatch.metrics import summarize_pairs
-from mismatch.recommend import (FRAMEWORKS, Recommendation, batch_variant_from_probes, recommend,
+from mismatch.analysis.metrics import summarize_pairs
+from mismatch.advise.recommend import (FRAMEWORKS, Recommendation, batch_variant_from_probes, recommend,
                                 render_config)
 
 if sys.version_info >= (3, 11):
@@ -143,7 +143,7 @@ def test_missing_simulations_are_a_user_error():
     with pytest.raises(MismatchError) as info:
         recommend(summary())
     assert str(info.value) == ("no simulated token_truncate corrections to choose from: summary.json has no "
-                               "'corrections' (simulate them with mismatch.corrections.summary_corrections)")
+                               "'corrections' (simulate them with mismatch.advise.corrections.summary_corrections)")
 
 
 def correction(mode: str, **params: float) -> list[Recommendation]:
@@ -324,7 +324,7 @@ def test_a_planted_off_by_one_gets_only_the_alignment_fix(tmp_path) -> None:
 
 
 def test_every_recommendation_says_what_it_costs():
-    from mismatch.recommend import COSTS
+    from mismatch.advise.recommend import COSTS
 
     probes = [{"source": "batch_size", "applicable": True, "bitwise_equal_frac": 0.97}]
     bf16 = summary(LARGE, corrections=TOKEN_CAPS)

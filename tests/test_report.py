@@ -147,7 +147,7 @@ FULL_EXTRA: dict[str, Any] = {
     "corrections": [{"mode": mode, "params": {"cap": cap}, "frac_tokens_affected": 0.01 / cap,
                      "frac_rollouts_affected": 0.2 / cap, "weight_mean": 0.99, "weight_max": float(cap),
                      "ess": 0.98} for mode in ("token_truncate", "token_mask") for cap in (2, 3)],
-    # The shape mismatch.recommend writes (kind "correction", the chosen mode and cap in params).
+    # The shape mismatch.advise.recommend writes (kind "correction", the chosen mode and cap in params).
     "recommendations": [{"kind": "correction", "why": f"99% of tokens unclipped at cap 2 {SCRIPT}",
                          "params": {"mode": "token_truncate", "cap": 2, "frac_tokens_affected": 0.005,
                                     "frac_rollouts_affected": 0.1, "ess": 0.98, "meets_rule": True}}],
@@ -195,8 +195,8 @@ def test_reports_never_import_torch_or_the_engines(tmp_path: Path) -> None:
     # Of the core, only its light modules: the package root, the errors (ReportError), the results
     # contract, the terms and the frameworks' metric names (numpy and pandas only).
     assert [m for m in modules if m.split(".")[0] == "mismatch"] == [
-        "mismatch", "mismatch.errors", "mismatch.framework_metrics", "mismatch.groups", "mismatch.results",
-        "mismatch.terms"]
+        "mismatch", "mismatch.analysis", "mismatch.analysis.framework_metrics", "mismatch.analysis.groups",
+        "mismatch.analysis.terms", "mismatch.errors", "mismatch.results"]
     assert (out / REPORT_FILE).is_file()
 
 

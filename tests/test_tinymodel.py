@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mismatch import tinymodel
+from mismatch.demo import tinymodel
 from mismatch.errors import CheckpointError
-from mismatch.tinymodel import (BUILD_FILE, SPECIAL_TOKENS, TinyCheckpoint, build_tiny_checkpoint,
+from mismatch.demo.tinymodel import (BUILD_FILE, SPECIAL_TOKENS, TinyCheckpoint, build_tiny_checkpoint,
                                 chat_conversations, chat_corpus, ensure_tiny_checkpoint,
                                 render_chat)
 

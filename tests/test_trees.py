@@ -9,10 +9,10 @@ import pandas as pd
 import pytest
 
 from mismatch.errors import MismatchError
-from mismatch.metrics import pair_metrics
+from mismatch.analysis.metrics import pair_metrics
 from mismatch.replay import plan_replay
 from mismatch.rollouts import Rollout, check_rollout
-from mismatch.trees import (GYRE_NORMALIZATION, add_tree_weights, gyre_paths, gyre_weights, tree_summary,
+from mismatch.rollouts.trees import (GYRE_NORMALIZATION, add_tree_weights, gyre_paths, gyre_weights, tree_summary,
                             tree_weights, weighted_pair_metrics)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mismatch.metrics import pair_metrics
-from mismatch.verdicts import verdict
+from mismatch.analysis.metrics import pair_metrics
+from mismatch.advise.verdicts import verdict
 
 
 def _metrics(log_ratio: np.ndarray) -> dict:

@@ -17,7 +17,7 @@ import numpy as np
 from mismatch.checkpoint import CheckpointInfo, checkpoint_info, load_model
 from mismatch.engines import ProgressFn, ReplayRequest
 from mismatch.engines.spec import EngineSpec, options_from
-from mismatch.logprobs import DEFAULT_CHUNK, token_logprobs
+from mismatch.engines.logprobs import DEFAULT_CHUNK, token_logprobs
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -17,7 +17,7 @@ import numpy as np
 from mismatch.engines import ProgressFn, ReplayRequest
 from mismatch.engines.hf import TorchEngineBase
 from mismatch.errors import SpecError
-from mismatch.logprobs import DEFAULT_CHUNK
+from mismatch.engines.logprobs import DEFAULT_CHUNK
 
 PREFILL_MODES = ("prompt", "none")
 

@@ -57,8 +57,8 @@ class UserEngine:
     def from_spec(cls, spec: EngineSpec, checkpoint: str) -> UserEngine:
         options = dict(spec.options)
         factory = import_target(options.pop("target"))
-        # Every spec accepts checkpoint=PATH (ARCHITECTURE.md): it replaces the audited checkpoint
-        # as the factory's first argument rather than reaching it as a second `checkpoint`.
+        # Every spec accepts checkpoint=PATH (ARCHITECTURE.md, "Engine specs"): it replaces the
+        # audited checkpoint as the factory's first argument rather than reaching it as a second one.
         return cls(factory(str(options.pop("checkpoint", checkpoint)), **options), spec.text)
 
     def describe(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from mismatch.engines import ReplayRequest, load_engine, parse_spec
 from mismatch.engines.hf import TorchEngineBase
 from mismatch.engines.hf_decode import DecodeSession, feed_chunks
 from mismatch.errors import MismatchError, SpecError
-from mismatch.logprobs import token_logprobs
+from mismatch.engines.logprobs import token_logprobs
 from mismatch.results import json_safe
 
 TORCH_KINDS = ("hf", "hf-decode")

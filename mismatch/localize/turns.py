@@ -15,9 +15,9 @@ import numpy as np
 import pandas as pd
 
 from mismatch.errors import MismatchError
-from mismatch.metrics import PairTokens, grouped_view_metrics, pair_tokens, token_grouped_metrics
+from mismatch.analysis.metrics import PairTokens, grouped_view_metrics, pair_tokens, token_grouped_metrics
 from mismatch.results import json_safe
-from mismatch.tokenview import TokenView
+from mismatch.analysis.tokenview import TokenView
 
 # Per-group metrics kept in each breakdown row (the full PAIR_METRICS live in summary["turns"]).
 BREAKDOWN_METRICS = ("n_tokens", "n_rollouts", "log_ratio_mean", "log_ratio_abs_mean",

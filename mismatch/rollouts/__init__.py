@@ -1,6 +1,9 @@
 """Rollout format v1: the data model, a streaming loader, and a validator that names every problem.
 
-First step of the flow: a JSONL/Parquet file (from the user or an importer) -> `Rollout`s -> replay, metrics.
+First step of the flow (ARCHITECTURE.md, "Load and check"): a JSONL/Parquet file -> `Rollout`s ->
+replay. Beside it in this package: `trees` (a rollout tree's weights and tree metrics), `drift`
+(re-rendering `messages` to find where a harness rewrote history) and `importers` (other
+frameworks' dumps into format v1).
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ def _small_vllm_on_cpu() -> None:
 
 def run_demo(out: str | Path = DEFAULT_DIR, *, progress: ProgressFactory | None = None,
              say: Callable[[str], None] = lambda _: None) -> AuditResult:
-    from mismatch.tinymodel import ensure_tiny_checkpoint
-    from mismatch.toy_agent import HarnessConfig, write_rollouts
+    from mismatch.demo.tinymodel import ensure_tiny_checkpoint
+    from mismatch.demo.toy_agent import HarnessConfig, write_rollouts
 
     _small_vllm_on_cpu()
     root = Path(out)

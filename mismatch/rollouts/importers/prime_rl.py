@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mismatch.importers._common import (Where, branch, floats, get, ints, masked_segments, runs,
+from mismatch.rollouts.importers._common import (Where, branch, floats, get, ints, masked_segments, runs,
                                         same_length, source_meta)
 
 EXAMPLE_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "completion_logprobs",

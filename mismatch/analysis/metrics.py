@@ -11,12 +11,12 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from mismatch import terms
+from mismatch.analysis import terms
 from mismatch.errors import MismatchError
-from mismatch.groups import Grouping, Runs, quantiles, single_group
-from mismatch.tokenview import DEFAULT_SEQ, TokenView
+from mismatch.analysis.groups import Grouping, Runs, quantiles, single_group
+from mismatch.analysis.tokenview import DEFAULT_SEQ, TokenView
 
-# Contract names and order of `summary.json["pairs"]["A/B"]` (ARCHITECTURE.md, "Results directory").
+# Contract names and order of `summary.json["pairs"]["A/B"]` (ARCHITECTURE.md, "Results dir").
 PAIR_METRICS: tuple[str, ...] = (
     "n_tokens", "n_rollouts",
     "log_ratio_mean", "log_ratio_abs_mean", "log_ratio_abs_max",

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mismatch.importers._common import (Where, branch, floats, get, ints, masked_segments, same_length,
+from mismatch.rollouts.importers._common import (Where, branch, floats, get, ints, masked_segments, same_length,
                                         source_meta)
 
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from mismatch import terms
+from mismatch.analysis import terms
 from mismatch.errors import MismatchError
-from mismatch.metrics import pair_tokens
-from mismatch.tokenview import TokenView
+from mismatch.analysis.metrics import pair_tokens
+from mismatch.analysis.tokenview import TokenView
 
 BREAKDOWNS = {"turn": "turns", "branch_kind": "branch_kinds"}
 

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch import terms
-from mismatch.groups import key_codes
+from mismatch.analysis import terms
+from mismatch.analysis.groups import key_codes
 
 SAFETY_BOUND = 20.0  # verl and slime clamp log-ratios to +-20 before exp (rollout_corr_helper.py:75)
 

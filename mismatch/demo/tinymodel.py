@@ -497,7 +497,7 @@ def _fact(topic: str, line: str, rng: random.Random) -> list[dict[str, Any]]:
 def _prose() -> Iterator[tuple[str, str]]:
     """(topic, sentence) pairs from the bundled corpus.txt, whose `# topic` lines head sections."""
     topic = "general"
-    for line in (Path(__file__).parent / "data" / "corpus.txt").read_text().splitlines():
+    for line in Path(__file__).with_name("corpus.txt").read_text().splitlines():
         line = line.strip()
         if line.startswith("# "):
             topic = line[2:]

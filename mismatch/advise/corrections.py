@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch import terms
+from mismatch.analysis import terms
 from mismatch.errors import MismatchError
-from mismatch.groups import Runs, find_runs
-from mismatch.metrics import pair_tokens, run_sums
-from mismatch.tokenview import TokenView
+from mismatch.analysis.groups import Runs, find_runs
+from mismatch.analysis.metrics import pair_tokens, run_sums
+from mismatch.analysis.tokenview import TokenView
 
 # Conventions, shared with the frameworks cited per mode below:
 # - log_ratio = log pi_train - log pi_sampler per token, ratio = exp(log_ratio); a "sequence" is one branch
@@ -78,7 +78,7 @@ class CorrectionResult:
     by_turn: list[dict[str, Any]]
 
     def to_dict(self) -> dict[str, Any]:
-        """Contract keys first (ARCHITECTURE.md, "Results directory"), then the extras."""
+        """Contract keys first (ARCHITECTURE.md, "Results dir"), then the extras."""
         return {"mode": self.mode, "params": dict(self.params),
                 "frac_tokens_affected": self.frac_tokens_affected,
                 "frac_rollouts_affected": self.frac_rollouts_affected,

@@ -10,15 +10,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mismatch.corrections import PROB_GAP_MODES
+from mismatch.advise.corrections import PROB_GAP_MODES
 from mismatch.errors import MismatchError
-from mismatch.verdicts import gap_level
+from mismatch.advise.verdicts import gap_level
 
 RULE = """\
 1. The stored log-probs are shifted against the tokens (alignment shift != 0): fix_alignment, alone;
    every ratio is then measured on misaligned pairs, so no correction or cost can be chosen from it.
 2. Re-rendered messages give other tokens than were sampled (drift spans): fix_renderer.
-3. Correction: none when the train/sampler gap is exact or negligible (mismatch.verdicts.gap_level).
+3. Correction: none when the train/sampler gap is exact or negligible (mismatch.advise.verdicts.gap_level).
    Otherwise truncated IS (TIS; TRL's *_truncate) at the smallest simulated cap that leaves at least 99%
    of trainable tokens unclipped with ESS >= 0.9; at sequence level when the mismatch grows with position,
    else at token level. If no cap meets both, the cap with the highest ESS, and the rule says so.
@@ -183,7 +183,7 @@ def choose_correction(evidence: Evidence) -> Recommendation:
                         key=lambda c: c["params"]["cap"])
     if not candidates:
         raise MismatchError(f"no simulated {mode} corrections to choose from: summary.json has no "
-                            "'corrections' (simulate them with mismatch.corrections.summary_corrections)")
+                            "'corrections' (simulate them with mismatch.advise.corrections.summary_corrections)")
     passing = [c for c in candidates if _passes(c)]
     # Fallback: the cap whose weights keep the most ESS (fewest clipped on a tie).
     chosen = passing[0] if passing else max(

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch import terms
+from mismatch.analysis import terms
 from mismatch.errors import MismatchError
-from mismatch.groups import find_runs, key_codes
+from mismatch.analysis.groups import find_runs, key_codes
 from mismatch.rollouts import Rollout
 
 DEFAULT_MAX_PATHS = 5
@@ -211,7 +211,7 @@ def _check_columns(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> Non
     wanted = [f"weight_{name}" for name in WEIGHTS] + [f"logp_{role}" for pair in pairs for role in pair]
     missing = [column for column in wanted if column not in table.columns]
     if missing:
-        hint = " (add them with mismatch.trees.add_tree_weights)" if missing[0].startswith("weight_") else ""
+        hint = " (add them with mismatch.rollouts.trees.add_tree_weights)" if missing[0].startswith("weight_") else ""
         raise MismatchError(f"token table has no column {missing[0]!r}{hint}")
 
 

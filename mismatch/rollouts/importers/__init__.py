@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from mismatch.errors import MismatchError
-from mismatch.importers._common import ImportFormatError, Where
+from mismatch.rollouts.importers._common import ImportFormatError, Where
 
 # Format name -> module with `convert(record, where) -> list[rollout dict]`; framework specifics
 # live in those modules only.
 FORMATS: dict[str, str] = {
-    "verl": "mismatch.importers.verl",
-    "prime-rl": "mismatch.importers.prime_rl",
-    "skyrl": "mismatch.importers.skyrl",
-    "verifiers": "mismatch.importers.verifiers",
+    "verl": "mismatch.rollouts.importers.verl",
+    "prime-rl": "mismatch.rollouts.importers.prime_rl",
+    "skyrl": "mismatch.rollouts.importers.skyrl",
+    "verifiers": "mismatch.rollouts.importers.verifiers",
 }
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 MSGPACK_SUFFIXES = (".bin", ".msgpack", ".mpk")

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from mismatch.errors import MismatchError, ResultsError
-from mismatch.metrics import PAIR_METRICS
+from mismatch.analysis.metrics import PAIR_METRICS
 from mismatch.results import SUMMARY_FILE, SUMMARY_SCHEMA, atomic_write_text, load_json
-from mismatch.terms import METRIC_RANGES
+from mismatch.analysis.terms import METRIC_RANGES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -335,7 +335,7 @@ def junit_xml(result: GateResult, *, suite: str = "mismatch gate") -> str:
     root = ET.Element("testsuites", {"name": suite, **counts})
     suite_el = ET.SubElement(root, "testsuite", {"name": suite, **counts})
     for check in result.checks:
-        case = ET.SubElement(suite_el, "testcase", {"classname": f"mismatch.gate.{check.kind}",
+        case = ET.SubElement(suite_el, "testcase", {"classname": f"mismatch.advise.gate.{check.kind}",
                                                     "name": check.name, "time": "0"})
         if check.passed:
             ET.SubElement(case, "system-out").text = check.message

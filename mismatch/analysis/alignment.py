@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.errors import MismatchError, SpecError
-from mismatch.groups import find_runs, key_codes
+from mismatch.analysis.groups import find_runs, key_codes
 
 SHIFTS = (-1, 0, 1)
 SHIFT_FACTOR = 4.0     # a shift must fit at least this many times better than no shift
@@ -84,7 +84,7 @@ def processed_logprobs(logits_CV, sampling: Sampling):
 
 def processed_token_logprobs(hidden_ND, target_N, lm_head, *, sampling: Sampling, chunk: int = 512,
                              softcap: float | None = None):
-    """`mismatch.logprobs.token_logprobs` under the sampler's processing (float64 on the CPU).
+    """`mismatch.engines.logprobs.token_logprobs` under the sampler's processing (float64 on the CPU).
 
     Same chunking and fp32 upcast as the raw path, so at temperature 1 with no top-k/top-p the
     numbers are the raw ones bit for bit.
@@ -369,7 +369,7 @@ def _semantics_finding(semantics: dict[str, Any], declared: dict[str, Any], stor
             f"{'raised' if raised else 'lowered'} in {share:.0%} of cases; temperature ~ "
             f"{semantics['estimated_temperature']}) while {replayed} computes raw ones{declared_text}",
             f"compare like for like: recompute the {replayed} side under the sampler's processing "
-            f"(mismatch.alignment.recompute_processed, temperature={temperature}, top_k={sampling.top_k}, "
+            f"(mismatch.analysis.alignment.recompute_processed, temperature={temperature}, top_k={sampling.top_k}, "
             f"top_p={sampling.top_p}), or store raw log-probs (vLLM: logprobs_mode='raw_logprobs')"))
     elif semantics["semantics"] == "raw" and declared.get("logprobs") == "processed" and not sampling.is_identity:
         findings.append(_finding("semantics_mismatch",
@@ -416,7 +416,7 @@ def like_for_like(table: pd.DataFrame, recomputed: np.ndarray, *, stored: str = 
                   pairs: Sequence[tuple[str, str]] = ()) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Add the recomputed column (`logp_<replayed>_processed`) and its pair metrics against
     `stored`, next to the raw pair and any other `pairs`, for summary.json."""
-    from mismatch.metrics import summarize_pairs
+    from mismatch.analysis.metrics import summarize_pairs
 
     role = name or f"{replayed}_processed"
     if len(recomputed) != len(table):

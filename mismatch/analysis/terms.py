@@ -73,7 +73,7 @@ class MetricTerm:
 
 
 # summary.json pair metrics that reduce one token term (the rest are counts, extremes of the
-# ratio, quantiles, or per-sequence: see mismatch.metrics).
+# ratio, quantiles, or per-sequence: see mismatch.analysis.metrics).
 PAIR_METRIC_TERMS: dict[str, MetricTerm] = {
     "log_ratio_abs_mean": MetricTerm("abs(log_ratio)", "mean", "higher"),
     "log_ratio_abs_max": MetricTerm("abs(log_ratio)", "max", "higher"),

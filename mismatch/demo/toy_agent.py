@@ -299,7 +299,7 @@ class ToyAgent:
         # The hf-decode sampler stores log_softmax(logits / T): processed unless T = 1. vLLM's
         # default logprobs mode returns raw log-probs whatever the temperature.
         processed = self.config.engine == "hf-decode" and self.config.temperature != 1.0
-        return {"checkpoint": str(self.info.path), "scenario": scenario, "harness": "mismatch.toy_agent",
+        return {"checkpoint": str(self.info.path), "scenario": scenario, "harness": "mismatch.demo.toy_agent",
                 "sampler": {"engine": self.config.engine, "dtype": self.config.dtype,
                             **({"attn": self.config.attn} if self.config.engine == "hf-decode" else {}),
                             "temperature": self.config.temperature, "top_p": 1.0, "top_k": -1,
