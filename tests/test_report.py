@@ -196,7 +196,9 @@ def test_reports_never_import_torch_or_the_engines(tmp_path: Path) -> None:
     # contract, the terms and the frameworks' metric names (numpy and pandas only).
     assert [m for m in modules if m.split(".")[0] == "mismatch"] == [
         "mismatch", "mismatch.analysis", "mismatch.analysis.framework_metrics", "mismatch.analysis.groups",
-        "mismatch.analysis.terms", "mismatch.errors", "mismatch.results"]
+        "mismatch.analysis.terms", "mismatch.errors", "mismatch.frameworks", "mismatch.frameworks._common",
+        "mismatch.frameworks.openrlhf", "mismatch.frameworks.prime_rl", "mismatch.frameworks.slime",
+        "mismatch.frameworks.trl", "mismatch.frameworks.verl", "mismatch.results"]
     assert (out / REPORT_FILE).is_file()
 
 

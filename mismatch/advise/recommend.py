@@ -10,8 +10,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mismatch import frameworks
 from mismatch.advise.corrections import PROB_GAP_MODES
 from mismatch.errors import MismatchError
+from mismatch.frameworks import FRAMEWORKS
 from mismatch.advise.verdicts import gap_level
 
 RULE = """\
@@ -32,7 +34,6 @@ RULE = """\
 MAX_FRAC_AFFECTED = 0.01  # at most 1% of trainable tokens clipped
 MIN_ESS = 0.9
 PAIR = "train/sampler"
-FRAMEWORKS = ("verl", "trl", "slime", "prime-rl", "openrlhf")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -301,7 +302,7 @@ def _raw_logprobs() -> Recommendation:
 def render_config(recommendations: Iterable[Recommendation | dict[str, Any]], framework: str) -> str:
     """A ready-to-paste snippet with `framework`'s real keys: YAML (verl, trl), TOML (prime-rl), CLI flags
     (slime, openrlhf). Fixes without a config key become comments."""
-    renderer = _RENDERERS.get(framework)
+    renderer = frameworks.renderer(framework)
     if renderer is None:
         raise MismatchError(f"unknown framework {framework!r} (valid: {', '.join(FRAMEWORKS)})")
     recs = [r if isinstance(r, Recommendation) else Recommendation(**r) for r in recommendations]
@@ -338,235 +339,6 @@ def _wrapped(lines: list[str], width: int = 100) -> list[str]:
         else:
             out.append(line)
     return out
-
-
-def _correction_params(by_kind: dict[str, Recommendation]) -> tuple[str, dict[str, float]] | None:
-    rec = by_kind.get("correction")
-    if rec is None:
-        return None
-    params = {k: v for k, v in rec.params.items() if k in ("cap", "low", "high", "threshold")}
-    return rec.params["mode"], params
-
-
-def _cap(params: dict[str, float]) -> float:
-    return params["cap"] if "cap" in params else params["high"]
-
-
-def _level(mode: str) -> str:
-    return "token" if mode.startswith(("token", "rs_token")) else "sequence"
-
-
-def _render_verl(by_kind: dict[str, Recommendation]) -> list[str]:
-    # verl @ b178a3cd56f5: verl/trainer/config/algorithm.py:60-179 (RolloutCorrectionConfig: rollout_is
-    # "token" | "sequence" | null, rollout_is_threshold a float > 0 (a string raises TypeError at
-    # rollout_corr_helper.py:526), rollout_rs options, rollout_rs_threshold, bypass_mode); rollout_rs
-    # thresholds: rollout_corr_helper.py:93-153 ("low_high" for *_k1 options only, on k1 = -log ratio,
-    # so a ratio band [low, high] is "1/high_1/low"); verl/workers/config/rollout.py:156, :189.
-    lines = ["# keys: verl/trainer/config/algorithm.py (RolloutCorrectionConfig)"]
-    algo: list[str] = []
-    rollout: list[str] = []
-    chosen = _correction_params(by_kind)
-    if chosen is not None:
-        mode, params = chosen
-        if mode in ("token_truncate", "sequence_truncate"):
-            algo += [f"rollout_is: {_level(mode)}", f"rollout_is_threshold: {float(params['cap'])!r}",
-                     "rollout_rs: null"]
-        elif mode in ("token_icepop", "sequence_icepop"):
-            # IcePop = drop outside [low, high] (rollout_rs on k1), keep the raw ratio inside: rollout_is
-            # truncates at high, which a surviving ratio never exceeds.
-            option = "token_k1" if _level(mode) == "token" else "seq_sum_k1"
-            algo += [f"rollout_is: {_level(mode)}", f"rollout_is_threshold: {float(params['high'])!r}",
-                     f"rollout_rs: {option}", f"rollout_rs_threshold: \"{_verl_k1_band(params)}\""]
-        elif mode.startswith("rs_"):
-            threshold = (f"\"{params['low']!r}_{params['high']!r}\"" if "low" in params
-                         else repr(float(params["high"])))
-            algo += ["rollout_is: null", f"rollout_rs: {mode[3:]}", f"rollout_rs_threshold: {threshold}"]
-        elif mode == "geometric_icepop":
-            algo += ["rollout_is: null", "rollout_rs: seq_mean_k1",
-                     f"rollout_rs_threshold: \"{_verl_k1_band(params)}\""]
-        else:
-            lines.append(f"# verl has no {mode}; nearest: {_level(mode)}-level TIS at {_cap(params):g}")
-            algo += [f"rollout_is: {_level(mode)}", f"rollout_is_threshold: {float(_cap(params))!r}",
-                     "rollout_rs: null"]
-        rollout.append("calculate_log_probs: true  # the sampler's log-probs feed rollout_is / rollout_rs")
-    if "recompute_old_logprobs" in by_kind:
-        algo.append("bypass_mode: false  # decoupled mode: the trainer recomputes old log-probs")
-    if "fp16" in by_kind:
-        rollout.append("dtype: float16  # and train the actor in fp16 (fsdp mixed_precision.param_dtype: fp16)")
-    if "batch_invariant" in by_kind:
-        lines.append("# batch-invariant rollouts: export VLLM_BATCH_INVARIANT=1 (vLLM), or SGLang "
-                     "--enable-deterministic-inference")
-    if algo:
-        lines += ["algorithm:", "  rollout_correction:", *(f"    {line}" for line in algo)]
-    if rollout:
-        lines += ["actor_rollout_ref:", "  rollout:", *(f"    {line}" for line in rollout)]
-    return lines
-
-
-def _verl_k1_band(params: dict[str, float]) -> str:
-    """verl's "lower_upper" for a ratio band [low, high]: its k1 is -log ratio, so the bounds invert."""
-    return f"{1 / params['high']!r}_{1 / params['low']!r}"
-
-
-def _render_trl(by_kind: dict[str, Recommendation]) -> list[str]:
-    # TRL @ f2cd57710ae3: trl/trainer/grpo_config.py:915-945 (vllm_importance_sampling_correction, _mode,
-    # _clip_max, _clip_min; _cap is deprecated since 1.6.0), :1131-1150 (clip_min < clip_max; a *_truncate
-    # mode needs a bound); grpo_trainer.py:2579-2619: truncate clamps to [clip_min, clip_max], mask zeroes
-    # ratios outside it (token ratio, or exp of the completion's sum at sequence level).
-    lines = ["# keys: trl/trainer/grpo_config.py (GRPOConfig)"]
-    chosen = _correction_params(by_kind)
-    if chosen is not None:
-        mode, params = chosen
-        trl_mode, low, high = _trl_equivalent(mode, params)
-        if trl_mode is None:
-            trl_mode = f"{_level(mode)}_{'truncate' if 'truncate' in mode else 'mask'}"
-            lines.append(f"# TRL has no {mode}; nearest: {trl_mode} at {_cap(params):g}")
-            low, high = None, float(_cap(params))
-        lines += ["use_vllm: true", "vllm_importance_sampling_correction: true",
-                  f"vllm_importance_sampling_mode: {trl_mode}", f"vllm_importance_sampling_clip_max: {high!r}"]
-        lines.append(f"vllm_importance_sampling_clip_min: {'null' if low is None else repr(low)}")
-    if "recompute_old_logprobs" in by_kind:
-        lines.append("# old log-probs: TRL already recomputes them with the trainer when "
-                     "vllm_importance_sampling_correction is on")
-    if "fp16" in by_kind:
-        lines += ["bf16: false", "fp16: true"]
-    if "batch_invariant" in by_kind:
-        lines.append("# batch-invariant vLLM: export VLLM_BATCH_INVARIANT=1 before starting vLLM")
-    return lines
-
-
-def _trl_equivalent(mode: str, params: dict[str, float]) -> tuple[str | None, float | None, float | None]:
-    """(TRL mode, clip_min, clip_max) that computes exactly `mode`, or (None, ...) when none does."""
-    if mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
-        return mode, None, float(params["cap"])
-    exact = {"token_clip": "token_truncate", "sequence_clip": "sequence_truncate", "token_icepop": "token_mask",
-             "sequence_icepop": "sequence_mask"}
-    if mode in exact:
-        return exact[mode], float(params["low"]), float(params["high"])
-    return None, None, None
-
-
-# slime's --custom-tis-function-path takes a dotted import path.
-_SLIME_MIS = "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
-_SLIME_ICEPOP = "slime.backends.megatron_utils.loss.icepop_function"
-
-
-def _render_slime(by_kind: dict[str, Recommendation]) -> list[str]:
-    # slime @ 624b824a898a: slime/utils/arguments.py:1027-1079 (--use-tis, --tis-clip, --tis-clip-low,
-    # --custom-tis-function-path), :1572 and :2013-2019 (--custom-config-path: a YAML whose keys are set
-    # on args); slime/backends/megatron_utils/loss.py:895-931 (vanilla_tis_function clamps the ratio to
-    # [tis_clip_low, tis_clip]; icepop_function zeroes it outside); MIS: examples/train_infer_mismatch_helper
-    # mis.py + mis.yaml (tis_level token|sequence|geometric, tis_mode truncate|clip|mask, tis_*_bound).
-    lines = ["# flags: slime/utils/arguments.py; MIS: examples/train_infer_mismatch_helper/"]
-    flags: list[str] = []
-    mis_yaml: list[str] = []
-    chosen = _correction_params(by_kind)
-    if chosen is not None:
-        mode, params = chosen
-        if mode == "token_truncate":
-            flags += ["--use-tis", f"--tis-clip {float(params['cap'])!r}"]
-        elif mode == "token_clip":
-            flags += ["--use-tis", f"--tis-clip {params['high']!r}", f"--tis-clip-low {params['low']!r}"]
-        elif mode == "token_icepop":
-            flags += ["--use-tis", f"--custom-tis-function-path {_SLIME_ICEPOP}",
-                      f"--tis-clip {params['high']!r}", f"--tis-clip-low {params['low']!r}"]
-        else:
-            geometric = mode.startswith("geometric") or mode in ("seq_mask_tis", "rs_seq_mean_k1")
-            level = "geometric" if geometric else _level(mode)
-            tis_mode = "truncate" if mode.endswith("truncate") else "clip" if mode.endswith("clip") else "mask"
-            flags += ["--use-tis", f"--custom-tis-function-path {_SLIME_MIS}", "--custom-config-path mis.yaml"]
-            mis_yaml += ["use_tis: true", "use_rs: false", f"tis_level: {level}", f"tis_mode: {tis_mode}",
-                         f"tis_upper_bound: {float(_cap(params))!r}"]
-            if "low" in params:
-                mis_yaml.append(f"tis_lower_bound: {params['low']!r}")
-            else:
-                mis_yaml.append("tis_lower_bound: null  # unused by truncate; mask defaults it to 1/upper")
-            mis_yaml.append("tis_batch_normalize: false")
-    if "recompute_old_logprobs" in by_kind:
-        lines.append("# old log-probs: do not pass --use-rollout-logprobs (it skips the trainer's recompute)")
-    if "batch_invariant" in by_kind:
-        flags.append("--sglang-enable-deterministic-inference")
-    if "fp16" in by_kind:
-        lines.append("# fp16: run the Megatron actor and the SGLang rollout in float16 instead of bfloat16")
-    lines += [" \\\n".join(flags)] if flags else []
-    if mis_yaml:
-        lines += ["# --- mis.yaml ---", *(f"# {line}" for line in mis_yaml)]
-    return lines
-
-
-def _render_prime_rl(by_kind: dict[str, Recommendation]) -> list[str]:
-    # prime-rl @ 559b44772e47: packages/prime-rl-configs/src/prime_rl/configs/trainer.py:494-532
-    # ([trainer.loss] = DefaultLossConfig (DPPO: dppo_mask_low/high) | IPOLossConfig (ipo_threshold) |
-    # CustomLossConfig, by `type`). Ratio-based masks and caps (token_mask_*, geo_mask_*, sequence_mask_*,
-    # sequence_clip_high, ratio_type) were removed in 02bdca2e419f (2026-03-03): prime-rl masks by the
-    # probability gap p_train - p_infer and never caps the ratio.
-    lines = ["# keys: prime-rl configs/trainer.py ([trainer.loss] of an rl config; [loss] in a standalone "
-             "trainer config)"]
-    loss: list[str] = []
-    chosen = _correction_params(by_kind)
-    if chosen is not None:
-        mode, params = chosen
-        if mode == "ipo_mask":
-            loss += ['type = "ipo"', f"ipo_threshold = {float(params['threshold'])!r}"]
-        elif mode in ("dppo_positive", "dppo_negative"):
-            loss += ['type = "default"', f"dppo_mask_high = {float(params.get('high', 0.2))!r}",
-                     f"dppo_mask_low = {float(params.get('low', 0.2))!r}"]
-        else:
-            ipo = by_kind["correction"].params.get("prime_rl_ipo")
-            lines.append(f"# prime-rl has no ratio-based {mode}: it masks tokens by p_train - p_infer "
-                         "(DPPO, its default, or IPO) and never caps the ratio")
-            if ipo is not None:
-                lines.append(f"# nearest: IPO at ipo_threshold {ipo['threshold']:g}, simulated on these "
-                             f"tokens: masks {ipo['frac_tokens_affected']:.2%} of them (ESS {ipo['ess']:.3f})")
-                loss += ['type = "ipo"', f"ipo_threshold = {float(ipo['threshold'])!r}"]
-            else:
-                lines.append("# nearest: the default DPPO loss as it is (no key to set)")
-    if "recompute_old_logprobs" in by_kind:
-        lines.append("# old log-probs: prime-rl uses the inference log-probs; its mask is the correction")
-    if "batch_invariant" in by_kind:
-        lines.append("# batch-invariant inference: export VLLM_BATCH_INVARIANT=1 for the inference server")
-    if "fp16" in by_kind:
-        lines.append("# fp16: set the trainer and inference model dtype to float16 instead of bfloat16")
-    if loss:
-        lines += ["[trainer.loss]", *loss]
-    return lines
-
-
-def _render_openrlhf(by_kind: dict[str, Recommendation]) -> list[str]:
-    # Flags: openrlhf/cli/train_ppo_ray.py (--algo.advantage.is_correction_enable / _type / _threshold LOW HIGH);
-    # semantics: openrlhf/models/loss.py PolicyLoss: tis = clamp(ratio, low, high), icepop = zero outside
-    # [low, high], seq-mask-tis = drop sequences whose geometric-mean ratio leaves [low, high].
-    # Older releases: --enable_vllm_is_correction --vllm_is_correction_type T --vllm_is_truncated_threshold LOW HIGH.
-    lines = ["# flags: openrlhf/cli/train_ppo_ray.py; before the --algo.* names: --enable_vllm_is_correction "
-             "--vllm_is_correction_type --vllm_is_truncated_threshold"]
-    flags: list[str] = []
-    chosen = _correction_params(by_kind)
-    if chosen is not None:
-        mode, params = chosen
-        if mode in ("token_truncate", "token_clip"):
-            low = params.get("low", 0.0)  # tis clamps from below too; 0 leaves small ratios alone
-            kind, bounds = "tis", (low, _cap(params))
-        elif mode in ("token_icepop", "token_mask"):
-            kind, bounds = "icepop", (params.get("low", 0.0), _cap(params))
-        elif mode in ("seq_mask_tis", "geometric_icepop"):
-            kind, bounds = "seq-mask-tis", (params["low"], params["high"])
-        else:
-            lines.append(f"# OpenRLHF has no {mode}; nearest: token-level tis at {_cap(params):g}")
-            kind, bounds = "tis", (0.0, _cap(params))
-        flags += ["--algo.advantage.is_correction_enable", f"--algo.advantage.is_correction_type {kind}",
-                  f"--algo.advantage.is_correction_threshold {bounds[0]!r} {bounds[1]!r}"]
-    if "recompute_old_logprobs" in by_kind:
-        lines.append("# old log-probs: OpenRLHF recomputes them with the actor unless --train.force_on_policy")
-    if "batch_invariant" in by_kind:
-        lines.append("# batch-invariant vLLM: export VLLM_BATCH_INVARIANT=1 for the vLLM engines")
-    if "fp16" in by_kind:
-        lines.append("# fp16: run the actor and vLLM in float16 instead of bfloat16")
-    lines += [" \\\n".join(flags)] if flags else []
-    return lines
-
-
-_RENDERERS = {"verl": _render_verl, "trl": _render_trl, "slime": _render_slime,
-              "prime-rl": _render_prime_rl, "openrlhf": _render_openrlhf}
 
 
 def recommendations_dicts(recommendations: Sequence[Recommendation]) -> list[dict[str, Any]]:

@@ -1,0 +1,99 @@
+"""What the framework modules share: the pair's arrays their metrics read, a metric's record, and
+the parts of a recommendation every snippet renderer looks at."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from mismatch.analysis import terms
+
+if TYPE_CHECKING:
+    from mismatch.advise.recommend import Recommendation
+
+SAFETY_BOUND = 20.0  # verl and slime clamp log-ratios to +-20 before exp (rollout_corr_helper.py:75)
+
+
+class PairArrays:
+    """A pair's trainable tokens with both log-probs defined, and their sequence and rollout
+    (codes 0..k-1 in table order); the log-ratio and the group sizes are made once."""
+
+    def __init__(self, logp_a: np.ndarray, logp_b: np.ndarray, seq: np.ndarray, rollout: np.ndarray) -> None:
+        self.logp_a = logp_a    # the trainer side (log pi_train in the frameworks' terms)
+        self.logp_b = logp_b    # the rollout side (log pi_rollout)
+        self.seq = seq          # each token's sequence (one branch of one rollout)
+        self.rollout = rollout  # each token's rollout
+        self.log_ratio = logp_a - logp_b
+        self._counts = {id(seq): np.bincount(seq), id(rollout): np.bincount(rollout)}
+
+    # Terms several metrics share, made once per pair.
+    @cached_property
+    def ratio(self) -> np.ndarray:
+        return terms.ratio(self.log_ratio)
+
+    @cached_property
+    def k1(self) -> np.ndarray:
+        return terms.k1(self.log_ratio)
+
+    @cached_property
+    def k3(self) -> np.ndarray:
+        return terms.k3(self.log_ratio)
+
+    @cached_property
+    def abs_log_ratio(self) -> np.ndarray:
+        return np.abs(self.log_ratio)
+
+    @cached_property
+    def clamped_ratio_sq(self) -> np.ndarray:
+        """exp(log-ratio clamped to +-SAFETY_BOUND)^2, verl's and slime's chi-square term."""
+        return np.square(np.exp(np.clip(self.log_ratio, -SAFETY_BOUND, SAFETY_BOUND)))
+
+    @cached_property
+    def prob_abs_diff(self) -> np.ndarray:
+        return terms.prob_abs_diff(self.logp_a, self.logp_b)
+
+    def per(self, codes: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Mean of `values` per code (`seq` or `rollout`)."""
+        counts = self._counts[id(codes)]
+        return np.bincount(codes, weights=values, minlength=len(counts)) / counts
+
+
+@dataclass(frozen=True, slots=True)
+class FrameworkMetric:
+    framework: str
+    key: str
+    compute: Callable[[PairArrays], float]
+    ours: str | None = None  # our pair metric that is the same number
+    note: str = ""           # how it differs from ours, when it does
+
+
+def clamped(p: PairArrays) -> np.ndarray:
+    return np.clip(p.log_ratio, -SAFETY_BOUND, SAFETY_BOUND)
+
+
+def rollout_mean(p: PairArrays, values: np.ndarray) -> float:
+    return float(p.per(p.rollout, values).mean())
+
+
+def probs(p: PairArrays) -> tuple[np.ndarray, np.ndarray]:
+    return np.exp(p.logp_a), np.exp(p.logp_b)
+
+
+def correction_params(by_kind: dict[str, Recommendation]) -> tuple[str, dict[str, float]] | None:
+    rec = by_kind.get("correction")
+    if rec is None:
+        return None
+    params = {k: v for k, v in rec.params.items() if k in ("cap", "low", "high", "threshold")}
+    return rec.params["mode"], params
+
+
+def cap(params: dict[str, float]) -> float:
+    return params["cap"] if "cap" in params else params["high"]
+
+
+def level(mode: str) -> str:
+    return "token" if mode.startswith(("token", "rs_token")) else "sequence"
