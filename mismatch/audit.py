@@ -25,6 +25,7 @@ from mismatch.analysis.framework_metrics import framework_metrics, pair_arrays
 from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import localize_turns
+from mismatch.analysis.routing import routing_summary, token_routing
 from mismatch.analysis.metrics import PAIR_METRICS, metrics_by, summarize_pairs
 from mismatch.advise.recommend import FRAMEWORKS, recommend, recommendations_dicts, render_config
 from mismatch.replay import DEFAULT_BLOCK, TORCH_KINDS, ProgressFactory, Replayed, Shard, replay_roles
@@ -93,10 +94,12 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
         table["logp_train_processed"] = replay_processed(replayed.plan, train, checkpoint, sampling)
     drift = (find_drift(replayed.rollouts, load_tokenizer(checkpoint))
              if any(rollout.messages for rollout in replayed.rollouts) else None)
+    routing = replayed_routing(replayed, audit_pairs(table))
     requests = replayed.plan.requests if localize_models else None
     del replayed  # the rollouts and their requests: from here on only the table is read
     summary = analyze_audit(table, engines=engines, checkpoint=str(checkpoint),
-                            rollouts_file=str(rollouts), drift=drift, alignment=alignment, clip=clip)
+                            rollouts_file=str(rollouts), drift=drift, alignment=alignment, clip=clip,
+                            routing=routing)
     summary["shard"] = shard_info(shard, block_size)
     summary["inputs"] = inputs
     if requests is not None:
@@ -111,10 +114,12 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
 
 def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
                   rollouts_file: str, drift: dict[str, Any] | None = None,
-                  alignment: dict[str, Any] | None = None, clip: ClipRange = ClipRange()) -> dict[str, Any]:
+                  alignment: dict[str, Any] | None = None, clip: ClipRange = ClipRange(),
+                  routing: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything an audit's summary.json says that follows from the token table (and the
-    render-drift findings, which need the rollouts' messages and are passed in). `alignment` is
-    the check_alignment result when the caller already has it (it reads the same columns)."""
+    render-drift and MoE routing findings, which need the rollouts' messages and the engines'
+    routers, and are passed in). `alignment` is the check_alignment result when the caller
+    already has it (it reads the same columns)."""
     pairs = audit_pairs(table)
     view = TokenView(table)  # trainable rows keyed once, shared by every step below
     summary = build_summary(table, engines=engines, checkpoint=checkpoint,
@@ -127,11 +132,21 @@ def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
     summary["localization"]["turns"] = localize_turns(view, "train", "sampler")
     if drift is not None:
         summary["drift"] = drift
+    if routing:
+        summary["routing"] = routing
     summary["corrections"] = summary_corrections(view)
     summary["recommendations"] = recommendations_dicts(recommend(summary))
     summary["config_snippets"] = {framework: render_config(summary["recommendations"], framework)
                                   for framework in FRAMEWORKS}
     return summary
+
+
+def replayed_routing(replayed: Replayed, pairs: tuple[tuple[str, str], ...]) -> dict[str, Any] | None:
+    """summary.json["routing"] for the pairs whose two passes both recorded MoE routing."""
+    if len(replayed.routing) < 2:
+        return None
+    per_row = {role: token_routing(replayed.plan.requests, routed) for role, routed in replayed.routing.items()}
+    return routing_summary(replayed.table, pairs, per_row) or None
 
 
 def replay_for_results(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, str], *,
@@ -154,7 +169,8 @@ def replay_for_results(checkpoint: str | Path, rollouts: str | Path, roles: dict
         work = WorkDir.open(out, {**inputs, "shard": shard_info(shard, block_size)}, force=force)
     replayed = replay_roles(checkpoint, rollouts, roles, progress=progress, shard=shard,
                             block_size=block_size, work=work,
-                            processed_role="train" if command == "audit" else None)
+                            processed_role="train" if command == "audit" else None,
+                            routing_from="infer" if command == "audit" else "reference")
     return replayed, work, inputs
 
 

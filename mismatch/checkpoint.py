@@ -33,6 +33,7 @@ class CheckpointInfo:
     vocab_size: int
     dtype: str  # the dtype the weights were saved in, as named in config.json
     max_positions: int | None = None  # the context the model was built for (config.json), if it says
+    num_experts: int | None = None    # routed experts per MoE layer (config.json), None for a dense model
 
 
 def checkpoint_info(path: str | Path) -> CheckpointInfo:
@@ -60,7 +61,17 @@ def checkpoint_info(path: str | Path) -> CheckpointInfo:
         raise CheckpointError(f"{config_file}: vocab_size missing or not a positive integer")
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     return CheckpointInfo(path=root, model_type=str(config.get("model_type", "?")),
-                          vocab_size=vocab_size, dtype=str(dtype), max_positions=_max_positions(config))
+                          vocab_size=vocab_size, dtype=str(dtype), max_positions=_max_positions(config),
+                          num_experts=_num_experts(config))
+
+
+def _num_experts(config: dict) -> int | None:
+    """Qwen-MoE's num_experts, Mixtral's num_local_experts, DeepSeek's n_routed_experts."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = config.get(key)
+        if type(value) is int and value > 1:
+            return value
+    return None
 
 
 def _max_positions(config: dict) -> int | None:

@@ -17,6 +17,7 @@ import pandas as pd
 
 from mismatch.checkpoint import checkpoint_info
 from mismatch.engines import Engine, EngineSpec, ProgressFn, ReplayRequest, check_spec, load_engine
+from mismatch.engines.routing import StreamRouting
 from mismatch.errors import EngineError, MismatchError, RolloutError, SpecError
 from mismatch.results import WorkDir
 from mismatch.rollouts import Rollout, Segment, context_tokens, load_rollouts
@@ -217,12 +218,13 @@ class Replayed:
     plan: ReplayPlan               # its requests: one per branch, in table order
     table: pd.DataFrame           # TABLE_KEYS, logp_sampler, weight_tree/gyre, logp_<role> per role
     engines: dict[str, Any]       # role -> describe() (the sampler's declared settings too)
+    routing: dict[str, list[StreamRouting]]  # role -> each request's MoE routing, where recorded
 
 
 def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, str], *,
                  progress: ProgressFactory | None = None, shard: Shard | None = None,
                  block_size: int = DEFAULT_BLOCK, work: WorkDir | None = None,
-                 processed_role: str | None = None) -> Replayed:
+                 processed_role: str | None = None, routing_from: str | None = None) -> Replayed:
     """Load and validate everything, then fill one `logp_<role>` column per role's spec.
 
     All input checks (checkpoint, specs, rollouts, stored names) come before the first forward.
@@ -231,6 +233,8 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
     log-probs under a non-trivial temperature/top-k/top-p, that engine also fills
     `logp_<role>_processed` under the same processing, like for like with the sampler's, in the
     same load and block by block (planned here, resumable like every other column).
+    `routing_from`: the role whose MoE routing a `routing=replay` engine follows (R3); it replays
+    first.
     """
     info = checkpoint_info(checkpoint)
     # Every spec checked in full (options, values, dtype) before the rollouts are read and before
@@ -248,20 +252,48 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
             raise SpecError(f"--{role} {spec.text}: no segment of the rollouts carries "
                             f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(names)})")
     _check_context(plan, info, specs, file=str(rollouts))
+    for role, spec in specs.items():
+        if spec.options.get("routing") == "replay" and info.num_experts is None and "checkpoint" not in spec.options:
+            raise SpecError(f"--{role} {spec.text}: option routing=replay: this model has no MoE router to replay "
+                            f"({info.path}/config.json names no experts)")
     # Tree weights are per rollout, so shards compute exactly the weights one run would. The
     # plan's table is filled in place (the plan keeps its requests; one table, not two).
     table = add_tree_weights(plan.table, selected, inplace=True)
     meta = _sampler_meta(selected)
     engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler", "meta": meta}}
-    for role, spec in specs.items():
+    routing: dict[str, list[StreamRouting]] = {}
+    for role, spec in _routing_order(specs, routing_from):
         sampling = _declared_processing(meta) if role == processed_role and spec.kind in TORCH_KINDS else None
-        columns, engines[role] = _replay_role(role, spec, plan, str(checkpoint), progress, work, sampling)
+        forced = routing.get(routing_from) if spec.options.get("routing") == "replay" else None
+        if spec.options.get("routing") == "replay" and forced is None:
+            raise SpecError(f"--{role} {spec.text}: routing=replay follows the experts --{routing_from} routed, "
+                            f"and --{routing_from} recorded none (a torch engine on an MoE model records them)")
+        columns, engines[role], routed = _replay_role(role, spec, plan, str(checkpoint), progress, work,
+                                                      sampling, forced)
+        if routed is not None:
+            routing[role] = routed
         table[f"logp_{role}"] = columns[0]
         if sampling is not None:
             table[f"logp_{role}_processed"] = columns[1]
             engines[role] = {**engines[role], "processed": {"temperature": sampling.temperature,
                                                             "top_k": sampling.top_k, "top_p": sampling.top_p}}
-    return Replayed(rollouts=selected, plan=plan, table=table, engines=engines)
+    return Replayed(rollouts=selected, plan=plan, table=table, engines=engines, routing=routing)
+
+
+def _routing_order(specs: dict[str, EngineSpec], routing_from: str | None) -> list[tuple[str, EngineSpec]]:
+    """The roles in their given order, except that the role a routing=replay engine follows goes
+    first (its experts must exist before they can be forced)."""
+    replaying = [role for role, spec in specs.items() if spec.options.get("routing") == "replay"]
+    if not replaying:
+        return list(specs.items())
+    if routing_from is None or routing_from not in specs or routing_from in replaying:
+        raise SpecError(f"--{replaying[0]} {specs[replaying[0]].text}: routing=replay needs another engine "
+                        "of this command to follow (audit: --infer; diff: --reference)")
+    if specs[routing_from].kind not in TORCH_KINDS:
+        raise SpecError(f"--{replaying[0]} {specs[replaying[0]].text}: routing=replay follows "
+                        f"--{routing_from}, which must be a torch engine (hf, hf-decode) to record experts; "
+                        f"it is {specs[routing_from].text!r}")
+    return [(routing_from, specs[routing_from]), *((r, s) for r, s in specs.items() if r != routing_from)]
 
 
 TORCH_KINDS = ("hf", "hf-decode")  # engines whose last step can be processed (alignment.py)
@@ -310,15 +342,17 @@ def _check_context(plan: ReplayPlan, info: Any, specs: dict[str, EngineSpec], *,
 
 
 def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
-                 progress: ProgressFactory | None, work: WorkDir | None,
-                 processed: Any = None) -> tuple[list[np.ndarray], dict[str, Any]]:
+                 progress: ProgressFactory | None, work: WorkDir | None, processed: Any = None,
+                 forced: list[StreamRouting] | None = None) -> tuple[list[np.ndarray], dict[str, Any], list | None]:
     """One role's log-prob column (and with `processed`, a Sampling, its processed column too):
-    replayed block by block, or read from the rollouts (`stored:`)."""
+    replayed block by block, or read from the rollouts (`stored:`). Also each request's MoE
+    routing when the engine records it (else None); `forced`: the routing a routing=replay
+    engine must follow, one per plan request."""
     if spec.kind == "stored":
         name = spec.options["name"]
         # A name no segment of this shard carries is NaN on its rows, as in one run's table.
         values = plan.stored.get(name, np.full(plan.num_scored, np.nan))
-        return [values], {"kind": "stored", "spec": spec.text, "name": name}
+        return [values], {"kind": "stored", "spec": spec.text, "name": name}, None
     from mismatch.analysis.alignment import processed_logprobs_on
 
     columns = [(role, f"--{role} {spec.text}", None)]
@@ -327,13 +361,18 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
     callback: ProgressFn | None = None
     engine: Engine | None = None
     parts: list[list[np.ndarray]] = [[] for _ in columns]
+    routed: list[StreamRouting] = []
     offset = 0  # the block's first row in the table
+    first_request = 0  # the block's first request in the plan
     try:
         for block, requests in plan.blocks():
             num_rows = sum(request.num_scored for request in requests)
             done = [work.load(name, block) if work is not None else None for name, _, _ in columns]
             # Not this block's rows (the manifest matched, the file did not): replayed again.
             done = [None if d is not None and len(d) != num_rows else d for d in done]
+            block_routing = work.load_routing(role, block) if work is not None else None
+            if block_routing is None and engine is not None and engine_records_routing(engine):
+                done = [None for _ in done]  # the routing of this block is wanted too: replay it
             if any(d is None for d in done) and engine is None:  # not at all if every block is done
                 starting = progress(f"starting {role}: {spec.text}", None) if progress is not None else None
                 engine = load_engine(spec, checkpoint)
@@ -341,23 +380,36 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
                     starting(0)
                 if work is not None:
                     work.check_engine(role, engine_facts(engine.describe()))
+                if engine_records_routing(engine) and block_routing is None:
+                    done = [None for _ in done]
             # The bar starts once the engine loaded: a checkpoint that fails prints only its error.
             if callback is None and progress is not None:
                 fed = sum(len(request.tokens) for request in plan.requests) * len(columns)
                 # What the engine will feed: a branch's context is fed again with each branch.
                 callback = progress(f"replay {role}: {spec.text} (feeds {_count(fed)} tokens)",
                                     plan.num_scored * len(columns))
+            if forced is not None and engine is not None:
+                engine.forced = [forced[i].experts for i in range(first_request, first_request + len(requests))]
             for k, (name, label, sampling) in enumerate(columns):
                 if done[k] is None:
                     with processed_logprobs_on(engine, sampling) if sampling is not None else nullcontext():
                         done[k] = replay_column(requests, engine, progress=callback, name=label)
+                    if k == 0 and engine_records_routing(engine):
+                        block_routing = list(engine.routed)
                     check_column(done[k], plan.table.iloc[offset:offset + num_rows], label)
                     if work is not None:
+                        # The routing before the log-probs: a block whose log-probs were saved
+                        # always has its routing too.
+                        if k == 0 and block_routing is not None and engine_records_routing(engine):
+                            work.save_routing(role, block, block_routing)
                         work.save(name, block, done[k])
                 elif callback is not None:
                     callback(num_rows)
                 parts[k].append(done[k])
+            if block_routing is not None:
+                routed += block_routing
             offset += num_rows
+            first_request += len(requests)
         if engine is not None:
             described = engine.describe()
             if work is not None:
@@ -369,7 +421,12 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
         if engine is not None:
             engine.close()
     values = [np.concatenate(p) if p else np.empty(0) for p in parts]
-    return values, {**described, "resumed_blocks": work.num_loaded(role) if work else 0}
+    described = {**described, "resumed_blocks": work.num_loaded(role) if work else 0}
+    return values, described, (routed if len(routed) == len(plan.requests) and routed else None)
+
+
+def engine_records_routing(engine: Any) -> bool:
+    return getattr(engine, "recorder", None) is not None
 
 
 def _count(n: int) -> str:

@@ -361,10 +361,14 @@ class WorkDir:
         self._loaded[role] = self._loaded.get(role, 0) + 1
         return values
 
-    def save(self, role: str, block: int, logp: np.ndarray) -> None:
+    def _create(self) -> None:
+        """The dir and its manifest, at the first save (bad input must leave nothing behind)."""
         if not (self.path / "manifest.json").is_file():
             self.path.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.path / "manifest.json", json.dumps(json_safe(self.manifest), indent=1) + "\n")
+
+    def save(self, role: str, block: int, logp: np.ndarray) -> None:
+        self._create()
         if role in self._facts and not (self.path / f"{role}-engine.json").is_file():
             atomic_write_text(self.path / f"{role}-engine.json", json.dumps(self._facts[role]) + "\n")
         file = self._file(role, block)
@@ -376,6 +380,36 @@ class WorkDir:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+    def save_routing(self, role: str, block: int, routed: list[Any]) -> None:
+        """A block's MoE routing (engines/routing.StreamRouting per request), beside its log-probs."""
+        file = self.path / f"{role}-routing-{block:06d}.npz"
+        self._create()
+        fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.tmp-", dir=self.path)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                np.savez(handle, lengths=np.array([len(r.experts) for r in routed], dtype=np.int64),
+                         experts=np.concatenate([r.experts for r in routed]),
+                         margin=np.concatenate([r.margin for r in routed]))
+            os.replace(tmp, file)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def load_routing(self, role: str, block: int) -> list[Any] | None:
+        from mismatch.engines.routing import StreamRouting
+
+        file = self.path / f"{role}-routing-{block:06d}.npz"
+        if not file.is_file():
+            return None
+        try:
+            with np.load(file, allow_pickle=False) as saved:
+                cuts = np.cumsum(saved["lengths"])[:-1]
+                return [StreamRouting(experts=e, margin=m) for e, m in
+                        zip(np.split(saved["experts"], cuts), np.split(saved["margin"], cuts))]
+        except (ValueError, OSError, EOFError, KeyError):
+            file.unlink(missing_ok=True)  # cut or foreign: replayed again (see load)
+            return None
 
     def save_described(self, role: str, described: dict[str, Any]) -> None:
         """The engine's describe() once its blocks are done: a resume that replays nothing for a

@@ -38,6 +38,19 @@ def tiny_checkpoint() -> Path:
 
 
 @pytest.fixture(scope="session")
+def architecture_checkpoint(tiny_checkpoint: Path):
+    """A builder of tiny random-init checkpoints per architecture (mismatch.demo.architectures),
+    cached like the trained one and keyed by the builder's source."""
+    from mismatch.demo import architectures
+
+    digest = hashlib.sha256(Path(architectures.__file__).read_bytes()).hexdigest()[:12]
+
+    def build(name: str) -> Path:
+        return architectures.build_architecture(name, CACHE / f"arch-{name}-{digest}", tokenizer_from=tiny_checkpoint)
+    return build
+
+
+@pytest.fixture(scope="session")
 def sampled_rollouts(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Rollouts sampled by the toy agent (bf16 hf-decode sampler) from the tiny checkpoint."""
     from mismatch.demo.toy_agent import HarnessConfig, write_rollouts

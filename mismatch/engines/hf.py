@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -16,8 +17,10 @@ import numpy as np
 
 from mismatch.checkpoint import CheckpointInfo, checkpoint_info, load_model
 from mismatch.engines import ProgressFn, ReplayRequest
-from mismatch.engines.spec import EngineSpec, options_from
 from mismatch.engines.logprobs import DEFAULT_CHUNK, token_logprobs
+from mismatch.engines.routing import RoutingRecorder, StreamRouting, check_mode, forced_routing, routers
+from mismatch.engines.spec import EngineSpec, options_from
+from mismatch.errors import SpecError
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -28,6 +31,7 @@ class HFOptions:
     device_map: str | None = None  # e.g. auto: spread a model too big for one GPU (accelerate)
     batch_tokens: int = 16384    # padded tokens per forward (batch rows x longest row)
     chunk: int = DEFAULT_CHUNK   # positions per fp32 log-softmax chunk
+    routing: str = "own"         # MoE: own | replay (R3: another pass's experts, engines/routing.py)
     checkpoint: str | None = None  # replay other weights than the audited checkpoint
 
 
@@ -73,6 +77,12 @@ class TorchEngineBase:
         self.decoder = self.model.base_model  # hidden states; lm_head is applied in chunks
         self.lm_head = self.model.get_output_embeddings()
         self.softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        check_mode(options.routing, self.model)
+        # MoE: each replayed stream's experts (RoutingRecorder), in `routed` after each replay();
+        # with routing=replay, the caller sets `forced` (one [positions, layers, k] per request).
+        self.recorder = RoutingRecorder(self.model) if routers(self.model) else None
+        self.routed: list[StreamRouting] = []
+        self.forced: list[np.ndarray] | None = None
         self.num_scored = 0
         self.num_fed = 0
         self.num_padded = 0
@@ -87,6 +97,8 @@ class TorchEngineBase:
         return {
             "kind": self.kind, "spec": self.spec_text, "options": asdict(self.options),
             "checkpoint": str(self.info.path), "dtype": str(self.model.dtype).removeprefix("torch."),
+            **({"routing": {"moe_layers": len(self.recorder.modules), "mode": self.options.routing}}
+               if self.recorder is not None else {}),
             "device": self.device, "logprob_semantics": "raw",
             "num_tokens_scored": self.num_scored, "num_tokens_fed": self.num_fed,
             "padding_frac": self.num_padded / max(self.num_fed + self.num_padded, 1),
@@ -99,7 +111,18 @@ class TorchEngineBase:
         return token_logprobs(hidden_ND, target_N, self.lm_head, chunk=self.options.chunk,
                               softcap=self.softcap).numpy()
 
+    def _forced_rows(self, request_index: int, start: int, stop: int):
+        """The forced experts of positions [start, stop) of a request (routing=replay), or None."""
+        if self.options.routing != "replay":
+            return None
+        if self.forced is None:
+            raise SpecError(f"{self.spec_text}: routing=replay needs another pass's experts to force "
+                            "(the audit's --infer, or diff's --reference, replayed by a torch engine)")
+        return self.forced[request_index][start:stop]
+
     def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
         self.model = self.decoder = self.lm_head = None
 
 
@@ -112,6 +135,7 @@ class HFEngine(TorchEngineBase):
         import torch
 
         results: list[np.ndarray] = [np.empty(0)] * len(requests)
+        self.routed = [None] * len(requests)  # type: ignore[list-item]
         started = time.perf_counter()
         for batch in pack_batches([len(r.tokens) for r in requests], self.options.batch_tokens):
             width = len(requests[batch[0]].tokens)
@@ -119,10 +143,17 @@ class HFEngine(TorchEngineBase):
             for row, index in enumerate(batch):
                 tokens = requests[index].tokens
                 ids_BL[row, : len(tokens)] = torch.from_numpy(tokens)
-            with torch.inference_mode():
+            with torch.inference_mode(), self._forcing(requests, batch, width):
                 hidden_BLD = self.decoder(input_ids=ids_BL.to(self.device)).last_hidden_state
                 for row, index in enumerate(batch):
                     results[index] = self._score(hidden_BLD[row], requests[index])
+            if self.recorder is not None:
+                experts, margin = self.recorder.take()
+                experts = experts.reshape(len(batch), width, *experts.shape[1:])
+                margin = margin.reshape(len(batch), width, -1)
+                for row, index in enumerate(batch):  # the last position predicts nothing scored
+                    fed = len(requests[index].tokens) - 1
+                    self.routed[index] = StreamRouting(experts=experts[row, :fed].copy(), margin=margin[row, :fed].copy())
             self.num_forward += 1
             self.num_fed += sum(len(requests[i].tokens) for i in batch)
             self.num_padded += len(batch) * width - sum(len(requests[i].tokens) for i in batch)
@@ -132,6 +163,20 @@ class HFEngine(TorchEngineBase):
                 progress(scored)
         self.seconds += time.perf_counter() - started
         return results
+
+    def _forcing(self, requests: Sequence[ReplayRequest], batch: list[int], width: int):
+        """routing=replay: the batch's forced experts, padding rows sent anywhere (their outputs
+        are never read), flattened as the routers see the batch."""
+        if self.options.routing != "replay":
+            return nullcontext()
+        import torch
+
+        rows = [self._forced_rows(index, 0, len(requests[index].tokens) - 1) for index in batch]
+        layers, k = rows[0].shape[1:]
+        forced = np.zeros((len(batch), width, layers, k), dtype=np.int64)
+        for row, experts in enumerate(rows):
+            forced[row, : len(experts)] = experts
+        return forced_routing(self.model, torch.from_numpy(forced.reshape(len(batch) * width, layers, k)))
 
     def _score(self, hidden_LD, request: ReplayRequest) -> np.ndarray:
         import torch

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,7 @@ from mismatch.engines import ProgressFn, ReplayRequest
 from mismatch.engines.hf import TorchEngineBase
 from mismatch.errors import SpecError
 from mismatch.engines.logprobs import DEFAULT_CHUNK
+from mismatch.engines.routing import StreamRouting, forced_routing
 
 PREFILL_MODES = ("prompt", "none")
 
@@ -30,6 +32,7 @@ class HFDecodeOptions:
     device_map: str | None = None  # e.g. auto: spread a model too big for one GPU (accelerate)
     prefill: str = "prompt"      # prompt: feed each prompt run in one forward; none: token by token
     chunk: int = DEFAULT_CHUNK
+    routing: str = "own"         # MoE: own | replay (R3: another pass's experts, engines/routing.py)
     checkpoint: str | None = None
 
 
@@ -88,8 +91,12 @@ class HFDecodeEngine(TorchEngineBase):
                progress: ProgressFn | None = None) -> list[np.ndarray]:
         started = time.perf_counter()
         results = []
-        for request in requests:
-            results.append(self._replay_one(request))
+        self.routed = []
+        for index, request in enumerate(requests):
+            results.append(self._replay_one(request, index))
+            if self.recorder is not None:
+                experts, margin = self.recorder.take()
+                self.routed.append(StreamRouting(experts=experts, margin=margin))
             self.num_scored += request.num_scored
             self.num_fed += len(request.tokens) - 1
             if progress is not None:
@@ -97,14 +104,16 @@ class HFDecodeEngine(TorchEngineBase):
         self.seconds += time.perf_counter() - started
         return results
 
-    def _replay_one(self, request: ReplayRequest) -> np.ndarray:
+    def _replay_one(self, request: ReplayRequest, index: int) -> np.ndarray:
         import torch
 
         tokens = request.tokens
         logp_L = np.full(len(tokens), np.nan)
         session = DecodeSession(self.model, self.device)
         for start, stop in feed_chunks(request.generated, prefill=self.options.prefill == "prompt"):
-            hidden_CD = session.feed(tokens[start:stop])
+            forced = self._forced_rows(index, start, stop)
+            with forced_routing(self.model, torch.from_numpy(forced)) if forced is not None else nullcontext():
+                hidden_CD = session.feed(tokens[start:stop])
             self.num_forward += 1
             first = max(start, request.score_from - 1)  # inputs whose next token is scored
             if first >= stop:
