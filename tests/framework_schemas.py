@@ -99,9 +99,26 @@ class VerlRolloutCorrection:
 
 
 @dataclasses.dataclass
-class VerlRollout:  # verl/workers/config/rollout.py:156, :189 (the keys our snippets set)
+class VerlRollout:  # verl/workers/config/rollout.py:156, :189, :235 (the keys our snippets set)
     calculate_log_probs: bool = False
     dtype: str = "bfloat16"
+    enable_rollout_routing_replay: bool = False
+
+
+@dataclasses.dataclass
+class VerlRouterReplay:  # verl/workers/config/actor.py:32-55 (RouterReplayConfig; __post_init__ checks mode)
+    mode: str = "disabled"
+    record_file: str | None = None
+    replay_file: str | None = None
+
+    def check(self) -> None:
+        if self.mode not in ("disabled", "R2", "R3"):
+            raise SchemaError(f"verl: router_replay.mode {self.mode!r} not in disabled, R2, R3")
+
+
+@dataclasses.dataclass
+class VerlActor:  # verl/workers/config/actor.py:166 (the key our snippets set)
+    router_replay: dict | None = None
 
 
 def load_verl(text: str) -> dict[str, Any]:
@@ -116,8 +133,13 @@ def load_verl(text: str) -> dict[str, Any]:
     rollout = (config.get("actor_rollout_ref") or {}).get("rollout")
     if rollout is not None:
         parsed = VerlRollout(**_fields(VerlRollout, rollout, "verl actor_rollout_ref.rollout"))
-        if not isinstance(parsed.calculate_log_probs, bool):
-            raise SchemaError("verl: calculate_log_probs must be a bool")
+        if not isinstance(parsed.calculate_log_probs, bool) or not isinstance(parsed.enable_rollout_routing_replay, bool):
+            raise SchemaError("verl: calculate_log_probs and enable_rollout_routing_replay must be bools")
+    actor = (config.get("actor_rollout_ref") or {}).get("actor")
+    if actor is not None:
+        replay = VerlActor(**_fields(VerlActor, actor, "verl actor_rollout_ref.actor")).router_replay
+        if replay is not None:
+            VerlRouterReplay(**_fields(VerlRouterReplay, replay, "verl actor.router_replay")).check()
     return config
 
 
@@ -175,8 +197,9 @@ SLIME_TIS_FUNCTIONS = {"examples.train_infer_mismatch_helper.mis.compute_mis_wei
 
 def _slime_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slime", add_help=False, exit_on_error=False)
+    # --use-rollout-routing-replay: slime/utils/arguments.py:1098 (store_true).
     for flag in ("--use-tis", "--get-mismatch-metrics", "--use-rollout-logprobs",
-                 "--sglang-enable-deterministic-inference"):
+                 "--sglang-enable-deterministic-inference", "--use-rollout-routing-replay"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--tis-clip", type=float, default=2.0)
     parser.add_argument("--tis-clip-low", type=float, default=0.0)
@@ -232,8 +255,22 @@ PRIME_LOSS_FIELDS = {"default": {"type", "dppo_mask_low", "dppo_mask_high", "adv
                      "custom": {"type", "import_path", "kwargs"}}
 
 
+# configs/trainer.py:637 (TrainerConfig.enable_router_replay: bool), configs/inference.py:141
+# (VllmConfig.enable_return_routed_experts: bool): the non-loss keys our snippets set.
+PRIME_BOOLS = {("trainer", "enable_router_replay"), ("inference", "vllm", "enable_return_routed_experts")}
+
+
 def load_prime_rl(text: str) -> dict[str, Any]:
     config = tomllib.loads(text)
+    for path in PRIME_BOOLS:
+        node: Any = config
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is not None and not isinstance(node, bool):
+            raise SchemaError(f"prime-rl: {'.'.join(path)} must be a bool")
+    unknown = sorted(set(config.get("trainer") or {}) - {"loss", "enable_router_replay"})
+    if unknown:
+        raise SchemaError(f"prime-rl: [trainer] has no field(s) our snippets may set: {', '.join(unknown)}")
     loss = (config.get("trainer") or {}).get("loss")
     if loss is None:
         return config

@@ -342,3 +342,29 @@ def test_verl_k_statistic_rejection_is_never_turned_into_a_ratio_cap():
         assert f"# {framework} has no rejection on verl's k-statistics (rs_token_k3)" in text
         assert "0.01" not in text.split("rs_token_k3")[-1]
     assert "rollout_rs: token_k3" in render_config(correction("rs_token_k3", high=0.01), "verl")
+
+
+def _routing(with_k3: float, without_k3: float) -> dict:
+    return {"train/infer": {"frac_tokens_with_flip": 0.014,
+                            "with_flip": {"n_tokens": 9, "kl_k3": with_k3 / 9, "k3_sum": with_k3},
+                            "without_flip": {"n_tokens": 623, "kl_k3": without_k3 / 623, "k3_sum": without_k3}}}
+
+
+def test_routing_replay_when_routing_flips_carry_most_of_the_gap_with_each_frameworks_keys():
+    base = summary(SMALL, corrections=TOKEN_CAPS)
+    assert "routing_replay" not in [r.kind for r in recommend({**base, "routing": _routing(0.4, 0.6)})]
+    recs = recommend({**base, "routing": _routing(0.0014, 0.0008)})
+    routing = next(r for r in recs if r.kind == "routing_replay")
+    assert routing.params["pair"] == "train/infer" and abs(routing.params["k3_share"] - 0.636) < 1e-3
+    snippets = {framework: render_config(recs, framework) for framework in FRAMEWORKS}
+    for framework, text in snippets.items():
+        LOADERS[framework](text)  # each framework's own schema takes it
+    verl = yaml.safe_load(snippets["verl"])
+    assert verl["actor_rollout_ref"]["actor"]["router_replay"]["mode"] == "R3"
+    assert verl["actor_rollout_ref"]["rollout"]["enable_rollout_routing_replay"] is True
+    assert "--use-rollout-routing-replay" in snippets["slime"]
+    prime = tomllib.loads(snippets["prime-rl"])
+    assert prime["trainer"]["enable_router_replay"] is True
+    assert prime["inference"]["vllm"]["enable_return_routed_experts"] is True
+    for framework in ("trl", "openrlhf"):
+        assert "has no such option; verl, slime and prime-rl do" in snippets[framework]

@@ -79,3 +79,15 @@ def test_routing_survives_a_resume(moe, tmp_path) -> None:
         assert len(again.routing[role]) == len(first.routing[role]) == len(first.plan.requests)
         for a, b in zip(first.routing[role], again.routing[role]):
             assert np.array_equal(a.experts, b.experts) and np.array_equal(a.margin, b.margin)
+
+
+def test_the_audit_recommends_routing_replay_exactly_when_flips_carry_most_of_the_gap(own_and_replayed) -> None:
+    from mismatch.advise.recommend import ROUTING_SHARE
+    from mismatch.analysis.routing import routing_share
+
+    own, _ = own_and_replayed
+    share = routing_share(own["routing"]["train/infer"])
+    kinds = [r["kind"] for r in own["recommendations"]]
+    assert ("routing_replay" in kinds) == (share >= ROUTING_SHARE)
+    if "routing_replay" in kinds:
+        assert "router_replay:" in own["config_snippets"]["verl"]

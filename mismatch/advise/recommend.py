@@ -29,6 +29,8 @@ RULE = """\
 5. Gap large and an engine ran in bfloat16: fp16.
 6. Probes show log-probs that change with batch shape: batch_invariant.
 7. Stored log-probs are processed (temperature / top-p) rather than raw: raw_logprobs.
+8. MoE routing flips carry at least half of a trainer pair's k3 (summary.json routing):
+   routing_replay (R3: the trainer follows the experts the engine routed each token to).
 """
 
 MAX_FRAC_AFFECTED = 0.01  # at most 1% of trainable tokens clipped
@@ -62,7 +64,10 @@ COSTS = {
     "fp16": "loss scaling in the trainer, and weights within float16's range; memory as bf16",
     "batch_invariant": "inference throughput (reported 10-60% for bitwise modes)",
     "raw_logprobs": "none: an engine setting",
+    "routing_replay": "the engine returns each token's experts (layers x top-k ids per token); the trainer "
+                      "forces them: no extra pass",
 }
+ROUTING_SHARE = 0.5  # rule 8: the share of a pair's k3 on tokens with a routing flip
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -79,6 +84,7 @@ class Evidence:
     drift_spans: int = 0
     alignment_shift: int = 0
     logprob_semantics: str | None = None
+    routing: dict[str, Any] = field(default_factory=dict)  # summary["routing"]: pair -> agreement
 
     @property
     def level(self) -> str:
@@ -113,7 +119,7 @@ def evidence_from_summary(summary: dict[str, Any], *, corrections: list[dict[str
         bf16_roles=_bf16_roles(summary.get("engines") or {}),
         grows_with_position=grows_with_position, batch_variant=batch_variant,
         drift_spans=len(drift.get("spans") or []), alignment_shift=int(alignment.get("shift") or 0),
-        logprob_semantics=alignment.get("logprob_semantics"))
+        logprob_semantics=alignment.get("logprob_semantics"), routing=dict(summary.get("routing") or {}))
 
 
 # Probe variations that change with what else is in the batch (probes/result.py SOURCES).
@@ -160,7 +166,25 @@ def rule(evidence: Evidence) -> list[Recommendation]:
         out.append(_batch_invariant())
     if evidence.logprob_semantics == "processed":
         out.append(_raw_logprobs())
+    routing = _routing_replay(evidence.routing)
+    if routing is not None:
+        out.append(routing)
     return out
+
+
+def _routing_replay(routing: dict[str, Any]) -> Recommendation | None:
+    """Rule 8, on the trainer's pairs (the trainer against the engine, or against the sampler)."""
+    from mismatch.analysis.routing import routing_share
+
+    for pair in ("train/infer", "train/sampler"):
+        agreement = routing.get(pair)
+        share = routing_share(agreement) if agreement else None
+        if share is not None and share >= ROUTING_SHARE:
+            return Recommendation(kind="routing_replay", params={"pair": pair, "k3_share": share,
+                                                                 "frac_tokens_with_flip": agreement["frac_tokens_with_flip"]},
+                                  why=f"{agreement['frac_tokens_with_flip']:.2%} of {pair} tokens follow a different "
+                                      f"expert set, and they carry {share:.0%} of the gap (k3)")
+    return None
 
 
 def _gap_words(metrics: dict[str, Any]) -> str:

@@ -46,6 +46,8 @@ def render(by_kind: dict[str, Recommendation]) -> list[str]:
         lines.append("# old log-probs: OpenRLHF recomputes them with the actor unless --train.force_on_policy")
     if "batch_invariant" in by_kind:
         lines.append("# batch-invariant vLLM: export VLLM_BATCH_INVARIANT=1 for the vLLM engines")
+    if "routing_replay" in by_kind:  # OpenRLHF @ its cited commit: no routing-replay option exists
+        lines.append("# routing replay (R3): OpenRLHF has no such option; verl, slime and prime-rl do")
     if "fp16" in by_kind:
         lines.append("# fp16: run the actor and vLLM in float16 instead of bfloat16")
     lines += [" \\\n".join(flags)] if flags else []

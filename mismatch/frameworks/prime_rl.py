@@ -58,6 +58,12 @@ def render(by_kind: dict[str, Recommendation]) -> list[str]:
         lines.append("# batch-invariant inference: export VLLM_BATCH_INVARIANT=1 for the inference server")
     if "fp16" in by_kind:
         lines.append("# fp16: set the trainer and inference model dtype to float16 instead of bfloat16")
+    if "routing_replay" in by_kind:
+        # prime-rl @ 559b44772e47: configs/trainer.py:637 (TrainerConfig.enable_router_replay; model.impl
+        # custom or auto, :755-757); configs/inference.py:141 (VllmConfig.enable_return_routed_experts),
+        # set for you by configs/rl.py:589-597 when inference runs from the same rl config.
+        lines += ["[trainer]", "enable_router_replay = true", "[inference.vllm]",
+                  "enable_return_routed_experts = true  # set for you when inference is in this rl config"]
     if loss:
         lines += ["[trainer.loss]", *loss]
     return lines

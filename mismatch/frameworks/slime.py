@@ -75,6 +75,10 @@ def render(by_kind: dict[str, Recommendation]) -> list[str]:
             mis_yaml.append("tis_batch_normalize: false")
     if "recompute_old_logprobs" in by_kind:
         lines.append("# old log-probs: do not pass --use-rollout-logprobs (it skips the trainer's recompute)")
+    if "routing_replay" in by_kind:
+        # slime @ 624b824a898a: slime/utils/arguments.py:1098 (--use-rollout-routing-replay, R3; it
+        # turns on --use-routing-replay, :2010-2011); sglang_engine.py:569-570 asks SGLang for experts.
+        flags.append("--use-rollout-routing-replay")
     if "batch_invariant" in by_kind:
         flags.append("--sglang-enable-deterministic-inference")
     if "fp16" in by_kind:

@@ -58,6 +58,8 @@ def render(by_kind: dict[str, Recommendation]) -> list[str]:
     if "recompute_old_logprobs" in by_kind:
         lines.append("# old log-probs: TRL already recomputes them with the trainer when "
                      "vllm_importance_sampling_correction is on")
+    if "routing_replay" in by_kind:  # TRL @ its cited commit: no routing-replay option exists
+        lines.append("# routing replay (R3): TRL has no such option; verl, slime and prime-rl do")
     if "fp16" in by_kind:
         lines += ["bf16: false", "fp16: true"]
     if "batch_invariant" in by_kind:

@@ -70,6 +70,7 @@ def render(by_kind: dict[str, Recommendation]) -> list[str]:
     # so a ratio band [low, high] is "1/high_1/low"); verl/workers/config/rollout.py:156, :189.
     lines = ["# keys: verl/trainer/config/algorithm.py (RolloutCorrectionConfig)"]
     algo: list[str] = []
+    actor: list[str] = []
     rollout: list[str] = []
     chosen = correction_params(by_kind)
     if chosen is not None:
@@ -99,13 +100,21 @@ def render(by_kind: dict[str, Recommendation]) -> list[str]:
         algo.append("bypass_mode: false  # decoupled mode: the trainer recomputes old log-probs")
     if "fp16" in by_kind:
         rollout.append("dtype: float16  # and train the actor in fp16 (fsdp mixed_precision.param_dtype: fp16)")
+    if "routing_replay" in by_kind:
+        # verl @ b178a3cd56f5: verl/workers/config/actor.py:32-55 (RouterReplayConfig.mode
+        # "disabled" | "R2" | "R3"), verl/workers/config/rollout.py:235 (enable_rollout_routing_replay,
+        # which passes enable_return_routed_experts to vLLM / SGLang); Megatron actor only.
+        actor += ["router_replay:", "  mode: R3  # Megatron actor; with the rollout flag below"]
+        rollout.append("enable_rollout_routing_replay: true  # the engine returns each token's experts")
     if "batch_invariant" in by_kind:
         lines.append("# batch-invariant rollouts: export VLLM_BATCH_INVARIANT=1 (vLLM), or SGLang "
                      "--enable-deterministic-inference")
     if algo:
         lines += ["algorithm:", "  rollout_correction:", *(f"    {line}" for line in algo)]
-    if rollout:
-        lines += ["actor_rollout_ref:", "  rollout:", *(f"    {line}" for line in rollout)]
+    if actor or rollout:
+        lines.append("actor_rollout_ref:")
+        lines += ["  actor:", *(f"    {line}" for line in actor)] if actor else []
+        lines += ["  rollout:", *(f"    {line}" for line in rollout)] if rollout else []
     return lines
 
 
