@@ -15,6 +15,7 @@ import pandas as pd
 
 from mismatch.audit import analyze_audit, audit_pairs, publish
 from mismatch.analysis.clip import ClipRange
+from mismatch.analysis.routing import merged_routing
 from mismatch.diff import DIFF_PAIRS, analyze_diff
 from mismatch.errors import ResultsError
 from mismatch.results import check_out_dir, read_summary, read_tokens, results_lock
@@ -45,7 +46,8 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> dict[str, Any]:
         drift = _merged_drift(summaries, table)
         clip = first.get("clip") or {}  # the shards' clip range (one run's, as every shard had it)
         clip_range = ClipRange(low=clip.get("eps_low", 0.2), high=clip.get("eps_high", 0.2))
-        summary, pairs = analyze_audit(table, **common, drift=drift, clip=clip_range), audit_pairs(table)
+        summary = analyze_audit(table, **common, drift=drift, clip=clip_range, routing=merged_routing(summaries))
+        pairs = audit_pairs(table)
     else:
         summary, pairs = analyze_diff(table, **common), DIFF_PAIRS
     summary["shard"] = {"index": 0, "count": 1, "block_size": first["shard"]["block_size"],

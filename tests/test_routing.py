@@ -91,3 +91,19 @@ def test_the_audit_recommends_routing_replay_exactly_when_flips_carry_most_of_th
     assert ("routing_replay" in kinds) == (share >= ROUTING_SHARE)
     if "routing_replay" in kinds:
         assert "router_replay:" in own["config_snippets"]["verl"]
+
+
+def test_sharded_routing_merges_to_one_runs_counts(moe, tmp_path) -> None:
+    from mismatch.merge import merge
+    from mismatch.replay import Shard
+
+    specs = {"train": "hf:dtype=bfloat16", "infer": "hf:dtype=float32"}
+    whole = audit(moe, EXAMPLE, **specs, out=tmp_path / "whole", block_size=4).summary["routing"]["train/infer"]
+    for index in range(2):
+        audit(moe, EXAMPLE, **specs, out=tmp_path / f"s{index}", block_size=4, shard=Shard(index=index, count=2))
+    merged = merge([tmp_path / "s0", tmp_path / "s1"], tmp_path / "m")["routing"]["train/infer"]
+    for key in ("n_tokens", "moe_layers"):
+        assert merged[key] == whole[key]
+    np.testing.assert_allclose(merged["flip_rate_by_layer"], whole["flip_rate_by_layer"], rtol=1e-12)
+    np.testing.assert_allclose(merged["with_flip"]["kl_k3"], whole["with_flip"]["kl_k3"], rtol=1e-9)
+    assert merged["not_merged"] == ["margin_at_flips_median", "margin_median"]

@@ -83,3 +83,39 @@ def routing_share(pair: dict[str, Any]) -> float | None:
     """The share of the pair's k3 (summed over tokens) carried by tokens with a routing flip."""
     total = pair["with_flip"]["k3_sum"] + pair["without_flip"]["k3_sum"]
     return pair["with_flip"]["k3_sum"] / total if total > 0 else None
+
+
+def merged_routing(shards: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The shards' routing agreement as one run's: counts, rates and gaps combine exactly (each
+    is a sum over tokens); the margin medians do not, and are left out, said in `not_merged`."""
+    blocks = [shard.get("routing") or {} for shard in shards]
+    pairs = dict.fromkeys(pair for block in blocks for pair in block)
+    if not pairs:
+        return None
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        parts = [block[pair] for block in blocks if pair in block and block[pair]["n_tokens"]]
+        n = sum(part["n_tokens"] for part in parts)
+        if not n:
+            continue
+        layers = parts[0]["moe_layers"]
+        by_layer = [sum(part["flip_rate_by_layer"][i] * part["n_tokens"] for part in parts) / n for i in range(layers)]
+        out[pair] = {
+            "n_tokens": n, "moe_layers": layers, "flip_rate_by_layer": by_layer,
+            "flip_rate": float(np.mean(by_layer)),
+            "frac_tokens_with_flip": sum(p["frac_tokens_with_flip"] * p["n_tokens"] for p in parts) / n,
+            "margin_at_flips_median": None, "margin_median": None,
+            "with_flip": _merged_gap([p["with_flip"] for p in parts]),
+            "without_flip": _merged_gap([p["without_flip"] for p in parts]),
+            "not_merged": ["margin_at_flips_median", "margin_median"],
+        }
+    return out
+
+
+def _merged_gap(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    n = sum(part["n_tokens"] for part in parts)
+    if not n:
+        return {"n_tokens": 0, "log_ratio_abs_mean": None, "kl_k3": None, "k3_sum": 0.0}
+    k3_sum = sum(part["k3_sum"] for part in parts)
+    abs_sum = sum(part["log_ratio_abs_mean"] * part["n_tokens"] for part in parts if part["n_tokens"])
+    return {"n_tokens": n, "log_ratio_abs_mean": abs_sum / n, "kl_k3": k3_sum / n, "k3_sum": k3_sum}
