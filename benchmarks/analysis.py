@@ -53,10 +53,10 @@ import pandas as pd
 import torch
 
 from mismatch.advise.corrections import summary_corrections
-from mismatch.localize.turns import localize_turns
 from mismatch.analysis.metrics import metrics_by, summarize_pairs
-from mismatch.results import TOKENS_FILE, read_tokens, write_tokens
 from mismatch.analysis.tokenview import TokenView
+from mismatch.localize.turns import localize_turns
+from mismatch.results import TOKENS_FILE, read_tokens, write_tokens
 
 PAIRS = [("train", "sampler"), ("train", "infer"), ("infer", "sampler")]
 # What the analysis reads (token_id and segment are not used by it, and Parquet is columnar).

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
+from mismatch.demo.tinymodel import ensure_tiny_checkpoint
 from mismatch.engines import load_engine
 from mismatch.engines.hf import pack_batches
 from mismatch.replay import plan_replay
 from mismatch.rollouts import load_rollouts
-from mismatch.demo.tinymodel import ensure_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 

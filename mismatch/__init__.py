@@ -25,8 +25,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from mismatch.audit import AuditResult, audit
     from mismatch.analysis.metrics import PAIR_METRICS, metrics_by, pair_metrics, summarize_pairs
+    from mismatch.audit import AuditResult, audit
     from mismatch.rollouts import iter_rollouts, load_rollouts, validate_file
 
 

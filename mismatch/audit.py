@@ -14,27 +14,27 @@ from typing import Any
 import pandas as pd
 
 from mismatch import __version__
-from mismatch.analysis.alignment import Sampling, check_alignment, replay_processed
-from mismatch.checkpoint import load_tokenizer
-from mismatch.analysis.clip import ClipRange, clip_summary
 from mismatch.advise.corrections import summary_corrections
-from mismatch.rollouts.drift import find_drift
+from mismatch.advise.recommend import FRAMEWORKS, recommend, recommendations_dicts, render_config
+from mismatch.advise.verdicts import verdicts
+from mismatch.analysis.alignment import Sampling, check_alignment, replay_processed
+from mismatch.analysis.clip import ClipRange, clip_summary
+from mismatch.analysis.framework_metrics import framework_metrics, pair_arrays
+from mismatch.analysis.metrics import PAIR_METRICS, metrics_by, summarize_pairs
+from mismatch.analysis.routing import routing_summary, token_routing
+from mismatch.analysis.tokenview import TokenView
+from mismatch.checkpoint import load_tokenizer
 from mismatch.engines import check_spec, parse_spec
 from mismatch.errors import MismatchError
-from mismatch.analysis.framework_metrics import framework_metrics, pair_arrays
+from mismatch.identity import run_inputs
 from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import localize_turns
-from mismatch.analysis.routing import routing_summary, token_routing
-from mismatch.analysis.metrics import PAIR_METRICS, metrics_by, summarize_pairs
-from mismatch.advise.recommend import FRAMEWORKS, recommend, recommendations_dicts, render_config
 from mismatch.replay import DEFAULT_BLOCK, TORCH_KINDS, ProgressFactory, Replayed, Shard, replay_roles
-from mismatch.identity import run_inputs
-from mismatch.results import (REPORT_FILE, ROLLOUTS_FILE, SUMMARY_SCHEMA, WorkDir, check_out_dir, results_lock,
-                              write_results)
-from mismatch.analysis.tokenview import TokenView
+from mismatch.results import (REPORT_FILE, ROLLOUTS_FILE, SUMMARY_SCHEMA, WorkDir, check_out_dir,
+                              results_lock, write_results)
+from mismatch.rollouts.drift import find_drift
 from mismatch.rollouts.trees import tree_summary
-from mismatch.advise.verdicts import verdicts
 
 AUDIT_PAIRS = (("train", "sampler"), ("train", "infer"), ("infer", "sampler"))
 PROCESSED_PAIR = ("train_processed", "sampler")  # when the sampler stored processed log-probs

@@ -330,8 +330,8 @@ def audit(
     """Replay stored rollouts through a trainer and an engine; write tokens.parquet + summary.json.
 
     Rerunning the same command after an interruption resumes from the finished blocks."""
-    from mismatch.audit import audit as run_audit
     from mismatch.analysis.clip import ClipRange
+    from mismatch.audit import audit as run_audit
 
     clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
     framework = _framework(framework)

@@ -13,9 +13,9 @@ from typing import Any
 
 import pandas as pd
 
-from mismatch.audit import analyze_audit, audit_pairs, publish
 from mismatch.analysis.clip import ClipRange
 from mismatch.analysis.routing import merged_routing
+from mismatch.audit import analyze_audit, audit_pairs, publish
 from mismatch.diff import DIFF_PAIRS, analyze_diff
 from mismatch.errors import ResultsError
 from mismatch.results import check_out_dir, read_summary, read_tokens, results_lock

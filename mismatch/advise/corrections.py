@@ -16,10 +16,10 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
-from mismatch.errors import MismatchError
 from mismatch.analysis.groups import Runs, find_runs
 from mismatch.analysis.metrics import pair_tokens, run_sums
 from mismatch.analysis.tokenview import TokenView
+from mismatch.errors import MismatchError
 
 # Conventions, shared with the frameworks cited per mode below:
 # - log_ratio = log pi_train - log pi_sampler per token, ratio = exp(log_ratio); a "sequence" is one branch

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mismatch.errors import MismatchError, ResultsError
 from mismatch.analysis.metrics import PAIR_METRICS
-from mismatch.results import SUMMARY_FILE, SUMMARY_SCHEMA, atomic_write_text, load_json
 from mismatch.analysis.terms import METRIC_RANGES
+from mismatch.errors import MismatchError, ResultsError
+from mismatch.results import SUMMARY_FILE, SUMMARY_SCHEMA, atomic_write_text, load_json
 
 if sys.version_info >= (3, 11):
     import tomllib

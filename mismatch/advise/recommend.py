@@ -12,9 +12,9 @@ from typing import Any
 
 from mismatch import frameworks
 from mismatch.advise.corrections import PROB_GAP_MODES
+from mismatch.advise.verdicts import gap_level
 from mismatch.errors import MismatchError
 from mismatch.frameworks import FRAMEWORKS
-from mismatch.advise.verdicts import gap_level
 
 RULE = """\
 1. The stored log-probs are shifted against the tokens (alignment shift != 0): fix_alignment, alone;

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.errors import MismatchError, SpecError
 from mismatch.analysis.groups import find_runs, key_codes
+from mismatch.errors import MismatchError, SpecError
 
 SHIFTS = (-1, 0, 1)
 SHIFT_FACTOR = 4.0     # a shift must fit at least this many times better than no shift

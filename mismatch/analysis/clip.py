@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from mismatch.analysis import terms
-from mismatch.errors import MismatchError
 from mismatch.analysis.metrics import pair_tokens
 from mismatch.analysis.tokenview import TokenView
+from mismatch.errors import MismatchError
 
 BREAKDOWNS = {"turn": "turns", "branch_kind": "branch_kinds"}
 

@@ -12,9 +12,9 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
-from mismatch.errors import MismatchError
 from mismatch.analysis.groups import Grouping, Runs, quantiles, single_group
 from mismatch.analysis.tokenview import DEFAULT_SEQ, TokenView
+from mismatch.errors import MismatchError
 
 # Contract names and order of `summary.json["pairs"]["A/B"]` (ARCHITECTURE.md, "Results dir").
 PAIR_METRICS: tuple[str, ...] = (

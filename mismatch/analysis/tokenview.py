@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 import numpy as np
 import pandas as pd
 
-from mismatch.errors import MismatchError
 from mismatch.analysis.groups import Grouping, Runs, find_runs, group_runs, key_codes
+from mismatch.errors import MismatchError
 
 DEFAULT_SEQ = ("rollout", "branch")
 # Keys that change only at turn, role or branch boundaries: cutting runs on them too keeps the runs

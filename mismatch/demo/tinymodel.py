@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig,
-                          PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config)
+from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedModel,
+                          PreTrainedTokenizerFast, Qwen2Config)
 from transformers.utils import logging as hf_logging
 
 from mismatch.errors import CheckpointError

@@ -17,9 +17,9 @@ import numpy as np
 
 from mismatch.engines import ProgressFn, ReplayRequest
 from mismatch.engines.hf import TorchEngineBase
-from mismatch.errors import SpecError
 from mismatch.engines.logprobs import DEFAULT_CHUNK
 from mismatch.engines.routing import StreamRouting, forced_routing
+from mismatch.errors import SpecError
 
 PREFILL_MODES = ("prompt", "none")
 

@@ -7,9 +7,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mismatch.frameworks._common import FrameworkMetric, PairArrays, cap, correction_params, level
-
 from mismatch.analysis import terms
+from mismatch.frameworks._common import FrameworkMetric, PairArrays, cap, correction_params, level
 
 if TYPE_CHECKING:
     from mismatch.advise.recommend import Recommendation

@@ -18,9 +18,9 @@ from torch import nn
 
 from mismatch.checkpoint import checkpoint_info, load_model
 from mismatch.engines.hf import HFOptions, resolve_device
+from mismatch.engines.logprobs import token_logprobs
 from mismatch.engines.spec import options_from, parse_spec
 from mismatch.errors import CheckpointError, MismatchError, SpecError
-from mismatch.engines.logprobs import token_logprobs
 
 LM_HEAD = "lm_head"
 LM_HEAD_TYPE = "lm_head+log_softmax"

@@ -20,8 +20,8 @@ from torch import nn
 from mismatch.engines import ReplayRequest, load_engine, parse_spec
 from mismatch.engines.hf import TorchEngineBase
 from mismatch.engines.hf_decode import DecodeSession, feed_chunks
-from mismatch.errors import MismatchError, SpecError
 from mismatch.engines.logprobs import token_logprobs
+from mismatch.errors import MismatchError, SpecError
 from mismatch.results import json_safe
 
 TORCH_KINDS = ("hf", "hf-decode")

@@ -7,17 +7,17 @@ numpy/pandas only, so a report or a trainer can call it without torch.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from mismatch.errors import MismatchError
 from mismatch.analysis.metrics import PairTokens, grouped_view_metrics, pair_tokens, token_grouped_metrics
-from mismatch.results import json_safe
 from mismatch.analysis.tokenview import TokenView
+from mismatch.errors import MismatchError
+from mismatch.results import json_safe
 
 # Per-group metrics kept in each breakdown row (the full PAIR_METRICS live in summary["turns"]).
 BREAKDOWN_METRICS = ("n_tokens", "n_rollouts", "log_ratio_mean", "log_ratio_abs_mean",

@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
-from mismatch.errors import MismatchError
 from mismatch.analysis.groups import find_runs, key_codes
+from mismatch.errors import MismatchError
 from mismatch.rollouts import Rollout
 
 DEFAULT_MAX_PATHS = 5

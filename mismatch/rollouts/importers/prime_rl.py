@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mismatch.rollouts.importers._common import (Where, branch, floats, get, ints, masked_segments, runs,
-                                        same_length, source_meta)
+from mismatch.rollouts.importers._common import (Where, branch, floats, get, ints, masked_segments,
+                                                 runs, same_length, source_meta)
 
 EXAMPLE_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "completion_logprobs",
                   "advantage")

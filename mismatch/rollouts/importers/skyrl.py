@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mismatch.rollouts.importers._common import (Where, branch, get, masked_segments, response_sample, rows_of,
-                                        source_meta)
+from mismatch.rollouts.importers._common import (Where, branch, get, masked_segments,
+                                                 response_sample, rows_of, source_meta)
 
 COLUMNS = ("prompt_token_ids", "response_ids", "rewards", "loss_masks", "stop_reasons", "rollout_logprobs",
            "trajectory_ids", "is_last_step")

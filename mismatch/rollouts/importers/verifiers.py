@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mismatch.rollouts.importers._common import (Where, branch, floats, get, ints, masked_segments, same_length,
-                                        source_meta)
+from mismatch.rollouts.importers._common import (Where, branch, floats, get, ints, masked_segments,
+                                                 same_length, source_meta)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mismatch.rollouts.importers._common import (Where, branch, floats, get, ints, masked_segments, response_sample, rows_of,
-                                        same_length, source_meta)
+from mismatch.rollouts.importers._common import (Where, branch, floats, get, ints, masked_segments,
+                                                 response_sample, rows_of, same_length, source_meta)
 
 AGENT_LOOP_KEYS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs", "reward_score",
                    "num_turns")
