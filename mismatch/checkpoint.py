@@ -34,6 +34,7 @@ class CheckpointInfo:
     dtype: str  # the dtype the weights were saved in, as named in config.json
     max_positions: int | None = None  # the context the model was built for (config.json), if it says
     num_experts: int | None = None    # routed experts per MoE layer (config.json), None for a dense model
+    attn_softcap: float | None = None  # attention logit soft-capping (Gemma-2), which sdpa ignores
 
 
 def checkpoint_info(path: str | Path) -> CheckpointInfo:
@@ -62,7 +63,33 @@ def checkpoint_info(path: str | Path) -> CheckpointInfo:
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     return CheckpointInfo(path=root, model_type=str(config.get("model_type", "?")),
                           vocab_size=vocab_size, dtype=str(dtype), max_positions=_max_positions(config),
-                          num_experts=_num_experts(config))
+                          num_experts=_num_experts(config), attn_softcap=_attn_softcap(config))
+
+
+def _attn_softcap(config: dict) -> float | None:
+    for scope in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
+        value = scope.get("attn_logit_softcapping")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value:
+            return float(value)
+    return None
+
+
+# transformers' sdpa path accepts and ignores attention logit soft-capping
+# (integrations/sdpa_attention.py has no softcap); eager and flash_attention_2 apply it.
+IGNORES_SOFTCAP = ("sdpa",)
+
+
+def resolve_attn(attn: str, info: CheckpointInfo) -> str:
+    """The attention implementation to load: `auto` picks sdpa unless the model uses a feature sdpa
+    would silently drop (soft-capping: then eager); one the user named that drops it is refused,
+    since the replay would not be the model."""
+    if attn == "auto":
+        return "eager" if info.attn_softcap else "sdpa"
+    if attn in IGNORES_SOFTCAP and info.attn_softcap:
+        raise CheckpointError(f"{info.path}: attn={attn} ignores this model's attention logit soft-capping "
+                              f"(attn_logit_softcapping={info.attn_softcap:g}), so the replay would not be the "
+                              "model; use attn=eager, or leave attn unset (auto picks eager here)")
+    return attn
 
 
 def _num_experts(config: dict) -> int | None:
@@ -129,6 +156,7 @@ def load_model(info: CheckpointInfo, *, dtype: str, attn: str, device: str,
 
     _check_weights(info.path)  # again: `info` may be older than the directory's contents
     torch_dt = torch_dtype(dtype, info)
+    attn = resolve_attn(attn, info)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its multi-line load report would bury our one-line error
     try:

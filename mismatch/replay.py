@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.checkpoint import checkpoint_info
+from mismatch.checkpoint import checkpoint_info, resolve_attn
 from mismatch.engines import Engine, EngineSpec, ProgressFn, ReplayRequest, check_spec, load_engine
 from mismatch.engines.routing import StreamRouting
-from mismatch.errors import EngineError, MismatchError, RolloutError, SpecError
+from mismatch.errors import CheckpointError, EngineError, MismatchError, RolloutError, SpecError
 from mismatch.results import WorkDir
 from mismatch.rollouts import Rollout, Segment, context_tokens, load_rollouts
 from mismatch.rollouts.trees import add_tree_weights
@@ -253,6 +253,11 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
                             f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(names)})")
     _check_context(plan, info, specs, file=str(rollouts))
     for role, spec in specs.items():
+        if spec.kind in TORCH_KINDS and "checkpoint" not in spec.options:
+            try:  # before any replay: an attention path that drops a model feature is refused now
+                resolve_attn(str(spec.options.get("attn", "auto")), info)
+            except CheckpointError as exc:
+                raise SpecError(f"--{role} {spec.text}: {exc}") from None
         if spec.options.get("routing") == "replay" and info.num_experts is None and "checkpoint" not in spec.options:
             raise SpecError(f"--{role} {spec.text}: option routing=replay: this model has no MoE router to replay "
                             f"({info.path}/config.json names no experts)")

@@ -25,8 +25,9 @@ def _configs(vocab_size: int) -> dict[str, Any]:
                                     num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
         "mixtral": MixtralConfig(**common, head_dim=32, intermediate_size=128, num_local_experts=8,
                                  num_experts_per_tok=2),
-        "gemma2": Gemma2Config(**common, head_dim=32, intermediate_size=256, sliding_window=64,
-                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+        # Gemma ties its embeddings (vLLM's Gemma2 has no separate lm_head to load).
+        "gemma2": Gemma2Config(**{**common, "tie_word_embeddings": True}, head_dim=32, intermediate_size=256,
+                               sliding_window=64, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
     }
 
 

@@ -50,7 +50,7 @@ class HarnessConfig:
     seed: int = 0
     engine: str = "hf-decode"  # or "vllm": sample with vLLM itself
     dtype: str = "bfloat16"
-    attn: str = "sdpa"
+    attn: str = "auto"
     temperature: float = 1.0
     max_turns: int = 4
     max_turn_tokens: int = 48

@@ -26,7 +26,7 @@ from mismatch.errors import SpecError
 @dataclass(kw_only=True, slots=True, frozen=True)
 class HFOptions:
     dtype: str = "auto"          # auto = the dtype the checkpoint was saved in
-    attn: str = "sdpa"           # transformers attn_implementation: sdpa | eager | flash_attention_2
+    attn: str = "auto"           # auto (sdpa, eager where sdpa drops a feature) | sdpa | eager | flash_attention_2
     device: str = "auto"         # auto = cuda when available, else cpu
     device_map: str | None = None  # e.g. auto: spread a model too big for one GPU (accelerate)
     batch_tokens: int = 16384    # padded tokens per forward (batch rows x longest row)
@@ -97,6 +97,7 @@ class TorchEngineBase:
         return {
             "kind": self.kind, "spec": self.spec_text, "options": asdict(self.options),
             "checkpoint": str(self.info.path), "dtype": str(self.model.dtype).removeprefix("torch."),
+            "attn": self.model.config._attn_implementation,
             **({"routing": {"moe_layers": len(self.recorder.modules), "mode": self.options.routing}}
                if self.recorder is not None else {}),
             "device": self.device, "logprob_semantics": "raw",

@@ -27,7 +27,7 @@ PREFILL_MODES = ("prompt", "none")
 @dataclass(kw_only=True, slots=True, frozen=True)
 class HFDecodeOptions:
     dtype: str = "auto"
-    attn: str = "sdpa"
+    attn: str = "auto"           # as HFOptions.attn
     device: str = "auto"
     device_map: str | None = None  # e.g. auto: spread a model too big for one GPU (accelerate)
     prefill: str = "prompt"      # prompt: feed each prompt run in one forward; none: token by token

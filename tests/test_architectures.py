@@ -1,0 +1,65 @@
+"""The architectures users train, as tiny random-init checkpoints (mismatch.demo.architectures):
+each through an audit, the engines replaying the model as configured."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mismatch.audit import audit
+from mismatch.cli import main
+from mismatch.engines import load_engine
+from mismatch.replay import plan_replay
+from mismatch.rollouts import load_rollouts
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
+
+
+@pytest.fixture(scope="module")
+def requests():
+    return plan_replay(load_rollouts(EXAMPLE)).requests
+
+
+def _replay(spec: str, checkpoint: Path, requests) -> tuple[np.ndarray, dict]:
+    engine = load_engine(spec, str(checkpoint))
+    try:
+        return np.concatenate(engine.replay(requests)), engine.describe()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gemma2"])
+def test_each_architecture_audits_with_a_bitwise_control(name, architecture_checkpoint, tmp_path) -> None:
+    checkpoint = architecture_checkpoint(name)
+    control = audit(checkpoint, EXAMPLE, train="hf", infer="hf", out=tmp_path / "control").summary
+    assert control["pairs"]["train/infer"]["bitwise_equal_frac"] == 1.0  # the same config twice, in one run
+    gap = audit(checkpoint, EXAMPLE, train="hf", infer="hf-decode:dtype=bfloat16", out=tmp_path / "gap").summary
+    assert 0 < gap["pairs"]["train/infer"]["kl_k3"] < 1e-2
+    moe = name != "gemma2"
+    assert ("routing" in gap) == moe  # both passes are torch engines: the routing agreement is measured
+    if moe:
+        assert gap["routing"]["train/infer"]["moe_layers"] == 2
+
+
+def test_gemma2_soft_capping_picks_eager_and_refuses_sdpa(architecture_checkpoint, requests, tmp_path, capsys) -> None:
+    checkpoint = architecture_checkpoint("gemma2")
+    auto, described = _replay("hf:dtype=float32", checkpoint, requests)
+    eager, _ = _replay("hf:dtype=float32,attn=eager", checkpoint, requests)
+    assert described["attn"] == "eager" and np.array_equal(auto, eager, equal_nan=True)
+    code = main(["audit", str(checkpoint), "--rollouts", str(EXAMPLE), "--train", "hf:attn=sdpa", "--infer",
+                 "sampler", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and "attn=sdpa ignores this model's attention logit soft-capping" in err
+    assert "replay" not in err.split("mismatch: error:")[0]  # refused before any replay
+    assert not (tmp_path / "o").exists() and not (tmp_path / ".o.work").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_gemma2_vllm_fp32_matches_the_trainer_with_default_options(architecture_checkpoint, tmp_path) -> None:
+    checkpoint = architecture_checkpoint("gemma2")
+    summary = audit(checkpoint, EXAMPLE, train="hf:dtype=float32", infer="vllm:dtype=float32",
+                    out=tmp_path / "o").summary
+    assert summary["pairs"]["train/infer"]["log_ratio_abs_max"] <= 1e-5
