@@ -267,7 +267,7 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
     meta = _sampler_meta(selected)
     engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler", "meta": meta}}
     routing: dict[str, list[StreamRouting]] = {}
-    for role, spec in _routing_order(specs, routing_from):
+    for role, spec in _replay_order(specs, routing_from):
         sampling = _declared_processing(meta) if role == processed_role and spec.kind in TORCH_KINDS else None
         forced = routing.get(routing_from) if spec.options.get("routing") == "replay" else None
         if spec.options.get("routing") == "replay" and forced is None:
@@ -285,12 +285,16 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
     return Replayed(rollouts=selected, plan=plan, table=table, engines=engines, routing=routing)
 
 
-def _routing_order(specs: dict[str, EngineSpec], routing_from: str | None) -> list[tuple[str, EngineSpec]]:
-    """The roles in their given order, except that the role a routing=replay engine follows goes
-    first (its experts must exist before they can be forced)."""
+def _replay_order(specs: dict[str, EngineSpec], routing_from: str | None) -> list[tuple[str, EngineSpec]]:
+    """The order the roles replay in. Engines whose load can fail for reasons no check sees first
+    (vLLM, a server, a user's code; a torch engine's checkpoint was checked already), so such a
+    failure costs no other engine's replay; one engine is loaded at a time, so models that do not
+    fit together still run. The role a routing=replay engine follows goes first of all (its experts
+    must exist before they can be forced)."""
+    ordered = sorted(specs.items(), key=lambda item: item[1].kind in TORCH_KINDS)  # stable
     replaying = [role for role, spec in specs.items() if spec.options.get("routing") == "replay"]
     if not replaying:
-        return list(specs.items())
+        return ordered
     if routing_from is None or routing_from not in specs or routing_from in replaying:
         raise SpecError(f"--{replaying[0]} {specs[replaying[0]].text}: routing=replay needs another engine "
                         "of this command to follow (audit: --infer; diff: --reference)")
@@ -298,7 +302,7 @@ def _routing_order(specs: dict[str, EngineSpec], routing_from: str | None) -> li
         raise SpecError(f"--{replaying[0]} {specs[replaying[0]].text}: routing=replay follows "
                         f"--{routing_from}, which must be a torch engine (hf, hf-decode) to record experts; "
                         f"it is {specs[routing_from].text!r}")
-    return [(routing_from, specs[routing_from]), *((r, s) for r, s in specs.items() if r != routing_from)]
+    return [(routing_from, specs[routing_from]), *((r, s) for r, s in ordered if r != routing_from)]
 
 
 TORCH_KINDS = ("hf", "hf-decode")  # engines whose last step can be processed (alignment.py)

@@ -6,6 +6,7 @@ replay is bitwise reproducible. One fp32 engine serves the module (the first cal
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -220,3 +221,19 @@ def test_an_engine_that_fails_to_start_is_one_line_with_its_own_reason(tiny_chec
     failed = tmp_path / "o.failed.log"  # vLLM's account of why, kept and named
     assert f"{failed}; it ends with: ValueError: Available memory" in run.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_vllm_load_failure_comes_before_the_trainers_replay(tiny_checkpoint, sampled_rollouts, tmp_path) -> None:
+    """The engine whose load can fail unforeseen replays first: its error costs no trainer replay."""
+    import shutil
+
+    broken = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
+    run = subprocess.run([sys.executable, "-m", "mismatch", "audit", str(broken), "--rollouts", str(sampled_rollouts),
+                          "--train", "hf", "--infer", "vllm:dtype=float32", "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2, run.stderr
+    assert "replay train" not in run.stderr and "Traceback" not in run.stderr
+    assert [line for line in run.stderr.splitlines() if line.startswith("mismatch: error: engine 'vllm'")]
