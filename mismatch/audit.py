@@ -1,6 +1,6 @@
 """The audit: stored rollouts replayed through a trainer and an engine, gaps measured, results written.
 
-rollouts → replay_roles(train, infer) → token table → metrics → results dir.
+rollouts → replay_sources(train, infer) → token table → metrics → results dir.
 Everything that can be wrong with the input is checked before the first forward pass.
 """
 
@@ -30,7 +30,7 @@ from mismatch.identity import run_inputs
 from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import localize_turns
-from mismatch.replay import DEFAULT_BLOCK, TORCH_KINDS, ProgressFactory, Replayed, Shard, replay_roles
+from mismatch.replay import DEFAULT_BLOCK, TORCH_KINDS, ProgressFactory, Replayed, Shard, replay_sources
 from mismatch.results import (REPORT_FILE, ROLLOUTS_FILE, SUMMARY_SCHEMA, WorkDir, check_out_dir,
                               results_lock, write_results)
 from mismatch.rollouts.drift import find_drift
@@ -72,7 +72,7 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
 def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: str, out_dir: Path | None,
            force: bool, localize_models: bool, shard: Shard | None, block_size: int,
            progress: ProgressFactory | None, clip: ClipRange) -> AuditResult:
-    roles = {"train": train, "infer": infer}
+    sources = {"train": train, "infer": infer}
     if localize_models:
         check_localizable(train, infer)  # before any replay: requested work is done or refused
         if shard is not None:
@@ -80,7 +80,7 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
             # and `merge` has no model to rerun it with.
             raise MismatchError("--localize with --shard: localization needs the whole run; audit "
                                 "--localize without --shard (or run `mismatch layers` on the checkpoint)")
-    replayed, work, inputs = replay_for_results(checkpoint, rollouts, roles, out=out_dir, force=force,
+    replayed, work, inputs = replay_for_results(checkpoint, rollouts, sources, out=out_dir, force=force,
                                                 shard=shard, block_size=block_size, progress=progress,
                                                 command="audit")
     table, engines = replayed.table, replayed.engines
@@ -145,11 +145,11 @@ def replayed_routing(replayed: Replayed, pairs: tuple[tuple[str, str], ...]) -> 
     """summary.json["routing"] for the pairs whose two passes both recorded MoE routing."""
     if len(replayed.routing) < 2:
         return None
-    per_row = {role: token_routing(replayed.plan.requests, routed) for role, routed in replayed.routing.items()}
+    per_row = {source: token_routing(replayed.plan.requests, routed) for source, routed in replayed.routing.items()}
     return routing_summary(replayed.table, pairs, per_row) or None
 
 
-def replay_for_results(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, str], *,
+def replay_for_results(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str], *,
                        out: Path | None, force: bool, shard: Shard | None, block_size: int,
                        progress: ProgressFactory | None,
                        command: str) -> tuple[Replayed, WorkDir | None, dict[str, Any] | None]:
@@ -159,17 +159,17 @@ def replay_for_results(checkpoint: str | Path, rollouts: str | Path, roles: dict
     if out is not None:
         check_out_dir(out, force=force)
     # Every spec checked before anything else: a bad one leaves no work dir and costs no replay.
-    specs = {role: check_spec(text) for role, text in roles.items()}
+    specs = {source: check_spec(text) for source, text in sources.items()}
     inputs = None
-    # A missing checkpoint or rollouts file gets its own one-line error from replay_roles.
+    # A missing checkpoint or rollouts file gets its own one-line error from replay_sources.
     if Path(checkpoint).is_dir() and Path(rollouts).is_file():
         inputs = run_inputs(command=command, checkpoint=checkpoint, rollouts=rollouts, engines=specs,
                             block_size=block_size, version=__version__)
     if out is not None and inputs is not None:
         work = WorkDir.open(out, {**inputs, "shard": shard_info(shard, block_size)}, force=force)
-    replayed = replay_roles(checkpoint, rollouts, roles, progress=progress, shard=shard,
+    replayed = replay_sources(checkpoint, rollouts, sources, progress=progress, shard=shard,
                             block_size=block_size, work=work,
-                            processed_role="train" if command == "audit" else None,
+                            processed_source="train" if command == "audit" else None,
                             routing_from="infer" if command == "audit" else "reference")
     return replayed, work, inputs
 

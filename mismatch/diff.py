@@ -1,6 +1,6 @@
 """`mismatch diff`: two engine configs replayed on the same rollouts, each against a reference.
 
-rollouts → replay_roles(a, b, reference) → pairs a/reference, b/reference, a/b → per-metric
+rollouts → replay_sources(a, b, reference) → pairs a/reference, b/reference, a/b → per-metric
 deltas with bootstrap CIs over rollouts, where the configs differ most, and their throughputs.
 """
 
@@ -83,7 +83,7 @@ def compare_configs(table: pd.DataFrame, summary: dict[str, Any], *, seed: int =
         "closer_to_reference": closer,
         "closer_rule": "by kl_k3 to the reference; 'tie' when the 95% bootstrap CI of the "
                        "difference (over rollouts) contains 0",
-        "throughput_tokens_per_s": {role: engines[role].get("tokens_per_s") for role in ("a", "b")},
+        "throughput_tokens_per_s": {source: engines[source].get("tokens_per_s") for source in ("a", "b")},
         "where": where_they_differ(trainable),
     }
 

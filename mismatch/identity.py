@@ -83,4 +83,4 @@ def run_inputs(*, command: str, checkpoint: str | Path, rollouts: str | Path,
             "rollouts": {"size": rollouts_path.stat().st_size, "digest": file_digest(rollouts_path)}
             if rollouts_path.is_file() else None,
             "checkpoint": checkpoint_identity(checkpoint),
-            "engines": {role: engine_identity(spec) for role, spec in engines.items()}}
+            "engines": {source: engine_identity(spec) for source, spec in engines.items()}}

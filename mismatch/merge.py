@@ -40,7 +40,7 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> dict[str, Any]:
     table = table.sort_values("rollout_index", kind="stable").reset_index(drop=True)
     for column in CATEGORICAL:
         table[column] = table[column].astype("category")
-    engines = {role: _merged_engine([s["engines"][role] for s in summaries]) for role in first["engines"]}
+    engines = {source: _merged_engine([s["engines"][source] for s in summaries]) for source in first["engines"]}
     common = {"engines": engines, "checkpoint": first["checkpoint"], "rollouts_file": first["rollouts_file"]}
     if first["command"] == "audit":
         drift = _merged_drift(summaries, table)

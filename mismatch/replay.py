@@ -34,7 +34,7 @@ DEFAULT_BLOCK = 64
 class ReplayPlan:
     requests: list[ReplayRequest]
     request_block: np.ndarray  # int [num_requests]: the block of each request's rollout
-    table: pd.DataFrame  # TABLE_KEYS + logp_sampler (replay_roles adds the weights and engine columns)
+    table: pd.DataFrame  # TABLE_KEYS + logp_sampler (replay_sources adds the weights and engine columns)
     stored: dict[str, np.ndarray]  # "sampler" and every extra_logprobs NAME, aligned with table rows
 
     @property
@@ -216,30 +216,30 @@ ProgressFactory = Callable[[str, int | None], ProgressFn | None]
 class Replayed:
     rollouts: list[Rollout]
     plan: ReplayPlan               # its requests: one per branch, in table order
-    table: pd.DataFrame           # TABLE_KEYS, logp_sampler, weight_tree/gyre, logp_<role> per role
-    engines: dict[str, Any]       # role -> describe() (the sampler's declared settings too)
-    routing: dict[str, list[StreamRouting]]  # role -> each request's MoE routing, where recorded
+    table: pd.DataFrame           # TABLE_KEYS, logp_sampler, weight_tree/gyre, logp_<source> per source
+    engines: dict[str, Any]       # source -> describe() (the sampler's declared settings too)
+    routing: dict[str, list[StreamRouting]]  # source -> each request's MoE routing, where recorded
 
 
-def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, str], *,
+def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str], *,
                  progress: ProgressFactory | None = None, shard: Shard | None = None,
                  block_size: int = DEFAULT_BLOCK, work: WorkDir | None = None,
-                 processed_role: str | None = None, routing_from: str | None = None) -> Replayed:
-    """Load and validate everything, then fill one `logp_<role>` column per role's spec.
+                 processed_source: str | None = None, routing_from: str | None = None) -> Replayed:
+    """Load and validate everything, then fill one `logp_<source>` column per source's spec.
 
     All input checks (checkpoint, specs, rollouts, stored names) come before the first forward.
-    With `work`, each (role, block) result is saved as it finishes and reused on a rerun.
-    `processed_role` (a torch engine's role): when the rollouts' meta.sampler declares processed
+    With `work`, each (source, block) result is saved as it finishes and reused on a rerun.
+    `processed_source` (a torch engine's source): when the rollouts' meta.sampler declares processed
     log-probs under a non-trivial temperature/top-k/top-p, that engine also fills
-    `logp_<role>_processed` under the same processing, like for like with the sampler's, in the
+    `logp_<source>_processed` under the same processing, like for like with the sampler's, in the
     same load and block by block (planned here, resumable like every other column).
-    `routing_from`: the role whose MoE routing a `routing=replay` engine follows (R3); it replays
+    `routing_from`: the source whose MoE routing a `routing=replay` engine follows (R3); it replays
     first.
     """
     info = checkpoint_info(checkpoint)
     # Every spec checked in full (options, values, dtype) before the rollouts are read and before
     # the first replay: a typo in the second engine's spec must not cost the first one's replay.
-    specs = {role: check_spec(text) for role, text in roles.items()}
+    specs = {source: check_spec(text) for source, text in sources.items()}
     loaded = load_rollouts(rollouts, vocab_size=info.vocab_size)
     indices = [i for i in range(len(loaded)) if shard is None or shard.takes(i // block_size)]
     selected = [loaded[i] for i in indices]
@@ -247,19 +247,19 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
     # Names over the whole file, not the shard: a shard (or an empty one) must accept what one run would.
     names = ["sampler", *sorted({name for rollout in loaded for branch in rollout.branches
                                  for segment in branch.segments for name in segment.extra_logprobs})]
-    for role, spec in specs.items():
+    for source, spec in specs.items():
         if spec.kind == "stored" and spec.options["name"] not in names:
-            raise SpecError(f"--{role} {spec.text}: no segment of the rollouts carries "
+            raise SpecError(f"--{source} {spec.text}: no segment of the rollouts carries "
                             f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(names)})")
     _check_context(plan, info, specs, file=str(rollouts))
-    for role, spec in specs.items():
+    for source, spec in specs.items():
         if spec.kind in TORCH_KINDS and "checkpoint" not in spec.options:
             try:  # before any replay: an attention path that drops a model feature is refused now
                 resolve_attn(str(spec.options.get("attn", "auto")), info)
             except CheckpointError as exc:
-                raise SpecError(f"--{role} {spec.text}: {exc}") from None
+                raise SpecError(f"--{source} {spec.text}: {exc}") from None
         if spec.options.get("routing") == "replay" and info.num_experts is None and "checkpoint" not in spec.options:
-            raise SpecError(f"--{role} {spec.text}: option routing=replay: this model has no MoE router to replay "
+            raise SpecError(f"--{source} {spec.text}: option routing=replay: this model has no MoE router to replay "
                             f"({info.path}/config.json names no experts)")
     # Tree weights are per rollout, so shards compute exactly the weights one run would. The
     # plan's table is filled in place (the plan keeps its requests; one table, not two).
@@ -267,32 +267,32 @@ def replay_roles(checkpoint: str | Path, rollouts: str | Path, roles: dict[str, 
     meta = _sampler_meta(selected)
     engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler", "meta": meta}}
     routing: dict[str, list[StreamRouting]] = {}
-    for role, spec in _replay_order(specs, routing_from):
-        sampling = _declared_processing(meta) if role == processed_role and spec.kind in TORCH_KINDS else None
+    for source, spec in _replay_order(specs, routing_from):
+        sampling = _declared_processing(meta) if source == processed_source and spec.kind in TORCH_KINDS else None
         forced = routing.get(routing_from) if spec.options.get("routing") == "replay" else None
         if spec.options.get("routing") == "replay" and forced is None:
-            raise SpecError(f"--{role} {spec.text}: routing=replay follows the experts --{routing_from} routed, "
+            raise SpecError(f"--{source} {spec.text}: routing=replay follows the experts --{routing_from} routed, "
                             f"and --{routing_from} recorded none (a torch engine on an MoE model records them)")
-        columns, engines[role], routed = _replay_role(role, spec, plan, str(checkpoint), progress, work,
+        columns, engines[source], routed = _replay_source(source, spec, plan, str(checkpoint), progress, work,
                                                       sampling, forced)
         if routed is not None:
-            routing[role] = routed
-        table[f"logp_{role}"] = columns[0]
+            routing[source] = routed
+        table[f"logp_{source}"] = columns[0]
         if sampling is not None:
-            table[f"logp_{role}_processed"] = columns[1]
-            engines[role] = {**engines[role], "processed": {"temperature": sampling.temperature,
+            table[f"logp_{source}_processed"] = columns[1]
+            engines[source] = {**engines[source], "processed": {"temperature": sampling.temperature,
                                                             "top_k": sampling.top_k, "top_p": sampling.top_p}}
     return Replayed(rollouts=selected, plan=plan, table=table, engines=engines, routing=routing)
 
 
 def _replay_order(specs: dict[str, EngineSpec], routing_from: str | None) -> list[tuple[str, EngineSpec]]:
-    """The order the roles replay in. Engines whose load can fail for reasons no check sees first
+    """The order the sources replay in. Engines whose load can fail for reasons no check sees first
     (vLLM, a server, a user's code; a torch engine's checkpoint was checked already), so such a
     failure costs no other engine's replay; one engine is loaded at a time, so models that do not
-    fit together still run. The role a routing=replay engine follows goes first of all (its experts
+    fit together still run. The source a routing=replay engine follows goes first of all (its experts
     must exist before they can be forced)."""
     ordered = sorted(specs.items(), key=lambda item: item[1].kind in TORCH_KINDS)  # stable
-    replaying = [role for role, spec in specs.items() if spec.options.get("routing") == "replay"]
+    replaying = [source for source, spec in specs.items() if spec.options.get("routing") == "replay"]
     if not replaying:
         return ordered
     if routing_from is None or routing_from not in specs or routing_from in replaying:
@@ -350,10 +350,10 @@ def _check_context(plan: ReplayPlan, info: Any, specs: dict[str, EngineSpec], *,
                        field=f"branch {row['branch']!r}")
 
 
-def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
+def _replay_source(source: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
                  progress: ProgressFactory | None, work: WorkDir | None, processed: Any = None,
                  forced: list[StreamRouting] | None = None) -> tuple[list[np.ndarray], dict[str, Any], list | None]:
-    """One role's log-prob column (and with `processed`, a Sampling, its processed column too):
+    """One source's log-prob column (and with `processed`, a Sampling, its processed column too):
     replayed block by block, or read from the rollouts (`stored:`). Also each request's MoE
     routing when the engine records it (else None); `forced`: the routing a routing=replay
     engine must follow, one per plan request."""
@@ -364,9 +364,9 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
         return [values], {"kind": "stored", "spec": spec.text, "name": name}, None
     from mismatch.analysis.alignment import processed_logprobs_on
 
-    columns = [(role, f"--{role} {spec.text}", None)]
+    columns = [(source, f"--{source} {spec.text}", None)]
     if processed is not None:
-        columns.append((f"{role}_processed", f"--{role} {spec.text} (processed like the sampler's)", processed))
+        columns.append((f"{source}_processed", f"--{source} {spec.text} (processed like the sampler's)", processed))
     callback: ProgressFn | None = None
     engine: Engine | None = None
     parts: list[list[np.ndarray]] = [[] for _ in columns]
@@ -379,23 +379,23 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
             done = [work.load(name, block) if work is not None else None for name, _, _ in columns]
             # Not this block's rows (the manifest matched, the file did not): replayed again.
             done = [None if d is not None and len(d) != num_rows else d for d in done]
-            block_routing = work.load_routing(role, block) if work is not None else None
+            block_routing = work.load_routing(source, block) if work is not None else None
             if block_routing is None and engine is not None and engine_records_routing(engine):
                 done = [None for _ in done]  # the routing of this block is wanted too: replay it
             if any(d is None for d in done) and engine is None:  # not at all if every block is done
-                starting = progress(f"starting {role}: {spec.text}", None) if progress is not None else None
+                starting = progress(f"starting {source}: {spec.text}", None) if progress is not None else None
                 engine = load_engine(spec, checkpoint)
                 if starting is not None:
                     starting(0)
                 if work is not None:
-                    work.check_engine(role, engine_facts(engine.describe()))
+                    work.check_engine(source, engine_facts(engine.describe()))
                 if engine_records_routing(engine) and block_routing is None:
                     done = [None for _ in done]
             # The bar starts once the engine loaded: a checkpoint that fails prints only its error.
             if callback is None and progress is not None:
                 fed = sum(len(request.tokens) for request in plan.requests) * len(columns)
                 # What the engine will feed: a branch's context is fed again with each branch.
-                callback = progress(f"replay {role}: {spec.text} (feeds {_count(fed)} tokens)",
+                callback = progress(f"replay {source}: {spec.text} (feeds {_count(fed)} tokens)",
                                     plan.num_scored * len(columns))
             if forced is not None and engine is not None:
                 engine.forced = [forced[i].experts for i in range(first_request, first_request + len(requests))]
@@ -410,7 +410,7 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
                         # The routing before the log-probs: a block whose log-probs were saved
                         # always has its routing too.
                         if k == 0 and block_routing is not None and engine_records_routing(engine):
-                            work.save_routing(role, block, block_routing)
+                            work.save_routing(source, block, block_routing)
                         work.save(name, block, done[k])
                 elif callback is not None:
                     callback(num_rows)
@@ -422,15 +422,15 @@ def _replay_role(role: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
         if engine is not None:
             described = engine.describe()
             if work is not None:
-                work.save_described(role, described)
+                work.save_described(source, described)
         else:  # every block was done: the engine as the run that replayed them described it
-            described = (work.load_described(role) if work is not None else None) or {
+            described = (work.load_described(source) if work is not None else None) or {
                 "spec": spec.text, "resumed": True}
     finally:
         if engine is not None:
             engine.close()
     values = [np.concatenate(p) if p else np.empty(0) for p in parts]
-    described = {**described, "resumed_blocks": work.num_loaded(role) if work else 0}
+    described = {**described, "resumed_blocks": work.num_loaded(source) if work else 0}
     return values, described, (routed if len(routed) == len(plan.requests) and routed else None)
 
 

@@ -316,7 +316,7 @@ def read_tokens(path: Path, *, columns: Sequence[str] | None = None) -> pd.DataF
 
 
 class WorkDir:
-    """Finished (role, block) log-prob columns of an audit in progress, for resuming after a kill.
+    """Finished (source, block) log-prob columns of an audit in progress, for resuming after a kill.
 
     Lives beside the results dir as `.NAME.work/`; its manifest names the inputs, so a rerun of the
     same command resumes and a different command never picks up another run's blocks.
@@ -326,7 +326,7 @@ class WorkDir:
         self.path = path
         self.manifest = manifest
         self._loaded: dict[str, int] = {}
-        self._facts: dict[str, dict[str, Any]] = {}  # role -> engine_facts, written with its first block
+        self._facts: dict[str, dict[str, Any]] = {}  # source -> engine_facts, written with its first block
 
     @classmethod
     def open(cls, out: Path, manifest: dict[str, Any], *, force: bool) -> WorkDir:
@@ -342,11 +342,11 @@ class WorkDir:
         # Nothing is created until the first block is saved: bad input must leave nothing behind.
         return cls(path, manifest)
 
-    def _file(self, role: str, block: int) -> Path:
-        return self.path / f"{role}-{block:06d}.npy"
+    def _file(self, source: str, block: int) -> Path:
+        return self.path / f"{source}-{block:06d}.npy"
 
-    def load(self, role: str, block: int) -> np.ndarray | None:
-        file = self._file(role, block)
+    def load(self, source: str, block: int) -> np.ndarray | None:
+        file = self._file(source, block)
         if not file.is_file():
             return None
         try:
@@ -356,7 +356,7 @@ class WorkDir:
             # (an empty or cut file): replayed again, never trusted and never fatal.
             file.unlink(missing_ok=True)
             return None
-        self._loaded[role] = self._loaded.get(role, 0) + 1
+        self._loaded[source] = self._loaded.get(source, 0) + 1
         return values
 
     def _create(self) -> None:
@@ -365,11 +365,11 @@ class WorkDir:
             self.path.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.path / "manifest.json", json.dumps(json_safe(self.manifest), indent=1) + "\n")
 
-    def save(self, role: str, block: int, logp: np.ndarray) -> None:
+    def save(self, source: str, block: int, logp: np.ndarray) -> None:
         self._create()
-        if role in self._facts and not (self.path / f"{role}-engine.json").is_file():
-            atomic_write_text(self.path / f"{role}-engine.json", json.dumps(self._facts[role]) + "\n")
-        file = self._file(role, block)
+        if source in self._facts and not (self.path / f"{source}-engine.json").is_file():
+            atomic_write_text(self.path / f"{source}-engine.json", json.dumps(self._facts[source]) + "\n")
+        file = self._file(source, block)
         fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.tmp-", dir=self.path)
         try:
             with os.fdopen(fd, "wb") as handle:
@@ -379,9 +379,9 @@ class WorkDir:
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
-    def save_routing(self, role: str, block: int, routed: list[Any]) -> None:
+    def save_routing(self, source: str, block: int, routed: list[Any]) -> None:
         """A block's MoE routing (engines/routing.StreamRouting per request), beside its log-probs."""
-        file = self.path / f"{role}-routing-{block:06d}.npz"
+        file = self.path / f"{source}-routing-{block:06d}.npz"
         self._create()
         fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.tmp-", dir=self.path)
         try:
@@ -394,10 +394,10 @@ class WorkDir:
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
-    def load_routing(self, role: str, block: int) -> list[Any] | None:
+    def load_routing(self, source: str, block: int) -> list[Any] | None:
         from mismatch.engines.routing import StreamRouting
 
-        file = self.path / f"{role}-routing-{block:06d}.npz"
+        file = self.path / f"{source}-routing-{block:06d}.npz"
         if not file.is_file():
             return None
         try:
@@ -409,35 +409,35 @@ class WorkDir:
             file.unlink(missing_ok=True)  # cut or foreign: replayed again (see load)
             return None
 
-    def save_described(self, role: str, described: dict[str, Any]) -> None:
+    def save_described(self, source: str, described: dict[str, Any]) -> None:
         """The engine's describe() once its blocks are done: a resume that replays nothing for a
-        role still reports the engine as it was (resolved options, semantics), as one run would."""
+        source still reports the engine as it was (resolved options, semantics), as one run would."""
         if self.path.is_dir():
-            atomic_write_text(self.path / f"{role}-described.json", json.dumps(json_safe(described)) + "\n")
+            atomic_write_text(self.path / f"{source}-described.json", json.dumps(json_safe(described)) + "\n")
 
-    def load_described(self, role: str) -> dict[str, Any] | None:
-        file = self.path / f"{role}-described.json"
+    def load_described(self, source: str) -> dict[str, Any] | None:
+        file = self.path / f"{source}-described.json"
         try:
             return json.loads(file.read_text()) if file.is_file() else None
         except (json.JSONDecodeError, UnicodeDecodeError):
             return None
 
-    def check_engine(self, role: str, facts: dict[str, Any]) -> None:
+    def check_engine(self, source: str, facts: dict[str, Any]) -> None:
         """Refuse to mix blocks from an engine that reports itself differently (an HTTP server now
         serving another model or version, "auto" resolving to another dtype); remember the facts."""
-        file = self.path / f"{role}-engine.json"
+        file = self.path / f"{source}-engine.json"
         facts = json_safe(facts)
         previous = json.loads(file.read_text()) if file.is_file() else None
-        if previous is not None and previous != facts and any(self.path.glob(f"{role}-*.npy")):
+        if previous is not None and previous != facts and any(self.path.glob(f"{source}-*.npy")):
             changed = sorted(key for key in set(previous) | set(facts) if previous.get(key) != facts.get(key))
-            raise ResultsError(f"{self.path}: its {role} blocks came from an engine reporting "
+            raise ResultsError(f"{self.path}: its {source} blocks came from an engine reporting "
                                f"{', '.join(f'{k}={previous.get(k)!r}' for k in changed)}; it now reports "
                                f"{', '.join(f'{k}={facts.get(k)!r}' for k in changed)}; pass --force to "
                                "discard those blocks")
-        self._facts[role] = facts
+        self._facts[source] = facts
 
-    def num_loaded(self, role: str) -> int:
-        return self._loaded.get(role, 0)
+    def num_loaded(self, source: str) -> int:
+        return self._loaded.get(source, 0)
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

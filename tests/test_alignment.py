@@ -17,7 +17,7 @@ from mismatch.analysis.alignment import (Sampling, check_alignment, like_for_lik
 from mismatch.errors import MismatchError
 from mismatch.engines.logprobs import token_logprobs
 from mismatch.analysis.metrics import summarize_pairs
-from mismatch.replay import plan_replay, replay_roles
+from mismatch.replay import plan_replay, replay_sources
 from mismatch.rollouts import load_rollouts
 from mismatch.demo.toy_agent import HarnessConfig, write_rollouts
 
@@ -154,7 +154,7 @@ def processed_run(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
     path = tmp_path_factory.mktemp("alignment") / "rollouts.jsonl"
     write_rollouts(tiny_checkpoint, path, HarnessConfig(num_rollouts=3, max_turns=2, temperature=0.7,
                                                         faults=("shift_logprobs",)))
-    return path, replay_roles(tiny_checkpoint, path, {"train": "hf", "infer": "hf-decode:dtype=bfloat16"})
+    return path, replay_sources(tiny_checkpoint, path, {"train": "hf", "infer": "hf-decode:dtype=bfloat16"})
 
 
 def test_processed_rollouts_and_the_shifted_one_are_flagged(processed_run) -> None:

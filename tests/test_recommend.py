@@ -110,7 +110,7 @@ def test_fp16_only_when_an_engine_is_bf16():
     assert "fp16" not in [r.kind for r in recommend(summary(LARGE, corrections=TOKEN_CAPS))]
     bf16 = summary(LARGE, corrections=TOKEN_CAPS)
     bf16["engines"]["sampler"]["meta"]["dtype"] = "bfloat16"
-    assert the(recommend(bf16), "fp16").params["roles"] == ["sampler"]
+    assert the(recommend(bf16), "fp16").params["sources"] == ["sampler"]
 
 
 def test_source_fixes_from_probes_drift_and_alignment():

@@ -78,7 +78,7 @@ class Evidence:
     corrections: list[dict[str, Any]]
     num_tokens: int | None = None
     num_trainable_tokens: int | None = None
-    bf16_roles: tuple[str, ...] = ()
+    bf16_sources: tuple[str, ...] = ()
     grows_with_position: bool | None = None
     batch_variant: bool | None = None
     drift_spans: int = 0
@@ -116,7 +116,7 @@ def evidence_from_summary(summary: dict[str, Any], *, corrections: list[dict[str
         metrics=(summary.get("pairs") or {}).get(PAIR) or {},
         corrections=list(corrections if corrections is not None else summary.get("corrections") or []),
         num_tokens=counts.get("tokens"), num_trainable_tokens=counts.get("trainable_tokens"),
-        bf16_roles=_bf16_roles(summary.get("engines") or {}),
+        bf16_sources=_bf16_sources(summary.get("engines") or {}),
         grows_with_position=grows_with_position, batch_variant=batch_variant,
         drift_spans=len(drift.get("spans") or []), alignment_shift=int(alignment.get("shift") or 0),
         logprob_semantics=alignment.get("logprob_semantics"), routing=dict(summary.get("routing") or {}))
@@ -135,14 +135,14 @@ def batch_variant_from_probes(probes: list[dict[str, Any]]) -> bool | None:
     return any(p["bitwise_equal_frac"] < 1.0 for p in relevant)
 
 
-def _bf16_roles(engines: dict[str, Any]) -> tuple[str, ...]:
-    """Roles whose engine ran in bfloat16 (the sampler's dtype comes from the rollouts' meta)."""
-    roles = []
-    for role, engine in engines.items():
+def _bf16_sources(engines: dict[str, Any]) -> tuple[str, ...]:
+    """Sources whose engine ran in bfloat16 (the sampler's dtype comes from the rollouts' meta)."""
+    sources = []
+    for source, engine in engines.items():
         dtype = engine.get("dtype") or (engine.get("meta") or {}).get("dtype")
         if str(dtype).removeprefix("torch.") in ("bfloat16", "bf16"):
-            roles.append(role)
-    return tuple(roles)
+            sources.append(source)
+    return tuple(sources)
 
 
 def recommend(summary: dict[str, Any], **findings: Any) -> list[Recommendation]:
@@ -160,7 +160,7 @@ def rule(evidence: Evidence) -> list[Recommendation]:
     large = evidence.level == "large"
     if large:
         out.append(_recompute(evidence))
-    if large and evidence.bf16_roles:
+    if large and evidence.bf16_sources:
         out.append(_fp16(evidence))
     if evidence.batch_variant:
         out.append(_batch_invariant())
@@ -282,10 +282,10 @@ def _recompute(evidence: Evidence) -> Recommendation:
 
 
 def _fp16(evidence: Evidence) -> Recommendation:
-    roles = ", ".join(evidence.bf16_roles)
+    sources = ", ".join(evidence.bf16_sources)
     return Recommendation(kind="fp16", params={"dtype": "float16", "instead_of": "bfloat16",
-                                               "roles": list(evidence.bf16_roles)},
-                          why=f"{roles} ran in bfloat16 (7 mantissa bits); float16 has 10, so the same kernels "
+                                               "sources": list(evidence.bf16_sources)},
+                          why=f"{sources} ran in bfloat16 (7 mantissa bits); float16 has 10, so the same kernels "
                               "round 8x less and the trainer/sampler gap shrinks at the source (Qi et al. 2025, "
                               "'Defeating the Training-Inference Mismatch via FP16'); the trainer needs loss "
                               "scaling, and weights must fit float16's range")

@@ -139,7 +139,7 @@ def replay_processed(plan, spec: str, checkpoint: str | os.PathLike[str], sampli
     engine = load_engine(spec, os.fspath(checkpoint))
     try:
         with processed_logprobs_on(engine, sampling):
-            # Block by block, as replay_roles does: batch composition, and so every bit, is the same.
+            # Block by block, as replay_sources does: batch composition, and so every bit, is the same.
             parts = [replay_column(requests, engine, name=f"{spec} (processed)") for _, requests in plan.blocks()]
         values = np.concatenate(parts) if parts else np.empty(0)
         check_column(values, plan.table, f"{spec} (processed)")
@@ -151,7 +151,7 @@ def replay_processed(plan, spec: str, checkpoint: str | os.PathLike[str], sampli
 def recompute_processed(checkpoint: str | os.PathLike[str], rollouts: str | os.PathLike[str], *,
                         spec: str = "hf", sampling: Sampling | None = None) -> np.ndarray:
     """The trainer side recomputed like the sampler's stored log-probs, aligned with the token
-    table `replay_roles` builds for the same file. `sampling` defaults to the first rollout's
+    table `replay_sources` builds for the same file. `sampling` defaults to the first rollout's
     declared `meta.sampler` (the one `summary.engines.sampler.meta` shows)."""
     from mismatch.checkpoint import checkpoint_info
     from mismatch.replay import plan_replay
@@ -418,10 +418,10 @@ def like_for_like(table: pd.DataFrame, recomputed: np.ndarray, *, stored: str = 
     `stored`, next to the raw pair and any other `pairs`, for summary.json."""
     from mismatch.analysis.metrics import summarize_pairs
 
-    role = name or f"{replayed}_processed"
+    source = name or f"{replayed}_processed"
     if len(recomputed) != len(table):
         raise MismatchError(f"recomputed column has {len(recomputed)} rows, token table {len(table)}")
     out = table.copy()
-    out[f"logp_{role}"] = np.asarray(recomputed, np.float64)
-    wanted = [(replayed, stored), (role, stored), *pairs]
+    out[f"logp_{source}"] = np.asarray(recomputed, np.float64)
+    wanted = [(replayed, stored), (source, stored), *pairs]
     return out, summarize_pairs(out, wanted)

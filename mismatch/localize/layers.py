@@ -111,17 +111,17 @@ def compare_layers(checkpoint: str | Path, inputs: Sequence[ReplayRequest] | Seq
     tensors of [length, hidden]); `max_tokens` also caps the sequence length.
     """
     specs = {"a": parse_spec(a), "b": parse_spec(b)}
-    for role, spec in specs.items():
+    for source, spec in specs.items():
         if spec.kind not in TORCH_KINDS:
-            raise SpecError(f"--{role} {spec.text}: the layer localizer hooks torch models; use an engine "
+            raise SpecError(f"--{source} {spec.text}: the layer localizer hooks torch models; use an engine "
                             f"of kind {' or '.join(TORCH_KINDS)} (e.g. hf:dtype=bfloat16), not {spec.kind!r}")
     if max_tokens < 1:
         raise MismatchError(f"max_tokens must be at least 1, got {max_tokens}")
     requests = _budget(_as_requests(inputs), max_tokens)  # bad input fails before any model loads
     engines: dict[str, TorchEngineBase] = {}
     try:
-        for role in ("b", "a"):
-            engines[role] = load_engine(specs[role], str(checkpoint))  # type: ignore[assignment]
+        for source in ("b", "a"):
+            engines[source] = load_engine(specs[source], str(checkpoint))  # type: ignore[assignment]
         return _compare(engines["a"], engines["b"], requests, a=specs["a"].text, b=specs["b"].text)
     finally:
         for engine in engines.values():

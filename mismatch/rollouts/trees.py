@@ -202,13 +202,13 @@ def _weighted_many(log_ratio: np.ndarray, weights: list[np.ndarray]) -> list[dic
 
 def _pair_block(columns: dict[str, np.ndarray], pair: tuple[str, str],
                 rows: np.ndarray | slice) -> dict[str, dict[str, float]]:
-    a, b = (columns[f"logp_{role}"][rows] for role in pair)
+    a, b = (columns[f"logp_{source}"][rows] for source in pair)
     weights = {"unweighted": np.ones(len(a)), **{name: columns[f"weight_{name}"][rows] for name in WEIGHTS}}
     return weighted_pair_metrics_by(a, b, weights)
 
 
 def _check_columns(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> None:
-    wanted = [f"weight_{name}" for name in WEIGHTS] + [f"logp_{role}" for pair in pairs for role in pair]
+    wanted = [f"weight_{name}" for name in WEIGHTS] + [f"logp_{source}" for pair in pairs for source in pair]
     missing = [column for column in wanted if column not in table.columns]
     if missing:
         hint = " (add them with mismatch.rollouts.trees.add_tree_weights)" if missing[0].startswith("weight_") else ""
