@@ -266,7 +266,7 @@ class Best:
         self.every: list[float] = []
         self.every_sys: list[float] = []
 
-    def run(self, work):
+    def span(self, work):
         sys_before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
         started, started_cpu = time.perf_counter(), time.process_time()
         result = work()
@@ -333,13 +333,13 @@ def main() -> None:
     baseline_runs = {threads: Best() for threads in sorted({1, default_threads})}
     for _ in range(args.repeats):
         prefault(args.prefault_mb)
-        ours.run(lambda: mismatch_analysis(args.results))
+        ours.span(lambda: mismatch_analysis(args.results))
         prefault(args.prefault_mb)
-        pairs_only.run(lambda: summarize_pairs(TokenView(table), PAIRS))
+        pairs_only.span(lambda: summarize_pairs(TokenView(table), PAIRS))
         for threads, best in baseline_runs.items():
             torch.set_num_threads(threads)
             prefault(args.prefault_mb)
-            best.run(lambda: torch_baseline(batches))
+            best.span(lambda: torch_baseline(batches))
     torch.set_num_threads(default_threads)
     stages, ours_result = ours.result
     base_threads = min(baseline_runs, key=lambda t: baseline_runs[t].seconds)
@@ -373,13 +373,13 @@ def main() -> None:
     }
     if args.fresh:
         command = [sys.executable, __file__, "--fresh-child", "--results", str(args.results)]
-        runs = [json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+        spans = [json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
                 for _ in range(args.fresh)]
-        seconds = [run["analysis_s"] for run in runs]
+        seconds = [span["analysis_s"] for span in spans]
         result["fresh_process_s_every_run"] = seconds
         result["fresh_process_s_best"], result["fresh_process_s_median"] = min(seconds), float(np.median(seconds))
         result["fresh_process_tokens_per_s_best"] = num_rows / min(seconds)
-        result["fresh_process_warmup_s"] = [run["warmup_s"] for run in runs]
+        result["fresh_process_warmup_s"] = [span["warmup_s"] for span in spans]
     if args.profile:
         profiler = cProfile.Profile(time.process_time)  # CPU time: steadier on a shared machine
         profiler.enable()

@@ -1,4 +1,4 @@
-"""Runs and grouped reductions: quantiles as numpy's, and every analysis independent of row order."""
+"""Key spans and grouped reductions: quantiles as numpy's, and every analysis independent of row order."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from conftest import PAIRS, agentic_frame
 
 from mismatch.advise.corrections import simulate, summary_corrections
-from mismatch.analysis.groups import Grouping, find_runs, quantiles, single_group
+from mismatch.analysis.groups import Grouping, find_spans, quantiles, single_group
 from mismatch.localize.turns import localize_turns
 from mismatch.analysis.metrics import PAIR_METRICS, metrics_by, summarize_pairs
 from mismatch.analysis.tokenview import TokenView
@@ -20,16 +20,16 @@ QS = [0.0, 0.01, 0.5, 0.99, 0.999, 1.0]
 def test_quantiles_equal_numpy_linear(n):
     rng = np.random.default_rng(n)
     values = np.exp(rng.normal(0, 0.3, n))
-    runs = find_runs([np.arange(n) // 3], n)  # runs of three tokens, each in a random group of 4
-    grouping = Grouping(run_group=rng.integers(0, 4, runs.num_runs), num_groups=4, keys=pd.DataFrame())
-    group = runs.spread(grouping.run_group)
-    got = quantiles(values, runs, grouping, QS, scratch=np.empty(n))
+    spans = find_spans([np.arange(n) // 3], n)  # runs of three tokens, each in a random group of 4
+    grouping = Grouping(span_group=rng.integers(0, 4, spans.num_spans), num_groups=4, keys=pd.DataFrame())
+    group = spans.spread(grouping.span_group)
+    got = quantiles(values, spans, grouping, QS, scratch=np.empty(n))
     for g in range(4):
         if (group == g).any():
             np.testing.assert_array_equal(got[g], np.quantile(values[group == g], QS))
         else:
             assert np.isnan(got[g]).all()
-    np.testing.assert_array_equal(quantiles(values, runs, single_group(runs), QS)[0], np.quantile(values, QS))
+    np.testing.assert_array_equal(quantiles(values, spans, single_group(spans), QS)[0], np.quantile(values, QS))
 
 
 @pytest.mark.parametrize("margin", [64, -3000])  # -3000: every tail cut too tight, each group partitioned whole
@@ -41,12 +41,12 @@ def test_quantiles_of_large_groups_from_their_tails_equal_numpy(margin, monkeypa
     n = 400_000
     values = np.exp(rng.standard_t(3, n) * 0.05)
     values[::1000] = 1.0  # ties
-    runs = find_runs([np.arange(n) // 50], n)
-    run_group = np.minimum(np.arange(runs.num_runs) // 2000, 3)  # groups of 100k tokens each
-    grouping = Grouping(run_group=run_group, num_groups=5, keys=pd.DataFrame())  # group 4 is empty
+    spans = find_spans([np.arange(n) // 50], n)
+    span_group = np.minimum(np.arange(spans.num_spans) // 2000, 3)  # groups of 100k tokens each
+    grouping = Grouping(span_group=span_group, num_groups=5, keys=pd.DataFrame())  # group 4 is empty
     qs = [0.001, 0.01, 0.99, 0.999]
-    got = quantiles(values, runs, grouping, qs)
-    token_group = runs.spread(run_group)
+    got = quantiles(values, spans, grouping, qs)
+    token_group = spans.spread(span_group)
     for g in range(4):
         np.testing.assert_array_equal(got[g], np.quantile(values[token_group == g], qs))
     assert np.isnan(got[4]).all()
@@ -54,14 +54,14 @@ def test_quantiles_of_large_groups_from_their_tails_equal_numpy(margin, monkeypa
 
 def test_quantiles_of_equal_infinite_ends_are_inf_not_nan():
     values = np.array([1.0, np.inf, np.inf])
-    runs = find_runs([], 3)
-    assert quantiles(values, runs, single_group(runs), [0.9])[0, 0] == np.inf
+    spans = find_spans([], 3)
+    assert quantiles(values, spans, single_group(spans), [0.9])[0, 0] == np.inf
 
 
 def test_runs_cut_where_any_key_changes():
-    runs = find_runs([np.array([0, 0, 0, 1, 1, 1]), np.array([5, 5, 6, 6, 6, 6])], 6)
-    assert runs.starts.tolist() == [0, 2, 3] and runs.lengths.tolist() == [2, 1, 3]
-    assert runs.sum(np.arange(6.0)).tolist() == [1.0, 2.0, 12.0]
+    spans = find_spans([np.array([0, 0, 0, 1, 1, 1]), np.array([5, 5, 6, 6, 6, 6])], 6)
+    assert spans.starts.tolist() == [0, 2, 3] and spans.lengths.tolist() == [2, 1, 3]
+    assert spans.sum(np.arange(6.0)).tolist() == [1.0, 2.0, 12.0]
 
 
 def agentic_table(seed: int = 0) -> pd.DataFrame:
@@ -94,7 +94,7 @@ def test_shuffled_rows_give_the_same_analysis():
     table = agentic_table()
     shuffled = table.sample(frac=1.0, random_state=1).reset_index(drop=True)
     ordered, mixed = TokenView(table), TokenView(shuffled)
-    assert ordered.runs.num_runs < ordered.num_tokens / 4 and mixed.runs.num_runs > mixed.num_tokens / 2
+    assert ordered.spans.num_spans < ordered.num_tokens / 4 and mixed.spans.num_spans > mixed.num_tokens / 2
     for pair, metrics in summarize_pairs(ordered, PAIRS).items():
         assert_metrics_close(summarize_pairs(mixed, PAIRS)[pair], metrics)
     by_turn, by_turn_mixed = metrics_by(ordered, PAIRS, "turn"), metrics_by(mixed, PAIRS, "turn")

@@ -16,8 +16,8 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
-from mismatch.analysis.groups import Runs, find_runs
-from mismatch.analysis.metrics import pair_tokens, run_sums
+from mismatch.analysis.groups import Spans, find_spans
+from mismatch.analysis.metrics import pair_tokens, span_sums
 from mismatch.analysis.tokenview import TokenView
 from mismatch.errors import MismatchError
 
@@ -90,85 +90,85 @@ class CorrectionResult:
 
 
 class _Tokens:
-    """Trainable, non-NaN tokens cut into runs that never cross a sequence, a rollout or a turn.
+    """Trainable, non-NaN tokens cut into spans that never cross a sequence, a rollout or a turn.
 
     A mode's weight is either per token or, for modes that weigh whole sequences or rollouts,
-    per run (`ModeSpec.per_run`): such weights are constant over a run, and working on ~1e5
-    runs instead of ~1e7 tokens is what keeps the 41 default corrections cheap.
+    per span (`ModeSpec.per_span`): such weights are constant over a span, and working on ~1e5
+    spans instead of ~1e7 tokens is what keeps the 41 default corrections cheap.
     """
 
-    def __init__(self, log_ratio: np.ndarray, runs: Runs, *, run_seq: np.ndarray,
-                 num_seqs: int, run_rollout: np.ndarray, num_rollouts: int,
+    def __init__(self, log_ratio: np.ndarray, spans: Spans, *, span_seq: np.ndarray,
+                 num_seqs: int, span_rollout: np.ndarray, num_rollouts: int,
                  turn: tuple[np.ndarray, np.ndarray] | None = None,
-                 run_stats: dict[str, np.ndarray] | None = None,
+                 span_stats: dict[str, np.ndarray] | None = None,
                  logp: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        self.log_ratio = log_ratio  # log pi_train - log pi_sampler, one per token, in run order
+        self.log_ratio = log_ratio  # log pi_train - log pi_sampler, one per token, in span order
         self.logp = logp  # (logp_train, logp_sampler) per token, for the probability-gap modes
-        self.num_tokens = runs.num_tokens
-        self.runs = runs
-        self.run_seq, self.num_seqs = run_seq, num_seqs
-        self.run_rollout, self.num_rollouts = run_rollout, num_rollouts
-        self.turn = turn  # (distinct turn keys, turn code of each run), or None
-        if run_stats is not None:  # the metrics' own per-run sums, when the caller has them
-            self.__dict__["run_stats"] = run_stats
+        self.num_tokens = spans.num_tokens
+        self.spans = spans
+        self.span_seq, self.num_seqs = span_seq, num_seqs
+        self.span_rollout, self.num_rollouts = span_rollout, num_rollouts
+        self.turn = turn  # (distinct turn keys, turn code of each span), or None
+        if span_stats is not None:  # the metrics' own per-span sums, when the caller has them
+            self.__dict__["run_stats"] = span_stats
 
     @cached_property
     def ratio(self) -> np.ndarray:
         with np.errstate(over="ignore"):
             return np.exp(self.log_ratio)
 
-    def per_seq(self, per_run: np.ndarray) -> np.ndarray:
-        return np.bincount(self.run_seq, weights=per_run, minlength=self.num_seqs)
+    def per_seq(self, per_span: np.ndarray) -> np.ndarray:
+        return np.bincount(self.span_seq, weights=per_span, minlength=self.num_seqs)
 
     @cached_property
     def seq_count(self) -> np.ndarray:
-        return self.per_seq(self.runs.lengths)
+        return self.per_seq(self.spans.lengths)
 
     @cached_property
-    def run_stats(self) -> dict[str, np.ndarray]:
-        """Per run: sum, min and max of the log-ratio (keys as metrics.run_sums)."""
-        return {"log_ratio": self.runs.sum(self.log_ratio), "log_ratio_min": self.runs.min(self.log_ratio),
-                "log_ratio_max": self.runs.max(self.log_ratio)}
+    def span_stats(self) -> dict[str, np.ndarray]:
+        """Per span: sum, min and max of the log-ratio (keys as metrics.span_sums)."""
+        return {"log_ratio": self.spans.sum(self.log_ratio), "log_ratio_min": self.spans.min(self.log_ratio),
+                "log_ratio_max": self.spans.max(self.log_ratio)}
 
     @property
-    def run_log_ratio(self) -> np.ndarray:
-        return self.run_stats["log_ratio"]
+    def span_log_ratio(self) -> np.ndarray:
+        return self.span_stats["log_ratio"]
 
     def seq_ratio_range(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per run: the smallest and largest token ratio of its sequence (exp is monotonic, so
+        """Per span: the smallest and largest token ratio of its sequence (exp is monotonic, so
         exp(min log_ratio) is min(ratio) bit for bit)."""
         low, high = np.full(self.num_seqs, np.inf), np.full(self.num_seqs, -np.inf)
-        np.minimum.at(low, self.run_seq, self.run_stats["log_ratio_min"])
-        np.maximum.at(high, self.run_seq, self.run_stats["log_ratio_max"])
+        np.minimum.at(low, self.span_seq, self.span_stats["log_ratio_min"])
+        np.maximum.at(high, self.span_seq, self.span_stats["log_ratio_max"])
         with np.errstate(over="ignore"):
-            return np.exp(low)[self.run_seq], np.exp(high)[self.run_seq]
+            return np.exp(low)[self.span_seq], np.exp(high)[self.span_seq]
 
     @cached_property
     def seq_sum(self) -> np.ndarray:
-        """Per run: the sum of its sequence's log-ratios (TRL/verl sequence level)."""
-        return self.per_seq(self.run_log_ratio)[self.run_seq]
+        """Per span: the sum of its sequence's log-ratios (TRL/verl sequence level)."""
+        return self.per_seq(self.span_log_ratio)[self.span_seq]
 
     @cached_property
     def seq_mean(self) -> np.ndarray:
-        """Per run: the mean of its sequence's log-ratios (the geometric mean, in log space)."""
-        return (self.per_seq(self.run_log_ratio) / np.maximum(self.seq_count, 1))[self.run_seq]
+        """Per span: the mean of its sequence's log-ratios (the geometric mean, in log space)."""
+        return (self.per_seq(self.span_log_ratio) / np.maximum(self.seq_count, 1))[self.span_seq]
 
     @cached_property
     def rollout_sum(self) -> np.ndarray:
-        """Per run: the sum of its rollout's log-ratios."""
-        return np.bincount(self.run_rollout, weights=self.run_log_ratio, minlength=self.num_rollouts)[self.run_rollout]
+        """Per span: the sum of its rollout's log-ratios."""
+        return np.bincount(self.span_rollout, weights=self.span_log_ratio, minlength=self.num_rollouts)[self.span_rollout]
 
     @cached_property
-    def verl_run_stats(self) -> dict[str, np.ndarray]:
-        """Per run: sums (k1, k2, k3) and maxima (k1_max, k2_max, k3_max) of verl's estimators."""
+    def verl_span_stats(self) -> dict[str, np.ndarray]:
+        """Per span: sums (k1, k2, k3) and maxima (k1_max, k2_max, k3_max) of verl's estimators."""
         stats = {}
         for estimator in ("k1", "k2", "k3"):
             values = _verl_stat(self, estimator)
-            stats[estimator], stats[f"{estimator}_max"] = self.runs.sum(values), self.runs.max(values)
+            stats[estimator], stats[f"{estimator}_max"] = self.spans.sum(values), self.spans.max(values)
         return stats
 
-    def spread(self, per_run: np.ndarray) -> np.ndarray:
-        return self.runs.spread(per_run)
+    def spread(self, per_span: np.ndarray) -> np.ndarray:
+        return self.spans.spread(per_span)
 
     @cached_property
     def prob_gap(self) -> np.ndarray:
@@ -190,7 +190,7 @@ class ModeSpec:
     level: str
     fn: ModeFn
     doc: str
-    per_run: bool = False  # fn returns one weight per run (constant over sequences or rollouts)
+    per_span: bool = False  # fn returns one weight per span (constant over sequences or rollouts)
 
 
 def _exp(log_ratio: np.ndarray) -> np.ndarray:
@@ -287,7 +287,7 @@ def seq_mask_tis(t: _Tokens, *, low: float, high: float) -> tuple[np.ndarray, np
 
 
 def _geometric_kept(t: _Tokens, low: float, high: float) -> np.ndarray:
-    """Per run: whether its sequence's geometric-mean ratio lies in [low, high]."""
+    """Per span: whether its sequence's geometric-mean ratio lies in [low, high]."""
     geometric = _exp(t.seq_mean)
     return (geometric >= low) & (geometric <= high)
 
@@ -300,7 +300,7 @@ def sequence_minmax_mask(t: _Tokens, *, low: float, high: float) -> tuple[np.nda
 
 
 def _minmax_kept(t: _Tokens, low: float, high: float) -> np.ndarray:
-    """Per run: whether every token ratio of its sequence lies in [low, high]."""
+    """Per span: whether every token ratio of its sequence lies in [low, high]."""
     seq_min, seq_max = t.seq_ratio_range()
     return (seq_min >= low) & (seq_max <= high)
 
@@ -355,8 +355,8 @@ def rollout_balanced_truncate(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np
 
 
 def _balance_scale(t: _Tokens) -> np.ndarray:
-    """Per run: (N / R) / n_tokens of its rollout."""
-    per_rollout = np.bincount(t.run_rollout, weights=t.runs.lengths, minlength=t.num_rollouts)[t.run_rollout]
+    """Per span: (N / R) / n_tokens of its rollout."""
+    per_rollout = np.bincount(t.span_rollout, weights=t.spans.lengths, minlength=t.num_rollouts)[t.span_rollout]
     return (t.num_tokens / t.num_rollouts) / per_rollout
 
 
@@ -375,14 +375,14 @@ def _verl_rejection(aggregate: str, estimator: str) -> ModeFn:
     def reject(t: _Tokens, *, high: float, low: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         if aggregate == "token":
             stat = _verl_stat(t, estimator)
-        elif aggregate == "seq_sum":  # per run from here on (the sequence's statistic)
-            stat = t.per_seq(t.verl_run_stats[estimator])[t.run_seq]
+        elif aggregate == "seq_sum":  # per span from here on (the sequence's statistic)
+            stat = t.per_seq(t.verl_span_stats[estimator])[t.span_seq]
         elif aggregate == "seq_mean":
-            stat = (t.per_seq(t.verl_run_stats[estimator]) / t.seq_count)[t.run_seq]
+            stat = (t.per_seq(t.verl_span_stats[estimator]) / t.seq_count)[t.span_seq]
         else:  # seq_max
             per_seq = np.full(t.num_seqs, -np.inf)
-            np.maximum.at(per_seq, t.run_seq, t.verl_run_stats[f"{estimator}_max"])
-            stat = per_seq[t.run_seq]
+            np.maximum.at(per_seq, t.span_seq, t.verl_span_stats[f"{estimator}_max"])
+            stat = per_seq[t.span_seq]
         if estimator == "k1":
             keep = (stat >= math.log(low)) & (stat <= math.log(high))
         else:
@@ -396,21 +396,21 @@ MODES: dict[str, ModeSpec] = {
                                doc="TRL token_truncate / token TIS: min(ratio, cap)"),
     "token_mask": ModeSpec(params=("cap",), level="token", fn=token_mask,
                            doc="TRL token_mask: ratio, or 0 where ratio > cap"),
-    "sequence_truncate": ModeSpec(params=("cap",), per_run=True, level="sequence", fn=sequence_truncate,
+    "sequence_truncate": ModeSpec(params=("cap",), per_span=True, level="sequence", fn=sequence_truncate,
                                   doc="TRL sequence_truncate: min(exp(sum log_ratio), cap)"),
-    "sequence_mask": ModeSpec(params=("cap",), per_run=True, level="sequence", fn=sequence_mask,
+    "sequence_mask": ModeSpec(params=("cap",), per_span=True, level="sequence", fn=sequence_mask,
                               doc="TRL sequence_mask: exp(sum log_ratio), or 0 above cap"),
-    "geometric_truncate": ModeSpec(params=("cap",), per_run=True, level="sequence", fn=geometric_truncate,
+    "geometric_truncate": ModeSpec(params=("cap",), per_span=True, level="sequence", fn=geometric_truncate,
                                    doc="slime geometric TIS: min(exp(mean log_ratio), cap)"),
     "token_clip": ModeSpec(params=("low", "high"), level="token", fn=token_clip,
                            doc="slime TIS / OpenRLHF tis: clip(ratio, low, high)"),
-    "sequence_clip": ModeSpec(params=("low", "high"), per_run=True, level="sequence", fn=sequence_clip,
+    "sequence_clip": ModeSpec(params=("low", "high"), per_span=True, level="sequence", fn=sequence_clip,
                               doc="TRL sequence_truncate with clip_min: clip(exp(sum log_ratio), low, high)"),
     "token_icepop": ModeSpec(params=("low", "high"), level="token", fn=token_icepop,
                              doc="IcePop / MIS: ratio inside [low, high], else 0"),
-    "sequence_icepop": ModeSpec(params=("low", "high"), per_run=True, level="sequence", fn=sequence_icepop,
+    "sequence_icepop": ModeSpec(params=("low", "high"), per_span=True, level="sequence", fn=sequence_icepop,
                                 doc="sequence MIS: exp(sum) inside [low, high], else 0"),
-    "geometric_icepop": ModeSpec(params=("low", "high"), per_run=True, level="sequence", fn=geometric_icepop,
+    "geometric_icepop": ModeSpec(params=("low", "high"), per_span=True, level="sequence", fn=geometric_icepop,
                                  doc="geometric MIS: exp(mean) inside [low, high], else 0"),
     "seq_mask_tis": ModeSpec(params=("low", "high"), level="sequence", fn=seq_mask_tis,
                              doc="OpenRLHF seq-mask-tis: token ratio if exp(mean) in [low, high], else 0"),
@@ -425,9 +425,9 @@ MODES: dict[str, ModeSpec] = {
     "dppo_negative": ModeSpec(params=("low",), level="token", fn=dppo_negative,
                               doc="prime-rl DPPO on negative-advantage samples: ratio, or 0 where "
                                   "p_train - p_sampler < -low"),
-    "veto_mask": ModeSpec(params=("threshold",), per_run=True, level="sequence", fn=veto_mask,
+    "veto_mask": ModeSpec(params=("threshold",), per_span=True, level="sequence", fn=veto_mask,
                           doc="slime rs_veto_threshold: reject a sequence with any ratio below threshold"),
-    "rollout_clip": ModeSpec(params=("low", "high"), per_run=True, level="rollout", fn=rollout_clip,
+    "rollout_clip": ModeSpec(params=("low", "high"), per_span=True, level="rollout", fn=rollout_clip,
                              doc="clip(exp(sum over the rollout), low, high)"),
     "rollout_balanced_truncate": ModeSpec(params=("cap",), level="rollout", fn=rollout_balanced_truncate,
                                           doc="min(ratio, cap), each rollout's weights rescaled to equal mass"),
@@ -439,7 +439,7 @@ for _aggregate in ("token", "seq_sum", "seq_mean", "seq_max"):
         _option = f"{_aggregate}_{_estimator}"
         MODES[f"rs_{_option}"] = ModeSpec(
             params=("low", "high") if _estimator == "k1" else ("high",),
-            level="token" if _aggregate == "token" else "sequence", per_run=_aggregate != "token",
+            level="token" if _aggregate == "token" else "sequence", per_span=_aggregate != "token",
             fn=_verl_rejection(_aggregate, _estimator),
             doc=f"verl rollout_rs={_option}: keep (weight 1) or reject (weight 0)")
 
@@ -532,14 +532,14 @@ def _prepare(log_ratio: Any, *, seq: Any, rollout: Any, trainable: Any | None,
     if turn is not None:
         turn_keys, turn_codes = np.unique(arrays["turn"][keep], return_inverse=True)
         keys.append(turn_codes.reshape(-1))
-    runs = find_runs(keys, int(keep.sum()))
+    spans = find_spans(keys, int(keep.sum()))
     logp = None
     if logp_sampler is not None:
         sampler = arrays["logp_sampler"][keep]
         logp = (sampler + log_ratio[keep], sampler)
-    tokens = _Tokens(log_ratio[keep], runs, run_seq=seq_codes[runs.starts], num_seqs=num_seqs,
-                     run_rollout=rollout_codes[runs.starts], num_rollouts=num_rollouts,
-                     turn=(turn_keys, keys[2][runs.starts]) if turn is not None else None, logp=logp)
+    tokens = _Tokens(log_ratio[keep], spans, span_seq=seq_codes[spans.starts], num_seqs=num_seqs,
+                     span_rollout=rollout_codes[spans.starts], num_rollouts=num_rollouts,
+                     turn=(turn_keys, keys[2][spans.starts]) if turn is not None else None, logp=logp)
     return tokens, keep
 
 
@@ -547,7 +547,7 @@ def _apply(tokens: _Tokens, correction: Correction) -> tuple[np.ndarray, np.ndar
     """(weight, affected) per token."""
     spec = MODES[correction.mode]
     weight, affected = spec.fn(tokens, **correction.params)
-    if spec.per_run:
+    if spec.per_span:
         weight, affected = tokens.spread(weight), tokens.spread(affected)
     return weight, affected
 
@@ -601,10 +601,10 @@ def effective_sample_size(weight: np.ndarray, counts: np.ndarray | None = None) 
 
 @dataclass(frozen=True, slots=True)
 class _WeightSummary:
-    """What `_result` reports about one correction's weights, per run and overall."""
+    """What `_result` reports about one correction's weights, per span and overall."""
 
-    run_weight: np.ndarray  # per run: sum of weights
-    run_hits: np.ndarray    # per run: affected tokens
+    span_weight: np.ndarray  # per span: sum of weights
+    span_hits: np.ndarray    # per span: affected tokens
     mean: float
     std: float
     top: float
@@ -626,44 +626,44 @@ def _result(tokens: _Tokens, correction: Correction) -> CorrectionResult:
                                 frac_sequences_affected=nan, frac_rollouts_affected=nan, weight_mean=nan,
                                 weight_std=nan, weight_max=nan, ess=nan, by_turn=[])
     summary = _summary(tokens, spec, correction)
-    seq_hit = tokens.per_seq(summary.run_hits) > 0
-    rollout_hit = np.bincount(tokens.run_rollout, weights=summary.run_hits, minlength=tokens.num_rollouts) > 0
+    seq_hit = tokens.per_seq(summary.span_hits) > 0
+    rollout_hit = np.bincount(tokens.span_rollout, weights=summary.span_hits, minlength=tokens.num_rollouts) > 0
     return CorrectionResult(
         mode=correction.mode, params=dict(correction.params), level=spec.level,
         n_tokens=n, n_sequences=tokens.num_seqs, n_rollouts=tokens.num_rollouts,
-        frac_tokens_affected=float(summary.run_hits.sum() / n), frac_sequences_affected=float(seq_hit.mean()),
+        frac_tokens_affected=float(summary.span_hits.sum() / n), frac_sequences_affected=float(seq_hit.mean()),
         frac_rollouts_affected=float(rollout_hit.mean()), weight_mean=summary.mean, weight_std=summary.std,
         weight_max=summary.top, ess=summary.ess,
-        by_turn=_by_turn(tokens, summary.run_weight, summary.run_hits) if tokens.turn is not None else [])
+        by_turn=_by_turn(tokens, summary.span_weight, summary.span_hits) if tokens.turn is not None else [])
 
 
 def _summary(tokens: _Tokens, spec: ModeSpec, correction: Correction) -> _WeightSummary:
-    """Per-token (or per-run) weights from the mode's own function, summed per run and overall."""
-    n, runs = tokens.num_tokens, tokens.runs
+    """Per-token (or per-span) weights from the mode's own function, summed per span and overall."""
+    n, spans = tokens.num_tokens, tokens.spans
     weight, affected = spec.fn(tokens, **correction.params)
-    counts = runs.lengths if spec.per_run else None
+    counts = spans.lengths if spec.per_span else None
     with np.errstate(invalid="ignore", over="ignore"):
-        if spec.per_run:
-            run_weight, run_hits = weight * counts, affected * counts
+        if spec.per_span:
+            span_weight, span_hits = weight * counts, affected * counts
         else:
-            run_weight, run_hits = runs.sum(weight), runs.sum(affected, dtype=np.int64)
-        mean = float(run_weight.sum() / n)
+            span_weight, span_hits = spans.sum(weight), spans.sum(affected, dtype=np.int64)
+        mean = float(span_weight.sum() / n)
         std = math.nan
         if math.isfinite(mean):
             deviation = weight - mean
             spread = np.dot(deviation, deviation) if counts is None else np.dot(counts, np.square(deviation))
             std = float(np.sqrt(spread / n))
-    return _WeightSummary(run_weight=run_weight, run_hits=run_hits, mean=mean, std=std,
+    return _WeightSummary(span_weight=span_weight, span_hits=span_hits, mean=mean, std=std,
                           top=float(weight.max()), ess=effective_sample_size(weight, counts))
 
 
-def _by_turn(tokens: _Tokens, run_weight: np.ndarray, run_hits: np.ndarray) -> list[dict[str, Any]]:
+def _by_turn(tokens: _Tokens, span_weight: np.ndarray, span_hits: np.ndarray) -> list[dict[str, Any]]:
     """Per turn: how many tokens, the share the correction touched, and their mean weight."""
-    keys, run_turn = tokens.turn
-    counts = np.bincount(run_turn, weights=tokens.runs.lengths, minlength=len(keys))
-    hits = np.bincount(run_turn, weights=run_hits, minlength=len(keys))
+    keys, span_turn = tokens.turn
+    counts = np.bincount(span_turn, weights=tokens.spans.lengths, minlength=len(keys))
+    hits = np.bincount(span_turn, weights=span_hits, minlength=len(keys))
     with np.errstate(invalid="ignore", over="ignore"):
-        sums = np.bincount(run_turn, weights=run_weight, minlength=len(keys))
+        sums = np.bincount(span_turn, weights=span_weight, minlength=len(keys))
     return [{"turn": key.item() if hasattr(key, "item") else key, "n_tokens": int(count),
              "frac_tokens_affected": float(hit / count), "weight_mean": float(total / count)}
             for key, count, hit, total in zip(keys, counts, hits, sums)]
@@ -701,14 +701,14 @@ def simulate_table(table: pd.DataFrame | TokenView, corrections: Sequence[Correc
         raise MismatchError(f"token table has no column {missing[0]!r} (columns: "
                             f"{', '.join(map(str, table.columns))})")
     view = TokenView.of(table, trainable_only=True)
-    # The metrics' own pair: its log-ratio, ratio and runs are computed once for both.
+    # The metrics' own pair: its log-ratio, ratio and spans are computed once for both.
     pair_view = pair_tokens(view, needed[4], needed[5])
     tokens_view = pair_view.view
-    runs, turns = tokens_view.grouping(["turn"])
-    tokens = _Tokens(pair_view.log_ratio, runs, run_seq=tokens_view.run_seq,
-                     num_seqs=tokens_view.num_seqs, run_rollout=tokens_view.run_rollout,
-                     num_rollouts=tokens_view.num_rollouts, turn=(turns.keys["turn"].to_numpy(), turns.run_group),
-                     run_stats=run_sums(pair_view, runs), logp=(pair_view.logp_a, pair_view.logp_b))
+    spans, turns = tokens_view.grouping(["turn"])
+    tokens = _Tokens(pair_view.log_ratio, spans, span_seq=tokens_view.span_seq,
+                     num_seqs=tokens_view.num_seqs, span_rollout=tokens_view.span_rollout,
+                     num_rollouts=tokens_view.num_rollouts, turn=(turns.keys["turn"].to_numpy(), turns.span_group),
+                     span_stats=span_sums(pair_view, spans), logp=(pair_view.logp_a, pair_view.logp_b))
     return _results(tokens, corrections)
 
 

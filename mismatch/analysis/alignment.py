@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis.groups import find_runs, key_codes
+from mismatch.analysis.groups import find_spans, key_codes
 from mismatch.errors import MismatchError, SpecError
 
 SHIFTS = (-1, 0, 1)
@@ -172,8 +172,8 @@ def _span_ids(table: pd.DataFrame, keys: Sequence[str]) -> np.ndarray:
     """One id per stretch of equal `keys` in table order (0, 1, ...): per branch or per segment,
     as every token table mismatch writes keeps each branch's rows together. Shifts never cross
     a segment."""
-    runs = find_runs([key_codes(table[name]) for name in keys], len(table))
-    return np.repeat(np.arange(runs.num_runs, dtype=np.int64), runs.lengths)
+    spans = find_spans([key_codes(table[name]) for name in keys], len(table))
+    return np.repeat(np.arange(spans.num_spans, dtype=np.int64), spans.lengths)
 
 
 def _shift_fits(stored: np.ndarray, replayed: np.ndarray, segment: np.ndarray,
@@ -203,7 +203,7 @@ def _best_shift(fits: dict[int, float]) -> int:
     return min(better, key=lambda k: fits[k]) if better else 0
 
 
-def _constant_runs(stored: np.ndarray, replayed: np.ndarray, segment: np.ndarray) -> np.ndarray:
+def _constant_spans(stored: np.ndarray, replayed: np.ndarray, segment: np.ndarray) -> np.ndarray:
     """Rows inside a run of >= MIN_RUN identical stored values whose replay clearly varies."""
     flagged = np.zeros(len(stored), dtype=bool)
     if not len(stored):
@@ -344,7 +344,7 @@ def _placeholder_check(cols: _Columns, findings: list[dict[str, Any]]) -> tuple[
                                  "zeros are padding or a placeholder: store real log-probs, or mask "
                                  "these tokens out of the ratio (unless the sampler used top-p/top-k, "
                                  "which legitimately gives 0.0 to a lone surviving token)"))
-    constant_rows = _constant_runs(cols.stored, cols.replayed, cols.segment) & cols.trainable
+    constant_rows = _constant_spans(cols.stored, cols.replayed, cols.segment) & cols.trainable
     if constant_rows.any():
         value = float(cols.stored[constant_rows][0])
         findings.append(_finding("constant_logprobs", f"{constant_rows.sum()} trainable tokens sit in runs "

@@ -63,9 +63,9 @@ def clip_summary(view: TokenView, pairs: Sequence[tuple[str, str]], clip: ClipRa
 
 
 def _by(view: TokenView, flags: np.ndarray, by: str) -> list[dict[str, Any]]:
-    runs, grouping = view.grouping([by])
-    hits = grouping.sum(runs.sum(flags, dtype=np.int64))
-    counts = grouping.count(runs)
+    spans, grouping = view.grouping([by])
+    hits = grouping.sum(spans.sum(flags, dtype=np.int64))
+    counts = grouping.count(spans)
     keys = grouping.keys[by].tolist()
     return [{by: key, "n_tokens": int(n), "frac_outside_clip": float(hit / n) if n else None}
             for key, n, hit in zip(keys, counts, hits)]

@@ -1,11 +1,11 @@
-"""Grouped reductions over runs of tokens: runs of equal keys, groups of runs, sums, extremes, quantiles.
+"""Grouped reductions over spans of tokens: spans of equal keys, groups of spans, sums, extremes, quantiles.
 
 The engine under metrics, localize and corrections. A token table is stored rollout by rollout,
 branch by branch, in position order, so a key that changes only at turn, role or branch
-boundaries is constant over long runs of rows. Each run is reduced once (`ufunc.reduceat`), and
-runs are then combined into groups (`np.bincount` over ~1e5 runs instead of ~1e7 tokens): no
+boundaries is constant over long spans of rows. Each span is reduced once (`ufunc.reduceat`), and
+spans are then combined into groups (`np.bincount` over ~1e5 spans instead of ~1e7 tokens): no
 hashing of token keys, no groupby machinery. Correctness never depends on the order: an unsorted
-table only makes the runs shorter.
+table only makes the spans shorter.
 """
 
 from __future__ import annotations
@@ -18,49 +18,49 @@ import pandas as pd
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class Runs:
+class Spans:
     """Maximal stretches of consecutive tokens whose keys are all equal.
 
     `starts` index the tokens (the view's positions); `rows` index the same first tokens in the
-    table the tokens were taken from. A run is contiguous in both, so a view position maps back
-    to its table row through its run, without a row index of every token.
+    table the tokens were taken from. A span is contiguous in both, so a view position maps back
+    to its table row through its span, without a row index of every token.
     """
 
-    starts: np.ndarray   # int64, first token of each run
+    starts: np.ndarray   # int64, first token of each span
     lengths: np.ndarray  # int64
     num_tokens: int
-    rows: np.ndarray     # int64, the table row of each run's first token
+    rows: np.ndarray     # int64, the table row of each span's first token
 
     @property
-    def num_runs(self) -> int:
+    def num_spans(self) -> int:
         return len(self.starts)
 
     def sum(self, values: np.ndarray, dtype: type | None = None) -> np.ndarray:
-        """Per run: the sum of `values` (bool values count with dtype=np.int64)."""
-        if self.num_runs == 0:
+        """Per span: the sum of `values` (bool values count with dtype=np.int64)."""
+        if self.num_spans == 0:
             return np.zeros(0, dtype=dtype or np.float64)
         return np.add.reduceat(values, self.starts, dtype=dtype)
 
     def max(self, values: np.ndarray) -> np.ndarray:
-        if self.num_runs == 0:
+        if self.num_spans == 0:
             return np.zeros(0, dtype=np.float64)
         return np.maximum.reduceat(values, self.starts)
 
     def min(self, values: np.ndarray) -> np.ndarray:
-        if self.num_runs == 0:
+        if self.num_spans == 0:
             return np.zeros(0, dtype=np.float64)
         return np.minimum.reduceat(values, self.starts)
 
-    def spread(self, per_run: np.ndarray) -> np.ndarray:
-        """Per token: the value of its run."""
-        return np.repeat(per_run, self.lengths)
+    def spread(self, per_span: np.ndarray) -> np.ndarray:
+        """Per token: the value of its span."""
+        return np.repeat(per_span, self.lengths)
 
 
 def key_codes(column: pd.Series) -> np.ndarray:
-    """Per-token values that are equal exactly where the keys are (for finding runs).
+    """Per-token values that are equal exactly where the keys are (for finding spans).
 
     Categoricals give their codes and numbers themselves, without a hashing pass; a NaN number
-    differs even from itself, which only starts a new run.
+    differs even from itself, which only starts a new span.
     """
     if isinstance(column.dtype, pd.CategoricalDtype):
         return column.cat.codes.to_numpy()
@@ -71,16 +71,16 @@ def key_codes(column: pd.Series) -> np.ndarray:
     return codes
 
 
-def find_runs(keys: Sequence[np.ndarray], num_rows: int, mask: np.ndarray | None = None) -> Runs:
-    """Runs of the rows where `mask` (default: all rows), cut wherever any of the aligned key
+def find_spans(keys: Sequence[np.ndarray], num_rows: int, mask: np.ndarray | None = None) -> Spans:
+    """Spans of the rows where `mask` (default: all rows), cut wherever any of the aligned key
     arrays changes value or a masked-out row comes between two tokens.
 
     Two row-length flag buffers, updated in place: fresh arrays of ~1e7 rows cost more in page
     faults than the comparisons (benchmarks/RESULTS.md).
     """
-    change = np.zeros(num_rows, dtype=bool)  # row i starts a run (if kept)
+    change = np.zeros(num_rows, dtype=bool)  # row i starts a span (if kept)
     if num_rows == 0:
-        return Runs(starts=np.zeros(0, dtype=np.int64), lengths=np.zeros(0, dtype=np.int64), num_tokens=0,
+        return Spans(starts=np.zeros(0, dtype=np.int64), lengths=np.zeros(0, dtype=np.int64), num_tokens=0,
                     rows=np.zeros(0, dtype=np.int64))
     change[0] = True
     flags = np.empty(num_rows - 1, dtype=bool)
@@ -90,8 +90,8 @@ def find_runs(keys: Sequence[np.ndarray], num_rows: int, mask: np.ndarray | None
     if mask is None:
         rows = np.flatnonzero(change)
         lengths = np.diff(np.append(rows, num_rows))
-        return Runs(starts=rows, lengths=lengths, num_tokens=num_rows, rows=rows)
-    # A kept row starts a run after a change or after a dropped row, and ends one before a change
+        return Spans(starts=rows, lengths=lengths, num_tokens=num_rows, rows=rows)
+    # A kept row starts a span after a change or after a dropped row, and ends one before a change
     # or a dropped row (or at the end).
     np.logical_or(change[1:], np.logical_not(mask[:-1], out=flags), out=change[1:])
     ends_here = np.empty(num_rows, dtype=bool)
@@ -102,75 +102,75 @@ def find_runs(keys: Sequence[np.ndarray], num_rows: int, mask: np.ndarray | None
     rows, ends = np.flatnonzero(change), np.flatnonzero(ends_here)
     lengths = ends - rows + 1
     starts = np.cumsum(lengths) - lengths
-    return Runs(starts=starts, lengths=lengths, num_tokens=int(lengths.sum()), rows=rows)
+    return Spans(starts=starts, lengths=lengths, num_tokens=int(lengths.sum()), rows=rows)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Grouping:
-    """Runs assigned to groups numbered 0..num_groups-1 in sorted key order."""
+    """Spans assigned to groups numbered 0..num_groups-1 in sorted key order."""
 
-    run_group: np.ndarray  # int64 group of each run
+    span_group: np.ndarray  # int64 group of each span
     num_groups: int
     keys: pd.DataFrame     # one row per group: the key columns' values
 
-    def sum(self, per_run: np.ndarray) -> np.ndarray:
-        return np.bincount(self.run_group, weights=per_run, minlength=self.num_groups)
+    def sum(self, per_span: np.ndarray) -> np.ndarray:
+        return np.bincount(self.span_group, weights=per_span, minlength=self.num_groups)
 
-    def count(self, runs: Runs) -> np.ndarray:
-        return np.bincount(self.run_group, weights=runs.lengths, minlength=self.num_groups).astype(np.int64)
+    def count(self, spans: Spans) -> np.ndarray:
+        return np.bincount(self.span_group, weights=spans.lengths, minlength=self.num_groups).astype(np.int64)
 
-    def max(self, per_run: np.ndarray) -> np.ndarray:
+    def max(self, per_span: np.ndarray) -> np.ndarray:
         out = np.full(self.num_groups, -np.inf)
-        np.maximum.at(out, self.run_group, per_run)
+        np.maximum.at(out, self.span_group, per_span)
         return out
 
-    def min(self, per_run: np.ndarray) -> np.ndarray:
+    def min(self, per_span: np.ndarray) -> np.ndarray:
         out = np.full(self.num_groups, np.inf)
-        np.minimum.at(out, self.run_group, per_run)
+        np.minimum.at(out, self.span_group, per_span)
         return out
 
-    def pairs_with(self, run_entity: np.ndarray, num_entities: int) -> tuple[np.ndarray, np.ndarray]:
-        """Distinct (group, entity) pairs among the runs: (group of each pair, pair of each run)."""
-        combined = self.run_group * max(num_entities, 1) + run_entity
+    def pairs_with(self, span_entity: np.ndarray, num_entities: int) -> tuple[np.ndarray, np.ndarray]:
+        """Distinct (group, entity) pairs among the spans: (group of each pair, pair of each span)."""
+        combined = self.span_group * max(num_entities, 1) + span_entity
         unique, inverse = dense_codes(combined, self.num_groups * max(num_entities, 1))
         return unique // max(num_entities, 1), inverse
 
-    def distinct(self, run_entity: np.ndarray, num_entities: int) -> np.ndarray:
-        """Per group: how many distinct entities (e.g. rollouts) its runs belong to."""
-        pair_group, _ = self.pairs_with(run_entity, num_entities)
+    def distinct(self, span_entity: np.ndarray, num_entities: int) -> np.ndarray:
+        """Per group: how many distinct entities (e.g. rollouts) its spans belong to."""
+        pair_group, _ = self.pairs_with(span_entity, num_entities)
         return np.bincount(pair_group, minlength=self.num_groups).astype(np.int64)
 
 
-def group_runs(at_start: dict[str, pd.Series], runs: Runs) -> Grouping:
-    """Group runs by the key columns' values at each run's first token (`at_start`, one per run).
+def group_spans(at_start: dict[str, pd.Series], spans: Spans) -> Grouping:
+    """Group spans by the key columns' values at each span's first token (`at_start`, one per span).
 
     Groups are sorted by key like `DataFrame.groupby(sort=True, observed=True, dropna=False)`:
-    categoricals in category order, missing keys last. The runs must not cross a change of
-    these columns (cut them with `find_runs` on these columns' `key_codes`).
+    categoricals in category order, missing keys last. The spans must not cross a change of
+    these columns (cut them with `find_spans` on these columns' `key_codes`).
     """
     codes = []
     for values in at_start.values():
         column_codes, _ = pd.factorize(values, sort=True, use_na_sentinel=False)
         codes.append(column_codes.astype(np.int64))
-    if not codes or runs.num_runs == 0:
-        run_group = np.zeros(runs.num_runs, dtype=np.int64)
-        num_groups = 1 if runs.num_runs and not codes else 0
+    if not codes or spans.num_spans == 0:
+        span_group = np.zeros(spans.num_spans, dtype=np.int64)
+        num_groups = 1 if spans.num_spans and not codes else 0
     else:
         # Mixed radix: one integer per key tuple, ordered like the tuples (each code < its column's
         # number of values), then numbered densely.
-        combined, domain = np.zeros(runs.num_runs, dtype=np.int64), 1
+        combined, domain = np.zeros(spans.num_spans, dtype=np.int64), 1
         for column_codes in codes:
             size = int(column_codes.max()) + 1
             combined, domain = combined * size + column_codes, domain * size
         if domain < 2**62:
-            unique, run_group = dense_codes(combined, domain)
+            unique, span_group = dense_codes(combined, domain)
         else:  # too many combinations for one int64: rows of codes
-            unique, run_group = np.unique(np.stack(codes, axis=1), axis=0, return_inverse=True)
-        run_group, num_groups = run_group.reshape(-1).astype(np.int64), len(unique)
-    first_run = np.full(num_groups, runs.num_runs, dtype=np.int64)
-    np.minimum.at(first_run, run_group, np.arange(runs.num_runs))
-    keys = pd.DataFrame({name: values.iloc[first_run].reset_index(drop=True) for name, values in at_start.items()})
-    return Grouping(run_group=run_group, num_groups=num_groups, keys=keys)
+            unique, span_group = np.unique(np.stack(codes, axis=1), axis=0, return_inverse=True)
+        span_group, num_groups = span_group.reshape(-1).astype(np.int64), len(unique)
+    first_span = np.full(num_groups, spans.num_spans, dtype=np.int64)
+    np.minimum.at(first_span, span_group, np.arange(spans.num_spans))
+    keys = pd.DataFrame({name: values.iloc[first_span].reset_index(drop=True) for name, values in at_start.items()})
+    return Grouping(span_group=span_group, num_groups=num_groups, keys=keys)
 
 
 def dense_codes(values: np.ndarray, domain: int) -> tuple[np.ndarray, np.ndarray]:
@@ -186,26 +186,26 @@ def dense_codes(values: np.ndarray, domain: int) -> tuple[np.ndarray, np.ndarray
     return unique, rank[values]
 
 
-def single_group(runs: Runs) -> Grouping:
-    """Every run in group 0."""
-    return Grouping(run_group=np.zeros(runs.num_runs, dtype=np.int64), num_groups=1, keys=pd.DataFrame(index=[0]))
+def single_group(spans: Spans) -> Grouping:
+    """Every span in group 0."""
+    return Grouping(span_group=np.zeros(spans.num_spans, dtype=np.int64), num_groups=1, keys=pd.DataFrame(index=[0]))
 
 
-def quantiles(values: np.ndarray, runs: Runs, grouping: Grouping, qs: Sequence[float],
+def quantiles(values: np.ndarray, spans: Spans, grouping: Grouping, qs: Sequence[float],
               scratch: np.ndarray | None = None) -> np.ndarray:
-    """[num_groups, len(qs)] quantiles of the per-token `values` per group of runs, numpy's
+    """[num_groups, len(qs)] quantiles of the per-token `values` per group of spans, numpy's
     default (linear) method. An empty group gives NaN.
 
     Each group's values are gathered side by side (into `scratch`, a float64 buffer of at least
     len(values) that the caller may reuse across calls) by a stable counting sort on the group
     codes, and partitioned at the order statistics the quantiles need, never fully sorted.
     """
-    counts = grouping.count(runs)
+    counts = grouping.count(spans)
     if grouping.num_groups <= 1:
         by_group = values.copy() if scratch is None else scratch[:len(values)]
         by_group[:] = values
     else:
-        token_group = runs.spread(grouping.run_group)
+        token_group = spans.spread(grouping.span_group)
         order = np.argsort(token_group.astype(np.int16 if grouping.num_groups < 2**15 else np.int64), kind="stable")
         by_group = values[order]
     return segment_quantiles(by_group, np.concatenate([[0], np.cumsum(counts)]), qs)

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
-from mismatch.analysis.groups import Grouping, Runs, quantiles, single_group
+from mismatch.analysis.groups import Grouping, Spans, quantiles, single_group
 from mismatch.analysis.tokenview import DEFAULT_SEQ, TokenView
 from mismatch.errors import MismatchError
 
@@ -125,46 +125,46 @@ def _token_terms(pair: PairTokens, scratch: np.ndarray) -> Iterator[tuple[str, n
     yield "prob_abs_diff_max", prob_abs_diff
 
 
-def run_sums(pair: PairTokens, runs: Runs) -> dict[str, np.ndarray]:
-    """Per run of the pair's view: the sums and extremes behind every metric (kept on the view)."""
-    return pair.view.memo(("run_sums", id(pair), id(runs)), lambda: _run_sums(pair, runs))
+def span_sums(pair: PairTokens, spans: Spans) -> dict[str, np.ndarray]:
+    """Per span of the pair's view: the sums and extremes behind every metric (kept on the view)."""
+    return pair.view.memo(("span_sums", id(pair), id(spans)), lambda: _span_sums(pair, spans))
 
 
-def _run_sums(pair: PairTokens, runs: Runs) -> dict[str, np.ndarray]:
-    """Per run of the pair's view: every sum, extreme and spread the metrics are made of."""
+def _span_sums(pair: PairTokens, spans: Spans) -> dict[str, np.ndarray]:
+    """Per span of the pair's view: every sum, extreme and spread the metrics are made of."""
     scratch = np.empty(len(pair.log_ratio))
-    sums = {name: (runs.max(values) if name.endswith("_max") else
-                   runs.sum(values, dtype=np.int64 if values.dtype == bool else None))
+    sums = {name: (spans.max(values) if name.endswith("_max") else
+                   spans.sum(values, dtype=np.int64 if values.dtype == bool else None))
             for name, values in _token_terms(pair, scratch)}
-    sums["log_ratio_min"], sums["log_ratio_max"] = runs.min(pair.log_ratio), runs.max(pair.log_ratio)
+    sums["log_ratio_min"], sums["log_ratio_max"] = spans.min(pair.log_ratio), spans.max(pair.log_ratio)
     with np.errstate(over="ignore", invalid="ignore"):
-        # Each run's squared deviations from its own mean (two passes, no E[r^2] - E[r]^2, which
-        # cancels to noise for the ratio ~ 1 +- 1e-8 of good engine pairs); runs merge by Chan's rule.
-        deviation = np.subtract(pair.ratio, runs.spread(sums["ratio"] / runs.lengths), out=scratch)
-        sums["ratio_m2"] = runs.sum(np.square(deviation, out=scratch))
+        # Each span's squared deviations from its own mean (two passes, no E[r^2] - E[r]^2, which
+        # cancels to noise for the ratio ~ 1 +- 1e-8 of good engine pairs); spans merge by Chan's rule.
+        deviation = np.subtract(pair.ratio, spans.spread(sums["ratio"] / spans.lengths), out=scratch)
+        sums["ratio_m2"] = spans.sum(np.square(deviation, out=scratch))
     return sums
 
 
-def _group_metrics(pair: PairTokens, runs: Runs, grouping: Grouping, *, with_quantiles: bool = True) -> pd.DataFrame:
-    """PAIR_METRICS for groups 0..G-1 of the pair's runs, one row per group.
+def _group_metrics(pair: PairTokens, spans: Spans, grouping: Grouping, *, with_quantiles: bool = True) -> pd.DataFrame:
+    """PAIR_METRICS for groups 0..G-1 of the pair's spans, one row per group.
 
     The single implementation behind `pair_metrics` (one group) and every breakdown, so the two
     can never drift apart. Empty groups keep a row: zero counts, NaN metrics.
     """
     view = pair.view
-    sums = run_sums(pair, runs)
+    sums = span_sums(pair, spans)
     total = grouping.sum
-    n = grouping.count(runs)
+    n = grouping.count(spans)
     out: dict[str, np.ndarray] = {"n_tokens": n,
-                                  "n_rollouts": grouping.distinct(view.run_rollout[_run_of(view, runs)],
+                                  "n_rollouts": grouping.distinct(view.span_rollout[_span_of(view, spans)],
                                                                   view.num_rollouts)}
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         log_ratio_mean = total(sums["log_ratio"]) / n
         ratio_sum, ratio_sq_sum = total(sums["ratio"]), total(sums["ratio_sq"])
         ratio_mean = ratio_sum / n
         lr_min, lr_max = grouping.min(sums["log_ratio_min"]), grouping.max(sums["log_ratio_max"])
-        run_mean = sums["ratio"] / runs.lengths
-        m2 = total(sums["ratio_m2"] + runs.lengths * np.square(run_mean - ratio_mean[grouping.run_group]))
+        span_mean = sums["ratio"] / spans.lengths
+        m2 = total(sums["ratio_m2"] + spans.lengths * np.square(span_mean - ratio_mean[grouping.span_group]))
         out.update({
             "log_ratio_mean": log_ratio_mean,
             "log_ratio_abs_mean": total(sums["abs_log_ratio"]) / n,
@@ -180,15 +180,15 @@ def _group_metrics(pair: PairTokens, runs: Runs, grouping: Grouping, *, with_qua
             "kl_k2": total(sums["log_ratio_sq"]) / n / 2.0,
             "kl_k3": total(sums["k3"]) / n,
             "chi2_token": ratio_sq_sum / n - 1.0,
-            "ess": _ess(pair, runs, grouping, n, ratio_sum, ratio_sq_sum, lr_min, lr_max),
+            "ess": _ess(pair, spans, grouping, n, ratio_sum, ratio_sq_sum, lr_min, lr_max),
             "prob_abs_diff_mean": total(sums["prob_abs_diff"]) / n,
             "prob_abs_diff_max": grouping.max(sums["prob_abs_diff_max"]),
             "frac_outside_2": total(sums["outside_2"]) / n,
             "bitwise_equal_frac": total(sums["equal"]) / n,
         })
-        out.update(_sequence_metrics(view, runs, grouping, sums))
+        out.update(_sequence_metrics(view, spans, grouping, sums))
         if with_quantiles:
-            table = _ratio_quantiles(pair, runs, grouping)
+            table = _ratio_quantiles(pair, spans, grouping)
             out.update({name: table[:, i] for i, name in enumerate(_QUANTILES)})
     frame = pd.DataFrame(out)
     empty = n == 0
@@ -197,27 +197,27 @@ def _group_metrics(pair: PairTokens, runs: Runs, grouping: Grouping, *, with_qua
     return frame[[name for name in PAIR_METRICS if name in frame.columns]]
 
 
-def _ratio_quantiles(pair: PairTokens, runs: Runs, grouping: Grouping) -> np.ndarray:
+def _ratio_quantiles(pair: PairTokens, spans: Spans, grouping: Grouping) -> np.ndarray:
     """[num_groups, 3] ratio quantiles (_QUANTILES) per group."""
     qs, view = list(_QUANTILES.values()), pair.view
-    return quantiles(pair.ratio_into(view.scratch(1)), runs, grouping, qs, scratch=view.scratch(0))
+    return quantiles(pair.ratio_into(view.scratch(1)), spans, grouping, qs, scratch=view.scratch(0))
 
 
-def _run_of(view: TokenView, runs: Runs) -> np.ndarray:
-    """For runs cut finer than the view's base runs: the base run each one lies in."""
-    if runs is view.runs:
-        return np.arange(runs.num_runs)
-    return np.searchsorted(view.runs.starts, runs.starts, side="right") - 1
+def _span_of(view: TokenView, spans: Spans) -> np.ndarray:
+    """For spans cut finer than the view's base spans: the base span each one lies in."""
+    if spans is view.spans:
+        return np.arange(spans.num_spans)
+    return np.searchsorted(view.spans.starts, spans.starts, side="right") - 1
 
 
-def _ess(pair: PairTokens, runs: Runs, grouping: Grouping, n: np.ndarray, ratio_sum: np.ndarray,
+def _ess(pair: PairTokens, spans: Spans, grouping: Grouping, n: np.ndarray, ratio_sum: np.ndarray,
          ratio_sq_sum: np.ndarray, lr_min: np.ndarray, lr_max: np.ndarray) -> np.ndarray:
     """(sum r)^2 / (n sum r^2) per group; scale-free, so far-out groups use exp(log_ratio - group max)
     and a single huge ratio (a -9999 placeholder log-prob) gives ESS ~ 1/n instead of inf/inf."""
     ess = np.square(ratio_sum) / (n * ratio_sq_sum)
     far = (lr_max > _ESS_DIRECT_LIMIT) | (lr_min < -_ESS_DIRECT_LIMIT)
     if far.any():
-        token_group = runs.spread(grouping.run_group)
+        token_group = spans.spread(grouping.span_group)
         picked = far[token_group]
         group = token_group[picked]
         weight = np.exp(pair.log_ratio[picked] - lr_max[group])
@@ -227,7 +227,7 @@ def _ess(pair: PairTokens, runs: Runs, grouping: Grouping, n: np.ndarray, ratio_
     return ess
 
 
-def _sequence_metrics(view: TokenView, runs: Runs, grouping: Grouping,
+def _sequence_metrics(view: TokenView, spans: Spans, grouping: Grouping,
                       sums: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """chi2_seq and ppl_ratio: sum each sequence's log-ratios first (within the group), then average.
 
@@ -235,9 +235,9 @@ def _sequence_metrics(view: TokenView, runs: Runs, grouping: Grouping,
     chi2_seq inf. ppl_ratio is verl's rollout_corr/ppl_ratio: each sequence's PPL_A / PPL_B =
     exp(-mean log_ratio), then the mean over sequences.
     """
-    pair_group, run_pair = grouping.pairs_with(view.run_seq[_run_of(view, runs)], view.num_seqs)
-    seq_sum = np.bincount(run_pair, weights=sums["log_ratio"], minlength=len(pair_group))
-    seq_count = np.bincount(run_pair, weights=runs.lengths, minlength=len(pair_group))
+    pair_group, span_pair = grouping.pairs_with(view.span_seq[_span_of(view, spans)], view.num_seqs)
+    seq_sum = np.bincount(span_pair, weights=sums["log_ratio"], minlength=len(pair_group))
+    seq_count = np.bincount(span_pair, weights=spans.lengths, minlength=len(pair_group))
     num_seqs = np.bincount(pair_group, minlength=grouping.num_groups)
     return {"chi2_seq": np.bincount(pair_group, weights=np.exp(2.0 * seq_sum), minlength=grouping.num_groups)
             / num_seqs - 1.0,
@@ -274,16 +274,16 @@ def pair_metrics(logp_a: np.ndarray, logp_b: np.ndarray, *, seq: np.ndarray,
 
 
 def _one_group(pair: PairTokens) -> dict[str, float]:
-    runs = pair.view.runs
-    row = _group_metrics(pair, runs, single_group(runs)).iloc[0]
+    spans = pair.view.spans
+    row = _group_metrics(pair, spans, single_group(spans)).iloc[0]
     return {name: int(row[name]) if name in _COUNTS else float(row[name]) for name in PAIR_METRICS}
 
 
 def token_grouped_metrics(pair: PairTokens, token_group: np.ndarray, num_groups: int) -> pd.DataFrame:
     """The per-token metrics (means, maxima, counts; no spreads, quantiles or sequence metrics) for
-    groups given per token, such as a probability bucket, which change too often for runs to pay off."""
+    groups given per token, such as a probability bucket, which change too often for spans to pay off."""
     n = np.bincount(token_group, minlength=num_groups)
-    token_rollout = pair.view.runs.spread(pair.view.run_rollout)
+    token_rollout = pair.view.spans.spread(pair.view.span_rollout)
     pairs = np.bincount(token_group * max(pair.view.num_rollouts, 1) + token_rollout,
                         minlength=num_groups * max(pair.view.num_rollouts, 1))
     out: dict[str, np.ndarray] = {"n_tokens": n, "n_rollouts": (pairs.reshape(num_groups, -1) > 0).sum(axis=1)}
@@ -315,13 +315,13 @@ def grouped_view_metrics(view: TokenView, a: str, b: str, by: Sequence[str], *,
     """
     by = list(by)
     pair = pair_tokens(view, a, b)
-    runs, grouping = view.grouping(by)
-    if pair.keep is not None:  # the pair's runs lie inside the view's; map them to its groups
-        token_group = runs.spread(grouping.run_group)[pair.keep]
-        runs = pair.view.runs_for(by)
-        grouping = Grouping(run_group=token_group[runs.starts], num_groups=grouping.num_groups,
+    spans, grouping = view.grouping(by)
+    if pair.keep is not None:  # the pair's spans lie inside the view's; map them to its groups
+        token_group = spans.spread(grouping.span_group)[pair.keep]
+        spans = pair.view.spans_for(by)
+        grouping = Grouping(span_group=token_group[spans.starts], num_groups=grouping.num_groups,
                             keys=grouping.keys)
-    metrics = _group_metrics(pair, runs, grouping, with_quantiles=with_quantiles)
+    metrics = _group_metrics(pair, spans, grouping, with_quantiles=with_quantiles)
     return pd.concat([grouping.keys.reset_index(drop=True), metrics], axis=1)
 
 

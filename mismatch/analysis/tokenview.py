@@ -1,7 +1,7 @@
-"""The tokens an analysis reads: a token table's (trainable) rows as arrays, keyed and cut into runs once.
+"""The tokens an analysis reads: a token table's (trainable) rows as arrays, keyed and cut into spans once.
 
 Flow: token table -> TokenView -> metrics / localize / corrections. Each of those accepts a view
-in place of the table, so an audit filters the rows, finds the runs and computes each pair's
+in place of the table, so an audit filters the rows, finds the spans and computes each pair's
 per-token terms once, not once per breakdown (benchmarks/analysis.py measures the difference).
 """
 
@@ -13,23 +13,23 @@ from typing import Any, TypeVar
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis.groups import Grouping, Runs, find_runs, group_runs, key_codes
+from mismatch.analysis.groups import Grouping, Spans, find_spans, group_spans, key_codes
 from mismatch.errors import MismatchError
 
 DEFAULT_SEQ = ("rollout", "branch")
-# Keys that change only at turn, role or branch boundaries: cutting runs on them too keeps the runs
-# long and lets every breakdown by them reuse the same per-run sums.
-RUN_KEYS = ("turn", "role", "branch_kind")
+# Keys that change only at turn, role or branch boundaries: cutting spans on them too keeps the spans
+# long and lets every breakdown by them reuse the same per-span sums.
+SPAN_KEYS = ("turn", "role", "branch_kind")
 
 T = TypeVar("T")
 
 
 class TokenView:
-    """Rows of a token table (the trainable ones by default) with their runs, sequences and rollouts.
+    """Rows of a token table (the trainable ones by default) with their spans, sequences and rollouts.
 
-    A sequence is a distinct `seq` tuple (one branch of one rollout); runs never cross a change
-    of sequence, rollout or any RUN_KEYS column the table has, nor a row the view leaves out, so
-    every run is contiguous in the table too (`Runs.rows`). Selected column values are read
+    A sequence is a distinct `seq` tuple (one branch of one rollout); spans never cross a change
+    of sequence, rollout or any SPAN_KEYS column the table has, nor a row the view leaves out, so
+    every span is contiguous in the table too (`Spans.rows`). Selected column values are read
     lazily and kept, as is whatever the analyses `memo`ize on the view (per-pair sums, groupings).
     """
 
@@ -51,11 +51,11 @@ class TokenView:
         self.mask = mask  # which rows of `table` the view holds, or None for every row
         self._columns: dict[str, np.ndarray] = {}
         self._memo: dict[Any, Any] = {}
-        self.base_keys = tuple(dict.fromkeys([*seq, rollout, *(c for c in RUN_KEYS if c in table.columns)]))
-        self.runs = self.runs_for(())
-        self.num_tokens = self.runs.num_tokens
-        self.run_seq, self.num_seqs = self._run_codes(self.seq_columns, self.runs)
-        self.run_rollout, self.num_rollouts = self._run_codes((rollout,), self.runs)
+        self.base_keys = tuple(dict.fromkeys([*seq, rollout, *(c for c in SPAN_KEYS if c in table.columns)]))
+        self.spans = self.spans_for(())
+        self.num_tokens = self.spans.num_tokens
+        self.span_seq, self.num_seqs = self._span_codes(self.seq_columns, self.spans)
+        self.span_rollout, self.num_rollouts = self._span_codes((rollout,), self.spans)
 
     @classmethod
     def of(cls, table: pd.DataFrame | TokenView, *, trainable_only: bool = True) -> TokenView:
@@ -89,12 +89,12 @@ class TokenView:
         return self._columns[name]
 
     def rows_of(self, positions: np.ndarray) -> np.ndarray:
-        """Table rows of view positions (through the runs, without a row index of every token)."""
+        """Table rows of view positions (through the spans, without a row index of every token)."""
         if self.mask is None:
             return positions
-        runs = self.runs
-        run = np.searchsorted(runs.starts, positions, side="right") - 1
-        return runs.rows[run] + (positions - runs.starts[run])
+        spans = self.spans
+        span = np.searchsorted(spans.starts, positions, side="right") - 1
+        return spans.rows[span] + (positions - spans.starts[span])
 
     def series_at(self, name: str, positions: np.ndarray) -> pd.Series:
         """The column's values (dtype kept: categoricals stay categorical) at view positions."""
@@ -110,17 +110,17 @@ class TokenView:
             self._memo[key] = compute()
         return self._memo[key]
 
-    def runs_for(self, by: Sequence[str]) -> Runs:
-        """Runs cut on the base keys and on `by` (the base runs when `by` adds nothing)."""
+    def spans_for(self, by: Sequence[str]) -> Spans:
+        """Spans cut on the base keys and on `by` (the base spans when `by` adds nothing)."""
         keys = tuple(dict.fromkeys([*self.base_keys, *by]))
-        return self.memo(("runs", keys), lambda: find_runs([self._key(name) for name in keys], len(self.table),
+        return self.memo(("spans", keys), lambda: find_spans([self._key(name) for name in keys], len(self.table),
                                                            self.mask))
 
-    def grouping(self, by: Sequence[str]) -> tuple[Runs, Grouping]:
-        """The runs for `by` and their groups, sorted by key."""
-        runs = self.runs_for(by)
-        return runs, self.memo(("grouping", tuple(by), id(runs)), lambda: group_runs(
-            {name: self.series_at(name, runs.starts) for name in by}, runs))
+    def grouping(self, by: Sequence[str]) -> tuple[Spans, Grouping]:
+        """The spans for `by` and their groups, sorted by key."""
+        spans = self.spans_for(by)
+        return spans, self.memo(("grouping", tuple(by), id(spans)), lambda: group_spans(
+            {name: self.series_at(name, spans.starts) for name in by}, spans))
 
     def subset(self, keep: np.ndarray) -> TokenView:
         """A view of the tokens where `keep` (aligned with this view) is True."""
@@ -133,14 +133,14 @@ class TokenView:
         """Per table row: values equal exactly where the key is (groups.key_codes)."""
         return self.memo(("key", name), lambda: key_codes(self.table[name]))
 
-    def _run_codes(self, names: Sequence[str], runs: Runs) -> tuple[np.ndarray, int]:
-        """Compact codes (0..k-1) of the `names` tuple at each run, and k."""
-        if runs.num_runs == 0:
+    def _span_codes(self, names: Sequence[str], spans: Spans) -> tuple[np.ndarray, int]:
+        """Compact codes (0..k-1) of the `names` tuple at each span, and k."""
+        if spans.num_spans == 0:
             return np.zeros(0, dtype=np.int64), 0
-        combined = np.zeros(runs.num_runs, dtype=np.int64)
+        combined = np.zeros(spans.num_spans, dtype=np.int64)
         for name in names:
             # Each key's own compact codes, then mixed radix: one integer per tuple, sorted like it.
-            codes, uniques = pd.factorize(self._key(name)[runs.rows], sort=True, use_na_sentinel=False)
+            codes, uniques = pd.factorize(self._key(name)[spans.rows], sort=True, use_na_sentinel=False)
             combined = combined * len(uniques) + codes
         unique, inverse = np.unique(combined, return_inverse=True)
         return inverse.reshape(-1).astype(np.int64), len(unique)

@@ -312,7 +312,7 @@ class _Hooks:
         finally:
             self.in_local = False
 
-    def run(self, request: ReplayRequest) -> _Capture:
+    def span(self, request: ReplayRequest) -> _Capture:
         """Replay one sequence the way the engine does; the captures, concatenated over positions."""
         from transformers import DynamicCache
 
@@ -430,9 +430,9 @@ def _compare(engine_a: TorchEngineBase, engine_b: TorchEngineBase, requests: lis
             if int(request.tokens.max()) >= vocab:
                 raise MismatchError(f"token id {int(request.tokens.max())} is outside the vocabulary "
                                     f"({vocab} ids) of {b}")
-            cap_b = hooks_b.run(request)
+            cap_b = hooks_b.span(request)
             hooks_a.reference = cap_b  # a's sub-blocks are re-run on these inputs
-            cap_a = hooks_a.run(request)
+            cap_a = hooks_a.span(request)
             # Hidden state at j predicts token j+1: compare the positions whose next token is scored.
             first, stop = max(request.score_from, 1) - 1, len(request.tokens) - 1
             totals.add(cap_a, cap_b, first, stop)

@@ -118,9 +118,9 @@ def _tokens_position_slope(pair: PairTokens) -> dict[str, Any]:
     tokens = pair.view
     if tokens.num_tokens == 0:
         return _slope_from_moments(0, 0.0, 0.0, 0.0, 0.0, 0.0, None)
-    runs = tokens.runs  # runs never cross sequences: per-sequence sums through them
+    spans = tokens.spans  # spans never cross sequences: per-sequence sums through them
     return _position_slope(tokens.column("pos").astype(np.float64) / POSITION_UNIT, np.abs(pair.log_ratio),
-                           (lambda values: np.bincount(tokens.run_seq, weights=runs.sum(values),
+                           (lambda values: np.bincount(tokens.span_seq, weights=spans.sum(values),
                                                        minlength=tokens.num_seqs), tokens.num_seqs))
 
 
@@ -128,12 +128,12 @@ def _buckets(pair: PairTokens) -> tuple[pd.DataFrame, np.ndarray]:
     """Per probability bucket of logp_B: BREAKDOWN_METRICS (one row per bucket, empty ones too);
     and tokens per (turn, bucket), turns in sorted order."""
     tokens = pair.view
-    runs = tokens.runs_for(["turn"])
-    turn_of_run = pd.factorize(tokens.series_at("turn", runs.starts), sort=True)[0]
-    num_turns, num_buckets = (int(turn_of_run.max()) + 1 if len(turn_of_run) else 0), len(PROB_LABELS)
+    spans = tokens.spans_for(["turn"])
+    turn_of_span = pd.factorize(tokens.series_at("turn", spans.starts), sort=True)[0]
+    num_turns, num_buckets = (int(turn_of_span.max()) + 1 if len(turn_of_span) else 0), len(PROB_LABELS)
     bucket = _prob_bucket(pair.logp_b)
     frame = token_grouped_metrics(pair, bucket, num_buckets)
-    token_turn_bucket = runs.spread((turn_of_run * num_buckets).astype(np.int32)) + bucket
+    token_turn_bucket = spans.spread((turn_of_span * num_buckets).astype(np.int32)) + bucket
     turn_bucket = np.bincount(token_turn_bucket, minlength=num_turns * num_buckets).reshape(num_turns, num_buckets)
     return frame, turn_bucket
 

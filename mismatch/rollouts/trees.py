@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
-from mismatch.analysis.groups import find_runs, key_codes
+from mismatch.analysis.groups import find_spans, key_codes
 from mismatch.errors import MismatchError
 from mismatch.rollouts import Rollout
 
@@ -130,9 +130,9 @@ def _branch_spans(table: pd.DataFrame) -> list[tuple[str, str, int]]:
     """(rollout, branch, rows) of each stretch of equal (rollout, branch) in table order, read from
     the key codes at the stretches' starts, not from a Python string per row."""
     codes = [key_codes(table[name]) for name in ("rollout", "branch")]
-    runs = find_runs(codes, len(table))
-    rollout, branch = (table[name].iloc[runs.starts].astype(str).tolist() for name in ("rollout", "branch"))
-    return list(zip(rollout, branch, runs.lengths.tolist()))
+    spans = find_spans(codes, len(table))
+    rollout, branch = (table[name].iloc[spans.starts].astype(str).tolist() for name in ("rollout", "branch"))
+    return list(zip(rollout, branch, spans.lengths.tolist()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,11 +226,11 @@ def tree_summary(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> dict[
     names = [f"weight_{name}" for name in WEIGHTS] + list({f"logp_{r}": 0 for pair in pairs for r in pair})
     columns = {name: table[name].to_numpy()[trainable] for name in names}
     # Per branch (a stretch of equal rollout and branch): its gyre weight, the same on every row.
-    branches = find_runs([key_codes(table[name]) for name in ("rollout", "branch")], len(table))
+    branches = find_spans([key_codes(table[name]) for name in ("rollout", "branch")], len(table))
     branch_gyre = branches.max(table["weight_gyre"].to_numpy())
     branch_rollout = key_codes(table["rollout"])[branches.starts]
     kind_codes, kind_names = pd.factorize(table["branch_kind"][trainable], sort=True)
-    branch_of_row = np.repeat(np.arange(branches.num_runs), branches.lengths)[trainable]
+    branch_of_row = np.repeat(np.arange(branches.num_spans), branches.lengths)[trainable]
     totals = {name: float(columns[f"weight_{name}"].sum()) for name in WEIGHTS}
     num_tokens = int(trainable.sum())
     kinds = []
@@ -250,7 +250,7 @@ def tree_summary(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> dict[
     return {
         "max_paths": table.attrs.get("gyre_max_paths"),  # None if the table lost its attrs
         "gyre_normalization": GYRE_NORMALIZATION,
-        "num_paths": int(branches.num_runs),
+        "num_paths": int(branches.num_spans),
         "num_paths_dropped": int(dropped.sum()),
         "num_rollouts_capped": int(len(np.unique(branch_rollout[dropped]))),
         "weight_tree_mean": float(columns["weight_tree"].mean()) if num_tokens else float("nan"),
