@@ -54,24 +54,27 @@ class AuditResult:
 def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
           infer: str = "hf-decode", out: str | Path | None = None, force: bool = False,
           localize_models: bool = False, shard: Shard | None = None, block_size: int = DEFAULT_BLOCK,
-          progress: ProgressFactory | None = None, clip: ClipRange = ClipRange()) -> AuditResult:
+          progress: ProgressFactory | None = None, clip: ClipRange = ClipRange(),
+          probe: bool = False) -> AuditResult:
     """Replay `rollouts` through `train` and `infer` engines and measure every pair's gap.
 
     The turn localizer always runs (it reads the table); `localize_models=True` also reruns the
     two configs with hooks for the layer and kernel localizers (train vs infer as reference).
     With `out`, finished blocks are kept in a work dir so the same call resumes after a kill.
     `clip` is the PPO clip range the gap is also measured against (summary.json `clip`).
+    `probe=True` also runs the kernel probes at the checkpoint's shapes (summary.json `probes`),
+    so a batch-shape variance they show reaches the recommendations (batch_invariant).
     """
     out_dir = Path(out) if out is not None else None
     with results_lock(out_dir):  # one run at a time into OUT, from its first check to its publish
         return _audit(checkpoint, rollouts, train=train, infer=infer, out_dir=out_dir, force=force,
                       localize_models=localize_models, shard=shard, block_size=block_size,
-                      progress=progress, clip=clip)
+                      progress=progress, clip=clip, probe=probe)
 
 
 def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: str, out_dir: Path | None,
            force: bool, localize_models: bool, shard: Shard | None, block_size: int,
-           progress: ProgressFactory | None, clip: ClipRange) -> AuditResult:
+           progress: ProgressFactory | None, clip: ClipRange, probe: bool) -> AuditResult:
     sources = {"train": train, "infer": infer}
     if localize_models:
         check_localizable(train, infer)  # before any replay: requested work is done or refused
@@ -107,6 +110,8 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
         summary["localization"].update(run_model_localizers(checkpoint, requests, a=train, b=infer))
         if done is not None:
             done(1)
+    if probe:
+        add_probes(summary, checkpoint, progress)
     if out_dir is not None:
         publish(out_dir, table, summary, audit_pairs(table), force=force, work=work)
     return AuditResult(summary=summary, tokens=table, out=out_dir)
@@ -139,6 +144,21 @@ def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
     summary["config_snippets"] = {framework: render_config(summary["recommendations"], framework)
                                   for framework in FRAMEWORKS}
     return summary
+
+
+def add_probes(summary: dict[str, Any], checkpoint: str | Path, progress: ProgressFactory | None) -> None:
+    """The kernel probes into summary.json `probes`, and the rule run again with their evidence."""
+    import probes
+
+    done = progress("probe: each op under batch, chunking, split-KV, dtype and rounding variations", None) \
+        if progress else None
+    results = [result.to_dict() for result in probes.run_probes(checkpoint, device="auto")]
+    if done is not None:
+        done(0)
+    summary["probes"] = {"environment": probes.environment("auto"), "results": results}
+    summary["recommendations"] = recommendations_dicts(recommend(summary, probes=results))
+    summary["config_snippets"] = {framework: render_config(summary["recommendations"], framework)
+                                  for framework in FRAMEWORKS}
 
 
 def replayed_routing(replayed: Replayed, pairs: tuple[tuple[str, str], ...]) -> dict[str, Any] | None:

@@ -320,6 +320,8 @@ def audit(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing results dir.")] = False,
     localize: Annotated[bool, typer.Option(
         "--localize", help="Also localize train vs infer by layer and kernel (torch engines).")] = False,
+    probe: Annotated[bool, typer.Option(
+        "--probe", help="Also run the kernel probes; batch-shape variance adds the batch-invariant fix.")] = False,
     shard: ShardOption = None,
     block_size: BlockOption = DEFAULT_BLOCK,
     clip_eps: Annotated[str, typer.Option(
@@ -338,7 +340,7 @@ def audit(
     with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_audit(checkpoint, rollouts, train=train, infer=infer, out=out, force=force,
                            localize_models=localize, shard=_shard(shard), block_size=block_size,
-                           progress=progress, clip=clip)
+                           progress=progress, clip=clip, probe=probe)
     if as_json:
         _emit_json(result.summary)
         return

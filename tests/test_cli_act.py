@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 import yaml
@@ -273,3 +274,16 @@ def test_dependency_warnings_go_to_a_log_in_the_results_dir(tmp_path, capsys, mo
     before = set(tmp_path.iterdir())
     assert main(["audit", str(checkpoint), "--rollouts", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "x")]) == 2
     assert set(tmp_path.iterdir()) == before
+
+
+def test_audit_probe_feeds_the_probes_to_the_recommendations(tiny_checkpoint, tmp_path) -> None:
+    from mismatch.advise.recommend import batch_variant_from_probes
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
+    assert main(["audit", str(tiny_checkpoint), "--rollouts", str(example), "--train", "sampler", "--infer",
+                 "sampler", "--probe", "--out", str(tmp_path / "o")]) == 0
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    results = summary["probes"]["results"]
+    assert results and {"source", "bitwise_equal_frac", "applicable"} <= set(results[0])
+    kinds = [r["kind"] for r in summary["recommendations"]]
+    assert ("batch_invariant" in kinds) == bool(batch_variant_from_probes(results))
