@@ -106,10 +106,16 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
     summary["shard"] = shard_info(shard, block_size)
     summary["inputs"] = inputs
     if requests is not None:
-        done = progress("localize: layers and kernels, both models with hooks", 1) if progress else None
-        summary["localization"].update(run_model_localizers(checkpoint, requests, a=train, b=infer))
-        if done is not None:
-            done(1)
+        # A planned stage of the work dir: done once, kept until the results are published.
+        localized = work.load_stage("localize") if work is not None else None
+        if localized is None:
+            done = progress("localize: layers and kernels, both models with hooks", 1) if progress else None
+            localized = run_model_localizers(checkpoint, requests, a=train, b=infer)
+            if work is not None:
+                work.save_stage("localize", localized)
+            if done is not None:
+                done(1)
+        summary["localization"].update(localized)
     if probe:
         add_probes(summary, checkpoint, progress)
     if out_dir is not None:

@@ -409,6 +409,19 @@ class WorkDir:
             file.unlink(missing_ok=True)  # cut or foreign: replayed again (see load)
             return None
 
+    def save_stage(self, name: str, result: dict[str, Any]) -> None:
+        """A finished stage after the replays (the model localizers), so a rerun after a kill
+        during a later stage does not redo it."""
+        self._create()
+        atomic_write_text(self.path / f"stage-{name}.json", json.dumps(json_safe(result)) + "\n")
+
+    def load_stage(self, name: str) -> dict[str, Any] | None:
+        file = self.path / f"stage-{name}.json"
+        try:
+            return json.loads(file.read_text()) if file.is_file() else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+
     def save_described(self, source: str, described: dict[str, Any]) -> None:
         """The engine's describe() once its blocks are done: a resume that replays nothing for a
         source still reports the engine as it was (resolved options, semantics), as one run would."""

@@ -88,3 +88,26 @@ def test_localize_with_a_shard_is_refused_before_any_replay(tiny_checkpoint, tmp
                  "--out", str(tmp_path / "o")]) == 2
     assert "--localize with --shard: localization needs the whole run" in capsys.readouterr().err
     assert not (tmp_path / "o").exists() and not (tmp_path / ".o.work").exists()
+
+
+def test_the_model_localizers_are_a_stage_of_the_work_dir(tiny_checkpoint, tmp_path, monkeypatch) -> None:
+    """A rerun after a kill past the localizers reads their result from the work dir."""
+    audit_module = importlib.import_module("mismatch.audit")
+    example = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
+    calls = []
+    original = audit_module.run_model_localizers
+    monkeypatch.setattr(audit_module, "run_model_localizers", lambda *a, **k: (calls.append(1), original(*a, **k))[1])
+    real_publish = audit_module.publish
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # as a kill after the localizers, before publishing
+    monkeypatch.setattr(audit_module, "publish", killed)
+    with pytest.raises(KeyboardInterrupt):
+        audit_module.audit(tiny_checkpoint, example, train="hf", infer="hf:dtype=bfloat16", out=tmp_path / "o",
+                           localize_models=True)
+    assert calls == [1] and (tmp_path / ".o.work" / "stage-localize.json").is_file()
+    monkeypatch.setattr(audit_module, "publish", real_publish)
+    result = audit_module.audit(tiny_checkpoint, example, train="hf", infer="hf:dtype=bfloat16", out=tmp_path / "o",
+                                localize_models=True)
+    assert calls == [1]  # not run again
+    assert "layers" in result.summary["localization"] and not (tmp_path / ".o.work").exists()
