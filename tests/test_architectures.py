@@ -63,3 +63,33 @@ def test_gemma2_vllm_fp32_matches_the_trainer_with_default_options(architecture_
     summary = audit(checkpoint, EXAMPLE, train="hf:dtype=float32", infer="vllm:dtype=float32",
                     out=tmp_path / "o").summary
     assert summary["pairs"]["train/infer"]["log_ratio_abs_max"] <= 1e-5
+
+
+def test_gemma3_localize_runs_with_its_two_rotary_tables(architecture_checkpoint, tmp_path) -> None:
+    """Gemma-3 computes its rotary tables once per attention type in one forward."""
+    checkpoint = architecture_checkpoint("gemma3")
+    summary = audit(checkpoint, EXAMPLE, train="hf", infer="hf:dtype=bfloat16", out=tmp_path / "o",
+                    localize_models=True).summary
+    kernels = summary["localization"]["kernels"]["by_module"]
+    assert {"RoPE", "Linear", "attention"} <= {m["type"] for m in kernels}
+    assert {m["type"] for m in kernels if m["name"].endswith(".mlp")} == {"gelu_pytorch_tanh-mul"}
+
+
+def test_a_fault_in_one_expert_is_named_by_layers_and_kernels(architecture_checkpoint, tmp_path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = architecture_checkpoint("qwen3_moe")
+    faulty = tmp_path / "faulty"
+    shutil.copytree(checkpoint, faulty)
+    weights = load_file(faulty / "model.safetensors")
+    weights["model.layers.1.mlp.experts.5.down_proj.weight"] *= 1.05  # one expert of the second MoE layer
+    save_file(weights, faulty / "model.safetensors", metadata={"format": "pt"})
+    summary = audit(checkpoint, EXAMPLE, train="hf", infer=f"hf:checkpoint={faulty}", out=tmp_path / "o",
+                    localize_models=True).summary
+    layers, kernels = summary["localization"]["layers"], summary["localization"]["kernels"]["by_module"]
+    assert (layers["jump_layer"], layers["jump_block"]) == (1, "mlp")
+    top = kernels[0]
+    assert (top["name"], top["type"], top["worst_expert"]) == ("model.layers.1.mlp.experts", "Experts", 5)
+    assert {m["type"] for m in kernels} >= {"Router", "Experts"}

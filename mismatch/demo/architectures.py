@@ -16,7 +16,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def _configs(vocab_size: int) -> dict[str, Any]:
-    from transformers import Gemma2Config, MixtralConfig, Qwen3MoeConfig
+    from transformers import Gemma2Config, Gemma3TextConfig, MixtralConfig, Qwen3MoeConfig
 
     common = {"vocab_size": vocab_size, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "max_position_embeddings": 2048, "tie_word_embeddings": False}
@@ -28,10 +28,13 @@ def _configs(vocab_size: int) -> dict[str, Any]:
         # Gemma ties its embeddings (vLLM's Gemma2 has no separate lm_head to load).
         "gemma2": Gemma2Config(**{**common, "tie_word_embeddings": True}, head_dim=32, intermediate_size=256,
                                sliding_window=64, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+        # Gemma-3: local and global attention layers, each with its own rotary tables.
+        "gemma3": Gemma3TextConfig(**{**common, "tie_word_embeddings": True}, head_dim=32, intermediate_size=256,
+                                   sliding_window=64, layer_types=["sliding_attention", "full_attention"]),
     }
 
 
-ARCHITECTURES = ("qwen3_moe", "mixtral", "gemma2")
+ARCHITECTURES = ("qwen3_moe", "mixtral", "gemma2", "gemma3")
 
 
 def build_architecture(name: str, out: str | Path, *, tokenizer_from: str | Path, seed: int = 0) -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +40,19 @@ class ModuleResult:
     # None for lm_head+log_softmax, whose log-probs are computed in fp32 in both configurations.
     rounding_floor: float | None
     num_elements: int
+    # Fused MoE experts: rel_error over the tokens routed to each expert (by the reference), so a
+    # fault in one expert of a 3-D weight tensor is named by its index. None for other modules.
+    by_expert: list[float | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "type": self.type, "rel_error": self.rel_error,
-                "max_abs": self.max_abs, "rounding_floor": self.rounding_floor,
-                "num_elements": self.num_elements}
+        out = {"name": self.name, "type": self.type, "rel_error": self.rel_error,
+               "max_abs": self.max_abs, "rounding_floor": self.rounding_floor,
+               "num_elements": self.num_elements}
+        if self.by_expert is not None:
+            out["by_expert"] = self.by_expert
+            ranked = [e for e in range(len(self.by_expert)) if self.by_expert[e] is not None]
+            out["worst_expert"] = max(ranked, key=lambda e: self.by_expert[e]) if ranked else None
+        return out
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -88,6 +96,19 @@ class _Tally:
     sum_sq_floor: float = 0.0
     max_abs: float = 0.0
     num_elements: int = 0
+    expert_sq_diff: dict[int, float] = field(default_factory=dict)
+    expert_sq_ref: dict[int, float] = field(default_factory=dict)
+
+    def add_by_expert(self, out_c: torch.Tensor, out_r: torch.Tensor, experts_NK: torch.Tensor) -> None:
+        """Per expert: the squared error and norm of the output rows of the tokens routed to it."""
+        ref = out_r.to("cpu", torch.float64).reshape(len(experts_NK), -1)
+        diff = out_c.to("cpu", torch.float64).reshape(len(experts_NK), -1) - ref
+        row_diff, row_ref = diff.square().sum(dim=1), ref.square().sum(dim=1)
+        experts = experts_NK.to("cpu", torch.long)
+        for expert in torch.unique(experts).tolist():
+            rows = (experts == expert).any(dim=1)
+            self.expert_sq_diff[expert] = self.expert_sq_diff.get(expert, 0.0) + float(row_diff[rows].sum())
+            self.expert_sq_ref[expert] = self.expert_sq_ref.get(expert, 0.0) + float(row_ref[rows].sum())
 
     def add(self, out_c: torch.Tensor, out_r: torch.Tensor) -> None:
         assert out_c.shape == out_r.shape, (out_c.shape, out_r.shape)
@@ -101,10 +122,14 @@ class _Tally:
         self.num_elements += diff.numel()
 
     def result(self, name: str) -> ModuleResult:
+        by_expert = None
+        if self.expert_sq_ref:
+            by_expert = [_ratio(self.expert_sq_diff[e], self.expert_sq_ref[e]) if e in self.expert_sq_ref else None
+                         for e in range(max(self.expert_sq_ref) + 1)]
         return ModuleResult(name=name, type=self.type, rel_error=_ratio(self.sum_sq_diff, self.sum_sq_ref),
                             max_abs=self.max_abs,
                             rounding_floor=_ratio(self.sum_sq_floor, self.sum_sq_ref) if self.has_floor else None,
-                            num_elements=self.num_elements)
+                            num_elements=self.num_elements, by_expert=by_expert)
 
 
 def _ratio(sum_sq_num: float, sum_sq_den: float) -> float:
@@ -115,8 +140,14 @@ def _ratio(sum_sq_num: float, sum_sq_den: float) -> float:
 
 @dataclass(slots=True)
 class _Capture:
+    """One call of a hooked module: its floating-point inputs and outputs (and, for SWAP_INTEGERS
+    units, its integer ones). A module may run several times in one forward (Gemma-3 computes
+    its rotary tables once per attention type): one capture per call, in call order."""
+
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
+    int_inputs: list[torch.Tensor] = field(default_factory=list)
+    int_outputs: list[torch.Tensor] = field(default_factory=list)
 
 
 def leaf_type(module: nn.Module) -> str | None:
@@ -130,14 +161,31 @@ def leaf_type(module: nn.Module) -> str | None:
         return "RMSNorm"
     if name.endswith("RotaryEmbedding"):  # the cos/sin tables; the rotation itself is in "attention"
         return "RoPE"
+    if name.endswith(("TopKRouter", "TopkRouter")):  # MoE: router logits, weights and the chosen experts
+        return "Router"
+    if name.endswith("Experts"):  # MoE: every expert's MLP, fused 3-D weights included (transformers >= 5)
+        return "Experts"
     return None  # activations: act(gate)*up is measured as a whole at down_proj's input
+
+
+# Units whose integer tensors are part of what flows on (a router's chosen experts, the experts'
+# routing input): the candidate gets the reference's, as R3 does, so an expert is measured on the
+# tokens the reference sent it, and a router flip does not spill into every module after it.
+SWAP_INTEGERS = ("Router", "Experts")
 
 
 def hooked_leaves(model: nn.Module) -> dict[str, str]:
     """Name → kernel type of the decoder's leaf modules (lm_head is measured with log_softmax)."""
     decoder = model.base_model
     return {name: kind for name, module in decoder.named_modules(prefix=model.base_model_prefix)
-            if not any(True for _ in module.children()) and (kind := leaf_type(module)) is not None}
+            if (kind := leaf_type(module)) is not None and _is_unit(module, kind)}
+
+
+def _is_unit(module: nn.Module, kind: str) -> bool:
+    """A leaf, or fused experts (their only children are activations, which hold no weights)."""
+    if kind == "Experts":
+        return not any(isinstance(child, nn.Linear) for child in module.modules() if child is not module)
+    return not any(True for _ in module.children())
 
 
 def gap_points(model: nn.Module) -> dict[str, tuple[str, str]]:
@@ -148,7 +196,8 @@ def gap_points(model: nn.Module) -> dict[str, tuple[str, str]]:
     act(gate) * up. Their producers' outputs are replaced by the reference's, so what reaches the
     consumer is that code's module-local output.
     """
-    act = str(getattr(model.config, "hidden_act", "act"))
+    # Gemma names its activation hidden_activation (hidden_act is a deprecated alias it ignores).
+    act = str(getattr(model.config, "hidden_activation", None) or getattr(model.config, "hidden_act", "act"))
     mul_type = "SiLU-mul" if act == "silu" else f"{act}-mul"
     points: dict[str, tuple[str, str]] = {}
     for name, module in model.base_model.named_modules(prefix=model.base_model_prefix):
@@ -185,6 +234,23 @@ def _cast_like(sources: Iterator[torch.Tensor]) -> Callable[[torch.Tensor], torc
     return lambda t: next(sources).to(device=t.device, dtype=t.dtype)
 
 
+def _integers(tree: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _map_integers(tree, lambda tensor: (found.append(tensor), tensor)[1])
+    return found
+
+
+def _map_integers(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """As _map_floats, for the integer tensors (expert indices)."""
+    if isinstance(tree, torch.Tensor):
+        return tree if tree.is_floating_point() else fn(tree)
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_map_integers(item, fn) for item in tree)
+    if isinstance(tree, dict):
+        return {key: _map_integers(value, fn) for key, value in tree.items()}
+    return tree
+
+
 @contextmanager
 def _hooked(handles: list[Any]) -> Iterator[None]:
     try:
@@ -195,19 +261,20 @@ def _hooked(handles: list[Any]) -> Iterator[None]:
 
 
 def _reference_pass(model: nn.Module, ids_1L: torch.Tensor,
-                    leaves: dict[str, str]) -> tuple[dict[str, _Capture], torch.Tensor]:
-    captures: dict[str, _Capture] = {}
+                    leaves: dict[str, str]) -> tuple[dict[str, list[_Capture]], torch.Tensor]:
+    captures: dict[str, list[_Capture]] = {name: [] for name in leaves}
     modules = dict(model.named_modules())
 
     def pre(name: str):
         def hook(module, args, kwargs):
-            assert name not in captures, f"{name} ran twice in one forward"
-            captures[name] = _Capture(inputs=_floats((args, kwargs)), outputs=[])
+            captures[name].append(_Capture(inputs=_floats((args, kwargs)), outputs=[],
+                                           int_inputs=_integers((args, kwargs))))
         return hook
 
     def post(name: str):
         def hook(module, args, output):
-            captures[name].outputs = _floats(output)
+            captures[name][-1].outputs = _floats(output)
+            captures[name][-1].int_outputs = _integers(output)
         return hook
 
     handles = [h for name in leaves for h in (
@@ -219,7 +286,7 @@ def _reference_pass(model: nn.Module, ids_1L: torch.Tensor,
 
 
 def _candidate_pass(model: nn.Module, ids_1L: torch.Tensor, leaves: dict[str, str],
-                    gaps: dict[str, tuple[str, str]], captures: dict[str, _Capture],
+                    gaps: dict[str, tuple[str, str]], captures: dict[str, list[_Capture]],
                     tallies: dict[str, _Tally]) -> None:
     """Forward the candidate with every hooked module's inputs and outputs swapped for the reference's.
 
@@ -227,19 +294,31 @@ def _candidate_pass(model: nn.Module, ids_1L: torch.Tensor, leaves: dict[str, st
     modules (RoPE rotation + attention kernel, act*up) also starts from the reference's values.
     """
     modules = dict(model.named_modules())
+    calls = {name: -1 for name in leaves}  # the call of each module now running
 
     def pre(name: str):
         def hook(module, args, kwargs):
+            calls[name] += 1
+            capture = captures[name][calls[name]]
             if name in gaps:  # what arrives here was computed by the code between modules
-                tallies[gaps[name][0]].add(_floats((args, kwargs))[0], captures[name].inputs[0])
-            return _map_floats((args, kwargs), _cast_like(iter(captures[name].inputs)))
+                tallies[gaps[name][0]].add(_floats((args, kwargs))[0], capture.inputs[0])
+            swapped = _map_floats((args, kwargs), _cast_like(iter(capture.inputs)))
+            if leaves[name] in SWAP_INTEGERS:
+                swapped = _map_integers(swapped, _cast_like(iter(capture.int_inputs)))
+            return swapped
         return hook
 
     def post(name: str):
         def hook(module, args, output):
-            for out_c, out_r in zip(_floats(output), captures[name].outputs, strict=True):
+            capture = captures[name][calls[name]]
+            for out_c, out_r in zip(_floats(output), capture.outputs, strict=True):
                 tallies[name].add(out_c, out_r)
-            return _map_floats(output, _cast_like(iter(captures[name].outputs)))
+            if leaves[name] == "Experts" and capture.int_inputs:  # the reference's routing: [tokens, k]
+                tallies[name].add_by_expert(_floats(output)[0], capture.outputs[0], capture.int_inputs[0])
+            swapped = _map_floats(output, _cast_like(iter(capture.outputs)))
+            if leaves[name] in SWAP_INTEGERS:
+                swapped = _map_integers(swapped, _cast_like(iter(capture.int_outputs)))
+            return swapped
         return hook
 
     handles = [h for name in leaves for h in (
