@@ -21,6 +21,7 @@ from mismatch.analysis.alignment import Sampling, check_alignment, replay_proces
 from mismatch.analysis.clip import ClipRange, clip_summary
 from mismatch.analysis.framework_metrics import framework_metrics, pair_arrays
 from mismatch.analysis.metrics import PAIR_METRICS, metrics_by, summarize_pairs
+from mismatch.analysis.prefixes import prefix_consistency, prefix_keys
 from mismatch.analysis.routing import routing_summary, token_routing
 from mismatch.analysis.tokenview import TokenView
 from mismatch.checkpoint import load_tokenizer
@@ -98,11 +99,13 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
     drift = (find_drift(replayed.rollouts, load_tokenizer(checkpoint))
              if any(rollout.messages for rollout in replayed.rollouts) else None)
     routing = replayed_routing(replayed, audit_pairs(table))
+    # Same prefix, same engine config: the same log-prob, whatever request it came in.
+    prefixes = prefix_consistency(table, prefix_keys(replayed.plan.requests), ("sampler", *sources))
     requests = replayed.plan.requests if localize_models else None
     del replayed  # the rollouts and their requests: from here on only the table is read
     summary = analyze_audit(table, engines=engines, checkpoint=str(checkpoint),
                             rollouts_file=str(rollouts), drift=drift, alignment=alignment, clip=clip,
-                            routing=routing)
+                            routing=routing, prefixes=prefixes)
     summary["shard"] = shard_info(shard, block_size)
     summary["inputs"] = inputs
     if requests is not None:
@@ -126,7 +129,8 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
 def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
                   rollouts_file: str, drift: dict[str, Any] | None = None,
                   alignment: dict[str, Any] | None = None, clip: ClipRange = ClipRange(),
-                  routing: dict[str, Any] | None = None) -> dict[str, Any]:
+                  routing: dict[str, Any] | None = None,
+                  prefixes: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything an audit's summary.json says that follows from the token table (and the
     render-drift and MoE routing findings, which need the rollouts' messages and the engines'
     routers, and are passed in). `alignment` is the check_alignment result when the caller
@@ -145,6 +149,8 @@ def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
         summary["drift"] = drift
     if routing:
         summary["routing"] = routing
+    if prefixes is not None:
+        summary["prefix_consistency"] = prefixes
     summary["corrections"] = summary_corrections(view)
     summary["recommendations"] = recommendations_dicts(recommend(summary))
     summary["config_snippets"] = {framework: render_config(summary["recommendations"], framework)

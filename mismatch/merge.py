@@ -46,7 +46,11 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> dict[str, Any]:
         drift = _merged_drift(summaries, table)
         clip = first.get("clip") or {}  # the shards' clip range (one run's, as every shard had it)
         clip_range = ClipRange(low=clip.get("eps_low", 0.2), high=clip.get("eps_high", 0.2))
-        summary = analyze_audit(table, **common, drift=drift, clip=clip_range, routing=merged_routing(summaries))
+        # A prefix two shards share is in neither shard's table twice: not comparable after the fact.
+        prefixes = ({"not_merged": "shared prefixes are compared within one run; audit without --shard"}
+                    if any("prefix_consistency" in s for s in summaries) else None)
+        summary = analyze_audit(table, **common, drift=drift, clip=clip_range, routing=merged_routing(summaries),
+                                prefixes=prefixes)
         pairs = audit_pairs(table)
     else:
         summary, pairs = analyze_diff(table, **common), DIFF_PAIRS
