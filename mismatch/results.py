@@ -409,31 +409,33 @@ class WorkDir:
             file.unlink(missing_ok=True)  # cut or foreign: replayed again (see load)
             return None
 
+    def _write_json(self, name: str, data: dict[str, Any]) -> None:
+        self._create()
+        atomic_write_text(self.path / name, json.dumps(json_safe(data)) + "\n")
+
+    def _read_json(self, name: str) -> dict[str, Any] | None:
+        """A JSON file of the work dir, or None when it is missing or unreadable (then redone)."""
+        try:
+            return json.loads((self.path / name).read_text()) if (self.path / name).is_file() else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+
     def save_stage(self, name: str, result: dict[str, Any]) -> None:
         """A finished stage after the replays (the model localizers), so a rerun after a kill
         during a later stage does not redo it."""
-        self._create()
-        atomic_write_text(self.path / f"stage-{name}.json", json.dumps(json_safe(result)) + "\n")
+        self._write_json(f"stage-{name}.json", result)
 
     def load_stage(self, name: str) -> dict[str, Any] | None:
-        file = self.path / f"stage-{name}.json"
-        try:
-            return json.loads(file.read_text()) if file.is_file() else None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return None
+        return self._read_json(f"stage-{name}.json")
 
     def save_described(self, source: str, described: dict[str, Any]) -> None:
         """The engine's describe() once its blocks are done: a resume that replays nothing for a
         source still reports the engine as it was (resolved options, semantics), as one run would."""
         if self.path.is_dir():
-            atomic_write_text(self.path / f"{source}-described.json", json.dumps(json_safe(described)) + "\n")
+            self._write_json(f"{source}-described.json", described)
 
     def load_described(self, source: str) -> dict[str, Any] | None:
-        file = self.path / f"{source}-described.json"
-        try:
-            return json.loads(file.read_text()) if file.is_file() else None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return None
+        return self._read_json(f"{source}-described.json")
 
     def check_engine(self, source: str, facts: dict[str, Any]) -> None:
         """Refuse to mix blocks from an engine that reports itself differently (an HTTP server now
