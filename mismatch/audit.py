@@ -6,6 +6,7 @@ Everything that can be wrong with the input is checked before the first forward 
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +33,8 @@ from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import localize_turns
 from mismatch.replay import DEFAULT_BLOCK, TORCH_KINDS, ProgressFactory, Replayed, Shard, replay_sources
-from mismatch.results import (REPORT_FILE, ROLLOUTS_FILE, SUMMARY_SCHEMA, WorkDir, check_out_dir,
-                              results_lock, write_results)
+from mismatch.results import (REPORT_FILE, ROLLOUTS_FILE, SUMMARY_SCHEMA, Handoff, WorkDir, check_out_dir,
+                              read_tokens, results_lock, write_results)
 from mismatch.rollouts.drift import find_drift
 from mismatch.rollouts.trees import tree_summary
 
@@ -48,8 +49,14 @@ def audit_pairs(table: pd.DataFrame) -> tuple[tuple[str, str], ...]:
 @dataclass(kw_only=True, slots=True, frozen=True)
 class AuditResult:
     summary: dict[str, Any]
-    tokens: pd.DataFrame
     out: Path | None
+    table: pd.DataFrame | None = None  # kept only without a results dir
+
+    @property
+    def tokens(self) -> pd.DataFrame:
+        """The token table: as computed, or read back from OUT/tokens.parquet (an audit that
+        publishes frees its table before building the report)."""
+        return self.table if self.table is not None else read_tokens(self.out)
 
 
 def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
@@ -121,9 +128,14 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
         summary["localization"].update(localized)
     if probe:
         add_probes(summary, checkpoint, progress)
-    if out_dir is not None:
-        publish(out_dir, table, summary, audit_pairs(table), force=force, work=work)
-    return AuditResult(summary=summary, tokens=table, out=out_dir)
+    if out_dir is None:
+        return AuditResult(summary=summary, out=None, table=table)
+    pairs = audit_pairs(table)
+    handoff = Handoff(table)
+    del table  # publish frees it once written
+    gc.collect()  # the analysis's views (reference cycles) go now, not at some later collection
+    publish(out_dir, handoff, summary, pairs, force=force, work=work)
+    return AuditResult(summary=summary, out=out_dir)
 
 
 def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
@@ -206,14 +218,20 @@ def replay_for_results(checkpoint: str | Path, rollouts: str | Path, sources: di
     return replayed, work, inputs
 
 
-def publish(out: Path, table: pd.DataFrame, summary: dict[str, Any],
+def publish(out: Path, table: pd.DataFrame | Handoff, summary: dict[str, Any],
             pairs: tuple[tuple[str, str], ...], *, force: bool, work: WorkDir | None) -> None:
-    """Write the results dir in one rename, then drop the work dir it no longer needs."""
+    """Write the results dir in one rename, then drop the work dir it no longer needs. A Handoff
+    table is freed once written, before the report reads the file back."""
     from reports.build import build_report
 
-    per_rollout = metrics_by(table, list(pairs), "rollout")
+    handoff = table if isinstance(table, Handoff) else Handoff(table)
+    del table
+    owned = handoff.take()
+    per_rollout = metrics_by(owned, list(pairs), "rollout")
+    handoff = Handoff(owned)
+    del owned
     # The report is built inside the staged dir, so it appears in the same rename as its data.
-    write_results(out, tokens=table, summary=summary, force=force,
+    write_results(out, tokens=handoff, summary=summary, force=force,
                   extra={ROLLOUTS_FILE: lambda path: per_rollout.to_parquet(path, index=False),
                          REPORT_FILE: lambda path: build_report(path.parent)})
     if work is not None:

@@ -11,6 +11,7 @@ a bad input never leaves a half-written results dir, and an existing dir is repl
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -226,10 +227,35 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def write_results(out: Path, *, tokens: pd.DataFrame, summary: dict[str, Any], force: bool,
+class Handoff:
+    """A value handed on to be consumed once: the receiver `take`s it and the sender keeps no name
+    for it, so it is freed as soon as the receiver is done (a token table of 10^8 rows must not
+    stay in memory while the report reads tokens.parquet back)."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def take(self) -> Any:
+        value, self._value = self._value, None
+        if value is None:
+            raise RuntimeError("Handoff taken twice")
+        return value
+
+
+def write_results(out: Path, *, tokens: pd.DataFrame | Handoff, summary: dict[str, Any], force: bool,
                   extra: dict[str, Callable[[Path], None]] | None = None) -> Path:
+    """The results dir, staged and renamed into place: tokens.parquet and summary.json first, then
+    each of `extra` (name -> writer), which may read them back. Given a Handoff, the token table
+    is released once written, before the extras run."""
     with staged_dir(out, force=force) as stage:
-        write_tokens(tokens, stage / TOKENS_FILE)
+        table = tokens.take() if isinstance(tokens, Handoff) else tokens
+        write_tokens(table, stage / TOKENS_FILE)
+        del table
+        if isinstance(tokens, Handoff):
+            del tokens
+            # The analysis's token views hold reference cycles (memoized closures) that keep the
+            # table alive until the cyclic collector runs, which large arrays barely prompt.
+            gc.collect()
         (stage / SUMMARY_FILE).write_text(json.dumps(json_safe(summary), indent=1) + "\n")
         for name, write in (extra or {}).items():
             write(stage / name)

@@ -46,8 +46,8 @@ def prefix_consistency(table: pd.DataFrame, keys: np.ndarray, sources: Sequence[
     """summary.json["prefix_consistency"]: per source with a log-prob column, over the tokens whose
     prefix (key and position) occurs in more than one request of this run."""
     pos = table["pos"].to_numpy(np.int64)
-    frame = pd.DataFrame({"key": keys, "pos": pos})
-    group = frame.groupby(["key", "pos"], sort=False).ngroup().to_numpy()
+    # The hash already covers the whole prefix (its length included): one hashed key, no sort.
+    group, _ = pd.factorize(keys)
     sizes = np.bincount(group)
     shared = sizes[group] > 1
     out: dict[str, Any] = {}
