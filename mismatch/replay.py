@@ -244,23 +244,7 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
     indices = [i for i in range(len(loaded)) if shard is None or shard.takes(i // block_size)]
     selected = [loaded[i] for i in indices]
     plan = plan_replay(selected, indices=indices, block_size=block_size)
-    # Names over the whole file, not the shard: a shard (or an empty one) must accept what one run would.
-    names = ["sampler", *sorted({name for rollout in loaded for branch in rollout.branches
-                                 for segment in branch.segments for name in segment.extra_logprobs})]
-    for source, spec in specs.items():
-        if spec.kind == "stored" and spec.options["name"] not in names:
-            raise SpecError(f"--{source} {spec.text}: no segment of the rollouts carries "
-                            f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(names)})")
-    _check_context(plan, info, specs, file=str(rollouts))
-    for source, spec in specs.items():
-        if spec.kind in TORCH_KINDS and "checkpoint" not in spec.options:
-            try:  # before any replay: an attention path that drops a model feature is refused now
-                resolve_attn(str(spec.options.get("attn", "auto")), info)
-            except CheckpointError as exc:
-                raise SpecError(f"--{source} {spec.text}: {exc}") from None
-        if spec.options.get("routing") == "replay" and info.num_experts is None and "checkpoint" not in spec.options:
-            raise SpecError(f"--{source} {spec.text}: option routing=replay: this model has no MoE router to replay "
-                            f"({info.path}/config.json names no experts)")
+    _check_before_replay(specs, loaded, plan, info, file=str(rollouts))
     # Tree weights are per rollout, so shards compute exactly the weights one run would. The
     # plan's table is filled in place (the plan keeps its requests; one table, not two).
     table = add_tree_weights(plan.table, selected, inplace=True)
@@ -283,6 +267,29 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
             engines[source] = {**engines[source], "processed": {"temperature": sampling.temperature,
                                                             "top_k": sampling.top_k, "top_p": sampling.top_p}}
     return Replayed(rollouts=selected, plan=plan, table=table, engines=engines, routing=routing)
+
+
+def _check_before_replay(specs: dict[str, EngineSpec], loaded: list[Rollout], plan: ReplayPlan, info: Any, *,
+                         file: str) -> None:
+    """What the specs ask of these rollouts and this model, checked before any replay."""
+    # Names over the whole file, not the shard: a shard (or an empty one) must accept what one run would.
+    names = ["sampler", *sorted({name for rollout in loaded for branch in rollout.branches
+                                 for segment in branch.segments for name in segment.extra_logprobs})]
+    for source, spec in specs.items():
+        if spec.kind == "stored" and spec.options["name"] not in names:
+            raise SpecError(f"--{source} {spec.text}: no segment of the rollouts carries "
+                            f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(names)})")
+    _check_context(plan, info, specs, file=file)
+    for source, spec in specs.items():
+        own_model = "checkpoint" not in spec.options  # another checkpoint is checked when it loads
+        if spec.kind in TORCH_KINDS and own_model:
+            try:  # an attention path that would drop a model feature (soft-capping)
+                resolve_attn(str(spec.options.get("attn", "auto")), info)
+            except CheckpointError as exc:
+                raise SpecError(f"--{source} {spec.text}: {exc}") from None
+        if spec.options.get("routing") == "replay" and info.num_experts is None and own_model:
+            raise SpecError(f"--{source} {spec.text}: option routing=replay: this model has no MoE router to "
+                            f"replay ({info.path}/config.json names no experts)")
 
 
 def _replay_order(specs: dict[str, EngineSpec], routing_from: str | None) -> list[tuple[str, EngineSpec]]:
