@@ -149,12 +149,7 @@ class HFEngine(TorchEngineBase):
                 for row, index in enumerate(batch):
                     results[index] = self._score(hidden_BLD[row], requests[index])
             if self.recorder is not None:
-                experts, margin = self.recorder.take()
-                experts = experts.reshape(len(batch), width, *experts.shape[1:])
-                margin = margin.reshape(len(batch), width, -1)
-                for row, index in enumerate(batch):  # the last position predicts nothing scored
-                    fed = len(requests[index].tokens) - 1
-                    self.routed[index] = StreamRouting(experts=experts[row, :fed].copy(), margin=margin[row, :fed].copy())
+                self._keep_routing(requests, batch, width)
             self.num_forward += 1
             self.num_fed += sum(len(requests[i].tokens) for i in batch)
             self.num_padded += len(batch) * width - sum(len(requests[i].tokens) for i in batch)
@@ -164,6 +159,16 @@ class HFEngine(TorchEngineBase):
                 progress(scored)
         self.seconds += time.perf_counter() - started
         return results
+
+    def _keep_routing(self, requests: Sequence[ReplayRequest], batch: list[int], width: int) -> None:
+        """The batch's routing into `routed`, row by row: padding dropped, and each stream's last
+        position too (it predicts nothing scored), as hf-decode, which never feeds it."""
+        experts, margin = self.recorder.take()
+        experts = experts.reshape(len(batch), width, *experts.shape[1:])
+        margin = margin.reshape(len(batch), width, -1)
+        for row, index in enumerate(batch):
+            fed = len(requests[index].tokens) - 1
+            self.routed[index] = StreamRouting(experts=experts[row, :fed].copy(), margin=margin[row, :fed].copy())
 
     def _forcing(self, requests: Sequence[ReplayRequest], batch: list[int], width: int):
         """routing=replay: the batch's forced experts, padding rows sent anywhere (their outputs

@@ -38,7 +38,8 @@ class StreamRouting:
 
 
 class RoutingRecorder:
-    """Forward hooks on every router; `take(n)` hands over the last n positions' selections."""
+    """Forward hooks on every router, recording each position's experts; `take()` hands over what
+    the forwards since the last take recorded."""
 
     def __init__(self, model: Any) -> None:
         self.modules = routers(model)
@@ -48,10 +49,13 @@ class RoutingRecorder:
 
     def _hook(self, layer: int):
         def record(module: Any, inputs: Any, output: Any) -> None:
+            import torch
+
             logits, _, selected = output
             k = selected.shape[-1]
             top = logits.float().topk(min(k + 1, logits.shape[-1]), dim=-1).values
-            margin = (top[:, k - 1] - top[:, k]) if top.shape[-1] > k else top[:, k - 1] * 0 + np.inf
+            # Every expert chosen (k = all): no runner-up, so no choice could flip.
+            margin = (top[:, k - 1] - top[:, k]) if top.shape[-1] > k else torch.full_like(top[:, 0], torch.inf)
             self._calls[layer].append((selected.sort(dim=-1).values.to("cpu").numpy().astype(np.int16),
                                        margin.to("cpu").numpy().astype(np.float32)))
         return record
