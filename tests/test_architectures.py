@@ -31,14 +31,14 @@ def _replay(spec: str, checkpoint: Path, requests) -> tuple[np.ndarray, dict]:
         engine.close()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gemma2", "gemma3"])
 def test_each_architecture_audits_with_a_bitwise_control(name, architecture_checkpoint, tmp_path) -> None:
     checkpoint = architecture_checkpoint(name)
     control = audit(checkpoint, EXAMPLE, train="hf", infer="hf", out=tmp_path / "control").summary
     assert control["pairs"]["train/infer"]["bitwise_equal_frac"] == 1.0  # the same config twice, in one run
     gap = audit(checkpoint, EXAMPLE, train="hf", infer="hf-decode:dtype=bfloat16", out=tmp_path / "gap").summary
     assert 0 < gap["pairs"]["train/infer"]["kl_k3"] < 1e-2
-    moe = name != "gemma2"
+    moe = name in ("qwen3_moe", "mixtral")
     assert ("routing" in gap) == moe  # both passes are torch engines: the routing agreement is measured
     if moe:
         assert gap["routing"]["train/infer"]["moe_layers"] == 2
