@@ -619,6 +619,7 @@ def print_weights(payload: dict[str, Any]) -> None:
             out_console.print(f"{name}: {side.replace('_', ' in ')}", markup=False)
     total = len(payload["tensors"])
     out_console.print(f"{total - len(differing)}/{total} shared tensors bitwise equal", markup=False)
+    out_console.print(payload["summary"]["verdict"], markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()

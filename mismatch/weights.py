@@ -43,6 +43,11 @@ class TensorDiff:
     # Same dtype: fraction of elements with identical bits. Different dtypes: fraction whose
     # upcast values are identical (what a lossless cast would give: bf16 -> fp32 keeps all).
     bitwise_equal_frac: float | None
+    # Different dtypes: whether the lower-precision side is exactly the other cast to its dtype
+    # (round to nearest even, as torch casts): a sync that cast, not one that corrupted.
+    is_cast: bool | None = None
+    # Stacked experts (a 3-D "...experts..." tensor, experts first): max |a - b| per expert.
+    by_expert: tuple[float, ...] | None = None
 
     @property
     def dtype_mismatch(self) -> bool:
@@ -53,10 +58,15 @@ class TensorDiff:
         return self.shape_a != self.shape_b
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "equal": self.equal, "dtype_a": self.dtype_a, "dtype_b": self.dtype_b,
-                "shape_a": list(self.shape_a), "shape_b": list(self.shape_b),
-                "num_elements": self.num_elements, "max_abs_diff": self.max_abs_diff,
-                "max_rel_diff": self.max_rel_diff, "bitwise_equal_frac": self.bitwise_equal_frac}
+        out = {"name": self.name, "equal": self.equal, "dtype_a": self.dtype_a, "dtype_b": self.dtype_b,
+               "shape_a": list(self.shape_a), "shape_b": list(self.shape_b),
+               "num_elements": self.num_elements, "max_abs_diff": self.max_abs_diff,
+               "max_rel_diff": self.max_rel_diff, "bitwise_equal_frac": self.bitwise_equal_frac,
+               "is_cast": self.is_cast}
+        if self.by_expert is not None:
+            out["by_expert"] = list(self.by_expert)
+            out["experts_differing"] = [e for e, diff in enumerate(self.by_expert) if diff != 0.0]
+        return out
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -66,6 +76,9 @@ class WeightsReport:
     tensors: tuple[TensorDiff, ...]  # every name in both, sorted
     only_a: tuple[str, ...]
     only_b: tuple[str, ...]
+    # Names on one side only that are a tied copy of the other side's embedding (an lm_head.weight
+    # saved for a model that ties it): the same weights, not a difference.
+    tied: tuple[str, ...] = ()
 
     @property
     def differing(self) -> tuple[TensorDiff, ...]:
@@ -73,8 +86,24 @@ class WeightsReport:
 
     @property
     def identical(self) -> bool:
-        """Same tensor names, and every tensor bit for bit the same."""
-        return not (self.only_a or self.only_b or self.differing)
+        """Same tensor names (tied copies aside), and every tensor bit for bit the same."""
+        untied = set(self.only_a + self.only_b) - set(self.tied)
+        return not (untied or self.differing)
+
+    @property
+    def verdict(self) -> str:
+        """The whole comparison in one line."""
+        if self.identical:
+            return "identical" + (f" (tied copies: {', '.join(self.tied)})" if self.tied else "")
+        casts = [t for t in self.differing if t.is_cast]
+        if casts and len(casts) == len(self.differing) and not (set(self.only_a + self.only_b) - set(self.tied)):
+            dtypes = sorted({min(t.dtype_a, t.dtype_b, key=_precision) for t in casts})
+            return f"b is a cast to {', '.join(dtypes)} of a (every differing tensor, nothing else changed)"
+        experts = [f"{t.name}[{e}]" for t in self.differing if t.by_expert
+                   for e, diff in enumerate(t.by_expert) if diff != 0.0]
+        worst = self.worst
+        where = f"; experts: {', '.join(experts[:8])}" if experts else ""
+        return (f"{len(self.differing)} tensor(s) differ" + (f", worst {worst.name}" if worst else "") + where)
 
     @property
     def worst(self) -> TensorDiff | None:
@@ -100,7 +129,10 @@ class WeightsReport:
                 "n_shape_mismatch": sum(t.shape_mismatch for t in self.tensors),
                 "worst": None if worst is None else {"name": worst.name, "max_abs_diff": worst.max_abs_diff,
                                                      "max_rel_diff": worst.max_rel_diff},
+                "n_cast": sum(bool(t.is_cast) for t in self.tensors),
+                "verdict": self.verdict,
             },
+            "tied": list(self.tied),
             "only_a": list(self.only_a),
             "only_b": list(self.only_b),
             "differing": [t.name for t in self.differing],
@@ -124,8 +156,29 @@ def diff_checkpoints(a_dir: str | Path, b_dir: str | Path, *,
         names_a, names_b = set(source_a.files), set(source_b.files)
         tensors = tuple(_diff_tensor(name, source_a, source_b, chunk_elements)
                         for name in sorted(names_a & names_b))
+        tied = tuple(sorted(name for name in (names_a ^ names_b) if _tied_copy(name, source_a, source_b)))
     return WeightsReport(a=str(a_dir), b=str(b_dir), tensors=tensors,
-                         only_a=tuple(sorted(names_a - names_b)), only_b=tuple(sorted(names_b - names_a)))
+                         only_a=tuple(sorted(names_a - names_b)), only_b=tuple(sorted(names_b - names_a)),
+                         tied=tied)
+
+
+# Output-embedding names and the input embeddings a tied model shares them with.
+_TIED = {"lm_head.weight": ("model.embed_tokens.weight", "transformer.wte.weight", "embed_tokens.weight")}
+
+
+def _tied_copy(name: str, source_a: _Source, source_b: _Source) -> bool:
+    """`name`, present on one side only, is bit for bit the other side's input embedding."""
+    here, there = (source_a, source_b) if name in source_a.files else (source_b, source_a)
+    for embedding in _TIED.get(name, ()):
+        if embedding in there.files and embedding in here.files:
+            copy, original = here.slice(name), there.slice(embedding)
+            if tuple(copy.get_shape()) == tuple(original.get_shape()) and copy.get_dtype() == original.get_dtype():
+                return bool((copy[...] == original[...]).all())
+    return False
+
+
+def _precision(dtype: str) -> int:
+    return {"float64": 64, "float32": 32, "bfloat16": 16, "float16": 16}.get(dtype, 0)
 
 
 class _Source:
@@ -201,15 +254,48 @@ def _diff_tensor(name: str, source_a: _Source, source_b: _Source, chunk_elements
                           equal=False, num_elements=num_elements, max_abs_diff=None, max_rel_diff=None,
                           bitwise_equal_frac=None)
     max_abs = max_rel = 0.0
-    num_same = 0
+    num_same = num_cast = 0
+    stacked = len(shape_a) == 3 and ".experts." in f".{name}."  # [experts, ...]: per-expert maxima
+    by_expert = [0.0] * shape_a[0] if stacked else None
+    row = math.prod(shape_a[1:]) if shape_a else 1
+    first_row = 0
     for chunk_a, chunk_b in zip(_chunks(slice_a, shape_a, chunk_elements),
                                 _chunks(slice_b, shape_b, chunk_elements), strict=True):
         chunk_abs, chunk_rel, chunk_same = _compare(chunk_a, chunk_b)
         max_abs, max_rel, num_same = max(max_abs, chunk_abs), max(max_rel, chunk_rel), num_same + chunk_same
+        if dtype_a != dtype_b:
+            num_cast += _num_cast(chunk_a, chunk_b)
+        if by_expert is not None:
+            for offset, expert_max in enumerate(_row_maxima(chunk_a, chunk_b, row)):
+                by_expert[first_row + offset] = max(by_expert[first_row + offset], expert_max)
+            first_row += len(chunk_a) // max(row, 1)
     same_frac = num_same / num_elements if num_elements else 1.0
     return TensorDiff(name=name, dtype_a=dtype_a, dtype_b=dtype_b, shape_a=shape_a, shape_b=shape_b,
                       equal=dtype_a == dtype_b and num_same == num_elements, num_elements=num_elements,
-                      max_abs_diff=max_abs, max_rel_diff=max_rel, bitwise_equal_frac=same_frac)
+                      max_abs_diff=max_abs, max_rel_diff=max_rel, bitwise_equal_frac=same_frac,
+                      is_cast=num_cast == num_elements if dtype_a != dtype_b else None,
+                      by_expert=tuple(by_expert) if by_expert is not None else None)
+
+
+def _num_cast(a, b) -> int:
+    """Elements where the lower-precision side holds exactly the other cast to its dtype."""
+    import torch
+
+    if not (a.is_floating_point() and b.is_floating_point()):
+        return 0
+    low, high = (a, b) if a.element_size() < b.element_size() else (b, a)
+    if low.element_size() == high.element_size():  # bf16 against fp16: neither is the other's cast
+        return 0
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[low.element_size()]
+    return int((high.to(low.dtype).view(bits) == low.view(bits)).sum())
+
+
+def _row_maxima(a, b, row: int) -> list[float]:
+    """max |a - b| per row of `row` elements (rows: the first dimension) of two flat chunks."""
+    import torch
+
+    diff = (a.to(torch.float64) - b.to(torch.float64)).abs().nan_to_num(nan=math.inf).reshape(-1, max(row, 1))
+    return [float(x) for x in diff.max(dim=1).values] if diff.numel() else []
 
 
 def _chunks(tensor_slice, shape: tuple[int, ...], chunk_elements: int) -> Iterator[Any]:

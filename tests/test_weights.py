@@ -155,3 +155,45 @@ def test_bad_checkpoints_are_one_line_errors(tiny_checkpoint, tmp_path) -> None:
     message = str(err.value)
     assert message.startswith(f"{garbage / 'model.safetensors'}: not a readable safetensors file (")
     assert "\n" not in message
+
+
+def test_a_cast_copy_is_recognized_in_one_line(tiny_checkpoint, tmp_path) -> None:
+    cast = edited_copy(tiny_checkpoint, tmp_path / "bf16",
+                       lambda ts: ts.update({name: t.to(torch.bfloat16) for name, t in ts.items()}))
+    summary = diff_checkpoints(tiny_checkpoint, cast).to_dict()["summary"]
+    assert summary["n_cast"] == 21
+    assert summary["verdict"] == "b is a cast to bfloat16 of a (every differing tensor, nothing else changed)"
+    faulty = edited_copy(cast, tmp_path / "bf16-faulty", plant_fault)
+    assert diff_checkpoints(tiny_checkpoint, faulty).to_dict()["summary"]["verdict"].startswith("21 tensor(s) differ")
+
+
+def test_a_tied_lm_head_saved_on_one_side_is_no_difference(tiny_checkpoint, tmp_path, capsys) -> None:
+    from mismatch.cli import main
+
+    def tie(tensors):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+
+    tied = edited_copy(tiny_checkpoint, tmp_path / "tied", tie)
+    dropped = edited_copy(tied, tmp_path / "dropped", lambda ts: ts.pop("lm_head.weight"))
+    report = diff_checkpoints(tied, dropped)
+    assert report.only_a == ("lm_head.weight",) and report.tied == ("lm_head.weight",) and report.identical
+    assert main(["weights", str(tied), str(dropped), "--fail-on-diff"]) == 0
+    assert "identical (tied copies: lm_head.weight)" in capsys.readouterr().out
+    other = edited_copy(dropped, tmp_path / "other",
+                        lambda ts: ts.update({"model.embed_tokens.weight": ts["model.embed_tokens.weight"] * 1.01}))
+    assert not diff_checkpoints(tied, other).identical  # lm_head no longer the other side's embedding
+
+
+def test_stacked_experts_are_named_by_expert(tmp_path) -> None:
+    generator = torch.Generator().manual_seed(0)
+    experts = torch.randn(8, 16, 4, generator=generator)
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    save_file({"model.layers.1.mlp.experts.down_proj": experts}, str(a))
+    changed = experts.clone()
+    changed[5, 3, 1] += 0.5
+    save_file({"model.layers.1.mlp.experts.down_proj": changed}, str(b))
+    report = diff_checkpoints(a, b, chunk_elements=64)  # experts spread over several chunks
+    tensor = report.to_dict()["tensors"][0]
+    assert tensor["experts_differing"] == [5] and tensor["by_expert"][5] == pytest.approx(0.5)
+    assert report.verdict == ("1 tensor(s) differ, worst model.layers.1.mlp.experts.down_proj; "
+                              "experts: model.layers.1.mlp.experts.down_proj[5]")
