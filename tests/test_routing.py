@@ -107,3 +107,14 @@ def test_sharded_routing_merges_to_one_runs_counts(moe, tmp_path) -> None:
     np.testing.assert_allclose(merged["flip_rate_by_layer"], whole["flip_rate_by_layer"], rtol=1e-12)
     np.testing.assert_allclose(merged["with_flip"]["kl_k3"], whole["with_flip"]["kl_k3"], rtol=1e-9)
     assert merged["not_merged"] == ["margin_at_flips_median", "margin_median"]
+
+
+def test_hf_decode_replays_the_routing_it_is_given(moe, tmp_path) -> None:
+    """The decode path forces the reference's experts chunk by chunk, as the packed path does."""
+    own = audit(moe, EXAMPLE, train="hf-decode:dtype=bfloat16", infer="hf:dtype=float32", out=tmp_path / "own")
+    forced = audit(moe, EXAMPLE, train="hf-decode:dtype=bfloat16,routing=replay", infer="hf:dtype=float32",
+                   out=tmp_path / "forced")
+    before, after = own.summary["routing"]["train/infer"], forced.summary["routing"]["train/infer"]
+    assert before["frac_tokens_with_flip"] > 0
+    assert after["with_flip"]["kl_k3"] < 0.2 * before["with_flip"]["kl_k3"]
+    assert forced.summary["engines"]["train"]["routing"]["mode"] == "replay"
