@@ -164,10 +164,16 @@ def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
     if prefixes is not None:
         summary["prefix_consistency"] = prefixes
     summary["corrections"] = summary_corrections(view)
-    summary["recommendations"] = recommendations_dicts(recommend(summary))
+    advise(summary)
+    return summary
+
+
+def advise(summary: dict[str, Any], **findings: Any) -> None:
+    """summary.json's recommendations (the rule on the summary, plus `findings` such as probes)
+    and each framework's config snippet for them."""
+    summary["recommendations"] = recommendations_dicts(recommend(summary, **findings))
     summary["config_snippets"] = {framework: render_config(summary["recommendations"], framework)
                                   for framework in FRAMEWORKS}
-    return summary
 
 
 def add_probes(summary: dict[str, Any], checkpoint: str | Path, progress: ProgressFactory | None) -> None:
@@ -180,9 +186,7 @@ def add_probes(summary: dict[str, Any], checkpoint: str | Path, progress: Progre
     if done is not None:
         done(0)
     summary["probes"] = {"environment": probes.environment("auto"), "results": results}
-    summary["recommendations"] = recommendations_dicts(recommend(summary, probes=results))
-    summary["config_snippets"] = {framework: render_config(summary["recommendations"], framework)
-                                  for framework in FRAMEWORKS}
+    advise(summary, probes=results)
 
 
 def replayed_routing(replayed: Replayed, pairs: tuple[tuple[str, str], ...]) -> dict[str, Any] | None:
@@ -226,10 +230,7 @@ def publish(out: Path, table: pd.DataFrame | Handoff, summary: dict[str, Any],
 
     handoff = table if isinstance(table, Handoff) else Handoff(table)
     del table
-    owned = handoff.take()
-    per_rollout = metrics_by(owned, list(pairs), "rollout")
-    handoff = Handoff(owned)
-    del owned
+    per_rollout = metrics_by(handoff.value, list(pairs), "rollout")
     # The report is built inside the staged dir, so it appears in the same rename as its data.
     write_results(out, tokens=handoff, summary=summary, force=force,
                   extra={ROLLOUTS_FILE: lambda path: per_rollout.to_parquet(path, index=False),

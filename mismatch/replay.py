@@ -193,14 +193,14 @@ def bad_logprob_rows(values: np.ndarray, pos: np.ndarray) -> np.ndarray:
     return np.flatnonzero(bad)
 
 
-def check_column(values: np.ndarray, rows: pd.DataFrame, name: str) -> None:
+def check_column(values: np.ndarray, table: pd.DataFrame, name: str, offset: int = 0) -> None:
     """EngineError naming the rollout, branch, position and token of the first value an engine
-    should never have returned (`rows`: the token-table rows `values` fill, in order)."""
-    bad = bad_logprob_rows(values, rows["pos"].to_numpy())
+    should never have returned (`values` fill the table's rows from `offset` on, in order)."""
+    bad = bad_logprob_rows(values, table["pos"].to_numpy()[offset:offset + len(values)])
     if not len(bad):
         return
     first = int(bad[0])
-    row = rows.iloc[first]
+    row = table.iloc[offset + first]
     raise EngineError(f"{name}: log-prob {float(values[first])!r} for token {int(row['token_id'])} at rollout "
                       f"{row['rollout']!r} branch {row['branch']!r} position {int(row['pos'])} "
                       f"({len(bad)} such value{'s' if len(bad) > 1 else ''}; an engine must return one "
@@ -387,8 +387,6 @@ def _replay_source(source: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: 
             # Not this block's rows (the manifest matched, the file did not): replayed again.
             done = [None if d is not None and len(d) != num_rows else d for d in done]
             block_routing = work.load_routing(source, block) if work is not None else None
-            if block_routing is None and engine is not None and engine_records_routing(engine):
-                done = [None for _ in done]  # the routing of this block is wanted too: replay it
             if any(d is None for d in done) and engine is None:  # not at all if every block is done
                 starting = progress(f"starting {source}: {spec.text}", None) if progress is not None else None
                 engine = load_engine(spec, checkpoint)
@@ -396,8 +394,8 @@ def _replay_source(source: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: 
                     starting(0)
                 if work is not None:
                     work.check_engine(source, engine_facts(engine.describe()))
-                if engine_records_routing(engine) and block_routing is None:
-                    done = [None for _ in done]
+            if block_routing is None and engine is not None and engine_records_routing(engine):
+                done = [None for _ in done]  # the routing of this block is wanted too: replay it
             # The bar starts once the engine loaded: a checkpoint that fails prints only its error.
             if callback is None and progress is not None:
                 fed = sum(len(request.tokens) for request in plan.requests) * len(columns)
@@ -412,7 +410,7 @@ def _replay_source(source: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: 
                         done[k] = replay_column(requests, engine, progress=callback, name=label)
                     if k == 0 and engine_records_routing(engine):
                         block_routing = list(engine.routed)
-                    check_column(done[k], plan.table.iloc[offset:offset + num_rows], label)
+                    check_column(done[k], plan.table, label, offset)
                     if work is not None:
                         # The routing before the log-probs: a block whose log-probs were saved
                         # always has its routing too.

@@ -235,6 +235,11 @@ class Handoff:
     def __init__(self, value: Any) -> None:
         self._value = value
 
+    @property
+    def value(self) -> Any:
+        """The value, still the Handoff's (for a reader that runs before the receiver)."""
+        return self._value
+
     def take(self) -> Any:
         value, self._value = self._value, None
         if value is None:
@@ -252,7 +257,6 @@ def write_results(out: Path, *, tokens: pd.DataFrame | Handoff, summary: dict[st
         write_tokens(table, stage / TOKENS_FILE)
         del table
         if isinstance(tokens, Handoff):
-            del tokens
             # The analysis's token views hold reference cycles (memoized closures) that keep the
             # table alive until the cyclic collector runs, which large arrays barely prompt.
             gc.collect()
@@ -395,30 +399,27 @@ class WorkDir:
         self._create()
         if source in self._facts and not (self.path / f"{source}-engine.json").is_file():
             atomic_write_text(self.path / f"{source}-engine.json", json.dumps(self._facts[source]) + "\n")
-        file = self._file(source, block)
+        self._write_binary(self._file(source, block),
+                           lambda handle: np.save(handle, logp, allow_pickle=False))
+
+    def _write_binary(self, file: Path, write: Callable[[Any], None]) -> None:
+        """`write(handle)` into a temp file renamed to `file`: a kill mid-write leaves a temp
+        file (removed with the work dir), never a short block."""
         fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.tmp-", dir=self.path)
         try:
             with os.fdopen(fd, "wb") as handle:
-                np.save(handle, logp, allow_pickle=False)
-            os.replace(tmp, file)  # a kill mid-write leaves a temp file, never a short block
+                write(handle)
+            os.replace(tmp, file)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
     def save_routing(self, source: str, block: int, routed: list[Any]) -> None:
         """A block's MoE routing (engines/routing.StreamRouting per request), beside its log-probs."""
-        file = self.path / f"{source}-routing-{block:06d}.npz"
         self._create()
-        fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.tmp-", dir=self.path)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                np.savez(handle, lengths=np.array([len(r.experts) for r in routed], dtype=np.int64),
-                         experts=np.concatenate([r.experts for r in routed]),
-                         margin=np.concatenate([r.margin for r in routed]))
-            os.replace(tmp, file)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        self._write_binary(self.path / f"{source}-routing-{block:06d}.npz", lambda handle: np.savez(
+            handle, lengths=np.array([len(r.experts) for r in routed], dtype=np.int64),
+            experts=np.concatenate([r.experts for r in routed]), margin=np.concatenate([r.margin for r in routed])))
 
     def load_routing(self, source: str, block: int) -> list[Any] | None:
         from mismatch.engines.routing import StreamRouting

@@ -279,15 +279,19 @@ def _diff_tensor(name: str, source_a: _Source, source_b: _Source, chunk_elements
 
 def _num_cast(a, b) -> int:
     """Elements where the lower-precision side holds exactly the other cast to its dtype."""
-    import torch
-
     if not (a.is_floating_point() and b.is_floating_point()):
         return 0
     low, high = (a, b) if a.element_size() < b.element_size() else (b, a)
     if low.element_size() == high.element_size():  # bf16 against fp16: neither is the other's cast
         return 0
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[low.element_size()]
-    return int((high.to(low.dtype).view(bits) == low.view(bits)).sum())
+    return int((_bits(high.to(low.dtype)) == _bits(low)).sum())
+
+
+def _bits(tensor):
+    """The tensor's raw bits as integers of its width (so -0.0 and 0.0, or two NaNs, differ)."""
+    import torch
+
+    return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
 
 
 def _row_maxima(a, b, row: int) -> list[float]:
@@ -323,8 +327,7 @@ def _compare(a, b) -> tuple[float, float, int]:
     value_same = (a_up == b_up) | (a_up.isnan() & b_up.isnan())
     if a.dtype == b.dtype:
         # Same dtype: count identical bits, so -0.0 against 0.0 (or another NaN payload) differs.
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        same = a.view(bits) == b.view(bits)
+        same = _bits(a) == _bits(b)
     else:
         same = value_same
     abs_diff = torch.where(value_same, 0.0, (a_up - b_up).abs())

@@ -209,46 +209,42 @@ def gap_points(model: nn.Module) -> dict[str, tuple[str, str]]:
 
 
 def _floats(tree: Any) -> list[torch.Tensor]:
+    return _collect(tree, floating=True)
+
+
+def _integers(tree: Any) -> list[torch.Tensor]:
+    return _collect(tree, floating=False)
+
+
+def _collect(tree: Any, *, floating: bool) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
-
-    def collect(tensor: torch.Tensor) -> torch.Tensor:
-        found.append(tensor)
-        return tensor
-
-    _map_floats(tree, collect)
+    _map_tensors(tree, lambda tensor: (found.append(tensor), tensor)[1], floating=floating)
     return found
 
 
 def _map_floats(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Rebuild tuples/lists/dicts with every floating-point tensor replaced by fn(tensor), in order."""
+    return _map_tensors(tree, fn, floating=True)
+
+
+def _map_integers(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """As _map_floats, for the integer tensors (expert indices)."""
+    return _map_tensors(tree, fn, floating=False)
+
+
+def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor], *, floating: bool) -> Any:
+    """Rebuild tuples/lists/dicts with every floating-point (or every other) tensor replaced by
+    fn(tensor), in order."""
     if isinstance(tree, torch.Tensor):
-        return fn(tree) if tree.is_floating_point() else tree
+        return fn(tree) if tree.is_floating_point() == floating else tree
     if isinstance(tree, (tuple, list)):
-        return type(tree)(_map_floats(item, fn) for item in tree)
+        return type(tree)(_map_tensors(item, fn, floating=floating) for item in tree)
     if isinstance(tree, dict):
-        return {key: _map_floats(value, fn) for key, value in tree.items()}
+        return {key: _map_tensors(value, fn, floating=floating) for key, value in tree.items()}
     return tree
 
 
 def _cast_like(sources: Iterator[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda t: next(sources).to(device=t.device, dtype=t.dtype)
-
-
-def _integers(tree: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    _map_integers(tree, lambda tensor: (found.append(tensor), tensor)[1])
-    return found
-
-
-def _map_integers(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """As _map_floats, for the integer tensors (expert indices)."""
-    if isinstance(tree, torch.Tensor):
-        return tree if tree.is_floating_point() else fn(tree)
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_map_integers(item, fn) for item in tree)
-    if isinstance(tree, dict):
-        return {key: _map_integers(value, fn) for key, value in tree.items()}
-    return tree
 
 
 @contextmanager
