@@ -34,6 +34,8 @@ class CheckpointInfo:
     dtype: str  # the dtype the weights were saved in, as named in config.json
     max_positions: int | None = None  # the context the model was built for (config.json), if it says
     num_experts: int | None = None    # routed experts per MoE layer (config.json), None for a dense model
+    moe_layers: int | None = None     # layers with a router (an MoE), as the model builds them
+    experts_per_token: int | None = None  # top-k
     attn_softcap: float | None = None  # attention logit soft-capping (Gemma-2), which sdpa ignores
 
 
@@ -63,7 +65,8 @@ def checkpoint_info(path: str | Path) -> CheckpointInfo:
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     return CheckpointInfo(path=root, model_type=str(config.get("model_type", "?")),
                           vocab_size=vocab_size, dtype=str(dtype), max_positions=_max_positions(config),
-                          num_experts=_num_experts(config), attn_softcap=_attn_softcap(config))
+                          num_experts=_num_experts(config), attn_softcap=_attn_softcap(config),
+                          **_moe_shape(config))
 
 
 def _attn_softcap(config: dict) -> float | None:
@@ -99,6 +102,22 @@ def _num_experts(config: dict) -> int | None:
         if type(value) is int and value > 1:
             return value
     return None
+
+
+def _moe_shape(config: dict) -> dict[str, int]:
+    """The MoE layer count and top-k a stored routing must have, where config.json says: every
+    layer routes (Mixtral) unless the family keeps some dense (transformers' layer constructors:
+    DeepSeek-V3's first_k_dense_replace, Qwen-MoE's mlp_only_layers and decoder_sparse_step)."""
+    k, layers = config.get("num_experts_per_tok"), config.get("num_hidden_layers")
+    if _num_experts(config) is None or type(k) is not int or type(layers) is not int:
+        return {}
+    dense_first = config.get("first_k_dense_replace")
+    step, dense = config.get("decoder_sparse_step"), config.get("mlp_only_layers")
+    routed = [i for i in range(layers)
+              if not (type(dense_first) is int and i < dense_first)
+              and not (type(step) is int and step > 0 and (i + 1) % step)
+              and not (isinstance(dense, list) and i in dense)]
+    return {"moe_layers": len(routed), "experts_per_token": k}
 
 
 def _max_positions(config: dict) -> int | None:

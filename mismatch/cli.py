@@ -667,7 +667,7 @@ def import_(
 @app.command()
 def validate(
     file: Annotated[Path, typer.Argument(metavar="FILE", help="Rollouts file (.jsonl or .parquet).")],
-    checkpoint: Annotated[Optional[Path], typer.Option(help="Check token ids against this vocab.")] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option(help="Check token ids against this vocab (and expert ids against its experts).")] = None,
     vocab_size: Annotated[Optional[int], typer.Option(help="Check token ids against this size.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
@@ -675,9 +675,11 @@ def validate(
     from mismatch.checkpoint import checkpoint_info
     from mismatch.rollouts import validate_file
 
+    num_experts = None  # with a checkpoint, routed_experts ids are checked against its experts too
     if checkpoint is not None:
-        vocab_size = checkpoint_info(checkpoint).vocab_size
-    report = validate_file(file, vocab_size=vocab_size)
+        info = checkpoint_info(checkpoint)
+        vocab_size, num_experts = info.vocab_size, info.num_experts
+    report = validate_file(file, vocab_size=vocab_size, num_experts=num_experts)
     if as_json:
         _emit_json({"num_rollouts": report.num_rollouts, "num_branches": report.num_branches,
                     "num_invalid": report.num_invalid, "num_tokens": report.num_tokens, "num_trainable_tokens": report.num_trainable_tokens,

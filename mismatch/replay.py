@@ -20,7 +20,7 @@ from mismatch.engines import Engine, EngineSpec, ProgressFn, ReplayRequest, chec
 from mismatch.engines.routing import StreamRouting
 from mismatch.errors import CheckpointError, EngineError, MismatchError, RolloutError, SpecError
 from mismatch.results import WorkDir
-from mismatch.rollouts import Rollout, Segment, context_tokens, load_rollouts
+from mismatch.rollouts import Rollout, Segment, context_tokens, full_routed_experts, load_rollouts, routing_shape
 from mismatch.rollouts.trees import add_tree_weights
 
 TABLE_KEYS = ("rollout_index", "rollout", "branch", "branch_kind", "turn", "segment", "pos", "role",
@@ -234,13 +234,14 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
     `logp_<source>_processed` under the same processing, like for like with the sampler's, in the
     same load and block by block (planned here, resumable like every other column).
     `routing_from`: the source whose MoE routing a `routing=replay` engine follows (R3); it replays
-    first.
+    first. Rollouts that store the sampler's routed_experts give the "sampler" routing, and a
+    `routing=replay` engine follows that instead: the rollout engine's experts, as R3 replays them.
     """
     info = checkpoint_info(checkpoint)
     # Every spec checked in full (options, values, dtype) before the rollouts are read and before
     # the first replay: a typo in the second engine's spec must not cost the first one's replay.
     specs = {source: check_spec(text) for source, text in sources.items()}
-    loaded = load_rollouts(rollouts, vocab_size=info.vocab_size)
+    loaded = load_rollouts(rollouts, vocab_size=info.vocab_size, num_experts=info.num_experts)
     indices = [i for i in range(len(loaded)) if shard is None or shard.takes(i // block_size)]
     selected = [loaded[i] for i in indices]
     plan = plan_replay(selected, indices=indices, block_size=block_size)
@@ -251,6 +252,11 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
     meta = _sampler_meta(selected)
     engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler", "meta": meta}}
     routing: dict[str, list[StreamRouting]] = {}
+    stored = stored_routing(selected, loaded, info, file=str(rollouts))
+    if stored is not None:
+        routing["sampler"] = stored
+        routing_from = "sampler"
+        _check_stored_routing(specs, selected, stored)
     for source, spec in _replay_order(specs, routing_from):
         sampling = _declared_processing(meta) if source == processed_source and spec.kind in TORCH_KINDS else None
         forced = routing.get(routing_from) if spec.options.get("routing") == "replay" else None
@@ -259,6 +265,8 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
                             f"and --{routing_from} recorded none (a torch engine on an MoE model records them)")
         columns, engines[source], routed = _replay_source(source, spec, plan, str(checkpoint), progress, work,
                                                       sampling, forced)
+        if forced is not None and "routing" in engines[source]:
+            engines[source]["routing"] = {**engines[source]["routing"], "from": routing_from}
         if routed is not None:
             routing[source] = routed
         table[f"logp_{source}"] = columns[0]
@@ -300,7 +308,7 @@ def _replay_order(specs: dict[str, EngineSpec], routing_from: str | None) -> lis
     must exist before they can be forced)."""
     ordered = sorted(specs.items(), key=lambda item: item[1].kind in TORCH_KINDS)  # stable
     replaying = [source for source, spec in specs.items() if spec.options.get("routing") == "replay"]
-    if not replaying:
+    if not replaying or routing_from == "sampler":  # the stored routing needs no replay first
         return ordered
     if routing_from is None or routing_from not in specs or routing_from in replaying:
         raise SpecError(f"--{replaying[0]} {specs[replaying[0]].text}: routing=replay needs another engine "
@@ -313,6 +321,47 @@ def _replay_order(specs: dict[str, EngineSpec], routing_from: str | None) -> lis
 
 
 TORCH_KINDS = ("hf", "hf-decode")  # engines whose last step can be processed (alignment.py)
+
+
+def stored_routing(selected: list[Rollout], loaded: list[Rollout], info: Any, *,
+                   file: str) -> list[StreamRouting] | None:
+    """The sampler's routing per plan request (its fed positions, as an engine's is kept), from the
+    rollouts' routed_experts; None when the file stores none. The routing must be this model's
+    ([MoE layers][top-k] as config.json builds them), checked here before any replay."""
+    shapes = [(rollout, routing_shape(rollout)) for rollout in loaded]
+    first = next(((rollout, shape) for rollout, shape in shapes if shape is not None), None)
+    if first is None:
+        return None
+    rollout, shape = first
+    if info.moe_layers is None:
+        raise RolloutError(f"routed_experts stored, but {info.path}/config.json names no experts (a dense model "
+                           "routes nothing)", file=file, line=rollout.line, rollout=rollout.id)
+    if tuple(shape) != (info.moe_layers, info.experts_per_token):
+        raise RolloutError(f"routed_experts has {shape[0]} layers x top-{shape[1]} per token, but the model "
+                           f"routes {info.moe_layers} layers x top-{info.experts_per_token} ({info.path}/config.json)",
+                           file=file, line=rollout.line, rollout=rollout.id)
+    out = []
+    for rollout in selected:
+        for branch in rollout.branches:
+            experts = full_routed_experts(rollout, branch.id, tuple(shape))[:-1]  # the last token is never fed
+            out.append(StreamRouting(experts=experts, margin=np.full(experts.shape[:2], np.nan, dtype=np.float32)))
+    return out
+
+
+def _check_stored_routing(specs: dict[str, EngineSpec], selected: list[Rollout],
+                          stored: list[StreamRouting]) -> None:
+    """A routing=replay engine that follows the stored routing needs a row at every position it feeds."""
+    replaying = [source for source, spec in specs.items() if spec.options.get("routing") == "replay"]
+    if not replaying:
+        return
+    streams = [(rollout.id, branch.id) for rollout in selected for branch in rollout.branches]  # plan order
+    for (rollout_id, branch_id), routed in zip(streams, stored, strict=True):
+        missing = np.flatnonzero(routed.experts[:, 0, 0] < 0)
+        if len(missing):
+            source = replaying[0]
+            raise SpecError(f"--{source} {specs[source].text}: routing=replay follows the stored routed_experts, "
+                            f"which have no row for rollout {rollout_id!r} branch {branch_id!r} position "
+                            f"{int(missing[0])}, a position the trainer feeds ({len(missing)} such in that stream)")
 
 
 def _declared_processing(meta: dict[str, Any]) -> Any:

@@ -79,6 +79,50 @@ def test_verl_postprocess_batch_drops_its_padding(tmp_path: Path) -> None:
     assert rollout.id == "verl-0-0" and _back(rollout) == (PROMPT, RESPONSE, MASK, _trained_logprobs())
 
 
+def _routing(num_rows: int) -> list[list[list[int]]]:
+    """vLLM-like routed experts: 2 MoE layers, top-2 of 8, one row per fed position."""
+    return [[[i % 8, (i + 3) % 8], [(i + 1) % 8, (i + 5) % 8]] for i in range(num_rows)]
+
+
+def _routing_back(rollout: Rollout) -> list[Any]:
+    rows: list[Any] = []
+    for segment in rollout.branch("main").segments:
+        stored = segment.routed_experts
+        rows += [None] * len(segment.tokens) if stored is None else \
+            [None if row[0, 0] < 0 else row.tolist() for row in stored]
+    return rows
+
+
+def test_verl_routed_experts_are_carried_to_each_segment(tmp_path: Path) -> None:
+    """R3 dumps: vLLM's routed experts over prompt + response (the last token never fed: no row)
+    land on each token's segment; verl's zero rows (padding, the unfed last token) become null."""
+    total = len(PROMPT) + len(RESPONSE)
+    expected = [[sorted(layer) for layer in row] for row in _routing(total - 1)] + [None]
+    record = {"prompt_ids": PROMPT, "response_ids": RESPONSE, "response_mask": MASK,
+              "response_logprobs": LOGPROBS, "routed_experts": _routing(total - 1)}
+    [loop] = _imported("verl", _jsonl(tmp_path / "agent_loop.jsonl", [record]), tmp_path)
+    assert _routing_back(loop) == expected
+    pad_prompt, pad_response = 3, 4
+    zeros = [[0, 0], [0, 0]]
+    batch = {"prompts": [[0] * pad_prompt + PROMPT], "responses": [RESPONSE + [0] * pad_response],
+             "response_mask": [MASK + [0] * pad_response],
+             "attention_mask": [[0] * pad_prompt + [1] * total + [0] * pad_response],
+             "rollout_log_probs": [LOGPROBS + [0.0] * pad_response],
+             "routed_experts": [[zeros] * pad_prompt + _routing(total - 1) + [zeros] * (1 + pad_response)]}
+    path = tmp_path / "batch.json"
+    path.write_text(json.dumps(batch))
+    [padded] = _imported("verl", path, tmp_path)
+    assert _routing_back(padded) == expected
+    record["routed_experts"] = _routing(total + 1)
+    with pytest.raises(ImportFormatError, match=r"routed_experts: must be an array of at most 24 \[layers\]\[top-k\] "
+                                                r"rows \(one per token\), got 25"):
+        import_file("verl", _jsonl(tmp_path / "long.jsonl", [record]), tmp_path / "o.jsonl")
+    record["routed_experts"] = [[[1, 2], [3, 4]]] * 10 + [[[1, 2], [3, 3]]] * (total - 11)
+    with pytest.raises(MismatchError, match=r"agent_loop2.jsonl:1: rollout 'verl-1': branches\[0\]\.segments\[1\]\."
+                                            r"routed_experts: token 1 layer 1: expert 3 appears twice in one top-k"):
+        import_file("verl", _jsonl(tmp_path / "agent_loop2.jsonl", [record]), tmp_path / "o.jsonl")
+
+
 def test_prime_rl_rollouts_bin_round_trips(tmp_path: Path) -> None:
     # TrainingBatch(examples, temperature, seq_len, step), array_like: fields in declaration order;
     # the second example omits its default advantage (omit_defaults).

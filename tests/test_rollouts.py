@@ -19,6 +19,7 @@ from mismatch.rollouts import (
     Rollout,
     check_rollout,
     context_tokens,
+    full_routed_experts,
     full_tokens,
     iter_rollouts,
     load_rollouts,
@@ -254,6 +255,28 @@ BAD_LINES = [
      MAIN + 'branches[0].segments[2].extra_logprobs["ref model"]: logprob at index 1 is nan'),
     (mutate(lambda r: seg(r, 0, 2).update(extra_logprobs=[-0.2, -1.0])),
      MAIN + "branches[0].segments[2].extra_logprobs: must be an object, got array"),
+    (mutate(lambda r: seg(r, 0, 2).update(routed_experts="1 2")),
+     MAIN + "branches[0].segments[2].routed_experts: must be an array (one [layers][top-k] array of expert ids "
+            "per token), got string"),
+    (mutate(lambda r: seg(r, 0, 2).update(routed_experts=[[[1, 2]]])),
+     MAIN + "branches[0].segments[2].routed_experts: 1 rows for 2 tokens (one [layers][top-k] row per token, "
+            "null for a token the engine routed none)"),
+    (mutate(lambda r: seg(r, 0, 2).update(routed_experts=[[[1, 2]], [[1]]])),
+     MAIN + "branches[0].segments[2].routed_experts: token 1: must be [layers][top-k] expert ids (like token "
+            "0's 1 layers x top-2), got [[1]]"),
+    (mutate(lambda r: seg(r, 0, 2).update(routed_experts=[None, [1, 2]])),
+     MAIN + "branches[0].segments[2].routed_experts: token 1: must be [layers][top-k] expert ids (a non-empty "
+            "array of equally long non-empty arrays), got [1, 2]"),
+    (mutate(lambda r: seg(r, 0, 2).update(routed_experts=[[[1, 2]], [[1, 2.0]]])),
+     MAIN + "branches[0].segments[2].routed_experts: token 1 layer 0: expert id at index 1 is not an integer: 2.0"),
+    (mutate(lambda r: seg(r, 0, 2).update(routed_experts=[[[1, 2], [0, 3]], [[1, 2], [-1, 3]]])),
+     MAIN + "branches[0].segments[2].routed_experts: token 1 layer 1: expert id -1 is negative"),
+    (mutate(lambda r: seg(r, 0, 2).update(routed_experts=[[[2, 2]], None])),
+     MAIN + "branches[0].segments[2].routed_experts: token 0 layer 0: expert 2 appears twice in one top-k"),
+    (mutate(lambda r: (seg(r, 0, 2).update(routed_experts=[[[1, 2]], None]),
+                       seg(r, 1, 0).update(routed_experts=[[[1]], [[3]]]))),
+     MAIN + "branches[1].segments[0].routed_experts: 1 layers x top-1 per token, but "
+            "branches[0].segments[2].routed_experts has 1 layers x top-2 (one model routes a rollout)"),
     (mutate(lambda r: seg(r, 0, 2).update(trainable="yes")),
      MAIN + 'branches[0].segments[2].trainable: must be true or false, got "yes"'),
     (mutate(lambda r: r["branches"][1].update(kind="robot")),
@@ -328,6 +351,33 @@ def test_vocab_size(tmp_path, monkeypatch):
         MAIN + "branches[1].segments[1].tokens: token id 12 at index 0 is >= vocab size 9 (first of 3 out of vocab)",
         MAIN + "branches[2].segments[0].tokens: token id 20 at index 0 is >= vocab size 9 (first of 2 out of vocab)",
         MAIN + "branches[2].segments[1].tokens: token id 22 at index 0 is >= vocab size 9"]
+
+
+def test_routed_experts_follow_the_tree_and_the_checkpoint(tmp_path, monkeypatch):
+    """A branch's routing is its context's (the parent's rows up to fork_at) then its own; null rows
+    and segments without routing are -1; ids are sorted per top-k and bounded by the model's experts."""
+    monkeypatch.chdir(tmp_path)
+    raw = make_rollout()
+    seg(raw, 0, 0).update(routed_experts=[[[3, 1], [0, 2]], [[1, 0], [2, 3]], None])
+    seg(raw, 0, 1).update(routed_experts=[[[1, 2], [3, 0]]] * 3)
+    seg(raw, 1, 1).update(routed_experts=[[[0, 1], [2, 3]], None, [[9, 1], [2, 3]]])
+    write_jsonl(tmp_path / "r.jsonl", [raw])
+    [rollout] = load_rollouts("r.jsonl")
+    routed = full_routed_experts(rollout, "sub-2", (2, 2))
+    assert routed.shape == (len(full_tokens(rollout, "sub-2")), 2, 2) and routed.dtype == np.int16
+    assert routed[0].tolist() == [[1, 3], [0, 2]] and routed[2].tolist() == [[-1, -1], [-1, -1]]
+    assert routed[3:5].tolist() == [[[1, 2], [0, 3]]] * 2  # main's tokens up to sub-1's fork_at 5
+    assert (routed[5:7] == -1).all() and routed[7].tolist() == [[0, 1], [2, 3]]  # sub-1's, up to fork_at 3
+    assert len(routed) == 11 and (routed[8:] == -1).all()  # sub-2's own tokens: no routing stored
+    assert [str(e) for e in validate_file("r.jsonl", num_experts=8).errors] == [
+        MAIN + "branches[1].segments[1].routed_experts: token 2 layer 0: expert id 9 is >= the checkpoint's "
+               "8 experts"]
+    other = make_rollout("r-2")
+    seg(other, 0, 4).update(routed_experts=[[[1, 2, 3]]])
+    write_jsonl(tmp_path / "two.jsonl", [raw, other])
+    assert [str(e) for e in validate_file("two.jsonl").errors] == [
+        "two.jsonl:2: rollout 'r-2': branches[0].segments[4].routed_experts: 1 layers x top-3 per token, but "
+        "line 1 stores 2 layers x top-2 (one model routes a file)"]
 
 
 def test_no_root_is_reported_with_its_cause(tmp_path, monkeypatch):
@@ -460,4 +510,17 @@ def test_check_rollout_never_raises_on_near_valid_rollouts(data):
         for key in path[:-1]:
             parent = parent[key]
         parent[path[-1]] = data.draw(json_values)
+    _check_never_raises(raw)
+
+
+_expert_ids = st.one_of(st.integers(-2, 40000), st.integers(), st.booleans(), st.floats(), st.none(), st.just([1]))
+routed_values = st.one_of(json_values, st.lists(st.one_of(st.none(), st.lists(
+    st.lists(_expert_ids, max_size=3), max_size=3)), max_size=3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(routed_values)
+def test_check_rollout_never_raises_on_any_routed_experts(value):
+    raw = make_rollout()
+    seg(raw, 0, 2)["routed_experts"] = value
     _check_never_raises(raw)

@@ -118,3 +118,139 @@ def test_hf_decode_replays_the_routing_it_is_given(moe, tmp_path) -> None:
     assert before["frac_tokens_with_flip"] > 0
     assert after["with_flip"]["kl_k3"] < 0.2 * before["with_flip"]["kl_k3"]
     assert forced.summary["engines"]["train"]["routing"]["mode"] == "replay"
+
+
+def _store_sampler(rollouts: Path, routed, logps, out: Path) -> Path:
+    """The rollouts as an engine pass sampled them: its log-probs, and each segment's routed_experts
+    as it routed them. A token's row is the experts of the position holding it, from whichever
+    stream fed it (a parent's last token is fed only as a child's context); a token no stream fed
+    gets null."""
+    import json
+
+    lines, streams = [], iter(routed)
+    own_logps = iter(logps)
+    for line in rollouts.read_text().splitlines():
+        raw = json.loads(line)
+        branches = {branch["id"]: branch for branch in raw["branches"]}
+        rows = {bid: [[None] * len(s["tokens"]) for s in b["segments"]] for bid, b in branches.items()}
+        for branch, stream in zip(raw["branches"], streams):  # plan order: rollout by rollout, branch by branch
+            logp, start = next(own_logps), 0
+            for segment in branch["segments"]:
+                if "logprobs" in segment:
+                    segment["logprobs"] = logp[start: start + len(segment["tokens"])].tolist()
+                start += len(segment["tokens"])
+            path, node, stop = [], branch, None  # (branch id, tokens of it in the stream), root first
+            while node is not None:
+                path.insert(0, (node["id"], stop))
+                node, stop = branches.get(node["parent"]), node["fork_at"]
+            places = [(bid, k, t) for bid, upto in path
+                      for k, segment in enumerate(branches[bid]["segments"]) for t in range(len(segment["tokens"]))]
+            places = [p for bid, upto in path for p in [q for q in places if q[0] == bid][:upto]]
+            for position, (bid, k, t) in enumerate(places[: len(stream.experts)]):
+                rows[bid][k][t] = rows[bid][k][t] or stream.experts[position].tolist()
+        for bid, branch in branches.items():
+            for segment, stored in zip(branch["segments"], rows[bid]):
+                segment["routed_experts"] = stored
+        lines.append(json.dumps(raw))
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+@pytest.fixture(scope="module")
+def stored_fp32(moe, tmp_path_factory) -> tuple[Path, list]:
+    """The example rollouts as an fp32 pass would have sampled them: its log-probs, and the experts
+    it routed each token to (a sampler that returned its routing, as vLLM's
+    enable_return_routed_experts does)."""
+    from mismatch.engines import load_engine
+    from mismatch.replay import plan_replay
+    from mismatch.rollouts import load_rollouts
+
+    engine = load_engine("hf:dtype=float32", str(moe))
+    try:
+        logps = engine.replay(plan_replay(load_rollouts(EXAMPLE)).requests)
+        routed = list(engine.routed)
+    finally:
+        engine.close()
+    return _store_sampler(EXAMPLE, routed, logps, tmp_path_factory.mktemp("stored") / "routed.jsonl"), routed
+
+
+def test_stored_routing_is_agreed_against_and_replayed(moe, stored_fp32, tmp_path) -> None:
+    """R3 as trainers run it: the trainer follows the routing the rollout engine stored. Each pass's
+    agreement with the stored routing is measured (pairs X/sampler); with routing=replay the experts
+    the trainer uses are the stored ones at every position, and the gap on flipped tokens falls."""
+    rollouts, routed = stored_fp32
+    specs = {"train": "hf:dtype=bfloat16", "infer": "hf:dtype=float32"}
+    own = audit(moe, rollouts, **specs, out=tmp_path / "own").summary
+    replayed = audit(moe, rollouts, train="hf:dtype=bfloat16,routing=replay", infer="hf:dtype=float32",
+                     out=tmp_path / "r3").summary
+    assert own["routing"]["infer/sampler"]["flip_rate"] == 0.0  # the config that stored it agrees bit for bit
+    assert own["pairs"]["infer/sampler"]["bitwise_equal_frac"] == 1.0
+    before, after = own["routing"]["train/sampler"], replayed["routing"]["train/sampler"]
+    assert before["frac_tokens_with_flip"] > 0 and before["n_tokens"] == own["pairs"]["train/sampler"]["n_tokens"]
+    assert before["margin_at_flips_median"] is not None  # the recorded side's margin (the stored has none)
+    assert after["with_flip"]["kl_k3"] < 0.1 * before["with_flip"]["kl_k3"]
+    assert after["with_flip"]["kl_k3"] < 5 * after["without_flip"]["kl_k3"]  # the dense level
+    assert replayed["pairs"]["train/sampler"]["kl_k3"] < 0.5 * own["pairs"]["train/sampler"]["kl_k3"]
+    assert replayed["engines"]["train"]["routing"] == {"moe_layers": 2, "mode": "replay", "from": "sampler"}
+
+
+def test_routing_replay_uses_the_stored_experts_at_every_position(moe, stored_fp32) -> None:
+    """The experts modules of a routing=replay pass receive exactly the stored selection: no flip is
+    left (summary.json's routing keeps what the pass's own router would have chosen)."""
+    from mismatch.engines import load_engine
+    from mismatch.replay import plan_replay
+    from mismatch.rollouts import load_rollouts
+
+    _, routed = stored_fp32
+    requests = plan_replay(load_rollouts(EXAMPLE)).requests
+    engine = load_engine("hf:dtype=bfloat16,routing=replay", str(moe))
+    used: list[np.ndarray] = []
+
+    def record(module, args, kwargs) -> None:
+        selected = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+        used.append(selected.sort(dim=-1).values.numpy())
+
+    modules = [m for name, m in engine.model.named_modules() if name.endswith("mlp.experts")]
+    hooks = [module.register_forward_pre_hook(record, with_kwargs=True) for module in modules]
+    try:
+        for request, stream in zip(requests, routed, strict=True):
+            engine.forced = [stream.experts]
+            engine.replay([request])
+            fed = len(request.tokens) - 1  # the last position predicts nothing and is forced anywhere
+            assert np.array_equal(np.stack([u[:fed] for u in used], axis=1), stream.experts)
+            used.clear()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        engine.close()
+
+
+def test_stored_routing_that_cannot_be_this_models_is_refused_before_any_replay(moe, stored_fp32, tiny_checkpoint,
+                                                                                tmp_path, capsys) -> None:
+    import json
+
+    rollouts, _ = stored_fp32
+    def run(checkpoint: Path, lines: list[dict], train: str = "hf:routing=replay") -> str:
+        path = tmp_path / "r.jsonl"
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        assert main(["audit", str(checkpoint), "--rollouts", str(path), "--train", train, "--infer", "sampler",
+                     "--out", str(tmp_path / "o")]) == 2
+        return capsys.readouterr().err
+
+    lines = [json.loads(line) for line in rollouts.read_text().splitlines()]
+    lines[1]["branches"][0]["segments"][2]["routed_experts"][3] = None
+    err = run(moe, lines)
+    assert "routing=replay follows the stored routed_experts, which have no row for rollout 'r-1' branch 'main' " \
+           "position 32, a position the trainer feeds (1 such in that stream)" in err
+    assert "which have no row for rollout 'r-1' branch 'sub-1'" not in err
+    err = run(tiny_checkpoint, lines, train="hf")
+    assert "routed_experts stored, but" in err and "config.json names no experts (a dense model routes nothing)" in err
+    for segment in lines[0]["branches"][0]["segments"]:
+        segment["routed_experts"] = [row and row[:1] for row in segment["routed_experts"]]
+    for line in lines[1:]:
+        for branch in line["branches"]:
+            for segment in branch["segments"]:
+                segment.pop("routed_experts")
+    err = run(moe, lines)
+    assert "rollout 'r-0': routed_experts has 1 layers x top-2 per token, but the model routes 2 layers x top-2" in err
+    assert not (tmp_path / "o").exists()

@@ -49,6 +49,9 @@ class Segment:
     logprobs: np.ndarray | None  # float64, the sampler's log-prob of each token as stored at rollout time
     trainable: bool
     extra_logprobs: dict[str, np.ndarray] = field(default_factory=dict)
+    # The experts the sampler routed each token to (MoE), int16 [num_tokens, moe_layers, top_k];
+    # a row of -1 where it routed none (see _check_routed_experts).
+    routed_experts: np.ndarray | None = None
 
     @property
     def generated(self) -> bool:
@@ -121,6 +124,47 @@ def _prefix(branch: Branch, num_tokens: int) -> np.ndarray:
         parts.append(segment.tokens[:left])
         left -= len(segment.tokens)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def full_routed_experts(rollout: Rollout, branch_id: str, shape: tuple[int, int]) -> np.ndarray:
+    """The stored experts of every token of `full_tokens`, int16 [tokens, layers, k] for a
+    (layers, k) `shape`; -1 rows for the tokens whose segment stored none."""
+    def rows(segments: tuple[Segment, ...], num_tokens: int | None) -> list[np.ndarray]:
+        parts, left = [], num_tokens
+        for segment in segments:
+            if left is not None and left <= 0:
+                break
+            stored = segment.routed_experts
+            if stored is None:
+                stored = np.full((len(segment.tokens), *shape), -1, dtype=np.int16)
+            parts.append(stored if left is None else stored[:left])
+            left = None if left is None else left - len(segment.tokens)
+        return parts
+
+    branch = rollout.branch(branch_id)
+    pieces = [rows(branch.segments, None)]
+    while branch.parent is not None:  # the context, as context_tokens walks it
+        parent = rollout.branch(branch.parent)
+        pieces.append(rows(parent.segments, branch.fork_at))
+        branch = parent
+    parts = [part for piece in pieces[::-1] for part in piece]
+    return np.concatenate(parts) if parts else np.zeros((0, *shape), dtype=np.int16)
+
+
+def routing_shape(rollout: Rollout) -> tuple[int, int] | None:
+    """(MoE layers, top-k) of the rollout's stored routed_experts, or None when it stores none
+    (the validator holds every segment of a file to one shape)."""
+    first = _first_routed(rollout)
+    return first[1] if first is not None else None
+
+
+def _first_routed(rollout: Rollout) -> tuple[str, tuple[int, int]] | None:
+    """(field path, (layers, k)) of the rollout's first segment with routed_experts."""
+    for i, branch in enumerate(rollout.branches):
+        for j, segment in enumerate(branch.segments):
+            if segment.routed_experts is not None:
+                return f"branches[{i}].segments[{j}].routed_experts", segment.routed_experts.shape[1:]
+    return None
 
 
 def full_tokens(rollout: Rollout, branch_id: str) -> np.ndarray:
@@ -287,7 +331,85 @@ def _check_logprobs(value: object, where: str, num_tokens: int | None, problems:
     return logp
 
 
-def _check_segment(raw: object, where: str, vocab_size: int | None, problems: _Problems) -> Segment | None:
+MAX_EXPERT_ID = np.iinfo(np.int16).max  # routed_experts are held as int16; no model has more experts
+
+
+def _routing_row_shape(row: object) -> tuple[int, int] | None:
+    """(layers, k) of one token's [layers][top-k] row, None when it is not such a rectangle."""
+    if not isinstance(row, list) or not row or not all(isinstance(layer, list) for layer in row):
+        return None
+    k = len(row[0])
+    return (len(row), k) if k and all(len(layer) == k for layer in row) else None
+
+
+def _unflat(index: int, layers: int, k: int) -> tuple[int, int, int]:
+    """(row, layer, slot) of an index into the flattened [rows][layers][k] ids."""
+    row, rest = divmod(index, layers * k)
+    return (row, *divmod(rest, k))
+
+
+def _check_routed_experts(value: object, where: str, num_tokens: int | None, num_experts: int | None,
+                          problems: _Problems) -> np.ndarray | None:
+    """A segment's routed_experts: one [moe layers][top-k] array of expert ids per token, as vLLM
+    returns them (CompletionOutput.routed_experts, [seq_len, layer_num, topk]); null for a token
+    the engine routed none (a stream's last token is never fed; vLLM's routed_experts_prompt_start
+    skips prompt tokens an earlier turn returned). Returns int16 [tokens, layers, k], -1 rows for
+    null; None when every row is null. Each row's ids are kept sorted."""
+    if not isinstance(value, list):
+        problems.add(where, f"must be an array (one [layers][top-k] array of expert ids per token), "
+                            f"got {_json_type(value)}")
+        return None
+    if num_tokens is not None and len(value) != num_tokens:
+        problems.add(where, f"{len(value)} rows for {num_tokens} tokens (one [layers][top-k] row per "
+                            "token, null for a token the engine routed none)")
+        return None
+    present = [i for i, row in enumerate(value) if row is not None]
+    if not present:
+        return None
+    shape = _routing_row_shape(value[present[0]])
+    bad = next((i for i in present if _routing_row_shape(value[i]) != shape), None) if shape else present[0]
+    if bad is not None:
+        expected = f"like token {present[0]}'s {_layers_by_k(shape)}" if shape else \
+            "a non-empty array of equally long non-empty arrays"
+        problems.add(where, f"token {bad}: must be [layers][top-k] expert ids ({expected}), "
+                            f"got {_show(value[bad])}")
+        return None
+    layers, k = shape
+    flat = [expert for i in present for layer in value[i] for expert in layer]
+    bad = _first_bad_type(flat, _INT_TYPES)  # bool is not an expert id: type(True) is bool
+    if bad is not None:
+        n, layer, j = _unflat(bad, layers, k)
+        problems.add(where, f"token {present[n]} layer {layer}: expert id at index {j} is not an integer: "
+                            f"{_show(flat[bad])}")
+        return None
+    limit, why = ((num_experts, f"the checkpoint's {num_experts} experts") if num_experts is not None
+                  else (MAX_EXPERT_ID + 1, f"{MAX_EXPERT_ID + 1} (no model has that many experts)"))
+    try:
+        ids = np.array(flat, dtype=np.int64)
+        wrong = np.flatnonzero((ids < 0) | (ids >= limit))
+    except OverflowError:  # past int64: out of range whatever the model
+        wrong = np.array([i for i, expert in enumerate(flat) if not 0 <= expert < limit])
+    if len(wrong):
+        n, layer, j = _unflat(int(wrong[0]), layers, k)
+        expert = flat[int(wrong[0])]
+        problems.add(where, f"token {present[n]} layer {layer}: expert id {_show(expert)} is "
+                            f"{'negative' if expert < 0 else f'>= {why}'}{_first_of(len(wrong), 'out of range')}")
+        return None
+    experts = ids.reshape(len(present), layers, k)
+    ordered = np.sort(experts, axis=-1)
+    twice = np.argwhere(ordered[..., 1:] == ordered[..., :-1])
+    if len(twice):
+        n, layer, j = (int(x) for x in twice[0])
+        problems.add(where, f"token {present[n]} layer {layer}: expert {int(ordered[n, layer, j])} appears "
+                            "twice in one top-k")
+        return None
+    out = np.full((len(value), *shape), -1, dtype=np.int16)
+    out[present] = ordered  # sorted: a top-k is a set, and passes compare as sets (engines/routing.py)
+    return out
+
+
+def _check_segment(raw: object, where: str, vocab_size: int | None, problems: _Problems,
+                   num_experts: int | None = None) -> Segment | None:
     if not isinstance(raw, dict):
         problems.add(where, f"must be an object, got {_json_type(raw)}")
         return None
@@ -322,14 +444,19 @@ def _check_segment(raw: object, where: str, vocab_size: int | None, problems: _P
                 extra[name] = _check_logprobs(values, f"{where}.extra_logprobs{_key_path(name)}",
                                               num_tokens, problems)
 
+    raw_routed = raw.get("routed_experts")
+    routed = None if raw_routed is None else _check_routed_experts(raw_routed, f"{where}.routed_experts",
+                                                                  num_tokens, num_experts, problems)
+
     if len(problems.errors) > num_errors:
         return None
     return Segment(role=role, tokens=tokens, logprobs=logprobs,
                    trainable=role in MODEL_ROLES if trainable is None else trainable,
-                   extra_logprobs=extra)
+                   extra_logprobs=extra, routed_experts=routed)
 
 
-def _check_branch(raw: object, where: str, vocab_size: int | None, problems: _Problems) -> Branch | None:
+def _check_branch(raw: object, where: str, vocab_size: int | None, problems: _Problems,
+                  num_experts: int | None = None) -> Branch | None:
     if not isinstance(raw, dict):
         problems.add(where, f"must be an object, got {_json_type(raw)}")
         return None
@@ -368,7 +495,7 @@ def _check_branch(raw: object, where: str, vocab_size: int | None, problems: _Pr
     elif raw_segments is not None and not raw_segments:
         problems.add(f"{where}.segments", "empty segment list")
     elif raw_segments is not None:
-        segments = [_check_segment(s, f"{where}.segments[{i}]", vocab_size, problems)
+        segments = [_check_segment(s, f"{where}.segments[{i}]", vocab_size, problems, num_experts)
                     for i, s in enumerate(raw_segments)]
 
     if len(problems.errors) > num_errors:
@@ -504,9 +631,10 @@ def _check_messages(raw: dict, problems: _Problems) -> list | None:
     return messages
 
 
-def check_rollout(raw: object, *, file: str, line: int,
-                  vocab_size: int | None) -> tuple[Rollout | None, list[RolloutError]]:
-    """Every problem of one parsed rollout; the `Rollout` only when there are none."""
+def check_rollout(raw: object, *, file: str, line: int, vocab_size: int | None,
+                  num_experts: int | None = None) -> tuple[Rollout | None, list[RolloutError]]:
+    """Every problem of one parsed rollout; the `Rollout` only when there are none. `num_experts`
+    (the checkpoint's, when known) bounds the expert ids of routed_experts."""
     problems = _Problems(file=file, line=line)
     if not isinstance(raw, dict):
         problems.add(None, f"rollout must be a JSON object, got {_json_type(raw)}")
@@ -526,13 +654,34 @@ def check_rollout(raw: object, *, file: str, line: int,
     elif raw_branches is not None and not raw_branches:
         problems.add("branches", "empty branch list")
     elif raw_branches is not None:
-        branches = [_check_branch(b, f"branches[{i}]", vocab_size, problems) for i, b in enumerate(raw_branches)]
+        branches = [_check_branch(b, f"branches[{i}]", vocab_size, problems, num_experts)
+                    for i, b in enumerate(raw_branches)]
         _check_tree(raw_branches, branches, problems)
+        _check_routing_shapes(branches, problems)
 
     if problems.errors:
         return None, problems.errors
     return Rollout(id=rollout_id, meta=meta, branches=tuple(branches), messages=messages,
                    file=file, line=line), []
+
+
+def _check_routing_shapes(branches: list[Branch | None], problems: _Problems) -> None:
+    """Every segment's routed_experts of one rollout has the same [layers][top-k]: one model routed them."""
+    first: tuple[str, tuple[int, ...]] | None = None
+    for i, branch in enumerate(branches):
+        for j, segment in enumerate(branch.segments if branch is not None else ()):
+            if segment.routed_experts is None:
+                continue
+            where, shape = f"branches[{i}].segments[{j}].routed_experts", segment.routed_experts.shape[1:]
+            if first is None:
+                first = (where, shape)
+            elif shape != first[1]:
+                problems.add(where, f"{_layers_by_k(shape)} per token, but {first[0]} has "
+                                    f"{_layers_by_k(first[1])} (one model routes a rollout)")
+
+
+def _layers_by_k(shape: tuple[int, ...]) -> str:
+    return f"{shape[0]} layers x top-{shape[1]}"
 
 
 def _short_id(text: str | None) -> str | None:
@@ -668,15 +817,23 @@ def _open(path: str | os.PathLike[str]) -> tuple[str, Iterator[tuple[int, object
     return file, reader(p, file)
 
 
-def _checked(file: str, rows: Iterator[tuple[int, object, list[RolloutError]]],
-             vocab_size: int | None) -> Iterator[tuple[Rollout | None, list[RolloutError]]]:
+def _checked(file: str, rows: Iterator[tuple[int, object, list[RolloutError]]], vocab_size: int | None,
+             num_experts: int | None = None) -> Iterator[tuple[Rollout | None, list[RolloutError]]]:
     first_line: dict[str, int] = {}  # rollout id -> line; one small entry per rollout, not per token
+    routing: tuple[int, tuple[int, int]] | None = None  # (line, shape) of the first stored routing
     for line, raw, read_errors in rows:
         if raw is _UNPARSED:
             yield None, read_errors
             continue
-        rollout, errors = check_rollout(raw, file=file, line=line, vocab_size=vocab_size)
+        rollout, errors = check_rollout(raw, file=file, line=line, vocab_size=vocab_size, num_experts=num_experts)
         errors = read_errors + errors
+        first = _first_routed(rollout) if rollout is not None else None
+        if first is not None and routing is None:
+            routing = (line, first[1])
+        elif first is not None and first[1] != routing[1]:
+            errors.append(RolloutError(f"{_layers_by_k(first[1])} per token, but line {routing[0]} stores "
+                                       f"{_layers_by_k(routing[1])} (one model routes a file)", file=file,
+                                       line=line, rollout=_short_id(rollout.id), field=first[0]))
         rollout_id = raw.get("id") if isinstance(raw, dict) else None
         if isinstance(rollout_id, str) and rollout_id:
             if rollout_id in first_line:
@@ -691,16 +848,17 @@ def _empty_file_error(file: str) -> RolloutError:
     return RolloutError("no rollouts (empty file)", file=file)
 
 
-def iter_rollouts(path: str | os.PathLike[str], *, vocab_size: int | None = None) -> Iterator[Rollout]:
+def iter_rollouts(path: str | os.PathLike[str], *, vocab_size: int | None = None,
+                  num_experts: int | None = None) -> Iterator[Rollout]:
     """Rollouts of a JSONL or Parquet file, one at a time; raises `RolloutError` at the first bad one."""
     file, rows = _open(path)
-    return _iter_valid(file, rows, vocab_size)
+    return _iter_valid(file, rows, vocab_size, num_experts)
 
 
 def _iter_valid(file: str, rows: Iterator[tuple[int, object, list[RolloutError]]],
-                vocab_size: int | None) -> Iterator[Rollout]:
+                vocab_size: int | None, num_experts: int | None) -> Iterator[Rollout]:
     num_rollouts = 0
-    for rollout, errors in _checked(file, rows, vocab_size):
+    for rollout, errors in _checked(file, rows, vocab_size, num_experts):
         if errors:
             raise errors[0]
         num_rollouts += 1
@@ -709,18 +867,19 @@ def _iter_valid(file: str, rows: Iterator[tuple[int, object, list[RolloutError]]
         raise _empty_file_error(file)
 
 
-def load_rollouts(path: str | os.PathLike[str], *, vocab_size: int | None = None) -> list[Rollout]:
-    return list(iter_rollouts(path, vocab_size=vocab_size))
+def load_rollouts(path: str | os.PathLike[str], *, vocab_size: int | None = None,
+                  num_experts: int | None = None) -> list[Rollout]:
+    return list(iter_rollouts(path, vocab_size=vocab_size, num_experts=num_experts))
 
 
-def validate_file(path: str | os.PathLike[str], *, vocab_size: int | None = None,
+def validate_file(path: str | os.PathLike[str], *, vocab_size: int | None = None, num_experts: int | None = None,
                   max_errors: int = 1000) -> ValidationReport:
     """Every problem in a file (up to max_errors), still streaming; raises only if the file cannot be opened."""
     file, rows = _open(path)
     num_rollouts = num_invalid = num_branches = num_tokens = num_trainable = 0
     errors: list[RolloutError] = []
     truncated = False
-    for rollout, rollout_errors in _checked(file, rows, vocab_size):
+    for rollout, rollout_errors in _checked(file, rows, vocab_size, num_experts):
         if rollout_errors:
             num_invalid += 1
             room = max_errors - len(errors)

@@ -101,14 +101,39 @@ def runs(mask: Sequence[int]) -> list[tuple[int, int, bool]]:
     return out
 
 
+def routed_rows(value: Any, field: str, num_tokens: int, where: Where) -> list[Any]:
+    """A dump's routed experts ([positions][layers][top-k] ids from the rollout engine, as vLLM's
+    CompletionOutput.routed_experts) as one row per token, None where it has none: past its end
+    (the last token is never fed) or an all-zero row, which is a framework's padding, never a
+    routing (a top-k of k > 1 names k different experts). The v1 validator checks the rest."""
+    if not isinstance(value, list) or len(value) > num_tokens:
+        raise where.error(field, f"must be an array of at most {num_tokens} [layers][top-k] rows (one per "
+                                 f"token), got {_type_name(value) if not isinstance(value, list) else len(value)}")
+    rows = [None if _is_padding(row) else row for row in value]
+    return rows + [None] * (num_tokens - len(rows))
+
+
+def _is_padding(row: Any) -> bool:
+    return (isinstance(row, list) and all(isinstance(layer, list) and len(layer) > 1 for layer in row)
+            and not any(expert for layer in row for expert in layer))
+
+
+def with_routing(segment: dict[str, Any], rows: list[Any] | None) -> dict[str, Any]:
+    """The segment with its routed_experts rows, when the dump has any for its tokens."""
+    if rows is not None and any(row is not None for row in rows):
+        segment["routed_experts"] = rows
+    return segment
+
+
 def masked_segments(ids: list[int], mask: Sequence[int], logprobs: list[float] | None, *,
-                    off_role: str) -> list[dict[str, Any]]:
+                    off_role: str, routed: list[Any] | None = None) -> list[dict[str, Any]]:
     """Segments of a response whose mask marks trained (1) and other (0) tokens.
 
     Mask-1 runs are assistant turns with their log-probs. Mask-0 runs are `off_role`: "tool"
     for frameworks whose 0 means environment tokens inside the response (their placeholder
     log-probs are dropped), or "assistant" for ones whose 0 means a sampled token left out of
-    the loss (kept with its log-probs, trainable false).
+    the loss (kept with its log-probs, trainable false). `routed`: one routed_experts row (or
+    None) per token, split with the tokens.
     """
     segments = []
     for start, stop, on in runs(mask):
@@ -118,7 +143,7 @@ def masked_segments(ids: list[int], mask: Sequence[int], logprobs: list[float] |
             segment["logprobs"] = logprobs[start:stop]
         if role == "assistant" and not on:
             segment["trainable"] = False
-        segments.append(segment)
+        segments.append(with_routing(segment, routed[start:stop] if routed is not None else None))
     return segments
 
 
