@@ -16,12 +16,26 @@ import pandas as pd
 
 from mismatch import __version__
 from mismatch.advise.corrections import summary_corrections
-from mismatch.advise.recommend import FRAMEWORKS, recommend, recommendations_dicts, render_config
+from mismatch.advise.recommend import (
+    FRAMEWORKS,
+    recommend,
+    recommendations_dicts,
+    render_config,
+)
 from mismatch.advise.verdicts import verdicts
 from mismatch.analysis.alignment import Sampling, check_alignment, replay_processed
+from mismatch.analysis.chunked import (
+    OVERALL,
+    GroupedPairMetrics,
+    breakdown_records,
+    per_rollout_metrics,
+    table_chunks,
+    table_counts,
+)
+from mismatch.analysis.chunked import run as run_chunks
 from mismatch.analysis.clip import ClipRange, clip_summary
 from mismatch.analysis.framework_metrics import framework_metrics, pair_arrays
-from mismatch.analysis.metrics import PAIR_METRICS, metrics_by, summarize_pairs
+from mismatch.analysis.metrics import PAIR_METRICS
 from mismatch.analysis.prefixes import prefix_consistency, prefix_keys
 from mismatch.analysis.routing import routing_summary, token_routing
 from mismatch.analysis.tokenview import TokenView
@@ -32,9 +46,25 @@ from mismatch.identity import run_inputs
 from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import localize_turns
-from mismatch.replay import DEFAULT_BLOCK, TORCH_KINDS, ProgressFactory, Replayed, Shard, replay_sources
-from mismatch.results import (REPORT_FILE, ROLLOUTS_FILE, SUMMARY_SCHEMA, Handoff, WorkDir, check_out_dir,
-                              read_tokens, results_lock, write_results)
+from mismatch.replay import (
+    DEFAULT_BLOCK,
+    TORCH_KINDS,
+    ProgressFactory,
+    Replayed,
+    Shard,
+    replay_sources,
+)
+from mismatch.results import (
+    REPORT_FILE,
+    ROLLOUTS_FILE,
+    SUMMARY_SCHEMA,
+    Handoff,
+    WorkDir,
+    check_out_dir,
+    read_tokens,
+    results_lock,
+    write_results,
+)
 from mismatch.rollouts.drift import find_drift
 from mismatch.rollouts.trees import tree_summary
 
@@ -148,14 +178,13 @@ def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
     routers, and are passed in). `alignment` is the check_alignment result when the caller
     already has it (it reads the same columns)."""
     pairs = audit_pairs(table)
-    view = TokenView(table)  # trainable rows keyed once, shared by every step below
     summary = build_summary(table, engines=engines, checkpoint=checkpoint,
-                            rollouts_file=rollouts_file, pairs=pairs, command="audit", view=view)
+                            rollouts_file=rollouts_file, pairs=pairs, command="audit", clip=clip)
+    view = TokenView(table)  # trainable rows keyed once, shared by every step below
     summary["alignment"] = alignment if alignment is not None else check_alignment(
         table, sampler_meta=engines["sampler"].get("meta"))
     summary["trees"] = tree_summary(table, pairs)
     summary["framework_metrics"] = {f"{a}/{b}": framework_metrics(pair_arrays(table, a, b)) for a, b in pairs}
-    summary["clip"] = clip_summary(view, pairs, clip)
     summary["localization"]["turns"] = localize_turns(view, "train", "sampler")
     if drift is not None:
         summary["drift"] = drift
@@ -230,7 +259,7 @@ def publish(out: Path, table: pd.DataFrame | Handoff, summary: dict[str, Any],
 
     handoff = table if isinstance(table, Handoff) else Handoff(table)
     del table
-    per_rollout = metrics_by(handoff.value, list(pairs), "rollout")
+    per_rollout = per_rollout_metrics(table_chunks(handoff.value), pairs)
     # The report is built inside the staged dir, so it appears in the same rename as its data.
     write_results(out, tokens=handoff, summary=summary, force=force,
                   extra={ROLLOUTS_FILE: lambda path: per_rollout.to_parquet(path, index=False),
@@ -247,41 +276,40 @@ def shard_info(shard: Shard | None, block_size: int) -> dict[str, Any]:
 
 def build_summary(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
                   rollouts_file: str, pairs: tuple[tuple[str, str], ...], command: str,
-                  view: TokenView | None = None) -> dict[str, Any]:
-    """summary.json (contract `mismatch.summary/v1`) from a filled token table (and its
-    trainable-row view, when the caller has one to share)."""
-    view = view if view is not None else TokenView(table)
-    pair_metrics = summarize_pairs(view, list(pairs))
-    return {
+                  clip: ClipRange | None = None, chunk_rows: int | None = None) -> dict[str, Any]:
+    """summary.json (contract `mismatch.summary/v1`) from a filled token table, read in chunks of
+    whole rollouts (analysis/chunked.py); with `clip`, also summary.json `clip`."""
+    chunks = table_chunks(table, chunk_rows)
+    trainable = GroupedPairMetrics(pairs, ("turn", "branch_kind"), trainable_only=True,
+                                   clip=(clip.low, clip.high) if clip is not None else None)
+    every_row = GroupedPairMetrics(pairs, ("role",), trainable_only=False, overall=False)
+    found, by_role = run_chunks(chunks, [trainable, every_row])
+    pair_metrics = {name: _metrics_row(frame) for name, frame in found[OVERALL].items()}
+    counts = table_counts(chunks)
+    summary = {
         "schema": SUMMARY_SCHEMA,
         "command": command,
         "mismatch_version": __version__,
         "created_unix": time.time(),
         "checkpoint": checkpoint,
         "rollouts_file": rollouts_file,
-        "counts": {"rollouts": int(table["rollout"].nunique()),
-                   "branches": int(table.groupby(["rollout", "branch"], observed=True).ngroups),
-                   "tokens": len(table), "trainable_tokens": view.num_tokens},
+        "counts": counts,
         "engines": engines,
         "pairs": pair_metrics,
         "verdicts": verdicts(pair_metrics),
-        "turns": _breakdown(view, pairs, "turn"),
-        "roles": _breakdown(TokenView.of(view, trainable_only=False), pairs, "role"),
-        "branch_kinds": _breakdown(view, pairs, "branch_kind"),
+        "turns": breakdown_records(found["turn"], "turn"),
+        "roles": breakdown_records(by_role["role"], "role"),
+        "branch_kinds": breakdown_records(found["branch_kind"], "branch_kind"),
         # Filled by the callers that have the inputs: localizers, corrections, recommendations.
         "localization": {},
         "corrections": [],
         "recommendations": [],
     }
+    if clip is not None:
+        summary["clip"] = clip_summary(clip, found)
+    return summary
 
 
-def _breakdown(view: TokenView, pairs: tuple[tuple[str, str], ...], by: str) -> list[dict[str, Any]]:
-    """[{by: key, "pairs": {"A/B": {metric: value}}}] in key order, for summary.json."""
-    long = metrics_by(view, list(pairs), by, trainable_only=view.trainable_only)
-    rows: dict[Any, dict[str, Any]] = {}
-    for record in long.to_dict("records"):
-        key = record[by]
-        key = key.item() if hasattr(key, "item") else key
-        entry = rows.setdefault(key, {by: key, "pairs": {}})
-        entry["pairs"][record["pair"]] = {name: record[name] for name in PAIR_METRICS}
-    return [rows[key] for key in sorted(rows, key=lambda k: (str(type(k)), k))]
+def _metrics_row(frame: pd.DataFrame) -> dict[str, float | int]:
+    row = frame.iloc[0]
+    return {name: int(row[name]) if name in ("n_tokens", "n_rollouts") else float(row[name]) for name in PAIR_METRICS}

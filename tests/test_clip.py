@@ -8,13 +8,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-
-from mismatch.cli import main
-from mismatch.analysis.clip import ClipRange, clip_sentence, clip_summary
-from mismatch.errors import MismatchError
-from mismatch.analysis.tokenview import TokenView
-from reports.banner import audit_banner
 from test_golden import GOLDEN, stored_checkpoint
+
+from mismatch.analysis.clip import ClipRange, clip_sentence, table_clip_summary
+from mismatch.cli import main
+from mismatch.errors import MismatchError
+from reports.banner import audit_banner
 
 
 def test_clip_range_parses_symmetric_and_clip_higher() -> None:
@@ -32,11 +31,11 @@ def test_shares_outside_the_clip_range_by_hand() -> None:
     table = pd.DataFrame({"rollout": "r", "branch": "main", "branch_kind": "main", "turn": [0, 0, 0, 1, 1, 1],
                           "trainable": True, "logp_sampler": -1.0})
     table["logp_train"] = -1.0 + np.log(ratios)
-    out = clip_summary(TokenView(table), [("train", "sampler")], ClipRange(low=0.2, high=0.28))
+    out = table_clip_summary(table, [("train", "sampler")], ClipRange(low=0.2, high=0.28))
     assert out["pairs"]["train/sampler"] == pytest.approx(2 / 6)
     assert out["turns"]["train/sampler"] == [{"turn": 0, "n_tokens": 3, "frac_outside_clip": pytest.approx(1 / 3)},
                                              {"turn": 1, "n_tokens": 3, "frac_outside_clip": pytest.approx(1 / 3)}]
-    symmetric = clip_summary(TokenView(table), [("train", "sampler")], ClipRange())
+    symmetric = table_clip_summary(table, [("train", "sampler")], ClipRange())
     assert symmetric["pairs"]["train/sampler"] == pytest.approx(3 / 6)
     assert symmetric["range"] == [0.8, 1.2]
 

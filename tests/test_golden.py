@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import mismatch
 
@@ -82,7 +83,11 @@ def renamed(value: object) -> object:
     return value
 
 
-def test_stored_audit_matches_the_summary_from_before_the_rewrite(tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunk_rows", [None, 97], ids=["one-chunk", "chunks-of-97-rows"])
+def test_stored_audit_matches_the_summary_from_before_the_rewrite(tmp_path: Path, monkeypatch, chunk_rows) -> None:
+    """Read in one chunk, and in chunks of a few rollouts (every chunk merge path taken)."""
+    if chunk_rows is not None:
+        monkeypatch.setattr("mismatch.analysis.chunked.DEFAULT_CHUNK_ROWS", chunk_rows)
     checkpoint = stored_checkpoint(tmp_path / "ckpt")
     result = mismatch.audit(checkpoint, GOLDEN / "rollouts.jsonl", train="stored:trainer",
                             infer="stored:engine", out=tmp_path / "out")

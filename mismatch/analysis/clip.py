@@ -1,7 +1,7 @@
 """The gap against the PPO clip range the user trains with: the share of tokens whose ratio the
 mismatch alone pushes out of [1 - eps_low, 1 + eps_high], per pair, turn and branch kind.
 
-Flow: TokenView + the audit pairs + ClipRange -> summary.json["clip"] -> verdict line, report banner.
+Flow: per-span counts of tokens outside the range (analysis/chunked.py) + ClipRange -> summary.json["clip"] -> verdict line, report banner.
 On-policy the PPO ratio would be exactly 1; every token the mismatch moves past the clip bound
 gets no gradient from the clipped side of the objective, whatever its advantage.
 """
@@ -12,11 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+import pandas as pd
 
-from mismatch.analysis import terms
-from mismatch.analysis.metrics import pair_tokens
-from mismatch.analysis.tokenview import TokenView
+from mismatch.analysis.chunked import OVERALL, GroupedPairMetrics, run, table_chunks
 from mismatch.errors import MismatchError
 
 BREAKDOWNS = {"turn": "turns", "branch_kind": "branch_kinds"}
@@ -46,29 +44,33 @@ class ClipRange:
         return f"[{1 - self.low:g}, {1 + self.high:g}]"
 
 
-def clip_summary(view: TokenView, pairs: Sequence[tuple[str, str]], clip: ClipRange) -> dict[str, Any]:
+def clip_summary(clip: ClipRange, found: dict[str, dict[str, pd.DataFrame]]) -> dict[str, Any]:
     """summary.json["clip"]: the clip range and, per pair, the share of tokens outside it overall,
-    by turn and by branch kind."""
+    by turn and by branch kind, from a `GroupedPairMetrics(..., clip=...)`'s results (`found`)."""
     out: dict[str, Any] = {"eps_low": clip.low, "eps_high": clip.high, "range": [1 - clip.low, 1 + clip.high],
                            "pairs": {}, **{key: {} for key in BREAKDOWNS.values()}}
-    for a, b in pairs:
-        name = f"{a}/{b}"
-        pair = pair_tokens(view, f"logp_{a}", f"logp_{b}")
-        flags = terms.outside_clip(pair.ratio, clip.low, clip.high)
-        out["pairs"][name] = float(flags.mean()) if len(flags) else None
+    for name, frame in found[OVERALL].items():
+        n, hits = int(frame["n_tokens"].iloc[0]), int(frame["n_outside_clip"].iloc[0])
+        out["pairs"][name] = hits / n if n else None
         for by, key in BREAKDOWNS.items():
-            if pair.view.has(by):
-                out[key][name] = _by(pair.view, flags, by)
+            if by in found:
+                out[key][name] = _by(found[by][name], by)
     return out
 
 
-def _by(view: TokenView, flags: np.ndarray, by: str) -> list[dict[str, Any]]:
-    spans, grouping = view.grouping([by])
-    hits = grouping.sum(spans.sum(flags, dtype=np.int64))
-    counts = grouping.count(spans)
-    keys = grouping.keys[by].tolist()
-    return [{by: key, "n_tokens": int(n), "frac_outside_clip": float(hit / n) if n else None}
-            for key, n, hit in zip(keys, counts, hits)]
+def _by(frame: pd.DataFrame, by: str) -> list[dict[str, Any]]:
+    """Each group the pair has tokens in: its size and share outside the clip range."""
+    return [{by: key.item() if hasattr(key, "item") else key, "n_tokens": int(n), "frac_outside_clip": float(hit / n)}
+            for key, n, hit in zip(frame[by], frame["n_tokens"], frame["n_outside_clip"]) if n]
+
+
+def table_clip_summary(table: pd.DataFrame, pairs: Sequence[tuple[str, str]], clip: ClipRange) -> dict[str, Any]:
+    """`clip_summary` of a token table's trainable tokens (one pass over its chunks)."""
+    chunks = table_chunks(table)
+    accumulator = GroupedPairMetrics(pairs, [by for by in BREAKDOWNS if by in table.columns], trainable_only=True,
+                                     clip=(clip.low, clip.high))
+    (found,) = run(chunks, [accumulator])
+    return clip_summary(clip, found)
 
 
 def clip_sentence(summary: dict[str, Any], pair: str = "train/sampler") -> str | None:

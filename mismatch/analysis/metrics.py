@@ -6,7 +6,9 @@ Flow: token table (`logp_*` columns, one row per replayed token) -> metrics -> l
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 import numpy as np
 import pandas as pd
@@ -145,19 +147,83 @@ def _span_sums(pair: PairTokens, spans: Spans) -> dict[str, np.ndarray]:
     return sums
 
 
-def _group_metrics(pair: PairTokens, spans: Spans, grouping: Grouping, *, with_quantiles: bool = True) -> pd.DataFrame:
-    """PAIR_METRICS for groups 0..G-1 of the pair's spans, one row per group.
+@dataclass(frozen=True, slots=True, eq=False)
+class SpanSums:
+    """A pair's tokens reduced per span: everything the metrics of any grouping of the spans are
+    made of, except what only the tokens themselves give (`TokenPass`). Spans of several chunks
+    of a table concatenate into one SpanSums (analysis/chunked.py)."""
 
-    The single implementation behind `pair_metrics` (one group) and every breakdown, so the two
-    can never drift apart. Empty groups keep a row: zero counts, NaN metrics.
-    """
+    spans: Spans
+    sums: dict[str, np.ndarray]  # per span: _span_sums's keys
+    span_seq: np.ndarray         # per span: its sequence, 0..num_seqs-1
+    num_seqs: int
+    span_rollout: np.ndarray     # per span: its rollout, 0..num_rollouts-1
+    num_rollouts: int
+
+
+class TokenPass(Protocol):
+    """The two things a group's metrics need from its tokens, not only from span sums."""
+
+    def quantiles(self, grouping: Grouping) -> np.ndarray:
+        """[num_groups, len(_QUANTILES)] ratio quantiles."""
+        ...
+
+    def far_weights(self, grouping: Grouping, far: np.ndarray, lr_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per group where `far`: sums of w and w^2, w = exp(log_ratio - lr_max of the group)."""
+        ...
+
+
+class _PairTokenPass:
+    """TokenPass over a pair's tokens in memory."""
+
+    def __init__(self, pair: PairTokens, spans: Spans) -> None:
+        self.pair, self.spans = pair, spans
+
+    def quantiles(self, grouping: Grouping) -> np.ndarray:
+        qs, view = list(_QUANTILES.values()), self.pair.view
+        return quantiles(self.pair.ratio_into(view.scratch(1)), self.spans, grouping, qs, scratch=view.scratch(0))
+
+    def far_weights(self, grouping: Grouping, far: np.ndarray, lr_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        token_group = self.spans.spread(grouping.span_group)
+        picked = far[token_group]
+        group = token_group[picked]
+        weight = np.exp(self.pair.log_ratio[picked] - lr_max[group])
+        return (np.bincount(group, weights=weight, minlength=grouping.num_groups),
+                np.bincount(group, weights=np.square(weight), minlength=grouping.num_groups))
+
+
+def pair_span_sums(pair: PairTokens, spans: Spans) -> SpanSums:
+    """The pair's SpanSums over `spans` (cut on the pair's view, at least as fine as its base spans)."""
     view = pair.view
-    sums = span_sums(pair, spans)
+    base = _span_of(view, spans)
+    return SpanSums(spans=spans, sums=span_sums(pair, spans), span_seq=view.span_seq[base], num_seqs=view.num_seqs,
+                    span_rollout=view.span_rollout[base], num_rollouts=view.num_rollouts)
+
+
+def _group_metrics(pair: PairTokens, spans: Spans, grouping: Grouping, *, with_quantiles: bool = True) -> pd.DataFrame:
+    """PAIR_METRICS for groups 0..G-1 of the pair's spans, one row per group (group_metrics on
+    the pair's tokens in memory)."""
+    return group_metrics(pair_span_sums(pair, spans), grouping, _PairTokenPass(pair, spans),
+                         with_quantiles=with_quantiles)
+
+
+def far_groups(lr_min: np.ndarray, lr_max: np.ndarray) -> np.ndarray:
+    """Groups whose ESS needs the rescaled sums (TokenPass.far_weights)."""
+    return (lr_max > _ESS_DIRECT_LIMIT) | (lr_min < -_ESS_DIRECT_LIMIT)
+
+
+def group_metrics(data: SpanSums, grouping: Grouping, tokens: TokenPass, *,
+                  with_quantiles: bool = True) -> pd.DataFrame:
+    """PAIR_METRICS for groups 0..G-1 of the spans, one row per group.
+
+    The single implementation behind `pair_metrics` (one group), every breakdown and the chunked
+    analysis, so they can never drift apart. Empty groups keep a row: zero counts, NaN metrics.
+    """
+    spans, sums = data.spans, data.sums
     total = grouping.sum
     n = grouping.count(spans)
     out: dict[str, np.ndarray] = {"n_tokens": n,
-                                  "n_rollouts": grouping.distinct(view.span_rollout[_span_of(view, spans)],
-                                                                  view.num_rollouts)}
+                                  "n_rollouts": grouping.distinct(data.span_rollout, data.num_rollouts)}
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         log_ratio_mean = total(sums["log_ratio"]) / n
         ratio_sum, ratio_sq_sum = total(sums["ratio"]), total(sums["ratio_sq"])
@@ -180,27 +246,21 @@ def _group_metrics(pair: PairTokens, spans: Spans, grouping: Grouping, *, with_q
             "kl_k2": total(sums["log_ratio_sq"]) / n / 2.0,
             "kl_k3": total(sums["k3"]) / n,
             "chi2_token": ratio_sq_sum / n - 1.0,
-            "ess": _ess(pair, spans, grouping, n, ratio_sum, ratio_sq_sum, lr_min, lr_max),
+            "ess": _ess(grouping, tokens, n, ratio_sum, ratio_sq_sum, lr_min, lr_max),
             "prob_abs_diff_mean": total(sums["prob_abs_diff"]) / n,
             "prob_abs_diff_max": grouping.max(sums["prob_abs_diff_max"]),
             "frac_outside_2": total(sums["outside_2"]) / n,
             "bitwise_equal_frac": total(sums["equal"]) / n,
         })
-        out.update(_sequence_metrics(view, spans, grouping, sums))
+        out.update(_sequence_metrics(data, grouping))
         if with_quantiles:
-            table = _ratio_quantiles(pair, spans, grouping)
+            table = tokens.quantiles(grouping)
             out.update({name: table[:, i] for i, name in enumerate(_QUANTILES)})
     frame = pd.DataFrame(out)
     empty = n == 0
     floats = [name for name in frame.columns if name not in _COUNTS]
     frame.loc[empty, floats] = np.nan
     return frame[[name for name in PAIR_METRICS if name in frame.columns]]
-
-
-def _ratio_quantiles(pair: PairTokens, spans: Spans, grouping: Grouping) -> np.ndarray:
-    """[num_groups, 3] ratio quantiles (_QUANTILES) per group."""
-    qs, view = list(_QUANTILES.values()), pair.view
-    return quantiles(pair.ratio_into(view.scratch(1)), spans, grouping, qs, scratch=view.scratch(0))
 
 
 def _span_of(view: TokenView, spans: Spans) -> np.ndarray:
@@ -210,34 +270,28 @@ def _span_of(view: TokenView, spans: Spans) -> np.ndarray:
     return np.searchsorted(view.spans.starts, spans.starts, side="right") - 1
 
 
-def _ess(pair: PairTokens, spans: Spans, grouping: Grouping, n: np.ndarray, ratio_sum: np.ndarray,
+def _ess(grouping: Grouping, tokens: TokenPass, n: np.ndarray, ratio_sum: np.ndarray,
          ratio_sq_sum: np.ndarray, lr_min: np.ndarray, lr_max: np.ndarray) -> np.ndarray:
     """(sum r)^2 / (n sum r^2) per group; scale-free, so far-out groups use exp(log_ratio - group max)
     and a single huge ratio (a -9999 placeholder log-prob) gives ESS ~ 1/n instead of inf/inf."""
     ess = np.square(ratio_sum) / (n * ratio_sq_sum)
-    far = (lr_max > _ESS_DIRECT_LIMIT) | (lr_min < -_ESS_DIRECT_LIMIT)
+    far = far_groups(lr_min, lr_max)
     if far.any():
-        token_group = spans.spread(grouping.span_group)
-        picked = far[token_group]
-        group = token_group[picked]
-        weight = np.exp(pair.log_ratio[picked] - lr_max[group])
-        w_sum = np.bincount(group, weights=weight, minlength=grouping.num_groups)
-        w_sq_sum = np.bincount(group, weights=np.square(weight), minlength=grouping.num_groups)
+        w_sum, w_sq_sum = tokens.far_weights(grouping, far, lr_max)
         ess = np.where(far, np.square(w_sum) / (n * w_sq_sum), ess)
     return ess
 
 
-def _sequence_metrics(view: TokenView, spans: Spans, grouping: Grouping,
-                      sums: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _sequence_metrics(data: SpanSums, grouping: Grouping) -> dict[str, np.ndarray]:
     """chi2_seq and ppl_ratio: sum each sequence's log-ratios first (within the group), then average.
 
     No clamp (verl clamps the sum at +-20): a sequence weight that overflows float64 makes
     chi2_seq inf. ppl_ratio is verl's rollout_corr/ppl_ratio: each sequence's PPL_A / PPL_B =
     exp(-mean log_ratio), then the mean over sequences.
     """
-    pair_group, span_pair = grouping.pairs_with(view.span_seq[_span_of(view, spans)], view.num_seqs)
-    seq_sum = np.bincount(span_pair, weights=sums["log_ratio"], minlength=len(pair_group))
-    seq_count = np.bincount(span_pair, weights=spans.lengths, minlength=len(pair_group))
+    pair_group, span_pair = grouping.pairs_with(data.span_seq, data.num_seqs)
+    seq_sum = np.bincount(span_pair, weights=data.sums["log_ratio"], minlength=len(pair_group))
+    seq_count = np.bincount(span_pair, weights=data.spans.lengths, minlength=len(pair_group))
     num_seqs = np.bincount(pair_group, minlength=grouping.num_groups)
     return {"chi2_seq": np.bincount(pair_group, weights=np.exp(2.0 * seq_sum), minlength=grouping.num_groups)
             / num_seqs - 1.0,
