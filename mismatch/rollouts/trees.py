@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
+from mismatch.analysis.chunked import table_chunks
 from mismatch.analysis.groups import find_spans, key_codes
 from mismatch.errors import MismatchError
 from mismatch.rollouts import Rollout
@@ -146,65 +147,81 @@ def weighted_pair_metrics(logp_a: np.ndarray, logp_b: np.ndarray, weight: np.nda
     unweighted (sum r)^2 / (n sum r^2) when all w = 1. Tokens with a NaN log-prob or weight 0
     are left out; n_tokens counts the rest. No tokens: n_tokens 0, the rest NaN.
     """
-    return weighted_pair_metrics_by(logp_a, logp_b, {"weight": weight})["weight"]
+    sums = {"weight": _WeightedSums()}
+    _add_weighted(sums, np.asarray(logp_a, np.float64), np.asarray(logp_b, np.float64),
+                  {"weight": np.asarray(weight, np.float64)})
+    return sums["weight"].metrics()
 
 
-def weighted_pair_metrics_by(logp_a: np.ndarray, logp_b: np.ndarray,
-                             weights: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
-    """`weighted_pair_metrics` under each of several weights: each per-token term is made once
-    and reduced by one dot product per weight (not one temporary array per weight and term)."""
-    logp_a, logp_b = np.asarray(logp_a, np.float64), np.asarray(logp_b, np.float64)
-    valid = ~(np.isnan(logp_a) | np.isnan(logp_b))
-    log_ratio = logp_a[valid] - logp_b[valid]
-    kept = {name: np.asarray(w, np.float64)[valid] for name, w in weights.items()}
-    out: dict[str, dict[str, float]] = {}
-    shared = {}  # weights positive on every valid token: they share the term arrays
-    for name, w in kept.items():
-        if not len(w) or not (w > 0).all():
-            out[name] = _weighted(log_ratio[w > 0], w[w > 0]) if len(w) else _weighted(log_ratio, w)
-        else:
-            shared[name] = w
-    if shared:
-        out.update(zip(shared, _weighted_many(log_ratio, list(shared.values()))))
-    return {name: out[name] for name in weights}
+_TERMS = ("log_ratio", "abs", "ratio", "k1", "k2", "k3", "ratio_sq", "outside")
 
 
-def _weighted(log_ratio: np.ndarray, w: np.ndarray) -> dict[str, float]:
-    if not len(w):
-        return {name: 0 if name == "n_tokens" else (0.0 if name == "weight_sum" else float("nan"))
-                for name in WEIGHTED_METRICS}
-    return _weighted_many(log_ratio, [w])[0]
+class _WeightedSums:
+    """The weighted sums behind WEIGHTED_METRICS under one weight, added chunk by chunk."""
+
+    def __init__(self) -> None:
+        self.n, self.total = 0, 0.0
+        self.sums = np.zeros(len(_TERMS))
+        # ESS is scale-free: sums of w exp(log_ratio - top) and its square, so one huge ratio
+        # cannot overflow it; a chunk with a larger top rescales what came before.
+        self.top, self.shifted, self.shifted_sq = -np.inf, 0.0, 0.0
+
+    def add(self, terms_of: dict[str, np.ndarray], w: np.ndarray) -> None:
+        """Tokens that the weight keeps (w > 0, log_ratio defined), with their terms."""
+        if not len(w):
+            return
+        self.n += len(w)
+        self.total += float(w.sum())
+        self.sums += np.array([w @ terms_of[name] for name in _TERMS])
+        top = float(terms_of["log_ratio"].max())
+        with np.errstate(over="ignore", invalid="ignore"):
+            shifted = np.exp(terms_of["log_ratio"] - top)
+            new_top = max(self.top, top)
+            old, new = np.exp(self.top - new_top), np.exp(top - new_top)
+            self.shifted = self.shifted * old + float(w @ shifted) * new
+            self.shifted_sq = self.shifted_sq * old * old + float(w @ np.square(shifted)) * new * new
+        self.top = new_top
+
+    def metrics(self) -> dict[str, float]:
+        if not self.n:
+            return {name: 0 if name == "n_tokens" else (0.0 if name == "weight_sum" else float("nan"))
+                    for name in WEIGHTED_METRICS}
+        total, sums = self.total, dict(zip(_TERMS, self.sums.tolist()))
+        with np.errstate(over="ignore", invalid="ignore"):
+            return {
+                "n_tokens": self.n, "weight_sum": float(total),
+                "log_ratio_mean": sums["log_ratio"] / total, "log_ratio_abs_mean": sums["abs"] / total,
+                "ratio_mean": sums["ratio"] / total, "kl_k1": sums["k1"] / total,
+                "kl_k2": sums["k2"] / total, "kl_k3": sums["k3"] / total,
+                "chi2_token": sums["ratio_sq"] / total - 1.0,
+                "ess": float(np.float64(self.shifted) ** 2 / (total * np.float64(self.shifted_sq))),
+                "frac_outside_2": sums["outside"] / total,
+            }
 
 
-def _weighted_many(log_ratio: np.ndarray, weights: list[np.ndarray]) -> list[dict[str, float]]:
-    """Weighted metrics over tokens that every weight keeps (all weights > 0, log_ratio defined)."""
-    W = np.stack(weights)  # [num_weights, num_tokens]
-    totals = W.sum(axis=1)
+def _terms_of(log_ratio: np.ndarray) -> dict[str, np.ndarray]:
     with np.errstate(over="ignore", invalid="ignore"):
         ratio = terms.ratio(log_ratio)
-        # ESS is scale-free: weigh by exp(log_ratio - max) so one huge ratio cannot overflow it.
-        shifted = np.exp(log_ratio - log_ratio.max())
-        sums = {"log_ratio": W @ log_ratio, "abs": W @ np.abs(log_ratio), "ratio": W @ ratio,
-                "k1": W @ terms.k1(log_ratio), "k2": W @ terms.k2(log_ratio), "k3": W @ terms.k3(log_ratio),
-                "ratio_sq": W @ terms.ratio_sq(ratio), "outside": W @ terms.outside(ratio).astype(np.float64),
-                "shifted": W @ shifted, "shifted_sq": W @ np.square(shifted)}
-        return [{
-            "n_tokens": len(log_ratio), "weight_sum": float(total),
-            "log_ratio_mean": float(sums["log_ratio"][i] / total),
-            "log_ratio_abs_mean": float(sums["abs"][i] / total),
-            "ratio_mean": float(sums["ratio"][i] / total), "kl_k1": float(sums["k1"][i] / total),
-            "kl_k2": float(sums["k2"][i] / total), "kl_k3": float(sums["k3"][i] / total),
-            "chi2_token": float(sums["ratio_sq"][i] / total) - 1.0,
-            "ess": float(sums["shifted"][i] ** 2 / (total * sums["shifted_sq"][i])),
-            "frac_outside_2": float(sums["outside"][i] / total),
-        } for i, total in enumerate(totals)]
+        return {"log_ratio": log_ratio, "abs": np.abs(log_ratio), "ratio": ratio, "k1": terms.k1(log_ratio),
+                "k2": terms.k2(log_ratio), "k3": terms.k3(log_ratio), "ratio_sq": terms.ratio_sq(ratio),
+                "outside": terms.outside(ratio).astype(np.float64)}
 
 
-def _pair_block(columns: dict[str, np.ndarray], pair: tuple[str, str],
-                rows: np.ndarray | slice) -> dict[str, dict[str, float]]:
-    a, b = (columns[f"logp_{source}"][rows] for source in pair)
-    weights = {"unweighted": np.ones(len(a)), **{name: columns[f"weight_{name}"][rows] for name in WEIGHTS}}
-    return weighted_pair_metrics_by(a, b, weights)
+def _add_weighted(sums: dict[str, _WeightedSums], logp_a: np.ndarray, logp_b: np.ndarray,
+                  weights: dict[str, np.ndarray]) -> None:
+    """Each weight's sums over these tokens: the terms are made once for the weights that keep
+    every token with a defined log-ratio, and once more for each weight that drops some."""
+    valid = ~(np.isnan(logp_a) | np.isnan(logp_b))
+    log_ratio = logp_a[valid] - logp_b[valid]
+    shared = None
+    for name, weight in weights.items():
+        w = weight[valid]
+        keep = w > 0
+        if keep.all():
+            shared = shared if shared is not None else _terms_of(log_ratio)
+            sums[name].add(shared, w)
+        else:
+            sums[name].add(_terms_of(log_ratio[keep]), w[keep])
 
 
 def _check_columns(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> None:
@@ -215,45 +232,99 @@ def _check_columns(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> Non
         raise MismatchError(f"token table has no column {missing[0]!r}{hint}")
 
 
+class _KindSums:
+    """One branch kind's (or all trainable tokens') counts and weighted sums, chunk by chunk."""
+
+    def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
+        self.n_branches, self.n_tokens = 0, 0
+        self.weight_totals = dict.fromkeys(WEIGHTS, 0.0)
+        self.pairs = {pair: {name: _WeightedSums() for name in ("unweighted", *WEIGHTS)} for pair in pairs}
+
+    def add(self, columns: dict[str, np.ndarray], rows: np.ndarray | slice, n_branches: int) -> None:
+        self.n_branches += n_branches
+        weights = {name: columns[f"weight_{name}"][rows] for name in WEIGHTS}
+        self.n_tokens += len(weights["tree"])
+        for name, weight in weights.items():
+            self.weight_totals[name] += float(weight.sum())
+        weights = {"unweighted": np.ones(len(weights["tree"])), **weights}
+        for (a, b), sums in self.pairs.items():
+            _add_weighted(sums, columns[f"logp_{a}"][rows], columns[f"logp_{b}"][rows], weights)
+
+    def pair_metrics(self) -> dict[str, dict[str, dict[str, float]]]:
+        return {f"{a}/{b}": {name: found.metrics() for name, found in sums.items()}
+                for (a, b), sums in self.pairs.items()}
+
+
+class _TreeSums:
+    """Everything summary.json `trees` says, added a chunk of whole rollouts at a time."""
+
+    def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
+        self.pairs = list(pairs)
+        self.all = _KindSums(pairs)
+        self.kinds: dict[Any, _KindSums] = {}
+        self.kind_names: list[pd.Series] = []
+        self.num_paths = self.num_paths_dropped = self.num_rollouts_capped = 0
+
+    def add(self, table: pd.DataFrame) -> None:
+        trainable = table["trainable"].to_numpy(dtype=bool)
+        names = [f"weight_{name}" for name in WEIGHTS] + list({f"logp_{r}": 0 for pair in self.pairs for r in pair})
+        columns = {name: table[name].to_numpy(np.float64)[trainable] for name in names}
+        # Per branch (a stretch of equal rollout and branch): its gyre weight, the same on every row.
+        branches = find_spans([key_codes(table[name]) for name in ("rollout", "branch")], len(table))
+        branch_gyre = branches.max(table["weight_gyre"].to_numpy())
+        branch_rollout = key_codes(table["rollout"])[branches.starts]
+        dropped = branch_gyre == 0
+        self.num_paths += int(branches.num_spans)
+        self.num_paths_dropped += int(dropped.sum())
+        self.num_rollouts_capped += len(np.unique(branch_rollout[dropped]))
+        branch_of_row = np.repeat(np.arange(branches.num_spans), branches.lengths)[trainable]
+        self.all.add(columns, slice(None), 0)
+        kinds = table["branch_kind"][trainable]
+        kind_codes, kind_names = pd.factorize(kinds, sort=True)
+        self.kind_names.append(pd.Series(kind_names))  # dtype kept: categoricals stay categorical
+        for code, kind in enumerate(kind_names):
+            rows = np.flatnonzero(kind_codes == code)
+            self.kinds.setdefault(kind, _KindSums(self.pairs)).add(columns, rows,
+                                                                   len(np.unique(branch_of_row[rows])))
+
+    def summary(self, max_paths: int | None) -> dict[str, Any]:
+        total_tokens, totals = self.all.n_tokens, self.all.weight_totals
+        # Kinds in the order pd.factorize(sort=True) gives them (category order for categoricals).
+        ordered = pd.factorize(pd.concat(self.kind_names, ignore_index=True), sort=True)[1] if self.kind_names else []
+        kinds = []
+        for kind in ordered:
+            found = self.kinds[kind]
+            kinds.append({
+                "branch_kind": str(kind),
+                "n_branches": found.n_branches,
+                "n_tokens": found.n_tokens,
+                # What share of the loss each kind gets: tokens alone overstate long subagents.
+                "weight_share": {"tokens": found.n_tokens / max(total_tokens, 1),
+                                 **{name: found.weight_totals[name] / totals[name]
+                                    if totals[name] else float("nan") for name in WEIGHTS}},
+                "pairs": found.pair_metrics(),
+            })
+        return {
+            "max_paths": max_paths,  # None if the table lost its attrs
+            "gyre_normalization": GYRE_NORMALIZATION,
+            "num_paths": self.num_paths,
+            "num_paths_dropped": self.num_paths_dropped,
+            "num_rollouts_capped": self.num_rollouts_capped,
+            "weight_tree_mean": totals["tree"] / total_tokens if total_tokens else float("nan"),
+            "pairs": self.all.pair_metrics(),
+            "branch_kinds": kinds,
+        }
+
+
 def tree_summary(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> dict[str, Any]:
     """`summary["trees"]`: weights, weighted and unweighted pair metrics, a per-branch-kind view.
 
     Over trainable tokens only (the PPO loss's tokens); `table` comes from `add_tree_weights`.
-    Columns are read once as arrays and selected per kind by row index (no copy of the table).
+    Read in chunks of whole rollouts (a branch, and its rollout, lies in one chunk), so the
+    memory is a chunk's, not the table's.
     """
     _check_columns(table, pairs)
-    trainable = table["trainable"].to_numpy(dtype=bool)
-    names = [f"weight_{name}" for name in WEIGHTS] + list({f"logp_{r}": 0 for pair in pairs for r in pair})
-    columns = {name: table[name].to_numpy()[trainable] for name in names}
-    # Per branch (a stretch of equal rollout and branch): its gyre weight, the same on every row.
-    branches = find_spans([key_codes(table[name]) for name in ("rollout", "branch")], len(table))
-    branch_gyre = branches.max(table["weight_gyre"].to_numpy())
-    branch_rollout = key_codes(table["rollout"])[branches.starts]
-    kind_codes, kind_names = pd.factorize(table["branch_kind"][trainable], sort=True)
-    branch_of_row = np.repeat(np.arange(branches.num_spans), branches.lengths)[trainable]
-    totals = {name: float(columns[f"weight_{name}"].sum()) for name in WEIGHTS}
-    num_tokens = int(trainable.sum())
-    kinds = []
-    for code, kind in enumerate(kind_names):
-        rows = np.flatnonzero(kind_codes == code)
-        kinds.append({
-            "branch_kind": str(kind),
-            "n_branches": int(len(np.unique(branch_of_row[rows]))),
-            "n_tokens": len(rows),
-            # What share of the loss each kind gets: tokens alone overstate long subagents.
-            "weight_share": {"tokens": len(rows) / max(num_tokens, 1),
-                             **{name: float(columns[f"weight_{name}"][rows].sum()) / totals[name]
-                                if totals[name] else float("nan") for name in WEIGHTS}},
-            "pairs": {f"{a}/{b}": _pair_block(columns, (a, b), rows) for a, b in pairs},
-        })
-    dropped = branch_gyre == 0
-    return {
-        "max_paths": table.attrs.get("gyre_max_paths"),  # None if the table lost its attrs
-        "gyre_normalization": GYRE_NORMALIZATION,
-        "num_paths": int(branches.num_spans),
-        "num_paths_dropped": int(dropped.sum()),
-        "num_rollouts_capped": int(len(np.unique(branch_rollout[dropped]))),
-        "weight_tree_mean": float(columns["weight_tree"].mean()) if num_tokens else float("nan"),
-        "pairs": {f"{a}/{b}": _pair_block(columns, (a, b), slice(None)) for a, b in pairs},
-        "branch_kinds": kinds,
-    }
+    found = _TreeSums(pairs)
+    for chunk in table_chunks(table)():
+        found.add(chunk)
+    return found.summary(table.attrs.get("gyre_max_paths"))
