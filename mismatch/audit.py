@@ -34,7 +34,7 @@ from mismatch.analysis.chunked import (
 )
 from mismatch.analysis.chunked import run as run_chunks
 from mismatch.analysis.clip import ClipRange, clip_summary
-from mismatch.analysis.framework_metrics import framework_metrics, pair_arrays
+from mismatch.analysis.framework_metrics import framework_metrics
 from mismatch.analysis.metrics import PAIR_METRICS
 from mismatch.analysis.prefixes import prefix_consistency, prefix_keys
 from mismatch.analysis.routing import routing_summary, token_routing
@@ -184,7 +184,7 @@ def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
     summary["alignment"] = alignment if alignment is not None else check_alignment(
         table, sampler_meta=engines["sampler"].get("meta"))
     summary["trees"] = tree_summary(table, pairs)
-    summary["framework_metrics"] = {f"{a}/{b}": framework_metrics(pair_arrays(table, a, b)) for a, b in pairs}
+    summary["framework_metrics"] = framework_metrics(table_chunks(table), pairs)
     summary["localization"]["turns"] = localize_turns(view, "train", "sampler")
     if drift is not None:
         summary["drift"] = drift

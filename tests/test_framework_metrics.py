@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 
 import numpy as np
 import pandas as pd
 import pytest
-
 from conftest import REPO
-from mismatch.analysis.framework_metrics import FRAMEWORK_METRICS, crosswalk_rows, framework_metrics, pair_arrays
+
+from mismatch.analysis.framework_metrics import (
+    FRAMEWORK_METRICS,
+    crosswalk_rows,
+    table_framework_metrics,
+)
 from mismatch.analysis.metrics import summarize_pairs
 
 
@@ -63,7 +68,7 @@ def transcribed(table: pd.DataFrame) -> dict[str, float]:
     w = [min(2.0, max(0.5, math.exp(c))) for c in clamp]  # verl: truncated to [1/T, T] for the ESS
     w_mean = mean(w)
     trl = [math.exp(v) if math.exp(v) <= 3.0 else 0.0 for v in seq_sum.values()]  # sequence_mask, clip_max 3
-    per_rollout = lambda f: mean(mean(v) for v in by([(r, f(a, s)) for r, _, a, s in tokens]).values())  # noqa: E731
+    per_rollout = lambda f: mean(mean(v) for v in by([(r, f(a, s)) for r, _, a, s in tokens]).values())
     return {
         "verl/rollout_corr/kl": mean(s - a for _, _, a, s in tokens),
         "verl/rollout_corr/k3_kl": mean(math.exp(x) - x - 1 for x in lr),
@@ -79,20 +84,33 @@ def transcribed(table: pd.DataFrame) -> dict[str, float]:
             mean(v) - 1.0 for v in by([(r, math.exp(max(-20.0, min(20.0, a - s))) ** 2)
                                        for r, _, a, s in tokens]).values()),
         "prime-rl/mismatch_kl/all/max": max(math.exp(x) - x - 1 for x in lr),
+        "prime-rl/mismatch_kl/all/median": statistics.median(math.exp(x) - x - 1 for x in lr),
         "openrlhf/train/vllm_kl": mean(s - a for _, _, a, s in tokens),
     }
 
 
 def test_framework_metrics_equal_the_frameworks_formulas(table) -> None:
-    got = framework_metrics(pair_arrays(table, "train", "sampler"))
+    got = table_framework_metrics(table, [("train", "sampler")])["train/sampler"]
     flat = {f"{framework}/{key}": value for framework, keys in got.items() for key, value in keys.items()}
     for name, want in transcribed(table).items():
         assert flat[name] == pytest.approx(want, rel=1e-9), name
 
 
+def test_chunks_of_a_few_rows_give_the_numbers_of_one_chunk(table, monkeypatch) -> None:
+    """Rollout-aligned chunks of ~40 rows (every rollout its own chunk): sums, extremes, Chan-merged
+    moments and the median's radix passes (forced to several by a tiny collect bound) agree."""
+    whole = table_framework_metrics(table, [("train", "sampler")])["train/sampler"]
+    monkeypatch.setattr("mismatch.analysis.chunked.DEFAULT_CHUNK_ROWS", 40)
+    monkeypatch.setattr("mismatch.analysis.chunked._COLLECT", 16)
+    chunked = table_framework_metrics(table, [("train", "sampler")])["train/sampler"]
+    for framework, keys in whole.items():
+        for key, value in keys.items():
+            assert chunked[framework][key] == pytest.approx(value, rel=1e-9), f"{framework}/{key}"
+
+
 def test_same_named_metrics_equal_ours_and_the_clamp_is_what_differs(table) -> None:
     ours = summarize_pairs(table, [("train", "sampler")])["train/sampler"]
-    got = framework_metrics(pair_arrays(table, "train", "sampler"))
+    got = table_framework_metrics(table, [("train", "sampler")])["train/sampler"]
     for metric in FRAMEWORK_METRICS:
         if metric.ours is not None and not metric.note:
             assert got[metric.framework][metric.key] == pytest.approx(ours[metric.ours], rel=1e-9), metric.key
@@ -102,7 +120,7 @@ def test_same_named_metrics_equal_ours_and_the_clamp_is_what_differs(table) -> N
 
 def test_readme_crosswalk_is_the_table_in_the_code() -> None:
     readme = (REPO / "README.md").read_text()
-    block = re.search(r"<!-- crosswalk -->\n(.*?)<!-- /crosswalk -->", readme, re.S)
+    block = re.search(r"<!-- crosswalk -->\n(.*?)<!-- /crosswalk -->", readme, re.DOTALL)
     assert block is not None, "README.md has no crosswalk block"
     assert block.group(1) == crosswalk_markdown()
 

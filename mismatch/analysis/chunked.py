@@ -339,3 +339,52 @@ def run(chunks: Chunks, accumulators: Sequence[GroupedPairMetrics]) -> Iterator[
         for accumulator in accumulators:
             accumulator.add(chunk)
     return (accumulator.finish(chunks) for accumulator in accumulators)
+
+
+# Values a pass of the radix selection below keeps in memory at most before it collects them.
+_COLLECT = 1 << 20
+
+
+def _sortable_keys(values: np.ndarray) -> np.ndarray:
+    """uint64 keys ordered like the float64 values (negative floats' bits flipped, positive ones'
+    sign bit set): the total order the radix selection narrows down 16 bits at a time."""
+    bits = np.ascontiguousarray(values, dtype=np.float64).view(np.uint64)
+    return np.where(bits >> np.uint64(63), ~bits, bits | np.uint64(1 << 63))
+
+
+def stream_order_statistics(passes: Callable[[], Iterable[np.ndarray]], ranks: Sequence[int]) -> list[float]:
+    """The values at `ranks` (0-based, in sorted order) of the values every pass yields, exactly,
+    in memory bounded by _COLLECT values: each pass histograms the next 16 bits of the keys that
+    share the rank's prefix, until few enough share it to be collected and partitioned (2 or 3
+    passes at 10^8 values). NaN values are not allowed (the callers' values have none)."""
+    found: list[float] = []
+    for rank in ranks:
+        prefix, bits, rank_left, count = np.uint64(0), 0, int(rank), None
+        while True:
+            if bits == 64:  # more than _COLLECT equal values: any one of them
+                found.append(float(next(_sharing(passes, prefix, bits))[0]))
+                break
+            if count is not None and count <= _COLLECT:
+                kept = list(_sharing(passes, prefix, bits))
+                collected = np.concatenate(kept) if kept else np.zeros(0)
+                found.append(float(np.partition(collected, rank_left)[rank_left]))
+                break
+            shift = np.uint64(48 - bits)
+            histogram = np.zeros(1 << 16, dtype=np.int64)
+            for values in _sharing(passes, prefix, bits):
+                digits = (_sortable_keys(values) >> shift) & np.uint64(0xFFFF)
+                histogram += np.bincount(digits.astype(np.int64), minlength=1 << 16)
+            cumulative = np.cumsum(histogram)
+            digit = int(np.searchsorted(cumulative, rank_left, side="right"))
+            rank_left -= int(cumulative[digit - 1]) if digit else 0
+            prefix, bits, count = (prefix << np.uint64(16)) | np.uint64(digit), bits + 16, int(histogram[digit])
+    return found
+
+
+def _sharing(passes: Callable[[], Iterable[np.ndarray]], prefix: np.uint64, bits: int) -> Iterator[np.ndarray]:
+    """Each chunk's values whose keys start with the `bits`-bit `prefix`."""
+    for values in passes():
+        if bits:
+            values = values[(_sortable_keys(values) >> np.uint64(64 - bits)) == prefix]
+        if len(values):
+            yield values

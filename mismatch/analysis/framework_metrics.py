@@ -1,7 +1,8 @@
 """Each pair's gap under the names the training frameworks log, computed their way (clamps,
 reductions per sequence or per rollout, default thresholds), beside our own metrics.
 
-Flow: token table -> PairArrays per pair -> summary.json["framework_metrics"][pair][framework][key].
+Flow: token table, chunk by chunk (analysis/chunked.py) -> PairArrays per pair and chunk -> each
+metric's values -> one reduction over all chunks -> summary.json["framework_metrics"][pair][framework][key].
 The metrics themselves live with the rest of each framework's knowledge (mismatch/frameworks/),
 read from its source at the commit its module names; `ours` names our pair metric
 when the framework's is the same number, and `note` says how it differs when it is not.
@@ -9,11 +10,14 @@ when the framework's is the same number, and `note` says how it differs when it 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from mismatch.analysis.chunked import Chunks, stream_order_statistics, table_chunks
 from mismatch.analysis.groups import key_codes
 from mismatch.frameworks import MODULES
 from mismatch.frameworks._common import FrameworkMetric, PairArrays
@@ -40,14 +44,100 @@ def _starts(codes: np.ndarray) -> np.ndarray:
     return np.r_[True, codes[1:] != codes[:-1]] if len(codes) else np.zeros(0, dtype=bool)
 
 
-def framework_metrics(pair: PairArrays) -> dict[str, dict[str, float | None]]:
-    """{framework: {key: value}} for one pair; None where the pair has no tokens."""
-    out: dict[str, dict[str, float | None]] = {}
+class _Reduction:
+    """One metric's values from every chunk, reduced as FrameworkMetric.reduce says."""
+
+    def __init__(self, how: str) -> None:
+        self.how, self.n = how, 0
+        self.total, self.total_sq, self.top, self.bottom = 0.0, 0.0, -math.inf, math.inf
+        # Moments merged by Chan's rule (std, Pearson): no E[x^2] - E[x]^2 cancellation.
+        self.mean: np.ndarray | None = None
+        self.comoment: np.ndarray | None = None
+
+    def add(self, values: np.ndarray) -> None:
+        count = values.shape[-1]
+        if not count:
+            return
+        if self.how in ("std", "pearson"):
+            self._add_moments(np.atleast_2d(values), count)
+        elif self.how == "max":
+            self.top = max(self.top, float(values.max()))
+        elif self.how == "min":
+            self.bottom = min(self.bottom, float(values.min()))
+        else:  # mean, ess (and median's count; its order statistics take passes of their own)
+            self.total += float(values.sum())
+            self.total_sq += float(np.dot(values, values)) if self.how == "ess" else 0.0
+        self.n += count
+
+    def _add_moments(self, rows: np.ndarray, count: int) -> None:
+        mean = rows.mean(axis=1)
+        centered = rows - mean[:, None]
+        comoment = centered @ centered.T
+        if self.mean is None or self.comoment is None:
+            self.mean, self.comoment = mean, comoment
+            return
+        total = self.n + count
+        delta = mean - self.mean
+        self.comoment = self.comoment + comoment + np.outer(delta, delta) * (self.n * count / total)
+        self.mean = self.mean + delta * (count / total)
+
+    def value(self) -> float:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            if self.how == "mean":
+                return self.total / self.n
+            if self.how == "max":
+                return self.top
+            if self.how == "min":
+                return self.bottom
+            if self.how == "ess":
+                return float(np.float64(self.total) ** 2 / (self.n * np.float64(self.total_sq)))
+            assert self.comoment is not None
+            if self.how == "std":
+                return float(np.sqrt(self.comoment[0, 0] / (self.n - 1))) if self.n > 1 else math.nan
+            return float(self.comoment[0, 1] / np.sqrt(self.comoment[0, 0] * self.comoment[1, 1]))
+
+
+def framework_metrics(chunks: Chunks, pairs: Sequence[tuple[str, str]]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """{"A/B": {framework: {key: value}}} over the chunks' trainable tokens; None where the pair
+    has no tokens. One pass for every reduction, and the median's few passes of its own."""
+    reductions = {(pair, metric.key): _Reduction(metric.reduce) for pair in pairs for metric in FRAMEWORK_METRICS}
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for chunk in chunks():
+            for a, b in pairs:
+                arrays = pair_arrays(chunk, a, b)
+                if len(arrays.logp_a):
+                    for metric in FRAMEWORK_METRICS:
+                        reductions[(a, b), metric.key].add(metric.values(arrays))
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for a, b in pairs:
+        found: dict[str, dict[str, float | None]] = {}
         for metric in FRAMEWORK_METRICS:
-            value = metric.compute(pair) if len(pair.logp_a) else None
-            out.setdefault(metric.framework, {})[metric.key] = value
+            reduction = reductions[(a, b), metric.key]
+            value = None
+            if reduction.n:
+                value = (_median(chunks, a, b, metric, reduction.n) if metric.reduce == "median"
+                         else reduction.value()) + metric.offset
+            found.setdefault(metric.framework, {})[metric.key] = value
+        out[f"{a}/{b}"] = found
     return out
+
+
+def _median(chunks: Chunks, a: str, b: str, metric: FrameworkMetric, n: int) -> float:
+    """np.median of the metric's values over every chunk, exactly, without holding them all."""
+    def passes():
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            for chunk in chunks():
+                arrays = pair_arrays(chunk, a, b)
+                if len(arrays.logp_a):
+                    yield metric.values(arrays)
+
+    middle = stream_order_statistics(passes, sorted({(n - 1) // 2, n // 2}))
+    return float(np.mean(middle))
+
+
+def table_framework_metrics(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """`framework_metrics` of a token table in memory."""
+    return framework_metrics(table_chunks(table), pairs)
 
 
 def crosswalk_rows() -> list[dict[str, Any]]:

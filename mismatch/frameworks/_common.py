@@ -62,25 +62,37 @@ class PairArrays:
         return np.bincount(codes, weights=values, minlength=len(counts)) / counts
 
 
+# How a metric's values from every chunk of the table combine (analysis/framework_metrics.py):
+# mean, max, min, median, std (sample, ddof 1), ess ((sum w)^2 / (n sum w^2)), pearson (of two rows).
+REDUCTIONS = ("mean", "max", "min", "median", "std", "ess", "pearson")
+
+
 @dataclass(frozen=True, slots=True)
 class FrameworkMetric:
+    """A framework's logged metric: its values on one chunk of whole rollouts (per token, per
+    sequence or per rollout: neither a sequence nor a rollout is ever cut), then one reduction over
+    all of them, plus `offset` (a chi-square is a mean minus 1)."""
+
     framework: str
     key: str
-    compute: Callable[[PairArrays], float]
+    values: Callable[[PairArrays], np.ndarray]
+    reduce: str = "mean"
+    offset: float = 0.0
     ours: str | None = None  # our pair metric that is the same number
     note: str = ""           # how it differs from ours, when it does
+
+    def __post_init__(self) -> None:
+        if self.reduce not in REDUCTIONS:
+            raise ValueError(f"{self.framework} {self.key}: reduce {self.reduce!r} is not one of {REDUCTIONS}")
 
 
 def clamped(p: PairArrays) -> np.ndarray:
     return np.clip(p.log_ratio, -SAFETY_BOUND, SAFETY_BOUND)
 
 
-def rollout_mean(p: PairArrays, values: np.ndarray) -> float:
-    return float(p.per(p.rollout, values).mean())
-
-
-def probs(p: PairArrays) -> tuple[np.ndarray, np.ndarray]:
-    return np.exp(p.logp_a), np.exp(p.logp_b)
+def probs(p: PairArrays) -> np.ndarray:
+    """[2, tokens]: pi_train and pi_rollout."""
+    return np.exp(np.stack([p.logp_a, p.logp_b]))
 
 
 def correction_params(by_kind: dict[str, Recommendation]) -> tuple[str, dict[str, float]] | None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from mismatch.frameworks._common import FrameworkMetric, cap, correction_params
 
 if TYPE_CHECKING:
@@ -15,7 +13,7 @@ if TYPE_CHECKING:
 
 # OpenRLHF @ 3c3be6234e0c: openrlhf/models/loss.py:218, trainer/ray/ppo_actor.py:316-388 (a global token mean).
 METRICS = [
-    FrameworkMetric("openrlhf", "train/vllm_kl", lambda p: float(np.mean(p.k1)), ours="kl_k1"),
+    FrameworkMetric("openrlhf", "train/vllm_kl", lambda p: p.k1, ours="kl_k1"),
 ]
 
 

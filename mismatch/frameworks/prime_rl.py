@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from mismatch.frameworks._common import FrameworkMetric, correction_params
 
 if TYPE_CHECKING:
@@ -16,12 +14,9 @@ if TYPE_CHECKING:
 # prime-rl @ 559b44772e47: src/prime_rl/trainer/rl/loss.py:100-106, train.py:499-520 (mismatch_kl/all/...):
 # k3 of every token, gathered across ranks.
 METRICS = [
-    FrameworkMetric("prime-rl", "mismatch_kl/all/mean", lambda p: float(np.mean(p.k3)),
-                    ours="kl_k3"),
-    FrameworkMetric("prime-rl", "mismatch_kl/all/max", lambda p: float(np.max(p.k3)),
-                    note="the largest token k3"),
-    FrameworkMetric("prime-rl", "mismatch_kl/all/median", lambda p: float(np.median(p.k3)),
-                    note="the median token k3"),
+    FrameworkMetric("prime-rl", "mismatch_kl/all/mean", lambda p: p.k3, ours="kl_k3"),
+    FrameworkMetric("prime-rl", "mismatch_kl/all/max", lambda p: p.k3, reduce="max", note="the largest token k3"),
+    FrameworkMetric("prime-rl", "mismatch_kl/all/median", lambda p: p.k3, reduce="median", note="the median token k3"),
 ]
 
 

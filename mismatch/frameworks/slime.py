@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mismatch.frameworks._common import FrameworkMetric, cap, correction_params, level, rollout_mean
+from mismatch.frameworks._common import FrameworkMetric, cap, correction_params, level
 
 if TYPE_CHECKING:
     from mismatch.advise.recommend import Recommendation
@@ -17,22 +17,19 @@ if TYPE_CHECKING:
 # per rollout (tokens of a rollout averaged, then the mean over rollouts; cp_utils.py:47-124);
 # examples/train_infer_mismatch_helper/mis.py:391-451 (train/mis_..., the same reduction).
 METRICS = [
-    FrameworkMetric("slime", "train/train_rollout_logprob_abs_diff",
-                    lambda p: rollout_mean(p, p.abs_log_ratio),
+    FrameworkMetric("slime", "train/train_rollout_logprob_abs_diff", lambda p: p.per(p.rollout, p.abs_log_ratio),
                     note="per rollout mean |log-ratio|, then the mean over rollouts"),
-    FrameworkMetric("slime", "train/tis", lambda p: rollout_mean(p, p.ratio),
+    FrameworkMetric("slime", "train/tis", lambda p: p.per(p.rollout, p.ratio),
                     note="raw ratio, per rollout then over rollouts"),
-    FrameworkMetric("slime", "train/tis_abs", lambda p: rollout_mean(p, np.abs(p.ratio - 1.0)),
+    FrameworkMetric("slime", "train/tis_abs", lambda p: p.per(p.rollout, np.abs(p.ratio - 1.0)),
                     note="|ratio - 1|, per rollout then over rollouts"),
-    FrameworkMetric("slime", "train/tis_clipfrac",
-                    lambda p: rollout_mean(p, (p.ratio > 2.0).astype(np.float64)),
+    FrameworkMetric("slime", "train/tis_clipfrac", lambda p: p.per(p.rollout, (p.ratio > 2.0).astype(np.float64)),
                     note="share clipped by --tis-clip 2 (--tis-clip-low 0 clips nothing below)"),
-    FrameworkMetric("slime", "train/mis_kl", lambda p: rollout_mean(p, p.k1),
+    FrameworkMetric("slime", "train/mis_kl", lambda p: p.per(p.rollout, p.k1),
                     note="k1, per rollout then over rollouts"),
-    FrameworkMetric("slime", "train/mis_k3_kl", lambda p: rollout_mean(p, p.k3),
+    FrameworkMetric("slime", "train/mis_k3_kl", lambda p: p.per(p.rollout, p.k3),
                     note="k3, per rollout then over rollouts"),
-    FrameworkMetric("slime", "train/mis_chi2_token",
-                    lambda p: float(np.mean(p.per(p.rollout, p.clamped_ratio_sq) - 1.0)),
+    FrameworkMetric("slime", "train/mis_chi2_token", lambda p: p.per(p.rollout, p.clamped_ratio_sq), offset=-1.0,
                     note="per rollout mean of exp(clamped log-ratio)^2 - 1, then the mean"),
 ]
 

@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mismatch.analysis import terms
-from mismatch.frameworks._common import FrameworkMetric, PairArrays, cap, correction_params, level
+from mismatch.frameworks._common import (
+    FrameworkMetric,
+    PairArrays,
+    cap,
+    correction_params,
+    level,
+)
 
 if TYPE_CHECKING:
     from mismatch.advise.recommend import Recommendation
@@ -23,17 +29,16 @@ def _trl_sequence_mask_ratio(p: PairArrays, clip_max: float = 3.0) -> np.ndarray
 # TRL @ f2cd57710ae3: trl/trainer/grpo_trainer.py:2780-2812 (sampling/...), with GRPOConfig defaults
 # (vllm_importance_sampling_mode sequence_mask, clip_max 3.0): the ratio is logged after masking.
 METRICS = [
-    FrameworkMetric("trl", "sampling/sampling_logp_difference/mean", lambda p: float(np.mean(p.abs_log_ratio)),
+    FrameworkMetric("trl", "sampling/sampling_logp_difference/mean", lambda p: p.abs_log_ratio,
                     ours="log_ratio_abs_mean"),
-    FrameworkMetric("trl", "sampling/sampling_logp_difference/max", lambda p: float(np.max(p.abs_log_ratio)),
+    FrameworkMetric("trl", "sampling/sampling_logp_difference/max", lambda p: p.abs_log_ratio, reduce="max",
                     ours="log_ratio_abs_max"),
-    FrameworkMetric("trl", "sampling/importance_sampling_ratio/mean",
-                    lambda p: float(np.mean(_trl_sequence_mask_ratio(p))),
+    FrameworkMetric("trl", "sampling/importance_sampling_ratio/mean", _trl_sequence_mask_ratio,
                     note="sequence ratios after TRL's default sequence_mask at clip_max 3 (masked ones count 0)"),
-    FrameworkMetric("trl", "sampling/importance_sampling_ratio/min",
-                    lambda p: float(np.min(_trl_sequence_mask_ratio(p))), note="as the mean, the smallest"),
-    FrameworkMetric("trl", "sampling/importance_sampling_ratio/max",
-                    lambda p: float(np.max(_trl_sequence_mask_ratio(p))), note="as the mean, the largest"),
+    FrameworkMetric("trl", "sampling/importance_sampling_ratio/min", _trl_sequence_mask_ratio, reduce="min",
+                    note="as the mean, the smallest"),
+    FrameworkMetric("trl", "sampling/importance_sampling_ratio/max", _trl_sequence_mask_ratio, reduce="max",
+                    note="as the mean, the largest"),
 ]
 
 

@@ -7,8 +7,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mismatch.frameworks._common import (SAFETY_BOUND, FrameworkMetric, PairArrays, cap, clamped,
-                                         correction_params, level, probs)
+from mismatch.frameworks._common import (
+    SAFETY_BOUND,
+    FrameworkMetric,
+    PairArrays,
+    cap,
+    clamped,
+    correction_params,
+    level,
+    probs,
+)
 
 if TYPE_CHECKING:
     from mismatch.advise.recommend import Recommendation
@@ -19,46 +27,40 @@ def _log_ppl_diff(p: PairArrays) -> np.ndarray:
     return p.per(p.seq, p.logp_b) - p.per(p.seq, p.logp_a)
 
 
-def _verl_is_ess(p: PairArrays, threshold: float = 2.0) -> float:
+def _verl_is_weights(p: PairArrays, threshold: float = 2.0) -> np.ndarray:
     # rollout_corr_helper.py:677-694: token-level weights exp(clamped log-ratio), truncated to
-    # [1/T, T] for the statistic, ESS = 1 / mean((w / mean w)^2).
-    weights = np.clip(np.exp(clamped(p)), 1.0 / threshold, threshold)
-    return float(1.0 / np.mean(np.square(weights / weights.mean())))
+    # [1/T, T] for the statistic, ESS = 1 / mean((w / mean w)^2) = (sum w)^2 / (n sum w^2).
+    return np.clip(np.exp(clamped(p)), 1.0 / threshold, threshold)
 
 
 # verl @ b178a3cd56f5: verl/trainer/ppo/rollout_corr_helper.py:822-938 (keys prefixed rollout_corr/),
 # verl/utils/debug/metrics.py:48-107 (training/...). Token means over all tokens unless said.
 METRICS = [
-    FrameworkMetric("verl", "rollout_corr/kl", lambda p: float(np.mean(p.k1)), ours="kl_k1"),
-    FrameworkMetric("verl", "rollout_corr/k3_kl", lambda p: float(np.mean(p.k3)), ours="kl_k3"),
-    FrameworkMetric("verl", "rollout_corr/training_ppl", lambda p: float(np.mean(np.exp(-p.per(p.seq, p.logp_a)))),
+    FrameworkMetric("verl", "rollout_corr/kl", lambda p: p.k1, ours="kl_k1"),
+    FrameworkMetric("verl", "rollout_corr/k3_kl", lambda p: p.k3, ours="kl_k3"),
+    FrameworkMetric("verl", "rollout_corr/training_ppl", lambda p: np.exp(-p.per(p.seq, p.logp_a)),
                     note="per sequence exp(-mean logp_train), then the mean over sequences"),
-    FrameworkMetric("verl", "rollout_corr/rollout_ppl", lambda p: float(np.mean(np.exp(-p.per(p.seq, p.logp_b)))),
+    FrameworkMetric("verl", "rollout_corr/rollout_ppl", lambda p: np.exp(-p.per(p.seq, p.logp_b)),
                     note="per sequence exp(-mean logp_rollout), then the mean over sequences"),
-    FrameworkMetric("verl", "rollout_corr/log_ppl_diff", lambda p: float(np.mean(_log_ppl_diff(p))),
+    FrameworkMetric("verl", "rollout_corr/log_ppl_diff", _log_ppl_diff,
                     note="per sequence mean logp_rollout - mean logp_train, then the mean"),
-    FrameworkMetric("verl", "rollout_corr/log_ppl_abs_diff", lambda p: float(np.mean(np.abs(_log_ppl_diff(p)))),
+    FrameworkMetric("verl", "rollout_corr/log_ppl_abs_diff", lambda p: np.abs(_log_ppl_diff(p)),
                     note="the mean over sequences of |log_ppl_diff|"),
-    FrameworkMetric("verl", "rollout_corr/ppl_ratio", lambda p: float(np.mean(np.exp(_log_ppl_diff(p)))),
-                    ours="ppl_ratio"),
-    FrameworkMetric("verl", "rollout_corr/chi2_token",
-                    lambda p: float(np.mean(p.clamped_ratio_sq)) - 1.0,
+    FrameworkMetric("verl", "rollout_corr/ppl_ratio", lambda p: np.exp(_log_ppl_diff(p)), ours="ppl_ratio"),
+    FrameworkMetric("verl", "rollout_corr/chi2_token", lambda p: p.clamped_ratio_sq, offset=-1.0,
                     ours="chi2_token", note="log-ratio clamped to +-20 before exp (ours is not clamped)"),
     FrameworkMetric("verl", "rollout_corr/chi2_seq",
-                    lambda p: float(np.mean(np.exp(2.0 * np.clip(np.bincount(p.seq, weights=p.log_ratio),
-                                                                 -SAFETY_BOUND, SAFETY_BOUND)))) - 1.0,
-                    ours="chi2_seq", note="sequence log-ratio sum clamped to +-20 (ours is not clamped)"),
-    FrameworkMetric("verl", "rollout_corr/rollout_is_eff_sample_size", _verl_is_ess,
+                    lambda p: np.exp(2.0 * np.clip(np.bincount(p.seq, weights=p.log_ratio), -SAFETY_BOUND, SAFETY_BOUND)),
+                    offset=-1.0, ours="chi2_seq", note="sequence log-ratio sum clamped to +-20 (ours is not clamped)"),
+    FrameworkMetric("verl", "rollout_corr/rollout_is_eff_sample_size", _verl_is_weights, reduce="ess",
                     note="token weights truncated to [1/2, 2] (rollout_is_threshold 2.0) before the ESS"),
-    FrameworkMetric("verl", "training/rollout_probs_diff_mean",
-                    lambda p: float(np.mean(p.prob_abs_diff)), ours="prob_abs_diff_mean"),
-    FrameworkMetric("verl", "training/rollout_probs_diff_max",
-                    lambda p: float(np.max(p.prob_abs_diff)), ours="prob_abs_diff_max"),
-    FrameworkMetric("verl", "training/rollout_probs_diff_std",
-                    lambda p: float(np.std(p.prob_abs_diff, ddof=1)),
+    FrameworkMetric("verl", "training/rollout_probs_diff_mean", lambda p: p.prob_abs_diff, ours="prob_abs_diff_mean"),
+    FrameworkMetric("verl", "training/rollout_probs_diff_max", lambda p: p.prob_abs_diff, reduce="max",
+                    ours="prob_abs_diff_max"),
+    FrameworkMetric("verl", "training/rollout_probs_diff_std", lambda p: p.prob_abs_diff, reduce="std",
                     note="sample std (ddof 1) of |p_train - p_rollout|"),
-    FrameworkMetric("verl", "training/rollout_actor_probs_pearson_corr",
-                    lambda p: float(np.corrcoef(*probs(p))[0, 1]), note="Pearson correlation of the probabilities"),
+    FrameworkMetric("verl", "training/rollout_actor_probs_pearson_corr", probs, reduce="pearson",
+                    note="Pearson correlation of the probabilities"),
 ]
 
 
