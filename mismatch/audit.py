@@ -185,7 +185,7 @@ def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
         table, sampler_meta=engines["sampler"].get("meta"))
     summary["trees"] = tree_summary(table, pairs)
     summary["framework_metrics"] = framework_metrics(table_chunks(table), pairs)
-    summary["localization"]["turns"] = localize_turns(view, "train", "sampler")
+    summary["localization"]["turns"] = localize_turns(table_chunks(table), "train", "sampler")
     if drift is not None:
         summary["drift"] = drift
     if routing:

@@ -101,7 +101,7 @@ def test_shuffled_rows_give_the_same_analysis():
     for (_, row), (_, other) in zip(by_turn.iterrows(), by_turn_mixed.iterrows()):
         assert (row["pair"], row["turn"]) == (other["pair"], other["turn"])
         assert_metrics_close(other.to_dict(), row.to_dict())
-    located, located_mixed = localize_turns(ordered), localize_turns(mixed)
+    located, located_mixed = localize_turns(table), localize_turns(shuffled)
     assert located["onset_turn"] == located_mixed["onset_turn"]
     for row, other in zip(located["by_turn"] + located["by_prob_bucket"],
                           located_mixed["by_turn"] + located_mixed["by_prob_bucket"]):

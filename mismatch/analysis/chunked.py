@@ -193,13 +193,16 @@ class GroupedPairMetrics:
     Groups are the view's (every key with a row in the view), as `metrics.metrics_by` gives them:
     a pair with no defined log-ratio in a group keeps the group's row, with zero counts.
     `clip` also sums the tokens outside [1 - low, 1 + high] per span (the `clip` summary).
+    Without `quantiles` the ratio_q* columns are left out, and so is the second pass unless a
+    group's ESS needs it.
     """
 
     def __init__(self, pairs: Sequence[tuple[str, str]], by: Sequence[str], *, trainable_only: bool,
-                 overall: bool = True, clip: tuple[float, float] | None = None) -> None:
+                 overall: bool = True, clip: tuple[float, float] | None = None, quantiles: bool = True) -> None:
         self.pairs = [(f"logp_{a}", f"logp_{b}") for a, b in pairs]
         self.names = [f"{a}/{b}" for a, b in pairs]
         self.by, self.trainable_only, self.overall, self.clip = list(by), trainable_only, overall, clip
+        self.quantiles = quantiles
         self.parts = [_PairParts() for _ in pairs]
         self.view_keys: dict[str, list[pd.Series]] = {name: [] for name in self.by}
         self.chunk_spans: list[list[int]] = [[] for _ in pairs]
@@ -222,12 +225,13 @@ class GroupedPairMetrics:
         """{breakdown (OVERALL or a `by` column): {pair name: by keys + PAIR_METRICS (+ n_outside_clip)}}."""
         span_sums = [parts.span_sums() for parts in self.parts]
         breakdowns = [self._breakdowns(index, data) for index, data in enumerate(span_sums)]
-        self._second_pass(chunks, breakdowns)
+        if self.quantiles or any(breakdown.far.any() for found in breakdowns for breakdown in found.values()):
+            self._second_pass(chunks, breakdowns)
         out: dict[str, dict[str, pd.DataFrame]] = {}
         for name, data, found in zip(self.names, span_sums, breakdowns):
             for by, breakdown in found.items():
                 gathered = _Gathered(breakdown.tails.quantiles(), breakdown.far_sums)
-                frame = group_metrics(data, breakdown.grouping, gathered)
+                frame = group_metrics(data, breakdown.grouping, gathered, with_quantiles=self.quantiles)
                 if "outside_clip" in data.sums:
                     frame["n_outside_clip"] = breakdown.grouping.sum(data.sums["outside_clip"]).astype(np.int64)
                 keys = breakdown.grouping.keys.reset_index(drop=True)
@@ -248,7 +252,8 @@ class GroupedPairMetrics:
             lr_min = grouping.min(data.sums["log_ratio_min"]) if data.spans.num_spans else np.zeros(grouping.num_groups)
             far = far_groups(lr_min, lr_max)
             zeros = np.zeros(grouping.num_groups)
-            out[by] = _Breakdown(grouping=grouping, first_span=first_span, tails=_Tails(counts, list(_QUANTILES.values())),
+            tails = _Tails(counts if self.quantiles else np.zeros_like(counts), list(_QUANTILES.values()))
+            out[by] = _Breakdown(grouping=grouping, first_span=first_span, tails=tails,
                                  far=far, lr_max=lr_max, far_sums=(zeros.copy(), zeros.copy()))
         return out
 
@@ -275,7 +280,8 @@ class GroupedPairMetrics:
                     lo = breakdown.first_span[chunk_index]
                     span_group = breakdown.grouping.span_group[lo:lo + spans.num_spans]
                     token_group = spans.spread(span_group)
-                    breakdown.tails.add(pair.ratio, token_group)
+                    if self.quantiles:
+                        breakdown.tails.add(pair.ratio, token_group)
                     if breakdown.far.any():
                         _add_far(breakdown, pair.log_ratio, token_group)
 
@@ -388,3 +394,31 @@ def _sharing(passes: Callable[[], Iterable[np.ndarray]], prefix: np.uint64, bits
             values = values[(_sortable_keys(values) >> np.uint64(64 - bits)) == prefix]
         if len(values):
             yield values
+
+
+class Moments:
+    """Count, means and co-moments (sums of products of deviations) of k values per token, merged
+    chunk by chunk by Chan's rule: no E[x^2] - E[x]^2 cancellation, one pass."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mean: np.ndarray | None = None
+        self.comoment: np.ndarray | None = None
+
+    def add(self, rows: np.ndarray) -> None:
+        """rows: [k, tokens] (or [tokens] for k = 1)."""
+        rows = np.atleast_2d(rows)
+        count = rows.shape[1]
+        if not count:
+            return
+        mean = rows.mean(axis=1)
+        centered = rows - mean[:, None]
+        comoment = centered @ centered.T
+        if self.mean is None or self.comoment is None:
+            self.n, self.mean, self.comoment = count, mean, comoment
+            return
+        total = self.n + count
+        delta = mean - self.mean
+        self.comoment = self.comoment + comoment + np.outer(delta, delta) * (self.n * count / total)
+        self.mean = self.mean + delta * (count / total)
+        self.n = total

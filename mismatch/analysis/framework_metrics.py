@@ -17,7 +17,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis.chunked import Chunks, stream_order_statistics, table_chunks
+from mismatch.analysis.chunked import (
+    Chunks,
+    Moments,
+    stream_order_statistics,
+    table_chunks,
+)
 from mismatch.analysis.groups import key_codes
 from mismatch.frameworks import MODULES
 from mismatch.frameworks._common import FrameworkMetric, PairArrays
@@ -50,16 +55,14 @@ class _Reduction:
     def __init__(self, how: str) -> None:
         self.how, self.n = how, 0
         self.total, self.total_sq, self.top, self.bottom = 0.0, 0.0, -math.inf, math.inf
-        # Moments merged by Chan's rule (std, Pearson): no E[x^2] - E[x]^2 cancellation.
-        self.mean: np.ndarray | None = None
-        self.comoment: np.ndarray | None = None
+        self.moments = Moments()  # std, Pearson
 
     def add(self, values: np.ndarray) -> None:
         count = values.shape[-1]
         if not count:
             return
         if self.how in ("std", "pearson"):
-            self._add_moments(np.atleast_2d(values), count)
+            self.moments.add(values)
         elif self.how == "max":
             self.top = max(self.top, float(values.max()))
         elif self.how == "min":
@@ -68,18 +71,6 @@ class _Reduction:
             self.total += float(values.sum())
             self.total_sq += float(np.dot(values, values)) if self.how == "ess" else 0.0
         self.n += count
-
-    def _add_moments(self, rows: np.ndarray, count: int) -> None:
-        mean = rows.mean(axis=1)
-        centered = rows - mean[:, None]
-        comoment = centered @ centered.T
-        if self.mean is None or self.comoment is None:
-            self.mean, self.comoment = mean, comoment
-            return
-        total = self.n + count
-        delta = mean - self.mean
-        self.comoment = self.comoment + comoment + np.outer(delta, delta) * (self.n * count / total)
-        self.mean = self.mean + delta * (count / total)
 
     def value(self) -> float:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -91,10 +82,11 @@ class _Reduction:
                 return self.bottom
             if self.how == "ess":
                 return float(np.float64(self.total) ** 2 / (self.n * np.float64(self.total_sq)))
-            assert self.comoment is not None
+            comoment = self.moments.comoment
+            assert comoment is not None
             if self.how == "std":
-                return float(np.sqrt(self.comoment[0, 0] / (self.n - 1))) if self.n > 1 else math.nan
-            return float(self.comoment[0, 1] / np.sqrt(self.comoment[0, 0] * self.comoment[1, 1]))
+                return float(np.sqrt(comoment[0, 0] / (self.n - 1))) if self.n > 1 else math.nan
+            return float(comoment[0, 1] / np.sqrt(comoment[0, 0] * comoment[1, 1]))
 
 
 def framework_metrics(chunks: Chunks, pairs: Sequence[tuple[str, str]]) -> dict[str, dict[str, dict[str, float | None]]]:

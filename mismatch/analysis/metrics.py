@@ -333,25 +333,45 @@ def _one_group(pair: PairTokens) -> dict[str, float]:
     return {name: int(row[name]) if name in _COUNTS else float(row[name]) for name in PAIR_METRICS}
 
 
-def token_grouped_metrics(pair: PairTokens, token_group: np.ndarray, num_groups: int) -> pd.DataFrame:
-    """The per-token metrics (means, maxima, counts; no spreads, quantiles or sequence metrics) for
-    groups given per token, such as a probability bucket, which change too often for spans to pay off."""
-    n = np.bincount(token_group, minlength=num_groups)
+# The per-token sums (and maxima) `token_group_metrics` reduces: means, extremes and counts, no
+# spreads, quantiles or sequence metrics.
+_TOKEN_GROUP_SUMS = ("log_ratio", "abs_log_ratio", "k3", "outside_2", "equal")
+_TOKEN_GROUP_MAXIMA = ("log_ratio_abs_max", "prob_abs_diff_max")
+
+
+def token_group_sums(pair: PairTokens, token_group: np.ndarray, num_groups: int) -> dict[str, np.ndarray]:
+    """Per group given per token (such as a probability bucket, which changes too often for spans
+    to pay off): token and rollout counts, sums and maxima of the terms. Groups of several chunks
+    of whole rollouts add up (maxima by np.maximum), rollouts counted in each chunk."""
     token_rollout = pair.view.spans.spread(pair.view.span_rollout)
-    pairs = np.bincount(token_group * max(pair.view.num_rollouts, 1) + token_rollout,
-                        minlength=num_groups * max(pair.view.num_rollouts, 1))
-    out: dict[str, np.ndarray] = {"n_tokens": n, "n_rollouts": (pairs.reshape(num_groups, -1) > 0).sum(axis=1)}
-    means = {}
+    num_rollouts = max(pair.view.num_rollouts, 1)
+    present = np.bincount(token_group * num_rollouts + token_rollout, minlength=num_groups * num_rollouts)
+    out: dict[str, np.ndarray] = {"n_tokens": np.bincount(token_group, minlength=num_groups),
+                                  "n_rollouts": (present.reshape(num_groups, -1) > 0).sum(axis=1)}
     with np.errstate(over="ignore", invalid="ignore"):
         for name, values in _token_terms(pair, np.empty(len(pair.log_ratio))):
-            if name.endswith("_max"):
+            if name in _TOKEN_GROUP_MAXIMA:
                 top = np.full(num_groups, -np.inf)
                 np.maximum.at(top, token_group, values)
                 out[name] = top
-            elif name in ("log_ratio", "abs_log_ratio", "k3", "outside_2", "equal"):
-                means[name] = np.bincount(token_group, weights=values, minlength=num_groups) / n
-    out.update({"log_ratio_mean": means["log_ratio"], "log_ratio_abs_mean": means["abs_log_ratio"],
-                "kl_k3": means["k3"], "frac_outside_2": means["outside_2"], "bitwise_equal_frac": means["equal"]})
+            elif name in _TOKEN_GROUP_SUMS:
+                out[name] = np.bincount(token_group, weights=values, minlength=num_groups)
+    return out
+
+
+def token_group_metrics(sums: dict[str, np.ndarray], num_groups: int) -> pd.DataFrame:
+    """PAIR_METRICS that token_group_sums gives (one row per group; empty ones NaN but counts)."""
+    if not sums:
+        sums = {"n_tokens": np.zeros(num_groups, dtype=np.int64), "n_rollouts": np.zeros(num_groups, dtype=np.int64),
+                **{name: np.zeros(num_groups) for name in _TOKEN_GROUP_SUMS},
+                **{name: np.full(num_groups, -np.inf) for name in _TOKEN_GROUP_MAXIMA}}
+    n = sums["n_tokens"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = {"n_tokens": n, "n_rollouts": sums["n_rollouts"],
+               "log_ratio_mean": sums["log_ratio"] / n, "log_ratio_abs_mean": sums["abs_log_ratio"] / n,
+               "log_ratio_abs_max": sums["log_ratio_abs_max"], "prob_abs_diff_max": sums["prob_abs_diff_max"],
+               "kl_k3": sums["k3"] / n, "frac_outside_2": sums["outside_2"] / n,
+               "bitwise_equal_frac": sums["equal"] / n}
     frame = pd.DataFrame(out)
     frame.loc[n == 0, [name for name in frame.columns if name not in _COUNTS]] = np.nan
     return frame[[name for name in PAIR_METRICS if name in frame.columns]]

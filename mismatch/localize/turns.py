@@ -14,7 +14,19 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis.metrics import PairTokens, grouped_view_metrics, pair_tokens, token_grouped_metrics
+from mismatch.analysis.chunked import (
+    OVERALL,
+    Chunks,
+    GroupedPairMetrics,
+    Moments,
+    table_chunks,
+)
+from mismatch.analysis.metrics import (
+    PairTokens,
+    pair_tokens,
+    token_group_metrics,
+    token_group_sums,
+)
 from mismatch.analysis.tokenview import TokenView
 from mismatch.errors import MismatchError
 from mismatch.results import json_safe
@@ -58,10 +70,11 @@ class OnsetRule:
                 "over the earlier turns and se_t is the standard error of x_t")
 
 
-def localize_turns(table: pd.DataFrame | TokenView, a: str = "train", b: str = "sampler", *,
+def localize_turns(table: pd.DataFrame | Chunks, a: str = "train", b: str = "sampler", *,
                    trainable_only: bool = True, rule: OnsetRule = OnsetRule()) -> dict[str, Any]:
     """`summary.json["localization"]["turns"]` for the pair A/B (log_ratio = logp_A - logp_B).
 
+    `table` is a token table, or its chunks of whole rollouts (analysis/chunked.py), read twice.
     Uses the token table's `turn`, `pos`, `role`, `branch_kind`, `rollout`, `branch` and
     `trainable` columns; only trainable tokens by default, and only tokens where both log-probs
     are defined. Returns JSON-safe values (NaN -> None).
@@ -87,55 +100,127 @@ def localize_turns(table: pd.DataFrame | TokenView, a: str = "train", b: str = "
     Tokens of one sequence are not independent, so a sequence-clustered CI is given too
     (`ci95_cluster_per_1k`), which is wider when whole sequences sit high or low.
     """
-    view = TokenView.of(table, trainable_only=trainable_only)
+    chunks = table if callable(table) else table_chunks(table)
     col_a, col_b = f"logp_{a}", f"logp_{b}"
-    missing = [c for c in (col_a, col_b, "turn", "pos", "role", "branch_kind") if not view.has(c)]
-    if missing:
-        raise MismatchError(f"pair {a}/{b}: token table has no column {missing[0]!r} "
-                            f"(columns: {', '.join(map(str, view.columns))})")
-    pair = pair_tokens(view, col_a, col_b)
-    tokens = pair.view
-    buckets, turn_bucket = _buckets(pair)
-    by_turn = _by_turn(view, pair, buckets, turn_bucket, rule) if tokens.num_tokens else []
+    groups = GroupedPairMetrics([(a, b)], ("turn", "role", "branch_kind"), trainable_only=trainable_only,
+                                quantiles=False)
+    tokens = _TurnTokens(col_a, col_b, trainable_only)
+    for chunk in chunks():
+        missing = [c for c in (col_a, col_b, "turn", "pos", "role", "branch_kind") if c not in chunk.columns]
+        if missing:
+            raise MismatchError(f"pair {a}/{b}: token table has no column {missing[0]!r} "
+                                f"(columns: {', '.join(map(str, chunk.columns))})")
+        groups.add(chunk)
+        tokens.add(chunk)
+    found = {by: frames[f"{a}/{b}"] for by, frames in groups.finish(chunks).items()}
+    slope = tokens.position_slope(chunks)
+    n_tokens = int(found[OVERALL]["n_tokens"].iloc[0])
+    by_turn = _by_turn(found["turn"], tokens, rule) if n_tokens else []
     onset = next((row["turn"] for row in by_turn if row["departs"]), None)
     return json_safe({
         "pair": f"{a}/{b}",
         "trainable_only": trainable_only,
-        "n_tokens": tokens.num_tokens,
+        "n_tokens": n_tokens,
         "onset_turn": onset,
         "onset_rule": rule.describe(),
         "onset_params": asdict(rule),
         "by_turn": by_turn,
-        "position_slope": _tokens_position_slope(pair),
-        "by_prob_bucket": _by_prob_bucket(buckets),
-        "by_role": _breakdown(view, pair, "role"),
-        "by_branch_kind": _breakdown(view, pair, "branch_kind"),
+        "position_slope": slope,
+        "by_prob_bucket": _by_prob_bucket(tokens.bucket_metrics()),
+        "by_role": _breakdown(found["role"], "role") if n_tokens else [],
+        "by_branch_kind": _breakdown(found["branch_kind"], "branch_kind") if n_tokens else [],
     })
 
 
-def _tokens_position_slope(pair: PairTokens) -> dict[str, Any]:
-    """`position_slope` of the pair's |log_ratio| on `pos`, clustered by sequence."""
-    tokens = pair.view
-    if tokens.num_tokens == 0:
-        return _slope_from_moments(0, 0.0, 0.0, 0.0, 0.0, 0.0, None)
-    spans = tokens.spans  # spans never cross sequences: per-sequence sums through them
-    return _position_slope(tokens.column("pos").astype(np.float64) / POSITION_UNIT, np.abs(pair.log_ratio),
-                           (lambda values: np.bincount(tokens.span_seq, weights=spans.sum(values),
-                                                       minlength=tokens.num_seqs), tokens.num_seqs))
+class _TurnTokens:
+    """What the turn localizer needs token by token, chunk by chunk: sums per probability bucket,
+    tokens per (turn, bucket), and the moments of the position fit (then its residuals)."""
+
+    def __init__(self, col_a: str, col_b: str, trainable_only: bool) -> None:
+        self.col_a, self.col_b, self.trainable_only = col_a, col_b, trainable_only
+        self.bucket_sums: dict[str, np.ndarray] = {}
+        self.turn_bucket: dict[Any, np.ndarray] = {}  # turn -> tokens per bucket
+        self.moments = Moments()  # of (pos / 1000, |log_ratio|)
+        self.x_range = (math.inf, -math.inf)
+
+    def _pair(self, chunk: pd.DataFrame) -> PairTokens:
+        return pair_tokens(TokenView(chunk, trainable_only=self.trainable_only), self.col_a, self.col_b)
+
+    def add(self, chunk: pd.DataFrame) -> None:
+        pair = self._pair(chunk)
+        tokens = pair.view
+        if not tokens.num_tokens:
+            return
+        bucket = _prob_bucket(pair.logp_b)
+        sums = token_group_sums(pair, bucket, len(PROB_LABELS))
+        for name, values in sums.items():
+            merge = np.maximum if name.endswith("_max") else np.add
+            self.bucket_sums[name] = merge(self.bucket_sums[name], values) if name in self.bucket_sums else values
+        spans = tokens.spans_for(["turn"])
+        turns = tokens.series_at("turn", spans.starts)
+        turn_codes, turn_keys = pd.factorize(turns, sort=True)
+        counts = np.bincount(spans.spread(turn_codes * len(PROB_LABELS)) + bucket,
+                             minlength=len(turn_keys) * len(PROB_LABELS)).reshape(len(turn_keys), -1)
+        for key, row in zip(turn_keys.tolist(), counts):
+            self.turn_bucket[key] = self.turn_bucket[key] + row if key in self.turn_bucket else row
+        x = tokens.column("pos").astype(np.float64) / POSITION_UNIT
+        self.moments.add(np.stack([x, np.abs(pair.log_ratio)]))
+        self.x_range = (min(self.x_range[0], float(x.min())), max(self.x_range[1], float(x.max())))
+
+    def bucket_metrics(self) -> pd.DataFrame:
+        """BREAKDOWN_METRICS per probability bucket (empty buckets: zero counts, NaN metrics)."""
+        return token_group_metrics(self.bucket_sums, len(PROB_LABELS))
+
+    def expected_abs_mean(self, turn: Any, bucket_mean: np.ndarray) -> float:
+        """The turn's expected mean |log_ratio| given the probability buckets of its tokens."""
+        counts = self.turn_bucket[turn]
+        return float((counts * bucket_mean).sum() / counts.sum())
+
+    def position_slope(self, chunks: Chunks) -> dict[str, Any]:
+        """`position_slope`, clustered by sequence: the fit from the moments, then one more pass
+        for the residuals (their sum of squares, and each sequence's score)."""
+        fit = _SlopeFit.of(self.moments, self.x_range)
+        if fit is None:
+            return _slope_from_moments(self.moments.n, 0.0, 0.0, 0.0, 0.0, 0.0, None)
+        for chunk in chunks():
+            pair = self._pair(chunk)
+            tokens = pair.view
+            if tokens.num_tokens:
+                spans = tokens.spans  # spans never cross sequences: per-sequence sums through them
+                fit.add_residuals(tokens.column("pos").astype(np.float64) / POSITION_UNIT, np.abs(pair.log_ratio),
+                                  lambda values, t=tokens, s=spans: np.bincount(t.span_seq, weights=s.sum(values),
+                                                                               minlength=t.num_seqs))
+        return fit.result()
 
 
-def _buckets(pair: PairTokens) -> tuple[pd.DataFrame, np.ndarray]:
-    """Per probability bucket of logp_B: BREAKDOWN_METRICS (one row per bucket, empty ones too);
-    and tokens per (turn, bucket), turns in sorted order."""
-    tokens = pair.view
-    spans = tokens.spans_for(["turn"])
-    turn_of_span = pd.factorize(tokens.series_at("turn", spans.starts), sort=True)[0]
-    num_turns, num_buckets = (int(turn_of_span.max()) + 1 if len(turn_of_span) else 0), len(PROB_LABELS)
-    bucket = _prob_bucket(pair.logp_b)
-    frame = token_grouped_metrics(pair, bucket, num_buckets)
-    token_turn_bucket = spans.spread((turn_of_span * num_buckets).astype(np.int32)) + bucket
-    turn_bucket = np.bincount(token_turn_bucket, minlength=num_turns * num_buckets).reshape(num_turns, num_buckets)
-    return frame, turn_bucket
+class _SlopeFit:
+    """OLS of y on x from merged moments; residual sums added chunk by chunk."""
+
+    def __init__(self, n: int, x_mean: float, y_mean: float, sxx: float, sxy: float) -> None:
+        self.n, self.x_mean, self.y_mean, self.sxx, self.sxy = n, x_mean, y_mean, sxx, sxy
+        self.slope = sxy / sxx
+        self.sse, self.score_sq, self.num_clusters = 0.0, 0.0, 0
+
+    @classmethod
+    def of(cls, moments: Moments, x_range: tuple[float, float]) -> _SlopeFit | None:
+        """None with fewer than 3 tokens or a single position (no fit)."""
+        if moments.n < 3 or x_range[0] == x_range[1] or moments.mean is None or moments.comoment is None:
+            return None
+        mean, comoment = moments.mean, moments.comoment
+        return cls(moments.n, float(mean[0]), float(mean[1]), float(comoment[0, 0]), float(comoment[0, 1]))
+
+    def add_residuals(self, x: np.ndarray, y: np.ndarray,
+                      per_cluster: Callable[[np.ndarray], np.ndarray] | None) -> None:
+        resid = y - float(self.y_mean - self.slope * self.x_mean) - self.slope * x
+        self.sse += float(np.dot(resid, resid))
+        if per_cluster is not None:
+            scores = per_cluster((x - self.x_mean) * resid)
+            self.score_sq += float(np.dot(scores, scores))
+            self.num_clusters += len(scores)
+
+    def result(self) -> dict[str, Any]:
+        clusters = (self.score_sq, self.num_clusters) if self.num_clusters else None
+        return _slope_from_moments(self.n, self.x_mean, self.y_mean, self.sxx, self.sxy, self.sse, clusters)
 
 
 def _records(frame: pd.DataFrame, by: str) -> list[dict[str, Any]]:
@@ -144,10 +229,8 @@ def _records(frame: pd.DataFrame, by: str) -> list[dict[str, Any]]:
             for row in frame[columns].to_dict("records")]
 
 
-def _breakdown(view: TokenView, pair: PairTokens, by: str) -> list[dict[str, Any]]:
-    if not pair.view.num_tokens:
-        return []
-    frame = _without_empty(grouped_view_metrics(view, *pair.columns, [by], with_quantiles=False))
+def _breakdown(frame: pd.DataFrame, by: str) -> list[dict[str, Any]]:
+    frame = _without_empty(frame)
     frame[by] = frame[by].astype(str)  # role and branch_kind are categoricals; JSON wants str
     return _records(frame, by)
 
@@ -167,9 +250,8 @@ def _by_prob_bucket(frame: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
-def _by_turn(view: TokenView, pair: PairTokens, buckets: pd.DataFrame, turn_bucket: np.ndarray,
-             rule: OnsetRule) -> list[dict[str, Any]]:
-    frame = _without_empty(grouped_view_metrics(view, *pair.columns, ["turn"], with_quantiles=False))
+def _by_turn(frame: pd.DataFrame, tokens: _TurnTokens, rule: OnsetRule) -> list[dict[str, Any]]:
+    frame = _without_empty(frame)
     rows = _records(frame, "turn")
     n_t = frame["n_tokens"].to_numpy()
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -178,13 +260,12 @@ def _by_turn(view: TokenView, pair: PairTokens, buckets: pd.DataFrame, turn_buck
         mean_sq = 2.0 * frame["kl_k2"].to_numpy()
         std = np.sqrt(np.maximum(mean_sq - np.square(frame["log_ratio_abs_mean"].to_numpy()), 0.0) * n_t / (n_t - 1))
     # Each turn's tokens by bucket: the turn's expected mean |log_ratio| given its probability mix.
-    bucket_mean = np.nan_to_num(buckets["log_ratio_abs_mean"].to_numpy())  # empty buckets hold no tokens
-    expected = (turn_bucket * bucket_mean).sum(axis=1) / turn_bucket.sum(axis=1)
+    bucket_mean = np.nan_to_num(tokens.bucket_metrics()["log_ratio_abs_mean"].to_numpy())  # empty buckets hold no tokens
     history_x: list[float] = []    # x of the earlier kept turns
     history_raw: list[float] = []  # their raw mean |log_ratio|
     for index, row in enumerate(rows):
         n_t, raw_t = row["n_tokens"], row["log_ratio_abs_mean"]
-        std_t, expected_t = float(std[index]) if n_t > 1 else math.nan, float(expected[index])
+        std_t, expected_t = float(std[index]) if n_t > 1 else math.nan, tokens.expected_abs_mean(row["turn"], bucket_mean)
         se_raw = std_t / math.sqrt(n_t) if n_t > 1 and np.isfinite(std_t) else math.inf
         if rule.statistic == "raw":
             x_t, se_t = raw_t, se_raw
@@ -226,35 +307,25 @@ def position_slope(pos: np.ndarray, abs_log_ratio: np.ndarray, *,
     (one id per token, e.g. its sequence) a cluster-robust (CR1) standard error is added, with
     G - 1 degrees of freedom. Fewer than 3 tokens or a single position: slope is None.
     """
-    clusters = None
+    per_cluster = None
     if groups is not None:
         codes, uniques = pd.factorize(np.asarray(groups))
-        clusters = (lambda values: np.bincount(codes, weights=values, minlength=len(uniques)), len(uniques))
-    return _position_slope(np.asarray(pos, dtype=np.float64) / POSITION_UNIT,
-                           np.asarray(abs_log_ratio, dtype=np.float64), clusters)
-
-
-def _position_slope(x: np.ndarray, y: np.ndarray,
-                    clusters: tuple[Callable[[np.ndarray], np.ndarray], int] | None) -> dict[str, Any]:
-    """`position_slope` on x = pos / POSITION_UNIT; `clusters` = (per-cluster sums of a per-token
-    array, number of clusters), or None for no cluster-robust error."""
-    n = len(x)
-    if n < 3 or np.ptp(x) == 0.0:
-        return _slope_from_moments(n, 0.0, 0.0, 0.0, 0.0, 0.0, None)
-    x_mean, y_mean = x.mean(), y.mean()
-    x_dev = x - x_mean
-    sxx = float(np.dot(x_dev, x_dev))
-    slope = float(np.dot(x_dev, y - y_mean)) / sxx
-    resid = y - float(y_mean - slope * x_mean) - slope * x
-    scores = clusters[0](x_dev * resid) if clusters is not None else None
-    return _slope_from_moments(n, float(x_mean), float(y_mean), sxx, slope * sxx, float(np.dot(resid, resid)),
-                               scores)
+        per_cluster = lambda values: np.bincount(codes, weights=values, minlength=len(uniques))
+    x, y = np.asarray(pos, dtype=np.float64) / POSITION_UNIT, np.asarray(abs_log_ratio, dtype=np.float64)
+    moments = Moments()
+    moments.add(np.stack([x, y]))
+    fit = _SlopeFit.of(moments, (float(x.min()), float(x.max())) if len(x) else (0.0, 0.0))
+    if fit is None:
+        return _slope_from_moments(len(x), 0.0, 0.0, 0.0, 0.0, 0.0, None)
+    fit.add_residuals(x, y, per_cluster)
+    return fit.result()
 
 
 def _slope_from_moments(n: int, x_mean: float, y_mean: float, sxx: float, sxy: float, sse: float,
-                        scores: np.ndarray | None) -> dict[str, Any]:
-    """The fit and its CIs from the centred moments; `scores` = per-cluster sums of (x - x mean) *
-    residual, for the cluster-robust (CR1) error. Fewer than 3 tokens or one position: no fit."""
+                        clusters: tuple[float, int] | None) -> dict[str, Any]:
+    """The fit and its CIs from the centred moments; `clusters` = (sum of squares of the
+    per-cluster sums of (x - x mean) * residual, number of clusters), for the cluster-robust (CR1)
+    error. Fewer than 3 tokens or one position: no fit."""
     out: dict[str, Any] = {"unit_tokens": POSITION_UNIT, "n_tokens": n, "slope_per_1k": None,
                            "intercept": None, "se": None, "ci95_per_1k": None, "p_value": None,
                            "dof": None, "grows_with_position": False}
@@ -268,13 +339,13 @@ def _slope_from_moments(n: int, x_mean: float, y_mean: float, sxx: float, sxy: f
     out.update(slope_per_1k=slope, intercept=intercept, se=se, dof=dof,
                ci95_per_1k=[slope - half, slope + half], p_value=_p_two_sided(slope, se, dof),
                grows_with_position=bool(slope > 0 and slope - half > 0))
-    if scores is not None:
-        num_groups = len(scores)
+    if clusters is not None:
+        score_sq, num_groups = clusters
         out["n_sequences"] = num_groups
         if num_groups >= 2:
             # CR1 small-sample correction, as Stata's `regress, vce(cluster)`.
             scale = num_groups / (num_groups - 1) * (n - 1) / (n - 2)
-            se_cluster = math.sqrt(scale * float(np.dot(scores, scores))) / sxx
+            se_cluster = math.sqrt(scale * score_sq) / sxx
             half_cluster = t_critical(0.975, num_groups - 1) * se_cluster
             out.update(se_cluster=se_cluster,
                        ci95_cluster_per_1k=[slope - half_cluster, slope + half_cluster],
@@ -292,13 +363,13 @@ def t_sf2(t: float, dof: float) -> float:
     """Two-sided tail P(|T| > |t|) of Student's t."""
     if not math.isfinite(t):  # an infinite or undefined statistic (inf log-ratios): as far out as it gets
         return 0.0
-    from scipy import stats  # here, so that importing mismatch does not import scipy
+    from scipy import special  # here, so that importing mismatch does not import scipy
 
-    return float(2.0 * stats.t.sf(abs(t), dof))
+    return float(2.0 * special.stdtr(dof, -abs(t)))
 
 
 def t_critical(q: float, dof: float) -> float:
     """Quantile q of Student's t."""
-    from scipy import stats
+    from scipy import special
 
-    return float(stats.t.ppf(q, dof))
+    return float(special.stdtrit(dof, q))
