@@ -38,7 +38,6 @@ from mismatch.analysis.framework_metrics import framework_metrics
 from mismatch.analysis.metrics import PAIR_METRICS
 from mismatch.analysis.prefixes import prefix_consistency, prefix_keys
 from mismatch.analysis.routing import routing_summary, token_routing
-from mismatch.analysis.tokenview import TokenView
 from mismatch.checkpoint import load_tokenizer
 from mismatch.engines import check_spec, parse_spec
 from mismatch.errors import MismatchError
@@ -180,19 +179,19 @@ def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: s
     pairs = audit_pairs(table)
     summary = build_summary(table, engines=engines, checkpoint=checkpoint,
                             rollouts_file=rollouts_file, pairs=pairs, command="audit", clip=clip)
-    view = TokenView(table)  # trainable rows keyed once, shared by every step below
+    chunks = table_chunks(table)  # whole rollouts at a time: memory of a chunk, not of the table
     summary["alignment"] = alignment if alignment is not None else check_alignment(
         table, sampler_meta=engines["sampler"].get("meta"))
     summary["trees"] = tree_summary(table, pairs)
-    summary["framework_metrics"] = framework_metrics(table_chunks(table), pairs)
-    summary["localization"]["turns"] = localize_turns(table_chunks(table), "train", "sampler")
+    summary["framework_metrics"] = framework_metrics(chunks, pairs)
+    summary["localization"]["turns"] = localize_turns(chunks, "train", "sampler")
     if drift is not None:
         summary["drift"] = drift
     if routing:
         summary["routing"] = routing
     if prefixes is not None:
         summary["prefix_consistency"] = prefixes
-    summary["corrections"] = summary_corrections(view)
+    summary["corrections"] = summary_corrections(chunks)
     advise(summary)
     return summary
 

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
+from mismatch.analysis.chunked import Chunks, table_chunks
 from mismatch.analysis.groups import Spans, find_spans
 from mismatch.analysis.metrics import pair_tokens, span_sums
 from mismatch.analysis.tokenview import TokenView
@@ -101,7 +102,7 @@ class _Tokens:
                  num_seqs: int, span_rollout: np.ndarray, num_rollouts: int,
                  turn: tuple[np.ndarray, np.ndarray] | None = None,
                  span_stats: dict[str, np.ndarray] | None = None,
-                 logp: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                 logp: tuple[np.ndarray, np.ndarray] | None = None, balance: float | None = None) -> None:
         self.log_ratio = log_ratio  # log pi_train - log pi_sampler, one per token, in span order
         self.logp = logp  # (logp_train, logp_sampler) per token, for the probability-gap modes
         self.num_tokens = spans.num_tokens
@@ -109,6 +110,8 @@ class _Tokens:
         self.span_seq, self.num_seqs = span_seq, num_seqs
         self.span_rollout, self.num_rollouts = span_rollout, num_rollouts
         self.turn = turn  # (distinct turn keys, turn code of each span), or None
+        # Tokens per rollout over the whole run (N / R): these tokens may be one chunk of it.
+        self.balance = balance if balance is not None else self.num_tokens / max(num_rollouts, 1)
         if span_stats is not None:  # the metrics' own per-span sums, when the caller has them
             self.__dict__["run_stats"] = span_stats
 
@@ -355,9 +358,9 @@ def rollout_balanced_truncate(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np
 
 
 def _balance_scale(t: _Tokens) -> np.ndarray:
-    """Per span: (N / R) / n_tokens of its rollout."""
+    """Per span: (N / R) / n_tokens of its rollout (N / R over the whole run, t.balance)."""
     per_rollout = np.bincount(t.span_rollout, weights=t.spans.lengths, minlength=t.num_rollouts)[t.span_rollout]
-    return (t.num_tokens / t.num_rollouts) / per_rollout
+    return t.balance / per_rollout
 
 
 # --- rejection modes: verl rollout_rs (verl/trainer/ppo/rollout_corr_helper.py,
@@ -584,89 +587,127 @@ def effective_sample_size(weight: np.ndarray, counts: np.ndarray | None = None) 
     n = len(weight) if counts is None else int(counts.sum())
     if n == 0:
         return math.nan
-    infinite = np.isinf(weight)
-    if infinite.any():
-        return float((infinite.sum() if counts is None else counts[infinite].sum()) / n)
-    top = weight.max()
-    if top <= 0:
-        return 0.0
-    if not 1e-100 < top < 1e100:
-        weight = weight / top  # scale-free: keeps sum w^2 from overflowing (big sequence ratios)
-    if counts is None:
-        total, total_sq = weight.sum(), np.dot(weight, weight)
-    else:
-        total, total_sq = np.dot(counts, weight), np.dot(counts, np.square(weight))
-    return float(np.square(total) / (n * total_sq))
+    sums = _EssSums()
+    sums.add(weight, counts)
+    return sums.value(n)
 
 
-@dataclass(frozen=True, slots=True)
-class _WeightSummary:
-    """What `_result` reports about one correction's weights, per span and overall."""
+class _EssSums:
+    """The sums behind an ESS, added chunk by chunk: the infinite weights' count, and the finite
+    ones' sums scaled by the largest weight so far (so sum w^2 of big sequence ratios cannot
+    overflow; a larger weight in a later chunk rescales what came before)."""
 
-    span_weight: np.ndarray  # per span: sum of weights
-    span_hits: np.ndarray    # per span: affected tokens
-    mean: float
-    std: float
-    top: float
-    ess: float
+    def __init__(self) -> None:
+        self.infinite, self.scale, self.total, self.total_sq = 0, 0.0, 0.0, 0.0
+
+    def add(self, weight: np.ndarray, counts: np.ndarray | None) -> None:
+        infinite = np.isinf(weight)
+        if infinite.any():
+            self.infinite += int(infinite.sum() if counts is None else counts[infinite].sum())
+            weight, counts = weight[~infinite], None if counts is None else counts[~infinite]
+        top = float(weight.max()) if len(weight) else 0.0
+        if top <= 0:
+            return
+        scale = max(self.scale, top)
+        shrink = self.scale / scale
+        scaled = weight / scale
+        if counts is None:
+            total, total_sq = scaled.sum(), np.dot(scaled, scaled)
+        else:
+            total, total_sq = np.dot(counts, scaled), np.dot(counts, np.square(scaled))
+        self.total = self.total * shrink + float(total)
+        self.total_sq = self.total_sq * shrink * shrink + float(total_sq)
+        self.scale = scale
+
+    def value(self, n: int) -> float:
+        if self.infinite:
+            return self.infinite / n
+        if self.scale <= 0:
+            return 0.0
+        return float(np.float64(self.total) ** 2 / (n * np.float64(self.total_sq)))
+
+
+class _CorrectionSums:
+    """One correction's weights over the tokens, summed chunk by chunk (a sequence and a rollout lie
+    in one chunk): the counts, the touched tokens, sequences and rollouts, the weight's mean and
+    spread (Chan's merge), its maximum, the sums behind its ESS, and the per-turn sums."""
+
+    def __init__(self, correction: Correction) -> None:
+        self.correction, self.spec = correction, MODES[correction.mode]
+        self.n = self.n_seqs = self.n_rollouts = self.hits = self.seqs_hit = self.rollouts_hit = 0
+        self.total, self.m2, self.top = 0.0, 0.0, -math.inf
+        self.ess = _EssSums()
+        self.turns: dict[Any, np.ndarray] = {}  # turn -> [tokens, touched, weight sum]
+
+    def add(self, tokens: _Tokens) -> None:
+        n = tokens.num_tokens
+        if not n:
+            return
+        spans = tokens.spans
+        weight, affected = self.spec.fn(tokens, **self.correction.params)
+        counts = spans.lengths if self.spec.per_span else None
+        with np.errstate(invalid="ignore", over="ignore"):
+            if self.spec.per_span:
+                span_weight, span_hits = weight * counts, affected * counts
+            else:
+                span_weight, span_hits = spans.sum(weight), spans.sum(affected, dtype=np.int64)
+            total = float(span_weight.sum())
+            mean = total / n
+            deviation = weight - mean
+            m2 = float(np.dot(deviation, deviation) if counts is None else np.dot(counts, np.square(deviation)))
+            merged = self.n + n
+            delta = mean - (self.total / self.n if self.n else 0.0)
+            self.m2 = self.m2 + m2 + (delta * delta * self.n * n / merged if self.n else 0.0)
+        self.total += total
+        self.n, self.n_seqs, self.n_rollouts = merged, self.n_seqs + tokens.num_seqs, self.n_rollouts + tokens.num_rollouts
+        self.hits += int(span_hits.sum())
+        self.seqs_hit += int((tokens.per_seq(span_hits) > 0).sum())
+        self.rollouts_hit += int((np.bincount(tokens.span_rollout, weights=span_hits,
+                                              minlength=tokens.num_rollouts) > 0).sum())
+        self.top = max(self.top, float(weight.max()))
+        self.ess.add(weight, counts)
+        if tokens.turn is not None:
+            self._add_turns(tokens, span_weight, span_hits)
+
+    def _add_turns(self, tokens: _Tokens, span_weight: np.ndarray, span_hits: np.ndarray) -> None:
+        assert tokens.turn is not None
+        keys, span_turn = tokens.turn
+        counts = np.bincount(span_turn, weights=tokens.spans.lengths, minlength=len(keys))
+        hits = np.bincount(span_turn, weights=span_hits, minlength=len(keys))
+        with np.errstate(invalid="ignore", over="ignore"):
+            sums = np.bincount(span_turn, weights=span_weight, minlength=len(keys))
+        for key, row in zip(keys.tolist(), np.stack([counts, hits, sums], axis=1)):
+            self.turns[key] = self.turns[key] + row if key in self.turns else row
+
+    def result(self) -> CorrectionResult:
+        n, nan = self.n, math.nan
+        base = {"mode": self.correction.mode, "params": dict(self.correction.params), "level": self.spec.level}
+        if n == 0:
+            return CorrectionResult(**base, n_tokens=0, n_sequences=0, n_rollouts=0, frac_tokens_affected=nan,
+                                    frac_sequences_affected=nan, frac_rollouts_affected=nan, weight_mean=nan,
+                                    weight_std=nan, weight_max=nan, ess=nan, by_turn=[])
+        mean = self.total / n
+        return CorrectionResult(
+            **base, n_tokens=n, n_sequences=self.n_seqs, n_rollouts=self.n_rollouts,
+            frac_tokens_affected=self.hits / n, frac_sequences_affected=self.seqs_hit / self.n_seqs,
+            frac_rollouts_affected=self.rollouts_hit / self.n_rollouts, weight_mean=mean,
+            weight_std=math.sqrt(self.m2 / n) if math.isfinite(mean) else nan, weight_max=self.top,
+            ess=self.ess.value(n), by_turn=self._by_turn())
+
+    def _by_turn(self) -> list[dict[str, Any]]:
+        """Per turn: how many tokens, the share the correction touched, and their mean weight."""
+        with np.errstate(invalid="ignore", over="ignore"):
+            return [{"turn": key, "n_tokens": int(count), "frac_tokens_affected": float(hit / count),
+                     "weight_mean": float(total / count)}
+                    for key, (count, hit, total) in sorted(self.turns.items())]
 
 
 def _results(tokens: _Tokens, corrections: Sequence[Correction]) -> list[CorrectionResult]:
-    """Every correction's result."""
-    return [_result(tokens, correction) for correction in corrections]
-
-
-def _result(tokens: _Tokens, correction: Correction) -> CorrectionResult:
-    n = tokens.num_tokens
-    spec = MODES[correction.mode]
-    if n == 0:
-        nan = math.nan
-        return CorrectionResult(mode=correction.mode, params=dict(correction.params), level=spec.level,
-                                n_tokens=0, n_sequences=0, n_rollouts=0, frac_tokens_affected=nan,
-                                frac_sequences_affected=nan, frac_rollouts_affected=nan, weight_mean=nan,
-                                weight_std=nan, weight_max=nan, ess=nan, by_turn=[])
-    summary = _summary(tokens, spec, correction)
-    seq_hit = tokens.per_seq(summary.span_hits) > 0
-    rollout_hit = np.bincount(tokens.span_rollout, weights=summary.span_hits, minlength=tokens.num_rollouts) > 0
-    return CorrectionResult(
-        mode=correction.mode, params=dict(correction.params), level=spec.level,
-        n_tokens=n, n_sequences=tokens.num_seqs, n_rollouts=tokens.num_rollouts,
-        frac_tokens_affected=float(summary.span_hits.sum() / n), frac_sequences_affected=float(seq_hit.mean()),
-        frac_rollouts_affected=float(rollout_hit.mean()), weight_mean=summary.mean, weight_std=summary.std,
-        weight_max=summary.top, ess=summary.ess,
-        by_turn=_by_turn(tokens, summary.span_weight, summary.span_hits) if tokens.turn is not None else [])
-
-
-def _summary(tokens: _Tokens, spec: ModeSpec, correction: Correction) -> _WeightSummary:
-    """Per-token (or per-span) weights from the mode's own function, summed per span and overall."""
-    n, spans = tokens.num_tokens, tokens.spans
-    weight, affected = spec.fn(tokens, **correction.params)
-    counts = spans.lengths if spec.per_span else None
-    with np.errstate(invalid="ignore", over="ignore"):
-        if spec.per_span:
-            span_weight, span_hits = weight * counts, affected * counts
-        else:
-            span_weight, span_hits = spans.sum(weight), spans.sum(affected, dtype=np.int64)
-        mean = float(span_weight.sum() / n)
-        std = math.nan
-        if math.isfinite(mean):
-            deviation = weight - mean
-            spread = np.dot(deviation, deviation) if counts is None else np.dot(counts, np.square(deviation))
-            std = float(np.sqrt(spread / n))
-    return _WeightSummary(span_weight=span_weight, span_hits=span_hits, mean=mean, std=std,
-                          top=float(weight.max()), ess=effective_sample_size(weight, counts))
-
-
-def _by_turn(tokens: _Tokens, span_weight: np.ndarray, span_hits: np.ndarray) -> list[dict[str, Any]]:
-    """Per turn: how many tokens, the share the correction touched, and their mean weight."""
-    keys, span_turn = tokens.turn
-    counts = np.bincount(span_turn, weights=tokens.spans.lengths, minlength=len(keys))
-    hits = np.bincount(span_turn, weights=span_hits, minlength=len(keys))
-    with np.errstate(invalid="ignore", over="ignore"):
-        sums = np.bincount(span_turn, weights=span_weight, minlength=len(keys))
-    return [{"turn": key.item() if hasattr(key, "item") else key, "n_tokens": int(count),
-             "frac_tokens_affected": float(hit / count), "weight_mean": float(total / count)}
-            for key, count, hit, total in zip(keys, counts, hits, sums)]
+    """Every correction's result on tokens in memory (one chunk)."""
+    sums = [_CorrectionSums(correction) for correction in corrections]
+    for found in sums:
+        found.add(tokens)
+    return [found.result() for found in sums]
 
 
 def simulate(log_ratio: Any, corrections: Sequence[Correction] | None = None, *, seq: Any,
@@ -688,31 +729,52 @@ def simulate(log_ratio: Any, corrections: Sequence[Correction] | None = None, *,
     return _results(tokens, corrections)
 
 
-def simulate_table(table: pd.DataFrame | TokenView, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS, *,
+def simulate_table(table: pd.DataFrame | Chunks, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS, *,
                    pair: tuple[str, str] = ("train", "sampler")) -> list[CorrectionResult]:
-    """`simulate` on a token table (tokens.parquet as a DataFrame, or a TokenView of it).
+    """`simulate` on a token table (tokens.parquet as a DataFrame), or on its chunks of whole
+    rollouts (analysis/chunked.py), chunk by chunk.
 
     Reads columns `rollout`, `branch`, `turn`, `trainable`, `logp_<A>` and `logp_<B>` of the pair;
     log_ratio = logp_A - logp_B, a sequence is a (rollout, branch).
     """
-    needed = ["rollout", "branch", "turn", "trainable", f"logp_{pair[0]}", f"logp_{pair[1]}"]
-    missing = [name for name in needed if name not in table.columns]
+    chunks = table if callable(table) else table_chunks(table)
+    columns = (f"logp_{pair[0]}", f"logp_{pair[1]}")
+    balance = None
+    if any(correction.mode == "rollout_balanced_truncate" for correction in corrections):
+        # The rebalanced mode's N / R is the whole run's: one counting pass first.
+        num_tokens = num_rollouts = 0
+        for chunk in chunks():
+            view = pair_tokens(TokenView(chunk, trainable_only=True), *columns).view
+            num_tokens, num_rollouts = num_tokens + view.num_tokens, num_rollouts + view.num_rollouts
+        balance = num_tokens / max(num_rollouts, 1)
+    sums = [_CorrectionSums(correction) for correction in corrections]
+    for chunk in chunks():
+        tokens = _chunk_tokens(chunk, columns, balance)
+        for found in sums:
+            found.add(tokens)
+    return [found.result() for found in sums]
+
+
+def _chunk_tokens(chunk: pd.DataFrame, columns: tuple[str, str], balance: float | None = None) -> _Tokens:
+    """One chunk's trainable tokens of the pair, cut into spans per turn."""
+    needed = ["rollout", "branch", "turn", "trainable", *columns]
+    missing = [name for name in needed if name not in chunk.columns]
     if missing:
         raise MismatchError(f"token table has no column {missing[0]!r} (columns: "
-                            f"{', '.join(map(str, table.columns))})")
-    view = TokenView.of(table, trainable_only=True)
+                            f"{', '.join(map(str, chunk.columns))})")
+    view = TokenView(chunk, trainable_only=True)
     # The metrics' own pair: its log-ratio, ratio and spans are computed once for both.
-    pair_view = pair_tokens(view, needed[4], needed[5])
+    pair_view = pair_tokens(view, *columns)
     tokens_view = pair_view.view
     spans, turns = tokens_view.grouping(["turn"])
-    tokens = _Tokens(pair_view.log_ratio, spans, span_seq=tokens_view.span_seq,
-                     num_seqs=tokens_view.num_seqs, span_rollout=tokens_view.span_rollout,
-                     num_rollouts=tokens_view.num_rollouts, turn=(turns.keys["turn"].to_numpy(), turns.span_group),
-                     span_stats=span_sums(pair_view, spans), logp=(pair_view.logp_a, pair_view.logp_b))
-    return _results(tokens, corrections)
+    return _Tokens(pair_view.log_ratio, spans, span_seq=tokens_view.span_seq,
+                   num_seqs=tokens_view.num_seqs, span_rollout=tokens_view.span_rollout,
+                   num_rollouts=tokens_view.num_rollouts, turn=(turns.keys["turn"].to_numpy(), turns.span_group),
+                   span_stats=span_sums(pair_view, spans), logp=(pair_view.logp_a, pair_view.logp_b),
+                   balance=balance)
 
 
-def summary_corrections(table: pd.DataFrame | TokenView,
+def summary_corrections(table: pd.DataFrame | Chunks,
                         corrections: Sequence[Correction] = DEFAULT_CORRECTIONS) -> list[dict[str, Any]]:
     """`summary.json["corrections"]`: every correction simulated over train/sampler trainable tokens."""
     return [result.to_dict() for result in simulate_table(table, corrections)]
