@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mismatch.analysis.chunked import Chunks, Moments, table_chunks
 from mismatch.analysis.groups import find_spans, key_codes
 from mismatch.errors import MismatchError, SpecError
 
@@ -176,22 +177,31 @@ def _span_ids(table: pd.DataFrame, keys: Sequence[str]) -> np.ndarray:
     return np.repeat(np.arange(spans.num_spans, dtype=np.int64), spans.lengths)
 
 
-def _shift_fits(stored: np.ndarray, replayed: np.ndarray, segment: np.ndarray,
-                group: np.ndarray) -> pd.DataFrame:
-    """Mean |stored[i] - replayed[i + k]| per group (rows, in order of first appearance) and shift
-    k (columns), over pairs inside one segment: a shift never borrows a neighbour segment's token."""
+def _shift_sums(stored: np.ndarray, replayed: np.ndarray, segment: np.ndarray,
+                group: np.ndarray) -> tuple[pd.Index, dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """Per group (in order of first appearance) and shift k: the sum and count of
+    |stored[i] - replayed[i + k]| over pairs inside one segment (a shift never borrows a neighbour
+    segment's token)."""
     codes, uniques = pd.factorize(group)
     num_groups, n = len(uniques), len(stored)
-    fits = {}
+    sums = {}
     for k in SHIFTS:
         here, there = slice(max(0, -k), n - max(0, k)), slice(max(0, k), n - max(0, -k))
         ok = (segment[here] == segment[there]) & np.isfinite(stored[here]) & np.isfinite(replayed[there])
         gap = np.abs(stored[here][ok] - replayed[there][ok])
-        sums = np.bincount(codes[here][ok], weights=gap, minlength=num_groups)
-        counts = np.bincount(codes[here][ok], minlength=num_groups)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            fits[k] = np.where(counts > 0, sums / counts, np.nan)
-    return pd.DataFrame(fits, index=uniques)
+        sums[k] = (np.bincount(codes[here][ok], weights=gap, minlength=num_groups),
+                   np.bincount(codes[here][ok], minlength=num_groups))
+    return pd.Index(uniques), sums
+
+
+def _shift_fits(stored: np.ndarray, replayed: np.ndarray, segment: np.ndarray,
+                group: np.ndarray) -> pd.DataFrame:
+    """Mean |stored[i] - replayed[i + k]| per group (rows, in order of first appearance) and shift
+    k (columns)."""
+    index, sums = _shift_sums(stored, replayed, segment, group)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return pd.DataFrame({k: np.where(count > 0, total / count, np.nan) for k, (total, count) in sums.items()},
+                            index=index)
 
 
 def _best_shift(fits: dict[int, float]) -> int:
@@ -231,32 +241,6 @@ def _constant_spans(stored: np.ndarray, replayed: np.ndarray, segment: np.ndarra
     return np.cumsum(marks[:-1]) > 0
 
 
-def _semantics(stored: np.ndarray, replayed: np.ndarray) -> dict[str, Any]:
-    """Raw or processed, from tokens the replay finds likely (stored 0.0 left to the padding check).
-
-    Temperature T < 1 raises every likely token (log q = log p / T + log-normalizer, both
-    pushing toward 0), T > 1 lowers them all; raw log-probs only scatter around the replay.
-    For likely tokens -log q ~ (-log p)^(1/T), so the slope of log(-stored) on log(-replayed)
-    estimates 1/T (biased toward lower T when several tokens compete; an estimate, not a fit).
-    """
-    likely = (np.isfinite(stored) & np.isfinite(replayed) & (replayed > LIKELY_LOGP)
-              & (replayed < 0) & (stored < 0))
-    out: dict[str, Any] = {"n_likely": int(likely.sum()), "frac_likely_raised": None,
-                           "frac_likely_lowered": None, "loglog_slope": None}
-    if likely.sum() < MIN_TOKENS:
-        return {**out, "semantics": "unknown", "estimated_temperature": None}
-    s, r = stored[likely], replayed[likely]
-    raised, lowered = float(np.mean(s > r)), float(np.mean(s < r))
-    x, y = np.log(-r), np.log(-s)
-    slope = float(np.polyfit(x, y, 1)[0]) if np.ptp(x) > 0 else 1.0
-    out.update(frac_likely_raised=raised, frac_likely_lowered=lowered, loglog_slope=slope)
-    if max(raised, lowered) >= ONE_SIDED and abs(math.log(max(slope, 1e-9))) >= RAW_SLOPE_TOL:
-        return {**out, "semantics": "processed", "estimated_temperature": round(1.0 / slope, 3)}
-    if max(raised, lowered) < ONE_SIDED and abs(math.log(max(slope, 1e-9))) < RAW_SLOPE_TOL:
-        return {**out, "semantics": "raw", "estimated_temperature": 1.0}
-    return {**out, "semantics": "unknown", "estimated_temperature": None}
-
-
 def _finding(kind: str, message: str, fix: str, rollout: str | None = None) -> dict[str, Any]:
     return {"kind": kind, **({"rollout": rollout} if rollout is not None else {}),
             "message": message, "fix": fix}
@@ -274,10 +258,6 @@ class _Columns:
     branch: np.ndarray     # int code per (rollout, branch)
     segment: np.ndarray    # int code per (rollout, branch, segment)
 
-    @property
-    def num_trainable(self) -> int:
-        return max(int(self.trainable.sum()), 1)
-
 
 def _columns(table: pd.DataFrame, stored: str, replayed: str) -> _Columns:
     needed = [f"logp_{stored}", f"logp_{replayed}", "rollout", "branch", "segment", "trainable"]
@@ -294,26 +274,22 @@ def _columns(table: pd.DataFrame, stored: str, replayed: str) -> _Columns:
                     segment=_span_ids(table, ["rollout", "branch", "segment"]))
 
 
-def _missing_check(cols: _Columns, stored: str, findings: list[dict[str, Any]]) -> float:
+def _missing(cols: _Columns) -> tuple[int, float, str | None]:
+    """Trainable tokens without a stored log-prob: how many, and the rollout with the largest
+    share of them (the first such, in table order) with that share."""
     missing = cols.trainable & np.isnan(cols.stored)
-    if missing.any():
-        worst = cols.rollout_names[pd.Series(missing[cols.trainable]).groupby(
-            cols.rollout[cols.trainable]).mean().idxmax()]
-        findings.append(_finding("missing_logprobs", f"{missing.sum()} trainable tokens have no stored "
-                                 f"{stored} log-prob (most in rollout {worst!r})",
-                                 "store the sampler's log-prob of every generated token; a ratio "
-                                 "needs both sides", rollout=worst))
-    return float(missing.sum() / cols.num_trainable)
+    if not missing.any():
+        return 0, 0.0, None
+    shares = pd.Series(missing[cols.trainable]).groupby(cols.rollout[cols.trainable]).mean()
+    return int(missing.sum()), float(shares.max()), str(cols.rollout_names[shares.idxmax()])
 
 
-def _shift_check(cols: _Columns, branch_column: pd.Series,
-                 findings: list[dict[str, Any]]) -> tuple[int, dict[int, float], dict[str, int]]:
-    """The overall shift, its fits, and the rollouts with a shifted branch.
+def _branch_shifts(cols: _Columns, branch_column: pd.Series,
+                   findings: list[dict[str, Any]]) -> dict[str, int]:
+    """The rollouts with a branch whose own best shift is not 0 (a finding for each such branch).
 
     Per branch, not per rollout: an exporter bug may hit one branch kind and not another.
     """
-    overall = _shift_fits(cols.stored, cols.replayed, cols.segment, np.zeros(len(cols.stored), np.int64))
-    fits = {k: float(overall[k].iloc[0]) if len(overall) else float("nan") for k in SHIFTS}
     codes, first_row = np.unique(cols.branch, return_index=True)
     branch_ids = branch_column.iloc[first_row].astype(str).tolist()
     names = {code: (cols.rollout_names[cols.rollout[row]], branch_ids[i])
@@ -332,26 +308,16 @@ def _shift_check(cols: _Columns, branch_column: pd.Series,
             "realign the log-probs with their tokens in the exporter (an off-by-one between the "
             "logits row and the token it scores); do not trust this rollout's ratios until then",
             rollout=rollout_id))
-    return _best_shift(fits), fits, by_rollout
+    return by_rollout
 
 
-def _placeholder_check(cols: _Columns, findings: list[dict[str, Any]]) -> tuple[float, float]:
-    """(padded_zero_frac, constant_frac) over trainable tokens."""
+def _placeholders(cols: _Columns) -> tuple[int, int, float | None]:
+    """Trainable tokens storing 0.0 where the replay is unsure, tokens in runs of one repeated
+    stored value while the replay varies, and the first such value."""
     zero_rows = cols.trainable & (cols.replayed < SURE_LOGP) & (cols.stored == 0.0)
-    if zero_rows.any():
-        findings.append(_finding("padded_zero", f"{zero_rows.sum()} trainable tokens store log-prob 0.0 "
-                                 "where the replay gives p < 0.99",
-                                 "zeros are padding or a placeholder: store real log-probs, or mask "
-                                 "these tokens out of the ratio (unless the sampler used top-p/top-k, "
-                                 "which legitimately gives 0.0 to a lone surviving token)"))
     constant_rows = _constant_spans(cols.stored, cols.replayed, cols.segment) & cols.trainable
-    if constant_rows.any():
-        value = float(cols.stored[constant_rows][0])
-        findings.append(_finding("constant_logprobs", f"{constant_rows.sum()} trainable tokens sit in runs "
-                                 f"of one repeated stored log-prob (e.g. {value!r}) while the replay varies",
-                                 "a placeholder was stored instead of log-probs: fix the exporter or "
-                                 "mask these tokens"))
-    return float(zero_rows.sum() / cols.num_trainable), float(constant_rows.sum() / cols.num_trainable)
+    value = float(cols.stored[constant_rows][0]) if constant_rows.any() else None
+    return int(zero_rows.sum()), int(constant_rows.sum()), value
 
 
 def _semantics_finding(semantics: dict[str, Any], declared: dict[str, Any], stored: str, replayed: str,
@@ -377,10 +343,111 @@ def _semantics_finding(semantics: dict[str, Any], declared: dict[str, Any], stor
                                  "fix meta.sampler.logprobs so corrections use the right semantics"))
 
 
-def check_alignment(table: pd.DataFrame, *, stored: str = "sampler", replayed: str = "train",
+class _AlignmentSums:
+    """What check_alignment finds, added a chunk of whole rollouts at a time (a segment, a branch
+    and a rollout lie in one chunk): counts, the shift fits' sums, the findings per branch, and
+    the semantics evidence (counts and the moments of its log-log fit)."""
+
+    def __init__(self, stored: str, replayed: str) -> None:
+        self.stored, self.replayed = stored, replayed
+        self.trainable = self.missing = self.padded = self.constant = 0
+        self.worst_missing: tuple[float, str | None] = (-1.0, None)
+        self.constant_value: float | None = None
+        self.shift_sums = {k: np.zeros(2) for k in SHIFTS}  # overall [sum, count] per shift
+        self.shift_findings: list[dict[str, Any]] = []
+        self.by_rollout: dict[str, int] = {}
+        self.likely = self.raised = self.lowered = 0
+        self.loglog = Moments()  # of (log -replayed, log -stored) over likely tokens
+        self.x_range = (math.inf, -math.inf)
+
+    def add(self, table: pd.DataFrame) -> None:
+        cols = _columns(table, self.stored, self.replayed)
+        self.trainable += int(cols.trainable.sum())
+        missing, share, worst = _missing(cols)
+        self.missing += missing
+        if worst is not None and share > self.worst_missing[0]:
+            self.worst_missing = (share, worst)
+        _, sums = _shift_sums(cols.stored, cols.replayed, cols.segment, np.zeros(len(cols.stored), np.int64))
+        for k, (total, count) in sums.items():
+            if len(total):
+                self.shift_sums[k] += [total[0], count[0]]
+        shifted = _branch_shifts(cols, table["branch"], self.shift_findings)
+        for rollout_id, k in shifted.items():
+            self.by_rollout.setdefault(rollout_id, k)
+        padded, constant, value = _placeholders(cols)
+        self.padded, self.constant = self.padded + padded, self.constant + constant
+        if self.constant_value is None:
+            self.constant_value = value
+        # Rollouts with a shift are left out of the semantics, whose evidence they would scramble.
+        shifted_codes = np.flatnonzero(np.isin(cols.rollout_names, list(shifted)))
+        keep = cols.trainable & ~np.isin(cols.rollout, shifted_codes) & (cols.stored != 0.0)
+        self._add_semantics(cols.stored[keep], cols.replayed[keep])
+
+    def _add_semantics(self, stored: np.ndarray, replayed: np.ndarray) -> None:
+        likely = (np.isfinite(stored) & np.isfinite(replayed) & (replayed > LIKELY_LOGP)
+                  & (replayed < 0) & (stored < 0))
+        s, r = stored[likely], replayed[likely]
+        if not len(s):
+            return
+        self.likely += len(s)
+        self.raised += int((s > r).sum())
+        self.lowered += int((s < r).sum())
+        x = np.log(-r)
+        self.loglog.add(np.stack([x, np.log(-s)]))
+        self.x_range = (min(self.x_range[0], float(x.min())), max(self.x_range[1], float(x.max())))
+
+    def semantics(self) -> dict[str, Any]:
+        """Raw or processed, from tokens the replay finds likely (stored 0.0 left to the padding check).
+
+        Temperature T < 1 raises every likely token (log q = log p / T + log-normalizer, both
+        pushing toward 0), T > 1 lowers them all; raw log-probs only scatter around the replay.
+        For likely tokens -log q ~ (-log p)^(1/T), so the slope of log(-stored) on log(-replayed)
+        estimates 1/T (biased toward lower T when several tokens compete; an estimate, not a fit).
+        """
+        out: dict[str, Any] = {"n_likely": self.likely, "frac_likely_raised": None,
+                               "frac_likely_lowered": None, "loglog_slope": None}
+        if self.likely < MIN_TOKENS:
+            return {**out, "semantics": "unknown", "estimated_temperature": None}
+        raised, lowered = self.raised / self.likely, self.lowered / self.likely
+        comoment = self.loglog.comoment
+        assert comoment is not None
+        slope = float(comoment[0, 1] / comoment[0, 0]) if self.x_range[1] > self.x_range[0] else 1.0
+        out.update(frac_likely_raised=raised, frac_likely_lowered=lowered, loglog_slope=slope)
+        if max(raised, lowered) >= ONE_SIDED and abs(math.log(max(slope, 1e-9))) >= RAW_SLOPE_TOL:
+            return {**out, "semantics": "processed", "estimated_temperature": round(1.0 / slope, 3)}
+        if max(raised, lowered) < ONE_SIDED and abs(math.log(max(slope, 1e-9))) < RAW_SLOPE_TOL:
+            return {**out, "semantics": "raw", "estimated_temperature": 1.0}
+        return {**out, "semantics": "unknown", "estimated_temperature": None}
+
+    def findings(self) -> list[dict[str, Any]]:
+        """Missing log-probs, shifted branches, placeholders, in that order (semantics after)."""
+        found = []
+        if self.missing:
+            worst = self.worst_missing[1]
+            found.append(_finding("missing_logprobs", f"{self.missing} trainable tokens have no stored "
+                                  f"{self.stored} log-prob (most in rollout {worst!r})",
+                                  "store the sampler's log-prob of every generated token; a ratio "
+                                  "needs both sides", rollout=worst))
+        found += self.shift_findings
+        if self.padded:
+            found.append(_finding("padded_zero", f"{self.padded} trainable tokens store log-prob 0.0 "
+                                  "where the replay gives p < 0.99",
+                                  "zeros are padding or a placeholder: store real log-probs, or mask "
+                                  "these tokens out of the ratio (unless the sampler used top-p/top-k, "
+                                  "which legitimately gives 0.0 to a lone surviving token)"))
+        if self.constant:
+            found.append(_finding("constant_logprobs", f"{self.constant} trainable tokens sit in runs "
+                                  f"of one repeated stored log-prob (e.g. {self.constant_value!r}) while the "
+                                  "replay varies", "a placeholder was stored instead of log-probs: fix the "
+                                  "exporter or mask these tokens"))
+        return found
+
+
+def check_alignment(table: pd.DataFrame | Chunks, *, stored: str = "sampler", replayed: str = "train",
                     sampler_meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """`summary["alignment"]`: do `logp_<stored>` and `logp_<replayed>` measure the same thing?
 
+    `table` is a token table or its chunks of whole rollouts (analysis/chunked.py), read once.
     Contract keys: `shift` (-1, 0, +1: stored[i] is the log-prob of token i + shift, over all
     rollouts), `padded_zero_frac`, `logprob_semantics` ("raw" | "processed" | "unknown"); also
     `estimated_temperature`, `missing_trainable_frac`, `constant_frac`, `shift_fit` (mean |Δ|
@@ -389,21 +456,23 @@ def check_alignment(table: pd.DataFrame, *, stored: str = "sampler", replayed: s
     rollout?, message, fix}]. Fractions are over trainable tokens. Rollouts with a shift are
     left out of the semantics check, whose evidence they would scramble.
     """
-    cols = _columns(table, stored, replayed)
-    findings: list[dict[str, Any]] = []
-    missing_frac = _missing_check(cols, stored, findings)
-    shift, fits, by_rollout = _shift_check(cols, table["branch"], findings)
-    padded_frac, constant_frac = _placeholder_check(cols, findings)
-    shifted = np.flatnonzero(np.isin(cols.rollout_names, list(by_rollout)))
-    keep = cols.trainable & ~np.isin(cols.rollout, shifted) & (cols.stored != 0.0)
-    semantics = _semantics(cols.stored[keep], cols.replayed[keep])
+    chunks = table if callable(table) else table_chunks(table)
+    sums = _AlignmentSums(stored, replayed)
+    for chunk in chunks():
+        sums.add(chunk)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        fits = {k: float(total / count) if count else float("nan") for k, (total, count) in sums.shift_sums.items()}
+    findings = sums.findings()
+    semantics = sums.semantics()
     declared = dict(sampler_meta or {})
     _semantics_finding(semantics, declared, stored, replayed, findings)
+    num_trainable = max(sums.trainable, 1)
     return {
         "stored": stored, "replayed": replayed,
-        "shift": shift, "shift_fit": {str(k): v for k, v in fits.items()}, "shift_by_rollout": by_rollout,
-        "padded_zero_frac": padded_frac, "constant_frac": constant_frac,
-        "missing_trainable_frac": missing_frac,
+        "shift": _best_shift(fits), "shift_fit": {str(k): v for k, v in fits.items()},
+        "shift_by_rollout": sums.by_rollout,
+        "padded_zero_frac": sums.padded / num_trainable, "constant_frac": sums.constant / num_trainable,
+        "missing_trainable_frac": sums.missing / num_trainable,
         "logprob_semantics": semantics["semantics"],
         "estimated_temperature": semantics["estimated_temperature"],
         "semantics": semantics, "declared": declared,
