@@ -31,16 +31,16 @@ def _replay(spec: str, checkpoint: Path, requests) -> tuple[np.ndarray, dict]:
         engine.close()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gemma2", "gemma3", "deepseek_v3", "llama3", "phi3"])
 def test_each_architecture_audits_with_a_bitwise_control(name, architecture_checkpoint, tmp_path) -> None:
     checkpoint = architecture_checkpoint(name)
     control = audit(checkpoint, EXAMPLE, train="hf", infer="hf", out=tmp_path / "control").summary
     assert control["pairs"]["train/infer"]["bitwise_equal_frac"] == 1.0  # the same config twice, in one run
     gap = audit(checkpoint, EXAMPLE, train="hf", infer="hf-decode:dtype=bfloat16", out=tmp_path / "gap").summary
     assert 0 < gap["pairs"]["train/infer"]["kl_k3"] < 1e-2
-    moe = name in ("qwen3_moe", "mixtral")
+    moe = name in ("qwen3_moe", "mixtral", "deepseek_v3")
     assert ("routing" in gap) == moe  # both passes are torch engines: the routing agreement is measured
-    if moe:
+    if moe:  # DeepSeek-V3's first layer is dense: 3 layers, 2 routed
         assert gap["routing"]["train/infer"]["moe_layers"] == 2
 
 
@@ -93,3 +93,42 @@ def test_a_fault_in_one_expert_is_named_by_layers_and_kernels(architecture_check
     top = kernels[0]
     assert (top["name"], top["type"], top["worst_expert"]) == ("model.layers.1.mlp.experts", "Experts", 5)
     assert {m["type"] for m in kernels} >= {"Router", "Experts"}
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_forcing_a_pass_its_own_experts_changes_no_bit(name, architecture_checkpoint, requests) -> None:
+    """routing=replay recomputes the weights by the router's own rule (softmax top-k; DeepSeek-V3's
+    grouped sigmoid: sigmoid scores without the selection bias, normalized, times the scaling
+    factor): given the experts it chose itself, a pass is bit for bit what it was."""
+    checkpoint = architecture_checkpoint(name)
+    engine = load_engine("hf:dtype=float32", str(checkpoint))
+    try:
+        own = np.concatenate(engine.replay(requests))
+        routed = [stream.experts for stream in engine.routed]
+    finally:
+        engine.close()
+    engine = load_engine("hf:dtype=float32,routing=replay", str(checkpoint))
+    try:
+        engine.forced = routed
+        forced = np.concatenate(engine.replay(requests))
+    finally:
+        engine.close()
+    assert np.array_equal(own, forced, equal_nan=True)
+
+
+def test_deepseek_v3_grouped_sigmoid_routing_is_replayed_and_localized(architecture_checkpoint, tmp_path) -> None:
+    """MLA attention and grouped sigmoid routing: the bf16 trainer following the fp32 pass's experts
+    closes the flipped tokens' gap; the layer and kernel localizers hook its router and experts."""
+    checkpoint = architecture_checkpoint("deepseek_v3")
+    own = audit(checkpoint, EXAMPLE, train="hf:dtype=bfloat16", infer="hf:dtype=float32", out=tmp_path / "own",
+                localize_models=True).summary
+    replayed = audit(checkpoint, EXAMPLE, train="hf:dtype=bfloat16,routing=replay", infer="hf:dtype=float32",
+                     out=tmp_path / "r3").summary
+    before, after = own["routing"]["train/infer"], replayed["routing"]["train/infer"]
+    assert before["frac_tokens_with_flip"] > 0
+    assert after["with_flip"]["kl_k3"] < 0.2 * before["with_flip"]["kl_k3"]
+    assert replayed["engines"]["train"]["routing"] == {"moe_layers": 2, "mode": "replay", "from": "infer"}
+    kernels = own["localization"]["kernels"]["by_module"]
+    assert {"Router", "Experts", "Linear", "RMSNorm"} <= {m["type"] for m in kernels}
+    assert any(m["name"].endswith("self_attn.kv_a_proj_with_mqa") for m in kernels)  # MLA's low-rank kv
+    assert {row["layer"] for row in own["localization"]["layers"]["by_layer"]} >= {0, 1, 2}

@@ -16,7 +16,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def _configs(vocab_size: int) -> dict[str, Any]:
-    from transformers import Gemma2Config, Gemma3TextConfig, MixtralConfig, Qwen3MoeConfig
+    from transformers import (DeepseekV3Config, Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig, Phi3Config,
+                              Qwen3MoeConfig)
 
     common = {"vocab_size": vocab_size, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "max_position_embeddings": 2048, "tie_word_embeddings": False}
@@ -31,10 +32,29 @@ def _configs(vocab_size: int) -> dict[str, Any]:
         # Gemma-3: local and global attention layers, each with its own rotary tables.
         "gemma3": Gemma3TextConfig(**{**common, "tie_word_embeddings": True}, head_dim=32, intermediate_size=256,
                                    sliding_window=64, layer_types=["sliding_attention", "full_attention"]),
+        # DeepSeek-V3: MLA attention (low-rank q and kv, a decoupled rotary part; as many kv heads as
+        # heads), one dense layer then MoE layers with grouped sigmoid routing (a bias that picks but
+        # does not weigh, groups of experts, a scaling factor) and a shared expert. topk_method and
+        # scoring_func are for vLLM, whose DeepSeek loader needs them (transformers reads neither); its
+        # MLA takes kv_lora_rank + qk_rope_head_dim of 320, 512 or 576 only (MLACommonBackend).
+        "deepseek_v3": DeepseekV3Config(**{**common, "num_hidden_layers": 3, "num_key_value_heads": 4},
+                                        intermediate_size=256,
+                                        moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2,
+                                        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                                        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=64,
+                                        kv_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                                        topk_method="noaux_tc", scoring_func="sigmoid"),
+        # Llama-3: the llama3 rope scaling (long wavelengths stretched, short ones kept).
+        "llama3": LlamaConfig(**common, head_dim=32, intermediate_size=256,
+                              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 512}),
+        # Phi-3: fused qkv and gate-up projections, dropout modules in every layer.
+        "phi3": Phi3Config(**common, intermediate_size=256),
     }
 
 
-ARCHITECTURES = ("qwen3_moe", "mixtral", "gemma2", "gemma3")
+ARCHITECTURES = ("qwen3_moe", "mixtral", "gemma2", "gemma3", "deepseek_v3", "llama3", "phi3")
 
 
 def build_architecture(name: str, out: str | Path, *, tokenizer_from: str | Path, seed: int = 0) -> Path:
@@ -53,6 +73,10 @@ def build_architecture(name: str, out: str | Path, *, tokenizer_from: str | Path
         setattr(config, key, json.loads((source / "config.json").read_text()).get(key))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for module in model.modules():
+        if hasattr(module, "e_score_correction_bias"):
+            # Initialized to zero, a selection bias would change nothing; a trained model's does.
+            module.e_score_correction_bias.uniform_(-0.05, 0.05)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)

@@ -31,7 +31,8 @@ def routers(model: Any) -> list[Any]:
 @dataclass(slots=True)
 class StreamRouting:
     """One stream's routing: per fed position and MoE layer, the top-k experts (sorted, so two
-    passes compare as sets) and the router-logit margin between the k-th and the (k+1)-th expert."""
+    passes compare as sets) and the router's score margin between the k-th and the (k+1)-th expert
+    (`choice_scores`; NaN where unknown, as in routing stored by the rollout engine)."""
 
     experts: np.ndarray  # int16 [positions, layers, k]
     margin: np.ndarray   # float32 [positions, layers]
@@ -53,7 +54,8 @@ class RoutingRecorder:
 
             logits, _, selected = output
             k = selected.shape[-1]
-            top = logits.float().topk(min(k + 1, logits.shape[-1]), dim=-1).values
+            scores = choice_scores(module, logits)
+            top = scores.topk(min(k + 1, scores.shape[-1]), dim=-1).values
             # Every expert chosen (k = all): no runner-up, so no choice could flip.
             margin = (top[:, k - 1] - top[:, k]) if top.shape[-1] > k else torch.full_like(top[:, 0], torch.inf)
             self._calls[layer].append((selected.sort(dim=-1).values.to("cpu").numpy().astype(np.int16),
@@ -77,31 +79,52 @@ class RoutingRecorder:
 def forced_routing(model: Any, experts_NEK: Any) -> Iterator[None]:
     """While inside, each router sends position n to experts_NEK[n, layer] (a torch int tensor
     over the positions of the next forward, flattened as the router sees them), with weights
-    from its own probabilities at those experts, normalized as the router normalizes its own."""
-    modules = routers(model)
-    for module in modules:
-        if hasattr(module, "e_score_correction_bias"):
-            raise SpecError(f"routing=replay: {type(module).__name__} (grouped sigmoid routing) is not "
-                            "replayed here; softmax top-k routers (Qwen3-MoE, Mixtral) are")
-
+    recomputed by the router's own rule at those experts (`replayed_weights`)."""
     def hook(layer: int):
         def replace(module: Any, inputs: Any, output: Any) -> Any:
             import torch
 
             logits, weights, _ = output
             chosen = experts_NEK[:, layer, :].to(device=logits.device, dtype=torch.long)
-            probs = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
-            if getattr(module, "norm_topk_prob", True):  # Mixtral's router always normalizes
-                probs = probs / probs.sum(dim=-1, keepdim=True)
-            return logits, probs.to(weights.dtype), chosen
+            return logits, replayed_weights(module, logits, chosen).to(weights.dtype), chosen
         return replace
 
-    handles = [module.register_forward_hook(hook(layer)) for layer, module in enumerate(modules)]
+    handles = [module.register_forward_hook(hook(layer)) for layer, module in enumerate(routers(model))]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+def replayed_weights(module: Any, logits: Any, chosen: Any) -> Any:
+    """The weights a router gives experts it did not necessarily choose itself, by its own rule
+    (transformers 5.19's router forwards):
+    - softmax top-k (Qwen3MoeTopKRouter, MixtralTopKRouter): the softmax over all experts at the
+      chosen ones, renormalized over them when norm_topk_prob (Mixtral's router always does);
+    - grouped sigmoid (DeepseekV3TopkRouter): the bias e_score_correction_bias and the expert
+      groups (n_group, topk_group) only pick; the weights are the sigmoid scores of the chosen
+      experts without the bias, divided by their sum (+1e-20) when norm_topk_prob, times
+      routed_scaling_factor."""
+    import torch
+
+    if hasattr(module, "e_score_correction_bias"):
+        weights = logits.float().sigmoid().gather(-1, chosen)
+        if module.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * module.routed_scaling_factor
+    probs = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
+    if getattr(module, "norm_topk_prob", True):  # Mixtral's router always normalizes
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def choice_scores(module: Any, logits: Any) -> Any:
+    """What a router ranks experts by: its logits (softmax is monotone), or for grouped sigmoid
+    routing the sigmoid scores plus the selection bias (the group restriction left out)."""
+    if hasattr(module, "e_score_correction_bias"):
+        return logits.float().sigmoid() + module.e_score_correction_bias.float()
+    return logits.float()
 
 
 def check_mode(mode: str, model: Any) -> None:
