@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -19,6 +20,10 @@ from mismatch.results import json_safe
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_CHUNK_ELEMENTS = 1 << 22  # elements per side per step: 16 MiB each in fp32
+# A stale copy by one optimizer step: each tensor moved by at most this part of its norm, and the
+# tensors' rms moves within this factor of each other (Adam moves every element by about lr).
+STEP_MAX_REL = 1e-2
+STEP_MAX_SPREAD = 20.0
 
 # safetensors' dtype codes, named as torch names them.
 _DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -48,6 +53,8 @@ class TensorDiff:
     is_cast: bool | None = None
     # Stacked experts (a 3-D "...experts..." tensor, experts first): max |a - b| per expert.
     by_expert: tuple[float, ...] | None = None
+    rms_diff: float | None = None     # sqrt(mean (a - b)^2): what one optimizer step moves
+    rel_l2_diff: float | None = None  # ||a - b|| / ||a||
 
     @property
     def dtype_mismatch(self) -> bool:
@@ -62,7 +69,7 @@ class TensorDiff:
                "shape_a": list(self.shape_a), "shape_b": list(self.shape_b),
                "num_elements": self.num_elements, "max_abs_diff": self.max_abs_diff,
                "max_rel_diff": self.max_rel_diff, "bitwise_equal_frac": self.bitwise_equal_frac,
-               "is_cast": self.is_cast}
+               "rms_diff": self.rms_diff, "rel_l2_diff": self.rel_l2_diff, "is_cast": self.is_cast}
         if self.by_expert is not None:
             out["by_expert"] = list(self.by_expert)
             out["experts_differing"] = [e for e, diff in enumerate(self.by_expert) if diff != 0.0]
@@ -79,6 +86,9 @@ class WeightsReport:
     # Names on one side only that are a tied copy of the other side's embedding (an lm_head.weight
     # saved for a model that ties it): the same weights, not a difference.
     tied: tuple[str, ...] = ()
+    # Fused expert tensors (experts.gate_up_proj, experts.down_proj) one side saved per expert
+    # (experts.N.gate_proj/up_proj/down_proj or w1/w3/w2): compared as the fused tensor, expert by expert.
+    regrouped: tuple[str, ...] = ()
 
     @property
     def differing(self) -> tuple[TensorDiff, ...]:
@@ -93,17 +103,43 @@ class WeightsReport:
     @property
     def verdict(self) -> str:
         """The whole comparison in one line."""
+        notes = [*([f"tied copies: {', '.join(self.tied)}"] if self.tied else []),
+                 *([f"{len(self.regrouped)} fused expert tensor(s) matched to per-expert ones"] if self.regrouped else [])]
         if self.identical:
-            return "identical" + (f" (tied copies: {', '.join(self.tied)})" if self.tied else "")
+            return "identical" + (f" ({'; '.join(notes)})" if notes else "")
         casts = [t for t in self.differing if t.is_cast]
         if casts and len(casts) == len(self.differing) and not (set(self.only_a + self.only_b) - set(self.tied)):
             dtypes = sorted({min(t.dtype_a, t.dtype_b, key=_precision) for t in casts})
             return f"b is a cast to {', '.join(dtypes)} of a (every differing tensor, nothing else changed)"
+        step = self.optimizer_step
+        if step is not None:
+            return (f"b looks like a by-one-optimizer-step stale copy of a: every tensor moved, by the same "
+                    f"small amount (rms |a-b| {step[0]:.1e}..{step[1]:.1e}, at most {step[2]:.1e} of a "
+                    "tensor's norm), not a localized fault")
         experts = [f"{t.name}[{e}]" for t in self.differing if t.by_expert
                    for e, diff in enumerate(t.by_expert) if diff != 0.0]
         worst = self.worst
         where = f"; experts: {', '.join(experts[:8])}" if experts else ""
         return (f"{len(self.differing)} tensor(s) differ" + (f", worst {worst.name}" if worst else "") + where)
+
+    @property
+    def optimizer_step(self) -> tuple[float, float, float] | None:
+        """(smallest rms |a-b|, largest, largest ||a-b||/||a||) when b is a plausible one optimizer
+        step away from a, else None. An Adam step moves every element of every tensor by about the
+        learning rate: every floating tensor changed in most of its elements, each by a small part
+        of its norm, and by rms amounts of one order (a fault is local; a rescale moves each tensor
+        by its own norm, tensors of different scales by different amounts)."""
+        floats = [t for t in self.tensors if t.dtype_a.startswith(("float", "bfloat")) and t.num_elements]
+        if (set(self.only_a + self.only_b) - set(self.tied) or len(floats) < 2
+                or any(t.shape_mismatch or t.dtype_mismatch for t in self.tensors)):
+            return None
+        if any(t.equal or t.bitwise_equal_frac > 0.5 or t.rms_diff is None or t.rel_l2_diff is None
+               or not t.rel_l2_diff <= STEP_MAX_REL for t in floats):
+            return None
+        low, high = min(t.rms_diff for t in floats), max(t.rms_diff for t in floats)
+        if not 0 < low or high > STEP_MAX_SPREAD * low:
+            return None
+        return low, high, max(t.rel_l2_diff for t in floats)
 
     @property
     def worst(self) -> TensorDiff | None:
@@ -130,9 +166,11 @@ class WeightsReport:
                 "worst": None if worst is None else {"name": worst.name, "max_abs_diff": worst.max_abs_diff,
                                                      "max_rel_diff": worst.max_rel_diff},
                 "n_cast": sum(bool(t.is_cast) for t in self.tensors),
+                "optimizer_step": self.optimizer_step is not None,
                 "verdict": self.verdict,
             },
             "tied": list(self.tied),
+            "regrouped": list(self.regrouped),
             "only_a": list(self.only_a),
             "only_b": list(self.only_b),
             "differing": [t.name for t in self.differing],
@@ -153,13 +191,77 @@ def diff_checkpoints(a_dir: str | Path, b_dir: str | Path, *,
     with ExitStack() as stack:
         source_a = _Source(Path(a_dir), stack)
         source_b = _Source(Path(b_dir), stack)
-        names_a, names_b = set(source_a.files), set(source_b.files)
+        regrouped = _regroup_experts(source_a, source_b) + _regroup_experts(source_b, source_a)
+        names_a, names_b = set(source_a.names), set(source_b.names)
         tensors = tuple(_diff_tensor(name, source_a, source_b, chunk_elements)
                         for name in sorted(names_a & names_b))
         tied = tuple(sorted(name for name in (names_a ^ names_b) if _tied_copy(name, source_a, source_b)))
     return WeightsReport(a=str(a_dir), b=str(b_dir), tensors=tensors,
                          only_a=tuple(sorted(names_a - names_b)), only_b=tuple(sorted(names_b - names_a)),
-                         tied=tied)
+                         tied=tied, regrouped=tuple(sorted(regrouped)))
+
+
+# Per-expert projection names (Qwen-MoE, DeepSeek: gate/up/down_proj; Mixtral: w1/w3/w2) and the
+# fused tensor each goes into, as transformers >= 5 fuses them: gate_up_proj [experts, 2 x
+# intermediate, hidden] holds gate then up along dim 1 (its forward chunks gate, up in that order),
+# down_proj [experts, hidden, intermediate].
+_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
+                         r"\.weight$")
+_FUSED_PARTS = {"gate_up_proj": (("gate_proj", "w1"), ("up_proj", "w3")), "down_proj": (("down_proj", "w2"),)}
+
+
+def _regroup_experts(per_expert: _Source, fused: _Source) -> list[str]:
+    """Where `fused` holds X.experts.gate_up_proj / X.experts.down_proj and `per_expert` holds every
+    expert's projections instead, give `per_expert` the fused tensor built from them (virtually:
+    read expert by expert); its per-expert names leave the comparison. The fused names made."""
+    parts: dict[tuple[str, str], dict[int, str]] = {}
+    for name in per_expert.files:
+        match = _PER_EXPERT.match(name)
+        if match:
+            parts.setdefault((match["prefix"], match["proj"]), {})[int(match["expert"])] = name
+    made = []
+    for name in fused.files:
+        prefix, _, kind = name.rpartition(".")
+        if kind not in _FUSED_PARTS or name in per_expert.files or not prefix.endswith(".experts"):
+            continue
+        shape = tuple(fused.slice(name).get_shape())
+        groups = []
+        for aliases in _FUSED_PARTS[kind]:
+            found = next((parts[(prefix, alias)] for alias in aliases if (prefix, alias) in parts), None)
+            if found is None or sorted(found) != list(range(shape[0] if shape else 0)):
+                break
+            groups.append([found[e] for e in range(shape[0])])
+        else:
+            stacked = _StackedExperts(per_expert, groups)
+            if tuple(stacked.get_shape()) == shape:
+                per_expert.add_virtual(name, stacked, [n for group in groups for n in group])
+                made.append(name)
+    return made
+
+
+class _StackedExperts:
+    """Per-expert tensors read as one fused [experts, ...] tensor: expert e is its projections
+    concatenated along their first dimension (gate then up), the way a safetensors slice reads."""
+
+    def __init__(self, source: _Source, groups: list[list[str]]) -> None:
+        self.source, self.groups = source, groups
+        first = [source.slice(group[0]) for group in groups]
+        self.dtype = first[0].get_dtype()
+        rows = sum(int(s.get_shape()[0]) for s in first)
+        self.shape = (len(groups[0]), rows, *first[0].get_shape()[1:])
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return self.dtype
+
+    def __getitem__(self, index: Any) -> Any:
+        import torch
+
+        experts = range(self.shape[0])[index] if isinstance(index, slice) else range(self.shape[0])
+        return torch.stack([torch.cat([self.source.slice(group[e])[...] for group in self.groups])
+                            for e in experts])
 
 
 # Output-embedding names and the input embeddings a tied model shares them with.
@@ -168,7 +270,7 @@ _TIED = {"lm_head.weight": ("model.embed_tokens.weight", "transformer.wte.weight
 
 def _tied_copy(name: str, source_a: _Source, source_b: _Source) -> bool:
     """`name`, present on one side only, is bit for bit the other side's input embedding."""
-    here, there = (source_a, source_b) if name in source_a.files else (source_b, source_a)
+    here, there = (source_a, source_b) if name in source_a.names else (source_b, source_a)
     for embedding in _TIED.get(name, ()):
         if embedding in there.files and embedding in here.files:
             copy, original = here.slice(name), there.slice(embedding)
@@ -188,6 +290,17 @@ class _Source:
         self.root, self.stack = root, stack
         self.handles: dict[Path, Any] = {}
         self.files: dict[str, Path] = self._weight_map()
+        self.virtual: dict[str, Any] = {}  # name -> a slice-like view built from other tensors
+        self.absorbed: set[str] = set()    # names a virtual tensor stands for
+
+    @property
+    def names(self) -> list[str]:
+        """The names compared: the files' own, with virtual tensors in place of what they absorb."""
+        return [name for name in self.files if name not in self.absorbed] + list(self.virtual)
+
+    def add_virtual(self, name: str, view: Any, absorbs: list[str]) -> None:
+        self.virtual[name] = view
+        self.absorbed.update(absorbs)
 
     def _weight_map(self) -> dict[str, Path]:
         root = self.root
@@ -241,6 +354,8 @@ class _Source:
         return self.handles[file]
 
     def slice(self, name: str):
+        if name in self.virtual:
+            return self.virtual[name]
         return self.open(self.files[name]).get_slice(name)
 
 
@@ -255,14 +370,18 @@ def _diff_tensor(name: str, source_a: _Source, source_b: _Source, chunk_elements
                           bitwise_equal_frac=None)
     max_abs = max_rel = 0.0
     num_same = num_cast = 0
+    sq_diff: list[float] = []  # per row: summed exactly at the end, so chunking changes no bit
+    sq_a: list[float] = []
     stacked = len(shape_a) == 3 and ".experts." in f".{name}."  # [experts, ...]: per-expert maxima
     by_expert = [0.0] * shape_a[0] if stacked else None
     row = math.prod(shape_a[1:]) if shape_a else 1
     first_row = 0
     for chunk_a, chunk_b in zip(_chunks(slice_a, shape_a, chunk_elements),
                                 _chunks(slice_b, shape_b, chunk_elements), strict=True):
-        chunk_abs, chunk_rel, chunk_same = _compare(chunk_a, chunk_b)
+        chunk_abs, chunk_rel, chunk_same, chunk_sq_diff, chunk_sq_a = _compare(chunk_a, chunk_b, row)
         max_abs, max_rel, num_same = max(max_abs, chunk_abs), max(max_rel, chunk_rel), num_same + chunk_same
+        sq_diff += chunk_sq_diff
+        sq_a += chunk_sq_a
         if dtype_a != dtype_b:
             num_cast += _num_cast(chunk_a, chunk_b)
         if by_expert is not None:
@@ -270,11 +389,14 @@ def _diff_tensor(name: str, source_a: _Source, source_b: _Source, chunk_elements
                 by_expert[first_row + offset] = max(by_expert[first_row + offset], expert_max)
             first_row += len(chunk_a) // max(row, 1)
     same_frac = num_same / num_elements if num_elements else 1.0
+    sum_sq_diff, sum_sq_a = math.fsum(sq_diff), math.fsum(sq_a)
     return TensorDiff(name=name, dtype_a=dtype_a, dtype_b=dtype_b, shape_a=shape_a, shape_b=shape_b,
                       equal=dtype_a == dtype_b and num_same == num_elements, num_elements=num_elements,
                       max_abs_diff=max_abs, max_rel_diff=max_rel, bitwise_equal_frac=same_frac,
                       is_cast=num_cast == num_elements if dtype_a != dtype_b else None,
-                      by_expert=tuple(by_expert) if by_expert is not None else None)
+                      by_expert=tuple(by_expert) if by_expert is not None else None,
+                      rms_diff=math.sqrt(sum_sq_diff / num_elements) if num_elements else 0.0,
+                      rel_l2_diff=math.sqrt(sum_sq_diff / sum_sq_a) if sum_sq_a > 0 else None)
 
 
 def _num_cast(a, b) -> int:
@@ -313,12 +435,13 @@ def _chunks(tensor_slice, shape: tuple[int, ...], chunk_elements: int) -> Iterat
         yield tensor_slice[start:start + step].reshape(-1)
 
 
-def _compare(a, b) -> tuple[float, float, int]:
-    """(max |a-b|, max relative diff, number of identical elements) of two flat chunks."""
+def _compare(a, b, row: int) -> tuple[float, float, int, list[float], list[float]]:
+    """(max |a-b|, max relative diff, number of identical elements, sum (a-b)^2 and sum a^2 per row
+    of `row` elements) of two flat chunks."""
     import torch
 
     if a.numel() == 0:
-        return 0.0, 0.0, 0
+        return 0.0, 0.0, 0, [], []
     # fp32 holds every bf16/fp16 value exactly; 64-bit and integer tensors need fp64.
     exact_in_fp32 = all(t.is_floating_point() and t.element_size() < 8 for t in (a, b))
     upcast = torch.float32 if exact_in_fp32 else torch.float64
@@ -334,4 +457,8 @@ def _compare(a, b) -> tuple[float, float, int]:
     abs_diff = torch.nan_to_num(abs_diff, nan=math.inf)  # NaN on one side only: infinitely apart
     scale = torch.maximum(a_up.abs(), b_up.abs())
     rel_diff = torch.nan_to_num(torch.where(value_same, 0.0, abs_diff / scale), nan=math.inf)
-    return float(abs_diff.max()), float(rel_diff.max()), int(same.sum())
+    def row_sums(x) -> list[float]:
+        return x.to(torch.float64).square().reshape(-1, max(row, 1)).sum(dim=1).tolist()
+
+    return (float(abs_diff.max()), float(rel_diff.max()), int(same.sum()), row_sums(abs_diff),
+            row_sums(a_up.nan_to_num(nan=0.0)))

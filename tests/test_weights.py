@@ -115,7 +115,7 @@ def test_tensors_stream_in_chunks_with_the_same_answer(tiny_checkpoint, tmp_path
     whole = diff_checkpoints(tiny_checkpoint, faulty)
     sizes: list[int] = []
     compare = weights._compare
-    monkeypatch.setattr(weights, "_compare", lambda a, b: sizes.append(a.numel()) or compare(a, b))
+    monkeypatch.setattr(weights, "_compare", lambda a, b, row: sizes.append(a.numel()) or compare(a, b, row))
     chunked = diff_checkpoints(tiny_checkpoint, faulty, chunk_elements=1000)
     assert chunked == whole
     # Whole rows only: 7 rows of 128 (896 elements) is the biggest piece under 1000.
@@ -197,3 +197,67 @@ def test_stacked_experts_are_named_by_expert(tmp_path) -> None:
     assert tensor["experts_differing"] == [5] and tensor["by_expert"][5] == pytest.approx(0.5)
     assert report.verdict == ("1 tensor(s) differ, worst model.layers.1.mlp.experts.down_proj; "
                               "experts: model.layers.1.mlp.experts.down_proj[5]")
+
+
+def _fused(tensors: dict[str, torch.Tensor]) -> None:
+    """The per-expert projections of every MoE layer as transformers >= 5 fuses them in memory:
+    experts.gate_up_proj [experts, 2 x intermediate, hidden] (gate, then up), experts.down_proj."""
+    prefixes = sorted({name.split(".experts.")[0] + ".experts" for name in tensors if ".experts." in name})
+    for prefix in prefixes:
+        count = 1 + max(int(name[len(prefix) + 1:].split(".")[0]) for name in tensors if name.startswith(prefix + "."))
+        take = [[tensors.pop(f"{prefix}.{e}.{proj}.weight") for e in range(count)] for proj in ("gate_proj", "up_proj", "down_proj")]
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(take[0], take[1])])
+        tensors[f"{prefix}.down_proj"] = torch.stack(take[2])
+
+
+def test_per_expert_and_fused_expert_layouts_are_matched(architecture_checkpoint, tmp_path, capsys) -> None:
+    """One side saves each expert's projections, the other the fused tensors: compared expert by
+    expert, so the same weights are identical and a fault in one expert is named by its index."""
+    from mismatch.cli import main
+
+    checkpoint = architecture_checkpoint("qwen3_moe")  # saved per expert: experts.N.gate_proj.weight
+    fused = edited_copy(checkpoint, tmp_path / "fused", _fused)
+    report = diff_checkpoints(checkpoint, fused)
+    assert report.identical and report.regrouped == ("model.layers.0.mlp.experts.down_proj",
+                                                     "model.layers.0.mlp.experts.gate_up_proj",
+                                                     "model.layers.1.mlp.experts.down_proj",
+                                                     "model.layers.1.mlp.experts.gate_up_proj")
+    assert report.verdict == "identical (4 fused expert tensor(s) matched to per-expert ones)"
+
+    def fault(tensors: dict[str, torch.Tensor]) -> None:
+        _fused(tensors)
+        tensors["model.layers.1.mlp.experts.gate_up_proj"][5, 70] += 0.01  # expert 5's up_proj, row 6
+
+    faulty = edited_copy(checkpoint, tmp_path / "faulty", fault)
+    report = diff_checkpoints(faulty, checkpoint)  # the fused side first this time
+    [differing] = report.differing
+    assert differing.name == "model.layers.1.mlp.experts.gate_up_proj" and not report.only_a and not report.only_b
+    assert [e for e, diff in enumerate(differing.by_expert) if diff] == [5]
+    assert report.verdict.endswith("experts: model.layers.1.mlp.experts.gate_up_proj[5]")
+    assert main(["weights", str(checkpoint), str(faulty), "--fail-on-diff"]) != 0
+    assert "model.layers.1.mlp.experts.gate_up_proj[5]" in capsys.readouterr().out
+
+
+def _adam_step(tensors: dict[str, torch.Tensor]) -> None:
+    """One Adam step's worth of change: every element moves by about the learning rate (its
+    first step is lr x the gradient's sign), whatever the tensor's scale."""
+    generator = torch.Generator().manual_seed(1)
+    for name, weight in tensors.items():
+        tensors[name] = weight - 1e-5 * torch.randn(weight.shape, generator=generator).sign()
+
+
+def test_a_copy_one_optimizer_step_stale_is_recognized_in_one_line(tiny_checkpoint, tmp_path) -> None:
+    stale = edited_copy(tiny_checkpoint, tmp_path / "stale", _adam_step)
+    report = diff_checkpoints(tiny_checkpoint, stale)
+    assert len(report.differing) == len(report.tensors) == 21 and report.optimizer_step is not None
+    assert report.verdict.startswith("b looks like a by-one-optimizer-step stale copy of a: every tensor moved, "
+                                     "by the same small amount (rms |a-b| 1.0e-05..1.0e-05")
+    assert report.to_dict()["summary"]["optimizer_step"] is True
+    # Not a stale step: a fault in one tensor on top of it, every tensor rescaled, one tensor untouched.
+    for name, edit in {
+        "fault": lambda t: (_adam_step(t), plant_fault(t)),
+        "rescaled": lambda t: t.update({k: v * 1.001 for k, v in t.items()}),
+        "one_kept": lambda t: (lambda kept: (_adam_step(t), t.update({FAULT: kept})))(t[FAULT].clone()),
+    }.items():
+        report = diff_checkpoints(tiny_checkpoint, edited_copy(tiny_checkpoint, tmp_path / name, edit))
+        assert report.optimizer_step is None and "optimizer" not in report.verdict, name
