@@ -6,8 +6,9 @@ Everything that can be wrong with the input is checked before the first forward 
 
 from __future__ import annotations
 
-import gc
 import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from mismatch.advise.verdicts import verdicts
 from mismatch.analysis.alignment import Sampling, check_alignment, replay_processed
 from mismatch.analysis.chunked import (
     OVERALL,
+    Chunks,
     GroupedPairMetrics,
     breakdown_records,
     per_rollout_metrics,
@@ -36,7 +38,7 @@ from mismatch.analysis.chunked import run as run_chunks
 from mismatch.analysis.clip import ClipRange, clip_summary
 from mismatch.analysis.framework_metrics import framework_metrics
 from mismatch.analysis.metrics import PAIR_METRICS
-from mismatch.analysis.prefixes import prefix_consistency, prefix_keys
+from mismatch.analysis.prefixes import PrefixKeys, prefix_consistency, prefix_keys
 from mismatch.analysis.routing import routing_summary, token_routing
 from mismatch.checkpoint import load_tokenizer
 from mismatch.engines import check_spec, parse_spec
@@ -54,25 +56,26 @@ from mismatch.replay import (
     replay_sources,
 )
 from mismatch.results import (
-    REPORT_FILE,
     ROLLOUTS_FILE,
     SUMMARY_SCHEMA,
-    Handoff,
+    TokenStore,
     WorkDir,
     check_out_dir,
     read_tokens,
     results_lock,
-    write_results,
+    staged_tokens,
+    write_summary,
 )
-from mismatch.rollouts.drift import find_drift
+from mismatch.rollouts.drift import find_drift, recorded
 from mismatch.rollouts.trees import tree_summary
 
 AUDIT_PAIRS = (("train", "sampler"), ("train", "infer"), ("infer", "sampler"))
 PROCESSED_PAIR = ("train_processed", "sampler")  # when the sampler stored processed log-probs
 
 
-def audit_pairs(table: pd.DataFrame) -> tuple[tuple[str, str], ...]:
-    return AUDIT_PAIRS + ((PROCESSED_PAIR,) if "logp_train_processed" in table.columns else ())
+def audit_pairs(columns: Iterable[str]) -> tuple[tuple[str, str], ...]:
+    """The audit's pairs for a token table with these columns."""
+    return AUDIT_PAIRS + ((PROCESSED_PAIR,) if "logp_train_processed" in set(columns) else ())
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -123,66 +126,109 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
     replayed, work, inputs = replay_for_results(checkpoint, rollouts, sources, out=out_dir, force=force,
                                                 shard=shard, block_size=block_size, progress=progress,
                                                 command="audit")
-    table, engines = replayed.table, replayed.engines
-    alignment = check_alignment(table, sampler_meta=engines["sampler"]["meta"])
-    if ("logp_train_processed" not in table.columns and alignment["logprob_semantics"] == "processed"
-            and parse_spec(train).kind in TORCH_KINDS):
-        # Processed log-probs the rollouts do not declare are found only in the data: then, and
-        # only then, the like-for-like pass runs after the analysis began (a declared one is
-        # planned with the trainer's replay, resumable with it).
-        sampling = Sampling.from_meta(engines["sampler"]["meta"])
-        table["logp_train_processed"] = replay_processed(replayed.plan, train, checkpoint, sampling)
-    drift = (find_drift(replayed.rollouts, load_tokenizer(checkpoint))
-             if any(rollout.messages for rollout in replayed.rollouts) else None)
-    routing = replayed_routing(replayed, audit_pairs(table))
-    # Same prefix, same engine config: the same log-prob, whatever request it came in.
-    prefixes = prefix_consistency(table, prefix_keys(replayed.plan.requests), ("sampler", *sources))
-    requests = replayed.plan.requests if localize_models else None
-    del replayed  # the rollouts and their requests: from here on only the table is read
-    summary = analyze_audit(table, engines=engines, checkpoint=str(checkpoint),
-                            rollouts_file=str(rollouts), drift=drift, alignment=alignment, clip=clip,
-                            routing=routing, prefixes=prefixes)
-    summary["shard"] = shard_info(shard, block_size)
-    summary["inputs"] = inputs
-    if requests is not None:
-        # A planned stage of the work dir: done once, kept until the results are published.
-        localized = work.load_stage("localize") if work is not None else None
-        if localized is None:
-            done = progress("localize: layers and kernels, both models with hooks", 1) if progress else None
-            localized = run_model_localizers(checkpoint, requests, a=train, b=infer)
-            if work is not None:
-                work.save_stage("localize", localized)
-            if done is not None:
-                done(1)
-        summary["localization"].update(localized)
-    if probe:
-        add_probes(summary, checkpoint, progress)
-    if out_dir is None:
-        return AuditResult(summary=summary, out=None, table=table)
-    pairs = audit_pairs(table)
-    handoff = Handoff(table)
-    del table  # publish frees it once written
-    gc.collect()  # the analysis's views (reference cycles) go now, not at some later collection
-    publish(out_dir, handoff, summary, pairs, force=force, work=work)
+    with staged_tokens(out_dir, force=force) as store:
+        found = store_blocks(replayed, store, checkpoint, ("sampler", *sources))
+        engines = replayed.engines
+        alignment = check_alignment(store.chunks, sampler_meta=engines["sampler"]["meta"])
+        if ("logp_train_processed" not in store.columns and alignment["logprob_semantics"] == "processed"
+                and parse_spec(train).kind in TORCH_KINDS):
+            # Processed log-probs the rollouts do not declare are found only in the data: then, and
+            # only then, the like-for-like pass runs after the analysis began (a declared one is
+            # planned with the trainer's replay, resumable with it).
+            sampling = Sampling.from_meta(engines["sampler"]["meta"])
+            store.add_column("logp_train_processed", replay_processed(replayed.plan, train, checkpoint, sampling))
+        pairs = audit_pairs(store.columns)
+        routing = replayed_routing(replayed, pairs)
+        requests = replayed.plan.requests if localize_models else None
+        del replayed  # the rollouts and their requests: from here on only the tokens are read
+        summary = analyze_audit(store.chunks, engines=engines, checkpoint=str(checkpoint),
+                                rollouts_file=str(rollouts), drift=found.drift, alignment=alignment, clip=clip,
+                                routing=routing, prefixes=found.prefixes)
+        summary["shard"] = shard_info(shard, block_size)
+        summary["inputs"] = inputs
+        if requests is not None:
+            # A planned stage of the work dir: done once, kept until the results are published.
+            localized = work.load_stage("localize") if work is not None else None
+            if localized is None:
+                done = progress("localize: layers and kernels, both models with hooks", 1) if progress else None
+                localized = run_model_localizers(checkpoint, requests, a=train, b=infer)
+                if work is not None:
+                    work.save_stage("localize", localized)
+                if done is not None:
+                    done(1)
+            summary["localization"].update(localized)
+        if probe:
+            add_probes(summary, checkpoint, progress)
+        if out_dir is None:
+            return AuditResult(summary=summary, out=None, table=store.table)
+        write_summary_files(store, summary, pairs)
+    if work is not None:
+        work.remove()
     return AuditResult(summary=summary, out=out_dir)
 
 
-def analyze_audit(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _Stored:
+    """What the pass that stores the blocks also finds: render drift and prefix consistency."""
+
+    drift: dict[str, Any] | None
+    prefixes: dict[str, Any] | None
+
+
+def store_blocks(replayed: Replayed, store: TokenStore, checkpoint: str | Path, sources: Sequence[str]) -> _Stored:
+    """One pass over the replayed blocks: each block's rows into the token store, its rollouts'
+    render drift (those with messages), and each row's prefix key (prefix consistency)."""
+    tokenizer = None
+    drifts: list[dict[str, Any]] = []
+    keys = PrefixKeys(store.side_file("prefix_keys"))
+    for block in replayed.blocks():
+        store.write(block.plan.table)
+        keys.add(prefix_keys(block.plan.requests))
+        if any(rollout.messages or recorded(rollout) for rollout in block.rollouts):
+            tokenizer = tokenizer or load_tokenizer(checkpoint)
+        # Without messages a block's drift is its count of rollouts without them (no tokenizer).
+        drifts.append(find_drift(block.rollouts, tokenizer))
+    store.close()
+    keys.close()
+    # Same prefix, same engine config: the same log-prob, whatever request it came in.
+    prefixes = prefix_consistency(store.file if store.file is not None else store.table,
+                                  keys.file if keys.file is not None else keys.values, sources)
+    return _Stored(drift=merge_drift(drifts) if tokenizer is not None else None, prefixes=prefixes)
+
+
+def merge_drift(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """find_drift of every block as one: counts summed, per-kind counts merged, spans in block order
+    (each rollout, and so each drifted one, lies in one block)."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if isinstance(value, list):
+                merged[key] = merged.get(key, []) + value
+            elif isinstance(value, dict):
+                kinds = Counter(merged.get(key, {}))
+                kinds.update(value)
+                merged[key] = dict(sorted(kinds.items()))
+            else:
+                merged[key] = merged.get(key, 0) + value
+    return merged
+
+
+def analyze_audit(chunks: Chunks, *, engines: dict[str, Any], checkpoint: str,
                   rollouts_file: str, drift: dict[str, Any] | None = None,
                   alignment: dict[str, Any] | None = None, clip: ClipRange = ClipRange(),
                   routing: dict[str, Any] | None = None,
                   prefixes: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Everything an audit's summary.json says that follows from the token table (and the
-    render-drift and MoE routing findings, which need the rollouts' messages and the engines'
-    routers, and are passed in). `alignment` is the check_alignment result when the caller
-    already has it (it reads the same columns)."""
-    pairs = audit_pairs(table)
-    summary = build_summary(table, engines=engines, checkpoint=checkpoint,
+    """Everything an audit's summary.json says that follows from the token table, read as chunks
+    of whole rollouts (and the render-drift, MoE routing and prefix findings, which need the
+    rollouts, the engines' routers or the replay's requests, and are passed in). `alignment` is
+    the check_alignment result when the caller already has it (it reads the same columns)."""
+    first = next(iter(chunks()), None)
+    pairs = audit_pairs(first.columns if first is not None else ())
+    summary = build_summary(chunks, engines=engines, checkpoint=checkpoint,
                             rollouts_file=rollouts_file, pairs=pairs, command="audit", clip=clip)
-    chunks = table_chunks(table)  # whole rollouts at a time: memory of a chunk, not of the table
     summary["alignment"] = alignment if alignment is not None else check_alignment(
-        table, sampler_meta=engines["sampler"].get("meta"))
-    summary["trees"] = tree_summary(table, pairs)
+        chunks, sampler_meta=engines["sampler"].get("meta"))
+    summary["trees"] = tree_summary(chunks, pairs)
     summary["framework_metrics"] = framework_metrics(chunks, pairs)
     summary["localization"]["turns"] = localize_turns(chunks, "train", "sampler")
     if drift is not None:
@@ -250,21 +296,30 @@ def replay_for_results(checkpoint: str | Path, rollouts: str | Path, sources: di
     return replayed, work, inputs
 
 
-def publish(out: Path, table: pd.DataFrame | Handoff, summary: dict[str, Any],
+def publish(out: Path, table: pd.DataFrame, summary: dict[str, Any],
             pairs: tuple[tuple[str, str], ...], *, force: bool, work: WorkDir | None) -> None:
-    """Write the results dir in one rename, then drop the work dir it no longer needs. A Handoff
-    table is freed once written, before the report reads the file back."""
-    from reports.build import build_report
-
-    handoff = table if isinstance(table, Handoff) else Handoff(table)
-    del table
-    per_rollout = per_rollout_metrics(table_chunks(handoff.value), pairs)
-    # The report is built inside the staged dir, so it appears in the same rename as its data.
-    write_results(out, tokens=handoff, summary=summary, force=force,
-                  extra={ROLLOUTS_FILE: lambda path: per_rollout.to_parquet(path, index=False),
-                         REPORT_FILE: lambda path: build_report(path.parent)})
+    """Write the results dir of a token table in memory in one rename, then drop the work dir it
+    no longer needs (diff and merge; an audit stores its blocks as it reads them)."""
+    with staged_tokens(out, force=force) as store:
+        for chunk in table_chunks(table)():
+            store.write(chunk)
+        store.close(empty=table)
+        write_summary_files(store, summary, pairs)
     if work is not None:
         work.remove()
+
+
+def write_summary_files(store: TokenStore, summary: dict[str, Any], pairs: tuple[tuple[str, str], ...]) -> None:
+    """summary.json, rollouts.parquet and the report, beside the stored tokens.parquet (in the
+    staged dir: they appear in the same rename)."""
+    from reports.build import build_report
+
+    stage = store.directory
+    assert stage is not None
+    per_rollout_metrics(store.chunks, pairs).to_parquet(stage / ROLLOUTS_FILE, index=False)
+    write_summary(stage, summary)
+    store.remove_side_files()
+    build_report(stage)
 
 
 def shard_info(shard: Shard | None, block_size: int) -> dict[str, Any]:
@@ -273,12 +328,11 @@ def shard_info(shard: Shard | None, block_size: int) -> dict[str, Any]:
             "block_size": block_size}
 
 
-def build_summary(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
+def build_summary(chunks: Chunks, *, engines: dict[str, Any], checkpoint: str,
                   rollouts_file: str, pairs: tuple[tuple[str, str], ...], command: str,
-                  clip: ClipRange | None = None, chunk_rows: int | None = None) -> dict[str, Any]:
-    """summary.json (contract `mismatch.summary/v1`) from a filled token table, read in chunks of
-    whole rollouts (analysis/chunked.py); with `clip`, also summary.json `clip`."""
-    chunks = table_chunks(table, chunk_rows)
+                  clip: ClipRange | None = None) -> dict[str, Any]:
+    """summary.json (contract `mismatch.summary/v1`) from a filled token table's chunks of whole
+    rollouts (analysis/chunked.py); with `clip`, also summary.json `clip`."""
     trainable = GroupedPairMetrics(pairs, ("turn", "branch_kind"), trainable_only=True,
                                    clip=(clip.low, clip.high) if clip is not None else None)
     every_row = GroupedPairMetrics(pairs, ("role",), trainable_only=False, overall=False)

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
+from mismatch.analysis.chunked import table_chunks
 from mismatch.audit import build_summary, publish, replay_for_results, shard_info
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Shard
 from mismatch.results import results_lock
@@ -60,7 +61,7 @@ def _diff(checkpoint: str | Path, rollouts: str | Path, *, a: str, b: str, refer
 
 def analyze_diff(table: pd.DataFrame, *, engines: dict[str, Any], checkpoint: str,
                  rollouts_file: str, seed: int = 0) -> dict[str, Any]:
-    summary = build_summary(table, engines=engines, checkpoint=checkpoint,
+    summary = build_summary(table_chunks(table), engines=engines, checkpoint=checkpoint,
                             rollouts_file=rollouts_file, pairs=DIFF_PAIRS, command="diff")
     summary["diff"] = compare_configs(table, summary, seed=seed)
     return summary

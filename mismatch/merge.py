@@ -6,16 +6,16 @@ tables in file order gives the table one run would have made, and every metric i
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from mismatch.analysis.chunked import table_chunks
 from mismatch.analysis.clip import ClipRange
 from mismatch.analysis.routing import merged_routing
-from mismatch.audit import analyze_audit, audit_pairs, publish
+from mismatch.audit import analyze_audit, audit_pairs, merge_drift, publish
 from mismatch.diff import DIFF_PAIRS, analyze_diff
 from mismatch.errors import ResultsError
 from mismatch.results import check_out_dir, read_summary, read_tokens, results_lock
@@ -49,9 +49,9 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> dict[str, Any]:
         # A prefix two shards share is in neither shard's table twice: not comparable after the fact.
         prefixes = ({"not_merged": "shared prefixes are compared within one run; audit without --shard"}
                     if any("prefix_consistency" in s for s in summaries) else None)
-        summary = analyze_audit(table, **common, drift=drift, clip=clip_range, routing=merged_routing(summaries),
+        summary = analyze_audit(table_chunks(table), **common, drift=drift, clip=clip_range, routing=merged_routing(summaries),
                                 prefixes=prefixes)
-        pairs = audit_pairs(table)
+        pairs = audit_pairs(table.columns)
     else:
         summary, pairs = analyze_diff(table, **common), DIFF_PAIRS
     summary["shard"] = {"index": 0, "count": 1, "block_size": first["shard"]["block_size"],
@@ -85,21 +85,11 @@ def _merged_drift(summaries: list[dict[str, Any]], table: pd.DataFrame) -> dict[
     if not any("drift" in s for s in summaries):
         return None
     blocks = [s.get("drift") or {"num_rollouts_without_messages": s["counts"]["rollouts"]} for s in summaries]
+    merged = merge_drift(blocks)
     order = dict(zip(table["rollout"].astype(str), table["rollout_index"]))
-    spans = sorted((span for block in blocks for span in block.get("spans", [])),
-                   key=lambda span: order.get(str(span["rollout"]), -1))  # stable: a rollout's own order kept
-    kinds: Counter[str] = Counter()
-    for block in blocks:
-        kinds.update(block.get("spans_by_kind", {}))
-    return {
-        "num_rollouts_checked": sum(block.get("num_rollouts_checked", 0) for block in blocks),
-        "num_rollouts_without_messages": sum(block.get("num_rollouts_without_messages", 0) for block in blocks),
-        "num_rollouts_drifted": len({span["rollout"] for span in spans}),
-        "num_spans": len(spans),
-        "spans_by_kind": dict(sorted(kinds.items())),
-        "trainable_tokens_touched": sum(span["trainable_tokens"] for span in spans),
-        "spans": spans,
-    }
+    merged["spans"] = sorted(merged.get("spans", []),  # stable: a rollout's own order kept
+                             key=lambda span: order.get(str(span["rollout"]), -1))
+    return merged
 
 
 _DIFFERS = {"command": "its command differs", "rollouts": "its rollouts file's content differs",

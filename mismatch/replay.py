@@ -6,7 +6,7 @@ per own token, in request order, so an engine's concatenated results drop straig
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +16,31 @@ import numpy as np
 import pandas as pd
 
 from mismatch.checkpoint import checkpoint_info, resolve_attn
-from mismatch.engines import Engine, EngineSpec, ProgressFn, ReplayRequest, check_spec, load_engine
+from mismatch.engines import (
+    Engine,
+    EngineSpec,
+    ProgressFn,
+    ReplayRequest,
+    check_spec,
+    load_engine,
+)
 from mismatch.engines.routing import StreamRouting
-from mismatch.errors import CheckpointError, EngineError, MismatchError, RolloutError, SpecError
+from mismatch.errors import (
+    CheckpointError,
+    EngineError,
+    MismatchError,
+    RolloutError,
+    SpecError,
+)
 from mismatch.results import WorkDir
-from mismatch.rollouts import Rollout, Segment, context_tokens, full_routed_experts, load_rollouts, routing_shape
+from mismatch.rollouts import (
+    Rollout,
+    Segment,
+    context_tokens,
+    full_routed_experts,
+    iter_rollouts,
+    routing_shape,
+)
 from mismatch.rollouts.trees import add_tree_weights
 
 TABLE_KEYS = ("rollout_index", "rollout", "branch", "branch_kind", "turn", "segment", "pos", "role",
@@ -213,26 +233,148 @@ ProgressFactory = Callable[[str, int | None], ProgressFn | None]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class Replayed:
+class Block:
+    """One block of rollouts as the analysis reads it: its requests and its token table rows
+    (TABLE_KEYS, logp_sampler, weight_tree/gyre, a logp_<source> column per source)."""
+
+    index: int
     rollouts: list[Rollout]
-    plan: ReplayPlan               # its requests: one per branch, in table order
-    table: pd.DataFrame           # TABLE_KEYS, logp_sampler, weight_tree/gyre, logp_<source> per source
-    engines: dict[str, Any]       # source -> describe() (the sampler's declared settings too)
-    routing: dict[str, list[StreamRouting]]  # source -> each request's MoE routing, where recorded
+    plan: ReplayPlan
+
+
+class Replayed:
+    """A replay's results, block by block: `blocks()` is one pass over the selected blocks, each
+    planned from the rollouts file again and filled from the engines' saved columns, so a pass holds
+    one block in memory, not the run. `table`, `plan` and `rollouts` put every block together, for
+    the callers that need them all at once (diff, the library, the layer localizer)."""
+
+    def __init__(self, *, engines: dict[str, Any], routing: dict[str, list[StreamRouting]],
+                 blocks: Callable[[], Iterator[Block]]) -> None:
+        self.engines = engines   # source -> describe() (the sampler's declared settings too)
+        self.routing = routing   # source -> each request's MoE routing, where recorded
+        self.blocks = blocks
+        self._whole: tuple[list[Rollout], ReplayPlan] | None = None
+
+    def _gathered(self) -> tuple[list[Rollout], ReplayPlan]:
+        if self._whole is None:
+            blocks = list(self.blocks())
+            rollouts = [rollout for block in blocks for rollout in block.rollouts]
+            plans = [block.plan for block in blocks]
+            table = concat_tables([plan.table for plan in plans])
+            names = {name for plan in plans for name in plan.stored}
+            stored = {name: np.concatenate([plan.stored.get(name, np.full(plan.num_scored, np.nan))
+                                            for plan in plans]) if plans else np.empty(0) for name in names}
+            plan = ReplayPlan(requests=[request for plan in plans for request in plan.requests],
+                              request_block=np.concatenate([plan.request_block for plan in plans])
+                              if plans else np.empty(0, dtype=np.int64), table=table, stored=stored)
+            self._whole = (rollouts, plan)
+        return self._whole
+
+    @property
+    def rollouts(self) -> list[Rollout]:
+        return self._gathered()[0]
+
+    @property
+    def plan(self) -> ReplayPlan:
+        return self._gathered()[1]
+
+    @property
+    def table(self) -> pd.DataFrame:
+        return self._gathered()[1].table
+
+
+def concat_tables(tables: list[pd.DataFrame]) -> pd.DataFrame:
+    """Block tables as one, categoricals kept (their categories united, sorted)."""
+    if not tables:
+        return pd.DataFrame()
+    categorical = [name for name in tables[0].columns if isinstance(tables[0][name].dtype, pd.CategoricalDtype)]
+    if len(tables) == 1:
+        return tables[0]
+    united = {name: sorted({value for table in tables for value in table[name].cat.categories}) for name in categorical}
+    return pd.concat([table.astype({name: pd.CategoricalDtype(united[name]) for name in categorical})
+                      for table in tables], ignore_index=True)
+
+
+def file_blocks(rollouts: str | Path, info: Any, *, shard: Shard | None, block_size: int,
+                seen: Callable[[Rollout], None] | None = None) -> Iterator[tuple[int, list[int], list[Rollout]]]:
+    """(block, file indices, rollouts) of the blocks a shard takes, read and validated from the file
+    as it streams: one block in memory at a time. `seen` is called with every rollout of the file,
+    taken or not."""
+    current, indices, selected = -1, [], []
+    for index, rollout in enumerate(iter_rollouts(rollouts, vocab_size=info.vocab_size, num_experts=info.num_experts)):
+        if seen is not None:
+            seen(rollout)
+        block = index // block_size
+        if block != current and selected:
+            yield current, indices, selected
+            indices, selected = [], []
+        current = block
+        if shard is None or shard.takes(block):
+            indices.append(index)
+            selected.append(rollout)
+    if selected:
+        yield current, indices, selected
+
+
+@dataclass(kw_only=True, slots=True)
+class _Scan:
+    """What a whole-file check needs, gathered in one pass before any engine loads."""
+
+    names: set[str]                 # "sampler" and every extra_logprobs name in the file
+    metas: list[dict[str, Any]]     # meta.sampler of the selected rollouts, where declared
+    longest: tuple[int, str, str]   # (stream length, rollout, branch) of the longest stream
+    stream_lengths: list[int]       # every selected stream's length (context included)
+    routing: tuple[int, str, tuple[int, ...]] | None  # (line, rollout, [layers, top-k]) of the first routed_experts
+    num_scored: int                 # own tokens of the selected streams: the token table's rows
+
+
+def _scan(rollouts: str | Path, info: Any, *, shard: Shard | None, block_size: int) -> _Scan:
+    names, metas, lengths, longest, routing, scored = {"sampler"}, [], [], (0, "", ""), None, 0
+    for index, rollout in enumerate(iter_rollouts(rollouts, vocab_size=info.vocab_size,
+                                                  num_experts=info.num_experts)):
+        names.update(name for branch in rollout.branches for segment in branch.segments
+                     for name in segment.extra_logprobs)
+        shape = routing_shape(rollout) if routing is None else None
+        if shape is not None:  # the file's first (the loader holds every rollout of a file to one shape)
+            routing = (rollout.line, rollout.id, tuple(shape))
+        if shard is not None and not shard.takes(index // block_size):
+            continue
+        if isinstance(rollout.meta.get("sampler"), dict):
+            metas.append(rollout.meta["sampler"])
+        for branch in rollout.branches:
+            length = len(context_tokens(rollout, branch.id)) + branch.num_tokens
+            lengths.append(length)
+            scored += branch.num_tokens
+            if length > longest[0]:
+                longest = (length, rollout.id, branch.id)
+    return _Scan(names=names, metas=metas, longest=longest, stream_lengths=lengths, routing=routing,
+                 num_scored=scored)
+
+
+def _sampler_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sampler settings the rollouts declare (the first rollout's; differing ones are counted)."""
+    if not metas:
+        return {}
+    first = metas[0]
+    return {**first, "num_rollouts_differing": sum(meta != first for meta in metas)}
 
 
 def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str], *,
                  progress: ProgressFactory | None = None, shard: Shard | None = None,
                  block_size: int = DEFAULT_BLOCK, work: WorkDir | None = None,
                  processed_source: str | None = None, routing_from: str | None = None) -> Replayed:
-    """Load and validate everything, then fill one `logp_<source>` column per source's spec.
+    """Check everything, replay each engine source block by block, and return the blocks to read.
 
-    All input checks (checkpoint, specs, rollouts, stored names) come before the first forward.
-    With `work`, each (source, block) result is saved as it finishes and reused on a rerun.
-    `processed_source` (a torch engine's source): when the rollouts' meta.sampler declares processed
-    log-probs under a non-trivial temperature/top-k/top-p, that engine also fills
-    `logp_<source>_processed` under the same processing, like for like with the sampler's, in the
-    same load and block by block (planned here, resumable like every other column).
+    All input checks (checkpoint, specs, rollouts, stored names, context) come before the first
+    forward. With engines to run, a first pass over the file validates it and gathers what the
+    checks need; each engine then streams the file block by block. An audit of stored log-probs
+    only (`stored:`) loads no engine and reads the file once, in `blocks()`, which raises at the
+    end of that pass for a stored name no segment of the file carries.
+    With `work`, each (source, block) result is saved as it finishes and reused on a rerun
+    (without one, kept in memory). `processed_source` (a torch engine's source): when the
+    rollouts' meta.sampler declares processed log-probs under a non-trivial temperature, top-k or
+    top-p, that engine also fills `logp_<source>_processed` under the same processing, like for
+    like with the sampler's, in the same load and block by block.
     `routing_from`: the source whose MoE routing a `routing=replay` engine follows (R3); it replays
     first. Rollouts that store the sampler's routed_experts give the "sampler" routing, and a
     `routing=replay` engine follows that instead: the rollout engine's experts, as R3 replays them.
@@ -241,53 +383,107 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
     # Every spec checked in full (options, values, dtype) before the rollouts are read and before
     # the first replay: a typo in the second engine's spec must not cost the first one's replay.
     specs = {source: check_spec(text) for source, text in sources.items()}
-    loaded = load_rollouts(rollouts, vocab_size=info.vocab_size, num_experts=info.num_experts)
-    indices = [i for i in range(len(loaded)) if shard is None or shard.takes(i // block_size)]
-    selected = [loaded[i] for i in indices]
-    plan = plan_replay(selected, indices=indices, block_size=block_size)
-    _check_before_replay(specs, loaded, plan, info, file=str(rollouts))
-    # Tree weights are per rollout, so shards compute exactly the weights one run would. The
-    # plan's table is filled in place (the plan keeps its requests; one table, not two).
-    table = add_tree_weights(plan.table, selected, inplace=True)
-    meta = _sampler_meta(selected)
-    engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler", "meta": meta}}
+    file = str(rollouts)
+    engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler", "meta": {}}}
+    saved: dict[tuple[str, int], np.ndarray] = {}  # (column, block) -> log-probs, without a work dir
     routing: dict[str, list[StreamRouting]] = {}
-    stored = stored_routing(selected, loaded, info, file=str(rollouts))
-    if stored is not None:
-        routing["sampler"] = stored
-        routing_from = "sampler"
-        _check_stored_routing(specs, selected, stored)
-    for source, spec in _replay_order(specs, routing_from):
-        sampling = _declared_processing(meta) if source == processed_source and spec.kind in TORCH_KINDS else None
-        forced = routing.get(routing_from) if spec.options.get("routing") == "replay" else None
-        if spec.options.get("routing") == "replay" and forced is None:
-            raise SpecError(f"--{source} {spec.text}: routing=replay follows the experts --{routing_from} routed, "
-                            f"and --{routing_from} recorded none (a torch engine on an MoE model records them)")
-        columns, engines[source], routed = _replay_source(source, spec, plan, str(checkpoint), progress, work,
-                                                      sampling, forced)
-        if forced is not None and "routing" in engines[source]:
-            engines[source]["routing"] = {**engines[source]["routing"], "from": routing_from}
-        if routed is not None:
-            routing[source] = routed
-        table[f"logp_{source}"] = columns[0]
-        if sampling is not None:
-            table[f"logp_{source}_processed"] = columns[1]
-            engines[source] = {**engines[source], "processed": {"temperature": sampling.temperature,
-                                                            "top_k": sampling.top_k, "top_p": sampling.top_p}}
-    return Replayed(rollouts=selected, plan=plan, table=table, engines=engines, routing=routing)
+    stored_only = all(spec.kind == "stored" for spec in specs.values())
+    if stored_only:
+        iter(iter_rollouts(rollouts))  # the file exists and is readable: checked now, not mid-pass
+        for source, spec in specs.items():
+            engines[source] = {"kind": "stored", "spec": spec.text, "name": spec.options["name"]}
+    else:
+        scan = _scan(rollouts, info, shard=shard, block_size=block_size)
+        engines["sampler"]["meta"] = _sampler_meta(scan.metas)
+        _check_before_replay(specs, scan, info, file=file)
+        stored = stored_routing(rollouts, info, scan, shard=shard, block_size=block_size, file=file)
+        if stored is not None:
+            routing["sampler"] = stored
+            routing_from = "sampler"
+            _check_stored_routing(specs, rollouts, info, shard, block_size, stored)
+        meta = engines["sampler"]["meta"]
+        for source, spec in _replay_order(specs, routing_from):
+            sampling = _declared_processing(meta) if source == processed_source and spec.kind in TORCH_KINDS else None
+            forced = routing.get(routing_from) if spec.options.get("routing") == "replay" else None
+            if spec.options.get("routing") == "replay" and forced is None:
+                raise SpecError(f"--{source} {spec.text}: routing=replay follows the experts --{routing_from} "
+                                f"routed, and --{routing_from} recorded none (a torch engine on an MoE model "
+                                "records them)")
+            if spec.kind == "stored":
+                engines[source] = {"kind": "stored", "spec": spec.text, "name": spec.options["name"]}
+                continue
+            blocks = _planned_blocks(rollouts, info, shard, block_size)
+            totals = (sum(scan.stream_lengths), scan.num_scored)
+            engines[source], routed = _replay_source(source, spec, blocks, totals, str(checkpoint), progress, work,
+                                                     saved, sampling, forced)
+            if forced is not None and "routing" in engines[source]:
+                engines[source]["routing"] = {**engines[source]["routing"], "from": routing_from}
+            if routed is not None:
+                routing[source] = routed
+            if sampling is not None:
+                engines[source] = {**engines[source], "processed": {"temperature": sampling.temperature,
+                                                                "top_k": sampling.top_k, "top_p": sampling.top_p}}
+
+    def blocks() -> Iterator[Block]:
+        names: set[str] = {"sampler"}
+        metas: list[dict[str, Any]] = []
+        def seen(rollout: Rollout) -> None:  # names over the whole file, not the shard's blocks
+            names.update(name for branch in rollout.branches for segment in branch.segments
+                         for name in segment.extra_logprobs)
+
+        for block, indices, selected in _or_empty(file_blocks(rollouts, info, shard=shard, block_size=block_size,
+                                                              seen=seen)):
+            plan = plan_replay(selected, indices=indices, block_size=block_size)
+            metas.extend(r.meta["sampler"] for r in selected if isinstance(r.meta.get("sampler"), dict))
+            # Tree weights are per rollout, so shards compute exactly the weights one run would.
+            table = add_tree_weights(plan.table, selected, inplace=True)
+            for source, spec in specs.items():
+                if spec.kind == "stored":
+                    # A name no segment of this block carries is NaN on its rows.
+                    table[f"logp_{source}"] = plan.stored.get(spec.options["name"], np.full(plan.num_scored, np.nan))
+                    continue
+                for column in (source, f"{source}_processed"):
+                    values = saved.get((column, block)) if work is None else work.load(column, block)
+                    if values is not None or (column == source and not selected):
+                        table[f"logp_{column}"] = values if values is not None else np.empty(0)
+            yield Block(index=block, rollouts=selected, plan=plan)
+        if stored_only:
+            _check_stored_names(specs, names, file)
+            engines["sampler"]["meta"] = _sampler_meta(metas)
+
+    return Replayed(engines=engines, routing=routing, blocks=blocks)
 
 
-def _check_before_replay(specs: dict[str, EngineSpec], loaded: list[Rollout], plan: ReplayPlan, info: Any, *,
-                         file: str) -> None:
-    """What the specs ask of these rollouts and this model, checked before any replay."""
-    # Names over the whole file, not the shard: a shard (or an empty one) must accept what one run would.
-    names = ["sampler", *sorted({name for rollout in loaded for branch in rollout.branches
-                                 for segment in branch.segments for name in segment.extra_logprobs})]
+def _or_empty(blocks: Iterator[tuple[int, list[int], list[Rollout]]]) -> Iterator[tuple[int, list[int], list[Rollout]]]:
+    """The blocks, or one empty block when the shard takes none: its table has every column."""
+    empty = True
+    for found in blocks:
+        empty = False
+        yield found
+    if empty:
+        yield -1, [], []
+
+
+def _planned_blocks(rollouts: str | Path, info: Any, shard: Shard | None,
+                    block_size: int) -> Iterator[tuple[int, ReplayPlan]]:
+    for block, indices, selected in file_blocks(rollouts, info, shard=shard, block_size=block_size):
+        yield block, plan_replay(selected, indices=indices, block_size=block_size)
+
+
+def _check_stored_names(specs: dict[str, EngineSpec], names: set[str], file: str) -> None:
+    """A `stored:NAME` spec needs NAME in some segment of the file (names over the whole file, not
+    the shard: a shard, or an empty one, must accept what one run would)."""
     for source, spec in specs.items():
         if spec.kind == "stored" and spec.options["name"] not in names:
+            found = ["sampler", *sorted(names - {"sampler"})]
             raise SpecError(f"--{source} {spec.text}: no segment of the rollouts carries "
-                            f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(names)})")
-    _check_context(plan, info, specs, file=file)
+                            f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(found)})")
+
+
+def _check_before_replay(specs: dict[str, EngineSpec], scan: _Scan, info: Any, *, file: str) -> None:
+    """What the specs ask of these rollouts and this model, checked before any replay."""
+    _check_stored_names(specs, scan.names, file)
+    _check_context(scan, info, specs, file=file)
     for source, spec in specs.items():
         own_model = "checkpoint" not in spec.options  # another checkpoint is checked when it loads
         if spec.kind in TORCH_KINDS and own_model:
@@ -323,38 +519,43 @@ def _replay_order(specs: dict[str, EngineSpec], routing_from: str | None) -> lis
 TORCH_KINDS = ("hf", "hf-decode")  # engines whose last step can be processed (alignment.py)
 
 
-def stored_routing(selected: list[Rollout], loaded: list[Rollout], info: Any, *,
+def stored_routing(rollouts: str | Path, info: Any, scan: _Scan, *, shard: Shard | None, block_size: int,
                    file: str) -> list[StreamRouting] | None:
-    """The sampler's routing per plan request (its fed positions, as an engine's is kept), from the
-    rollouts' routed_experts; None when the file stores none. The routing must be this model's
+    """The sampler's routing per selected stream (its fed positions, as an engine's is kept), from
+    the rollouts' routed_experts; None when the file stores none. The routing must be this model's
     ([MoE layers][top-k] as config.json builds them), checked here before any replay."""
-    shapes = [(rollout, routing_shape(rollout)) for rollout in loaded]
-    first = next(((rollout, shape) for rollout, shape in shapes if shape is not None), None)
-    if first is None:
+    if scan.routing is None:
         return None
-    rollout, shape = first
+    line, rollout_id, shape = scan.routing
     if info.moe_layers is None:
         raise RolloutError(f"routed_experts stored, but {info.path}/config.json names no experts (a dense model "
-                           "routes nothing)", file=file, line=rollout.line, rollout=rollout.id)
+                           "routes nothing)", file=file, line=line, rollout=rollout_id)
     if tuple(shape) != (info.moe_layers, info.experts_per_token):
         raise RolloutError(f"routed_experts has {shape[0]} layers x top-{shape[1]} per token, but the model "
                            f"routes {info.moe_layers} layers x top-{info.experts_per_token} ({info.path}/config.json)",
-                           file=file, line=rollout.line, rollout=rollout.id)
-    out = []
-    for rollout in selected:
-        for branch in rollout.branches:
-            experts = full_routed_experts(rollout, branch.id, tuple(shape))[:-1]  # the last token is never fed
-            out.append(StreamRouting(experts=experts, margin=np.full(experts.shape[:2], np.nan, dtype=np.float32)))
-    return out
+                           file=file, line=line, rollout=rollout_id)
+    return list(stored_routing_streams(rollouts, info, shard=shard, block_size=block_size, shape=shape))
 
 
-def _check_stored_routing(specs: dict[str, EngineSpec], selected: list[Rollout],
-                          stored: list[StreamRouting]) -> None:
+def stored_routing_streams(rollouts: str | Path, info: Any, *, shard: Shard | None, block_size: int,
+                           shape: tuple[int, ...]) -> Iterator[StreamRouting]:
+    """Each selected stream's stored routing (rows of -1 where none was stored), in plan order."""
+    for _, _, selected in file_blocks(rollouts, info, shard=shard, block_size=block_size):
+        for rollout in selected:
+            for branch in rollout.branches:
+                experts = full_routed_experts(rollout, branch.id, shape)[:-1]
+                yield StreamRouting(experts=experts, margin=np.full(experts.shape[:2], np.nan, dtype=np.float32))
+
+
+def _check_stored_routing(specs: dict[str, EngineSpec], rollouts: str | Path, info: Any, shard: Shard | None,
+                          block_size: int, stored: list[StreamRouting]) -> None:
     """A routing=replay engine that follows the stored routing needs a row at every position it feeds."""
     replaying = [source for source, spec in specs.items() if spec.options.get("routing") == "replay"]
     if not replaying:
         return
-    streams = [(rollout.id, branch.id) for rollout in selected for branch in rollout.branches]  # plan order
+    streams = [(rollout.id, branch.id) for _, _, selected in file_blocks(rollouts, info, shard=shard,
+                                                                          block_size=block_size)
+               for rollout in selected for branch in rollout.branches]  # plan order
     for (rollout_id, branch_id), routed in zip(streams, stored, strict=True):
         missing = np.flatnonzero(routed.experts[:, 0, 0] < 0)
         if len(missing):
@@ -387,37 +588,32 @@ def engine_facts(described: dict[str, Any]) -> dict[str, Any]:
 MODEL_KINDS = ("hf", "hf-decode", "vllm")  # engines that run the checkpoint's model themselves
 
 
-def _check_context(plan: ReplayPlan, info: Any, specs: dict[str, EngineSpec], *, file: str) -> None:
+def _check_context(scan: _Scan, info: Any, specs: dict[str, EngineSpec], *, file: str) -> None:
     """Refuse, before any replay, a stream longer than the model's declared context: its positions
     past that have no trained embedding, and the replay would score noise without a word."""
-    if info.max_positions is None or plan.num_scored == 0:
+    if info.max_positions is None or not scan.stream_lengths:
         return
     if not any(spec.kind in MODEL_KINDS and "checkpoint" not in spec.options for spec in specs.values()):
         return
-    pos = plan.table["pos"].to_numpy()
-    longest = int(np.argmax(pos))
-    if int(pos[longest]) + 1 <= info.max_positions:
+    length, rollout_id, branch_id = scan.longest
+    if length <= info.max_positions:
         return
-    row = plan.table.iloc[longest]
-    too_long = int(np.count_nonzero(pos == info.max_positions))  # streams that reach past the context
-    raise RolloutError(f"{int(pos[longest]) + 1} tokens to replay (context included), past the model's "
+    too_long = sum(n > info.max_positions for n in scan.stream_lengths)  # streams that reach past the context
+    raise RolloutError(f"{length} tokens to replay (context included), past the model's "
                        f"context of {info.max_positions} (config.json); {too_long} "
-                       f"stream{'s' if too_long != 1 else ''} in all", file=file, rollout=str(row["rollout"]),
-                       field=f"branch {row['branch']!r}")
+                       f"stream{'s' if too_long != 1 else ''} in all", file=file, rollout=rollout_id,
+                       field=f"branch {branch_id!r}")
 
 
-def _replay_source(source: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: str,
-                 progress: ProgressFactory | None, work: WorkDir | None, processed: Any = None,
-                 forced: list[StreamRouting] | None = None) -> tuple[list[np.ndarray], dict[str, Any], list | None]:
-    """One source's log-prob column (and with `processed`, a Sampling, its processed column too):
-    replayed block by block, or read from the rollouts (`stored:`). Also each request's MoE
-    routing when the engine records it (else None); `forced`: the routing a routing=replay
-    engine must follow, one per plan request."""
-    if spec.kind == "stored":
-        name = spec.options["name"]
-        # A name no segment of this shard carries is NaN on its rows, as in one run's table.
-        values = plan.stored.get(name, np.full(plan.num_scored, np.nan))
-        return [values], {"kind": "stored", "spec": spec.text, "name": name}, None
+def _replay_source(source: str, spec: EngineSpec, blocks: Iterator[tuple[int, ReplayPlan]], totals: tuple[int, int],
+                   checkpoint: str, progress: ProgressFactory | None, work: WorkDir | None,
+                   saved: dict[tuple[str, int], np.ndarray], processed: Any = None,
+                   forced: list[StreamRouting] | None = None) -> tuple[dict[str, Any], list | None]:
+    """One engine source's log-prob column (and with `processed`, a Sampling, its processed
+    column too), replayed block by block into the work dir (or `saved`, without one); returns the
+    engine's description and each request's MoE routing when it records it (else None).
+    `totals`: (tokens fed, tokens scored) of the run, for the progress bar; `forced`: the routing
+    a routing=replay engine must follow, one per request in plan order."""
     from mismatch.analysis.alignment import processed_logprobs_on
 
     columns = [(source, f"--{source} {spec.text}", None)]
@@ -425,13 +621,13 @@ def _replay_source(source: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: 
         columns.append((f"{source}_processed", f"--{source} {spec.text} (processed like the sampler's)", processed))
     callback: ProgressFn | None = None
     engine: Engine | None = None
-    parts: list[list[np.ndarray]] = [[] for _ in columns]
     routed: list[StreamRouting] = []
-    offset = 0  # the block's first row in the table
+    num_requests = 0
     first_request = 0  # the block's first request in the plan
     try:
-        for block, requests in plan.blocks():
-            num_rows = sum(request.num_scored for request in requests)
+        for block, plan in blocks:
+            requests, num_rows = plan.requests, plan.num_scored
+            num_requests += len(requests)
             done = [work.load(name, block) if work is not None else None for name, _, _ in columns]
             # Not this block's rows (the manifest matched, the file did not): replayed again.
             done = [None if d is not None and len(d) != num_rows else d for d in done]
@@ -447,10 +643,10 @@ def _replay_source(source: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: 
                 done = [None for _ in done]  # the routing of this block is wanted too: replay it
             # The bar starts once the engine loaded: a checkpoint that fails prints only its error.
             if callback is None and progress is not None:
-                fed = sum(len(request.tokens) for request in plan.requests) * len(columns)
+                fed, scored = totals
                 # What the engine will feed: a branch's context is fed again with each branch.
-                callback = progress(f"replay {source}: {spec.text} (feeds {_count(fed)} tokens)",
-                                    plan.num_scored * len(columns))
+                callback = progress(f"replay {source}: {spec.text} (feeds {_count(fed * len(columns))} tokens)",
+                                    scored * len(columns))
             if forced is not None and engine is not None:
                 engine.forced = [forced[i].experts for i in range(first_request, first_request + len(requests))]
             for k, (name, label, sampling) in enumerate(columns):
@@ -459,7 +655,7 @@ def _replay_source(source: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: 
                         done[k] = replay_column(requests, engine, progress=callback, name=label)
                     if k == 0 and engine_records_routing(engine):
                         block_routing = list(engine.routed)
-                    check_column(done[k], plan.table, label, offset)
+                    check_column(done[k], plan.table, label)
                     if work is not None:
                         # The routing before the log-probs: a block whose log-probs were saved
                         # always has its routing too.
@@ -468,10 +664,10 @@ def _replay_source(source: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: 
                         work.save(name, block, done[k])
                 elif callback is not None:
                     callback(num_rows)
-                parts[k].append(done[k])
+                if work is None:
+                    saved[(name, block)] = done[k]
             if block_routing is not None:
                 routed += block_routing
-            offset += num_rows
             first_request += len(requests)
         if engine is not None:
             described = engine.describe()
@@ -483,9 +679,8 @@ def _replay_source(source: str, spec: EngineSpec, plan: ReplayPlan, checkpoint: 
     finally:
         if engine is not None:
             engine.close()
-    values = [np.concatenate(p) if p else np.empty(0) for p in parts]
     described = {**described, "resumed_blocks": work.num_loaded(source) if work else 0}
-    return values, described, (routed if len(routed) == len(plan.requests) and routed else None)
+    return described, (routed if len(routed) == num_requests and routed else None)
 
 
 def engine_records_routing(engine: Any) -> bool:
@@ -496,10 +691,3 @@ def _count(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(n)
 
 
-def _sampler_meta(rollouts: list[Rollout]) -> dict[str, Any]:
-    """The sampler settings the rollouts declare (the first rollout's; differing ones are counted)."""
-    metas = [r.meta.get("sampler") for r in rollouts if isinstance(r.meta.get("sampler"), dict)]
-    if not metas:
-        return {}
-    first = metas[0]
-    return {**first, "num_rollouts_differing": sum(meta != first for meta in metas)}

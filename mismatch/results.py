@@ -11,7 +11,6 @@ a bad input never leaves a half-written results dir, and an existing dir is repl
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -247,23 +246,107 @@ class Handoff:
         return value
 
 
-def write_results(out: Path, *, tokens: pd.DataFrame | Handoff, summary: dict[str, Any], force: bool,
-                  extra: dict[str, Callable[[Path], None]] | None = None) -> Path:
-    """The results dir, staged and renamed into place: tokens.parquet and summary.json first, then
-    each of `extra` (name -> writer), which may read them back. Given a Handoff, the token table
-    is released once written, before the extras run."""
+class TokenStore:
+    """The token table of a run being analysed: tokens.parquet in the staged results dir, written
+    block by block and read back in chunks of whole rollouts (`chunks`), or, without a results
+    dir, the blocks in memory. Side files (`side_file`) are the analysis's scratch beside it,
+    removed before the dir is published."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        self._writer = TokensWriter(directory / TOKENS_FILE) if directory is not None else None
+        self._blocks: list[pd.DataFrame] = []
+        self._table: pd.DataFrame | None = None
+        self._side: list[Path] = []
+        self.columns: list[str] = []
+
+    def write(self, block: pd.DataFrame) -> None:
+        if not self.columns:
+            self.columns = [str(name) for name in block.columns]
+        if self._writer is not None:
+            self._writer.write(block)
+        else:
+            self._blocks.append(block)
+
+    def close(self, empty: pd.DataFrame | None = None) -> None:
+        if self._writer is not None:
+            self._writer.close(empty=empty)
+        if empty is not None and not self.columns:
+            self.columns = [str(name) for name in empty.columns]
+
+    @property
+    def file(self) -> Path | None:
+        """tokens.parquet, when the store is one."""
+        return self.directory / TOKENS_FILE if self.directory is not None else None
+
+    @property
+    def table(self) -> pd.DataFrame:
+        """The whole table (in memory: its blocks put together; on disk: read back)."""
+        if self._table is None:
+            from mismatch.replay import concat_tables
+
+            self._table = (concat_tables(self._blocks) if self.directory is None
+                           else read_tokens(self.directory))
+            self._blocks = []
+        return self._table
+
+    @property
+    def chunks(self) -> Callable[[], Iterator[pd.DataFrame]]:
+        from mismatch.analysis.chunked import table_chunks
+
+        if self.directory is None:
+            return table_chunks(self.table)
+        return tokens_chunks([self.directory / TOKENS_FILE])
+
+    def add_column(self, name: str, values: np.ndarray) -> None:
+        """A column computed after the blocks were stored (aligned with the rows)."""
+        if self.directory is None:
+            self.table[name] = values
+        else:
+            file, offset = self.directory / TOKENS_FILE, 0
+            writer = TokensWriter(self.directory / f".{TOKENS_FILE}.new")
+            for chunk in tokens_chunks([file])():
+                chunk[name] = values[offset:offset + len(chunk)]
+                offset += len(chunk)
+                writer.write(chunk)
+            writer.close()
+            os.replace(writer.file, file)
+        self.columns.append(name)
+
+    def side_file(self, name: str) -> Path | None:
+        """A scratch file beside tokens.parquet (None without a results dir)."""
+        if self.directory is None:
+            return None
+        path = self.directory / f".{name}.parquet"
+        self._side.append(path)
+        return path
+
+    def remove_side_files(self) -> None:
+        for path in self._side:
+            path.unlink(missing_ok=True)
+
+
+@contextmanager
+def staged_tokens(out: Path | None, *, force: bool) -> Iterator[TokenStore]:
+    """A TokenStore in the staged results dir, renamed into place when the block ends without an
+    error (staged_dir); without `out`, one in memory."""
+    if out is None:
+        yield TokenStore(None)
+        return
     with staged_dir(out, force=force) as stage:
-        table = tokens.take() if isinstance(tokens, Handoff) else tokens
-        write_tokens(table, stage / TOKENS_FILE)
-        del table
-        if isinstance(tokens, Handoff):
-            # The analysis's token views hold reference cycles (memoized closures) that keep the
-            # table alive until the cyclic collector runs, which large arrays barely prompt.
-            gc.collect()
-        (stage / SUMMARY_FILE).write_text(json.dumps(json_safe(summary), indent=1) + "\n")
-        for name, write in (extra or {}).items():
-            write(stage / name)
+        yield TokenStore(stage)
+
+
+def write_results(out: Path, *, tokens: pd.DataFrame, summary: dict[str, Any], force: bool) -> Path:
+    """A results dir of a token table in memory and its summary, staged and renamed into place."""
+    with staged_dir(out, force=force) as stage:
+        write_tokens(tokens, stage / TOKENS_FILE)
+        write_summary(stage, summary)
     return out
+
+
+def write_summary(directory: Path, summary: dict[str, Any]) -> None:
+    (directory / SUMMARY_FILE).write_text(json.dumps(json_safe(summary), indent=1) + "\n")
 
 
 def load_json(file: Path) -> Any:
@@ -330,6 +413,114 @@ def write_tokens(tokens: pd.DataFrame, file: Path) -> None:
             values = pa.array(tokens[field.name].to_numpy(), type=field.type, from_pandas=False)
             table = table.set_column(index, field, values)
     pq.write_table(table, file, row_group_size=max(1, min(len(table), TOKENS_ROW_GROUP)))
+
+
+class TokensWriter:
+    """tokens.parquet written a block of whole rollouts at a time, so no run holds its table whole.
+
+    Blocks are gathered into row groups of about `group_rows` rows; a row group never cuts a
+    rollout, so `tokens_chunks` reads back chunks of whole rollouts. Missing log-probs stay NaN,
+    as write_tokens keeps them; categoricals are written as dictionaries of strings.
+    """
+
+    def __init__(self, file: Path, group_rows: int | None = None) -> None:
+        from mismatch.analysis import chunked
+
+        # A row group at most a chunk: chunks are whole row groups.
+        self.file, self.group_rows = file, group_rows or min(1 << 18, chunked.DEFAULT_CHUNK_ROWS)
+        self._writer: Any = None
+        self._schema: Any = None
+        self._pending: list[Any] = []
+        self._pending_rows = 0
+        self.num_rows = 0
+
+    def write(self, block: pd.DataFrame) -> None:
+        table = _arrow_table(block, self._schema)
+        if self._schema is None:
+            self._schema = table.schema
+        self._pending.append(table)
+        self._pending_rows += len(block)
+        self.num_rows += len(block)
+        if self._pending_rows >= self.group_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not self._pending:
+            return
+        table = pa.concat_tables(self._pending)
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.file, table.schema)
+        self._writer.write_table(table, row_group_size=len(table) or 1)
+        self._pending, self._pending_rows = [], 0
+
+    def close(self, empty: pd.DataFrame | None = None) -> None:
+        """Write what is pending and close; with no block at all, an empty table like `empty`."""
+        if self._writer is None and not self._pending and empty is not None:
+            write_tokens(empty, self.file)
+            return
+        self._flush()
+        if self._writer is not None:
+            self._writer.close()
+
+
+def _arrow_table(block: pd.DataFrame, schema: Any) -> Any:
+    """A block as Arrow: NaN kept as NaN (not null), categoricals as dictionary<int32, string> (one
+    type for every block, whatever its number of categories); cast to `schema` after the first."""
+    import pandas as pd
+    import pyarrow as pa
+
+    columns, fields = [], []
+    for name in block.columns:
+        values = block[name]
+        if isinstance(values.dtype, pd.CategoricalDtype):
+            array = pa.DictionaryArray.from_arrays(pa.array(values.cat.codes.to_numpy(np.int32)),
+                                                   pa.array(values.cat.categories.astype(str).tolist(),
+                                                            type=pa.string()))
+        else:
+            array = pa.array(values.to_numpy(), from_pandas=False)
+        columns.append(array)
+        fields.append(pa.field(name, array.type))
+    table = pa.Table.from_arrays(columns, schema=pa.schema(fields))
+    return table if schema is None else table.select(schema.names).cast(schema)
+
+
+def tokens_chunks(files: Sequence[Path], *, columns: Sequence[str] | None = None,
+                  rows: int | None = None) -> Callable[[], Iterator[pd.DataFrame]]:
+    """Chunks of whole rollouts of the tokens.parquet `files` (in order), read row group by row
+    group, about `rows` rows each (analysis.chunked.DEFAULT_CHUNK_ROWS): re-iterable, each call
+    a new pass. Categories come back sorted, as the replay's tables have them."""
+    import pyarrow.parquet as pq
+
+    from mismatch.analysis import chunked
+
+    def passes() -> Iterator[pd.DataFrame]:
+        limit = rows or chunked.DEFAULT_CHUNK_ROWS
+        for file in files:
+            reader = pq.ParquetFile(file, memory_map=True)
+            groups: list[int] = []
+            size = 0
+            for group in range(reader.num_row_groups):
+                groups.append(group)
+                size += reader.metadata.row_group(group).num_rows
+                if size >= limit or group == reader.num_row_groups - 1:
+                    yield _sorted_categories(reader.read_row_groups(groups, columns=columns).to_pandas())
+                    groups, size = [], 0
+            if reader.num_row_groups == 0:
+                yield _sorted_categories(reader.read(columns=columns).to_pandas())
+    return passes
+
+
+def _sorted_categories(frame: pd.DataFrame) -> pd.DataFrame:
+    import pandas as pd
+
+    for name in frame.columns:
+        values = frame[name]
+        if isinstance(values.dtype, pd.CategoricalDtype):
+            frame[name] = values.cat.reorder_categories(sorted(values.cat.categories))
+    return frame
 
 
 def read_tokens(path: Path, *, columns: Sequence[str] | None = None) -> pd.DataFrame:

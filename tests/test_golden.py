@@ -83,16 +83,24 @@ def renamed(value: object) -> object:
     return value
 
 
-@pytest.mark.parametrize("chunk_rows", [None, 97], ids=["one-chunk", "chunks-of-97-rows"])
-def test_stored_audit_matches_the_summary_from_before_the_rewrite(tmp_path: Path, monkeypatch, chunk_rows) -> None:
-    """Read in one chunk, and in chunks of a few rollouts (every chunk merge path taken)."""
+@pytest.mark.parametrize(("chunk_rows", "block_size"), [(None, 64), (97, 4)],
+                         ids=["one-chunk", "chunks-of-97-rows"])
+def test_stored_audit_matches_the_summary_from_before_the_rewrite(tmp_path: Path, monkeypatch, chunk_rows,
+                                                                  block_size) -> None:
+    """Read in one chunk, and in chunks of about 97 rows (blocks of 4 rollouts, row groups and
+    chunks of a few blocks: every merge path of the chunked analysis taken)."""
     if chunk_rows is not None:
         monkeypatch.setattr("mismatch.analysis.chunked.DEFAULT_CHUNK_ROWS", chunk_rows)
     checkpoint = stored_checkpoint(tmp_path / "ckpt")
     result = mismatch.audit(checkpoint, GOLDEN / "rollouts.jsonl", train="stored:trainer",
-                            infer="stored:engine", out=tmp_path / "out")
+                            infer="stored:engine", out=tmp_path / "out", block_size=block_size)
+    if chunk_rows is not None:
+        import pyarrow.parquet as pq
+
+        assert pq.ParquetFile(tmp_path / "out" / "tokens.parquet").num_row_groups > 10
     got = json.loads((tmp_path / "out" / "summary.json").read_text())
     want = renamed(json.loads((GOLDEN / "expected_summary.json").read_text()))
+    want["shard"]["block_size"] = block_size  # the run's own setting, not a measurement
     found = differences(got, want)
     assert not found, f"{len(found)} differences, first: " + "; ".join(found[:8])
     assert result.summary["counts"] == want["counts"]

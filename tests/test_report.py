@@ -87,6 +87,7 @@ def tokenizer_file(path: Path) -> Path:
 def audit_dir(root: Path, rollouts: list[dict[str, Any]], *, seed: int = 0, worst: str | None = None,
               extra: dict[str, Any] | None = None) -> Path:
     """An audit results dir from mismatch's own summary builder; `worst` gets one big log-ratio."""
+    from mismatch.analysis.chunked import table_chunks
     from mismatch.audit import AUDIT_PAIRS, build_summary
     from mismatch.results import write_results
 
@@ -103,13 +104,14 @@ def audit_dir(root: Path, rollouts: list[dict[str, Any]], *, seed: int = 0, wors
     table["logp_sampler"], table["logp_train"], table["logp_infer"] = logp_sampler, logp_train, logp_infer
     engines = {"sampler": {"kind": "stored", "spec": "sampler"}, "train": {"kind": "hf", "spec": "hf"},
                "infer": {"kind": "hf-decode", "spec": "hf-decode:dtype=bfloat16"}}
-    summary = build_summary(table, engines=engines, checkpoint="ckpt", rollouts_file="rollouts.jsonl",
+    summary = build_summary(table_chunks(table), engines=engines, checkpoint="ckpt", rollouts_file="rollouts.jsonl",
                             pairs=AUDIT_PAIRS, command="audit")
     summary.update(extra or {})
     return write_results(root, tokens=table, summary=summary, force=False)
 
 
 def diff_dir(root: Path) -> Path:
+    from mismatch.analysis.chunked import table_chunks
     from mismatch.audit import build_summary
     from mismatch.diff import DIFF_PAIRS, compare_configs
     from mismatch.results import write_results
@@ -122,7 +124,7 @@ def diff_dir(root: Path) -> Path:
     table["logp_reference"] = reference
     engines = {"a": {"spec": "hf:dtype=bfloat16", "tokens_per_s": 900.0},
                "b": {"spec": "hf:dtype=float32", "tokens_per_s": 500.0}, "reference": {"spec": "hf"}}
-    summary = build_summary(table, engines=engines, checkpoint="ckpt", rollouts_file="rollouts.jsonl",
+    summary = build_summary(table_chunks(table), engines=engines, checkpoint="ckpt", rollouts_file="rollouts.jsonl",
                             pairs=DIFF_PAIRS, command="diff")
     summary["diff"] = compare_configs(table, summary, num_bootstrap=200)
     return write_results(root, tokens=table, summary=summary, force=False)

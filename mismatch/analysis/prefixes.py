@@ -6,11 +6,15 @@ what else was batched with them (batch variance), or on a bug (a cache that serv
 Each replayed token is keyed by a 64-bit hash of its stream up to and including it, and its
 position; tokens with the same key are the same prefix. Per log-prob column: how many tokens share
 a prefix with another request, how many of those groups agree bit for bit, and the worst spread.
+The groups span the whole run, so DuckDB forms them, out of core (DUCKDB_MEMORY), over
+tokens.parquet and a side file of the keys.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,43 +46,110 @@ def _powers(base: np.uint64, n: int) -> np.ndarray:
     return np.cumprod(steps, dtype=np.uint64)
 
 
-def prefix_consistency(table: pd.DataFrame, keys: np.ndarray, sources: Sequence[str]) -> dict[str, Any]:
+class PrefixKeys:
+    """Each token row's prefix key, added block by block: a Parquet side file beside tokens.parquet
+    (row for row), or, without a file, in memory."""
+
+    def __init__(self, file: Path | None) -> None:
+        self.file = file
+        self._parts: list[np.ndarray] = []
+        self._writer: Any = None
+
+    def add(self, keys: np.ndarray) -> None:
+        if self.file is None:
+            self._parts.append(keys)
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.table({"key": pa.array(keys, type=pa.uint64())})
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.file, table.schema)
+        self._writer.write_table(table)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    @property
+    def values(self) -> np.ndarray:
+        """In memory: every row's key."""
+        return np.concatenate(self._parts) if self._parts else np.empty(0, np.uint64)
+
+
+# DuckDB's working memory for the group-by over every row's key: it spills to disk beyond this,
+# so a run of 10^8 tokens stays within it.
+DUCKDB_MEMORY = "512MB"
+
+
+def prefix_consistency(tokens: pd.DataFrame | Path, keys: np.ndarray | Path,
+                       sources: Sequence[str]) -> dict[str, Any]:
     """summary.json["prefix_consistency"]: per source with a log-prob column, over the tokens whose
-    prefix (key and position) occurs in more than one request of this run."""
-    pos = table["pos"].to_numpy(np.int64)
-    # The hash already covers the whole prefix (its length included): one hashed key, no sort.
-    group, _ = pd.factorize(keys)
-    sizes = np.bincount(group)
-    shared = sizes[group] > 1
-    out: dict[str, Any] = {}
-    for source in sources:
-        column = f"logp_{source}"
-        if column not in table.columns:
-            continue
-        values = table[column].to_numpy(np.float64)
-        keep = shared & ~np.isnan(values)
-        if not keep.any():
-            out[source] = {"n_shared_tokens": 0, "n_prefixes": 0, "frac_prefixes_bitwise_equal": None,
-                           "max_abs_spread": None, "worst": None}
-            continue
-        g = group[keep]
-        v = values[keep]
-        order = np.argsort(g, kind="stable")
-        g, v = g[order], v[order]
-        starts = np.r_[0, np.flatnonzero(np.diff(g)) + 1]
-        counts = np.diff(np.r_[starts, len(g)])
-        multi = counts > 1  # a prefix whose value this column has in at least two requests
-        lo, hi = np.minimum.reduceat(v, starts), np.maximum.reduceat(v, starts)
-        spread = np.where(multi, hi - lo, 0.0)
-        worst = int(np.argmax(spread))
-        rows = np.flatnonzero(keep)[order][starts[worst]: starts[worst] + counts[worst]]
-        out[source] = {
-            "n_shared_tokens": int(counts[multi].sum()),
-            "n_prefixes": int(multi.sum()),
-            "frac_prefixes_bitwise_equal": float(np.mean(lo[multi] == hi[multi])) if multi.any() else None,
-            "max_abs_spread": float(spread.max()) if multi.any() else None,
-            "worst": {"rollouts": sorted({str(r) for r in table["rollout"].to_numpy()[rows]})[:5],
-                      "pos": int(pos[rows[0]]), "spread": float(spread[worst])}
-            if multi.any() and spread[worst] > 0 else None,
-        }
-    return out
+    prefix (key and position) occurs in more than one request of this run.
+
+    `tokens` is a token table in memory or a tokens.parquet file, `keys` each row's prefix key (an
+    array, or a Parquet file of one `key` column written row for row with it). DuckDB groups the
+    rows by key, out of core past DUCKDB_MEMORY: the groups span the whole run, not a chunk.
+    """
+    import duckdb
+
+    with tempfile.TemporaryDirectory(prefix="mismatch-duckdb-") as spill:
+        con = duckdb.connect(config={"memory_limit": DUCKDB_MEMORY, "temp_directory": spill})
+        try:
+            columns = _register(con, tokens, keys)
+            out: dict[str, Any] = {}
+            # The hash already covers the whole prefix (its length included): one hashed key.
+            con.execute("CREATE TEMP TABLE shared AS SELECT key, min(row) AS first_row FROM rows "
+                        "GROUP BY key HAVING count(*) > 1")
+            for source in sources:
+                column = f"logp_{source}"
+                if column in columns:
+                    out[source] = _source_consistency(con, column)
+            return out
+        finally:
+            con.close()
+
+
+def _register(con: Any, tokens: pd.DataFrame | Path, keys: np.ndarray | Path) -> list[str]:
+    """The view `rows` (key, row, rollout, pos, logp_*) over the tokens and their keys."""
+    if isinstance(tokens, pd.DataFrame):
+        wanted = ["rollout", "pos", *(c for c in tokens.columns if str(c).startswith("logp_"))]
+        frame = tokens[wanted].assign(rollout=tokens["rollout"].astype(str),
+                                      key=np.asarray(keys, dtype=np.uint64), row=np.arange(len(tokens)))
+        con.register("rows", frame)
+        return [str(c) for c in wanted]
+    import pyarrow.parquet as pq
+
+    names = [name for name in pq.ParquetFile(tokens).schema_arrow.names if name.startswith("logp_")]
+    selected = ", ".join(f't."{name}"' for name in names)
+    con.execute(f"CREATE VIEW rows AS SELECT k.key, t.file_row_number AS row, CAST(t.rollout AS VARCHAR) AS rollout, "
+                f"t.pos, {selected} FROM read_parquet({_literal(tokens)}, file_row_number = true) t "
+                f"POSITIONAL JOIN read_parquet({_literal(keys)}) k")
+    return names
+
+
+def _literal(path: Path) -> str:
+    """A path as an SQL string literal (a view's definition cannot take parameters)."""
+    return "'" + str(path).replace("'", "''") + "'"
+
+
+def _source_consistency(con: Any, column: str) -> dict[str, Any]:
+    defined = f'NOT isnan("{column}")'
+    con.execute(f"""CREATE OR REPLACE TEMP TABLE groups AS
+        SELECT r.key, count(*) AS n, min(r."{column}") AS lo, max(r."{column}") AS hi, any_value(s.first_row) AS first_row
+        FROM rows r JOIN shared s USING (key) WHERE {defined} GROUP BY r.key HAVING count(*) > 1""")
+    n_shared, n_prefixes, equal, spread = con.execute(
+        "SELECT coalesce(sum(n), 0), count(*), avg(CASE WHEN lo = hi THEN 1.0 ELSE 0.0 END), max(hi - lo) "
+        "FROM groups").fetchone()
+    if not n_prefixes:
+        return {"n_shared_tokens": 0, "n_prefixes": 0, "frac_prefixes_bitwise_equal": None,
+                "max_abs_spread": None, "worst": None}
+    key, worst_spread = con.execute("SELECT key, hi - lo FROM groups ORDER BY hi - lo DESC, first_row LIMIT 1").fetchone()
+    worst = None
+    if worst_spread > 0:
+        members = con.execute(f'SELECT rollout, pos FROM rows WHERE key = ? AND {defined} ORDER BY row',
+                              [key]).fetchall()
+        worst = {"rollouts": sorted({str(rollout) for rollout, _ in members})[:5], "pos": int(members[0][1]),
+                 "spread": float(worst_spread)}
+    return {"n_shared_tokens": int(n_shared), "n_prefixes": int(n_prefixes),
+            "frac_prefixes_bitwise_equal": float(equal), "max_abs_spread": float(spread), "worst": worst}

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
-from mismatch.analysis.chunked import table_chunks
+from mismatch.analysis.chunked import Chunks, table_chunks
 from mismatch.analysis.groups import find_spans, key_codes
 from mismatch.errors import MismatchError
 from mismatch.rollouts import Rollout
@@ -316,15 +316,17 @@ class _TreeSums:
         }
 
 
-def tree_summary(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> dict[str, Any]:
+def tree_summary(table: pd.DataFrame | Chunks, pairs: Sequence[tuple[str, str]]) -> dict[str, Any]:
     """`summary["trees"]`: weights, weighted and unweighted pair metrics, a per-branch-kind view.
 
-    Over trainable tokens only (the PPO loss's tokens); `table` comes from `add_tree_weights`.
-    Read in chunks of whole rollouts (a branch, and its rollout, lies in one chunk), so the
-    memory is a chunk's, not the table's.
+    Over trainable tokens only (the PPO loss's tokens); `table` comes from `add_tree_weights`, or
+    is its chunks of whole rollouts (a branch, and its rollout, lies in one chunk), read one at
+    a time. A table in memory reports the path cap its weights used (its attrs); chunks read
+    back, the replay's (DEFAULT_MAX_PATHS).
     """
-    _check_columns(table, pairs)
+    chunks = table if callable(table) else table_chunks(table)
     found = _TreeSums(pairs)
-    for chunk in table_chunks(table)():
+    for chunk in chunks():
+        _check_columns(chunk, pairs)
         found.add(chunk)
-    return found.summary(table.attrs.get("gyre_max_paths"))
+    return found.summary(DEFAULT_MAX_PATHS if callable(table) else table.attrs.get("gyre_max_paths"))
