@@ -383,6 +383,8 @@ def findings_section(summary: dict[str, Any]) -> Html | None:
             # Stored vs rendered text is the finding: monospace, whitespace kept.
             # The columns a reader needs; ids and contexts stay in summary.json.
             shown = ("rollout", "turn", "role", "kind", "trainable_tokens", "stored", "rendered")
+            if any("at_turn" in span for span in spans):  # recorded by `mismatch record`: where, and when sent
+                shown = ("rollout", "branch", "turn", "at_turn", *shown[2:])
             parts.append(records_table([{k: (el("code", span[k], class_="span-text") if k in ("stored", "rendered")
                                              and isinstance(span.get(k), str) else span.get(k)) for k in shown}
                                         for span in spans]))

@@ -75,14 +75,16 @@ class Conversation:
     sequences: list[np.ndarray] = field(default_factory=list)  # each exchange's tokens
     last: float = 0.0  # the recorder's clock at the last exchange
 
-    def match(self, prompt: np.ndarray) -> tuple[int, bool]:
-        """(longest common prefix with any of its sequences, whether one of them is extended whole)."""
-        best, whole = 0, False
+    def match(self, prompt: np.ndarray) -> tuple[int, bool, np.ndarray]:
+        """(longest common prefix with any of its sequences, whether one of them is extended
+        whole, the latest sequence sharing that prefix)."""
+        best, whole, which = 0, False, self.sequences[0]
         for tokens in self.sequences:
             shared = common_prefix(prompt, tokens)
-            best = max(best, shared)
+            if shared >= best:
+                best, which = shared, tokens
             whole = whole or shared == len(tokens)
-        return best, whole
+        return best, whole, which
 
     @property
     def first_prompt(self) -> int:
@@ -95,9 +97,11 @@ class Recorder:
     Grouping rule (README "Recording a harness"): with a session key, a request joins that
     session's conversation. Without one it joins the open conversation it shares the longest
     token prefix with, provided that prefix reaches past the conversation's first prompt (into
-    what the model sampled) and the request is not a resample (a prompt that ends inside tokens
-    already sampled: `n` > 1, a retry); otherwise it starts a new conversation. Sharing only a
-    system prompt or a task statement is therefore a new rollout.
+    what the model sampled), or covers that whole first prompt and the request re-sends most of
+    what was sampled after it (history rewritten from the first sampled token on); and provided
+    it is not a resample (a prompt that ends inside tokens already sampled: `n` > 1, a retry).
+    Otherwise it starts a new conversation: sharing only a system prompt or a task statement
+    makes a new rollout.
     """
 
     def __init__(self, *, run_id: str, sampler: dict[str, Any], upstream: dict[str, Any]) -> None:
@@ -130,9 +134,11 @@ class Recorder:
         for conversation in self.open.values():
             if conversation.session is not None:
                 continue
-            shared, whole = conversation.match(exchange.prompt)
-            resample = shared == len(exchange.prompt) and not whole
-            if shared <= conversation.first_prompt or resample:
+            shared, whole, tokens = conversation.match(exchange.prompt)
+            if shared == len(exchange.prompt) and not whole:
+                continue  # a resample
+            if shared < conversation.first_prompt or (
+                    shared == conversation.first_prompt and not _resent(tokens[shared:], exchange.prompt[shared:])):
                 continue
             # Ties (identical histories) go to an exact extension, then to the latest active.
             key = (shared, whole, conversation.last)
@@ -297,6 +303,36 @@ def drift_edits(stored: np.ndarray, rendered: np.ndarray) -> list[tuple[int, int
 _PROMPT, _SAMPLED = 1, 2
 
 
+class _Labels:
+    """Per branch and own position: which exchange put the token there, and whether it sampled it
+    (with its log-prob) or sent it in a prompt. The first exchange to claim a position keeps it."""
+
+    def __init__(self, tree: _Tree) -> None:
+        self.tree = tree
+        self.how = [np.zeros(len(b.tokens), np.int8) for b in tree.branches]
+        self.who = [np.full(len(b.tokens), -1, np.int64) for b in tree.branches]
+        self.logp = [np.full(len(b.tokens), np.nan) for b in tree.branches]
+
+    def claim(self, leaf: int, lo: int, hi: int, how: int, exchange: int,
+              logp: np.ndarray | None = None) -> None:
+        """Positions [lo, hi) of the path ending in `leaf`; `logp` holds one value per position."""
+        for index, start, stop in self.tree.runs(leaf, hi):
+            start = max(start, lo)
+            if start >= stop:
+                continue
+            context = self.tree.branches[index].context
+            own = slice(start - context, stop - context)
+            free = self.how[index][own] == 0
+            self.how[index][own][free] = how
+            self.who[index][own][free] = exchange
+            if logp is not None:
+                self.logp[index][own][free] = logp[start - lo:stop - lo][free]
+
+    def exchange_at(self, leaf: int, position: int) -> int:
+        index = self.tree.owner(leaf, position)
+        return int(self.who[index][position - self.tree.branches[index].context])
+
+
 def build_rollout(rollout_id: str, exchanges: Sequence[Exchange], *, sampler: dict[str, Any],
                   upstream: dict[str, Any], session: str | None = None) -> dict[str, Any]:
     """One format v1 rollout (a dict) from a conversation's exchanges, in the order they finished.
@@ -311,46 +347,28 @@ def build_rollout(rollout_id: str, exchanges: Sequence[Exchange], *, sampler: di
     sequences = [e.tokens for e in exchanges]
     tree = _Tree(sequences[-1])
     leaves = [tree.place(tokens) for tokens in sequences[:-1]] + [0]
-    num_branches = len(tree.branches)
-    label = [np.zeros(len(b.tokens), np.int8) for b in tree.branches]
-    owner = [np.full(len(b.tokens), -1, np.int64) for b in tree.branches]
-    logp = [np.full(len(b.tokens), np.nan) for b in tree.branches]
+    labels = _Labels(tree)
     for k, exchange in enumerate(exchanges):  # sampled first: a sampled token is never a prompt
-        values = np.asarray(exchange.logprobs if exchange.logprobs is not None
-                            else [np.nan] * len(exchange.sampled), np.float64)
-        for index, start, stop in tree.runs(leaves[k], len(sequences[k])):
-            lo = max(start, len(exchange.prompt))
-            if lo >= stop:
-                continue
-            own = slice(lo - tree.branches[index].context, stop - tree.branches[index].context)
-            free = label[index][own] == 0
-            label[index][own][free] = _SAMPLED
-            owner[index][own][free] = k
-            logp[index][own][free] = values[lo - len(exchange.prompt):stop - len(exchange.prompt)][free]
+        logp = np.asarray(exchange.logprobs if exchange.logprobs is not None
+                          else [np.nan] * len(exchange.sampled), np.float64)
+        labels.claim(leaves[k], len(exchange.prompt), len(sequences[k]), _SAMPLED, k, logp)
     for k, exchange in enumerate(exchanges):
-        for index, start, stop in tree.runs(leaves[k], len(exchange.prompt)):
-            own = slice(start - tree.branches[index].context, stop - tree.branches[index].context)
-            free = label[index][own] == 0
-            label[index][own][free] = _PROMPT
-            owner[index][own][free] = k
+        labels.claim(leaves[k], 0, len(exchange.prompt), _PROMPT, k)
     links = _links(exchanges)
     kinds = _branch_kinds(tree, leaves, links)
-    branches = []
-    for i, branch in enumerate(tree.branches[:num_branches]):
-        branches.append({"id": branch.id, "kind": kinds[i],
-                         "parent": None if branch.parent is None else tree.branches[branch.parent].id,
-                         "fork_at": branch.fork_at,
-                         "segments": _segments(branch.tokens, label[i], owner[i], logp[i], exchanges)})
-    first = exchanges[0]
+    branches = [{"id": branch.id, "kind": kinds[i],
+                 "parent": None if branch.parent is None else tree.branches[branch.parent].id,
+                 "fork_at": branch.fork_at,
+                 "segments": _segments(branch.tokens, labels.how[i], labels.who[i], labels.logp[i], exchanges)}
+                for i, branch in enumerate(tree.branches)]
     record = {
         "proxy": "mismatch record", "upstream": upstream, "session": session,
         "requests": _requests(exchanges, links, leaves, tree),
         "tools": _distinct_tools(exchanges),
-        "drift": _drift(exchanges, links, leaves, tree,
-                        lambda leaf, pos: int(owner[tree.owner(leaf, pos)][pos - tree.branches[tree.owner(leaf, pos)].context])),
+        "drift": _drift(exchanges, links, leaves, tree, labels.exchange_at),
     }
     return {"id": rollout_id,
-            "meta": {"sampler": {**sampler, **_sampling(first.params)}, "record": record},
+            "meta": {"sampler": {**sampler, **_sampling(exchanges[0].params)}, "record": record},
             "branches": branches,
             "messages": exchanges[-1].messages}
 
@@ -421,7 +439,7 @@ def _requests(exchanges: Sequence[Exchange], links: list[_Link], leaves: list[in
                 start += 1
         out.append({
             "branch": tree.branches[leaves[k]].id, "prompt_tokens": len(exchange.prompt),
-            "sampled_tokens": len(exchange.sampled), "link": link.kind, "after": link.after,
+            "sampled_tokens": len(exchange.sampled), "turn": link.turn, "link": link.kind, "after": link.after,
             "shared_tokens": link.shared, "endpoint": exchange.endpoint,
             "finish_reason": exchange.finish_reason, "params": exchange.params,
             "started": exchange.started, "seconds": exchange.seconds,

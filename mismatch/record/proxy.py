@@ -194,8 +194,8 @@ class Proxy:
                 item = None
             if item is _STOP:
                 break
-            if item is not None:
-                self.recorder.add(item, loop.time())
+            if item is not None:  # matching prompts against open conversations is CPU work
+                await asyncio.to_thread(self.recorder.add, item, loop.time())
             for conversation in self.recorder.take_idle(loop.time(), self.idle_seconds):
                 await self._flush(conversation)
         for conversation in self.recorder.take_all():
