@@ -657,14 +657,18 @@ def record(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output file.")] = False,
 ) -> None:
     """Proxy an OpenAI-compatible engine and record what it sampled as rollouts (stop: Ctrl-C)."""
-    from mismatch.record.proxy import RecordOptions
-    from mismatch.record.proxy import record as run_proxy
+    try:
+        from mismatch.record.proxy import RecordOptions
+        from mismatch.record.proxy import record as run_proxy
+    except ModuleNotFoundError as e:
+        raise MismatchError(f"mismatch record needs {e.name}: pip install 'mismatch[record]'") from None
 
     done = run_proxy(RecordOptions(upstream=upstream, out=out, host=host, port=port, idle_seconds=idle_seconds,
                                    api_key_env=api_key_env, upstream_key_env=upstream_key_env, force=force),
                      announce=lambda line: err_console.print(line, markup=False, highlight=False, soft_wrap=True))
     out_console.print(f"wrote {done.num_rollouts} rollouts ({done.num_requests} recorded requests, "
-                      f"{done.num_unrecorded} not recorded) to {done.out}", markup=False, highlight=False)
+                      f"{done.num_unrecorded} not recorded) to {done.out}", markup=False, highlight=False,
+                      soft_wrap=True)
 
 
 @app.command(name="import")
