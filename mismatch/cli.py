@@ -645,7 +645,7 @@ def drift(
 @app.command()
 def record(
     upstream: Annotated[str, typer.Option("--upstream", help="The vLLM or SGLang server, e.g. http://127.0.0.1:8000.")],
-    out: Annotated[Path, typer.Option("--out", help="Rollouts file to append to (format v1 JSONL).")],
+    out: Annotated[Path, typer.Option("--out", help="Rollouts file to write, a line per conversation (format v1 JSONL).")],
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free one).")] = 9000,
     idle_seconds: Annotated[float, typer.Option(

@@ -138,6 +138,27 @@ def test_grouping_by_tokens_and_by_session() -> None:
     assert [(b.parent, b.fork_at) for b in session.branches] == [(None, None), ("main", 0)]
 
 
+def test_the_sglang_dialect_reads_sglext_ids_and_hands_back_the_plain_answer() -> None:
+    """No SGLang build runs on this CPU: these bodies are shaped as SGLang's serving_chat.py writes
+    them (`sglext` at the response level; in a stream, one chunk with `choices: []`)."""
+    from mismatch.record.dialects import Capture, prepare
+
+    upstream_body, asked = prepare("sglang", "chat", {"model": "m", "messages": [], "stream": True})
+    assert upstream_body["return_input_ids_in_sglext"] and upstream_body["return_output_ids_in_sglext"]
+    assert upstream_body["logprobs"] is True and not asked.logprobs and not asked.token_ids
+    capture = Capture("sglang", "chat", asked)
+    lp = '{"content":[{"token":"a","bytes":[97],"logprob":-0.5,"top_logprobs":[]}]}'
+    events = [b'{"id":"x","choices":[{"index":0,"delta":{"content":"a"},"logprobs":%s,"finish_reason":null}]}' % lp.encode(),
+              b'{"id":"x","choices":[{"index":0,"delta":{"content":null},"logprobs":%s,"finish_reason":null}]}'
+              % lp.replace('"a"', '"b"').replace("-0.5", "-1.25").encode(),
+              b'{"id":"x","choices":[],"sglext":{"input_ids":[1,2,3],"output_ids":[[7,8]]}}']
+    out = [capture.event(event) for event in events]
+    assert out == [b'{"id":"x","choices":[{"index":0,"delta":{"content":"a"},"logprobs":null,"finish_reason":null}]}',
+                   None, None]  # the logprob-only and the ids chunks exist only because the proxy asked
+    [(prompt, choice)] = capture.exchanges()
+    assert (prompt, choice.sampled, choice.logprobs) == ([1, 2, 3], [7, 8], [-0.5, -1.25])
+
+
 # ---------------------------------------------------------------------------------------------
 # The command's refusals: one line, exit 2, nothing written
 
