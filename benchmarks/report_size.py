@@ -79,6 +79,7 @@ def synthetic_tokens(num_rollouts: int, seed: int) -> pd.DataFrame:
 
 
 def write_synthetic(out: Path, num_rollouts: int, seed: int) -> dict[str, int]:
+    from mismatch.analysis.chunked import table_chunks
     from mismatch.audit import AUDIT_PAIRS, build_summary
     from mismatch.results import write_results
 
@@ -86,7 +87,7 @@ def write_synthetic(out: Path, num_rollouts: int, seed: int) -> dict[str, int]:
     engines = {"sampler": {"kind": "stored", "spec": "sampler"},
                "train": {"kind": "synthetic", "spec": "hf"},
                "infer": {"kind": "synthetic", "spec": "hf-decode:dtype=bfloat16"}}
-    summary = build_summary(table, engines=engines, checkpoint="synthetic", rollouts_file="synthetic",
+    summary = build_summary(table_chunks(table), engines=engines, checkpoint="synthetic", rollouts_file="synthetic",
                             pairs=AUDIT_PAIRS, command="audit")
     write_results(out, tokens=table, summary=summary, force=out.exists())
     return {"rows": len(table), "tokens_parquet_bytes": (out / "tokens.parquet").stat().st_size}

@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 
 from mismatch import __version__
-from mismatch.advise.corrections import summary_corrections
+from mismatch.advise.corrections import CorrectionSimulator
 from mismatch.advise.recommend import (
     FRAMEWORKS,
     recommend,
@@ -24,19 +24,26 @@ from mismatch.advise.recommend import (
     render_config,
 )
 from mismatch.advise.verdicts import verdicts
-from mismatch.analysis.alignment import Sampling, check_alignment, replay_processed
+from mismatch.analysis.alignment import (
+    AlignmentCheck,
+    Sampling,
+    check_alignment,
+    replay_processed,
+)
 from mismatch.analysis.chunked import (
     OVERALL,
+    Analysis,
     Chunks,
+    Counts,
     GroupedPairMetrics,
+    PerRollout,
     breakdown_records,
     per_rollout_metrics,
+    run_passes,
     table_chunks,
-    table_counts,
 )
-from mismatch.analysis.chunked import run as run_chunks
 from mismatch.analysis.clip import ClipRange, clip_summary
-from mismatch.analysis.framework_metrics import framework_metrics
+from mismatch.analysis.framework_metrics import FrameworkMetrics
 from mismatch.analysis.metrics import PAIR_METRICS
 from mismatch.analysis.prefixes import PrefixKeys, prefix_consistency, prefix_keys
 from mismatch.analysis.routing import routing_summary, token_routing
@@ -46,7 +53,7 @@ from mismatch.errors import MismatchError
 from mismatch.identity import run_inputs
 from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
-from mismatch.localize.turns import localize_turns
+from mismatch.localize.turns import TurnLocalizer
 from mismatch.replay import (
     DEFAULT_BLOCK,
     TORCH_KINDS,
@@ -67,7 +74,7 @@ from mismatch.results import (
     write_summary,
 )
 from mismatch.rollouts.drift import find_drift, recorded
-from mismatch.rollouts.trees import tree_summary
+from mismatch.rollouts.trees import TreeSums
 
 AUDIT_PAIRS = (("train", "sampler"), ("train", "infer"), ("infer", "sampler"))
 PROCESSED_PAIR = ("train_processed", "sampler")  # when the sampler stored processed log-probs
@@ -141,9 +148,10 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
         routing = replayed_routing(replayed, pairs)
         requests = replayed.plan.requests if localize_models else None
         del replayed  # the rollouts and their requests: from here on only the tokens are read
+        per_rollout = PerRollout(pairs)
         summary = analyze_audit(store.chunks, engines=engines, checkpoint=str(checkpoint),
                                 rollouts_file=str(rollouts), drift=found.drift, alignment=alignment, clip=clip,
-                                routing=routing, prefixes=found.prefixes)
+                                routing=routing, prefixes=found.prefixes, also=[per_rollout] if out_dir else [])
         summary["shard"] = shard_info(shard, block_size)
         summary["inputs"] = inputs
         if requests is not None:
@@ -161,7 +169,7 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
             add_probes(summary, checkpoint, progress)
         if out_dir is None:
             return AuditResult(summary=summary, out=None, table=store.table)
-        write_summary_files(store, summary, pairs)
+        write_summary_files(store, summary, per_rollout.result())
     if work is not None:
         work.remove()
     return AuditResult(summary=summary, out=out_dir)
@@ -216,30 +224,35 @@ def merge_drift(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def analyze_audit(chunks: Chunks, *, engines: dict[str, Any], checkpoint: str,
                   rollouts_file: str, drift: dict[str, Any] | None = None,
                   alignment: dict[str, Any] | None = None, clip: ClipRange = ClipRange(),
-                  routing: dict[str, Any] | None = None,
-                  prefixes: dict[str, Any] | None = None) -> dict[str, Any]:
+                  routing: dict[str, Any] | None = None, prefixes: dict[str, Any] | None = None,
+                  also: Sequence[Analysis] = ()) -> dict[str, Any]:
     """Everything an audit's summary.json says that follows from the token table, read as chunks
-    of whole rollouts (and the render-drift, MoE routing and prefix findings, which need the
-    rollouts, the engines' routers or the replay's requests, and are passed in). `alignment` is
-    the check_alignment result when the caller already has it (it reads the same columns)."""
+    of whole rollouts, every analysis in the same passes (and the render-drift, MoE routing and
+    prefix findings, which need the rollouts, the engines' routers or the replay's requests, and
+    are passed in). `alignment` is the check_alignment result when the caller already has it;
+    `also` are more analyses to run in the same passes (the per-rollout table)."""
     first = next(iter(chunks()), None)
     pairs = audit_pairs(first.columns if first is not None else ())
-    summary = build_summary(chunks, engines=engines, checkpoint=checkpoint,
-                            rollouts_file=rollouts_file, pairs=pairs, command="audit", clip=clip)
-    summary["alignment"] = alignment if alignment is not None else check_alignment(
-        chunks, sampler_meta=engines["sampler"].get("meta"))
-    summary["trees"] = tree_summary(chunks, pairs)
-    summary["framework_metrics"] = framework_metrics(chunks, pairs)
-    summary["localization"]["turns"] = localize_turns(chunks, "train", "sampler")
+    summary = SummaryAnalyses(pairs, clip)
+    checked = AlignmentCheck(sampler_meta=engines["sampler"].get("meta")) if alignment is None else None
+    trees, frameworks = TreeSums(pairs), FrameworkMetrics(pairs)
+    turns, corrections = TurnLocalizer("train", "sampler"), CorrectionSimulator()
+    run_passes(chunks, [*summary.analyses, trees, frameworks, turns, corrections,
+                        *([checked] if checked is not None else []), *also])
+    out = summary.result(engines=engines, checkpoint=checkpoint, rollouts_file=rollouts_file, command="audit")
+    out["alignment"] = alignment if checked is None else checked.result()
+    out["trees"] = trees.result()
+    out["framework_metrics"] = frameworks.result()
+    out["localization"]["turns"] = turns.result()
     if drift is not None:
-        summary["drift"] = drift
+        out["drift"] = drift
     if routing:
-        summary["routing"] = routing
+        out["routing"] = routing
     if prefixes is not None:
-        summary["prefix_consistency"] = prefixes
-    summary["corrections"] = summary_corrections(chunks)
-    advise(summary)
-    return summary
+        out["prefix_consistency"] = prefixes
+    out["corrections"] = [result.to_dict() for result in corrections.result()]
+    advise(out)
+    return out
 
 
 def advise(summary: dict[str, Any], **findings: Any) -> None:
@@ -304,19 +317,19 @@ def publish(out: Path, table: pd.DataFrame, summary: dict[str, Any],
         for chunk in table_chunks(table)():
             store.write(chunk)
         store.close(empty=table)
-        write_summary_files(store, summary, pairs)
+        write_summary_files(store, summary, per_rollout_metrics(table_chunks(table), pairs))
     if work is not None:
         work.remove()
 
 
-def write_summary_files(store: TokenStore, summary: dict[str, Any], pairs: tuple[tuple[str, str], ...]) -> None:
+def write_summary_files(store: TokenStore, summary: dict[str, Any], per_rollout: pd.DataFrame) -> None:
     """summary.json, rollouts.parquet and the report, beside the stored tokens.parquet (in the
     staged dir: they appear in the same rename)."""
     from reports.build import build_report
 
     stage = store.directory
     assert stage is not None
-    per_rollout_metrics(store.chunks, pairs).to_parquet(stage / ROLLOUTS_FILE, index=False)
+    per_rollout.to_parquet(stage / ROLLOUTS_FILE, index=False)
     write_summary(stage, summary)
     store.remove_side_files()
     build_report(stage)
@@ -328,39 +341,53 @@ def shard_info(shard: Shard | None, block_size: int) -> dict[str, Any]:
             "block_size": block_size}
 
 
+class SummaryAnalyses:
+    """The analyses behind summary.json's pairs, breakdowns, counts and clip shares."""
+
+    def __init__(self, pairs: tuple[tuple[str, str], ...], clip: ClipRange | None) -> None:
+        self.pairs, self.clip = pairs, clip
+        self.trainable = GroupedPairMetrics(pairs, ("turn", "branch_kind"), trainable_only=True,
+                                            clip=(clip.low, clip.high) if clip is not None else None)
+        self.every_row = GroupedPairMetrics(pairs, ("role",), trainable_only=False, overall=False)
+        self.counts = Counts()
+        self.analyses: list[Analysis] = [self.trainable, self.every_row, self.counts]
+
+    def result(self, *, engines: dict[str, Any], checkpoint: str, rollouts_file: str, command: str) -> dict[str, Any]:
+        """summary.json (contract `mismatch.summary/v1`); with `clip`, also summary.json `clip`."""
+        found, by_role = self.trainable.result(), self.every_row.result()
+        pair_metrics = {name: _metrics_row(frame) for name, frame in found[OVERALL].items()}
+        summary = {
+            "schema": SUMMARY_SCHEMA,
+            "command": command,
+            "mismatch_version": __version__,
+            "created_unix": time.time(),
+            "checkpoint": checkpoint,
+            "rollouts_file": rollouts_file,
+            "counts": self.counts.counts,
+            "engines": engines,
+            "pairs": pair_metrics,
+            "verdicts": verdicts(pair_metrics),
+            "turns": breakdown_records(found["turn"], "turn"),
+            "roles": breakdown_records(by_role["role"], "role"),
+            "branch_kinds": breakdown_records(found["branch_kind"], "branch_kind"),
+            # Filled by the callers that have the inputs: localizers, corrections, recommendations.
+            "localization": {},
+            "corrections": [],
+            "recommendations": [],
+        }
+        if self.clip is not None:
+            summary["clip"] = clip_summary(self.clip, found)
+        return summary
+
+
 def build_summary(chunks: Chunks, *, engines: dict[str, Any], checkpoint: str,
                   rollouts_file: str, pairs: tuple[tuple[str, str], ...], command: str,
                   clip: ClipRange | None = None) -> dict[str, Any]:
     """summary.json (contract `mismatch.summary/v1`) from a filled token table's chunks of whole
     rollouts (analysis/chunked.py); with `clip`, also summary.json `clip`."""
-    trainable = GroupedPairMetrics(pairs, ("turn", "branch_kind"), trainable_only=True,
-                                   clip=(clip.low, clip.high) if clip is not None else None)
-    every_row = GroupedPairMetrics(pairs, ("role",), trainable_only=False, overall=False)
-    found, by_role = run_chunks(chunks, [trainable, every_row])
-    pair_metrics = {name: _metrics_row(frame) for name, frame in found[OVERALL].items()}
-    counts = table_counts(chunks)
-    summary = {
-        "schema": SUMMARY_SCHEMA,
-        "command": command,
-        "mismatch_version": __version__,
-        "created_unix": time.time(),
-        "checkpoint": checkpoint,
-        "rollouts_file": rollouts_file,
-        "counts": counts,
-        "engines": engines,
-        "pairs": pair_metrics,
-        "verdicts": verdicts(pair_metrics),
-        "turns": breakdown_records(found["turn"], "turn"),
-        "roles": breakdown_records(by_role["role"], "role"),
-        "branch_kinds": breakdown_records(found["branch_kind"], "branch_kind"),
-        # Filled by the callers that have the inputs: localizers, corrections, recommendations.
-        "localization": {},
-        "corrections": [],
-        "recommendations": [],
-    }
-    if clip is not None:
-        summary["clip"] = clip_summary(clip, found)
-    return summary
+    summary = SummaryAnalyses(pairs, clip)
+    run_passes(chunks, summary.analyses)
+    return summary.result(engines=engines, checkpoint=checkpoint, rollouts_file=rollouts_file, command=command)
 
 
 def _metrics_row(frame: pd.DataFrame) -> dict[str, float | int]:

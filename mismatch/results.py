@@ -499,7 +499,7 @@ def tokens_chunks(files: Sequence[Path], *, columns: Sequence[str] | None = None
     def passes() -> Iterator[pd.DataFrame]:
         limit = rows or chunked.DEFAULT_CHUNK_ROWS
         for file in files:
-            reader = pq.ParquetFile(file, memory_map=True)
+            reader = pq.ParquetFile(file)  # read, not mapped: mapped pages would count in the RSS
             groups: list[int] = []
             size = 0
             for group in range(reader.num_row_groups):

@@ -7,7 +7,6 @@ the number of bins, never on the number of tokens.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,45 +26,9 @@ NUM_HIST_BINS = 121  # odd, so exact zeros sit alone in the middle bin's centre
 MAX_POSITION_BINS = 40
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class PairTokens:
-    """One pair's trainable tokens with both log-probs: what every chart of that pair is made of."""
-
-    pair: str
-    log_ratio: np.ndarray  # logp_A - logp_B, float64
-    logp_b: np.ndarray
-    turn: np.ndarray
-    pos: np.ndarray
-
-
 def pair_roles(pair: str) -> tuple[str, str]:
     a, _, b = pair.partition("/")
     return a, b
-
-
-def has_pair(tokens: pd.DataFrame, pair: str) -> bool:
-    return all(f"logp_{role}" in tokens.columns for role in pair_roles(pair))
-
-
-def trainable_columns(tokens: pd.DataFrame) -> dict[str, np.ndarray]:
-    """turn, pos and every logp_* column over trainable tokens, selected once for all pairs.
-
-    Only trainable tokens enter the PPO loss: the same selection as summary.json's pairs.
-    """
-    trainable = tokens["trainable"].to_numpy(dtype=bool)
-    names = ["turn", "pos", *(str(c) for c in tokens.columns if str(c).startswith("logp_"))]
-    return {name: tokens[name].to_numpy()[trainable] for name in names}
-
-
-def pair_tokens(trainable: dict[str, np.ndarray], pair: str) -> PairTokens | None:
-    """None when the token table lacks a column of the pair (then its charts are left out)."""
-    a, b = (f"logp_{role}" for role in pair_roles(pair))
-    if a not in trainable or b not in trainable:
-        return None
-    logp_a, logp_b = trainable[a].astype(np.float64, copy=False), trainable[b].astype(np.float64, copy=False)
-    valid = ~(np.isnan(logp_a) | np.isnan(logp_b))
-    return PairTokens(pair=pair, log_ratio=(logp_a - logp_b)[valid], logp_b=logp_b[valid],
-                      turn=trainable["turn"][valid], pos=trainable["pos"][valid])
 
 
 def nice_ceil(value: float) -> float:
@@ -80,18 +43,9 @@ def nice_ceil(value: float) -> float:
     return 10.0 ** (exponent + 1)
 
 
-def histogram_limit(log_ratios: list[np.ndarray]) -> float:
-    """One symmetric x-range for every pair's histogram, so panels compare at a glance.
-
-    The full range unless a few outliers would squash the body into the middle bin: then 4× the
-    largest p99.9 of |log-ratio|, with the outliers counted in the edge bins and said so.
-    """
-    finite = [np.abs(x[np.isfinite(x)]) for x in log_ratios if len(x)]
-    finite = [x for x in finite if len(x)]
-    if not finite:
-        return 1e-3
-    max_abs = max(float(x.max()) for x in finite)
-    p999 = max(float(np.quantile(x, 0.999)) for x in finite)
+def limit_rule(max_abs: float, p999: float) -> float:
+    """The full range unless a few outliers would squash the body into the middle bin: then 4× the
+    largest p99.9 of |log-ratio|, with the outliers counted in the edge bins and said so."""
     limit = max_abs if (p999 == 0 or max_abs <= 4 * p999) else 4 * p999
     return nice_ceil(limit) if limit > 0 else 1e-3
 
@@ -104,36 +58,67 @@ def histogram(log_ratio: np.ndarray, limit: float, num_bins: int = NUM_HIST_BINS
     nan = int(np.sum(np.isnan(log_ratio)))
     clipped = np.clip(log_ratio[~np.isnan(log_ratio)], -limit, limit)
     counts, _ = np.histogram(clipped, bins=edges)
-    return {"edges": edges.tolist(), "counts": counts.astype(int).tolist(), "n": int(len(log_ratio)),
+    return {"edges": edges.tolist(), "counts": counts.astype(int).tolist(), "n": len(log_ratio),
             "n_below": below, "n_above": above, "n_nan": nan, "limit": limit,
             "min": _finite_or_none(np.nanmin(log_ratio)) if len(log_ratio) else None,
             "max": _finite_or_none(np.nanmax(log_ratio)) if len(log_ratio) else None}
+
+
+def merge_histograms(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[str, Any]:
+    """Two histograms over the same bins (of two chunks of tokens) as one."""
+    if first is None:
+        return second
+    extremes = {name: [v for v in (first[name], second[name]) if v is not None] for name in ("min", "max")}
+    return {**first, "counts": [a + b for a, b in zip(first["counts"], second["counts"])],
+            **{name: first[name] + second[name] for name in ("n", "n_below", "n_above", "n_nan")},
+            "min": min(extremes["min"]) if extremes["min"] else None,
+            "max": max(extremes["max"]) if extremes["max"] else None}
 
 
 def _finite_or_none(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def group_stats(keys: np.ndarray, log_ratio: np.ndarray) -> pd.DataFrame:
-    """BREAKDOWN_METRICS per key (non-negative ints), with the per-token terms of mismatch.analysis.metrics.
+class GroupSums:
+    """BREAKDOWN_METRICS per integer key, summed chunk by chunk (the per-token terms of
+    mismatch.analysis.terms): bincount sums, no groupby, no per-token temporary frames."""
 
-    bincount sums rather than a DataFrame groupby: one pass, no 13M-row temporary frames.
-    """
-    keys = np.asarray(keys, dtype=np.int64)
-    abs_lr = np.abs(log_ratio)
-    with np.errstate(over="ignore", invalid="ignore"):
-        outside = terms.outside(terms.ratio(log_ratio))
-        k3 = terms.k3(log_ratio)
-        counts = np.bincount(keys)
-        present = np.flatnonzero(counts)
-        num = counts[present]
-        stats = pd.DataFrame({
-            "log_ratio_abs_mean": np.bincount(keys, weights=abs_lr)[present] / num,
-            "log_ratio_abs_max": pd.Series(abs_lr).groupby(keys).max().reindex(present).to_numpy(),
-            "kl_k3": np.bincount(keys, weights=k3)[present] / num,
-            "frac_outside_2": np.bincount(keys, weights=outside)[present] / num,
-            "n_tokens": num}, index=present)
-    return stats
+    def __init__(self) -> None:
+        self.sums: dict[str, np.ndarray] = {}
+
+    def add(self, keys: np.ndarray, log_ratio: np.ndarray) -> None:
+        keys = np.asarray(keys, dtype=np.int64)
+        if not len(keys):
+            return
+        abs_lr = np.abs(log_ratio)
+        with np.errstate(over="ignore", invalid="ignore"):
+            found = {"n": np.bincount(keys).astype(np.float64), "abs": np.bincount(keys, weights=abs_lr),
+                     "k3": np.bincount(keys, weights=terms.k3(log_ratio)),
+                     "outside": np.bincount(keys, weights=terms.outside(terms.ratio(log_ratio)))}
+        top = np.full(len(found["n"]), -np.inf)
+        np.maximum.at(top, keys, abs_lr)
+        found["max"] = top
+        for name, values in found.items():
+            old = self.sums.get(name)
+            if old is None:
+                self.sums[name] = values
+                continue
+            size = max(len(old), len(values))
+            fill = -np.inf if name == "max" else 0.0
+            old, values = (np.pad(x, (0, size - len(x)), constant_values=fill) for x in (old, values))
+            self.sums[name] = np.maximum(old, values) if name == "max" else old + values
+
+    def stats(self) -> pd.DataFrame:
+        """One row per key with tokens, indexed by the key."""
+        if not self.sums:
+            return pd.DataFrame(columns=list(BREAKDOWN_METRICS))
+        present = np.flatnonzero(self.sums["n"])
+        num = self.sums["n"][present]
+        return pd.DataFrame({"log_ratio_abs_mean": self.sums["abs"][present] / num,
+                             "log_ratio_abs_max": self.sums["max"][present],
+                             "kl_k3": self.sums["k3"][present] / num,
+                             "frac_outside_2": self.sums["outside"][present] / num,
+                             "n_tokens": num.astype(np.int64)}, index=present)
 
 
 def _series(stats_by_pair: dict[str, pd.DataFrame], index: list[Any]) -> dict[str, dict[str, list]]:
@@ -154,14 +139,11 @@ def _json_number(value: Any, name: str) -> Any:
     return float(value)
 
 
-def by_position(pairs: list[PairTokens]) -> dict[str, Any] | None:
-    """Position bins of a nice width (≤ MAX_POSITION_BINS of them) over every pair's range."""
-    populated = [p for p in pairs if len(p.pos)]
-    if not populated:
+def by_position_block(sums: dict[str, GroupSums], width: int) -> dict[str, Any] | None:
+    """The position chart's block from each pair's sums per bin (bins `width` tokens wide)."""
+    stats = {pair: found.stats() for pair, found in sums.items() if found.sums}
+    if not stats:
         return None
-    max_pos = max(int(p.pos.max()) for p in populated)
-    width = max(1, int(nice_ceil((max_pos + 1) / MAX_POSITION_BINS)))
-    stats = {p.pair: group_stats((p.pos // width) * width, p.log_ratio) for p in populated}
     index = sorted(set().union(*(s.index for s in stats.values())))
     return {"x": [int(x) for x in index], "labels": [f"pos {x:,}–{x + width - 1:,}" for x in index],
             "x_title": f"position in the stream (bins of {width:,} token{'s' if width > 1 else ''})",
@@ -180,11 +162,11 @@ def by_probability_from_summary(summary: dict[str, Any], pairs: list[str]) -> di
     return by_key_from_summary(rows, "bucket", pairs, x_title="probability of the token under the pair's B side")
 
 
-def by_turn_from_tokens(pairs: list[PairTokens]) -> dict[str, Any] | None:
-    populated = [p for p in pairs if len(p.turn)]
-    if not populated:
+def by_turn_block(sums: dict[str, GroupSums]) -> dict[str, Any] | None:
+    """The turn chart from tokens (results whose summary.json has no `turns`)."""
+    stats = {pair: found.stats() for pair, found in sums.items() if found.sums}
+    if not stats:
         return None
-    stats = {p.pair: group_stats(p.turn, p.log_ratio) for p in populated}
     index = sorted(set().union(*(s.index for s in stats.values())))
     return {"x": [int(x) for x in index], "labels": [f"turn {x}" for x in index], "x_title": "turn",
             "series": _series(stats, index), "integer_ticks": True}

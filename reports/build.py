@@ -12,6 +12,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,13 @@ from typing import Any
 import pandas as pd
 
 from mismatch.errors import ReportError, ResultsError
-from mismatch.results import REPORT_FILE, TOKENS_FILE, json_safe
+from mismatch.results import REPORT_FILE, TOKENS_FILE, json_safe, tokens_chunks
 from mismatch.results import read_summary as read_results_summary
 from reports import aggregate, figures, sections
 from reports.banner import banner, focus_pair
+from reports.digest import Chunks, Digest, digest
 from reports.html import Html, el, join
-from reports.worst import WorstOptions, worst_rollouts, worst_tokens
+from reports.worst import WorstOptions
 
 TEMPLATES = Path(__file__).with_name("templates")
 
@@ -36,24 +38,29 @@ def read_summary(results_dir: Path) -> dict[str, Any]:
         raise ReportError(str(exc)) from None
 
 
-def read_tokens(results_dir: Path) -> pd.DataFrame:
+def token_chunks(results_dir: Path) -> tuple[Chunks, list[str]]:
+    """tokens.parquet's chunks of whole rollouts (only what the charts and the worst rollouts read:
+    the tree weights and the rest stay on disk), and the columns they have."""
     path = results_dir / TOKENS_FILE
     if not path.is_file():
         raise ReportError(f"{results_dir}: no {TOKENS_FILE}")
     import pyarrow.parquet as pq
 
-    # Only what the charts and the worst-tokens view read: the tree weights and the rest stay on disk.
     wanted = {"rollout", "branch", "branch_kind", "turn", "segment", "pos", "role", "token_id", "trainable"}
-    names = pq.ParquetFile(path).schema_arrow.names
-    tokens = pd.read_parquet(path, columns=[n for n in names if n in wanted or n.startswith("logp_")])
-    missing = {"rollout", "branch", "turn", "pos", "role", "token_id", "trainable"} - set(tokens.columns)
+    names = [n for n in pq.ParquetFile(path).schema_arrow.names if n in wanted or n.startswith("logp_")]
+    missing = {"rollout", "branch", "turn", "pos", "role", "token_id", "trainable"} - set(names)
     if missing:
         raise ReportError(f"{path}: missing column(s) {', '.join(sorted(missing))}")
-    if "branch_kind" not in tokens.columns:
-        tokens["branch_kind"] = "main"
-    if "segment" not in tokens.columns:
-        tokens["segment"] = 0
-    return tokens
+    read = tokens_chunks([path], columns=names)
+
+    def chunks() -> Iterator[pd.DataFrame]:
+        for chunk in read():
+            if "branch_kind" not in chunk.columns:
+                chunk["branch_kind"] = "main"
+            if "segment" not in chunk.columns:
+                chunk["segment"] = 0
+            yield chunk
+    return chunks, names
 
 
 def find_tokenizer(summary: dict[str, Any], results_dir: Path) -> Path | None:
@@ -99,21 +106,16 @@ def csp_hash(source: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(source.encode()).digest()).decode() + "'"
 
 
-def chart_figures(summary: dict[str, Any], tokens: pd.DataFrame, pairs: list[str],
+def chart_figures(summary: dict[str, Any], found: Digest, pairs: list[str],
                   colors: dict[str, str]) -> dict[str, Any]:
     """Every chart of the page by id; a chart whose data are absent is simply not in the dict."""
     figs: dict[str, Any] = {}
-    trainable = aggregate.trainable_columns(tokens)
-    per_pair = [t for t in (aggregate.pair_tokens(trainable, p) for p in pairs) if t is not None and len(t.log_ratio)]
-    if per_pair:
-        limit = aggregate.histogram_limit([t.log_ratio for t in per_pair])
-        hists = {t.pair: aggregate.histogram(t.log_ratio, limit) for t in per_pair}
-        max_count = max(max(h["counts"]) for h in hists.values())
-        for pair, hist in hists.items():
+    if found.histograms:
+        max_count = max(max(h["counts"]) for h in found.histograms.values())
+        for pair, hist in found.histograms.items():
             figs[f"hist-{pair}"] = figures.histogram_figure(pair, hist, color=colors[pair], max_count=max_count)
-    turn = aggregate.by_key_from_summary(summary.get("turns") or [], "turn", pairs, x_title="turn") \
-        or aggregate.by_turn_from_tokens(per_pair)
-    blocks = {"turn": (turn, False, False), "position": (aggregate.by_position(per_pair), False, False),
+    turn = aggregate.by_key_from_summary(summary.get("turns") or [], "turn", pairs, x_title="turn") or found.by_turn
+    blocks = {"turn": (turn, False, False), "position": (found.by_position, False, False),
               "prob": (aggregate.by_probability_from_summary(summary, pairs), True, True),
               "branch_kind": (aggregate.by_key_from_summary(summary.get("branch_kinds") or [], "branch_kind",
                                                             pairs, x_title="branch kind"), True, True)}
@@ -142,16 +144,17 @@ def distribution_section(pairs: list[str], figs: dict[str, Any], colors: dict[st
                                  "the tails are what PPO's ratio feels.")
 
 
-def page_body(summary: dict[str, Any], tokens: pd.DataFrame, *, tokenizer_path: Path | None,
+def page_body(summary: dict[str, Any], tokens: tuple[Chunks, list[str]], *, tokenizer_path: Path | None,
               worst_options: WorstOptions) -> tuple[Html, dict[str, Any], str]:
-    """(static markup, JSON data for the page's script, page title)."""
+    """(static markup, JSON data for the page's script, page title); `tokens` as token_chunks gives them."""
     pairs = [p for p, m in summary["pairs"].items() if isinstance(m, dict)]
     colors = figures.pair_colors(pairs)
-    figs = chart_figures(summary, tokens, pairs, colors)
     focus = focus_pair(summary)
-    scored = [p for p in pairs if aggregate.has_pair(tokens, p)]
-    worst = worst_rollouts(tokens, pairs=scored, focus=focus, tokenizer_path=tokenizer_path,
-                           options=worst_options) if focus in scored else None
+    chunks, columns = tokens
+    found = digest(chunks, columns, pairs=pairs, focus=focus, tokenizer_path=tokenizer_path, options=worst_options,
+                   with_turns=not summary.get("turns"), with_worst_tokens=summary.get("command") != "diff")
+    figs = chart_figures(summary, found, pairs, colors)
+    worst = found.worst if focus in found.scored else None
     texts = worst["text"] if worst else None
     top = banner(summary)
     nav = [("verdict", "Verdict"), ("gaps", "Gaps"), ("diff", "A vs B"), ("distribution", "Distribution"),
@@ -169,8 +172,7 @@ def page_body(summary: dict[str, Any], tokens: pd.DataFrame, *, tokenizer_path: 
         sections.findings_section(summary),
         sections.corrections_section(summary),
         sections.frameworks_section(summary),
-        sections.worst_section(worst, worst_tokens(tokens, focus, tokenizer_path)
-                               if worst and summary.get("command") != "diff" else None),
+        sections.worst_section(worst, found.worst_tokens if worst and summary.get("command") != "diff" else None),
         sections.absent_line(summary),
         sections.footer(summary),
     ]
@@ -228,7 +230,7 @@ def build_report(results_dir: Path, *, tokenizer_path: Path | None = None,
     """
     results_dir = Path(results_dir)
     summary = read_summary(results_dir)
-    tokens = read_tokens(results_dir)
+    tokens = token_chunks(results_dir)
     if tokenizer_path is None:
         tokenizer_path = find_tokenizer(summary, results_dir)
     body, data, title = page_body(summary, tokens, tokenizer_path=tokenizer_path, worst_options=worst_options)

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis import terms
 from reports.aggregate import pair_roles
 
 
@@ -27,34 +26,6 @@ class WorstOptions:
 
 def logp_roles(tokens: pd.DataFrame) -> list[str]:
     return [str(c)[len("logp_"):] for c in tokens.columns if str(c).startswith("logp_")]
-
-
-def rollout_codes(tokens: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """(integer code per row, rollout id per code): codes, not strings, for 10M-row tables."""
-    column = tokens["rollout"]
-    if isinstance(column.dtype, pd.CategoricalDtype):
-        return column.cat.codes.to_numpy(), np.asarray(column.cat.categories.astype(str))
-    codes, uniques = pd.factorize(column)
-    return codes, np.asarray(pd.Index(uniques).astype(str))
-
-
-def rank_rollouts(tokens: pd.DataFrame, pair: str, codes: np.ndarray, names: np.ndarray) -> pd.DataFrame:
-    """Per rollout over trainable tokens: max |log-ratio| (the token that hurts PPO most), mean kl_k3."""
-    a, b = (f"logp_{role}" for role in pair_roles(pair))
-    trainable = tokens["trainable"].to_numpy(dtype=bool)
-    log_ratio = tokens[a].to_numpy(np.float64) - tokens[b].to_numpy(np.float64)
-    keep = trainable & ~np.isnan(log_ratio)
-    log_ratio = log_ratio[keep]
-    with np.errstate(over="ignore", invalid="ignore"):
-        frame = pd.DataFrame({"code": codes[keep], "abs": np.abs(log_ratio),
-                              "k3": terms.k3(log_ratio)})
-    ranked = frame.groupby("code", sort=False).agg(
-        max_abs_log_ratio=("abs", "max"), kl_k3_mean=("k3", "mean"), n_scored=("abs", "size"))
-    ranked = ranked.reset_index()
-    ranked["rollout"] = names[ranked["code"].to_numpy()]
-    ranked = ranked.sort_values(["max_abs_log_ratio", "kl_k3_mean", "rollout"],
-                                ascending=[False, False, True], kind="stable", na_position="last")
-    return ranked.reset_index(drop=True)
 
 
 def select_rows(abs_log_ratio: np.ndarray, *, budget: int, context: int) -> np.ndarray:
@@ -106,7 +77,7 @@ def rollout_detail(rows: pd.DataFrame, *, pairs: list[str], roles: list[str],
         "max_abs_log_ratio": float(ranked["max_abs_log_ratio"]),
         "kl_k3_mean": float(ranked["kl_k3_mean"]) if math.isfinite(ranked["kl_k3_mean"]) else None,
         "n_scored": int(ranked["n_scored"]),
-        "n_rows": int(len(focus_abs)),
+        "n_rows": len(focus_abs),
         "row": shown.tolist(),
         "branches": [{"id": bid, "kind": kind} for bid, kind in branch_keys],
         "branch": [branch_index[k] for k in zip(rows["branch"].astype(str), rows["branch_kind"].astype(str))],
@@ -142,44 +113,3 @@ def color_scale(details: list[dict[str, Any]], pair: str) -> float:
                                dtype=np.float64))
     values = values[np.isfinite(values) & (values > 0)]
     return float(np.quantile(values, 0.99)) if len(values) else 1.0
-
-
-def worst_rollouts(tokens: pd.DataFrame, *, pairs: list[str], focus: str,
-                   tokenizer_path: Path | None, options: WorstOptions = WorstOptions()) -> dict[str, Any] | None:
-    """The `worst` block of the page data, or None when the focus pair has no scored tokens."""
-    codes, names = rollout_codes(tokens)
-    ranked = rank_rollouts(tokens, focus, codes, names)
-    if ranked.empty:
-        return None
-    top = ranked.head(options.num_rollouts)
-    roles = logp_roles(tokens)
-    details = []
-    for record in top.to_dict("records"):
-        rows = tokens.iloc[np.flatnonzero(codes == record["code"])]
-        details.append(rollout_detail(rows, pairs=pairs, roles=roles, ranked=record, focus=focus,
-                                      options=options))
-    ids = {i for d in details for i in d["token_id"]}
-    return {"focus": focus, "pairs": pairs, "roles": roles, "rank_by": "max |log-ratio| on trainable tokens",
-            "num_ranked": int(len(ranked)), "rollouts": details,
-            "scale": {pair: color_scale(details, pair) for pair in pairs},
-            "text": token_texts(ids, tokenizer_path)}
-
-
-def worst_tokens(tokens: pd.DataFrame, pair: str, tokenizer_path: Path | None, *,
-                 limit: int = 20) -> list[dict[str, Any]]:
-    """The trainable tokens with the largest |log-ratio| of `pair`: where, which token, both log-probs."""
-    a, b = (f"logp_{role}" for role in pair_roles(pair))
-    logp_a, logp_b = tokens[a].to_numpy(np.float64), tokens[b].to_numpy(np.float64)
-    gap = np.abs(logp_a - logp_b)
-    gap[~tokens["trainable"].to_numpy(dtype=bool) | np.isnan(gap)] = -1.0
-    rows = np.argsort(-gap, kind="stable")[:limit]
-    rows = rows[gap[rows] >= 0]
-    texts = token_texts({int(tokens["token_id"].iat[r]) for r in rows}, tokenizer_path) or {}
-    out = []
-    for row in rows.tolist():
-        token_id = int(tokens["token_id"].iat[row])
-        out.append({"rollout": str(tokens["rollout"].iat[row]), "branch": str(tokens["branch"].iat[row]),
-                    "turn": int(tokens["turn"].iat[row]), "pos": int(tokens["pos"].iat[row]),
-                    "token": texts.get(str(token_id), f"#{token_id}"), a: float(logp_a[row]), b: float(logp_b[row]),
-                    "|log-ratio|": float(gap[row])})
-    return out

@@ -16,10 +16,9 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
-from mismatch.analysis.chunked import Chunks, table_chunks
-from mismatch.analysis.groups import Spans, find_spans
-from mismatch.analysis.metrics import pair_tokens, span_sums
-from mismatch.analysis.tokenview import TokenView
+from mismatch.analysis.chunked import Chunk, Chunks, run_passes, table_chunks
+from mismatch.analysis.groups import Spans, dot, find_spans
+from mismatch.analysis.metrics import span_sums
 from mismatch.errors import MismatchError
 
 # Conventions, shared with the frameworks cited per mode below:
@@ -102,7 +101,7 @@ class _Tokens:
                  num_seqs: int, span_rollout: np.ndarray, num_rollouts: int,
                  turn: tuple[np.ndarray, np.ndarray] | None = None,
                  span_stats: dict[str, np.ndarray] | None = None,
-                 logp: tuple[np.ndarray, np.ndarray] | None = None, balance: float | None = None) -> None:
+                 logp: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         self.log_ratio = log_ratio  # log pi_train - log pi_sampler, one per token, in span order
         self.logp = logp  # (logp_train, logp_sampler) per token, for the probability-gap modes
         self.num_tokens = spans.num_tokens
@@ -110,8 +109,9 @@ class _Tokens:
         self.span_seq, self.num_seqs = span_seq, num_seqs
         self.span_rollout, self.num_rollouts = span_rollout, num_rollouts
         self.turn = turn  # (distinct turn keys, turn code of each span), or None
-        # Tokens per rollout over the whole run (N / R): these tokens may be one chunk of it.
-        self.balance = balance if balance is not None else self.num_tokens / max(num_rollouts, 1)
+        # Tokens per rollout of these tokens (N / R); a chunk's sums are rescaled to the run's
+        # (_CorrectionSums, ModeSpec.balanced).
+        self.balance = self.num_tokens / max(num_rollouts, 1)
         if span_stats is not None:  # the metrics' own per-span sums, when the caller has them
             self.__dict__["run_stats"] = span_stats
 
@@ -194,6 +194,9 @@ class ModeSpec:
     fn: ModeFn
     doc: str
     per_span: bool = False  # fn returns one weight per span (constant over sequences or rollouts)
+    # Weights proportional to the run's tokens per rollout (N / R, `_Tokens.balance`): summed per
+    # unit of it, chunk by chunk, and scaled by the whole run's N / R at the end.
+    balanced: bool = False
 
 
 def _exp(log_ratio: np.ndarray) -> np.ndarray:
@@ -358,7 +361,7 @@ def rollout_balanced_truncate(t: _Tokens, *, cap: float) -> tuple[np.ndarray, np
 
 
 def _balance_scale(t: _Tokens) -> np.ndarray:
-    """Per span: (N / R) / n_tokens of its rollout (N / R over the whole run, t.balance)."""
+    """Per span: (N / R) / n_tokens of its rollout (N / R: t.balance)."""
     per_rollout = np.bincount(t.span_rollout, weights=t.spans.lengths, minlength=t.num_rollouts)[t.span_rollout]
     return t.balance / per_rollout
 
@@ -432,7 +435,7 @@ MODES: dict[str, ModeSpec] = {
                           doc="slime rs_veto_threshold: reject a sequence with any ratio below threshold"),
     "rollout_clip": ModeSpec(params=("low", "high"), per_span=True, level="rollout", fn=rollout_clip,
                              doc="clip(exp(sum over the rollout), low, high)"),
-    "rollout_balanced_truncate": ModeSpec(params=("cap",), level="rollout", fn=rollout_balanced_truncate,
+    "rollout_balanced_truncate": ModeSpec(params=("cap",), level="rollout", fn=rollout_balanced_truncate, balanced=True,
                                           doc="min(ratio, cap), each rollout's weights rescaled to equal mass"),
 }
 for _aggregate in ("token", "seq_sum", "seq_mean", "seq_max"):
@@ -612,9 +615,9 @@ class _EssSums:
         shrink = self.scale / scale
         scaled = weight / scale
         if counts is None:
-            total, total_sq = scaled.sum(), np.dot(scaled, scaled)
+            total, total_sq = scaled.sum(), dot(scaled, scaled)
         else:
-            total, total_sq = np.dot(counts, scaled), np.dot(counts, np.square(scaled))
+            total, total_sq = dot(counts, scaled), dot(counts, np.square(scaled))
         self.total = self.total * shrink + float(total)
         self.total_sq = self.total_sq * shrink * shrink + float(total_sq)
         self.scale = scale
@@ -645,6 +648,8 @@ class _CorrectionSums:
             return
         spans = tokens.spans
         weight, affected = self.spec.fn(tokens, **self.correction.params)
+        if self.spec.balanced:
+            weight = weight / tokens.balance
         counts = spans.lengths if self.spec.per_span else None
         with np.errstate(invalid="ignore", over="ignore"):
             if self.spec.per_span:
@@ -654,7 +659,7 @@ class _CorrectionSums:
             total = float(span_weight.sum())
             mean = total / n
             deviation = weight - mean
-            m2 = float(np.dot(deviation, deviation) if counts is None else np.dot(counts, np.square(deviation)))
+            m2 = dot(deviation, deviation) if counts is None else dot(counts, np.square(deviation))
             merged = self.n + n
             delta = mean - (self.total / self.n if self.n else 0.0)
             self.m2 = self.m2 + m2 + (delta * delta * self.n * n / merged if self.n else 0.0)
@@ -686,19 +691,20 @@ class _CorrectionSums:
             return CorrectionResult(**base, n_tokens=0, n_sequences=0, n_rollouts=0, frac_tokens_affected=nan,
                                     frac_sequences_affected=nan, frac_rollouts_affected=nan, weight_mean=nan,
                                     weight_std=nan, weight_max=nan, ess=nan, by_turn=[])
-        mean = self.total / n
+        scale = n / self.n_rollouts if self.spec.balanced else 1.0  # the run's N / R
+        mean = self.total / n * scale
         return CorrectionResult(
             **base, n_tokens=n, n_sequences=self.n_seqs, n_rollouts=self.n_rollouts,
             frac_tokens_affected=self.hits / n, frac_sequences_affected=self.seqs_hit / self.n_seqs,
             frac_rollouts_affected=self.rollouts_hit / self.n_rollouts, weight_mean=mean,
-            weight_std=math.sqrt(self.m2 / n) if math.isfinite(mean) else nan, weight_max=self.top,
-            ess=self.ess.value(n), by_turn=self._by_turn())
+            weight_std=math.sqrt(self.m2 / n) * scale if math.isfinite(mean) else nan, weight_max=self.top * scale,
+            ess=self.ess.value(n), by_turn=self._by_turn(scale))
 
-    def _by_turn(self) -> list[dict[str, Any]]:
+    def _by_turn(self, scale: float) -> list[dict[str, Any]]:
         """Per turn: how many tokens, the share the correction touched, and their mean weight."""
         with np.errstate(invalid="ignore", over="ignore"):
             return [{"turn": key, "n_tokens": int(count), "frac_tokens_affected": float(hit / count),
-                     "weight_mean": float(total / count)}
+                     "weight_mean": float(total / count * scale)}
                     for key, (count, hit, total) in sorted(self.turns.items())]
 
 
@@ -729,6 +735,26 @@ def simulate(log_ratio: Any, corrections: Sequence[Correction] | None = None, *,
     return _results(tokens, corrections)
 
 
+class CorrectionSimulator:
+    """Every correction simulated over a table's chunks (an Analysis of one pass)."""
+
+    def __init__(self, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS, *,
+                 pair: tuple[str, str] = ("train", "sampler")) -> None:
+        self.columns = (f"logp_{pair[0]}", f"logp_{pair[1]}")
+        self.sums = [_CorrectionSums(correction) for correction in corrections]
+
+    def wants(self, index: int) -> bool:
+        return index == 0
+
+    def add(self, chunk: Chunk, index: int) -> None:
+        tokens = _chunk_tokens(chunk, self.columns)
+        for found in self.sums:
+            found.add(tokens)
+
+    def result(self) -> list[CorrectionResult]:
+        return [found.result() for found in self.sums]
+
+
 def simulate_table(table: pd.DataFrame | Chunks, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS, *,
                    pair: tuple[str, str] = ("train", "sampler")) -> list[CorrectionResult]:
     """`simulate` on a token table (tokens.parquet as a DataFrame), or on its chunks of whole
@@ -737,41 +763,26 @@ def simulate_table(table: pd.DataFrame | Chunks, corrections: Sequence[Correctio
     Reads columns `rollout`, `branch`, `turn`, `trainable`, `logp_<A>` and `logp_<B>` of the pair;
     log_ratio = logp_A - logp_B, a sequence is a (rollout, branch).
     """
-    chunks = table if callable(table) else table_chunks(table)
-    columns = (f"logp_{pair[0]}", f"logp_{pair[1]}")
-    balance = None
-    if any(correction.mode == "rollout_balanced_truncate" for correction in corrections):
-        # The rebalanced mode's N / R is the whole run's: one counting pass first.
-        num_tokens = num_rollouts = 0
-        for chunk in chunks():
-            view = pair_tokens(TokenView(chunk, trainable_only=True), *columns).view
-            num_tokens, num_rollouts = num_tokens + view.num_tokens, num_rollouts + view.num_rollouts
-        balance = num_tokens / max(num_rollouts, 1)
-    sums = [_CorrectionSums(correction) for correction in corrections]
-    for chunk in chunks():
-        tokens = _chunk_tokens(chunk, columns, balance)
-        for found in sums:
-            found.add(tokens)
-    return [found.result() for found in sums]
+    found = CorrectionSimulator(corrections, pair=pair)
+    run_passes(table if callable(table) else table_chunks(table), [found])
+    return found.result()
 
 
-def _chunk_tokens(chunk: pd.DataFrame, columns: tuple[str, str], balance: float | None = None) -> _Tokens:
+def _chunk_tokens(chunk: Chunk, columns: tuple[str, str]) -> _Tokens:
     """One chunk's trainable tokens of the pair, cut into spans per turn."""
     needed = ["rollout", "branch", "turn", "trainable", *columns]
-    missing = [name for name in needed if name not in chunk.columns]
+    missing = [name for name in needed if name not in chunk.table.columns]
     if missing:
         raise MismatchError(f"token table has no column {missing[0]!r} (columns: "
-                            f"{', '.join(map(str, chunk.columns))})")
-    view = TokenView(chunk, trainable_only=True)
+                            f"{', '.join(map(str, chunk.table.columns))})")
     # The metrics' own pair: its log-ratio, ratio and spans are computed once for both.
-    pair_view = pair_tokens(view, *columns)
+    pair_view = chunk.pair(*columns)
     tokens_view = pair_view.view
     spans, turns = tokens_view.grouping(["turn"])
     return _Tokens(pair_view.log_ratio, spans, span_seq=tokens_view.span_seq,
                    num_seqs=tokens_view.num_seqs, span_rollout=tokens_view.span_rollout,
                    num_rollouts=tokens_view.num_rollouts, turn=(turns.keys["turn"].to_numpy(), turns.span_group),
-                   span_stats=span_sums(pair_view, spans), logp=(pair_view.logp_a, pair_view.logp_b),
-                   balance=balance)
+                   span_stats=span_sums(pair_view, spans), logp=(pair_view.logp_a, pair_view.logp_b))
 
 
 def summary_corrections(table: pd.DataFrame | Chunks,

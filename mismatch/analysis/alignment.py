@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis.chunked import Chunks, Moments, table_chunks
+from mismatch.analysis.chunked import Chunk, Chunks, Moments, run_passes, table_chunks
 from mismatch.analysis.groups import find_spans, key_codes
 from mismatch.errors import MismatchError, SpecError
 
@@ -343,13 +343,14 @@ def _semantics_finding(semantics: dict[str, Any], declared: dict[str, Any], stor
                                  "fix meta.sampler.logprobs so corrections use the right semantics"))
 
 
-class _AlignmentSums:
-    """What check_alignment finds, added a chunk of whole rollouts at a time (a segment, a branch
-    and a rollout lie in one chunk): counts, the shift fits' sums, the findings per branch, and
-    the semantics evidence (counts and the moments of its log-log fit)."""
+class AlignmentCheck:
+    """check_alignment as an Analysis of one pass: a chunk of whole rollouts at a time (a segment,
+    a branch and a rollout lie in one chunk), it adds counts, the shift fits' sums, the findings
+    per branch, and the semantics evidence (counts and the moments of its log-log fit)."""
 
-    def __init__(self, stored: str, replayed: str) -> None:
-        self.stored, self.replayed = stored, replayed
+    def __init__(self, stored: str = "sampler", replayed: str = "train",
+                 sampler_meta: dict[str, Any] | None = None) -> None:
+        self.stored, self.replayed, self.declared = stored, replayed, dict(sampler_meta or {})
         self.trainable = self.missing = self.padded = self.constant = 0
         self.worst_missing: tuple[float, str | None] = (-1.0, None)
         self.constant_value: float | None = None
@@ -360,7 +361,11 @@ class _AlignmentSums:
         self.loglog = Moments()  # of (log -replayed, log -stored) over likely tokens
         self.x_range = (math.inf, -math.inf)
 
-    def add(self, table: pd.DataFrame) -> None:
+    def wants(self, index: int) -> bool:
+        return index == 0
+
+    def add(self, chunk: Chunk, index: int) -> None:
+        table = chunk.table
         cols = _columns(table, self.stored, self.replayed)
         self.trainable += int(cols.trainable.sum())
         missing, share, worst = _missing(cols)
@@ -419,6 +424,25 @@ class _AlignmentSums:
             return {**out, "semantics": "raw", "estimated_temperature": 1.0}
         return {**out, "semantics": "unknown", "estimated_temperature": None}
 
+    def result(self) -> dict[str, Any]:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            fits = {k: float(total / count) if count else float("nan") for k, (total, count) in self.shift_sums.items()}
+        findings = self.findings()
+        semantics = self.semantics()
+        _semantics_finding(semantics, self.declared, self.stored, self.replayed, findings)
+        num_trainable = max(self.trainable, 1)
+        return {
+            "stored": self.stored, "replayed": self.replayed,
+            "shift": _best_shift(fits), "shift_fit": {str(k): v for k, v in fits.items()},
+            "shift_by_rollout": self.by_rollout,
+            "padded_zero_frac": self.padded / num_trainable, "constant_frac": self.constant / num_trainable,
+            "missing_trainable_frac": self.missing / num_trainable,
+            "logprob_semantics": semantics["semantics"],
+            "estimated_temperature": semantics["estimated_temperature"],
+            "semantics": semantics, "declared": self.declared,
+            "findings": findings,
+        }
+
     def findings(self) -> list[dict[str, Any]]:
         """Missing log-probs, shifted branches, placeholders, in that order (semantics after)."""
         found = []
@@ -456,28 +480,9 @@ def check_alignment(table: pd.DataFrame | Chunks, *, stored: str = "sampler", re
     rollout?, message, fix}]. Fractions are over trainable tokens. Rollouts with a shift are
     left out of the semantics check, whose evidence they would scramble.
     """
-    chunks = table if callable(table) else table_chunks(table)
-    sums = _AlignmentSums(stored, replayed)
-    for chunk in chunks():
-        sums.add(chunk)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        fits = {k: float(total / count) if count else float("nan") for k, (total, count) in sums.shift_sums.items()}
-    findings = sums.findings()
-    semantics = sums.semantics()
-    declared = dict(sampler_meta or {})
-    _semantics_finding(semantics, declared, stored, replayed, findings)
-    num_trainable = max(sums.trainable, 1)
-    return {
-        "stored": stored, "replayed": replayed,
-        "shift": _best_shift(fits), "shift_fit": {str(k): v for k, v in fits.items()},
-        "shift_by_rollout": sums.by_rollout,
-        "padded_zero_frac": sums.padded / num_trainable, "constant_frac": sums.constant / num_trainable,
-        "missing_trainable_frac": sums.missing / num_trainable,
-        "logprob_semantics": semantics["semantics"],
-        "estimated_temperature": semantics["estimated_temperature"],
-        "semantics": semantics, "declared": declared,
-        "findings": findings,
-    }
+    found = AlignmentCheck(stored, replayed, sampler_meta)
+    run_passes(table if callable(table) else table_chunks(table), [found])
+    return found.result()
 
 
 def like_for_like(table: pd.DataFrame, recomputed: np.ndarray, *, stored: str = "sampler",

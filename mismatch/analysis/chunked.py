@@ -3,7 +3,7 @@
 Flow: token table -> rollout-aligned chunks -> per chunk, each pair's per-span sums (metrics.SpanSums)
 -> concatenated, grouped per breakdown -> metrics.group_metrics. What span sums cannot give, the
 ratio quantiles and the rescaled ESS of far-out groups, comes from a second pass over the chunks
-that keeps, per group, only the tails its order statistics lie in (`_Tails`).
+that keeps, per group, only the tails its order statistics lie in (`Tails`).
 
 A rollout is never cut, so a sequence (a branch of a rollout) and a rollout lie in one chunk:
 their codes from each chunk, offset by the chunks before, number them over the whole table. A
@@ -13,9 +13,9 @@ table whose rollouts are not contiguous is read as one chunk (correct, just not 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
@@ -32,6 +32,7 @@ from mismatch.analysis.groups import (
 from mismatch.analysis.metrics import (
     _QUANTILES,
     PAIR_METRICS,
+    PairTokens,
     SpanSums,
     far_groups,
     group_metrics,
@@ -41,8 +42,9 @@ from mismatch.analysis.metrics import (
 )
 from mismatch.analysis.tokenview import TokenView
 
-# Rows per chunk: ~1M rows keep every per-token scratch array near 8 MB.
-DEFAULT_CHUNK_ROWS = 1 << 20
+# Rows per chunk: every per-token array of a chunk stays near 2 MB, and a chunk with its views
+# near 100 MB.
+DEFAULT_CHUNK_ROWS = 1 << 18
 OVERALL = ""  # the breakdown name of the one group of all tokens
 
 Chunks = Callable[[], Iterable[pd.DataFrame]]  # a fresh pass over the same chunks, each call
@@ -71,6 +73,66 @@ def table_chunks(table: pd.DataFrame, rows: int | None = None) -> Chunks:
     """The table's rollout-aligned chunks (re-iterable: each call starts a new pass)."""
     bounds = chunk_bounds(table, rows)
     return lambda: (table.iloc[lo:hi] for lo, hi in bounds)
+
+
+class Chunk:
+    """One chunk of whole rollouts and what every analysis of it shares: its token views and pair
+    tokens, made once per pass and dropped with it (`release`: the views' memos hold reference
+    cycles that would otherwise keep each chunk alive until a full garbage collection)."""
+
+    def __init__(self, table: pd.DataFrame, index: int) -> None:
+        self.table, self.index = table, index
+        self._views: dict[bool, TokenView] = {}
+        self._memo: dict[Any, Any] = {}
+
+    def view(self, trainable_only: bool = True) -> TokenView:
+        if trainable_only not in self._views:
+            self._views[trainable_only] = TokenView(self.table, trainable_only=trainable_only)
+        return self._views[trainable_only]
+
+    def pair(self, a: str, b: str, trainable_only: bool = True) -> PairTokens:
+        """Columns `a` against `b` (log_ratio = a - b) on the view."""
+        return pair_tokens(self.view(trainable_only), a, b)
+
+    def memo(self, key: Any, compute: Callable[[], Any]) -> Any:
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    def release(self) -> None:
+        for view in self._views.values():
+            view.release()
+        self._views.clear()
+        self._memo.clear()
+
+
+class Analysis(Protocol):
+    """Something computed over a table's chunks in one or more passes (run_passes)."""
+
+    def wants(self, index: int) -> bool:
+        """Whether it reads pass `index` (asked before the pass, after the one before it)."""
+        ...
+
+    def add(self, chunk: Chunk, index: int) -> None:
+        ...
+
+
+def run_passes(chunks: Chunks, analyses: Sequence[Analysis]) -> None:
+    """Every analysis over the chunks: pass after pass, each chunk read once per pass for all of
+    the analyses that want that pass, its views shared by them."""
+    index = 0
+    while True:
+        active = [analysis for analysis in analyses if analysis.wants(index)]
+        if not active:
+            return
+        for number, table in enumerate(chunks()):
+            chunk = Chunk(table, number)
+            try:
+                for analysis in active:
+                    analysis.add(chunk, index)
+            finally:
+                chunk.release()
+        index += 1
 
 
 @dataclass(slots=True)
@@ -109,7 +171,7 @@ def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
-class _Tails:
+class Tails:
     """Per group: the smallest and the largest values, as many as its quantiles' order statistics
     need (about 1% of the group on each side for ratio_q01/q99), gathered chunk by chunk."""
 
@@ -181,19 +243,20 @@ class _Breakdown:
 
     grouping: Grouping
     first_span: np.ndarray  # per chunk: the index of its first span in the concatenation
-    tails: _Tails
+    tails: Tails
     far: np.ndarray         # groups whose ESS needs exp(log_ratio - group max)
     lr_max: np.ndarray
     far_sums: tuple[np.ndarray, np.ndarray]
 
 
 class GroupedPairMetrics:
-    """PAIR_METRICS of each pair, overall and per `by` column, over a table's chunks.
+    """PAIR_METRICS of each pair, overall and per `by` column, over a table's chunks (an Analysis).
 
     Groups are the view's (every key with a row in the view), as `metrics.metrics_by` gives them:
     a pair with no defined log-ratio in a group keeps the group's row, with zero counts.
     `clip` also sums the tokens outside [1 - low, 1 + high] per span (the `clip` summary).
-    Without `quantiles` the ratio_q* columns are left out, and so is the second pass unless a
+    Pass 0 sums the spans; pass 1 gathers the ratio quantiles' tails (and the far groups' ESS
+    sums). Without `quantiles` the ratio_q* columns are left out, and so is pass 1 unless a
     group's ESS needs it.
     """
 
@@ -206,29 +269,59 @@ class GroupedPairMetrics:
         self.parts = [_PairParts() for _ in pairs]
         self.view_keys: dict[str, list[pd.Series]] = {name: [] for name in self.by}
         self.chunk_spans: list[list[int]] = [[] for _ in pairs]
+        self._span_sums: list[SpanSums] | None = None
+        self._breakdowns: list[dict[str, _Breakdown]] = []
 
-    def add(self, chunk: pd.DataFrame) -> None:
-        view = TokenView(chunk, trainable_only=self.trainable_only)
-        for name in self.by:
-            self.view_keys[name].append(view.series_at(name, view.spans.starts))
-        for index, (a, b) in enumerate(self.pairs):
-            pair = pair_tokens(view, a, b)
-            spans = pair.view.spans
-            data = pair_span_sums(pair, spans)
-            if self.clip is not None:
-                outside = terms.outside_clip(pair.ratio, *self.clip)
-                data.sums["outside_clip"] = spans.sum(outside, dtype=np.int64)
-            self.parts[index].add(data, {name: pair.view.series_at(name, spans.starts) for name in self.by})
-            self.chunk_spans[index].append(spans.num_spans)
+    def wants(self, index: int) -> bool:
+        if index == 0:
+            return True
+        if index == 1:
+            self._prepare()
+            return self.quantiles or any(b.far.any() for found in self._breakdowns for b in found.values())
+        return False
 
-    def finish(self, chunks: Chunks) -> dict[str, dict[str, pd.DataFrame]]:
+    def add(self, chunk: Chunk, index: int) -> None:
+        view = chunk.view(self.trainable_only)
+        if index == 0:
+            for name in self.by:
+                self.view_keys[name].append(view.series_at(name, view.spans.starts))
+        for number, (a, b) in enumerate(self.pairs):
+            pair = chunk.pair(a, b, self.trainable_only)
+            if index == 0:
+                self._add_spans(number, pair)
+            else:
+                self._add_tokens(number, pair, chunk.index)
+
+    def _add_spans(self, number: int, pair: PairTokens) -> None:
+        spans = pair.view.spans
+        data = pair_span_sums(pair, spans)
+        if self.clip is not None:
+            outside = terms.outside_clip(pair.ratio, *self.clip)
+            data.sums["outside_clip"] = spans.sum(outside, dtype=np.int64)
+        self.parts[number].add(data, {name: pair.view.series_at(name, spans.starts) for name in self.by})
+        self.chunk_spans[number].append(spans.num_spans)
+
+    def _add_tokens(self, number: int, pair: PairTokens, chunk_index: int) -> None:
+        spans = pair.view.spans
+        for breakdown in self._breakdowns[number].values():
+            lo = breakdown.first_span[chunk_index]
+            token_group = spans.spread(breakdown.grouping.span_group[lo:lo + spans.num_spans])
+            if self.quantiles:
+                breakdown.tails.add(pair.ratio, token_group)
+            if breakdown.far.any():
+                _add_far(breakdown, pair.log_ratio, token_group)
+
+    def _prepare(self) -> None:
+        if self._span_sums is None:
+            self._span_sums = [parts.span_sums() for parts in self.parts]
+            self._breakdowns = [self._groupings(number, data) for number, data in enumerate(self._span_sums)]
+
+    def result(self) -> dict[str, dict[str, pd.DataFrame]]:
         """{breakdown (OVERALL or a `by` column): {pair name: by keys + PAIR_METRICS (+ n_outside_clip)}}."""
-        span_sums = [parts.span_sums() for parts in self.parts]
-        breakdowns = [self._breakdowns(index, data) for index, data in enumerate(span_sums)]
-        if self.quantiles or any(breakdown.far.any() for found in breakdowns for breakdown in found.values()):
-            self._second_pass(chunks, breakdowns)
+        self._prepare()
+        assert self._span_sums is not None
         out: dict[str, dict[str, pd.DataFrame]] = {}
-        for name, data, found in zip(self.names, span_sums, breakdowns):
+        for name, data, found in zip(self.names, self._span_sums, self._breakdowns):
             for by, breakdown in found.items():
                 gathered = _Gathered(breakdown.tails.quantiles(), breakdown.far_sums)
                 frame = group_metrics(data, breakdown.grouping, gathered, with_quantiles=self.quantiles)
@@ -238,13 +331,13 @@ class GroupedPairMetrics:
                 out.setdefault(by, {})[name] = pd.concat([keys, frame], axis=1) if by != OVERALL else frame
         return out
 
-    def _breakdowns(self, index: int, data: SpanSums) -> dict[str, _Breakdown]:
+    def _groupings(self, number: int, data: SpanSums) -> dict[str, _Breakdown]:
         groupings: dict[str, Grouping] = {}
         if self.overall:
             groupings[OVERALL] = single_group(data.spans)
         for name in self.by:
-            groupings[name] = self._view_grouping(name, self.parts[index].keys.get(name, []))
-        first_span = np.concatenate([[0], np.cumsum(self.chunk_spans[index])])
+            groupings[name] = self._view_grouping(name, self.parts[number].keys.get(name, []))
+        first_span = np.concatenate([[0], np.cumsum(self.chunk_spans[number])])
         out = {}
         for by, grouping in groupings.items():
             counts = grouping.count(data.spans)
@@ -252,7 +345,7 @@ class GroupedPairMetrics:
             lr_min = grouping.min(data.sums["log_ratio_min"]) if data.spans.num_spans else np.zeros(grouping.num_groups)
             far = far_groups(lr_min, lr_max)
             zeros = np.zeros(grouping.num_groups)
-            tails = _Tails(counts if self.quantiles else np.zeros_like(counts), list(_QUANTILES.values()))
+            tails = Tails(counts if self.quantiles else np.zeros_like(counts), list(_QUANTILES.values()))
             out[by] = _Breakdown(grouping=grouping, first_span=first_span, tails=tails,
                                  far=far, lr_max=lr_max, far_sums=(zeros.copy(), zeros.copy()))
         return out
@@ -270,21 +363,6 @@ class GroupedPairMetrics:
         keys = pd.DataFrame({name: every.iloc[first].reset_index(drop=True)})
         return Grouping(span_group=codes[num_view:].astype(np.int64), num_groups=len(uniques), keys=keys)
 
-    def _second_pass(self, chunks: Chunks, breakdowns: list[dict[str, _Breakdown]]) -> None:
-        for chunk_index, chunk in enumerate(chunks()):
-            view = TokenView(chunk, trainable_only=self.trainable_only)
-            for index, (a, b) in enumerate(self.pairs):
-                pair = pair_tokens(view, a, b)
-                spans = pair.view.spans
-                for breakdown in breakdowns[index].values():
-                    lo = breakdown.first_span[chunk_index]
-                    span_group = breakdown.grouping.span_group[lo:lo + spans.num_spans]
-                    token_group = spans.spread(span_group)
-                    if self.quantiles:
-                        breakdown.tails.add(pair.ratio, token_group)
-                    if breakdown.far.any():
-                        _add_far(breakdown, pair.log_ratio, token_group)
-
 
 def _add_far(breakdown: _Breakdown, log_ratio: np.ndarray, token_group: np.ndarray) -> None:
     """The far groups' sums of w and w^2, w = exp(log_ratio - group max) (metrics._ess)."""
@@ -296,35 +374,56 @@ def _add_far(breakdown: _Breakdown, log_ratio: np.ndarray, token_group: np.ndarr
     breakdown.far_sums[1][:] += np.bincount(group, weights=np.square(weight), minlength=size)
 
 
-def per_rollout_metrics(chunks: Chunks, pairs: Sequence[tuple[str, str]]) -> pd.DataFrame:
+class PerRollout:
     """rollouts.parquet: `pair`, `rollout`, PAIR_METRICS per pair and rollout, chunk by chunk (a
     rollout lies in one chunk, so each one's metrics, quantiles included, are its chunk's)."""
-    frames = []
-    for chunk in chunks():
-        view = TokenView(chunk)
-        for a, b in pairs:
-            frame = grouped_view_metrics(view, f"logp_{a}", f"logp_{b}", ["rollout"])
+
+    def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
+        self.pairs = list(pairs)
+        self.frames: list[pd.DataFrame] = []
+
+    def wants(self, index: int) -> bool:
+        return index == 0
+
+    def add(self, chunk: Chunk, index: int) -> None:
+        for a, b in self.pairs:
+            frame = grouped_view_metrics(chunk.view(), f"logp_{a}", f"logp_{b}", ["rollout"])
             frame.insert(0, "pair", f"{a}/{b}")
-            frames.append(frame)
-    if not frames:
-        return pd.DataFrame(columns=["pair", "rollout", *PAIR_METRICS])
-    out = pd.concat(frames, ignore_index=True)
-    # metrics_by's order: pair by pair, rollouts sorted by key.
-    pair_order = {f"{a}/{b}": index for index, (a, b) in enumerate(pairs)}
-    rollout_codes, _ = pd.factorize(out["rollout"], sort=True, use_na_sentinel=False)
-    order = np.lexsort((rollout_codes, out["pair"].map(pair_order).to_numpy()))
-    return out.iloc[order].reset_index(drop=True)
+            self.frames.append(frame)
+
+    def result(self) -> pd.DataFrame:
+        if not self.frames:
+            return pd.DataFrame(columns=["pair", "rollout", *PAIR_METRICS])
+        out = pd.concat(self.frames, ignore_index=True)
+        # metrics_by's order: pair by pair, rollouts sorted by key.
+        pair_order = {f"{a}/{b}": index for index, (a, b) in enumerate(self.pairs)}
+        rollout_codes, _ = pd.factorize(out["rollout"].astype(str), sort=True, use_na_sentinel=False)
+        order = np.lexsort((rollout_codes, out["pair"].map(pair_order).to_numpy()))
+        return out.iloc[order].reset_index(drop=True)
 
 
-def table_counts(chunks: Chunks) -> dict[str, int]:
+def per_rollout_metrics(chunks: Chunks, pairs: Sequence[tuple[str, str]]) -> pd.DataFrame:
+    """PerRollout of a table's chunks."""
+    found = PerRollout(pairs)
+    run_passes(chunks, [found])
+    return found.result()
+
+
+class Counts:
     """summary.json `counts` of rows: rollouts, branches, tokens, trainable tokens."""
-    counts = {"rollouts": 0, "branches": 0, "tokens": 0, "trainable_tokens": 0}
-    for chunk in chunks():
-        counts["rollouts"] += int(chunk["rollout"].nunique())
-        counts["branches"] += int(chunk.groupby(["rollout", "branch"], observed=True).ngroups)
-        counts["tokens"] += len(chunk)
-        counts["trainable_tokens"] += int(chunk["trainable"].to_numpy(dtype=bool).sum())
-    return counts
+
+    def __init__(self) -> None:
+        self.counts = {"rollouts": 0, "branches": 0, "tokens": 0, "trainable_tokens": 0}
+
+    def wants(self, index: int) -> bool:
+        return index == 0
+
+    def add(self, chunk: Chunk, index: int) -> None:
+        table = chunk.table
+        self.counts["rollouts"] += int(table["rollout"].nunique())
+        self.counts["branches"] += int(table.groupby(["rollout", "branch"], observed=True).ngroups)
+        self.counts["tokens"] += len(table)
+        self.counts["trainable_tokens"] += int(table["trainable"].to_numpy(dtype=bool).sum())
 
 
 def breakdown_records(frames: dict[str, pd.DataFrame], by: str) -> list[dict[str, Any]]:
@@ -339,12 +438,10 @@ def breakdown_records(frames: dict[str, pd.DataFrame], by: str) -> list[dict[str
     return [rows[key] for key in sorted(rows, key=lambda k: (str(type(k)), k))]
 
 
-def run(chunks: Chunks, accumulators: Sequence[GroupedPairMetrics]) -> Iterator[dict[str, dict[str, pd.DataFrame]]]:
-    """Feed every chunk to every accumulator in one pass, then finish each."""
-    for chunk in chunks():
-        for accumulator in accumulators:
-            accumulator.add(chunk)
-    return (accumulator.finish(chunks) for accumulator in accumulators)
+def run(chunks: Chunks, accumulators: Sequence[GroupedPairMetrics]) -> list[dict[str, dict[str, pd.DataFrame]]]:
+    """The accumulators' results over the chunks."""
+    run_passes(chunks, accumulators)
+    return [accumulator.result() for accumulator in accumulators]
 
 
 # Values a pass of the radix selection below keeps in memory at most before it collects them.
@@ -358,42 +455,74 @@ def _sortable_keys(values: np.ndarray) -> np.ndarray:
     return np.where(bits >> np.uint64(63), ~bits, bits | np.uint64(1 << 63))
 
 
-def stream_order_statistics(passes: Callable[[], Iterable[np.ndarray]], ranks: Sequence[int]) -> list[float]:
-    """The values at `ranks` (0-based, in sorted order) of the values every pass yields, exactly,
-    in memory bounded by _COLLECT values: each pass histograms the next 16 bits of the keys that
-    share the rank's prefix, until few enough share it to be collected and partitioned (2 or 3
-    passes at 10^8 values). NaN values are not allowed (the callers' values have none)."""
-    found: list[float] = []
-    for rank in ranks:
-        prefix, bits, rank_left, count = np.uint64(0), 0, int(rank), None
-        while True:
-            if bits == 64:  # more than _COLLECT equal values: any one of them
-                found.append(float(next(_sharing(passes, prefix, bits))[0]))
-                break
-            if count is not None and count <= _COLLECT:
-                kept = list(_sharing(passes, prefix, bits))
-                collected = np.concatenate(kept) if kept else np.zeros(0)
-                found.append(float(np.partition(collected, rank_left)[rank_left]))
-                break
-            shift = np.uint64(48 - bits)
-            histogram = np.zeros(1 << 16, dtype=np.int64)
-            for values in _sharing(passes, prefix, bits):
-                digits = (_sortable_keys(values) >> shift) & np.uint64(0xFFFF)
-                histogram += np.bincount(digits.astype(np.int64), minlength=1 << 16)
-            cumulative = np.cumsum(histogram)
-            digit = int(np.searchsorted(cumulative, rank_left, side="right"))
-            rank_left -= int(cumulative[digit - 1]) if digit else 0
-            prefix, bits, count = (prefix << np.uint64(16)) | np.uint64(digit), bits + 16, int(histogram[digit])
-    return found
+@dataclass(slots=True)
+class _Target:
+    rank: int                  # still to skip among the values sharing `prefix`
+    prefix: np.uint64 = np.uint64(0)
+    bits: int = 0              # how many leading bits of the key `prefix` fixes
+    count: int = 0             # values sharing it (from the last histogram)
+    histogram: np.ndarray | None = None
+    kept: list[np.ndarray] = field(default_factory=list)
+    value: float | None = None
 
 
-def _sharing(passes: Callable[[], Iterable[np.ndarray]], prefix: np.uint64, bits: int) -> Iterator[np.ndarray]:
-    """Each chunk's values whose keys start with the `bits`-bit `prefix`."""
-    for values in passes():
-        if bits:
-            values = values[(_sortable_keys(values) >> np.uint64(64 - bits)) == prefix]
-        if len(values):
-            yield values
+class RadixSelect:
+    """Exact order statistics of values seen chunk by chunk, in memory bounded by _COLLECT values:
+    each pass histograms the next 16 bits of the keys (_sortable_keys) that share a wanted rank's
+    prefix, until few enough share it to be kept and partitioned. The first pass histograms every
+    value and counts them, so the ranks may depend on that count (`end_pass`). NaN values are not
+    allowed (the callers' values have none)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.first = np.zeros(1 << 16, dtype=np.int64)  # pass 0: the top 16 bits of every key
+        self.targets: list[_Target] | None = None
+
+    def add(self, values: np.ndarray) -> None:
+        if self.targets is None:
+            self.n += len(values)
+            self.first += np.bincount((_sortable_keys(values) >> np.uint64(48)).astype(np.int64), minlength=1 << 16)
+            return
+        keys = _sortable_keys(values)
+        for target in self.targets:
+            if target.value is not None:
+                continue
+            shares = (keys >> np.uint64(64 - target.bits)) == target.prefix
+            if target.count <= _COLLECT or target.bits == 64:
+                target.kept.append(values[shares][:1] if target.bits == 64 else values[shares])
+            else:
+                digits = (keys[shares] >> np.uint64(48 - target.bits)) & np.uint64(0xFFFF)
+                found = np.bincount(digits.astype(np.int64), minlength=1 << 16)
+                target.histogram = found if target.histogram is None else target.histogram + found
+
+    def end_pass(self, ranks: Callable[[int], Sequence[int]]) -> bool:
+        """After a pass: narrow each rank (`ranks(n)` after the first pass); whether another pass is needed."""
+        if self.targets is None:
+            self.targets = [self._narrowed(_Target(rank=int(rank)), self.first) for rank in ranks(self.n)]
+        else:
+            for target in self.targets:
+                if target.value is not None:
+                    continue
+                if target.kept:
+                    kept = np.concatenate(target.kept)
+                    target.value = float(kept[0] if target.bits == 64 else np.partition(kept, target.rank)[target.rank])
+                elif target.histogram is not None:
+                    self._narrowed(target, target.histogram)
+        return any(target.value is None for target in self.targets)
+
+    @staticmethod
+    def _narrowed(target: _Target, histogram: np.ndarray) -> _Target:
+        cumulative = np.cumsum(histogram)
+        digit = int(np.searchsorted(cumulative, target.rank, side="right"))
+        target.rank -= int(cumulative[digit - 1]) if digit else 0
+        target.prefix = (target.prefix << np.uint64(16)) | np.uint64(digit)
+        target.bits, target.count, target.histogram = target.bits + 16, int(histogram[digit]), None
+        return target
+
+    @property
+    def values(self) -> list[float]:
+        assert self.targets is not None
+        return [float(target.value) for target in self.targets]  # type: ignore[arg-type]
 
 
 class Moments:
@@ -413,7 +542,7 @@ class Moments:
             return
         mean = rows.mean(axis=1)
         centered = rows - mean[:, None]
-        comoment = centered @ centered.T
+        comoment = np.einsum("in,jn->ij", centered, centered)  # not BLAS (groups.dot)
         if self.mean is None or self.comoment is None:
             self.n, self.mean, self.comoment = count, mean, comoment
             return

@@ -18,12 +18,14 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis.chunked import (
+    Chunk,
     Chunks,
     Moments,
-    stream_order_statistics,
+    RadixSelect,
+    run_passes,
     table_chunks,
 )
-from mismatch.analysis.groups import key_codes
+from mismatch.analysis.groups import dot, key_codes
 from mismatch.frameworks import MODULES
 from mismatch.frameworks._common import FrameworkMetric, PairArrays
 
@@ -69,7 +71,7 @@ class _Reduction:
             self.bottom = min(self.bottom, float(values.min()))
         else:  # mean, ess (and median's count; its order statistics take passes of their own)
             self.total += float(values.sum())
-            self.total_sq += float(np.dot(values, values)) if self.how == "ess" else 0.0
+            self.total_sq += dot(values, values) if self.how == "ess" else 0.0
         self.n += count
 
     def value(self) -> float:
@@ -89,42 +91,64 @@ class _Reduction:
             return float(comoment[0, 1] / np.sqrt(comoment[0, 0] * comoment[1, 1]))
 
 
-def framework_metrics(chunks: Chunks, pairs: Sequence[tuple[str, str]]) -> dict[str, dict[str, dict[str, float | None]]]:
-    """{"A/B": {framework: {key: value}}} over the chunks' trainable tokens; None where the pair
-    has no tokens. One pass for every reduction, and the median's few passes of its own."""
-    reductions = {(pair, metric.key): _Reduction(metric.reduce) for pair in pairs for metric in FRAMEWORK_METRICS}
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        for chunk in chunks():
-            for a, b in pairs:
-                arrays = pair_arrays(chunk, a, b)
-                if len(arrays.logp_a):
-                    for metric in FRAMEWORK_METRICS:
-                        reductions[(a, b), metric.key].add(metric.values(arrays))
-    out: dict[str, dict[str, dict[str, float | None]]] = {}
-    for a, b in pairs:
-        found: dict[str, dict[str, float | None]] = {}
-        for metric in FRAMEWORK_METRICS:
-            reduction = reductions[(a, b), metric.key]
-            value = None
-            if reduction.n:
-                value = (_median(chunks, a, b, metric, reduction.n) if metric.reduce == "median"
-                         else reduction.value()) + metric.offset
-            found.setdefault(metric.framework, {})[metric.key] = value
-        out[f"{a}/{b}"] = found
-    return out
+class FrameworkMetrics:
+    """{"A/B": {framework: {key: value}}} over the chunks' trainable tokens (an Analysis): every
+    reduction in pass 0, which also histograms each median's values; the medians' few more passes
+    (RadixSelect) after it."""
 
+    def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
+        self.pairs = list(pairs)
+        self.reductions = {(pair, metric.key): _Reduction(metric.reduce) for pair in self.pairs
+                           for metric in FRAMEWORK_METRICS}
+        self.medians = {(pair, metric.key): RadixSelect() for pair in self.pairs
+                        for metric in FRAMEWORK_METRICS if metric.reduce == "median"}
+        self.pending: set[tuple[tuple[str, str], str]] = set()
 
-def _median(chunks: Chunks, a: str, b: str, metric: FrameworkMetric, n: int) -> float:
-    """np.median of the metric's values over every chunk, exactly, without holding them all."""
-    def passes():
+    def wants(self, index: int) -> bool:
+        if index == 0:
+            return True
+        if index == 1:  # the medians' ranks, now that pass 0 counted their values
+            self.pending = {key for key, select in self.medians.items() if select.n}
+        self.pending = {key for key in self.pending
+                        if self.medians[key].end_pass(lambda n: sorted({(n - 1) // 2, n // 2}))}
+        return bool(self.pending)
+
+    def add(self, chunk: Chunk, index: int) -> None:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            for chunk in chunks():
-                arrays = pair_arrays(chunk, a, b)
-                if len(arrays.logp_a):
-                    yield metric.values(arrays)
+            for a, b in self.pairs:
+                arrays = chunk.memo(("pair_arrays", a, b), lambda a=a, b=b: pair_arrays(chunk.table, a, b))
+                if not len(arrays.logp_a):
+                    continue
+                for metric in FRAMEWORK_METRICS:
+                    key = ((a, b), metric.key)
+                    if index == 0:
+                        values = metric.values(arrays)
+                        self.reductions[key].add(values)
+                        if key in self.medians:
+                            self.medians[key].add(values)
+                    elif key in self.pending:
+                        self.medians[key].add(metric.values(arrays))
 
-    middle = stream_order_statistics(passes, sorted({(n - 1) // 2, n // 2}))
-    return float(np.mean(middle))
+    def result(self) -> dict[str, dict[str, dict[str, float | None]]]:
+        out: dict[str, dict[str, dict[str, float | None]]] = {}
+        for a, b in self.pairs:
+            found: dict[str, dict[str, float | None]] = {}
+            for metric in FRAMEWORK_METRICS:
+                reduction = self.reductions[(a, b), metric.key]
+                value = None
+                if reduction.n:
+                    value = (float(np.mean(self.medians[(a, b), metric.key].values)) if metric.reduce == "median"
+                             else reduction.value()) + metric.offset
+                found.setdefault(metric.framework, {})[metric.key] = value
+            out[f"{a}/{b}"] = found
+        return out
+
+
+def framework_metrics(chunks: Chunks, pairs: Sequence[tuple[str, str]]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """FrameworkMetrics of a table's chunks; None where the pair has no tokens."""
+    found = FrameworkMetrics(pairs)
+    run_passes(chunks, [found])
+    return found.result()
 
 
 def table_framework_metrics(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> dict[str, Any]:

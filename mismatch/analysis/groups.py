@@ -56,6 +56,13 @@ class Spans:
         return np.repeat(per_span, self.lengths)
 
 
+def dot(a: np.ndarray, b: np.ndarray) -> float:
+    """sum(a * b) without BLAS: OpenBLAS's threads busy-wait between calls and, on a machine of
+    few cores, fight the rest of the process for them (tree metrics at 10^7 tokens: 38 s through
+    `@`, 5 s with one BLAS thread, the same through einsum)."""
+    return float(np.einsum("i,i->", a, b))
+
+
 def key_codes(column: pd.Series) -> np.ndarray:
     """Per-token values that are equal exactly where the keys are (for finding spans).
 

@@ -105,6 +105,11 @@ class TokenView:
         the length of a call (fresh ~40 MB arrays cost more in page faults than the work in them)."""
         return self.memo(("scratch", index), lambda: np.empty(self.num_tokens))
 
+    def release(self) -> None:
+        """Drop what the view holds (its memo keeps pair tokens that point back at it: a cycle)."""
+        self._memo.clear()
+        self._columns.clear()
+
     def memo(self, key: Any, compute: Callable[[], T]) -> T:
         if key not in self._memo:
             self._memo[key] = compute()

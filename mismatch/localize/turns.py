@@ -16,18 +16,18 @@ import pandas as pd
 
 from mismatch.analysis.chunked import (
     OVERALL,
+    Chunk,
     Chunks,
     GroupedPairMetrics,
     Moments,
+    run_passes,
     table_chunks,
 )
+from mismatch.analysis.groups import dot
 from mismatch.analysis.metrics import (
-    PairTokens,
-    pair_tokens,
     token_group_metrics,
     token_group_sums,
 )
-from mismatch.analysis.tokenview import TokenView
 from mismatch.errors import MismatchError
 from mismatch.results import json_safe
 
@@ -101,35 +101,64 @@ def localize_turns(table: pd.DataFrame | Chunks, a: str = "train", b: str = "sam
     (`ci95_cluster_per_1k`), which is wider when whole sequences sit high or low.
     """
     chunks = table if callable(table) else table_chunks(table)
-    col_a, col_b = f"logp_{a}", f"logp_{b}"
-    groups = GroupedPairMetrics([(a, b)], ("turn", "role", "branch_kind"), trainable_only=trainable_only,
-                                quantiles=False)
-    tokens = _TurnTokens(col_a, col_b, trainable_only)
-    for chunk in chunks():
-        missing = [c for c in (col_a, col_b, "turn", "pos", "role", "branch_kind") if c not in chunk.columns]
-        if missing:
-            raise MismatchError(f"pair {a}/{b}: token table has no column {missing[0]!r} "
-                                f"(columns: {', '.join(map(str, chunk.columns))})")
-        groups.add(chunk)
-        tokens.add(chunk)
-    found = {by: frames[f"{a}/{b}"] for by, frames in groups.finish(chunks).items()}
-    slope = tokens.position_slope(chunks)
-    n_tokens = int(found[OVERALL]["n_tokens"].iloc[0])
-    by_turn = _by_turn(found["turn"], tokens, rule) if n_tokens else []
-    onset = next((row["turn"] for row in by_turn if row["departs"]), None)
-    return json_safe({
-        "pair": f"{a}/{b}",
-        "trainable_only": trainable_only,
-        "n_tokens": n_tokens,
-        "onset_turn": onset,
-        "onset_rule": rule.describe(),
-        "onset_params": asdict(rule),
-        "by_turn": by_turn,
-        "position_slope": slope,
-        "by_prob_bucket": _by_prob_bucket(tokens.bucket_metrics()),
-        "by_role": _breakdown(found["role"], "role") if n_tokens else [],
-        "by_branch_kind": _breakdown(found["branch_kind"], "branch_kind") if n_tokens else [],
-    })
+    found = TurnLocalizer(a, b, trainable_only=trainable_only, rule=rule)
+    run_passes(chunks, [found])
+    return found.result()
+
+
+class TurnLocalizer:
+    """localize_turns as an Analysis: pass 0 sums the breakdowns, the probability buckets and the
+    position fit's moments; pass 1 the fit's residuals (and, where an ESS needs them, far sums)."""
+
+    def __init__(self, a: str = "train", b: str = "sampler", *, trainable_only: bool = True,
+                 rule: OnsetRule = OnsetRule()) -> None:
+        self.a, self.b, self.trainable_only, self.rule = a, b, trainable_only, rule
+        self.columns = (f"logp_{a}", f"logp_{b}")
+        self.groups = GroupedPairMetrics([(a, b)], ("turn", "role", "branch_kind"), trainable_only=trainable_only,
+                                         quantiles=False)
+        self.tokens = _TurnTokens(*self.columns, trainable_only)
+        self.fit: _SlopeFit | None = None
+        self.groups_pass = False  # whether the breakdowns read the current pass
+
+    def wants(self, index: int) -> bool:
+        self.groups_pass = self.groups.wants(index)
+        if index == 1:
+            self.fit = _SlopeFit.of(self.tokens.moments, self.tokens.x_range)
+        return self.groups_pass or (index == 1 and self.fit is not None)
+
+    def add(self, chunk: Chunk, index: int) -> None:
+        if index == 0:
+            needed = (*self.columns, "turn", "pos", "role", "branch_kind")
+            missing = [c for c in needed if c not in chunk.table.columns]
+            if missing:
+                raise MismatchError(f"pair {self.a}/{self.b}: token table has no column {missing[0]!r} "
+                                    f"(columns: {', '.join(map(str, chunk.table.columns))})")
+            self.tokens.add(chunk)
+        elif self.fit is not None:
+            self.tokens.add_residuals(chunk, self.fit)
+        if self.groups_pass:
+            self.groups.add(chunk, index)
+
+    def result(self) -> dict[str, Any]:
+        found = {by: frames[f"{self.a}/{self.b}"] for by, frames in self.groups.result().items()}
+        slope = (self.fit.result() if self.fit is not None
+                 else _slope_from_moments(self.tokens.moments.n, 0.0, 0.0, 0.0, 0.0, 0.0, None))
+        n_tokens = int(found[OVERALL]["n_tokens"].iloc[0])
+        by_turn = _by_turn(found["turn"], self.tokens, self.rule) if n_tokens else []
+        onset = next((row["turn"] for row in by_turn if row["departs"]), None)
+        return json_safe({
+            "pair": f"{self.a}/{self.b}",
+            "trainable_only": self.trainable_only,
+            "n_tokens": n_tokens,
+            "onset_turn": onset,
+            "onset_rule": self.rule.describe(),
+            "onset_params": asdict(self.rule),
+            "by_turn": by_turn,
+            "position_slope": slope,
+            "by_prob_bucket": _by_prob_bucket(self.tokens.bucket_metrics()),
+            "by_role": _breakdown(found["role"], "role") if n_tokens else [],
+            "by_branch_kind": _breakdown(found["branch_kind"], "branch_kind") if n_tokens else [],
+        })
 
 
 class _TurnTokens:
@@ -143,11 +172,8 @@ class _TurnTokens:
         self.moments = Moments()  # of (pos / 1000, |log_ratio|)
         self.x_range = (math.inf, -math.inf)
 
-    def _pair(self, chunk: pd.DataFrame) -> PairTokens:
-        return pair_tokens(TokenView(chunk, trainable_only=self.trainable_only), self.col_a, self.col_b)
-
-    def add(self, chunk: pd.DataFrame) -> None:
-        pair = self._pair(chunk)
+    def add(self, chunk: Chunk) -> None:
+        pair = chunk.pair(self.col_a, self.col_b, self.trainable_only)
         tokens = pair.view
         if not tokens.num_tokens:
             return
@@ -167,6 +193,16 @@ class _TurnTokens:
         self.moments.add(np.stack([x, np.abs(pair.log_ratio)]))
         self.x_range = (min(self.x_range[0], float(x.min())), max(self.x_range[1], float(x.max())))
 
+    def add_residuals(self, chunk: Chunk, fit: _SlopeFit) -> None:
+        """The fit's residuals (their sum of squares, and each sequence's score, clustered by sequence)."""
+        pair = chunk.pair(self.col_a, self.col_b, self.trainable_only)
+        tokens = pair.view
+        if tokens.num_tokens:
+            spans = tokens.spans  # spans never cross sequences: per-sequence sums through them
+            fit.add_residuals(tokens.column("pos").astype(np.float64) / POSITION_UNIT, np.abs(pair.log_ratio),
+                              lambda values: np.bincount(tokens.span_seq, weights=spans.sum(values),
+                                                         minlength=tokens.num_seqs))
+
     def bucket_metrics(self) -> pd.DataFrame:
         """BREAKDOWN_METRICS per probability bucket (empty buckets: zero counts, NaN metrics)."""
         return token_group_metrics(self.bucket_sums, len(PROB_LABELS))
@@ -175,22 +211,6 @@ class _TurnTokens:
         """The turn's expected mean |log_ratio| given the probability buckets of its tokens."""
         counts = self.turn_bucket[turn]
         return float((counts * bucket_mean).sum() / counts.sum())
-
-    def position_slope(self, chunks: Chunks) -> dict[str, Any]:
-        """`position_slope`, clustered by sequence: the fit from the moments, then one more pass
-        for the residuals (their sum of squares, and each sequence's score)."""
-        fit = _SlopeFit.of(self.moments, self.x_range)
-        if fit is None:
-            return _slope_from_moments(self.moments.n, 0.0, 0.0, 0.0, 0.0, 0.0, None)
-        for chunk in chunks():
-            pair = self._pair(chunk)
-            tokens = pair.view
-            if tokens.num_tokens:
-                spans = tokens.spans  # spans never cross sequences: per-sequence sums through them
-                fit.add_residuals(tokens.column("pos").astype(np.float64) / POSITION_UNIT, np.abs(pair.log_ratio),
-                                  lambda values, t=tokens, s=spans: np.bincount(t.span_seq, weights=s.sum(values),
-                                                                               minlength=t.num_seqs))
-        return fit.result()
 
 
 class _SlopeFit:
@@ -212,10 +232,10 @@ class _SlopeFit:
     def add_residuals(self, x: np.ndarray, y: np.ndarray,
                       per_cluster: Callable[[np.ndarray], np.ndarray] | None) -> None:
         resid = y - float(self.y_mean - self.slope * self.x_mean) - self.slope * x
-        self.sse += float(np.dot(resid, resid))
+        self.sse += dot(resid, resid)
         if per_cluster is not None:
             scores = per_cluster((x - self.x_mean) * resid)
-            self.score_sq += float(np.dot(scores, scores))
+            self.score_sq += dot(scores, scores)
             self.num_clusters += len(scores)
 
     def result(self) -> dict[str, Any]:

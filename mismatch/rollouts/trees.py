@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
-from mismatch.analysis.chunked import Chunks, table_chunks
-from mismatch.analysis.groups import find_spans, key_codes
+from mismatch.analysis.chunked import Chunk, Chunks, run_passes, table_chunks
+from mismatch.analysis.groups import dot, find_spans, key_codes
 from mismatch.errors import MismatchError
 from mismatch.rollouts import Rollout
 
@@ -172,14 +172,14 @@ class _WeightedSums:
             return
         self.n += len(w)
         self.total += float(w.sum())
-        self.sums += np.array([w @ terms_of[name] for name in _TERMS])
+        self.sums += np.array([dot(w, terms_of[name]) for name in _TERMS])
         top = float(terms_of["log_ratio"].max())
         with np.errstate(over="ignore", invalid="ignore"):
             shifted = np.exp(terms_of["log_ratio"] - top)
             new_top = max(self.top, top)
             old, new = np.exp(self.top - new_top), np.exp(top - new_top)
-            self.shifted = self.shifted * old + float(w @ shifted) * new
-            self.shifted_sq = self.shifted_sq * old * old + float(w @ np.square(shifted)) * new * new
+            self.shifted = self.shifted * old + dot(w, shifted) * new
+            self.shifted_sq = self.shifted_sq * old * old + dot(w, np.square(shifted)) * new * new
         self.top = new_top
 
     def metrics(self) -> dict[str, float]:
@@ -255,17 +255,24 @@ class _KindSums:
                 for (a, b), sums in self.pairs.items()}
 
 
-class _TreeSums:
-    """Everything summary.json `trees` says, added a chunk of whole rollouts at a time."""
+class TreeSums:
+    """Everything summary.json `trees` says, added a chunk of whole rollouts at a time (an Analysis
+    of one pass)."""
 
-    def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
+    def __init__(self, pairs: Sequence[tuple[str, str]], max_paths: int | None = DEFAULT_MAX_PATHS) -> None:
         self.pairs = list(pairs)
         self.all = _KindSums(pairs)
         self.kinds: dict[Any, _KindSums] = {}
         self.kind_names: list[pd.Series] = []
         self.num_paths = self.num_paths_dropped = self.num_rollouts_capped = 0
+        self.max_paths = max_paths
 
-    def add(self, table: pd.DataFrame) -> None:
+    def wants(self, index: int) -> bool:
+        return index == 0
+
+    def add(self, chunk: Chunk, index: int) -> None:
+        table = chunk.table
+        _check_columns(table, self.pairs)
         trainable = table["trainable"].to_numpy(dtype=bool)
         names = [f"weight_{name}" for name in WEIGHTS] + list({f"logp_{r}": 0 for pair in self.pairs for r in pair})
         columns = {name: table[name].to_numpy(np.float64)[trainable] for name in names}
@@ -287,7 +294,7 @@ class _TreeSums:
             self.kinds.setdefault(kind, _KindSums(self.pairs)).add(columns, rows,
                                                                    len(np.unique(branch_of_row[rows])))
 
-    def summary(self, max_paths: int | None) -> dict[str, Any]:
+    def result(self) -> dict[str, Any]:
         total_tokens, totals = self.all.n_tokens, self.all.weight_totals
         # Kinds in the order pd.factorize(sort=True) gives them (category order for categoricals).
         ordered = pd.factorize(pd.concat(self.kind_names, ignore_index=True), sort=True)[1] if self.kind_names else []
@@ -305,7 +312,7 @@ class _TreeSums:
                 "pairs": found.pair_metrics(),
             })
         return {
-            "max_paths": max_paths,  # None if the table lost its attrs
+            "max_paths": self.max_paths,  # None if the table lost its attrs
             "gyre_normalization": GYRE_NORMALIZATION,
             "num_paths": self.num_paths,
             "num_paths_dropped": self.num_paths_dropped,
@@ -325,8 +332,6 @@ def tree_summary(table: pd.DataFrame | Chunks, pairs: Sequence[tuple[str, str]])
     back, the replay's (DEFAULT_MAX_PATHS).
     """
     chunks = table if callable(table) else table_chunks(table)
-    found = _TreeSums(pairs)
-    for chunk in chunks():
-        _check_columns(chunk, pairs)
-        found.add(chunk)
-    return found.summary(DEFAULT_MAX_PATHS if callable(table) else table.attrs.get("gyre_max_paths"))
+    found = TreeSums(pairs, DEFAULT_MAX_PATHS if callable(table) else table.attrs.get("gyre_max_paths"))
+    run_passes(chunks, [found])
+    return found.result()

@@ -1,0 +1,192 @@
+"""What the page needs from tokens.parquet, read in chunks of whole rollouts: memory of a chunk,
+however many tokens were audited.
+
+Three passes over the chunks: (1) per pair the count and extremes of the log-ratio, the stream's
+longest position, each rollout's ranking score, the focus pair's worst tokens; (2) the tail of
+|log-ratio| behind the histograms' common x-range; (3) the histogram counts, the per-position
+(and, for results without summary turns, per-turn) sums, and the rows of the worst rollouts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from mismatch.analysis import terms
+from reports import aggregate
+from reports.worst import (
+    WorstOptions,
+    color_scale,
+    logp_roles,
+    rollout_detail,
+    token_texts,
+)
+
+Chunks = Callable[[], Iterator[pd.DataFrame]]
+WORST_TOKENS = 20  # the focus pair's worst tokens listed under the worst rollouts
+
+
+@dataclass(slots=True)
+class _Pair:
+    """One pair's trainable tokens with both log-probs, summed over the chunks."""
+
+    pair: str
+    n: int = 0
+    finite: int = 0                     # tokens with a finite log-ratio
+    max_abs: float = -math.inf          # largest finite |log-ratio|
+    histogram: dict[str, Any] | None = None  # pass 3
+    by_position: aggregate.GroupSums = field(default_factory=aggregate.GroupSums)
+    by_turn: aggregate.GroupSums = field(default_factory=aggregate.GroupSums)
+
+
+def _log_ratio(chunk: pd.DataFrame, pair: str) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, log-ratio) of the chunk's trainable rows where both log-probs of `pair` are defined."""
+    a, b = (f"logp_{role}" for role in aggregate.pair_roles(pair))
+    log_ratio = chunk[a].to_numpy(np.float64) - chunk[b].to_numpy(np.float64)
+    rows = np.flatnonzero(chunk["trainable"].to_numpy(dtype=bool) & ~np.isnan(log_ratio))
+    return rows, log_ratio[rows]
+
+
+@dataclass(kw_only=True, slots=True)
+class Digest:
+    """The page's token-derived data."""
+
+    scored: list[str]                        # pairs whose log-prob columns the table has
+    histograms: dict[str, dict[str, Any]]    # pair -> aggregate.histogram block
+    by_position: dict[str, Any] | None
+    by_turn: dict[str, Any] | None
+    worst: dict[str, Any] | None
+    worst_tokens: list[dict[str, Any]]
+
+
+def digest(chunks: Chunks, columns: list[str], *, pairs: list[str], focus: str, tokenizer_path: Path | None,
+           options: WorstOptions, with_turns: bool, with_worst_tokens: bool) -> Digest:
+    """The Digest of the token table's chunks (`columns`: the table's column names)."""
+    scored = [p for p in pairs if all(f"logp_{role}" in columns for role in aggregate.pair_roles(p))]
+    found = {pair: _Pair(pair) for pair in scored}
+    ranks: list[pd.DataFrame] = []
+    worst_tokens: list[dict[str, Any]] = []
+    max_pos = -1
+    for chunk in chunks():  # pass 1
+        for pair, state in found.items():
+            rows, log_ratio = _log_ratio(chunk, pair)
+            if not len(rows):
+                continue
+            finite = np.abs(log_ratio[np.isfinite(log_ratio)])
+            state.n, state.finite = state.n + len(rows), state.finite + len(finite)
+            state.max_abs = max(state.max_abs, float(finite.max()) if len(finite) else -math.inf)
+            max_pos = max(max_pos, int(chunk["pos"].to_numpy()[rows].max()))
+            if pair == focus:
+                ranks.append(_rank(chunk, rows, log_ratio))
+                if with_worst_tokens:
+                    worst_tokens = _worst_tokens(worst_tokens + _chunk_worst(chunk, rows, log_ratio, pair))
+    populated = [state for state in found.values() if state.n]
+    limit = _histogram_limit(chunks, populated)
+    width = max(1, int(aggregate.nice_ceil((max_pos + 1) / aggregate.MAX_POSITION_BINS)))
+    ranked = _ranked(ranks)
+    top = ranked.head(options.num_rollouts) if ranked is not None else None
+    top_names = set(top["rollout"]) if top is not None else set()
+    rows_of: dict[str, pd.DataFrame] = {}
+    for chunk in chunks():  # pass 3
+        for state in populated:
+            rows, log_ratio = _log_ratio(chunk, state.pair)
+            if len(rows):
+                state.histogram = aggregate.merge_histograms(state.histogram, aggregate.histogram(log_ratio, limit))
+            pos = chunk["pos"].to_numpy().astype(np.int64)[rows]
+            state.by_position.add((pos // width) * width, log_ratio)
+            if with_turns:
+                state.by_turn.add(chunk["turn"].to_numpy().astype(np.int64)[rows], log_ratio)
+        if top_names:
+            names = chunk["rollout"].astype(str)
+            for name in top_names.intersection(names.unique()):
+                rows_of[name] = chunk[(names == name).to_numpy()].reset_index(drop=True)
+    return Digest(scored=scored, histograms={s.pair: s.histogram for s in populated if s.histogram},
+                  by_position=aggregate.by_position_block({s.pair: s.by_position for s in populated}, width),
+                  by_turn=aggregate.by_turn_block({s.pair: s.by_turn for s in populated}) if with_turns else None,
+                  worst=_worst(top, ranked, rows_of, columns, pairs=scored, focus=focus,
+                               tokenizer_path=tokenizer_path, options=options),
+                  worst_tokens=_with_texts(worst_tokens, tokenizer_path, focus))
+
+
+def _histogram_limit(chunks: Chunks, populated: list[_Pair]) -> float:
+    """aggregate.histogram_limit's rule, with p99.9 of |log-ratio| per pair from its top 0.1%
+    (gathered in one more pass: at most ceil(0.001 n) + 1 values per pair)."""
+    from mismatch.analysis.chunked import Tails
+
+    finite = [state for state in populated if state.finite]
+    if not finite:
+        return 1e-3
+    tails = {s.pair: Tails(np.array([s.finite]), [0.999]) for s in finite}
+    for chunk in chunks():  # pass 2
+        for state in finite:
+            _, log_ratio = _log_ratio(chunk, state.pair)
+            values = np.abs(log_ratio[np.isfinite(log_ratio)])
+            tails[state.pair].add(values, np.zeros(len(values), dtype=np.int64))
+    p999 = max(float(tails[s.pair].quantiles()[0, 0]) for s in finite)
+    return aggregate.limit_rule(max(s.max_abs for s in finite), p999)
+
+
+def _rank(chunk: pd.DataFrame, rows: np.ndarray, log_ratio: np.ndarray) -> pd.DataFrame:
+    """Per rollout of the chunk (a rollout lies in one chunk): max |log-ratio|, mean k3, scored tokens."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        frame = pd.DataFrame({"rollout": chunk["rollout"].astype(str).to_numpy()[rows], "abs": np.abs(log_ratio),
+                              "k3": terms.k3(log_ratio)})
+    return frame.groupby("rollout", sort=False).agg(
+        max_abs_log_ratio=("abs", "max"), kl_k3_mean=("k3", "mean"), n_scored=("abs", "size")).reset_index()
+
+
+def _ranked(ranks: list[pd.DataFrame]) -> pd.DataFrame | None:
+    """Every rollout, worst first (the token that hurts PPO most, then mean k3, then the id)."""
+    if not ranks:
+        return None
+    ranked = pd.concat(ranks, ignore_index=True)
+    return ranked.sort_values(["max_abs_log_ratio", "kl_k3_mean", "rollout"], ascending=[False, False, True],
+                              kind="stable", na_position="last").reset_index(drop=True)
+
+
+def _worst(top: pd.DataFrame | None, ranked: pd.DataFrame | None, rows_of: dict[str, pd.DataFrame],
+           columns: list[str], *, pairs: list[str], focus: str, tokenizer_path: Path | None,
+           options: WorstOptions) -> dict[str, Any] | None:
+    """The page's `worst` block: the top rollouts token by token (worst.rollout_detail)."""
+    if top is None or ranked is None or top.empty:
+        return None
+    roles = logp_roles(pd.DataFrame(columns=columns))
+    details = [rollout_detail(rows_of[record["rollout"]], pairs=pairs, roles=roles, ranked=record, focus=focus,
+                              options=options) for record in top.to_dict("records")]
+    ids = {i for d in details for i in d["token_id"]}
+    return {"focus": focus, "pairs": pairs, "roles": roles, "rank_by": "max |log-ratio| on trainable tokens",
+            "num_ranked": len(ranked), "rollouts": details,
+            "scale": {pair: color_scale(details, pair) for pair in pairs},
+            "text": token_texts(ids, tokenizer_path)}
+
+
+def _chunk_worst(chunk: pd.DataFrame, rows: np.ndarray, log_ratio: np.ndarray, pair: str) -> list[dict[str, Any]]:
+    """The chunk's WORST_TOKENS trainable tokens by |log-ratio| (ties: the earlier row)."""
+    a, b = (f"logp_{role}" for role in aggregate.pair_roles(pair))
+    gap = np.abs(log_ratio)
+    picked = rows[np.argsort(-gap, kind="stable")[:WORST_TOKENS]]
+    logp_a, logp_b = chunk[a].to_numpy(np.float64), chunk[b].to_numpy(np.float64)
+    return [{"rollout": str(chunk["rollout"].iat[row]), "branch": str(chunk["branch"].iat[row]),
+             "turn": int(chunk["turn"].iat[row]), "pos": int(chunk["pos"].iat[row]),
+             "token_id": int(chunk["token_id"].iat[row]), a: float(logp_a[row]), b: float(logp_b[row]),
+             "|log-ratio|": float(abs(logp_a[row] - logp_b[row]))} for row in picked.tolist()]
+
+
+def _worst_tokens(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The WORST_TOKENS largest, earlier chunks first among equals (a stable sort)."""
+    return sorted(candidates, key=lambda token: -token["|log-ratio|"])[:WORST_TOKENS]
+
+
+def _with_texts(tokens: list[dict[str, Any]], tokenizer_path: Path | None, pair: str) -> list[dict[str, Any]]:
+    """Each worst token with its text in place of its id (the id when there is no tokenizer)."""
+    texts = token_texts({token["token_id"] for token in tokens}, tokenizer_path) or {}
+    a, b = (f"logp_{role}" for role in aggregate.pair_roles(pair))
+    return [{"rollout": t["rollout"], "branch": t["branch"], "turn": t["turn"], "pos": t["pos"],
+             "token": texts.get(str(t["token_id"]), f"#{t['token_id']}"), a: t[a], b: t[b],
+             "|log-ratio|": t["|log-ratio|"]} for t in tokens]
