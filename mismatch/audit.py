@@ -136,9 +136,12 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
     with staged_tokens(out_dir, force=force) as store:
         found = store_blocks(replayed, store, checkpoint, ("sampler", *sources))
         engines = replayed.engines
-        alignment = check_alignment(store.chunks, sampler_meta=engines["sampler"]["meta"])
-        if ("logp_train_processed" not in store.columns and alignment["logprob_semantics"] == "processed"
-                and parse_spec(train).kind in TORCH_KINDS):
+        # Read on its own only when it decides on a like-for-like pass (a torch trainer); else in
+        # the analysis's own passes.
+        alignment = (check_alignment(store.chunks, sampler_meta=engines["sampler"]["meta"])
+                     if parse_spec(train).kind in TORCH_KINDS else None)
+        if (alignment is not None and "logp_train_processed" not in store.columns
+                and alignment["logprob_semantics"] == "processed"):
             # Processed log-probs the rollouts do not declare are found only in the data: then, and
             # only then, the like-for-like pass runs after the analysis began (a declared one is
             # planned with the trainer's replay, resumable with it).

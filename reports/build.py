@@ -151,8 +151,11 @@ def page_body(summary: dict[str, Any], tokens: tuple[Chunks, list[str]], *, toke
     colors = figures.pair_colors(pairs)
     focus = focus_pair(summary)
     chunks, columns = tokens
+    expected = {pair: metrics.get("n_tokens") for pair, metrics in summary["pairs"].items()
+                if isinstance(metrics, dict) and isinstance(metrics.get("n_tokens"), int)}
     found = digest(chunks, columns, pairs=pairs, focus=focus, tokenizer_path=tokenizer_path, options=worst_options,
-                   with_turns=not summary.get("turns"), with_worst_tokens=summary.get("command") != "diff")
+                   with_turns=not summary.get("turns"), with_worst_tokens=summary.get("command") != "diff",
+                   expected=expected)
     figs = chart_figures(summary, found, pairs, colors)
     worst = found.worst if focus in found.scored else None
     texts = worst["text"] if worst else None

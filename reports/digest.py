@@ -40,6 +40,7 @@ class _Pair:
     n: int = 0
     finite: int = 0                     # tokens with a finite log-ratio
     max_abs: float = -math.inf          # largest finite |log-ratio|
+    tails: Any = None                   # the top 0.1% of finite |log-ratio| (chunked.Tails)
     histogram: dict[str, Any] | None = None  # pass 3
     by_position: aggregate.GroupSums = field(default_factory=aggregate.GroupSums)
     by_turn: aggregate.GroupSums = field(default_factory=aggregate.GroupSums)
@@ -66,10 +67,18 @@ class Digest:
 
 
 def digest(chunks: Chunks, columns: list[str], *, pairs: list[str], focus: str, tokenizer_path: Path | None,
-           options: WorstOptions, with_turns: bool, with_worst_tokens: bool) -> Digest:
-    """The Digest of the token table's chunks (`columns`: the table's column names)."""
+           options: WorstOptions, with_turns: bool, with_worst_tokens: bool,
+           expected: dict[str, int] | None = None) -> Digest:
+    """The Digest of the token table's chunks (`columns`: the table's column names). `expected`:
+    each pair's token count as summary.json has it, at least its finite |log-ratio| count, so the
+    tail behind the histograms' range is gathered in the first pass (else in a pass of its own)."""
+    from mismatch.analysis.chunked import Tails
+
     scored = [p for p in pairs if all(f"logp_{role}" in columns for role in aggregate.pair_roles(p))]
     found = {pair: _Pair(pair) for pair in scored}
+    for pair, state in found.items():
+        if expected and expected.get(pair):
+            state.tails = Tails(np.array([int(expected[pair])]), [0.999])
     ranks: list[pd.DataFrame] = []
     worst_tokens: list[dict[str, Any]] = []
     max_pos = -1
@@ -80,6 +89,8 @@ def digest(chunks: Chunks, columns: list[str], *, pairs: list[str], focus: str, 
                 continue
             finite = np.abs(log_ratio[np.isfinite(log_ratio)])
             state.n, state.finite = state.n + len(rows), state.finite + len(finite)
+            if state.tails is not None:
+                state.tails.add(finite, np.zeros(len(finite), dtype=np.int64))
             state.max_abs = max(state.max_abs, float(finite.max()) if len(finite) else -math.inf)
             max_pos = max(max_pos, int(chunk["pos"].to_numpy()[rows].max()))
             if pair == focus:
@@ -103,9 +114,10 @@ def digest(chunks: Chunks, columns: list[str], *, pairs: list[str], focus: str, 
             if with_turns:
                 state.by_turn.add(chunk["turn"].to_numpy().astype(np.int64)[rows], log_ratio)
         if top_names:
-            names = chunk["rollout"].astype(str)
-            for name in top_names.intersection(names.unique()):
-                rows_of[name] = chunk[(names == name).to_numpy()].reset_index(drop=True)
+            codes, names = _rollout_codes(chunk)
+            for code in np.flatnonzero(np.isin(names, list(top_names))).tolist():
+                if (codes == code).any():
+                    rows_of[names[code]] = chunk[codes == code].reset_index(drop=True)
     return Digest(scored=scored, histograms={s.pair: s.histogram for s in populated if s.histogram},
                   by_position=aggregate.by_position_block({s.pair: s.by_position for s in populated}, width),
                   by_turn=aggregate.by_turn_block({s.pair: s.by_turn for s in populated}) if with_turns else None,
@@ -116,29 +128,44 @@ def digest(chunks: Chunks, columns: list[str], *, pairs: list[str], focus: str, 
 
 def _histogram_limit(chunks: Chunks, populated: list[_Pair]) -> float:
     """aggregate.histogram_limit's rule, with p99.9 of |log-ratio| per pair from its top 0.1%
-    (gathered in one more pass: at most ceil(0.001 n) + 1 values per pair)."""
+    (at most ceil(0.001 n) + 1 values per pair: gathered in the first pass, or in a pass here)."""
     from mismatch.analysis.chunked import Tails
 
     finite = [state for state in populated if state.finite]
     if not finite:
         return 1e-3
-    tails = {s.pair: Tails(np.array([s.finite]), [0.999]) for s in finite}
-    for chunk in chunks():  # pass 2
-        for state in finite:
+    missing = [s for s in finite if s.tails is None or int(s.tails.counts[0]) < s.finite]
+    for state in missing:
+        state.tails = Tails(np.array([state.finite]), [0.999])
+    for chunk in chunks() if missing else ():  # pass 2, for results without the counts
+        for state in missing:
             _, log_ratio = _log_ratio(chunk, state.pair)
             values = np.abs(log_ratio[np.isfinite(log_ratio)])
-            tails[state.pair].add(values, np.zeros(len(values), dtype=np.int64))
-    p999 = max(float(tails[s.pair].quantiles()[0, 0]) for s in finite)
+            state.tails.add(values, np.zeros(len(values), dtype=np.int64))
+    for state in finite:  # the ranks of the count gathered (kept: enough for any count up to the expected)
+        state.tails.counts = np.array([state.finite])
+    p999 = max(float(s.tails.quantiles()[0, 0]) for s in finite)
     return aggregate.limit_rule(max(s.max_abs for s in finite), p999)
+
+
+def _rollout_codes(chunk: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(code per row, rollout id per code): the categorical's own codes, no string per row."""
+    rollout = chunk["rollout"]
+    if isinstance(rollout.dtype, pd.CategoricalDtype):
+        return rollout.cat.codes.to_numpy(), np.asarray(rollout.cat.categories.astype(str), dtype=object)
+    codes, names = pd.factorize(rollout)
+    return codes, np.asarray(pd.Index(names).astype(str), dtype=object)
 
 
 def _rank(chunk: pd.DataFrame, rows: np.ndarray, log_ratio: np.ndarray) -> pd.DataFrame:
     """Per rollout of the chunk (a rollout lies in one chunk): max |log-ratio|, mean k3, scored tokens."""
+    codes, names = _rollout_codes(chunk)
     with np.errstate(over="ignore", invalid="ignore"):
-        frame = pd.DataFrame({"rollout": chunk["rollout"].astype(str).to_numpy()[rows], "abs": np.abs(log_ratio),
-                              "k3": terms.k3(log_ratio)})
-    return frame.groupby("rollout", sort=False).agg(
+        frame = pd.DataFrame({"code": codes[rows], "abs": np.abs(log_ratio), "k3": terms.k3(log_ratio)})
+    ranked = frame.groupby("code", sort=False).agg(
         max_abs_log_ratio=("abs", "max"), kl_k3_mean=("k3", "mean"), n_scored=("abs", "size")).reset_index()
+    ranked.insert(0, "rollout", names[ranked.pop("code").to_numpy()])
+    return ranked
 
 
 def _ranked(ranks: list[pd.DataFrame]) -> pd.DataFrame | None:

@@ -194,11 +194,8 @@ def _shift_sums(stored: np.ndarray, replayed: np.ndarray, segment: np.ndarray,
     return pd.Index(uniques), sums
 
 
-def _shift_fits(stored: np.ndarray, replayed: np.ndarray, segment: np.ndarray,
-                group: np.ndarray) -> pd.DataFrame:
-    """Mean |stored[i] - replayed[i + k]| per group (rows, in order of first appearance) and shift
-    k (columns)."""
-    index, sums = _shift_sums(stored, replayed, segment, group)
+def _fits(index: pd.Index, sums: dict[int, tuple[np.ndarray, np.ndarray]]) -> pd.DataFrame:
+    """Mean |stored[i] - replayed[i + k]| per group (rows) and shift k (columns), from _shift_sums."""
     with np.errstate(invalid="ignore", divide="ignore"):
         return pd.DataFrame({k: np.where(count > 0, total / count, np.nan) for k, (total, count) in sums.items()},
                             index=index)
@@ -284,22 +281,23 @@ def _missing(cols: _Columns) -> tuple[int, float, str | None]:
     return int(missing.sum()), float(shares.max()), str(cols.rollout_names[shares.idxmax()])
 
 
-def _branch_shifts(cols: _Columns, branch_column: pd.Series,
+def _branch_shifts(cols: _Columns, fits: pd.DataFrame, branch_column: pd.Series,
                    findings: list[dict[str, Any]]) -> dict[str, int]:
     """The rollouts with a branch whose own best shift is not 0 (a finding for each such branch).
 
-    Per branch, not per rollout: an exporter bug may hit one branch kind and not another.
+    Per branch, not per rollout: an exporter bug may hit one branch kind and not another. The
+    shift test runs on every branch's fits at once; only a shifted branch is named.
     """
+    shifted = np.flatnonzero(_best_shifts(fits))
+    if not len(shifted):
+        return {}
     codes, first_row = np.unique(cols.branch, return_index=True)
-    branch_ids = branch_column.iloc[first_row].astype(str).tolist()
-    names = {code: (cols.rollout_names[cols.rollout[row]], branch_ids[i])
-             for i, (code, row) in enumerate(zip(codes, first_row))}
+    row_of = dict(zip(codes.tolist(), first_row.tolist()))
     by_rollout: dict[str, int] = {}
-    for code, row in _shift_fits(cols.stored, cols.replayed, cols.segment, cols.branch).iterrows():
+    for code, row in fits.iloc[shifted].iterrows():
         k = _best_shift({k: float(row[k]) for k in SHIFTS})
-        if not k:
-            continue
-        rollout_id, branch_id = names[code]
+        first = row_of[code]
+        rollout_id, branch_id = cols.rollout_names[cols.rollout[first]], str(branch_column.iloc[first])
         by_rollout.setdefault(rollout_id, k)
         findings.append(_finding(
             "shift", f"rollout {rollout_id!r} branch {branch_id!r}: stored log-probs fit the replay "
@@ -309,6 +307,18 @@ def _branch_shifts(cols: _Columns, branch_column: pd.Series,
             "logits row and the token it scores); do not trust this rollout's ratios until then",
             rollout=rollout_id))
     return by_rollout
+
+
+def _best_shifts(fits: pd.DataFrame) -> np.ndarray:
+    """Per row of fits: whether _best_shift would pick a shift other than 0."""
+    base = fits[0].to_numpy()
+    with np.errstate(invalid="ignore"):
+        candidate = np.isfinite(base) & (base >= SHIFT_MIN_GAP)
+        better = np.zeros(len(fits), dtype=bool)
+        for k in (-1, 1):
+            fit = fits[k].to_numpy()
+            better |= np.isfinite(fit) & (fit * SHIFT_FACTOR <= base)
+    return candidate & better
 
 
 def _placeholders(cols: _Columns) -> tuple[int, int, float | None]:
@@ -372,11 +382,10 @@ class AlignmentCheck:
         self.missing += missing
         if worst is not None and share > self.worst_missing[0]:
             self.worst_missing = (share, worst)
-        _, sums = _shift_sums(cols.stored, cols.replayed, cols.segment, np.zeros(len(cols.stored), np.int64))
-        for k, (total, count) in sums.items():
-            if len(total):
-                self.shift_sums[k] += [total[0], count[0]]
-        shifted = _branch_shifts(cols, table["branch"], self.shift_findings)
+        index, sums = _shift_sums(cols.stored, cols.replayed, cols.segment, cols.branch)
+        for k, (total, count) in sums.items():  # over all rows: the branches' sums together
+            self.shift_sums[k] += [total.sum(), count.sum()]
+        shifted = _branch_shifts(cols, _fits(index, sums), table["branch"], self.shift_findings)
         for rollout_id, k in shifted.items():
             self.by_rollout.setdefault(rollout_id, k)
         padded, constant, value = _placeholders(cols)

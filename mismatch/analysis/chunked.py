@@ -193,20 +193,32 @@ class Tails:
         if len(self.counts) == 1:
             self._add_group(0, values)
             return
-        order = np.argsort(token_group, kind="stable")
-        by_group = values[order]
-        bounds = np.concatenate([[0], np.cumsum(np.bincount(token_group, minlength=len(self.counts)))])
-        for group in np.flatnonzero(np.diff(bounds)).tolist():
+        present = np.bincount(token_group, minlength=len(self.counts))
+        if np.count_nonzero(present) == 1:  # a chunk of one group: no sort
+            self._add_group(int(np.flatnonzero(present)[0]), values)
+            return
+        # A stable sort of small integers is a radix sort in numpy.
+        codes = token_group.astype(np.int16 if len(self.counts) < 2**15 else np.int64, copy=False)
+        by_group = values[np.argsort(codes, kind="stable")]
+        bounds = np.concatenate([[0], np.cumsum(present)])
+        for group in np.flatnonzero(present).tolist():
             self._add_group(group, by_group[bounds[group]:bounds[group + 1]])
 
     def _add_group(self, group: int, values: np.ndarray) -> None:
         k_low, k_high = int(self.k_low[group]), int(self.k_high[group])
         if k_low:
-            low = np.concatenate([self.low[group], values])
-            self.low[group] = low if len(low) <= k_low else np.partition(low, k_low - 1)[:k_low]
+            low = self.low[group]
+            # Once k are kept, only a value below the largest of them can enter.
+            candidates = values[values < low.max()] if len(low) == k_low else values
+            if len(candidates):
+                low = np.concatenate([low, candidates])
+                self.low[group] = low if len(low) <= k_low else np.partition(low, k_low - 1)[:k_low]
         if k_high:
-            high = np.concatenate([self.high[group], values])
-            self.high[group] = high if len(high) <= k_high else np.partition(high, len(high) - k_high)[-k_high:]
+            high = self.high[group]
+            candidates = values[values > high.min()] if len(high) == k_high else values
+            if len(candidates):
+                high = np.concatenate([high, candidates])
+                self.high[group] = high if len(high) <= k_high else np.partition(high, len(high) - k_high)[-k_high:]
 
     def quantiles(self) -> np.ndarray:
         """[num_groups, len(qs)], numpy's linear method; NaN for an empty group."""
@@ -419,11 +431,11 @@ class Counts:
         return index == 0
 
     def add(self, chunk: Chunk, index: int) -> None:
-        table = chunk.table
-        self.counts["rollouts"] += int(table["rollout"].nunique())
-        self.counts["branches"] += int(table.groupby(["rollout", "branch"], observed=True).ngroups)
-        self.counts["tokens"] += len(table)
-        self.counts["trainable_tokens"] += int(table["trainable"].to_numpy(dtype=bool).sum())
+        every_row = chunk.view(trainable_only=False)  # its sequences are the (rollout, branch) pairs
+        self.counts["rollouts"] += every_row.num_rollouts
+        self.counts["branches"] += every_row.num_seqs
+        self.counts["tokens"] += len(chunk.table)
+        self.counts["trainable_tokens"] += chunk.view().num_tokens
 
 
 def breakdown_records(frames: dict[str, pd.DataFrame], by: str) -> list[dict[str, Any]]:

@@ -46,6 +46,14 @@ def pair_arrays(table: pd.DataFrame, a: str, b: str) -> PairArrays:
                       seq=np.cumsum(new_rollout | _starts(branch)) - 1, rollout=np.cumsum(new_rollout) - 1)
 
 
+def chunk_pair_arrays(chunk: Chunk, a: str, b: str) -> PairArrays:
+    """pair_arrays from the chunk's shared trainable view (its pair's tokens and keys, made once)."""
+    pair = chunk.pair(f"logp_{a}", f"logp_{b}")
+    view = pair.view
+    return PairArrays(logp_a=pair.logp_a, logp_b=pair.logp_b, seq=view.spans.spread(view.span_seq),
+                      rollout=view.spans.spread(view.span_rollout), log_ratio=pair.log_ratio)
+
+
 def _starts(codes: np.ndarray) -> np.ndarray:
     """Where a stretch of equal codes begins."""
     return np.r_[True, codes[1:] != codes[:-1]] if len(codes) else np.zeros(0, dtype=bool)
@@ -116,7 +124,7 @@ class FrameworkMetrics:
     def add(self, chunk: Chunk, index: int) -> None:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             for a, b in self.pairs:
-                arrays = chunk.memo(("pair_arrays", a, b), lambda a=a, b=b: pair_arrays(chunk.table, a, b))
+                arrays = chunk.memo(("pair_arrays", a, b), lambda a=a, b=b: chunk_pair_arrays(chunk, a, b))
                 if not len(arrays.logp_a):
                     continue
                 for metric in FRAMEWORK_METRICS:

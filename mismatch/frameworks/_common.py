@@ -22,12 +22,13 @@ class PairArrays:
     """A pair's trainable tokens with both log-probs defined, and their sequence and rollout
     (codes 0..k-1 in table order); the log-ratio and the group sizes are made once."""
 
-    def __init__(self, logp_a: np.ndarray, logp_b: np.ndarray, seq: np.ndarray, rollout: np.ndarray) -> None:
+    def __init__(self, logp_a: np.ndarray, logp_b: np.ndarray, seq: np.ndarray, rollout: np.ndarray,
+                 log_ratio: np.ndarray | None = None) -> None:
         self.logp_a = logp_a    # the trainer side (log pi_train in the frameworks' terms)
         self.logp_b = logp_b    # the rollout side (log pi_rollout)
         self.seq = seq          # each token's sequence (one branch of one rollout)
         self.rollout = rollout  # each token's rollout
-        self.log_ratio = logp_a - logp_b
+        self.log_ratio = logp_a - logp_b if log_ratio is None else log_ratio
         self._counts = {id(seq): np.bincount(seq), id(rollout): np.bincount(rollout)}
 
     # Terms several metrics share, made once per pair.

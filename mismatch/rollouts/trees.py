@@ -182,6 +182,18 @@ class _WeightedSums:
             self.shifted_sq = self.shifted_sq * old * old + dot(w, np.square(shifted)) * new * new
         self.top = new_top
 
+    def merge(self, other: _WeightedSums) -> None:
+        """Add another chunk's (or kind's) sums."""
+        if not other.n:
+            return
+        with np.errstate(over="ignore", invalid="ignore"):
+            new_top = max(self.top, other.top)
+            old, new = np.exp(self.top - new_top), np.exp(other.top - new_top)
+            self.shifted = self.shifted * old + other.shifted * new
+            self.shifted_sq = self.shifted_sq * old * old + other.shifted_sq * new * new
+        self.n, self.total, self.top = self.n + other.n, self.total + other.total, new_top
+        self.sums = self.sums + other.sums
+
     def metrics(self) -> dict[str, float]:
         if not self.n:
             return {name: 0 if name == "n_tokens" else (0.0 if name == "weight_sum" else float("nan"))
@@ -250,6 +262,15 @@ class _KindSums:
         for (a, b), sums in self.pairs.items():
             _add_weighted(sums, columns[f"logp_{a}"][rows], columns[f"logp_{b}"][rows], weights)
 
+    def merge(self, other: _KindSums) -> None:
+        self.n_branches += other.n_branches
+        self.n_tokens += other.n_tokens
+        for name in WEIGHTS:
+            self.weight_totals[name] += other.weight_totals[name]
+        for pair, sums in self.pairs.items():
+            for name, found in sums.items():
+                found.merge(other.pairs[pair][name])
+
     def pair_metrics(self) -> dict[str, dict[str, dict[str, float]]]:
         return {f"{a}/{b}": {name: found.metrics() for name, found in sums.items()}
                 for (a, b), sums in self.pairs.items()}
@@ -285,14 +306,16 @@ class TreeSums:
         self.num_paths_dropped += int(dropped.sum())
         self.num_rollouts_capped += len(np.unique(branch_rollout[dropped]))
         branch_of_row = np.repeat(np.arange(branches.num_spans), branches.lengths)[trainable]
-        self.all.add(columns, slice(None), 0)
         kinds = table["branch_kind"][trainable]
         kind_codes, kind_names = pd.factorize(kinds, sort=True)
         self.kind_names.append(pd.Series(kind_names))  # dtype kept: categoricals stay categorical
         for code, kind in enumerate(kind_names):
-            rows = np.flatnonzero(kind_codes == code)
-            self.kinds.setdefault(kind, _KindSums(self.pairs)).add(columns, rows,
-                                                                   len(np.unique(branch_of_row[rows])))
+            # Each kind's sums once; all trainable tokens are the kinds' sums together.
+            rows = np.flatnonzero(kind_codes == code) if len(kind_names) > 1 else slice(None)
+            part = _KindSums(self.pairs)
+            part.add(columns, rows, len(np.unique(branch_of_row[rows])))
+            self.kinds.setdefault(kind, _KindSums(self.pairs)).merge(part)
+            self.all.merge(part)
 
     def result(self) -> dict[str, Any]:
         total_tokens, totals = self.all.n_tokens, self.all.weight_totals
