@@ -45,14 +45,15 @@ def test_one_audit_loads_each_engine_once_and_runs_each_stage_once(tiny_checkpoi
     original_load = replay.load_engine
     monkeypatch.setattr(replay, "load_engine", lambda spec, checkpoint: (loads.append(spec.text),
                                                                        original_load(spec, checkpoint))[1])
-    for name in ("load_rollouts", "plan_replay"):
-        counted(replay, name)
-    for name in ("check_alignment", "analyze_audit", "publish", "replay_processed"):
+    counted(replay, "plan_replay")
+    for name in ("check_alignment", "analyze_audit", "write_summary_files", "replay_processed"):
         counted(audit_module, name)
     result = audit_module.audit(tiny_checkpoint, processed_rollouts, train="hf", infer="hf-decode:dtype=bfloat16",
                                 out=tmp_path / "o")
     assert loads == ["hf", "hf-decode:dtype=bfloat16"]  # the processed column came with the trainer's load
-    assert calls == ["load_rollouts", "plan_replay", "check_alignment", "analyze_audit", "publish"]  # no replay_processed: it was planned, not run after the fact
+    # The file is one block: planned once per engine (each streams the file) and once more when
+    # the results are stored; no replay_processed: it was planned, not run after the fact.
+    assert calls == ["plan_replay"] * 3 + ["check_alignment", "analyze_audit", "write_summary_files"]
     assert "logp_train_processed" in result.tokens.columns
     assert result.summary["engines"]["train"]["processed"] == {"temperature": 0.7, "top_k": -1, "top_p": 1.0}
     assert "train_processed/sampler" in result.summary["pairs"]
@@ -97,16 +98,16 @@ def test_the_model_localizers_are_a_stage_of_the_work_dir(tiny_checkpoint, tmp_p
     calls = []
     original = audit_module.run_model_localizers
     monkeypatch.setattr(audit_module, "run_model_localizers", lambda *a, **k: (calls.append(1), original(*a, **k))[1])
-    real_publish = audit_module.publish
+    real_publish = audit_module.write_summary_files
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt  # as a kill after the localizers, before publishing
-    monkeypatch.setattr(audit_module, "publish", killed)
+    monkeypatch.setattr(audit_module, "write_summary_files", killed)
     with pytest.raises(KeyboardInterrupt):
         audit_module.audit(tiny_checkpoint, example, train="hf", infer="hf:dtype=bfloat16", out=tmp_path / "o",
                            localize_models=True)
     assert calls == [1] and (tmp_path / ".o.work" / "stage-localize.json").is_file()
-    monkeypatch.setattr(audit_module, "publish", real_publish)
+    monkeypatch.setattr(audit_module, "write_summary_files", real_publish)
     result = audit_module.audit(tiny_checkpoint, example, train="hf", infer="hf:dtype=bfloat16", out=tmp_path / "o",
                                 localize_models=True)
     assert calls == [1]  # not run again

@@ -8,6 +8,7 @@ frameworks' dumps into format v1).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -21,6 +22,7 @@ import numpy as np
 from mismatch.errors import RolloutError
 
 ROLES = ("system", "user", "assistant", "tool", "summary")
+_ROLE_SET = frozenset(ROLES)
 MODEL_ROLES = frozenset({"assistant", "summary"})
 BRANCH_KINDS = ("main", "subagent", "summary", "subagent_summary")
 
@@ -455,6 +457,76 @@ def _check_segment(raw: object, where: str, vocab_size: int | None, problems: _P
                    extra_logprobs=extra, routed_experts=routed)
 
 
+def _fast_segments(raw_segments: list, vocab_size: int | None) -> list[Segment | None] | None:
+    """A branch's segments when every one of them is plainly valid, checked a branch at a time
+    (one type scan, one array and one range check over all its tokens, and the same per log-prob
+    name), or None: then _check_segment checks each segment and words what is wrong. Routed
+    experts always take the slow path."""
+    tokens, logprobs, extras, shapes = [], [], {}, []
+    for raw in raw_segments:
+        if not isinstance(raw, dict) or raw.get("routed_experts") is not None:
+            return None
+        role, values, stored = raw.get("role"), raw.get("tokens"), raw.get("logprobs")
+        trainable, extra = raw.get("trainable"), raw.get("extra_logprobs")
+        if (not isinstance(role, str) or role not in _ROLE_SET or not isinstance(values, list) or not values
+                or not (stored is None or isinstance(stored, list))
+                or not (trainable is None or type(trainable) is bool)
+                or not (extra is None or isinstance(extra, dict))):
+            return None
+        tokens.append(values)
+        logprobs.append(stored)
+        for name, found in (extra or {}).items():
+            if found is not None and not isinstance(found, list):
+                return None
+            extras.setdefault(name, {})[len(shapes)] = found
+        shapes.append((role, len(values), role in MODEL_ROLES if trainable is None else trainable))
+    lengths = [length for _, length, _ in shapes]
+    flat = list(itertools.chain.from_iterable(tokens))
+    if not set(map(type, flat)) <= _INT_TYPES:
+        return None
+    try:
+        token_ids = np.array(flat, dtype=np.int64)
+    except OverflowError:
+        return None
+    if token_ids.min() < 0 or (vocab_size is not None and token_ids.max() >= vocab_size):
+        return None
+    cuts = np.cumsum(lengths)[:-1]
+    stored_of = _fast_logprobs(logprobs, lengths, cuts)
+    extra_of = {name: _fast_logprobs([by_segment.get(i) for i in range(len(shapes))], lengths, cuts)
+                for name, by_segment in extras.items()}
+    if stored_of is None or any(values is None for values in extra_of.values()):
+        return None
+    return [Segment(role=role, tokens=ids, logprobs=stored_of[i], trainable=trainable,
+                    extra_logprobs={name: values[i] for name, values in extra_of.items() if values[i] is not None})
+            for i, ((role, _, trainable), ids) in enumerate(zip(shapes, np.split(token_ids, cuts)))]
+
+
+def _fast_logprobs(per_segment: list, lengths: list[int], cuts: np.ndarray) -> list[np.ndarray | None] | None:
+    """One log-prob name's arrays per segment (None where a segment has none), or None when any
+    segment's would need a word: a count that is not its tokens', a non-number, a value not <= 0."""
+    present = [values is not None for values in per_segment]
+    if not any(present):
+        return [None] * len(per_segment)
+    if any(values is not None and len(values) != length for values, length in zip(per_segment, lengths)):
+        return None
+    flat = list(itertools.chain.from_iterable(values for values in per_segment if values is not None))
+    if not set(map(type, flat)) <= _NUMBER_TYPES:
+        return None
+    try:
+        logp = np.array(flat, dtype=np.float64)
+    except OverflowError:
+        return None
+    if not ((logp <= 0.0) & (logp > -np.inf)).all():
+        return None
+    if all(present):
+        return list(np.split(logp, cuts))
+    out, start = [], 0
+    for has, length in zip(present, lengths):
+        out.append(logp[start:start + length] if has else None)
+        start += length if has else 0
+    return out
+
+
 def _check_branch(raw: object, where: str, vocab_size: int | None, problems: _Problems,
                   num_experts: int | None = None) -> Branch | None:
     if not isinstance(raw, dict):
@@ -495,8 +567,10 @@ def _check_branch(raw: object, where: str, vocab_size: int | None, problems: _Pr
     elif raw_segments is not None and not raw_segments:
         problems.add(f"{where}.segments", "empty segment list")
     elif raw_segments is not None:
-        segments = [_check_segment(s, f"{where}.segments[{i}]", vocab_size, problems, num_experts)
-                    for i, s in enumerate(raw_segments)]
+        segments = _fast_segments(raw_segments, vocab_size)
+        if segments is None:  # something to word: each segment checked on its own
+            segments = [_check_segment(s, f"{where}.segments[{i}]", vocab_size, problems, num_experts)
+                        for i, s in enumerate(raw_segments)]
 
     if len(problems.errors) > num_errors:
         return None
