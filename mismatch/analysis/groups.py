@@ -251,42 +251,9 @@ def _lerp(ordered: dict[int, float], lo: np.ndarray, hi: np.ndarray, virtual: np
     return np.where(a == b, a, out)
 
 
-TAIL = 0.05          # ranks this close to either end are selected from the tail alone
-_SAMPLE = 4096       # values in the strided sample that places the tail's threshold
-_MARGIN = 64         # sample positions of slack: ~10 standard errors of a 1% quantile's position
-
-
 def order_statistics(values: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-    """values' order statistics at `ranks` (0-based, sorted), exactly; `values` may be reordered.
-
-    The ratio quantiles the metrics report sit in the tails (p01, p99, p999). Rather than
-    partition all n values, a strided sample places a threshold just inside each tail, and only
-    the values beyond it (a few percent) are partitioned. A threshold that turns out too tight
-    (the rank is not beyond it) falls back to partitioning everything, so the answer never
-    depends on the sample.
-    """
-    n = len(values)
-    low, high = ranks[ranks < TAIL * n], ranks[ranks >= (1 - TAIL) * n]
-    if n < 16 * _SAMPLE or len(low) + len(high) < len(ranks):
-        values.partition(ranks)
-        return values[ranks]
-    sample = np.sort(values[::n // _SAMPLE])
-    out = []
-    if len(low):
-        cut = sample[np.clip(int(low[-1] / n * len(sample)) + _MARGIN, 0, len(sample) - 1)]
-        tail = values[values <= cut]  # every value left out is above every value kept
-        if len(tail) <= low[-1]:
-            values.partition(ranks)
-            return values[ranks]
-        tail.partition(low)
-        out.append(tail[low])
-    if len(high):
-        cut = sample[np.clip(int(high[0] / n * len(sample)) - _MARGIN, 0, len(sample) - 1)]
-        tail = values[values >= cut]
-        offset = n - len(tail)  # values left out, all below every value kept
-        if high[0] < offset:
-            values.partition(ranks)
-            return values[ranks]
-        tail.partition(high - offset)
-        out.append(tail[high - offset])
-    return np.concatenate(out)
+    """values' order statistics at `ranks` (0-based, sorted), exactly; `values` is reordered.
+    (Per rollout or per chunk, partitioning all of a group's values is cheap; the run-wide groups'
+    tails are gathered by analysis.chunked.Tails.)"""
+    values.partition(ranks)
+    return values[ranks]

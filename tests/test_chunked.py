@@ -1,0 +1,69 @@
+"""The pieces the chunked analysis merges with: exact tails, exact radix selection, Chan moments,
+rollout-aligned chunk bounds (each against numpy on the whole array)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from mismatch.analysis import chunked
+from mismatch.analysis.chunked import Moments, RadixSelect, Tails, chunk_bounds
+
+QS = [0.001, 0.01, 0.99, 0.999]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 999, 100_001])
+def test_tails_gathered_chunk_by_chunk_give_numpys_quantiles(n) -> None:
+    rng = np.random.default_rng(n)
+    values = rng.standard_t(2, n)
+    values[::97] = 1.0  # ties
+    group = rng.integers(0, 3, n)
+    tails = Tails(np.bincount(group, minlength=4), QS)  # group 3 is empty
+    for part in np.array_split(np.arange(n), 7):
+        tails.add(values[part], group[part])
+    got = tails.quantiles()
+    for g in range(3):
+        if (group == g).any():
+            np.testing.assert_array_equal(got[g], np.quantile(values[group == g], QS))
+    assert np.isnan(got[3]).all()
+
+
+@pytest.mark.parametrize("shape", ["normal", "near_zero", "infinities", "constant", "one"])
+def test_radix_selection_is_exact_in_bounded_memory(shape, monkeypatch) -> None:
+    monkeypatch.setattr(chunked, "_COLLECT", 1000)  # forces several passes
+    rng = np.random.default_rng(3)
+    values = {"normal": rng.standard_normal(100_003), "near_zero": np.expm1(rng.standard_normal(50_000) * 1e-3),
+              "infinities": np.r_[np.zeros(5000), -np.inf, np.inf, rng.standard_t(2, 3000)],
+              "constant": np.ones(20_000), "one": np.array([3.0])}[shape]
+    ranks = sorted({0, len(values) // 2, len(values) - 1, min(17, len(values) - 1)})
+    select, passes = RadixSelect(), 0
+    while True:
+        for part in np.array_split(values, 7):
+            select.add(part)
+        passes += 1
+        if not select.end_pass(lambda n: ranks):
+            break
+    assert select.values == np.sort(values)[ranks].tolist()
+    assert passes <= 5
+
+
+def test_moments_merged_by_chan_equal_the_whole_arrays() -> None:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 10_000)) * [[1e-3], [5.0]] + [[1.0], [-2.0]]
+    moments = Moments()
+    for part in np.array_split(np.arange(x.shape[1]), 9):
+        moments.add(x[:, part])
+    assert moments.n == x.shape[1]
+    np.testing.assert_allclose(moments.mean, x.mean(axis=1), rtol=1e-12)
+    np.testing.assert_allclose(moments.comoment / (x.shape[1] - 1), np.cov(x), rtol=1e-9)
+
+
+def test_chunks_never_cut_a_rollout_and_a_scattered_rollout_is_one_chunk() -> None:
+    table = pd.DataFrame({"rollout": pd.Categorical(np.repeat(["a", "b", "c", "d"], [5, 3, 7, 2]))})
+    # About 4 rows a chunk, each cut at the first rollout start at or past the mark.
+    assert chunk_bounds(table, rows=4) == [(0, 5), (5, 8), (8, 15), (15, 17)]
+    assert chunk_bounds(table, rows=100) == [(0, 17)]
+    scattered = pd.DataFrame({"rollout": ["a", "b", "a"]})
+    assert chunk_bounds(scattered, rows=1) == [(0, 3)]
+    assert chunk_bounds(table.iloc[:0], rows=4) == [(0, 0)]
