@@ -1,7 +1,7 @@
 """The audit: stored rollouts replayed through a trainer and an engine, gaps measured, results written.
 
-rollouts → replay_sources(train, infer) → token table → metrics → results dir.
-Everything that can be wrong with the input is checked before the first forward pass.
+rollouts → replay_sources(train, infer) → blocks → tokens.parquet (staged) → analysis in chunks →
+results dir. Everything that can be wrong with the input is checked before the first forward pass.
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ class AuditResult:
 
     @property
     def tokens(self) -> pd.DataFrame:
-        """The token table: as computed, or read back from OUT/tokens.parquet (an audit that
-        publishes frees its table before building the report)."""
+        """The token table: as computed without a results dir, else read back from
+        OUT/tokens.parquet (an audit with one never holds its table whole)."""
         return self.table if self.table is not None else read_tokens(self.out)
 
 

@@ -25,38 +25,20 @@ from mismatch.analysis.chunked import (
     run_passes,
     table_chunks,
 )
-from mismatch.analysis.groups import dot, key_codes
+from mismatch.analysis.groups import dot
 from mismatch.frameworks import MODULES
 from mismatch.frameworks._common import FrameworkMetric, PairArrays
 
 FRAMEWORK_METRICS: tuple[FrameworkMetric, ...] = tuple(metric for module in MODULES.values() for metric in module.METRICS)
 
 
-def pair_arrays(table: pd.DataFrame, a: str, b: str) -> PairArrays:
-    """The pair's trainable tokens where both log-probs are defined (a sequence is a rollout's branch).
-
-    Every token table mismatch writes keeps a branch's rows, and a rollout's, together, so a
-    group is a stretch of equal keys and is numbered by counting stretches (no sort)."""
-    logp_a, logp_b = (table[f"logp_{name}"].to_numpy(np.float64) for name in (a, b))
-    keep = table["trainable"].to_numpy(dtype=bool) & ~np.isnan(logp_a - logp_b)
-    rollout = key_codes(table["rollout"])[keep]
-    branch = key_codes(table["branch"])[keep]
-    new_rollout = _starts(rollout)
-    return PairArrays(logp_a=logp_a[keep], logp_b=logp_b[keep],
-                      seq=np.cumsum(new_rollout | _starts(branch)) - 1, rollout=np.cumsum(new_rollout) - 1)
-
-
 def chunk_pair_arrays(chunk: Chunk, a: str, b: str) -> PairArrays:
-    """pair_arrays from the chunk's shared trainable view (its pair's tokens and keys, made once)."""
+    """The pair's trainable tokens where both log-probs are defined, with their sequence (a
+    rollout's branch) and rollout, from the chunk's shared trainable view (made once)."""
     pair = chunk.pair(f"logp_{a}", f"logp_{b}")
     view = pair.view
     return PairArrays(logp_a=pair.logp_a, logp_b=pair.logp_b, seq=view.spans.spread(view.span_seq),
                       rollout=view.spans.spread(view.span_rollout), log_ratio=pair.log_ratio)
-
-
-def _starts(codes: np.ndarray) -> np.ndarray:
-    """Where a stretch of equal codes begins."""
-    return np.r_[True, codes[1:] != codes[:-1]] if len(codes) else np.zeros(0, dtype=bool)
 
 
 class _Reduction:
