@@ -23,22 +23,19 @@ import pandas as pd
 from mismatch.analysis import terms
 from mismatch.analysis.groups import (
     Grouping,
-    Spans,
     _lerp,
     _ranks,
     key_codes,
-    single_group,
 )
 from mismatch.analysis.metrics import (
     _QUANTILES,
     PAIR_METRICS,
+    GroupTotals,
     PairTokens,
-    SpanSums,
-    far_groups,
-    group_metrics,
     grouped_view_metrics,
     pair_span_sums,
     pair_tokens,
+    totals_metrics,
 )
 from mismatch.analysis.tokenview import TokenView
 
@@ -135,42 +132,6 @@ def run_passes(chunks: Chunks, analyses: Sequence[Analysis]) -> None:
         index += 1
 
 
-@dataclass(slots=True)
-class _PairParts:
-    """One pair's per-span pieces, chunk after chunk."""
-
-    lengths: list[np.ndarray] = field(default_factory=list)
-    sums: list[dict[str, np.ndarray]] = field(default_factory=list)
-    span_seq: list[np.ndarray] = field(default_factory=list)
-    span_rollout: list[np.ndarray] = field(default_factory=list)
-    keys: dict[str, list[pd.Series]] = field(default_factory=dict)
-    num_seqs: int = 0
-    num_rollouts: int = 0
-
-    def add(self, data: SpanSums, keys: dict[str, pd.Series]) -> None:
-        self.lengths.append(data.spans.lengths)
-        self.sums.append(data.sums)
-        self.span_seq.append(data.span_seq + self.num_seqs)
-        self.span_rollout.append(data.span_rollout + self.num_rollouts)
-        self.num_seqs += data.num_seqs
-        self.num_rollouts += data.num_rollouts
-        for name, values in keys.items():
-            self.keys.setdefault(name, []).append(values)
-
-    def span_sums(self) -> SpanSums:
-        lengths = _concat(self.lengths, np.int64)
-        spans = Spans(starts=np.cumsum(lengths) - lengths, lengths=lengths, num_tokens=int(lengths.sum()),
-                      rows=np.cumsum(lengths) - lengths)
-        names = self.sums[0].keys() if self.sums else ()
-        sums = {name: np.concatenate([part[name] for part in self.sums]) for name in names}
-        return SpanSums(spans=spans, sums=sums, span_seq=_concat(self.span_seq, np.int64), num_seqs=self.num_seqs,
-                        span_rollout=_concat(self.span_rollout, np.int64), num_rollouts=self.num_rollouts)
-
-
-def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-
-
 class Tails:
     """Per group: the smallest and the largest values, as many as its quantiles' order statistics
     need (about 1% of the group on each side for ratio_q01/q99), gathered chunk by chunk."""
@@ -235,30 +196,46 @@ class Tails:
         return out
 
 
-@dataclass(frozen=True, slots=True)
-class _Gathered:
-    """metrics.TokenPass answered from the second pass."""
-
-    table: np.ndarray
-    far_sums: tuple[np.ndarray, np.ndarray]
-
-    def quantiles(self, grouping: Grouping) -> np.ndarray:
-        return self.table
-
-    def far_weights(self, grouping: Grouping, far: np.ndarray, lr_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.far_sums
+_MISSING = object()  # the key of a NaN key value (NaN is not equal to itself: no dict key)
 
 
-@dataclass(frozen=True, slots=True)
+class _GroupIds:
+    """Ids of one breakdown's key values, in order of first appearance; `order` sorts them like
+    groupby(sort=True, dropna=False): by value (categories are sorted), missing last."""
+
+    def __init__(self) -> None:
+        self.ids: dict[Any, int] = {}
+        self.values: list[Any] = []
+
+    def of(self, keys: pd.Series) -> np.ndarray:
+        """The id of each key value (new values get the next ids)."""
+        codes, uniques = pd.factorize(keys, use_na_sentinel=False)
+        return np.array([self._id(value) for value in uniques.tolist()], dtype=np.int64)[codes] \
+            if len(uniques) else np.zeros(len(keys), dtype=np.int64)
+
+    def _id(self, value: Any) -> int:
+        key = _MISSING if pd.isna(value) else value
+        if key not in self.ids:
+            self.ids[key] = len(self.values)
+            self.values.append(value)
+        return self.ids[key]
+
+    def order(self) -> np.ndarray:
+        missing = [bool(pd.isna(value)) for value in self.values]
+        return np.array(sorted(range(len(self.values)), key=lambda i: (missing[i], 0 if missing[i] else self.values[i])),
+                        dtype=np.int64)
+
+
+@dataclass(slots=True)
 class _Breakdown:
-    """One grouping of a pair's spans and what the second pass gathers for it."""
+    """One pair's totals per group of one breakdown, summed chunk by chunk, and what pass 1
+    gathers for them: each group's ratio tails and, where its ESS needs them, far sums."""
 
-    grouping: Grouping
-    first_span: np.ndarray  # per chunk: the index of its first span in the concatenation
-    tails: Tails
-    far: np.ndarray         # groups whose ESS needs exp(log_ratio - group max)
-    lr_max: np.ndarray
-    far_sums: tuple[np.ndarray, np.ndarray]
+    ids: _GroupIds
+    totals: GroupTotals
+    tails: Tails | None = None
+    far: np.ndarray | None = None
+    far_sums: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class GroupedPairMetrics:
@@ -266,122 +243,110 @@ class GroupedPairMetrics:
 
     Groups are the view's (every key with a row in the view), as `metrics.metrics_by` gives them:
     a pair with no defined log-ratio in a group keeps the group's row, with zero counts.
-    `clip` also sums the tokens outside [1 - low, 1 + high] per span (the `clip` summary).
-    Pass 0 sums the spans; pass 1 gathers the ratio quantiles' tails (and the far groups' ESS
-    sums). Without `quantiles` the ratio_q* columns are left out, and so is pass 1 unless a
-    group's ESS needs it.
+    `clip` also counts the tokens outside [1 - low, 1 + high] (the `clip` summary). Pass 0 adds
+    each chunk's totals per group (metrics.GroupTotals: memory per group, never per span or
+    token); pass 1 gathers the ratio quantiles' tails (and the far groups' ESS sums). Without
+    `quantiles` the ratio_q* columns are left out, and so is pass 1 unless a group's ESS needs it.
     """
 
     def __init__(self, pairs: Sequence[tuple[str, str]], by: Sequence[str], *, trainable_only: bool,
                  overall: bool = True, clip: tuple[float, float] | None = None, quantiles: bool = True) -> None:
         self.pairs = [(f"logp_{a}", f"logp_{b}") for a, b in pairs]
         self.names = [f"{a}/{b}" for a, b in pairs]
-        self.by, self.trainable_only, self.overall, self.clip = list(by), trainable_only, overall, clip
-        self.quantiles = quantiles
-        self.parts = [_PairParts() for _ in pairs]
-        self.view_keys: dict[str, list[pd.Series]] = {name: [] for name in self.by}
-        self.chunk_spans: list[list[int]] = [[] for _ in pairs]
-        self._span_sums: list[SpanSums] | None = None
-        self._breakdowns: list[dict[str, _Breakdown]] = []
+        self.by, self.trainable_only, self.clip, self.quantiles = list(by), trainable_only, clip, quantiles
+        self.breakdowns = [list(self.by) + ([OVERALL] if overall else []) for _ in pairs]
+        # One set of ids per breakdown, shared by the pairs: a group of the view is every pair's.
+        self.ids = {by: _GroupIds() for by in [*self.by, OVERALL]}
+        self.found = [{by: _Breakdown(self.ids[by], GroupTotals.empty(0)) for by in names}
+                      for names in self.breakdowns]
 
     def wants(self, index: int) -> bool:
         if index == 0:
             return True
         if index == 1:
-            self._prepare()
-            return self.quantiles or any(b.far.any() for found in self._breakdowns for b in found.values())
+            for found in self.found:
+                for breakdown in found.values():
+                    breakdown.totals = breakdown.totals.grown(len(breakdown.ids.values))
+                    counts = breakdown.totals.values["n"].astype(np.int64)
+                    breakdown.tails = Tails(counts if self.quantiles else np.zeros_like(counts), list(_QUANTILES.values()))
+                    breakdown.far = breakdown.totals.far()
+                    zeros = np.zeros(len(counts))
+                    breakdown.far_sums = (zeros, zeros.copy())
+            return self.quantiles or any(b.far.any() for found in self.found for b in found.values())
         return False
 
     def add(self, chunk: Chunk, index: int) -> None:
         view = chunk.view(self.trainable_only)
         if index == 0:
-            for name in self.by:
-                self.view_keys[name].append(view.series_at(name, view.spans.starts))
+            for name in self.by:  # the view's groups, tokens of a pair or not
+                self.ids[name].of(view.series_at(name, view.spans.starts))
+            self.ids[OVERALL].of(pd.Series([OVERALL]))
         for number, (a, b) in enumerate(self.pairs):
             pair = chunk.pair(a, b, self.trainable_only)
+            span_ids = {by: self._span_ids(pair, by) for by in self.breakdowns[number]}
             if index == 0:
-                self._add_spans(number, pair)
+                self._add_totals(number, pair, span_ids)
             else:
-                self._add_tokens(number, pair, chunk.index)
+                self._add_tokens(number, pair, span_ids)
 
-    def _add_spans(self, number: int, pair: PairTokens) -> None:
+    def _span_ids(self, pair: PairTokens, by: str) -> np.ndarray:
+        spans = pair.view.spans
+        if by == OVERALL:
+            return np.zeros(spans.num_spans, dtype=np.int64)
+        return self.ids[by].of(pair.view.series_at(by, spans.starts))
+
+    def _add_totals(self, number: int, pair: PairTokens, span_ids: dict[str, np.ndarray]) -> None:
         spans = pair.view.spans
         data = pair_span_sums(pair, spans)
         if self.clip is not None:
-            outside = terms.outside_clip(pair.ratio, *self.clip)
-            data.sums["outside_clip"] = spans.sum(outside, dtype=np.int64)
-        self.parts[number].add(data, {name: pair.view.series_at(name, spans.starts) for name in self.by})
-        self.chunk_spans[number].append(spans.num_spans)
+            data.sums["outside_clip"] = spans.sum(terms.outside_clip(pair.ratio, *self.clip), dtype=np.int64)
+        for by, ids in span_ids.items():
+            into, local = np.unique(ids, return_inverse=True)
+            totals = GroupTotals.of(data, Grouping(span_group=local.reshape(-1), num_groups=len(into),
+                                                   keys=pd.DataFrame()))
+            breakdown = self.found[number][by]
+            breakdown.totals = breakdown.totals.grown(len(breakdown.ids.values))
+            breakdown.totals.merge(totals, into)
 
-    def _add_tokens(self, number: int, pair: PairTokens, chunk_index: int) -> None:
+    def _add_tokens(self, number: int, pair: PairTokens, span_ids: dict[str, np.ndarray]) -> None:
         spans = pair.view.spans
-        for breakdown in self._breakdowns[number].values():
-            lo = breakdown.first_span[chunk_index]
-            token_group = spans.spread(breakdown.grouping.span_group[lo:lo + spans.num_spans])
-            if self.quantiles:
+        for by, ids in span_ids.items():
+            breakdown = self.found[number][by]
+            token_group = spans.spread(ids)
+            if self.quantiles and breakdown.tails is not None:
                 breakdown.tails.add(pair.ratio, token_group)
-            if breakdown.far.any():
+            if breakdown.far is not None and breakdown.far.any():
                 _add_far(breakdown, pair.log_ratio, token_group)
-
-    def _prepare(self) -> None:
-        if self._span_sums is None:
-            self._span_sums = [parts.span_sums() for parts in self.parts]
-            self._breakdowns = [self._groupings(number, data) for number, data in enumerate(self._span_sums)]
 
     def result(self) -> dict[str, dict[str, pd.DataFrame]]:
         """{breakdown (OVERALL or a `by` column): {pair name: by keys + PAIR_METRICS (+ n_outside_clip)}}."""
-        self._prepare()
-        assert self._span_sums is not None
         out: dict[str, dict[str, pd.DataFrame]] = {}
-        for name, data, found in zip(self.names, self._span_sums, self._breakdowns):
+        for name, found in zip(self.names, self.found):
             for by, breakdown in found.items():
-                gathered = _Gathered(breakdown.tails.quantiles(), breakdown.far_sums)
-                frame = group_metrics(data, breakdown.grouping, gathered, with_quantiles=self.quantiles)
-                if "outside_clip" in data.sums:
-                    frame["n_outside_clip"] = breakdown.grouping.sum(data.sums["outside_clip"]).astype(np.int64)
-                keys = breakdown.grouping.keys.reset_index(drop=True)
-                out.setdefault(by, {})[name] = pd.concat([keys, frame], axis=1) if by != OVERALL else frame
+                order = breakdown.ids.order()
+                totals = breakdown.totals.grown(len(breakdown.ids.values))
+                ordered = GroupTotals({key: values[order] for key, values in totals.values.items()})
+                far_sums = (None if breakdown.far_sums is None or breakdown.far is None or not breakdown.far.any()
+                            else (breakdown.far_sums[0][order], breakdown.far_sums[1][order]))
+                table = breakdown.tails.quantiles()[order] if self.quantiles and breakdown.tails is not None else None
+                frame = totals_metrics(ordered, far_sums, table)
+                if "outside_clip" in ordered.values:
+                    frame["n_outside_clip"] = ordered.values["outside_clip"].astype(np.int64)
+                if by != OVERALL:
+                    keys = pd.DataFrame({by: pd.Series([breakdown.ids.values[i] for i in order], dtype=object)})
+                    frame = pd.concat([keys, frame], axis=1)
+                out.setdefault(by, {})[name] = frame
         return out
-
-    def _groupings(self, number: int, data: SpanSums) -> dict[str, _Breakdown]:
-        groupings: dict[str, Grouping] = {}
-        if self.overall:
-            groupings[OVERALL] = single_group(data.spans)
-        for name in self.by:
-            groupings[name] = self._view_grouping(name, self.parts[number].keys.get(name, []))
-        first_span = np.concatenate([[0], np.cumsum(self.chunk_spans[number])])
-        out = {}
-        for by, grouping in groupings.items():
-            counts = grouping.count(data.spans)
-            lr_max = grouping.max(data.sums["log_ratio_max"]) if data.spans.num_spans else np.zeros(grouping.num_groups)
-            lr_min = grouping.min(data.sums["log_ratio_min"]) if data.spans.num_spans else np.zeros(grouping.num_groups)
-            far = far_groups(lr_min, lr_max)
-            zeros = np.zeros(grouping.num_groups)
-            tails = Tails(counts if self.quantiles else np.zeros_like(counts), list(_QUANTILES.values()))
-            out[by] = _Breakdown(grouping=grouping, first_span=first_span, tails=tails,
-                                 far=far, lr_max=lr_max, far_sums=(zeros.copy(), zeros.copy()))
-        return out
-
-    def _view_grouping(self, name: str, pair_keys: list[pd.Series]) -> Grouping:
-        """The pair's spans grouped by the view's keys of `name`, sorted like groupby (categoricals
-        in category order, missing last): factorized together, the pair's keys (a subset of the
-        view's) get the numbers of the view's groups."""
-        view_keys = self.view_keys[name]
-        every = pd.concat([*view_keys, *pair_keys], ignore_index=True) if view_keys else pd.Series([], dtype=object)
-        codes, uniques = pd.factorize(every, sort=True, use_na_sentinel=False)
-        first = np.full(len(uniques), len(every), dtype=np.int64)
-        np.minimum.at(first, codes, np.arange(len(every)))
-        num_view = sum(len(keys) for keys in view_keys)
-        keys = pd.DataFrame({name: every.iloc[first].reset_index(drop=True)})
-        return Grouping(span_group=codes[num_view:].astype(np.int64), num_groups=len(uniques), keys=keys)
 
 
 def _add_far(breakdown: _Breakdown, log_ratio: np.ndarray, token_group: np.ndarray) -> None:
-    """The far groups' sums of w and w^2, w = exp(log_ratio - group max) (metrics._ess)."""
+    """The far groups' sums of w and w^2, w = exp(log_ratio - group max)."""
+    assert breakdown.far is not None and breakdown.far_sums is not None
+    lr_max = breakdown.totals.values["log_ratio_max"]
     picked = breakdown.far[token_group]
     group = token_group[picked]
-    weight = np.exp(log_ratio[picked] - breakdown.lr_max[group])
-    size = breakdown.grouping.num_groups
+    weight = np.exp(log_ratio[picked] - lr_max[group])
+    size = len(breakdown.far)
     breakdown.far_sums[0][:] += np.bincount(group, weights=weight, minlength=size)
     breakdown.far_sums[1][:] += np.bincount(group, weights=np.square(weight), minlength=size)
 
@@ -467,10 +432,13 @@ def _sortable_keys(values: np.ndarray) -> np.ndarray:
     return np.where(bits >> np.uint64(63), ~bits, bits | np.uint64(1 << 63))
 
 
+_NO_PREFIX = np.uint64(0)
+
+
 @dataclass(slots=True)
 class _Target:
     rank: int                  # still to skip among the values sharing `prefix`
-    prefix: np.uint64 = np.uint64(0)
+    prefix: np.uint64 = _NO_PREFIX
     bits: int = 0              # how many leading bits of the key `prefix` fixes
     count: int = 0             # values sharing it (from the last histogram)
     histogram: np.ndarray | None = None

@@ -212,50 +212,146 @@ def far_groups(lr_min: np.ndarray, lr_max: np.ndarray) -> np.ndarray:
     return (lr_max > _ESS_DIRECT_LIMIT) | (lr_min < -_ESS_DIRECT_LIMIT)
 
 
+# GroupTotals' sums (added), maxima and minima, per group.
+_SUMMED = ("n", "n_rollouts", "num_seqs", "log_ratio", "abs_log_ratio", "ratio", "ratio_sq", "log_ratio_sq", "k3",
+           "prob_abs_diff", "outside_2", "equal", "seq_weight", "seq_ppl")
+_MAXED = ("log_ratio_abs_max", "prob_abs_diff_max", "log_ratio_max")
+_MINNED = ("log_ratio_min",)
+
+
+@dataclass(slots=True, eq=False)
+class GroupTotals:
+    """What PAIR_METRICS of groups 0..G-1 are made of, summed over their spans: additive sums,
+    extremes, and the ratio's spread around the group mean (`ratio_m2`). Totals of chunks of
+    whole rollouts merge (`merge`: Chan's rule for the spread), since neither a sequence nor a
+    rollout crosses a chunk."""
+
+    values: dict[str, np.ndarray]
+
+    @classmethod
+    def empty(cls, num_groups: int) -> GroupTotals:
+        values = {name: np.zeros(num_groups) for name in (*_SUMMED, "ratio_m2")}
+        values.update({name: np.full(num_groups, -np.inf) for name in _MAXED})
+        values.update({name: np.full(num_groups, np.inf) for name in _MINNED})
+        return cls(values)
+
+    @classmethod
+    def of(cls, data: SpanSums, grouping: Grouping) -> GroupTotals:
+        spans, sums, total = data.spans, data.sums, grouping.sum
+        n = grouping.count(spans)
+        pair_group, span_pair = grouping.pairs_with(data.span_seq, data.num_seqs)
+        seq_sum = np.bincount(span_pair, weights=sums["log_ratio"], minlength=len(pair_group))
+        seq_count = np.bincount(span_pair, weights=spans.lengths, minlength=len(pair_group))
+        values = {"n": n.astype(np.float64), "n_rollouts": grouping.distinct(data.span_rollout, data.num_rollouts)
+                  .astype(np.float64), "num_seqs": np.bincount(pair_group, minlength=grouping.num_groups).astype(np.float64)}
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            for name in _SUMMED[3:-2]:
+                values[name] = total(sums[name])
+            # Sequence metrics: each sequence's log-ratios summed first (within the group).
+            values["seq_weight"] = np.bincount(pair_group, weights=np.exp(2.0 * seq_sum), minlength=grouping.num_groups)
+            values["seq_ppl"] = np.bincount(pair_group, weights=np.exp(-seq_sum / seq_count), minlength=grouping.num_groups)
+            values.update({name: grouping.max(sums[name]) for name in _MAXED})
+            values.update({name: grouping.min(sums[name]) for name in _MINNED})
+            # Each span's squared deviations from its own mean (two passes, no E[r^2] - E[r]^2,
+            # which cancels to noise for the ratio ~ 1 +- 1e-8 of good engine pairs), merged by Chan's rule.
+            mean = values["ratio"] / n
+            span_mean = sums["ratio"] / spans.lengths
+            values["ratio_m2"] = total(sums["ratio_m2"] + spans.lengths * np.square(span_mean - mean[grouping.span_group]))
+        if "outside_clip" in sums:
+            values["outside_clip"] = total(sums["outside_clip"])
+        return cls(values)
+
+    def merge(self, other: GroupTotals, into: np.ndarray) -> None:
+        """Add `other` (whose group g is this one's group into[g])."""
+        values = self.values
+        n_a, n_b = values["n"][into], other.values["n"]
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            n = n_a + n_b
+            delta = other.values["ratio"] / n_b - values["ratio"][into] / n_a
+            m2 = values["ratio_m2"][into] + other.values["ratio_m2"] + np.square(delta) * n_a * n_b / n
+            values["ratio_m2"][into] = np.where(n_a == 0, other.values["ratio_m2"],
+                                                np.where(n_b == 0, values["ratio_m2"][into], m2))
+        for name, found in other.values.items():
+            if name == "ratio_m2":
+                continue
+            if name not in values:
+                values[name] = np.zeros(len(values["n"]))
+            if name in _MAXED:
+                values[name][into] = np.maximum(values[name][into], found)
+            elif name in _MINNED:
+                values[name][into] = np.minimum(values[name][into], found)
+            else:
+                values[name][into] = values[name][into] + found
+
+    def grown(self, num_groups: int) -> GroupTotals:
+        """The same totals with room for `num_groups` groups (the new ones empty)."""
+        size = len(self.values["n"])
+        if num_groups <= size:
+            return self
+        more = GroupTotals.empty(num_groups - size).values
+        return GroupTotals({name: np.concatenate([found, more.get(name, np.zeros(num_groups - size))])
+                            for name, found in self.values.items()})
+
+    def far(self) -> np.ndarray:
+        """Groups whose ESS needs the rescaled sums (TokenPass.far_weights)."""
+        return far_groups(self.values["log_ratio_min"], self.values["log_ratio_max"])
+
+
 def group_metrics(data: SpanSums, grouping: Grouping, tokens: TokenPass, *,
                   with_quantiles: bool = True) -> pd.DataFrame:
-    """PAIR_METRICS for groups 0..G-1 of the spans, one row per group.
+    """PAIR_METRICS for groups 0..G-1 of the spans, one row per group (totals_metrics of their totals)."""
+    totals = GroupTotals.of(data, grouping)
+    far = totals.far()
+    far_sums = tokens.far_weights(grouping, far, totals.values["log_ratio_max"]) if far.any() else None
+    return totals_metrics(totals, far_sums, tokens.quantiles(grouping) if with_quantiles else None)
 
-    The single implementation behind `pair_metrics` (one group), every breakdown and the chunked
-    analysis, so they can never drift apart. Empty groups keep a row: zero counts, NaN metrics.
+
+def totals_metrics(totals: GroupTotals, far_sums: tuple[np.ndarray, np.ndarray] | None,
+                   quantile_table: np.ndarray | None) -> pd.DataFrame:
+    """PAIR_METRICS from group totals (and the far groups' ESS sums, and the ratio quantiles when
+    asked): the single implementation behind `pair_metrics` (one group), every breakdown and the
+    chunked analysis, so they can never drift apart. Empty groups keep a row: zero counts, NaN metrics.
+
+    chi2_seq and ppl_ratio average over sequences: no clamp (verl clamps the sum at +-20), so a
+    sequence weight that overflows float64 makes chi2_seq inf; ppl_ratio is verl's
+    rollout_corr/ppl_ratio, each sequence's PPL_A / PPL_B = exp(-mean log_ratio), then the mean.
     """
-    spans, sums = data.spans, data.sums
-    total = grouping.sum
-    n = grouping.count(spans)
-    out: dict[str, np.ndarray] = {"n_tokens": n,
-                                  "n_rollouts": grouping.distinct(data.span_rollout, data.num_rollouts)}
+    v = totals.values
+    n = v["n"].astype(np.int64)
+    out: dict[str, np.ndarray] = {"n_tokens": n, "n_rollouts": v["n_rollouts"].astype(np.int64)}
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        log_ratio_mean = total(sums["log_ratio"]) / n
-        ratio_sum, ratio_sq_sum = total(sums["ratio"]), total(sums["ratio_sq"])
-        ratio_mean = ratio_sum / n
-        lr_min, lr_max = grouping.min(sums["log_ratio_min"]), grouping.max(sums["log_ratio_max"])
-        span_mean = sums["ratio"] / spans.lengths
-        m2 = total(sums["ratio_m2"] + spans.lengths * np.square(span_mean - ratio_mean[grouping.span_group]))
+        log_ratio_mean = v["log_ratio"] / n
+        lr_min, lr_max = v["log_ratio_min"], v["log_ratio_max"]
+        ess = np.square(v["ratio"]) / (n * v["ratio_sq"])
+        if far_sums is not None:
+            # Scale-free: far-out groups use exp(log_ratio - group max), so a single huge ratio (a
+            # -9999 placeholder log-prob) gives ESS ~ 1/n instead of inf/inf.
+            ess = np.where(totals.far(), np.square(far_sums[0]) / (n * far_sums[1]), ess)
         out.update({
             "log_ratio_mean": log_ratio_mean,
-            "log_ratio_abs_mean": total(sums["abs_log_ratio"]) / n,
-            "log_ratio_abs_max": grouping.max(sums["log_ratio_abs_max"]),
-            "ratio_mean": ratio_mean,
-            "ratio_std": np.sqrt(m2 / n),  # population std (ddof=0)
+            "log_ratio_abs_mean": v["abs_log_ratio"] / n,
+            "log_ratio_abs_max": v["log_ratio_abs_max"],
+            "ratio_mean": v["ratio"] / n,
+            "ratio_std": np.sqrt(v["ratio_m2"] / n),  # population std (ddof=0)
             # exp is monotonic, so exp(max log_ratio) is max(ratio) bit for bit.
             "ratio_min": np.exp(lr_min),
             "ratio_max": np.exp(lr_max),
             # Each k1 term logp_b - logp_a is exactly -(logp_a - logp_b); 0.0 - x turns -0.0 into +0.0.
             "kl_k1": 0.0 - log_ratio_mean,
             # Halving is exact in binary floating point, so mean(x^2) / 2 == mean(x^2 / 2).
-            "kl_k2": total(sums["log_ratio_sq"]) / n / 2.0,
-            "kl_k3": total(sums["k3"]) / n,
-            "chi2_token": ratio_sq_sum / n - 1.0,
-            "ess": _ess(grouping, tokens, n, ratio_sum, ratio_sq_sum, lr_min, lr_max),
-            "prob_abs_diff_mean": total(sums["prob_abs_diff"]) / n,
-            "prob_abs_diff_max": grouping.max(sums["prob_abs_diff_max"]),
-            "frac_outside_2": total(sums["outside_2"]) / n,
-            "bitwise_equal_frac": total(sums["equal"]) / n,
+            "kl_k2": v["log_ratio_sq"] / n / 2.0,
+            "kl_k3": v["k3"] / n,
+            "chi2_token": v["ratio_sq"] / n - 1.0,
+            "chi2_seq": v["seq_weight"] / v["num_seqs"] - 1.0,
+            "ppl_ratio": v["seq_ppl"] / v["num_seqs"],
+            "ess": ess,
+            "prob_abs_diff_mean": v["prob_abs_diff"] / n,
+            "prob_abs_diff_max": v["prob_abs_diff_max"],
+            "frac_outside_2": v["outside_2"] / n,
+            "bitwise_equal_frac": v["equal"] / n,
         })
-        out.update(_sequence_metrics(data, grouping))
-        if with_quantiles:
-            table = tokens.quantiles(grouping)
-            out.update({name: table[:, i] for i, name in enumerate(_QUANTILES)})
+        if quantile_table is not None:
+            out.update({name: quantile_table[:, i] for i, name in enumerate(_QUANTILES)})
     frame = pd.DataFrame(out)
     empty = n == 0
     floats = [name for name in frame.columns if name not in _COUNTS]
@@ -268,35 +364,6 @@ def _span_of(view: TokenView, spans: Spans) -> np.ndarray:
     if spans is view.spans:
         return np.arange(spans.num_spans)
     return np.searchsorted(view.spans.starts, spans.starts, side="right") - 1
-
-
-def _ess(grouping: Grouping, tokens: TokenPass, n: np.ndarray, ratio_sum: np.ndarray,
-         ratio_sq_sum: np.ndarray, lr_min: np.ndarray, lr_max: np.ndarray) -> np.ndarray:
-    """(sum r)^2 / (n sum r^2) per group; scale-free, so far-out groups use exp(log_ratio - group max)
-    and a single huge ratio (a -9999 placeholder log-prob) gives ESS ~ 1/n instead of inf/inf."""
-    ess = np.square(ratio_sum) / (n * ratio_sq_sum)
-    far = far_groups(lr_min, lr_max)
-    if far.any():
-        w_sum, w_sq_sum = tokens.far_weights(grouping, far, lr_max)
-        ess = np.where(far, np.square(w_sum) / (n * w_sq_sum), ess)
-    return ess
-
-
-def _sequence_metrics(data: SpanSums, grouping: Grouping) -> dict[str, np.ndarray]:
-    """chi2_seq and ppl_ratio: sum each sequence's log-ratios first (within the group), then average.
-
-    No clamp (verl clamps the sum at +-20): a sequence weight that overflows float64 makes
-    chi2_seq inf. ppl_ratio is verl's rollout_corr/ppl_ratio: each sequence's PPL_A / PPL_B =
-    exp(-mean log_ratio), then the mean over sequences.
-    """
-    pair_group, span_pair = grouping.pairs_with(data.span_seq, data.num_seqs)
-    seq_sum = np.bincount(span_pair, weights=data.sums["log_ratio"], minlength=len(pair_group))
-    seq_count = np.bincount(span_pair, weights=data.spans.lengths, minlength=len(pair_group))
-    num_seqs = np.bincount(pair_group, minlength=grouping.num_groups)
-    return {"chi2_seq": np.bincount(pair_group, weights=np.exp(2.0 * seq_sum), minlength=grouping.num_groups)
-            / num_seqs - 1.0,
-            "ppl_ratio": np.bincount(pair_group, weights=np.exp(-seq_sum / seq_count),
-                                     minlength=grouping.num_groups) / num_seqs}
 
 
 def pair_metrics(logp_a: np.ndarray, logp_b: np.ndarray, *, seq: np.ndarray,

@@ -78,8 +78,8 @@ class PrefixKeys:
 
 
 # DuckDB's working memory for the group-by over every row's key: it spills to disk beyond this,
-# so a run of 10^8 tokens stays within it.
-DUCKDB_MEMORY = "512MB"
+# so a run of 10^8 tokens stays within it (its own threads' buffers included).
+DUCKDB_MEMORY = "256MB"
 
 
 def prefix_consistency(tokens: pd.DataFrame | Path, keys: np.ndarray | Path,
@@ -97,15 +97,15 @@ def prefix_consistency(tokens: pd.DataFrame | Path, keys: np.ndarray | Path,
         con = duckdb.connect(config={"memory_limit": DUCKDB_MEMORY, "temp_directory": spill})
         try:
             columns = _register(con, tokens, keys)
-            out: dict[str, Any] = {}
-            # The hash already covers the whole prefix (its length included): one hashed key.
-            con.execute("CREATE TEMP TABLE shared AS SELECT key, min(row) AS first_row FROM rows "
-                        "GROUP BY key HAVING count(*) > 1")
-            for source in sources:
-                column = f"logp_{source}"
-                if column in columns:
-                    out[source] = _source_consistency(con, column)
-            return out
+            wanted = [(source, f"logp_{source}") for source in sources if f"logp_{source}" in columns]
+            # One group-by for every column: the hash already covers the whole prefix (its length
+            # included), so a key is a prefix; only keys of more than one row are kept.
+            per_column = ", ".join(
+                f'count(*) FILTER (WHERE NOT isnan("{c}")) AS "n_{s}", min("{c}") FILTER (WHERE NOT isnan("{c}")) '
+                f'AS "lo_{s}", max("{c}") FILTER (WHERE NOT isnan("{c}")) AS "hi_{s}"' for s, c in wanted)
+            con.execute(f"CREATE TEMP TABLE groups AS SELECT key, min(row) AS first_row{', ' if wanted else ''}"
+                        f"{per_column} FROM rows GROUP BY key HAVING count(*) > 1")
+            return {source: _source_consistency(con, source, column) for source, column in wanted}
         finally:
             con.close()
 
@@ -133,21 +133,19 @@ def _literal(path: Path) -> str:
     return "'" + str(path).replace("'", "''") + "'"
 
 
-def _source_consistency(con: Any, column: str) -> dict[str, Any]:
-    defined = f'NOT isnan("{column}")'
-    con.execute(f"""CREATE OR REPLACE TEMP TABLE groups AS
-        SELECT r.key, count(*) AS n, min(r."{column}") AS lo, max(r."{column}") AS hi, any_value(s.first_row) AS first_row
-        FROM rows r JOIN shared s USING (key) WHERE {defined} GROUP BY r.key HAVING count(*) > 1""")
+def _source_consistency(con: Any, source: str, column: str) -> dict[str, Any]:
+    n, lo, hi = f'"n_{source}"', f'"lo_{source}"', f'"hi_{source}"'
     n_shared, n_prefixes, equal, spread = con.execute(
-        "SELECT coalesce(sum(n), 0), count(*), avg(CASE WHEN lo = hi THEN 1.0 ELSE 0.0 END), max(hi - lo) "
-        "FROM groups").fetchone()
+        f"SELECT coalesce(sum({n}), 0), count(*), avg(CASE WHEN {lo} = {hi} THEN 1.0 ELSE 0.0 END), "
+        f"max({hi} - {lo}) FROM groups WHERE {n} > 1").fetchone()
     if not n_prefixes:
         return {"n_shared_tokens": 0, "n_prefixes": 0, "frac_prefixes_bitwise_equal": None,
                 "max_abs_spread": None, "worst": None}
-    key, worst_spread = con.execute("SELECT key, hi - lo FROM groups ORDER BY hi - lo DESC, first_row LIMIT 1").fetchone()
+    key, worst_spread = con.execute(f"SELECT key, {hi} - {lo} FROM groups WHERE {n} > 1 "
+                                    f"ORDER BY {hi} - {lo} DESC, first_row LIMIT 1").fetchone()
     worst = None
     if worst_spread > 0:
-        members = con.execute(f'SELECT rollout, pos FROM rows WHERE key = ? AND {defined} ORDER BY row',
+        members = con.execute(f'SELECT rollout, pos FROM rows WHERE key = ? AND NOT isnan("{column}") ORDER BY row',
                               [key]).fetchall()
         worst = {"rollouts": sorted({str(rollout) for rollout, _ in members})[:5], "pos": int(members[0][1]),
                  "spread": float(worst_spread)}
