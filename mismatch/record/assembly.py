@@ -1,4 +1,5 @@
 """Recorded exchanges → conversations → format v1 rollout trees, with rewritten history as drift.
+from mismatch.rollouts.drift import drift_edits
 
 Second half of `mismatch record` (the proxy hands every sampled completion here): `Recorder`
 groups exchanges into open conversations by their tokens (or a session key) and `build_rollout`
@@ -15,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from mismatch.rollouts.drift import drift_edits
+
 # A request whose prompt leaves an open conversation's tokens at some point, and re-sends at
 # least this share of the tokens that followed there, is that conversation with its history
 # rewritten (drift); one that re-sends less of them is a new branch of it (a subagent).
 DRIFT_MIN_RESENT = 0.5
-# Equal runs this short between two edits make one drift span (as in rollouts/drift.py).
-MERGE_GAP = 2
 # Roles a prompt segment may take; the harness's last message decides (see `prompt_role`).
 PROMPT_ROLES = {"system": "system", "developer": "system", "user": "user", "tool": "tool",
                 "function": "tool"}
@@ -283,23 +284,6 @@ def _resent(before: np.ndarray, after: np.ndarray) -> bool:
     return matched >= DRIFT_MIN_RESENT * len(before)
 
 
-def drift_edits(stored: np.ndarray, rendered: np.ndarray) -> list[tuple[int, int, int, int]]:
-    """(i1, i2, j1, j2): stored[i1:i2] was sent as rendered[j1:j2]. What the prompt adds after
-    the last stored token (the new messages) is not an edit."""
-    opcodes = difflib.SequenceMatcher(None, stored.tolist(), rendered.tolist(), autojunk=False).get_opcodes()
-    if opcodes and opcodes[-1][0] == "insert" and opcodes[-1][1] == len(stored):
-        opcodes = opcodes[:-1]
-    spans: list[list[int]] = []
-    for tag, i1, i2, j1, j2 in opcodes:
-        if tag == "equal":
-            continue
-        if spans and i1 - spans[-1][1] <= MERGE_GAP and j1 - spans[-1][3] <= MERGE_GAP:
-            spans[-1][1], spans[-1][3] = i2, j2
-        else:
-            spans.append([i1, i2, j1, j2])
-    return [(i1, i2, j1, j2) for i1, i2, j1, j2 in spans]
-
-
 _PROMPT, _SAMPLED = 1, 2
 
 
@@ -462,7 +446,7 @@ def _drift(exchanges: Sequence[Exchange], links: list[_Link], leaves: list[int],
         if link.kind != "drift":
             continue
         before, sent = exchanges[link.after].tokens, exchanges[k].prompt
-        for i1, i2, j1, j2 in drift_edits(before[link.shared:], sent[link.shared:]):
+        for i1, i2, j1, j2 in drift_edits(before[link.shared:].tolist(), sent[link.shared:].tolist()):
             at = min(link.shared + i1, len(before) - 1)  # an insertion is placed at the token it precedes
             spans.append({"request": k, "turn": links[who(leaves[link.after], at)].turn,
                           "at_turn": link.turn, "branch": tree.branches[leaves[link.after]].id,

@@ -90,7 +90,7 @@ def render_ids(tokenizer: Any, rollout: Rollout) -> tuple[list[int], list[int]]:
     return ids, owner
 
 
-def _edits(stored: list[int], rendered: list[int]) -> list[tuple[int, int, int, int]]:
+def drift_edits(stored: list[int], rendered: list[int]) -> list[tuple[int, int, int, int]]:
     """(i1, i2, j1, j2) of each drifted span: stored[i1:i2] became rendered[j1:j2]."""
     # autojunk off: in long streams the frequent tokens (newlines, headers) are the anchors.
     opcodes = difflib.SequenceMatcher(None, stored, rendered, autojunk=False).get_opcodes()
@@ -227,7 +227,7 @@ def recorded_drift(rollout: Rollout, tokenizer: Any) -> list[dict[str, Any]]:
     found: `branch` (holding the stored side), `request` (meta.record.requests index of the
     request that sent the rewrite) and `at_turn` (its turn); `turn` is the conversation turn
     whose tokens were rewritten, `message` is None (the spans come from tokens, not messages)."""
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
     spans = []
     for index, raw in enumerate(rollout.meta["record"].get("drift") or []):
         entry = _recorded_entry(rollout, index, raw)
@@ -266,9 +266,9 @@ def rollout_drift(rollout: Rollout, tokenizer: Any) -> list[dict[str, Any]]:
         return []
     main = _main_stream(rollout)
     rendered, owner = render_ids(tokenizer, rollout)
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
     spans = []
-    edits = _edits(main.tokens, rendered)
+    edits = drift_edits(main.tokens, rendered)
     floor = (0, 0)
     for k, edit in enumerate(edits):
         ceiling = edits[k + 1][0::2] if k + 1 < len(edits) else (len(main.tokens), len(rendered))
