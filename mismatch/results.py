@@ -399,11 +399,10 @@ TOKENS_ROW_GROUP = 64 * 2**20
 
 
 def write_tokens(tokens: pd.DataFrame, file: Path) -> None:
-    """tokens.parquet, laid out for a fast read back: missing log-probs stay NaN (the contract)
-    rather than becoming Parquet nulls, and the rows are one row group (up to TOKENS_ROW_GROUP).
-    Then each column decodes into one Arrow buffer that pandas takes without a copy (read_tokens),
-    where nulls or several row groups would mean a second, freshly allocated copy of every
-    column (benchmarks/analysis.py measures the read)."""
+    """tokens.parquet of a table in memory (diff, merge): missing log-probs stay NaN (the contract)
+    rather than becoming Parquet nulls, and the rows are one row group (up to TOKENS_ROW_GROUP),
+    so each column decodes into one Arrow buffer that pandas takes without a copy (read_tokens).
+    An audit writes its blocks with TokensWriter instead."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -107,8 +107,8 @@ def _token_terms(pair: PairTokens, scratch: np.ndarray) -> Iterator[tuple[str, n
     """Per-token values whose group sums (`name`) or group maxima (`name_max`) the metrics are made of.
 
     Each value is written into `scratch` (or is an array the pair already holds) and is valid until
-    the next one is asked for: one buffer instead of a dozen fresh ~40 MB arrays, whose page faults
-    cost more than the arithmetic (benchmarks/analysis.py).
+    the next one is asked for: one buffer instead of a dozen fresh arrays, whose page faults cost
+    more than the arithmetic.
     """
     log_ratio, ratio = pair.log_ratio, pair.ratio
     yield "log_ratio", log_ratio

@@ -1,8 +1,8 @@
 """The tokens an analysis reads: a token table's (trainable) rows as arrays, keyed and cut into spans once.
 
-Flow: token table -> TokenView -> metrics / localize / corrections. Each of those accepts a view
-in place of the table, so an audit filters the rows, finds the spans and computes each pair's
-per-token terms once, not once per breakdown (benchmarks/analysis.py measures the difference).
+Flow: token table (or one chunk of it, analysis/chunked.Chunk) -> TokenView -> metrics / localize /
+corrections. The analyses of a chunk share its views, so the rows are filtered, the spans found
+and each pair's per-token terms computed once per chunk, not once per analysis.
 """
 
 from __future__ import annotations
