@@ -100,8 +100,14 @@ def segment_turns(roles: Sequence[str]) -> list[int]:
     return turns
 
 
-def _stored(segment_logprobs: np.ndarray | None, length: int) -> np.ndarray:
-    return segment_logprobs if segment_logprobs is not None else np.full(length, np.nan)
+def _stored_column(per_segment: list[np.ndarray | None], lengths: np.ndarray) -> np.ndarray:
+    """One stored log-prob column over the segments' rows: NaN where a segment stores none (filled
+    in place, not a NaN array made per segment)."""
+    column = np.full(int(lengths.sum()), np.nan)
+    for start, values in zip(np.cumsum(lengths) - lengths, per_segment):
+        if values is not None:
+            column[start:start + len(values)] = values
+    return column
 
 
 def plan_replay(rollouts: Sequence[Rollout], *, indices: Sequence[int] | None = None,
@@ -165,12 +171,12 @@ def plan_replay(rollouts: Sequence[Rollout], *, indices: Sequence[int] | None = 
         "token_id": _concat([seg.tokens for seg in segments], np.int64),
         "trainable": np.repeat(np.fromiter((seg.trainable for seg in segments), dtype=bool,
                                            count=len(segments)), lengths),
-        "logp_sampler": _concat([_stored(seg.logprobs, len(seg.tokens)) for seg in segments], np.float64),
+        "logp_sampler": _stored_column([seg.logprobs for seg in segments], lengths),
     })
     extra_names = sorted({name for seg in segments for name in seg.extra_logprobs})
     stored = {"sampler": table["logp_sampler"].to_numpy()}
-    stored.update({name: _concat([_stored(seg.extra_logprobs.get(name), len(seg.tokens)) for seg in segments],
-                                 np.float64) for name in extra_names})
+    stored.update({name: _stored_column([seg.extra_logprobs.get(name) for seg in segments], lengths)
+                   for name in extra_names})
     return ReplayPlan(requests=requests, request_block=np.asarray(request_block, dtype=np.int64),
                       table=table, stored=stored)
 

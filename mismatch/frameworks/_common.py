@@ -30,6 +30,7 @@ class PairArrays:
         self.rollout = rollout  # each token's rollout
         self.log_ratio = logp_a - logp_b if log_ratio is None else log_ratio
         self._counts = {id(seq): np.bincount(seq), id(rollout): np.bincount(rollout)}
+        self._means: dict[tuple[int, int], np.ndarray] = {}
 
     # Terms several metrics share, made once per pair.
     @cached_property
@@ -58,9 +59,17 @@ class PairArrays:
         return terms.prob_abs_diff(self.logp_a, self.logp_b)
 
     def per(self, codes: np.ndarray, values: np.ndarray) -> np.ndarray:
-        """Mean of `values` per code (`seq` or `rollout`)."""
+        """Mean of `values` per code (`seq` or `rollout`); kept for the pair's own log-prob arrays,
+        which several metrics average per sequence."""
+        own = values is self.logp_a or values is self.logp_b
+        key = (id(codes), id(values))
+        if own and key in self._means:
+            return self._means[key]
         counts = self._counts[id(codes)]
-        return np.bincount(codes, weights=values, minlength=len(counts)) / counts
+        means = np.bincount(codes, weights=values, minlength=len(counts)) / counts
+        if own:
+            self._means[key] = means
+        return means
 
 
 # How a metric's values from every chunk of the table combine (analysis/framework_metrics.py):
