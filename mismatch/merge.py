@@ -1,24 +1,42 @@
 """`mismatch merge`: the results dirs of N shards (`--shard I/N`) combined into one, exactly.
 
-Shards replay disjoint blocks of rollouts with identical batching, so concatenating their token
-tables in file order gives the table one run would have made, and every metric is recomputed from it.
+Shards replay disjoint blocks of rollouts with identical batching, so their token tables' blocks in
+file order are the table one run would have made: they are streamed into the merged tokens.parquet
+a block at a time, and every metric is recomputed from it in chunks, as an audit does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+import itertools
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
-from mismatch.analysis.chunked import table_chunks
+from mismatch.analysis.chunked import PerRollout
 from mismatch.analysis.clip import ClipRange
 from mismatch.analysis.routing import merged_routing
-from mismatch.audit import analyze_audit, audit_pairs, merge_drift, publish
+from mismatch.audit import (
+    analyze_audit,
+    audit_pairs,
+    merge_drift,
+    publish,
+    write_summary_files,
+)
 from mismatch.diff import DIFF_PAIRS, analyze_diff
 from mismatch.errors import ResultsError
-from mismatch.results import check_out_dir, read_summary, read_tokens, results_lock
+from mismatch.results import (
+    TOKENS_FILE,
+    check_out_dir,
+    read_summary,
+    read_tokens,
+    results_lock,
+    staged_tokens,
+    tokens_chunks,
+)
 
 CATEGORICAL = ("rollout", "branch", "branch_kind", "role")
 
@@ -34,31 +52,68 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> dict[str, Any]:
     check_out_dir(out_dir, force=force)
     summaries = [read_summary(path) for path in paths]
     first = _check_compatible(paths, summaries)
+    engines = {source: _merged_engine([s["engines"][source] for s in summaries]) for source in first["engines"]}
+    common = {"engines": engines, "checkpoint": first["checkpoint"], "rollouts_file": first["rollouts_file"]}
+    provenance = {"index": 0, "count": 1, "block_size": first["shard"]["block_size"],
+                  "merged_from": [str(path) for path in paths]}
+    if first["command"] != "audit":  # diff: its bootstrap reads the table in memory
+        table = _merged_table(paths)
+        summary = analyze_diff(table, **common)
+        summary["shard"], summary["inputs"] = provenance, first["inputs"]
+        publish(out_dir, table, summary, DIFF_PAIRS, force=force, work=None)
+        return summary
+    with staged_tokens(out_dir, force=force) as store:
+        order: dict[str, int] = {}  # rollout -> its index in the file, for the drift spans
+        for block in _merged_blocks(paths, first["shard"]["block_size"]):
+            store.write(block)
+            firsts = block.drop_duplicates("rollout")
+            order.update(zip(firsts["rollout"].astype(str), firsts["rollout_index"].tolist()))
+        store.close(empty=_empty_table(paths[0]))
+        clip = first.get("clip") or {}  # the shards' clip range (one run's, as every shard had it)
+        clip_range = ClipRange(low=clip.get("eps_low", 0.2), high=clip.get("eps_high", 0.2))
+        # A prefix two shards share is in neither shard's table twice: not comparable after the fact.
+        prefixes = ({"not_merged": "shared prefixes are compared within one run; audit without --shard"}
+                    if any("prefix_consistency" in s for s in summaries) else None)
+        per_rollout = PerRollout(audit_pairs(store.columns))
+        summary = analyze_audit(store.chunks, **common, drift=_merged_drift(summaries, order), clip=clip_range,
+                                routing=merged_routing(summaries), prefixes=prefixes, also=[per_rollout])
+        summary["shard"], summary["inputs"] = provenance, first["inputs"]
+        write_summary_files(store, summary, per_rollout.result())
+    return summary
+
+
+def _merged_blocks(paths: list[Path], block_size: int) -> Iterator[pd.DataFrame]:
+    """Every shard's blocks in file order (shard i holds blocks i, i + N, ...), read a chunk at a
+    time from each: the rows one run would have written, in its order."""
+    def blocks(path: Path) -> Iterator[tuple[int, pd.DataFrame]]:
+        for chunk in tokens_chunks([path / TOKENS_FILE])():
+            if not len(chunk):  # an empty shard's file
+                continue
+            block = chunk["rollout_index"].to_numpy() // block_size
+            edges = np.flatnonzero(np.r_[True, block[1:] != block[:-1], True])
+            for lo, hi in itertools.pairwise(edges.tolist()):
+                yield int(block[lo]), chunk.iloc[lo:hi].reset_index(drop=True)
+    # A block is in one shard: the merge never compares two tables.
+    for _, block in heapq.merge(*(blocks(path) for path in paths), key=lambda item: item[0]):
+        yield block
+
+
+def _empty_table(path: Path) -> pd.DataFrame:
+    """A shard's token table without its rows (the columns of an empty merge)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_schema(path / TOKENS_FILE).empty_table().to_pandas()
+
+
+def _merged_table(paths: list[Path]) -> pd.DataFrame:
+    """The shards' tables as one, in memory (diff)."""
     tables = [read_tokens(path) for path in paths]
     table = pd.concat([t.astype({c: object for c in CATEGORICAL}) for t in tables], ignore_index=True)
     # Rows of one rollout stay in their order; rollouts go back to file order.
     table = table.sort_values("rollout_index", kind="stable").reset_index(drop=True)
     for column in CATEGORICAL:
         table[column] = table[column].astype("category")
-    engines = {source: _merged_engine([s["engines"][source] for s in summaries]) for source in first["engines"]}
-    common = {"engines": engines, "checkpoint": first["checkpoint"], "rollouts_file": first["rollouts_file"]}
-    if first["command"] == "audit":
-        drift = _merged_drift(summaries, table)
-        clip = first.get("clip") or {}  # the shards' clip range (one run's, as every shard had it)
-        clip_range = ClipRange(low=clip.get("eps_low", 0.2), high=clip.get("eps_high", 0.2))
-        # A prefix two shards share is in neither shard's table twice: not comparable after the fact.
-        prefixes = ({"not_merged": "shared prefixes are compared within one run; audit without --shard"}
-                    if any("prefix_consistency" in s for s in summaries) else None)
-        summary = analyze_audit(table_chunks(table), **common, drift=drift, clip=clip_range, routing=merged_routing(summaries),
-                                prefixes=prefixes)
-        pairs = audit_pairs(table.columns)
-    else:
-        summary, pairs = analyze_diff(table, **common), DIFF_PAIRS
-    summary["shard"] = {"index": 0, "count": 1, "block_size": first["shard"]["block_size"],
-                        "merged_from": [str(path) for path in paths]}
-    summary["inputs"] = first["inputs"]
-    publish(out_dir, table, summary, pairs, force=force, work=None)
-    return summary
+    return table
 
 
 def _merged_engine(described: list[dict[str, Any]]) -> dict[str, Any]:
@@ -79,14 +134,13 @@ def _merged_engine(described: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _merged_drift(summaries: list[dict[str, Any]], table: pd.DataFrame) -> dict[str, Any] | None:
+def _merged_drift(summaries: list[dict[str, Any]], order: dict[str, int]) -> dict[str, Any] | None:
     """The shards' drift findings as one run's: counters summed, spans back in file order. A shard
     without any `messages` has no drift block; its rollouts count as without messages."""
     if not any("drift" in s for s in summaries):
         return None
     blocks = [s.get("drift") or {"num_rollouts_without_messages": s["counts"]["rollouts"]} for s in summaries]
     merged = merge_drift(blocks)
-    order = dict(zip(table["rollout"].astype(str), table["rollout_index"]))
     merged["spans"] = sorted(merged.get("spans", []),  # stable: a rollout's own order kept
                              key=lambda span: order.get(str(span["rollout"]), -1))
     return merged
