@@ -524,3 +524,25 @@ def test_check_rollout_never_raises_on_any_routed_experts(value):
     raw = make_rollout()
     seg(raw, 0, 2)["routed_experts"] = value
     _check_never_raises(raw)
+
+
+def test_the_branch_at_a_time_checks_give_the_segments_the_per_segment_checks_give(monkeypatch) -> None:
+    """A plainly valid branch takes the fast path (one array per branch); its segments are the
+    ones the per-segment checks build, field for field."""
+    import mismatch.rollouts as rollouts_module
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
+    fast = rollouts_module.load_rollouts(example)
+    monkeypatch.setattr(rollouts_module, "_fast_segments", lambda *args, **kwargs: None)
+    slow = rollouts_module.load_rollouts(example)
+    segments = [(a, b) for x, y in zip(fast, slow, strict=True) for p, q in zip(x.branches, y.branches, strict=True)
+                for a, b in zip(p.segments, q.segments, strict=True)]
+    assert segments
+    for a, b in segments:
+        assert (a.role, a.trainable, a.extra_logprobs.keys()) == (b.role, b.trainable, b.extra_logprobs.keys())
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        assert (a.logprobs is None) == (b.logprobs is None)
+        if a.logprobs is not None:
+            np.testing.assert_array_equal(a.logprobs, b.logprobs)
+        for name in a.extra_logprobs:
+            np.testing.assert_array_equal(a.extra_logprobs[name], b.extra_logprobs[name])

@@ -481,14 +481,8 @@ def _fast_segments(raw_segments: list, vocab_size: int | None) -> list[Segment |
             extras.setdefault(name, {})[len(shapes)] = found
         shapes.append((role, len(values), role in MODEL_ROLES if trainable is None else trainable))
     lengths = [length for _, length, _ in shapes]
-    flat = list(itertools.chain.from_iterable(tokens))
-    if not set(map(type, flat)) <= _INT_TYPES:
-        return None
-    try:
-        token_ids = np.array(flat, dtype=np.int64)
-    except OverflowError:
-        return None
-    if token_ids.min() < 0 or (vocab_size is not None and token_ids.max() >= vocab_size):
+    token_ids = _plain_array(tokens, _INT_TYPES, np.int64)
+    if token_ids is None or token_ids.min() < 0 or (vocab_size is not None and token_ids.max() >= vocab_size):
         return None
     cuts = np.cumsum(lengths)[:-1]
     stored_of = _fast_logprobs(logprobs, lengths, cuts)
@@ -501,6 +495,17 @@ def _fast_segments(raw_segments: list, vocab_size: int | None) -> list[Segment |
             for i, ((role, _, trainable), ids) in enumerate(zip(shapes, np.split(token_ids, cuts)))]
 
 
+def _plain_array(lists: list[list], allowed: frozenset[type], dtype: type) -> np.ndarray | None:
+    """The lists' values as one array, or None when one is not of an allowed type or does not fit."""
+    flat = list(itertools.chain.from_iterable(lists))
+    if not set(map(type, flat)) <= allowed:  # in C: no Python loop per value
+        return None
+    try:
+        return np.array(flat, dtype=dtype)
+    except OverflowError:
+        return None
+
+
 def _fast_logprobs(per_segment: list, lengths: list[int], cuts: np.ndarray) -> list[np.ndarray | None] | None:
     """One log-prob name's arrays per segment (None where a segment has none), or None when any
     segment's would need a word: a count that is not its tokens', a non-number, a value not <= 0."""
@@ -509,14 +514,8 @@ def _fast_logprobs(per_segment: list, lengths: list[int], cuts: np.ndarray) -> l
         return [None] * len(per_segment)
     if any(values is not None and len(values) != length for values, length in zip(per_segment, lengths)):
         return None
-    flat = list(itertools.chain.from_iterable(values for values in per_segment if values is not None))
-    if not set(map(type, flat)) <= _NUMBER_TYPES:
-        return None
-    try:
-        logp = np.array(flat, dtype=np.float64)
-    except OverflowError:
-        return None
-    if not ((logp <= 0.0) & (logp > -np.inf)).all():
+    logp = _plain_array([values for values in per_segment if values is not None], _NUMBER_TYPES, np.float64)
+    if logp is None or not ((logp <= 0.0) & (logp > -np.inf)).all():
         return None
     if all(present):
         return list(np.split(logp, cuts))
