@@ -1,6 +1,7 @@
 """DuckDB or Polars for the one analysis that must group a whole run's rows: prefix consistency.
 
 Usage: python benchmarks/groupby_engines.py [--rollouts FILE] [--dir /tmp/mismatch-groupby-bench]
+(needs `pip install polars` for the comparison; mismatch itself uses DuckDB only)
 
 Every other analysis reduces chunks of whole rollouts with numpy (mismatch/analysis/chunked.py);
 prefix consistency groups the tokens of every rollout by a 64-bit hash of their prefix, so its
