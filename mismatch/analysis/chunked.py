@@ -1,13 +1,15 @@
-"""Pair metrics over a token table read in chunks of whole rollouts: memory of one chunk, not of the table.
+"""A token table read in chunks of whole rollouts: every analysis in the memory of a chunk, not of the run.
 
-Flow: token table -> rollout-aligned chunks -> per chunk, each pair's per-span sums (metrics.SpanSums)
--> concatenated, grouped per breakdown -> metrics.group_metrics. What span sums cannot give, the
-ratio quantiles and the rescaled ESS of far-out groups, comes from a second pass over the chunks
-that keeps, per group, only the tails its order statistics lie in (`Tails`).
+Flow: tokens.parquet (or a table in memory) -> rollout-aligned chunks (`Chunks`, re-iterable) ->
+`run_passes`: pass after pass, each chunk once for every `Analysis` that wants it, through views
+they share (`Chunk`) -> each analysis's `result()`. `GroupedPairMetrics` adds each chunk's totals
+per group (metrics.GroupTotals); what totals cannot give comes from a second pass: the ratio
+quantiles from each group's tails (`Tails`), the rescaled ESS of far-out groups. Medians take
+an exact radix selection (`RadixSelect`), spreads and correlations Chan-merged moments (`Moments`).
 
 A rollout is never cut, so a sequence (a branch of a rollout) and a rollout lie in one chunk:
-their codes from each chunk, offset by the chunks before, number them over the whole table. A
-table whose rollouts are not contiguous is read as one chunk (correct, just not bounded).
+whatever is per sequence or per rollout is complete in its chunk. A table whose rollouts are not
+each one contiguous stretch is read as one chunk (correct, just not bounded).
 """
 
 from __future__ import annotations
