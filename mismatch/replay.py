@@ -395,7 +395,7 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
     routing: dict[str, list[StreamRouting]] = {}
     stored_only = all(spec.kind == "stored" for spec in specs.values())
     if stored_only:
-        iter(iter_rollouts(rollouts))  # the file exists and is readable: checked now, not mid-pass
+        iter_rollouts(rollouts)  # opens nothing yet, but checks the file exists and is readable: now
         for source, spec in specs.items():
             engines[source] = {"kind": "stored", "spec": spec.text, "name": spec.options["name"]}
     else:

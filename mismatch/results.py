@@ -431,7 +431,6 @@ class TokensWriter:
         self._schema: Any = None
         self._pending: list[Any] = []
         self._pending_rows = 0
-        self.num_rows = 0
 
     def write(self, block: pd.DataFrame) -> None:
         table = _arrow_table(block, self._schema)
@@ -439,7 +438,6 @@ class TokensWriter:
             self._schema = table.schema
         self._pending.append(table)
         self._pending_rows += len(block)
-        self.num_rows += len(block)
         if self._pending_rows >= self.group_rows:
             self._flush()
 
