@@ -259,6 +259,7 @@ class GroupedPairMetrics:
         self.breakdowns = [list(self.by) + ([OVERALL] if overall else []) for _ in pairs]
         # One set of ids per breakdown, shared by the pairs: a group of the view is every pair's.
         self.ids = {by: _GroupIds() for by in [*self.by, OVERALL]}
+        self.ids[OVERALL].of(pd.Series([OVERALL]))  # the one group of all tokens: id 0
         self.found = [{by: _Breakdown(self.ids[by], GroupTotals.empty(0)) for by in names}
                       for names in self.breakdowns]
 
@@ -282,20 +283,22 @@ class GroupedPairMetrics:
         if index == 0:
             for name in self.by:  # the view's groups, tokens of a pair or not
                 self.ids[name].of(view.series_at(name, view.spans.starts))
-            self.ids[OVERALL].of(pd.Series([OVERALL]))
         for number, (a, b) in enumerate(self.pairs):
             pair = chunk.pair(a, b, self.trainable_only)
-            span_ids = {by: self._span_ids(pair, by) for by in self.breakdowns[number]}
+            span_ids = {by: self._span_ids(chunk, pair, by) for by in self.breakdowns[number]}
             if index == 0:
                 self._add_totals(number, pair, span_ids)
             else:
                 self._add_tokens(number, pair, span_ids)
 
-    def _span_ids(self, pair: PairTokens, by: str) -> np.ndarray:
+    def _span_ids(self, chunk: Chunk, pair: PairTokens, by: str) -> np.ndarray:
+        """The group of each of the pair's spans; pairs with every log-prob defined share the
+        view's spans, so their ids are looked up once per chunk and pass."""
         spans = pair.view.spans
         if by == OVERALL:
             return np.zeros(spans.num_spans, dtype=np.int64)
-        return self.ids[by].of(pair.view.series_at(by, spans.starts))
+        return chunk.memo(("span_ids", id(self), id(pair.view), by),
+                          lambda: self.ids[by].of(pair.view.series_at(by, spans.starts)))
 
     def _add_totals(self, number: int, pair: PairTokens, span_ids: dict[str, np.ndarray]) -> None:
         spans = pair.view.spans
