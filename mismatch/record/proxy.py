@@ -90,6 +90,10 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise MismatchError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+    # Listening now, before the "recording" line: a harness started on that line queues in the
+    # backlog until uvicorn accepts, instead of being refused (a bound socket that does not
+    # listen yet refuses connections).
+    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
