@@ -142,6 +142,9 @@ def test_block_kinds() -> None:
     assert [block_kind(n, linear) for n in ["input_layernorm", "post_attention_layernorm", "self_attn",
                                             "mlp", "pre_feedforward_layernorm", "dropout"]] == \
         ["norm", "norm", "attn", "mlp", "norm", None]
+    # Phi-3's residual dropouts carry "attn" and "mlp" in their names.
+    dropout = torch.nn.Dropout(0.0)
+    assert [block_kind(n, dropout) for n in ["resid_attn_dropout", "resid_mlp_dropout"]] == [None, None]
 
 
 def test_non_torch_engines_and_bad_tokens_are_refused(tiny_checkpoint) -> None:

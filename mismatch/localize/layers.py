@@ -191,6 +191,9 @@ class _Structure:
 def block_kind(name: str, module: nn.Module) -> str | None:
     """"norm" | "attn" | "mlp" for a decoder layer's child, None for anything else (dropout, ...)."""
     lowered = name.lower()
+    # Phi-3's resid_attn_dropout / resid_mlp_dropout are named like blocks but compute nothing at eval.
+    if isinstance(module, nn.Dropout) or "dropout" in lowered:
+        return None
     # Norms first: "post_attention_layernorm" also contains "attention".
     if "norm" in lowered or type(module).__name__.endswith("Norm"):
         return "norm"
