@@ -673,7 +673,7 @@ def record(
 
 @app.command(name="import")
 def import_(
-    fmt: Annotated[str, typer.Argument(metavar="FORMAT", help="verl, prime-rl, skyrl or verifiers.")],
+    fmt: Annotated[str, typer.Argument(metavar="FORMAT", help="verl, prime-rl, skyrl, verifiers or slime.")],
     file: Annotated[Path, typer.Argument(metavar="FILE", help="The framework's dump.")],
     out: Annotated[Path, typer.Option("--out", help="Rollouts file to write (format v1 JSONL).")],
     allow_pickle: Annotated[bool, typer.Option(

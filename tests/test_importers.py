@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
 from mismatch.errors import MismatchError
@@ -144,6 +145,124 @@ def test_prime_rl_json_examples_use_the_same_names(tmp_path: Path) -> None:
     assert _back(rollout) == (PROMPT, RESPONSE, MASK, _trained_logprobs()) and "sampler" not in rollout.meta
 
 
+# prime-rl's structs as PrimeIntellect-ai/prime-rl@559b44772e47 declares them
+# (src/prime_rl/transports/rollouts/types.py:15-19 and 74-98, fields in declaration order).
+class _RoutedExperts(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    data: bytes
+    shape: list[int]
+    dtype: str
+
+
+class _MicroBatch(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    input_ids: list[int]
+    loss_mask: list[bool]
+    advantages: list[float]
+    inference_logprobs: list[float]
+    position_ids: list[int]
+    sequence_lengths: list[int]
+    temperatures: list[float]
+    env_names: list[str]
+    seq_lens: list[int]
+    ref_logprobs: list[float] | None = None
+    routed_experts: _RoutedExperts | None = None
+    mm_kwargs: dict | None = None
+    mm_token_type_ids: list[int] | None = None
+    rl_weights: list[float] | None = None
+    ce_weights: list[float] | None = None
+    ref_kl_weights: list[float] | None = None
+
+
+def _packed(samples: list[tuple[list[int], list[int], list[float]]], padding: int,
+            routing: bool) -> _MicroBatch:
+    """Samples packed as trainer/batch.py prepare_sample + _materialize_bin + pad_micro_batch do:
+    concatenated, position ids from 0 per sample, padding (id 1, env "") appended to the last one;
+    routed experts zero-padded per sample (orchestrator/trajectories.py _encode_routed_experts)."""
+    ids, mask, logprobs, positions, rows = [], [], [], [], []
+    for tokens, sample_mask, sample_logprobs in samples:
+        ids += tokens
+        mask += [bool(m) for m in sample_mask]
+        logprobs += sample_logprobs
+        positions += list(range(len(tokens)))
+        rows += _routing(len(tokens) - 1) + [[[0, 0], [0, 0]]]
+    lengths = [len(tokens) for tokens, _, _ in samples]
+    lengths[-1] += padding
+    routed = None
+    if routing:
+        array = np.array(rows + [[[0, 0], [0, 0]]] * padding, dtype=np.uint8)  # vLLM ids as prime-rl compacts them
+        routed = _RoutedExperts(data=array.tobytes(), shape=list(array.shape), dtype=str(array.dtype))
+    n = len(ids) + padding
+    return _MicroBatch(input_ids=ids + [1] * padding, loss_mask=mask + [False] * padding,
+                       advantages=[0.5 if m else 0.0 for m in mask] + [0.0] * padding,
+                       inference_logprobs=logprobs + [0.0] * padding, position_ids=positions + list(range(padding)),
+                       sequence_lengths=list(lengths), temperatures=[0.7] * n,
+                       env_names=["gsm8k"] * len(ids) + [""] * padding, seq_lens=list(lengths), routed_experts=routed)
+
+
+def test_prime_rl_micro_batch_files_split_samples_and_carry_routing(tmp_path: Path) -> None:
+    """A filesystem-transport rank file: one msgpack list of MicroBatch, samples packed, padded."""
+    full = (PROMPT + RESPONSE, [0] * len(PROMPT) + MASK, [0.0] * len(PROMPT) + LOGPROBS)
+    short = (PROMPT + RESPONSE[:5], [0] * len(PROMPT) + MASK[:5], [0.0] * len(PROMPT) + LOGPROBS[:5])
+    path = tmp_path / "step_3" / "rank_0.bin"
+    path.parent.mkdir()
+    path.write_bytes(msgspec.msgpack.Encoder().encode([_packed([full, short], 3, routing=True),
+                                                       _packed([short], 0, routing=False)]))
+    first, second, third = _imported("prime-rl", path, tmp_path)
+    assert [r.id for r in (first, second, third)] == ["prime-rl-0-0-0", "prime-rl-0-0-1", "prime-rl-0-1-0"]
+    assert _back(first) == (PROMPT, RESPONSE, MASK, _trained_logprobs())
+    assert _back(second)[:3] == (PROMPT, RESPONSE[:5], MASK[:5])  # the padding is not a token of it
+    assert first.meta["sampler"] == {"engine": "prime-rl", "temperature": 0.7} and first.meta["advantage"] == 0.5
+    expected = [[sorted(layer) for layer in row] for row in _routing(len(PROMPT) + len(RESPONSE) - 1)] + [None]
+    assert _routing_back(first) == expected
+    assert _routing_back(second) == [[sorted(layer) for layer in row]
+                                     for row in _routing(len(PROMPT) + 4)] + [None]
+    assert all(s.routed_experts is None for s in third.branch("main").segments)
+    broken = _packed([full], 0, routing=True)
+    broken.routed_experts.shape[0] -= 1
+    path.write_bytes(msgspec.msgpack.Encoder().encode([broken]))
+    with pytest.raises(ImportFormatError, match=r"rank_0.bin\[0\]: \[0\]\.routed_experts: shape \[23, 2, 2\] and 96 "
+                                                r"bytes of uint8 do not make \[24 tokens, layers, top-k\]$"):
+        import_file("prime-rl", path, tmp_path / "o.jsonl")
+
+
+def _slime_sample(tokens: list[int], response_length: int, **fields: Any) -> dict[str, Any]:
+    """Sample.to_dict() (THUDM/slime@624b824a898a slime/utils/types.py:93-130 fields, :222-227):
+    its __dict__ with status as its value and the nested infos as dicts."""
+    return {"group_index": 0, "index": 0, "rollout_id": None, "prompt": "2+3?", "tokens": tokens,
+            "multimodal_inputs": None, "multimodal_train_inputs": None, "multimodal_train_input_id": None,
+            "apply_chat_template_kwargs": {}, "response": "5", "response_length": response_length,
+            "label": "5", "reward": 1.0, "loss_mask": None, "weight_versions": ["3"], "rollout_log_probs": None,
+            "rollout_top_p_token_ids": None, "rollout_top_p_token_offsets": None, "rollout_routed_experts": None,
+            "remove_sample": False, "teacher_log_probs": None, "status": "completed", "metadata": {},
+            "generate_function_path": None, "custom_rm_path": None, "train_metadata": None, "session_id": None,
+            "non_generation_time": 0.0, "spec_info": {}, "prefix_cache_info": {}, **fields}
+
+
+def test_slime_debug_rollout_data_round_trips_with_moe_layers_only(tmp_path: Path) -> None:
+    """save_debug_rollout_data's torch.save({"rollout_id", "samples"}); SGLang's routed experts
+    cover every hidden layer, the dense one (layer 0 here) all zeros (types.py:352-396)."""
+    torch = pytest.importorskip("torch")
+    tokens = PROMPT + RESPONSE
+    captured = [[[0, 0], *row] for row in _routing(len(tokens) - 1)]  # [tokens - 1, 3 layers, top-2]
+    samples = [_slime_sample(tokens, len(RESPONSE), loss_mask=MASK, rollout_log_probs=LOGPROBS,
+                             rollout_routed_experts=torch.tensor(captured, dtype=torch.int32)),
+               _slime_sample(PROMPT + RESPONSE[:5], 5, index=1, rollout_log_probs=LOGPROBS[:5]),
+               _slime_sample(PROMPT + RESPONSE[:5], 5, index=2, rollout_log_probs=LOGPROBS[:5], remove_sample=True)]
+    path = tmp_path / "rollout_data" / "3.pt"
+    path.parent.mkdir()
+    torch.save({"rollout_id": 3, "samples": samples}, path)
+    first, second, removed = _imported("slime", path, tmp_path, allow_pickle=True)
+    assert _back(first) == (PROMPT, RESPONSE, MASK, _trained_logprobs())
+    assert [s.role for s in first.branch("main").segments] == ["user", "assistant", "tool", "assistant"]
+    assert _routing_back(first) == [[sorted(layer) for layer in row] for row in _routing(len(tokens) - 1)] + [None]
+    assert first.meta["step"] == 3 and first.meta["reward"] == 1.0 and first.meta["status"] == "completed"
+    assert _back(second) == (PROMPT, RESPONSE[:5], [1] * 5, LOGPROBS[:5])  # loss_mask None: all trained
+    assert _back(removed)[2] == [0] * 5 and removed.branch("main").segments[1].logprobs.tolist() == LOGPROBS[:5]
+    bad = _jsonl(tmp_path / "samples.jsonl", [_slime_sample(PROMPT, len(PROMPT) + 1)])
+    with pytest.raises(ImportFormatError, match=r"samples.jsonl:1: response_length: must be an integer from 0 to the "
+                                                r"9 tokens, got 10$"):
+        import_file("slime", bad, tmp_path / "o.jsonl")
+
+
 def test_skyrl_generator_output_round_trips(tmp_path: Path) -> None:
     output = {"prompt_token_ids": [PROMPT, PROMPT, PROMPT], "response_ids": [RESPONSE, RESPONSE[:5], RESPONSE[:5]],
               "rewards": [1.0, 0.0, 0.5], "loss_masks": [MASK, MASK[:5], MASK[:5]],
@@ -221,7 +340,7 @@ def test_bad_records_name_file_record_and_field(tmp_path: Path) -> None:
     with pytest.raises(MismatchError, match=r"positive.jsonl:1: rollout 'verl-1': .*logprobs: logprob at index 0 "
                                             r"is 0.5 > 0"):
         import_file("verl", positive, out)
-    with pytest.raises(MismatchError, match="unknown import format 'openrlhf' \\(known: verl, prime-rl, skyrl, verifiers\\)"):
+    with pytest.raises(MismatchError, match="unknown import format 'openrlhf' \\(known: verl, prime-rl, skyrl, verifiers, slime\\)"):
         import_file("openrlhf", path, out)
     assert not out.exists()
 

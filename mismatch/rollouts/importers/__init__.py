@@ -1,6 +1,6 @@
 """Importers: other RL frameworks' rollout dumps (token ids, masks, sampler log-probs) → format v1.
 
-First step of the flow for users of verl, prime-rl, SkyRL or verifiers: `import_file` reads the
+First step of the flow for users of verl, prime-rl, SkyRL, verifiers or slime: `import_file` reads the
 dump, converts each record with its framework's module, validates every rollout, writes JSONL.
 """
 
@@ -24,6 +24,7 @@ FORMATS: dict[str, str] = {
     "prime-rl": "mismatch.rollouts.importers.prime_rl",
     "skyrl": "mismatch.rollouts.importers.skyrl",
     "verifiers": "mismatch.rollouts.importers.verifiers",
+    "slime": "mismatch.rollouts.importers.slime",
 }
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 MSGPACK_SUFFIXES = (".bin", ".msgpack", ".mpk")

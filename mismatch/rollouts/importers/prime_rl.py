@@ -1,24 +1,42 @@
-"""prime-rl token export → format v1: each TrainingExample of a TrainingBatch becomes one rollout.
+"""prime-rl token exports → format v1: each sample of a micro-batch file (or TrainingExample) is one rollout.
 
-Field names and order from PrimeIntellect-ai/prime-rl `src/prime_rl/transport/types.py`
-(`TrainingExample`: prompt_ids, prompt_mask, completion_ids, completion_mask, completion_logprobs,
-advantage; `TrainingBatch`: examples, temperature, seq_len, step — msgspec structs with
-array_like=True, so the msgpack `rollouts/step_N/rollouts.bin` that
-`src/prime_rl/transport/filesystem.py` writes holds arrays in that order). A JSON dump with the
-same names as keys is read too. In an interleaved multi-turn example the completion holds the
-environment's tokens with mask 0 and placeholder log-probs; those become tool segments.
+Current prime-rl (PrimeIntellect-ai/prime-rl@559b44772e47): with `rollout_transport = {type =
+"filesystem"}` the orchestrator writes `rollouts/step_N/rank_R.bin`, one msgspec msgpack list of
+`MicroBatch` (`src/prime_rl/transports/rollouts/filesystem.py:29-35`; the struct, array_like with
+omit_defaults, in `src/prime_rl/transports/rollouts/types.py:74-98`): samples packed end to end,
+their lengths in `seq_lens`, `loss_mask` true on sampled tokens, `inference_logprobs` per token,
+padding appended to the last sample with position ids restarting at 0
+(`src/prime_rl/trainer/batch.py:345-458` prepare_sample, `:538-617` _materialize_bin, `:692-738`
+pad_micro_batch). Routing replay (`trainer.enable_router_replay`): `routed_experts` is a
+`RoutedExperts(data: bytes, shape: [tokens, layers, top-k], dtype)` (types.py:15-19), row i for
+token i, zero rows where vLLM returned none (`src/prime_rl/orchestrator/trajectories.py:52-67`
+zero-pads the tail; vLLM's `CompletionOutput.routed_experts` never has the last token).
+
+Older prime-rl (until b8697b0f0, 2025-12-15) wrote a `TrainingBatch` (examples, temperature,
+seq_len, step) of `TrainingExample` (prompt_ids, prompt_mask, completion_ids, completion_mask,
+completion_logprobs, advantage) from `src/prime_rl/transport/types.py`; a JSON dump with the same
+names as keys is read too. That format never carried routed experts: router replay came later
+(bc77fa069, 2026-02-26). In an interleaved multi-turn sample the tokens between sampled spans are
+the environment's (mask 0); those become tool segments.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from mismatch.rollouts.importers._common import (Where, branch, floats, get, ints, masked_segments,
-                                                 runs, same_length, source_meta)
+                                                 routed_rows, runs, same_length, source_meta, with_routing)
 
 EXAMPLE_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "completion_logprobs",
                   "advantage")
 BATCH_FIELDS = ("examples", "temperature", "seq_len", "step")
+MICRO_BATCH_FIELDS = ("input_ids", "loss_mask", "advantages", "inference_logprobs", "position_ids",
+                      "sequence_lengths", "temperatures", "env_names", "seq_lens", "ref_logprobs", "routed_experts",
+                      "mm_kwargs", "mm_token_type_ids", "rl_weights", "ce_weights", "ref_kl_weights")
+MICRO_BATCH_REQUIRED = 9  # through seq_lens; the rest default to None and omit_defaults drops them
+ROUTED_EXPERTS_FIELDS = ("data", "shape", "dtype")
 
 
 def _as_struct(value: Any, fields: tuple[str, ...], required: int) -> dict[str, Any] | None:
@@ -40,8 +58,21 @@ def _is_batch(record: Any) -> bool:
             and all(isinstance(x, (list, dict)) for x in record[0]))
 
 
+def _is_micro_batch(value: Any) -> bool:
+    if isinstance(value, dict):
+        return "input_ids" in value
+    return (isinstance(value, list) and MICRO_BATCH_REQUIRED <= len(value) <= len(MICRO_BATCH_FIELDS)
+            and all(isinstance(x, list) for x in value[:MICRO_BATCH_REQUIRED]))
+
+
 def convert(record: Any, where: Where) -> list[dict[str, Any]]:
-    """A TrainingBatch (its examples, with its temperature and step) or a single TrainingExample."""
+    """A rank file's MicroBatch list (or one MicroBatch), a TrainingBatch (its examples, with its
+    temperature and step) or a single TrainingExample."""
+    # A list of MicroBatch is tested first: four of them would also pass for a TrainingBatch's shape.
+    if isinstance(record, list) and record and all(_is_micro_batch(x) for x in record):
+        return [rollout for m, micro in enumerate(record) for rollout in _micro_batch(micro, where, m)]
+    if isinstance(record, dict) and _is_micro_batch(record):
+        return _micro_batch(record, where, None)
     if _is_batch(record):
         batch = _as_struct(record, BATCH_FIELDS, len(BATCH_FIELDS))
         examples = get(batch, "examples", where)
@@ -76,3 +107,83 @@ def _rollout(value: Any, where: Where, rollout_id: str, batch: dict[str, Any], p
                        advantage=example.get("advantage"))
     return {"id": rollout_id, "meta": meta, "branches": [branch("main", segments)]}
 
+
+
+def _flags(value: Any, field: str, where: Where) -> list[int]:
+    """A list[bool] mask (msgpack booleans; 0/1 in hand-written JSON) as 0/1."""
+    if not isinstance(value, list) or not all(v in (0, 1) for v in value):
+        raise where.error(field, "must be an array of booleans")
+    return [int(v) for v in value]
+
+
+def _micro_batch(value: Any, where: Where, index: int | None) -> list[dict[str, Any]]:
+    """Each packed sample of one MicroBatch as a rollout, its padding dropped."""
+    prefix = "" if index is None else f"[{index}]."
+    micro = _as_struct(value, MICRO_BATCH_FIELDS, MICRO_BATCH_REQUIRED)
+    field = lambda name: get(micro, name, where, prefix=prefix)
+    ids = ints(field("input_ids"), prefix + "input_ids", where)
+    loss_mask = _flags(field("loss_mask"), prefix + "loss_mask", where)
+    logprobs = floats(field("inference_logprobs"), prefix + "inference_logprobs", where)
+    positions = ints(field("position_ids"), prefix + "position_ids", where)
+    temperatures = floats(field("temperatures"), prefix + "temperatures", where)
+    advantages = floats(field("advantages"), prefix + "advantages", where)
+    env_names = field("env_names")
+    seq_lens = ints(field("seq_lens"), prefix + "seq_lens", where)
+    for name, values in (("loss_mask", loss_mask), ("inference_logprobs", logprobs), ("position_ids", positions),
+                         ("temperatures", temperatures), ("advantages", advantages), ("env_names", env_names)):
+        same_length(prefix + name, values, "input_ids", ids, where)
+    if sum(seq_lens) != len(ids) or any(n <= 0 for n in seq_lens):
+        raise where.error(prefix + "seq_lens", f"must be positive sample lengths summing to the "
+                                               f"{len(ids)} input_ids, got {seq_lens}")
+    routed = micro.get("routed_experts")
+    if routed is not None:
+        routed = _routed_experts(routed, prefix + "routed_experts", len(ids), where)
+    rollouts = []
+    start = 0
+    for s, length in enumerate(seq_lens):
+        # pad_micro_batch extends the last sample with position ids counting again from 0.
+        stop = next((i for i in range(start + 1, start + length) if positions[i] == 0), start + length)
+        rollout_id = f"prime-rl-{where.index}" + ("" if index is None else f"-{index}") + f"-{s}"
+        rollouts.append(_sample(ids[start:stop], loss_mask[start:stop], logprobs[start:stop],
+                                temperatures[start:stop], advantages[start:stop], env_names[start],
+                                routed[start:stop] if routed is not None else None, where, rollout_id))
+        start += length
+    return rollouts
+
+
+def _routed_experts(value: Any, field: str, num_tokens: int, where: Where) -> list[Any]:
+    """RoutedExperts(data, shape, dtype): raw bytes of a [tokens, layers, top-k] integer array, as
+    trajectories.py `_encode_routed_experts` writes it (`arr.tobytes()`, `str(arr.dtype)`)."""
+    struct = _as_struct(value, ROUTED_EXPERTS_FIELDS, len(ROUTED_EXPERTS_FIELDS))
+    if struct is None or not isinstance(struct.get("data"), bytes):
+        raise where.error(field, "must be a RoutedExperts (data: bytes, shape: [tokens, layers, top-k], dtype)")
+    shape = ints(get(struct, "shape", where, prefix=field + "."), field + ".shape", where)
+    try:
+        dtype = np.dtype(get(struct, "dtype", where, prefix=field + "."))
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in "iu":
+        raise where.error(field + ".dtype", f"must name an integer dtype, got {struct['dtype']!r}")
+    if len(shape) != 3 or shape[0] != num_tokens or len(struct["data"]) != int(np.prod(shape)) * dtype.itemsize:
+        raise where.error(field, f"shape {shape} and {len(struct['data'])} bytes of {dtype} do not make "
+                                 f"[{num_tokens} tokens, layers, top-k]")
+    rows = np.frombuffer(struct["data"], dtype=dtype).reshape(shape).tolist()
+    return routed_rows(rows, field, num_tokens, where)
+
+
+def _sample(ids: list[int], mask: list[int], logprobs: list[float], temperatures: list[float],
+            advantages: list[float], env_name: Any, routed: list[Any] | None, where: Where,
+            rollout_id: str) -> dict[str, Any]:
+    # The tokens before the first sampled one are the prompt; later mask-0 runs are the environment's.
+    first = next((i for i, on in enumerate(mask) if on), len(mask))
+    segments = [with_routing({"role": "user", "tokens": ids[:first]}, routed[:first] if routed else None),
+                *masked_segments(ids[first:], mask[first:], logprobs[first:], off_role="tool",
+                                 routed=routed[first:] if routed else None)]
+    # Per-token temperatures and advantages: one value over the sampled tokens is the rollout's.
+    sampled_temperatures = {t for t, on in zip(temperatures, mask) if on}
+    sampled_advantages = {a for a, on in zip(advantages, mask) if on}
+    sampler = ({"engine": "prime-rl", "temperature": sampled_temperatures.pop()}
+               if len(sampled_temperatures) == 1 else None)
+    meta = source_meta("prime-rl", where, sampler=sampler, env=env_name or None,
+                       advantage=sampled_advantages.pop() if len(sampled_advantages) == 1 else None)
+    return {"id": rollout_id, "meta": meta, "branches": [branch("main", segments)]}
