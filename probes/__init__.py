@@ -15,12 +15,12 @@ import torch
 
 from mismatch.engines.hf import resolve_device
 from mismatch.errors import MismatchError
-from probes import attention, matmul, norm, reductions, softmax
+from probes import attention, matmul, norm, reductions, router, softmax
 from probes.result import SOURCES, ProbeResult
 from probes.shapes import ProbeShapes, shapes_from_checkpoint
 
 FAMILIES = {"matmul": matmul.run, "attention": attention.run, "norm": norm.run,
-            "softmax": softmax.run, "reductions": reductions.run}
+            "softmax": softmax.run, "reductions": reductions.run, "router": router.run}
 
 
 def run_probes(checkpoint_or_shapes: str | Path | ProbeShapes, *, device: str = "auto", seed: int = 0,
@@ -62,7 +62,9 @@ def format_table(results: Sequence[ProbeResult]) -> str:
             # Rounded down, so "100.0%" only ever means every element is bitwise equal.
             percent = math.floor(r.bitwise_equal_frac * 1000) / 10
             numbers = f"{percent:>6.1f}% {r.max_abs_diff:>9.2e} {r.max_ulp_diff:>6}"
-        lines.append(f"{r.family:<10} {r.source:<15} {r.dtype:<8} {numbers}  {r.op} | {r.variation}")
+        flips = "" if r.num_flipped is None else \
+            f" | top-k flipped for {r.num_flipped} tokens ({r.flipped_frac:.2%})"
+        lines.append(f"{r.family:<10} {r.source:<15} {r.dtype:<8} {numbers}  {r.op} | {r.variation}{flips}")
     return "\n".join(lines)
 
 

@@ -19,18 +19,52 @@ FAMILY = "matmul"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def attention_projections(shapes: ProbeShapes) -> list[tuple[str, int, int]]:
+    """(name, in, out) of the attention's projections: q/k/v/o, or MLA's low-rank ones."""
+    if shapes.mla is None:
+        return [("q_proj", shapes.hidden, shapes.num_heads * shapes.head_dim),
+                ("k_proj/v_proj", shapes.hidden, shapes.num_kv_heads * shapes.head_dim),
+                ("o_proj", shapes.num_heads * shapes.head_dim, shapes.hidden)]
+    mla, num_heads = shapes.mla, shapes.num_heads
+    if mla.q_lora_rank is None:
+        q = [("q_proj", shapes.hidden, num_heads * mla.qk_head_dim)]
+    else:
+        q = [("q_a_proj", shapes.hidden, mla.q_lora_rank), ("q_b_proj", mla.q_lora_rank, num_heads * mla.qk_head_dim)]
+    # kv_a_proj_with_mqa: the latent and the one rotary key all heads share; kv_b_proj: per-head k_nope and v.
+    return [*q, ("kv_a_proj_with_mqa", shapes.hidden, mla.kv_lora_rank + mla.qk_rope_head_dim),
+            ("kv_b_proj", mla.kv_lora_rank, num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)),
+            ("o_proj", num_heads * mla.v_head_dim, shapes.hidden)]
+
+
+def mlp_projections(shapes: ProbeShapes) -> list[tuple[str, int, int]]:
+    """(name, in, out) of the MLPs the model runs: dense, router, experts (gate and up fused, as
+    transformers and vLLM store them), shared experts."""
+    named = []
+    if shapes.intermediate is not None:
+        named += [("gate_proj/up_proj", shapes.hidden, shapes.intermediate),
+                  ("down_proj", shapes.intermediate, shapes.hidden)]
+    if (moe := shapes.moe) is not None:
+        named += [("router", shapes.hidden, moe.num_experts),
+                  ("experts.gate_up_proj", shapes.hidden, 2 * moe.intermediate),
+                  ("experts.down_proj", moe.intermediate, shapes.hidden)]
+        if moe.shared_intermediate:
+            named += [("shared_experts.gate_proj/up_proj", shapes.hidden, moe.shared_intermediate),
+                      ("shared_experts.down_proj", moe.shared_intermediate, shapes.hidden)]
+    return named
+
+
 def linear_ops(shapes: ProbeShapes) -> list[tuple[str, int, int]]:
     """(name, in, out) of each distinct projection shape, names joined when shapes coincide."""
-    named = [("q_proj", shapes.hidden, shapes.num_heads * shapes.head_dim),
-             ("k_proj/v_proj", shapes.hidden, shapes.num_kv_heads * shapes.head_dim),
-             ("o_proj", shapes.num_heads * shapes.head_dim, shapes.hidden),
-             ("gate_proj/up_proj", shapes.hidden, shapes.intermediate),
-             ("down_proj", shapes.intermediate, shapes.hidden),
-             ("lm_head", shapes.hidden, shapes.vocab)]
+    named = [*attention_projections(shapes), *mlp_projections(shapes), ("lm_head", shapes.hidden, shapes.vocab)]
     merged: dict[tuple[int, int], list[str]] = {}
     for name, fan_in, fan_out in named:
         merged.setdefault((fan_in, fan_out), []).append(name)
     return [("/".join(names), fan_in, fan_out) for (fan_in, fan_out), names in merged.items()]
+
+
+def merged_name(shapes: ProbeShapes, part: str) -> str:
+    """The name `linear_ops` gives the shape that `part` (e.g. "down_proj") shares with others."""
+    return next(name for name, _, _ in linear_ops(shapes) if part in name.split("/"))
 
 
 def op_name(name: str, w_KD: torch.Tensor) -> str:
@@ -160,9 +194,12 @@ def run(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> l
             for rows_per_call in (1, num_rows // 4):
                 results.append(batch_invariance(x_ND.to(dtype), w_KD.to(dtype), rows_per_call=rows_per_call, op=op))
         results.append(tf32(x_ND, w_KD, op=op))
-    # Reduction-dim variations on the longest reduction (down_proj), where they bite most.
-    down = next(name for name in weights if "down_proj" in name)
-    x_NI, w_DI = x_by_width[shapes.intermediate], weights[down]
+    # Reduction-dim variations on the MLP down projection most tokens run (an expert's in an MoE).
+    width = shapes.mlp_intermediate
+    down, gate = (("experts.down_proj", "experts.gate_up_proj") if shapes.moe is not None
+                  else ("down_proj", "gate_proj"))
+    down, gate = merged_name(shapes, down), merged_name(shapes, gate)
+    x_NI, w_DI = x_by_width[width], weights[down]
     op = op_name(down, w_DI)
     for num_splits in (2, 4):
         results.append(split_k_order(x_NI, w_DI, num_splits=num_splits, op=op))
@@ -173,7 +210,6 @@ def run(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> l
     b_D = randn(shapes.hidden, gen=gen, device=device)
     for dtype in DTYPES:
         results.append(fused_bias(x_NI.to(dtype), w_DI.to(dtype), b_D.to(dtype), op=op))
-    gate = next(name for name in weights if "gate_proj" in name)
-    results.append(intermediate_rounding(x_by_width[shapes.hidden], weights[gate], w_DI,
-                                         op=f"linear {gate} then {down}"))
+    w_IH = weights[gate][:width]  # an expert's fused gate_up: its first half is the gate
+    results.append(intermediate_rounding(x_by_width[shapes.hidden], w_IH, w_DI, op=f"linear {gate} then {down}"))
     return results

@@ -19,7 +19,7 @@ SOURCES = ("batch_size", "chunking", "split_kv", "prefill_decode", "dtype", "tf3
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ProbeResult:
-    family: str       # matmul | attention | norm | softmax | reductions
+    family: str       # matmul | attention | norm | softmax | reductions | router
     op: str           # the op and its shape, e.g. "linear down_proj 384->128"
     variation: str    # what is compared with what, e.g. "each row alone vs in a batch of 64"
     source: str       # one of SOURCES
@@ -31,13 +31,17 @@ class ProbeResult:
     max_ulp_diff: int | None
     num_elements: int
     note: str = ""
+    # Router probes only: tokens whose set of top-k experts differs between the two computations.
+    num_flipped: int | None = None
+    flipped_frac: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"family": self.family, "op": self.op, "variation": self.variation,
                 "source": self.source, "dtype": self.dtype, "device": self.device,
                 "applicable": self.applicable, "bitwise_equal_frac": self.bitwise_equal_frac,
                 "max_abs_diff": self.max_abs_diff, "max_ulp_diff": self.max_ulp_diff,
-                "num_elements": self.num_elements, "note": self.note}
+                "num_elements": self.num_elements, "note": self.note, "num_flipped": self.num_flipped,
+                "flipped_frac": self.flipped_frac}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
