@@ -1,7 +1,8 @@
 """Softmax / log_softmax probe over the vocabulary: batch, vocab sharding, precision, logit rounding.
 
 Part of `mismatch probe`: the realized token's log-prob is the last op of both paths; trainers
-upcast bf16 logits to fp32, engines may shard the vocab (tensor parallel) or keep bf16.
+upcast bf16 logits to fp32, engines may shard the vocab (tensor parallel) or keep bf16. Gemma's
+final logit soft-cap, where the config has one, is one more rounding in the model dtype.
 """
 
 from __future__ import annotations
@@ -83,4 +84,21 @@ def run(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> l
                                variation=f"logits rounded to {name} before an fp32 log_softmax vs fp32 logits"))
         results.append(measure(native, torch.log_softmax(logits32, dim=-1).to(dtype), family=FAMILY, op=op,
                                source="dtype", variation=f"{name} log_softmax vs fp32 rounded to {name}"))
+        if shapes.final_softcap is not None:
+            results.append(final_softcap_rounding(logits, shapes.final_softcap))
     return results
+
+
+def softcap(logits_NV: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma's final_logit_softcapping, in the logits' own dtype as transformers computes it."""
+    return torch.tanh(logits_NV / cap) * cap
+
+
+def final_softcap_rounding(logits_NV: torch.Tensor, cap: float) -> ProbeResult:
+    """The cap on the lm_head's low-precision logits (transformers) vs on their fp32 upcast, each then
+    through an fp32 log_softmax: tanh's rounding in the model dtype is all that differs."""
+    name = dtype_name(logits_NV.dtype)
+    return measure(torch.log_softmax(softcap(logits_NV, cap).float(), dim=-1),
+                   torch.log_softmax(softcap(logits_NV.float(), cap), dim=-1), family=FAMILY,
+                   op=f"soft-cap {cap:g} then log_softmax N={logits_NV.shape[0]} V={logits_NV.shape[1]}",
+                   source="rounding", variation=f"logits capped in {name} vs capped in fp32, fp32 log_softmax")
