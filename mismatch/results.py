@@ -27,6 +27,7 @@ from mismatch.errors import ResultsError
 
 if TYPE_CHECKING:
     import pandas as pd
+    import pyarrow as pa
 
 SUMMARY_SCHEMA = "mismatch.summary/v1"
 SUMMARY_FILE = "summary.json"          # the numbers (schema: SCHEMA_FILE)
@@ -514,11 +515,17 @@ def tokens_chunks(files: Sequence[Path], *, columns: Sequence[str] | None = None
                 groups.append(group)
                 size += reader.metadata.row_group(group).num_rows
                 if size >= limit or group == reader.num_row_groups - 1:
-                    yield _sorted_categories(reader.read_row_groups(groups, columns=columns).to_pandas())
+                    yield _frame(reader.read_row_groups(groups, columns=columns))
                     groups, size = [], 0
             if reader.num_row_groups == 0:
-                yield _sorted_categories(reader.read(columns=columns).to_pandas())
+                yield _frame(reader.read(columns=columns))
     return passes
+
+
+def _frame(table: pa.Table) -> pd.DataFrame:
+    """A chunk read as pandas, a block per column: consolidating them into 2-D blocks copied every
+    chunk again (0.4 of 0.9 s a pass at 10^7 rows). Categories come back sorted."""
+    return _sorted_categories(table.to_pandas(split_blocks=True, self_destruct=True))
 
 
 def _sorted_categories(frame: pd.DataFrame) -> pd.DataFrame:

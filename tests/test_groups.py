@@ -143,3 +143,27 @@ def test_order_statistics_are_exact(shape):
     np.testing.assert_array_equal(order_statistics(values.copy(), ranks), np.sort(values)[ranks])
     middle = np.array([10, n // 2])  # not all in the tails: the plain partition
     np.testing.assert_array_equal(order_statistics(values.copy(), middle), np.sort(values)[middle])
+
+
+def test_many_segments_sorted_at_once_give_the_partitioned_quantiles(monkeypatch) -> None:
+    """segment_quantiles sorts all segments at once above _SORT_SEGMENTS of them (per rollout):
+    the same numbers as a partition per segment, NaN, inf, ties and empty segments included."""
+    from mismatch.analysis import groups
+
+    rng = np.random.default_rng(0)
+    qs = [0.0, 0.001, 0.01, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0]
+    for trial in range(100):
+        counts = rng.integers(0, 30, rng.integers(1, 80))
+        values = rng.normal(size=int(counts.sum()))
+        if len(values) and trial % 3 == 0:
+            values[rng.integers(0, len(values), 3)] = np.nan
+        if len(values) and trial % 5 == 0:
+            values[rng.integers(0, len(values), 3)] = np.inf
+        if trial % 7 == 0:
+            values = np.round(values)
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        monkeypatch.setattr(groups, "_SORT_SEGMENTS", 0)
+        at_once = groups.segment_quantiles(values.copy(), bounds, qs)
+        monkeypatch.setattr(groups, "_SORT_SEGMENTS", 10**9)
+        one_by_one = groups.segment_quantiles(values.copy(), bounds, qs)
+        np.testing.assert_array_equal(at_once, one_by_one)

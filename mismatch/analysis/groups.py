@@ -218,13 +218,39 @@ def quantiles(values: np.ndarray, spans: Spans, grouping: Grouping, qs: Sequence
     return segment_quantiles(by_group, np.concatenate([[0], np.cumsum(counts)]), qs)
 
 
+# Above this many segments one sort of all of them beats a partition per segment (per rollout:
+# thousands of small segments, each a Python round trip).
+_SORT_SEGMENTS = 32
+
+
 def segment_quantiles(by_group: np.ndarray, bounds: np.ndarray, qs: Sequence[float]) -> np.ndarray:
-    """Quantiles of each segment by_group[bounds[g]:bounds[g + 1]] (partitioned in place)."""
-    out = np.full((len(bounds) - 1, len(qs)), np.nan)
-    for group in range(len(bounds) - 1):
+    """Quantiles of each segment by_group[bounds[g]:bounds[g + 1]] (reordered in place)."""
+    num_segments = len(bounds) - 1
+    if num_segments > _SORT_SEGMENTS:
+        return _sorted_segment_quantiles(by_group, np.asarray(bounds, dtype=np.int64), qs)
+    out = np.full((num_segments, len(qs)), np.nan)
+    for group in range(num_segments):
         lo, hi = bounds[group], bounds[group + 1]
         if hi > lo:
             out[group] = _quantiles_of(by_group[lo:hi], qs)
+    return out
+
+
+def _sorted_segment_quantiles(by_group: np.ndarray, bounds: np.ndarray, qs: Sequence[float]) -> np.ndarray:
+    """segment_quantiles by one sort within every segment: the same order statistics (NaN last,
+    as a partition puts it), the same interpolation."""
+    counts = np.diff(bounds)
+    segment = np.repeat(np.arange(len(counts)), counts)
+    by_group[:] = by_group[np.lexsort((by_group, segment))]
+    n = np.maximum(counts, 1)[:, None]
+    virtual = np.asarray(qs, dtype=np.float64)[None, :] * (n - 1)
+    lo = np.floor(virtual).astype(np.int64)
+    hi = np.minimum(lo + 1, n - 1)
+    if len(by_group) == 0:
+        return np.full((len(counts), len(qs)), np.nan)
+    first = np.minimum(bounds[:-1, None], len(by_group) - 1)
+    out = _lerp_arrays(by_group[first + lo], by_group[first + hi], virtual - lo)
+    out[counts == 0] = np.nan
     return out
 
 
@@ -243,7 +269,10 @@ def _ranks(n: int, qs: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 
 def _lerp(ordered: dict[int, float], lo: np.ndarray, hi: np.ndarray, virtual: np.ndarray) -> np.ndarray:
-    a, b, t = np.array([ordered[k] for k in lo]), np.array([ordered[k] for k in hi]), virtual - lo
+    return _lerp_arrays(np.array([ordered[k] for k in lo]), np.array([ordered[k] for k in hi]), virtual - lo)
+
+
+def _lerp_arrays(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         diff = b - a
         # numpy's _lerp: from the nearer end, so t = 1 gives b exactly; equal ends (inf too) give a.
