@@ -41,7 +41,7 @@ def fma_reference(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Te
 def run(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> list[ProbeResult]:
     num_rows = shapes.tokens
     results: list[ProbeResult] = []
-    for width in sorted({shapes.hidden, shapes.intermediate}):
+    for width in sorted({shapes.hidden, shapes.mlp_intermediate}):
         x32 = randn(num_rows, width, gen=gen, device=device)
         op = f"sum N={num_rows} D={width}"
         for dtype in DTYPES:

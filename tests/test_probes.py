@@ -11,10 +11,20 @@ import torch
 import torch.nn.functional as F
 
 import probes
+from mismatch.cli import main
 from mismatch.errors import CheckpointError, MismatchError
-from probes import attention, matmul, norm, reductions, softmax
+from probes import attention, matmul, norm, reductions, router, softmax
 from probes.result import SOURCES, measure
-from probes.shapes import ProbeShapes, shapes_from_checkpoint
+from probes.shapes import (
+    MoEShapes,
+    ProbeShapes,
+    attn_scale_from_config,
+    has_dense_mlp,
+    mla_from_config,
+    moe_from_config,
+    shapes_from_checkpoint,
+    sliding_window_from_config,
+)
 from probes.ulp import bitwise_equal, max_ulp_diff, ordinal, ulp_diff
 
 TINY = ProbeShapes(hidden=128, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=384, vocab=1024)
@@ -181,3 +191,152 @@ def test_unknown_family_and_config_without_shapes_are_errors(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(CheckpointError, match="config.json: no 'num_attention_heads'; probes need"):
         shapes_from_checkpoint(tmp_path)
+
+
+# ---- MoE, MLA and Gemma: config keys, the router probe, the shapes each architecture really runs -
+
+def test_moe_mla_and_gemma_keys_are_read_as_transformers_names_them():
+    mixtral = {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 14336}
+    assert moe_from_config(mixtral) == MoEShapes(num_experts=8, top_k=2, intermediate=14336)
+    assert not has_dense_mlp(mixtral, moe_from_config(mixtral))  # Mixtral's intermediate_size is the expert's
+    qwen = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
+            "mlp_only_layers": [], "decoder_sparse_step": 1, "use_sliding_window": False, "sliding_window": 4096}
+    assert moe_from_config(qwen).intermediate == 768 and not has_dense_mlp(qwen, moe_from_config(qwen))
+    assert has_dense_mlp({**qwen, "mlp_only_layers": [0]}, moe_from_config(qwen))
+    assert sliding_window_from_config(qwen) is None  # use_sliding_window switches Qwen's window off
+    deepseek = {"model_type": "deepseek_v3", "n_routed_experts": 256, "num_experts_per_tok": 8,
+                "moe_intermediate_size": 2048, "intermediate_size": 18432, "n_shared_experts": 1, "n_group": 8,
+                "topk_group": 4, "first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                "rope_scaling": {"type": "yarn", "factor": 40, "mscale_all_dim": 1.0}}
+    moe = moe_from_config(deepseek)  # no scoring_func: transformers' DeepseekV3 router is a sigmoid
+    assert (moe.scoring, moe.shared_intermediate, moe.num_groups, moe.topk_groups) == ("sigmoid", 2048, 8, 4)
+    assert has_dense_mlp(deepseek, moe)
+    mla = mla_from_config(deepseek)
+    assert mla.qk_head_dim == 192 and mla.q_lora_rank == 1536
+    mscale = 0.1 * math.log(40) + 1.0
+    assert attn_scale_from_config(deepseek, mla) == pytest.approx(192 ** -0.5 * mscale ** 2, rel=1e-12)
+    assert attn_scale_from_config({"query_pre_attn_scalar": 144}, None) == 144 ** -0.5
+    assert sliding_window_from_config({"sliding_window": 512, "layer_types": ["full_attention"]}) is None
+    assert sliding_window_from_config({"sliding_window": 512, "layer_types": ["sliding_attention"]}) == 512
+    with pytest.raises(CheckpointError, match="scoring_func 'sparsemax' is not one the probes know"):
+        moe_from_config({**mixtral, "scoring_func": "sparsemax"})
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_router_selection_is_transformers_router(arch, architecture_checkpoint):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(architecture_checkpoint(arch))
+    shapes = shapes_from_checkpoint(architecture_checkpoint(arch))
+    if arch == "deepseek_v3":
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            DeepseekV3TopkRouter as Router,
+        )
+    else:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+            Qwen3MoeTopKRouter as Router,
+        )
+    module = Router(config)
+    gen = torch.Generator().manual_seed(7)
+    x_ND = torch.randn(256, shapes.hidden, generator=gen)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * shapes.hidden ** -0.5)
+        bias_E = None
+        if hasattr(module, "e_score_correction_bias"):
+            bias_E = torch.randn(shapes.moe.num_experts, generator=gen) * 0.1
+            module.e_score_correction_bias.copy_(bias_E)
+        indices_NK = module(x_ND)[2].sort(-1).values
+    ours_NK = router.select(router.scores(F.linear(x_ND, module.weight), shapes.moe), shapes.moe, bias_E)
+    assert torch.equal(ours_NK, indices_NK)
+    if bias_E is not None:  # the bias and the groups matter: without them other experts are picked
+        plain = router.select(router.scores(F.linear(x_ND, module.weight), shapes.moe), shapes.moe, None)
+        assert not torch.equal(plain, indices_NK)
+
+
+def test_near_tie_router_flips_in_bf16_and_never_in_its_fp32_control():
+    moe = MoEShapes(num_experts=8, top_k=2, intermediate=64)
+    gen = torch.Generator().manual_seed(8)
+    x_ND = torch.randn(512, 128, generator=gen)
+    w_ED = torch.randn(8, 128, generator=gen) / 128 ** 0.5
+    tied_gap = router.boundary_gap_ulps(router.scores(F.linear(router.near_ties(x_ND, w_ED, 2), w_ED), moe), 2)
+    random_gap = router.boundary_gap_ulps(router.scores(F.linear(x_ND, w_ED), moe), 2)
+    assert tied_gap.median() <= 8 and random_gap.median() > 1000  # the construction makes near-ties
+    results = {r.variation: r for r in router.near_tie_probes(x_ND, w_ED, moe)}
+    control = results["fp32 router vs the same fp32 router again (control: must not flip)"]
+    bf16 = results["router GEMM in bfloat16 vs fp32"]
+    assert control.num_flipped == 0 and control.bitwise_equal_frac == 1.0
+    assert bf16.num_flipped > 512 // 10  # about half of all near-ties go either way
+    assert bf16.flipped_frac == bf16.num_flipped / 512
+    # On random inputs a bf16 router flips far fewer tokens: the near-tie variant is what finds them.
+    plain = router.compare(F.linear(x_ND.bfloat16(), w_ED.bfloat16()), F.linear(x_ND, w_ED), moe, None,
+                           op="r", variation="r", source="dtype")
+    assert plain.num_flipped < bf16.num_flipped / 4
+
+
+def _probe_json(checkpoint, tmp_path) -> list[dict]:
+    out = tmp_path / "probes.json"
+    assert main(["probe", str(checkpoint), "--device", "cpu", "--out", str(out)]) == 0
+    return json.loads(out.read_text())["results"]
+
+
+def _ops(results: list[dict], family: str) -> set[str]:
+    return {r["op"] for r in results if r["family"] == family}
+
+
+def test_probe_on_qwen3_moe_runs_the_experts_and_the_router(architecture_checkpoint, tmp_path, capsys):
+    checkpoint = architecture_checkpoint("qwen3_moe")
+    config = json.loads((checkpoint / "config.json").read_text())
+    hidden, num_experts, expert = config["hidden_size"], config["num_local_experts"], config["moe_intermediate_size"]
+    results = _probe_json(checkpoint, tmp_path)
+    matmuls = _ops(results, "matmul")
+    assert {f"linear router {hidden}->{num_experts}", f"linear experts.down_proj {expert}->{hidden}"} <= matmuls
+    assert any(op.endswith(f"experts.gate_up_proj {hidden}->{2 * expert}") for op in matmuls)
+    # Every layer is MoE: the dense intermediate_size is in config.json but no layer runs it.
+    assert not any(f"{hidden}->{config['intermediate_size']}" in op for op in matmuls)
+    routers = [r for r in results if r["family"] == "router"]
+    top_k = config["num_experts_per_tok"]
+    assert f"router top-{top_k} of {num_experts} (softmax) N=512 D={hidden}" in _ops(results, "router")
+    assert all(r["num_flipped"] is not None and r["flipped_frac"] == r["num_flipped"] / 512 for r in routers)
+    near_bf16 = next(r for r in routers if r["op"].startswith("near-tie") and "bfloat16" in r["variation"])
+    assert near_bf16["num_flipped"] > 0
+    assert "top-k flipped for" in capsys.readouterr().out
+    assert all(r["num_flipped"] is None for r in results if r["family"] != "router")
+
+
+def test_probe_on_deepseek_v3_runs_mla_projections_and_grouped_sigmoid_routing(architecture_checkpoint, tmp_path):
+    checkpoint = architecture_checkpoint("deepseek_v3")
+    config = json.loads((checkpoint / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    qk = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+    results = _probe_json(checkpoint, tmp_path)
+    projections = {part.split(" ")[0] for op in _ops(results, "matmul") for part in op.removeprefix("linear ").split("/")}
+    assert {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "router", "experts.down_proj",
+            "shared_experts.down_proj", "down_proj"} <= projections  # first_k_dense_replace: a dense layer too
+    assert not {"q_proj", "k_proj"} & projections  # MLA has no plain q/k/v projections
+    matmuls = " | ".join(_ops(results, "matmul"))
+    assert f"q_b_proj {config['q_lora_rank']}->{heads * qk}" in matmuls
+    assert f"kv_a_proj_with_mqa {hidden}->{config['kv_lora_rank'] + config['qk_rope_head_dim']}" in matmuls
+    kv_b = f"kv_b_proj {config['kv_lora_rank']}->{heads * (config['qk_nope_head_dim'] + config['v_head_dim'])}"
+    assert kv_b in matmuls
+    attention_ops = _ops(results, "attention")
+    assert f"sdpa causal B=4 H={heads} KV={heads} L=64 d={qk} dv={config['v_head_dim']}" in attention_ops
+    assert any(op.startswith(f"MLA causal B=4 H={heads} L=64 kv_lora_rank={config['kv_lora_rank']} ")
+               for op in attention_ops)
+    groups = f"best {config['topk_group']} of {config['n_group']} groups"
+    assert any(f"(sigmoid, {groups}, selection bias)" in op for op in _ops(results, "router"))
+
+
+def test_probe_on_gemma2_runs_soft_capped_and_sliding_window_attention(architecture_checkpoint, tmp_path):
+    checkpoint = architecture_checkpoint("gemma2")
+    config = json.loads((checkpoint / "config.json").read_text())
+    results = _probe_json(checkpoint, tmp_path)
+    attention_ops = _ops(results, "attention")
+    cap, window = config["attn_logit_softcapping"], config["sliding_window"]
+    assert any(op.startswith(f"eager causal soft-cap {cap:g} ") for op in attention_ops)
+    assert any(op.startswith(f"eager sliding window {window} soft-cap {cap:g} ") for op in attention_ops)
+    assert any(op.startswith(f"soft-cap {config['final_logit_softcapping']:g} then log_softmax")
+               for op in _ops(results, "softmax"))
+    dropped = next(r for r in results if r["variation"] == "soft-capping dropped (SDPA) vs applied")
+    assert dropped["max_abs_diff"] > 0  # the cap changes the output: a kernel that drops it is not the model
+    assert not _ops(results, "router")
