@@ -4,6 +4,8 @@ each through an audit, the engines replaying the model as configured."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +95,45 @@ def test_a_fault_in_one_expert_is_named_by_layers_and_kernels(architecture_check
     top = kernels[0]
     assert (top["name"], top["type"], top["worst_expert"]) == ("model.layers.1.mlp.experts", "Experts", 5)
     assert {m["type"] for m in kernels} >= {"Router", "Experts"}
+
+
+# One planted fault per architecture: (the tensor as saved, the sub-block it enters, the module the
+# kernel localizer names, its expert). Attention faults sit where a model is unusual (Phi-3's fused
+# qkv, Gemma-3's two rotary tables, Llama-3's scaled rope), MoE faults in one expert; Mixtral's
+# checkpoint keeps its own names (block_sparse_moe.experts.N.w2) for what transformers runs as mlp.experts.
+FAULTS = {
+    "qwen3_moe": ("model.layers.1.mlp.experts.5.down_proj.weight", "mlp", "model.layers.1.mlp.experts", 5),
+    "mixtral": ("model.layers.1.block_sparse_moe.experts.5.w2.weight", "mlp", "model.layers.1.mlp.experts", 5),
+    "deepseek_v3": ("model.layers.1.mlp.experts.5.down_proj.weight", "mlp", "model.layers.1.mlp.experts", 5),
+    "gemma2": ("model.layers.1.mlp.down_proj.weight", "mlp", "model.layers.1.mlp.down_proj", None),
+    "gemma3": ("model.layers.1.self_attn.q_proj.weight", "attn", "model.layers.1.self_attn.q_proj", None),
+    "llama3": ("model.layers.1.self_attn.k_proj.weight", "attn", "model.layers.1.self_attn.k_proj", None),
+    "phi3": ("model.layers.1.self_attn.qkv_proj.weight", "attn", "model.layers.1.self_attn.qkv_proj", None),
+}
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_a_planted_fault_is_named_by_weights_layers_and_localize(name, architecture_checkpoint, tmp_path,
+                                                                 capsys) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensor, block, module, expert = FAULTS[name]
+    checkpoint = architecture_checkpoint(name)
+    faulty = shutil.copytree(checkpoint, tmp_path / "faulty")
+    weights = load_file(faulty / "model.safetensors")
+    weights[tensor] *= 1.05
+    save_file(weights, faulty / "model.safetensors", metadata={"format": "pt"})
+    assert main(["weights", str(checkpoint), str(faulty), "--fail-on-diff", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["differing"] == [tensor]
+    assert main(["layers", str(checkpoint), "--rollouts", str(EXAMPLE), "--a", f"hf:checkpoint={faulty}",
+                 "--b", "hf", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    summary = audit(checkpoint, EXAMPLE, train="hf", infer=f"hf:checkpoint={faulty}", out=tmp_path / "o",
+                    localize_models=True).summary
+    for localized in (found, summary["localization"]):
+        layers, top = localized["layers"], localized["kernels"]["by_module"][0]
+        assert (layers["jump_layer"], layers["jump_block"]) == (1, block)
+        assert (top["name"], top.get("worst_expert")) == (module, expert)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
