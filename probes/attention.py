@@ -152,11 +152,14 @@ def mla_absorbed_decode(q_BHLe: torch.Tensor, latent_BLr: torch.Tensor, k_rope_B
     dim_nope = w_uk_Hnr.shape[1]
     q_latent_BHLr = torch.einsum("bhln,hnr->bhlr", q_BHLe[..., :dim_nope], w_uk_Hnr)
     q_BHLc = torch.cat([q_latent_BHLr, q_BHLe[..., dim_nope:]], dim=-1)
-    cache_B1Lc = torch.cat([latent_BLr, k_rope_BLp], dim=-1)[:, None]
-    outs = [F.scaled_dot_product_attention(q_BHLc[:, :, t:t + 1], cache_B1Lc[:, :, :t + 1].expand(
-                -1, q_BHLc.shape[1], -1, -1), latent_BLr[:, None, :t + 1].expand(-1, q_BHLc.shape[1], -1, -1),
-                scale=scale) for t in range(q_BHLc.shape[2])]
-    return torch.einsum("bhlr,hvr->bhlv", torch.cat(outs, dim=2), w_uv_Hvr)
+    num_heads = q_BHLc.shape[1]
+    # One cache row per position, read by every head: keys are latent + rotary key, values the latent.
+    keys_BHLc = torch.cat([latent_BLr, k_rope_BLp], dim=-1)[:, None].expand(-1, num_heads, -1, -1)
+    values_BHLr = latent_BLr[:, None].expand(-1, num_heads, -1, -1)
+    out_latent_BHLr = torch.cat([F.scaled_dot_product_attention(q_BHLc[:, :, t:t + 1], keys_BHLc[:, :, :t + 1],
+                                                                values_BHLr[:, :, :t + 1], scale=scale)
+                                 for t in range(q_BHLc.shape[2])], dim=2)
+    return torch.einsum("bhlr,hvr->bhlv", out_latent_BHLr, w_uv_Hvr)
 
 
 def attention_dims(shapes: ProbeShapes) -> tuple[int, int, int]:

@@ -340,3 +340,27 @@ def test_probe_on_gemma2_runs_soft_capped_and_sliding_window_attention(architect
     dropped = next(r for r in results if r["variation"] == "soft-capping dropped (SDPA) vs applied")
     assert dropped["max_abs_diff"] > 0  # the cap changes the output: a kernel that drops it is not the model
     assert not _ops(results, "router")
+
+
+def test_mla_absorbed_decode_sliding_and_soft_capped_attention_agree_in_float64():
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 4, 16, 24, generator=gen, dtype=torch.float64)  # d = 16 nope + 8 rope
+    latent, k_rope = torch.randn(2, 16, 32, generator=gen, dtype=torch.float64), \
+        torch.randn(2, 16, 8, generator=gen, dtype=torch.float64)
+    w_uk, w_uv = torch.randn(4, 16, 32, generator=gen, dtype=torch.float64), \
+        torch.randn(4, 12, 32, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(attention.mla_absorbed_decode(q, latent, k_rope, w_uk, w_uv, scale=0.2),
+                               attention.mla_expanded_prefill(q, latent, k_rope, w_uk, w_uv, scale=0.2),
+                               rtol=0, atol=1e-12)
+    k, v = (torch.randn(2, 2, 16, 24, generator=gen, dtype=torch.float64) for _ in range(2))
+    for window, cap in ((5, None), (None, 3.0), (5, 3.0)):
+        full = attention.eager(q, k, v, scale=0.3, softcap=cap, window=window)
+        # Eager's softmax is fp32 whatever the input dtype, hence the fp32-sized bound.
+        torch.testing.assert_close(attention.windowed_decode(q, k, v, scale=0.3, softcap=cap, window=window,
+                                                             positions=range(16)), full, rtol=0, atol=1e-6)
+        torch.testing.assert_close(attention.fp32_scores(q, k, v, scale=0.3, softcap=cap, window=window)
+                                   .double(), full, rtol=0, atol=1e-6)
+    # The window and the cap each change the function: the variants are not the plain attention.
+    plain = attention.eager(q, k, v, scale=0.3)
+    assert not torch.allclose(attention.eager(q, k, v, scale=0.3, window=5), plain)
+    assert not torch.allclose(attention.eager(q, k, v, scale=0.3, softcap=3.0), plain)
