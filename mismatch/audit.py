@@ -47,6 +47,7 @@ from mismatch.analysis.framework_metrics import FrameworkMetrics
 from mismatch.analysis.metrics import PAIR_METRICS
 from mismatch.analysis.prefixes import PrefixKeys, prefix_consistency, prefix_keys
 from mismatch.analysis.routing import routing_summary, token_routing
+from mismatch.analysis.workers import analysis_workers
 from mismatch.checkpoint import load_tokenizer
 from mismatch.engines import check_spec, parse_spec
 from mismatch.errors import MismatchError
@@ -113,6 +114,7 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf",
     so a batch-shape variance they show reaches the recommendations (batch_invariant).
     """
     out_dir = Path(out) if out is not None else None
+    analysis_workers(0)  # a bad MISMATCH_WORKERS is refused before any replay
     with results_lock(out_dir):  # one run at a time into OUT, from its first check to its publish
         return _audit(checkpoint, rollouts, train=train, infer=infer, out_dir=out_dir, force=force,
                       localize_models=localize_models, shard=shard, block_size=block_size,
@@ -154,7 +156,8 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
         per_rollout = PerRollout(pairs)
         summary = analyze_audit(store.chunks, engines=engines, checkpoint=str(checkpoint),
                                 rollouts_file=str(rollouts), drift=found.drift, alignment=alignment, clip=clip,
-                                routing=routing, prefixes=found.prefixes, also=[per_rollout] if out_dir else [])
+                                routing=routing, prefixes=found.prefixes, also=[per_rollout] if out_dir else [],
+                                workers=analysis_workers(store.num_rows))
         summary["shard"] = shard_info(shard, block_size)
         summary["inputs"] = inputs
         if requests is not None:
@@ -228,12 +231,13 @@ def analyze_audit(chunks: Chunks, *, engines: dict[str, Any], checkpoint: str,
                   rollouts_file: str, drift: dict[str, Any] | None = None,
                   alignment: dict[str, Any] | None = None, clip: ClipRange = ClipRange(),
                   routing: dict[str, Any] | None = None, prefixes: dict[str, Any] | None = None,
-                  also: Sequence[Analysis] = ()) -> dict[str, Any]:
+                  also: Sequence[Analysis] = (), workers: int = 1) -> dict[str, Any]:
     """Everything an audit's summary.json says that follows from the token table, read as chunks
     of whole rollouts, every analysis in the same passes (and the render-drift, MoE routing and
     prefix findings, which need the rollouts, the engines' routers or the replay's requests, and
     are passed in). `alignment` is the check_alignment result when the caller already has it;
-    `also` are more analyses to run in the same passes (the per-rollout table)."""
+    `also` are more analyses to run in the same passes (the per-rollout table); `workers`: how
+    many processes share them (chunked.run_passes)."""
     first = next(iter(chunks()), None)
     pairs = audit_pairs(first.columns if first is not None else ())
     summary = SummaryAnalyses(pairs, clip)
@@ -241,7 +245,7 @@ def analyze_audit(chunks: Chunks, *, engines: dict[str, Any], checkpoint: str,
     trees, frameworks = TreeSums(pairs), FrameworkMetrics(pairs)
     turns, corrections = TurnLocalizer("train", "sampler"), CorrectionSimulator()
     run_passes(chunks, [*summary.analyses, trees, frameworks, turns, corrections,
-                        *([checked] if checked is not None else []), *also])
+                        *([checked] if checked is not None else []), *also], workers=workers)
     out = summary.result(engines=engines, checkpoint=checkpoint, rollouts_file=rollouts_file, command="audit")
     out["alignment"] = alignment if checked is None else checked.result()
     out["trees"] = trees.result()

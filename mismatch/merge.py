@@ -19,6 +19,7 @@ import pandas as pd
 from mismatch.analysis.chunked import PerRollout
 from mismatch.analysis.clip import ClipRange
 from mismatch.analysis.routing import merged_routing
+from mismatch.analysis.workers import analysis_workers
 from mismatch.audit import (
     analyze_audit,
     audit_pairs,
@@ -76,7 +77,8 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> dict[str, Any]:
                     if any("prefix_consistency" in s for s in summaries) else None)
         per_rollout = PerRollout(audit_pairs(store.columns))
         summary = analyze_audit(store.chunks, **common, drift=_merged_drift(summaries, order), clip=clip_range,
-                                routing=merged_routing(summaries), prefixes=prefixes, also=[per_rollout])
+                                routing=merged_routing(summaries), prefixes=prefixes, also=[per_rollout],
+                                workers=analysis_workers(store.num_rows))
         summary["shard"], summary["inputs"] = provenance, first["inputs"]
         write_summary_files(store, summary, per_rollout.result())
     return summary

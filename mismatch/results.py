@@ -260,10 +260,12 @@ class TokenStore:
         self._table: pd.DataFrame | None = None
         self._side: list[Path] = []
         self.columns: list[str] = []
+        self.num_rows = 0
 
     def write(self, block: pd.DataFrame) -> None:
         if not self.columns:
             self.columns = [str(name) for name in block.columns]
+        self.num_rows += len(block)
         if self._writer is not None:
             self._writer.write(block)
         else:

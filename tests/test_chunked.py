@@ -67,3 +67,72 @@ def test_chunks_never_cut_a_rollout_and_a_scattered_rollout_is_one_chunk() -> No
     scattered = pd.DataFrame({"rollout": ["a", "b", "a"]})
     assert chunk_bounds(scattered, rows=1) == [(0, 3)]
     assert chunk_bounds(table.iloc[:0], rows=4) == [(0, 0)]
+
+
+def test_an_audit_split_over_two_processes_writes_the_same_results(tmp_path, monkeypatch) -> None:
+    """MISMATCH_WORKERS=2 forks half of the analyses (chunked.run_passes): summary.json,
+    rollouts.parquet and tokens.parquet as one process writes them, bit for bit."""
+    import json
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    import mismatch
+    from tests.test_golden import GOLDEN, stored_checkpoint
+
+    monkeypatch.setattr("mismatch.analysis.chunked.DEFAULT_CHUNK_ROWS", 97)  # many chunks, both passes
+    checkpoint = stored_checkpoint(tmp_path / "ckpt")
+    forks: list[int] = []
+    real_fork_jobs = chunked.fork_jobs
+    monkeypatch.setattr(chunked, "fork_jobs", lambda jobs: forks.append(len(jobs)) or real_fork_jobs(jobs))
+    found: dict[str, Path] = {}
+    for workers in ("1", "2"):
+        monkeypatch.setenv("MISMATCH_WORKERS", workers)
+        found[workers] = tmp_path / f"out-{workers}"
+        mismatch.audit(checkpoint, GOLDEN / "rollouts.jsonl", train="stored:trainer", infer="stored:engine",
+                       out=found[workers], block_size=4)
+    assert forks == [2]  # the second run forked once, into two groups; the first never did
+    one, two = (json.loads((found[w] / "summary.json").read_text()) for w in ("1", "2"))
+    one.pop("created_unix"), two.pop("created_unix")
+    assert json.dumps(one, sort_keys=True) == json.dumps(two, sort_keys=True)
+    for name in ("rollouts.parquet", "tokens.parquet"):  # NaN where a log-prob is absent: pandas' equality
+        assert pq.read_table(found["1"] / name).to_pandas().equals(pq.read_table(found["2"] / name).to_pandas()), name
+
+
+def test_a_worker_that_fails_or_dies_is_raised_with_what_happened() -> None:
+    import os
+
+    from mismatch.analysis.workers import fork_jobs
+
+    def fails() -> None:
+        raise ValueError("no such column 'logp_x'")
+
+    assert fork_jobs([lambda: 1, lambda: 2, lambda: 3]) == [1, 2, 3]
+    with pytest.raises(RuntimeError, match=r"(?s)worker process failed.*ValueError: no such column 'logp_x'"):
+        fork_jobs([lambda: 1, fails])
+    with pytest.raises(RuntimeError, match=r"worker process died \(exit code 3\)"):
+        fork_jobs([lambda: 1, lambda: os._exit(3)])
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1", ""])
+def test_a_bad_workers_variable_is_one_line_before_any_work(value, tmp_path, monkeypatch, capsys) -> None:
+    from mismatch.cli import main
+    from tests.test_golden import GOLDEN, stored_checkpoint
+
+    monkeypatch.setenv("MISMATCH_WORKERS", value)
+    checkpoint = stored_checkpoint(tmp_path / "ckpt")
+    code = main(["audit", str(checkpoint), "--rollouts", str(GOLDEN / "rollouts.jsonl"), "--train", "stored:trainer",
+                 "--infer", "stored:engine", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == (f"mismatch: error: MISMATCH_WORKERS={value!r}: must be a whole number of processes, "
+                   "1 or more\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_workers_follow_the_table_size_unless_told() -> None:
+    from mismatch.analysis.workers import MIN_ROWS_TO_FORK, analysis_workers
+
+    assert analysis_workers(MIN_ROWS_TO_FORK - 1, environ={}) == 1
+    assert analysis_workers(MIN_ROWS_TO_FORK, environ={}) == min(2, len(__import__("os").sched_getaffinity(0)))
+    assert analysis_workers(10, environ={"MISMATCH_WORKERS": "3"}) == 3

@@ -9,7 +9,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 import numpy as np
@@ -378,23 +378,27 @@ def _verl_stat(t: _Tokens, estimator: str) -> np.ndarray:
 
 
 def _verl_rejection(aggregate: str, estimator: str) -> ModeFn:
-    def reject(t: _Tokens, *, high: float, low: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-        if aggregate == "token":
-            stat = _verl_stat(t, estimator)
-        elif aggregate == "seq_sum":  # per span from here on (the sequence's statistic)
-            stat = t.per_seq(t.verl_span_stats[estimator])[t.span_seq]
-        elif aggregate == "seq_mean":
-            stat = (t.per_seq(t.verl_span_stats[estimator]) / t.seq_count)[t.span_seq]
-        else:  # seq_max
-            per_seq = np.full(t.num_seqs, -np.inf)
-            np.maximum.at(per_seq, t.span_seq, t.verl_span_stats[f"{estimator}_max"])
-            stat = per_seq[t.span_seq]
-        if estimator == "k1":
-            keep = (stat >= math.log(low)) & (stat <= math.log(high))
-        else:
-            keep = stat <= high
-        return keep.astype(np.float64), ~keep
-    return reject
+    # A partial, not a closure: a simulator is pickled back from a worker process (run_passes).
+    return partial(_verl_reject, aggregate, estimator)
+
+
+def _verl_reject(aggregate: str, estimator: str, t: _Tokens, *, high: float,
+                 low: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    if aggregate == "token":
+        stat = _verl_stat(t, estimator)
+    elif aggregate == "seq_sum":  # per span from here on (the sequence's statistic)
+        stat = t.per_seq(t.verl_span_stats[estimator])[t.span_seq]
+    elif aggregate == "seq_mean":
+        stat = (t.per_seq(t.verl_span_stats[estimator]) / t.seq_count)[t.span_seq]
+    else:  # seq_max
+        per_seq = np.full(t.num_seqs, -np.inf)
+        np.maximum.at(per_seq, t.span_seq, t.verl_span_stats[f"{estimator}_max"])
+        stat = per_seq[t.span_seq]
+    if estimator == "k1":
+        keep = (stat >= math.log(low)) & (stat <= math.log(high))
+    else:
+        keep = stat <= high
+    return keep.astype(np.float64), ~keep
 
 
 MODES: dict[str, ModeSpec] = {
@@ -737,6 +741,8 @@ def simulate(log_ratio: Any, corrections: Sequence[Correction] | None = None, *,
 
 class CorrectionSimulator:
     """Every correction simulated over a table's chunks (an Analysis of one pass)."""
+
+    cost = 0.9  # run_passes' balance: seconds per 10^7 rows (benchmarks/audit_stored.py)
 
     def __init__(self, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS, *,
                  pair: tuple[str, str] = ("train", "sampler")) -> None:

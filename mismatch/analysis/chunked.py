@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -40,6 +41,7 @@ from mismatch.analysis.metrics import (
     totals_metrics,
 )
 from mismatch.analysis.tokenview import TokenView
+from mismatch.analysis.workers import fork_jobs
 
 # Rows per chunk: every per-token array of a chunk stays near 2 MB, and a chunk with its views
 # near 100 MB.
@@ -106,7 +108,8 @@ class Chunk:
 
 
 class Analysis(Protocol):
-    """Something computed over a table's chunks in one or more passes (run_passes)."""
+    """Something computed over a table's chunks in one or more passes (run_passes). It may say
+    its `cost`: seconds per 10^7 rows, measured, by which run_passes balances its workers."""
 
     def wants(self, index: int) -> bool:
         """Whether it reads pass `index` (asked before the pass, after the one before it)."""
@@ -116,9 +119,57 @@ class Analysis(Protocol):
         ...
 
 
-def run_passes(chunks: Chunks, analyses: Sequence[Analysis]) -> None:
+def run_passes(chunks: Chunks, analyses: Sequence[Analysis], *, workers: int = 1) -> None:
     """Every analysis over the chunks: pass after pass, each chunk read once per pass for all of
-    the analyses that want that pass, its views shared by them."""
+    the analyses that want that pass, its views shared by them.
+
+    `workers` > 1 splits the analyses into that many groups of about equal `cost` (an analysis's
+    relative time per row; 1 unless it says), each run by its own process over its own reading of
+    the chunks (a fork: the chunks need not be picklable, the analyses' states come back
+    pickled). The numbers are the same: each analysis still sees every chunk in order."""
+    groups = _balanced(analyses, workers) if workers > 1 else []
+    if len(groups) > 1:
+        forked_passes(chunks, groups)
+    else:
+        _run_passes(chunks, analyses)
+
+
+def _balanced(analyses: Sequence[Analysis], workers: int) -> list[list[Analysis]]:
+    """The analyses in `workers` groups, the costliest first into the least loaded group."""
+    groups: list[list[Analysis]] = [[] for _ in range(workers)]
+    loads = [0.0] * workers
+    for analysis in sorted(analyses, key=lambda a: -float(getattr(a, "cost", 1.0))):
+        lightest = loads.index(min(loads))
+        groups[lightest].append(analysis)
+        loads[lightest] += float(getattr(analysis, "cost", 1.0))
+    return [group for group in groups if group]
+
+
+def forked_passes(chunks: Chunks, groups: list[list[Analysis]]) -> None:
+    """Each group's passes in a process of its own (the first here); the analyses given end in
+    the states their copies reached."""
+    found = fork_jobs([partial(_passes_of, chunks, group) for group in groups])
+    for group, states in zip(groups[1:], found[1:]):
+        for analysis, state in zip(group, states):
+            _adopt(analysis, state)
+
+
+def _passes_of(chunks: Chunks, group: list[Analysis]) -> list[Analysis]:
+    _run_passes(chunks, group)
+    return group
+
+
+def _adopt(analysis: Analysis, state: Analysis) -> None:
+    """`analysis` takes every attribute of `state`, its copy from another process."""
+    if hasattr(state, "__dict__"):
+        vars(analysis).update(vars(state))
+    for cls in type(state).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if hasattr(state, name):
+                setattr(analysis, name, getattr(state, name))
+
+
+def _run_passes(chunks: Chunks, analyses: Sequence[Analysis]) -> None:
     index = 0
     while True:
         active = [analysis for analysis in analyses if analysis.wants(index)]
@@ -256,6 +307,7 @@ class GroupedPairMetrics:
         self.pairs = [(f"logp_{a}", f"logp_{b}") for a, b in pairs]
         self.names = [f"{a}/{b}" for a, b in pairs]
         self.by, self.trainable_only, self.clip, self.quantiles = list(by), trainable_only, clip, quantiles
+        self.cost = (1.8 if trainable_only else 1.5) * len(pairs) / 3  # as Analysis.cost
         self.breakdowns = [list(self.by) + ([OVERALL] if overall else []) for _ in pairs]
         # One set of ids per breakdown, shared by the pairs: a group of the view is every pair's.
         self.ids = {by: _GroupIds() for by in [*self.by, OVERALL]}
@@ -360,6 +412,8 @@ class PerRollout:
     """rollouts.parquet: `pair`, `rollout`, PAIR_METRICS per pair and rollout, chunk by chunk (a
     rollout lies in one chunk, so each one's metrics, quantiles included, are its chunk's)."""
 
+    cost = 3.0  # run_passes' balance: seconds per 10^7 rows (benchmarks/audit_stored.py)
+
     def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
         self.pairs = list(pairs)
         self.frames: list[pd.DataFrame] = []
@@ -393,6 +447,8 @@ def per_rollout_metrics(chunks: Chunks, pairs: Sequence[tuple[str, str]]) -> pd.
 
 class Counts:
     """summary.json `counts` of rows: rollouts, branches, tokens, trainable tokens."""
+
+    cost = 0.05
 
     def __init__(self) -> None:
         self.counts = {"rollouts": 0, "branches": 0, "tokens": 0, "trainable_tokens": 0}

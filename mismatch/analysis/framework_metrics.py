@@ -86,6 +86,8 @@ class FrameworkMetrics:
     reduction in pass 0, which also histograms each median's values; the medians' few more passes
     (RadixSelect) after it."""
 
+    cost = 2.2  # run_passes' balance: seconds per 10^7 rows (benchmarks/audit_stored.py)
+
     def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
         self.pairs = list(pairs)
         self.reductions = {(pair, metric.key): _Reduction(metric.reduce) for pair in self.pairs
