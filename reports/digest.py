@@ -197,7 +197,10 @@ def _chunk_worst(chunk: pd.DataFrame, rows: np.ndarray, log_ratio: np.ndarray, p
     """The chunk's WORST_TOKENS trainable tokens by |log-ratio| (ties: the earlier row)."""
     a, b = (f"logp_{role}" for role in aggregate.pair_roles(pair))
     gap = np.abs(log_ratio)
-    picked = rows[np.argsort(-gap, kind="stable")[:WORST_TOKENS]]
+    candidates = np.arange(len(gap))
+    if len(gap) > WORST_TOKENS:  # only the tokens at or above the k-th largest gap are sorted
+        candidates = np.flatnonzero(gap >= np.partition(gap, len(gap) - WORST_TOKENS)[len(gap) - WORST_TOKENS])
+    picked = rows[candidates[np.argsort(-gap[candidates], kind="stable")[:WORST_TOKENS]]]
     logp_a, logp_b = chunk[a].to_numpy(np.float64), chunk[b].to_numpy(np.float64)
     return [{"rollout": str(chunk["rollout"].iat[row]), "branch": str(chunk["branch"].iat[row]),
              "turn": int(chunk["turn"].iat[row]), "pos": int(chunk["pos"].iat[row]),
