@@ -8,7 +8,9 @@ branch each, system + user (~100 tokens), then 6 x (assistant ~80 tokens with `l
 them trainable. A stored-log-prob audit needs a checkpoint only for its vocab size, so a
 config-only checkpoint with one tiny safetensors file is written beside it.
 
-Then, in one run and each in a fresh subprocess (peak RSS from `wait4`'s rusage of that child):
+Then, in one run and each in a fresh subprocess (peak RSS from `wait4`'s rusage of that child: its
+largest process; and the peak of its whole process tree's summed RSS, forked analysis workers
+included, sampled):
 - the floor: `json.loads` of every line of the --rollouts file;
 - `mismatch audit CKPT --rollouts F --train stored:trainer --infer stored:engine --out D` on the
   --rollouts file and on the --big one (memory must not grow with the input);
@@ -24,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -68,7 +71,7 @@ def generate(path: Path, num_rollouts: int, seed: int = 0) -> None:
     with tmp.open("w") as f:
         for i in range(num_rollouts):
             template = templates[i % NUM_TEMPLATES]
-            f.write(template.replace('"r-%08d"' % (i % NUM_TEMPLATES), '"r-%08d"' % i, 1) + "\n")
+            f.write(template.replace(f'"r-{i % NUM_TEMPLATES:08d}"', f'"r-{i:08d}"', 1) + "\n")
     tmp.rename(path)
 
 
@@ -80,17 +83,45 @@ def write_checkpoint(root: Path) -> None:
     save_file({"unused": np.zeros(1, dtype=np.float32)}, str(root / "model.safetensors"))
 
 
+def tree_rss_kib(pid: int) -> int:
+    """The RSS of a process and its descendants, summed: pages a forked analysis worker shares
+    with its parent count twice, so this bounds the tree's memory from above. (/proc/PID/statm:
+    reading smaps for PSS every 50 ms cost the run a tenth of a core.)"""
+    total = 0
+    try:
+        total = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                total += tree_rss_kib(int(child))
+    except (OSError, ValueError, IndexError):
+        pass  # a process that just ended
+    return total
+
+
 def timed(argv: list[str]) -> dict[str, float]:
-    """Wall seconds, CPU seconds and peak RSS (MiB) of one child process, which must succeed."""
+    """Wall seconds, CPU seconds, peak RSS (MiB, the largest single process: wait4) and the peak of
+    the process tree's summed RSS (MiB, sampled every 50 ms) of one child process, which must succeed."""
     start = time.perf_counter()
     child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.05):
+            peak[0] = max(peak[0], tree_rss_kib(child.pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - start
+    done.set()
+    sampler.join()
     stderr = child.stderr.read().decode(errors="replace") if child.stderr else ""
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"failed ({os.waitstatus_to_exitcode(status)}): {' '.join(argv)}\n{stderr[-3000:]}")
     return {"wall_s": round(wall, 3), "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
-            "sys_s": round(usage.ru_stime, 3), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}
+            "sys_s": round(usage.ru_stime, 3), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+            "peak_tree_rss_mib": round(peak[0] / 1024, 1)}
 
 
 FLOOR = "import json,sys\nwith open(sys.argv[1],'rb') as f:\n    for line in f: json.loads(line)\n"
@@ -130,6 +161,8 @@ def main() -> None:
     if args.big:
         result["peak_rss_big_over_small"] = round(
             result[f"audit_{args.big}"]["peak_rss_mib"] / audit["peak_rss_mib"], 2)
+        result["peak_tree_rss_big_over_small"] = round(
+            result[f"audit_{args.big}"]["peak_tree_rss_mib"] / audit["peak_tree_rss_mib"], 2)
     print(json.dumps(result, indent=1))
 
 

@@ -10,8 +10,9 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache, partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -47,7 +48,7 @@ from mismatch.analysis.framework_metrics import FrameworkMetrics
 from mismatch.analysis.metrics import PAIR_METRICS
 from mismatch.analysis.prefixes import PrefixKeys, prefix_consistency, prefix_keys
 from mismatch.analysis.routing import routing_summary, token_routing
-from mismatch.analysis.workers import analysis_workers
+from mismatch.analysis.workers import analysis_workers, reading_workers
 from mismatch.checkpoint import load_tokenizer
 from mismatch.engines import check_spec, parse_spec
 from mismatch.errors import MismatchError
@@ -58,6 +59,7 @@ from mismatch.localize.turns import TurnLocalizer
 from mismatch.replay import (
     DEFAULT_BLOCK,
     TORCH_KINDS,
+    Block,
     ProgressFactory,
     Replayed,
     Shard,
@@ -76,6 +78,9 @@ from mismatch.results import (
 )
 from mismatch.rollouts.drift import find_drift, recorded
 from mismatch.rollouts.trees import TreeSums
+
+if TYPE_CHECKING:
+    from reports.digest import Digestion
 
 AUDIT_PAIRS = (("train", "sampler"), ("train", "infer"), ("infer", "sampler"))
 PROCESSED_PAIR = ("train_processed", "sampler")  # when the sampler stored processed log-probs
@@ -136,7 +141,8 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
                                                 shard=shard, block_size=block_size, progress=progress,
                                                 command="audit")
     with staged_tokens(out_dir, force=force) as store:
-        found = store_blocks(replayed, store, checkpoint, ("sampler", *sources))
+        found = store_blocks(replayed, store, checkpoint, ("sampler", *sources),
+                             workers=reading_workers(Path(rollouts).stat().st_size))
         engines = replayed.engines
         # Read on its own only when it decides on a like-for-like pass (a torch trainer); else in
         # the analysis's own passes.
@@ -154,9 +160,11 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
         requests = replayed.plan.requests if localize_models else None
         del replayed  # the rollouts and their requests: from here on only the tokens are read
         per_rollout = PerRollout(pairs)
+        digestion = report_digestion(store) if out_dir is not None else None
         summary = analyze_audit(store.chunks, engines=engines, checkpoint=str(checkpoint),
                                 rollouts_file=str(rollouts), drift=found.drift, alignment=alignment, clip=clip,
-                                routing=routing, prefixes=found.prefixes, also=[per_rollout] if out_dir else [],
+                                routing=routing, prefixes=found.prefixes,
+                                also=[per_rollout, digestion] if digestion is not None else [],
                                 workers=analysis_workers(store.num_rows))
         summary["shard"] = shard_info(shard, block_size)
         summary["inputs"] = inputs
@@ -175,7 +183,7 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
             add_probes(summary, checkpoint, progress)
         if out_dir is None:
             return AuditResult(summary=summary, out=None, table=store.table)
-        write_summary_files(store, summary, per_rollout.result())
+        write_summary_files(store, summary, per_rollout.result(), digestion)
     if work is not None:
         work.remove()
     return AuditResult(summary=summary, out=out_dir)
@@ -189,25 +197,43 @@ class _Stored:
     prefixes: dict[str, Any] | None
 
 
-def store_blocks(replayed: Replayed, store: TokenStore, checkpoint: str | Path, sources: Sequence[str]) -> _Stored:
+def store_blocks(replayed: Replayed, store: TokenStore, checkpoint: str | Path, sources: Sequence[str],
+                 workers: int = 1) -> _Stored:
     """One pass over the replayed blocks: each block's rows into the token store, its rollouts'
-    render drift (those with messages), and each row's prefix key (prefix consistency)."""
-    tokenizer = None
+    render drift (those with messages), and each row's prefix key (prefix consistency). `workers`:
+    forked readers of a stored-only replay's file (Replayed.map_blocks)."""
     drifts: list[dict[str, Any]] = []
+    tokenized = False
     keys = PrefixKeys(store.side_file("prefix_keys"))
-    for block in replayed.blocks():
-        store.write(block.plan.table)
-        keys.add(prefix_keys(block.plan.requests))
-        if any(rollout.messages or recorded(rollout) for rollout in block.rollouts):
-            tokenizer = tokenizer or load_tokenizer(checkpoint)
-        # Without messages a block's drift is its count of rollouts without them (no tokenizer).
-        drifts.append(find_drift(block.rollouts, tokenizer))
+    for table, block_keys, drift, needed_tokenizer in replayed.map_blocks(partial(_stored_parts, str(checkpoint)),
+                                                                          workers):
+        store.write(table)
+        keys.add(block_keys)
+        drifts.append(drift)
+        tokenized = tokenized or needed_tokenizer
     store.close()
     keys.close()
     # Same prefix, same engine config: the same log-prob, whatever request it came in.
     prefixes = prefix_consistency(store.file if store.file is not None else store.table,
                                   keys.file if keys.file is not None else keys.values, sources)
-    return _Stored(drift=merge_drift(drifts) if tokenizer is not None else None, prefixes=prefixes)
+    return _Stored(drift=merge_drift(drifts) if tokenized else None, prefixes=prefixes)
+
+
+def _stored_parts(checkpoint: str, block: Block) -> tuple[pd.DataFrame, Any, dict[str, Any], bool]:
+    """What the store keeps of a block: its rows, their prefix keys, its rollouts' render drift,
+    and whether that needed the tokenizer. (Without messages a block's drift is its count of
+    rollouts without them: no tokenizer.)"""
+    tokenizer = None
+    if any(rollout.messages or recorded(rollout) for rollout in block.rollouts):
+        tokenizer = _tokenizer(checkpoint)
+    return block.plan.table, prefix_keys(block.plan.requests), find_drift(block.rollouts, tokenizer), \
+        tokenizer is not None
+
+
+@lru_cache(maxsize=1)
+def _tokenizer(checkpoint: str) -> Any:
+    """The checkpoint's tokenizer, loaded once per process (each forked reader loads its own)."""
+    return load_tokenizer(checkpoint)
 
 
 def merge_drift(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -329,9 +355,10 @@ def publish(out: Path, table: pd.DataFrame, summary: dict[str, Any],
         work.remove()
 
 
-def write_summary_files(store: TokenStore, summary: dict[str, Any], per_rollout: pd.DataFrame) -> None:
+def write_summary_files(store: TokenStore, summary: dict[str, Any], per_rollout: pd.DataFrame,
+                        digested: Digestion | None = None) -> None:
     """summary.json, rollouts.parquet and the report, beside the stored tokens.parquet (in the
-    staged dir: they appear in the same rename)."""
+    staged dir: they appear in the same rename). `digested`: report_digestion run in the analysis."""
     from reports.build import build_report
 
     stage = store.directory
@@ -339,7 +366,20 @@ def write_summary_files(store: TokenStore, summary: dict[str, Any], per_rollout:
     per_rollout.to_parquet(stage / ROLLOUTS_FILE, index=False)
     write_summary(stage, summary)
     store.remove_side_files()
-    build_report(stage)
+    build_report(stage, digested=digested)
+
+
+def report_digestion(store: TokenStore) -> Digestion:
+    """The report's reading of the tokens, as an analysis to run in the audit's passes: its pairs
+    as the summary lists them, train/sampler (the first) as the focus, and the table's row count
+    as every pair's upper bound, so the tail behind the histograms' range is gathered in pass 0.
+    The report reads the tokens again only if the summary's focus turns out another pair."""
+    from reports.digest import Digestion
+    from reports.worst import WorstOptions
+
+    pairs = [f"{a}/{b}" for a, b in audit_pairs(store.columns)]
+    return Digestion(store.columns, pairs=pairs, focus=pairs[0] if pairs else None, options=WorstOptions(),
+                     with_turns=True, with_worst_tokens=True, expected=dict.fromkeys(pairs, store.num_rows))
 
 
 def shard_info(shard: Shard | None, block_size: int) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from mismatch.audit import (
     audit_pairs,
     merge_drift,
     publish,
+    report_digestion,
     write_summary_files,
 )
 from mismatch.diff import DIFF_PAIRS, analyze_diff
@@ -75,12 +76,12 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> dict[str, Any]:
         # A prefix two shards share is in neither shard's table twice: not comparable after the fact.
         prefixes = ({"not_merged": "shared prefixes are compared within one run; audit without --shard"}
                     if any("prefix_consistency" in s for s in summaries) else None)
-        per_rollout = PerRollout(audit_pairs(store.columns))
+        per_rollout, digestion = PerRollout(audit_pairs(store.columns)), report_digestion(store)
         summary = analyze_audit(store.chunks, **common, drift=_merged_drift(summaries, order), clip=clip_range,
-                                routing=merged_routing(summaries), prefixes=prefixes, also=[per_rollout],
+                                routing=merged_routing(summaries), prefixes=prefixes, also=[per_rollout, digestion],
                                 workers=analysis_workers(store.num_rows))
         summary["shard"], summary["inputs"] = provenance, first["inputs"]
-        write_summary_files(store, summary, per_rollout.result())
+        write_summary_files(store, summary, per_rollout.result(), digestion)
     return summary
 
 

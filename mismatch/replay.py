@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -41,6 +41,7 @@ from mismatch.rollouts import (
     iter_rollouts,
     routing_shape,
 )
+from mismatch.rollouts.forked import forked_blocks
 from mismatch.rollouts.trees import add_tree_weights
 
 TABLE_KEYS = ("rollout_index", "rollout", "branch", "branch_kind", "turn", "segment", "pos", "role",
@@ -248,6 +249,11 @@ class Block:
     plan: ReplayPlan
 
 
+T = TypeVar("T")
+# (fn, workers) -> fn of each block in order, read and mapped by forked readers (Replayed.map_blocks)
+ForkedMap = Callable[[Callable[[Block], Any], int], Iterator[Any]]
+
+
 class Replayed:
     """A replay's results, block by block: `blocks()` is one pass over the selected blocks, each
     planned from the rollouts file again and filled from the engines' saved columns, so a pass holds
@@ -255,11 +261,22 @@ class Replayed:
     the callers that need them all at once (diff, the library, the layer localizer)."""
 
     def __init__(self, *, engines: dict[str, Any], routing: dict[str, list[StreamRouting]],
-                 blocks: Callable[[], Iterator[Block]]) -> None:
+                 blocks: Callable[[], Iterator[Block]], forked: ForkedMap | None = None) -> None:
         self.engines = engines   # source -> describe() (the sampler's declared settings too)
         self.routing = routing   # source -> each request's MoE routing, where recorded
         self.blocks = blocks
+        self._forked = forked
         self._whole: tuple[list[Rollout], ReplayPlan] | None = None
+
+    def map_blocks(self, fn: Callable[[Block], T], workers: int = 1) -> Iterator[T]:
+        """fn of each block, in order. With `workers` > 1, a replay of stored log-probs from a JSONL
+        file reads, checks, plans and maps its blocks in that many forked readers (fn's results
+        travel back pickled); the same results, the same first error."""
+        if workers > 1 and self._forked is not None:
+            yield from self._forked(fn, workers)
+            return
+        for block in self.blocks():
+            yield fn(block)
 
     def _gathered(self) -> tuple[list[Rollout], ReplayPlan]:
         if self._whole is None:
@@ -430,34 +447,71 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
                 engines[source] = {**engines[source], "processed": {"temperature": sampling.temperature,
                                                                 "top_k": sampling.top_k, "top_p": sampling.top_p}}
 
+    def filled(block: int, indices: list[int], selected: list[Rollout]) -> Block:
+        """The block planned, with its tree weights and every source's column."""
+        plan = plan_replay(selected, indices=indices, block_size=block_size)
+        # Tree weights are per rollout, so shards compute exactly the weights one run would.
+        table = add_tree_weights(plan.table, selected, inplace=True)
+        for source, spec in specs.items():
+            if spec.kind == "stored":
+                # A name no segment of this block carries is NaN on its rows.
+                table[f"logp_{source}"] = plan.stored.get(spec.options["name"], np.full(plan.num_scored, np.nan))
+                continue
+            for column in (source, f"{source}_processed"):
+                values = saved.get((column, block)) if work is None else work.load(column, block)
+                if values is not None or (column == source and not selected):
+                    table[f"logp_{column}"] = values if values is not None else np.empty(0)
+        return Block(index=block, rollouts=selected, plan=plan)
+
+    def finish(names: set[str], metas: list[dict[str, Any]]) -> None:
+        """After the one pass of a stored-only replay: its names checked, the sampler's settings."""
+        _check_stored_names(specs, names, file)
+        engines["sampler"]["meta"] = _sampler_meta(metas)
+
     def blocks() -> Iterator[Block]:
         names: set[str] = {"sampler"}
         metas: list[dict[str, Any]] = []
         def seen(rollout: Rollout) -> None:  # names over the whole file, not the shard's blocks
-            names.update(name for branch in rollout.branches for segment in branch.segments
-                         for name in segment.extra_logprobs)
+            names.update(_extra_names([rollout]))
 
         for block, indices, selected in _or_empty(file_blocks(rollouts, info, shard=shard, block_size=block_size,
                                                               seen=seen)):
-            plan = plan_replay(selected, indices=indices, block_size=block_size)
-            metas.extend(r.meta["sampler"] for r in selected if isinstance(r.meta.get("sampler"), dict))
-            # Tree weights are per rollout, so shards compute exactly the weights one run would.
-            table = add_tree_weights(plan.table, selected, inplace=True)
-            for source, spec in specs.items():
-                if spec.kind == "stored":
-                    # A name no segment of this block carries is NaN on its rows.
-                    table[f"logp_{source}"] = plan.stored.get(spec.options["name"], np.full(plan.num_scored, np.nan))
-                    continue
-                for column in (source, f"{source}_processed"):
-                    values = saved.get((column, block)) if work is None else work.load(column, block)
-                    if values is not None or (column == source and not selected):
-                        table[f"logp_{column}"] = values if values is not None else np.empty(0)
-            yield Block(index=block, rollouts=selected, plan=plan)
+            metas.extend(_sampler_metas(selected))
+            yield filled(block, indices, selected)
         if stored_only:
-            _check_stored_names(specs, names, file)
-            engines["sampler"]["meta"] = _sampler_meta(metas)
+            finish(names, metas)
 
-    return Replayed(engines=engines, routing=routing, blocks=blocks)
+    def forked(fn: Callable[[Block], T], workers: int) -> Iterator[T]:
+        def mapped(block: int, indices: list[int], selected: list[Rollout]) -> tuple[set[str], bool, list, Any]:
+            taken = shard is None or shard.takes(block)  # every block is read; a shard maps its own
+            return (_extra_names(selected), taken, _sampler_metas(selected) if taken else [],
+                    fn(filled(block, indices, selected)) if taken else None)
+
+        names, metas, any_taken = {"sampler"}, [], False
+        for found, taken, block_metas, result in forked_blocks(rollouts, vocab_size=info.vocab_size,
+                                                               num_experts=info.num_experts, block_size=block_size,
+                                                               workers=workers, work=mapped):
+            names |= found
+            if taken:
+                metas.extend(block_metas)
+                any_taken = True
+                yield result
+        if not any_taken:  # a shard that takes no block: one empty block, every column of it
+            yield fn(filled(-1, [], []))
+        finish(names, metas)
+
+    # Forked readers decode JSON Lines only, and replay no engine (an engine stays in this process).
+    readable = stored_only and Path(rollouts).suffix.lower() != ".parquet"
+    return Replayed(engines=engines, routing=routing, blocks=blocks, forked=forked if readable else None)
+
+
+def _extra_names(rollouts: list[Rollout]) -> set[str]:
+    return {name for rollout in rollouts for branch in rollout.branches for segment in branch.segments
+            for name in segment.extra_logprobs}
+
+
+def _sampler_metas(rollouts: list[Rollout]) -> list[dict[str, Any]]:
+    return [r.meta["sampler"] for r in rollouts if isinstance(r.meta.get("sampler"), dict)]
 
 
 def _or_empty(blocks: Iterator[tuple[int, list[int], list[Rollout]]]) -> Iterator[tuple[int, list[int], list[Rollout]]]:

@@ -24,7 +24,7 @@ from mismatch.results import REPORT_FILE, TOKENS_FILE, json_safe, tokens_chunks
 from mismatch.results import read_summary as read_results_summary
 from reports import aggregate, figures, sections
 from reports.banner import banner, focus_pair
-from reports.digest import Chunks, Digest, digest
+from reports.digest import Chunks, Digest, Digestion, digest
 from reports.html import Html, el, join
 from reports.worst import WorstOptions
 
@@ -145,17 +145,24 @@ def distribution_section(pairs: list[str], figs: dict[str, Any], colors: dict[st
 
 
 def page_body(summary: dict[str, Any], tokens: tuple[Chunks, list[str]], *, tokenizer_path: Path | None,
-              worst_options: WorstOptions) -> tuple[Html, dict[str, Any], str]:
-    """(static markup, JSON data for the page's script, page title); `tokens` as token_chunks gives them."""
+              worst_options: WorstOptions, digested: Digestion | None = None) -> tuple[Html, dict[str, Any], str]:
+    """(static markup, JSON data for the page's script, page title); `tokens` as token_chunks gives
+    them. `digested`: the tokens already read for the page in the analysis's passes, used when it
+    read them for this summary's pairs and focus (else they are read here)."""
     pairs = [p for p, m in summary["pairs"].items() if isinstance(m, dict)]
     colors = figures.pair_colors(pairs)
     focus = focus_pair(summary)
-    chunks, columns = tokens
-    expected = {pair: metrics.get("n_tokens") for pair, metrics in summary["pairs"].items()
-                if isinstance(metrics, dict) and isinstance(metrics.get("n_tokens"), int)}
-    found = digest(chunks, columns, pairs=pairs, focus=focus, tokenizer_path=tokenizer_path, options=worst_options,
-                   with_turns=not summary.get("turns"), with_worst_tokens=summary.get("command") != "diff",
-                   expected=expected)
+    if (digested is not None and digested.pairs == pairs and digested.focus == focus
+            and digested.options == worst_options and digested.with_turns >= (not summary.get("turns"))
+            and digested.with_worst_tokens == (summary.get("command") != "diff")):
+        found = digested.result(tokenizer_path)
+    else:
+        chunks, columns = tokens
+        expected = {pair: metrics.get("n_tokens") for pair, metrics in summary["pairs"].items()
+                    if isinstance(metrics, dict) and isinstance(metrics.get("n_tokens"), int)}
+        found = digest(chunks, columns, pairs=pairs, focus=focus, tokenizer_path=tokenizer_path,
+                       options=worst_options, with_turns=not summary.get("turns"),
+                       with_worst_tokens=summary.get("command") != "diff", expected=expected)
     figs = chart_figures(summary, found, pairs, colors)
     worst = found.worst if focus in found.scored else None
     texts = worst["text"] if worst else None
@@ -225,18 +232,20 @@ def atomic_write(path: Path, text: str) -> None:
 
 
 def build_report(results_dir: Path, *, tokenizer_path: Path | None = None,
-                 worst_options: WorstOptions = WorstOptions()) -> Path:
+                 worst_options: WorstOptions = WorstOptions(), digested: Digestion | None = None) -> Path:
     """Write `results_dir/index.html` from its summary.json and tokens.parquet; return its path.
 
     Token text comes from `tokenizer_path` (a tokenizer.json), else from the checkpoint the
-    summary names when it can be found; without one, tokens show as their ids.
+    summary names when it can be found; without one, tokens show as their ids. `digested`: the
+    page's reading of the tokens, run in the analysis's passes (page_body).
     """
     results_dir = Path(results_dir)
     summary = read_summary(results_dir)
     tokens = token_chunks(results_dir)
     if tokenizer_path is None:
         tokenizer_path = find_tokenizer(summary, results_dir)
-    body, data, title = page_body(summary, tokens, tokenizer_path=tokenizer_path, worst_options=worst_options)
+    body, data, title = page_body(summary, tokens, tokenizer_path=tokenizer_path, worst_options=worst_options,
+                                  digested=digested)
     out = results_dir / REPORT_FILE
     atomic_write(out, render_page(body, data, title))
     return out

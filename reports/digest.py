@@ -66,24 +66,81 @@ class Digest:
     worst_tokens: list[dict[str, Any]]
 
 
-def digest(chunks: Chunks, columns: list[str], *, pairs: list[str], focus: str, tokenizer_path: Path | None,
-           options: WorstOptions, with_turns: bool, with_worst_tokens: bool,
-           expected: dict[str, int] | None = None) -> Digest:
-    """The Digest of the token table's chunks (`columns`: the table's column names). `expected`:
-    each pair's token count as summary.json has it, at least its finite |log-ratio| count, so the
-    tail behind the histograms' range is gathered in the first pass (else in a pass of its own)."""
-    from mismatch.analysis.chunked import Tails
+class Digestion:
+    """The Digest as an Analysis of a token table's chunks (mismatch.analysis.chunked): an audit
+    runs it in its own passes, `digest` on a results dir. Pass 0: per pair the count and extremes
+    of the log-ratio and its top 0.1% (against `expected`, an upper bound of each pair's finite
+    count), the stream's longest position, the focus pair's rollout ranking and worst tokens; a
+    pass for that tail alone when `expected` is missing; then the histograms over the common
+    x-range, the per-position (and per-turn) sums and the rows of the worst rollouts."""
 
-    scored = [p for p in pairs if all(f"logp_{role}" in columns for role in aggregate.pair_roles(p))]
-    found = {pair: _Pair(pair) for pair in scored}
-    for pair, state in found.items():
-        if expected and expected.get(pair):
-            state.tails = Tails(np.array([int(expected[pair])]), [0.999])
-    ranks: list[pd.DataFrame] = []
-    worst_tokens: list[dict[str, Any]] = []
-    max_pos = -1
-    for chunk in chunks():  # pass 1
-        for pair, state in found.items():
+    cost = 1.2  # as Analysis.cost: seconds per 10^7 rows (benchmarks/audit_stored.py)
+
+    def __init__(self, columns: list[str], *, pairs: list[str], focus: str | None, options: WorstOptions,
+                 with_turns: bool, with_worst_tokens: bool, expected: dict[str, int] | None = None) -> None:
+        from mismatch.analysis.chunked import Tails
+
+        self.columns, self.pairs, self.focus, self.options = columns, pairs, focus, options
+        self.with_turns, self.with_worst_tokens = with_turns, with_worst_tokens
+        self.scored = [p for p in pairs if all(f"logp_{role}" in columns for role in aggregate.pair_roles(p))]
+        self.found = {pair: _Pair(pair) for pair in self.scored}
+        for pair, state in self.found.items():
+            if expected and expected.get(pair):
+                state.tails = Tails(np.array([int(expected[pair])]), [0.999])
+        self.ranks: list[pd.DataFrame] = []
+        self.worst_tokens: list[dict[str, Any]] = []
+        self.max_pos = -1
+        self.stage = "first"  # then "tails" (only without `expected`), "last", "done"
+        self.populated: list[_Pair] = []
+        self.missing: list[_Pair] = []  # pairs whose tail takes a pass of its own (no `expected`)
+        self.limit, self.width = 1e-3, 1
+        self.ranked: pd.DataFrame | None = None
+        self.top: pd.DataFrame | None = None
+        self.rows_of: dict[str, pd.DataFrame] = {}
+
+    def wants(self, index: int) -> bool:
+        if index == 0:
+            return True
+        if self.stage == "first":
+            self.populated = [state for state in self.found.values() if state.n]
+            finite = [state for state in self.populated if state.finite]
+            self.missing = [s for s in finite if s.tails is None or int(s.tails.counts[0]) < s.finite]
+            if self.missing:
+                from mismatch.analysis.chunked import Tails
+
+                for state in self.missing:
+                    state.tails = Tails(np.array([state.finite]), [0.999])
+                self.stage = "tails"
+                return True
+            self._before_last()
+            return True
+        if self.stage == "tails":
+            self._before_last()
+            return True
+        self.stage = "done"
+        return False
+
+    def _before_last(self) -> None:
+        self.limit = _histogram_limit(self.populated)
+        self.width = max(1, int(aggregate.nice_ceil((self.max_pos + 1) / aggregate.MAX_POSITION_BINS)))
+        self.ranked = _ranked(self.ranks)
+        self.top = self.ranked.head(self.options.num_rollouts) if self.ranked is not None else None
+        self.stage = "last"
+
+    def add(self, chunk: Any, index: int) -> None:
+        table = chunk.table if hasattr(chunk, "table") else chunk
+        if index == 0:
+            self._first(table)
+        elif self.stage == "tails":
+            for state in self.missing:
+                _, log_ratio = _log_ratio(table, state.pair)
+                values = np.abs(log_ratio[np.isfinite(log_ratio)])
+                state.tails.add(values, np.zeros(len(values), dtype=np.int64))
+        else:
+            self._last(table)
+
+    def _first(self, chunk: pd.DataFrame) -> None:
+        for pair, state in self.found.items():
             rows, log_ratio = _log_ratio(chunk, pair)
             if not len(rows):
                 continue
@@ -92,56 +149,59 @@ def digest(chunks: Chunks, columns: list[str], *, pairs: list[str], focus: str, 
             if state.tails is not None:
                 state.tails.add(finite, np.zeros(len(finite), dtype=np.int64))
             state.max_abs = max(state.max_abs, float(finite.max()) if len(finite) else -math.inf)
-            max_pos = max(max_pos, int(chunk["pos"].to_numpy()[rows].max()))
-            if pair == focus:
-                ranks.append(_rank(chunk, rows, log_ratio))
-                if with_worst_tokens:
-                    worst_tokens = _worst_tokens(worst_tokens + _chunk_worst(chunk, rows, log_ratio, pair))
-    populated = [state for state in found.values() if state.n]
-    limit = _histogram_limit(chunks, populated)
-    width = max(1, int(aggregate.nice_ceil((max_pos + 1) / aggregate.MAX_POSITION_BINS)))
-    ranked = _ranked(ranks)
-    top = ranked.head(options.num_rollouts) if ranked is not None else None
-    top_names = set(top["rollout"]) if top is not None else set()
-    rows_of: dict[str, pd.DataFrame] = {}
-    for chunk in chunks():  # pass 3
-        for state in populated:
+            self.max_pos = max(self.max_pos, int(chunk["pos"].to_numpy()[rows].max()))
+            if pair == self.focus:
+                self.ranks.append(_rank(chunk, rows, log_ratio))
+                if self.with_worst_tokens:
+                    self.worst_tokens = _worst_tokens(self.worst_tokens + _chunk_worst(chunk, rows, log_ratio, pair))
+
+    def _last(self, chunk: pd.DataFrame) -> None:
+        for state in self.populated:
             rows, log_ratio = _log_ratio(chunk, state.pair)
             if len(rows):
-                state.histogram = aggregate.merge_histograms(state.histogram, aggregate.histogram(log_ratio, limit))
+                state.histogram = aggregate.merge_histograms(state.histogram, aggregate.histogram(log_ratio, self.limit))
             pos = chunk["pos"].to_numpy().astype(np.int64)[rows]
-            state.by_position.add((pos // width) * width, log_ratio)
-            if with_turns:
+            state.by_position.add((pos // self.width) * self.width, log_ratio)
+            if self.with_turns:
                 state.by_turn.add(chunk["turn"].to_numpy().astype(np.int64)[rows], log_ratio)
+        top_names = set(self.top["rollout"]) if self.top is not None else set()
         if top_names:
             codes, names = _rollout_codes(chunk)
             for code in np.flatnonzero(np.isin(names, list(top_names))).tolist():
                 if (codes == code).any():
-                    rows_of[names[code]] = chunk[codes == code].reset_index(drop=True)
-    return Digest(scored=scored, histograms={s.pair: s.histogram for s in populated if s.histogram},
-                  by_position=aggregate.by_position_block({s.pair: s.by_position for s in populated}, width),
-                  by_turn=aggregate.by_turn_block({s.pair: s.by_turn for s in populated}) if with_turns else None,
-                  worst=_worst(top, ranked, rows_of, columns, pairs=scored, focus=focus,
-                               tokenizer_path=tokenizer_path, options=options),
-                  worst_tokens=_with_texts(worst_tokens, tokenizer_path, focus))
+                    self.rows_of[names[code]] = chunk[codes == code].reset_index(drop=True)
+
+    def result(self, tokenizer_path: Path | None) -> Digest:
+        populated = self.populated
+        return Digest(scored=self.scored, histograms={s.pair: s.histogram for s in populated if s.histogram},
+                      by_position=aggregate.by_position_block({s.pair: s.by_position for s in populated}, self.width),
+                      by_turn=aggregate.by_turn_block({s.pair: s.by_turn for s in populated})
+                      if self.with_turns else None,
+                      worst=_worst(self.top, self.ranked, self.rows_of, self.columns, pairs=self.scored,
+                                   focus=self.focus, tokenizer_path=tokenizer_path, options=self.options),
+                      worst_tokens=_with_texts(self.worst_tokens, tokenizer_path, self.focus))
 
 
-def _histogram_limit(chunks: Chunks, populated: list[_Pair]) -> float:
+def digest(chunks: Chunks, columns: list[str], *, pairs: list[str], focus: str, tokenizer_path: Path | None,
+           options: WorstOptions, with_turns: bool, with_worst_tokens: bool,
+           expected: dict[str, int] | None = None) -> Digest:
+    """The Digest of the token table's chunks (`columns`: the table's column names). `expected`:
+    each pair's token count as summary.json has it, at least its finite |log-ratio| count, so the
+    tail behind the histograms' range is gathered in the first pass (else in a pass of its own)."""
+    from mismatch.analysis.chunked import run_passes
+
+    found = Digestion(columns, pairs=pairs, focus=focus, options=options, with_turns=with_turns,
+                      with_worst_tokens=with_worst_tokens, expected=expected)
+    run_passes(chunks, [found])
+    return found.result(tokenizer_path)
+
+
+def _histogram_limit(populated: list[_Pair]) -> float:
     """aggregate.histogram_limit's rule, with p99.9 of |log-ratio| per pair from its top 0.1%
-    (at most ceil(0.001 n) + 1 values per pair: gathered in the first pass, or in a pass here)."""
-    from mismatch.analysis.chunked import Tails
-
+    (at most ceil(0.001 n) + 1 values per pair, n its count gathered or an upper bound of it)."""
     finite = [state for state in populated if state.finite]
     if not finite:
         return 1e-3
-    missing = [s for s in finite if s.tails is None or int(s.tails.counts[0]) < s.finite]
-    for state in missing:
-        state.tails = Tails(np.array([state.finite]), [0.999])
-    for chunk in chunks() if missing else ():  # pass 2, for results without the counts
-        for state in missing:
-            _, log_ratio = _log_ratio(chunk, state.pair)
-            values = np.abs(log_ratio[np.isfinite(log_ratio)])
-            state.tails.add(values, np.zeros(len(values), dtype=np.int64))
     for state in finite:  # the ranks of the count gathered (kept: enough for any count up to the expected)
         state.tails.counts = np.array([state.finite])
     p999 = max(float(s.tails.quantiles()[0, 0]) for s in finite)

@@ -485,3 +485,21 @@ def test_the_audit_report_lists_its_worst_tokens(demo_report: Path) -> None:
     from reports.html import num
 
     assert f"<td><span>{num(worst, 6)}</span></td></tr>" in page  # the largest gap, rendered as the table does
+
+
+def test_an_audits_report_read_in_its_passes_is_the_report_built_from_its_results(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """The audit reads the page's data in its analysis's passes (report_digestion), not again
+    after them; `mismatch report` on the same results dir writes the very same page."""
+    import mismatch
+    from reports import build
+    from tests.test_golden import GOLDEN, stored_checkpoint
+
+    monkeypatch.setattr("mismatch.analysis.chunked.DEFAULT_CHUNK_ROWS", 97)
+    with monkeypatch.context() as patched:
+        patched.setattr(build, "digest", lambda *a, **k: pytest.fail("the audit's report read the tokens again"))
+        mismatch.audit(stored_checkpoint(tmp_path / "ckpt"), GOLDEN / "rollouts.jsonl", train="stored:trainer",
+                       infer="stored:engine", out=tmp_path / "out", block_size=4)
+    first = (tmp_path / "out" / REPORT_FILE).read_bytes()
+    build.build_report(tmp_path / "out")
+    assert (tmp_path / "out" / REPORT_FILE).read_bytes() == first

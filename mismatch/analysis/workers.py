@@ -1,4 +1,5 @@
-"""Jobs run side by side, one per forked process: how an analysis uses a second core.
+"""Jobs run side by side, one per forked process: how an analysis uses a second core (and how
+many processes an analysis, or the reading of a rollouts file, may use).
 
 A fork, not a fresh interpreter: the child starts with the parent's imports and data (a token
 table in memory, the closures that read tokens.parquet), so nothing but each job's result is
@@ -23,20 +24,31 @@ WORKERS_VARIABLE = "MISMATCH_WORKERS"
 # Measured with two cores (benchmarks/RESULTS.md): each group of analyses reads the whole table
 # again, and the costliest analysis alone is a quarter of the work.
 MAX_WORKERS = 2
-# Below this many token rows a fork and a second reading of the table cost more than they save.
+# Below this much work a fork (and, for an analysis, a second reading of the table) costs more
+# than it saves: a million token rows, and the rollouts file of about as many tokens.
 MIN_ROWS_TO_FORK = 1_000_000
+MIN_BYTES_TO_FORK = 32 * 2**20
 
 
 def analysis_workers(num_rows: int, environ: Mapping[str, str] | None = None) -> int:
-    """How many processes the analysis of `num_rows` token rows uses: MISMATCH_WORKERS when set
-    (1: never fork; any size), else up to MAX_WORKERS of the cores this process may run on, for a
-    table of at least MIN_ROWS_TO_FORK rows."""
+    """How many processes the analysis of `num_rows` token rows uses (see _workers)."""
+    return _workers(num_rows >= MIN_ROWS_TO_FORK, environ)
+
+
+def reading_workers(num_bytes: int, environ: Mapping[str, str] | None = None) -> int:
+    """How many forked processes read a rollouts file of `num_bytes` (rollouts/forked.py)."""
+    return _workers(num_bytes >= MIN_BYTES_TO_FORK, environ)
+
+
+def _workers(big: bool, environ: Mapping[str, str] | None) -> int:
+    """MISMATCH_WORKERS when set (1: never fork; whatever the size), else for `big` work up to
+    MAX_WORKERS of the cores this process may run on."""
     text = (os.environ if environ is None else environ).get(WORKERS_VARIABLE)
     if text is not None:
         if not text.strip().isdigit() or int(text) < 1:
             raise MismatchError(f"{WORKERS_VARIABLE}={text!r}: must be a whole number of processes, 1 or more")
         return int(text)
-    return min(MAX_WORKERS, len(os.sched_getaffinity(0))) if num_rows >= MIN_ROWS_TO_FORK else 1
+    return min(MAX_WORKERS, len(os.sched_getaffinity(0))) if big else 1
 
 
 def fork_jobs(jobs: Sequence[Callable[[], T]]) -> list[T]:
@@ -53,12 +65,8 @@ def fork_jobs(jobs: Sequence[Callable[[], T]]) -> list[T]:
             child.start()
             send.close()
             children.append((child, receive))
-        import time
-        t = time.perf_counter()
         results = [jobs[0]()]
-        t1 = time.perf_counter()
         results.extend(_result_of(child, receive) for child, receive in children)
-        open("/tmp/t/log", "a").write(f"parent job {t1 - t} wait+load {time.perf_counter() - t1}\n")
         return results
     finally:
         for child, receive in children:
@@ -70,11 +78,7 @@ def fork_jobs(jobs: Sequence[Callable[[], T]]) -> list[T]:
 
 def _child(job: Callable[[], object], send: Connection) -> None:
     try:
-        import time
-        t = time.perf_counter()
         payload: tuple[bool, object] = (True, job())
-        t1 = time.perf_counter()
-        open("/tmp/t/log", "a").write(f"child job {t1 - t}\n")
     except BaseException:  # noqa: BLE001 - whatever stopped the job is the parent's to raise
         payload = (False, traceback.format_exc())
     send.send_bytes(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))

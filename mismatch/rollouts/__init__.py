@@ -12,7 +12,7 @@ import itertools
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -817,10 +817,21 @@ def _deeper_than(text: str | bytes, limit: int) -> bool:
     return int(np.cumsum(step).max()) > limit
 
 
-def _read_jsonl(path: Path, file: str) -> Iterator[tuple[int, object, list[RolloutError]]]:
+_SKIPPED = object()  # a line read past, not decoded (another reader's: rollouts/forked.py)
+
+
+def _read_jsonl(path: Path, file: str,
+                wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[int, object, list[RolloutError]]]:
+    """(line, value, errors) of each rollout line; `wanted(n)` says whether the file's n-th
+    rollout (from 0) is decoded, the others come as _SKIPPED."""
+    number = -1
     with path.open("rb") as f:
         for line_no, text in enumerate(f, start=1):
             if not text.strip():
+                continue
+            number += 1
+            if wanted is not None and not wanted(number):
+                yield line_no, _SKIPPED, []
                 continue
             # rstrip: a trailing newline would move an "unexpected end" error to a column on line 2.
             raw, why = _loads(text.rstrip(b"\r\n"))
@@ -890,30 +901,60 @@ def _open(path: str | os.PathLike[str]) -> tuple[str, Iterator[tuple[int, object
     return file, reader(p, file)
 
 
+@dataclass(frozen=True, slots=True)
+class LineFacts:
+    """What the checks across a file need of one of its rollouts (picklable: a forked reader
+    sends them to the process that checks the file's order, rollouts/forked.py)."""
+
+    line: int
+    raw_id: str | None                          # the `id` as written, when a non-empty string
+    rollout_id: str | None                      # the valid rollout's id
+    routed: tuple[str, tuple[int, int]] | None  # (field, (layers, k)) of its first routed_experts
+
+    @classmethod
+    def of(cls, line: int, raw: object, rollout: Rollout | None) -> LineFacts:
+        raw_id = raw.get("id") if isinstance(raw, dict) else None
+        return cls(line=line, raw_id=raw_id if isinstance(raw_id, str) and raw_id else None,
+                   rollout_id=rollout.id if rollout is not None else None,
+                   routed=_first_routed(rollout) if rollout is not None else None)
+
+
+class FileChecks:
+    """The checks of a rollout against the ones before it in its file: one routing shape, unique ids."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.first_line: dict[str, int] = {}  # rollout id -> line; one small entry per rollout, not per token
+        self.routing: tuple[int, tuple[int, int]] | None = None  # (line, shape) of the first stored routing
+
+    def errors(self, facts: LineFacts) -> list[RolloutError]:
+        errors = []
+        first = facts.routed
+        if first is not None and self.routing is None:
+            self.routing = (facts.line, first[1])
+        elif first is not None and first[1] != self.routing[1]:
+            errors.append(RolloutError(f"{_layers_by_k(first[1])} per token, but line {self.routing[0]} stores "
+                                       f"{_layers_by_k(self.routing[1])} (one model routes a file)", file=self.file,
+                                       line=facts.line, rollout=_short_id(facts.rollout_id), field=first[0]))
+        if facts.raw_id is not None:
+            if facts.raw_id in self.first_line:
+                errors.append(RolloutError(f"duplicate rollout id (first at line {self.first_line[facts.raw_id]})",
+                                           file=self.file, line=facts.line, rollout=_short_id(facts.raw_id),
+                                           field="id"))
+            else:
+                self.first_line[facts.raw_id] = facts.line
+        return errors
+
+
 def _checked(file: str, rows: Iterator[tuple[int, object, list[RolloutError]]], vocab_size: int | None,
              num_experts: int | None = None) -> Iterator[tuple[Rollout | None, list[RolloutError]]]:
-    first_line: dict[str, int] = {}  # rollout id -> line; one small entry per rollout, not per token
-    routing: tuple[int, tuple[int, int]] | None = None  # (line, shape) of the first stored routing
+    checks = FileChecks(file)
     for line, raw, read_errors in rows:
         if raw is _UNPARSED:
             yield None, read_errors
             continue
         rollout, errors = check_rollout(raw, file=file, line=line, vocab_size=vocab_size, num_experts=num_experts)
-        errors = read_errors + errors
-        first = _first_routed(rollout) if rollout is not None else None
-        if first is not None and routing is None:
-            routing = (line, first[1])
-        elif first is not None and first[1] != routing[1]:
-            errors.append(RolloutError(f"{_layers_by_k(first[1])} per token, but line {routing[0]} stores "
-                                       f"{_layers_by_k(routing[1])} (one model routes a file)", file=file,
-                                       line=line, rollout=_short_id(rollout.id), field=first[0]))
-        rollout_id = raw.get("id") if isinstance(raw, dict) else None
-        if isinstance(rollout_id, str) and rollout_id:
-            if rollout_id in first_line:
-                errors.append(RolloutError(f"duplicate rollout id (first at line {first_line[rollout_id]})",
-                                           file=file, line=line, rollout=_short_id(rollout_id), field="id"))
-            else:
-                first_line[rollout_id] = line
+        errors = read_errors + errors + checks.errors(LineFacts.of(line, raw, rollout))
         yield (None if errors else rollout), errors
 
 

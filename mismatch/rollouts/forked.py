@@ -1,0 +1,128 @@
+"""A JSONL rollouts file read by several processes at once, block by block, in file order.
+
+The file's blocks (`block_size` rollouts each) are dealt round robin to forked readers. Each reads
+every line but decodes and checks only its own blocks' rollouts, and runs the caller's `work` on
+each of its blocks whose rollouts are all valid. The parent takes the blocks back in file order
+and runs the checks across the file on the way (unique ids, one routing shape: FileChecks), so
+the error raised is the one a single reader raises first, word for word.
+
+A fork, not a fresh interpreter: `work` may be a closure over the caller's state, and only its
+results (and each rollout's LineFacts and errors) travel back, pickled.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, TypeVar
+
+from mismatch.errors import RolloutError
+from mismatch.rollouts import (
+    _SKIPPED,
+    _UNPARSED,
+    FileChecks,
+    LineFacts,
+    Rollout,
+    _empty_file_error,
+    _open,
+    _read_jsonl,
+    check_rollout,
+)
+
+T = TypeVar("T")
+Work = Callable[[int, list[int], list[Rollout]], T]  # (block, file indices, its rollouts) -> result
+_ErrorFields = tuple[str, str, int | None, str | None, str | None]  # a RolloutError, picklable
+
+
+def forked_blocks(path: str | Path, *, vocab_size: int | None, num_experts: int | None, block_size: int,
+                  workers: int, work: Work[T]) -> Iterator[T]:
+    """`work` of every block of the file, in file order, from `workers` forked readers; raises
+    the file's first RolloutError as iter_rollouts does (no rollouts: the empty-file error)."""
+    file, _ = _open(path)  # a missing or unreadable file: its one-line error, now
+    sys.stdout.flush()  # what is buffered before a fork would be written again by each child
+    sys.stderr.flush()
+    context = multiprocessing.get_context("fork")
+    readers: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
+    try:
+        for index in range(workers):
+            receive, send = context.Pipe(duplex=False)
+            reader = context.Process(target=_reader, daemon=True, args=(
+                file, index, workers, block_size, vocab_size, num_experts, work, send))
+            reader.start()
+            send.close()
+            readers.append((reader, receive))
+        checks = FileChecks(file)
+        block = 0
+        while (found := _receive(*readers[block % workers])) is not None:
+            facts, errors, result = found
+            for fact, fields in zip(facts, errors):
+                bad = [RolloutError(reason, file=at, line=line, rollout=rollout, field=name)
+                       for reason, at, line, rollout, name in fields] + checks.errors(fact)
+                if bad:
+                    raise bad[0]
+            yield result
+            block += 1
+        if block == 0:
+            raise _empty_file_error(file)
+    finally:
+        for reader, receive in readers:
+            receive.close()
+            if reader.is_alive():
+                reader.kill()
+            reader.join()
+
+
+def _receive(reader: multiprocessing.process.BaseProcess, receive: Connection) -> Any:
+    """A reader's next block (facts, errors, result), or None past its last one."""
+    try:
+        ok, payload = receive.recv()
+    except EOFError:
+        reader.join()
+        raise RuntimeError(f"a rollouts reader process died (exit code {reader.exitcode})") from None
+    if not ok:
+        raise RuntimeError(f"a rollouts reader process failed:\n{payload}")
+    return payload
+
+
+def _reader(file: str, index: int, workers: int, block_size: int, vocab_size: int | None,
+            num_experts: int | None, work: Work[Any], send: Connection) -> None:
+    """Reader `index`: its blocks of the file, one message each, then None."""
+    try:
+        def mine(number: int) -> bool:  # the n-th rollout lies in one of this reader's blocks
+            return (number // block_size) % workers == index
+
+        current, rows = -1, []
+        for number, (line, raw, read_errors) in enumerate(_read_jsonl(Path(file), file, wanted=mine)):
+            if raw is _SKIPPED:
+                continue
+            block = number // block_size
+            if block != current and rows:
+                send.send((True, _block(file, current, rows, vocab_size, num_experts, work)))
+                rows = []
+            current = block
+            rows.append((number, line, raw, read_errors))
+        if rows:
+            send.send((True, _block(file, current, rows, vocab_size, num_experts, work)))
+        send.send((True, None))
+    except BaseException:  # noqa: BLE001 - whatever stopped the reader is the parent's to raise
+        send.send((False, traceback.format_exc()))
+    finally:
+        send.close()
+
+
+def _block(file: str, block: int, rows: list[tuple[int, int, object, list[RolloutError]]],
+           vocab_size: int | None, num_experts: int | None, work: Work[Any]) -> tuple[list[LineFacts], list[list[_ErrorFields]], Any]:
+    """Each rollout's facts and errors, and `work` of the block when every rollout is valid."""
+    facts, errors, rollouts = [], [], []
+    for _, line, raw, read_errors in rows:
+        rollout, found = (None, []) if raw is _UNPARSED else check_rollout(
+            raw, file=file, line=line, vocab_size=vocab_size, num_experts=num_experts)
+        facts.append(LineFacts.of(line, raw, rollout))
+        errors.append([(e.reason, e.file, e.line, e.rollout, e.field) for e in read_errors + found])
+        rollouts.append(rollout)
+    valid = not any(errors)
+    return facts, errors, work(block, [number for number, *_ in rows], rollouts) if valid else None
