@@ -1,0 +1,119 @@
+"""Forked readers (rollouts/forked.py): the blocks a single reader gives, and the first error it
+raises, word for word, whatever reader's block the fault lies in."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mismatch.errors import RolloutError
+from mismatch.rollouts import load_rollouts
+from mismatch.rollouts.forked import forked_blocks
+from tests.test_rollouts import as_plain, make_rollout, write_jsonl
+
+BLOCK = 3
+
+
+def _work(block: int, indices: list[int], rollouts: list) -> tuple[int, list[int], list[dict]]:
+    return block, indices, [as_plain(rollout) for rollout in rollouts]
+
+
+def _read(path: Path, workers: int) -> list:
+    return list(forked_blocks(path, vocab_size=None, num_experts=None, block_size=BLOCK, workers=workers,
+                              work=_work))
+
+
+def _rows(n: int) -> list:
+    return [make_rollout(f"r-{i}") for i in range(n)]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_forked_readers_give_the_blocks_of_one_reader_in_file_order(tmp_path, workers) -> None:
+    rows: list = _rows(11)
+    rows[4:4] = ["", "   "]  # blank lines: not rollouts, still counted as lines
+    path = write_jsonl(tmp_path / "r.jsonl", rows)
+    plain = [as_plain(rollout) for rollout in load_rollouts(path)]
+    expected = [(b, list(range(b * BLOCK, min(11, (b + 1) * BLOCK))), plain[b * BLOCK:(b + 1) * BLOCK])
+                for b in range(4)]
+    assert _read(path, workers) == expected
+
+
+def _bad_files() -> dict[str, list]:
+    routed = make_rollout("r-routed")
+    routed["branches"] = routed["branches"][:1]
+    for segment in routed["branches"][0]["segments"]:
+        segment["routed_experts"] = [[[0, 1]] for _ in segment["tokens"]]
+    other_shape = json.loads(json.dumps(routed))
+    other_shape["id"] = "r-other"
+    for segment in other_shape["branches"][0]["segments"]:
+        segment["routed_experts"] = [[[0, 1], [1, 2]] for _ in segment["tokens"]]
+    token_float = make_rollout("r-float")
+    token_float["branches"][0]["segments"][0]["tokens"][1] = 1.5
+    return {
+        # a bad rollout in the second reader's block, a worse one later in the first reader's
+        "bad value in block 1": [*_rows(4), token_float, *_rows(3), {"id": 3}],
+        "invalid JSON in block 2": [*_rows(7), "{not json", *_rows(2)],
+        "a duplicate id across readers": [*_rows(5), make_rollout("r-1"), *_rows(2)],
+        "two routing shapes across readers": [*_rows(1), routed, *_rows(2), other_shape],
+        "an error in the last, short block": [*_rows(9), {"id": "r-x", "branches": []}],
+    }
+
+
+@pytest.mark.parametrize("name", list(_bad_files()))
+@pytest.mark.parametrize("workers", [2, 3])
+def test_the_first_error_is_the_single_readers_word_for_word(tmp_path, name, workers) -> None:
+    path = write_jsonl(tmp_path / "r.jsonl", _bad_files()[name])
+    with pytest.raises(RolloutError) as single:
+        load_rollouts(path)
+    with pytest.raises(RolloutError) as forked:
+        _read(path, workers)
+    assert str(forked.value) == str(single.value)
+
+
+def test_an_empty_file_and_a_missing_one_are_the_single_readers_errors(tmp_path) -> None:
+    empty = write_jsonl(tmp_path / "empty.jsonl", ["", " "])
+    for path in (empty, tmp_path / "missing.jsonl"):
+        with pytest.raises(RolloutError) as single:
+            load_rollouts(path)
+        with pytest.raises(RolloutError) as forked:
+            _read(path, 2)
+        assert str(forked.value) == str(single.value)
+
+
+def test_a_reader_that_fails_is_raised_with_its_traceback(tmp_path) -> None:
+    path = write_jsonl(tmp_path / "r.jsonl", _rows(7))
+
+    def fails(block: int, indices: list[int], rollouts: list) -> None:
+        if block == 1:
+            raise KeyError("no column")
+
+    with pytest.raises(RuntimeError, match=r"(?s)rollouts reader process failed.*KeyError: 'no column'"):
+        list(forked_blocks(path, vocab_size=None, num_experts=None, block_size=BLOCK, workers=2, work=fails))
+
+
+@pytest.mark.parametrize("shard", ["1/3", "12/13"], ids=["some blocks", "no block"])
+def test_a_shard_read_by_forked_readers_writes_what_one_reader_writes(tmp_path, monkeypatch, shard) -> None:
+    import pandas as pd
+
+    import mismatch
+    from mismatch.replay import Shard
+    from tests.test_golden import GOLDEN, stored_checkpoint
+
+    checkpoint = stored_checkpoint(tmp_path / "ckpt")
+    summaries = {}
+    for workers in ("1", "2"):
+        monkeypatch.setenv("MISMATCH_WORKERS", workers)
+        out = tmp_path / f"out-{workers}"
+        summaries[workers] = mismatch.audit(checkpoint, GOLDEN / "rollouts.jsonl", train="stored:trainer",
+                                            infer="stored:engine", out=out, block_size=4,
+                                            shard=Shard.parse(shard)).summary
+        summaries[workers].pop("created_unix")
+    assert json.dumps(summaries["1"], sort_keys=True) == json.dumps(summaries["2"], sort_keys=True)
+    for name in ("tokens.parquet", "rollouts.parquet"):
+        one, two = (pd.read_parquet(tmp_path / f"out-{w}" / name) for w in ("1", "2"))
+        assert one.equals(two), name
+    # The golden fixture's 48 rollouts make 12 blocks of 4: shard 1/3 takes blocks 1, 4, 7 and 10,
+    # shard 12/13 none.
+    assert summaries["1"]["counts"]["rollouts"] == (16 if shard == "1/3" else 0)
