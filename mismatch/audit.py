@@ -379,7 +379,7 @@ def report_digestion(store: TokenStore) -> Digestion:
 
     pairs = [f"{a}/{b}" for a, b in audit_pairs(store.columns)]
     return Digestion(store.columns, pairs=pairs, focus=pairs[0] if pairs else None, options=WorstOptions(),
-                     with_turns=True, with_worst_tokens=True, expected=dict.fromkeys(pairs, store.num_rows))
+                     with_turns=False, with_worst_tokens=True, expected=dict.fromkeys(pairs, store.num_rows))
 
 
 def shard_info(shard: Shard | None, block_size: int) -> dict[str, Any]:

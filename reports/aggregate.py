@@ -57,7 +57,9 @@ def histogram(log_ratio: np.ndarray, limit: float, num_bins: int = NUM_HIST_BINS
     above = int(np.sum(log_ratio > limit))  # +inf (an overflowing ratio) is counted here
     nan = int(np.sum(np.isnan(log_ratio)))
     clipped = np.clip(log_ratio[~np.isnan(log_ratio)], -limit, limit)
-    counts, _ = np.histogram(clipped, bins=edges)
+    # A bin count and a range, not the edges: numpy's equal-bins path (an index per value, checked
+    # against these same linspace edges) instead of a sort of every value.
+    counts, _ = np.histogram(clipped, bins=num_bins, range=(-limit, limit))
     return {"edges": edges.tolist(), "counts": counts.astype(int).tolist(), "n": len(log_ratio),
             "n_below": below, "n_above": above, "n_nan": nan, "limit": limit,
             "min": _finite_or_none(np.nanmin(log_ratio)) if len(log_ratio) else None,
