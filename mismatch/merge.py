@@ -46,6 +46,7 @@ CATEGORICAL = ("rollout", "branch", "branch_kind", "role")
 def merge(dirs: Sequence[str | Path], out: str | Path, *, force: bool = False) -> dict[str, Any]:
     """Check the shards belong together and cover every block once; write the merged results dir."""
     out_dir = Path(out)
+    analysis_workers(0)  # a bad MISMATCH_WORKERS is refused before any work
     with results_lock(out_dir):
         return _merge([Path(d) for d in dirs], out_dir, force=force)
 

@@ -1,10 +1,12 @@
 """What the page needs from tokens.parquet, read in chunks of whole rollouts: memory of a chunk,
 however many tokens were audited.
 
-Three passes over the chunks: (1) per pair the count and extremes of the log-ratio, the stream's
-longest position, each rollout's ranking score, the focus pair's worst tokens; (2) the tail of
-|log-ratio| behind the histograms' common x-range; (3) the histogram counts, the per-position
-(and, for results without summary turns, per-turn) sums, and the rows of the worst rollouts.
+`Digestion` is an Analysis (mismatch.analysis.chunked) of two passes, three without the pairs'
+token counts: (1) per pair the count and extremes of the log-ratio, its top 0.1% (behind the
+histograms' common x-range), the stream's longest position, each rollout's ranking score, the
+focus pair's worst tokens; (2) the histogram counts, the per-position (and, for results without
+summary turns, per-turn) sums, and the rows of the worst rollouts. An audit runs it in its own
+passes; `digest` runs it alone on a results dir.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -27,6 +29,9 @@ from reports.worst import (
     rollout_detail,
     token_texts,
 )
+
+if TYPE_CHECKING:
+    from mismatch.analysis.chunked import Chunk
 
 Chunks = Callable[[], Iterator[pd.DataFrame]]
 WORST_TOKENS = 20  # the focus pair's worst tokens listed under the worst rollouts
@@ -127,8 +132,8 @@ class Digestion:
         self.top = self.ranked.head(self.options.num_rollouts) if self.ranked is not None else None
         self.stage = "last"
 
-    def add(self, chunk: Any, index: int) -> None:
-        table = chunk.table if hasattr(chunk, "table") else chunk
+    def add(self, chunk: Chunk, index: int) -> None:
+        table = chunk.table
         if index == 0:
             self._first(table)
         elif self.stage == "tails":

@@ -124,12 +124,12 @@ def run_passes(chunks: Chunks, analyses: Sequence[Analysis], *, workers: int = 1
     the analyses that want that pass, its views shared by them.
 
     `workers` > 1 splits the analyses into that many groups of about equal `cost` (an analysis's
-    relative time per row; 1 unless it says), each run by its own process over its own reading of
+    seconds per 10^7 rows; 1 unless it says), each run by its own process over its own reading of
     the chunks (a fork: the chunks need not be picklable, the analyses' states come back
     pickled). The numbers are the same: each analysis still sees every chunk in order."""
     groups = _balanced(analyses, workers) if workers > 1 else []
     if len(groups) > 1:
-        forked_passes(chunks, groups)
+        _forked_passes(chunks, groups)
     else:
         _run_passes(chunks, analyses)
 
@@ -145,7 +145,7 @@ def _balanced(analyses: Sequence[Analysis], workers: int) -> list[list[Analysis]
     return [group for group in groups if group]
 
 
-def forked_passes(chunks: Chunks, groups: list[list[Analysis]]) -> None:
+def _forked_passes(chunks: Chunks, groups: list[list[Analysis]]) -> None:
     """Each group's passes in a process of its own (the first here); the analyses given end in
     the states their copies reached."""
     found = fork_jobs([partial(_passes_of, chunks, group) for group in groups])
