@@ -48,7 +48,6 @@ from mismatch.analysis.framework_metrics import FrameworkMetrics
 from mismatch.analysis.metrics import PAIR_METRICS
 from mismatch.analysis.prefixes import PrefixKeys, prefix_consistency, prefix_keys
 from mismatch.analysis.routing import routing_summary, token_routing
-from mismatch.analysis.workers import analysis_workers, reading_workers
 from mismatch.checkpoint import load_tokenizer
 from mismatch.engines import check_spec, parse_spec
 from mismatch.errors import MismatchError
@@ -78,6 +77,7 @@ from mismatch.results import (
 )
 from mismatch.rollouts.drift import find_drift, recorded
 from mismatch.rollouts.trees import TreeSums
+from mismatch.workers import analysis_workers, reading_workers
 
 if TYPE_CHECKING:
     from reports.digest import Digestion

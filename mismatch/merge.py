@@ -19,7 +19,6 @@ import pandas as pd
 from mismatch.analysis.chunked import PerRollout
 from mismatch.analysis.clip import ClipRange
 from mismatch.analysis.routing import merged_routing
-from mismatch.analysis.workers import analysis_workers
 from mismatch.audit import (
     analyze_audit,
     audit_pairs,
@@ -39,6 +38,7 @@ from mismatch.results import (
     staged_tokens,
     tokens_chunks,
 )
+from mismatch.workers import analysis_workers
 
 CATEGORICAL = ("rollout", "branch", "branch_kind", "role")
 

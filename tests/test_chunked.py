@@ -102,7 +102,7 @@ def test_an_audit_split_over_two_processes_writes_the_same_results(tmp_path, mon
 def test_a_worker_that_fails_or_dies_is_raised_with_what_happened() -> None:
     import os
 
-    from mismatch.analysis.workers import fork_jobs
+    from mismatch.workers import fork_jobs
 
     def fails() -> None:
         raise ValueError("no such column 'logp_x'")
@@ -131,7 +131,7 @@ def test_a_bad_workers_variable_is_one_line_before_any_work(value, tmp_path, mon
 
 
 def test_workers_follow_the_table_size_unless_told() -> None:
-    from mismatch.analysis.workers import MIN_ROWS_TO_FORK, analysis_workers
+    from mismatch.workers import MIN_ROWS_TO_FORK, analysis_workers
 
     assert analysis_workers(MIN_ROWS_TO_FORK - 1, environ={}) == 1
     assert analysis_workers(MIN_ROWS_TO_FORK, environ={}) == min(2, len(__import__("os").sched_getaffinity(0)))

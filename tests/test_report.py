@@ -200,9 +200,9 @@ def test_reports_never_import_torch_or_the_engines(tmp_path: Path) -> None:
     assert [m for m in modules if m.split(".")[0] == "mismatch"] == [
         "mismatch", "mismatch.analysis", "mismatch.analysis.chunked", "mismatch.analysis.framework_metrics",
         "mismatch.analysis.groups", "mismatch.analysis.metrics", "mismatch.analysis.terms",
-        "mismatch.analysis.tokenview", "mismatch.analysis.workers", "mismatch.errors", "mismatch.frameworks",
-        "mismatch.frameworks._common", "mismatch.frameworks.openrlhf", "mismatch.frameworks.prime_rl", "mismatch.frameworks.slime",
-        "mismatch.frameworks.trl", "mismatch.frameworks.verl", "mismatch.results"]
+        "mismatch.analysis.tokenview", "mismatch.errors", "mismatch.frameworks", "mismatch.frameworks._common",
+        "mismatch.frameworks.openrlhf", "mismatch.frameworks.prime_rl", "mismatch.frameworks.slime",
+        "mismatch.frameworks.trl", "mismatch.frameworks.verl", "mismatch.results", "mismatch.workers"]
     assert (out / REPORT_FILE).is_file()
 
 

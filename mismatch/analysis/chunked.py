@@ -41,7 +41,7 @@ from mismatch.analysis.metrics import (
     totals_metrics,
 )
 from mismatch.analysis.tokenview import TokenView
-from mismatch.analysis.workers import fork_jobs
+from mismatch.workers import fork_jobs
 
 # Rows per chunk: every per-token array of a chunk stays near 2 MB, and a chunk with its views
 # near 100 MB.

@@ -12,9 +12,6 @@ results (and each rollout's LineFacts and errors) travel back, pickled.
 
 from __future__ import annotations
 
-import multiprocessing
-import sys
-import traceback
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -32,6 +29,7 @@ from mismatch.rollouts import (
     _read_jsonl,
     check_rollout,
 )
+from mismatch.workers import Forked, forked, received, reporting, stop
 
 T = TypeVar("T")
 Work = Callable[[int, list[int], list[Rollout]], T]  # (block, file indices, its rollouts) -> result
@@ -43,21 +41,13 @@ def forked_blocks(path: str | Path, *, vocab_size: int | None, num_experts: int 
     """`work` of every block of the file, in file order, from `workers` forked readers; raises
     the file's first RolloutError as iter_rollouts does (no rollouts: the empty-file error)."""
     file, _ = _open(path)  # a missing or unreadable file: its one-line error, now
-    sys.stdout.flush()  # what is buffered before a fork would be written again by each child
-    sys.stderr.flush()
-    context = multiprocessing.get_context("fork")
-    readers: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
+    readers: list[Forked] = []
     try:
-        for index in range(workers):
-            receive, send = context.Pipe(duplex=False)
-            reader = context.Process(target=_reader, daemon=True, args=(
-                file, index, workers, block_size, vocab_size, num_experts, work, send))
-            reader.start()
-            send.close()
-            readers.append((reader, receive))
+        readers.extend(forked(_reader, file, index, workers, block_size, vocab_size, num_experts, work)
+                       for index in range(workers))
         checks = FileChecks(file)
         block = 0
-        while (found := _receive(*readers[block % workers])) is not None:
+        while (found := received(readers[block % workers], "a rollouts reader")) is not None:
             facts, errors, result = found
             for fact, fields in zip(facts, errors):
                 bad = [RolloutError(reason, file=at, line=line, rollout=rollout, field=name)
@@ -69,32 +59,16 @@ def forked_blocks(path: str | Path, *, vocab_size: int | None, num_experts: int 
         if block == 0:
             raise _empty_file_error(file)
     finally:
-        for reader, receive in readers:
-            receive.close()
-            if reader.is_alive():
-                reader.kill()
-            reader.join()
-
-
-def _receive(reader: multiprocessing.process.BaseProcess, receive: Connection) -> Any:
-    """A reader's next block (facts, errors, result), or None past its last one."""
-    try:
-        ok, payload = receive.recv()
-    except EOFError:
-        reader.join()
-        raise RuntimeError(f"a rollouts reader process died (exit code {reader.exitcode})") from None
-    if not ok:
-        raise RuntimeError(f"a rollouts reader process failed:\n{payload}")
-    return payload
+        stop(readers)
 
 
 def _reader(file: str, index: int, workers: int, block_size: int, vocab_size: int | None,
             num_experts: int | None, work: Work[Any], send: Connection) -> None:
     """Reader `index`: its blocks of the file, one message each, then None."""
-    try:
-        def mine(number: int) -> bool:  # the n-th rollout lies in one of this reader's blocks
-            return (number // block_size) % workers == index
+    def mine(number: int) -> bool:  # the n-th rollout lies in one of this reader's blocks
+        return (number // block_size) % workers == index
 
+    with reporting(send):
         current, rows = -1, []
         for number, (line, raw, read_errors) in enumerate(_read_jsonl(Path(file), file, wanted=mine)):
             if raw is _SKIPPED:
@@ -108,10 +82,6 @@ def _reader(file: str, index: int, workers: int, block_size: int, vocab_size: in
         if rows:
             send.send((True, _block(file, current, rows, vocab_size, num_experts, work)))
         send.send((True, None))
-    except BaseException:  # noqa: BLE001 - whatever stopped the reader is the parent's to raise
-        send.send((False, traceback.format_exc()))
-    finally:
-        send.close()
 
 
 def _block(file: str, block: int, rows: list[tuple[int, int, object, list[RolloutError]]],

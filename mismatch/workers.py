@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import pickle
 import sys
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from mismatch.errors import MismatchError
 
@@ -53,44 +53,66 @@ def _workers(big: bool, environ: Mapping[str, str] | None) -> int:
 
 def fork_jobs(jobs: Sequence[Callable[[], T]]) -> list[T]:
     """Each job's result, in order: the first run here, every other one in a forked child."""
-    # Output buffered before the fork would be written again by each child as it exits.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    context = multiprocessing.get_context("fork")
-    children: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
+    children: list[Forked] = []
     try:
-        for job in jobs[1:]:
-            receive, send = context.Pipe(duplex=False)
-            child = context.Process(target=_child, args=(job, send), daemon=True)
-            child.start()
-            send.close()
-            children.append((child, receive))
+        children.extend(forked(_child, job) for job in jobs[1:])
         results = [jobs[0]()]
-        results.extend(_result_of(child, receive) for child, receive in children)
+        results.extend(received(child, "an analysis worker") for child in children)
         return results
     finally:
-        for child, receive in children:
-            receive.close()
-            if child.is_alive():
-                child.kill()
-            child.join()
+        stop(children)
 
 
 def _child(job: Callable[[], object], send: Connection) -> None:
-    try:
-        payload: tuple[bool, object] = (True, job())
-    except BaseException:  # noqa: BLE001 - whatever stopped the job is the parent's to raise
-        payload = (False, traceback.format_exc())
-    send.send_bytes(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+    with reporting(send):
+        send.send((True, job()))
+
+
+Forked = tuple[multiprocessing.process.BaseProcess, Connection]  # a forked child and the end it sends to
+
+
+def forked(target: Callable[..., None], *args: Any) -> Forked:
+    """A forked daemon child running target(*args, send): it sends (True, payload) messages, or
+    (False, a traceback) when it fails (`reporting`)."""
+    # Output buffered before the fork would be written again by the child as it exits.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=target, args=(*args, send), daemon=True)
+    child.start()
     send.close()
+    return child, receive
 
 
-def _result_of(child: multiprocessing.process.BaseProcess, receive: Connection) -> object:
+@contextmanager
+def reporting(send: Connection) -> Iterator[None]:
+    """In a child: whatever stops it goes to the parent as (False, its traceback)."""
     try:
-        ok, payload = pickle.loads(receive.recv_bytes())
+        yield
+    except BaseException:  # noqa: BLE001 - whatever stopped the child is the parent's to raise
+        send.send((False, traceback.format_exc()))
+    finally:
+        send.close()
+
+
+def received(child: Forked, what: str) -> Any:
+    """The child's next payload; its traceback, or its death, raised as a RuntimeError."""
+    process, receive = child
+    try:
+        ok, payload = receive.recv()
     except EOFError:
-        child.join()
-        raise RuntimeError(f"an analysis worker process died (exit code {child.exitcode})") from None
+        process.join()
+        raise RuntimeError(f"{what} process died (exit code {process.exitcode})") from None
     if not ok:
-        raise RuntimeError(f"an analysis worker process failed:\n{payload}")
+        raise RuntimeError(f"{what} process failed:\n{payload}")
     return payload
+
+
+def stop(children: Sequence[Forked]) -> None:
+    """Each child's pipe closed, the child killed if still running, and reaped."""
+    for process, receive in children:
+        receive.close()
+        if process.is_alive():
+            process.kill()
+        process.join()
