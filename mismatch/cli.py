@@ -281,6 +281,11 @@ def print_pairs(summary: dict[str, Any], framework: str | None = None) -> None:
     for pair, verdict in summary.get("verdicts", {}).items():
         out_console.print(f"{pair} ({verdict['meaning']}): {verdict['level']}: {verdict['text']}",
                           markup=False, highlight=False, soft_wrap=True)
+    from mismatch.analysis.prefixes import prefix_sentence, split_prefixes
+
+    for source, finding in split_prefixes(summary).items():
+        out_console.print(prefix_sentence(source, finding, (summary.get("engines") or {}).get(source)),
+                          markup=False, highlight=False, soft_wrap=True)
 
 
 def _table(**options: Any) -> Table:

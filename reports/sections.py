@@ -390,9 +390,28 @@ def findings_section(summary: dict[str, Any]) -> Html | None:
                                         for span in spans]))
         parts.append(facts([(k.replace("_", " "), v) for k, v in drift.items()
                             if k != "spans" and isinstance(v, (int, float, str))]))
+    parts += _prefix_parts(summary)
     if not parts:
         return None
-    return section("findings", "Render and alignment findings", parts)
+    return section("findings", "Render, alignment and prefix findings", parts)
+
+
+def _prefix_parts(summary: dict[str, Any]) -> list[Html]:
+    """Prefix consistency per source: the same prefix must get the same log-prob in every request."""
+    from mismatch.analysis.prefixes import prefix_sentence, split_prefixes
+
+    found = {source: item for source, item in (summary.get("prefix_consistency") or {}).items()
+             if isinstance(item, dict) and item.get("n_prefixes")}
+    if not found:
+        return []
+    engines = summary.get("engines") or {}
+    flags = [el("p", prefix_sentence(source, item, engines.get(source)), class_="flag")
+             for source, item in split_prefixes(summary).items() if source in found]
+    rows = [{"source": source, "tokens sharing a prefix": item.get("n_shared_tokens"),
+             "shared prefixes": item.get("n_prefixes"),
+             "bitwise equal": _pct_or_none(item.get("frac_prefixes_bitwise_equal")),
+             "largest spread": item.get("max_abs_spread")} for source, item in found.items()]
+    return [el("h3", "Prefix consistency"), flags, records_table(rows)]
 
 
 # --- corrections and recommendations ---------------------------------------------------------------

@@ -55,3 +55,54 @@ def test_an_audit_reports_prefix_consistency_per_source(tiny_checkpoint, tmp_pat
         assert found[source]["n_shared_tokens"] >= 3 * own_tokens - 3  # the copies share every token
         assert 0.0 <= found[source]["frac_prefixes_bitwise_equal"] <= 1.0
     assert found["sampler"]["n_shared_tokens"] <= found["train"]["n_shared_tokens"]
+
+
+SPLIT = {"n_shared_tokens": 120, "n_prefixes": 41, "frac_prefixes_bitwise_equal": 8 / 41, "max_abs_spread": 0.013,
+         "worst": {"rollouts": ["r-1", "r-7"], "pos": 12, "spread": 0.013}}
+EQUAL = {"n_shared_tokens": 120, "n_prefixes": 41, "frac_prefixes_bitwise_equal": 1.0, "max_abs_spread": 0.0,
+         "worst": None}
+
+
+def test_a_split_prefix_in_an_inference_source_is_said_and_advised() -> None:
+    """The sampler's or an inference engine's split prefixes advise the batch-invariant mode (unless
+    probes ran and show no batch variance); the trainer's own replay does not: it is not the
+    rollout engine."""
+    from mismatch.advise.recommend import recommend
+    from mismatch.analysis.prefixes import prefix_sentence, split_prefixes
+    from tests.test_recommend import TOKEN_CAPS
+    from tests.test_recommend import summary as make_summary
+
+    engines = {"sampler": {"kind": "stored"}, "train": {"kind": "hf"}, "infer": {"kind": "vllm"}}
+    for found, advised in [({"sampler": EQUAL, "train": SPLIT, "infer": EQUAL}, ()),
+                           ({"sampler": EQUAL, "train": EQUAL, "infer": SPLIT}, ("infer",)),
+                           ({"sampler": SPLIT, "train": SPLIT, "infer": SPLIT}, ("sampler", "infer"))]:
+        summary = make_summary(corrections=TOKEN_CAPS, prefix_consistency=found)
+        summary["engines"] = engines
+        assert set(split_prefixes(summary)) == {s for s, item in found.items() if item is SPLIT}
+        kinds = {rec.kind: rec for rec in recommend(summary)}
+        assert ("batch_invariant" in kinds) == bool(advised)
+        if advised:
+            assert kinds["batch_invariant"].why.startswith(f"{' and '.join(advised)} gave the same prefix")
+            no_variance = [{"source": "batch_size", "applicable": True, "bitwise_equal_frac": 1.0}]
+            assert "batch_invariant" not in {rec.kind for rec in recommend(summary, probes=no_variance)}
+    assert prefix_sentence("infer", SPLIT, {"kind": "vllm"}) == (
+        "infer (vllm): the same prefix got different log-probs in different requests: 8 of 41 shared prefixes "
+        "bitwise equal, spread up to 0.013 (rollouts r-1, r-7 at position 12): batch variance, or an engine bug "
+        "(one request at a time tells them apart)")
+
+
+def test_the_report_and_the_terminal_show_split_prefixes(capsys) -> None:
+    from mismatch.cli import print_pairs
+    from reports.sections import findings_section
+    from tests.test_recommend import summary as make_summary
+
+    summary = make_summary(prefix_consistency={"sampler": EQUAL, "infer": SPLIT})
+    summary["engines"]["infer"] = {"kind": "vllm"}
+    summary["pairs"]["train/sampler"]["n_tokens"] = 10
+    print_pairs(summary)
+    printed = capsys.readouterr().out.replace("\n", " ")
+    assert "infer (vllm): the same prefix got different log-probs in different requests: 8 of 41" in printed
+    assert "sampler" not in printed.split("infer (vllm)")[1]  # the equal source is not flagged
+    page = str(findings_section(summary))
+    assert "Prefix consistency" in page and "8 of 41 shared prefixes bitwise equal" in page
+    assert findings_section(make_summary(prefix_consistency={"sampler": EQUAL})) is not None  # the table alone

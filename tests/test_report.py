@@ -195,11 +195,11 @@ def test_reports_never_import_torch_or_the_engines(tmp_path: Path) -> None:
     heavy = [m for m in modules if m.split(".")[0] in ("torch", "transformers", "vllm")]
     assert heavy == [], heavy
     # Of the core, only its light modules: the package root, the errors (ReportError), the results
-    # contract, the terms, the chunked reductions (exact tails, their worker processes) and the
-    # frameworks' metric names (numpy and pandas only).
+    # contract, the terms, the chunked reductions (exact tails, their worker processes), the prefix
+    # findings' wording and the frameworks' metric names (numpy and pandas only).
     assert [m for m in modules if m.split(".")[0] == "mismatch"] == [
         "mismatch", "mismatch.analysis", "mismatch.analysis.chunked", "mismatch.analysis.framework_metrics",
-        "mismatch.analysis.groups", "mismatch.analysis.metrics", "mismatch.analysis.terms",
+        "mismatch.analysis.groups", "mismatch.analysis.metrics", "mismatch.analysis.prefixes", "mismatch.analysis.terms",
         "mismatch.analysis.tokenview", "mismatch.errors", "mismatch.frameworks", "mismatch.frameworks._common",
         "mismatch.frameworks.openrlhf", "mismatch.frameworks.prime_rl", "mismatch.frameworks.slime",
         "mismatch.frameworks.trl", "mismatch.frameworks.verl", "mismatch.results", "mismatch.workers"]

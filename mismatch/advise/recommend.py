@@ -27,7 +27,8 @@ RULE = """\
 4. Gap large: recompute_old_logprobs (cost: one extra forward pass over the batch's N tokens). A small
    gap gets the cap alone: nothing heavier than the gap justifies.
 5. Gap large and an engine ran in bfloat16: fp16.
-6. Probes show log-probs that change with batch shape: batch_invariant.
+6. Probes show log-probs that change with batch shape, or (without probes) the sampler or an
+   inference engine gave one prefix different log-probs in different requests: batch_invariant.
 7. Stored log-probs are processed (temperature / top-p) rather than raw: raw_logprobs.
 8. MoE routing flips carry at least half of a trainer pair's k3 (summary.json routing):
    routing_replay (R3: the trainer follows the experts the engine routed each token to).
@@ -85,6 +86,9 @@ class Evidence:
     alignment_shift: int = 0
     logprob_semantics: str | None = None
     routing: dict[str, Any] = field(default_factory=dict)  # summary["routing"]: pair -> agreement
+    # Inference sources (the sampler's stored log-probs, a non-torch engine) that gave one prefix
+    # different log-probs in different requests (summary["prefix_consistency"]).
+    split_prefixes: tuple[str, ...] = ()
 
     @property
     def level(self) -> str:
@@ -119,7 +123,19 @@ def evidence_from_summary(summary: dict[str, Any], *, corrections: list[dict[str
         bf16_sources=_bf16_sources(summary.get("engines") or {}),
         grows_with_position=grows_with_position, batch_variant=batch_variant,
         drift_spans=len(drift.get("spans") or []), alignment_shift=int(alignment.get("shift") or 0),
-        logprob_semantics=alignment.get("logprob_semantics"), routing=dict(summary.get("routing") or {}))
+        logprob_semantics=alignment.get("logprob_semantics"), routing=dict(summary.get("routing") or {}),
+        split_prefixes=_inference_split_prefixes(summary))
+
+
+def _inference_split_prefixes(summary: dict[str, Any]) -> tuple[str, ...]:
+    """The inference sources with split prefixes: the batch-invariant fix is the rollout engine's
+    (a torch engine here is this tool's own replay of the trainer)."""
+    from mismatch.analysis.prefixes import split_prefixes
+    from mismatch.replay import TORCH_KINDS
+
+    engines = summary.get("engines") or {}
+    return tuple(source for source in split_prefixes(summary)
+                 if (engines.get(source) or {}).get("kind") not in TORCH_KINDS)
 
 
 # Probe variations that change with what else is in the batch (probes/result.py SOURCES).
@@ -162,8 +178,8 @@ def rule(evidence: Evidence) -> list[Recommendation]:
         out.append(_recompute(evidence))
     if large and evidence.bf16_sources:
         out.append(_fp16(evidence))
-    if evidence.batch_variant:
-        out.append(_batch_invariant())
+    if evidence.batch_variant or (evidence.batch_variant is None and evidence.split_prefixes):
+        out.append(_batch_invariant(evidence.split_prefixes if not evidence.batch_variant else ()))
     if evidence.logprob_semantics == "processed":
         out.append(_raw_logprobs())
     routing = _routing_replay(evidence.routing)
@@ -291,13 +307,18 @@ def _fp16(evidence: Evidence) -> Recommendation:
                               "scaling, and weights must fit float16's range")
 
 
-def _batch_invariant() -> Recommendation:
+def _batch_invariant(split_prefixes: tuple[str, ...] = ()) -> Recommendation:
+    """From the probes (batch-shape variance), or from the data: sources that gave one prefix
+    different log-probs in different requests."""
+    seen = (f"{' and '.join(split_prefixes)} gave the same prefix different log-probs in different requests "
+            "(summary.json prefix_consistency): batch variance, or an engine bug if it stays one request at a time"
+            if split_prefixes else "the probes show log-probs that change with batch composition")
     return Recommendation(kind="batch_invariant",
                           params={"vllm_env": "VLLM_BATCH_INVARIANT=1",
                                   "sglang_flag": "--enable-deterministic-inference"},
-                          why="the probes show log-probs that change with batch composition: a batch-invariant "
-                              "(deterministic) inference mode removes that noise at the source, at a throughput "
-                              "cost (reported 10-60% for bitwise modes; measure it with mismatch diff)")
+                          why=f"{seen}: a batch-invariant (deterministic) inference mode removes batch noise at "
+                              "the source, at a throughput cost (reported 10-60% for bitwise modes; measure it "
+                              "with mismatch diff)")
 
 
 def _fix_renderer(num_spans: int) -> Recommendation:
