@@ -109,7 +109,8 @@ class Chunk:
 
 class Analysis(Protocol):
     """Something computed over a table's chunks in one or more passes (run_passes). It may say
-    its `cost`: seconds per 10^7 rows, measured, by which run_passes balances its workers."""
+    its `cost`: seconds per 10^7 rows, measured by benchmarks/analysis_costs.py, by which
+    run_passes balances its workers."""
 
     def wants(self, index: int) -> bool:
         """Whether it reads pass `index` (asked before the pass, after the one before it)."""
@@ -307,7 +308,7 @@ class GroupedPairMetrics:
         self.pairs = [(f"logp_{a}", f"logp_{b}") for a, b in pairs]
         self.names = [f"{a}/{b}" for a, b in pairs]
         self.by, self.trainable_only, self.clip, self.quantiles = list(by), trainable_only, clip, quantiles
-        self.cost = (1.8 if trainable_only else 1.5) * len(pairs) / 3  # as Analysis.cost
+        self.cost = (1.2 if trainable_only else 1.0) * len(pairs) / 3  # as Analysis.cost
         self.breakdowns = [list(self.by) + ([OVERALL] if overall else []) for _ in pairs]
         # One set of ids per breakdown, shared by the pairs: a group of the view is every pair's.
         self.ids = {by: _GroupIds() for by in [*self.by, OVERALL]}
@@ -412,7 +413,7 @@ class PerRollout:
     """rollouts.parquet: `pair`, `rollout`, PAIR_METRICS per pair and rollout, chunk by chunk (a
     rollout lies in one chunk, so each one's metrics, quantiles included, are its chunk's)."""
 
-    cost = 3.0  # run_passes' balance: seconds per 10^7 rows (benchmarks/audit_stored.py)
+    cost = 1.8  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
 
     def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
         self.pairs = list(pairs)
@@ -448,7 +449,7 @@ def per_rollout_metrics(chunks: Chunks, pairs: Sequence[tuple[str, str]]) -> pd.
 class Counts:
     """summary.json `counts` of rows: rollouts, branches, tokens, trainable tokens."""
 
-    cost = 0.05
+    cost = 0.05  # as Analysis.cost
 
     def __init__(self) -> None:
         self.counts = {"rollouts": 0, "branches": 0, "tokens": 0, "trainable_tokens": 0}
