@@ -1,9 +1,10 @@
-"""Jobs run side by side, one per forked process: how an analysis uses a second core (and how
-many processes an analysis, or the reading of a rollouts file, may use).
+"""Forked processes: jobs run side by side (`fork_jobs`, the parent running the first itself),
+the plumbing the rollouts readers share (`forked`, `reporting`, `received`, `stop`), and how
+many processes an analysis, or the reading of a rollouts file, may use.
 
 A fork, not a fresh interpreter: the child starts with the parent's imports and data (a token
-table in memory, the closures that read tokens.parquet), so nothing but each job's result is
-pickled, and only on its way back. The parent runs the first job itself.
+table in memory, the closures that read tokens.parquet), so nothing but a child's results is
+pickled, and only on its way back.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mismatch.errors import MismatchError
 T = TypeVar("T")
 WORKERS_VARIABLE = "MISMATCH_WORKERS"
 # Measured with two cores (benchmarks/RESULTS.md): each group of analyses reads the whole table
-# again, and the costliest analysis alone is a quarter of the work.
+# again, and the costliest analysis alone is a fifth of the work (benchmarks/analysis_costs.py).
 MAX_WORKERS = 2
 # Below this much work a fork (and, for an analysis, a second reading of the table) costs more
 # than it saves: a million token rows, and the rollouts file of about as many tokens.
