@@ -76,10 +76,13 @@ def _vllm_fp32_audit(name: str, architecture_checkpoint, out: Path) -> dict:
 @pytest.mark.parametrize("name", VLLM_MATCHED)
 def test_vllm_fp32_matches_the_trainer_with_default_options(name, architecture_checkpoint, tmp_path) -> None:
     """Default options replay the model as configured (Gemma-2's soft-capping included), and vLLM
-    gives the same token after the same prefix one log-prob, whatever request it came in."""
+    gives the same token after the same prefix the same log-prob, whatever request it came in, up
+    to fp32 rounding. (Bit for bit it was here, but batch invariance is the machine's property,
+    not the code's: the bound is the one the pair is held to.)"""
     summary = _vllm_fp32_audit(name, architecture_checkpoint, tmp_path / "o")
     assert summary["pairs"]["train/infer"]["log_ratio_abs_max"] <= 1e-5
-    assert summary["prefix_consistency"]["infer"]["frac_prefixes_bitwise_equal"] == 1.0
+    assert summary["prefix_consistency"]["infer"]["n_prefixes"] > 0
+    assert summary["prefix_consistency"]["infer"]["max_abs_spread"] <= 1e-5
 
 
 @needs_vllm
@@ -91,7 +94,7 @@ def test_deepseek_v3_in_vllm_is_named_an_engine_inconsistency(architecture_check
     deepseek_v3 into VLLM_MATCHED."""
     summary = _vllm_fp32_audit("deepseek_v3", architecture_checkpoint, tmp_path / "o")
     prefixes = summary["prefix_consistency"]
-    assert prefixes["train"]["frac_prefixes_bitwise_equal"] == 1.0
+    assert prefixes["train"]["max_abs_spread"] <= 1e-5  # the trainer: fp32 rounding at most
     assert prefixes["infer"]["frac_prefixes_bitwise_equal"] < 1.0
     assert prefixes["infer"]["max_abs_spread"] > 1e-3  # fp32 rounding stays near 1e-6 (the other cells)
     assert summary["pairs"]["train/infer"]["log_ratio_abs_max"] > 1e-3
