@@ -65,7 +65,9 @@ class PrefixKeys:
 
         table = pa.table({"key": pa.array(keys, type=pa.uint64())})
         if self._writer is None:
-            self._writer = pq.ParquetWriter(self.file, table.schema)
+            # Plain and uncompressed: hashes neither repeat nor compress, and Parquet's default
+            # dictionary, tried on every block and dropped, took 1.1 of 1.2 s at 9.3M rows.
+            self._writer = pq.ParquetWriter(self.file, table.schema, use_dictionary=False, compression="none")
         self._writer.write_table(table)
 
     def close(self) -> None:
