@@ -24,6 +24,7 @@ from mismatch.analysis.chunked import Analysis, PerRollout, run_passes
 from mismatch.analysis.clip import ClipRange
 from mismatch.analysis.framework_metrics import FrameworkMetrics
 from mismatch.audit import SummaryAnalyses, audit_pairs, report_digestion
+from mismatch.batch import tune_for_batch
 from mismatch.localize.turns import TurnLocalizer
 from mismatch.results import TOKENS_FILE, TokenStore, tokens_chunks
 from mismatch.rollouts.trees import TreeSums
@@ -51,6 +52,7 @@ def timed_passes(chunks, analysis: Analysis | None) -> tuple[float, int]:
 
 
 def main() -> None:
+    tune_for_batch()  # the allocator and collector as the command's own process has them
     results = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/mismatch-audit-bench/audit-10000")
     file = results / TOKENS_FILE
     rows = pq.ParquetFile(file).metadata.num_rows

@@ -46,7 +46,7 @@ from mismatch.analysis.chunked import (
 from mismatch.analysis.clip import ClipRange, clip_summary
 from mismatch.analysis.framework_metrics import FrameworkMetrics
 from mismatch.analysis.metrics import PAIR_METRICS
-from mismatch.analysis.prefixes import PrefixKeys, prefix_consistency, prefix_keys
+from mismatch.analysis.prefixes import PrefixConsistency, PrefixKeys, prefix_keys
 from mismatch.analysis.routing import routing_summary, token_routing
 from mismatch.checkpoint import load_tokenizer
 from mismatch.engines import check_spec, parse_spec
@@ -194,14 +194,15 @@ class _Stored:
     """What the pass that stores the blocks also finds: render drift and prefix consistency."""
 
     drift: dict[str, Any] | None
-    prefixes: dict[str, Any] | None
+    prefixes: PrefixConsistency  # run with the analysis
 
 
 def store_blocks(replayed: Replayed, store: TokenStore, checkpoint: str | Path, sources: Sequence[str],
                  workers: int = 1) -> _Stored:
     """One pass over the replayed blocks: each block's rows into the token store, its rollouts'
-    render drift (those with messages), and each row's prefix key (prefix consistency). `workers`:
-    forked readers of a stored-only replay's file (Replayed.map_blocks)."""
+    render drift (those with messages), and each row's prefix key (for prefix consistency, an
+    analysis to run in the analysis's passes). `workers`: forked readers of a stored-only replay's
+    file (Replayed.map_blocks)."""
     drifts: list[dict[str, Any]] = []
     tokenized = False
     keys = PrefixKeys(store.side_file("prefix_keys"))
@@ -214,8 +215,8 @@ def store_blocks(replayed: Replayed, store: TokenStore, checkpoint: str | Path, 
     store.close()
     keys.close()
     # Same prefix, same engine config: the same log-prob, whatever request it came in.
-    prefixes = prefix_consistency(store.file if store.file is not None else store.table,
-                                  keys.file if keys.file is not None else keys.values, sources)
+    prefixes = PrefixConsistency(store.file if store.file is not None else store.table,
+                                 keys.file if keys.file is not None else keys.values, sources)
     return _Stored(drift=merge_drift(drifts) if tokenized else None, prefixes=prefixes)
 
 
@@ -256,22 +257,25 @@ def merge_drift(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def analyze_audit(chunks: Chunks, *, engines: dict[str, Any], checkpoint: str,
                   rollouts_file: str, drift: dict[str, Any] | None = None,
                   alignment: dict[str, Any] | None = None, clip: ClipRange = ClipRange(),
-                  routing: dict[str, Any] | None = None, prefixes: dict[str, Any] | None = None,
+                  routing: dict[str, Any] | None = None,
+                  prefixes: dict[str, Any] | PrefixConsistency | None = None,
                   also: Sequence[Analysis] = (), workers: int = 1) -> dict[str, Any]:
     """Everything an audit's summary.json says that follows from the token table, read as chunks
     of whole rollouts, every analysis in the same passes (and the render-drift, MoE routing and
     prefix findings, which need the rollouts, the engines' routers or the replay's requests, and
-    are passed in). `alignment` is the check_alignment result when the caller already has it;
-    `also` are more analyses to run in the same passes (the per-rollout table); `workers`: how
-    many processes share them (chunked.run_passes)."""
+    are passed in: prefix consistency as found, or as the analysis that finds it, run with the
+    others). `alignment` is the check_alignment result when the caller already has it; `also`
+    are more analyses to run in the same passes (the per-rollout table); `workers`: how many
+    processes share them (chunked.run_passes)."""
     first = next(iter(chunks()), None)
     pairs = audit_pairs(first.columns if first is not None else ())
     summary = SummaryAnalyses(pairs, clip)
     checked = AlignmentCheck(sampler_meta=engines["sampler"].get("meta")) if alignment is None else None
     trees, frameworks = TreeSums(pairs), FrameworkMetrics(pairs)
     turns, corrections = TurnLocalizer("train", "sampler"), CorrectionSimulator()
+    prefix_analysis = [prefixes] if isinstance(prefixes, PrefixConsistency) else []
     run_passes(chunks, [*summary.analyses, trees, frameworks, turns, corrections,
-                        *([checked] if checked is not None else []), *also], workers=workers)
+                        *([checked] if checked is not None else []), *prefix_analysis, *also], workers=workers)
     out = summary.result(engines=engines, checkpoint=checkpoint, rollouts_file=rollouts_file, command="audit")
     out["alignment"] = alignment if checked is None else checked.result()
     out["trees"] = trees.result()
@@ -282,7 +286,7 @@ def analyze_audit(chunks: Chunks, *, engines: dict[str, Any], checkpoint: str,
     if routing:
         out["routing"] = routing
     if prefixes is not None:
-        out["prefix_consistency"] = prefixes
+        out["prefix_consistency"] = prefixes.result() if isinstance(prefixes, PrefixConsistency) else prefixes
     out["corrections"] = [result.to_dict() for result in corrections.result()]
     advise(out)
     return out

@@ -79,7 +79,7 @@ class Digestion:
     pass for that tail alone when `expected` is missing; then the histograms over the common
     x-range, the per-position (and per-turn) sums and the rows of the worst rollouts."""
 
-    cost = 0.65  # as Analysis.cost: seconds per 10^7 rows (benchmarks/analysis_costs.py)
+    cost = 1.4  # as Analysis.cost: seconds per 10^7 rows (benchmarks/analysis_costs.py)
 
     def __init__(self, columns: list[str], *, pairs: list[str], focus: str | None, options: WorstOptions,
                  with_turns: bool, with_worst_tokens: bool, expected: dict[str, int] | None = None) -> None:

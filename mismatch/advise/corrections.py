@@ -742,7 +742,7 @@ def simulate(log_ratio: Any, corrections: Sequence[Correction] | None = None, *,
 class CorrectionSimulator:
     """Every correction simulated over a table's chunks (an Analysis of one pass)."""
 
-    cost = 0.75  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
+    cost = 0.9  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
 
     def __init__(self, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS, *,
                  pair: tuple[str, str] = ("train", "sampler")) -> None:

@@ -358,7 +358,7 @@ class AlignmentCheck:
     a branch and a rollout lie in one chunk), it adds counts, the shift fits' sums, the findings
     per branch, and the semantics evidence (counts and the moments of its log-log fit)."""
 
-    cost = 0.25  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
+    cost = 0.7  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
 
     def __init__(self, stored: str = "sampler", replayed: str = "train",
                  sampler_meta: dict[str, Any] | None = None) -> None:

@@ -308,7 +308,7 @@ class GroupedPairMetrics:
         self.pairs = [(f"logp_{a}", f"logp_{b}") for a, b in pairs]
         self.names = [f"{a}/{b}" for a, b in pairs]
         self.by, self.trainable_only, self.clip, self.quantiles = list(by), trainable_only, clip, quantiles
-        self.cost = (1.2 if trainable_only else 1.0) * len(pairs) / 3  # as Analysis.cost
+        self.cost = (1.35 if trainable_only else 1.45) * len(pairs) / 3  # as Analysis.cost
         self.breakdowns = [list(self.by) + ([OVERALL] if overall else []) for _ in pairs]
         # One set of ids per breakdown, shared by the pairs: a group of the view is every pair's.
         self.ids = {by: _GroupIds() for by in [*self.by, OVERALL]}
@@ -413,7 +413,7 @@ class PerRollout:
     """rollouts.parquet: `pair`, `rollout`, PAIR_METRICS per pair and rollout, chunk by chunk (a
     rollout lies in one chunk, so each one's metrics, quantiles included, are its chunk's)."""
 
-    cost = 1.8  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
+    cost = 2.5  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
 
     def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
         self.pairs = list(pairs)

@@ -86,7 +86,7 @@ class FrameworkMetrics:
     reduction in pass 0, which also histograms each median's values; the medians' few more passes
     (RadixSelect) after it."""
 
-    cost = 1.9  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
+    cost = 1.8  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
 
     def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
         self.pairs = list(pairs)

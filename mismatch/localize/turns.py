@@ -110,7 +110,7 @@ class TurnLocalizer:
     """localize_turns as an Analysis: pass 0 sums the breakdowns, the probability buckets and the
     position fit's moments; pass 1 the fit's residuals (and, where an ESS needs them, far sums)."""
 
-    cost = 0.2  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
+    cost = 0.65  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
 
     def __init__(self, a: str = "train", b: str = "sampler", *, trainable_only: bool = True,
                  rule: OnsetRule = OnsetRule()) -> None:

@@ -280,7 +280,7 @@ class TreeSums:
     """Everything summary.json `trees` says, added a chunk of whole rollouts at a time (an Analysis
     of one pass)."""
 
-    cost = 0.65  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
+    cost = 0.75  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
 
     def __init__(self, pairs: Sequence[tuple[str, str]], max_paths: int | None = DEFAULT_MAX_PATHS) -> None:
         self.pairs = list(pairs)
