@@ -413,7 +413,7 @@ class PerRollout:
     """rollouts.parquet: `pair`, `rollout`, PAIR_METRICS per pair and rollout, chunk by chunk (a
     rollout lies in one chunk, so each one's metrics, quantiles included, are its chunk's)."""
 
-    cost = 2.5  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
+    cost = 1.4  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
 
     def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
         self.pairs = list(pairs)
