@@ -191,7 +191,8 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class _Stored:
-    """What the pass that stores the blocks also finds: render drift and prefix consistency."""
+    """What the pass that stores the blocks also finds: render drift, and the prefix keys that
+    prefix consistency (an analysis, run with the others) groups."""
 
     drift: dict[str, Any] | None
     prefixes: PrefixConsistency  # run with the analysis

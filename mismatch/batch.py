@@ -5,7 +5,7 @@ loop) whose allocator and collector are theirs to tune.
 Measured on the stored-log-prob audit of benchmarks/audit_stored.py (10k rollouts, 9.3M token
 rows, two cores; benchmarks/RESULTS.md): 1.9M page faults and 6-7 s of system time went to glibc
 handing every freed chunk-sized array back to the kernel and faulting it in again on the next
-chunk (~0.26M faults and 2.5 s once freed memory is kept), and ~1 s of CPU to the cycle
+chunk (~0.26M faults and 2.5 s once freed memory is kept), and 1-2 s of CPU to the cycle
 collector's young generation, run every 700 allocations while the rollouts' JSON is decoded
 into millions of lists and dicts that hold no cycles.
 """
