@@ -136,3 +136,45 @@ def test_workers_follow_the_table_size_unless_told() -> None:
     assert analysis_workers(MIN_ROWS_TO_FORK - 1, environ={}) == 1
     assert analysis_workers(MIN_ROWS_TO_FORK, environ={}) == min(2, len(__import__("os").sched_getaffinity(0)))
     assert analysis_workers(10, environ={"MISMATCH_WORKERS": "3"}) == 3
+
+
+def test_prefix_consistency_runs_in_either_process_with_the_table_in_memory(tmp_path, monkeypatch) -> None:
+    """Without a results dir the token table is in memory; prefix consistency (an analysis of the
+    passes, analysis.prefixes.PrefixConsistency) then takes it into whichever process runs it and
+    sends back only its finding: the same with one process or two, here put into the fork."""
+    import json
+    import os
+
+    import mismatch
+    from mismatch.analysis import prefixes
+    from mismatch.analysis.prefixes import PrefixConsistency
+    from tests.test_golden import GOLDEN, stored_checkpoint
+
+    checkpoint = stored_checkpoint(tmp_path / "ckpt")
+    # Every rollout twice, under another id: each of its prefixes is shared by two requests.
+    lines = (GOLDEN / "rollouts.jsonl").read_text().splitlines()
+    copies = [json.dumps({**json.loads(line), "id": json.loads(line)["id"] + "-again"}) for line in lines]
+    rollouts = tmp_path / "twice.jsonl"
+    rollouts.write_text("\n".join(lines + copies) + "\n")
+    monkeypatch.setattr(chunked, "_balanced", lambda analyses, workers: [
+        [a for a in analyses if not isinstance(a, PrefixConsistency)],
+        [a for a in analyses if isinstance(a, PrefixConsistency)]])
+    ran = tmp_path / "ran"  # the pid of each query, from whichever process ran it
+    real_query = prefixes.prefix_consistency
+
+    def query(*args):
+        with ran.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real_query(*args)
+
+    monkeypatch.setattr(prefixes, "prefix_consistency", query)
+    found = {}
+    for workers in ("1", "2"):
+        monkeypatch.setenv("MISMATCH_WORKERS", workers)
+        result = mismatch.audit(checkpoint, rollouts, train="stored:trainer", infer="stored:engine")
+        found[workers] = result.summary["prefix_consistency"]
+    here, forked = (int(pid) for pid in ran.read_text().split())
+    assert here == os.getpid() != forked  # once here, once in the fork, never again to fill in
+    assert found["1"] == found["2"]
+    assert found["2"]["sampler"]["n_shared_tokens"] > 0
+    assert found["2"]["sampler"]["frac_prefixes_bitwise_equal"] == 1.0
