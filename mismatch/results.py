@@ -450,7 +450,11 @@ class TokensWriter:
 
         if not self._pending:
             return
-        table = pa.concat_tables(self._pending)
+        # One dictionary per column in the row group: blocks each bring their own, and Parquet's
+        # writer, handed a column whose dictionary changes, falls back to plain strings for it
+        # (the rollout column of a 290k-row group: 3.3 MB instead of 7 KB, and every reading of
+        # it re-encoded 290k strings: 0.63 -> 0.43 s of CPU a pass over 9.3M rows).
+        table = pa.concat_tables(self._pending).unify_dictionaries().combine_chunks()
         if self._writer is None:
             self._writer = pq.ParquetWriter(self.file, table.schema, **parquet_layout(table.schema))
         self._writer.write_table(table, row_group_size=len(table) or 1)
