@@ -541,7 +541,7 @@ def _sorted_categories(frame: pd.DataFrame) -> pd.DataFrame:
 
     for name in frame.columns:
         values = frame[name]
-        if isinstance(values.dtype, pd.CategoricalDtype):
+        if isinstance(values.dtype, pd.CategoricalDtype) and not values.cat.categories.is_monotonic_increasing:
             frame[name] = values.cat.reorder_categories(sorted(values.cat.categories))
     return frame
 
