@@ -1,6 +1,6 @@
 """Forked processes: jobs run side by side (`fork_jobs`, the parent running the first itself),
-the plumbing the rollouts readers share (`forked`, `reporting`, `received`, `stop`), and how
-many processes an analysis, or the reading of a rollouts file, may use.
+the plumbing the rollouts readers share (`forked`, `reporting`, `received`, `Drained`, `stop`),
+and how many processes an analysis, or the reading of a rollouts file, may use.
 
 A fork, not a fresh interpreter: the child starts with the parent's imports and data (a token
 table in memory, the closures that read tokens.parquet), so nothing but a child's results is
@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -108,6 +110,49 @@ def received(child: Forked, what: str) -> Any:
     if not ok:
         raise RuntimeError(f"{what} process failed:\n{payload}")
     return payload
+
+
+class Drained:
+    """A child's payloads received ahead of the caller by a thread, at most `depth` of them
+    waiting: a child's message (a block of a rollouts file: megabytes) fills the pipe, so without
+    it the child would wait for this process to finish the work before it takes the next one, and
+    the cores would idle in turn. `next()` gives them in order, and raises what `received` raises."""
+
+    def __init__(self, child: Forked, what: str, depth: int = 2) -> None:
+        self._queue: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=depth)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._drain, args=(child, what), daemon=True)
+        self._thread.start()
+
+    def _drain(self, child: Forked, what: str) -> None:
+        while not self._closed.is_set():
+            try:
+                item: tuple[bool, Any] = (True, received(child, what))
+            except BaseException as exc:  # noqa: BLE001 - the child's failure, raised by next()
+                item = (False, exc)
+            while not self._closed.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if not item[0] or item[1] is None:  # failed, or the child's last message
+                return
+
+    def next(self) -> Any:
+        ok, payload = self._queue.get()
+        if not ok:
+            raise payload
+        return payload
+
+    def close(self, child: Forked) -> None:
+        """Stop receiving: the child killed first, so a receive in progress ends (EOF) before its
+        pipe is closed under it (`stop` closes it next)."""
+        self._closed.set()
+        process, _ = child
+        if process.is_alive():
+            process.kill()
+        self._thread.join()
 
 
 def stop(children: Sequence[Forked]) -> None:

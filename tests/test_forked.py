@@ -4,6 +4,7 @@ raises, word for word, whatever reader's block the fault lies in."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,46 @@ def test_a_shard_read_by_forked_readers_writes_what_one_reader_writes(tmp_path, 
     # The golden fixture's 48 rollouts make 12 blocks of 4: shard 1/3 takes blocks 1, 4, 7 and 10,
     # shard 12/13 none.
     assert summaries["1"]["counts"]["rollouts"] == (16 if shard == "1/3" else 0)
+
+
+def _counting(send) -> None:
+    """A child that sends 0, 1, 2, ... until it is killed."""
+    from mismatch.workers import reporting
+
+    with reporting(send):
+        number = 0
+        while True:
+            send.send((True, number))
+            number += 1
+
+
+def test_a_drained_child_stopped_early_is_killed_and_nothing_hangs() -> None:
+    """workers.Drained receives a child's messages ahead on a thread; a consumer that stops early
+    (the parent raising the file's first error) kills the child and joins the thread."""
+    from mismatch.workers import Drained, forked, stop
+
+    child = forked(_counting)
+    drained = Drained(child, "a counting child", depth=2)
+    assert [drained.next() for _ in range(5)] == [0, 1, 2, 3, 4]
+    drained.close(child)
+    stop([child])
+    assert not child[0].is_alive()
+
+
+def test_a_drained_child_that_dies_is_raised_in_order() -> None:
+    from mismatch.workers import Drained, forked, stop
+
+    def two_then_die(send) -> None:
+        send.send((True, "a"))
+        send.send((True, "b"))
+        os._exit(3)
+
+    child = forked(two_then_die)
+    drained = Drained(child, "a dying child")
+    try:
+        assert drained.next() == "a" and drained.next() == "b"
+        with pytest.raises(RuntimeError, match=r"a dying child process died \(exit code 3\)"):
+            drained.next()
+    finally:
+        drained.close(child)
+        stop([child])

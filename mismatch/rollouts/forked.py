@@ -2,9 +2,10 @@
 
 The file's blocks (`block_size` rollouts each) are dealt round robin to forked readers. Each reads
 every line but decodes and checks only its own blocks' rollouts, and runs the caller's `work` on
-each of its blocks whose rollouts are all valid. The parent takes the blocks back in file order
-and runs the checks across the file on the way (unique ids, one routing shape: FileChecks), so
-the error raised is the one a single reader raises first, word for word.
+each of its blocks whose rollouts are all valid. The parent receives each reader's next blocks
+ahead (a thread per reader: workers.Drained), takes them in file order and runs the checks across
+the file on the way (unique ids, one routing shape: FileChecks), so the error raised is the one a
+single reader raises first, word for word.
 
 A fork, not a fresh interpreter: `work` may be a closure over the caller's state, and only its
 results (and each rollout's LineFacts and errors) travel back, pickled.
@@ -29,7 +30,7 @@ from mismatch.rollouts import (
     _read_jsonl,
     check_rollout,
 )
-from mismatch.workers import Forked, forked, received, reporting, stop
+from mismatch.workers import Drained, Forked, forked, reporting, stop
 
 T = TypeVar("T")
 Work = Callable[[int, list[int], list[Rollout]], T]  # (block, file indices, its rollouts) -> result
@@ -42,12 +43,15 @@ def forked_blocks(path: str | Path, *, vocab_size: int | None, num_experts: int 
     the file's first RolloutError as iter_rollouts does (no rollouts: the empty-file error)."""
     file, _ = _open(path)  # a missing or unreadable file: its one-line error, now
     readers: list[Forked] = []
+    drained: list[Drained] = []
     try:
         readers.extend(forked(_reader, file, index, workers, block_size, vocab_size, num_experts, work)
                        for index in range(workers))
+        # Received ahead: a reader goes on with its next block while this process stores the last.
+        drained.extend(Drained(reader, "a rollouts reader") for reader in readers)
         checks = FileChecks(file)
         block = 0
-        while (found := received(readers[block % workers], "a rollouts reader")) is not None:
+        while (found := drained[block % workers].next()) is not None:
             facts, errors, result = found
             for fact, fields in zip(facts, errors):
                 bad = [RolloutError(reason, file=at, line=line, rollout=rollout, field=name)
@@ -59,6 +63,8 @@ def forked_blocks(path: str | Path, *, vocab_size: int | None, num_experts: int 
         if block == 0:
             raise _empty_file_error(file)
     finally:
+        for reader, drain in zip(readers, drained):
+            drain.close(reader)
         stop(readers)
 
 
