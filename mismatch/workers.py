@@ -119,15 +119,16 @@ class Drained:
     the cores would idle in turn. `next()` gives them in order, and raises what `received` raises."""
 
     def __init__(self, child: Forked, what: str, depth: int = 2) -> None:
+        self.child = child
         self._queue: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=depth)
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._drain, args=(child, what), daemon=True)
+        self._thread = threading.Thread(target=self._drain, args=(what,), daemon=True)
         self._thread.start()
 
-    def _drain(self, child: Forked, what: str) -> None:
+    def _drain(self, what: str) -> None:
         while not self._closed.is_set():
             try:
-                item: tuple[bool, Any] = (True, received(child, what))
+                item: tuple[bool, Any] = (True, received(self.child, what))
             except BaseException as exc:  # noqa: BLE001 - the child's failure, raised by next()
                 item = (False, exc)
             while not self._closed.is_set():
@@ -145,11 +146,11 @@ class Drained:
             raise payload
         return payload
 
-    def close(self, child: Forked) -> None:
+    def close(self) -> None:
         """Stop receiving: the child killed first, so a receive in progress ends (EOF) before its
         pipe is closed under it (`stop` closes it next)."""
         self._closed.set()
-        process, _ = child
+        process, _ = self.child
         if process.is_alive():
             process.kill()
         self._thread.join()

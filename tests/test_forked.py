@@ -139,7 +139,7 @@ def test_a_drained_child_stopped_early_is_killed_and_nothing_hangs() -> None:
     child = forked(_counting)
     drained = Drained(child, "a counting child", depth=2)
     assert [drained.next() for _ in range(5)] == [0, 1, 2, 3, 4]
-    drained.close(child)
+    drained.close()
     stop([child])
     assert not child[0].is_alive()
 
@@ -159,5 +159,5 @@ def test_a_drained_child_that_dies_is_raised_in_order() -> None:
         with pytest.raises(RuntimeError, match=r"a dying child process died \(exit code 3\)"):
             drained.next()
     finally:
-        drained.close(child)
+        drained.close()
         stop([child])

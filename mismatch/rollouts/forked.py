@@ -63,8 +63,8 @@ def forked_blocks(path: str | Path, *, vocab_size: int | None, num_experts: int 
         if block == 0:
             raise _empty_file_error(file)
     finally:
-        for reader, drain in zip(readers, drained):
-            drain.close(reader)
+        for drain in drained:
+            drain.close()
         stop(readers)
 
 
