@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -526,23 +527,81 @@ def test_check_rollout_never_raises_on_any_routed_experts(value):
     _check_never_raises(raw)
 
 
-def test_the_branch_at_a_time_checks_give_the_segments_the_per_segment_checks_give(monkeypatch) -> None:
-    """A plainly valid branch takes the fast path (one array per branch); its segments are the
-    ones the per-segment checks build, field for field."""
+def _assert_same_rollout(a: Rollout, b: Rollout) -> None:
+    """Field for field, arrays by value and dtype."""
+    assert (a.id, a.meta, a.messages, a.file, a.line) == (b.id, b.meta, b.messages, b.file, b.line)
+    for p, q in zip(a.branches, b.branches, strict=True):
+        assert (p.id, p.kind, p.parent, p.fork_at) == (q.id, q.kind, q.parent, q.fork_at)
+        for x, y in zip(p.segments, q.segments, strict=True):
+            assert (x.role, x.trainable, list(x.extra_logprobs)) == (y.role, y.trainable, list(y.extra_logprobs))
+            for u, v in [(x.tokens, y.tokens), (x.logprobs, y.logprobs), (x.routed_experts, y.routed_experts),
+                         *((x.extra_logprobs[k], y.extra_logprobs[k]) for k in x.extra_logprobs)]:
+                assert (u is None) == (v is None)
+                if u is not None:
+                    assert u.dtype == v.dtype
+                    np.testing.assert_array_equal(u, v)
+
+
+def _from_a_line(text: str, **checks) -> tuple[Rollout | None, list[str]]:
+    """check_rollout of a JSONL line as the file readers decode it (typed where it fits)."""
+    from mismatch.rollouts import _decode_line
+
+    raw, why = _decode_line(text.encode())
+    assert why is None
+    rollout, errors = check_rollout(raw, file="f.jsonl", line=1, **checks)
+    return rollout, [str(e) for e in errors]
+
+
+def _from_a_dict(text: str, **checks) -> tuple[Rollout | None, list[str]]:
+    rollout, errors = check_rollout(json.loads(text), file="f.jsonl", line=1, **checks)
+    return rollout, [str(e) for e in errors]
+
+
+def test_every_path_of_the_checker_gives_the_same_rollouts(monkeypatch) -> None:
+    """A file's line decoded into the format's types, a dict checked a branch at a time, a dict
+    checked a segment at a time: the same rollouts, field for field."""
     import mismatch.rollouts as rollouts_module
 
     example = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
-    fast = rollouts_module.load_rollouts(example)
+    lines = [line for line in example.read_text().splitlines() if line.strip()]
+    typed = rollouts_module.load_rollouts(example)
+    by_branch = [_from_a_dict(line, vocab_size=None)[0] for line in lines]
     monkeypatch.setattr(rollouts_module, "_fast_segments", lambda *args, **kwargs: None)
-    slow = rollouts_module.load_rollouts(example)
-    segments = [(a, b) for x, y in zip(fast, slow, strict=True) for p, q in zip(x.branches, y.branches, strict=True)
-                for a, b in zip(p.segments, q.segments, strict=True)]
-    assert segments
-    for a, b in segments:
-        assert (a.role, a.trainable, a.extra_logprobs.keys()) == (b.role, b.trainable, b.extra_logprobs.keys())
-        np.testing.assert_array_equal(a.tokens, b.tokens)
-        assert (a.logprobs is None) == (b.logprobs is None)
-        if a.logprobs is not None:
-            np.testing.assert_array_equal(a.logprobs, b.logprobs)
-        for name in a.extra_logprobs:
-            np.testing.assert_array_equal(a.extra_logprobs[name], b.extra_logprobs[name])
+    by_segment = [_from_a_dict(line, vocab_size=None)[0] for line in lines]
+    assert len(typed) == len(lines) > 1
+    for a, b, c in zip(typed, by_branch, by_segment, strict=True):
+        assert b is not None and c is not None
+        _assert_same_rollout(replace(a, file="f.jsonl", line=1), b)
+        _assert_same_rollout(b, c)
+    routed = make_rollout()
+    seg(routed, 0, 2)["routed_experts"] = [[[3, 1], [0, 2]], [[1, 2], [2, 0]]]
+    text = json.dumps(routed)
+    found, expected = _from_a_line(text, vocab_size=100, num_experts=4), _from_a_dict(text, vocab_size=100, num_experts=4)
+    assert found[1] == expected[1] == []
+    _assert_same_rollout(found[0], expected[0])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_a_line_decoded_into_the_types_is_checked_as_its_dict_is(data):
+    # One node of a valid rollout replaced by any JSON value (routed experts included): the typed
+    # path takes the line or hands it on, and either way the errors, or the rollout, are the dict's.
+    raw = make_rollout()
+    if data.draw(st.booleans()):
+        seg(raw, 0, 2)["routed_experts"] = data.draw(routed_values)
+    node, path = raw, []
+    while isinstance(node, (dict, list)) and node and data.draw(st.booleans()):
+        key = data.draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
+        path.append(key)
+        node = node[key]
+    if path:
+        parent = raw
+        for key in path[:-1]:
+            parent = parent[key]
+        parent[path[-1]] = data.draw(json_values)
+    text = json.dumps(raw)
+    found, expected = _from_a_line(text, vocab_size=100, num_experts=8), _from_a_dict(text, vocab_size=100, num_experts=8)
+    assert found[1] == expected[1]
+    assert (found[0] is None) == (expected[0] is None)
+    if found[0] is not None:
+        _assert_same_rollout(found[0], expected[0])

@@ -13,8 +13,9 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -457,48 +458,72 @@ def _check_segment(raw: object, where: str, vocab_size: int | None, problems: _P
                    extra_logprobs=extra, routed_experts=routed)
 
 
-def _fast_segments(raw_segments: list, vocab_size: int | None) -> list[Segment | None] | None:
-    """A branch's segments when every one of them is plainly valid, checked a branch at a time
-    (one type scan, one array and one range check over all its tokens, and the same per log-prob
-    name), or None: then _check_segment checks each segment and words what is wrong. Routed
-    experts always take the slow path."""
-    tokens, logprobs, extras, shapes = [], [], {}, []
+def _fast_segments(raw_segments: list, vocab_size: int | None) -> list[Segment] | None:
+    """A branch's segments when every one of them is plainly valid, or None: then _check_segment
+    checks each segment and words what is wrong. Routed experts always take that path."""
+    parts = []
     for raw in raw_segments:
         if not isinstance(raw, dict) or raw.get("routed_experts") is not None:
             return None
         role, values, stored = raw.get("role"), raw.get("tokens"), raw.get("logprobs")
         trainable, extra = raw.get("trainable"), raw.get("extra_logprobs")
-        if (not isinstance(role, str) or role not in _ROLE_SET or not isinstance(values, list) or not values
+        if (not isinstance(role, str) or not isinstance(values, list)
                 or not (stored is None or isinstance(stored, list))
                 or not (trainable is None or type(trainable) is bool)
-                or not (extra is None or isinstance(extra, dict))):
+                or not (extra is None or isinstance(extra, dict))
+                or any(found is not None and not isinstance(found, list) for found in (extra or {}).values())):
             return None
-        tokens.append(values)
-        logprobs.append(stored)
-        for name, found in (extra or {}).items():
-            if found is not None and not isinstance(found, list):
-                return None
+        parts.append(_SegmentFields(role, values, stored, trainable, extra))
+    return _plain_segments(parts, vocab_size, typed=False)
+
+
+@dataclass(frozen=True, slots=True)
+class _SegmentFields:
+    """A segment's fields as decoded: lists of JSON values, not yet arrays."""
+
+    role: str
+    tokens: list
+    logprobs: list | None
+    trainable: bool | None
+    extra_logprobs: dict[str, list | None] | None
+
+
+def _plain_segments(parts: list[_SegmentFields], vocab_size: int | None, *, typed: bool) -> list[Segment] | None:
+    """A branch's segments from fields of the right JSON kinds, checked a branch at a time (one
+    array and one range check over all its tokens, the same per log-prob name), or None when one
+    would need a word. `typed`: the decoder checked every list's values' types (_TypedRollout),
+    so no scan looks at them again."""
+    tokens, logprobs, extras, shapes = [], [], {}, []
+    for part in parts:
+        if part.role not in _ROLE_SET or not part.tokens:
+            return None
+        tokens.append(part.tokens)
+        logprobs.append(part.logprobs)
+        for name, found in (part.extra_logprobs or {}).items():
             extras.setdefault(name, {})[len(shapes)] = found
-        shapes.append((role, len(values), role in MODEL_ROLES if trainable is None else trainable))
+        trainable = part.role in MODEL_ROLES if part.trainable is None else part.trainable
+        shapes.append((part.role, len(part.tokens), trainable))
     lengths = [length for _, length, _ in shapes]
-    token_ids = _plain_array(tokens, _INT_TYPES, np.int64)
+    token_ids = _plain_array(tokens, None if typed else _INT_TYPES, np.int64)
     if token_ids is None or token_ids.min() < 0 or (vocab_size is not None and token_ids.max() >= vocab_size):
         return None
-    cuts = np.cumsum(lengths)[:-1]
-    stored_of = _fast_logprobs(logprobs, lengths, cuts)
-    extra_of = {name: _fast_logprobs([by_segment.get(i) for i in range(len(shapes))], lengths, cuts)
+    cuts = list(itertools.accumulate(lengths))[:-1]
+    numbers = None if typed else _NUMBER_TYPES
+    stored_of = _fast_logprobs(logprobs, lengths, cuts, numbers)
+    extra_of = {name: _fast_logprobs([by_segment.get(i) for i in range(len(shapes))], lengths, cuts, numbers)
                 for name, by_segment in extras.items()}
     if stored_of is None or any(values is None for values in extra_of.values()):
         return None
     return [Segment(role=role, tokens=ids, logprobs=stored_of[i], trainable=trainable,
                     extra_logprobs={name: values[i] for name, values in extra_of.items() if values[i] is not None})
-            for i, ((role, _, trainable), ids) in enumerate(zip(shapes, np.split(token_ids, cuts)))]
+            for i, ((role, _, trainable), ids) in enumerate(zip(shapes, _split(token_ids, cuts)))]
 
 
-def _plain_array(lists: list[list], allowed: frozenset[type], dtype: type) -> np.ndarray | None:
-    """The lists' values as one array, or None when one is not of an allowed type or does not fit."""
+def _plain_array(lists: list[list], allowed: frozenset[type] | None, dtype: type) -> np.ndarray | None:
+    """The lists' values as one array, or None when one is not of an allowed type (None: their
+    types are known) or does not fit."""
     flat = list(itertools.chain.from_iterable(lists))
-    if not set(map(type, flat)) <= allowed:  # in C: no Python loop per value
+    if allowed is not None and not set(map(type, flat)) <= allowed:  # in C: no Python loop per value
         return None
     try:
         return np.array(flat, dtype=dtype)
@@ -506,7 +531,14 @@ def _plain_array(lists: list[list], allowed: frozenset[type], dtype: type) -> np
         return None
 
 
-def _fast_logprobs(per_segment: list, lengths: list[int], cuts: np.ndarray) -> list[np.ndarray | None] | None:
+def _split(values: np.ndarray, cuts: list[int]) -> list[np.ndarray]:
+    """np.split's views, without its per-piece overhead (a rollout has dozens of segments)."""
+    bounds = [0, *cuts, len(values)]
+    return [values[start:end] for start, end in itertools.pairwise(bounds)]
+
+
+def _fast_logprobs(per_segment: list, lengths: list[int], cuts: list[int],
+                   allowed: frozenset[type] | None) -> list[np.ndarray | None] | None:
     """One log-prob name's arrays per segment (None where a segment has none), or None when any
     segment's would need a word: a count that is not its tokens', a non-number, a value not <= 0."""
     present = [values is not None for values in per_segment]
@@ -514,11 +546,11 @@ def _fast_logprobs(per_segment: list, lengths: list[int], cuts: np.ndarray) -> l
         return [None] * len(per_segment)
     if any(values is not None and len(values) != length for values, length in zip(per_segment, lengths)):
         return None
-    logp = _plain_array([values for values in per_segment if values is not None], _NUMBER_TYPES, np.float64)
+    logp = _plain_array([values for values in per_segment if values is not None], allowed, np.float64)
     if logp is None or not ((logp <= 0.0) & (logp > -np.inf)).all():
         return None
     if all(present):
-        return list(np.split(logp, cuts))
+        return _split(logp, cuts)
     out, start = [], 0
     for has, length in zip(present, lengths):
         out.append(logp[start:start + length] if has else None)
@@ -708,6 +740,11 @@ def check_rollout(raw: object, *, file: str, line: int, vocab_size: int | None,
                   num_experts: int | None = None) -> tuple[Rollout | None, list[RolloutError]]:
     """Every problem of one parsed rollout; the `Rollout` only when there are none. `num_experts`
     (the checkpoint's, when known) bounds the expert ids of routed_experts."""
+    if isinstance(raw, _Typed):
+        rollout = _typed_rollout(raw.value, file=file, line=line, vocab_size=vocab_size, num_experts=num_experts)
+        if rollout is not None:
+            return rollout, []
+        raw = msgspec.json.decode(raw.text)  # something to word: the checks below, on the plain value
     problems = _Problems(file=file, line=line)
     if not isinstance(raw, dict):
         problems.add(None, f"rollout must be a JSON object, got {_json_type(raw)}")
@@ -762,6 +799,91 @@ def _short_id(text: str | None) -> str | None:
     if text is None or len(text) <= MAX_NAME_CHARS:
         return text
     return text[:MAX_NAME_CHARS] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# A JSONL line decoded into the format's types: msgspec checks every value's type as it parses,
+# so a valid rollout needs no scan over its values' types (the checker's costliest step, with the
+# decoding itself). A line that does not fit the types, or breaks a rule they do not carry, is
+# decoded again untyped for check_rollout, which words what is wrong: the same errors either way.
+
+
+class _TypedSegment(msgspec.Struct):
+    role: str
+    tokens: list[int]
+    logprobs: list[float] | None = None  # a JSON integer decodes as a float, as np.array makes it one
+    trainable: bool | None = None
+    extra_logprobs: dict[str, list[float] | None] | None = None
+    routed_experts: Any = None  # shapes and ids: _check_routed_experts, on the plain lists
+
+
+class _TypedBranch(msgspec.Struct):
+    id: str
+    segments: list[_TypedSegment]
+    kind: str | None = None
+    parent: str | None = None
+    fork_at: int | None = None
+
+
+class _TypedRollout(msgspec.Struct):
+    id: str
+    branches: list[_TypedBranch]
+    meta: dict[str, Any] | None = None
+    messages: list[Any] | None = None
+
+
+_TYPED_DECODER = msgspec.json.Decoder(_TypedRollout)
+
+
+@dataclass(frozen=True, slots=True)
+class _Typed:
+    """A line as _TypedRollout, and its text (decoded again untyped when there is something to word)."""
+
+    value: _TypedRollout
+    text: bytes
+
+
+def _typed_rollout(typed: _TypedRollout, *, file: str, line: int, vocab_size: int | None,
+                   num_experts: int | None) -> Rollout | None:
+    """The Rollout of a typed line that breaks no rule of check_rollout's, else None. (Its strings
+    hold no lone surrogates: msgspec refuses those escapes, and json words them.)"""
+    if not typed.id or not typed.branches or _nesting(typed.meta) > MAX_NESTING \
+            or _nesting(typed.messages) > MAX_NESTING:
+        return None
+    problems = _Problems(file=file, line=line)
+    branches = []
+    for raw in typed.branches:
+        kind = raw.kind if raw.kind is not None or raw.parent is not None else "main"
+        if (not raw.id or raw.parent == "" or (raw.parent is None) != (raw.fork_at is None)
+                or kind not in BRANCH_KINDS or not raw.segments):
+            return None
+        segments = _plain_segments([_SegmentFields(s.role, s.tokens, s.logprobs, s.trainable, s.extra_logprobs)
+                                    for s in raw.segments], vocab_size, typed=True)
+        if segments is None:
+            return None
+        for i, fields in enumerate(raw.segments):
+            if fields.routed_experts is not None:
+                routed = _check_routed_experts(fields.routed_experts, "routed_experts", segments[i].num_tokens,
+                                               num_experts, problems)
+                segments[i] = replace(segments[i], routed_experts=routed)
+        branches.append(Branch(id=raw.id, kind=kind, parent=raw.parent, fork_at=raw.fork_at,
+                               segments=tuple(segments)))
+    _check_tree([{"id": b.id, "parent": b.parent, "fork_at": b.fork_at} for b in typed.branches], branches, problems)
+    _check_routing_shapes(branches, problems)
+    if problems.errors:
+        return None
+    return Rollout(id=typed.id, meta=typed.meta if typed.meta is not None else {}, branches=tuple(branches),
+                   messages=typed.messages, file=file, line=line)
+
+
+def _decode_line(text: bytes) -> tuple[object, str | None]:
+    """A JSONL line: as _Typed when it fits the format's types, else as _loads decodes it."""
+    if not _deeper_than(text, MAX_JSON_DEPTH):
+        try:
+            return _Typed(_TYPED_DECODER.decode(text), text), None
+        except msgspec.MsgspecError:  # not JSON to msgspec, or a value of another type
+            pass
+    return _loads(text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -834,7 +956,7 @@ def _read_jsonl(path: Path, file: str,
                 yield line_no, _SKIPPED, []
                 continue
             # rstrip: a trailing newline would move an "unexpected end" error to a column on line 2.
-            raw, why = _loads(text.rstrip(b"\r\n"))
+            raw, why = _decode_line(text.rstrip(b"\r\n"))
             errors = [] if why is None else [RolloutError(f"invalid JSON: {why}", file=file, line=line_no)]
             yield line_no, raw, errors
 
@@ -913,7 +1035,7 @@ class LineFacts:
 
     @classmethod
     def of(cls, line: int, raw: object, rollout: Rollout | None) -> LineFacts:
-        raw_id = raw.get("id") if isinstance(raw, dict) else None
+        raw_id = raw.value.id if isinstance(raw, _Typed) else raw.get("id") if isinstance(raw, dict) else None
         return cls(line=line, raw_id=raw_id if isinstance(raw_id, str) and raw_id else None,
                    rollout_id=rollout.id if rollout is not None else None,
                    routed=_first_routed(rollout) if rollout is not None else None)
