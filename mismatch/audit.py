@@ -274,9 +274,9 @@ def analyze_audit(chunks: Chunks, *, engines: dict[str, Any], checkpoint: str,
     checked = AlignmentCheck(sampler_meta=engines["sampler"].get("meta")) if alignment is None else None
     trees, frameworks = TreeSums(pairs), FrameworkMetrics(pairs)
     turns, corrections = TurnLocalizer("train", "sampler"), CorrectionSimulator()
-    prefix_analysis = [prefixes] if isinstance(prefixes, PrefixConsistency) else []
     run_passes(chunks, [*summary.analyses, trees, frameworks, turns, corrections,
-                        *([checked] if checked is not None else []), *prefix_analysis, *also], workers=workers)
+                        *([checked] if checked is not None else []), *also], workers=workers,
+               beside=[prefixes] if isinstance(prefixes, PrefixConsistency) else [])
     out = summary.result(engines=engines, checkpoint=checkpoint, rollouts_file=rollouts_file, command="audit")
     out["alignment"] = alignment if checked is None else checked.result()
     out["trees"] = trees.result()

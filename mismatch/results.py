@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
 
+    from mismatch.analysis.chunked import ChunkSource
+
 SUMMARY_SCHEMA = "mismatch.summary/v1"
 SUMMARY_FILE = "summary.json"          # the numbers (schema: SCHEMA_FILE)
 TOKENS_FILE = "tokens.parquet"         # one row per replayed token
@@ -294,7 +296,7 @@ class TokenStore:
         return self._table
 
     @property
-    def chunks(self) -> Callable[[], Iterator[pd.DataFrame]]:
+    def chunks(self) -> ChunkSource:
         from mismatch.analysis.chunked import table_chunks
 
         if self.directory is None:
@@ -505,29 +507,42 @@ def _arrow_table(block: pd.DataFrame, schema: Any) -> Any:
 
 
 def tokens_chunks(files: Sequence[Path], *, columns: Sequence[str] | None = None,
-                  rows: int | None = None) -> Callable[[], Iterator[pd.DataFrame]]:
-    """Chunks of whole rollouts of the tokens.parquet `files` (in order), read row group by row
-    group, about `rows` rows each (analysis.chunked.DEFAULT_CHUNK_ROWS): re-iterable, each call
-    a new pass. Categories come back sorted, as the replay's tables have them."""
+                  rows: int | None = None) -> ChunkSource:
+    """Chunks of whole rollouts of the tokens.parquet `files` (in order), whole row groups of
+    about `rows` rows each (analysis.chunked.DEFAULT_CHUNK_ROWS), read by number: re-iterable,
+    each call a new pass. Categories come back sorted, as the replay's tables have them. The
+    files' footers are read once, at the first use."""
     import pyarrow.parquet as pq
 
     from mismatch.analysis import chunked
 
-    def passes() -> Iterator[pd.DataFrame]:
-        limit = rows or chunked.DEFAULT_CHUNK_ROWS
-        for file in files:
-            reader = pq.ParquetFile(file)  # read, not mapped: mapped pages would count in the RSS
-            groups: list[int] = []
-            size = 0
-            for group in range(reader.num_row_groups):
-                groups.append(group)
-                size += reader.metadata.row_group(group).num_rows
-                if size >= limit or group == reader.num_row_groups - 1:
-                    yield _frame(reader.read_row_groups(groups, columns=columns))
-                    groups, size = [], 0
-            if reader.num_row_groups == 0:
-                yield _frame(reader.read(columns=columns))
-    return passes
+    found: list[list[tuple[Path, Any, list[int] | None]]] = []  # (file, its footer, row groups | None: all)
+
+    def units() -> list[tuple[Path, Any, list[int] | None]]:
+        if not found:
+            limit = rows or chunked.DEFAULT_CHUNK_ROWS
+            listed = []
+            for file in files:
+                metadata = pq.ParquetFile(file).metadata
+                groups: list[int] = []
+                size = 0
+                for group in range(metadata.num_row_groups):
+                    groups.append(group)
+                    size += metadata.row_group(group).num_rows
+                    if size >= limit or group == metadata.num_row_groups - 1:
+                        listed.append((file, metadata, groups))
+                        groups, size = [], 0
+                if metadata.num_row_groups == 0:
+                    listed.append((file, metadata, None))
+            found.append(listed)
+        return found[0]
+
+    def read(number: int) -> pd.DataFrame:
+        file, metadata, groups = units()[number]
+        reader = pq.ParquetFile(file, metadata=metadata)  # read, not mapped: mapped pages would count in the RSS
+        return _frame(reader.read(columns=columns) if groups is None else reader.read_row_groups(groups, columns=columns))
+
+    return chunked.ChunkSource(count=lambda: len(units()), read=read)
 
 
 def _frame(table: pa.Table) -> pd.DataFrame:

@@ -100,6 +100,12 @@ class GroupSums:
         top = np.full(len(found["n"]), -np.inf)
         np.maximum.at(top, keys, abs_lr)
         found["max"] = top
+        self.merge_sums(found)
+
+    def merge(self, other: GroupSums) -> None:
+        self.merge_sums(other.sums)
+
+    def merge_sums(self, found: dict[str, np.ndarray]) -> None:
         for name, values in found.items():
             old = self.sums.get(name)
             if old is None:

@@ -12,13 +12,13 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from mismatch.analysis.chunked import ChunkSource
 from mismatch.errors import ReportError, ResultsError
 from mismatch.results import REPORT_FILE, TOKENS_FILE, json_safe, tokens_chunks
 from mismatch.results import read_summary as read_results_summary
@@ -51,16 +51,16 @@ def token_chunks(results_dir: Path) -> tuple[Chunks, list[str]]:
     missing = {"rollout", "branch", "turn", "pos", "role", "token_id", "trainable"} - set(names)
     if missing:
         raise ReportError(f"{path}: missing column(s) {', '.join(sorted(missing))}")
-    read = tokens_chunks([path], columns=names)
+    source = tokens_chunks([path], columns=names)
 
-    def chunks() -> Iterator[pd.DataFrame]:
-        for chunk in read():
-            if "branch_kind" not in chunk.columns:
-                chunk["branch_kind"] = "main"
-            if "segment" not in chunk.columns:
-                chunk["segment"] = 0
-            yield chunk
-    return chunks, names
+    def read(number: int) -> pd.DataFrame:
+        chunk = source.read(number)
+        if "branch_kind" not in chunk.columns:
+            chunk["branch_kind"] = "main"
+        if "segment" not in chunk.columns:
+            chunk["segment"] = 0
+        return chunk
+    return ChunkSource(count=source.count, read=read), names
 
 
 def find_tokenizer(summary: dict[str, Any], results_dir: Path) -> Path | None:

@@ -79,8 +79,6 @@ class Digestion:
     pass for that tail alone when `expected` is missing; then the histograms over the common
     x-range, the per-position (and per-turn) sums and the rows of the worst rollouts."""
 
-    cost = 1.4  # as Analysis.cost: seconds per 10^7 rows (benchmarks/analysis_costs.py)
-
     def __init__(self, columns: list[str], *, pairs: list[str], focus: str | None, options: WorstOptions,
                  with_turns: bool, with_worst_tokens: bool, expected: dict[str, int] | None = None) -> None:
         from mismatch.analysis.chunked import Tails
@@ -143,6 +141,29 @@ class Digestion:
                 state.tails.add(values, np.zeros(len(values), dtype=np.int64))
         else:
             self._last(table)
+
+    def merge(self, other: Digestion, index: int) -> None:
+        """Take in what the pass found in later chunks (its stage is this one's: set before the pass)."""
+        if index == 0:
+            for pair, state in self.found.items():
+                theirs = other.found[pair]
+                state.n, state.finite = state.n + theirs.n, state.finite + theirs.finite
+                state.max_abs = max(state.max_abs, theirs.max_abs)
+                if state.tails is not None and theirs.tails is not None:
+                    state.tails.merge(theirs.tails)
+            self.max_pos = max(self.max_pos, other.max_pos)
+            self.ranks.extend(other.ranks)
+            self.worst_tokens = _worst_tokens(self.worst_tokens + other.worst_tokens)
+        elif self.stage == "tails":
+            for state, theirs in zip(self.missing, other.missing):
+                state.tails.merge(theirs.tails)
+        else:
+            for state, theirs in zip(self.populated, other.populated):
+                if theirs.histogram is not None:
+                    state.histogram = aggregate.merge_histograms(state.histogram, theirs.histogram)
+                state.by_position.merge(theirs.by_position)
+                state.by_turn.merge(theirs.by_turn)
+            self.rows_of.update(other.rows_of)
 
     def _first(self, chunk: pd.DataFrame) -> None:
         for pair, state in self.found.items():

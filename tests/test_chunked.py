@@ -70,8 +70,9 @@ def test_chunks_never_cut_a_rollout_and_a_scattered_rollout_is_one_chunk() -> No
 
 
 def test_an_audit_split_over_two_processes_writes_the_same_results(tmp_path, monkeypatch) -> None:
-    """MISMATCH_WORKERS=2 forks half of the analyses (chunked.run_passes): summary.json,
-    rollouts.parquet and tokens.parquet as one process writes them, bit for bit."""
+    """MISMATCH_WORKERS=2 reads the second half of each pass's chunks in a fork (chunked.run_passes,
+    whose one process reads both halves too): summary.json, rollouts.parquet and tokens.parquet
+    as one process writes them, bit for bit."""
     import json
     from pathlib import Path
 
@@ -91,7 +92,9 @@ def test_an_audit_split_over_two_processes_writes_the_same_results(tmp_path, mon
         found[workers] = tmp_path / f"out-{workers}"
         mismatch.audit(checkpoint, GOLDEN / "rollouts.jsonl", train="stored:trainer", infer="stored:engine",
                        out=found[workers], block_size=4)
-    assert forks == [2]  # the second run forked once, into two groups; the first never did
+    # The second run forked for each pass (the first: its second half and the prefix query);
+    # the first run never did.
+    assert forks == [3, 2]
     one, two = (json.loads((found[w] / "summary.json").read_text()) for w in ("1", "2"))
     one.pop("created_unix"), two.pop("created_unix")
     assert json.dumps(one, sort_keys=True) == json.dumps(two, sort_keys=True)
@@ -139,15 +142,14 @@ def test_workers_follow_the_table_size_unless_told() -> None:
 
 
 def test_prefix_consistency_runs_in_either_process_with_the_table_in_memory(tmp_path, monkeypatch) -> None:
-    """Without a results dir the token table is in memory; prefix consistency (an analysis of the
-    passes, analysis.prefixes.PrefixConsistency) then takes it into whichever process runs it and
-    sends back only its finding: the same with one process or two, here put into the fork."""
+    """Without a results dir the token table is in memory; prefix consistency (run beside the
+    analysis's first pass, analysis.prefixes.PrefixConsistency) then takes it into the process that
+    runs it and sends back only its finding: the same with one process or two (a fork of its own)."""
     import json
     import os
 
     import mismatch
     from mismatch.analysis import prefixes
-    from mismatch.analysis.prefixes import PrefixConsistency
     from tests.test_golden import GOLDEN, stored_checkpoint
 
     checkpoint = stored_checkpoint(tmp_path / "ckpt")
@@ -156,9 +158,6 @@ def test_prefix_consistency_runs_in_either_process_with_the_table_in_memory(tmp_
     copies = [json.dumps({**json.loads(line), "id": json.loads(line)["id"] + "-again"}) for line in lines]
     rollouts = tmp_path / "twice.jsonl"
     rollouts.write_text("\n".join(lines + copies) + "\n")
-    monkeypatch.setattr(chunked, "_balanced", lambda analyses, workers: [
-        [a for a in analyses if not isinstance(a, PrefixConsistency)],
-        [a for a in analyses if isinstance(a, PrefixConsistency)]])
     ran = tmp_path / "ran"  # the pid of each query, from whichever process ran it
     real_query = prefixes.prefix_consistency
 

@@ -626,6 +626,16 @@ class _EssSums:
         self.total_sq = self.total_sq * shrink * shrink + float(total_sq)
         self.scale = scale
 
+    def merge(self, other: _EssSums) -> None:
+        self.infinite += other.infinite
+        scale = max(self.scale, other.scale)
+        if scale <= 0:
+            return
+        mine, theirs = self.scale / scale, other.scale / scale
+        self.total = self.total * mine + other.total * theirs
+        self.total_sq = self.total_sq * mine * mine + other.total_sq * theirs * theirs
+        self.scale = scale
+
     def value(self, n: int) -> float:
         if self.infinite:
             return self.infinite / n
@@ -677,6 +687,23 @@ class _CorrectionSums:
         self.ess.add(weight, counts)
         if tokens.turn is not None:
             self._add_turns(tokens, span_weight, span_hits)
+
+    def merge(self, other: _CorrectionSums) -> None:
+        """Take in the sums of later tokens (add's arithmetic, their sums as one chunk's)."""
+        if not other.n:
+            return
+        with np.errstate(invalid="ignore", over="ignore"):
+            merged = self.n + other.n
+            delta = other.total / other.n - (self.total / self.n if self.n else 0.0)
+            self.m2 = self.m2 + other.m2 + (delta * delta * self.n * other.n / merged if self.n else 0.0)
+        self.total += other.total
+        self.n, self.n_seqs, self.n_rollouts = merged, self.n_seqs + other.n_seqs, self.n_rollouts + other.n_rollouts
+        self.hits, self.seqs_hit = self.hits + other.hits, self.seqs_hit + other.seqs_hit
+        self.rollouts_hit += other.rollouts_hit
+        self.top = max(self.top, other.top)
+        self.ess.merge(other.ess)
+        for key, row in other.turns.items():
+            self.turns[key] = self.turns[key] + row if key in self.turns else row
 
     def _add_turns(self, tokens: _Tokens, span_weight: np.ndarray, span_hits: np.ndarray) -> None:
         assert tokens.turn is not None
@@ -742,8 +769,6 @@ def simulate(log_ratio: Any, corrections: Sequence[Correction] | None = None, *,
 class CorrectionSimulator:
     """Every correction simulated over a table's chunks (an Analysis of one pass)."""
 
-    cost = 0.9  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
-
     def __init__(self, corrections: Sequence[Correction] = DEFAULT_CORRECTIONS, *,
                  pair: tuple[str, str] = ("train", "sampler")) -> None:
         self.columns = (f"logp_{pair[0]}", f"logp_{pair[1]}")
@@ -756,6 +781,10 @@ class CorrectionSimulator:
         tokens = _chunk_tokens(chunk, self.columns)
         for found in self.sums:
             found.add(tokens)
+
+    def merge(self, other: CorrectionSimulator, index: int) -> None:
+        for found, theirs in zip(self.sums, other.sums):
+            found.merge(theirs)
 
     def result(self) -> list[CorrectionResult]:
         return [found.result() for found in self.sums]

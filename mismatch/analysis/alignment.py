@@ -358,8 +358,6 @@ class AlignmentCheck:
     a branch and a rollout lie in one chunk), it adds counts, the shift fits' sums, the findings
     per branch, and the semantics evidence (counts and the moments of its log-log fit)."""
 
-    cost = 0.7  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
-
     def __init__(self, stored: str = "sampler", replayed: str = "train",
                  sampler_meta: dict[str, Any] | None = None) -> None:
         self.stored, self.replayed, self.declared = stored, replayed, dict(sampler_meta or {})
@@ -398,6 +396,24 @@ class AlignmentCheck:
         shifted_codes = np.flatnonzero(np.isin(cols.rollout_names, list(shifted)))
         keep = cols.trainable & ~np.isin(cols.rollout, shifted_codes) & (cols.stored != 0.0)
         self._add_semantics(cols.stored[keep], cols.replayed[keep])
+
+    def merge(self, other: AlignmentCheck, index: int) -> None:
+        """Take in the later chunks' findings (the earlier chunk's first, as `add` keeps them)."""
+        self.trainable, self.missing = self.trainable + other.trainable, self.missing + other.missing
+        self.padded, self.constant = self.padded + other.padded, self.constant + other.constant
+        if other.worst_missing[0] > self.worst_missing[0]:
+            self.worst_missing = other.worst_missing
+        if self.constant_value is None:
+            self.constant_value = other.constant_value
+        for k, sums in other.shift_sums.items():
+            self.shift_sums[k] += sums
+        self.shift_findings.extend(other.shift_findings)
+        for rollout_id, k in other.by_rollout.items():
+            self.by_rollout.setdefault(rollout_id, k)
+        self.likely, self.raised, self.lowered = (self.likely + other.likely, self.raised + other.raised,
+                                                  self.lowered + other.lowered)
+        self.loglog.merge(other.loglog)
+        self.x_range = (min(self.x_range[0], other.x_range[0]), max(self.x_range[1], other.x_range[1]))
 
     def _add_semantics(self, stored: np.ndarray, replayed: np.ndarray) -> None:
         likely = (np.isfinite(stored) & np.isfinite(replayed) & (replayed > LIKELY_LOGP)

@@ -1,8 +1,10 @@
 """A token table read in chunks of whole rollouts: every analysis in the memory of a chunk, not of the run.
 
-Flow: tokens.parquet (or a table in memory) -> rollout-aligned chunks (`Chunks`, re-iterable) ->
-`run_passes`: pass after pass, each chunk once for every `Analysis` that wants it, through views
-they share (`Chunk`) -> each analysis's `result()`. `GroupedPairMetrics` adds each chunk's totals
+Flow: tokens.parquet (or a table in memory) -> rollout-aligned chunks (`ChunkSource`: numbered,
+re-iterable) -> `run_passes`: pass after pass, each chunk once for every `Analysis` that wants it,
+through views they share (`Chunk`); each pass's chunks in two halves, the second half's states
+merged into the first's (`Analysis.merge`), so two processes share every pass -> each analysis's
+`result()`. `GroupedPairMetrics` adds each chunk's totals
 per group (metrics.GroupTotals); what totals cannot give comes from a second pass: the ratio
 quantiles from each group's tails (`Tails`), the rescaled ESS of far-out groups. Medians take
 an exact radix selection (`RadixSelect`), spreads and correlations Chan-merged moments (`Moments`).
@@ -15,7 +17,8 @@ each one contiguous stretch is read as one chunk (correct, just not bounded).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+import pickle
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -51,6 +54,21 @@ OVERALL = ""  # the breakdown name of the one group of all tokens
 Chunks = Callable[[], Iterable[pd.DataFrame]]  # a fresh pass over the same chunks, each call
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkSource:
+    """Chunks of whole rollouts by number: `count()` of them, `read(number)` one alone, so a
+    process reads only its part of a pass. Called, a whole pass (it is a `Chunks`)."""
+
+    count: Callable[[], int]
+    read: Callable[[int], pd.DataFrame]
+
+    def __call__(self) -> Iterator[pd.DataFrame]:
+        return self.part(0, self.count())
+
+    def part(self, start: int, stop: int) -> Iterator[pd.DataFrame]:
+        return (self.read(number) for number in range(start, stop))
+
+
 def chunk_bounds(table: pd.DataFrame, rows: int | None = None) -> list[tuple[int, int]]:
     """Row ranges of about `rows` rows (default DEFAULT_CHUNK_ROWS) that start at a rollout's first
     row; one range for a table whose rollouts are not each one contiguous stretch, or is empty
@@ -70,10 +88,10 @@ def chunk_bounds(table: pd.DataFrame, rows: int | None = None) -> list[tuple[int
     return list(itertools.pairwise(edges))
 
 
-def table_chunks(table: pd.DataFrame, rows: int | None = None) -> Chunks:
+def table_chunks(table: pd.DataFrame, rows: int | None = None) -> ChunkSource:
     """The table's rollout-aligned chunks (re-iterable: each call starts a new pass)."""
     bounds = chunk_bounds(table, rows)
-    return lambda: (table.iloc[lo:hi] for lo, hi in bounds)
+    return ChunkSource(count=lambda: len(bounds), read=lambda number: table.iloc[slice(*bounds[number])])
 
 
 class Chunk:
@@ -108,9 +126,7 @@ class Chunk:
 
 
 class Analysis(Protocol):
-    """Something computed over a table's chunks in one or more passes (run_passes). It may say
-    its `cost`: seconds per 10^7 rows, measured by benchmarks/analysis_costs.py, by which
-    run_passes balances its workers."""
+    """Something computed over a table's chunks in one or more passes (run_passes)."""
 
     def wants(self, index: int) -> bool:
         """Whether it reads pass `index` (asked before the pass, after the one before it)."""
@@ -119,48 +135,97 @@ class Analysis(Protocol):
     def add(self, chunk: Chunk, index: int) -> None:
         ...
 
+    def merge(self, other: Any, index: int) -> None:
+        """Take in `other`: a copy of this analysis as it was before pass `index`, given the
+        chunks of that pass that come after this one's (what pass `index` found, merged as if
+        one analysis had read them all in order)."""
+        ...
 
-def run_passes(chunks: Chunks, analyses: Sequence[Analysis], *, workers: int = 1) -> None:
+
+class Beside(Protocol):
+    """Work over the whole run that reads no chunk (one query over the files, say): run once,
+    in a process of its own beside the first pass, its state brought back."""
+
+    def run(self) -> None:
+        ...
+
+
+# Each pass's chunks are read in two halves, the second on a copy of the analyses, merged into the
+# first: with one process or two, the numbers are the same, bit for bit.
+HALVES = 2
+
+
+def run_passes(chunks: Chunks, analyses: Sequence[Analysis], *, workers: int = 1,
+               beside: Sequence[Beside] = ()) -> None:
     """Every analysis over the chunks: pass after pass, each chunk read once per pass for all of
     the analyses that want that pass, its views shared by them.
 
-    `workers` > 1 splits the analyses into that many groups of about equal `cost` (an analysis's
-    seconds per 10^7 rows; 1 unless it says), each run by its own process over its own reading of
-    the chunks (a fork: the chunks need not be picklable, the analyses' states come back
-    pickled). The numbers are the same: each analysis still sees every chunk in order."""
-    groups = _balanced(analyses, workers) if workers > 1 else []
-    if len(groups) > 1:
-        _forked_passes(chunks, groups)
+    A pass reads its chunks in HALVES (a ChunkSource's; other chunks are one part): the first on
+    the analyses themselves, the second on their copy as the pass began, merged in after it.
+    With `workers` > 1 the second half is read by a forked process (the chunks need not be
+    picklable, the analyses' states come back pickled), and each `beside` runs in one of its own
+    during the first pass (else here, before it)."""
+    waiting = list(beside)
+    index = 0
+    while True:
+        active = [analysis for analysis in analyses if analysis.wants(index)]
+        if not active and not waiting:
+            return
+        _one_pass(chunks, active, index, waiting, workers)
+        waiting = []
+        index += 1
+
+
+def _one_pass(chunks: Chunks, active: list[Analysis], index: int, beside: list[Beside], workers: int) -> None:
+    parts = _halves(chunks)
+    if workers > 1 and (len(parts) > 1 or beside):
+        jobs: list[Callable[[], Any]] = [partial(_read_part, chunks, active, index, part) for part in parts]
+        found = fork_jobs([*jobs, *(partial(_ran, job) for job in beside)])
+        copies, done = found[1:len(parts)], found[len(parts):]
     else:
-        _run_passes(chunks, analyses)
+        for job in beside:
+            job.run()
+        # The copies the second half reads, as a fork would hand them over: pickled, before the first half.
+        copies = [pickle.loads(pickle.dumps(active)) for _ in parts[1:]]
+        _read_part(chunks, active, index, parts[0])
+        for part, copy in zip(parts[1:], copies):
+            _read_part(chunks, copy, index, part)
+        done = []
+    for copy in copies:
+        for analysis, other in zip(active, copy):
+            analysis.merge(other, index)
+    for job, state in zip(beside, done):
+        _adopt(job, state)
 
 
-def _balanced(analyses: Sequence[Analysis], workers: int) -> list[list[Analysis]]:
-    """The analyses in `workers` groups, the costliest first into the least loaded group."""
-    groups: list[list[Analysis]] = [[] for _ in range(workers)]
-    loads = [0.0] * workers
-    for analysis in sorted(analyses, key=lambda a: -float(getattr(a, "cost", 1.0))):
-        lightest = loads.index(min(loads))
-        groups[lightest].append(analysis)
-        loads[lightest] += float(getattr(analysis, "cost", 1.0))
-    return [group for group in groups if group]
+def _halves(chunks: Chunks) -> list[tuple[int, int] | None]:
+    """The chunk numbers of each part of a pass: a ChunkSource's in HALVES (fewer when it has fewer
+    chunks); None for a whole pass over chunks that cannot be read by number."""
+    if not isinstance(chunks, ChunkSource):
+        return [None]
+    count = chunks.count()
+    cuts = sorted({0, *(count * k // HALVES for k in range(1, HALVES)), count})
+    return list(itertools.pairwise(cuts)) if count > 1 else [(0, count)]
 
 
-def _forked_passes(chunks: Chunks, groups: list[list[Analysis]]) -> None:
-    """Each group's passes in a process of its own (the first here); the analyses given end in
-    the states their copies reached."""
-    found = fork_jobs([partial(_passes_of, chunks, group) for group in groups])
-    for group, states in zip(groups[1:], found[1:]):
-        for analysis, state in zip(group, states):
-            _adopt(analysis, state)
+def _read_part(chunks: Chunks, analyses: list[Analysis], index: int, part: tuple[int, int] | None) -> list[Analysis]:
+    start, tables = (0, chunks()) if part is None else (part[0], chunks.part(*part))  # type: ignore[attr-defined]
+    for number, table in enumerate(tables, start=start):
+        chunk = Chunk(table, number)
+        try:
+            for analysis in analyses:
+                analysis.add(chunk, index)
+        finally:
+            chunk.release()
+    return analyses
 
 
-def _passes_of(chunks: Chunks, group: list[Analysis]) -> list[Analysis]:
-    _run_passes(chunks, group)
-    return group
+def _ran(job: Beside) -> Beside:
+    job.run()
+    return job
 
 
-def _adopt(analysis: Analysis, state: Analysis) -> None:
+def _adopt(analysis: Any, state: Any) -> None:
     """`analysis` takes every attribute of `state`, its copy from another process."""
     if hasattr(state, "__dict__"):
         vars(analysis).update(vars(state))
@@ -168,22 +233,6 @@ def _adopt(analysis: Analysis, state: Analysis) -> None:
         for name in getattr(cls, "__slots__", ()):
             if hasattr(state, name):
                 setattr(analysis, name, getattr(state, name))
-
-
-def _run_passes(chunks: Chunks, analyses: Sequence[Analysis]) -> None:
-    index = 0
-    while True:
-        active = [analysis for analysis in analyses if analysis.wants(index)]
-        if not active:
-            return
-        for number, table in enumerate(chunks()):
-            chunk = Chunk(table, number)
-            try:
-                for analysis in active:
-                    analysis.add(chunk, index)
-            finally:
-                chunk.release()
-        index += 1
 
 
 class Tails:
@@ -220,7 +269,11 @@ class Tails:
             self._add_group(group, by_group[bounds[group]:bounds[group + 1]])
 
     def _add_group(self, group: int, values: np.ndarray) -> None:
-        k_low, k_high = int(self.k_low[group]), int(self.k_high[group])
+        self._keep_low(group, values)
+        self._keep_high(group, values)
+
+    def _keep_low(self, group: int, values: np.ndarray) -> None:
+        k_low = int(self.k_low[group])
         if k_low:
             low = self.low[group]
             # Once k are kept, only a value below the largest of them can enter.
@@ -228,12 +281,22 @@ class Tails:
             if len(candidates):
                 low = np.concatenate([low, candidates])
                 self.low[group] = low if len(low) <= k_low else np.partition(low, k_low - 1)[:k_low]
+
+    def _keep_high(self, group: int, values: np.ndarray) -> None:
+        k_high = int(self.k_high[group])
         if k_high:
             high = self.high[group]
             candidates = values[values > high.min()] if len(high) == k_high else values
             if len(candidates):
                 high = np.concatenate([high, candidates])
                 self.high[group] = high if len(high) <= k_high else np.partition(high, len(high) - k_high)[-k_high:]
+
+    def merge(self, other: Tails) -> None:
+        """Take in the tails of more values of the same groups (each side apart: a group with
+        fewer values than its two sides keeps all of them on both)."""
+        for group in range(len(self.counts)):
+            self._keep_low(group, other.low[group])
+            self._keep_high(group, other.high[group])
 
     def quantiles(self) -> np.ndarray:
         """[num_groups, len(qs)], numpy's linear method; NaN for an empty group."""
@@ -274,6 +337,10 @@ class _GroupIds:
             self.values.append(value)
         return self.ids[key]
 
+    def taken_in(self, other: _GroupIds) -> np.ndarray:
+        """This one's id of each of `other`'s values (new values get the next ids)."""
+        return np.array([self._id(value) for value in other.values], dtype=np.int64)
+
     def order(self) -> np.ndarray:
         missing = [bool(pd.isna(value)) for value in self.values]
         return np.array(sorted(range(len(self.values)), key=lambda i: (missing[i], 0 if missing[i] else self.values[i])),
@@ -308,7 +375,6 @@ class GroupedPairMetrics:
         self.pairs = [(f"logp_{a}", f"logp_{b}") for a, b in pairs]
         self.names = [f"{a}/{b}" for a, b in pairs]
         self.by, self.trainable_only, self.clip, self.quantiles = list(by), trainable_only, clip, quantiles
-        self.cost = (1.35 if trainable_only else 1.45) * len(pairs) / 3  # as Analysis.cost
         self.breakdowns = [list(self.by) + ([OVERALL] if overall else []) for _ in pairs]
         # One set of ids per breakdown, shared by the pairs: a group of the view is every pair's.
         self.ids = {by: _GroupIds() for by in [*self.by, OVERALL]}
@@ -343,6 +409,22 @@ class GroupedPairMetrics:
                 self._add_totals(number, pair, span_ids)
             else:
                 self._add_tokens(number, pair, span_ids)
+
+    def merge(self, other: GroupedPairMetrics, index: int) -> None:
+        """Pass 0: the other's groups taken in, their totals merged; pass 1: their tails and far sums."""
+        into = {by: self.ids[by].taken_in(other.ids[by]) for by in self.ids} if index == 0 else {}
+        for found, theirs in zip(self.found, other.found):
+            for by, breakdown in found.items():
+                their = theirs[by]
+                if index == 0:
+                    breakdown.totals = breakdown.totals.grown(len(breakdown.ids.values))
+                    breakdown.totals.merge(their.totals.grown(len(their.ids.values)), into[by])
+                    continue
+                if breakdown.tails is not None and their.tails is not None:
+                    breakdown.tails.merge(their.tails)
+                if breakdown.far_sums is not None and their.far_sums is not None:
+                    breakdown.far_sums[0][:] += their.far_sums[0]
+                    breakdown.far_sums[1][:] += their.far_sums[1]
 
     def _span_ids(self, chunk: Chunk, pair: PairTokens, by: str) -> np.ndarray:
         """The group of each of the pair's spans; pairs with every log-prob defined share the
@@ -413,8 +495,6 @@ class PerRollout:
     """rollouts.parquet: `pair`, `rollout`, PAIR_METRICS per pair and rollout, chunk by chunk (a
     rollout lies in one chunk, so each one's metrics, quantiles included, are its chunk's)."""
 
-    cost = 1.4  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
-
     def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
         self.pairs = list(pairs)
         self.frames: list[pd.DataFrame] = []
@@ -427,6 +507,9 @@ class PerRollout:
             frame = grouped_view_metrics(chunk.view(), f"logp_{a}", f"logp_{b}", ["rollout"])
             frame.insert(0, "pair", f"{a}/{b}")
             self.frames.append(frame)
+
+    def merge(self, other: PerRollout, index: int) -> None:
+        self.frames.extend(other.frames)
 
     def result(self) -> pd.DataFrame:
         if not self.frames:
@@ -449,8 +532,6 @@ def per_rollout_metrics(chunks: Chunks, pairs: Sequence[tuple[str, str]]) -> pd.
 class Counts:
     """summary.json `counts` of rows: rollouts, branches, tokens, trainable tokens."""
 
-    cost = 0.05  # as Analysis.cost
-
     def __init__(self) -> None:
         self.counts = {"rollouts": 0, "branches": 0, "tokens": 0, "trainable_tokens": 0}
 
@@ -463,6 +544,10 @@ class Counts:
         self.counts["branches"] += every_row.num_seqs
         self.counts["tokens"] += len(chunk.table)
         self.counts["trainable_tokens"] += chunk.view().num_tokens
+
+    def merge(self, other: Counts, index: int) -> None:
+        for name, count in other.counts.items():
+            self.counts[name] += count
 
 
 def breakdown_records(frames: dict[str, pd.DataFrame], by: str) -> list[dict[str, Any]]:
@@ -537,6 +622,18 @@ class RadixSelect:
                 found = np.bincount(digits.astype(np.int64), minlength=1 << 16)
                 target.histogram = found if target.histogram is None else target.histogram + found
 
+    def merge(self, other: RadixSelect) -> None:
+        """Take in what the same pass found over more values (the same targets, narrowed alike)."""
+        if self.targets is None or other.targets is None:
+            self.n += other.n
+            self.first += other.first
+            return
+        for mine, theirs in zip(self.targets, other.targets):
+            if mine.value is None:
+                mine.kept.extend(theirs.kept)
+                if theirs.histogram is not None:
+                    mine.histogram = theirs.histogram if mine.histogram is None else mine.histogram + theirs.histogram
+
     def end_pass(self, ranks: Callable[[int], Sequence[int]]) -> bool:
         """After a pass: narrow each rank (`ranks(n)` after the first pass); whether another pass is needed."""
         if self.targets is None:
@@ -584,7 +681,13 @@ class Moments:
             return
         mean = rows.mean(axis=1)
         centered = rows - mean[:, None]
-        comoment = np.einsum("in,jn->ij", centered, centered)  # not BLAS (groups.dot)
+        self._merge(count, mean, np.einsum("in,jn->ij", centered, centered))  # not BLAS (groups.dot)
+
+    def merge(self, other: Moments) -> None:
+        if other.mean is not None and other.comoment is not None:
+            self._merge(other.n, other.mean, other.comoment)
+
+    def _merge(self, count: int, mean: np.ndarray, comoment: np.ndarray) -> None:
         if self.mean is None or self.comoment is None:
             self.n, self.mean, self.comoment = count, mean, comoment
             return

@@ -64,6 +64,13 @@ class _Reduction:
             self.total_sq += dot(values, values) if self.how == "ess" else 0.0
         self.n += count
 
+    def merge(self, other: _Reduction) -> None:
+        self.moments.merge(other.moments)
+        self.top, self.bottom = max(self.top, other.top), min(self.bottom, other.bottom)
+        self.total += other.total
+        self.total_sq += other.total_sq
+        self.n += other.n
+
     def value(self) -> float:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             if self.how == "mean":
@@ -85,8 +92,6 @@ class FrameworkMetrics:
     """{"A/B": {framework: {key: value}}} over the chunks' trainable tokens (an Analysis): every
     reduction in pass 0, which also histograms each median's values; the medians' few more passes
     (RadixSelect) after it."""
-
-    cost = 1.8  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
 
     def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
         self.pairs = list(pairs)
@@ -120,6 +125,14 @@ class FrameworkMetrics:
                             self.medians[key].add(values)
                     elif key in self.pending:
                         self.medians[key].add(metric.values(arrays))
+
+    def merge(self, other: FrameworkMetrics, index: int) -> None:
+        if index == 0:
+            for key, reduction in self.reductions.items():
+                reduction.merge(other.reductions[key])
+        for key, select in self.medians.items():
+            if index == 0 or key in self.pending:
+                select.merge(other.medians[key])
 
     def result(self) -> dict[str, dict[str, dict[str, float | None]]]:
         out: dict[str, dict[str, dict[str, float | None]]] = {}

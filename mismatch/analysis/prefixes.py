@@ -116,33 +116,23 @@ def prefix_consistency(tokens: pd.DataFrame | Path, keys: np.ndarray | Path,
 
 
 class PrefixConsistency:
-    """prefix_consistency as one of an audit's analyses (analysis.chunked.run_passes): its one
-    DuckDB query reads the files itself, on the first chunk of pass 0, so it runs in whichever of
-    the analysis's processes its `cost` balances it into, beside the others, instead of before
-    them all on one core (DuckDB's positional join of the two files scans on one thread)."""
-
-    # Seconds per 10^7 rows, as Analysis.cost: the query alone took 0.96-1.25 s over the 9.3M
-    # rows of benchmarks/audit_stored.py's 10k audit (analysis_costs.py has no prefix keys to give it).
-    cost = 1.2
+    """prefix_consistency beside an audit's analyses (a chunked.Beside): its one DuckDB query reads
+    the files itself, so it runs in a process of its own during the analysis's first pass instead
+    of before the analysis on one core (DuckDB's positional join of the two files scans on one
+    thread: ~1 s over benchmarks/audit_stored.py's 9.3M rows)."""
 
     def __init__(self, tokens: pd.DataFrame | Path, keys: np.ndarray | Path, sources: Sequence[str]) -> None:
         self.inputs: tuple[pd.DataFrame | Path, np.ndarray | Path] | None = (tokens, keys)
         self.sources = list(sources)
         self.found: dict[str, Any] | None = None
 
-    def wants(self, index: int) -> bool:
-        return index == 0
-
-    def add(self, chunk: Any, index: int) -> None:
-        self._run()
-
-    def _run(self) -> None:
+    def run(self) -> None:
         if self.inputs is not None:
             self.found = prefix_consistency(*self.inputs, self.sources)
             self.inputs = None  # a table in memory is not sent back from a worker with the result
 
     def result(self) -> dict[str, Any]:
-        self._run()  # passes over no chunk at all never called add
+        self.run()
         assert self.found is not None
         return self.found
 

@@ -110,8 +110,6 @@ class TurnLocalizer:
     """localize_turns as an Analysis: pass 0 sums the breakdowns, the probability buckets and the
     position fit's moments; pass 1 the fit's residuals (and, where an ESS needs them, far sums)."""
 
-    cost = 0.65  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
-
     def __init__(self, a: str = "train", b: str = "sampler", *, trainable_only: bool = True,
                  rule: OnsetRule = OnsetRule()) -> None:
         self.a, self.b, self.trainable_only, self.rule = a, b, trainable_only, rule
@@ -140,6 +138,14 @@ class TurnLocalizer:
             self.tokens.add_residuals(chunk, self.fit)
         if self.groups_pass:
             self.groups.add(chunk, index)
+
+    def merge(self, other: TurnLocalizer, index: int) -> None:
+        if index == 0:
+            self.tokens.merge(other.tokens)
+        elif self.fit is not None and other.fit is not None:
+            self.fit.merge(other.fit)
+        if self.groups_pass:
+            self.groups.merge(other.groups, index)
 
     def result(self) -> dict[str, Any]:
         found = {by: frames[f"{self.a}/{self.b}"] for by, frames in self.groups.result().items()}
@@ -195,6 +201,15 @@ class _TurnTokens:
         self.moments.add(np.stack([x, np.abs(pair.log_ratio)]))
         self.x_range = (min(self.x_range[0], float(x.min())), max(self.x_range[1], float(x.max())))
 
+    def merge(self, other: _TurnTokens) -> None:
+        for name, values in other.bucket_sums.items():
+            merge = np.maximum if name.endswith("_max") else np.add
+            self.bucket_sums[name] = merge(self.bucket_sums[name], values) if name in self.bucket_sums else values
+        for key, row in other.turn_bucket.items():
+            self.turn_bucket[key] = self.turn_bucket[key] + row if key in self.turn_bucket else row
+        self.moments.merge(other.moments)
+        self.x_range = (min(self.x_range[0], other.x_range[0]), max(self.x_range[1], other.x_range[1]))
+
     def add_residuals(self, chunk: Chunk, fit: _SlopeFit) -> None:
         """The fit's residuals (their sum of squares, and each sequence's score, clustered by sequence)."""
         pair = chunk.pair(self.col_a, self.col_b, self.trainable_only)
@@ -239,6 +254,12 @@ class _SlopeFit:
             scores = per_cluster((x - self.x_mean) * resid)
             self.score_sq += dot(scores, scores)
             self.num_clusters += len(scores)
+
+    def merge(self, other: _SlopeFit) -> None:
+        """Take in the residual sums of later tokens (the same fit)."""
+        self.sse += other.sse
+        self.score_sq += other.score_sq
+        self.num_clusters += other.num_clusters
 
     def result(self) -> dict[str, Any]:
         clusters = (self.score_sq, self.num_clusters) if self.num_clusters else None

@@ -280,8 +280,6 @@ class TreeSums:
     """Everything summary.json `trees` says, added a chunk of whole rollouts at a time (an Analysis
     of one pass)."""
 
-    cost = 0.75  # run_passes' balance: seconds per 10^7 rows (benchmarks/analysis_costs.py)
-
     def __init__(self, pairs: Sequence[tuple[str, str]], max_paths: int | None = DEFAULT_MAX_PATHS) -> None:
         self.pairs = list(pairs)
         self.all = _KindSums(pairs)
@@ -318,6 +316,15 @@ class TreeSums:
             part.add(columns, rows, len(np.unique(branch_of_row[rows])))
             self.kinds.setdefault(kind, _KindSums(self.pairs)).merge(part)
             self.all.merge(part)
+
+    def merge(self, other: TreeSums, index: int) -> None:
+        self.num_paths += other.num_paths
+        self.num_paths_dropped += other.num_paths_dropped
+        self.num_rollouts_capped += other.num_rollouts_capped
+        self.kind_names.extend(other.kind_names)
+        for kind, part in other.kinds.items():
+            self.kinds.setdefault(kind, _KindSums(self.pairs)).merge(part)
+        self.all.merge(other.all)
 
     def result(self) -> dict[str, Any]:
         total_tokens, totals = self.all.n_tokens, self.all.weight_totals
