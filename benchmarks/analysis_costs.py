@@ -1,12 +1,10 @@
-"""Each analysis of an audit alone over an audit's tokens.parquet: where the `cost` each Analysis
-states comes from (run_passes splits the analyses between its worker processes by it).
+"""Each analysis of an audit alone over an audit's tokens.parquet: where the analysis's time goes.
 
 Usage: python benchmarks/analysis_costs.py [RESULTS_DIR]   (default: the 10k audit that
 benchmarks/audit_stored.py leaves in /tmp/mismatch-audit-bench/audit-10000)
 
-Prints, per analysis, its seconds over the file, less one reading of the file per pass it takes,
-per 10^7 rows, and the `cost` the class states now. One process, nothing else running: the split
-only needs the analyses' relative weights, and these are what one process measures.
+Prints, per analysis, its seconds over the file (one process, both halves of each pass read
+here), less one reading of the file per pass it takes, per 10^7 rows. Nothing else should run.
 """
 
 from __future__ import annotations
@@ -68,12 +66,11 @@ def main() -> None:
     reading, _ = timed_passes(chunks, None)
     found = {"rows": rows, "one_reading_s": round(reading, 2)}
     for analysis in analyses:
-        stated = getattr(analysis, "cost", None)
         seconds, passes = timed_passes(chunks, analysis)
         name = type(analysis).__name__ + (f"(trainable_only={analysis.trainable_only})"
                                           if hasattr(analysis, "trainable_only") else "")
-        found[name] = {"measured": round(max(seconds - passes * reading, 0.0) * 1e7 / rows, 2),
-                       "passes": passes, "stated": stated}
+        found[name] = {"seconds_per_1e7_rows": round(max(seconds - passes * reading, 0.0) * 1e7 / rows, 2),
+                       "passes": passes}
     print(json.dumps(found, indent=1))
 
 

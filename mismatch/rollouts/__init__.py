@@ -877,13 +877,15 @@ def _typed_rollout(typed: _TypedRollout, *, file: str, line: int, vocab_size: in
 
 
 def _decode_line(text: bytes) -> tuple[object, str | None]:
-    """A JSONL line: as _Typed when it fits the format's types, else as _loads decodes it."""
+    """A JSONL line (its newline included): as _Typed when it fits the format's types, else as
+    _loads decodes it."""
     if not _deeper_than(text, MAX_JSON_DEPTH):
         try:
             return _Typed(_TYPED_DECODER.decode(text), text), None
         except msgspec.MsgspecError:  # not JSON to msgspec, or a value of another type
             pass
-    return _loads(text)
+    # rstrip: a trailing newline would move an "unexpected end" error to a column on line 2.
+    return _loads(text.rstrip(b"\r\n"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -949,14 +951,13 @@ def _read_jsonl(path: Path, file: str,
     number = -1
     with path.open("rb") as f:
         for line_no, text in enumerate(f, start=1):
-            if not text.strip():
+            if not text or text.isspace():  # as `not text.strip()`, without copying the line
                 continue
             number += 1
             if wanted is not None and not wanted(number):
                 yield line_no, _SKIPPED, []
                 continue
-            # rstrip: a trailing newline would move an "unexpected end" error to a column on line 2.
-            raw, why = _decode_line(text.rstrip(b"\r\n"))
+            raw, why = _decode_line(text)
             errors = [] if why is None else [RolloutError(f"invalid JSON: {why}", file=file, line=line_no)]
             yield line_no, raw, errors
 
