@@ -131,3 +131,22 @@ def crosswalk_markdown() -> str:
         lines.append(f"| {row['framework']} | `{row['key']}` | {('`' + row['ours'] + '`') if row['ours'] else '—'} "
                      f"| {row['note'] or 'same number'} |")
     return "\n".join(lines) + "\n"
+
+
+def test_a_mean_per_sequence_is_the_same_whether_the_codes_come_in_runs_or_not() -> None:
+    """PairArrays.per sums runs of codes (reduceat) when a chunk's codes are 0, 0, 1, 2, 2, ...,
+    and falls back to a weighted bincount when they are not in order or one is missing."""
+    from mismatch.frameworks._common import PairArrays
+
+    rng = np.random.default_rng(3)
+    runs = np.repeat(np.arange(50), rng.integers(1, 40, 50))
+    logp_a, logp_b = -rng.random(len(runs)), -rng.random(len(runs))
+    expected = [np.mean(logp_a[runs == code]) for code in range(50)]
+    for seq in (runs, rng.permutation(runs), np.where(runs == 7, 8, runs)):
+        arrays = PairArrays(logp_a, logp_b, seq=seq, rollout=np.zeros(len(runs), dtype=np.int64))
+        with np.errstate(invalid="ignore"):  # a missing code's mean is 0 / 0
+            found = arrays.per(arrays.seq, arrays.logp_a)
+        want = [np.mean(logp_a[seq == code]) if (seq == code).any() else np.nan for code in range(50)]
+        np.testing.assert_allclose(found, want, rtol=1e-12)
+    np.testing.assert_allclose(PairArrays(logp_a, logp_b, seq=runs, rollout=runs).per(runs, logp_a), expected,
+                               rtol=1e-12)
