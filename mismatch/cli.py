@@ -809,7 +809,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """The console script: a process of its own, set up as a batch job (mismatch/batch.py)."""
-    from mismatch.batch import tune_for_batch
+    from mismatch.batch import end_batch, tune_for_batch
 
     tune_for_batch()
-    sys.exit(main())
+    code = main()
+    end_batch()
+    sys.exit(code)

@@ -246,12 +246,19 @@ def _rollout_codes(chunk: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
 def _rank(chunk: pd.DataFrame, rows: np.ndarray, log_ratio: np.ndarray) -> pd.DataFrame:
     """Per rollout of the chunk (a rollout lies in one chunk): max |log-ratio|, mean k3, scored tokens."""
     codes, names = _rollout_codes(chunk)
+    # Per rollout by bincount (a pandas groupby-agg took ~15 ms a chunk); as groupby's max and
+    # mean, a NaN term (k3 of an infinite log-ratio) is left out of the mean.
+    group, present = pd.factorize(codes[rows])
+    abs_lr = np.abs(log_ratio)
+    top = np.full(len(present), -np.inf)
+    np.maximum.at(top, group, abs_lr)
     with np.errstate(over="ignore", invalid="ignore"):
-        frame = pd.DataFrame({"code": codes[rows], "abs": np.abs(log_ratio), "k3": terms.k3(log_ratio)})
-    ranked = frame.groupby("code", sort=False).agg(
-        max_abs_log_ratio=("abs", "max"), kl_k3_mean=("k3", "mean"), n_scored=("abs", "size")).reset_index()
-    ranked.insert(0, "rollout", names[ranked.pop("code").to_numpy()])
-    return ranked
+        k3 = terms.k3(log_ratio)
+        kept = ~np.isnan(k3)
+        k3_mean = (np.bincount(group[kept], weights=k3[kept], minlength=len(present))
+                   / np.bincount(group[kept], minlength=len(present)))
+    return pd.DataFrame({"rollout": names[present], "max_abs_log_ratio": top, "kl_k3_mean": k3_mean,
+                         "n_scored": np.bincount(group, minlength=len(present))})
 
 
 def _ranked(ranks: list[pd.DataFrame]) -> pd.DataFrame | None:
