@@ -451,7 +451,7 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
         """The block planned, with its tree weights and every source's column."""
         plan = plan_replay(selected, indices=indices, block_size=block_size)
         # Tree weights are per rollout, so shards compute exactly the weights one run would.
-        table = add_tree_weights(plan.table, selected, inplace=True)
+        table = add_tree_weights(plan.table, selected, inplace=True, planned=True)
         for source, spec in specs.items():
             if spec.kind == "stored":
                 # A name no segment of this block carries is NaN on its rows.

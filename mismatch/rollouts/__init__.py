@@ -806,9 +806,11 @@ def _short_id(text: str | None) -> str | None:
 # so a valid rollout needs no scan over its values' types (the checker's costliest step, with the
 # decoding itself). A line that does not fit the types, or breaks a rule they do not carry, is
 # decoded again untyped for check_rollout, which words what is wrong: the same errors either way.
+# A field the format does not name sends the line that way too: msgspec skips an unknown field's
+# value without checking all of it (a string's UTF-8), where the untyped decoders refuse the line.
 
 
-class _TypedSegment(msgspec.Struct):
+class _TypedSegment(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     tokens: list[int]
     logprobs: list[float] | None = None  # a JSON integer decodes as a float, as np.array makes it one
@@ -817,7 +819,7 @@ class _TypedSegment(msgspec.Struct):
     routed_experts: Any = None  # shapes and ids: _check_routed_experts, on the plain lists
 
 
-class _TypedBranch(msgspec.Struct):
+class _TypedBranch(msgspec.Struct, forbid_unknown_fields=True):
     id: str
     segments: list[_TypedSegment]
     kind: str | None = None
@@ -825,7 +827,7 @@ class _TypedBranch(msgspec.Struct):
     fork_at: int | None = None
 
 
-class _TypedRollout(msgspec.Struct):
+class _TypedRollout(msgspec.Struct, forbid_unknown_fields=True):
     id: str
     branches: list[_TypedBranch]
     meta: dict[str, Any] | None = None
@@ -878,12 +880,11 @@ def _typed_rollout(typed: _TypedRollout, *, file: str, line: int, vocab_size: in
 
 def _decode_line(text: bytes) -> tuple[object, str | None]:
     """A JSONL line (its newline included): as _Typed when it fits the format's types, else as
-    _loads decodes it."""
-    if not _deeper_than(text, MAX_JSON_DEPTH):
-        try:
-            return _Typed(_TYPED_DECODER.decode(text), text), None
-        except msgspec.MsgspecError:  # not JSON to msgspec, or a value of another type
-            pass
+    _loads decodes it (which refuses a text nested too deeply before it parses it)."""
+    try:
+        return _Typed(_TYPED_DECODER.decode(text), text), None
+    except (msgspec.MsgspecError, RecursionError):  # not JSON to msgspec, another type, too deep
+        pass
     # rstrip: a trailing newline would move an "unexpected end" error to a column on line 2.
     return _loads(text.rstrip(b"\r\n"))
 

@@ -98,13 +98,15 @@ def gyre_weights(rollout: Rollout, max_paths: int = DEFAULT_MAX_PATHS) -> dict[s
 
 
 def add_tree_weights(table: pd.DataFrame, rollouts: Sequence[Rollout], *,
-                     max_paths: int = DEFAULT_MAX_PATHS, inplace: bool = False) -> pd.DataFrame:
+                     max_paths: int = DEFAULT_MAX_PATHS, inplace: bool = False,
+                     planned: bool = False) -> pd.DataFrame:
     """`table` with `weight_tree` and `weight_gyre` columns (float64), aligned row for row
     (a copy, or `table` itself with `inplace`: the replay adds them to the table it just built).
 
     `table` must be the token table of exactly these rollouts in `plan_replay` order (each
     branch's own tokens, rollout by rollout, branch by branch); the rollout and branch columns
-    are checked against that order.
+    are checked against that order, unless `planned` says plan_replay just built it from these
+    very rollouts (the replay's own call: a check that cannot fail, ~0.1 s per 10^6 rows).
     """
     branch_keys, tree, gyre = [], [], []  # branch_keys: (rollout id, branch id, own tokens)
     for rollout in rollouts:
@@ -117,7 +119,7 @@ def add_tree_weights(table: pd.DataFrame, rollouts: Sequence[Rollout], *,
     if num_rows != len(table):
         raise MismatchError(f"token table has {len(table)} rows but the rollouts have {num_rows} "
                             "own tokens; pass the table plan_replay built for these rollouts")
-    if num_rows and _branch_spans(table) != branch_keys:
+    if num_rows and not planned and _branch_spans(table) != branch_keys:
         raise MismatchError("token table rows are not in the rollouts' branch order; pass the table "
                             "plan_replay built for these rollouts")
     out = table if inplace else table.copy()
