@@ -13,15 +13,19 @@ from mismatch.analysis.chunked import Moments, RadixSelect, Tails, chunk_bounds
 QS = [0.001, 0.01, 0.99, 0.999]
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["one", "two-halves-merged"])
 @pytest.mark.parametrize("n", [1, 2, 3, 10, 999, 100_001])
-def test_tails_gathered_chunk_by_chunk_give_numpys_quantiles(n) -> None:
+def test_tails_gathered_chunk_by_chunk_give_numpys_quantiles(n, merged) -> None:
     rng = np.random.default_rng(n)
     values = rng.standard_t(2, n)
     values[::97] = 1.0  # ties
     group = rng.integers(0, 3, n)
     tails = Tails(np.bincount(group, minlength=4), QS)  # group 3 is empty
-    for part in np.array_split(np.arange(n), 7):
-        tails.add(values[part], group[part])
+    later = Tails(np.bincount(group, minlength=4), QS)  # the second half's, when merged
+    for number, part in enumerate(np.array_split(np.arange(n), 7)):
+        (later if merged and number >= 4 else tails).add(values[part], group[part])
+    if merged:
+        tails.merge(later)
     got = tails.quantiles()
     for g in range(3):
         if (group == g).any():

@@ -237,7 +237,11 @@ def _adopt(analysis: Any, state: Any) -> None:
 
 class Tails:
     """Per group: the smallest and the largest values, as many as its quantiles' order statistics
-    need (about 1% of the group on each side for ratio_q01/q99), gathered chunk by chunk."""
+    need (about 1% of the group on each side for ratio_q01/q99), gathered chunk by chunk.
+
+    Each side keeps a buffer of at least those k values and trims it back to k (a partition) only
+    once it holds k + slack: a partition of the whole buffer for each chunk was most of the
+    second pass's time. Values at or past the bound the last trim found cannot enter."""
 
     def __init__(self, counts: np.ndarray, qs: Sequence[float]) -> None:
         self.counts, self.qs = counts, list(qs)
@@ -252,6 +256,9 @@ class Tails:
                 self.k_high[group] = n - high.min() if len(high) else 0
         self.low: list[np.ndarray] = [np.zeros(0)] * len(counts)
         self.high: list[np.ndarray] = [np.zeros(0)] * len(counts)
+        # The k-th smallest and the k-th largest at the last trim (NaN: none yet, every value enters).
+        self.low_bound = np.full(len(counts), np.nan)
+        self.high_bound = np.full(len(counts), np.nan)
 
     def add(self, values: np.ndarray, token_group: np.ndarray) -> None:
         if len(self.counts) == 1:
@@ -273,23 +280,30 @@ class Tails:
         self._keep_high(group, values)
 
     def _keep_low(self, group: int, values: np.ndarray) -> None:
-        k_low = int(self.k_low[group])
-        if k_low:
-            low = self.low[group]
-            # Once k are kept, only a value below the largest of them can enter.
-            candidates = values[values < low.max()] if len(low) == k_low else values
-            if len(candidates):
-                low = np.concatenate([low, candidates])
-                self.low[group] = low if len(low) <= k_low else np.partition(low, k_low - 1)[:k_low]
+        k = int(self.k_low[group])
+        if not k:
+            return
+        bound = self.low_bound[group]
+        candidates = values if np.isnan(bound) else values[values < bound]
+        if len(candidates):
+            low = np.concatenate([self.low[group], candidates])
+            if len(low) > k + _slack(k):
+                low = np.partition(low, k - 1)[:k]
+                self.low_bound[group] = low[k - 1]
+            self.low[group] = low
 
     def _keep_high(self, group: int, values: np.ndarray) -> None:
-        k_high = int(self.k_high[group])
-        if k_high:
-            high = self.high[group]
-            candidates = values[values > high.min()] if len(high) == k_high else values
-            if len(candidates):
-                high = np.concatenate([high, candidates])
-                self.high[group] = high if len(high) <= k_high else np.partition(high, len(high) - k_high)[-k_high:]
+        k = int(self.k_high[group])
+        if not k:
+            return
+        bound = self.high_bound[group]
+        candidates = values if np.isnan(bound) else values[values > bound]
+        if len(candidates):
+            high = np.concatenate([self.high[group], candidates])
+            if len(high) > k + _slack(k):
+                high = np.partition(high, len(high) - k)[-k:]
+                self.high_bound[group] = high[0]
+            self.high[group] = high
 
     def merge(self, other: Tails) -> None:
         """Take in the tails of more values of the same groups (each side apart: a group with
@@ -304,13 +318,20 @@ class Tails:
         for group, n in enumerate(self.counts.tolist()):
             if not n:
                 continue
-            low, high = np.sort(self.low[group]), np.sort(self.high[group])
+            # Exactly the k smallest and the k largest (the buffers may hold more).
+            low = np.sort(self.low[group])[:int(self.k_low[group])]
+            high = np.sort(self.high[group])[len(self.high[group]) - int(self.k_high[group]):]
             lo, hi, virtual = _ranks(n, self.qs)
             first_high = n - len(high)
             ordered = {rank: (low[rank] if rank < len(low) else high[rank - first_high])
                        for rank in np.unique(np.concatenate([lo, hi])).tolist()}
             out[group] = _lerp(ordered, lo, hi, virtual)
         return out
+
+
+def _slack(k: int) -> int:
+    """How many values past k a tail's buffer takes before it is trimmed back to k."""
+    return max(k // 2, 1024)
 
 
 _MISSING = object()  # the key of a NaN key value (NaN is not equal to itself: no dict key)
