@@ -59,6 +59,11 @@ class PairArrays:
     def prob_abs_diff(self) -> np.ndarray:
         return terms.prob_abs_diff(self.logp_a, self.logp_b)
 
+    @cached_property
+    def seq_log_ratio(self) -> np.ndarray:
+        """Each sequence's log-ratio summed (its sequence-level log importance ratio)."""
+        return self._sums(self.seq, self.log_ratio)
+
     def per(self, codes: np.ndarray, values: np.ndarray) -> np.ndarray:
         """Mean of `values` per code (`seq` or `rollout`); kept for the pair's own log-prob arrays,
         which several metrics average per sequence."""
@@ -66,13 +71,15 @@ class PairArrays:
         key = (id(codes), id(values))
         if own and key in self._means:
             return self._means[key]
-        counts, starts = self._counts[id(codes)], self._starts[id(codes)]
-        sums = np.bincount(codes, weights=values, minlength=len(counts)) if starts is None else \
-            np.add.reduceat(values, starts)
-        means = sums / counts
+        means = self._sums(codes, values) / self._counts[id(codes)]
         if own:
             self._means[key] = means
         return means
+
+    def _sums(self, codes: np.ndarray, values: np.ndarray) -> np.ndarray:
+        counts, starts = self._counts[id(codes)], self._starts[id(codes)]
+        return np.bincount(codes, weights=values, minlength=len(counts)) if starts is None else \
+            np.add.reduceat(values, starts)
 
 
 def _run_starts(codes: np.ndarray, counts: np.ndarray) -> np.ndarray | None:

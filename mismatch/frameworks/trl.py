@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 def _trl_sequence_mask_ratio(p: PairArrays, clip_max: float = 3.0) -> np.ndarray:
     # grpo_trainer.py:2579-2621, TRL's default mode: per sequence exp(sum log-ratio), 0 above clip_max.
-    ratio = terms.ratio(np.bincount(p.seq, weights=p.log_ratio))
+    ratio = terms.ratio(p.seq_log_ratio)
     return np.where(ratio > clip_max, 0.0, ratio)
 
 
