@@ -3,6 +3,8 @@ rollout-aligned chunk bounds (each against numpy on the whole array)."""
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -24,8 +26,8 @@ def test_tails_gathered_chunk_by_chunk_give_numpys_quantiles(n, merged) -> None:
     later = Tails(np.bincount(group, minlength=4), QS)  # the second half's, when merged
     for number, part in enumerate(np.array_split(np.arange(n), 7)):
         (later if merged and number >= 4 else tails).add(values[part], group[part])
-    if merged:
-        tails.merge(later)
+    if merged:  # sent back from a fork: pickled, each buffer trimmed to its k values
+        tails.merge(pickle.loads(pickle.dumps(later)))
     got = tails.quantiles()
     for g in range(3):
         if (group == g).any():

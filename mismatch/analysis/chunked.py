@@ -240,7 +240,7 @@ class Tails:
     need (about 1% of the group on each side for ratio_q01/q99), gathered chunk by chunk.
 
     Each side keeps a buffer of at least those k values and trims it back to k (a partition) only
-    once it holds k + slack: a partition of the whole buffer for each chunk was most of the
+    once it holds k + slack (_slack): a partition of the whole buffer for each chunk was most of the
     second pass's time. Values at or past the bound the last trim found cannot enter."""
 
     def __init__(self, counts: np.ndarray, qs: Sequence[float]) -> None:
@@ -312,6 +312,17 @@ class Tails:
             self._keep_low(group, other.low[group])
             self._keep_high(group, other.high[group])
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a fork's tails sent back to be merged) with each buffer trimmed to its k values."""
+        for group, (k_low, k_high) in enumerate(zip(self.k_low.tolist(), self.k_high.tolist())):
+            if len(self.low[group]) > k_low > 0:
+                self.low[group] = np.partition(self.low[group], k_low - 1)[:k_low]
+                self.low_bound[group] = self.low[group][k_low - 1]
+            if len(self.high[group]) > k_high > 0:
+                self.high[group] = np.partition(self.high[group], len(self.high[group]) - k_high)[-k_high:]
+                self.high_bound[group] = self.high[group][0]
+        return self.__dict__
+
     def quantiles(self) -> np.ndarray:
         """[num_groups, len(qs)], numpy's linear method; NaN for an empty group."""
         out = np.full((len(self.counts), len(self.qs)), np.nan)
@@ -330,8 +341,9 @@ class Tails:
 
 
 def _slack(k: int) -> int:
-    """How many values past k a tail's buffer takes before it is trimmed back to k."""
-    return max(k // 2, 1024)
+    """How many values past k a tail's buffer takes before it is trimmed back to k (a quarter
+    more: the tails are the analysis's one state that grows with the run, ~1% of the values)."""
+    return max(k // 4, 1024)
 
 
 _MISSING = object()  # the key of a NaN key value (NaN is not equal to itself: no dict key)
