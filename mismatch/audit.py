@@ -55,6 +55,7 @@ from mismatch.identity import run_inputs
 from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import TurnLocalizer
+from mismatch.localize.turns import import_ahead as import_turns_ahead
 from mismatch.replay import (
     DEFAULT_BLOCK,
     TORCH_KINDS,
@@ -207,8 +208,10 @@ def store_blocks(replayed: Replayed, store: TokenStore, checkpoint: str | Path, 
     drifts: list[dict[str, Any]] = []
     tokenized = False
     keys = PrefixKeys(store.side_file("prefix_keys"))
-    for table, block_keys, drift, needed_tokenizer in replayed.map_blocks(partial(_stored_parts, str(checkpoint)),
-                                                                          workers):
+    for number, (table, block_keys, drift, needed_tokenizer) in enumerate(
+            replayed.map_blocks(partial(_stored_parts, str(checkpoint)), workers)):
+        if number == 1 and workers > 1:
+            import_turns_ahead()  # the readers read on meanwhile: this process has time to spare
         store.write(table)
         keys.add(block_keys)
         drifts.append(drift)
