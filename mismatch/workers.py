@@ -24,11 +24,11 @@ from mismatch.errors import MismatchError
 
 T = TypeVar("T")
 WORKERS_VARIABLE = "MISMATCH_WORKERS"
-# Measured with two cores (benchmarks/RESULTS.md): each group of analyses reads the whole table
-# again, and the costliest analysis alone is a fifth of the work (benchmarks/analysis_costs.py).
+# Measured with two cores (benchmarks/RESULTS.md): the readers of a rollouts file each read every
+# line, and an analysis pass is read in two halves (analysis/chunked.py, HALVES).
 MAX_WORKERS = 2
-# Below this much work a fork (and, for an analysis, a second reading of the table) costs more
-# than it saves: a million token rows, and the rollouts file of about as many tokens.
+# Below this much work a fork costs more than it saves: a million token rows, and the rollouts
+# file of about as many tokens.
 MIN_ROWS_TO_FORK = 1_000_000
 MIN_BYTES_TO_FORK = 32 * 2**20
 

@@ -501,6 +501,12 @@ def test_check_rollout_never_raises_on_json_values(raw):
 def test_check_rollout_never_raises_on_near_valid_rollouts(data):
     # Replace one random node of a valid rollout by an arbitrary value, to reach the deep checks.
     raw = make_rollout()
+    _replace_a_node(raw, data)
+    _check_never_raises(raw)
+
+
+def _replace_a_node(raw: dict, data: st.DataObject) -> None:
+    """One node of `raw`, drawn by walking down from the top, replaced by any JSON value."""
     node, path = raw, []
     while isinstance(node, (dict, list)) and node and data.draw(st.booleans()):
         key = data.draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
@@ -511,7 +517,6 @@ def test_check_rollout_never_raises_on_near_valid_rollouts(data):
         for key in path[:-1]:
             parent = parent[key]
         parent[path[-1]] = data.draw(json_values)
-    _check_never_raises(raw)
 
 
 _expert_ids = st.one_of(st.integers(-2, 40000), st.integers(), st.booleans(), st.floats(), st.none(), st.just([1]))
@@ -589,16 +594,7 @@ def test_a_line_decoded_into_the_types_is_checked_as_its_dict_is(data):
     raw = make_rollout()
     if data.draw(st.booleans()):
         seg(raw, 0, 2)["routed_experts"] = data.draw(routed_values)
-    node, path = raw, []
-    while isinstance(node, (dict, list)) and node and data.draw(st.booleans()):
-        key = data.draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
-        path.append(key)
-        node = node[key]
-    if path:
-        parent = raw
-        for key in path[:-1]:
-            parent = parent[key]
-        parent[path[-1]] = data.draw(json_values)
+    _replace_a_node(raw, data)
     text = json.dumps(raw)
     found, expected = _from_a_line(text, vocab_size=100, num_experts=8), _from_a_dict(text, vocab_size=100, num_experts=8)
     assert found[1] == expected[1]

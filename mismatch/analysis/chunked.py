@@ -4,8 +4,8 @@ Flow: tokens.parquet (or a table in memory) -> rollout-aligned chunks (`ChunkSou
 re-iterable) -> `run_passes`: pass after pass, each chunk once for every `Analysis` that wants it,
 through views they share (`Chunk`); each pass's chunks in two halves, the second half's states
 merged into the first's (`Analysis.merge`), so two processes share every pass -> each analysis's
-`result()`. `GroupedPairMetrics` adds each chunk's totals
-per group (metrics.GroupTotals); what totals cannot give comes from a second pass: the ratio
+`result()`. `GroupedPairMetrics` adds each chunk's totals per group (metrics.GroupTotals); what
+totals cannot give comes from a second pass: the ratio
 quantiles from each group's tails (`Tails`), the rescaled ESS of far-out groups. Medians take
 an exact radix selection (`RadixSelect`), spreads and correlations Chan-merged moments (`Moments`).
 
