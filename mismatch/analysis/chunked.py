@@ -288,7 +288,7 @@ class Tails:
         if len(candidates):
             low = np.concatenate([self.low[group], candidates])
             if len(low) > k + _slack(k):
-                low = np.partition(low, k - 1)[:k]
+                low = _smallest(low, k)
                 self.low_bound[group] = low[k - 1]
             self.low[group] = low
 
@@ -301,7 +301,7 @@ class Tails:
         if len(candidates):
             high = np.concatenate([self.high[group], candidates])
             if len(high) > k + _slack(k):
-                high = np.partition(high, len(high) - k)[-k:]
+                high = _largest(high, k)
                 self.high_bound[group] = high[0]
             self.high[group] = high
 
@@ -316,10 +316,10 @@ class Tails:
         """Pickled (a fork's tails sent back to be merged) with each buffer trimmed to its k values."""
         for group, (k_low, k_high) in enumerate(zip(self.k_low.tolist(), self.k_high.tolist())):
             if len(self.low[group]) > k_low > 0:
-                self.low[group] = np.partition(self.low[group], k_low - 1)[:k_low]
+                self.low[group] = _smallest(self.low[group], k_low)
                 self.low_bound[group] = self.low[group][k_low - 1]
             if len(self.high[group]) > k_high > 0:
-                self.high[group] = np.partition(self.high[group], len(self.high[group]) - k_high)[-k_high:]
+                self.high[group] = _largest(self.high[group], k_high)
                 self.high_bound[group] = self.high[group][0]
         return self.__dict__
 
@@ -338,6 +338,17 @@ class Tails:
                        for rank in np.unique(np.concatenate([lo, hi])).tolist()}
             out[group] = _lerp(ordered, lo, hi, virtual)
         return out
+
+
+def _smallest(values: np.ndarray, k: int) -> np.ndarray:
+    """The k smallest values (the k-th last), in an array of their own: a slice of the partition
+    would keep the whole buffer alive."""
+    return np.partition(values, k - 1)[:k].copy()
+
+
+def _largest(values: np.ndarray, k: int) -> np.ndarray:
+    """The k largest values (the k-th first), in an array of their own."""
+    return np.partition(values, len(values) - k)[len(values) - k:].copy()
 
 
 def _slack(k: int) -> int:
