@@ -216,6 +216,9 @@ def _umask() -> int:
     return mask
 
 
+_PLAIN = frozenset({int, str, bool, type(None)})  # JSON as they are
+
+
 def json_safe(value: Any) -> Any:
     """NaN and ±inf become null: summary.json must parse in a browser (JSON has no NaN)."""
     if isinstance(value, float):
@@ -223,7 +226,10 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
+        # Plain items and finite floats kept without a call each: a report's token columns are
+        # lists of 10^5 numbers.
+        return [v if type(v) in _PLAIN or (type(v) is float and math.isfinite(v)) else json_safe(v)
+                for v in value]
     if hasattr(value, "item") and callable(value.item):  # numpy scalars
         return json_safe(value.item())
     return value

@@ -106,3 +106,13 @@ def test_a_row_group_of_blocks_keeps_the_rollout_column_a_dictionary(tmp_path) -
     (chunk,) = tokens_chunks([file])()
     assert chunk["rollout"].astype(str).tolist() == pd.concat(blocks)["rollout"].astype(str).tolist()
     assert list(chunk["rollout"].cat.categories) == sorted(chunk["rollout"].cat.categories)
+
+
+def test_json_safe_turns_every_non_finite_number_into_null() -> None:
+    from mismatch.results import json_safe
+
+    value = {"a": [1.0, float("nan"), 2, True, None, "x", float("inf"), np.float64("-inf"), np.int64(3),
+                   (4.5, float("nan")), [np.float32(0.5), {"k": -float("inf")}]], 7: np.nan}
+    assert json_safe(value) == {"a": [1.0, None, 2, True, None, "x", None, None, 3, [4.5, None], [0.5, {"k": None}]],
+                                "7": None}
+    assert json.dumps(json_safe(value), allow_nan=False)
