@@ -193,17 +193,17 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
 @dataclass(kw_only=True, slots=True, frozen=True)
 class _Stored:
     """What the pass that stores the blocks also finds: render drift, and the prefix keys that
-    prefix consistency (an analysis, run with the others) groups."""
+    prefix consistency (run beside the analysis's first pass) groups."""
 
     drift: dict[str, Any] | None
-    prefixes: PrefixConsistency  # run with the analysis
+    prefixes: PrefixConsistency  # run beside the analysis
 
 
 def store_blocks(replayed: Replayed, store: TokenStore, checkpoint: str | Path, sources: Sequence[str],
                  workers: int = 1) -> _Stored:
     """One pass over the replayed blocks: each block's rows into the token store, its rollouts'
-    render drift (those with messages), and each row's prefix key (for prefix consistency, an
-    analysis to run in the analysis's passes). `workers`: forked readers of a stored-only replay's
+    render drift (those with messages), and each row's prefix key (for prefix consistency, run
+    beside the analysis's first pass). `workers`: forked readers of a stored-only replay's
     file (Replayed.map_blocks)."""
     drifts: list[dict[str, Any]] = []
     tokenized = False
@@ -267,8 +267,8 @@ def analyze_audit(chunks: Chunks, *, engines: dict[str, Any], checkpoint: str,
     """Everything an audit's summary.json says that follows from the token table, read as chunks
     of whole rollouts, every analysis in the same passes (and the render-drift, MoE routing and
     prefix findings, which need the rollouts, the engines' routers or the replay's requests, and
-    are passed in: prefix consistency as found, or as the analysis that finds it, run with the
-    others). `alignment` is the check_alignment result when the caller already has it; `also`
+    are passed in: prefix consistency as found, or as the query that finds it, run beside the
+    first pass). `alignment` is the check_alignment result when the caller already has it; `also`
     are more analyses to run in the same passes (the per-rollout table); `workers`: how many
     processes share them (chunked.run_passes)."""
     first = next(iter(chunks()), None)

@@ -11,6 +11,7 @@ a bad input never leaves a half-written results dir, and an existing dir is repl
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -522,26 +523,24 @@ def tokens_chunks(files: Sequence[Path], *, columns: Sequence[str] | None = None
 
     from mismatch.analysis import chunked
 
-    found: list[list[tuple[Path, Any, list[int] | None]]] = []  # (file, its footer, row groups | None: all)
-
+    @functools.cache
     def units() -> list[tuple[Path, Any, list[int] | None]]:
-        if not found:
-            limit = rows or chunked.DEFAULT_CHUNK_ROWS
-            listed = []
-            for file in files:
-                metadata = pq.ParquetFile(file).metadata
-                groups: list[int] = []
-                size = 0
-                for group in range(metadata.num_row_groups):
-                    groups.append(group)
-                    size += metadata.row_group(group).num_rows
-                    if size >= limit or group == metadata.num_row_groups - 1:
-                        listed.append((file, metadata, groups))
-                        groups, size = [], 0
-                if metadata.num_row_groups == 0:
-                    listed.append((file, metadata, None))
-            found.append(listed)
-        return found[0]
+        """(file, its footer, the chunk's row groups | None: the whole file) of each chunk."""
+        limit = rows or chunked.DEFAULT_CHUNK_ROWS
+        listed = []
+        for file in files:
+            metadata = pq.ParquetFile(file).metadata
+            groups: list[int] = []
+            size = 0
+            for group in range(metadata.num_row_groups):
+                groups.append(group)
+                size += metadata.row_group(group).num_rows
+                if size >= limit or group == metadata.num_row_groups - 1:
+                    listed.append((file, metadata, groups))
+                    groups, size = [], 0
+            if metadata.num_row_groups == 0:
+                listed.append((file, metadata, None))
+        return listed
 
     def read(number: int) -> pd.DataFrame:
         file, metadata, groups = units()[number]

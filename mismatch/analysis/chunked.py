@@ -5,9 +5,9 @@ re-iterable) -> `run_passes`: pass after pass, each chunk once for every `Analys
 through views they share (`Chunk`); each pass's chunks in two halves, the second half's states
 merged into the first's (`Analysis.merge`), so two processes share every pass -> each analysis's
 `result()`. `GroupedPairMetrics` adds each chunk's totals per group (metrics.GroupTotals); what
-totals cannot give comes from a second pass: the ratio
-quantiles from each group's tails (`Tails`), the rescaled ESS of far-out groups. Medians take
-an exact radix selection (`RadixSelect`), spreads and correlations Chan-merged moments (`Moments`).
+totals cannot give comes from a second pass: the ratio quantiles from each group's tails
+(`Tails`), the rescaled ESS of far-out groups. Medians take an exact radix selection
+(`RadixSelect`), spreads and correlations Chan-merged moments (`Moments`).
 
 A rollout is never cut, so a sequence (a branch of a rollout) and a rollout lie in one chunk:
 whatever is per sequence or per rollout is complete in its chunk. A table whose rollouts are not
@@ -286,11 +286,9 @@ class Tails:
         bound = self.low_bound[group]
         candidates = values if np.isnan(bound) else values[values < bound]
         if len(candidates):
-            low = np.concatenate([self.low[group], candidates])
-            if len(low) > k + _slack(k):
-                low = _smallest(low, k)
-                self.low_bound[group] = low[k - 1]
-            self.low[group] = low
+            self.low[group] = np.concatenate([self.low[group], candidates])
+            if len(self.low[group]) > k + _slack(k):
+                self._trim_low(group)
 
     def _keep_high(self, group: int, values: np.ndarray) -> None:
         k = int(self.k_high[group])
@@ -299,11 +297,20 @@ class Tails:
         bound = self.high_bound[group]
         candidates = values if np.isnan(bound) else values[values > bound]
         if len(candidates):
-            high = np.concatenate([self.high[group], candidates])
-            if len(high) > k + _slack(k):
-                high = _largest(high, k)
-                self.high_bound[group] = high[0]
-            self.high[group] = high
+            self.high[group] = np.concatenate([self.high[group], candidates])
+            if len(self.high[group]) > k + _slack(k):
+                self._trim_high(group)
+
+    def _trim_low(self, group: int) -> None:
+        """The low side back to its k smallest, whose largest bounds what can enter after."""
+        k = int(self.k_low[group])
+        self.low[group] = _smallest(self.low[group], k)
+        self.low_bound[group] = self.low[group][k - 1]
+
+    def _trim_high(self, group: int) -> None:
+        k = int(self.k_high[group])
+        self.high[group] = _largest(self.high[group], k)
+        self.high_bound[group] = self.high[group][0]
 
     def merge(self, other: Tails) -> None:
         """Take in the tails of more values of the same groups (each side apart: a group with
@@ -316,11 +323,9 @@ class Tails:
         """Pickled (a fork's tails sent back to be merged) with each buffer trimmed to its k values."""
         for group, (k_low, k_high) in enumerate(zip(self.k_low.tolist(), self.k_high.tolist())):
             if len(self.low[group]) > k_low > 0:
-                self.low[group] = _smallest(self.low[group], k_low)
-                self.low_bound[group] = self.low[group][k_low - 1]
+                self._trim_low(group)
             if len(self.high[group]) > k_high > 0:
-                self.high[group] = _largest(self.high[group], k_high)
-                self.high_bound[group] = self.high[group][0]
+                self._trim_high(group)
         return self.__dict__
 
     def quantiles(self) -> np.ndarray:
