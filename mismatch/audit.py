@@ -18,12 +18,7 @@ import pandas as pd
 
 from mismatch import __version__
 from mismatch.advise.corrections import CorrectionSimulator
-from mismatch.advise.recommend import (
-    FRAMEWORKS,
-    recommend,
-    recommendations_dicts,
-    render_config,
-)
+from mismatch.advise.recommend import recommend, recommendations_dicts, render_config
 from mismatch.advise.verdicts import verdicts
 from mismatch.analysis.alignment import (
     AlignmentCheck,
@@ -44,7 +39,8 @@ from mismatch.analysis.chunked import (
     table_chunks,
 )
 from mismatch.analysis.clip import ClipRange, clip_summary
-from mismatch.analysis.framework_metrics import FrameworkMetrics
+from mismatch.analysis.framework_metrics import FrameworkMetrics, settings_used
+from mismatch.frameworks import FRAMEWORKS, default_target
 from mismatch.analysis.metrics import PAIR_METRICS
 from mismatch.analysis.prefixes import PrefixConsistency, PrefixKeys, prefix_keys
 from mismatch.analysis.routing import routing_summary, token_routing
@@ -284,6 +280,7 @@ def analyze_audit(chunks: Chunks, *, engines: dict[str, Any], checkpoint: str,
     out["alignment"] = alignment if checked is None else checked.result()
     out["trees"] = trees.result()
     out["framework_metrics"] = frameworks.result()
+    out["framework_settings"] = settings_used()
     out["localization"]["turns"] = turns.result()
     if drift is not None:
         out["drift"] = drift
@@ -300,8 +297,11 @@ def advise(summary: dict[str, Any], **findings: Any) -> None:
     """summary.json's recommendations (the rule on the summary, plus `findings` such as probes)
     and each framework's config snippet for them."""
     summary["recommendations"] = recommendations_dicts(recommend(summary, **findings))
-    summary["config_snippets"] = {framework: render_config(summary["recommendations"], framework)
-                                  for framework in FRAMEWORKS}
+    # Each framework's snippet chooses among the corrections its release can express (the one
+    # installed here, else the newest mismatch has read).
+    targets = [default_target(framework) for framework in FRAMEWORKS]
+    summary["config_snippets"] = {target.framework: render_config(
+        recommendations_dicts(recommend(summary, target, **findings)), target) for target in targets}
 
 
 def add_probes(summary: dict[str, Any], checkpoint: str | Path, progress: ProgressFactory | None) -> None:

@@ -19,6 +19,7 @@ from rich.console import Console
 from mismatch.errors import EngineError, MismatchError
 
 if TYPE_CHECKING:
+    from mismatch.frameworks._common import Target
     from rich.table import Table
 
 # Plain Click help (no rich markup): brackets and % print as written, flags have no metavar.
@@ -50,7 +51,8 @@ KEY_METRICS = ("n_tokens", "log_ratio_abs_mean", "log_ratio_abs_max", "kl_k3", "
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")]
 FrameworkOption = Annotated[Optional[str], typer.Option(
-    "--for", help="Your trainer: verl, trl, slime, prime-rl or openrlhf (default: $MISMATCH_FRAMEWORK).")]
+    "--for", help="Your trainer: verl, trl, slime, prime-rl, openrlhf or areal, as NAME[==VERSION]"
+                  "[:SETTING=VALUE,...] (its own correction settings; default: $MISMATCH_FRAMEWORK).")]
 ShardOption = Annotated[Optional[str], typer.Option(
     "--shard", help="Replay only shard I of N (I/N, 0-based); combine with `mismatch merge`.")]
 BlockOption = Annotated[int, typer.Option(
@@ -86,15 +88,18 @@ def _read_probes(path: Path) -> list[dict[str, Any]]:
     return results
 
 
-def _framework(name: str | None) -> str | None:
-    """--for, else $MISMATCH_FRAMEWORK; checked before any work."""
-    from mismatch.advise.recommend import FRAMEWORKS
+def _target(spec: str | None) -> Target | None:
+    """--for, else $MISMATCH_FRAMEWORK: NAME[==VERSION][:SETTING=VALUE,...]; checked before any work."""
+    from mismatch.frameworks import parse_target
 
-    name = name or os.environ.get("MISMATCH_FRAMEWORK") or None
-    if name is not None and name not in FRAMEWORKS:
-        source = "--for" if name != os.environ.get("MISMATCH_FRAMEWORK") else "MISMATCH_FRAMEWORK"
-        raise MismatchError(f"{source}: unknown framework {name!r} (valid: {', '.join(FRAMEWORKS)})")
-    return name
+    spec = spec or os.environ.get("MISMATCH_FRAMEWORK") or None
+    if spec is None:
+        return None
+    try:
+        return parse_target(spec)
+    except MismatchError as error:
+        source = "--for" if spec != os.environ.get("MISMATCH_FRAMEWORK") else "MISMATCH_FRAMEWORK"
+        raise MismatchError(f"{source}: {error}") from None
 
 
 def _shard(text: str | None):
@@ -252,9 +257,10 @@ def working(label: str, enabled: bool) -> Iterator[None]:
         yield
 
 
-def print_pairs(summary: dict[str, Any], framework: str | None = None) -> None:
+def print_pairs(summary: dict[str, Any], target: Target | None = None, out: Path | None = None) -> None:
     """Metrics as rows, pairs as columns: fits 80 columns for the three pairs of an audit. With a
-    framework, its own metric names and values (summary.json framework_metrics) as well."""
+    target framework, its own metric names and values as well: summary.json framework_metrics (its
+    default settings), or, when the target names settings, recomputed at them from OUT's tokens."""
     table = _table(title="log(pi_A / pi_B) over trainable tokens", title_justify="left")
     table.add_column("metric")
     pairs = summary["pairs"]
@@ -263,16 +269,8 @@ def print_pairs(summary: dict[str, Any], framework: str | None = None) -> None:
     for name in KEY_METRICS:
         table.add_row(name, *(_fmt(metrics.get(name)) for metrics in pairs.values()))
     out_console.print(table)
-    named = {pair: (block or {}).get(framework) or {} for pair, block in
-             (summary.get("framework_metrics") or {}).items()} if framework else {}
-    if any(named.values()):
-        table = _table(title=f"as {framework} logs it (computed its way)", title_justify="left")
-        table.add_column("key")
-        for pair in named:
-            table.add_column(pair, justify="right")
-        for key in dict.fromkeys(k for values in named.values() for k in values):
-            table.add_row(key, *(_fmt(values.get(key)) for values in named.values()))
-        out_console.print(table)
+    if target is not None:
+        _print_framework_metrics(summary, target, out)
     from mismatch.analysis.clip import clip_sentence
 
     if sentence := clip_sentence(summary):  # the question behind the table: is my ratio OK?
@@ -286,6 +284,29 @@ def print_pairs(summary: dict[str, Any], framework: str | None = None) -> None:
     for source, finding in split_prefixes(summary).items():
         out_console.print(prefix_sentence(source, finding, (summary.get("engines") or {}).get(source)),
                           markup=False, highlight=False, soft_wrap=True)
+
+
+def _print_framework_metrics(summary: dict[str, Any], target: Target, out: Path | None) -> None:
+    from mismatch.advise.recommend import logged_metrics
+
+    framework = target.framework
+    named = {pair: (block or {}).get(framework) or {} for pair, block in
+             (summary.get("framework_metrics") or {}).items()}
+    settings = (summary.get("framework_settings") or {}).get(framework)
+    if target.settings and out is not None:
+        logged = logged_metrics(out, target)
+        if logged is not None:
+            named, settings = {logged["pair"]: logged["metrics"]}, logged["settings"]
+    if not any(named.values()):
+        return
+    words = ", ".join(f"{k}={v}" for k, v in (settings or {}).items()) or "its defaults"
+    table = _table(title=f"as {target.label} logs it (computed its way, with {words})", title_justify="left")
+    table.add_column("key")
+    for pair in named:
+        table.add_column(pair, justify="right")
+    for key in dict.fromkeys(k for values in named.values() for k in values):
+        table.add_row(key, *(_fmt(values.get(key)) for values in named.values()))
+    out_console.print(table)
 
 
 def _table(**options: Any) -> Table:
@@ -341,7 +362,7 @@ def audit(
     from mismatch.audit import audit as run_audit
 
     clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
-    framework = _framework(framework)
+    target = _target(framework)
     with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_audit(checkpoint, rollouts, train=train, infer=infer, out=out, force=force,
                            localize_models=localize, shard=_shard(shard), block_size=block_size,
@@ -349,7 +370,7 @@ def audit(
     if as_json:
         _emit_json(result.summary)
         return
-    print_pairs(result.summary, framework)
+    print_pairs(result.summary, target, out)
     if localize:
         from mismatch.localize import localized_what
 
@@ -445,27 +466,23 @@ def recommend(
     as_json: JsonFlag = False,
 ) -> None:
     """The correction (and fixes at the source) the measured gap calls for, with a config snippet."""
-    from mismatch.advise.recommend import recommend as apply_rule
-    from mismatch.advise.recommend import recommendations_dicts, render_config
+    from mismatch.advise.recommend import for_target
     from mismatch.results import read_summary
 
-    framework = _framework(framework)
+    target = _target(framework)
     probe_results = _read_probes(probes) if probes is not None else None
     summary = read_summary(results)
     if summary.get("command") != "audit":  # a diff compares two configs: it recommends nothing
         raise MismatchError(f"{results}: a `mismatch {summary.get('command')}` results dir; recommend reads an "
                             "audit's (mismatch audit … --out DIR)")
-    recommendations = summary.get("recommendations") or []
-    if probe_results is not None:  # the rule again, with the probes' evidence beside the audit's
-        recommendations = recommendations_dicts(apply_rule(summary, probes=probe_results))
-    snippet = render_config(recommendations, framework) if framework else None
+    advice = for_target(summary, target, results=results, probes=probe_results)
     if as_json:
-        _emit_json({"recommendations": recommendations, "framework": framework, "config": snippet})
+        _emit_json(advice.to_dict())
         return
-    if snippet is not None:  # the snippet alone (its comments carry each recommendation): pipeable
-        sys.stdout.write(snippet)
+    if advice.snippet is not None:  # the snippet alone (its comments carry each recommendation): pipeable
+        sys.stdout.write(advice.snippet)
         return
-    for item in recommendations:
+    for item in advice.recommendations:
         cost = f" Cost: {item['cost']}." if item.get("cost") else ""
         out_console.print(f"{item['kind']} {json.dumps(item['params'])}: {item['why']}.{cost}",
                           markup=False, highlight=False)

@@ -10,8 +10,6 @@ import pandas as pd
 import pytest
 import yaml
 
-from framework_schemas import (LOADERS, SchemaError, load_prime_rl, load_slime, load_trl,
-                               load_verl)
 from mismatch.advise.corrections import DEFAULT_CORRECTIONS, summary_corrections
 from mismatch.errors import MismatchError
 from mismatch.analysis.metrics import summarize_pairs
@@ -144,127 +142,6 @@ def test_missing_simulations_are_a_user_error():
         recommend(summary())
     assert str(info.value) == ("no simulated token_truncate corrections to choose from: summary.json has no "
                                "'corrections' (simulate them with mismatch.advise.corrections.summary_corrections)")
-
-
-def correction(mode: str, **params: float) -> list[Recommendation]:
-    return [Recommendation(kind="correction", params={"mode": mode, **params}, why="test")]
-
-
-ALL_FIXES = [Recommendation(kind=k, why="w") for k in ("recompute_old_logprobs", "fp16", "batch_invariant")]
-
-
-def test_verl_yaml_uses_rollout_correction_keys():
-    config = load_verl(render_config(correction("token_truncate", cap=2.0) + ALL_FIXES, "verl"))
-    assert config["algorithm"]["rollout_correction"] == {"rollout_is": "token", "rollout_is_threshold": 2.0,
-                                                         "rollout_rs": None, "bypass_mode": False}
-    assert config["actor_rollout_ref"]["rollout"] == {"calculate_log_probs": True, "dtype": "float16"}
-
-
-def test_verl_icepop_is_a_k1_band_with_a_float_threshold():
-    # verl types rollout_is_threshold as a float; a band is rollout_rs on k1 = -log ratio (inverted bounds).
-    icepop = load_verl(render_config(correction("sequence_icepop", low=0.5, high=4.0), "verl"))
-    assert icepop["algorithm"]["rollout_correction"] == {
-        "rollout_is": "sequence", "rollout_is_threshold": 4.0, "rollout_rs": "seq_sum_k1",
-        "rollout_rs_threshold": "0.25_2.0"}
-
-
-def test_verl_geometric_band_is_inverted_for_k1():
-    # verl's k1 bounds apply to 1/ratio: a ratio band [0.8, 1.25] is rollout_rs_threshold "0.8_1.25".
-    config = load_verl(render_config(correction("geometric_icepop", low=0.8, high=1.25), "verl"))
-    assert config["algorithm"]["rollout_correction"] == {"rollout_is": None, "rollout_rs": "seq_mean_k1",
-                                                         "rollout_rs_threshold": "0.8_1.25"}
-    rs = load_verl(render_config(correction("rs_seq_mean_k3", high=0.01), "verl"))
-    assert rs["algorithm"]["rollout_correction"]["rollout_rs_threshold"] == 0.01
-
-
-def test_trl_yaml_uses_grpo_config_fields():
-    config = load_trl(render_config(correction("sequence_mask", cap=3.0) + ALL_FIXES, "trl"))
-    assert (config.vllm_importance_sampling_mode, config.vllm_importance_sampling_clip_max,
-            config.vllm_importance_sampling_clip_min) == ("sequence_mask", 3.0, None)
-    assert (config.use_vllm, config.bf16, config.fp16) == (True, False, True)
-    # Two-sided modes are TRL's own now: clip = truncate with both bounds, icepop = mask with both.
-    clip = load_trl(render_config(correction("token_clip", low=0.5, high=2.0), "trl"))
-    assert (clip.vllm_importance_sampling_mode, clip.vllm_importance_sampling_clip_min,
-            clip.vllm_importance_sampling_clip_max) == ("token_truncate", 0.5, 2.0)
-    band = load_trl(render_config(correction("sequence_icepop", low=0.5, high=2.0), "trl"))
-    assert band.vllm_importance_sampling_mode == "sequence_mask"
-    two_sided = load_trl(render_config(correction("sequence_clip", low=0.5, high=3.0), "trl"))
-    assert (two_sided.vllm_importance_sampling_mode, two_sided.vllm_importance_sampling_clip_min,
-            two_sided.vllm_importance_sampling_clip_max) == ("sequence_truncate", 0.5, 3.0)
-
-
-def flags(text: str) -> list[str]:
-    """Words as bash reads them: a backslash-newline continues the line (shlex would keep the newline)."""
-    return shlex.split(text.replace("\\\n", " "), comments=True)
-
-
-def test_slime_flags():
-    assert flags(render_config(correction("token_truncate", cap=2.0) + ALL_FIXES, "slime")) == [
-        "--use-tis", "--tis-clip", "2.0", "--sglang-enable-deterministic-inference"]
-    assert flags(render_config(correction("token_clip", low=0.5, high=2.0), "slime")) == [
-        "--use-tis", "--tis-clip", "2.0", "--tis-clip-low", "0.5"]
-    assert flags(render_config(correction("token_icepop", low=0.5, high=2.0), "slime"))[:3] == [
-        "--use-tis", "--custom-tis-function-path", "slime.backends.megatron_utils.loss.icepop_function"]
-    mis = render_config(correction("sequence_truncate", cap=5.0), "slime")
-    args = load_slime(mis)
-    assert args.custom_tis_function_path == "examples.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp"
-    mis_yaml = "\n".join(line.removeprefix("# ") for line in mis.split("# --- mis.yaml ---\n")[1].splitlines())
-    assert yaml.safe_load(mis_yaml) == {"use_tis": True, "use_rs": False, "tis_level": "sequence",
-                                        "tis_mode": "truncate", "tis_upper_bound": 5.0, "tis_lower_bound": None,
-                                        "tis_batch_normalize": False}
-
-
-def test_prime_rl_offers_its_own_masks_not_removed_keys():
-    ipo = {"threshold": 0.1, "frac_tokens_affected": 0.004, "ess": 0.97, "meets_rule": True}
-    rec = [Recommendation(kind="correction", why="w",
-                          params={"mode": "token_truncate", "cap": 2.0, "prime_rl_ipo": ipo})]
-    text = render_config(rec, "prime-rl")
-    assert load_prime_rl(text) == {"trainer": {"loss": {"type": "ipo", "ipo_threshold": 0.1}}}
-    assert "prime-rl has no ratio-based token_truncate" in text and "masks 0.40% of them (ESS 0.970)" in text
-    # Without a simulated IPO there is nothing to set: the default loss, said so.
-    assert load_prime_rl(render_config(correction("token_truncate", cap=2.0), "prime-rl")) == {}
-
-
-def test_openrlhf_flags():
-    assert flags(render_config(correction("token_icepop", low=0.5, high=5.0), "openrlhf")) == [
-        "--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "icepop",
-        "--algo.advantage.is_correction_threshold", "0.5", "5.0"]
-    assert flags(render_config(correction("token_truncate", cap=2.0), "openrlhf"))[-2:] == ["0.0", "2.0"]
-
-
-# The snippets the previous release emitted, verbatim: each one breaks or silently changes the run.
-OLD_SNIPPETS = {
-    "verl": "algorithm:\n  rollout_correction:\n    rollout_is: token\n"
-            "    rollout_is_threshold: \"0.5_2.0\"\n    rollout_rs: null\n",
-    "prime-rl": "[trainer.loss]\ntoken_mask_high = 2.0  # masks (zeroes) ratios above the cap\n",
-    "trl": "use_vllm: true\nvllm_importance_sampling_correction: true\n"
-           "vllm_importance_sampling_mode: token_truncate\nvllm_importance_sampling_cap: 2.0\n",
-    "slime": "--use-tis \\\n--custom-tis-function-path "
-             "examples/train_infer_mismatch_helper/mis.py:compute_mis_weights_with_cp \\\n"
-             "--custom-config-path mis.yaml\n# --- mis.yaml ---\n# use_tis: true\n# tis_level: sequence\n"
-             "# tis_mode: truncate\n# tis_upper_bound: 5.0\n",
-}
-
-
-@pytest.mark.parametrize("framework", sorted(OLD_SNIPPETS))
-def test_the_schemas_refuse_the_old_snippets(framework):
-    with pytest.raises(SchemaError):
-        LOADERS[framework](OLD_SNIPPETS[framework])
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_every_simulated_mode_renders_a_config_the_framework_accepts(framework):
-    """Whatever correction a user asks a snippet for, it loads into that framework's schema."""
-    ipo = {"threshold": 0.1, "frac_tokens_affected": 0.004, "ess": 0.97, "meets_rule": True}
-    for item in DEFAULT_CORRECTIONS:
-        rec = Recommendation(kind="correction", why="w", params={"mode": item.mode, **item.params,
-                                                                 "prime_rl_ipo": ipo})
-        text = render_config([rec, *ALL_FIXES], framework)
-        assert max(len(line) for line in text.splitlines() if line.startswith("#")) <= 100, text
-        try:
-            LOADERS[framework](text)
-        except SchemaError as e:
-            pytest.fail(f"{item.mode} {item.params}: {e}\n{text}")
 
 
 def test_unknown_framework():

@@ -456,6 +456,8 @@ for _aggregate in ("token", "seq_sum", "seq_mean", "seq_max"):
 
 # Modes that read the tokens' probabilities, not only their log-ratio.
 PROB_GAP_MODES = frozenset({"ipo_mask", "dppo_positive", "dppo_negative"})
+# Modes that only keep or drop (weight 1 or 0): a filter beside an IS mode, never a correction alone.
+REJECTION_MODES = frozenset({mode for mode in MODES if mode.startswith("rs_")} | {"veto_mask"})
 
 
 def _correction(mode: str, **params: float) -> Correction:

@@ -5,25 +5,31 @@ Flow: summary.json (pairs, counts, engines, corrections, localization) + probes 
 
 from __future__ import annotations
 
+import math
 import textwrap
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from mismatch import frameworks
-from mismatch.advise.corrections import PROB_GAP_MODES
+from mismatch.advise.corrections import MODES, PROB_GAP_MODES, REJECTION_MODES
 from mismatch.advise.verdicts import gap_level
 from mismatch.errors import MismatchError
 from mismatch.frameworks import FRAMEWORKS
+from mismatch.frameworks._common import Target
 
 RULE = """\
 1. The stored log-probs are shifted against the tokens (alignment shift != 0): fix_alignment, alone;
    every ratio is then measured on misaligned pairs, so no correction or cost can be chosen from it.
 2. Re-rendered messages give other tokens than were sampled (drift spans): fix_renderer.
 3. Correction: none when the train/sampler gap is exact or negligible (mismatch.advise.verdicts.gap_level).
-   Otherwise truncated IS (TIS; TRL's *_truncate) at the smallest simulated cap that leaves at least 99%
-   of trainable tokens unclipped with ESS >= 0.9; at sequence level when the mismatch grows with position,
-   else at token level. If no cap meets both, the cap with the highest ESS, and the rule says so.
+   Otherwise, of the simulated IS corrections the target framework's release can express (truncate,
+   clip, IcePop and masks, sequence and geometric variants, IPO and DPPO masks; rejection filters
+   correct no ratio alone), the one with the highest ESS among those that change at most 1% of
+   trainable tokens with ESS >= 0.9; ties go to fewer tokens changed, then to a weight mean nearer 1.
+   Sequence-level modes when the mismatch grows with position, else token-level ones (all modes if
+   the framework has none of that level). If none meets both bounds, the highest ESS, and it says so.
 4. Gap large: recompute_old_logprobs (cost: one extra forward pass over the batch's N tokens). A small
    gap gets the cap alone: nothing heavier than the gap justifies.
 5. Gap large and an engine ran in bfloat16: fp16.
@@ -54,6 +60,11 @@ class Recommendation:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "params": dict(self.params), "why": self.why, "cost": self.cost}
+
+    def params_as_correction(self) -> dict[str, Any]:
+        """A correction's mode and its own parameters (without the measured extras)."""
+        names = MODES[self.params["mode"]].params
+        return {"mode": self.params["mode"], "params": {k: self.params[k] for k in names}}
 
 
 COSTS = {
@@ -161,18 +172,19 @@ def _bf16_sources(engines: dict[str, Any]) -> tuple[str, ...]:
     return tuple(sources)
 
 
-def recommend(summary: dict[str, Any], **findings: Any) -> list[Recommendation]:
-    """The rule (module docstring) applied to a summary; `findings` as for evidence_from_summary."""
-    return rule(evidence_from_summary(summary, **findings))
+def recommend(summary: dict[str, Any], target: Target | None = None, **findings: Any) -> list[Recommendation]:
+    """The rule (module docstring) applied to a summary, for `target`'s framework release (any
+    framework's modes without one); `findings` as for evidence_from_summary."""
+    return rule(evidence_from_summary(summary, **findings), target)
 
 
-def rule(evidence: Evidence) -> list[Recommendation]:
+def rule(evidence: Evidence, target: Target | None = None) -> list[Recommendation]:
     if evidence.alignment_shift:
         return [_fix_alignment(evidence.alignment_shift)]
     out: list[Recommendation] = []
     if evidence.drift_spans:
         out.append(_fix_renderer(evidence.drift_spans))
-    out.append(choose_correction(evidence))
+    out.append(choose_correction(evidence, target))
     large = evidence.level == "large"
     if large:
         out.append(_recompute(evidence))
@@ -208,7 +220,9 @@ def _gap_words(metrics: dict[str, Any]) -> str:
             f"{metrics['ratio_q999']:.3g} over {metrics['n_tokens']:,} trainable tokens")
 
 
-def choose_correction(evidence: Evidence) -> Recommendation:
+def choose_correction(evidence: Evidence, target: Target | None = None) -> Recommendation:
+    """Rule 3: the simulated correction with the most ESS among those that change at most 1% of the
+    trainable tokens, from the modes `target`'s release can express (any framework's, without one)."""
     level = evidence.level
     if level == "unknown":
         return Recommendation(kind="no_correction", params={"gap": level},
@@ -218,56 +232,102 @@ def choose_correction(evidence: Evidence) -> Recommendation:
         return Recommendation(kind="no_correction", params={"gap": level},
                               why=f"the train/sampler ratio is 1 up to rounding ({_gap_words(evidence.metrics)}): "
                                   "a correction would change nothing")
-    unit = "sequence" if evidence.grows_with_position else "token"
-    mode = f"{unit}_truncate"
-    candidates = sorted((c for c in evidence.corrections if c.get("mode") == mode),
-                        key=lambda c: c["params"]["cap"])
-    if not candidates:
-        raise MismatchError(f"no simulated {mode} corrections to choose from: summary.json has no "
+    who = target.label if target is not None else "a framework"
+    expressible = [c for c in evidence.corrections if _expressible(c, target)]
+    if not expressible:
+        raise MismatchError(f"no simulated corrections that {who} can express: summary.json has no "
                             "'corrections' (simulate them with mismatch.advise.corrections.summary_corrections)")
-    passing = [c for c in candidates if _passes(c)]
-    # Fallback: the cap whose weights keep the most ESS (fewest clipped on a tie).
-    chosen = passing[0] if passing else max(
-        candidates, key=lambda c: (_num(c["ess"]), -_num(c["frac_tokens_affected"])))
-    cap = chosen["params"]["cap"]
+    unit = "sequence" if evidence.grows_with_position else "token"
+    candidates = [c for c in expressible if _mode_level(c) == unit] or expressible
+    ranked = sorted(candidates, key=_rank)
+    chosen = ranked[0]
+    passing = [c for c in ranked if _passes(c)]
     why = [f"the train/sampler gap is {level} ({_gap_words(evidence.metrics)})",
-           _unit_reason(evidence.grows_with_position)]
-    if passing:
-        why.append(f"{mode} at cap {cap:g} is the smallest simulated cap that leaves "
-                   f"{1 - chosen['frac_tokens_affected']:.2%} of trainable tokens unclipped (rule: >= 99%) "
-                   f"with ESS {chosen['ess']:.3f} (rule: >= {MIN_ESS})")
-        smaller = [c for c in candidates if c["params"]["cap"] < cap]
-        if smaller:
-            below = smaller[-1]
-            why.append(f"cap {below['params']['cap']:g} would clip {below['frac_tokens_affected']:.2%} "
-                       f"(ESS {below['ess']:.3f})")
-    else:
-        why.append(f"no simulated cap leaves >= 99% of tokens unclipped with ESS >= {MIN_ESS}; cap {cap:g} "
-                   f"keeps the most ESS ({chosen['ess']:.3f}, {chosen['frac_tokens_affected']:.2%} clipped): "
-                   "the tail is too heavy for a cap alone, fix the source")
-    params = {"mode": mode, "cap": cap, "frac_tokens_affected": chosen["frac_tokens_affected"],
+           _unit_reason(evidence.grows_with_position, candidates is not expressible),
+           _winner_words(chosen, ranked, who, passing=bool(passing))]
+    params = {"mode": chosen["mode"], **chosen["params"], "frac_tokens_affected": chosen["frac_tokens_affected"],
               "frac_rollouts_affected": chosen["frac_rollouts_affected"], "ess": chosen["ess"],
-              "meets_rule": bool(passing)}
-    ipo = _nearest_ipo(evidence.corrections)
-    if ipo is not None:  # for frameworks that mask by the probability gap instead (prime-rl)
-        params["prime_rl_ipo"] = ipo
+              "weight_mean": chosen.get("weight_mean"), "meets_rule": bool(passing),
+              "ranked": [_brief(c) for c in ranked[:5]]}
+    if target is not None:
+        params["framework"] = target.label
     return Recommendation(kind="correction", why="; ".join(why), params=params)
 
 
-def _nearest_ipo(corrections: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The simulated IPO mask (prime-rl) by the correction rule: the smallest threshold that masks at
-    most MAX_FRAC_AFFECTED of the tokens with ESS >= MIN_ESS, else the one that masks the fewest."""
-    candidates = sorted((c for c in corrections if c.get("mode") == "ipo_mask"),
-                        key=lambda c: c["params"]["threshold"])
-    if not candidates:
-        return None
-    chosen = next((c for c in candidates if _passes(c)), candidates[-1])
-    return {"threshold": chosen["params"]["threshold"], "frac_tokens_affected": chosen["frac_tokens_affected"],
-            "ess": chosen["ess"], "meets_rule": _passes(chosen)}
+def _expressible(correction: dict[str, Any], target: Target | None) -> bool:
+    """A correction a trainer can run: an IS mode (a rejection filter corrects no ratio by itself),
+    with a native setting in `target`'s release, or in some framework's newest release without one."""
+    mode = correction.get("mode")
+    if mode not in MODES or mode in REJECTION_MODES:
+        return False
+    params = correction.get("params") or {}
+    if target is not None:
+        return frameworks.module(target.framework).express(mode, params, target.release) is not None
+    return any(module.express(mode, params, module.RELEASES[-1]) is not None
+               for module in frameworks.MODULES.values())
 
 
-def _num(value: Any) -> float:
-    return float("-inf") if value is None or value != value else float(value)
+def _mode_level(correction: dict[str, Any]) -> str:
+    return MODES[correction["mode"]].level
+
+
+def _rank(correction: dict[str, Any]) -> tuple[bool, float, float, float]:
+    """Passing first; then the most ESS (the least variance the weights add); then the fewest tokens
+    changed; then the weight mean nearest 1 (the least mass taken from the gradient)."""
+    weight_mean = correction.get("weight_mean")
+    bias = abs(_num(weight_mean) - 1.0) if weight_mean is not None else math.inf
+    return (not _passes(correction), -_num(correction.get("ess")), _num(correction.get("frac_tokens_affected"), 1.0),
+            bias)
+
+
+def _brief(correction: dict[str, Any]) -> dict[str, Any]:
+    return {"mode": correction["mode"], "params": dict(correction["params"]), "ess": correction.get("ess"),
+            "frac_tokens_affected": correction.get("frac_tokens_affected"),
+            "weight_mean": correction.get("weight_mean"), "meets_rule": _passes(correction)}
+
+
+def describe(correction: dict[str, Any]) -> str:
+    """`token_icepop [0.5, 5]`, `token_truncate cap 2`, `ipo_mask threshold 0.1`."""
+    params = correction["params"]
+    if "low" in params and "high" in params:
+        return f"{correction['mode']} [{params['low']:g}, {params['high']:g}]"
+    return f"{correction['mode']} " + ", ".join(f"{k} {v:g}" for k, v in params.items())
+
+
+def _effect(correction: dict[str, Any]) -> str:
+    verb = "clipped" if correction["mode"] in _CLIPPING else "dropped"
+    return (f"ESS {_num(correction.get('ess')):.3f}, {_num(correction.get('frac_tokens_affected')):.2%} of tokens "
+            f"{verb}, weight mean {_num(correction.get('weight_mean')):.3f}")
+
+
+_CLIPPING = frozenset({"token_truncate", "sequence_truncate", "geometric_truncate", "token_clip", "sequence_clip",
+                       "rollout_clip", "rollout_balanced_truncate"})
+
+
+def _winner_words(chosen: dict[str, Any], ranked: list[dict[str, Any]], who: str, *, passing: bool) -> str:
+    if passing:
+        words = (f"{describe(chosen)} keeps the most ESS of the {len(ranked)} simulated corrections {who} can "
+                 f"express that change at most {MAX_FRAC_AFFECTED:.0%} of trainable tokens with ESS >= {MIN_ESS} "
+                 f"({_effect(chosen)})")
+    else:
+        words = (f"no simulated correction {who} can express changes at most {MAX_FRAC_AFFECTED:.0%} of tokens "
+                 f"with ESS >= {MIN_ESS}; {describe(chosen)} keeps the most ESS ({_effect(chosen)}): the tail is "
+                 "too heavy for a correction alone, fix the source")
+    other = next((c for c in ranked[1:] if c["mode"] != chosen["mode"]), None)
+    if other is not None:
+        words += f"; the best other mode, {describe(other)}: {_effect(other)}"
+    same = [c for c in ranked[1:] if c["mode"] == chosen["mode"]]
+    if same and "cap" in chosen["params"]:
+        below = [c for c in same if c["params"]["cap"] < chosen["params"]["cap"]]
+        if below:
+            nearest = max(below, key=lambda c: c["params"]["cap"])
+            words += f"; cap {nearest['params']['cap']:g} would clip {_num(nearest['frac_tokens_affected']):.2%} " \
+                     f"(ESS {_num(nearest['ess']):.3f})"
+    return words
+
+
+def _num(value: Any, missing: float = -math.inf) -> float:
+    return missing if value is None or value != value else float(value)
 
 
 def _passes(correction: dict[str, Any]) -> bool:
@@ -275,13 +335,15 @@ def _passes(correction: dict[str, Any]) -> bool:
     return frac is not None and ess is not None and frac <= MAX_FRAC_AFFECTED and ess >= MIN_ESS
 
 
-def _unit_reason(grows_with_position: bool | None) -> str:
+def _unit_reason(grows_with_position: bool | None, restricted: bool) -> str:
     if grows_with_position:
-        return ("sequence level, because the mismatch grows with position: late tokens are biased the same "
-                "way, so the product over the sequence is what drifts and a per-token cap would miss it")
+        reason = ("the mismatch grows with position: late tokens are biased the same way, so the product over "
+                  "the sequence is what drifts and a per-token cap would miss it")
+        return f"sequence-level modes only, because {reason}" if restricted else \
+            f"{reason}, but no sequence-level mode is expressible here"
     if grows_with_position is None:
-        return "token level (the position trend was not measured; token level is the safe default)"
-    return "token level, because the mismatch does not grow with position: per-token noise, capped per token"
+        return "token-level modes (the position trend was not measured; token level is the safe default)"
+    return "token-level modes, because the mismatch does not grow with position: per-token noise, corrected per token"
 
 
 def _recompute(evidence: Evidence) -> Recommendation:
@@ -344,33 +406,39 @@ def _raw_logprobs() -> Recommendation:
 
 # --- config snippets ---
 
-def render_config(recommendations: Iterable[Recommendation | dict[str, Any]], framework: str) -> str:
-    """A ready-to-paste snippet with `framework`'s real keys: YAML (verl, trl), TOML (prime-rl), CLI flags
-    (slime, openrlhf). Fixes without a config key become comments."""
-    renderer = frameworks.renderer(framework)
-    if renderer is None:
-        raise MismatchError(f"unknown framework {framework!r} (valid: {', '.join(FRAMEWORKS)})")
+def render_config(recommendations: Iterable[Recommendation | dict[str, Any]], target: Target | str,
+                  logged: dict[str, Any] | None = None) -> str:
+    """A ready-to-paste snippet with the target release's real keys: YAML (verl, trl, areal), TOML
+    (prime-rl), CLI flags (slime, openrlhf). Fixes without a config key become comments. A correction
+    the release cannot express is said so and left out (recommend for the target chooses one it can)."""
+    if isinstance(target, str):
+        target = frameworks.parse_target(target, detect=False)
+    module = frameworks.module(target.framework)
     recs = [r if isinstance(r, Recommendation) else Recommendation(**r) for r in recommendations]
     by_kind = {r.kind: r for r in recs}
-    lines = [f"# mismatch recommend --for {framework}"]
+    lines = [f"# mismatch recommend --for {target.framework}=={target.release.version}"]
+    lines += [f"# note: {target.note}"] if target.note else []
     lines += [f"# {rec.kind}: {rec.why} (cost: {rec.cost})" if rec.cost else f"# {rec.kind}: {rec.why}"
               for rec in recs]
     correction = by_kind.get("correction")
-    mode = correction.params.get("mode") if correction is not None else None
-    if mode in PROB_GAP_MODES and framework != "prime-rl":
-        lines.append(f"# {framework} has no mask by probability gap ({mode}): nothing to set for it")
+    if correction is not None and module.express(correction.params["mode"], correction.params,
+                                                 target.release) is None:
+        lines.append(f"# {target.label} cannot express {describe(correction.params_as_correction())}: "
+                     f"nothing to set for it (mismatch recommend --for {target.framework} picks one it can)")
         del by_kind["correction"]
-    elif mode is not None and mode.startswith("rs_") and framework != "verl":
-        # A threshold on verl's k1/k2/k3 statistics is no ratio cap: no other framework takes it.
-        lines.append(f"# {framework} has no rejection on verl's k-statistics ({mode}): nothing to set for it")
-        del by_kind["correction"]
-    elif mode == "veto_mask":
-        lines.append(f"# veto_mask: slime only, as rs_veto_threshold: {correction.params['threshold']!r} (with "
-                     "use_rs: true) in its MIS config, beside the TIS settings you use"
-                     if framework == "slime" else f"# {framework} has no sequence veto (veto_mask): nothing to set")
-        del by_kind["correction"]
-    lines += renderer(by_kind)
+    lines += module.render(by_kind, target)
+    if logged:
+        lines.append(f"# on these tokens, with {_settings_words(logged['settings'])}, {target.label} logs: "
+                     + ", ".join(f"{key} {_fmt(value)}" for key, value in logged["metrics"].items()))
     return "\n".join(_wrapped(lines)) + "\n"
+
+
+def _settings_words(settings: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in settings.items()) or "its defaults"
+
+
+def _fmt(value: Any) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
 
 
 def _wrapped(lines: list[str], width: int = 100) -> list[str]:
@@ -384,6 +452,69 @@ def _wrapped(lines: list[str], width: int = 100) -> list[str]:
         else:
             out.append(line)
     return out
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Advice:
+    """What `mismatch recommend` answers: the recommendations for a target (or framework-neutral),
+    its snippet, and the target framework's own metrics at the settings it runs or will run."""
+
+    recommendations: list[dict[str, Any]]
+    target: Target | None = None
+    snippet: str | None = None
+    logged: dict[str, Any] | None = None  # {"settings": {...}, "pair": "A/B", "metrics": {key: value}}
+
+    def to_dict(self) -> dict[str, Any]:
+        target = self.target
+        return {"recommendations": self.recommendations, "framework": target.framework if target else None,
+                "release": target.release.version if target else None, "note": target.note if target else None,
+                "config": self.snippet, "logged": self.logged}
+
+
+def for_target(summary: dict[str, Any], target: Target | None, *, results: Path | None = None,
+               probes: list[dict[str, Any]] | None = None) -> Advice:
+    """The rule for `target`'s release (the modes it can express), its snippet, and what the target
+    framework logs on the audit's tokens (results/tokens.parquet) at the settings the user named in
+    the target, else at those the snippet sets."""
+    stored_probes = (summary.get("probes") or {}).get("results")
+    if target is None and probes is None:
+        return Advice(recommendations=list(summary.get("recommendations") or []))
+    recs = recommendations_dicts(recommend(summary, target, probes=probes if probes is not None else stored_probes))
+    if target is None:
+        return Advice(recommendations=recs)
+    logged = None
+    if results is not None:
+        settings = target.settings or snippet_settings(recs, target)
+        logged = logged_metrics(results, replace(target, settings=settings))
+    return Advice(recommendations=recs, target=target, snippet=render_config(recs, target, logged), logged=logged)
+
+
+def snippet_settings(recommendations: Sequence[dict[str, Any]], target: Target) -> dict[str, Any]:
+    """The correction settings the snippet sets, under the framework's own names."""
+    correction = next((r for r in recommendations if r["kind"] == "correction"), None)
+    if correction is None:
+        return {}
+    return frameworks.module(target.framework).express(correction["params"]["mode"], correction["params"],
+                                                       target.release) or {}
+
+
+def logged_metrics(results: Path, target: Target, pair: str = PAIR) -> dict[str, Any] | None:
+    """The target framework's metrics on the results dir's tokens at the target's settings (over
+    its defaults): one pass over tokens.parquet, in chunks."""
+    from mismatch.analysis.framework_metrics import framework_metrics, metrics_for, settings_used
+    from mismatch.results import TOKENS_FILE, tokens_chunks
+
+    a, b = pair.split("/")
+    file = Path(results) / TOKENS_FILE
+    if not file.is_file():
+        return None
+    chunks = tokens_chunks([file])
+    first = next(iter(chunks()), None)
+    if first is None or f"logp_{a}" not in first.columns or f"logp_{b}" not in first.columns:
+        return None
+    metrics = [m for m in metrics_for([target]) if m.framework == target.framework]
+    found = framework_metrics(chunks, [(a, b)], metrics)[pair].get(target.framework) or {}
+    return {"settings": settings_used([target])[target.framework], "pair": pair, "metrics": found}
 
 
 def recommendations_dicts(recommendations: Sequence[Recommendation]) -> list[dict[str, Any]]:

@@ -27,9 +27,30 @@ from mismatch.analysis.chunked import (
 )
 from mismatch.analysis.groups import dot
 from mismatch.frameworks import MODULES
-from mismatch.frameworks._common import FrameworkMetric, PairArrays
+from mismatch.frameworks._common import FrameworkMetric, PairArrays, Target
 
-FRAMEWORK_METRICS: tuple[FrameworkMetric, ...] = tuple(metric for module in MODULES.values() for metric in module.METRICS)
+# Each framework's metrics at its newest read release's default correction settings.
+FRAMEWORK_METRICS: tuple[FrameworkMetric, ...] = tuple(
+    metric for module in MODULES.values() for metric in module.metrics(module.DEFAULTS))
+
+
+def metrics_for(targets: Sequence[Target] = ()) -> tuple[FrameworkMetric, ...]:
+    """Every framework's metrics: a target's at the settings it names (over its defaults), the
+    others' at their defaults. The settings decide what a weight statistic logs (verl's ESS at its
+    rollout_is level and threshold, TRL's ratio after its mode's mask or truncation, ...)."""
+    chosen = {target.framework: target for target in targets}
+    out: list[FrameworkMetric] = []
+    for name, module in MODULES.items():
+        settings = {**module.DEFAULTS, **(chosen[name].settings if name in chosen else {})}
+        out += module.metrics(settings)
+    return tuple(out)
+
+
+def settings_used(targets: Sequence[Target] = ()) -> dict[str, dict[str, Any]]:
+    """summary.json["framework_settings"]: the settings each framework's metrics were computed with."""
+    chosen = {target.framework: target for target in targets}
+    return {name: {**module.DEFAULTS, **(chosen[name].settings if name in chosen else {})}
+            for name, module in MODULES.items()}
 
 
 def chunk_pair_arrays(chunk: Chunk, a: str, b: str) -> PairArrays:
@@ -59,9 +80,9 @@ class _Reduction:
             self.top = max(self.top, float(values.max()))
         elif self.how == "min":
             self.bottom = min(self.bottom, float(values.min()))
-        else:  # mean, ess (and median's count; its order statistics take passes of their own)
+        else:  # mean, ess, ess_eps (and median's count; its order statistics take passes of their own)
             self.total += float(values.sum())
-            self.total_sq += dot(values, values) if self.how == "ess" else 0.0
+            self.total_sq += dot(values, values) if self.how in ("ess", "ess_eps") else 0.0
         self.n += count
 
     def merge(self, other: _Reduction) -> None:
@@ -81,6 +102,8 @@ class _Reduction:
                 return self.bottom
             if self.how == "ess":
                 return float(np.float64(self.total) ** 2 / (self.n * np.float64(self.total_sq)))
+            if self.how == "ess_eps":
+                return float((np.float64(self.total) / self.n + 1e-8) ** 2 / (np.float64(self.total_sq) / self.n))
             comoment = self.moments.comoment
             assert comoment is not None
             if self.how == "std":
@@ -93,12 +116,12 @@ class FrameworkMetrics:
     reduction in pass 0, which also histograms each median's values; the medians' few more passes
     (RadixSelect) after it."""
 
-    def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
-        self.pairs = list(pairs)
+    def __init__(self, pairs: Sequence[tuple[str, str]], metrics: Sequence[FrameworkMetric] = FRAMEWORK_METRICS) -> None:
+        self.pairs, self.metrics = list(pairs), tuple(metrics)
         self.reductions = {(pair, metric.key): _Reduction(metric.reduce) for pair in self.pairs
-                           for metric in FRAMEWORK_METRICS}
+                           for metric in self.metrics}
         self.medians = {(pair, metric.key): RadixSelect() for pair in self.pairs
-                        for metric in FRAMEWORK_METRICS if metric.reduce == "median"}
+                        for metric in self.metrics if metric.reduce == "median"}
         self.pending: set[tuple[tuple[str, str], str]] = set()
 
     def wants(self, index: int) -> bool:
@@ -116,7 +139,7 @@ class FrameworkMetrics:
                 arrays = chunk.memo(("pair_arrays", a, b), lambda a=a, b=b: chunk_pair_arrays(chunk, a, b))
                 if not len(arrays.logp_a):
                     continue
-                for metric in FRAMEWORK_METRICS:
+                for metric in self.metrics:
                     key = ((a, b), metric.key)
                     if index == 0:
                         values = metric.values(arrays)
@@ -138,7 +161,7 @@ class FrameworkMetrics:
         out: dict[str, dict[str, dict[str, float | None]]] = {}
         for a, b in self.pairs:
             found: dict[str, dict[str, float | None]] = {}
-            for metric in FRAMEWORK_METRICS:
+            for metric in self.metrics:
                 reduction = self.reductions[(a, b), metric.key]
                 value = None
                 if reduction.n:
@@ -149,16 +172,18 @@ class FrameworkMetrics:
         return out
 
 
-def framework_metrics(chunks: Chunks, pairs: Sequence[tuple[str, str]]) -> dict[str, dict[str, dict[str, float | None]]]:
+def framework_metrics(chunks: Chunks, pairs: Sequence[tuple[str, str]],
+                      metrics: Sequence[FrameworkMetric] = FRAMEWORK_METRICS) -> dict[str, dict[str, dict[str, float | None]]]:
     """FrameworkMetrics of a table's chunks; None where the pair has no tokens."""
-    found = FrameworkMetrics(pairs)
+    found = FrameworkMetrics(pairs, metrics)
     run_passes(chunks, [found])
     return found.result()
 
 
-def table_framework_metrics(table: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> dict[str, Any]:
+def table_framework_metrics(table: pd.DataFrame, pairs: Sequence[tuple[str, str]],
+                            metrics: Sequence[FrameworkMetric] = FRAMEWORK_METRICS) -> dict[str, Any]:
     """`framework_metrics` of a token table in memory."""
-    return framework_metrics(table_chunks(table), pairs)
+    return framework_metrics(table_chunks(table), pairs, metrics)
 
 
 def crosswalk_rows() -> list[dict[str, Any]]:

@@ -1,62 +1,75 @@
 """prime-rl: its [trainer.loss] keys (IPO, DPPO; snippets) and its mismatch_kl/ metrics, read from
-prime-rl @ 559b44772e47."""
+prime-rl @ 559b44772e47 (no release on the package index; the newest main on 2026-12-02)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from mismatch.frameworks._common import FrameworkMetric, correction_params
+from mismatch.frameworks._common import FrameworkMetric, Release
 
 if TYPE_CHECKING:
     from mismatch.advise.recommend import Recommendation
+    from mismatch.frameworks._common import Target
+
+NAME = "prime-rl"
+PACKAGE = None
+RELEASES = (Release("559b44772e471d1538537b8805cc77f3824a5e64",
+                    "prime-rl @ 559b44772e47 (GitHub main, committed 2026-08-21, read 2026-12-02)"),)
+# Its metrics read no correction setting: mismatch_kl is logged whatever the loss masks.
+SETTINGS: dict[str, Any] = {}
+DEFAULTS: dict[str, Any] = {}
 
 
-# prime-rl @ 559b44772e47: src/prime_rl/trainer/rl/loss.py:100-106, train.py:499-520 (mismatch_kl/all/...):
-# k3 of every token, gathered across ranks.
-METRICS = [
-    FrameworkMetric("prime-rl", "mismatch_kl/all/mean", lambda p: p.k3, ours="kl_k3"),
-    FrameworkMetric("prime-rl", "mismatch_kl/all/max", lambda p: p.k3, reduce="max", note="the largest token k3"),
-    FrameworkMetric("prime-rl", "mismatch_kl/all/median", lambda p: p.k3, reduce="median", note="the median token k3"),
-]
+def express(mode: str, params: Mapping[str, Any], release: Release) -> dict[str, Any] | None:
+    # packages/prime-rl-configs/src/prime_rl/configs/trainer.py:494-532 ([trainer.loss] by `type`:
+    # DefaultLossConfig dppo_mask_low/high >= 0, default 0.2; IPOLossConfig ipo_threshold >= 0);
+    # src/prime_rl/trainer/rl/loss.py:109-195. prime-rl masks by the probability gap p_train - p_infer
+    # and never caps a ratio (ratio masks were removed in 02bdca2e419f, 2026-03-03).
+    if mode == "ipo_mask":
+        return {"type": "ipo", "ipo_threshold": float(params["threshold"])}
+    if mode == "dppo_positive":  # DPPO masks both signs at once; the other side at its default
+        return {"type": "default", "dppo_mask_high": float(params["high"]), "dppo_mask_low": 0.2}
+    if mode == "dppo_negative":
+        return {"type": "default", "dppo_mask_high": 0.2, "dppo_mask_low": float(params["low"])}
+    return None
 
 
-def render(by_kind: dict[str, Recommendation]) -> list[str]:
-    # prime-rl @ 559b44772e47: packages/prime-rl-configs/src/prime_rl/configs/trainer.py:494-532
-    # ([trainer.loss] = DefaultLossConfig (DPPO: dppo_mask_low/high) | IPOLossConfig (ipo_threshold) |
-    # CustomLossConfig, by `type`). Ratio-based masks and caps (token_mask_*, geo_mask_*, sequence_mask_*,
-    # sequence_clip_high, ratio_type) were removed in 02bdca2e419f (2026-03-03): prime-rl masks by the
-    # probability gap p_train - p_infer and never caps the ratio.
-    lines = ["# keys: prime-rl configs/trainer.py ([trainer.loss] of an rl config; [loss] in a standalone "
-             "trainer config)"]
+def metrics(settings: Mapping[str, Any]) -> list[FrameworkMetric]:
+    # prime-rl @ 559b44772e47: src/prime_rl/trainer/rl/loss.py:100-106, train.py:496-520,
+    # trainer/utils.py:264-276 (mismatch_kl/all/...): k3 of every token, gathered across ranks.
+    return [
+        FrameworkMetric("prime-rl", "mismatch_kl/all/mean", lambda p: p.k3, ours="kl_k3"),
+        FrameworkMetric("prime-rl", "mismatch_kl/all/max", lambda p: p.k3, reduce="max", note="the largest token k3"),
+        FrameworkMetric("prime-rl", "mismatch_kl/all/median", lambda p: p.k3, reduce="median",
+                        note="the median token k3"),
+    ]
+
+
+def render(by_kind: dict[str, Recommendation], target: Target) -> list[str]:
+    lines = [f"# keys: prime-rl configs/trainer.py ([trainer.loss] of an rl config; [loss] in a standalone "
+             f"trainer config), {target.release.read_from}"]
     loss: list[str] = []
-    chosen = correction_params(by_kind)
-    if chosen is not None:
-        mode, params = chosen
-        if mode == "ipo_mask":
-            loss += ['type = "ipo"', f"ipo_threshold = {float(params['threshold'])!r}"]
-        elif mode in ("dppo_positive", "dppo_negative"):
-            loss += ['type = "default"', f"dppo_mask_high = {float(params.get('high', 0.2))!r}",
-                     f"dppo_mask_low = {float(params.get('low', 0.2))!r}"]
-        else:
-            ipo = by_kind["correction"].params.get("prime_rl_ipo")
-            lines.append(f"# prime-rl has no ratio-based {mode}: it masks tokens by p_train - p_infer "
-                         "(DPPO, its default, or IPO) and never caps the ratio")
-            if ipo is not None:
-                lines.append(f"# nearest: IPO at ipo_threshold {ipo['threshold']:g}, simulated on these "
-                             f"tokens: masks {ipo['frac_tokens_affected']:.2%} of them (ESS {ipo['ess']:.3f})")
-                loss += ['type = "ipo"', f"ipo_threshold = {float(ipo['threshold'])!r}"]
-            else:
-                lines.append("# nearest: the default DPPO loss as it is (no key to set)")
+    correction = by_kind.get("correction")
+    if correction is not None:
+        settings = express(correction.params["mode"], correction.params, target.release)
+        assert settings is not None  # render_config drops a correction the release cannot express
+        loss += [f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value!r}"
+                 for key, value in settings.items()]
     if "recompute_old_logprobs" in by_kind:
         lines.append("# old log-probs: prime-rl uses the inference log-probs; its mask is the correction")
     if "batch_invariant" in by_kind:
         lines.append("# batch-invariant inference: export VLLM_BATCH_INVARIANT=1 for the inference server")
     if "fp16" in by_kind:
-        lines.append("# fp16: set the trainer and inference model dtype to float16 instead of bfloat16")
+        # configs/trainer.py:233-236: the trainer computes in bfloat16 or float32 only; inference
+        # takes vLLM's dtype (configs/inference.py:60).
+        lines.append("# fp16: prime-rl's trainer has no float16 (optimization_dtype / reduce_dtype: bfloat16 or "
+                     "float32); only inference can run float16 ([inference.vllm] dtype = \"float16\"), which "
+                     "widens the gap: keep both sides bfloat16, or the trainer in float32")
     if "routing_replay" in by_kind:
-        # prime-rl @ 559b44772e47: configs/trainer.py:637 (TrainerConfig.enable_router_replay; model.impl
-        # custom or auto, :755-757); configs/inference.py:141 (VllmConfig.enable_return_routed_experts),
-        # set for you by configs/rl.py:589-597 when inference runs from the same rl config.
+        # configs/trainer.py:637 (TrainerConfig.enable_router_replay; model.impl custom or auto,
+        # :754-758); configs/inference.py:141 (VllmConfig.enable_return_routed_experts), set for you by
+        # configs/rl.py:588-597 when inference runs from the same rl config.
         lines += ["[trainer]", "enable_router_replay = true", "[inference.vllm]",
                   "enable_return_routed_experts = true  # set for you when inference is in this rl config"]
     if loss:

@@ -1,0 +1,253 @@
+"""Every snippet mismatch writes, loaded into the released framework's own config code; every
+metric it reports under a framework's name, against the release's own function on the same tokens.
+
+The releases are installed from the package index (tests/releases.py); slime and prime-rl, which
+publish none, are vendored at the commit read. One subprocess per release and test, every snippet
+of the test in it (a driver answers a batch).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+import releases
+
+from mismatch import frameworks
+from mismatch.advise.corrections import DEFAULT_CORRECTIONS, MODES
+from mismatch.advise.recommend import Recommendation, render_config
+from mismatch.analysis.framework_metrics import metrics_for, table_framework_metrics
+from mismatch.frameworks import parse_target
+
+FIXES = [Recommendation(kind=kind, why="w") for kind in ("recompute_old_logprobs", "fp16", "batch_invariant",
+                                                           "routing_replay")]
+
+
+def _flags(text: str) -> str:
+    """The shell part of a flags snippet (its comment lines are the user's to read, not to paste)."""
+    return "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+
+
+def _mis_yaml(text: str) -> str | None:
+    """slime's mis.yaml, written as comments after the flags."""
+    if "# --- mis.yaml ---" not in text:
+        return None
+    return "\n".join(line[2:] for line in text.split("# --- mis.yaml ---\n", 1)[1].splitlines())
+
+
+# framework -> (config driver, the payload it takes for a rendered snippet)
+LOADERS: dict[str, tuple[str, Callable[[str], dict[str, Any]]]] = {
+    # R3 runs on verl's Megatron actor: a snippet that sets it is composed with that trainer config
+    "verl": ("verl_config", lambda text: {"snippet": text, "config_name": "ppo_megatron_trainer"
+                                          if "megatron:" in text else "ppo_trainer"}),
+    "trl": ("trl_config", lambda text: {"snippet": text}),
+    "areal": ("areal_config", lambda text: {"snippet": text}),
+    "openrlhf": ("openrlhf_config", lambda text: {"flags": _flags(text)}),
+    "slime": ("slime_config", lambda text: {"flags": _flags(text), "mis_yaml": _mis_yaml(text)}),
+    "prime-rl": ("prime_rl_config", lambda text: {"toml": text}),
+}
+
+
+def load(framework: str, version: str, texts: list[str]) -> list[dict[str, Any]]:
+    driver, payload = LOADERS[framework]
+    return releases.run_batch(framework, version, driver, [payload(text) for text in texts])
+
+
+def correction(mode: str, **params: float) -> Recommendation:
+    return Recommendation(kind="correction", why="w", params={"mode": mode, **params})
+
+
+# --- what the release made of a snippet, under the names `express` uses -----------------------------
+
+def trl_settings(loaded: dict[str, Any]) -> dict[str, Any]:
+    return {key: loaded[key] for key in frameworks.module("trl").SETTINGS}
+
+
+def slime_settings(loaded: dict[str, Any]) -> dict[str, Any]:
+    args, mis = loaded["args"], loaded.get("mis") or {}
+    found = {"use_tis": args["use_tis"]}
+    if mis:
+        found |= {"custom_tis_function_path": args["custom_tis_function_path"],
+                  **{key: mis[key] for key in ("tis_level", "tis_mode", "tis_upper_bound", "tis_lower_bound")}}
+    else:
+        found |= {"tis_clip": args["tis_clip"], "tis_clip_low": float(args["tis_clip_low"])}
+        if args["custom_tis_function_path"] is not None:
+            found["custom_tis_function_path"] = args["custom_tis_function_path"]
+    return found
+
+
+def prime_rl_settings(loaded: dict[str, Any]) -> dict[str, Any]:
+    loss = loaded["trainer"]["loss"]
+    return {key: loss[key] for key in ("type", "ipo_threshold", "dppo_mask_high", "dppo_mask_low") if key in loss}
+
+
+def verl_settings(loaded: dict[str, Any]) -> dict[str, Any]:
+    return dict(loaded["RolloutCorrectionConfig"])
+
+
+SETTINGS_OF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "trl": trl_settings, "slime": slime_settings, "prime-rl": prime_rl_settings, "verl": verl_settings,
+}
+
+# What each fix with a key turns on, read where the framework's workers read it.
+FIXES_ON: dict[str, dict[str, Callable[[dict[str, Any]], bool]]] = {
+    "verl": {"routing_replay": lambda r: r["router_replay.mode (worker)"] == "R3"
+             and r["rollout.enable_rollout_routing_replay"] is True,
+             "fp16": lambda r: r["rollout.dtype"] == "float16"
+             and "float16" in (r.get("actor.megatron.dtype"), r.get("actor.fsdp_config.dtype"))},
+    "trl": {"fp16": lambda r: r["fp16"] is True and r["bf16"] is False},
+    "slime": {"routing_replay": lambda r: r["args"]["use_routing_replay"] is True,
+              "fp16": lambda r: r["args"]["fp16"] is True and r["args"]["sglang_dtype"] == "float16",
+              "batch_invariant": lambda r: r["args"]["sglang_enable_deterministic_inference"] is True},
+    "prime-rl": {"routing_replay": lambda r: r["trainer"]["enable_router_replay"] is True
+                 and r["inference"]["vllm.enable_return_routed_experts"] is True
+                 and not r["inference"]["vllm.extra"]},
+}
+
+
+def subset(expected: dict[str, Any], found: dict[str, Any]) -> bool:
+    return all(key in found and _same(found[key], value) for key, value in expected.items())
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(a, b, rel_tol=1e-12)
+    return a == b
+
+
+@pytest.mark.parametrize(("framework", "version"), releases.pairs())
+def test_every_snippet_loads_into_the_release_with_the_settings_it_says(framework: str, version: str) -> None:
+    """Each simulated correction the release can express, with every fix beside it, is accepted by
+    the release's own config code, which then holds exactly the settings `express` names; one it
+    cannot express is said so in the snippet and sets nothing."""
+    target = parse_target(f"{framework}=={version}", detect=False)
+    assert target.release.version == version and not target.note
+    module = frameworks.module(framework)
+    cases = [(item, module.express(item.mode, item.params, target.release)) for item in DEFAULT_CORRECTIONS]
+    texts = [render_config([correction(item.mode, **item.params), *FIXES], target) for item, _ in cases]
+    expressed = 0
+    for (item, expected), text, answer in zip(cases, texts, load(framework, version, texts)):
+        assert "refused" not in answer, f"{item.mode} {item.params}: {answer['refused']}\n{text}"
+        assert max(len(line) for line in text.splitlines() if line.startswith("#")) <= 100, text
+        if expected is None:
+            assert f"{target.label} cannot express {item.mode}" in text, text
+            continue
+        expressed += 1
+        found = SETTINGS_OF[framework](answer["result"])
+        assert subset(expected, found), f"{item.mode} {item.params}: {expected} not in {found}\n{text}"
+        for kind, on in FIXES_ON.get(framework, {}).items():
+            assert on(answer["result"]), f"{kind} is not on where {framework} reads it:\n{text}\n{answer['result']}"
+    assert expressed >= 1
+
+
+@pytest.mark.parametrize("framework", sorted(releases.RELEASES))
+def test_a_misspelt_key_is_refused_by_the_release(framework: str) -> None:
+    """The check above can fail: the release refuses what it does not know."""
+    version = releases.RELEASES[framework][0]
+    text = render_config([correction("token_truncate", cap=2.0)], f"{framework}=={version}")
+    bad = {"verl": text.replace("rollout_is_threshold", "rollout_is_treshold"),
+           "trl": text.replace("vllm_importance_sampling_mode", "vllm_importance_sampling_mod"),
+           "areal": text + "actor:\n  behav_imp_weight_capp: 2.0\n",
+           "openrlhf": text + " \\\n--algo.advantage.is_correction_levle token",
+           "slime": text.replace("--tis-clip ", "--tis-clp "),
+           "prime-rl": '[trainer.loss]\ntype = "ipo"\nipo_treshold = 0.1\n'}[framework]
+    [answer] = load(framework, version, [bad])
+    assert "refused" in answer, answer
+
+
+# --- framework-named metrics against the release's own code ---------------------------------------
+
+def gap_table(seed: int = 5, num_rollouts: int = 12) -> pd.DataFrame:
+    """One sequence per rollout (what every framework calls a sample), of varied lengths, with a
+    heavy-tailed train/sampler gap: enough for masks and caps to bite."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(3, 40, num_rollouts)
+    rollout = np.repeat([f"r{i:02d}" for i in range(num_rollouts)], lengths)
+    n = len(rollout)
+    logp_sampler = np.log(rng.uniform(0.01, 1.0, n))
+    gap = rng.standard_t(3, n) * 0.15
+    return pd.DataFrame({"rollout": rollout, "branch": "main", "turn": 0, "trainable": True,
+                         "logp_sampler": logp_sampler, "logp_train": np.minimum(logp_sampler + gap, 0.0)})
+
+
+def sequences(table: pd.DataFrame) -> list[dict[str, list[float]]]:
+    return [{"logp_train": group["logp_train"].tolist(), "logp_rollout": group["logp_sampler"].tolist()}
+            for _, group in table.groupby("rollout", sort=True)]
+
+
+def ours(table: pd.DataFrame, framework: str, version: str, settings: dict[str, Any]) -> dict[str, float]:
+    target = parse_target(f"{framework}=={version}", detect=False)
+    target = type(target)(framework=framework, release=target.release, settings=settings)
+    metrics = [m for m in metrics_for([target]) if m.framework == framework]
+    return table_framework_metrics(table, [("train", "sampler")], metrics)["train/sampler"][framework]
+
+
+# Keys the release itself computes in float32 whatever its inputs (a `.float()` of a boolean, then a
+# plain mean): equal to float32's rounding. verl 0.9.1 rollout_corr_helper.py:711-712 (0.8.0 :709-710).
+FLOAT32 = {("verl", "sequence"): {"rollout_corr/rollout_is_ratio_fraction_high", "rollout_corr/rollout_is_ratio_fraction_low"}}
+
+
+def assert_equal_metrics(mine: dict[str, float], theirs: dict[str, float], context: str,
+                         float32: set[str] = frozenset()) -> None:
+    assert mine, context
+    wrong = []
+    for key, value in mine.items():
+        assert key in theirs, f"{context}: {key} is not logged by the release (it logs {sorted(theirs)})"
+        tolerance = 1e-6 if key in float32 else 1e-9
+        if not math.isclose(value, theirs[key], rel_tol=tolerance, abs_tol=1e-12):
+            wrong.append(f"{key} ours {value!r}, the release's {theirs[key]!r}")
+    assert not wrong, f"{context}: " + "; ".join(wrong)
+
+
+# Settings to compute the metrics at, per framework: the defaults, and each kind of mode.
+TRL_SETTINGS = [
+    {},
+    {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 1.5},
+    {"vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_max": 2.0,
+     "vllm_importance_sampling_clip_min": 0.5},
+    {"vllm_importance_sampling_mode": "sequence_truncate", "vllm_importance_sampling_clip_max": 2.0,
+     "vllm_importance_sampling_clip_min": 0.2},
+    {"vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_clip_max": 5.0},
+]
+
+
+@pytest.mark.parametrize("version", releases.RELEASES["trl"])
+def test_trl_sampling_metrics_equal_the_release_at_the_users_settings(version: str) -> None:
+    table = gap_table()
+    module = frameworks.module("trl")
+    answers = releases.run_batch("trl", version, "trl_metrics",
+                                 [{"sequences": sequences(table), "settings": s} for s in TRL_SETTINGS])
+    for settings, answer in zip(TRL_SETTINGS, answers):
+        assert "result" in answer, answer
+        mine = ours(table, "trl", version, {**module.DEFAULTS, **settings})
+        assert_equal_metrics(mine, answer["result"], f"trl {version} {settings}")
+    # the settings are what moves the logged ratio: a fixed default could not pass all five
+    assert len({round(a["result"]["sampling/importance_sampling_ratio/max"], 9) for a in answers}) >= 4
+
+
+VERL_SETTINGS = [
+    {"rollout_is": "token", "rollout_is_threshold": 2.0},
+    {"rollout_is": "token", "rollout_is_threshold": 1.5},
+    {"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"},
+    {"rollout_is": "sequence", "rollout_is_threshold": 3.0},
+    {"rollout_is": "sequence", "rollout_is_threshold": "0.2_5.0"},
+    {"rollout_is": None},
+]
+
+
+@pytest.mark.parametrize("version", releases.RELEASES["verl"])
+def test_verl_rollout_corr_metrics_equal_the_release_at_the_users_settings(version: str) -> None:
+    table = gap_table()
+    answers = releases.run_batch("verl", version, "verl_metrics",
+                                 [{"sequences": sequences(table), "settings": s} for s in VERL_SETTINGS])
+    for settings, answer in zip(VERL_SETTINGS, answers):
+        assert "result" in answer, answer
+        assert_equal_metrics(ours(table, "verl", version, settings), answer["result"], f"verl {version} {settings}",
+                             FLOAT32.get(("verl", settings.get("rollout_is")), set()))
+    ess = [a["result"].get("rollout_corr/rollout_is_eff_sample_size") for a in answers]
+    assert len({round(e, 9) for e in ess[:-1]}) == len(ess) - 1 and ess[-1] is None  # the settings decide it
