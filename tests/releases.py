@@ -48,7 +48,11 @@ DEPS: dict[str, tuple[str, ...]] = {
     "trl": ("accelerate==1.10.1", "datasets==4.0.0", "dill==0.3.8", "multiprocess==0.70.16",
             "xxhash==3.5.0"),
     "openrlhf": (),
-    "areal": ("omegaconf==2.3.0", "hydra-core==1.3.2", "antlr4-python3-runtime==4.9.3"),
+    # AReaL pins these two dev releases itself (its METADATA); `import areal` reaches its infra modules.
+    "areal": ("omegaconf==2.4.0.dev2", "hydra-core==1.4.0.dev1", "colorlog==6.12.0", "tenacity==9.2.1",
+              "flask==3.1.3", "werkzeug==3.1.9", "blinker==1.9.0", "itsdangerous==2.2.0", "torchdata==0.11.0",
+              "aiofiles==25.1.0", "orjson==3.13.0", "tabulate==0.10.0", "datasets==4.0.0", "dill==0.3.8",
+              "multiprocess==0.70.16", "xxhash==3.5.0"),
     "slime": (),
     "prime-rl": ("prime-pydantic-config==0.4.3",),
 }
@@ -107,6 +111,13 @@ def run(framework: str, version: str, driver: str, payload: dict[str, Any], time
     if "refused" in answer:
         raise ReleaseRefused(answer["refused"])
     return answer["result"]
+
+
+def run_drivers(framework: str, version: str, asked: dict[str, list[dict[str, Any]]],
+                timeout: float = 900) -> dict[str, list[dict[str, Any]]]:
+    """Many drivers' payloads against one release in one subprocess (its imports paid once):
+    {driver: [answer, ...]}, each answer {"result": ...} or {"refused": "..."}."""
+    return run(framework, version, "_many", asked, timeout=timeout)
 
 
 def run_batch(framework: str, version: str, driver: str, payloads: list[dict[str, Any]],

@@ -2,15 +2,15 @@
 metric it reports under a framework's name, against the release's own function on the same tokens.
 
 The releases are installed from the package index (tests/releases.py); slime and prime-rl, which
-publish none, are vendored at the commit read. One subprocess per release and test, every snippet
-of the test in it (a driver answers a batch).
+publish none, are vendored at the commit read. Everything a release is asked is asked in one
+subprocess (tests/release_drivers/_many.py), built and run once per release for all the tests.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ import pytest
 import releases
 
 from mismatch import frameworks
-from mismatch.advise.corrections import DEFAULT_CORRECTIONS, MODES
+from mismatch.advise.corrections import DEFAULT_CORRECTIONS
 from mismatch.advise.recommend import Recommendation, render_config
 from mismatch.analysis.framework_metrics import metrics_for, table_framework_metrics
 from mismatch.frameworks import parse_target
@@ -90,8 +90,22 @@ def verl_settings(loaded: dict[str, Any]) -> dict[str, Any]:
     return dict(loaded["RolloutCorrectionConfig"])
 
 
+def openrlhf_settings(loaded: dict[str, Any]) -> dict[str, Any]:
+    return {key.removeprefix("algo.advantage."): value for key, value in loaded["args"].items()
+            if key.startswith("algo.advantage.is_correction")}
+
+
+def areal_settings(loaded: dict[str, Any]) -> dict[str, Any]:
+    assert loaded["actor.use_decoupled_loss"] and loaded["actor.should_compute_prox_logp()"]
+    found = dict(loaded["actor.rejection_sampling"] or {})
+    if found.get("action") == "clamp" and found.get("lower") == 0.0:  # __post_init__ fills an unset one
+        found["lower"] = None
+    return found
+
+
 SETTINGS_OF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "trl": trl_settings, "slime": slime_settings, "prime-rl": prime_rl_settings, "verl": verl_settings,
+    "openrlhf": openrlhf_settings, "areal": areal_settings,
 }
 
 # What each fix with a key turns on, read where the framework's workers read it.
@@ -101,6 +115,7 @@ FIXES_ON: dict[str, dict[str, Callable[[dict[str, Any]], bool]]] = {
              "fp16": lambda r: r["rollout.dtype"] == "float16"
              and "float16" in (r.get("actor.megatron.dtype"), r.get("actor.fsdp_config.dtype"))},
     "trl": {"fp16": lambda r: r["fp16"] is True and r["bf16"] is False},
+    "areal": {"fp16": lambda r: r["actor.dtype"] == "float16" and r["sglang.dtype"] == "float16"},
     "slime": {"routing_replay": lambda r: r["args"]["use_routing_replay"] is True,
               "fp16": lambda r: r["args"]["fp16"] is True and r["args"]["sglang_dtype"] == "float16",
               "batch_invariant": lambda r: r["args"]["sglang_enable_deterministic_inference"] is True},
@@ -118,46 +133,6 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
         return math.isclose(a, b, rel_tol=1e-12)
     return a == b
-
-
-@pytest.mark.parametrize(("framework", "version"), releases.pairs())
-def test_every_snippet_loads_into_the_release_with_the_settings_it_says(framework: str, version: str) -> None:
-    """Each simulated correction the release can express, with every fix beside it, is accepted by
-    the release's own config code, which then holds exactly the settings `express` names; one it
-    cannot express is said so in the snippet and sets nothing."""
-    target = parse_target(f"{framework}=={version}", detect=False)
-    assert target.release.version == version and not target.note
-    module = frameworks.module(framework)
-    cases = [(item, module.express(item.mode, item.params, target.release)) for item in DEFAULT_CORRECTIONS]
-    texts = [render_config([correction(item.mode, **item.params), *FIXES], target) for item, _ in cases]
-    expressed = 0
-    for (item, expected), text, answer in zip(cases, texts, load(framework, version, texts)):
-        assert "refused" not in answer, f"{item.mode} {item.params}: {answer['refused']}\n{text}"
-        assert max(len(line) for line in text.splitlines() if line.startswith("#")) <= 100, text
-        if expected is None:
-            assert f"{target.label} cannot express {item.mode}" in text, text
-            continue
-        expressed += 1
-        found = SETTINGS_OF[framework](answer["result"])
-        assert subset(expected, found), f"{item.mode} {item.params}: {expected} not in {found}\n{text}"
-        for kind, on in FIXES_ON.get(framework, {}).items():
-            assert on(answer["result"]), f"{kind} is not on where {framework} reads it:\n{text}\n{answer['result']}"
-    assert expressed >= 1
-
-
-@pytest.mark.parametrize("framework", sorted(releases.RELEASES))
-def test_a_misspelt_key_is_refused_by_the_release(framework: str) -> None:
-    """The check above can fail: the release refuses what it does not know."""
-    version = releases.RELEASES[framework][0]
-    text = render_config([correction("token_truncate", cap=2.0)], f"{framework}=={version}")
-    bad = {"verl": text.replace("rollout_is_threshold", "rollout_is_treshold"),
-           "trl": text.replace("vllm_importance_sampling_mode", "vllm_importance_sampling_mod"),
-           "areal": text + "actor:\n  behav_imp_weight_capp: 2.0\n",
-           "openrlhf": text + " \\\n--algo.advantage.is_correction_levle token",
-           "slime": text.replace("--tis-clip ", "--tis-clp "),
-           "prime-rl": '[trainer.loss]\ntype = "ipo"\nipo_treshold = 0.1\n'}[framework]
-    [answer] = load(framework, version, [bad])
-    assert "refused" in answer, answer
 
 
 # --- framework-named metrics against the release's own code ---------------------------------------
@@ -188,7 +163,8 @@ def ours(table: pd.DataFrame, framework: str, version: str, settings: dict[str, 
 
 
 # Keys the release itself computes in float32 whatever its inputs (a `.float()` of a boolean, then a
-# plain mean): equal to float32's rounding. verl 0.9.1 rollout_corr_helper.py:711-712 (0.8.0 :709-710).
+# plain mean): equal to float32's rounding. verl 0.9.1 rollout_corr_helper.py:711-712 (0.8.0 :709-710);
+# OpenRLHF 0.11.2 openrlhf/models/loss.py:242-246 (train/is_filter_ratio).
 FLOAT32 = {("verl", "sequence"): {"rollout_corr/rollout_is_ratio_fraction_high", "rollout_corr/rollout_is_ratio_fraction_low"}}
 
 
@@ -197,6 +173,9 @@ def assert_equal_metrics(mine: dict[str, float], theirs: dict[str, float], conte
     assert mine, context
     wrong = []
     for key, value in mine.items():
+        if value is None:  # no token to log it over: the release logs nothing either
+            assert theirs.get(key) is None, f"{context}: {key} ours None, the release's {theirs[key]!r}"
+            continue
         assert key in theirs, f"{context}: {key} is not logged by the release (it logs {sorted(theirs)})"
         tolerance = 1e-6 if key in float32 else 1e-9
         if not math.isclose(value, theirs[key], rel_tol=tolerance, abs_tol=1e-12):
@@ -216,20 +195,6 @@ TRL_SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("version", releases.RELEASES["trl"])
-def test_trl_sampling_metrics_equal_the_release_at_the_users_settings(version: str) -> None:
-    table = gap_table()
-    module = frameworks.module("trl")
-    answers = releases.run_batch("trl", version, "trl_metrics",
-                                 [{"sequences": sequences(table), "settings": s} for s in TRL_SETTINGS])
-    for settings, answer in zip(TRL_SETTINGS, answers):
-        assert "result" in answer, answer
-        mine = ours(table, "trl", version, {**module.DEFAULTS, **settings})
-        assert_equal_metrics(mine, answer["result"], f"trl {version} {settings}")
-    # the settings are what moves the logged ratio: a fixed default could not pass all five
-    assert len({round(a["result"]["sampling/importance_sampling_ratio/max"], 9) for a in answers}) >= 4
-
-
 VERL_SETTINGS = [
     {"rollout_is": "token", "rollout_is_threshold": 2.0},
     {"rollout_is": "token", "rollout_is_threshold": 1.5},
@@ -238,16 +203,138 @@ VERL_SETTINGS = [
     {"rollout_is": "sequence", "rollout_is_threshold": "0.2_5.0"},
     {"rollout_is": None},
 ]
+METRIC_SETTINGS = {"trl": TRL_SETTINGS, "verl": VERL_SETTINGS}
+# Frameworks whose metrics driver also hands back the weights their loss applies: every mode they
+# express is run through it (the weights are checked against the simulation too).
+WEIGHTS = {"openrlhf": lambda settings: settings,
+           "areal": lambda settings: {"use_decoupled_loss": True, "rejection_sampling": settings}}
+
+# The snippets the previous release emitted, verbatim, that the releases refuse or silently ignore.
+OLD_OPENRLHF = ("--algo.advantage.is_correction_enable \\\n--algo.advantage.is_correction_type tis \\\n"
+                "--algo.advantage.is_correction_threshold 0.0 2.0")
+OLD_VERL_R3 = ("actor_rollout_ref:\n  actor:\n    router_replay:\n      mode: R3  # Megatron actor; with the rollout "
+               "flag below\n  rollout:\n    enable_rollout_routing_replay: true\n")
 
 
-@pytest.mark.parametrize("version", releases.RELEASES["verl"])
-def test_verl_rollout_corr_metrics_equal_the_release_at_the_users_settings(version: str) -> None:
+def misspelt(framework: str, version: str) -> str:
+    text = render_config([correction("token_truncate", cap=2.0)], f"{framework}=={version}")
+    return {"verl": text.replace("rollout_is_threshold", "rollout_is_treshold"),
+            "trl": text.replace("vllm_importance_sampling_mode", "vllm_importance_sampling_mod"),
+            "areal": text.replace("rejection_sampling:", "rejection_samplin:"),
+            "openrlhf": text + " \\\n--algo.advantage.is_correction_levle token",
+            "slime": text.replace("--tis-clip ", "--tis-clp "),
+            "prime-rl": '[trainer.loss]\ntype = "ipo"\nipo_treshold = 0.1\n'}[framework]
+
+
+def expressed(framework: str, version: str) -> list[tuple[Any, dict[str, Any] | None]]:
+    """Every default simulated correction, with the release's settings for it (None: it cannot)."""
+    release = parse_target(f"{framework}=={version}", detect=False).release
+    module = frameworks.module(framework)
+    return [(item, module.express(item.mode, item.params, release)) for item in DEFAULT_CORRECTIONS]
+
+
+def snippets(framework: str, version: str) -> list[str]:
+    return [render_config([correction(item.mode, **item.params), *FIXES], f"{framework}=={version}")
+            for item, _ in expressed(framework, version)]
+
+
+@cache
+def answers(framework: str, version: str) -> dict[str, list[dict[str, Any]]]:
+    """What the release made of everything the tests ask of it, in one subprocess."""
+    driver, payload = LOADERS[framework]
+    config = [payload(text) for text in snippets(framework, version)] + [payload(misspelt(framework, version))]
+    if framework == "openrlhf":
+        config.append(payload(OLD_OPENRLHF))
+    if framework == "verl":
+        config += [payload(OLD_VERL_R3), {**payload(OLD_VERL_R3), "config_name": "ppo_megatron_trainer"}]
+    asked = {driver: config}
+    table_sequences = sequences(gap_table())
+    if framework in METRIC_SETTINGS:
+        asked[f"{framework}_metrics"] = [{"sequences": table_sequences, "settings": s}
+                                         for s in METRIC_SETTINGS[framework]]
+    if framework in WEIGHTS:
+        asked[f"{framework}_metrics"] = [{"sequences": table_sequences, "settings": WEIGHTS[framework](s)}
+                                         for _, s in expressed(framework, version) if s is not None]
+    return releases.run_drivers(framework, version, asked)
+
+
+@pytest.mark.parametrize(("framework", "version"), releases.pairs())
+def test_every_snippet_loads_into_the_release_with_the_settings_it_says(framework: str, version: str) -> None:
+    """Each simulated correction the release can express, with every fix beside it, is accepted by
+    the release's own config code, which then holds exactly the settings `express` names, and each
+    fix with a key is on where the framework's workers read it; a correction it cannot express is
+    said so in the snippet and sets nothing."""
+    target = parse_target(f"{framework}=={version}", detect=False)
+    assert target.release.version == version and not target.note
+    loaded = answers(framework, version)[LOADERS[framework][0]]
+    count = 0
+    for (item, expected), text, answer in zip(expressed(framework, version), snippets(framework, version), loaded):
+        assert "refused" not in answer, f"{item.mode} {item.params}: {answer['refused']}\n{text}"
+        assert max(len(line) for line in text.splitlines() if line.startswith("#")) <= 100, text
+        if expected is None:
+            assert f"{target.label} cannot express {item.mode}" in text, text
+            continue
+        count += 1
+        found = SETTINGS_OF[framework](answer["result"])
+        assert subset(expected, found), f"{item.mode} {item.params}: {expected} not in {found}\n{text}"
+        for kind, on in FIXES_ON.get(framework, {}).items():
+            assert on(answer["result"]), f"{kind} is not on where {framework} reads it:\n{text}\n{answer['result']}"
+    assert count >= 3
+
+
+@pytest.mark.parametrize(("framework", "version"), releases.pairs())
+def test_a_misspelt_key_is_refused_by_the_release(framework: str, version: str) -> None:
+    """The check above can fail: the release refuses what it does not know."""
+    answer = answers(framework, version)[LOADERS[framework][0]][len(DEFAULT_CORRECTIONS)]
+    assert "refused" in answer, answer
+
+
+def test_the_previous_snippets_are_refused_or_ignored_by_the_releases() -> None:
+    """What mismatch emitted before this release: OpenRLHF 0.11.2 refuses its flags; verl 0.9.1
+    refuses the routing-replay key, and 0.8.0 loads it where no worker reads it (R3 stays off)."""
+    refused = answers("openrlhf", "0.11.2")["openrlhf_config"][-1]
+    assert "unrecognized arguments: --algo.advantage.is_correction_enable" in refused["refused"]
+    fsdp, megatron = answers("verl", "0.9.1")["verl_config"][-2:]
+    assert "router_replay" in fsdp["refused"] and "router_replay" in megatron["refused"]
+    old = answers("verl", "0.8.0")["verl_config"][-1]["result"]
+    assert old["actor.router_replay.mode"] == "R3" and old["router_replay.mode (worker)"] == "disabled"
+
+
+@pytest.mark.parametrize(("framework", "version"), [(f, v) for f, v in releases.pairs() if f in METRIC_SETTINGS])
+def test_framework_metrics_equal_the_release_at_the_users_settings(framework: str, version: str) -> None:
+    """Each metric mismatch reports under the framework's name is the release's own function's on
+    the same tokens, at each setting: the settings move it (a fixed default could not pass)."""
     table = gap_table()
-    answers = releases.run_batch("verl", version, "verl_metrics",
-                                 [{"sequences": sequences(table), "settings": s} for s in VERL_SETTINGS])
-    for settings, answer in zip(VERL_SETTINGS, answers):
+    module = frameworks.module(framework)
+    found = answers(framework, version)[f"{framework}_metrics"]
+    for settings, answer in zip(METRIC_SETTINGS[framework], found):
         assert "result" in answer, answer
-        assert_equal_metrics(ours(table, "verl", version, settings), answer["result"], f"verl {version} {settings}",
-                             FLOAT32.get(("verl", settings.get("rollout_is")), set()))
-    ess = [a["result"].get("rollout_corr/rollout_is_eff_sample_size") for a in answers]
-    assert len({round(e, 9) for e in ess[:-1]}) == len(ess) - 1 and ess[-1] is None  # the settings decide it
+        level = settings.get("rollout_is") if framework == "verl" else None
+        assert_equal_metrics(ours(table, framework, version, {**module.DEFAULTS, **settings}), answer["result"],
+                             f"{framework} {version} {settings}", FLOAT32.get((framework, level), set()))
+    key = {"trl": "sampling/importance_sampling_ratio/max", "verl": "rollout_corr/rollout_is_eff_sample_size"}[framework]
+    values = [answer["result"].get(key) for answer in found]
+    assert len({round(v, 9) for v in values if v is not None}) >= 4
+
+
+@pytest.mark.parametrize(("framework", "version"), [(f, v) for f, v in releases.pairs() if f in WEIGHTS])
+def test_the_release_applies_the_simulated_weights_and_logs_our_metrics(framework: str, version: str) -> None:
+    """For each simulated correction the release can express, its own loss applies, token by token,
+    the weights mismatch simulated, and logs our numbers at those settings. AReaL upcasts the
+    log-ratio to float32 only (functional.py:231): equal to float32 there."""
+    from mismatch.advise.corrections import Correction, correction_weights
+
+    table = gap_table()
+    ordered = table.sort_values("rollout", kind="stable")
+    log_ratio = (ordered["logp_train"] - ordered["logp_sampler"]).to_numpy()
+    cases = [(item, settings) for item, settings in expressed(framework, version) if settings is not None]
+    tolerance = 1e-6 if framework == "areal" else 1e-9
+    for (item, settings), answer in zip(cases, answers(framework, version)[f"{framework}_metrics"]):
+        assert "result" in answer, answer
+        weight, _ = correction_weights(log_ratio, Correction(mode=item.mode, params=item.params),
+                                       seq=ordered["rollout"].to_numpy())
+        np.testing.assert_allclose(answer["result"]["weights"], weight, rtol=tolerance, atol=1e-7,
+                                   err_msg=f"{framework} {version} {item.mode} {item.params}")
+        mine = ours(table, framework, version, settings)
+        float32 = set(mine) if framework == "areal" else {"train/is_filter_ratio"}
+        assert_equal_metrics(mine, answer["result"]["metrics"], f"{framework} {version} {settings}", float32)

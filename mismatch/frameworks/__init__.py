@@ -10,10 +10,10 @@ from importlib import metadata
 from types import ModuleType
 
 from mismatch.errors import MismatchError
-from mismatch.frameworks import prime_rl, slime, trl, verl
+from mismatch.frameworks import areal, openrlhf, prime_rl, slime, trl, verl
 from mismatch.frameworks._common import Target, nearest_release
 
-MODULES: dict[str, ModuleType] = {module.NAME: module for module in (verl, trl, slime, prime_rl)}
+MODULES: dict[str, ModuleType] = {module.NAME: module for module in (verl, trl, slime, prime_rl, openrlhf, areal)}
 FRAMEWORKS = tuple(MODULES)
 
 

@@ -60,5 +60,7 @@ def handle(payload: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+REFUSALS = (pydantic.ValidationError, ValueError, tomllib.TOMLDecodeError)
+
 if __name__ == "__main__":
-    main(handle, refusals=(pydantic.ValidationError, ValueError, tomllib.TOMLDecodeError))
+    main(handle, refusals=REFUSALS)

@@ -129,6 +129,8 @@ def handle(payload: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+REFUSALS = (SlimeArgumentError, argparse.ArgumentError, AssertionError, AttributeError, ImportError, ValueError,
+                           TypeError, KeyError)
+
 if __name__ == "__main__":
-    main(handle, refusals=(SlimeArgumentError, argparse.ArgumentError, AssertionError, AttributeError, ImportError, ValueError,
-                           TypeError, KeyError))
+    main(handle, refusals=REFUSALS)
