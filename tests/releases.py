@@ -124,3 +124,9 @@ def run_batch(framework: str, version: str, driver: str, payloads: list[dict[str
               timeout: float = 600) -> list[dict[str, Any]]:
     """`run` on many payloads in one subprocess: each answer {"result": ...} or {"refused": "..."}."""
     return run(framework, version, driver, {"batch": payloads}, timeout=timeout)
+
+
+if __name__ == "__main__":  # .ci/setup: every release the tests load, installed ahead of them
+    for name, version in pairs():
+        install(name, version)
+        print(f"installed {name}=={version} under {ROOT}")

@@ -1,5 +1,7 @@
 """Framework-named metrics against plain-Python transcriptions of each framework's formula (sources in
-mismatch/framework_metrics.py), and against our own metric wherever the framework's is the same number."""
+mismatch/frameworks/), and against our own metric wherever the framework's is the same number. The
+releases' own functions are the reference for verl, TRL, OpenRLHF and AReaL (tests/test_releases.py);
+these transcriptions also cover slime and prime-rl, whose loss code needs Megatron or a GPU."""
 
 from __future__ import annotations
 
@@ -65,8 +67,10 @@ def transcribed(table: pd.DataFrame) -> dict[str, float]:
     seq_sum = {k: sum(v) for k, v in by([(q, a - s) for _, q, a, s in tokens]).items()}
     d_s = [mean(v) for v in by([(q, s) for _, q, _, s in tokens]).values()]
     d_s = [m_b - m_a for m_b, m_a in zip(d_s, [mean(v) for v in by([(q, a) for _, q, a, _ in tokens]).values()])]
-    w = [min(2.0, max(0.5, math.exp(c))) for c in clamp]  # verl: truncated to [1/T, T] for the ESS
-    w_mean = mean(w)
+    # verl 0.9.1 decoupled_token_is (T 2): weights min(exp, T), clamped to [0, T] for the ESS, whose
+    # masked means divide by n + 1e-8 (tests/test_releases.py holds this to the release itself)
+    w = [min(2.0, math.exp(c)) for c in clamp]
+    w_mean = sum(w) / (len(w) + 1e-8)
     trl = [math.exp(v) if math.exp(v) <= 3.0 else 0.0 for v in seq_sum.values()]  # sequence_mask, clip_max 3
     per_rollout = lambda f: mean(mean(v) for v in by([(r, f(a, s)) for r, _, a, s in tokens]).values())
     return {
@@ -76,7 +80,8 @@ def transcribed(table: pd.DataFrame) -> dict[str, float]:
         "verl/rollout_corr/ppl_ratio": mean(math.exp(d) for d in d_s),
         "verl/rollout_corr/chi2_token": mean(math.exp(c) ** 2 for c in clamp) - 1.0,
         "verl/rollout_corr/chi2_seq": mean(math.exp(2 * max(-20.0, min(20.0, v))) for v in seq_sum.values()) - 1.0,
-        "verl/rollout_corr/rollout_is_eff_sample_size": 1.0 / mean((x / w_mean) ** 2 for x in w),
+        "verl/rollout_corr/rollout_is_eff_sample_size":
+            1.0 / (sum((x / (w_mean + 1e-8)) ** 2 for x in w) / (len(w) + 1e-8)),
         "trl/sampling/importance_sampling_ratio/mean": mean(trl),
         "trl/sampling/sampling_logp_difference/max": max(abs(x) for x in lr),
         "slime/train/tis_clipfrac": per_rollout(lambda a, s: float(math.exp(a - s) > 2.0)),

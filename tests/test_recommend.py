@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 
 import numpy as np
@@ -49,10 +48,10 @@ def the(recs: list[Recommendation], kind: str) -> Recommendation:
 def test_smallest_cap_with_99pct_unclipped_and_ess_09_is_chosen_and_explained():
     rec = the(recommend(summary(corrections=TOKEN_CAPS)), "correction")
     assert rec.params["mode"] == "token_truncate" and rec.params["cap"] == 2.0 and rec.params["meets_rule"]
-    assert "token_truncate at cap 2 is the smallest simulated cap that leaves 99.20% of trainable tokens " \
-           "unclipped (rule: >= 99%) with ESS 0.930 (rule: >= 0.9)" in rec.why
+    assert "token_truncate cap 2 keeps the most ESS of the 3 simulated corrections a framework can express " \
+           "that change at most 1% of trainable tokens with ESS >= 0.9 (ESS 0.930, 0.80% of tokens clipped" in rec.why
     assert "cap 1.5 would clip 5.00% (ESS 0.950)" in rec.why
-    assert "kl_k3 0.0001" in rec.why and "token level (the position trend was not measured" in rec.why
+    assert "kl_k3 0.0001" in rec.why and "token-level modes (the position trend was not measured" in rec.why
 
 
 def test_a_cap_failing_ess_is_skipped():
@@ -64,14 +63,15 @@ def test_when_no_cap_meets_the_rule_the_highest_ess_is_taken_and_said():
     caps = [trunc("token_truncate", 1.5, 0.2, 0.5), trunc("token_truncate", 3.0, 0.05, 0.8)]
     rec = the(recommend(summary(corrections=caps)), "correction")
     assert rec.params["cap"] == 3.0 and rec.params["meets_rule"] is False
-    assert "no simulated cap leaves >= 99% of tokens unclipped with ESS >= 0.9; cap 3 keeps the most ESS" in rec.why
+    assert "no simulated correction a framework can express changes at most 1% of tokens with ESS >= 0.9; " \
+           "token_truncate cap 3 keeps the most ESS" in rec.why
 
 
 def test_sequence_level_when_mismatch_grows_with_position():
     caps = [*TOKEN_CAPS, trunc("sequence_truncate", 2.0, 0.02, 0.9), trunc("sequence_truncate", 5.0, 0.004, 0.95)]
     rec = the(recommend(summary(corrections=caps), grows_with_position=True), "correction")
     assert (rec.params["mode"], rec.params["cap"]) == ("sequence_truncate", 5.0)
-    assert "sequence level, because the mismatch grows with position" in rec.why
+    assert "sequence-level modes only, because the mismatch grows with position" in rec.why
 
 
 def test_position_trend_is_read_from_the_turns_localizer():
@@ -140,18 +140,48 @@ def test_batch_variance_from_probes():
 def test_missing_simulations_are_a_user_error():
     with pytest.raises(MismatchError) as info:
         recommend(summary())
-    assert str(info.value) == ("no simulated token_truncate corrections to choose from: summary.json has no "
+    assert str(info.value) == ("no simulated corrections that a framework can express: summary.json has no "
                                "'corrections' (simulate them with mismatch.advise.corrections.summary_corrections)")
+
+
+def test_the_mode_is_chosen_by_the_measured_trade_off_and_the_winner_is_explained():
+    """A heavy two-sided tail: the band (IcePop) keeps more ESS than any cap within 1% dropped."""
+    band = {"mode": "token_icepop", "params": {"low": 0.5, "high": 5.0}, "frac_tokens_affected": 0.004,
+            "frac_rollouts_affected": 0.1, "weight_mean": 0.99, "weight_max": 5.0, "ess": 0.97}
+    rec = the(recommend(summary(corrections=[*TOKEN_CAPS, band])), "correction")
+    assert (rec.params["mode"], rec.params["low"], rec.params["high"]) == ("token_icepop", 0.5, 5.0)
+    assert "token_icepop [0.5, 5] keeps the most ESS of the 4 simulated corrections" in rec.why
+    assert "0.40% of tokens dropped" in rec.why and "the best other mode, token_truncate cap 2" in rec.why
+    assert [r["mode"] for r in rec.params["ranked"]][:2] == ["token_icepop", "token_truncate"]
+
+
+def test_each_framework_gets_the_best_mode_its_release_can_express():
+    """prime-rl caps no ratio: its snippet carries the IPO mask simulated on the same tokens; TRL 1.16
+    takes the band as token_mask with clip_min; a rejection filter is never the correction."""
+    from mismatch.frameworks import parse_target
+
+    ipo = {"mode": "ipo_mask", "params": {"threshold": 0.1}, "frac_tokens_affected": 0.004,
+           "frac_rollouts_affected": 0.1, "weight_mean": 0.99, "weight_max": 3.0, "ess": 0.92}
+    rs = {"mode": "rs_token_k3", "params": {"high": 0.01}, "frac_tokens_affected": 0.001,
+          "frac_rollouts_affected": 0.1, "weight_mean": 1.0, "weight_max": 1.0, "ess": 0.999}
+    found = summary(corrections=[*TOKEN_CAPS, ipo, rs])
+    prime = the(recommend(found, parse_target("prime-rl", detect=False)), "correction")
+    assert prime.params["mode"] == "ipo_mask" and prime.params["framework"].startswith("prime-rl ")
+    assert the(recommend(found), "correction").params["mode"] == "token_truncate"
+    assert the(recommend(found, parse_target("trl==1.16.0")), "correction").params["mode"] == "token_truncate"
 
 
 def test_unknown_framework():
     with pytest.raises(MismatchError) as info:
         render_config([], "deepspeed-chat")
-    assert str(info.value) == "unknown framework 'deepspeed-chat' (valid: verl, trl, slime, prime-rl, openrlhf)"
+    assert str(info.value) == "unknown framework 'deepspeed-chat' (valid: verl, trl, slime, prime-rl, openrlhf, areal)"
 
 
-def test_end_to_end_from_a_token_table_every_snippet_parses():
-    """A bf16-like gap on a tiny token table: simulate, recommend, render for every framework."""
+def test_end_to_end_from_a_token_table_every_framework_gets_a_correction_it_can_run():
+    """A bf16-like gap on a tiny token table: simulate, recommend per framework, render. Each snippet
+    sets a correction its release expresses (tests/test_releases.py loads them into the releases)."""
+    from mismatch.frameworks import module, parse_target
+
     rng = np.random.default_rng(0)
     n = 400
     rollout = np.repeat([f"r{i}" for i in range(8)], n // 8)
@@ -160,20 +190,13 @@ def test_end_to_end_from_a_token_table_every_snippet_parses():
     table["logp_train"] = table["logp_sampler"] + rng.normal(0, 0.05, n)
     pairs = summarize_pairs(table, [("train", "sampler")])
     result = summary(pairs["train/sampler"], corrections=summary_corrections(table))
-    result["engines"]["sampler"]["meta"]["dtype"] = "bfloat16"
-    recs = recommend(result)
-    chosen = the(recs, "correction")
-    assert chosen.params["mode"] == "token_truncate" and chosen.params["meets_rule"]
+    assert the(recommend(result), "correction").params["meets_rule"]
     for framework in FRAMEWORKS:
-        text = render_config(recs, framework)
-        config = LOADERS[framework](text)  # the framework's own schema takes it
-        if framework == "prime-rl":  # prime-rl cannot cap a ratio: the IPO simulated on these tokens
-            ipo = chosen.params["prime_rl_ipo"]
-            assert config == {"trainer": {"loss": {"type": "ipo", "ipo_threshold": ipo["threshold"]}}}
-            assert ipo["meets_rule"] and ipo["frac_tokens_affected"] <= 0.01
-        elif framework in ("slime", "openrlhf"):
-            words = flags(text)
-            assert words[0].startswith("--") and str(chosen.params["cap"]) in words
+        target = parse_target(framework, detect=False)
+        chosen = the(recommend(result, target), "correction")
+        assert module(framework).express(chosen.params["mode"], chosen.params, target.release) is not None
+        text = render_config(recommend(result, target), target)
+        assert "cannot express" not in text and chosen.params["mode"] in text
 
 
 def test_a_planted_off_by_one_gets_only_the_alignment_fix(tmp_path) -> None:
@@ -213,11 +236,16 @@ def test_every_recommendation_says_what_it_costs():
     assert "(cost: one extra forward pass" in render_config(recs, "verl")
 
 
+def correction(mode: str, **params: float) -> list[Recommendation]:
+    return [Recommendation(kind="correction", params={"mode": mode, **params}, why="test")]
+
+
 def test_verl_k_statistic_rejection_is_never_turned_into_a_ratio_cap():
-    for framework in ("trl", "slime", "prime-rl", "openrlhf"):
+    for framework in ("trl", "slime", "prime-rl", "openrlhf", "areal"):
         text = render_config(correction("rs_token_k3", high=0.01), framework)
-        assert f"# {framework} has no rejection on verl's k-statistics (rs_token_k3)" in text
-        assert "0.01" not in text.split("rs_token_k3")[-1]
+        flat = " ".join(line.removeprefix("#").strip() for line in text.splitlines())  # comments wrap
+        assert "cannot express rs_token_k3 high 0.01: nothing to set for it" in flat
+        assert "0.01" not in text.split("nothing to set for it")[-1]
     assert "rollout_rs: token_k3" in render_config(correction("rs_token_k3", high=0.01), "verl")
 
 
@@ -227,21 +255,23 @@ def _routing(with_k3: float, without_k3: float) -> dict:
                             "without_flip": {"n_tokens": 623, "kl_k3": without_k3 / 623, "k3_sum": without_k3}}}
 
 
+def routing_summary() -> dict:
+    return {**summary(SMALL, corrections=TOKEN_CAPS), "routing": _routing(0.0014, 0.0008)}
+
+
 def test_routing_replay_when_routing_flips_carry_most_of_the_gap_with_each_frameworks_keys():
     base = summary(SMALL, corrections=TOKEN_CAPS)
     assert "routing_replay" not in [r.kind for r in recommend({**base, "routing": _routing(0.4, 0.6)})]
-    recs = recommend({**base, "routing": _routing(0.0014, 0.0008)})
+    recs = recommend(routing_summary())
     routing = next(r for r in recs if r.kind == "routing_replay")
     assert routing.params["pair"] == "train/infer" and abs(routing.params["k3_share"] - 0.636) < 1e-3
     snippets = {framework: render_config(recs, framework) for framework in FRAMEWORKS}
-    for framework, text in snippets.items():
-        LOADERS[framework](text)  # each framework's own schema takes it
-    verl = yaml.safe_load(snippets["verl"])
-    assert verl["actor_rollout_ref"]["actor"]["router_replay"]["mode"] == "R3"
+    verl = yaml.safe_load(snippets["verl"])  # the key verl 0.9.1's workers read (tests/test_releases.py)
+    assert verl["actor_rollout_ref"]["actor"]["megatron"]["router_replay"]["mode"] == "R3"
     assert verl["actor_rollout_ref"]["rollout"]["enable_rollout_routing_replay"] is True
     assert "--use-rollout-routing-replay" in snippets["slime"]
     prime = tomllib.loads(snippets["prime-rl"])
     assert prime["trainer"]["enable_router_replay"] is True
-    assert prime["inference"]["vllm"]["enable_return_routed_experts"] is True
     for framework in ("trl", "openrlhf"):
         assert "has no such option; verl, slime and prime-rl do" in snippets[framework]
+    assert "does not replay them" in snippets["areal"]

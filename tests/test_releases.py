@@ -21,7 +21,7 @@ import releases
 from mismatch import frameworks
 from mismatch.advise.corrections import DEFAULT_CORRECTIONS
 from mismatch.advise.recommend import Recommendation, render_config
-from mismatch.analysis.framework_metrics import metrics_for, table_framework_metrics
+from mismatch.analysis.framework_metrics import settings_used, table_framework_metrics
 from mismatch.frameworks import parse_target
 
 FIXES = [Recommendation(kind=kind, why="w") for kind in ("recompute_old_logprobs", "fp16", "batch_invariant",
@@ -158,8 +158,8 @@ def sequences(table: pd.DataFrame) -> list[dict[str, list[float]]]:
 def ours(table: pd.DataFrame, framework: str, version: str, settings: dict[str, Any]) -> dict[str, float]:
     target = parse_target(f"{framework}=={version}", detect=False)
     target = type(target)(framework=framework, release=target.release, settings=settings)
-    metrics = [m for m in metrics_for([target]) if m.framework == framework]
-    return table_framework_metrics(table, [("train", "sampler")], metrics)["train/sampler"][framework]
+    chosen = {framework: settings_used([target])[framework]}
+    return table_framework_metrics(table, [("train", "sampler")], chosen)["train/sampler"][framework]
 
 
 # Keys the release itself computes in float32 whatever its inputs (a `.float()` of a boolean, then a
@@ -238,11 +238,36 @@ def snippets(framework: str, version: str) -> list[str]:
             for item, _ in expressed(framework, version)]
 
 
+def routing_summary() -> dict[str, Any]:
+    """An audit's summary where MoE routing flips carry most of train/infer's k3, beside a small gap."""
+    caps = [{"mode": "token_truncate", "params": {"cap": cap}, "frac_tokens_affected": frac,
+             "frac_rollouts_affected": frac, "weight_mean": 1.0, "weight_max": cap, "ess": ess, "level": "token"}
+            for cap, frac, ess in ((1.5, 0.05, 0.95), (2.0, 0.008, 0.93), (3.0, 0.001, 0.91))]
+    flips = {"frac_tokens_with_flip": 0.014, "with_flip": {"n_tokens": 9, "kl_k3": 0.0014 / 9, "k3_sum": 0.0014},
+             "without_flip": {"n_tokens": 623, "kl_k3": 0.0008 / 623, "k3_sum": 0.0008}}
+    return {"schema": "mismatch.summary/v1", "command": "audit", "counts": {"tokens": 900, "trainable_tokens": 632},
+            "pairs": {"train/sampler": {"n_tokens": 1000, "kl_k3": 1e-4, "frac_outside_2": 0.0,
+                                        "bitwise_equal_frac": 0.0, "ratio_q001": 0.97, "ratio_q999": 1.04}},
+            "engines": {"sampler": {"kind": "stored", "meta": {"dtype": "bfloat16"}}}, "corrections": caps,
+            "routing": {"train/infer": flips}}
+
+
+def routing_snippet(framework: str, version: str) -> str:
+    """What `mismatch recommend DIR --for FRAMEWORK==VERSION` prints for that summary."""
+    from mismatch.advise.recommend import for_target
+
+    advice = for_target(routing_summary(), parse_target(f"{framework}=={version}", detect=False))
+    assert [r["kind"] for r in advice.recommendations] == ["correction", "routing_replay"]
+    return advice.snippet
+
+
 @cache
 def answers(framework: str, version: str) -> dict[str, list[dict[str, Any]]]:
     """What the release made of everything the tests ask of it, in one subprocess."""
     driver, payload = LOADERS[framework]
     config = [payload(text) for text in snippets(framework, version)] + [payload(misspelt(framework, version))]
+    if framework in ("verl", "openrlhf"):
+        config.append(payload(routing_snippet(framework, version)))
     if framework == "openrlhf":
         config.append(payload(OLD_OPENRLHF))
     if framework == "verl":
@@ -287,6 +312,23 @@ def test_a_misspelt_key_is_refused_by_the_release(framework: str, version: str) 
     """The check above can fail: the release refuses what it does not know."""
     answer = answers(framework, version)[LOADERS[framework][0]][len(DEFAULT_CORRECTIONS)]
     assert "refused" in answer, answer
+
+
+@pytest.mark.parametrize("version", releases.RELEASES["verl"])
+def test_recommend_for_verl_on_a_routing_case_turns_r3_on_where_the_workers_read_it(version: str) -> None:
+    answer = answers("verl", version)["verl_config"][len(DEFAULT_CORRECTIONS) + 1]
+    assert "refused" not in answer, answer
+    assert answer["result"]["router_replay.mode (worker)"] == "R3"
+    assert answer["result"]["rollout.enable_rollout_routing_replay"] is True
+
+
+@pytest.mark.parametrize("version", releases.RELEASES["openrlhf"])
+def test_recommend_for_openrlhf_on_a_routing_case_loads_and_says_it_has_no_r3(version: str) -> None:
+    text = routing_snippet("openrlhf", version)
+    answer = answers("openrlhf", version)["openrlhf_config"][len(DEFAULT_CORRECTIONS) + 1]
+    assert "refused" not in answer, answer
+    assert "routing replay (R3): OpenRLHF has no such option" in text
+    assert openrlhf_settings(answer["result"])["is_correction_threshold"] == [0.0, 2.0]
 
 
 def test_the_previous_snippets_are_refused_or_ignored_by_the_releases() -> None:

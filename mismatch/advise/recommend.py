@@ -501,7 +501,7 @@ def snippet_settings(recommendations: Sequence[dict[str, Any]], target: Target) 
 def logged_metrics(results: Path, target: Target, pair: str = PAIR) -> dict[str, Any] | None:
     """The target framework's metrics on the results dir's tokens at the target's settings (over
     its defaults): one pass over tokens.parquet, in chunks."""
-    from mismatch.analysis.framework_metrics import framework_metrics, metrics_for, settings_used
+    from mismatch.analysis.framework_metrics import framework_metrics, settings_used
     from mismatch.results import TOKENS_FILE, tokens_chunks
 
     a, b = pair.split("/")
@@ -512,9 +512,9 @@ def logged_metrics(results: Path, target: Target, pair: str = PAIR) -> dict[str,
     first = next(iter(chunks()), None)
     if first is None or f"logp_{a}" not in first.columns or f"logp_{b}" not in first.columns:
         return None
-    metrics = [m for m in metrics_for([target]) if m.framework == target.framework]
-    found = framework_metrics(chunks, [(a, b)], metrics)[pair].get(target.framework) or {}
-    return {"settings": settings_used([target])[target.framework], "pair": pair, "metrics": found}
+    settings = {target.framework: settings_used([target])[target.framework]}
+    found = framework_metrics(chunks, [(a, b)], settings)[pair].get(target.framework) or {}
+    return {"settings": settings[target.framework], "pair": pair, "metrics": found}
 
 
 def recommendations_dicts(recommendations: Sequence[Recommendation]) -> list[dict[str, Any]]:

@@ -29,28 +29,26 @@ from mismatch.analysis.groups import dot
 from mismatch.frameworks import MODULES
 from mismatch.frameworks._common import FrameworkMetric, PairArrays, Target
 
-# Each framework's metrics at its newest read release's default correction settings.
-FRAMEWORK_METRICS: tuple[FrameworkMetric, ...] = tuple(
-    metric for module in MODULES.values() for metric in module.metrics(module.DEFAULTS))
+Settings = dict[str, dict[str, Any]]  # framework -> its correction settings (its own names)
 
 
-def metrics_for(targets: Sequence[Target] = ()) -> tuple[FrameworkMetric, ...]:
-    """Every framework's metrics: a target's at the settings it names (over its defaults), the
-    others' at their defaults. The settings decide what a weight statistic logs (verl's ESS at its
-    rollout_is level and threshold, TRL's ratio after its mode's mask or truncation, ...)."""
-    chosen = {target.framework: target for target in targets}
-    out: list[FrameworkMetric] = []
-    for name, module in MODULES.items():
-        settings = {**module.DEFAULTS, **(chosen[name].settings if name in chosen else {})}
-        out += module.metrics(settings)
-    return tuple(out)
-
-
-def settings_used(targets: Sequence[Target] = ()) -> dict[str, dict[str, Any]]:
-    """summary.json["framework_settings"]: the settings each framework's metrics were computed with."""
+def settings_used(targets: Sequence[Target] = ()) -> Settings:
+    """Each framework's settings: a target's (over its defaults), the others' defaults; also
+    summary.json["framework_settings"], what the metrics were computed with."""
     chosen = {target.framework: target for target in targets}
     return {name: {**module.DEFAULTS, **(chosen[name].settings if name in chosen else {})}
             for name, module in MODULES.items()}
+
+
+def build_metrics(settings: Settings) -> tuple[FrameworkMetric, ...]:
+    """The metrics of the frameworks in `settings`, at those settings. The settings decide what a
+    weight statistic logs (verl's ESS at its rollout_is level and threshold, TRL's ratio after its
+    mode's mask or truncation, ...)."""
+    return tuple(metric for name, values in settings.items() for metric in MODULES[name].metrics(values))
+
+
+# Each framework's metrics at its newest read release's default correction settings.
+FRAMEWORK_METRICS: tuple[FrameworkMetric, ...] = build_metrics(settings_used())
 
 
 def chunk_pair_arrays(chunk: Chunk, a: str, b: str) -> PairArrays:
@@ -116,13 +114,22 @@ class FrameworkMetrics:
     reduction in pass 0, which also histograms each median's values; the medians' few more passes
     (RadixSelect) after it."""
 
-    def __init__(self, pairs: Sequence[tuple[str, str]], metrics: Sequence[FrameworkMetric] = FRAMEWORK_METRICS) -> None:
-        self.pairs, self.metrics = list(pairs), tuple(metrics)
+    def __init__(self, pairs: Sequence[tuple[str, str]], settings: Settings | None = None) -> None:
+        self.pairs, self.settings = list(pairs), settings if settings is not None else settings_used()
+        self.metrics = build_metrics(self.settings)
         self.reductions = {(pair, metric.key): _Reduction(metric.reduce) for pair in self.pairs
                            for metric in self.metrics}
         self.medians = {(pair, metric.key): RadixSelect() for pair in self.pairs
                         for metric in self.metrics if metric.reduce == "median"}
         self.pending: set[tuple[tuple[str, str], str]] = set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The metrics' values are closures over their settings: pickled as the settings, rebuilt.
+        return {key: value for key, value in vars(self).items() if key != "metrics"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+        self.metrics = build_metrics(self.settings)
 
     def wants(self, index: int) -> bool:
         if index == 0:
@@ -173,17 +180,18 @@ class FrameworkMetrics:
 
 
 def framework_metrics(chunks: Chunks, pairs: Sequence[tuple[str, str]],
-                      metrics: Sequence[FrameworkMetric] = FRAMEWORK_METRICS) -> dict[str, dict[str, dict[str, float | None]]]:
-    """FrameworkMetrics of a table's chunks; None where the pair has no tokens."""
-    found = FrameworkMetrics(pairs, metrics)
+                      settings: Settings | None = None) -> dict[str, dict[str, dict[str, float | None]]]:
+    """FrameworkMetrics of a table's chunks (every framework at its defaults without `settings`);
+    None where the pair has no tokens."""
+    found = FrameworkMetrics(pairs, settings)
     run_passes(chunks, [found])
     return found.result()
 
 
 def table_framework_metrics(table: pd.DataFrame, pairs: Sequence[tuple[str, str]],
-                            metrics: Sequence[FrameworkMetric] = FRAMEWORK_METRICS) -> dict[str, Any]:
+                            settings: Settings | None = None) -> dict[str, Any]:
     """`framework_metrics` of a token table in memory."""
-    return framework_metrics(table_chunks(table), pairs, metrics)
+    return framework_metrics(table_chunks(table), pairs, settings)
 
 
 def crosswalk_rows() -> list[dict[str, Any]]:

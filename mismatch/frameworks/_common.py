@@ -167,7 +167,8 @@ class Target:
 
     @property
     def label(self) -> str:
-        return f"{self.framework} {self.release.version}"
+        version = self.release.version
+        return f"{self.framework} {version[:12] if len(version) == 40 else version}"  # a commit: its short form
 
 
 def _versioned(releases: tuple[Release, ...]) -> bool:
