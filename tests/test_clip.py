@@ -77,7 +77,7 @@ def test_the_audit_table_speaks_the_users_framework(tmp_path: Path, capsys, monk
     out = capsys.readouterr().out
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     k3 = summary["framework_metrics"]["train/sampler"]["verl"]["rollout_corr/k3_kl"]
-    assert "as verl logs it" in out and "rollout_corr/k3_kl" in out and f"{k3:.4g}" in out
+    assert "as verl 0.9.1 logs it" in out and "rollout_corr/k3_kl" in out and f"{k3:.4g}" in out
     assert main([*args, "--out", str(tmp_path / "b"), "--for", "deepspeed"]) == 2
     assert capsys.readouterr().err.startswith("mismatch: error: --for: unknown framework 'deepspeed'")
     assert not (tmp_path / "b").exists()

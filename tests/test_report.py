@@ -201,7 +201,7 @@ def test_reports_never_import_torch_or_the_engines(tmp_path: Path) -> None:
         "mismatch", "mismatch.analysis", "mismatch.analysis.chunked", "mismatch.analysis.framework_metrics",
         "mismatch.analysis.groups", "mismatch.analysis.metrics", "mismatch.analysis.prefixes", "mismatch.analysis.terms",
         "mismatch.analysis.tokenview", "mismatch.errors", "mismatch.frameworks", "mismatch.frameworks._common",
-        "mismatch.frameworks.openrlhf", "mismatch.frameworks.prime_rl", "mismatch.frameworks.slime",
+        "mismatch.frameworks.areal", "mismatch.frameworks.openrlhf", "mismatch.frameworks.prime_rl", "mismatch.frameworks.slime",
         "mismatch.frameworks.trl", "mismatch.frameworks.verl", "mismatch.results", "mismatch.workers"]
     assert (out / REPORT_FILE).is_file()
 
