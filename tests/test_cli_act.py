@@ -39,14 +39,16 @@ def test_audit_summary_carries_trl_corrections_and_a_recommendation(results) -> 
 
 
 def test_recommend_prints_a_real_config(results, capsys) -> None:
+    from mismatch import frameworks
+
     assert main(["recommend", str(results), "--for", "trl==1.16.0", "--json"]) == 0
     advice = json.loads(capsys.readouterr().out)
     mode = advice["recommendations"][0]["params"]["mode"]  # the best TRL 1.16.0 can express
-    assert advice["release"] == "1.16.0" and mode in ("token_truncate", "token_mask", "token_clip", "token_icepop")
+    assert advice["release"] == "1.16.0" and mode in frameworks.module("trl")._EXACT
     assert advice["logged"]["metrics"]["sampling/importance_sampling_ratio/max"] is not None
     assert main(["recommend", str(results), "--for", "trl==1.16.0"]) == 0
     out = capsys.readouterr().out
-    assert "vllm_importance_sampling_mode: token_" in out and "trl 1.16.0 logs: sampling/" in out.replace("\n#   ", " ")
+    assert f"vllm_importance_sampling_mode: {frameworks.module('trl')._EXACT[mode][0]}" in out and "trl 1.16.0 logs: sampling/" in out.replace("\n#   ", " ")
     # Only the snippet (pipeable into a file), each recommendation once, lines wrapped.
     assert out.count("# correction: ") == 1 and out.startswith("# mismatch recommend --for trl==1.16.0\n")
     assert max(map(len, out.splitlines())) <= 100
