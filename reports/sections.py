@@ -510,7 +510,8 @@ def frameworks_section(summary: dict[str, Any]) -> Html | None:
                 "mismatch's metric": row["ours"] or "–", "how it differs": row["note"] or "same number"}
                for row in crosswalk_rows()]
     return section("frameworks", "Under your framework's names", records_table(records, limit=len(records)),
-                   lead=f"{pair}, as verl, TRL, slime, prime-rl and OpenRLHF log it, computed their way.")
+                   lead=f"{pair}, as verl, TRL, slime, prime-rl, OpenRLHF and AReaL log it, computed their way "
+                        "(at the settings in summary.json framework_settings).")
 
 
 # --- diff ----------------------------------------------------------------------------------------

@@ -9,10 +9,11 @@ import pandas as pd
 import pytest
 import yaml
 
-from mismatch.advise.corrections import DEFAULT_CORRECTIONS, summary_corrections
+from mismatch.advise.corrections import summary_corrections
 from mismatch.errors import MismatchError
 from mismatch.analysis.metrics import summarize_pairs
-from mismatch.advise.recommend import (FRAMEWORKS, Recommendation, batch_variant_from_probes, recommend,
+from mismatch.frameworks import FRAMEWORKS
+from mismatch.advise.recommend import (Recommendation, batch_variant_from_probes, recommend,
                                 render_config)
 
 if sys.version_info >= (3, 11):

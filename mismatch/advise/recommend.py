@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from mismatch import frameworks
-from mismatch.advise.corrections import MODES, PROB_GAP_MODES, REJECTION_MODES
+from mismatch.advise.corrections import MODES, REJECTION_MODES
 from mismatch.advise.verdicts import gap_level
 from mismatch.errors import MismatchError
-from mismatch.frameworks import FRAMEWORKS
 from mismatch.frameworks._common import Target
 
 RULE = """\

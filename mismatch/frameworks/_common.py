@@ -6,14 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from mismatch.analysis import terms
 
-if TYPE_CHECKING:
-    from mismatch.advise.recommend import Recommendation
 
 SAFETY_BOUND = 20.0  # verl and slime clamp log-ratios to +-20 before exp (rollout_corr_helper.py:75)
 
@@ -124,22 +122,6 @@ def clamped(p: PairArrays) -> np.ndarray:
 def probs(p: PairArrays) -> np.ndarray:
     """[2, tokens]: pi_train and pi_rollout."""
     return np.exp(np.stack([p.logp_a, p.logp_b]))
-
-
-def correction_params(by_kind: dict[str, Recommendation]) -> tuple[str, dict[str, float]] | None:
-    rec = by_kind.get("correction")
-    if rec is None:
-        return None
-    params = {k: v for k, v in rec.params.items() if k in ("cap", "low", "high", "threshold")}
-    return rec.params["mode"], params
-
-
-def cap(params: dict[str, float]) -> float:
-    return params["cap"] if "cap" in params else params["high"]
-
-
-def level(mode: str) -> str:
-    return "token" if mode.startswith(("token", "rs_token")) else "sequence"
 
 
 # --- which release a snippet targets ---

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mismatch.frameworks._common import FrameworkMetric, PairArrays, Release, level, parse_bool
+from mismatch.frameworks._common import FrameworkMetric, PairArrays, Release, parse_bool
 
 if TYPE_CHECKING:
     from mismatch.advise.recommend import Recommendation
