@@ -11,8 +11,10 @@ import pytest
 from conftest import REPO
 from mismatch.audit import audit
 from mismatch.cli import main
-from mismatch.engines import parse_spec
+from mismatch.engines import load_engine, parse_spec
 from mismatch.errors import SpecError
+from mismatch.identity import engine_identity
+from test_golden import GOLDEN, stored_checkpoint
 
 CUSTOM = f"python:{REPO / 'examples/custom_engine.py'}:make_engine"
 
@@ -79,3 +81,86 @@ def test_python_engine_from_toml_takes_checkpoint_and_options(tiny_checkpoint, s
                    train=str(toml), infer="hf:dtype=bfloat16")
     assert result.summary["engines"]["train"]["module"] == "LogitsOnly(bfloat16)"
     assert result.summary["pairs"]["train/infer"]["log_ratio_abs_max"] < 0.1
+
+
+FLAT_ENGINE = '''
+import numpy as np
+
+class Flat:
+    def __init__(self, got):
+        self.got = got
+
+    def describe(self):
+        return {"got": self.got, "logprob_semantics": "raw"}
+
+    def replay(self, requests, progress=None):
+        return [np.full(r.num_scored, float(self.got.get("logp", -1.0))) for r in requests]
+
+def make(checkpoint: str, logp: float = -1.0, exact: bool = False, label: str = "flat", note=None):
+    return Flat({"checkpoint": checkpoint, "logp": logp, "exact": exact, "label": label, "note": note})
+
+def make_any(checkpoint, **options):
+    return Flat({"checkpoint": checkpoint, **options})
+'''
+
+
+@pytest.fixture
+def flat_engine(tmp_path: Path) -> Path:
+    """A factory file that loads no model: its engine answers a constant and tells what it got."""
+    path = tmp_path / "flat_engine.py"
+    path.write_text(FLAT_ENGINE)
+    return path
+
+
+def test_inline_options_reach_the_factory_typed_by_its_annotations(flat_engine, tmp_path) -> None:
+    checkpoint = stored_checkpoint(tmp_path / "ckpt")
+    spec = f"python:{flat_engine}:make,logp=-0.5, exact=yes,label=a:b=c,note=7"
+    result = audit(checkpoint, GOLDEN / "rollouts.jsonl", train=spec, infer="sampler")
+    train = result.summary["engines"]["train"]
+    # Annotated float and bool are typed as an options dataclass would type them; a str stays one
+    # (colons and '=' after the first included); an unannotated parameter gets the text as written.
+    assert train["got"] == {"checkpoint": str(checkpoint), "logp": -0.5, "exact": True,
+                            "label": "a:b=c", "note": "7"}
+    assert train["options"] == {"logp": -0.5, "exact": True, "label": "a:b=c", "note": "7",
+                                "checkpoint": None}
+    assert result.summary["inputs"]["engines"]["train"]["options"] == {
+        "target": f"{flat_engine}:make", "logp": "-0.5", "exact": "yes", "label": "a:b=c", "note": "7"}
+
+
+def test_inline_checkpoint_replaces_the_first_argument_and_dotted_modules_take_options(
+        flat_engine, monkeypatch) -> None:
+    engine = load_engine(f"python:{flat_engine}:make_any,checkpoint=/elsewhere,n=3", "/audited")
+    assert engine.inner.got == {"checkpoint": "/elsewhere", "n": "3"}  # **options: text as written
+    monkeypatch.syspath_prepend(str(flat_engine.parent))
+    engine = load_engine("python:flat_engine:make,exact=off", "/audited")
+    assert engine.inner.got["exact"] is False and engine.inner.got["checkpoint"] == "/audited"
+    assert parse_spec("python:flat_engine:make").options == {"target": "flat_engine:make"}
+
+
+def test_inline_options_are_part_of_the_run_identity(flat_engine) -> None:
+    base = f"python:{flat_engine}:make"
+    same = engine_identity(parse_spec(f"{base},logp=-0.5"))
+    assert same == engine_identity(parse_spec(f"{base}, logp=-0.5 "))
+    assert same != engine_identity(parse_spec(f"{base},logp=-0.25"))
+    assert same != engine_identity(parse_spec(base))
+    assert same["module"] == engine_identity(parse_spec(base))["module"] is not None
+
+
+@pytest.mark.parametrize(("suffix", "message"), [
+    (",exact", "engine spec '{spec}': expected KEY=VALUE, got 'exact'"),
+    (",=yes", "engine spec '{spec}': expected KEY=VALUE, got '=yes'"),
+    (",target=x:y", "engine spec '{spec}': 'target' is not an option here: MODULE:CALLABLE comes "
+                    "before the first comma"),
+    (",lgp=-1", "python engine '{spec}': unknown option 'lgp' (valid: checkpoint, exact, label, "
+                "logp, note)"),
+    (",logp=low", "python engine '{spec}': option logp='low' is not a valid float"),
+])
+def test_a_bad_inline_option_is_one_line_and_exit_2(flat_engine, tmp_path, capsys, suffix,
+                                                    message) -> None:
+    checkpoint = stored_checkpoint(tmp_path / "ckpt")
+    spec = f"python:{flat_engine}:make{suffix}"
+    out = tmp_path / "out"
+    code = main(["audit", str(checkpoint), "--rollouts", str(GOLDEN / "rollouts.jsonl"),
+                 "--train", spec, "--infer", "sampler", "--out", str(out)])
+    assert code == 2 and not out.exists()
+    assert capsys.readouterr().err.strip() == "mismatch: error: " + message.format(spec=spec)

@@ -46,18 +46,37 @@ def parse_spec(text: str) -> EngineSpec:
         if not rest.strip():
             raise SpecError(f"engine spec {text!r}: expected stored:NAME")
         return EngineSpec(kind="stored", options={"name": rest.strip()}, text=text)
-    if kind == "python":  # python:MODULE:CALLABLE (MODULE may be a path to a .py file)
-        target, sep, callable_name = rest.rpartition(":")
-        if not sep or not target or not callable_name:
-            raise SpecError(f"engine spec {text!r}: expected python:MODULE:CALLABLE")
-        return EngineSpec(kind="python", options={"target": rest}, text=text)
+    if kind == "python":
+        return _python_spec(text, rest)
+    return EngineSpec(kind=kind.strip(), options=_inline_options(text, rest), text=text)
+
+
+def _python_spec(text: str, rest: str) -> EngineSpec:
+    """`python:MODULE:CALLABLE[,KEY=VALUE,...]`, MODULE a dotted name or a path to a .py file."""
+    # The target ends at the first comma: a value may then hold a colon (`url=http://h:80`), and a
+    # module path with a comma in it goes in a TOML's `target` instead.
+    target, _, inline = rest.partition(",")
+    target = target.strip()
+    module_name, sep, callable_name = target.rpartition(":")
+    if not sep or not module_name or not callable_name:
+        raise SpecError(f"engine spec {text!r}: expected python:MODULE:CALLABLE")
+    options = _inline_options(text, inline)
+    if "target" in options:  # the key a TOML names MODULE:CALLABLE by; inline it would replace it
+        raise SpecError(f"engine spec {text!r}: 'target' is not an option here: MODULE:CALLABLE "
+                        f"comes before the first comma")
+    return EngineSpec(kind="python", options={"target": target, **options}, text=text)
+
+
+def _inline_options(text: str, rest: str) -> dict[str, Any]:
+    """`key=value,...` as strings; each engine types them (`options_from`, or a python: factory's
+    annotations) as it would a TOML's."""
     options: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise SpecError(f"engine spec {text!r}: expected KEY=VALUE, got {item!r}")
         options[key.strip()] = value.strip()
-    return EngineSpec(kind=kind.strip(), options=options, text=text)
+    return options
 
 
 def _spec_from_toml(path: Path) -> EngineSpec:
@@ -81,14 +100,28 @@ def options_from(cls: type[T], spec: EngineSpec) -> T:
     if unknown:
         raise SpecError(f"engine {spec.kind!r}: unknown option {unknown[0]!r} "
                         f"(valid: {', '.join(sorted(fields))})")
-    values = {key: _convert(spec, key, raw, hints[key]) for key, raw in spec.options.items()}
+    values = {key: convert_option(f"engine {spec.kind!r}", key, raw, hints[key])
+              for key, raw in spec.options.items()}
     return cls(**values)
 
 
-def _convert(spec: EngineSpec, key: str, raw: Any, hint: Any) -> Any:
-    allowed = [t for t in typing.get_args(hint) if t is not type(None)] \
-        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else [hint]
-    target = allowed[0]
+def scalar_type(hint: Any) -> type | None:
+    """`int`, `float | None` → int, float; None for a hint that is not one plain scalar (`Any`, a
+    `Literal`, `list[int]`, `int | str`, none at all), whose values a python: factory gets as written."""
+    allowed = _allowed(hint)
+    return allowed[0] if len(allowed) == 1 and allowed[0] in (str, bool, int, float) else None
+
+
+def _allowed(hint: Any) -> list[Any]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return [t for t in typing.get_args(hint) if t is not type(None)]
+    return [hint]
+
+
+def convert_option(label: str, key: str, raw: Any, hint: Any) -> Any:
+    """One option's value (a spec's string, a TOML's value) as the type `hint` names; `label` starts
+    the error, e.g. "engine 'hf'"."""
+    target = _allowed(hint)[0]
     if isinstance(raw, target) and not (target is int and isinstance(raw, bool)):
         return raw
     text = str(raw).strip()
@@ -101,5 +134,4 @@ def _convert(spec: EngineSpec, key: str, raw: Any, hint: Any) -> Any:
             raise ValueError
         return target(text)
     except ValueError:
-        raise SpecError(f"engine {spec.kind!r}: option {key}={raw!r} is not a valid "
-                        f"{target.__name__}") from None
+        raise SpecError(f"{label}: option {key}={raw!r} is not a valid {target.__name__}") from None

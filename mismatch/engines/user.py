@@ -1,6 +1,7 @@
 """`python:MODULE:CALLABLE`: a user's own engine (Megatron, TorchTitan, anything) in the audit.
 
-The callable is a factory `factory(checkpoint: str, **options) -> engine`; the engine needs only
+The callable is a factory `factory(checkpoint: str, **options) -> engine`, the options from the
+spec (`python:MODULE:CALLABLE,key=value`) or a TOML; the engine needs only
 `replay(requests, progress=None) -> list[np.ndarray]` (see `mismatch.engines.Engine`); `describe()`
 and `close()` are optional. `examples/custom_engine.py` wraps a plain torch module this way.
 """
@@ -9,15 +10,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mismatch.engines import ProgressFn, ReplayRequest
-from mismatch.engines.spec import EngineSpec
+from mismatch.engines.spec import EngineSpec, convert_option, scalar_type
 from mismatch.errors import EngineError, SpecError
 
 
@@ -43,15 +45,47 @@ def import_target(target: str) -> Any:
     return getattr(module, attr)
 
 
+def factory_options(factory: Callable[..., Any], spec: EngineSpec,
+                    options: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments `factory` gets: each option checked against its signature and typed
+    by its annotation (`batch: int` turns "8" into 8), as a backend's options dataclass would."""
+    label = f"python engine {spec.text!r}"
+    signature = _signature(factory)
+    if signature is None:
+        return dict(options)
+    parameters = list(signature.parameters.values())[1:]  # the first one takes the checkpoint
+    named = {p.name: p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+        unknown = sorted(set(options) - set(named))
+        if unknown:
+            raise SpecError(f"{label}: unknown option {unknown[0]!r} "
+                            f"(valid: {', '.join(sorted([*named, 'checkpoint']))})")
+    typed = {}
+    for key, raw in options.items():
+        target = scalar_type(named[key].annotation) if key in named else None
+        typed[key] = raw if target is None else convert_option(label, key, raw, target)
+    return typed
+
+
+def _signature(factory: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(factory, eval_str=True)
+    except (TypeError, ValueError):  # some C callables have none: their options go as written
+        return None
+    except Exception:  # an annotation of the user's that does not evaluate: names still hold
+        return inspect.signature(factory)
+
+
 class UserEngine:
     """Wraps the user's engine: fills in describe/close and checks what replay returns."""
 
-    def __init__(self, inner: Any, spec_text: str) -> None:
+    def __init__(self, inner: Any, spec_text: str, options: dict[str, Any]) -> None:
         if not callable(getattr(inner, "replay", None)):
             raise SpecError(f"python engine {spec_text!r}: the factory returned "
                             f"{type(inner).__name__}, which has no replay(requests) method")
         self.inner = inner
         self.spec_text = spec_text
+        self.options = options
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, checkpoint: str) -> UserEngine:
@@ -59,11 +93,15 @@ class UserEngine:
         factory = import_target(options.pop("target"))
         # Every spec accepts checkpoint=PATH (ARCHITECTURE.md, "Engine specs"): it replaces the
         # audited checkpoint as the factory's first argument rather than reaching it as a second one.
-        return cls(factory(str(options.pop("checkpoint", checkpoint)), **options), spec.text)
+        replaced = options.pop("checkpoint", None)
+        keywords = factory_options(factory, spec, options)
+        engine = factory(checkpoint if replaced is None else str(replaced), **keywords)
+        return cls(engine, spec.text, {**keywords, "checkpoint": replaced})
 
     def describe(self) -> dict[str, Any]:
         extra = self.inner.describe() if callable(getattr(self.inner, "describe", None)) else {}
-        return {"kind": "python", "spec": self.spec_text, "logprob_semantics": "unknown", **extra}
+        return {"kind": "python", "spec": self.spec_text, "options": self.options,
+                "logprob_semantics": "unknown", **extra}
 
     def replay(self, requests: Sequence[ReplayRequest], *,
                progress: ProgressFn | None = None) -> list[np.ndarray]:
