@@ -18,6 +18,7 @@ import pandas as pd
 
 from mismatch import __version__
 from mismatch.advise.corrections import CorrectionSimulator
+from mismatch.advise.diagnose import diagnose
 from mismatch.advise.recommend import recommend, recommendations_dicts, render_config
 from mismatch.advise.verdicts import verdicts
 from mismatch.analysis.alignment import (
@@ -165,6 +166,9 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
                                 workers=analysis_workers(store.num_rows))
         summary["shard"] = shard_info(shard, block_size)
         summary["inputs"] = inputs
+        weights = engine_weights(engines, checkpoint)
+        if weights:
+            summary["weights"] = weights
         if requests is not None:
             # A planned stage of the work dir: done once, kept until the results are published.
             localized = work.load_stage("localize") if work is not None else None
@@ -176,6 +180,7 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, *, train: str, infer: s
                 if done is not None:
                     done(1)
             summary["localization"].update(localized)
+        advise(summary)  # again: the inputs, the weights and the localizers are evidence too
         if probe:
             add_probes(summary, checkpoint, progress)
         if out_dir is None:
@@ -272,7 +277,10 @@ def analyze_audit(chunks: Chunks, *, engines: dict[str, Any], checkpoint: str,
     summary = SummaryAnalyses(pairs, clip)
     checked = AlignmentCheck(sampler_meta=engines["sampler"].get("meta")) if alignment is None else None
     trees, frameworks = TreeSums(pairs), FrameworkMetrics(pairs)
-    turns, corrections = TurnLocalizer("train", "sampler"), CorrectionSimulator()
+    # With processed stored log-probs the correction is simulated like for like: on the raw pair it
+    # would correct the processing, which raw_logprobs fixes.
+    corrections = CorrectionSimulator(pair=PROCESSED_PAIR if PROCESSED_PAIR in pairs else ("train", "sampler"))
+    turns = TurnLocalizer("train", "sampler")
     run_passes(chunks, [*summary.analyses, trees, frameworks, turns, corrections,
                         *([checked] if checked is not None else []), *also], workers=workers,
                beside=[prefixes] if isinstance(prefixes, PrefixConsistency) else [])
@@ -294,8 +302,11 @@ def analyze_audit(chunks: Chunks, *, engines: dict[str, Any], checkpoint: str,
 
 
 def advise(summary: dict[str, Any], **findings: Any) -> None:
-    """summary.json's recommendations (the rule on the summary, plus `findings` such as probes)
-    and each framework's config snippet for them."""
+    """summary.json's diagnosis, recommendations (the rule on the summary, plus `findings` such as
+    probes) and each framework's config snippet for them; each pair's verdict names its cause."""
+    diagnosis = diagnose(summary, probes=findings.get("probes"))
+    summary["diagnosis"] = diagnosis.to_dict()
+    summary["verdicts"] = verdicts(summary["pairs"], diagnosis)
     summary["recommendations"] = recommendations_dicts(recommend(summary, **findings))
     # Each framework's snippet chooses among the corrections its release can express (the one
     # installed here, else the newest mismatch has read).
@@ -315,6 +326,22 @@ def add_probes(summary: dict[str, Any], checkpoint: str | Path, progress: Progre
         done(0)
     summary["probes"] = {"environment": probes.environment("auto"), "results": results}
     advise(summary, probes=results)
+
+
+def engine_weights(engines: dict[str, Any], checkpoint: str | Path) -> dict[str, Any]:
+    """summary.json `weights`: for each engine that ran another checkpoint than the trainer's, the
+    weights diff of the two (mismatch.weights, read tensor by tensor), so a weight-sync fault is
+    named by its tensors."""
+    from mismatch.weights import diff_checkpoints
+
+    trainer = Path((engines.get("train") or {}).get("checkpoint") or checkpoint)
+    out = {}
+    for source, engine in engines.items():
+        other = engine.get("checkpoint")
+        if source == "train" or not other or Path(other).resolve() == trainer.resolve():
+            continue
+        out[source] = diff_checkpoints(trainer, other).brief()
+    return out
 
 
 def replayed_routing(replayed: Replayed, pairs: tuple[tuple[str, str], ...]) -> dict[str, Any] | None:

@@ -147,6 +147,17 @@ class WeightsReport:
         scored = [t for t in self.differing if t.max_abs_diff is not None]
         return max(scored, key=lambda t: (t.max_abs_diff, t.name), default=None)
 
+    def brief(self, limit: int = 20) -> dict[str, Any]:
+        """summary.json `weights[source]`: the verdict and the differing tensors, most changed first
+        (by ||a-b||/||a||), each with the experts that differ in a stacked expert tensor."""
+        ranked = sorted(self.differing, key=lambda t: (-(t.rel_l2_diff if t.rel_l2_diff is not None else math.inf),
+                                                       t.name))
+        return json_safe({"a": self.a, "b": self.b, "identical": self.identical, "verdict": self.verdict,
+                          "n_differing": len(self.differing), "only_a": list(self.only_a), "only_b": list(self.only_b),
+                          "differing": [{"name": t.name, "max_rel_diff": t.max_rel_diff, "rel_l2_diff": t.rel_l2_diff,
+                                         "experts_differing": [e for e, d in enumerate(t.by_expert or ()) if d != 0.0]}
+                                        for t in ranked[:limit]]})
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe (an infinite difference, from NaN facing a number, becomes null)."""
         worst = self.worst

@@ -30,6 +30,17 @@ def test_levels() -> None:
 def test_text_names_the_meaning_and_numbers() -> None:
     got = verdict("infer/sampler", _metrics(np.full(100, 0.1)))
     assert got["meaning"] == "replay fidelity"
-    assert got["text"].startswith("the stored rollouts were not produced by this checkpoint")
+    assert got["text"].startswith("the stored log-probs were not produced by this checkpoint")
     assert "kl_k3 0.00517" in got["text"]
     assert verdict("a/reference", _metrics(np.zeros(5)))["text"] == "identical log-probs"
+
+
+def test_the_sentence_guesses_no_cause_and_ends_with_the_diagnosed_one() -> None:
+    small = _metrics(np.full(10_000, 1e-2))
+    assert verdict("train/infer", small)["text"].startswith("trainer and engine differ slightly (kl_k3")
+    cause = "the weights of train and infer differ in model.layers.1.self_attn.o_proj"
+    assert verdict("train/infer", small, cause)["text"].endswith(f"; cause: {cause}")
+    # Under the thresholds yet diagnosed (a stale layer barely moving the output): not "rounding".
+    stale = verdict("train/infer", _metrics(np.full(10_000, 1e-4)), cause)
+    assert stale["level"] == "negligible" and "rounding" not in stale["text"] and stale["text"].endswith(cause)
+    assert verdict("train/infer", _metrics(np.zeros(5)), cause)["text"] == "trainer and engine compute identical log-probs"

@@ -14,34 +14,38 @@ from typing import Any
 
 from mismatch import frameworks
 from mismatch.advise.corrections import MODES, REJECTION_MODES
+from mismatch.advise.diagnose import Cause, Diagnosis, batch_variant_from_probes, diagnose  # noqa: F401
 from mismatch.advise.verdicts import gap_level
 from mismatch.errors import MismatchError
 from mismatch.frameworks._common import Target
 
 RULE = """\
-1. The stored log-probs are shifted against the tokens (alignment shift != 0): fix_alignment, alone;
-   every ratio is then measured on misaligned pairs, so no correction or cost can be chosen from it.
-2. Re-rendered messages give other tokens than were sampled (drift spans): fix_renderer.
-3. Correction: none when the train/sampler gap is exact or negligible (mismatch.advise.verdicts.gap_level).
-   Otherwise, of the simulated IS corrections the target framework's release can express (truncate,
-   clip, IcePop and masks, sequence and geometric variants, IPO and DPPO masks; rejection filters
-   correct no ratio alone), the one with the highest ESS among those that change at most 1% of
-   trainable tokens with ESS >= 0.9; ties go to fewer tokens changed, then to a weight mean nearer 1.
-   Sequence-level modes when the mismatch grows with position, else token-level ones (all modes if
-   the framework has none of that level). If none meets both bounds, the highest ESS, and it says so.
-4. Gap large: recompute_old_logprobs (cost: one extra forward pass over the batch's N tokens). A small
-   gap gets the cap alone: nothing heavier than the gap justifies.
-5. Gap large and an engine ran in bfloat16: fp16.
-6. Probes show log-probs that change with batch shape, or (without probes) the sampler or an
-   inference engine gave one prefix different log-probs in different requests: batch_invariant.
-7. Stored log-probs are processed (temperature / top-p) rather than raw: raw_logprobs.
-8. MoE routing flips carry at least half of a trainer pair's k3 (summary.json routing):
-   routing_replay (R3: the trainer follows the experts the engine routed each token to).
+0. The diagnosis first (mismatch.advise.diagnose.RULE): each cause it finds, in its order, gets the
+   fix at its source: a shift fix_alignment alone (every ratio is measured on misaligned pairs, so
+   no correction or cost can be chosen from it); processed log-probs raw_logprobs; weights that
+   differ fix_weight_sync, naming the tensors, layer, module and expert; a sampler that ran another
+   config match_sampler_config (the replay that tells precision from weights); a step at a turn
+   inspect_turn (the turn and the rollouts that show it); render drift fix_renderer; batch variance
+   batch_invariant; routing flips routing_replay (never over a localized weight fault: it would
+   hide it); bfloat16 rounding, when the evidence confirms it, fp16.
+1. Then, only if the ratio still needs it meanwhile, the correction: none when the train/sampler gap
+   (the like-for-like train_processed/sampler one when the sampler stored processed log-probs) is
+   exact or negligible (mismatch.advise.verdicts.gap_level). Otherwise, of the simulated IS
+   corrections the target framework's release can express (truncate, clip, IcePop and masks,
+   sequence and geometric variants, IPO and DPPO masks; rejection filters correct no ratio alone),
+   the one with the highest ESS among those that change at most 1% of trainable tokens with ESS >=
+   0.9; ties go to fewer tokens changed, then to a weight mean nearer 1. Sequence-level modes when
+   the mismatch grows with position or steps up at a turn, else token-level ones (all modes if the
+   framework has none of that level). If none meets both bounds, the highest ESS, and it says so.
+2. Gap large and no fault found that a fix removes (weights, sampler, processing, a turn):
+   recompute_old_logprobs (cost: one extra forward pass over the batch's N tokens). A small gap gets
+   the correction alone: nothing heavier than the gap justifies.
 """
 
 MAX_FRAC_AFFECTED = 0.01  # at most 1% of trainable tokens clipped
 MIN_ESS = 0.9
 PAIR = "train/sampler"
+PROCESSED_PAIR = "train_processed/sampler"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -75,30 +79,27 @@ COSTS = {
     "fp16": "loss scaling in the trainer, and weights within float16's range; memory as bf16",
     "batch_invariant": "inference throughput (reported 10-60% for bitwise modes)",
     "raw_logprobs": "none: an engine setting",
+    "fix_weight_sync": "a fix to the weight sync or the checkpoint; nothing at run time",
+    "match_sampler_config": "one more audit, with the sampler's config as --infer",
+    "inspect_turn": "reading the named rollouts at that turn (mismatch report)",
     "routing_replay": "the engine returns each token's experts (layers x top-k ids per token); the trainer "
                       "forces them: no extra pass",
 }
-ROUTING_SHARE = 0.5  # rule 8: the share of a pair's k3 on tokens with a routing flip
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Evidence:
-    """What the rule reads, gathered from a summary and from other findings."""
+    """What the rule reads: the diagnosis, and the gap and simulated corrections of the pair a
+    correction would be chosen on."""
 
-    metrics: dict[str, Any]  # summary["pairs"]["train/sampler"]
+    metrics: dict[str, Any]  # summary["pairs"][pair]
     corrections: list[dict[str, Any]]
+    diagnosis: Diagnosis = field(default_factory=lambda: Diagnosis(causes=()))
+    pair: str = PAIR  # the pair the correction is chosen on (the like-for-like one when processed)
     num_tokens: int | None = None
     num_trainable_tokens: int | None = None
-    bf16_sources: tuple[str, ...] = ()
     grows_with_position: bool | None = None
-    batch_variant: bool | None = None
-    drift_spans: int = 0
-    alignment_shift: int = 0
-    logprob_semantics: str | None = None
-    routing: dict[str, Any] = field(default_factory=dict)  # summary["routing"]: pair -> agreement
-    # Inference sources (the sampler's stored log-probs, a non-torch engine) that gave one prefix
-    # different log-probs in different requests (summary["prefix_consistency"]).
-    split_prefixes: tuple[str, ...] = ()
+    onset_turn: int | None = None  # where the gap steps up (localization.turns)
 
     @property
     def level(self) -> str:
@@ -114,61 +115,32 @@ def evidence_from_summary(summary: dict[str, Any], *, corrections: list[dict[str
     `corrections` defaults to summary["corrections"]; `grows_with_position` to
     summary["localization"]["turns"]["position_slope"]["grows_with_position"]; `batch_variant` to what
     `probes` (ProbeResult dicts, probes/result.py) show; `drift` / `alignment` to summary["drift"] /
-    summary["alignment"] (or the same keys under summary["localization"]).
+    summary["alignment"].
     """
-    localization = summary.get("localization") or {}
+    seen = dict(summary)  # what the diagnosis reads: the summary with the findings given here
+    if drift is not None:
+        seen["drift"] = drift
+    if alignment is not None:
+        seen["alignment"] = alignment
+    turns = (summary.get("localization") or {}).get("turns") or {}
     if grows_with_position is None:
-        slope = ((localization.get("turns") or {}).get("position_slope") or {})
-        grows_with_position = slope.get("grows_with_position")
-    if batch_variant is None and probes is not None:
-        batch_variant = batch_variant_from_probes(probes)
-    drift = drift if drift is not None else summary.get("drift") or localization.get("drift") or {}
-    alignment = (alignment if alignment is not None
-                 else summary.get("alignment") or localization.get("alignment") or {})
+        grows_with_position = (turns.get("position_slope") or {}).get("grows_with_position")
     counts = summary.get("counts") or {}
+    pair = correction_pair(seen)
     return Evidence(
-        metrics=(summary.get("pairs") or {}).get(PAIR) or {},
+        metrics=(summary.get("pairs") or {}).get(pair) or {}, pair=pair,
+        diagnosis=diagnose(seen, probes=probes, batch_variant=batch_variant),
         corrections=list(corrections if corrections is not None else summary.get("corrections") or []),
         num_tokens=counts.get("tokens"), num_trainable_tokens=counts.get("trainable_tokens"),
-        bf16_sources=_bf16_sources(summary.get("engines") or {}),
-        grows_with_position=grows_with_position, batch_variant=batch_variant,
-        drift_spans=len(drift.get("spans") or []), alignment_shift=int(alignment.get("shift") or 0),
-        logprob_semantics=alignment.get("logprob_semantics"), routing=dict(summary.get("routing") or {}),
-        split_prefixes=_inference_split_prefixes(summary))
+        grows_with_position=grows_with_position, onset_turn=turns.get("onset_turn"))
 
 
-def _inference_split_prefixes(summary: dict[str, Any]) -> tuple[str, ...]:
-    """The inference sources with split prefixes: the batch-invariant fix is the rollout engine's
-    (a torch engine here is this tool's own replay of the trainer)."""
-    from mismatch.analysis.prefixes import split_prefixes
-    from mismatch.replay import TORCH_KINDS
-
-    engines = summary.get("engines") or {}
-    return tuple(source for source in split_prefixes(summary)
-                 if (engines.get(source) or {}).get("kind") not in TORCH_KINDS)
-
-
-# Probe variations that change with what else is in the batch (probes/result.py SOURCES).
-BATCH_SOURCES = ("batch_size", "chunking", "split_kv")
-
-
-def batch_variant_from_probes(probes: list[dict[str, Any]]) -> bool | None:
-    """True when an applicable batch-shape probe is not bitwise equal; None when none ran."""
-    relevant = [p for p in probes if p.get("source") in BATCH_SOURCES and p.get("applicable")
-                and p.get("bitwise_equal_frac") is not None]
-    if not relevant:
-        return None
-    return any(p["bitwise_equal_frac"] < 1.0 for p in relevant)
-
-
-def _bf16_sources(engines: dict[str, Any]) -> tuple[str, ...]:
-    """Sources whose engine ran in bfloat16 (the sampler's dtype comes from the rollouts' meta)."""
-    sources = []
-    for source, engine in engines.items():
-        dtype = engine.get("dtype") or (engine.get("meta") or {}).get("dtype")
-        if str(dtype).removeprefix("torch.") in ("bfloat16", "bf16"):
-            sources.append(source)
-    return tuple(sources)
+def correction_pair(summary: dict[str, Any]) -> str:
+    """The pair a correction is chosen on: train/sampler, or the like-for-like train_processed/
+    sampler when the sampler stored processed log-probs (a correction computed on mismatched
+    semantics would correct the processing, which raw_logprobs fixes)."""
+    processed = (summary.get("alignment") or {}).get("logprob_semantics") == "processed"
+    return PROCESSED_PAIR if processed and PROCESSED_PAIR in (summary.get("pairs") or {}) else PAIR
 
 
 def recommend(summary: dict[str, Any], target: Target | None = None, **findings: Any) -> list[Recommendation]:
@@ -178,39 +150,66 @@ def recommend(summary: dict[str, Any], target: Target | None = None, **findings:
 
 
 def rule(evidence: Evidence, target: Target | None = None) -> list[Recommendation]:
-    if evidence.alignment_shift:
-        return [_fix_alignment(evidence.alignment_shift)]
+    diagnosis = evidence.diagnosis
+    if diagnosis.lead is not None and diagnosis.lead.kind == "alignment_shift":
+        return [_fix_alignment(diagnosis.lead)]
     out: list[Recommendation] = []
-    if evidence.drift_spans:
-        out.append(_fix_renderer(evidence.drift_spans))
+    for cause in diagnosis.causes:
+        fix = _source_fix(cause)
+        if fix is not None and all(r.kind != fix.kind for r in out):
+            out.append(fix)
     out.append(choose_correction(evidence, target))
-    large = evidence.level == "large"
-    if large:
+    if evidence.level == "large" and not any(c.kind in FAULTS for c in diagnosis.causes):
         out.append(_recompute(evidence))
-    if large and evidence.bf16_sources:
-        out.append(_fp16(evidence))
-    if evidence.batch_variant or (evidence.batch_variant is None and evidence.split_prefixes):
-        out.append(_batch_invariant(evidence.split_prefixes if not evidence.batch_variant else ()))
-    if evidence.logprob_semantics == "processed":
-        out.append(_raw_logprobs())
-    routing = _routing_replay(evidence.routing)
-    if routing is not None:
-        out.append(routing)
     return out
 
 
-def _routing_replay(routing: dict[str, Any]) -> Recommendation | None:
-    """Rule 8, on the trainer's pairs (the trainer against the engine, or against the sampler)."""
-    from mismatch.analysis.routing import routing_share
+# Causes a fix removes at the source: recomputing old log-probs would only hide them.
+FAULTS = frozenset({"processed_logprobs", "weights", "sampler_weights", "sampler_config", "turn_onset"})
 
-    for pair in ("train/infer", "train/sampler"):
-        agreement = routing.get(pair)
-        share = routing_share(agreement) if agreement else None
-        if share is not None and share >= ROUTING_SHARE:
-            return Recommendation(kind="routing_replay", params={"pair": pair, "k3_share": share,
-                                                                 "frac_tokens_with_flip": agreement["frac_tokens_with_flip"]},
-                                  why=f"{agreement['frac_tokens_with_flip']:.2%} of {pair} tokens follow a different "
-                                      f"expert set, and they carry {share:.0%} of the gap (k3)")
+
+def _source_fix(cause: Cause) -> Recommendation | None:
+    """The fix at a cause's source, in the words of the cause's evidence (kernel paths and position
+    drift have none of their own: recompute and the correction's level answer them)."""
+    why = "; ".join([cause.title, *cause.evidence, *cause.rules_out])
+    where = {k: v for k, v in cause.where.items() if k != "words"}
+    if cause.kind == "processed_logprobs":
+        return _raw_logprobs(why)
+    if cause.kind in ("weights", "sampler_weights"):
+        return Recommendation(kind="fix_weight_sync", params={"cause": cause.kind, **where},
+                              why=f"{why}; fix the weight sync (the tensor names it maps, a shard or layer it "
+                                  "misses, a stale copy) before correcting anything: a correction would train on "
+                                  "a policy the trainer does not have")
+    if cause.kind == "sampler_config":
+        return Recommendation(kind="match_sampler_config", params=where,
+                              why=f"{why}; audit again with --infer {where.get('infer')} (the sampler's config): "
+                                  "if the replay then reproduces the stored log-probs the gap is that config's "
+                                  "numerics, if not the sampler ran other weights")
+    if cause.kind == "turn_onset":
+        return Recommendation(kind="inspect_turn", params=where,
+                              why=f"{why}; compare turn {where['turn']} with the turn before it in these rollouts "
+                                  "(the report lists them): what the harness or the engine did differently there "
+                                  "is the fix")
+    if cause.kind == "render_drift":
+        return Recommendation(kind="fix_renderer", params=where,
+                              why=f"{why}: the trainer is scoring text the model never sampled; train on the "
+                                  "stored token ids, or fix the chat template / tool-call renderer")
+    if cause.kind == "batch_variance":
+        return Recommendation(kind="batch_invariant", params={"vllm_env": "VLLM_BATCH_INVARIANT=1",
+                                                              "sglang_flag": "--enable-deterministic-inference",
+                                                              **where},
+                              why=f"{why}: a batch-invariant (deterministic) inference mode removes batch noise at "
+                                  "the source, at a throughput cost (reported 10-60% for bitwise modes; measure it "
+                                  "with mismatch diff)")
+    if cause.kind == "routing_flips":
+        return Recommendation(kind="routing_replay", params=where,
+                              why=f"{why}: the trainer follows the experts the engine routed each token to (R3)")
+    if cause.kind == "precision":
+        return Recommendation(kind="fp16", params={"dtype": "float16", "instead_of": "bfloat16", **where},
+                              why=f"{why}; float16 has 10 mantissa bits to bfloat16's 7, so the same kernels round "
+                                  "8x less and the gap shrinks at the source (Qi et al. 2025, 'Defeating the "
+                                  "Training-Inference Mismatch via FP16'); the trainer needs loss scaling, and "
+                                  "weights must fit float16's range")
     return None
 
 
@@ -229,20 +228,21 @@ def choose_correction(evidence: Evidence, target: Target | None = None) -> Recom
                                   "ratio cannot be measured, so no correction can be chosen")
     if level in ("exact", "negligible"):
         return Recommendation(kind="no_correction", params={"gap": level},
-                              why=f"the train/sampler ratio is 1 up to rounding ({_gap_words(evidence.metrics)}): "
+                              why=f"the {evidence.pair} ratio is 1 up to rounding ({_gap_words(evidence.metrics)}): "
                                   "a correction would change nothing")
     who = target.label if target is not None else "a framework"
     expressible = [c for c in evidence.corrections if _expressible(c, target)]
     if not expressible:
         raise MismatchError(f"no simulated corrections that {who} can express: summary.json has no "
                             "'corrections' (simulate them with mismatch.advise.corrections.summary_corrections)")
-    unit = "sequence" if evidence.grows_with_position else "token"
+    # A step at a turn biases every later token the same way, as a slope along position does.
+    unit = "sequence" if evidence.grows_with_position or evidence.onset_turn is not None else "token"
     candidates = [c for c in expressible if _mode_level(c) == unit] or expressible
     ranked = sorted(candidates, key=_rank)
     chosen = ranked[0]
     passing = [c for c in ranked if _passes(c)]
-    why = [f"the train/sampler gap is {level} ({_gap_words(evidence.metrics)})",
-           _unit_reason(evidence.grows_with_position, candidates is not expressible),
+    why = [f"the {evidence.pair} gap is {level} ({_gap_words(evidence.metrics)})",
+           _unit_reason(evidence, candidates is not expressible),
            _winner_words(chosen, ranked, who, passing=bool(passing))]
     params = {"mode": chosen["mode"], **chosen["params"], "frac_tokens_affected": chosen["frac_tokens_affected"],
               "frac_rollouts_affected": chosen["frac_rollouts_affected"], "ess": chosen["ess"],
@@ -250,6 +250,8 @@ def choose_correction(evidence: Evidence, target: Target | None = None) -> Recom
               "ranked": [_brief(c) for c in ranked[:5]]}
     if target is not None:
         params["framework"] = target.label
+    if evidence.pair != PAIR:
+        params["pair"] = evidence.pair
     return Recommendation(kind="correction", why="; ".join(why), params=params)
 
 
@@ -334,13 +336,15 @@ def _passes(correction: dict[str, Any]) -> bool:
     return frac is not None and ess is not None and frac <= MAX_FRAC_AFFECTED and ess >= MIN_ESS
 
 
-def _unit_reason(grows_with_position: bool | None, restricted: bool) -> str:
-    if grows_with_position:
-        reason = ("the mismatch grows with position: late tokens are biased the same way, so the product over "
-                  "the sequence is what drifts and a per-token cap would miss it")
+def _unit_reason(evidence: Evidence, restricted: bool) -> str:
+    if evidence.onset_turn is not None or evidence.grows_with_position:
+        reason = (f"the mismatch steps up at turn {evidence.onset_turn} and stays" if evidence.onset_turn is not None
+                  else "the mismatch grows with position")
+        reason += (": later tokens are biased the same way, so the product over the sequence is what drifts and "
+                   "a per-token cap would miss it")
         return f"sequence-level modes only, because {reason}" if restricted else \
             f"{reason}, but no sequence-level mode is expressible here"
-    if grows_with_position is None:
+    if evidence.grows_with_position is None:
         return "token-level modes (the position trend was not measured; token level is the safe default)"
     return "token-level modes, because the mismatch does not grow with position: per-token noise, corrected per token"
 
@@ -358,49 +362,18 @@ def _recompute(evidence: Evidence) -> Recommendation:
                               f"handles only the sampler/trainer gap; cost: {cost}")
 
 
-def _fp16(evidence: Evidence) -> Recommendation:
-    sources = ", ".join(evidence.bf16_sources)
-    return Recommendation(kind="fp16", params={"dtype": "float16", "instead_of": "bfloat16",
-                                               "sources": list(evidence.bf16_sources)},
-                          why=f"{sources} ran in bfloat16 (7 mantissa bits); float16 has 10, so the same kernels "
-                              "round 8x less and the trainer/sampler gap shrinks at the source (Qi et al. 2025, "
-                              "'Defeating the Training-Inference Mismatch via FP16'); the trainer needs loss "
-                              "scaling, and weights must fit float16's range")
+def _fix_alignment(cause: Cause) -> Recommendation:
+    shift = cause.where["shift"]
+    return Recommendation(kind="fix_alignment", params={"shift": shift, "rollouts": cause.where.get("rollouts", [])},
+                          why=f"{'; '.join([cause.title, *cause.evidence])}: an off-by-one pairs each log-prob with "
+                              "the wrong token; align logprob[i] with token[i] before any correction (every number "
+                              "above is measured on misaligned pairs)")
 
 
-def _batch_invariant(split_prefixes: tuple[str, ...] = ()) -> Recommendation:
-    """From the probes (batch-shape variance), or from the data: sources that gave one prefix
-    different log-probs in different requests."""
-    seen = (f"{' and '.join(split_prefixes)} gave the same prefix different log-probs in different requests "
-            "(summary.json prefix_consistency): batch variance, or an engine bug if it stays one request at a time"
-            if split_prefixes else "the probes show log-probs that change with batch composition")
-    return Recommendation(kind="batch_invariant",
-                          params={"vllm_env": "VLLM_BATCH_INVARIANT=1",
-                                  "sglang_flag": "--enable-deterministic-inference"},
-                          why=f"{seen}: a batch-invariant (deterministic) inference mode removes batch noise at "
-                              "the source, at a throughput cost (reported 10-60% for bitwise modes; measure it "
-                              "with mismatch diff)")
-
-
-def _fix_renderer(num_spans: int) -> Recommendation:
-    return Recommendation(kind="fix_renderer", params={"spans": num_spans},
-                          why=f"{num_spans} span(s) where re-rendering the messages gives other tokens than the "
-                              "sampler produced: the trainer is scoring text the model never sampled; train on "
-                              "the stored token ids, or fix the chat template / tool-call renderer")
-
-
-def _fix_alignment(shift: int) -> Recommendation:
-    return Recommendation(kind="fix_alignment", params={"shift": shift},
-                          why=f"the stored log-probs line up with the tokens shifted by {shift:+d}: an off-by-one "
-                              "pairs each log-prob with the wrong token; align logprob[i] with token[i] before "
-                              "any correction (every number above is measured on misaligned pairs)")
-
-
-def _raw_logprobs() -> Recommendation:
+def _raw_logprobs(why: str) -> Recommendation:
     return Recommendation(kind="raw_logprobs", params={"vllm": "logprobs_mode=raw_logprobs"},
-                          why="the stored log-probs are processed (after temperature / top-p) while the trainer "
-                              "computes raw ones: store raw log-probs (vLLM logprobs_mode='raw_logprobs') or "
-                              "apply the same processing in the trainer")
+                          why=f"{why}: store raw log-probs (vLLM logprobs_mode='raw_logprobs') or apply the same "
+                              "processing in the trainer, before correcting anything")
 
 
 # --- config snippets ---

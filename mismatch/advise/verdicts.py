@@ -1,12 +1,16 @@
 """Plain-words verdicts for the three gaps of an audit (the triangle sampler / trainer / engine).
 
 Each pair's metrics map to a level by stated thresholds on kl_k3 and the tail of the ratio, and
-the level to a sentence that says what the gap means for that pair.
+the level to a sentence that says what the gap means for that pair. The sentence guesses at no
+cause: the diagnosis names the one the evidence shows, and its title ends the pair's sentence.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mismatch.advise.diagnose import Diagnosis
 
 # Thresholds (kl_k3 is per token; frac_outside_2 is the share of tokens with ratio outside [0.5, 2]).
 NEGLIGIBLE_KL = 1e-6
@@ -36,13 +40,18 @@ def gap_level(metrics: dict[str, Any]) -> str:
     return "large"
 
 
-def verdict(pair: str, metrics: dict[str, Any]) -> dict[str, str]:
-    """{"level", "meaning", "text"}: the level, what this pair measures, and one plain sentence."""
+def verdict(pair: str, metrics: dict[str, Any], cause: str | None = None) -> dict[str, str]:
+    """{"level", "meaning", "text"}: the level, what this pair measures, and one plain sentence,
+    ending with the diagnosed `cause` of this pair's gap when there is one."""
     level = gap_level(metrics)
     text = _TEXT.get(pair, _GENERIC)[level]
+    if cause and level == "negligible":  # under the thresholds, yet with a cause: not "rounding"
+        text = _GENERIC["negligible"]
     if level not in ("unknown", "exact"):
         text += (f" (kl_k3 {metrics['kl_k3']:.3g}, ratio q0.1–q99.9 {metrics['ratio_q001']:.3g}–"
                  f"{metrics['ratio_q999']:.3g}, {metrics['frac_outside_2']:.2%} of tokens outside [0.5, 2])")
+    if cause and level != "exact":
+        text += f"; cause: {cause}"
     return {"level": level, "meaning": MEANING.get(pair, f"{pair} log-ratio"), "text": text}
 
 
@@ -58,17 +67,15 @@ _TEXT: dict[str, dict[str, str]] = {
         "unknown": "no tokens to compare",
         "exact": "trainer and engine compute identical log-probs",
         "negligible": "trainer and engine agree up to rounding",
-        "small": "trainer and engine differ slightly (kernels, precision or batch shapes)",
-        "large": "trainer and engine disagree strongly: check dtype, attention kernel and weights",
+        "small": "trainer and engine differ slightly",
+        "large": "trainer and engine disagree strongly",
     },
     "infer/sampler": {
         "unknown": "no stored sampler log-probs to compare the replay with",
         "exact": "replay is faithful: this engine config reproduces the stored log-probs bit for bit",
-        "negligible": "replay is faithful up to rounding (batch shapes or kernel nondeterminism)",
-        "small": "replay differs slightly from the stored log-probs: batch shapes, prefix caching "
-                 "or another engine config than the sampler's",
-        "large": "the stored rollouts were not produced by this checkpoint and engine config: "
-                 "stale weights, another config, or a harness that changed the tokens",
+        "negligible": "replay is faithful up to rounding",
+        "small": "replay differs slightly from the stored log-probs",
+        "large": "the stored log-probs were not produced by this checkpoint and engine config",
     },
 }
 
@@ -76,11 +83,15 @@ _TEXT: dict[str, dict[str, str]] = {
 _GENERIC = {
     "unknown": "no tokens to compare",
     "exact": "identical log-probs",
-    "negligible": "equal up to rounding",
+    "negligible": "equal within the thresholds",
     "small": "a slight gap",
     "large": "a large gap",
 }
 
 
-def verdicts(pairs: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
-    return {pair: verdict(pair, metrics) for pair, metrics in pairs.items()}
+def verdicts(pairs: dict[str, dict[str, Any]], diagnosis: Diagnosis | None = None) -> dict[str, dict[str, str]]:
+    def cause(pair: str) -> str | None:
+        found = diagnosis.for_pair(pair) if diagnosis is not None else None
+        return found.title if found is not None else None
+
+    return {pair: verdict(pair, metrics, cause(pair)) for pair, metrics in pairs.items()}

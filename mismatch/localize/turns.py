@@ -7,6 +7,7 @@ numpy/pandas only, so a report or a trainer can call it without torch.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -119,12 +120,24 @@ class TurnLocalizer:
         self.tokens = _TurnTokens(*self.columns, trainable_only)
         self.fit: _SlopeFit | None = None
         self.groups_pass = False  # whether the breakdowns read the current pass
+        self.onset: _OnsetRollouts | None = None  # pass 1: who shows the onset, and what its turn holds
 
     def wants(self, index: int) -> bool:
         self.groups_pass = self.groups.wants(index)
         if index == 1:
             self.fit = _SlopeFit.of(self.tokens.moments, self.tokens.x_range)
-        return self.groups_pass or (index == 1 and self.fit is not None)
+            onset = self._onset_turn()
+            self.onset = _OnsetRollouts(*self.columns, onset, self.rule, self.trainable_only) \
+                if onset is not None else None
+        return self.groups_pass or (index == 1 and (self.fit is not None or self.onset is not None))
+
+    def _onset_turn(self) -> Any:
+        """The onset from pass 0's sums (known before pass 1, so pass 1 can ask who shows it)."""
+        found = self.groups.result()
+        frame = found["turn"][f"{self.a}/{self.b}"]
+        if not int(found[OVERALL][f"{self.a}/{self.b}"]["n_tokens"].iloc[0]):
+            return None
+        return next((row["turn"] for row in _by_turn(frame, self.tokens, self.rule) if row["departs"]), None)
 
     def add(self, chunk: Chunk, index: int) -> None:
         if index == 0:
@@ -134,16 +147,22 @@ class TurnLocalizer:
                 raise MismatchError(f"pair {self.a}/{self.b}: token table has no column {missing[0]!r} "
                                     f"(columns: {', '.join(map(str, chunk.table.columns))})")
             self.tokens.add(chunk)
-        elif self.fit is not None:
-            self.tokens.add_residuals(chunk, self.fit)
+        else:
+            if self.fit is not None:
+                self.tokens.add_residuals(chunk, self.fit)
+            if self.onset is not None:
+                self.onset.add(chunk)
         if self.groups_pass:
             self.groups.add(chunk, index)
 
     def merge(self, other: TurnLocalizer, index: int) -> None:
         if index == 0:
             self.tokens.merge(other.tokens)
-        elif self.fit is not None and other.fit is not None:
-            self.fit.merge(other.fit)
+        else:
+            if self.fit is not None and other.fit is not None:
+                self.fit.merge(other.fit)
+            if self.onset is not None and other.onset is not None:
+                self.onset.merge(other.onset)
         if self.groups_pass:
             self.groups.merge(other.groups, index)
 
@@ -159,6 +178,7 @@ class TurnLocalizer:
             "trainable_only": self.trainable_only,
             "n_tokens": n_tokens,
             "onset_turn": onset,
+            "onset": self.onset.result() if self.onset is not None and onset == self.onset.turn else None,
             "onset_rule": self.rule.describe(),
             "onset_params": asdict(self.rule),
             "by_turn": by_turn,
@@ -167,6 +187,64 @@ class TurnLocalizer:
             "by_role": _breakdown(found["role"], "role") if n_tokens else [],
             "by_branch_kind": _breakdown(found["branch_kind"], "branch_kind") if n_tokens else [],
         })
+
+
+class _OnsetRollouts:
+    """Pass 1, once the onset turn k is known: each rollout's mean |log_ratio| before turn k and from
+    it on (a rollout lies in one chunk: per-rollout rows, appended), and what the rows of turn k
+    hold next to those of the turns before it (by role and branch kind, every row: the context a
+    turn adds is its prompts, tool results and summaries)."""
+
+    def __init__(self, col_a: str, col_b: str, turn: Any, rule: OnsetRule, trainable_only: bool) -> None:
+        self.col_a, self.col_b, self.turn, self.rule, self.trainable_only = col_a, col_b, turn, rule, trainable_only
+        self.rollouts: list[tuple[str, float, int, float, int]] = []  # (rollout, sum before, n, sum from k, n)
+        self.at_turn: dict[str, Counter] = {"role": Counter(), "branch_kind": Counter()}
+        self.before: dict[str, Counter] = {"role": Counter(), "branch_kind": Counter()}
+
+    def add(self, chunk: Chunk) -> None:
+        table = chunk.table
+        turn = table["turn"].to_numpy()
+        logp_a, logp_b = table[self.col_a].to_numpy(np.float64), table[self.col_b].to_numpy(np.float64)
+        scored = np.isfinite(logp_a) & np.isfinite(logp_b)
+        if self.trainable_only:
+            scored &= table["trainable"].to_numpy(bool)
+        codes, names = pd.factorize(table["rollout"], sort=False)
+        abs_ratio = np.where(scored, np.abs(logp_a - logp_b), 0.0)
+        late = turn >= self.turn
+        sums = [np.bincount(codes, weights=abs_ratio * (scored & side), minlength=len(names)) for side in (~late, late)]
+        counts = [np.bincount(codes, weights=(scored & side).astype(np.float64), minlength=len(names))
+                  for side in (~late, late)]
+        self.rollouts += [(str(name), float(sums[0][i]), int(counts[0][i]), float(sums[1][i]), int(counts[1][i]))
+                          for i, name in enumerate(names)]
+        for column in ("role", "branch_kind"):
+            self.at_turn[column].update(table[column][turn == self.turn].astype(str).value_counts().to_dict())
+            self.before[column].update(table[column][turn < self.turn].astype(str).value_counts().to_dict())
+
+    def merge(self, other: _OnsetRollouts) -> None:
+        self.rollouts += other.rollouts
+        for column in ("role", "branch_kind"):
+            self.at_turn[column].update(other.at_turn[column])
+            self.before[column].update(other.before[column])
+
+    def result(self) -> dict[str, Any]:
+        """`localization.turns.onset`: the rollouts that step up at the onset (their mean |log_ratio|
+        from turn k over before it, by the onset rule's factor and min_abs), worst first, and what
+        turn k holds that the turns before it did not."""
+        compared, departing = [], []
+        for rollout, before, n_before, after, n_after in self.rollouts:
+            if not (n_before and n_after):
+                continue
+            mean_before, mean_after = before / n_before, after / n_after
+            compared.append(rollout)
+            if mean_after > self.rule.factor * mean_before + self.rule.min_abs:
+                departing.append({"rollout": rollout, "abs_mean_before": mean_before, "abs_mean_from": mean_after})
+        departing.sort(key=lambda row: (-(row["abs_mean_from"] - row["abs_mean_before"]), row["rollout"]))
+        roles, kinds = self.at_turn["role"], self.at_turn["branch_kind"]
+        return {"turn": self.turn, "n_rollouts_compared": len(compared), "n_rollouts_departing": len(departing),
+                "rollouts": departing[:10], "rows_by_role": dict(sorted(roles.items())),
+                "rows_by_branch_kind": dict(sorted(kinds.items())),
+                "new_roles": sorted(set(roles) - set(self.before["role"])),
+                "new_branch_kinds": sorted(set(kinds) - set(self.before["branch_kind"]))}
 
 
 class _TurnTokens:

@@ -1,0 +1,604 @@
+"""The diagnosis: the evidence of an audit turned into ranked causes, before any advice.
+
+summary.json (pairs, engines, alignment, drift, localization, weights, routing, prefix consistency)
++ probes -> diagnose -> causes, each with the pair it explains, the evidence for it and what rules
+the other causes out. `recommend` fixes the causes at the source first and corrects the ratio only
+if it still needs it meanwhile; the report's headline, the terminal audit and `recommend` lead with
+the first cause.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from mismatch.advise.verdicts import gap_level
+
+RULE = """\
+Causes, in the order they lead (each only on the evidence named):
+1. alignment_shift: the stored log-probs fit the tokens best shifted (alignment shift != 0).
+2. processed_logprobs: the stored log-probs are temperature/top-p processed; the gap left is the
+   like-for-like pair's (train_processed/sampler).
+3. weights: the weights of two sides differ: a weights diff of the engine's checkpoint against the
+   trainer's, or the localizers confine the train/infer error to a few modules (each module's error
+   over 10x the median module's and its rounding floor; an expert when one expert carries it).
+4. sampler_weights: the replays agree (train/infer exact or negligible) but not the sampler
+   (infer/sampler small or large) while meta.sampler declares the replay's dtype and engine: the
+   sampler ran other weights. sampler_config: the same, but meta.sampler declares another dtype,
+   engine or attention: replay the sampler's config to tell them apart.
+5. turn_onset: the train/sampler gap steps up at a turn (localization.turns onset rule).
+6. render_drift: re-rendered messages give other tokens than were sampled (drift spans).
+7. batch_variance: probes show batch-shape variance, or an inference source gave one prefix
+   different log-probs in different requests.
+8. routing_flips: MoE routing flips carry >= half of a trainer pair's k3, and no weight fault is
+   localized (a faulty expert flips routing downstream: routing replay would hide it).
+9. precision: the sides differ in dtype with one in bfloat16, and a replay in the other dtype
+   makes the gap vanish (the third source, same weights, reproduces one side exactly or up to
+   rounding), or the localizers spread the error over every module, or the dtype probes say so.
+10. kernel_path: the sides differ in engine kind (full forward vs decode, another engine) with the
+   same dtype, the replay reproducing the sampler.
+11. position_drift: the gap grows with position, with no turn onset.
+"""
+
+OUTLIER = 10.0   # a module's error this many times the median module's (and its rounding floor)
+ROUTING_SHARE = 0.5  # the share of a pair's k3 on tokens with a routing flip that makes it the cause
+MAX_CONFINED = 3  # at most this many modules (or a tenth of them) for "confined to a few modules"
+HEALTHY = ("exact", "negligible")
+GAPS = ("small", "large")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Cause:
+    """One cause: the pair whose gap it explains, in words with where it is, and why."""
+
+    kind: str
+    pair: str
+    title: str                      # the cause in one phrase, naming where (layer, module, turn, ...)
+    evidence: tuple[str, ...]       # what supports it
+    rules_out: tuple[str, ...] = ()  # why not the other causes
+    fix: str = ""                   # the recommendation kind that fixes it at the source
+    where: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "pair": self.pair, "title": self.title, "evidence": list(self.evidence),
+                "rules_out": list(self.rules_out), "fix": self.fix, "where": dict(self.where)}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Diagnosis:
+    causes: tuple[Cause, ...]
+    findings: tuple[str, ...] = ()  # facts that explain no gap but change how to read one
+
+    @property
+    def lead(self) -> Cause | None:
+        return self.causes[0] if self.causes else None
+
+    def of_kind(self, kind: str) -> Cause | None:
+        return next((cause for cause in self.causes if cause.kind == kind), None)
+
+    def for_pair(self, pair: str) -> Cause | None:
+        return next((cause for cause in self.causes if cause.pair == pair), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"causes": [cause.to_dict() for cause in self.causes], "findings": list(self.findings),
+                "rule": RULE}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Side:
+    """What one source ran: engine kind, dtype, attention, and which weights (None: not known)."""
+
+    source: str
+    kind: str | None
+    dtype: str | None
+    attn: str | None
+    weights: str | None
+
+    def differs(self, other: Side) -> dict[str, tuple[Any, Any]]:
+        """The facts both sides know that differ: {fact: (this side's, the other's)}."""
+        facts = {"dtype": (self.dtype, other.dtype), "engine": (self.kind, other.kind),
+                 "attn": (self.attn, other.attn)}
+        return {name: pair for name, pair in facts.items() if None not in pair and pair[0] != pair[1]}
+
+
+def sides(summary: dict[str, Any]) -> dict[str, Side]:
+    engines = summary.get("engines") or {}
+    out = {}
+    for source, engine in engines.items():
+        meta = engine.get("meta") or {}
+        if source == "sampler":  # stored log-probs: what meta.sampler declares of the engine that sampled
+            out[source] = Side(source=source, kind=_text(meta.get("engine")), dtype=_dtype(meta.get("dtype")),
+                               attn=_text(meta.get("attn")), weights=None)
+            continue
+        torch = engine.get("kind") in ("hf", "hf-decode")
+        out[source] = Side(source=source, kind=_text(engine.get("kind")), dtype=_dtype(engine.get("dtype")),
+                           attn=_text(engine.get("attn")) if torch else None,
+                           weights=str(engine.get("checkpoint") or summary.get("checkpoint") or "") or None)
+    return out
+
+
+def _text(value: Any) -> str | None:
+    return str(value) if value not in (None, "", "auto") else None
+
+
+def _dtype(value: Any) -> str | None:
+    text = _text(value)
+    if text is None:
+        return None
+    text = text.removeprefix("torch.")
+    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(text, text)
+
+
+def levels(summary: dict[str, Any]) -> dict[str, str]:
+    return {pair: gap_level(metrics) for pair, metrics in (summary.get("pairs") or {}).items()
+            if isinstance(metrics, dict)}
+
+
+def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = None,
+             batch_variant: bool | None = None) -> Diagnosis:
+    """The causes the summary's evidence supports, in the order RULE gives."""
+    level = levels(summary)
+    side = sides(summary)
+    shift = _alignment_shift(summary)
+    if shift is not None:  # every other number is measured on misaligned pairs
+        return Diagnosis(causes=(shift,))
+    weights = _weights(summary, level, side)
+    found = [_processed(summary, level), weights, _sampler_side(summary, level, side),
+             _turn_onset(summary), _render_drift(summary),
+             _batch_variance(summary, side, batch_variant if batch_variant is not None
+                             else _probes_batch_variant(probes)),
+             _routing(summary, weights), _precision(summary, level, side, weights, probes),
+             _kernel_path(summary, level, side, weights), _position_drift(summary)]
+    causes = tuple(cause for cause in found if cause is not None)
+    return Diagnosis(causes=_minor_drift_last(causes, summary), findings=tuple(_findings(summary, level, side)))
+
+
+# --- one function per cause ---
+
+def _alignment_shift(summary: dict[str, Any]) -> Cause | None:
+    alignment = summary.get("alignment") or {}
+    shift = int(alignment.get("shift") or 0)
+    if not shift:
+        return None
+    fit = alignment.get("shift_fit") or {}
+    fits = ", ".join(f"shift {k}: mean |log-ratio| {v:.3g}" for k, v in fit.items() if isinstance(v, (int, float)))
+    by_rollout = alignment.get("shift_by_rollout") or {}
+    return Cause(kind="alignment_shift", pair="train/sampler", fix="fix_alignment",
+                 title=f"the stored log-probs are shifted by {shift:+d} against their tokens",
+                 evidence=(f"the stored log-probs fit the replay best shifted by {shift:+d} ({fits})",
+                           *([f"rollouts shifted: {_names(list(by_rollout))}"] if by_rollout else [])),
+                 rules_out=("every other gap is measured on misaligned pairs: nothing else can be judged "
+                            "until they line up",),
+                 where={"shift": shift, "rollouts": list(by_rollout)[:10]})
+
+
+def _processed(summary: dict[str, Any], level: dict[str, str]) -> Cause | None:
+    alignment = summary.get("alignment") or {}
+    if alignment.get("logprob_semantics") != "processed":
+        return None
+    temperature = alignment.get("estimated_temperature")
+    declared = (alignment.get("declared") or {})
+    evidence = [f"the stored log-probs are sharper or flatter than the raw ones in a way only processing gives "
+                f"(estimated temperature {temperature:.3g})" if isinstance(temperature, (int, float))
+                else "the stored log-probs are processed (temperature / top-p), not raw"]
+    if declared.get("logprobs") == "processed":
+        evidence.append(f"meta.sampler declares logprobs=processed (temperature {declared.get('temperature')})")
+    like = "train_processed/sampler"
+    rules_out = []
+    if like in level:
+        metrics = summary["pairs"][like]
+        rules_out.append(f"the like-for-like gap (the trainer with the sampler's processing, {like}) is "
+                         f"{level[like]} (kl_k3 {metrics['kl_k3']:.3g}) where the raw train/sampler one is "
+                         f"{level.get('train/sampler', 'unknown')} (kl_k3 {_kl(summary, 'train/sampler')}): "
+                         "the gap is the processing, not the numerics")
+    return Cause(kind="processed_logprobs", pair="train/sampler", fix="raw_logprobs",
+                 title="the sampler stored processed log-probs (after temperature / top-p) and the trainer raw ones",
+                 evidence=tuple(evidence), rules_out=tuple(rules_out),
+                 where={"estimated_temperature": temperature, "like_for_like": like if like in level else None,
+                        "like_for_like_level": level.get(like)})
+
+
+def _weights(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side]) -> Cause | None:
+    """A weights diff of two checkpoints, else the localizers confining train/infer to a few modules."""
+    for source, diff in (summary.get("weights") or {}).items():
+        differing = diff.get("differing") or []
+        if diff.get("identical") or not differing:
+            continue
+        pair = f"train/{source}"
+        worst = differing[0]
+        experts = [f"{t['name']}[{e}]" for t in differing for e in t.get("experts_differing") or []]
+        where = _where([t["name"] for t in differing], experts)
+        evidence = [f"the weights diff of {diff.get('b')} against {diff.get('a')}: {diff.get('verdict')}",
+                    f"worst {worst['name']}: max relative difference {_g(worst.get('max_rel_diff'))}, "
+                    f"||a-b||/||a|| {_g(worst.get('rel_l2_diff'))}"]
+        localized = _confined(summary)
+        if localized is not None:
+            evidence.append(localized["words"])
+        return Cause(kind="weights", pair=pair, fix="fix_weight_sync", where={"source": source, **where},
+                     title=f"the weights {source} ran differ from the trainer's in {where['words']}",
+                     evidence=tuple(evidence),
+                     rules_out=_same_config_words(side, "train", source, level.get(pair)))
+    localized = _confined(summary)
+    if localized is None:
+        return None
+    pair = "train/infer"
+    return Cause(kind="weights", pair=pair, fix="fix_weight_sync", where={"source": "infer", **localized["where"]},
+                 title=f"the weights of train and infer differ in {localized['where']['words']}",
+                 evidence=(localized["words"],),
+                 rules_out=(*_same_config_words(side, "train", "infer", level.get(pair)),
+                            "precision and kernels round every module a little; one module carrying the "
+                            "error is a difference in its weights"))
+
+
+def _confined(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """The train/infer error confined to a few modules by the kernel localizer (module by module,
+    each fed the same input), else by the layer localizer's sub-blocks."""
+    localization = summary.get("localization") or {}
+    kernels = localization.get("kernels") or {}
+    modules = [m for m in kernels.get("by_module") or [] if isinstance(m.get("rel_error"), (int, float))]
+    if modules:
+        out = _outliers([(m["name"], m["rel_error"], m.get("rounding_floor") or 0.0) for m in modules])
+        if out is None:
+            return None
+        experts = []
+        for module in modules:
+            if module["name"] in out and module.get("by_expert"):
+                expert = _outlying_expert(module["by_expert"])
+                if expert is not None:
+                    experts.append(f"{module['name']}[{expert}]")
+        named = {m["name"]: m for m in modules}
+        words = ("the kernel localizer (each module fed the same input) finds error only in "
+                 + ", ".join(f"{name} (rel_error {named[name]['rel_error']:.3g})" for name in out)
+                 + (f", expert {', '.join(experts)}" if experts else "")
+                 + f"; every other of {len(modules)} modules at most {_others_max(modules, out)}")
+        return {"where": _where(out, experts), "words": words}
+    layers = localization.get("layers") or {}
+    rows = [r for r in layers.get("by_layer") or []
+            if r.get("block") != "residual" and isinstance(r.get("local_rel_error"), (int, float))]
+    if not rows:
+        return None
+    names = [(f"model.layers.{r['layer']}.{r['module']}", r["local_rel_error"], 0.0) for r in rows]
+    out = _outliers(names)
+    if out is None:
+        return None
+    values = dict((name, error) for name, error, _ in names)
+    words = ("the layer localizer finds error introduced only in "
+             + ", ".join(f"{name} (local rel_error {values[name]:.3g})" for name in out)
+             + f"; every other sub-block at most {max((v for n, v in values.items() if n not in out), default=0):.3g}")
+    return {"where": _where(out, []), "words": words}
+
+
+def _outliers(errors: list[tuple[str, float, float]]) -> list[str] | None:
+    """The names whose error stands out: over OUTLIER times the median error and their own rounding
+    floor, when they are few (at most MAX_CONFINED, or a tenth of all)."""
+    values = sorted(error for _, error, _ in errors)
+    if not values or values[-1] <= 0.0:
+        return None
+    median = values[len(values) // 2]
+    out = [name for name, error, floor in errors if error > OUTLIER * max(median, floor) and error > 0.0]
+    if not out or len(out) > max(MAX_CONFINED, len(errors) // 10):
+        return None
+    return sorted(out, key=lambda name: -dict((n, e) for n, e, _ in errors)[name])
+
+
+def _outlying_expert(by_expert: list[float | None]) -> int | None:
+    found = [(e, value) for e, value in enumerate(by_expert) if isinstance(value, (int, float))]
+    out = _outliers([(str(e), value, 0.0) for e, value in found])
+    return int(out[0]) if out is not None and len(out) == 1 else None
+
+
+def _others_max(modules: list[dict[str, Any]], out: list[str]) -> str:
+    return f"{max((m['rel_error'] for m in modules if m['name'] not in out), default=0.0):.3g}"
+
+
+def _where(names: list[str], experts: list[str]) -> dict[str, Any]:
+    """Layer, module and tensors of the names, and the words that say it."""
+    layers = sorted({int(m.group(1)) for name in names if (m := _LAYER.search(name))})
+    modules = [name.removesuffix(".weight").removesuffix(".bias") for name in names]
+    words = ", ".join(modules[:3]) + (f" and {len(modules) - 3} more" if len(modules) > 3 else "")
+    if layers:
+        words = f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))} ({words})"
+    if experts:
+        words += f", expert {', '.join(experts[:3])}"
+    return {"layers": layers, "modules": modules[:10], "experts": experts[:10], "words": words}
+
+
+def _same_config_words(side: dict[str, Side], a: str, b: str, gap: str | None) -> tuple[str, ...]:
+    if a not in side or b not in side:
+        return ()
+    differs = side[a].differs(side[b])
+    if differs:
+        return (f"{a} and {b} also differ in {_facts(differs)}: that adds rounding, but not error confined to "
+                "these tensors",)
+    return (f"{a} and {b} run the same dtype ({side[a].dtype}) and engine ({side[a].kind}): not precision or "
+            "kernels",)
+
+
+def _sampler_side(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side]) -> Cause | None:
+    """The replays agree with each other but not with the stored log-probs."""
+    if level.get("train/infer") not in HEALTHY or level.get("infer/sampler") not in GAPS:
+        return None
+    if "sampler" not in side or "infer" not in side:
+        return None
+    differs = side["sampler"].differs(side["infer"])
+    sampled = f"kl_k3 {_kl(summary, 'infer/sampler')}"
+    agree = f"train/infer is {level['train/infer']} (the two replays agree), infer/sampler is {level['infer/sampler']} ({sampled})"
+    if differs:
+        spec = _sampler_spec(side["sampler"])
+        return Cause(kind="sampler_config", pair="infer/sampler", fix="match_sampler_config",
+                     title=f"the sampler ran another config than this replay: {_facts(differs)}",
+                     evidence=(agree, f"meta.sampler declares {_facts(differs)}"),
+                     rules_out=("precision or weights cannot be told apart until a replay runs the sampler's "
+                                "config",),
+                     where={"differs": {k: list(v) for k, v in differs.items()}, "infer": spec})
+    declared = ", ".join(f"{name} {value}" for name, value in (("dtype", side["sampler"].dtype),
+                                                               ("engine", side["sampler"].kind)) if value)
+    return Cause(kind="sampler_weights", pair="infer/sampler", fix="fix_weight_sync", where={"source": "sampler"},
+                 title="the sampler ran other weights than the checkpoint replayed",
+                 evidence=(agree, f"meta.sampler declares what the replay runs ({declared or 'nothing to compare'})"),
+                 rules_out=("the replays agree, so neither the trainer's kernels nor its precision make the gap; "
+                            "the sampler's side does: fix the weight sync (or the checkpoint given), not the "
+                            "precision",))
+
+
+def _sampler_spec(sampler: Side) -> str:
+    kind = sampler.kind if sampler.kind in ("hf", "hf-decode", "vllm") else "hf-decode"
+    return f"{kind}:dtype={sampler.dtype}" if sampler.dtype else kind
+
+
+def _turn_onset(summary: dict[str, Any]) -> Cause | None:
+    turns = (summary.get("localization") or {}).get("turns") or {}
+    turn = turns.get("onset_turn")
+    if turn is None:
+        return None
+    detail = turns.get("onset") or {}
+    rows = {row["turn"]: row for row in turns.get("by_turn") or [] if "turn" in row}
+    before = [row["log_ratio_abs_mean"] for t, row in rows.items() if t < turn and row.get("compared")]
+    at = rows.get(turn, {})
+    rollouts = [row["rollout"] for row in detail.get("rollouts") or []]
+    evidence = [f"mean |log-ratio| {at.get('log_ratio_abs_mean', float('nan')):.3g} at turn {turn}, after "
+                f"{max(before):.3g} at most before it" if before and at else f"the onset rule departs at turn {turn}"]
+    if detail:
+        evidence.append(f"{detail['n_rollouts_departing']} of {detail['n_rollouts_compared']} rollouts step up "
+                        f"from turn {turn}" + (f": {_names(rollouts)}" if rollouts else ""))
+    held = _turn_holds(detail)
+    if held:
+        evidence.append(f"turn {turn} holds {held}")
+    return Cause(kind="turn_onset", pair=turns.get("pair", "train/sampler"), fix="inspect_turn",
+                 title=f"the gap steps up at turn {turn}" + (f" ({held})" if held else ""),
+                 evidence=tuple(evidence),
+                 rules_out=("a step at one turn, not a slope along position: kernels and precision grow with "
+                            "context smoothly; something changed at this turn (a summary, a tool result, a "
+                            "rewritten history, or the sampler's weights updated mid-rollout)",),
+                 where={"turn": turn, "rollouts": rollouts[:10], "new_roles": detail.get("new_roles") or [],
+                        "new_branch_kinds": detail.get("new_branch_kinds") or []})
+
+
+def _turn_holds(detail: dict[str, Any]) -> str:
+    new = [*(f"the first {role} rows" for role in detail.get("new_roles") or []),
+           *(f"the first {kind} branches" for kind in detail.get("new_branch_kinds") or [])]
+    return ", ".join(new)
+
+
+def _render_drift(summary: dict[str, Any]) -> Cause | None:
+    drift = summary.get("drift") or {}
+    spans = drift.get("spans") or []
+    if not spans:
+        return None
+    places = sorted({(span.get("rollout"), span.get("turn")) for span in spans}, key=str)
+    words = ", ".join(f"{rollout} turn {turn}" for rollout, turn in places[:6]) + \
+        (f" and {len(places) - 6} more" if len(places) > 6 else "")
+    kinds = drift.get("spans_by_kind") or {}
+    return Cause(kind="render_drift", pair="train/sampler", fix="fix_renderer",
+                 title=f"re-rendered messages give other tokens than were sampled ({words})",
+                 evidence=(f"{len(spans)} span(s) ({_facts_counts(kinds)}), "
+                           f"{drift.get('trainable_tokens_touched', 0)} trainable token(s) touched",),
+                 where={"spans": len(spans), "rollouts": sorted({r for r, _ in places if r is not None})[:10],
+                        "places": [{"rollout": r, "turn": t} for r, t in places[:20]]})
+
+
+def _minor_drift_last(causes: tuple[Cause, ...], summary: dict[str, Any]) -> tuple[Cause, ...]:
+    """A handful of drifted tokens (< 1% of the trained ones) explains no gap: listed, not leading."""
+    drift = next((c for c in causes if c.kind == "render_drift"), None)
+    touched = (summary.get("drift") or {}).get("trainable_tokens_touched")
+    trainable = (summary.get("counts") or {}).get("trainable_tokens")
+    if drift is None or not (isinstance(touched, int) and trainable and touched < 0.01 * trainable):
+        return causes
+    return (*[c for c in causes if c is not drift], drift)
+
+
+# Probe variations that change with what else is in the batch (probes/result.py SOURCES).
+BATCH_SOURCES = ("batch_size", "chunking", "split_kv")
+
+
+def batch_variant_from_probes(probes: list[dict[str, Any]]) -> bool | None:
+    """True when an applicable batch-shape probe is not bitwise equal; None when none ran."""
+    relevant = [p for p in probes if p.get("source") in BATCH_SOURCES and p.get("applicable")
+                and p.get("bitwise_equal_frac") is not None]
+    if not relevant:
+        return None
+    return any(p["bitwise_equal_frac"] < 1.0 for p in relevant)
+
+
+def _probes_batch_variant(probes: list[dict[str, Any]] | None) -> bool | None:
+    return batch_variant_from_probes(probes) if probes is not None else None
+
+
+def _batch_variance(summary: dict[str, Any], side: dict[str, Side], probed: bool | None) -> Cause | None:
+    from mismatch.analysis.prefixes import split_prefixes
+    from mismatch.replay import TORCH_KINDS
+
+    engines = summary.get("engines") or {}
+    split = {source: found for source, found in split_prefixes(summary).items()
+             if (engines.get(source) or {}).get("kind") not in TORCH_KINDS}
+    if not probed and not split:
+        return None
+    evidence = []
+    if probed:
+        evidence.append("the probes show log-probs that change with batch composition")
+    for source, found in split.items():
+        worst = found.get("worst") or {}
+        evidence.append(f"{source} gave one prefix different log-probs in different requests: "
+                        f"{found['frac_prefixes_bitwise_equal']:.1%} of {found['n_prefixes']:,} shared prefixes "
+                        f"bitwise equal, spread up to {found['max_abs_spread']:.3g}"
+                        + (f" (rollouts {_names(worst['rollouts'])})" if worst.get("rollouts") else ""))
+    pair = "train/sampler" if "sampler" in split or probed else f"train/{next(iter(split))}"
+    return Cause(kind="batch_variance", pair=pair, fix="batch_invariant",
+                 title="the inference engine's log-probs change with what else is in the batch",
+                 evidence=tuple(evidence), where={"sources": sorted(split)},
+                 rules_out=("the same prefix and the same weights gave different numbers: neither weights nor "
+                            "the renderer can do that",))
+
+
+def _routing(summary: dict[str, Any], weights: Cause | None) -> Cause | None:
+    from mismatch.analysis.routing import routing_share
+
+    routing = summary.get("routing") or {}
+    for pair in ("train/infer", "train/sampler"):
+        agreement = routing.get(pair)
+        share = routing_share(agreement) if agreement else None
+        if share is None or share < ROUTING_SHARE:
+            continue
+        flips = f"{agreement['frac_tokens_with_flip']:.2%} of {pair} tokens follow a different expert set"
+        if weights is not None:  # the flips are the fault's downstream effect: R3 would hide it
+            return None
+        return Cause(kind="routing_flips", pair=pair, fix="routing_replay",
+                     title=f"MoE routing flips carry {share:.0%} of the {pair} gap",
+                     evidence=(f"{flips}, and they carry {share:.0%} of the gap (k3)",),
+                     rules_out=("no weight fault is localized: the flips come from rounding near the router's "
+                                "ties, which routing replay removes",),
+                     where={"pair": pair, "k3_share": share, "frac_tokens_with_flip": agreement["frac_tokens_with_flip"]})
+    return None
+
+
+def _precision(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side], weights: Cause | None,
+               probes: list[dict[str, Any]] | None) -> Cause | None:
+    """bf16 rounding, when the evidence says so: a replay in the other dtype that makes it vanish,
+    error spread over every module, or the dtype probes."""
+    if weights is not None:
+        return None
+    for pair, (a, b) in (("train/sampler", ("train", "sampler")), ("train/infer", ("train", "infer")),
+                         ("infer/sampler", ("infer", "sampler"))):
+        if level.get(pair) not in GAPS or a not in side or b not in side:
+            continue
+        differs = side[a].differs(side[b])
+        dtypes = differs.get("dtype")
+        if dtypes is None or "bfloat16" not in dtypes:
+            continue
+        bf16 = a if side[a].dtype == "bfloat16" else b
+        confirmed = _vanishes(level, side, a, b) or _spread(summary, pair) or _dtype_probes(probes)
+        if confirmed is None:
+            continue
+        return Cause(kind="precision", pair=pair, fix="fp16",
+                     title=f"bfloat16 rounding: {bf16} runs in bfloat16, the other side of {pair} in {_other(dtypes)}",
+                     evidence=(f"{a} and {b} differ in {_facts(differs)}", confirmed),
+                     rules_out=("no module carries the error alone: not one weight tensor",),
+                     where={"bf16_source": bf16, "sources": [bf16], "pair": pair})
+    return None
+
+
+def _other(dtypes: tuple[Any, Any]) -> str:
+    return next(d for d in dtypes if d != "bfloat16")
+
+
+def _vanishes(level: dict[str, str], side: dict[str, Side], a: str, b: str) -> str | None:
+    """The third source runs one end's dtype on the same weights and reproduces that end."""
+    for third in ("train", "infer", "sampler"):
+        if third in (a, b) or third not in side:
+            continue
+        for end in (a, b):
+            pair = _pair_name(third, end)
+            if level.get(pair) in HEALTHY and side[third].dtype == side[end].dtype:
+                return (f"{third} replays {end}'s dtype ({side[end].dtype}) and reproduces it ({pair} "
+                        f"{level[pair]}): the gap is between the same weights in two dtypes")
+    return None
+
+
+def _pair_name(x: str, y: str) -> str:
+    order = ("train", "infer", "sampler")
+    a, b = sorted((x, y), key=order.index)
+    return f"{a}/{b}"
+
+
+def _spread(summary: dict[str, Any], pair: str) -> str | None:
+    if pair != "train/infer":
+        return None
+    kernels = ((summary.get("localization") or {}).get("kernels") or {}).get("by_module") or []
+    errors = [m["rel_error"] for m in kernels if isinstance(m.get("rel_error"), (int, float))]
+    if errors and sum(e > 0 for e in errors) >= 0.5 * len(errors) and _confined(summary) is None:
+        return f"the kernel localizer finds error in {sum(e > 0 for e in errors)} of {len(errors)} modules, none standing out"
+    return None
+
+
+def _dtype_probes(probes: list[dict[str, Any]] | None) -> str | None:
+    relevant = [p for p in probes or [] if p.get("source") == "dtype" and p.get("applicable")
+                and isinstance(p.get("bitwise_equal_frac"), (int, float)) and p["bitwise_equal_frac"] < 1.0]
+    return "the dtype probes show each op changing with bfloat16" if relevant else None
+
+
+def _kernel_path(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side],
+                 weights: Cause | None) -> Cause | None:
+    if weights is not None or level.get("train/infer") not in GAPS or "train" not in side or "infer" not in side:
+        return None
+    differs = side["train"].differs(side["infer"])
+    if set(differs) - {"engine", "attn"} or not differs:
+        return None
+    faithful = level.get("infer/sampler") in HEALTHY
+    return Cause(kind="kernel_path", pair="train/infer", fix="recompute_old_logprobs",
+                 title=f"the engines' kernels differ ({_facts(differs)}) at the same dtype",
+                 evidence=(f"train and infer differ only in {_facts(differs)}",
+                           *(["the replay reproduces the sampler (infer/sampler "
+                              f"{level['infer/sampler']}): the sampler's kernels are these"] if faithful else [])),
+                 where={"differs": {k: list(v) for k, v in differs.items()}})
+
+
+def _position_drift(summary: dict[str, Any]) -> Cause | None:
+    turns = (summary.get("localization") or {}).get("turns") or {}
+    slope = turns.get("position_slope") or {}
+    if turns.get("onset_turn") is not None or not slope.get("grows_with_position"):
+        return None
+    low, high = slope.get("ci95_per_1k") or (None, None)
+    return Cause(kind="position_drift", pair=turns.get("pair", "train/sampler"),
+                 title="the gap grows with context length",
+                 evidence=(f"|log-ratio| rises {slope['slope_per_1k']:.3g} per 1000 tokens of position (95% CI "
+                           f"{_g(low)} to {_g(high)}), with no turn where it steps up",),
+                 where={"slope_per_1k": slope.get("slope_per_1k")})
+
+
+def _findings(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side]) -> list[str]:
+    out = []
+    if level.get("train/infer") == "large" and level.get("train/sampler") in ("exact", "negligible", "small"):
+        spec = ((summary.get("engines") or {}).get("infer") or {}).get("spec", "infer")
+        out.append(f"train/infer is large while train/sampler is {level['train/sampler']}: the engine config "
+                   f"replayed here ({spec}) is farther from the trainer than the sampler was; it is not the "
+                   f"sampler's config (infer/sampler {level.get('infer/sampler', 'unknown')})")
+    sampler, infer = side.get("sampler"), side.get("infer")
+    if (sampler is not None and infer is not None and level.get("infer/sampler") == "exact"
+            and sampler.differs(infer)):
+        out.append(f"meta.sampler declares {_facts(sampler.differs(infer))}, yet the replay reproduces the "
+                   "stored log-probs bit for bit: the declaration is wrong")
+    return out
+
+
+def _facts(differs: dict[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{name} {a} vs {b}" for name, (a, b) in differs.items())
+
+
+def _facts_counts(counts: dict[str, Any]) -> str:
+    return ", ".join(f"{value} {name}" for name, value in counts.items()) or "kinds not recorded"
+
+
+def _names(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(map(str, names[:limit]))
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _kl(summary: dict[str, Any], pair: str) -> str:
+    value = ((summary.get("pairs") or {}).get(pair) or {}).get("kl_k3")
+    return _g(value)
+
+
+def _g(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, (int, float)) else "n/a"
