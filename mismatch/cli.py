@@ -286,6 +286,57 @@ def print_pairs(summary: dict[str, Any], target: Target | None = None, out: Path
                           markup=False, highlight=False, soft_wrap=True)
 
 
+def _say(line: str) -> None:
+    out_console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def print_findings(summary: dict[str, Any]) -> None:
+    """What the audit found besides the pairs: alignment and semantics, render drift, the turn
+    onset or position trend, and what the localizers found (each said when it ran)."""
+    alignment = summary.get("alignment") or {}
+    if alignment.get("stored"):
+        temperature = alignment.get("estimated_temperature")
+        _say(f"alignment: shift {int(alignment.get('shift') or 0):+d}, stored log-probs "
+             f"{alignment.get('logprob_semantics', 'unknown')}"
+             + (f" (estimated temperature {temperature:.3g})" if isinstance(temperature, (int, float)) else ""))
+    drift = summary.get("drift") or {}
+    if drift.get("num_rollouts_checked"):
+        _say(f"render drift: {drift.get('num_spans', 0)} span(s) in {drift.get('num_rollouts_drifted', 0)} of "
+             f"{drift['num_rollouts_checked']} rollouts, {drift.get('trainable_tokens_touched', 0)} trainable "
+             "token(s) touched")
+    turns = (summary.get("localization") or {}).get("turns") or {}
+    if turns.get("n_tokens"):
+        onset, slope = turns.get("onset") or {}, turns.get("position_slope") or {}
+        if turns.get("onset_turn") is not None:
+            _say(f"turns: the {turns.get('pair')} gap steps up at turn {turns['onset_turn']}"
+                 + (f" in {onset['n_rollouts_departing']} of {onset['n_rollouts_compared']} rollouts" if onset else ""))
+        elif isinstance(slope.get("slope_per_1k"), (int, float)):
+            grows = "grows" if slope.get("grows_with_position") else "does not grow"
+            _say(f"turns: no turn where the {turns.get('pair')} gap steps up; it {grows} with position "
+                 f"({slope['slope_per_1k']:.3g} per 1000 tokens)")
+    localization = summary.get("localization") or {}
+    if "layers" in localization or "kernels" in localization:
+        from mismatch.localize import localized_what
+
+        for line in localized_what(localization):
+            _say(f"localize: {line}")
+
+
+def print_diagnosis(summary: dict[str, Any]) -> None:
+    """The diagnosis' causes (title, evidence) and findings, then the answer the report leads with."""
+    from reports.banner import audit_banner
+
+    diagnosis = summary.get("diagnosis") or {}
+    for n, cause in enumerate(diagnosis.get("causes") or [], start=1):
+        _say(f"cause {n}{' (minor)' if cause.get('minor') else ''}: {cause['title']} [{cause['pair']}]")
+        for line in [*(cause.get("evidence") or []), *(cause.get("rules_out") or [])]:
+            _say(f"  - {line}")
+    for finding in diagnosis.get("findings") or []:
+        _say(f"note: {finding}")
+    if "verdicts" in summary:
+        _say(f"answer: {audit_banner(summary).headline}")
+
+
 def _print_framework_metrics(summary: dict[str, Any], target: Target, out: Path | None) -> None:
     from mismatch.advise.recommend import logged_metrics
 
@@ -371,11 +422,8 @@ def audit(
         _emit_json(result.summary)
         return
     print_pairs(result.summary, target, out)
-    if localize:
-        from mismatch.localize import localized_what
-
-        for line in localized_what(result.summary["localization"]):
-            err_console.print(f"localize: {line}", markup=False, highlight=False, soft_wrap=True)
+    print_findings(result.summary)
+    print_diagnosis(result.summary)
     out_console.print(f"wrote {out}/")
 
 

@@ -1,7 +1,9 @@
 """The verdict in one glance: healthy, correct with X, or fix at the source: Y, with key numbers.
 
-Read from summary.json only (`verdicts`, `recommendations`, and `diff` for diff reports): the
-banner restates what the audit concluded; its one rule is which recommendation leads (audit_banner).
+Read from summary.json only (`diagnosis`, `verdicts`, `recommendations`, and `diff` for diff
+reports): the banner restates what the audit concluded. With a diagnosis the headline is its lead
+cause, the fix at the source, and the correction only if the ratio still needs it meanwhile; a
+summary without one (written before the diagnosis existed) leads with its recommendations.
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ LABELS = {"recompute_old_logprobs": "recompute old log-probs with the trainer",
           "fp16": "fp16 instead of bf16", "batch_invariant": "a batch-invariant inference mode",
           "fix_renderer": "the renderer (re-rendered tokens differ from the sampled ones)",
           "fix_alignment": "the log-prob alignment (off by {shift:+d})",
-          "raw_logprobs": "store raw log-probs (they are temperature/top-p processed)"}
+          "raw_logprobs": "store raw log-probs (they are temperature/top-p processed)",
+          "fix_weight_sync": "the weight sync of {at}",
+          "match_sampler_config": "audit again with the sampler's config (--infer {infer})",
+          "inspect_turn": "read turn {turn} of the rollouts that step up there",
+          "routing_replay": "routing replay (R3)"}
 HEALTHY_LEVELS = frozenset({"exact", "negligible"})
 
 
@@ -102,9 +108,41 @@ def _minor_drift(rec: dict[str, Any], summary: dict[str, Any]) -> bool:
     return isinstance(touched, int) and bool(trainable) and touched < MINOR_DRIFT_FRAC * trainable
 
 
+def lead_cause(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """The diagnosis' first cause that explains a gap (a minor one, such as a handful of re-rendered
+    tokens, is listed below the headline, never in it)."""
+    causes = [c for c in (summary.get("diagnosis") or {}).get("causes") or [] if isinstance(c, dict)]
+    return next((c for c in causes if not c.get("minor")), None)
+
+
+def _cause_banner(cause: dict[str, Any], summary: dict[str, Any], recs: list[dict[str, Any]],
+                  corrections: list[dict[str, Any]], details: list[str],
+                  numbers: list[tuple[str, Any, str]]) -> Banner:
+    """The cause, in its own words; the fix at its source; then the correction, only if one is
+    recommended meanwhile (recommend leaves it out when the ratio is 1 up to rounding)."""
+    fix = next((r for r in recs if r.get("kind") == cause.get("fix")), None)
+    parts = [_sentence(str(cause.get("title", cause.get("kind", "?"))))]
+    if fix is not None:
+        parts.append("fix: " + describe(fix))
+    if corrections:
+        parts.append(("meanwhile correct with " if fix is not None else "correct with ")
+                     + "; ".join(describe(r) for r in corrections))
+    evidence = [str(line) for line in cause.get("evidence") or []]
+    lines = [f"Evidence: {'; '.join(evidence)}."] if evidence else []
+    lines += [f"Not the others: {cause['rules_out'][0]}."] if cause.get("rules_out") else []
+    others = [c for c in (summary.get("diagnosis") or {}).get("causes") or [] if c is not cause]
+    lines += ["Also found: " + "; ".join(str(c.get("title")) for c in others) + "."] if others else []
+    lines += [f"Note: {finding}." for finding in (summary.get("diagnosis") or {}).get("findings") or []]
+    status, label = ("fix", "FIX AT THE SOURCE") if fix is not None else \
+        ("correct", "CORRECT") if corrections else ("fix", "CAUSE FOUND")
+    return Banner(status=status, label=label, headline=" — ".join(parts), details=[*lines, *details],
+                  numbers=numbers)
+
+
 def audit_banner(summary: dict[str, Any]) -> Banner:
-    """Fix at the source when the comparison is broken, the gap is large or no cap meets the rule;
-    correct with X when a correction meets its rule; else the verdict level (healthy, small, large)."""
+    """The diagnosis' lead cause when there is one (_cause_banner). Else: fix at the source when the
+    comparison is broken, the gap is large or no cap meets the rule; correct with X when a correction
+    meets its rule; else the verdict level (healthy, small, large)."""
     pair = focus_pair(summary)
     metrics = (summary.get("pairs") or {}).get(pair) or {}
     verdict = (summary.get("verdicts") or {}).get(pair) if pair else None
@@ -129,6 +167,9 @@ def audit_banner(summary: dict[str, Any]) -> Banner:
     if verdict and verdict.get("text"):
         verdict_line = f"{pair} ({verdict.get('meaning', 'log-ratio')}): {_sentence(verdict['text'])}."
         details.append(verdict_line)
+    cause = lead_cause(summary)
+    if cause is not None:
+        return _cause_banner(cause, summary, recs, corrections, details, numbers)
     if bugs or (fixes and (level == "large" or uncorrectable or not corrections)):
         first = bugs or fixes
         headline = "Fix at the source: " + "; ".join(describe(r) for r in first)

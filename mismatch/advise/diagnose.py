@@ -10,7 +10,7 @@ the first cause.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mismatch.advise.verdicts import gap_level
@@ -43,6 +43,7 @@ Causes, in the order they lead (each only on the evidence named):
 
 OUTLIER = 10.0   # a module's error this many times the median module's (and its rounding floor)
 ROUTING_SHARE = 0.5  # the share of a pair's k3 on tokens with a routing flip that makes it the cause
+MINOR_DRIFT = 0.01  # re-rendered tokens under this share of the trained ones explain no gap
 MAX_CONFINED = 3  # at most this many modules (or a tenth of them) for "confined to a few modules"
 HEALTHY = ("exact", "negligible")
 GAPS = ("small", "large")
@@ -60,10 +61,12 @@ class Cause:
     rules_out: tuple[str, ...] = ()  # why not the other causes
     fix: str = ""                   # the recommendation kind that fixes it at the source
     where: dict[str, Any] = field(default_factory=dict)
+    minor: bool = False             # real, but too small to explain the gap: listed, never leading
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "pair": self.pair, "title": self.title, "evidence": list(self.evidence),
-                "rules_out": list(self.rules_out), "fix": self.fix, "where": dict(self.where)}
+                "rules_out": list(self.rules_out), "fix": self.fix, "where": dict(self.where),
+                "minor": self.minor}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -73,13 +76,13 @@ class Diagnosis:
 
     @property
     def lead(self) -> Cause | None:
-        return self.causes[0] if self.causes else None
+        return next((cause for cause in self.causes if not cause.minor), None)
 
     def of_kind(self, kind: str) -> Cause | None:
         return next((cause for cause in self.causes if cause.kind == kind), None)
 
     def for_pair(self, pair: str) -> Cause | None:
-        return next((cause for cause in self.causes if cause.pair == pair), None)
+        return next((cause for cause in self.causes if cause.pair == pair and not cause.minor), None)
 
     def to_dict(self) -> dict[str, Any]:
         return {"causes": [cause.to_dict() for cause in self.causes], "findings": list(self.findings),
@@ -335,7 +338,8 @@ def _sampler_side(summary: dict[str, Any], level: dict[str, str], side: dict[str
                      where={"differs": {k: list(v) for k, v in differs.items()}, "infer": spec})
     declared = ", ".join(f"{name} {value}" for name, value in (("dtype", side["sampler"].dtype),
                                                                ("engine", side["sampler"].kind)) if value)
-    return Cause(kind="sampler_weights", pair="infer/sampler", fix="fix_weight_sync", where={"source": "sampler"},
+    return Cause(kind="sampler_weights", pair="infer/sampler", fix="fix_weight_sync",
+                 where={"source": "sampler", "words": "the sampler's weights"},
                  title="the sampler ran other weights than the checkpoint replayed",
                  evidence=(agree, f"meta.sampler declares what the replay runs ({declared or 'nothing to compare'})"),
                  rules_out=("the replays agree, so neither the trainer's kernels nor its precision make the gap; "
@@ -400,13 +404,14 @@ def _render_drift(summary: dict[str, Any]) -> Cause | None:
 
 
 def _minor_drift_last(causes: tuple[Cause, ...], summary: dict[str, Any]) -> tuple[Cause, ...]:
-    """A handful of drifted tokens (< 1% of the trained ones) explains no gap: listed, not leading."""
+    """A handful of drifted tokens (< MINOR_DRIFT of the trained ones) explains no gap: listed last,
+    marked minor."""
     drift = next((c for c in causes if c.kind == "render_drift"), None)
     touched = (summary.get("drift") or {}).get("trainable_tokens_touched")
     trainable = (summary.get("counts") or {}).get("trainable_tokens")
-    if drift is None or not (isinstance(touched, int) and trainable and touched < 0.01 * trainable):
+    if drift is None or not (isinstance(touched, int) and trainable and touched < MINOR_DRIFT * trainable):
         return causes
-    return (*[c for c in causes if c is not drift], drift)
+    return (*[c for c in causes if c is not drift], replace(drift, minor=True))
 
 
 # Probe variations that change with what else is in the batch (probes/result.py SOURCES).

@@ -27,7 +27,8 @@ RULE = """\
    config match_sampler_config (the replay that tells precision from weights); a step at a turn
    inspect_turn (the turn and the rollouts that show it); render drift fix_renderer; batch variance
    batch_invariant; routing flips routing_replay (never over a localized weight fault: it would
-   hide it); bfloat16 rounding, when the evidence confirms it, fp16.
+   hide it); bfloat16 rounding, when the evidence confirms it, fp16. A minor cause (re-rendered
+   tokens under 1% of the trained ones) explains no gap: its fix comes after everything else.
 1. Then, only if the ratio still needs it meanwhile, the correction: none when the train/sampler gap
    (the like-for-like train_processed/sampler one when the sampler stored processed log-probs) is
    exact or negligible (mismatch.advise.verdicts.gap_level). Otherwise, of the simulated IS
@@ -154,14 +155,19 @@ def rule(evidence: Evidence, target: Target | None = None) -> list[Recommendatio
     if diagnosis.lead is not None and diagnosis.lead.kind == "alignment_shift":
         return [_fix_alignment(diagnosis.lead)]
     out: list[Recommendation] = []
-    for cause in diagnosis.causes:
-        fix = _source_fix(cause)
-        if fix is not None and all(r.kind != fix.kind for r in out):
-            out.append(fix)
+    for cause in [c for c in diagnosis.causes if not c.minor]:
+        _add(out, _source_fix(cause))
     out.append(choose_correction(evidence, target))
     if evidence.level == "large" and not any(c.kind in FAULTS for c in diagnosis.causes):
         out.append(_recompute(evidence))
+    for cause in [c for c in diagnosis.causes if c.minor]:  # real, but explaining no gap: after the answer
+        _add(out, _source_fix(cause))
     return out
+
+
+def _add(out: list[Recommendation], fix: Recommendation | None) -> None:
+    if fix is not None and all(r.kind != fix.kind for r in out):
+        out.append(fix)
 
 
 # Causes a fix removes at the source: recomputing old log-probs would only hide them.
@@ -173,6 +179,8 @@ def _source_fix(cause: Cause) -> Recommendation | None:
     drift have none of their own: recompute and the correction's level answer them)."""
     why = "; ".join([cause.title, *cause.evidence, *cause.rules_out])
     where = {k: v for k, v in cause.where.items() if k != "words"}
+    if "words" in cause.where:  # where the fault is, as a reader says it (the headline's "fix: ...")
+        where["at"] = cause.where["words"]
     if cause.kind == "processed_logprobs":
         return _raw_logprobs(why)
     if cause.kind in ("weights", "sampler_weights"):

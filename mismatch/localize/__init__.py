@@ -29,12 +29,37 @@ def check_localizable(a: str, b: str, *, flag: str = "--localize") -> None:
 
 
 def localized_what(found: dict[str, Any]) -> list[str]:
-    """One line per localizer: what ran, or what was skipped and why (said, never silent)."""
+    """One line per localizer: what it found, or what was skipped and why (said, never silent)."""
     lines = []
-    for name in ("layers", "kernels"):
+    for name, say in (("layers", _layers_found), ("kernels", _kernels_found)):
         block = found.get(name) or {}
-        lines.append(f"{name}: skipped: {block['skipped']}" if "skipped" in block else f"{name}: done")
+        lines.append(f"{name}: skipped: {block['skipped']}" if "skipped" in block else f"{name}: {say(block)}")
     return lines
+
+
+def _layers_found(block: dict[str, Any]) -> str:
+    layer, kind, module = block.get("jump_layer"), block.get("jump_block"), block.get("jump_module")
+    if layer is None:
+        return ("the embedding output already differs most" if kind == "embed"
+                else "both configs agree bit for bit at every layer")
+    worst = max((r for r in block.get("by_layer") or [] if r.get("layer") == layer and r.get("module") == module),
+                key=lambda r: r.get("local_rel_error") or 0.0, default={})
+    local = worst.get("local_rel_error")
+    return (f"the error jumps at layer {layer}, {kind} ({module}"
+            + (f", local rel_error {local:.3g}" if isinstance(local, (int, float)) else "") + ")"
+            + f"; output |Δlog-prob| mean {block.get('output_logp_abs_diff_mean', float('nan')):.3g}")
+
+
+def _kernels_found(block: dict[str, Any]) -> str:
+    modules = [m for m in block.get("by_module") or [] if isinstance(m.get("rel_error"), (int, float))]
+    if not modules:
+        return "no module compared"
+    ranked = sorted(modules, key=lambda m: -m["rel_error"])
+    if ranked[0]["rel_error"] == 0.0:
+        return f"all {len(modules)} modules agree bit for bit fed the same input"
+    nonzero = sum(m["rel_error"] > 0.0 for m in modules)
+    top = ", ".join(f"{m['name']} (rel_error {m['rel_error']:.3g})" for m in ranked[:3] if m["rel_error"] > 0.0)
+    return f"{nonzero} of {len(modules)} modules differ fed the same input; largest: {top}"
 
 
 def localize_models(checkpoint: str | Path, requests: list[ReplayRequest], *, a: str, b: str,
