@@ -312,7 +312,8 @@ def advise(summary: dict[str, Any], **findings: Any) -> None:
     # installed here, else the newest mismatch has read).
     targets = [default_target(framework) for framework in FRAMEWORKS]
     summary["config_snippets"] = {target.framework: render_config(
-        recommendations_dicts(recommend(summary, target, **findings)), target) for target in targets}
+        recommendations_dicts(recommend(summary, target, **findings)), target, causes=summary["diagnosis"]["causes"])
+        for target in targets}
 
 
 def add_probes(summary: dict[str, Any], checkpoint: str | Path, progress: ProgressFactory | None) -> None:

@@ -530,6 +530,8 @@ def recommend(
     if advice.snippet is not None:  # the snippet alone (its comments carry each recommendation): pipeable
         sys.stdout.write(advice.snippet)
         return
+    for cause in advice.diagnosis.get("causes") or []:  # the cause first, then what to do about it
+        _say(f"cause{' (minor)' if cause.get('minor') else ''}: {cause['title']} [{cause['pair']}]")
     for item in advice.recommendations:
         cost = f" Cost: {item['cost']}." if item.get("cost") else ""
         out_console.print(f"{item['kind']} {json.dumps(item['params'])}: {item['why']}.{cost}",

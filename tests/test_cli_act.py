@@ -192,7 +192,7 @@ def test_localization_that_cannot_run_is_refused_up_front(tmp_path, capsys) -> N
     assert "'vllm:dtype=bfloat16' is 'vllm'" in capsys.readouterr().err
     # What did run is said, and what was skipped with its reason.
     assert localized_what({"layers": {"by_layer": []}, "kernels": {"skipped": "needs two `hf` configs"}}) == [
-        "layers: done", "kernels: skipped: needs two `hf` configs"]
+        "layers: both configs agree bit for bit at every layer", "kernels: skipped: needs two `hf` configs"]
 
 
 def test_commands_that_would_do_nothing_say_so_and_exit_2(tmp_path, capsys) -> None:
@@ -215,7 +215,7 @@ def test_recommend_reads_probes_that_show_batch_variance(results, tmp_path, caps
         {"source": "batch_size", "applicable": True, "bitwise_equal_frac": 0.93, "family": "matmul"}]}))
     assert main(["recommend", str(results), "--probes", str(probes), "--json"]) == 0
     kinds = [r["kind"] for r in json.loads(capsys.readouterr().out)["recommendations"]]
-    assert kinds == ["correction", "batch_invariant"]
+    assert kinds == ["batch_invariant", "correction"]  # the cause's fix first, the correction meanwhile
     (tmp_path / "bad.json").write_text("[1, 2]")
     assert main(["recommend", str(results), "--probes", str(tmp_path / "bad.json")]) == 2
     assert "not a `mismatch probe --out` file" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from mismatch.advise.corrections import summary_corrections
 from mismatch.errors import MismatchError
 from mismatch.analysis.metrics import summarize_pairs
 from mismatch.frameworks import FRAMEWORKS
+from mismatch.advise.diagnose import diagnose
 from mismatch.advise.recommend import (Recommendation, batch_variant_from_probes, recommend,
                                 render_config)
 
@@ -105,11 +106,31 @@ def test_recompute_states_its_cost_from_the_counts():
                             "like this one (4,321 of them trainable)")
 
 
-def test_fp16_only_when_an_engine_is_bf16():
-    assert "fp16" not in [r.kind for r in recommend(summary(LARGE, corrections=TOKEN_CAPS))]
+DTYPE_PROBES = [{"source": "dtype", "applicable": True, "bitwise_equal_frac": 0.0}]
+
+
+def test_fp16_only_where_the_evidence_says_the_gap_is_bf16_rounding():
+    assert "fp16" not in [r.kind for r in recommend(summary(LARGE, corrections=TOKEN_CAPS), probes=DTYPE_PROBES)]
     bf16 = summary(LARGE, corrections=TOKEN_CAPS)
     bf16["engines"]["sampler"]["meta"]["dtype"] = "bfloat16"
-    assert the(recommend(bf16), "fp16").params["sources"] == ["sampler"]
+    # A bf16 sampler alone is no evidence: the gap could be weights, a harness or kernels.
+    assert "fp16" not in [r.kind for r in recommend(bf16)]
+    assert the(recommend(bf16, probes=DTYPE_PROBES), "fp16").params["sources"] == ["sampler"]
+    # A small bf16 gap: the cause is named, the correction alone is recommended (fp16 is a migration).
+    small = summary(corrections=TOKEN_CAPS)
+    small["engines"]["sampler"]["meta"]["dtype"] = "bfloat16"
+    assert diagnose(small, probes=DTYPE_PROBES).lead.kind == "precision"
+    assert [r.kind for r in recommend(small, probes=DTYPE_PROBES)] == ["correction"]
+    # A bf16 replay of the trainer's weights reproducing the sampler confirms it too.
+    replayed = {**bf16, "pairs": {**bf16["pairs"], "infer/sampler": {**SMALL, "kl_k3": 1e-8},
+                                  "train/infer": LARGE},
+                "engines": {**bf16["engines"], "infer": {"kind": "hf-decode", "dtype": "bfloat16"}}}
+    fp16 = the(recommend(replayed), "fp16")
+    assert fp16.params["bf16_source"] == "sampler" and "reproduces sampler" in fp16.why
+    # meta.sampler says bf16, but an fp32 replay gives the stored log-probs bit for bit: not bf16.
+    wrong = {**replayed, "pairs": {**replayed["pairs"], "infer/sampler": {**SMALL, "bitwise_equal_frac": 1.0}},
+             "engines": {**bf16["engines"], "infer": {"kind": "hf-decode", "dtype": "float32"}}}
+    assert "fp16" not in [r.kind for r in recommend(wrong, probes=DTYPE_PROBES)]
 
 
 def test_source_fixes_from_probes_drift_and_alignment():
@@ -118,8 +139,10 @@ def test_source_fixes_from_probes_drift_and_alignment():
     recs = recommend(summary(LARGE, corrections=TOKEN_CAPS), probes=probes, drift={"spans": [{}, {}]},
                      alignment={"shift": 0, "logprob_semantics": "processed"})
     kinds = [r.kind for r in recs]
-    assert kinds == ["fix_renderer", "correction", "recompute_old_logprobs", "batch_invariant", "raw_logprobs"]
-    assert the(recs, "fix_renderer").params == {"spans": 2}
+    # Processed log-probs first (the raw pair is not like for like), then the harness, then the engine;
+    # no recompute: the gap has causes a fix removes, which a second forward pass would only hide.
+    assert kinds == ["raw_logprobs", "fix_renderer", "batch_invariant", "correction"]
+    assert the(recs, "fix_renderer").params["spans"] == 2
     assert the(recs, "batch_invariant").params["vllm_env"] == "VLLM_BATCH_INVARIANT=1"
 
 
@@ -128,7 +151,7 @@ def test_a_shift_is_fixed_first_and_alone():
     recs = recommend(summary(LARGE, corrections=TOKEN_CAPS), drift={"spans": [{}]},
                      alignment={"shift": -1, "logprob_semantics": "processed"})
     assert [r.kind for r in recs] == ["fix_alignment"]
-    assert recs[0].params == {"shift": -1} and "shifted by -1" in recs[0].why
+    assert recs[0].params == {"shift": -1, "rollouts": []} and "shifted by -1" in recs[0].why
 
 
 def test_batch_variance_from_probes():
@@ -230,7 +253,9 @@ def test_every_recommendation_says_what_it_costs():
     probes = [{"source": "batch_size", "applicable": True, "bitwise_equal_frac": 0.97}]
     bf16 = summary(LARGE, corrections=TOKEN_CAPS)
     bf16["engines"]["sampler"]["meta"]["dtype"] = "bfloat16"
-    recs = recommend(bf16, probes=probes, drift={"spans": [{}]}, alignment={"logprob_semantics": "processed"})
+    recs = recommend(bf16, probes=[*probes, *DTYPE_PROBES], drift={"spans": [{}]},
+                     alignment={"logprob_semantics": "processed"})
+    recs += recommend(summary(LARGE, corrections=TOKEN_CAPS))  # recompute: a large gap with no cause found
     assert {r.kind for r in recs} == {"fix_renderer", "correction", "recompute_old_logprobs", "fp16",
                                       "batch_invariant", "raw_logprobs"}
     assert all(r.cost == COSTS[r.kind] and r.to_dict()["cost"] for r in recs)

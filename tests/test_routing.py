@@ -82,7 +82,7 @@ def test_routing_survives_a_resume(moe, tmp_path) -> None:
 
 
 def test_the_audit_recommends_routing_replay_exactly_when_flips_carry_most_of_the_gap(own_and_replayed) -> None:
-    from mismatch.advise.recommend import ROUTING_SHARE
+    from mismatch.advise.diagnose import ROUTING_SHARE
     from mismatch.analysis.routing import routing_share
 
     own, _ = own_and_replayed

@@ -33,9 +33,11 @@ Causes, in the order they lead (each only on the evidence named):
    different log-probs in different requests.
 8. routing_flips: MoE routing flips carry >= half of a trainer pair's k3, and no weight fault is
    localized (a faulty expert flips routing downstream: routing replay would hide it).
-9. precision: the sides differ in dtype with one in bfloat16, and a replay in the other dtype
-   makes the gap vanish (the third source, same weights, reproduces one side exactly or up to
-   rounding), or the localizers spread the error over every module, or the dtype probes say so.
+9. precision: the sides differ in dtype with one in bfloat16, and the evidence confirms it: the
+   third source runs the other side's weights in bfloat16 and reproduces the bf16 side (exact or
+   negligible), or the kernel localizer spreads the error over most modules with none standing
+   out, or the dtype probes show it. Never when meta.sampler declares bfloat16 and a replay in
+   another dtype reproduces the stored log-probs bit for bit (the declaration is wrong).
 10. kernel_path: the sides differ in engine kind (full forward vs decode, another engine) with the
    same dtype, the replay reproducing the sampler.
 11. position_drift: the gap grows with position, with no turn onset.
@@ -493,14 +495,17 @@ def _precision(summary: dict[str, Any], level: dict[str, str], side: dict[str, S
         if dtypes is None or "bfloat16" not in dtypes:
             continue
         bf16 = a if side[a].dtype == "bfloat16" else b
-        confirmed = _vanishes(level, side, a, b) or _spread(summary, pair) or _dtype_probes(probes)
+        if _declared_wrongly(level, side, bf16):
+            continue
+        confirmed = _vanishes(level, side, bf16, b if bf16 == a else a) or _spread(summary, pair) \
+            or _dtype_probes(probes)
         if confirmed is None:
             continue
         return Cause(kind="precision", pair=pair, fix="fp16",
                      title=f"bfloat16 rounding: {bf16} runs in bfloat16, the other side of {pair} in {_other(dtypes)}",
                      evidence=(f"{a} and {b} differ in {_facts(differs)}", confirmed),
                      rules_out=("no module carries the error alone: not one weight tensor",),
-                     where={"bf16_source": bf16, "sources": [bf16], "pair": pair})
+                     where={"bf16_source": bf16, "sources": [bf16], "pair": pair, "gap": level[pair]})
     return None
 
 
@@ -508,17 +513,29 @@ def _other(dtypes: tuple[Any, Any]) -> str:
     return next(d for d in dtypes if d != "bfloat16")
 
 
-def _vanishes(level: dict[str, str], side: dict[str, Side], a: str, b: str) -> str | None:
-    """The third source runs one end's dtype on the same weights and reproduces that end."""
+def _vanishes(level: dict[str, str], side: dict[str, Side], bf16: str, other: str) -> str | None:
+    """A third source on the other end's weights, in bfloat16, reproduces the bf16 end: the gap is
+    the same weights in two dtypes. (One reproducing the float end says nothing about the bf16 one.)"""
     for third in ("train", "infer", "sampler"):
-        if third in (a, b) or third not in side:
+        if third in (bf16, other) or third not in side or side[third].dtype != "bfloat16":
             continue
-        for end in (a, b):
-            pair = _pair_name(third, end)
-            if level.get(pair) in HEALTHY and side[third].dtype == side[end].dtype:
-                return (f"{third} replays {end}'s dtype ({side[end].dtype}) and reproduces it ({pair} "
-                        f"{level[pair]}): the gap is between the same weights in two dtypes")
+        if side[third].weights is not None and side[other].weights is not None \
+                and side[third].weights != side[other].weights:
+            continue
+        pair = _pair_name(third, bf16)
+        if level.get(pair) in HEALTHY:
+            also = {k: v for k, v in side[third].differs(side[other]).items() if k != "dtype"}
+            return (f"{third} runs {other}'s weights in bfloat16" + (f" (and {_facts(also)})" if also else "")
+                    + f" and reproduces {bf16} ({pair} {level[pair]}): the gap is between the same weights in "
+                    + ("two dtypes" if not also else "two dtypes and engine paths"))
     return None
+
+
+def _declared_wrongly(level: dict[str, str], side: dict[str, Side], bf16: str) -> bool:
+    """meta.sampler says bfloat16, yet a replay in another dtype reproduces it bit for bit."""
+    infer = side.get("infer")
+    return bf16 == "sampler" and infer is not None and level.get("infer/sampler") == "exact" \
+        and infer.dtype not in (None, "bfloat16")
 
 
 def _pair_name(x: str, y: str) -> str:
@@ -567,7 +584,7 @@ def _position_drift(summary: dict[str, Any]) -> Cause | None:
     low, high = slope.get("ci95_per_1k") or (None, None)
     return Cause(kind="position_drift", pair=turns.get("pair", "train/sampler"),
                  title="the gap grows with context length",
-                 evidence=(f"|log-ratio| rises {slope['slope_per_1k']:.3g} per 1000 tokens of position (95% CI "
+                 evidence=(f"|log-ratio| rises {_g(slope.get('slope_per_1k'))} per 1000 tokens of position (95% CI "
                            f"{_g(low)} to {_g(high)}), with no turn where it steps up",),
                  where={"slope_per_1k": slope.get("slope_per_1k")})
 

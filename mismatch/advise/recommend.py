@@ -27,7 +27,8 @@ RULE = """\
    config match_sampler_config (the replay that tells precision from weights); a step at a turn
    inspect_turn (the turn and the rollouts that show it); render drift fix_renderer; batch variance
    batch_invariant; routing flips routing_replay (never over a localized weight fault: it would
-   hide it); bfloat16 rounding, when the evidence confirms it, fp16. A minor cause (re-rendered
+   hide it); bfloat16 rounding, when the evidence confirms it and its gap is large, fp16 (a small
+   one gets the correction alone: fp16 is a migration). A minor cause (re-rendered
    tokens under 1% of the trained ones) explains no gap: its fix comes after everything else.
 1. Then, only if the ratio still needs it meanwhile, the correction: none when the train/sampler gap
    (the like-for-like train_processed/sampler one when the sampler stored processed log-probs) is
@@ -213,6 +214,8 @@ def _source_fix(cause: Cause) -> Recommendation | None:
         return Recommendation(kind="routing_replay", params=where,
                               why=f"{why}: the trainer follows the experts the engine routed each token to (R3)")
     if cause.kind == "precision":
+        if cause.where.get("gap") != "large":  # a small bf16 gap: the correction alone, not a migration
+            return None
         return Recommendation(kind="fp16", params={"dtype": "float16", "instead_of": "bfloat16", **where},
                               why=f"{why}; float16 has 10 mantissa bits to bfloat16's 7, so the same kernels round "
                                   "8x less and the gap shrinks at the source (Qi et al. 2025, 'Defeating the "
@@ -387,10 +390,11 @@ def _raw_logprobs(why: str) -> Recommendation:
 # --- config snippets ---
 
 def render_config(recommendations: Iterable[Recommendation | dict[str, Any]], target: Target | str,
-                  logged: dict[str, Any] | None = None) -> str:
+                  logged: dict[str, Any] | None = None, causes: Sequence[dict[str, Any]] = ()) -> str:
     """A ready-to-paste snippet with the target release's real keys: YAML (verl, trl, areal), TOML
-    (prime-rl), CLI flags (slime, openrlhf). Fixes without a config key become comments. A correction
-    the release cannot express is said so and left out (recommend for the target chooses one it can)."""
+    (prime-rl), CLI flags (slime, openrlhf). The diagnosed `causes` (summary.json diagnosis) lead
+    its comments; fixes without a config key become comments. A correction the release cannot
+    express is said so and left out (recommend for the target chooses one it can)."""
     if isinstance(target, str):
         target = frameworks.parse_target(target, detect=False)
     module = frameworks.module(target.framework)
@@ -398,6 +402,7 @@ def render_config(recommendations: Iterable[Recommendation | dict[str, Any]], ta
     by_kind = {r.kind: r for r in recs}
     lines = [f"# mismatch recommend --for {target.framework}=={target.release.version}"]
     lines += [f"# note: {target.note}"] if target.note else []
+    lines += [f"# cause: {cause['title']} ({cause['pair']})" for cause in causes if not cause.get("minor")]
     lines += [f"# {rec.kind}: {rec.why} (cost: {rec.cost})" if rec.cost else f"# {rec.kind}: {rec.why}"
               for rec in recs]
     correction = by_kind.get("correction")
@@ -440,13 +445,14 @@ class Advice:
     its snippet, and the target framework's own metrics at the settings it runs or will run."""
 
     recommendations: list[dict[str, Any]]
+    diagnosis: dict[str, Any] = field(default_factory=dict)  # summary.json's "diagnosis", on these findings
     target: Target | None = None
     snippet: str | None = None
     logged: dict[str, Any] | None = None  # {"settings": {...}, "pair": "A/B", "metrics": {key: value}}
 
     def to_dict(self) -> dict[str, Any]:
         target = self.target
-        return {"recommendations": self.recommendations, "framework": target.framework if target else None,
+        return {"diagnosis": self.diagnosis, "recommendations": self.recommendations, "framework": target.framework if target else None,
                 "release": target.release.version if target else None, "note": target.note if target else None,
                 "config": self.snippet, "logged": self.logged}
 
@@ -458,15 +464,19 @@ def for_target(summary: dict[str, Any], target: Target | None, *, results: Path 
     the target, else at those the snippet sets."""
     stored_probes = (summary.get("probes") or {}).get("results")
     if target is None and probes is None:
-        return Advice(recommendations=list(summary.get("recommendations") or []))
-    recs = recommendations_dicts(recommend(summary, target, probes=probes if probes is not None else stored_probes))
+        return Advice(recommendations=list(summary.get("recommendations") or []),
+                      diagnosis=summary.get("diagnosis") or diagnose(summary, probes=stored_probes).to_dict())
+    found = probes if probes is not None else stored_probes
+    diagnosis = diagnose(summary, probes=found).to_dict()
+    recs = recommendations_dicts(recommend(summary, target, probes=found))
     if target is None:
-        return Advice(recommendations=recs)
+        return Advice(recommendations=recs, diagnosis=diagnosis)
     logged = None
     if results is not None:
         settings = target.settings or snippet_settings(recs, target)
         logged = logged_metrics(results, replace(target, settings=settings))
-    return Advice(recommendations=recs, target=target, snippet=render_config(recs, target, logged), logged=logged)
+    return Advice(recommendations=recs, diagnosis=diagnosis, target=target, logged=logged,
+                  snippet=render_config(recs, target, logged, causes=diagnosis["causes"]))
 
 
 def snippet_settings(recommendations: Sequence[dict[str, Any]], target: Target) -> dict[str, Any]:
