@@ -1,6 +1,9 @@
 """Bring your own trainer: a `python:MODULE:CALLABLE` engine around a plain torch module.
 
     mismatch audit CKPT --rollouts R.jsonl --train python:examples/custom_engine.py:make_engine --out DIR
+    mismatch audit CKPT --rollouts R.jsonl --train python:examples/custom_engine.py:make_engine,dtype=bfloat16 --out DIR
+
+Options after the first comma are passed to `make_engine`, typed by its annotations.
 
 Replace `load_module` with your trainer's model (a Megatron or TorchTitan module, an FSDP-wrapped
 model): anything that maps token ids [1, L] to logits [1, L, V] in the precision you train in.

@@ -29,7 +29,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
                        "its inference engine.",
                   epilog="Engine specs (--train, --infer, --a, --b, --reference): hf, hf:dtype=bf16,attn=eager, "
                          "hf-decode:dtype=bfloat16, vllm:dtype=bfloat16,enable_prefix_caching=false, "
-                         "http://127.0.0.1:8000/v1, sampler, stored:NAME, python:MODULE:CALLABLE, or "
+                         "http://127.0.0.1:8000/v1, sampler, stored:NAME, python:MODULE:CALLABLE[,opt=v], or "
                          "engine.toml. Exit codes: 0 ok, 1 gate failed, 2 bad input or usage "
                          "(MISMATCH_DEBUG=1 shows tracebacks).")
 
