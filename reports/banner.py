@@ -132,7 +132,6 @@ def _cause_banner(cause: dict[str, Any], summary: dict[str, Any], recs: list[dic
     lines += [f"Not the others: {cause['rules_out'][0]}."] if cause.get("rules_out") else []
     others = [c for c in (summary.get("diagnosis") or {}).get("causes") or [] if c is not cause]
     lines += ["Also found: " + "; ".join(str(c.get("title")) for c in others) + "."] if others else []
-    lines += [f"Note: {finding}." for finding in (summary.get("diagnosis") or {}).get("findings") or []]
     status, label = ("fix", "FIX AT THE SOURCE") if fix is not None else \
         ("correct", "CORRECT") if corrections else ("fix", "CAUSE FOUND")
     return Banner(status=status, label=label, headline=" — ".join(parts), details=[*lines, *details],
@@ -167,6 +166,9 @@ def audit_banner(summary: dict[str, Any]) -> Banner:
     if verdict and verdict.get("text"):
         verdict_line = f"{pair} ({verdict.get('meaning', 'log-ratio')}): {_sentence(verdict['text'])}."
         details.append(verdict_line)
+    # Facts that explain no gap but change how to read one (a replayed config farther from the
+    # trainer than the sampler was; a declaration the replay contradicts).
+    details += [f"Note: {finding}." for finding in (summary.get("diagnosis") or {}).get("findings") or []]
     cause = lead_cause(summary)
     if cause is not None:
         return _cause_banner(cause, summary, recs, corrections, details, numbers)

@@ -72,10 +72,18 @@ def context_line(summary: dict[str, Any]) -> Html:
     return el("p", separated, class_="context")
 
 
+def tile_value(value: Any, kind: str) -> Html:
+    """A tile's number, with `--chars`: the widest line it needs (a range may break at its dash), so
+    the CSS shrinks its font to fit the tile instead of letting it spill out (report.css, .tile)."""
+    text = fmt(value, kind)
+    words = text.split()
+    chars = max(len(w) for w in words) + (2 if len(words) > 1 else 0) if words else 1
+    return el("div", text, class_="tile-value tile-range" if kind in ("range", "ci") else "tile-value",
+              style=f"--chars: {chars}")
+
+
 def banner_html(b: Banner) -> Html:
-    tiles = [el("div", el("div", fmt(value, kind), class_="tile-value tile-range" if kind in ("range", "ci")
-                          else "tile-value"),
-                el("div", label, class_="tile-label"), class_="tile")
+    tiles = [el("div", tile_value(value, kind), el("div", label, class_="tile-label"), class_="tile")
              for label, value, kind in b.numbers if value is not None]
     return el("section",
               el("div", el("span", b.label, class_="pill"), el("h1", b.headline, id="verdict-headline"),
