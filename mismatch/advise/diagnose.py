@@ -24,8 +24,8 @@ Causes, in the order they lead (each only on the evidence named):
    trainer's, or the localizers confine the train/infer error to a few modules (each module's error
    over 10x the median module's and its rounding floor; an expert when one expert carries it).
 4. sampler_weights: the replays agree (train/infer exact or negligible) but not the sampler
-   (infer/sampler small or large) while meta.sampler declares the replay's dtype and engine: the
-   sampler ran other weights. sampler_config: the same, but meta.sampler declares another dtype,
+   (infer/sampler small or large; train_processed/sampler when processed), with no turn onset,
+   while meta.sampler declares the replay's dtype and engine: the sampler ran other weights. sampler_config: the same, but meta.sampler declares another dtype,
    engine or attention: replay the sampler's config to tell them apart.
 5. turn_onset: the train/sampler gap steps up at a turn (localization.turns onset rule).
 6. render_drift: re-rendered messages give other tokens than were sampled (drift spans).
@@ -322,14 +322,20 @@ def _same_config_words(side: dict[str, Side], a: str, b: str, gap: str | None) -
 
 
 def _sampler_side(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side]) -> Cause | None:
-    """The replays agree with each other but not with the stored log-probs."""
-    if level.get("train/infer") not in HEALTHY or level.get("infer/sampler") not in GAPS:
+    """The replays agree with each other but not with the stored log-probs, from the first turn on
+    (a step at a later turn is turn_onset: the turns before it were reproduced, so were the weights),
+    judged like for like when the stored log-probs are processed."""
+    processed = (summary.get("alignment") or {}).get("logprob_semantics") == "processed"
+    judged = "train_processed/sampler" if processed else "infer/sampler"  # raw pairs differ by the processing
+    if level.get("train/infer") not in HEALTHY or level.get(judged) not in GAPS:
+        return None
+    if ((summary.get("localization") or {}).get("turns") or {}).get("onset_turn") is not None:
         return None
     if "sampler" not in side or "infer" not in side:
         return None
     differs = side["sampler"].differs(side["infer"])
-    sampled = f"kl_k3 {_kl(summary, 'infer/sampler')}"
-    agree = f"train/infer is {level['train/infer']} (the two replays agree), infer/sampler is {level['infer/sampler']} ({sampled})"
+    agree = (f"train/infer is {level['train/infer']} (the two replays agree), {judged} is {level[judged]} "
+             f"(kl_k3 {_kl(summary, judged)}) from the first turn on")
     if differs:
         spec = _sampler_spec(side["sampler"])
         return Cause(kind="sampler_config", pair="infer/sampler", fix="match_sampler_config",
