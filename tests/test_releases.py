@@ -257,7 +257,7 @@ def routing_snippet(framework: str, version: str) -> str:
     from mismatch.advise.recommend import for_target
 
     advice = for_target(routing_summary(), parse_target(f"{framework}=={version}", detect=False))
-    assert [r["kind"] for r in advice.recommendations] == ["correction", "routing_replay"]
+    assert [r["kind"] for r in advice.recommendations] == ["routing_replay", "correction"]  # the cause first
     return advice.snippet
 
 

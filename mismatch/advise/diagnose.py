@@ -30,7 +30,7 @@ Causes, in the order they lead (each only on the evidence named):
 5. turn_onset: the train/sampler gap steps up at a turn (localization.turns onset rule).
 6. render_drift: re-rendered messages give other tokens than were sampled (drift spans).
 7. batch_variance: probes show batch-shape variance, or an inference source gave one prefix
-   different log-probs in different requests.
+   different log-probs in different requests (unless probes ran and show no batch variance).
 8. routing_flips: MoE routing flips carry >= half of a trainer pair's k3, and no weight fault is
    localized (a faulty expert flips routing downstream: routing replay would hide it).
 9. precision: the sides differ in dtype with one in bfloat16, and the evidence confirms it: the
@@ -446,7 +446,7 @@ def _batch_variance(summary: dict[str, Any], side: dict[str, Side], probed: bool
     engines = summary.get("engines") or {}
     split = {source: found for source, found in split_prefixes(summary).items()
              if (engines.get(source) or {}).get("kind") not in TORCH_KINDS}
-    if not probed and not split:
+    if probed is False or not (probed or split):  # probes that ran and show none outweigh a split prefix
         return None
     evidence = []
     if probed:
