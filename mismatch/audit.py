@@ -341,7 +341,11 @@ def engine_weights(engines: dict[str, Any], checkpoint: str | Path) -> dict[str,
         other = engine.get("checkpoint")
         if source == "train" or not other or Path(other).resolve() == trainer.resolve():
             continue
-        out[source] = diff_checkpoints(trainer, other).brief()
+        try:
+            out[source] = diff_checkpoints(trainer, other).brief()
+        except (MismatchError, OSError) as error:  # evidence we could not gather: said, not fatal
+            out[source] = {"a": str(trainer), "b": str(other), "identical": False, "differing": [],
+                           "verdict": f"not compared: {error}"}
     return out
 
 
