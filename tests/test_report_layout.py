@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from reports.build import build_report
-from test_report import CHROMIUM, CHROMIUM_ARGS, rollout, token_table
+from test_report import browser, rollout, token_table  # noqa: F401 (browser: the shared Chromium fixture)
 
 # Role names as long as a user's engines are named; the pair names are "a/b" of these.
 TRAIN, SAMPLER, INFER = "trainer_megatron_bf16", "sampler_vllm_fp8_kvcache", "infer_hf_decode_bf16"
@@ -111,17 +111,6 @@ def long_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
         table[f"logp_{role}"] = logp + rng.normal(0.0, noise, len(table))
     out = write_results(tmp_path_factory.mktemp("long") / "audit", tokens=table, summary=long_summary(table), force=False)
     return build_report(out)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    if not CHROMIUM.is_file():
-        pytest.skip(f"{CHROMIUM} not found (apt-get install chromium)")
-    with sync_api.sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 @pytest.mark.parametrize(("width", "height"), VIEWPORTS)
