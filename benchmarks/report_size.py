@@ -96,7 +96,7 @@ def write_synthetic(out: Path, num_rollouts: int, seed: int) -> dict[str, int]:
 def time_build(out: Path) -> dict[str, float]:
     """Build in a fresh interpreter, timed inside (build only) and outside (imports included)."""
     code = ("import json, time, resource\nstarted = time.perf_counter()\n"
-            "from reports.build import build_report\nimported = time.perf_counter()\n"
+            "from mismatch.reports.build import build_report\nimported = time.perf_counter()\n"
             f"build_report(__import__('pathlib').Path({str(out)!r}))\ndone = time.perf_counter()\n"
             "print(json.dumps({'import_s': imported - started, 'build_s': done - imported,"
             " 'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))")

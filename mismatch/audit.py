@@ -78,7 +78,7 @@ from mismatch.rollouts.trees import TreeSums
 from mismatch.workers import analysis_workers, reading_workers
 
 if TYPE_CHECKING:
-    from reports.digest import Digestion
+    from mismatch.reports.digest import Digestion
 
 AUDIT_PAIRS = (("train", "sampler"), ("train", "infer"), ("infer", "sampler"))
 PROCESSED_PAIR = ("train_processed", "sampler")  # when the sampler stored processed log-probs
@@ -318,7 +318,7 @@ def advise(summary: dict[str, Any], **findings: Any) -> None:
 
 def add_probes(summary: dict[str, Any], checkpoint: str | Path, progress: ProgressFactory | None) -> None:
     """The kernel probes into summary.json `probes`, and the rule run again with their evidence."""
-    import probes
+    from mismatch import probes
 
     done = progress("probe: each op under batch, chunking, split-KV, dtype and rounding variations", None) \
         if progress else None
@@ -399,7 +399,7 @@ def write_summary_files(store: TokenStore, summary: dict[str, Any], per_rollout:
                         digested: Digestion | None = None) -> None:
     """summary.json, rollouts.parquet and the report, beside the stored tokens.parquet (in the
     staged dir: they appear in the same rename). `digested`: report_digestion run in the analysis."""
-    from reports.build import build_report
+    from mismatch.reports.build import build_report
 
     stage = store.directory
     assert stage is not None
@@ -414,8 +414,8 @@ def report_digestion(store: TokenStore) -> Digestion:
     as the summary lists them, train/sampler (the first) as the focus, and the table's row count
     as every pair's upper bound, so the tail behind the histograms' range is gathered in pass 0.
     The report reads the tokens again only if the summary's focus turns out another pair."""
-    from reports.digest import Digestion
-    from reports.worst import WorstOptions
+    from mismatch.reports.digest import Digestion
+    from mismatch.reports.worst import WorstOptions
 
     pairs = [f"{a}/{b}" for a, b in audit_pairs(store.columns)]
     return Digestion(store.columns, pairs=pairs, focus=pairs[0] if pairs else None, options=WorstOptions(),

@@ -324,7 +324,7 @@ def print_findings(summary: dict[str, Any]) -> None:
 
 def print_diagnosis(summary: dict[str, Any]) -> None:
     """The diagnosis' causes (title, evidence) and findings, then the answer the report leads with."""
-    from reports.banner import audit_banner
+    from mismatch.reports.banner import audit_banner
 
     diagnosis = summary.get("diagnosis") or {}
     for n, cause in enumerate(diagnosis.get("causes") or [], start=1):
@@ -496,7 +496,7 @@ def report(
     as_json: JsonFlag = False,
 ) -> None:
     """Rebuild DIR/index.html from DIR/summary.json and DIR/tokens.parquet."""
-    from reports.build import build_report
+    from mismatch.reports.build import build_report
 
     path = build_report(results, tokenizer_path=tokenizer)
     if as_json:
@@ -585,7 +585,7 @@ def probe(
 
     Matmul, attention, norms, softmax and reductions at the model's shapes; bitwise-equal
     fraction and max abs / ULP difference per variation."""
-    import probes
+    from mismatch import probes
     from mismatch.results import atomic_write_text, json_safe
 
     with working("probing each op under batch, chunking, split-KV, dtype and rounding variations", not as_json):

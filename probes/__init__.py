@@ -15,9 +15,9 @@ import torch
 
 from mismatch.engines.hf import resolve_device
 from mismatch.errors import MismatchError
-from probes import attention, matmul, norm, reductions, router, softmax
-from probes.result import SOURCES, ProbeResult
-from probes.shapes import ProbeShapes, shapes_from_checkpoint
+from mismatch.probes import attention, matmul, norm, reductions, router, softmax
+from mismatch.probes.result import SOURCES, ProbeResult
+from mismatch.probes.shapes import ProbeShapes, shapes_from_checkpoint
 
 FAMILIES = {"matmul": matmul.run, "attention": attention.run, "norm": norm.run,
             "softmax": softmax.run, "reductions": reductions.run, "router": router.run}

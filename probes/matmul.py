@@ -12,8 +12,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from probes.result import ProbeResult, dtype_name, measure, not_applicable
-from probes.shapes import ProbeShapes, randn
+from mismatch.probes.result import ProbeResult, dtype_name, measure, not_applicable
+from mismatch.probes.shapes import ProbeShapes, randn
 
 FAMILY = "matmul"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -11,8 +11,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from probes.result import ProbeResult, dtype_name, measure
-from probes.shapes import ProbeShapes, randn
+from mismatch.probes.result import ProbeResult, dtype_name, measure
+from mismatch.probes.shapes import ProbeShapes, randn
 
 FAMILY = "norm"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

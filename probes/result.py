@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from probes.ulp import bitwise_equal, max_ulp_diff
+from mismatch.probes.ulp import bitwise_equal, max_ulp_diff
 
 # What a variation changes; the last four are the sources of bitwise differences the literature names.
 SOURCES = ("batch_size", "chunking", "split_kv", "prefill_decode", "dtype", "tf32", "implementation",

@@ -11,9 +11,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from probes.result import ProbeResult, dtype_name, measure
-from probes.shapes import MoEShapes, ProbeShapes, randn
-from probes.ulp import ulp_diff
+from mismatch.probes.result import ProbeResult, dtype_name, measure
+from mismatch.probes.shapes import MoEShapes, ProbeShapes, randn
+from mismatch.probes.ulp import ulp_diff
 
 FAMILY = "router"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from probes.result import ProbeResult, dtype_name, measure
-from probes.shapes import ProbeShapes, randn
+from mismatch.probes.result import ProbeResult, dtype_name, measure
+from mismatch.probes.shapes import ProbeShapes, randn
 
 FAMILY = "softmax"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

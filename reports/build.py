@@ -22,11 +22,11 @@ from mismatch.analysis.chunked import ChunkSource
 from mismatch.errors import ReportError, ResultsError
 from mismatch.results import REPORT_FILE, TOKENS_FILE, json_safe, tokens_chunks
 from mismatch.results import read_summary as read_results_summary
-from reports import aggregate, figures, sections
-from reports.banner import banner, focus_pair
-from reports.digest import Chunks, Digest, Digestion, digest
-from reports.html import Html, el, join
-from reports.worst import WorstOptions
+from mismatch.reports import aggregate, figures, sections
+from mismatch.reports.banner import banner, focus_pair
+from mismatch.reports.digest import Chunks, Digest, Digestion, digest
+from mismatch.reports.html import Html, el, join
+from mismatch.reports.worst import WorstOptions
 
 TEMPLATES = Path(__file__).with_name("templates")
 

@@ -21,8 +21,8 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
-from reports import aggregate
-from reports.worst import (
+from mismatch.reports import aggregate
+from mismatch.reports.worst import (
     WorstOptions,
     color_scale,
     logp_roles,

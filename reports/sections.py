@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from reports.aggregate import pair_roles
-from reports.banner import Banner, describe, focus_pair, recommendation_action
-from reports.figures import LEVEL_COLORS
-from reports.html import Html, el, join, num, pct
+from mismatch.reports.aggregate import pair_roles
+from mismatch.reports.banner import Banner, describe, focus_pair, recommendation_action
+from mismatch.reports.figures import LEVEL_COLORS
+from mismatch.reports.html import Html, el, join, num, pct
 
 CARD_METRICS = (("kl_k3", "kl_k3 per token", "num"), ("log_ratio_abs_mean", "mean |log-ratio|", "num"),
                 ("log_ratio_abs_max", "max |log-ratio|", "num"),

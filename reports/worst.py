@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from reports.aggregate import pair_roles
+from mismatch.reports.aggregate import pair_roles
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -158,7 +158,7 @@ def first(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def headline(summary: dict[str, Any]) -> str:
-    from reports.banner import banner
+    from mismatch.reports.banner import banner
 
     return banner(summary).headline
 
@@ -166,7 +166,7 @@ def headline(summary: dict[str, Any]) -> str:
 # --- 1. clean control -------------------------------------------------------------------------
 
 def test_clean_replay_has_no_cause_and_no_correction(matrix) -> None:
-    from reports.banner import banner
+    from mismatch.reports.banner import banner
 
     summary = matrix.summary("clean")
     assert {pair: v["level"] for pair, v in summary["verdicts"].items()} == dict.fromkeys(

@@ -96,7 +96,7 @@ def test_a_split_prefix_in_an_inference_source_is_said_and_advised() -> None:
 
 def test_the_report_and_the_terminal_show_split_prefixes(capsys) -> None:
     from mismatch.cli import print_pairs
-    from reports.sections import findings_section
+    from mismatch.reports.sections import findings_section
     from tests.test_recommend import summary as make_summary
 
     summary = make_summary(prefix_consistency={"sampler": EQUAL, "infer": SPLIT})

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import probes
+from mismatch import probes
 from mismatch.cli import main
 from mismatch.errors import CheckpointError, MismatchError
-from probes import attention, matmul, norm, reductions, router, softmax
-from probes.result import SOURCES, measure
-from probes.shapes import (
+from mismatch.probes import attention, matmul, norm, reductions, router, softmax
+from mismatch.probes.result import SOURCES, measure
+from mismatch.probes.shapes import (
     MoEShapes,
     ProbeShapes,
     attn_scale_from_config,
@@ -25,7 +25,7 @@ from probes.shapes import (
     shapes_from_checkpoint,
     sliding_window_from_config,
 )
-from probes.ulp import bitwise_equal, max_ulp_diff, ordinal, ulp_diff
+from mismatch.probes.ulp import bitwise_equal, max_ulp_diff, ordinal, ulp_diff
 
 TINY = ProbeShapes(hidden=128, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=384, vocab=1024)
 

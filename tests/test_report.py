@@ -19,10 +19,10 @@ import pandas as pd
 import pytest
 
 from conftest import REPO
-from reports.aggregate import histogram
-from reports.banner import banner
-from reports.build import REPORT_FILE, ReportError, build_report, plotly_js, script_json
-from reports.worst import WorstOptions, select_rows
+from mismatch.reports.aggregate import histogram
+from mismatch.reports.banner import banner
+from mismatch.reports.build import REPORT_FILE, ReportError, build_report, plotly_js, script_json
+from mismatch.reports.worst import WorstOptions, select_rows
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -188,7 +188,7 @@ def demo_report(tiny_checkpoint: Path, sampled_rollouts: Path, tmp_path_factory:
 
 def test_reports_never_import_torch_or_the_engines(tmp_path: Path) -> None:
     out = audit_dir(tmp_path / "audit", [rollout("r-0"), rollout("r-1")])
-    code = ("import json, sys\nfrom pathlib import Path\nfrom reports.build import build_report\n"
+    code = ("import json, sys\nfrom pathlib import Path\nfrom mismatch.reports.build import build_report\n"
             f"build_report(Path({str(out)!r}))\nprint(json.dumps(sorted(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     modules = json.loads(done.stdout)
@@ -424,7 +424,7 @@ def test_diff_report_shows_both_configs_side_by_side(browser, tmp_path: Path) ->
 
 
 def test_corrections_that_change_nothing_collapse_to_one_line_and_negative_chi2_is_explained() -> None:
-    from reports.sections import corrections_section, gaps_section
+    from mismatch.reports.sections import corrections_section, gaps_section
 
     def row(mode: str, cap: float, frac: float) -> dict:
         return {"mode": mode, "params": {"cap": cap}, "frac_tokens_affected": frac, "frac_rollouts_affected": frac,
@@ -460,7 +460,7 @@ def test_the_demo_report_stays_small(demo_report: Path) -> None:
 
 
 def test_a_few_redrawn_tokens_do_not_take_the_headline() -> None:
-    from reports.banner import audit_banner
+    from mismatch.reports.banner import audit_banner
 
     def summary(touched: int) -> dict:
         return {"pairs": {"train/sampler": {"n_tokens": 598}},
@@ -482,7 +482,7 @@ def test_the_audit_report_lists_its_worst_tokens(demo_report: Path) -> None:
     tokens = pd.read_parquet(demo_report.parent / "tokens.parquet")
     trainable = tokens[tokens["trainable"]]
     worst = (trainable["logp_train"] - trainable["logp_sampler"]).abs().max()
-    from reports.html import num
+    from mismatch.reports.html import num
 
     assert f"<td><span>{num(worst, 6)}</span></td></tr>" in page  # the largest gap, rendered as the table does
 
@@ -492,7 +492,7 @@ def test_an_audits_report_read_in_its_passes_is_the_report_built_from_its_result
     """The audit reads the page's data in its analysis's passes (report_digestion), not again
     after them; `mismatch report` on the same results dir writes the very same page."""
     import mismatch
-    from reports import build
+    from mismatch.reports import build
     from tests.test_golden import GOLDEN, stored_checkpoint
 
     monkeypatch.setattr("mismatch.analysis.chunked.DEFAULT_CHUNK_ROWS", 97)

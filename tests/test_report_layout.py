@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from reports.build import build_report
+from mismatch.reports.build import build_report
 from test_report import browser, rollout, token_table  # noqa: F401 (browser: the shared Chromium fixture)
 
 # Role names as long as a user's engines are named; the pair names are "a/b" of these.
