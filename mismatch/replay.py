@@ -24,7 +24,7 @@ from mismatch.engines import (
     check_spec,
     load_engine,
 )
-from mismatch.engines.routing import StreamRouting
+from mismatch.streams import StreamRouting
 from mismatch.errors import (
     CheckpointError,
     EngineError,

@@ -656,7 +656,7 @@ class WorkDir:
             experts=np.concatenate([r.experts for r in routed]), margin=np.concatenate([r.margin for r in routed])))
 
     def load_routing(self, source: str, block: int) -> list[Any] | None:
-        from mismatch.engines.routing import StreamRouting
+        from mismatch.streams import StreamRouting
 
         file = self.path / f"{source}-routing-{block:06d}.npz"
         if not file.is_file():

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 if TYPE_CHECKING:  # the report reads this module's findings and never imports the engines
-    from mismatch.engines import ReplayRequest
+    from mismatch.streams import ReplayRequest
 
 _P = np.uint64(0x100000001B3)            # the FNV-1a 64-bit prime: odd, so invertible mod 2^64
 _P_INV = np.uint64(pow(0x100000001B3, -1, 2**64))

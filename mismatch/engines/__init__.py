@@ -17,21 +17,9 @@ import numpy as np
 
 from mismatch.engines.spec import EngineSpec, parse_spec
 from mismatch.errors import SpecError
+from mismatch.streams import ReplayRequest  # noqa: F401  (the plug-in API: engines take these)
 
 ProgressFn = Callable[[int], None]  # called with the number of tokens just scored
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class ReplayRequest:
-    """One stream to replay: the branch's context followed by its own tokens."""
-
-    tokens: np.ndarray     # int64 [L]
-    generated: np.ndarray  # bool [L]: sampled by the model (decode path), else prompt (prefill)
-    score_from: int        # log-probs are wanted for positions score_from..L-1
-
-    @property
-    def num_scored(self) -> int:
-        return len(self.tokens) - self.score_from
 
 
 class Engine(Protocol):

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from mismatch.errors import SpecError
+from mismatch.streams import StreamRouting
 
 ROUTING_MODES = ("own", "replay")
 
@@ -26,16 +27,6 @@ def routers(model: Any) -> list[Any]:
     """The model's MoE routers in layer order (empty for a dense model)."""
     return [module for _, module in model.named_modules()
             if type(module).__name__.endswith(("TopKRouter", "TopkRouter"))]
-
-
-@dataclass(slots=True)
-class StreamRouting:
-    """One stream's routing: per fed position and MoE layer, the top-k experts (sorted, so two
-    passes compare as sets) and the router's score margin between the k-th and the (k+1)-th expert
-    (`choice_scores`; NaN where unknown, as in routing stored by the rollout engine)."""
-
-    experts: np.ndarray  # int16 [positions, layers, k]
-    margin: np.ndarray   # float32 [positions, layers]
 
 
 class RoutingRecorder:
