@@ -18,7 +18,8 @@ import numpy as np
 from mismatch.checkpoint import CheckpointInfo, checkpoint_info, load_model
 from mismatch.engines import ProgressFn, ReplayRequest
 from mismatch.engines.logprobs import DEFAULT_CHUNK, token_logprobs
-from mismatch.engines.routing import RoutingRecorder, StreamRouting, check_mode, forced_routing, routers
+from mismatch.engines.routing import RoutingRecorder, check_mode, forced_routing, routers
+from mismatch.streams import StreamRouting
 from mismatch.engines.spec import EngineSpec, options_from
 from mismatch.errors import SpecError
 

@@ -18,7 +18,8 @@ import numpy as np
 from mismatch.engines import ProgressFn, ReplayRequest
 from mismatch.engines.hf import TorchEngineBase
 from mismatch.engines.logprobs import DEFAULT_CHUNK
-from mismatch.engines.routing import StreamRouting, forced_routing
+from mismatch.engines.routing import forced_routing
+from mismatch.streams import StreamRouting
 from mismatch.errors import SpecError
 
 PREFILL_MODES = ("prompt", "none")

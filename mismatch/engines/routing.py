@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from mismatch.errors import SpecError
-from mismatch.streams import StreamRouting
 
 ROUTING_MODES = ("own", "replay")
 
