@@ -1,0 +1,69 @@
+"""The house rules, read from the source: imports go downward only (tests/layering.py), every
+package is installed, and no function or module outgrows what one reader holds in mind."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import layering  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_FUNCTION_LINES = 60
+MAX_MODULE_LINES = 500
+
+
+def test_imports_go_downward_only_and_nothing_cycles():
+    assert layering.violations(REPO) == []
+
+
+@pytest.fixture()
+def copied(tmp_path: Path) -> Path:
+    for name in ("mismatch", "probes", "reports"):
+        shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    return tmp_path
+
+
+def test_a_planted_upward_import_is_caught_even_inside_a_function(copied: Path):
+    target = copied / "mismatch" / "errors.py"
+    target.write_text(target.read_text() + "\n\ndef _planted():\n    from mismatch.analysis import terms\n"
+                      "    return terms\n")
+    found = layering.violations(copied)
+    assert len(found) == 1 and "mismatch/errors.py" in found[0] and "upward: errors is below analysis" in found[0]
+
+
+def test_a_planted_cycle_and_a_report_reaching_an_engine_are_caught(copied: Path):
+    sections = copied / "reports" / "html.py"
+    sections.write_text(sections.read_text() + "\nfrom mismatch.engines import spec as _spec  # noqa\n")
+    terms = copied / "mismatch" / "analysis" / "terms.py"
+    terms.write_text(terms.read_text() + "\n\ndef _planted():\n    from mismatch.analysis import metrics\n")
+    found = layering.violations(copied)
+    assert any("mismatch.reports.html imports mismatch.engines.spec (forbidden" in line for line in found), found
+    assert any(line.startswith("cycle:") and "mismatch.analysis.terms" in line for line in found), found
+
+
+def test_every_package_is_installed():
+    """pyproject lists its packages (probes/ and reports/ map into mismatch): a new folder must be added."""
+    listed = set(layering.tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, file in layering.project_modules(REPO).items() if file.name == "__init__.py"}
+    assert listed == packages
+
+
+def test_no_function_over_60_lines_and_no_module_over_500():
+    long_functions, long_modules = [], []
+    for name, file in layering.project_modules(REPO).items():
+        text = file.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            long_modules.append(f"{file.relative_to(REPO)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{file.relative_to(REPO)}:{node.lineno} {node.name}: {length} lines")
+    assert long_modules == [] and long_functions == []
