@@ -18,14 +18,15 @@ import pyarrow.parquet as pq
 
 from mismatch.advise.corrections import CorrectionSimulator
 from mismatch.analysis.alignment import AlignmentCheck
-from mismatch.analysis.chunked import Analysis, PerRollout, run_passes
+from mismatch.analysis.chunked import Analysis, run_passes
+from mismatch.analysis.per_rollout import PerRollout
 from mismatch.analysis.clip import ClipRange
-from mismatch.analysis.framework_metrics import FrameworkMetrics
+from mismatch.frameworks.metrics import FrameworkMetrics
 from mismatch.audit import SummaryAnalyses, audit_pairs, report_digestion
 from mismatch.batch import tune_for_batch
 from mismatch.localize.turns import TurnLocalizer
 from mismatch.results import TOKENS_FILE, TokenStore, tokens_chunks
-from mismatch.rollouts.trees import TreeSums
+from mismatch.analysis.trees import TreeSums
 
 
 def timed_passes(chunks, analysis: Analysis | None) -> tuple[float, int]:

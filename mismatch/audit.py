@@ -19,47 +19,38 @@ import pandas as pd
 from mismatch import __version__
 from mismatch.advise.corrections import CorrectionSimulator
 from mismatch.advise.diagnose import diagnose
-from mismatch.advise.recommend import recommend, recommendations_dicts, render_config
+from mismatch.advise.recommend import recommend, recommendations_dicts
+from mismatch.advise.snippets import render_config
 from mismatch.advise.verdicts import verdicts
 from mismatch.analysis.alignment import (
     AlignmentCheck,
-    Sampling,
     check_alignment,
-    replay_processed,
 )
-from mismatch.analysis.chunked import (
-    OVERALL,
-    Analysis,
-    Chunks,
-    Counts,
-    GroupedPairMetrics,
-    PerRollout,
-    breakdown_records,
-    per_rollout_metrics,
-    run_passes,
-    table_chunks,
-)
+from mismatch.analysis.chunked import Analysis, Chunks, run_passes, table_chunks
+from mismatch.analysis.counts import Counts
+from mismatch.analysis.grouped_metrics import OVERALL, GroupedPairMetrics, breakdown_records
+from mismatch.analysis.per_rollout import PerRollout, per_rollout_metrics
 from mismatch.analysis.clip import ClipRange, clip_summary
-from mismatch.analysis.framework_metrics import FrameworkMetrics, settings_used
+from mismatch.frameworks.metrics import FrameworkMetrics, settings_used
 from mismatch.frameworks import FRAMEWORKS, default_target
 from mismatch.analysis.metrics import PAIR_METRICS
 from mismatch.analysis.prefixes import PrefixConsistency, PrefixKeys, prefix_keys
 from mismatch.analysis.routing import routing_summary, token_routing
 from mismatch.checkpoint import load_tokenizer
-from mismatch.engines import check_spec, parse_spec
+from mismatch.engines import TORCH_KINDS, check_spec, parse_spec
+from mismatch.engines.processing import Sampling
 from mismatch.errors import MismatchError
 from mismatch.identity import run_inputs
 from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import TurnLocalizer
-from mismatch.localize.turns import import_ahead as import_turns_ahead
 from mismatch.replay import (
     DEFAULT_BLOCK,
-    TORCH_KINDS,
     Block,
     ProgressFactory,
     Replayed,
     Shard,
+    replay_processed,
     replay_sources,
 )
 from mismatch.results import (
@@ -74,7 +65,7 @@ from mismatch.results import (
     write_summary,
 )
 from mismatch.rollouts.drift import find_drift, recorded
-from mismatch.rollouts.trees import TreeSums
+from mismatch.analysis.trees import TreeSums
 from mismatch.workers import analysis_workers, reading_workers
 
 if TYPE_CHECKING:
@@ -211,8 +202,6 @@ def store_blocks(replayed: Replayed, store: TokenStore, checkpoint: str | Path, 
     keys = PrefixKeys(store.side_file("prefix_keys"))
     for number, (table, block_keys, drift, needed_tokenizer) in enumerate(
             replayed.map_blocks(partial(_stored_parts, str(checkpoint)), workers)):
-        if number == 1 and workers > 1:
-            import_turns_ahead()  # the readers read on meanwhile: this process has time to spare
         store.write(table)
         keys.add(block_keys)
         drifts.append(drift)
@@ -283,7 +272,7 @@ def analyze_audit(chunks: Chunks, *, engines: dict[str, Any], checkpoint: str,
     turns = TurnLocalizer("train", "sampler")
     run_passes(chunks, [*summary.analyses, trees, frameworks, turns, corrections,
                         *([checked] if checked is not None else []), *also], workers=workers,
-               beside=[prefixes] if isinstance(prefixes, PrefixConsistency) else [])
+               side_jobs=[prefixes] if isinstance(prefixes, PrefixConsistency) else [])
     out = summary.result(engines=engines, checkpoint=checkpoint, rollouts_file=rollouts_file, command="audit")
     out["alignment"] = alignment if checked is None else checked.result()
     out["trees"] = trees.result()

@@ -2,13 +2,11 @@
 script (cli.run), never by the library, which runs inside other people's processes (a training
 loop) whose allocator and collector are theirs to tune.
 
-Measured on the stored-log-prob audit of benchmarks/audit_stored.py (10k rollouts, 9.3M token
-rows, two cores; benchmarks/RESULTS.md): 1.9M page faults and 6-7 s of system time went to glibc
-handing every freed chunk-sized array back to the kernel and faulting it in again on the next
-chunk (~0.26M faults and 2.5 s once freed memory is kept), and 1-2 s of CPU to the cycle
-collector's young generation, run every 700 allocations while the rollouts' JSON is decoded
-into millions of lists and dicts that hold no cycles; and ~0.3 s to the interpreter's teardown
-collecting every object still alive as the command ends (half of it without: end_batch).
+Why (the figures: benchmarks/RESULTS.md, "Figures moved from the code"): glibc hands every freed
+chunk-sized array back to the kernel and faults it in again on the next chunk; the cycle
+collector's young generation runs every 700 allocations while the rollouts' JSON is decoded into
+millions of lists and dicts that hold no cycles; and the interpreter's teardown collects every
+object still alive as the command ends (end_batch).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import gc
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 # Arrays up to this size come from the heap, and freed ones are reused there instead of unmapped:
-# a chunk's per-token arrays are ~2 MiB (analysis/chunked.py), a block's a few; 32 MiB is glibc's
+# a chunk's and a block's per-token arrays fit under it (analysis/chunked.py); it is glibc's
 # largest mmap threshold on 64-bit systems.
 MMAP_THRESHOLD = 32 * 2**20
 # The heap gives memory back to the kernel only when this much is free at its top: the peak RSS
@@ -47,6 +45,6 @@ def tune_for_batch() -> None:
 
 def end_batch() -> None:
     """Before the process exits: every live object is left out of the collections the
-    interpreter's teardown runs (they find no garbage a batch job needs freed; ~0.13 s after a
-    10k-rollout audit). Finalizers registered to run at exit still run."""
+    interpreter's teardown runs (they find no garbage a batch job needs freed, and walking them
+    costs time at the very end). Finalizers registered to run at exit still run."""
     gc.freeze()

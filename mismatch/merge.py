@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis.chunked import PerRollout
+from mismatch.analysis.per_rollout import PerRollout
 from mismatch.analysis.clip import ClipRange
 from mismatch.analysis.routing import merged_routing
 from mismatch.audit import (

@@ -24,34 +24,43 @@ from mismatch.errors import MismatchError
 
 T = TypeVar("T")
 WORKERS_VARIABLE = "MISMATCH_WORKERS"
-# Measured with two cores (benchmarks/RESULTS.md): the readers of a rollouts file each read every
-# line, and an analysis pass is read in two halves (analysis/chunked.py, HALVES).
-MAX_WORKERS = 2
+# What the work can use: an analysis pass is read in two halves (analysis/chunked.py, PARTS_PER_PASS), so
+# a third process would have nothing to read.
+ANALYSIS_PROCESSES = 2
 # Below this much work a fork costs more than it saves: a million token rows, and the rollouts
 # file of about as many tokens.
 MIN_ROWS_TO_FORK = 1_000_000
 MIN_BYTES_TO_FORK = 32 * 2**20
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity where the system tells it, else all of them."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def analysis_workers(num_rows: int, environ: Mapping[str, str] | None = None) -> int:
     """How many processes the analysis of `num_rows` token rows uses (see _workers)."""
-    return _workers(num_rows >= MIN_ROWS_TO_FORK, environ)
+    return _workers(ANALYSIS_PROCESSES if num_rows >= MIN_ROWS_TO_FORK else 1, environ)
 
 
 def reading_workers(num_bytes: int, environ: Mapping[str, str] | None = None) -> int:
-    """How many forked processes read a rollouts file of `num_bytes` (rollouts/forked.py)."""
-    return _workers(num_bytes >= MIN_BYTES_TO_FORK, environ)
+    """How many forked processes read a rollouts file of `num_bytes` (rollouts/forked.py). Every
+    reader scans each line to find its own blocks, so each further one is paid for by another
+    MIN_BYTES_TO_FORK of the file."""
+    return _workers(1 + num_bytes // MIN_BYTES_TO_FORK if num_bytes >= MIN_BYTES_TO_FORK else 1, environ)
 
 
-def _workers(big: bool, environ: Mapping[str, str] | None) -> int:
-    """MISMATCH_WORKERS when set (1: never fork; whatever the size), else for `big` work up to
-    MAX_WORKERS of the cores this process may run on."""
+def _workers(usable: int, environ: Mapping[str, str] | None) -> int:
+    """MISMATCH_WORKERS when set (1: never fork; whatever the size), else as many as the work can
+    use (`usable`), up to the CPUs this process may run on."""
     text = (os.environ if environ is None else environ).get(WORKERS_VARIABLE)
     if text is not None:
         if not text.strip().isdigit() or int(text) < 1:
             raise MismatchError(f"{WORKERS_VARIABLE}={text!r}: must be a whole number of processes, 1 or more")
         return int(text)
-    return min(MAX_WORKERS, len(os.sched_getaffinity(0))) if big else 1
+    return max(1, min(usable, usable_cpus()))
 
 
 def fork_jobs(jobs: Sequence[Callable[[], T]]) -> list[T]:

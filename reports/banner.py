@@ -190,16 +190,24 @@ def audit_banner(summary: dict[str, Any]) -> Banner:
     if verdict is None:
         return Banner(status="unknown", label="NO VERDICT", numbers=numbers, details=details,
                       headline="No verdict recorded in summary.json (re-run the audit to get one)")
+    details = [line for line in details if line != verdict_line]  # the verdict is the headline itself
+    return _level_banner(pair, verdict, details=details, numbers=numbers, recommended=bool(recs))
+
+
+def _level_banner(pair: str | None, verdict: dict[str, Any], *, details: list[str],
+                  numbers: list[tuple[str, Any, str]], recommended: bool) -> Banner:
+    """No cause, fix or correction to lead with: the verdict's own sentence and level (healthy,
+    small or large gap)."""
+    level = verdict.get("level", "unknown")
     if level in HEALTHY_LEVELS:
         status, label = "healthy", "HEALTHY"
     elif level in ("small", "large"):
         status, label = level, f"{level.upper()} GAP"
     else:
         status, label = "unknown", "NOT JUDGED"
-    details = [line for line in details if line != verdict_line]  # the verdict is the headline itself
     if pair:
         details.append(f"On {pair} ({verdict.get('meaning', 'its log-ratio')}), trainable tokens.")
-    if not recs and level not in HEALTHY_LEVELS:
+    if not recommended and level not in HEALTHY_LEVELS:
         details.append("Recommendation: not computed for this results dir.")
     return Banner(status=status, label=label, headline=_sentence(verdict.get("text", "")),
                   details=details, numbers=numbers)

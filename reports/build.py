@@ -22,8 +22,9 @@ from mismatch.analysis.chunked import ChunkSource
 from mismatch.errors import ReportError, ResultsError
 from mismatch.results import REPORT_FILE, TOKENS_FILE, json_safe, tokens_chunks
 from mismatch.results import read_summary as read_results_summary
-from mismatch.reports import aggregate, figures, sections
+from mismatch.reports import advice, aggregate, figures, sections
 from mismatch.reports.banner import banner, focus_pair
+from mismatch.reports.blocks import section
 from mismatch.reports.digest import Chunks, Digest, Digestion, digest
 from mismatch.reports.html import Html, el, join
 from mismatch.reports.worst import WorstOptions
@@ -138,10 +139,10 @@ def distribution_section(pairs: list[str], figs: dict[str, Any], colors: dict[st
               for i, p in enumerate(pairs) if f"hist-{p}" in figs]
     if not panels:
         return None
-    return sections.section("distribution", "Distribution of the log-ratio",
-                            el("div", panels, class_=f"grid-{min(len(panels), 3)}"),
-                            lead="Trainable tokens, counts on a log scale, one x-range for every pair: "
-                                 "the tails are what PPO's ratio feels.")
+    return section("distribution", "Distribution of the log-ratio",
+                   el("div", panels, class_=f"grid-{min(len(panels), 3)}"),
+                   lead="Trainable tokens, counts on a log scale, one x-range for every pair: "
+                        "the tails are what PPO's ratio feels.")
 
 
 def page_body(summary: dict[str, Any], tokens: tuple[Chunks, list[str]], *, tokenizer_path: Path | None,
@@ -180,7 +181,7 @@ def page_body(summary: dict[str, Any], tokens: tuple[Chunks, list[str]], *, toke
         sections.where_section(summary, pairs, figs, colors),
         sections.localization_section(summary, figs),
         sections.findings_section(summary),
-        sections.corrections_section(summary),
+        advice.corrections_section(summary),
         sections.frameworks_section(summary),
         sections.worst_section(worst, found.worst_tokens if worst and summary.get("command") != "diff" else None),
         sections.absent_line(summary),

@@ -45,7 +45,7 @@ class _Pair:
     n: int = 0
     finite: int = 0                     # tokens with a finite log-ratio
     max_abs: float = -math.inf          # largest finite |log-ratio|
-    tails: Any = None                   # the top 0.1% of finite |log-ratio| (chunked.Tails)
+    tails: Any = None                   # the top 0.1% of finite |log-ratio| (analysis.tails.Tails)
     histogram: dict[str, Any] | None = None  # pass 3
     by_position: aggregate.GroupSums = field(default_factory=aggregate.GroupSums)
     by_turn: aggregate.GroupSums = field(default_factory=aggregate.GroupSums)
@@ -81,7 +81,7 @@ class Digestion:
 
     def __init__(self, columns: list[str], *, pairs: list[str], focus: str | None, options: WorstOptions,
                  with_turns: bool, with_worst_tokens: bool, expected: dict[str, int] | None = None) -> None:
-        from mismatch.analysis.chunked import Tails
+        from mismatch.analysis.tails import Tails
 
         self.columns, self.pairs, self.focus, self.options = columns, pairs, focus, options
         self.with_turns, self.with_worst_tokens = with_turns, with_worst_tokens
@@ -109,7 +109,7 @@ class Digestion:
             finite = [state for state in self.populated if state.finite]
             self.missing = [s for s in finite if s.tails is None or int(s.tails.counts[0]) < s.finite]
             if self.missing:
-                from mismatch.analysis.chunked import Tails
+                from mismatch.analysis.tails import Tails
 
                 for state in self.missing:
                     state.tails = Tails(np.array([state.finite]), [0.999])

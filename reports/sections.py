@@ -1,7 +1,8 @@
 """The report's static sections as escaped HTML, top to bottom; charts are placeholders the page fills.
 
 Each section takes the summary (and the aggregates) and returns markup, or None when its data are
-absent, so a section never shows a number the results dir does not hold.
+absent, so a section never shows a number the results dir does not hold. The recommendation and
+corrections are advice.py's; the blocks every section is made of (tables, facts, panels), blocks.py's.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import time
 from typing import Any
 
 from mismatch.reports.aggregate import pair_roles
-from mismatch.reports.banner import Banner, describe, focus_pair, recommendation_action
+from mismatch.reports.banner import Banner, focus_pair
+from mismatch.reports.blocks import chart, facts, fmt, pair_legend, records_table, section, value_html
 from mismatch.reports.figures import LEVEL_COLORS
 from mismatch.reports.html import Html, el, join, num, pct
 
@@ -19,37 +21,6 @@ CARD_METRICS = (("kl_k3", "kl_k3 per token", "num"), ("log_ratio_abs_mean", "mea
                 (("ratio_q001", "ratio_q999"), "ratio q0.1 – q99.9", "range"), ("chi2_token", "χ² token", "num"),
                 ("ess", "ESS", "num"), ("frac_outside_2", "ratio outside [0.5, 2]", "pct"),
                 ("bitwise_equal_frac", "bitwise equal", "pct"), ("n_tokens", "trainable tokens", "num"))
-CORRECTION_COLUMNS = (("frac_tokens_affected", "tokens affected", "pct"),
-                      ("frac_rollouts_affected", "rollouts affected", "pct"),
-                      ("weight_mean", "weight mean", "num"), ("weight_max", "weight max", "num"),
-                      ("ess", "ESS", "num"))
-MAX_TABLE_ROWS = 50
-
-
-def fmt(value: Any, kind: str = "num") -> str:
-    if kind == "pct":
-        return pct(value)
-    if kind in ("range", "ci"):
-        low, high = value if isinstance(value, (tuple, list)) and len(value) == 2 else (None, None)
-        if low is None and high is None:
-            return "–"
-        return f"[{num(low, 3)}, {num(high, 3)}]" if kind == "ci" else f"{num(low)} – {num(high)}"
-    return num(value)
-
-
-def chart(fig_id: str, caption: str | None = None) -> Html:
-    return el("figure", el("div", class_="chart", id=f"chart-{fig_id}", data_fig=fig_id),
-              el("figcaption", caption) if caption else None)
-
-
-def pair_legend(colors: dict[str, str], pairs: list[str] | None = None) -> Html:
-    return el("p", [el("span", el("span", class_="swatch", style=f"background:{colors[p]}"), p, class_="legend-item")
-                    for p in (pairs or colors)], class_="pair-legend")
-
-
-def section(anchor: str, title: str, *body: Any, lead: str | None = None) -> Html:
-    return el("section", el("h2", title), el("p", lead, class_="lead") if lead else None, *body,
-              id=anchor, class_="panel")
 
 
 # --- header and verdict -------------------------------------------------------------------------
@@ -173,53 +144,6 @@ def gaps_section(summary: dict[str, Any], pairs: list[str], colors: dict[str, st
                       el("div", [pair_card(summary, p, colors[p]) for p in pairs], class_="cards"),
                       class_="gaps"),
                    caveat, metrics_table(summary, pairs), lead=lead)
-
-
-# --- generic renderers for the open-ended blocks (localization, findings) ------------------------
-
-def value_html(value: Any, depth: int = 0) -> Html:
-    """Any JSON value as escaped markup: records as tables, objects as key/value lists."""
-    if isinstance(value, Html):
-        return value
-    if isinstance(value, dict):
-        if not value:
-            return el("span", "–")
-        if depth > 0 and len(value) <= 4 and all(not isinstance(v, dict) for v in value.values()):
-            # A small object inside a fact or a cell reads best on one line: "slope 1.2e−5 · ci95 …".
-            return el("span", [join(" · " if i else None, el("span", str(k), class_="k"), " ",
-                                    value_html(v, depth + 1)) for i, (k, v) in enumerate(value.items())],
-                      class_="inline")
-        rows = [el("tr", el("th", str(k), scope="row"), el("td", value_html(v, depth + 1))) for k, v in value.items()]
-        return el("table", el("tbody", rows), class_="data kv")
-    if isinstance(value, list):
-        if value and all(isinstance(v, dict) for v in value):
-            return records_table(value)
-        return el("span", ", ".join(num(v) if isinstance(v, (int, float)) else str(v) for v in value) or "–")
-    if isinstance(value, float):
-        return el("span", num(value, 6))
-    if isinstance(value, str) and depth == 0 and ("\n" in value or len(value) > 60):
-        return el("pre", value, class_="text")
-    return el("span", num(value) if isinstance(value, int) else ("–" if value is None else str(value)))
-
-
-def records_table(records: list[dict[str, Any]], *, limit: int = MAX_TABLE_ROWS,
-                  highlight: set[int] | None = None) -> Html:
-    columns = list(dict.fromkeys(k for r in records for k in r))
-    rows = [el("tr", [el("td", value_html(r.get(c), 1)) for c in columns],
-               class_="highlight" if highlight and i in highlight else None)
-            for i, r in enumerate(records[:limit])]
-    more = len(records) - limit
-    return join(el("table", el("thead", el("tr", [el("th", c) for c in columns])), el("tbody", rows),
-                   class_="data"),
-                el("p", f"… {more:,} more rows in summary.json", class_="note") if more > 0 else None)
-
-
-def facts(items: list[tuple[str, Any]]) -> Html | None:
-    shown = [(label, value) for label, value in items if value is not None]
-    if not shown:
-        return None
-    return el("dl", [el("div", el("dt", label), el("dd", value_html(value, 1))) for label, value in shown],
-              class_="facts")
 
 
 # --- where: turn, position, probability, branch kind ----------------------------------------------
@@ -422,91 +346,12 @@ def _prefix_parts(summary: dict[str, Any]) -> list[Html]:
     return [el("h3", "Prefix consistency"), flags, records_table(rows)]
 
 
-# --- corrections and recommendations ---------------------------------------------------------------
-
-def snippet_blocks(value: Any) -> list[Html]:
-    """Config snippet(s): one text, or {framework: text} (each a block people copy as is)."""
-    if isinstance(value, str):
-        return [el("pre", value, class_="snippet")]
-    if isinstance(value, dict):
-        return [el("details", el("summary", str(name)), el("pre", text if isinstance(text, str) else repr(text),
-                                                            class_="snippet"), open=i == 0 or None)
-                for i, (name, text) in enumerate(value.items())]
-    return []
-
-
-def _compact(params: Any) -> str:
-    if not isinstance(params, dict) or not params:
-        return ""
-    return ", ".join(f"{k}={num(v) if isinstance(v, float) else v}" for k, v in params.items())
-
-
-def is_recommended(correction: dict[str, Any], recs: list[dict[str, Any]]) -> bool:
-    """The simulated row a `correction` recommendation chose: same mode, same cap/bounds."""
-    params = correction.get("params") if isinstance(correction.get("params"), dict) else {}
-    for rec in recs:
-        chosen = rec.get("params") if isinstance(rec.get("params"), dict) else {}
-        mode = chosen.get("mode", rec.get("kind"))
-        if mode == correction.get("mode") and all(chosen.get(k) == v for k, v in params.items()):
-            return True
-    return False
-
-
-def corrections_section(summary: dict[str, Any]) -> Html | None:
-    corrections = [c for c in summary.get("corrections") or [] if isinstance(c, dict)]
-    recs = [r for r in summary.get("recommendations") or [] if isinstance(r, dict)]
-    if not corrections and not recs:
-        return None
-    modes = {str(c.get("mode")) for c in corrections}
-    rec_items = []
-    for rec in recs:
-        action = recommendation_action(rec, modes)
-        badge = {"correct": "correct", "fix": "fix at the source", "none": "no action"}[action]
-        rec_items.append(el("li", el("span", badge, class_=f"badge badge-{action}"), " ",
-                            el("strong", describe(rec)), " ", el("code", str(rec.get("kind", "")), class_="kind"),
-                            el("p", rec.get("why")) if rec.get("why") else None,
-                            el("p", _compact(rec.get("params")), class_="params") if rec.get("params") else None,
-                            snippet_blocks(rec.get("snippets") or rec.get("snippet"))))
-    # Snippets for the whole set, per framework (what `mismatch recommend --for F` prints), if stored.
-    snippets = snippet_blocks(summary.get("config_snippets"))
-    table = None
-    if corrections:
-        extra = [("level", "level", "text")] if any("level" in c for c in corrections) else []
-        columns = extra + list(CORRECTION_COLUMNS)
-        head = el("tr", el("th", "mode"), el("th", "params"), [el("th", label) for _, label, _ in columns])
-        rows = []
-        # Corrections that change nothing here read the same on every column: one line names them.
-        untouched = [c for c in corrections if c.get("frac_tokens_affected") == 0
-                     and not is_recommended(c, recs)]
-        shown = [c for c in corrections if not any(c is u for u in untouched)]
-        if len(untouched) > 1:
-            rows.append(el("tr", el("td", f"{len(untouched)} corrections change no token here: " + ", ".join(
-                f"{c.get('mode')} ({_compact(c.get('params'))})" for c in untouched),
-                colspan=str(2 + len(columns))), class_="collapsed"))
-        else:
-            shown = corrections
-        for c in shown:
-            mark = is_recommended(c, [r for r in recs if recommendation_action(r, modes) == "correct"])
-            rows.append(el("tr", el("td", ("★ " if mark else "") + str(c.get("mode"))),
-                           el("td", _compact(c.get("params")) or "–"),
-                           [el("td", str(c.get(key, "–")) if kind == "text" else fmt(c.get(key), kind))
-                            for key, _, kind in columns],
-                           class_="highlight" if mark else None))
-        table = el("div", el("table", el("thead", head), el("tbody", rows), class_="data num corrections"),
-                   class_="scroll")
-    return section("corrections", "Recommendation and corrections",
-                   el("ul", rec_items, class_="recs") if rec_items else
-                   el("p", "Recommendation: not computed.", class_="note"),
-                   join(el("h3", "Config snippets"), snippets) if snippets else None,
-                   join(el("h3", f"Simulated corrections ({len(corrections)})"),
-                        el("p", "Over train/sampler trainable tokens; ★ the recommended one.", class_="note"),
-                        table) if table else None)
-
+# --- the framework crosswalk ---------------------------------------------------------------------
 
 def frameworks_section(summary: dict[str, Any]) -> Html | None:
     """The focus pair under each framework's own metric names (summary.json framework_metrics), with
     the crosswalk: our metric when it is the same number, and how it differs when it is not."""
-    from mismatch.analysis.framework_metrics import crosswalk_rows
+    from mismatch.frameworks.metrics import crosswalk_rows
 
     by_pair = summary.get("framework_metrics") if isinstance(summary.get("framework_metrics"), dict) else {}
     pair = focus_pair(summary)

@@ -35,7 +35,7 @@ def tiny_checkpoint() -> Path:
     # Keyed by the builder's source and corpus so a changed builder never serves a stale cache.
     builder = Path(tinymodel.__file__)
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(
-        [builder, *builder.parent.glob("*.txt")]))).hexdigest()[:12]
+        [builder, builder.with_name("transcripts.py"), *builder.parent.glob("*.txt")]))).hexdigest()[:12]
     return ensure_tiny_checkpoint(CACHE / f"tiny-llama-seed0-{digest}").path
 
 

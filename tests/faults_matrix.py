@@ -31,7 +31,8 @@ def replayed_logprobs(checkpoint: Path, rollouts: Path, spec: str = "hf:dtype=fl
 
     plan = plan_replay(load_rollouts(rollouts))
     if temperature is not None:
-        from mismatch.analysis.alignment import Sampling, replay_processed
+        from mismatch.engines.processing import Sampling
+        from mismatch.replay import replay_processed
 
         return replay_processed(plan, spec, checkpoint, Sampling(temperature=temperature))
     engine = load_engine(spec, str(checkpoint))
@@ -49,7 +50,7 @@ def sampler_meta(engine: str = "hf", dtype: str = "float32", **extra: Any) -> di
 
 
 def segment_turns(roles: list[str]) -> list[int]:
-    from mismatch.replay import segment_turns as turns
+    from mismatch.rollouts import segment_turns as turns
 
     return turns(roles)
 

@@ -12,12 +12,12 @@ import pandas as pd
 import pytest
 import torch
 
-from mismatch.analysis.alignment import (Sampling, check_alignment, like_for_like, processed_logprobs,
-                                processed_token_logprobs, recompute_processed, replay_processed)
+from mismatch.analysis.alignment import check_alignment, like_for_like
+from mismatch.engines.processing import Sampling, processed_logprobs, processed_token_logprobs
 from mismatch.errors import MismatchError
 from mismatch.engines.logprobs import token_logprobs
 from mismatch.analysis.metrics import summarize_pairs
-from mismatch.replay import plan_replay, replay_sources
+from mismatch.replay import plan_replay, recompute_processed, replay_processed, replay_sources
 from mismatch.rollouts import load_rollouts
 from mismatch.demo.toy_agent import HarnessConfig, write_rollouts
 

@@ -183,8 +183,7 @@ def test_forcing_a_pass_its_own_experts_changes_no_bit(name, architecture_checkp
         engine.close()
     engine = load_engine("hf:dtype=float32,routing=replay", str(checkpoint))
     try:
-        engine.forced = routed
-        forced = np.concatenate(engine.replay(requests))
+        forced = np.concatenate(engine.replay(requests, forced_experts=routed))
     finally:
         engine.close()
     assert np.array_equal(own, forced, equal_nan=True)

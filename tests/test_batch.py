@@ -65,3 +65,32 @@ def test_the_console_script_tunes_its_process_and_the_library_does_not() -> None
     start, library, command = json.loads(done.stdout.splitlines()[-1])
     assert library == start  # importing the library changes nothing
     assert command[0] == GC_GENERATION0 != start[0]
+
+
+def test_worker_counts_follow_the_cpus_and_what_the_work_can_use(monkeypatch) -> None:
+    """mismatch/workers.py: no machine's core count is built in; MISMATCH_WORKERS still decides."""
+    from mismatch import workers
+
+    monkeypatch.setattr(workers, "usable_cpus", lambda: 16)
+    big_file = 7 * workers.MIN_BYTES_TO_FORK  # a reader more for each MIN_BYTES_TO_FORK of file
+    assert workers.analysis_workers(workers.MIN_ROWS_TO_FORK, environ={}) == workers.ANALYSIS_PROCESSES == 2
+    assert workers.reading_workers(big_file, environ={}) == 8
+    assert workers.reading_workers(workers.MIN_BYTES_TO_FORK, environ={}) == 2
+    assert workers.reading_workers(workers.MIN_BYTES_TO_FORK - 1, environ={}) == 1
+    assert workers.reading_workers(big_file, environ={"MISMATCH_WORKERS": "3"}) == 3
+    monkeypatch.setattr(workers, "usable_cpus", lambda: 1)
+    assert workers.reading_workers(big_file, environ={}) == workers.analysis_workers(10**9, environ={}) == 1
+
+
+def test_usable_cpus_without_an_affinity_call_are_the_cpu_count(monkeypatch) -> None:
+    import os
+
+    from mismatch import workers
+
+    if hasattr(os, "sched_getaffinity"):
+        assert workers.usable_cpus() == len(os.sched_getaffinity(0))
+        monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 5)
+    assert workers.usable_cpus() == 5
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert workers.usable_cpus() == 1

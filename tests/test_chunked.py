@@ -9,8 +9,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from mismatch.analysis import chunked
-from mismatch.analysis.chunked import Moments, RadixSelect, Tails, chunk_bounds
+from mismatch.analysis import chunked, radix_select
+from mismatch.analysis.moments import Moments
+from mismatch.analysis.radix_select import RadixSelect
+from mismatch.analysis.tails import Tails
+from mismatch.results.chunks import chunk_bounds
 
 QS = [0.001, 0.01, 0.99, 0.999]
 
@@ -37,7 +40,7 @@ def test_tails_gathered_chunk_by_chunk_give_numpys_quantiles(n, merged) -> None:
 
 @pytest.mark.parametrize("shape", ["normal", "near_zero", "infinities", "constant", "one"])
 def test_radix_selection_is_exact_in_bounded_memory(shape, monkeypatch) -> None:
-    monkeypatch.setattr(chunked, "_COLLECT", 1000)  # forces several passes
+    monkeypatch.setattr(radix_select, "_COLLECT", 1000)  # forces several passes
     rng = np.random.default_rng(3)
     values = {"normal": rng.standard_normal(100_003), "near_zero": np.expm1(rng.standard_normal(50_000) * 1e-3),
               "infinities": np.r_[np.zeros(5000), -np.inf, np.inf, rng.standard_t(2, 3000)],
@@ -76,8 +79,8 @@ def test_chunks_never_cut_a_rollout_and_a_scattered_rollout_is_one_chunk() -> No
 
 
 def test_an_audit_split_over_two_processes_writes_the_same_results(tmp_path, monkeypatch) -> None:
-    """MISMATCH_WORKERS=2 reads the second half of each pass's chunks in a fork (chunked.run_passes,
-    whose one process reads both halves too): summary.json, rollouts.parquet and tokens.parquet
+    """MISMATCH_WORKERS=2 reads the second part of each pass's chunks in a fork (chunked.run_passes,
+    whose one process reads both parts too): summary.json, rollouts.parquet and tokens.parquet
     as one process writes them, bit for bit."""
     import json
     from pathlib import Path
@@ -87,7 +90,7 @@ def test_an_audit_split_over_two_processes_writes_the_same_results(tmp_path, mon
     import mismatch
     from tests.test_golden import GOLDEN, stored_checkpoint
 
-    monkeypatch.setattr("mismatch.analysis.chunked.DEFAULT_CHUNK_ROWS", 97)  # many chunks, both passes
+    monkeypatch.setattr("mismatch.results.chunks.DEFAULT_CHUNK_ROWS", 97)  # many chunks, both passes
     checkpoint = stored_checkpoint(tmp_path / "ckpt")
     forks: list[int] = []
     real_fork_jobs = chunked.fork_jobs

@@ -285,7 +285,7 @@ def test_dependency_warnings_go_to_a_log_in_the_results_dir(tmp_path, capsys, mo
 
 
 def test_audit_probe_feeds_the_probes_to_the_recommendations(tiny_checkpoint, tmp_path) -> None:
-    from mismatch.advise.recommend import batch_variant_from_probes
+    from mismatch.advise.readers import batch_variant_from_probes
 
     example = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
     assert main(["audit", str(tiny_checkpoint), "--rollouts", str(example), "--train", "sampler", "--infer",

@@ -270,7 +270,7 @@ def test_importable_without_torch_or_the_cli():
     import subprocess
     import sys
 
-    code = ("import sys, mismatch.advise.corrections, mismatch.advise.recommend, mismatch.advise.gate; "
+    code = ("import sys, mismatch.advise.corrections, mismatch.advise.advice, mismatch.advise.gate; "
             "print(sorted(m for m in ('torch', 'typer', 'rich', 'plotly', 'vllm') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"

@@ -211,3 +211,63 @@ def test_a_pip_installed_package_registers_a_spec_kind(tmp_path, monkeypatch) ->
                  "--train", "stored:trainer", "--infer", "constant:level=-0.5", "--out", str(tmp_path / "o")]) == 0
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["engines"]["infer"]["kind"] == "constant"
     sys.modules.pop("fake_engine_pkg", None)
+
+
+def test_capabilities_are_declared_by_the_backend_and_known_before_it_loads() -> None:
+    """The torch engines declare routing recorded, experts forced and processed log-probs; every
+    other kind (and a `python:` engine) the basic contract only, read without loading a model."""
+    from mismatch.engines import BASIC, engine_capabilities
+
+    for spec in ("hf", "hf-decode:dtype=bfloat16"):
+        declared = engine_capabilities(spec)
+        assert declared.records_routing and declared.forced_experts and declared.processing
+    for spec in ("http://localhost:1", "python:x.py:make", "stored:trainer"):
+        assert engine_capabilities(spec) == BASIC
+
+
+def test_replay_asks_an_engine_only_the_keywords_it_declares() -> None:
+    """An engine of describe/replay/close only is never passed a capability keyword; a capable one
+    gets each one asked of it, and a replay that asks one an engine lacks is refused before it loads."""
+    from mismatch.engines.contract import Capabilities, recorded_routing
+    from mismatch.engines.processing import Sampling
+    from mismatch.replay import replay_column
+
+    request = ReplayRequest(tokens=np.array([1, 2, 3]), generated=np.array([False, True, True]), score_from=1)
+
+    class Basic:
+        def replay(self, requests, progress=None):  # no **kwargs: a keyword would fail here
+            return [np.full(r.num_scored, -1.0) for r in requests]
+
+    class Capable:
+        capabilities = Capabilities(forced_experts=True, processing=True)
+
+        def replay(self, requests, *, progress=None, forced_experts=None, processing=None):
+            self.asked = (forced_experts, processing)
+            return [np.full(r.num_scored, -2.0) for r in requests]
+
+    assert replay_column([request], Basic()).tolist() == [-1.0, -1.0]
+    assert recorded_routing(Basic()) is None  # no getattr probing: it declares none
+    capable, forced = Capable(), [np.zeros((2, 1, 1), dtype=np.int64)]
+    assert replay_column([request], capable, forced_experts=forced, processing=Sampling(temperature=0.5)).tolist() \
+        == [-2.0, -2.0]
+    assert capable.asked == (forced, Sampling(temperature=0.5))
+    replay_column([request], capable)
+    assert capable.asked == (None, None)
+
+
+def test_routing_replay_on_an_engine_that_cannot_force_experts_is_refused_before_it_loads(tmp_path) -> None:
+    from mismatch.replay import replay_processed
+    from test_golden import GOLDEN, stored_checkpoint
+    from mismatch.engines.processing import Sampling
+    from mismatch.replay import plan_replay, replay_sources
+    from mismatch.rollouts import load_rollouts
+
+    checkpoint = stored_checkpoint(tmp_path / "ckpt")
+    rollouts = GOLDEN / "rollouts.jsonl"
+    with pytest.raises(SpecError, match=r"^--infer python:nowhere.py:make,routing=replay: option routing=replay: "
+                                        r"engine 'python' cannot follow another pass's experts"):
+        replay_sources(checkpoint, rollouts, {"train": "hf", "infer": "python:nowhere.py:make,routing=replay"})
+    plan = plan_replay(load_rollouts(rollouts))
+    with pytest.raises(SpecError, match=r"^http://localhost:1: recomputing under the sampler's temperature/top-k/top-p "
+                                        r"needs a torch engine \(hf, hf-decode\)$"):
+        replay_processed(plan, "http://localhost:1", checkpoint, Sampling(temperature=0.7))

@@ -29,7 +29,8 @@ def processed_rollouts(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathF
 
 def test_one_audit_loads_each_engine_once_and_runs_each_stage_once(tiny_checkpoint, processed_rollouts,
                                                                      tmp_path, monkeypatch) -> None:
-    replay = importlib.import_module("mismatch.replay")
+    passes = importlib.import_module("mismatch.replay.passes")  # loads each engine
+    blocks = importlib.import_module("mismatch.replay.blocks")  # plans each block
     audit_module = importlib.import_module("mismatch.audit")
     calls: list[str] = []
 
@@ -42,10 +43,10 @@ def test_one_audit_loads_each_engine_once_and_runs_each_stage_once(tiny_checkpoi
         monkeypatch.setattr(module, name, wrapper)
 
     loads: list[str] = []
-    original_load = replay.load_engine
-    monkeypatch.setattr(replay, "load_engine", lambda spec, checkpoint: (loads.append(spec.text),
-                                                                       original_load(spec, checkpoint))[1])
-    counted(replay, "plan_replay")
+    original_load = passes.load_engine
+    monkeypatch.setattr(passes, "load_engine", lambda spec, checkpoint: (loads.append(spec.text),
+                                                                        original_load(spec, checkpoint))[1])
+    counted(blocks, "plan_replay")
     for name in ("check_alignment", "analyze_audit", "write_summary_files", "replay_processed"):
         counted(audit_module, name)
     result = audit_module.audit(tiny_checkpoint, processed_rollouts, train="hf", infer="hf-decode:dtype=bfloat16",

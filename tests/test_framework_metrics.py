@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 from conftest import REPO
 
-from mismatch.analysis.framework_metrics import (
+from mismatch.frameworks.metrics import (
     FRAMEWORK_METRICS,
     crosswalk_rows,
     table_framework_metrics,
@@ -105,8 +105,8 @@ def test_chunks_of_a_few_rows_give_the_numbers_of_one_chunk(table, monkeypatch) 
     """Rollout-aligned chunks of ~40 rows (every rollout its own chunk): sums, extremes, Chan-merged
     moments and the median's radix passes (forced to several by a tiny collect bound) agree."""
     whole = table_framework_metrics(table, [("train", "sampler")])["train/sampler"]
-    monkeypatch.setattr("mismatch.analysis.chunked.DEFAULT_CHUNK_ROWS", 40)
-    monkeypatch.setattr("mismatch.analysis.chunked._COLLECT", 16)
+    monkeypatch.setattr("mismatch.results.chunks.DEFAULT_CHUNK_ROWS", 40)
+    monkeypatch.setattr("mismatch.analysis.radix_select._COLLECT", 16)
     chunked = table_framework_metrics(table, [("train", "sampler")])["train/sampler"]
     for framework, keys in whole.items():
         for key, value in keys.items():
@@ -141,7 +141,7 @@ def crosswalk_markdown() -> str:
 def test_a_mean_per_sequence_is_the_same_whether_the_codes_come_in_runs_or_not() -> None:
     """PairArrays.per sums runs of codes (reduceat) when a chunk's codes are 0, 0, 1, 2, 2, ...,
     and falls back to a weighted bincount when they are not in order or one is missing."""
-    from mismatch.frameworks._common import PairArrays
+    from mismatch.frameworks.pair_arrays import PairArrays
 
     rng = np.random.default_rng(3)
     runs = np.repeat(np.arange(50), rng.integers(1, 40, 50))

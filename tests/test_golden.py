@@ -90,7 +90,7 @@ def test_stored_audit_matches_the_summary_from_before_the_rewrite(tmp_path: Path
     """Read in one chunk, and in chunks of about 97 rows (blocks of 4 rollouts, row groups and
     chunks of a few blocks: every merge path of the chunked analysis taken)."""
     if chunk_rows is not None:
-        monkeypatch.setattr("mismatch.analysis.chunked.DEFAULT_CHUNK_ROWS", chunk_rows)
+        monkeypatch.setattr("mismatch.results.chunks.DEFAULT_CHUNK_ROWS", chunk_rows)
     checkpoint = stored_checkpoint(tmp_path / "ckpt")
     result = mismatch.audit(checkpoint, GOLDEN / "rollouts.jsonl", train="stored:trainer",
                             infer="stored:engine", out=tmp_path / "out", block_size=block_size)

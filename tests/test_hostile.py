@@ -435,7 +435,7 @@ def test_fuzz_parquet_loader(fuzz_dir, rows, data):
 
 
 def test_depth_is_checked_before_parsing_and_ignores_brackets_in_strings(tmp_path):
-    from mismatch.rollouts import MAX_JSON_DEPTH, _deeper_than
+    from mismatch.rollouts.decode import MAX_JSON_DEPTH, deeper_than as _deeper_than
 
     deep = "[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1)
     assert _deeper_than(deep, MAX_JSON_DEPTH) and not _deeper_than(deep[1:-1], MAX_JSON_DEPTH)

@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 
 from mismatch.errors import MismatchError
-from mismatch.localize.turns import (PROB_LABELS, OnsetRule, localize_turns, position_slope, t_critical,
-                                     t_sf2)
-from mismatch.replay import segment_turns
+from mismatch.localize.slope import position_slope, t_critical, t_sf2
+from mismatch.localize.turns import PROB_LABELS, OnsetRule, localize_turns
+from mismatch.rollouts import segment_turns
 
 EXAMPLE_ROLLOUTS = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
 

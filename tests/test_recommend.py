@@ -14,8 +14,10 @@ from mismatch.errors import MismatchError
 from mismatch.analysis.metrics import summarize_pairs
 from mismatch.frameworks import FRAMEWORKS
 from mismatch.advise.diagnose import diagnose
-from mismatch.advise.recommend import (Recommendation, batch_variant_from_probes, recommend,
-                                render_config)
+from mismatch.advise.readers import batch_variant_from_probes
+from mismatch.advise.recommend import recommend
+from mismatch.advise.snippets import render_config
+from mismatch.frameworks.protocol import Recommendation
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -248,7 +250,7 @@ def test_a_planted_off_by_one_gets_only_the_alignment_fix(tmp_path) -> None:
 
 
 def test_every_recommendation_says_what_it_costs():
-    from mismatch.advise.recommend import COSTS
+    from mismatch.frameworks.protocol import COSTS
 
     probes = [{"source": "batch_size", "applicable": True, "bitwise_equal_frac": 0.97}]
     bf16 = summary(LARGE, corrections=TOKEN_CAPS)

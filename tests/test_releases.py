@@ -20,8 +20,9 @@ import releases
 
 from mismatch import frameworks
 from mismatch.advise.corrections import DEFAULT_CORRECTIONS
-from mismatch.advise.recommend import Recommendation, render_config
-from mismatch.analysis.framework_metrics import settings_used, table_framework_metrics
+from mismatch.advise.snippets import render_config
+from mismatch.frameworks.protocol import Recommendation
+from mismatch.frameworks.metrics import settings_used, table_framework_metrics
 from mismatch.frameworks import parse_target
 
 FIXES = [Recommendation(kind=kind, why="w") for kind in ("recompute_old_logprobs", "fp16", "batch_invariant",
@@ -254,7 +255,7 @@ def routing_summary() -> dict[str, Any]:
 
 def routing_snippet(framework: str, version: str) -> str:
     """What `mismatch recommend DIR --for FRAMEWORK==VERSION` prints for that summary."""
-    from mismatch.advise.recommend import for_target
+    from mismatch.advise.advice import for_target
 
     advice = for_target(routing_summary(), parse_target(f"{framework}=={version}", detect=False))
     assert [r["kind"] for r in advice.recommendations] == ["routing_replay", "correction"]  # the cause first

@@ -549,7 +549,7 @@ def _assert_same_rollout(a: Rollout, b: Rollout) -> None:
 
 def _from_a_line(text: str, **checks) -> tuple[Rollout | None, list[str]]:
     """check_rollout of a JSONL line as the file readers decode it (typed where it fits)."""
-    from mismatch.rollouts import _decode_line
+    from mismatch.rollouts.decode import decode_line as _decode_line
 
     raw, why = _decode_line(text.encode())
     assert why is None
@@ -571,7 +571,7 @@ def test_every_path_of_the_checker_gives_the_same_rollouts(monkeypatch) -> None:
     lines = [line for line in example.read_text().splitlines() if line.strip()]
     typed = rollouts_module.load_rollouts(example)
     by_branch = [_from_a_dict(line, vocab_size=None)[0] for line in lines]
-    monkeypatch.setattr(rollouts_module, "_fast_segments", lambda *args, **kwargs: None)
+    monkeypatch.setattr(rollouts_module.decode, "fast_segments", lambda *args, **kwargs: None)
     by_segment = [_from_a_dict(line, vocab_size=None)[0] for line in lines]
     assert len(typed) == len(lines) > 1
     for a, b, c in zip(typed, by_branch, by_segment, strict=True):

@@ -214,8 +214,7 @@ def test_routing_replay_uses_the_stored_experts_at_every_position(moe, stored_fp
     hooks = [module.register_forward_pre_hook(record, with_kwargs=True) for module in modules]
     try:
         for request, stream in zip(requests, routed, strict=True):
-            engine.forced = [stream.experts]
-            engine.replay([request])
+            engine.replay([request], forced_experts=[stream.experts])
             fed = len(request.tokens) - 1  # the last position predicts nothing and is forced anywhere
             assert np.array_equal(np.stack([u[:fed] for u in used], axis=1), stream.experts)
             used.clear()

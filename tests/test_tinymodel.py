@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mismatch.demo import tinymodel
+from mismatch.demo import tinymodel, transcripts
 from mismatch.errors import CheckpointError
 from mismatch.demo.tinymodel import (BUILD_FILE, SPECIAL_TOKENS, TinyCheckpoint, build_tiny_checkpoint,
-                                chat_conversations, chat_corpus, ensure_tiny_checkpoint,
-                                render_chat)
+                                chat_corpus, ensure_tiny_checkpoint, render_chat)
+from mismatch.demo.transcripts import chat_conversations
 
 pytestmark = pytest.mark.slow
 
@@ -146,7 +146,7 @@ def test_corpus_covers_the_agent_behaviours() -> None:
     assert tools == {"calculator", "delegate"}
     assert any(sum("tool_calls" in m for m in c) == 2 for c in conversations)
     corpus = "\n".join(chat_corpus(seed=0))
-    for topic, line in tinymodel._prose():
+    for topic, line in transcripts.prose():
         assert line in corpus, line
 
 

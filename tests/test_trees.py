@@ -12,8 +12,8 @@ from mismatch.errors import MismatchError
 from mismatch.analysis.metrics import pair_metrics
 from mismatch.replay import plan_replay
 from mismatch.rollouts import Rollout, check_rollout
-from mismatch.rollouts.trees import (GYRE_NORMALIZATION, add_tree_weights, gyre_paths, gyre_weights, tree_summary,
-                            tree_weights, weighted_pair_metrics)
+from mismatch.analysis.trees import tree_summary, weighted_pair_metrics
+from mismatch.rollouts.trees import GYRE_NORMALIZATION, add_tree_weights, gyre_paths, gyre_weights, tree_weights
 
 
 def _segments(num_prompt: int, num_model: int, role: str = "assistant") -> list[dict]:

@@ -4,16 +4,27 @@ summary.json (pairs, engines, alignment, drift, localization, weights, routing, 
 + probes -> diagnose -> causes, each with the pair it explains, the evidence for it and what rules
 the other causes out. `recommend` fixes the causes at the source first and corrects the ratio only
 if it still needs it meanwhile; the report's headline, the terminal audit and `recommend` lead with
-the first cause.
+the first cause. Here are the cause rules; readers.py reads the evidence they share.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mismatch.advise.verdicts import gap_level
+from mismatch.advise.levels import GAPS, HEALTHY, pair_levels
+from mismatch.advise.readers import (
+    Side,
+    batch_variant_from_probes,
+    confined,
+    fact_counts,
+    facts,
+    kl_words,
+    listed,
+    located,
+    sides,
+    three_digits,
+)
 
 RULE = """\
 Causes, in the order they lead (each only on the evidence named):
@@ -43,13 +54,8 @@ Causes, in the order they lead (each only on the evidence named):
 11. position_drift: the gap grows with position, with no turn onset.
 """
 
-OUTLIER = 10.0   # a module's error this many times the median module's (and its rounding floor)
 ROUTING_SHARE = 0.5  # the share of a pair's k3 on tokens with a routing flip that makes it the cause
 MINOR_DRIFT = 0.01  # re-rendered tokens under this share of the trained ones explain no gap
-MAX_CONFINED = 3  # at most this many modules (or a tenth of them) for "confined to a few modules"
-HEALTHY = ("exact", "negligible")
-GAPS = ("small", "large")
-_LAYER = re.compile(r"layers\.(\d+)\.")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -91,60 +97,10 @@ class Diagnosis:
                 "rule": RULE}
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class Side:
-    """What one source ran: engine kind, dtype, attention, and which weights (None: not known)."""
-
-    source: str
-    kind: str | None
-    dtype: str | None
-    attn: str | None
-    weights: str | None
-
-    def differs(self, other: Side) -> dict[str, tuple[Any, Any]]:
-        """The facts both sides know that differ: {fact: (this side's, the other's)}."""
-        facts = {"dtype": (self.dtype, other.dtype), "engine": (self.kind, other.kind),
-                 "attn": (self.attn, other.attn)}
-        return {name: pair for name, pair in facts.items() if None not in pair and pair[0] != pair[1]}
-
-
-def sides(summary: dict[str, Any]) -> dict[str, Side]:
-    engines = summary.get("engines") or {}
-    out = {}
-    for source, engine in engines.items():
-        meta = engine.get("meta") or {}
-        if source == "sampler":  # stored log-probs: what meta.sampler declares of the engine that sampled
-            out[source] = Side(source=source, kind=_text(meta.get("engine")), dtype=_dtype(meta.get("dtype")),
-                               attn=_text(meta.get("attn")), weights=None)
-            continue
-        torch = engine.get("kind") in ("hf", "hf-decode")
-        out[source] = Side(source=source, kind=_text(engine.get("kind")), dtype=_dtype(engine.get("dtype")),
-                           attn=_text(engine.get("attn")) if torch else None,
-                           weights=str(engine.get("checkpoint") or summary.get("checkpoint") or "") or None)
-    return out
-
-
-def _text(value: Any) -> str | None:
-    return str(value) if value not in (None, "", "auto") else None
-
-
-def _dtype(value: Any) -> str | None:
-    text = _text(value)
-    if text is None:
-        return None
-    text = text.removeprefix("torch.")
-    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(text, text)
-
-
-def levels(summary: dict[str, Any]) -> dict[str, str]:
-    return {pair: gap_level(metrics) for pair, metrics in (summary.get("pairs") or {}).items()
-            if isinstance(metrics, dict)}
-
-
 def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = None,
              batch_variant: bool | None = None) -> Diagnosis:
     """The causes the summary's evidence supports, in the order RULE gives."""
-    level = levels(summary)
+    level = pair_levels(summary)
     side = sides(summary)
     shift = _alignment_shift(summary)
     if shift is not None:  # every other number is measured on misaligned pairs
@@ -173,7 +129,7 @@ def _alignment_shift(summary: dict[str, Any]) -> Cause | None:
     return Cause(kind="alignment_shift", pair="train/sampler", fix="fix_alignment",
                  title=f"the stored log-probs are shifted by {shift:+d} against their tokens",
                  evidence=(f"the stored log-probs fit the replay best shifted by {shift:+d} ({fits})",
-                           *([f"rollouts shifted: {_names(list(by_rollout))}"] if by_rollout else [])),
+                           *([f"rollouts shifted: {listed(list(by_rollout))}"] if by_rollout else [])),
                  rules_out=("every other gap is measured on misaligned pairs: nothing else can be judged "
                             "until they line up",),
                  where={"shift": shift, "rollouts": list(by_rollout)[:10]})
@@ -196,7 +152,7 @@ def _processed(summary: dict[str, Any], level: dict[str, str]) -> Cause | None:
         metrics = summary["pairs"][like]
         rules_out.append(f"the like-for-like gap (the trainer with the sampler's processing, {like}) is "
                          f"{level[like]} (kl_k3 {metrics['kl_k3']:.3g}) where the raw train/sampler one is "
-                         f"{level.get('train/sampler', 'unknown')} (kl_k3 {_kl(summary, 'train/sampler')}): "
+                         f"{level.get('train/sampler', 'unknown')} (kl_k3 {kl_words(summary, 'train/sampler')}): "
                          "the gap is the processing, not the numerics")
     return Cause(kind="processed_logprobs", pair="train/sampler", fix="raw_logprobs",
                  title="the sampler stored processed log-probs (after temperature / top-p) and the trainer raw ones",
@@ -214,18 +170,18 @@ def _weights(summary: dict[str, Any], level: dict[str, str], side: dict[str, Sid
         pair = f"train/{source}"
         worst = differing[0]
         experts = [f"{t['name']}[{e}]" for t in differing for e in t.get("experts_differing") or []]
-        where = _where([t["name"] for t in differing], experts)
+        where = located([t["name"] for t in differing], experts)
         evidence = [f"the weights diff of {diff.get('b')} against {diff.get('a')}: {diff.get('verdict')}",
-                    f"worst {worst['name']}: max relative difference {_g(worst.get('max_rel_diff'))}, "
-                    f"||a-b||/||a|| {_g(worst.get('rel_l2_diff'))}"]
-        localized = _confined(summary)
+                    f"worst {worst['name']}: max relative difference {three_digits(worst.get('max_rel_diff'))}, "
+                    f"||a-b||/||a|| {three_digits(worst.get('rel_l2_diff'))}"]
+        localized = confined(summary)
         if localized is not None:
             evidence.append(localized["words"])
         return Cause(kind="weights", pair=pair, fix="fix_weight_sync", where={"source": source, **where},
                      title=f"the weights {source} ran differ from the trainer's in {where['words']}",
                      evidence=tuple(evidence),
                      rules_out=_same_config_words(side, "train", source, level.get(pair)))
-    localized = _confined(summary)
+    localized = confined(summary)
     if localized is None:
         return None
     pair = "train/infer"
@@ -237,85 +193,12 @@ def _weights(summary: dict[str, Any], level: dict[str, str], side: dict[str, Sid
                             "error is a difference in its weights"))
 
 
-def _confined(summary: dict[str, Any]) -> dict[str, Any] | None:
-    """The train/infer error confined to a few modules by the kernel localizer (module by module,
-    each fed the same input), else by the layer localizer's sub-blocks."""
-    localization = summary.get("localization") or {}
-    kernels = localization.get("kernels") or {}
-    modules = [m for m in kernels.get("by_module") or [] if isinstance(m.get("rel_error"), (int, float))]
-    if modules:
-        out = _outliers([(m["name"], m["rel_error"], m.get("rounding_floor") or 0.0) for m in modules])
-        if out is None:
-            return None
-        experts = []
-        for module in modules:
-            if module["name"] in out and module.get("by_expert"):
-                expert = _outlying_expert(module["by_expert"])
-                if expert is not None:
-                    experts.append(f"{module['name']}[{expert}]")
-        named = {m["name"]: m for m in modules}
-        words = ("the kernel localizer (each module fed the same input) finds error only in "
-                 + ", ".join(f"{name} (rel_error {named[name]['rel_error']:.3g})" for name in out)
-                 + (f", expert {', '.join(experts)}" if experts else "")
-                 + f"; every other of {len(modules)} modules at most {_others_max(modules, out)}")
-        return {"where": _where(out, experts), "words": words}
-    layers = localization.get("layers") or {}
-    rows = [r for r in layers.get("by_layer") or []
-            if r.get("block") != "residual" and isinstance(r.get("local_rel_error"), (int, float))]
-    if not rows:
-        return None
-    names = [(f"model.layers.{r['layer']}.{r['module']}", r["local_rel_error"], 0.0) for r in rows]
-    out = _outliers(names)
-    if out is None:
-        return None
-    values = dict((name, error) for name, error, _ in names)
-    words = ("the layer localizer finds error introduced only in "
-             + ", ".join(f"{name} (local rel_error {values[name]:.3g})" for name in out)
-             + f"; every other sub-block at most {max((v for n, v in values.items() if n not in out), default=0):.3g}")
-    return {"where": _where(out, []), "words": words}
-
-
-def _outliers(errors: list[tuple[str, float, float]]) -> list[str] | None:
-    """The names whose error stands out: over OUTLIER times the median error and their own rounding
-    floor, when they are few (at most MAX_CONFINED, or a tenth of all)."""
-    values = sorted(error for _, error, _ in errors)
-    if not values or values[-1] <= 0.0:
-        return None
-    median = values[len(values) // 2]
-    out = [name for name, error, floor in errors if error > OUTLIER * max(median, floor) and error > 0.0]
-    if not out or len(out) > max(MAX_CONFINED, len(errors) // 10):
-        return None
-    return sorted(out, key=lambda name: -dict((n, e) for n, e, _ in errors)[name])
-
-
-def _outlying_expert(by_expert: list[float | None]) -> int | None:
-    found = [(e, value) for e, value in enumerate(by_expert) if isinstance(value, (int, float))]
-    out = _outliers([(str(e), value, 0.0) for e, value in found])
-    return int(out[0]) if out is not None and len(out) == 1 else None
-
-
-def _others_max(modules: list[dict[str, Any]], out: list[str]) -> str:
-    return f"{max((m['rel_error'] for m in modules if m['name'] not in out), default=0.0):.3g}"
-
-
-def _where(names: list[str], experts: list[str]) -> dict[str, Any]:
-    """Layer, module and tensors of the names, and the words that say it."""
-    layers = sorted({int(m.group(1)) for name in names if (m := _LAYER.search(name))})
-    modules = [name.removesuffix(".weight").removesuffix(".bias") for name in names]
-    words = ", ".join(modules[:3]) + (f" and {len(modules) - 3} more" if len(modules) > 3 else "")
-    if layers:
-        words = f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))} ({words})"
-    if experts:
-        words += f", expert {', '.join(experts[:3])}"
-    return {"layers": layers, "modules": modules[:10], "experts": experts[:10], "words": words}
-
-
 def _same_config_words(side: dict[str, Side], a: str, b: str, gap: str | None) -> tuple[str, ...]:
     if a not in side or b not in side:
         return ()
     differs = side[a].differs(side[b])
     if differs:
-        return (f"{a} and {b} also differ in {_facts(differs)}: that adds rounding, but not error confined to "
+        return (f"{a} and {b} also differ in {facts(differs)}: that adds rounding, but not error confined to "
                 "these tensors",)
     return (f"{a} and {b} run the same dtype ({side[a].dtype}) and engine ({side[a].kind}): not precision or "
             "kernels",)
@@ -335,12 +218,12 @@ def _sampler_side(summary: dict[str, Any], level: dict[str, str], side: dict[str
         return None
     differs = side["sampler"].differs(side["infer"])
     agree = (f"train/infer is {level['train/infer']} (the two replays agree), {judged} is {level[judged]} "
-             f"(kl_k3 {_kl(summary, judged)}) from the first turn on")
+             f"(kl_k3 {kl_words(summary, judged)}) from the first turn on")
     if differs:
         spec = _sampler_spec(side["sampler"])
         return Cause(kind="sampler_config", pair="infer/sampler", fix="match_sampler_config",
-                     title=f"the sampler ran another config than this replay: {_facts(differs)}",
-                     evidence=(agree, f"meta.sampler declares {_facts(differs)}"),
+                     title=f"the sampler ran another config than this replay: {facts(differs)}",
+                     evidence=(agree, f"meta.sampler declares {facts(differs)}"),
                      rules_out=("precision or weights cannot be told apart until a replay runs the sampler's "
                                 "config",),
                      where={"differs": {k: list(v) for k, v in differs.items()}, "infer": spec})
@@ -374,7 +257,7 @@ def _turn_onset(summary: dict[str, Any]) -> Cause | None:
                 f"{max(before):.3g} at most before it" if before and at else f"the onset rule departs at turn {turn}"]
     if detail:
         evidence.append(f"{detail['n_rollouts_departing']} of {detail['n_rollouts_compared']} rollouts step up "
-                        f"from turn {turn}" + (f": {_names(rollouts)}" if rollouts else ""))
+                        f"from turn {turn}" + (f": {listed(rollouts)}" if rollouts else ""))
     held = _turn_holds(detail)
     if held:
         evidence.append(f"turn {turn} holds {held}")
@@ -405,7 +288,7 @@ def _render_drift(summary: dict[str, Any]) -> Cause | None:
     kinds = drift.get("spans_by_kind") or {}
     return Cause(kind="render_drift", pair="train/sampler", fix="fix_renderer",
                  title=f"re-rendered messages give other tokens than were sampled ({words})",
-                 evidence=(f"{len(spans)} span(s) ({_facts_counts(kinds)}), "
+                 evidence=(f"{len(spans)} span(s) ({fact_counts(kinds)}), "
                            f"{drift.get('trainable_tokens_touched', 0)} trainable token(s) touched",),
                  where={"spans": len(spans), "rollouts": sorted({r for r, _ in places if r is not None})[:10],
                         "places": [{"rollout": r, "turn": t} for r, t in places[:20]]})
@@ -422,26 +305,13 @@ def _minor_drift_last(causes: tuple[Cause, ...], summary: dict[str, Any]) -> tup
     return (*[c for c in causes if c is not drift], replace(drift, minor=True))
 
 
-# Probe variations that change with what else is in the batch (probes/result.py SOURCES).
-BATCH_SOURCES = ("batch_size", "chunking", "split_kv")
-
-
-def batch_variant_from_probes(probes: list[dict[str, Any]]) -> bool | None:
-    """True when an applicable batch-shape probe is not bitwise equal; None when none ran."""
-    relevant = [p for p in probes if p.get("source") in BATCH_SOURCES and p.get("applicable")
-                and p.get("bitwise_equal_frac") is not None]
-    if not relevant:
-        return None
-    return any(p["bitwise_equal_frac"] < 1.0 for p in relevant)
-
-
 def _probes_batch_variant(probes: list[dict[str, Any]] | None) -> bool | None:
     return batch_variant_from_probes(probes) if probes is not None else None
 
 
 def _batch_variance(summary: dict[str, Any], side: dict[str, Side], probed: bool | None) -> Cause | None:
     from mismatch.analysis.prefixes import split_prefixes
-    from mismatch.replay import TORCH_KINDS
+    from mismatch.engines import TORCH_KINDS
 
     engines = summary.get("engines") or {}
     split = {source: found for source, found in split_prefixes(summary).items()
@@ -456,7 +326,7 @@ def _batch_variance(summary: dict[str, Any], side: dict[str, Side], probed: bool
         evidence.append(f"{source} gave one prefix different log-probs in different requests: "
                         f"{found['frac_prefixes_bitwise_equal']:.1%} of {found['n_prefixes']:,} shared prefixes "
                         f"bitwise equal, spread up to {found['max_abs_spread']:.3g}"
-                        + (f" (rollouts {_names(worst['rollouts'])})" if worst.get("rollouts") else ""))
+                        + (f" (rollouts {listed(worst['rollouts'])})" if worst.get("rollouts") else ""))
     pair = "train/sampler" if "sampler" in split or probed else f"train/{next(iter(split))}"
     return Cause(kind="batch_variance", pair=pair, fix="batch_invariant",
                  title="the inference engine's log-probs change with what else is in the batch",
@@ -509,7 +379,7 @@ def _precision(summary: dict[str, Any], level: dict[str, str], side: dict[str, S
             continue
         return Cause(kind="precision", pair=pair, fix="fp16",
                      title=f"bfloat16 rounding: {bf16} runs in bfloat16, the other side of {pair} in {_other(dtypes)}",
-                     evidence=(f"{a} and {b} differ in {_facts(differs)}", confirmed),
+                     evidence=(f"{a} and {b} differ in {facts(differs)}", confirmed),
                      rules_out=("no module carries the error alone: not one weight tensor",),
                      where={"bf16_source": bf16, "sources": [bf16], "pair": pair, "gap": level[pair]})
     return None
@@ -531,7 +401,7 @@ def _vanishes(level: dict[str, str], side: dict[str, Side], bf16: str, other: st
         pair = _pair_name(third, bf16)
         if level.get(pair) in HEALTHY:
             also = {k: v for k, v in side[third].differs(side[other]).items() if k != "dtype"}
-            return (f"{third} runs {other}'s weights in bfloat16" + (f" (and {_facts(also)})" if also else "")
+            return (f"{third} runs {other}'s weights in bfloat16" + (f" (and {facts(also)})" if also else "")
                     + f" and reproduces {bf16} ({pair} {level[pair]}): the gap is between the same weights in "
                     + ("two dtypes" if not also else "two dtypes and engine paths"))
     return None
@@ -555,7 +425,7 @@ def _spread(summary: dict[str, Any], pair: str) -> str | None:
         return None
     kernels = ((summary.get("localization") or {}).get("kernels") or {}).get("by_module") or []
     errors = [m["rel_error"] for m in kernels if isinstance(m.get("rel_error"), (int, float))]
-    if errors and sum(e > 0 for e in errors) >= 0.5 * len(errors) and _confined(summary) is None:
+    if errors and sum(e > 0 for e in errors) >= 0.5 * len(errors) and confined(summary) is None:
         return f"the kernel localizer finds error in {sum(e > 0 for e in errors)} of {len(errors)} modules, none standing out"
     return None
 
@@ -575,8 +445,8 @@ def _kernel_path(summary: dict[str, Any], level: dict[str, str], side: dict[str,
         return None
     faithful = level.get("infer/sampler") in HEALTHY
     return Cause(kind="kernel_path", pair="train/infer", fix="recompute_old_logprobs",
-                 title=f"the engines' kernels differ ({_facts(differs)}) at the same dtype",
-                 evidence=(f"train and infer differ only in {_facts(differs)}",
+                 title=f"the engines' kernels differ ({facts(differs)}) at the same dtype",
+                 evidence=(f"train and infer differ only in {facts(differs)}",
                            *(["the replay reproduces the sampler (infer/sampler "
                               f"{level['infer/sampler']}): the sampler's kernels are these"] if faithful else [])),
                  where={"differs": {k: list(v) for k, v in differs.items()}})
@@ -590,8 +460,8 @@ def _position_drift(summary: dict[str, Any]) -> Cause | None:
     low, high = slope.get("ci95_per_1k") or (None, None)
     return Cause(kind="position_drift", pair=turns.get("pair", "train/sampler"),
                  title="the gap grows with context length",
-                 evidence=(f"|log-ratio| rises {_g(slope.get('slope_per_1k'))} per 1000 tokens of position (95% CI "
-                           f"{_g(low)} to {_g(high)}), with no turn where it steps up",),
+                 evidence=(f"|log-ratio| rises {three_digits(slope.get('slope_per_1k'))} per 1000 tokens of position (95% CI "
+                           f"{three_digits(low)} to {three_digits(high)}), with no turn where it steps up",),
                  where={"slope_per_1k": slope.get("slope_per_1k")})
 
 
@@ -605,28 +475,8 @@ def _findings(summary: dict[str, Any], level: dict[str, str], side: dict[str, Si
     sampler, infer = side.get("sampler"), side.get("infer")
     if (sampler is not None and infer is not None and level.get("infer/sampler") == "exact"
             and sampler.differs(infer)):
-        out.append(f"meta.sampler declares {_facts(sampler.differs(infer))}, yet the replay reproduces the "
+        out.append(f"meta.sampler declares {facts(sampler.differs(infer))}, yet the replay reproduces the "
                    "stored log-probs bit for bit: the declaration is wrong")
     return out
 
 
-def _facts(differs: dict[str, tuple[Any, Any]]) -> str:
-    return ", ".join(f"{name} {a} vs {b}" for name, (a, b) in differs.items())
-
-
-def _facts_counts(counts: dict[str, Any]) -> str:
-    return ", ".join(f"{value} {name}" for name, value in counts.items()) or "kinds not recorded"
-
-
-def _names(names: list[str], limit: int = 5) -> str:
-    shown = ", ".join(map(str, names[:limit]))
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _kl(summary: dict[str, Any], pair: str) -> str:
-    value = ((summary.get("pairs") or {}).get(pair) or {}).get("kl_k3")
-    return _g(value)
-
-
-def _g(value: Any) -> str:
-    return f"{value:.3g}" if isinstance(value, (int, float)) else "n/a"

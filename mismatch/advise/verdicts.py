@@ -1,43 +1,25 @@
 """Plain-words verdicts for the three gaps of an audit (the triangle sampler / trainer / engine).
 
-Each pair's metrics map to a level by stated thresholds on kl_k3 and the tail of the ratio, and
-the level to a sentence that says what the gap means for that pair. The sentence guesses at no
-cause: the diagnosis names the one the evidence shows, and its title ends the pair's sentence.
+Each pair's metrics map to a level by stated thresholds on kl_k3 and the tail of the ratio
+(levels.py), and the level to a sentence that says what the gap means for that pair. The sentence
+guesses at no cause: the diagnosis names the one the evidence shows, and its title ends the pair's
+sentence.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from mismatch.advise.levels import gap_level
+
 if TYPE_CHECKING:
     from mismatch.advise.diagnose import Diagnosis
-
-# Thresholds (kl_k3 is per token; frac_outside_2 is the share of tokens with ratio outside [0.5, 2]).
-NEGLIGIBLE_KL = 1e-6
-SMALL_KL = 1e-3
-SMALL_TAIL = 1e-3
 
 MEANING = {
     "train/sampler": "what the RL ratio sees",
     "train/infer": "trainer vs engine, reproduced now",
     "infer/sampler": "replay fidelity",
 }
-
-
-def gap_level(metrics: dict[str, Any]) -> str:
-    """exact | negligible | small | large | unknown (no tokens to judge)."""
-    if not metrics.get("n_tokens"):
-        return "unknown"
-    if metrics["bitwise_equal_frac"] == 1.0:
-        return "exact"
-    kl, tail = metrics["kl_k3"], metrics["frac_outside_2"]
-    if kl is None or tail is None or kl != kl:  # NaN/inf from overflow counts as large
-        return "large"
-    if kl < NEGLIGIBLE_KL and tail == 0.0:
-        return "negligible"
-    if kl < SMALL_KL and tail < SMALL_TAIL:
-        return "small"
-    return "large"
 
 
 def verdict(pair: str, metrics: dict[str, Any], cause: str | None = None) -> dict[str, str]:

@@ -2,25 +2,25 @@
 the replayed one? Checked on the token table before any metric is trusted (summary `alignment`).
 
 Finds shifted-by-one log-probs, padded zeros and constant placeholders, missing log-probs on
-trainable tokens, and temperature/top-p/top-k "processed" log-probs; `recompute_processed` then
-replays the trainer side under the sampler's own processing so the comparison is like for like.
+trainable tokens, and temperature/top-p/top-k "processed" log-probs; `mismatch.replay.recompute_processed`
+then replays the trainer side under the sampler's own processing so the comparison is like for like.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis.chunked import Chunk, Chunks, Moments, run_passes, table_chunks
+from mismatch.analysis.chunked import Chunk, Chunks, run_passes, table_chunks
+from mismatch.analysis.moments import Moments
 from mismatch.analysis.groups import find_spans, key_codes
-from mismatch.errors import MismatchError, SpecError
+from mismatch.engines.processing import Sampling  # plain data: the sampler's declared processing
+from mismatch.errors import MismatchError
 
 SHIFTS = (-1, 0, 1)
 SHIFT_FACTOR = 4.0     # a shift must fit at least this many times better than no shift
@@ -32,141 +32,6 @@ RUN_SPREAD = 0.05              # ... while the replayed values in that run sprea
 ONE_SIDED = 0.9                # fraction of likely tokens moved one way that means "processed"
 RAW_SLOPE_TOL = 0.05           # |log slope| under this (T within ~5% of 1) reads as raw
 MIN_TOKENS = 20                # fewer likely tokens than this: semantics "unknown"
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class Sampling:
-    """The sampler's logit processing, in vLLM's order: temperature, then top-k, then top-p."""
-
-    temperature: float = 1.0
-    top_k: int = -1       # -1 or 0: off
-    top_p: float = 1.0    # 1.0: off
-
-    @classmethod
-    def from_meta(cls, meta: dict[str, Any] | None) -> Sampling:
-        """From `meta.sampler` (temperature, top_k, top_p; missing keys mean off)."""
-        meta = meta or {}
-        return cls(temperature=float(meta.get("temperature", 1.0) or 1.0),
-                   top_k=int(meta.get("top_k", -1) if meta.get("top_k") is not None else -1),
-                   top_p=float(meta.get("top_p", 1.0) if meta.get("top_p") is not None else 1.0))
-
-    @property
-    def is_identity(self) -> bool:
-        return self.temperature == 1.0 and self.top_k <= 0 and self.top_p >= 1.0
-
-
-# ---------------------------------------------------------------------------------------------
-# Processed log-probs (torch; imported lazily so the checks above stay numpy-only)
-
-
-def processed_logprobs(logits_CV, sampling: Sampling):
-    """log-softmax of the logits after the sampler's processing; filtered-out tokens get -inf.
-
-    fp32 throughout, as a sampler computes them. Temperature divides the logits (exactly the
-    toy harness's `logits / T`); top-k keeps the k largest; top-p keeps the smallest set of
-    largest-probability tokens whose mass reaches p (always at least one).
-    """
-    import torch
-
-    logits_CV = logits_CV.float()
-    if sampling.temperature != 1.0:
-        logits_CV = logits_CV / sampling.temperature
-    if 0 < sampling.top_k < logits_CV.shape[-1]:
-        kth_C1 = torch.topk(logits_CV, sampling.top_k, dim=-1).values[:, -1:]
-        logits_CV = logits_CV.masked_fill(logits_CV < kth_C1, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_CV, order_CV = torch.sort(logits_CV, dim=-1, descending=True)
-        mass_before_CV = torch.softmax(sorted_CV, dim=-1).cumsum(-1) - torch.softmax(sorted_CV, dim=-1)
-        drop_CV = mass_before_CV >= sampling.top_p  # the first token has mass_before 0: always kept
-        logits_CV = logits_CV.masked_fill(torch.zeros_like(drop_CV).scatter(-1, order_CV, drop_CV),
-                                          float("-inf"))
-    return torch.log_softmax(logits_CV, dim=-1)
-
-
-def processed_token_logprobs(hidden_ND, target_N, lm_head, *, sampling: Sampling, chunk: int = 512,
-                             softcap: float | None = None):
-    """`mismatch.engines.logprobs.token_logprobs` under the sampler's processing (float64 on the CPU).
-
-    Same chunking and fp32 upcast as the raw path, so at temperature 1 with no top-k/top-p the
-    numbers are the raw ones bit for bit.
-    """
-    import torch
-
-    num_rows = hidden_ND.shape[0]
-    logp_N = torch.empty(num_rows, dtype=torch.float64)
-    for start in range(0, num_rows, chunk):
-        stop = min(start + chunk, num_rows)
-        logits_CV = lm_head(hidden_ND[start:stop]).float()
-        if softcap is not None:  # part of the model, applied before any sampling processing
-            logits_CV = torch.tanh(logits_CV / softcap) * softcap
-        logp_CV = processed_logprobs(logits_CV, sampling)
-        picked_C = logp_CV.gather(1, target_N[start:stop, None].to(logp_CV.device)).squeeze(1)
-        logp_N[start:stop] = picked_C.to("cpu", torch.float64)
-    return logp_N
-
-
-@contextmanager
-def processed_logprobs_on(engine: Any, sampling: Sampling) -> Iterator[None]:
-    """While inside, `engine` (a torch engine) returns log-probs under `sampling`'s processing.
-
-    Every torch engine turns hidden states into log-probs through `logprobs_of`; swapping it on
-    this instance keeps the engine's batching, padding and decode schedule as they are, so the
-    processed column is the same forward as the raw one, processed only at its last step.
-    """
-    from mismatch.engines.hf import TorchEngineBase
-
-    if not isinstance(engine, TorchEngineBase):
-        raise SpecError(f"{engine.spec_text}: recomputing under the sampler's temperature/top-k/top-p "
-                        "needs a torch engine (hf, hf-decode)")
-    engine.logprobs_of = lambda hidden, target: processed_token_logprobs(
-        hidden, target, engine.lm_head, sampling=sampling, chunk=engine.options.chunk,
-        softcap=engine.softcap).numpy()
-    try:
-        yield
-    finally:
-        del engine.logprobs_of  # the class's own method again
-
-
-def replay_processed(plan, spec: str, checkpoint: str | os.PathLike[str], sampling: Sampling) -> np.ndarray:
-    """One column of the plan's token table: `spec`'s log-probs under `sampling`'s processing.
-
-    `spec` must be a torch engine (`hf`, `hf-decode`, with any options). An audit plans this
-    pass with the trainer's own (replay.py, when meta.sampler declares processed log-probs);
-    this stand-alone pass serves rollouts whose processing is found only in the data.
-    """
-    from mismatch.engines import load_engine
-    from mismatch.replay import check_column, replay_column
-
-    engine = load_engine(spec, os.fspath(checkpoint))
-    try:
-        with processed_logprobs_on(engine, sampling):
-            # Block by block, as replay_sources does: batch composition, and so every bit, is the same.
-            parts = [replay_column(requests, engine, name=f"{spec} (processed)") for _, requests in plan.blocks()]
-        values = np.concatenate(parts) if parts else np.empty(0)
-        check_column(values, plan.table, f"{spec} (processed)")
-        return values
-    finally:
-        engine.close()
-
-
-def recompute_processed(checkpoint: str | os.PathLike[str], rollouts: str | os.PathLike[str], *,
-                        spec: str = "hf", sampling: Sampling | None = None) -> np.ndarray:
-    """The trainer side recomputed like the sampler's stored log-probs, aligned with the token
-    table `replay_sources` builds for the same file. `sampling` defaults to the first rollout's
-    declared `meta.sampler` (the one `summary.engines.sampler.meta` shows)."""
-    from mismatch.checkpoint import checkpoint_info
-    from mismatch.replay import plan_replay
-    from mismatch.rollouts import load_rollouts
-
-    loaded = load_rollouts(rollouts, vocab_size=checkpoint_info(checkpoint).vocab_size)
-    if sampling is None:
-        metas = [r.meta.get("sampler") for r in loaded if isinstance(r.meta.get("sampler"), dict)]
-        sampling = Sampling.from_meta(metas[0] if metas else None)
-    return replay_processed(plan_replay(loaded), spec, checkpoint, sampling)
-
-
-# ---------------------------------------------------------------------------------------------
-# Checks on the token table
 
 
 def _span_ids(table: pd.DataFrame, keys: Sequence[str]) -> np.ndarray:
@@ -345,7 +210,7 @@ def _semantics_finding(semantics: dict[str, Any], declared: dict[str, Any], stor
             f"{'raised' if raised else 'lowered'} in {share:.0%} of cases; temperature ~ "
             f"{semantics['estimated_temperature']}) while {replayed} computes raw ones{declared_text}",
             f"compare like for like: recompute the {replayed} side under the sampler's processing "
-            f"(mismatch.analysis.alignment.recompute_processed, temperature={temperature}, top_k={sampling.top_k}, "
+            f"(mismatch.replay.recompute_processed, temperature={temperature}, top_k={sampling.top_k}, "
             f"top_p={sampling.top_p}), or store raw log-probs (vLLM: logprobs_mode='raw_logprobs')"))
     elif semantics["semantics"] == "raw" and declared.get("logprobs") == "processed" and not sampling.is_identity:
         findings.append(_finding("semantics_mismatch",

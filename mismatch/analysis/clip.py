@@ -1,7 +1,8 @@
 """The gap against the PPO clip range the user trains with: the share of tokens whose ratio the
 mismatch alone pushes out of [1 - eps_low, 1 + eps_high], per pair, turn and branch kind.
 
-Flow: per-span counts of tokens outside the range (analysis/chunked.py) + ClipRange -> summary.json["clip"] -> verdict line, report banner.
+Flow: per-span counts of tokens outside the range (analysis/grouped_metrics.py) + ClipRange ->
+summary.json["clip"] -> verdict line, report banner.
 On-policy the PPO ratio would be exactly 1; every token the mismatch moves past the clip bound
 gets no gradient from the clipped side of the objective, whatever its advantage.
 """
@@ -14,7 +15,8 @@ from typing import Any
 
 import pandas as pd
 
-from mismatch.analysis.chunked import OVERALL, GroupedPairMetrics, run, table_chunks
+from mismatch.analysis.chunked import table_chunks
+from mismatch.analysis.grouped_metrics import OVERALL, GroupedPairMetrics, run_grouped_metrics
 from mismatch.errors import MismatchError
 
 BREAKDOWNS = {"turn": "turns", "branch_kind": "branch_kinds"}
@@ -69,7 +71,7 @@ def table_clip_summary(table: pd.DataFrame, pairs: Sequence[tuple[str, str]], cl
     chunks = table_chunks(table)
     accumulator = GroupedPairMetrics(pairs, [by for by in BREAKDOWNS if by in table.columns], trainable_only=True,
                                      clip=(clip.low, clip.high))
-    (found,) = run(chunks, [accumulator])
+    (found,) = run_grouped_metrics(chunks, [accumulator])
     return clip_summary(clip, found)
 
 

@@ -275,19 +275,20 @@ def _row_sorted_quantiles(values: np.ndarray, starts: np.ndarray, counts: np.nda
 
 def _quantiles_of(values: np.ndarray, qs: Sequence[float]) -> np.ndarray:
     """Quantiles of a 1-D array (may reorder it), as np.quantile(method="linear")."""
-    lo, hi, virtual = _ranks(len(values), qs)
+    lo, hi, virtual = quantile_ranks(len(values), qs)
     ranks = np.unique(np.concatenate([lo, hi]))
-    return _lerp(dict(zip(ranks.tolist(), order_statistics(values, ranks))), lo, hi, virtual)
+    return lerp_order_statistics(dict(zip(ranks.tolist(), order_statistics(values, ranks))), lo, hi, virtual)
 
 
-def _ranks(n: int, qs: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantile_ranks(n: int, qs: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The order statistics (lower, upper) numpy's linear method interpolates between, and where."""
     virtual = np.asarray(qs, dtype=np.float64) * (n - 1)
     lo = np.floor(virtual).astype(np.int64)
     return lo, np.minimum(lo + 1, n - 1), virtual
 
 
-def _lerp(ordered: dict[int, float], lo: np.ndarray, hi: np.ndarray, virtual: np.ndarray) -> np.ndarray:
+def lerp_order_statistics(ordered: dict[int, float], lo: np.ndarray, hi: np.ndarray, virtual: np.ndarray) -> np.ndarray:
+    """The quantiles at `virtual` from the order statistics they lie between (`ordered`: rank -> value)."""
     return _lerp_arrays(np.array([ordered[k] for k in lo]), np.array([ordered[k] for k in hi]), virtual - lo)
 
 
@@ -302,6 +303,6 @@ def _lerp_arrays(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
 def order_statistics(values: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     """values' order statistics at `ranks` (0-based, sorted), exactly; `values` is reordered.
     (Per rollout or per chunk, partitioning all of a group's values is cheap; the run-wide groups'
-    tails are gathered by analysis.chunked.Tails.)"""
+    tails are gathered by analysis.tails.Tails.)"""
     values.partition(ranks)
     return values[ranks]

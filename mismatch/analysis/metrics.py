@@ -1,20 +1,20 @@
 """Pair metrics: how far two engines' per-token log-probs are apart, per token and per sequence.
 
-Flow: token table (`logp_*` columns, one row per replayed token) -> metrics -> localize / recommend / report.
+Flow: token table (`logp_*` columns, one row per replayed token) -> pair_tokens -> span_sums (per
+span, per group) -> metrics (PAIR_METRICS, the formulas) -> localize / recommend / report.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from functools import cached_property
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis import terms
 from mismatch.analysis.groups import Grouping, Spans, quantiles, single_group
+from mismatch.analysis.pair_tokens import PairTokens, pair_tokens, pairs_tokens
+from mismatch.analysis.span_sums import GroupTotals, SpanSums, pair_span_sums, token_terms
 from mismatch.analysis.tokenview import DEFAULT_SEQ, TokenView
 from mismatch.errors import MismatchError
 
@@ -28,144 +28,14 @@ PAIR_METRICS: tuple[str, ...] = (
 )
 _COUNTS = ("n_tokens", "n_rollouts")
 # ratio_qXYZ is the 0.XYZ quantile: both tails at 1% and at 0.1% (the tails are what PPO feels).
-_QUANTILES = {"ratio_q001": 0.001, "ratio_q01": 0.01, "ratio_q99": 0.99, "ratio_q999": 0.999}
-# Beyond this |log_ratio| the sums of r and r^2 behind ESS could overflow or underflow float64.
-_ESS_DIRECT_LIMIT = 300.0
-
-
-class PairTokens:
-    """The tokens of a view where both log-probs are defined; their log-ratio and ratio on demand.
-
-    Each per-token array (the selected log-probs, log-ratio, ratio) is made only when a metric
-    asks for it, which spares several ~40 MB arrays per pair when none does.
-    """
-
-    def __init__(self, view: TokenView, columns: tuple[str, str], keep: np.ndarray | None,
-                 table_a: np.ndarray, table_b: np.ndarray) -> None:
-        self.view = view          # exactly those tokens
-        self.columns = columns    # the two log-prob columns, A then B
-        self.keep = keep          # which of the parent view's tokens they are (None: all of them)
-        self.table_a = table_a    # float64 over every table row (float32 is upcast first)
-        self.table_b = table_b
-
-    @cached_property
-    def logp_a(self) -> np.ndarray:
-        return self.table_a if self.view.mask is None else self.table_a[self.view.mask]
-
-    @cached_property
-    def logp_b(self) -> np.ndarray:
-        return self.table_b if self.view.mask is None else self.table_b[self.view.mask]
-
-    @cached_property
-    def log_ratio(self) -> np.ndarray:
-        return self.logp_a - self.logp_b
-
-    @cached_property
-    def ratio(self) -> np.ndarray:
-        return terms.ratio(self.log_ratio)
-
-    def ratio_into(self, buffer: np.ndarray) -> np.ndarray:
-        """`ratio`, the kept array if there is one, else computed into `buffer` (same bits)."""
-        if "ratio" in self.__dict__:
-            return self.ratio
-        out = buffer[:self.view.num_tokens]
-        np.subtract(self.logp_a, self.logp_b, out=out)
-        return terms.ratio(out, out=out)
-
-
-def pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
-    """Columns `a` against `b` on the view (log_ratio = a - b), computed once per view."""
-    return pairs_tokens(view, [(a, b)])[0]
-
-
-def pairs_tokens(view: TokenView, pairs: Sequence[tuple[str, str]]) -> list[PairTokens]:
-    """`pair_tokens` of each (a, b)."""
-    return [view.memo(("pair", a, b), lambda a=a, b=b: _make_pair(view, a, b)) for a, b in pairs]
-
-
-def _make_pair(view: TokenView, a: str, b: str) -> PairTokens:
-    """The pair's tokens: those of the view where log_ratio = a - b is defined."""
-    table_a, table_b = _float64_column(view, a), _float64_column(view, b)
-    # Undefined: a missing log-prob (NaN), or both engines at -inf (probability 0 twice).
-    with np.errstate(invalid="ignore"):
-        undefined = np.isnan(table_a - table_b)
-    if view.mask is not None:
-        undefined &= view.mask
-    if not undefined.any():  # the common case: no copy, no new view
-        return PairTokens(view, (a, b), None, table_a, table_b)
-    # Tokens without a defined log-ratio are dropped before anything else.
-    keep = ~(undefined if view.mask is None else undefined[view.mask])
-    return PairTokens(view.subset(keep), (a, b), keep, table_a, table_b)
-
-
-def _float64_column(view: TokenView, name: str) -> np.ndarray:
-    """The table column as float64, upcast once per view (a column two pairs share is one copy)."""
-    return view.memo(("float64", name), lambda: view.table_column(name).astype(np.float64, copy=False))
-
-
-def _token_terms(pair: PairTokens, scratch: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
-    """Per-token values whose group sums (`name`) or group maxima (`name_max`) the metrics are made of.
-
-    Each value is written into `scratch` (or is an array the pair already holds) and is valid until
-    the next one is asked for: one buffer instead of a dozen fresh arrays, whose page faults cost
-    more than the arithmetic.
-    """
-    log_ratio, ratio = pair.log_ratio, pair.ratio
-    yield "log_ratio", log_ratio
-    yield "ratio", ratio
-    yield "log_ratio_sq", np.square(log_ratio, out=scratch)
-    yield "ratio_sq", terms.ratio_sq(ratio, out=scratch)
-    yield "k3", terms.k3(log_ratio, out=scratch)
-    flags = scratch.view(np.bool_)[:len(log_ratio)]  # the same buffer, read as flags
-    yield "outside_2", terms.outside(ratio, out=flags)
-    yield "equal", np.equal(pair.logp_a, pair.logp_b, out=flags)
-    abs_log_ratio = np.abs(log_ratio, out=scratch)
-    yield "abs_log_ratio", abs_log_ratio
-    yield "log_ratio_abs_max", abs_log_ratio
-    prob_abs_diff = terms.prob_abs_diff(pair.logp_a, pair.logp_b, out=scratch)
-    yield "prob_abs_diff", prob_abs_diff
-    yield "prob_abs_diff_max", prob_abs_diff
-
-
-def span_sums(pair: PairTokens, spans: Spans) -> dict[str, np.ndarray]:
-    """Per span of the pair's view: the sums and extremes behind every metric (kept on the view)."""
-    return pair.view.memo(("span_sums", id(pair), id(spans)), lambda: _span_sums(pair, spans))
-
-
-def _span_sums(pair: PairTokens, spans: Spans) -> dict[str, np.ndarray]:
-    """Per span of the pair's view: every sum, extreme and spread the metrics are made of."""
-    scratch = np.empty(len(pair.log_ratio))
-    sums = {name: (spans.max(values) if name.endswith("_max") else
-                   spans.sum(values, dtype=np.int64 if values.dtype == bool else None))
-            for name, values in _token_terms(pair, scratch)}
-    sums["log_ratio_min"], sums["log_ratio_max"] = spans.min(pair.log_ratio), spans.max(pair.log_ratio)
-    with np.errstate(over="ignore", invalid="ignore"):
-        # Each span's squared deviations from its own mean (two passes, no E[r^2] - E[r]^2, which
-        # cancels to noise for the ratio ~ 1 +- 1e-8 of good engine pairs); spans merge by Chan's rule.
-        deviation = np.subtract(pair.ratio, spans.spread(sums["ratio"] / spans.lengths), out=scratch)
-        sums["ratio_m2"] = spans.sum(np.square(deviation, out=scratch))
-    return sums
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class SpanSums:
-    """A pair's tokens reduced per span: everything the metrics of any grouping of the spans are
-    made of, except what only the tokens themselves give (`TokenPass`). Spans of several chunks
-    of a table concatenate into one SpanSums (analysis/chunked.py)."""
-
-    spans: Spans
-    sums: dict[str, np.ndarray]  # per span: _span_sums's keys
-    span_seq: np.ndarray         # per span: its sequence, 0..num_seqs-1
-    num_seqs: int
-    span_rollout: np.ndarray     # per span: its rollout, 0..num_rollouts-1
-    num_rollouts: int
+RATIO_QUANTILES = {"ratio_q001": 0.001, "ratio_q01": 0.01, "ratio_q99": 0.99, "ratio_q999": 0.999}
 
 
 class TokenPass(Protocol):
     """The two things a group's metrics need from its tokens, not only from span sums."""
 
     def quantiles(self, grouping: Grouping) -> np.ndarray:
-        """[num_groups, len(_QUANTILES)] ratio quantiles."""
+        """[num_groups, len(RATIO_QUANTILES)] ratio quantiles."""
         ...
 
     def far_weights(self, grouping: Grouping, far: np.ndarray, lr_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -180,7 +50,7 @@ class _PairTokenPass:
         self.pair, self.spans = pair, spans
 
     def quantiles(self, grouping: Grouping) -> np.ndarray:
-        qs, view = list(_QUANTILES.values()), self.pair.view
+        qs, view = list(RATIO_QUANTILES.values()), self.pair.view
         return quantiles(self.pair.ratio_into(view.scratch(1)), self.spans, grouping, qs, scratch=view.scratch(0))
 
     def far_weights(self, grouping: Grouping, far: np.ndarray, lr_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -192,109 +62,11 @@ class _PairTokenPass:
                 np.bincount(group, weights=np.square(weight), minlength=grouping.num_groups))
 
 
-def pair_span_sums(pair: PairTokens, spans: Spans) -> SpanSums:
-    """The pair's SpanSums over `spans` (cut on the pair's view, at least as fine as its base spans)."""
-    view = pair.view
-    base = _span_of(view, spans)
-    return SpanSums(spans=spans, sums=span_sums(pair, spans), span_seq=view.span_seq[base], num_seqs=view.num_seqs,
-                    span_rollout=view.span_rollout[base], num_rollouts=view.num_rollouts)
-
-
 def _group_metrics(pair: PairTokens, spans: Spans, grouping: Grouping, *, with_quantiles: bool = True) -> pd.DataFrame:
     """PAIR_METRICS for groups 0..G-1 of the pair's spans, one row per group (group_metrics on
     the pair's tokens in memory)."""
     return group_metrics(pair_span_sums(pair, spans), grouping, _PairTokenPass(pair, spans),
                          with_quantiles=with_quantiles)
-
-
-def far_groups(lr_min: np.ndarray, lr_max: np.ndarray) -> np.ndarray:
-    """Groups whose ESS needs the rescaled sums (TokenPass.far_weights)."""
-    return (lr_max > _ESS_DIRECT_LIMIT) | (lr_min < -_ESS_DIRECT_LIMIT)
-
-
-# GroupTotals' sums (added), maxima and minima, per group.
-_SUMMED = ("n", "n_rollouts", "num_seqs", "log_ratio", "abs_log_ratio", "ratio", "ratio_sq", "log_ratio_sq", "k3",
-           "prob_abs_diff", "outside_2", "equal", "seq_weight", "seq_ppl")
-_MAXED = ("log_ratio_abs_max", "prob_abs_diff_max", "log_ratio_max")
-_MINNED = ("log_ratio_min",)
-
-
-@dataclass(slots=True, eq=False)
-class GroupTotals:
-    """What PAIR_METRICS of groups 0..G-1 are made of, summed over their spans: additive sums,
-    extremes, and the ratio's spread around the group mean (`ratio_m2`). Totals of chunks of
-    whole rollouts merge (`merge`: Chan's rule for the spread), since neither a sequence nor a
-    rollout crosses a chunk."""
-
-    values: dict[str, np.ndarray]
-
-    @classmethod
-    def empty(cls, num_groups: int) -> GroupTotals:
-        values = {name: np.zeros(num_groups) for name in (*_SUMMED, "ratio_m2")}
-        values.update({name: np.full(num_groups, -np.inf) for name in _MAXED})
-        values.update({name: np.full(num_groups, np.inf) for name in _MINNED})
-        return cls(values)
-
-    @classmethod
-    def of(cls, data: SpanSums, grouping: Grouping) -> GroupTotals:
-        spans, sums, total = data.spans, data.sums, grouping.sum
-        n = grouping.count(spans)
-        pair_group, span_pair = grouping.pairs_with(data.span_seq, data.num_seqs)
-        seq_sum = np.bincount(span_pair, weights=sums["log_ratio"], minlength=len(pair_group))
-        seq_count = np.bincount(span_pair, weights=spans.lengths, minlength=len(pair_group))
-        values = {"n": n.astype(np.float64), "n_rollouts": grouping.distinct(data.span_rollout, data.num_rollouts)
-                  .astype(np.float64), "num_seqs": np.bincount(pair_group, minlength=grouping.num_groups).astype(np.float64)}
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            for name in _SUMMED[3:-2]:
-                values[name] = total(sums[name])
-            # Sequence metrics: each sequence's log-ratios summed first (within the group).
-            values["seq_weight"] = np.bincount(pair_group, weights=np.exp(2.0 * seq_sum), minlength=grouping.num_groups)
-            values["seq_ppl"] = np.bincount(pair_group, weights=np.exp(-seq_sum / seq_count), minlength=grouping.num_groups)
-            values.update({name: grouping.max(sums[name]) for name in _MAXED})
-            values.update({name: grouping.min(sums[name]) for name in _MINNED})
-            # Each span's squared deviations from its own mean (two passes, no E[r^2] - E[r]^2,
-            # which cancels to noise for the ratio ~ 1 +- 1e-8 of good engine pairs), merged by Chan's rule.
-            mean = values["ratio"] / n
-            span_mean = sums["ratio"] / spans.lengths
-            values["ratio_m2"] = total(sums["ratio_m2"] + spans.lengths * np.square(span_mean - mean[grouping.span_group]))
-        if "outside_clip" in sums:
-            values["outside_clip"] = total(sums["outside_clip"])
-        return cls(values)
-
-    def merge(self, other: GroupTotals, into: np.ndarray) -> None:
-        """Add `other` (whose group g is this one's group into[g])."""
-        values = self.values
-        n_a, n_b = values["n"][into], other.values["n"]
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            n = n_a + n_b
-            delta = other.values["ratio"] / n_b - values["ratio"][into] / n_a
-            m2 = values["ratio_m2"][into] + other.values["ratio_m2"] + np.square(delta) * n_a * n_b / n
-            values["ratio_m2"][into] = np.where(n_a == 0, other.values["ratio_m2"],
-                                                np.where(n_b == 0, values["ratio_m2"][into], m2))
-        for name, found in other.values.items():
-            if name == "ratio_m2":
-                continue
-            if name not in values:
-                values[name] = np.zeros(len(values["n"]))
-            if name in _MAXED:
-                values[name][into] = np.maximum(values[name][into], found)
-            elif name in _MINNED:
-                values[name][into] = np.minimum(values[name][into], found)
-            else:
-                values[name][into] = values[name][into] + found
-
-    def grown(self, num_groups: int) -> GroupTotals:
-        """The same totals with room for `num_groups` groups (the new ones empty)."""
-        size = len(self.values["n"])
-        if num_groups <= size:
-            return self
-        more = GroupTotals.empty(num_groups - size).values
-        return GroupTotals({name: np.concatenate([found, more.get(name, np.zeros(num_groups - size))])
-                            for name, found in self.values.items()})
-
-    def far(self) -> np.ndarray:
-        """Groups whose ESS needs the rescaled sums (TokenPass.far_weights)."""
-        return far_groups(self.values["log_ratio_min"], self.values["log_ratio_max"])
 
 
 def group_metrics(data: SpanSums, grouping: Grouping, tokens: TokenPass, *,
@@ -351,20 +123,13 @@ def totals_metrics(totals: GroupTotals, far_sums: tuple[np.ndarray, np.ndarray] 
             "bitwise_equal_frac": v["equal"] / n,
         })
         if quantile_table is not None:
-            out.update({name: quantile_table[:, i] for i, name in enumerate(_QUANTILES)})
+            out.update({name: quantile_table[:, i] for i, name in enumerate(RATIO_QUANTILES)})
     empty = n == 0
     if empty.any():
         out.update({name: np.where(empty, np.nan, values) for name, values in out.items() if name not in _COUNTS})
     # Built from arrays, in PAIR_METRICS order: pandas' masked .loc assignment across the columns
     # took ~8 ms a frame, and the per-rollout table makes one per pair and chunk.
     return pd.DataFrame({name: out[name] for name in PAIR_METRICS if name in out})
-
-
-def _span_of(view: TokenView, spans: Spans) -> np.ndarray:
-    """For spans cut finer than the view's base spans: the base span each one lies in."""
-    if spans is view.spans:
-        return np.arange(spans.num_spans)
-    return np.searchsorted(view.spans.starts, spans.starts, side="right") - 1
 
 
 def pair_metrics(logp_a: np.ndarray, logp_b: np.ndarray, *, seq: np.ndarray,
@@ -417,7 +182,7 @@ def token_group_sums(pair: PairTokens, token_group: np.ndarray, num_groups: int)
     out: dict[str, np.ndarray] = {"n_tokens": np.bincount(token_group, minlength=num_groups),
                                   "n_rollouts": (present.reshape(num_groups, -1) > 0).sum(axis=1)}
     with np.errstate(over="ignore", invalid="ignore"):
-        for name, values in _token_terms(pair, np.empty(len(pair.log_ratio))):
+        for name, values in token_terms(pair, np.empty(len(pair.log_ratio))):
             if name in _TOKEN_GROUP_MAXIMA:
                 top = np.full(num_groups, -np.inf)
                 np.maximum.at(top, token_group, values)

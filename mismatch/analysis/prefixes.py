@@ -15,13 +15,12 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-if TYPE_CHECKING:  # the report reads this module's findings and never imports the engines
-    from mismatch.streams import ReplayRequest
+from mismatch.streams import ReplayRequest
 
 _P = np.uint64(0x100000001B3)            # the FNV-1a 64-bit prime: odd, so invertible mod 2^64
 _P_INV = np.uint64(pow(0x100000001B3, -1, 2**64))
@@ -118,7 +117,7 @@ def prefix_consistency(tokens: pd.DataFrame | Path, keys: np.ndarray | Path,
 
 
 class PrefixConsistency:
-    """prefix_consistency beside an audit's analyses (a chunked.Beside): its one DuckDB query reads
+    """prefix_consistency beside an audit's analyses (a chunked.SideJob): its one DuckDB query reads
     the files itself, so it runs in a process of its own during the analysis's first pass instead
     of before the analysis on one core (DuckDB's positional join of the two files scans on one
     thread: ~1 s over benchmarks/audit_stored.py's 9.3M rows)."""

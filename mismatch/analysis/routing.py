@@ -16,8 +16,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
-from mismatch.streams import ReplayRequest
-from mismatch.streams import StreamRouting
+from mismatch.streams import ReplayRequest, StreamRouting
 
 
 def token_routing(requests: Sequence[ReplayRequest], routed: Sequence[StreamRouting]) -> tuple[np.ndarray, np.ndarray]:

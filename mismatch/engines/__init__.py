@@ -1,6 +1,7 @@
 """Engines turn token sequences into teacher-forced per-token log-probs.
 
-One module per backend; `load_engine(spec, checkpoint)` is the registry. Backends import their
+One module per backend; `load_engine(spec, checkpoint)` is the registry, `contract.py` what every
+engine provides (and the capabilities a backend may declare past it). Backends import their
 heavy dependencies (torch, vllm) lazily so the core stays importable without them. A pip-installed
 package adds a spec kind through the `mismatch.engines` entry-point group (README.md beside this
 file says what a backend provides).
@@ -9,31 +10,22 @@ file says what a backend provides).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
-
+from mismatch.engines.contract import (
+    BASIC,
+    Capabilities,
+    CapableEngine,
+    Engine,
+    ProgressFn,
+    ReplayRequest,
+    capabilities_of,
+)
 from mismatch.engines.spec import EngineSpec, parse_spec
 from mismatch.errors import SpecError
-from mismatch.streams import ReplayRequest  # noqa: F401  (the plug-in API: engines take these)
 
-ProgressFn = Callable[[int], None]  # called with the number of tokens just scored
-
-
-class Engine(Protocol):
-    """What every backend (and a user's `python:MODULE:CALLABLE` factory) provides."""
-
-    def describe(self) -> dict[str, Any]:
-        """Facts for summary.json: kind, resolved options, log-prob semantics, throughput."""
-
-    def replay(self, requests: Sequence[ReplayRequest], *,
-               progress: ProgressFn | None = None) -> list[np.ndarray]:
-        """Per request, float64 log p(tokens[i] | tokens[:i]) for i in score_from..L-1 (NaN at i=0)."""
-
-    def close(self) -> None:
-        """Free the model (engines may hold GBs)."""
-
+TORCH_KINDS = ("hf", "hf-decode")  # torch models in this process: hooks (localize) and attn checks apply
+MODEL_KINDS = ("hf", "hf-decode", "vllm")  # engines that run the checkpoint's model themselves
 
 _BACKENDS: dict[str, str] = {
     "hf": "mismatch.engines.hf:HFEngine",
@@ -110,6 +102,15 @@ def _backend(parsed: EngineSpec) -> Any:
     return backend
 
 
+def engine_capabilities(spec: str | EngineSpec) -> Capabilities:
+    """What the engine a spec names can do past the basic contract, known before it loads (the
+    backend class declares it): stored log-probs and `python:` engines, nothing more."""
+    parsed = parse_spec(spec) if isinstance(spec, str) else spec
+    if parsed.kind in ("stored", "python"):
+        return BASIC
+    return capabilities_of(_backend(parsed))
+
+
 def load_engine(spec: str | EngineSpec, checkpoint: str) -> Engine:
     """Build the engine a spec names; every spec accepts `checkpoint=PATH` to replay other weights."""
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
@@ -118,5 +119,5 @@ def load_engine(spec: str | EngineSpec, checkpoint: str) -> Engine:
     return _backend(parsed).from_spec(parsed, checkpoint)
 
 
-__all__ = ["Engine", "EngineSpec", "ProgressFn", "ReplayRequest", "check_spec", "engine_kinds", "load_engine",
-           "parse_spec"]
+__all__ = ["MODEL_KINDS", "TORCH_KINDS", "Capabilities", "CapableEngine", "Engine", "EngineSpec", "ProgressFn",
+           "ReplayRequest", "check_spec", "engine_capabilities", "engine_kinds", "load_engine", "parse_spec"]

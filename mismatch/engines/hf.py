@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 
 from mismatch.checkpoint import CheckpointInfo, checkpoint_info, load_model
-from mismatch.engines import ProgressFn, ReplayRequest
+from mismatch.engines.contract import Capabilities, ProgressFn, ReplayRequest
 from mismatch.engines.logprobs import DEFAULT_CHUNK, token_logprobs
+from mismatch.engines.processing import Sampling, processed_token_logprobs
 from mismatch.engines.routing import RoutingRecorder, check_mode, forced_routing, routers
 from mismatch.streams import StreamRouting
 from mismatch.engines.spec import EngineSpec, options_from
@@ -61,10 +62,13 @@ def pack_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
 
 
 class TorchEngineBase:
-    """Model loading, options and throughput bookkeeping shared by the two torch paths."""
+    """Model loading, options and throughput bookkeeping shared by the two torch paths; both
+    record MoE routing, follow forced experts (routing=replay) and process their last step like
+    the sampler's (engines/contract.py)."""
 
     kind = "?"
     options_cls: type = HFOptions
+    capabilities = Capabilities(records_routing=True, forced_experts=True, processing=True)
 
     def __init__(self, options: Any, checkpoint: str, spec_text: str) -> None:
         self.options = options
@@ -79,11 +83,9 @@ class TorchEngineBase:
         self.lm_head = self.model.get_output_embeddings()
         self.softcap = getattr(self.model.config, "final_logit_softcapping", None)
         check_mode(options.routing, self.model)
-        # MoE: each replayed stream's experts (RoutingRecorder), in `routed` after each replay();
-        # with routing=replay, the caller sets `forced` (one [positions, layers, k] per request).
+        # MoE: each replayed stream's experts (RoutingRecorder), in `routed` after each replay().
         self.recorder = RoutingRecorder(self.model) if routers(self.model) else None
         self.routed: list[StreamRouting] = []
-        self.forced: list[np.ndarray] | None = None
         self.num_scored = 0
         self.num_fed = 0
         self.num_padded = 0
@@ -109,18 +111,28 @@ class TorchEngineBase:
             "tokens_per_s": self.num_scored / self.seconds if self.seconds else None,
         }
 
-    def logprobs_of(self, hidden_ND, target_N) -> np.ndarray:
-        return token_logprobs(hidden_ND, target_N, self.lm_head, chunk=self.options.chunk,
-                              softcap=self.softcap).numpy()
+    def recorded_routing(self) -> list[StreamRouting] | None:
+        """Each request's routing in the last replay (request order); None for a dense model."""
+        return list(self.routed) if self.recorder is not None else None
 
-    def _forced_rows(self, request_index: int, start: int, stop: int):
+    def logprobs_of(self, hidden_ND, target_N, processing: Sampling | None = None) -> np.ndarray:
+        """The targets' log-probs from their hidden states: raw, or under the sampler's processing
+        (the same forward either way: only this last step differs)."""
+        if processing is None:
+            return token_logprobs(hidden_ND, target_N, self.lm_head, chunk=self.options.chunk,
+                                  softcap=self.softcap).numpy()
+        return processed_token_logprobs(hidden_ND, target_N, self.lm_head, sampling=processing,
+                                        chunk=self.options.chunk, softcap=self.softcap).numpy()
+
+    def _forced_rows(self, forced_experts: Sequence[np.ndarray] | None, request_index: int, start: int,
+                     stop: int):
         """The forced experts of positions [start, stop) of a request (routing=replay), or None."""
         if self.options.routing != "replay":
             return None
-        if self.forced is None:
+        if forced_experts is None:
             raise SpecError(f"{self.spec_text}: routing=replay needs another pass's experts to force "
                             "(the audit's --infer, or diff's --reference, replayed by a torch engine)")
-        return self.forced[request_index][start:stop]
+        return forced_experts[request_index][start:stop]
 
     def close(self) -> None:
         if self.recorder is not None:
@@ -132,8 +144,9 @@ class HFEngine(TorchEngineBase):
     kind = "hf"
     options_cls = HFOptions
 
-    def replay(self, requests: Sequence[ReplayRequest], *,
-               progress: ProgressFn | None = None) -> list[np.ndarray]:
+    def replay(self, requests: Sequence[ReplayRequest], *, progress: ProgressFn | None = None,
+               forced_experts: Sequence[np.ndarray] | None = None,
+               processing: Sampling | None = None) -> list[np.ndarray]:
         import torch
 
         results: list[np.ndarray] = [np.empty(0)] * len(requests)
@@ -145,10 +158,10 @@ class HFEngine(TorchEngineBase):
             for row, index in enumerate(batch):
                 tokens = requests[index].tokens
                 ids_BL[row, : len(tokens)] = torch.from_numpy(tokens)
-            with torch.inference_mode(), self._forcing(requests, batch, width):
+            with torch.inference_mode(), self._forcing(requests, batch, width, forced_experts):
                 hidden_BLD = self.decoder(input_ids=ids_BL.to(self.device)).last_hidden_state
                 for row, index in enumerate(batch):
-                    results[index] = self._score(hidden_BLD[row], requests[index])
+                    results[index] = self._score(hidden_BLD[row], requests[index], processing)
             if self.recorder is not None:
                 self._keep_routing(requests, batch, width)
             self.num_forward += 1
@@ -171,27 +184,28 @@ class HFEngine(TorchEngineBase):
             fed = len(requests[index].tokens) - 1
             self.routed[index] = StreamRouting(experts=experts[row, :fed].copy(), margin=margin[row, :fed].copy())
 
-    def _forcing(self, requests: Sequence[ReplayRequest], batch: list[int], width: int):
+    def _forcing(self, requests: Sequence[ReplayRequest], batch: list[int], width: int,
+                 forced_experts: Sequence[np.ndarray] | None):
         """routing=replay: the batch's forced experts, padding rows sent anywhere (their outputs
         are never read), flattened as the routers see the batch."""
         if self.options.routing != "replay":
             return nullcontext()
         import torch
 
-        rows = [self._forced_rows(index, 0, len(requests[index].tokens) - 1) for index in batch]
+        rows = [self._forced_rows(forced_experts, index, 0, len(requests[index].tokens) - 1) for index in batch]
         layers, k = rows[0].shape[1:]
         forced = np.zeros((len(batch), width, layers, k), dtype=np.int64)
         for row, experts in enumerate(rows):
             forced[row, : len(experts)] = experts
         return forced_routing(self.model, torch.from_numpy(forced.reshape(len(batch) * width, layers, k)))
 
-    def _score(self, hidden_LD, request: ReplayRequest) -> np.ndarray:
+    def _score(self, hidden_LD, request: ReplayRequest, processing: Sampling | None) -> np.ndarray:
         import torch
 
         # Hidden state at j predicts token j+1; position 0 has no prediction.
         first = max(request.score_from, 1)
         tokens = torch.from_numpy(request.tokens)
-        logp = self.logprobs_of(hidden_LD[first - 1: len(request.tokens) - 1], tokens[first:])
+        logp = self.logprobs_of(hidden_LD[first - 1: len(request.tokens) - 1], tokens[first:], processing)
         if request.score_from == 0:
             logp = np.concatenate([[np.nan], logp])
         return logp

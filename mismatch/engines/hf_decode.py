@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mismatch.engines import ProgressFn, ReplayRequest
+from mismatch.engines.contract import ProgressFn, ReplayRequest
 from mismatch.engines.hf import TorchEngineBase
 from mismatch.engines.logprobs import DEFAULT_CHUNK
+from mismatch.engines.processing import Sampling
 from mismatch.engines.routing import forced_routing
 from mismatch.streams import StreamRouting
 from mismatch.errors import SpecError
@@ -88,13 +89,14 @@ class HFDecodeEngine(TorchEngineBase):
                             f"{', '.join(PREFILL_MODES)}")
         super().__init__(options, checkpoint, spec_text)
 
-    def replay(self, requests: Sequence[ReplayRequest], *,
-               progress: ProgressFn | None = None) -> list[np.ndarray]:
+    def replay(self, requests: Sequence[ReplayRequest], *, progress: ProgressFn | None = None,
+               forced_experts: Sequence[np.ndarray] | None = None,
+               processing: Sampling | None = None) -> list[np.ndarray]:
         started = time.perf_counter()
         results = []
         self.routed = []
         for index, request in enumerate(requests):
-            results.append(self._replay_one(request, index))
+            results.append(self._replay_one(request, index, forced_experts, processing))
             if self.recorder is not None:
                 experts, margin = self.recorder.take()
                 self.routed.append(StreamRouting(experts=experts, margin=margin))
@@ -105,14 +107,15 @@ class HFDecodeEngine(TorchEngineBase):
         self.seconds += time.perf_counter() - started
         return results
 
-    def _replay_one(self, request: ReplayRequest, index: int) -> np.ndarray:
+    def _replay_one(self, request: ReplayRequest, index: int, forced_experts: Sequence[np.ndarray] | None,
+                    processing: Sampling | None) -> np.ndarray:
         import torch
 
         tokens = request.tokens
         logp_L = np.full(len(tokens), np.nan)
         session = DecodeSession(self.model, self.device)
         for start, stop in feed_chunks(request.generated, prefill=self.options.prefill == "prompt"):
-            forced = self._forced_rows(index, start, stop)
+            forced = self._forced_rows(forced_experts, index, start, stop)
             with forced_routing(self.model, torch.from_numpy(forced)) if forced is not None else nullcontext():
                 hidden_CD = session.feed(tokens[start:stop])
             self.num_forward += 1
@@ -123,6 +126,6 @@ class HFDecodeEngine(TorchEngineBase):
             rows = hidden_CD[first - start:]
             # A sampler computes logits for the sampled position alone; do the same for the last
             # row so a replay of the sampler's own config reproduces its numbers exactly.
-            logp_L[first + 1: stop] = self.logprobs_of(rows[:-1], targets[:-1])
-            logp_L[stop] = self.logprobs_of(rows[-1:], targets[-1:])[0]
+            logp_L[first + 1: stop] = self.logprobs_of(rows[:-1], targets[:-1], processing)
+            logp_L[stop] = self.logprobs_of(rows[-1:], targets[-1:], processing)[0]
         return logp_L[request.score_from:]

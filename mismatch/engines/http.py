@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from mismatch.engines import ProgressFn, ReplayRequest
+from mismatch.engines.contract import ProgressFn, ReplayRequest
 from mismatch.engines.spec import EngineSpec, options_from
 from mismatch.errors import MismatchError, SpecError
 

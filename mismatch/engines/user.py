@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from mismatch.engines import ProgressFn, ReplayRequest
+from mismatch.engines.contract import ProgressFn, ReplayRequest
 from mismatch.engines.spec import EngineSpec, convert_option, scalar_type
 from mismatch.errors import EngineError, SpecError
 

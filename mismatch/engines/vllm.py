@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from mismatch.checkpoint import checkpoint_info, normalize_dtype
-from mismatch.engines import ProgressFn, ReplayRequest
+from mismatch.engines.contract import ProgressFn, ReplayRequest
 from mismatch.engines.spec import EngineSpec, options_from
 from mismatch.errors import EngineError, MismatchError, SpecError
 

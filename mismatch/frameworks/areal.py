@@ -4,22 +4,13 @@ metrics, read from the released wheel areal 1.0.4 (its only release on the packa
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from mismatch.frameworks._common import (
-    FrameworkMetric,
-    PairArrays,
-    Release,
-    optional_float,
-    optional_str,
-    yaml_scalar,
-)
-
-if TYPE_CHECKING:
-    from mismatch.advise.recommend import Recommendation
-    from mismatch.frameworks._common import Target
+from mismatch.frameworks._common import optional_float, optional_str, yaml_scalar
+from mismatch.frameworks.pair_arrays import PairArrays
+from mismatch.frameworks.protocol import FrameworkMetric, Recommendation, Release, Target
 
 NAME = "areal"
 PACKAGE = "areal"

@@ -4,15 +4,13 @@ read from the released wheels openrlhf 0.10.4 and 0.11.2 (their flags differ).""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from mismatch.frameworks._common import FrameworkMetric, PairArrays, Release, parse_bool
-
-if TYPE_CHECKING:
-    from mismatch.advise.recommend import Recommendation
-    from mismatch.frameworks._common import Target
+from mismatch.frameworks._common import parse_bool
+from mismatch.frameworks.pair_arrays import PairArrays
+from mismatch.frameworks.protocol import FrameworkMetric, Recommendation, Release, Target
 
 NAME = "openrlhf"
 PACKAGE = "openrlhf"

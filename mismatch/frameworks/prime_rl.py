@@ -4,13 +4,9 @@ prime-rl @ 559b44772e47 (no release on the package index; the newest main on 202
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from mismatch.frameworks._common import FrameworkMetric, Release
-
-if TYPE_CHECKING:
-    from mismatch.advise.recommend import Recommendation
-    from mismatch.frameworks._common import Target
+from mismatch.frameworks.protocol import FrameworkMetric, Recommendation, Release, Target
 
 NAME = "prime-rl"
 PACKAGE = None

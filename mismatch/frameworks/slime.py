@@ -4,15 +4,13 @@ slime @ 624b824a898a (no release on the package index; the newest main on 2026-1
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from mismatch.frameworks._common import FrameworkMetric, PairArrays, Release, parse_bool
-
-if TYPE_CHECKING:
-    from mismatch.advise.recommend import Recommendation
-    from mismatch.frameworks._common import Target
+from mismatch.frameworks._common import parse_bool
+from mismatch.frameworks.pair_arrays import PairArrays
+from mismatch.frameworks.protocol import FrameworkMetric, Recommendation, Release, Target
 
 NAME = "slime"
 PACKAGE = None

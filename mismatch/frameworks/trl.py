@@ -5,23 +5,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from mismatch.analysis import terms
-from mismatch.frameworks._common import (
-    FrameworkMetric,
-    PairArrays,
-    Release,
-    optional_float,
-    parse_bool,
-    yaml_scalar,
-)
-
-if TYPE_CHECKING:
-    from mismatch.advise.recommend import Recommendation
-    from mismatch.frameworks._common import Target
+from mismatch.frameworks._common import optional_float, parse_bool, yaml_scalar
+from mismatch.frameworks.pair_arrays import PairArrays
+from mismatch.frameworks.protocol import FrameworkMetric, Recommendation, Release, Target
 
 NAME = "trl"
 PACKAGE = "trl"

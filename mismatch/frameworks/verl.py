@@ -6,23 +6,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from mismatch.frameworks._common import (
-    SAFETY_BOUND,
-    FrameworkMetric,
-    PairArrays,
-    Release,
-    optional_str,
-    probs,
-    yaml_scalar,
-)
-
-if TYPE_CHECKING:
-    from mismatch.advise.recommend import Recommendation
-    from mismatch.frameworks._common import Target
+from mismatch.frameworks._common import optional_str, yaml_scalar
+from mismatch.frameworks.pair_arrays import SAFETY_BOUND, PairArrays, probs
+from mismatch.frameworks.protocol import FrameworkMetric, Recommendation, Release, Target
 
 NAME = "verl"
 PACKAGE = "verl"

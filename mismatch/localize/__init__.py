@@ -9,9 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mismatch.engines import ReplayRequest, parse_spec
-
-TORCH_KINDS = ("hf", "hf-decode")
+from mismatch.engines import TORCH_KINDS, ReplayRequest, parse_spec
 
 
 def check_localizable(a: str, b: str, *, flag: str = "--localize") -> None:

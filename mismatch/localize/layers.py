@@ -17,14 +17,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from mismatch.engines import ReplayRequest, load_engine, parse_spec
+from mismatch.engines import TORCH_KINDS, ReplayRequest, load_engine, parse_spec
 from mismatch.engines.hf import TorchEngineBase
 from mismatch.engines.hf_decode import DecodeSession, feed_chunks
 from mismatch.engines.logprobs import token_logprobs
 from mismatch.errors import MismatchError, SpecError
 from mismatch.results import json_safe
 
-TORCH_KINDS = ("hf", "hf-decode")
 DEFAULT_MAX_TOKENS = 2048
 Site = tuple[int, str]  # (layer index, sub-block name or OUTPUT): one hooked point
 EMBED: Site = (-1, "embed")  # the embedding output: the residual stream before layer 0

@@ -8,28 +8,21 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis.chunked import (
-    OVERALL,
-    Chunk,
-    Chunks,
-    GroupedPairMetrics,
-    Moments,
-    run_passes,
-    table_chunks,
-)
-from mismatch.analysis.groups import dot
+from mismatch.analysis.chunked import Chunk, Chunks, run_passes, table_chunks
+from mismatch.analysis.grouped_metrics import OVERALL, GroupedPairMetrics
+from mismatch.analysis.moments import Moments
 from mismatch.analysis.metrics import (
     token_group_metrics,
     token_group_sums,
 )
 from mismatch.errors import MismatchError
+from mismatch.localize.slope import POSITION_UNIT, SlopeFit, no_slope
 from mismatch.results import json_safe
 
 # Per-group metrics kept in each breakdown row (the full PAIR_METRICS live in summary["turns"]).
@@ -42,7 +35,6 @@ PROB_LABELS = ("p<0.001", "0.001-0.01", "0.01-0.1", "0.1-0.5", "0.5-0.9", "p>=0.
 
 STATISTICS = ("prob_adjusted", "raw")  # what the onset rule compares across turns
 MAD_TO_SIGMA = 1.4826  # MAD of a normal sample times this estimates its standard deviation
-POSITION_UNIT = 1000   # slopes are per this many tokens of position
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -85,8 +77,8 @@ def localize_turns(table: pd.DataFrame | Chunks, a: str = "train", b: str = "sam
     its expected value, the mean over its tokens of the overall mean |log_ratio| of their
     probability bucket (`by_prob_bucket`): mismatch lives in low-probability tokens, so a turn
     of mostly templated, near-certain tokens would otherwise look clean and the next turn
-    would look like an onset (examples/rollouts.jsonl, hf fp32 vs its bf16 sampler, no fault:
-    raw 2.5x from turn 0 to turn 1, adjusted 1.3x). `raw` uses the plain mean |log_ratio|.
+    would look like an onset (as in examples/rollouts.jsonl, which has no fault: benchmarks/RESULTS.md).
+    `raw` uses the plain mean |log_ratio|.
     Turns with fewer than `min_tokens` tokens are listed but skipped. A turn t with at least
     `min_history` earlier kept turns departs when
         x_t > max(m + k * max(1.4826 * MAD, se_t),  factor * m)
@@ -118,14 +110,14 @@ class TurnLocalizer:
         self.groups = GroupedPairMetrics([(a, b)], ("turn", "role", "branch_kind"), trainable_only=trainable_only,
                                          quantiles=False)
         self.tokens = _TurnTokens(*self.columns, trainable_only)
-        self.fit: _SlopeFit | None = None
+        self.fit: SlopeFit | None = None
         self.groups_pass = False  # whether the breakdowns read the current pass
         self.onset: _OnsetRollouts | None = None  # pass 1: who shows the onset, and what its turn holds
 
     def wants(self, index: int) -> bool:
         self.groups_pass = self.groups.wants(index)
         if index == 1:
-            self.fit = _SlopeFit.of(self.tokens.moments, self.tokens.x_range)
+            self.fit = SlopeFit.of(self.tokens.moments, self.tokens.x_range)
             onset = self._onset_turn()
             self.onset = _OnsetRollouts(*self.columns, onset, self.rule, self.trainable_only) \
                 if onset is not None else None
@@ -169,7 +161,7 @@ class TurnLocalizer:
     def result(self) -> dict[str, Any]:
         found = {by: frames[f"{self.a}/{self.b}"] for by, frames in self.groups.result().items()}
         slope = (self.fit.result() if self.fit is not None
-                 else _slope_from_moments(self.tokens.moments.n, 0.0, 0.0, 0.0, 0.0, 0.0, None))
+                 else no_slope(self.tokens.moments.n))
         n_tokens = int(found[OVERALL]["n_tokens"].iloc[0])
         by_turn = _by_turn(found["turn"], self.tokens, self.rule) if n_tokens else []
         onset = next((row["turn"] for row in by_turn if row["departs"]), None)
@@ -288,7 +280,7 @@ class _TurnTokens:
         self.moments.merge(other.moments)
         self.x_range = (min(self.x_range[0], other.x_range[0]), max(self.x_range[1], other.x_range[1]))
 
-    def add_residuals(self, chunk: Chunk, fit: _SlopeFit) -> None:
+    def add_residuals(self, chunk: Chunk, fit: SlopeFit) -> None:
         """The fit's residuals (their sum of squares, and each sequence's score, clustered by sequence)."""
         pair = chunk.pair(self.col_a, self.col_b, self.trainable_only)
         tokens = pair.view
@@ -306,42 +298,6 @@ class _TurnTokens:
         """The turn's expected mean |log_ratio| given the probability buckets of its tokens."""
         counts = self.turn_bucket[turn]
         return float((counts * bucket_mean).sum() / counts.sum())
-
-
-class _SlopeFit:
-    """OLS of y on x from merged moments; residual sums added chunk by chunk."""
-
-    def __init__(self, n: int, x_mean: float, y_mean: float, sxx: float, sxy: float) -> None:
-        self.n, self.x_mean, self.y_mean, self.sxx, self.sxy = n, x_mean, y_mean, sxx, sxy
-        self.slope = sxy / sxx
-        self.sse, self.score_sq, self.num_clusters = 0.0, 0.0, 0
-
-    @classmethod
-    def of(cls, moments: Moments, x_range: tuple[float, float]) -> _SlopeFit | None:
-        """None with fewer than 3 tokens or a single position (no fit)."""
-        if moments.n < 3 or x_range[0] == x_range[1] or moments.mean is None or moments.comoment is None:
-            return None
-        mean, comoment = moments.mean, moments.comoment
-        return cls(moments.n, float(mean[0]), float(mean[1]), float(comoment[0, 0]), float(comoment[0, 1]))
-
-    def add_residuals(self, x: np.ndarray, y: np.ndarray,
-                      per_cluster: Callable[[np.ndarray], np.ndarray] | None) -> None:
-        resid = y - float(self.y_mean - self.slope * self.x_mean) - self.slope * x
-        self.sse += dot(resid, resid)
-        if per_cluster is not None:
-            scores = per_cluster((x - self.x_mean) * resid)
-            self.score_sq += dot(scores, scores)
-            self.num_clusters += len(scores)
-
-    def merge(self, other: _SlopeFit) -> None:
-        """Take in the residual sums of later tokens (the same fit)."""
-        self.sse += other.sse
-        self.score_sq += other.score_sq
-        self.num_clusters += other.num_clusters
-
-    def result(self) -> dict[str, Any]:
-        clusters = (self.score_sq, self.num_clusters) if self.num_clusters else None
-        return _slope_from_moments(self.n, self.x_mean, self.y_mean, self.sxx, self.sxy, self.sse, clusters)
 
 
 def _records(frame: pd.DataFrame, by: str) -> list[dict[str, Any]]:
@@ -412,91 +368,9 @@ def _by_turn(frame: pd.DataFrame, tokens: _TurnTokens, rule: OnsetRule) -> list[
 def _prob_bucket(logp_N: np.ndarray) -> np.ndarray:
     """Index into PROB_LABELS of each token's probability; edges compared in log space.
 
-    As np.searchsorted(log edges, logp, side="right"), by one comparison per edge (6x faster).
+    As np.searchsorted(log edges, logp, side="right"), by one comparison per edge (faster: few edges).
     """
     bucket = np.zeros(len(logp_N), dtype=np.int32)
     for edge in np.log(PROB_EDGES):
         bucket += logp_N >= edge
     return bucket
-
-
-def position_slope(pos: np.ndarray, abs_log_ratio: np.ndarray, *,
-                   groups: np.ndarray | None = None) -> dict[str, Any]:
-    """OLS fit |log_ratio| = intercept + slope * pos/1000, with 95% CIs and a two-sided p-value.
-
-    `ci95_per_1k` uses the classic OLS standard error (n - 2 degrees of freedom). With `groups`
-    (one id per token, e.g. its sequence) a cluster-robust (CR1) standard error is added, with
-    G - 1 degrees of freedom. Fewer than 3 tokens or a single position: slope is None.
-    """
-    per_cluster = None
-    if groups is not None:
-        codes, uniques = pd.factorize(np.asarray(groups))
-        per_cluster = lambda values: np.bincount(codes, weights=values, minlength=len(uniques))
-    x, y = np.asarray(pos, dtype=np.float64) / POSITION_UNIT, np.asarray(abs_log_ratio, dtype=np.float64)
-    moments = Moments()
-    moments.add(np.stack([x, y]))
-    fit = _SlopeFit.of(moments, (float(x.min()), float(x.max())) if len(x) else (0.0, 0.0))
-    if fit is None:
-        return _slope_from_moments(len(x), 0.0, 0.0, 0.0, 0.0, 0.0, None)
-    fit.add_residuals(x, y, per_cluster)
-    return fit.result()
-
-
-def _slope_from_moments(n: int, x_mean: float, y_mean: float, sxx: float, sxy: float, sse: float,
-                        clusters: tuple[float, int] | None) -> dict[str, Any]:
-    """The fit and its CIs from the centred moments; `clusters` = (sum of squares of the
-    per-cluster sums of (x - x mean) * residual, number of clusters), for the cluster-robust (CR1)
-    error. Fewer than 3 tokens or one position: no fit."""
-    out: dict[str, Any] = {"unit_tokens": POSITION_UNIT, "n_tokens": n, "slope_per_1k": None,
-                           "intercept": None, "se": None, "ci95_per_1k": None, "p_value": None,
-                           "dof": None, "grows_with_position": False}
-    if n < 3 or sxx == 0.0:
-        return out
-    slope = sxy / sxx
-    intercept = y_mean - slope * x_mean
-    dof = n - 2
-    se = math.sqrt(sse / dof / sxx)
-    half = t_critical(0.975, dof) * se
-    out.update(slope_per_1k=slope, intercept=intercept, se=se, dof=dof,
-               ci95_per_1k=[slope - half, slope + half], p_value=_p_two_sided(slope, se, dof),
-               grows_with_position=bool(slope > 0 and slope - half > 0))
-    if clusters is not None:
-        score_sq, num_groups = clusters
-        out["n_sequences"] = num_groups
-        if num_groups >= 2:
-            # CR1 small-sample correction, as Stata's `regress, vce(cluster)`.
-            scale = num_groups / (num_groups - 1) * (n - 1) / (n - 2)
-            se_cluster = math.sqrt(scale * score_sq) / sxx
-            half_cluster = t_critical(0.975, num_groups - 1) * se_cluster
-            out.update(se_cluster=se_cluster,
-                       ci95_cluster_per_1k=[slope - half_cluster, slope + half_cluster],
-                       p_value_cluster=_p_two_sided(slope, se_cluster, num_groups - 1))
-    return out
-
-
-def _p_two_sided(estimate: float, se: float, dof: int) -> float:
-    if se == 0.0:
-        return 0.0 if estimate != 0.0 else 1.0
-    return t_sf2(abs(estimate) / se, dof)
-
-
-def import_ahead() -> None:
-    """Import now what the results import last (scipy.special: ~0.3 s on one core at the very end of
-    an audit): for a process with a moment to spare while others work (audit.store_blocks)."""
-    from scipy import special  # noqa: F401
-
-
-def t_sf2(t: float, dof: float) -> float:
-    """Two-sided tail P(|T| > |t|) of Student's t."""
-    if not math.isfinite(t):  # an infinite or undefined statistic (inf log-ratios): as far out as it gets
-        return 0.0
-    from scipy import special  # here, so that importing mismatch does not import scipy
-
-    return float(2.0 * special.stdtr(dof, -abs(t)))
-
-
-def t_critical(q: float, dof: float) -> float:
-    """Quantile q of Student's t."""
-    from scipy import special
-
-    return float(special.stdtrit(dof, q))

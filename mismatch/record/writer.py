@@ -48,12 +48,12 @@ class Writer:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._task = asyncio.get_running_loop().create_task(self._write_batches())
 
     async def put(self, rollout: dict[str, Any]) -> None:
         await self.queue.put(encode_line(rollout))
 
-    async def _run(self) -> None:
+    async def _write_batches(self) -> None:
         while True:
             line = await self.queue.get()
             batch = [line]

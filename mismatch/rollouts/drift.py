@@ -20,8 +20,7 @@ from typing import Any
 import numpy as np
 
 from mismatch.errors import MismatchError, RolloutError
-from mismatch.replay import segment_turns
-from mismatch.rollouts import Rollout
+from mismatch.rollouts.model import Rollout, segment_turns
 
 # Equal runs this short between two edits are folded into one span: BPE splits one logical edit
 # ("2 + 3" -> "2+3") into several opcodes around the tokens that happen to survive it.
@@ -322,7 +321,7 @@ def find_drift(rollouts: Sequence[Rollout], tokenizer: Any) -> dict[str, Any]:
 def drift_file(checkpoint: str | os.PathLike[str], rollouts: str | os.PathLike[str]) -> dict[str, Any]:
     """`find_drift` for a checkpoint directory (its tokenizer and template) and a rollouts file."""
     from mismatch.checkpoint import checkpoint_info, load_tokenizer
-    from mismatch.rollouts import load_rollouts
+    from mismatch.rollouts.io import load_rollouts
 
     info = checkpoint_info(checkpoint)
     loaded = load_rollouts(rollouts, vocab_size=info.vocab_size)

@@ -19,17 +19,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from mismatch.errors import RolloutError
-from mismatch.rollouts import (
-    _SKIPPED,
-    _UNPARSED,
-    FileChecks,
-    LineFacts,
-    Rollout,
-    _empty_file_error,
-    _open,
-    _read_jsonl,
-    check_rollout,
-)
+from mismatch.rollouts.decode import UNPARSED, check_rollout
+from mismatch.rollouts.io import SKIPPED, FileChecks, LineFacts, empty_file_error, open_rollouts, read_jsonl
+from mismatch.rollouts.model import Rollout
 from mismatch.workers import Drained, Forked, forked, reporting, stop
 
 T = TypeVar("T")
@@ -41,7 +33,7 @@ def forked_blocks(path: str | Path, *, vocab_size: int | None, num_experts: int 
                   workers: int, work: Work[T]) -> Iterator[T]:
     """`work` of every block of the file, in file order, from `workers` forked readers; raises
     the file's first RolloutError as iter_rollouts does (no rollouts: the empty-file error)."""
-    file, _ = _open(path)  # a missing or unreadable file: its one-line error, now
+    file, _ = open_rollouts(path)  # a missing or unreadable file: its one-line error, now
     readers: list[Forked] = []
     drained: list[Drained] = []
     try:
@@ -61,7 +53,7 @@ def forked_blocks(path: str | Path, *, vocab_size: int | None, num_experts: int 
             yield result
             block += 1
         if block == 0:
-            raise _empty_file_error(file)
+            raise empty_file_error(file)
     finally:
         for drain in drained:
             drain.close()
@@ -76,8 +68,8 @@ def _reader(file: str, index: int, workers: int, block_size: int, vocab_size: in
 
     with reporting(send):
         current, rows = -1, []
-        for number, (line, raw, read_errors) in enumerate(_read_jsonl(Path(file), file, wanted=mine)):
-            if raw is _SKIPPED:
+        for number, (line, raw, read_errors) in enumerate(read_jsonl(Path(file), file, wanted=mine)):
+            if raw is SKIPPED:
                 continue
             block = number // block_size
             if block != current and rows:
@@ -95,7 +87,7 @@ def _block(file: str, block: int, rows: list[tuple[int, int, object, list[Rollou
     """Each rollout's facts and errors, and `work` of the block when every rollout is valid."""
     facts, errors, rollouts = [], [], []
     for _, line, raw, read_errors in rows:
-        rollout, found = (None, []) if raw is _UNPARSED else check_rollout(
+        rollout, found = (None, []) if raw is UNPARSED else check_rollout(
             raw, file=file, line=line, vocab_size=vocab_size, num_experts=num_experts)
         facts.append(LineFacts.of(line, raw, rollout))
         errors.append([(e.reason, e.file, e.line, e.rollout, e.field) for e in read_errors + found])

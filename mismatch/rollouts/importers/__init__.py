@@ -138,7 +138,8 @@ def _msgpack_records(path: Path, file: str) -> Iterator[tuple[Where, Any]]:
     arrays and maps; extension types are refused, nothing in the file is executed)."""
     import msgspec
 
-    from mismatch.rollouts import MAX_NESTING, _nesting
+    from mismatch.rollouts.problems import nesting as _nesting
+    from mismatch.rollouts.rules import MAX_NESTING
 
     def refuse_extension(code: int, data: memoryview) -> Any:
         raise ValueError(f"extension type {code} is not supported")

@@ -3,8 +3,8 @@ reductions per sequence or per rollout, default thresholds), beside our own metr
 
 Flow: token table, chunk by chunk (analysis/chunked.py) -> PairArrays per pair and chunk -> each
 metric's values -> one reduction over all chunks -> summary.json["framework_metrics"][pair][framework][key].
-The metrics themselves live with the rest of each framework's knowledge (mismatch/frameworks/),
-read from its source at the commit its module names; `ours` names our pair metric
+The metrics themselves live with the rest of each framework's knowledge (its module beside this
+one), read from its source at the commit its module names; `ours` names our pair metric
 when the framework's is the same number, and `note` says how it differs when it is not.
 """
 
@@ -17,17 +17,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis.chunked import (
-    Chunk,
-    Chunks,
-    Moments,
-    RadixSelect,
-    run_passes,
-    table_chunks,
-)
+from mismatch.analysis.chunked import Chunk, Chunks, run_passes, table_chunks
+from mismatch.analysis.moments import Moments
+from mismatch.analysis.radix_select import RadixSelect
 from mismatch.analysis.groups import dot
-from mismatch.frameworks import MODULES
-from mismatch.frameworks._common import FrameworkMetric, PairArrays, Target
+from mismatch.frameworks.pair_arrays import PairArrays
+from mismatch.frameworks.protocol import FrameworkMetric, Target
+from mismatch.frameworks.registry import MODULES
 
 Settings = dict[str, dict[str, Any]]  # framework -> its correction settings (its own names)
 

@@ -1,0 +1,91 @@
+"""The advice on an audit: summary.json's diagnosis, verdicts, recommendations and every
+framework's snippet (`advise`, what the audit writes), and what `mismatch recommend` answers for
+one framework release (`for_target`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from mismatch.advise.diagnose import diagnose
+from mismatch.advise.evidence import PAIR
+from mismatch.advise.recommend import recommend, recommendations_dicts
+from mismatch.advise.snippets import render_config, snippet_settings
+from mismatch.advise.verdicts import verdicts
+from mismatch.frameworks.protocol import Target
+from mismatch.frameworks.registry import FRAMEWORKS, default_target
+
+
+def advise(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = None) -> None:
+    """summary.json's diagnosis, recommendations (the rule on the summary and the `probes`' evidence)
+    and each framework's config snippet for them; each pair's verdict names its cause."""
+    diagnosis = diagnose(summary, probes=probes)
+    summary["diagnosis"] = diagnosis.to_dict()
+    summary["verdicts"] = verdicts(summary["pairs"], diagnosis)
+    summary["recommendations"] = recommendations_dicts(recommend(summary, probes=probes))
+    # Each framework's snippet chooses among the corrections its release can express (the one
+    # installed here, else the newest mismatch has read).
+    targets = [default_target(framework) for framework in FRAMEWORKS]
+    summary["config_snippets"] = {target.framework: render_config(
+        recommendations_dicts(recommend(summary, target, probes=probes)), target,
+        causes=summary["diagnosis"]["causes"]) for target in targets}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Advice:
+    """What `mismatch recommend` answers: the recommendations for a target (or framework-neutral),
+    its snippet, and the target framework's own metrics at the settings it runs or will run."""
+
+    recommendations: list[dict[str, Any]]
+    diagnosis: dict[str, Any] = field(default_factory=dict)  # summary.json's "diagnosis", on these findings
+    target: Target | None = None
+    snippet: str | None = None
+    logged: dict[str, Any] | None = None  # {"settings": {...}, "pair": "A/B", "metrics": {key: value}}
+
+    def to_dict(self) -> dict[str, Any]:
+        target = self.target
+        return {"diagnosis": self.diagnosis, "recommendations": self.recommendations, "framework": target.framework if target else None,
+                "release": target.release.version if target else None, "note": target.note if target else None,
+                "config": self.snippet, "logged": self.logged}
+
+
+def for_target(summary: dict[str, Any], target: Target | None, *, results: Path | None = None,
+               probes: list[dict[str, Any]] | None = None) -> Advice:
+    """The rule for `target`'s release (the modes it can express), its snippet, and what the target
+    framework logs on the audit's tokens (results/tokens.parquet) at the settings the user named in
+    the target, else at those the snippet sets."""
+    stored_probes = (summary.get("probes") or {}).get("results")
+    if target is None and probes is None:
+        return Advice(recommendations=list(summary.get("recommendations") or []),
+                      diagnosis=summary.get("diagnosis") or diagnose(summary, probes=stored_probes).to_dict())
+    found = probes if probes is not None else stored_probes
+    diagnosis = diagnose(summary, probes=found).to_dict()
+    recs = recommendations_dicts(recommend(summary, target, probes=found))
+    if target is None:
+        return Advice(recommendations=recs, diagnosis=diagnosis)
+    logged = None
+    if results is not None:
+        settings = target.settings or snippet_settings(recs, target)
+        logged = logged_metrics(results, replace(target, settings=settings))
+    return Advice(recommendations=recs, diagnosis=diagnosis, target=target, logged=logged,
+                  snippet=render_config(recs, target, logged, causes=diagnosis["causes"]))
+
+
+def logged_metrics(results: Path, target: Target, pair: str = PAIR) -> dict[str, Any] | None:
+    """The target framework's metrics on the results dir's tokens at the target's settings (over
+    its defaults): one pass over tokens.parquet, in chunks."""
+    from mismatch.frameworks.metrics import framework_metrics, settings_used
+    from mismatch.results import TOKENS_FILE, tokens_chunks
+
+    a, b = pair.split("/")
+    file = Path(results) / TOKENS_FILE
+    if not file.is_file():
+        return None
+    chunks = tokens_chunks([file])
+    first = next(iter(chunks()), None)
+    if first is None or f"logp_{a}" not in first.columns or f"logp_{b}" not in first.columns:
+        return None
+    settings = {target.framework: settings_used([target])[target.framework]}
+    found = framework_metrics(chunks, [(a, b)], settings)[pair].get(target.framework) or {}
+    return {"settings": settings[target.framework], "pair": pair, "metrics": found}

@@ -1,0 +1,83 @@
+"""A pair of log-prob columns on a token view: the tokens where both are defined, and their
+log-ratio and ratio, made once per view. Every pair metric, sum and correction starts here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+
+import numpy as np
+
+from mismatch.analysis import terms
+from mismatch.analysis.tokenview import TokenView
+
+
+class PairTokens:
+    """The tokens of a view where both log-probs are defined; their log-ratio and ratio on demand.
+
+    Each per-token array (the selected log-probs, log-ratio, ratio) is made only when a metric
+    asks for it, which spares several ~40 MB arrays per pair when none does.
+    """
+
+    def __init__(self, view: TokenView, columns: tuple[str, str], keep: np.ndarray | None,
+                 table_a: np.ndarray, table_b: np.ndarray) -> None:
+        self.view = view          # exactly those tokens
+        self.columns = columns    # the two log-prob columns, A then B
+        self.keep = keep          # which of the parent view's tokens they are (None: all of them)
+        self.table_a = table_a    # float64 over every table row (float32 is upcast first)
+        self.table_b = table_b
+
+    @cached_property
+    def logp_a(self) -> np.ndarray:
+        return self.table_a if self.view.mask is None else self.table_a[self.view.mask]
+
+    @cached_property
+    def logp_b(self) -> np.ndarray:
+        return self.table_b if self.view.mask is None else self.table_b[self.view.mask]
+
+    @cached_property
+    def log_ratio(self) -> np.ndarray:
+        return self.logp_a - self.logp_b
+
+    @cached_property
+    def ratio(self) -> np.ndarray:
+        return terms.ratio(self.log_ratio)
+
+    def ratio_into(self, buffer: np.ndarray) -> np.ndarray:
+        """`ratio`, the kept array if there is one, else computed into `buffer` (same bits)."""
+        if "ratio" in self.__dict__:
+            return self.ratio
+        out = buffer[:self.view.num_tokens]
+        np.subtract(self.logp_a, self.logp_b, out=out)
+        return terms.ratio(out, out=out)
+
+
+def pair_tokens(view: TokenView, a: str, b: str) -> PairTokens:
+    """Columns `a` against `b` on the view (log_ratio = a - b), computed once per view."""
+    return pairs_tokens(view, [(a, b)])[0]
+
+
+def pairs_tokens(view: TokenView, pairs: Sequence[tuple[str, str]]) -> list[PairTokens]:
+    """`pair_tokens` of each (a, b)."""
+    return [view.memo(("pair", a, b), lambda a=a, b=b: _make_pair(view, a, b)) for a, b in pairs]
+
+
+def _make_pair(view: TokenView, a: str, b: str) -> PairTokens:
+    """The pair's tokens: those of the view where log_ratio = a - b is defined."""
+    table_a, table_b = _float64_column(view, a), _float64_column(view, b)
+    # Undefined: a missing log-prob (NaN), or both engines at -inf (probability 0 twice).
+    with np.errstate(invalid="ignore"):
+        undefined = np.isnan(table_a - table_b)
+    if view.mask is not None:
+        undefined &= view.mask
+    if not undefined.any():  # the common case: no copy, no new view
+        return PairTokens(view, (a, b), None, table_a, table_b)
+    # Tokens without a defined log-ratio are dropped before anything else.
+    keep = ~(undefined if view.mask is None else undefined[view.mask])
+    return PairTokens(view.subset(keep), (a, b), keep, table_a, table_b)
+
+
+def _float64_column(view: TokenView, name: str) -> np.ndarray:
+    """The table column as float64, upcast once per view (a column two pairs share is one copy)."""
+    return view.memo(("float64", name), lambda: view.table_column(name).astype(np.float64, copy=False))

@@ -1,0 +1,180 @@
+"""The commands that measure and judge the gap: audit, diff, merge, recommend, gate.
+
+Each parses, calls the library (mismatch.audit, .diff, .merge, .advise), prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from mismatch.cli.dependency_output import dependency_log
+from mismatch.cli.options import (
+    DEFAULT_BLOCK,
+    BlockOption,
+    FrameworkOption,
+    JsonFlag,
+    ShardOption,
+    read_probes,
+    shard_for,
+    target_for,
+)
+from mismatch.cli.output import emit_json, out_console, say
+from mismatch.cli.printing import print_diagnosis, print_diff, print_findings, print_pairs
+from mismatch.cli.progress import replay_progress
+from mismatch.errors import MismatchError
+
+
+def audit(
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT",
+                                               help="Checkpoint directory (HF format, safetensors).")],
+    rollouts: Annotated[Path, typer.Option("--rollouts", help="Rollouts file (.jsonl or .parquet).")],
+    out: Annotated[Path, typer.Option("--out", help="Results directory to write.")],
+    train: Annotated[str, typer.Option("--train", help="Trainer engine spec.")] = "hf",
+    infer: Annotated[str, typer.Option("--infer", help="Inference engine spec.")] = "hf-decode",
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing results dir.")] = False,
+    localize: Annotated[bool, typer.Option(
+        "--localize", help="Also localize train vs infer by layer and kernel (torch engines).")] = False,
+    probe: Annotated[bool, typer.Option(
+        "--probe", help="Also run the kernel probes; batch-shape variance adds the batch-invariant fix.")] = False,
+    shard: ShardOption = None,
+    block_size: BlockOption = DEFAULT_BLOCK,
+    clip_eps: Annotated[str, typer.Option(
+        "--clip-eps", help="PPO clip range to measure the gap against: EPS or EPS_LOW,EPS_HIGH.")] = "0.2",
+    framework: FrameworkOption = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Replay stored rollouts through a trainer and an engine; write tokens.parquet + summary.json.
+
+    Rerunning the same command after an interruption resumes from the finished blocks."""
+    from mismatch.analysis.clip import ClipRange
+    from mismatch.audit import audit as run_audit
+
+    clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
+    target = target_for(framework)
+    with dependency_log(out), replay_progress(not as_json) as progress:
+        result = run_audit(checkpoint, rollouts, train=train, infer=infer, out=out, force=force,
+                           localize_models=localize, shard=shard_for(shard), block_size=block_size,
+                           progress=progress, clip=clip, probe=probe)
+    if as_json:
+        emit_json(result.summary)
+        return
+    print_pairs(result.summary, target, out)
+    print_findings(result.summary)
+    print_diagnosis(result.summary)
+    out_console.print(f"wrote {out}/")
+
+
+def diff(
+    checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT",
+                                               help="Checkpoint directory (HF format, safetensors).")],
+    rollouts: Annotated[Path, typer.Option("--rollouts", help="Rollouts file (.jsonl or .parquet).")],
+    a: Annotated[str, typer.Option("--a", help="First engine config (spec or TOML).")],
+    b: Annotated[str, typer.Option("--b", help="Second engine config (spec or TOML).")],
+    out: Annotated[Path, typer.Option("--out", help="Results directory to write.")],
+    reference: Annotated[str, typer.Option("--reference", help="Reference engine (the trainer).")] = "hf",
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing results dir.")] = False,
+    shard: ShardOption = None,
+    block_size: BlockOption = DEFAULT_BLOCK,
+    as_json: JsonFlag = False,
+) -> None:
+    """Replay two engine configs against a reference: which is closer, by how much, where, how fast."""
+    from mismatch.diff import diff as run_diff
+
+    with dependency_log(out), replay_progress(not as_json) as progress:
+        result = run_diff(checkpoint, rollouts, a=a, b=b, reference=reference, out=out, force=force,
+                          shard=shard_for(shard), block_size=block_size, progress=progress)
+    if as_json:
+        emit_json(result.summary)
+        return
+    print_pairs(result.summary)
+    print_diff(result.summary["diff"])
+    out_console.print(f"wrote {out}/")
+
+
+def merge(
+    dirs: Annotated[list[Path], typer.Argument(metavar="DIR...", help="Results dirs of shards 0..N-1.")],
+    out: Annotated[Path, typer.Option("--out", help="Merged results directory to write.")],
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing results dir.")] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Combine the results of `--shard I/N` runs into the results of one run."""
+    from mismatch.merge import merge as run_merge
+
+    summary = run_merge(dirs, out, force=force)
+    if as_json:
+        emit_json(summary)
+        return
+    print_pairs(summary)
+    out_console.print(f"wrote {out}/")
+
+
+def recommend(
+    results: Annotated[Path, typer.Argument(metavar="RESULTS", help="Results directory of an audit.")],
+    framework: FrameworkOption = None,
+    probes: Annotated[Optional[Path], typer.Option(
+        "--probes", help="`mismatch probe --out` JSON: batch-shape variance adds the batch-invariant fix.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """The correction (and fixes at the source) the measured gap calls for, with a config snippet."""
+    from mismatch.advise.advice import for_target
+    from mismatch.results import read_summary
+
+    target = target_for(framework)
+    probe_results = read_probes(probes) if probes is not None else None
+    summary = read_summary(results)
+    if summary.get("command") != "audit":  # a diff compares two configs: it recommends nothing
+        raise MismatchError(f"{results}: a `mismatch {summary.get('command')}` results dir; recommend reads an "
+                            "audit's (mismatch audit … --out DIR)")
+    advice = for_target(summary, target, results=results, probes=probe_results)
+    if as_json:
+        emit_json(advice.to_dict())
+        return
+    if advice.snippet is not None:  # the snippet alone (its comments carry each recommendation): pipeable
+        sys.stdout.write(advice.snippet)
+        return
+    for cause in advice.diagnosis.get("causes") or []:  # the cause first, then what to do about it
+        say(f"cause{' (minor)' if cause.get('minor') else ''}: {cause['title']} [{cause['pair']}]")
+    for item in advice.recommendations:
+        cost = f" Cost: {item['cost']}." if item.get("cost") else ""
+        out_console.print(f"{item['kind']} {json.dumps(item['params'])}: {item['why']}.{cost}",
+                          markup=False, highlight=False)
+
+
+def gate(
+    results: Annotated[Path, typer.Argument(metavar="RESULTS", help="Results directory to gate.")],
+    maxima: Annotated[Optional[list[str]], typer.Option(
+        "--max", help="Upper bound METRIC=VALUE (or PAIR.METRIC=VALUE; default pair train/sampler).")] = None,
+    minima: Annotated[Optional[list[str]], typer.Option("--min", help="Lower bound, e.g. ess=0.95.")] = None,
+    thresholds: Annotated[Optional[Path], typer.Option(help="Thresholds TOML ([max], [min], max_drift_pct).")] = None,
+    baseline: Annotated[Optional[Path], typer.Option(help="Baseline results dir to compare against.")] = None,
+    max_drift: Annotated[Optional[float], typer.Option(help="Allowed % worsening vs the baseline.")] = None,
+    junit: Annotated[Optional[Path], typer.Option(help="Write a JUnit XML report here.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Fail (exit 1) when drift metrics exceed thresholds or worsen past a baseline."""
+    from mismatch.advise import gate as gating
+
+    limits = gating.load_thresholds(thresholds) if thresholds else gating.Thresholds()
+    drift_pct = max_drift if max_drift is not None else (limits.max_drift_pct if baseline else None)
+    result = gating.run_gate(
+        gating.load_summary(results),
+        maxima=gating.combined_limits(limits.maxima, gating.parse_limits(maxima or []), bound="max",
+                                      file=thresholds),
+        minima=gating.combined_limits(limits.minima, gating.parse_limits(minima or [], flag="--min"),
+                                      bound="min", file=thresholds),
+        baseline=gating.load_summary(baseline) if baseline else None, max_drift_pct=drift_pct)
+    if junit:
+        gating.write_junit(result, junit)
+    if as_json:
+        emit_json(result.to_dict())
+    else:
+        if os.environ.get("GITHUB_ACTIONS") == "true":
+            print(*gating.github_annotations(result), sep="\n")
+        out_console.print(gating.format_table(result), markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(result.exit_code)

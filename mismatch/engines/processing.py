@@ -1,0 +1,78 @@
+"""The sampler's logit processing (temperature, top-k, top-p) as a torch engine applies it to its
+last step, so the trainer's log-probs can be compared like for like with processed stored ones.
+
+`Sampling` is plain data (read from meta.sampler, checked by the alignment analysis); the torch
+math imports torch lazily, so `Sampling` costs no torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Sampling:
+    """The sampler's logit processing, in vLLM's order: temperature, then top-k, then top-p."""
+
+    temperature: float = 1.0
+    top_k: int = -1       # -1 or 0: off
+    top_p: float = 1.0    # 1.0: off
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any] | None) -> Sampling:
+        """From `meta.sampler` (temperature, top_k, top_p; missing keys mean off)."""
+        meta = meta or {}
+        return cls(temperature=float(meta.get("temperature", 1.0) or 1.0),
+                   top_k=int(meta.get("top_k", -1) if meta.get("top_k") is not None else -1),
+                   top_p=float(meta.get("top_p", 1.0) if meta.get("top_p") is not None else 1.0))
+
+    @property
+    def is_identity(self) -> bool:
+        return self.temperature == 1.0 and self.top_k <= 0 and self.top_p >= 1.0
+
+
+def processed_logprobs(logits_CV, sampling: Sampling):
+    """log-softmax of the logits after the sampler's processing; filtered-out tokens get -inf.
+
+    fp32 throughout, as a sampler computes them. Temperature divides the logits (exactly the
+    toy harness's `logits / T`); top-k keeps the k largest; top-p keeps the smallest set of
+    largest-probability tokens whose mass reaches p (always at least one).
+    """
+    import torch
+
+    logits_CV = logits_CV.float()
+    if sampling.temperature != 1.0:
+        logits_CV = logits_CV / sampling.temperature
+    if 0 < sampling.top_k < logits_CV.shape[-1]:
+        kth_C1 = torch.topk(logits_CV, sampling.top_k, dim=-1).values[:, -1:]
+        logits_CV = logits_CV.masked_fill(logits_CV < kth_C1, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_CV, order_CV = torch.sort(logits_CV, dim=-1, descending=True)
+        mass_before_CV = torch.softmax(sorted_CV, dim=-1).cumsum(-1) - torch.softmax(sorted_CV, dim=-1)
+        drop_CV = mass_before_CV >= sampling.top_p  # the first token has mass_before 0: always kept
+        logits_CV = logits_CV.masked_fill(torch.zeros_like(drop_CV).scatter(-1, order_CV, drop_CV),
+                                          float("-inf"))
+    return torch.log_softmax(logits_CV, dim=-1)
+
+
+def processed_token_logprobs(hidden_ND, target_N, lm_head, *, sampling: Sampling, chunk: int = 512,
+                             softcap: float | None = None):
+    """`mismatch.engines.logprobs.token_logprobs` under the sampler's processing (float64 on the CPU).
+
+    Same chunking and fp32 upcast as the raw path, so at temperature 1 with no top-k/top-p the
+    numbers are the raw ones bit for bit.
+    """
+    import torch
+
+    num_rows = hidden_ND.shape[0]
+    logp_N = torch.empty(num_rows, dtype=torch.float64)
+    for start in range(0, num_rows, chunk):
+        stop = min(start + chunk, num_rows)
+        logits_CV = lm_head(hidden_ND[start:stop]).float()
+        if softcap is not None:  # part of the model, applied before any sampling processing
+            logits_CV = torch.tanh(logits_CV / softcap) * softcap
+        logp_CV = processed_logprobs(logits_CV, sampling)
+        picked_C = logp_CV.gather(1, target_N[start:stop, None].to(logp_CV.device)).squeeze(1)
+        logp_N[start:stop] = picked_C.to("cpu", torch.float64)
+    return logp_N

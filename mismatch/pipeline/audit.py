@@ -1,0 +1,271 @@
+"""The audit: stored rollouts replayed through a trainer and an engine, every pair's gap measured,
+its cause diagnosed and corrected, the results dir published.
+
+prepare → replay → store (tokens.parquet, drift, prefix keys) → the processed column when only the
+data shows processing → analyze in chunks → localize (layers, kernels) → weights diff, probes →
+summary.json → advise → publish. Every input is checked before the first forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from mismatch.advise.advice import advise
+from mismatch.advise.corrections import CorrectionSimulator
+from mismatch.analysis.alignment import AlignmentCheck, check_alignment
+from mismatch.analysis.chunked import Analysis, Chunks, run_passes
+from mismatch.analysis.per_rollout import PerRollout
+from mismatch.analysis.clip import ClipRange
+from mismatch.frameworks.metrics import FrameworkMetrics, settings_used
+from mismatch.analysis.prefixes import PrefixConsistency
+from mismatch.analysis.routing import routing_summary, token_routing
+from mismatch.engines import TORCH_KINDS, parse_spec
+from mismatch.engines.processing import Sampling
+from mismatch.errors import MismatchError
+from mismatch.localize import check_localizable
+from mismatch.localize import localize_models as run_model_localizers
+from mismatch.localize.turns import TurnLocalizer
+from mismatch.pipeline import stages
+from mismatch.pipeline.options import AuditOptions
+from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json
+from mismatch.replay import Replayed, replay_processed
+from mismatch.results import TokenStore, read_tokens, results_lock, staged_tokens
+from mismatch.analysis.trees import TreeSums
+from mismatch.workers import analysis_workers, reading_workers
+
+AUDIT_PAIRS = (("train", "sampler"), ("train", "infer"), ("infer", "sampler"))
+PROCESSED_PAIR = ("train_processed", "sampler")  # when the sampler stored processed log-probs
+
+
+def audit_pairs(columns: Iterable[str]) -> tuple[tuple[str, str], ...]:
+    """The audit's pairs for a token table with these columns."""
+    return AUDIT_PAIRS + ((PROCESSED_PAIR,) if "logp_train_processed" in set(columns) else ())
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AuditResult:
+    summary: dict[str, Any]
+    out: Path | None
+    table: pd.DataFrame | None = None  # kept only without a results dir
+
+    @property
+    def tokens(self) -> pd.DataFrame:
+        """The token table: as computed without a results dir, else read back from
+        OUT/tokens.parquet (an audit with one never holds its table whole)."""
+        return self.table if self.table is not None else read_tokens(self.out)
+
+
+def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf", infer: str = "hf-decode",
+          out: str | Path | None = None, **options: Any) -> AuditResult:
+    """Replay `rollouts` through `train` and `infer` engines and measure every pair's gap.
+
+    The turn localizer always runs (it reads the table); `localize_models=True` also reruns the
+    two configs with hooks for the layer and kernel localizers (train vs infer as reference).
+    With `out`, finished blocks are kept in a work dir so the same call resumes after a kill.
+    `clip` is the PPO clip range the gap is also measured against (summary.json `clip`).
+    `probe=True` also runs the kernel probes at the checkpoint's shapes (summary.json `probes`).
+    The other keywords are AuditOptions' (force, shard, block_size, progress).
+    """
+    return run_audit(checkpoint, rollouts, AuditOptions(train=train, infer=infer,
+                                                        out=Path(out) if out is not None else None, **options))
+
+
+def run_audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) -> AuditResult:
+    """The audit of `options`, one run at a time into its results dir."""
+    analysis_workers(0)  # a bad MISMATCH_WORKERS is refused before any replay
+    with results_lock(options.out):  # from its first check to its publish
+        return _audit(checkpoint, rollouts, options)
+
+
+def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) -> AuditResult:
+    _check_requested_work(options)
+    prepared = stages.prepare(checkpoint, rollouts, options.sources, options, command="audit")
+    replayed = stages.replay(checkpoint, rollouts, options.sources, options, prepared,
+                             processed_source="train", routing_from="infer")
+    with staged_tokens(options.out, force=options.force) as store:
+        stored = stages.store_with_findings(replayed, store, checkpoint, ("sampler", *options.sources),
+                                            workers=reading_workers(Path(rollouts).stat().st_size))
+        evidence = _evidence_beside_the_table(replayed, store, stored, checkpoint, options)
+        requests = replayed.plan.requests if options.localize_models else None
+        del replayed  # the rollouts and their requests: from here on only the tokens are read
+        per_rollout = PerRollout(audit_pairs(store.columns))
+        digestion = stages.report_digestion(store, audit_pairs(store.columns)) if options.out is not None else None
+        measured, findings = analyze_audit(store.chunks, evidence, clip=options.clip,
+                                           extra=[per_rollout, digestion] if digestion is not None else [],
+                                           workers=analysis_workers(store.num_rows))
+        localized = _localized_models(checkpoint, requests, prepared, options) if requests is not None else {}
+        summary = audit_summary(Provenance(command="audit", checkpoint=str(checkpoint), rollouts_file=str(rollouts),
+                                           engines=evidence.engines, shard=stages.shard_info(options),
+                                           inputs=prepared.inputs),
+                                measured, findings, localized=localized,
+                                weights=engine_weights(evidence.engines, checkpoint),
+                                probes=_probes(checkpoint, options) if options.probe else None)
+        if options.out is None:
+            return AuditResult(summary=summary, out=None, table=store.table)
+        stages.publish(store, summary, per_rollout.result(), digestion)
+    if prepared.work is not None:
+        prepared.work.remove()
+    return AuditResult(summary=summary, out=options.out)
+
+
+def _check_requested_work(options: AuditOptions) -> None:
+    """Before any replay: the work asked for is done, or refused now."""
+    if not options.localize_models:
+        return
+    check_localizable(options.train, options.infer)
+    if options.shard is not None:
+        # Layer and kernel localization reads the whole run's streams; a shard has a slice and
+        # `merge` has no model to rerun it with.
+        raise MismatchError("--localize with --shard: localization needs the whole run; audit "
+                            "--localize without --shard (or run `mismatch layers` on the checkpoint)")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Evidence:
+    """What the analysis is given beside the token table: each engine as it described itself, and
+    the findings that need the rollouts, the engines' routers or the replay's requests (render
+    drift, MoE routing agreement, prefix consistency as found or as its query, run beside the
+    first pass), and the alignment check when it was read before the passes."""
+
+    engines: dict[str, Any]
+    drift: dict[str, Any] | None = None
+    alignment: dict[str, Any] | None = None
+    routing: dict[str, Any] | None = None
+    prefixes: dict[str, Any] | PrefixConsistency | None = None
+
+
+def _evidence_beside_the_table(replayed: Replayed, store: TokenStore, stored: stages.StoredWithFindings,
+                               checkpoint: str | Path, options: AuditOptions) -> Evidence:
+    engines = replayed.engines
+    # Read on its own only when it decides on a like-for-like pass (a torch trainer); else in the
+    # analysis's own passes.
+    alignment = (check_alignment(store.chunks, sampler_meta=engines["sampler"]["meta"])
+                 if parse_spec(options.train).kind in TORCH_KINDS else None)
+    if (alignment is not None and "logp_train_processed" not in store.columns
+            and alignment["logprob_semantics"] == "processed"):
+        # Processed log-probs the rollouts do not declare are found only in the data: then, and
+        # only then, the like-for-like pass runs after the analysis began (a declared one is
+        # planned with the trainer's replay, resumable with it).
+        sampling = Sampling.from_meta(engines["sampler"]["meta"])
+        store.add_column("logp_train_processed", replay_processed(replayed.plan, options.train, checkpoint, sampling))
+    return Evidence(engines=engines, drift=stored.drift, alignment=alignment,
+                    routing=replayed_routing(replayed, audit_pairs(store.columns)), prefixes=stored.prefixes)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AuditFindings:
+    """What an audit's passes find beyond the pair metrics: summary.json entries of those names."""
+
+    alignment: dict[str, Any]
+    trees: dict[str, Any]
+    framework_metrics: dict[str, Any]
+    framework_settings: dict[str, Any]
+    turns: dict[str, Any]  # localization.turns
+    corrections: list[dict[str, Any]]
+    drift: dict[str, Any] | None
+    routing: dict[str, Any] | None
+    prefix_consistency: dict[str, Any] | None
+
+
+def analyze_audit(chunks: Chunks, evidence: Evidence, *, clip: ClipRange | None, extra: Sequence[Analysis] = (),
+                  workers: int = 1) -> tuple[Measured, AuditFindings]:
+    """Everything the token table shows, read as chunks of whole rollouts, every analysis in the
+    same passes; `extra`: more analyses for those passes (the per-rollout table, the report's
+    digestion); `workers`: how many processes share them (chunked.run_passes)."""
+    first = next(iter(chunks()), None)
+    pairs = audit_pairs(first.columns if first is not None else ())
+    summary = SummaryAnalyses(pairs, clip)
+    checked = AlignmentCheck(sampler_meta=evidence.engines["sampler"].get("meta")) if evidence.alignment is None else None
+    trees, frameworks = TreeSums(pairs), FrameworkMetrics(pairs)
+    # With processed stored log-probs the correction is simulated like for like: on the raw pair it
+    # would correct the processing, which raw_logprobs fixes.
+    corrections = CorrectionSimulator(pair=PROCESSED_PAIR if PROCESSED_PAIR in pairs else ("train", "sampler"))
+    turns = TurnLocalizer("train", "sampler")
+    prefixes = evidence.prefixes
+    run_passes(chunks, [*summary.analyses, trees, frameworks, turns, corrections,
+                        *([checked] if checked is not None else []), *extra], workers=workers,
+               side_jobs=[prefixes] if isinstance(prefixes, PrefixConsistency) else [])
+    return summary.result(), AuditFindings(
+        alignment=evidence.alignment if checked is None else checked.result(), trees=trees.result(),
+        framework_metrics=frameworks.result(), framework_settings=settings_used(), turns=turns.result(),
+        corrections=[result.to_dict() for result in corrections.result()], drift=evidence.drift,
+        routing=evidence.routing or None,
+        prefix_consistency=prefixes.result() if isinstance(prefixes, PrefixConsistency) else prefixes)
+
+
+def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFindings, *,
+                  localized: dict[str, Any] | None = None, weights: dict[str, Any] | None = None,
+                  probes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """summary.json of an audit (or a merge of its shards), advised once on all of its evidence."""
+    summary = summary_json(provenance, measured, {
+        "alignment": findings.alignment, "trees": findings.trees, "framework_metrics": findings.framework_metrics,
+        "framework_settings": findings.framework_settings,
+        "localization": {"turns": findings.turns, **(localized or {})}, "corrections": findings.corrections,
+        "drift": findings.drift, "routing": findings.routing, "prefix_consistency": findings.prefix_consistency,
+        "weights": weights or None, "probes": probes})
+    advise(summary, probes=probes["results"] if probes is not None else None)
+    return summary
+
+
+def _localized_models(checkpoint: str | Path, requests: list[Any], prepared: stages.Prepared,
+                      options: AuditOptions) -> dict[str, Any]:
+    """The layer and kernel localizers: a planned stage of the work dir, done once and kept until
+    the results are published."""
+    work = prepared.work
+    localized = work.load_stage("localize") if work is not None else None
+    if localized is None:
+        progress = options.progress
+        done = progress("localize: layers and kernels, both models with hooks", 1) if progress else None
+        localized = run_model_localizers(checkpoint, requests, a=options.train, b=options.infer)
+        if work is not None:
+            work.save_stage("localize", localized)
+        if done is not None:
+            done(1)
+    return localized
+
+
+def _probes(checkpoint: str | Path, options: AuditOptions) -> dict[str, Any]:
+    """summary.json `probes`: each op under the variations that differ between engines, at the
+    checkpoint's shapes, so a batch-shape variance they show reaches the diagnosis."""
+    from mismatch import probes
+
+    progress = options.progress
+    done = progress("probe: each op under batch, chunking, split-KV, dtype and rounding variations", None) \
+        if progress else None
+    results = [result.to_dict() for result in probes.run_probes(checkpoint, device="auto")]
+    if done is not None:
+        done(0)
+    return {"environment": probes.environment("auto"), "results": results}
+
+
+def engine_weights(engines: dict[str, Any], checkpoint: str | Path) -> dict[str, Any]:
+    """summary.json `weights`: for each engine that ran another checkpoint than the trainer's, the
+    weights diff of the two (mismatch.weights, read tensor by tensor), so a weight-sync fault is
+    named by its tensors."""
+    from mismatch.weights import diff_checkpoints
+
+    trainer = Path((engines.get("train") or {}).get("checkpoint") or checkpoint)
+    out = {}
+    for source, engine in engines.items():
+        other = engine.get("checkpoint")
+        if source == "train" or not other or Path(other).resolve() == trainer.resolve():
+            continue
+        try:
+            out[source] = diff_checkpoints(trainer, other).brief()
+        except (MismatchError, OSError) as error:  # evidence we could not gather: said, not fatal
+            out[source] = {"a": str(trainer), "b": str(other), "identical": False, "differing": [],
+                           "verdict": f"not compared: {error}"}
+    return out
+
+
+def replayed_routing(replayed: Replayed, pairs: tuple[tuple[str, str], ...]) -> dict[str, Any] | None:
+    """summary.json["routing"] for the pairs whose two passes both recorded MoE routing."""
+    if len(replayed.routing) < 2:
+        return None
+    per_row = {source: token_routing(replayed.plan.requests, routed) for source, routed in replayed.routing.items()}
+    return routing_summary(replayed.table, pairs, per_row) or None

@@ -1,0 +1,82 @@
+"""`mismatch diff`: two engine configs replayed on the same rollouts, each against a reference.
+
+prepare → replay(a, b, reference) → store → analyze in chunks (pairs a/reference, b/reference, a/b;
+per-metric deltas with bootstrap CIs over rollouts, where the configs differ most) → publish. Like
+the audit, it holds one block or one chunk of the token table at a time, never the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from mismatch.analysis.chunked import Analysis, Chunks, run_passes
+from mismatch.analysis.per_rollout import PerRollout
+from mismatch.analysis.comparison import ConfigComparison
+from mismatch.pipeline import stages
+from mismatch.pipeline.options import DiffOptions
+from mismatch.pipeline.summary import Provenance, SummaryAnalyses, summary_json
+from mismatch.results import read_tokens, results_lock, staged_tokens
+from mismatch.workers import analysis_workers
+
+DIFF_PAIRS = (("a", "reference"), ("b", "reference"), ("a", "b"))
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DiffResult:
+    summary: dict[str, Any]
+    out: Path | None
+    table: pd.DataFrame | None = None  # kept only without a results dir
+
+    @property
+    def tokens(self) -> pd.DataFrame:
+        """The token table: as computed without a results dir, else read back from OUT."""
+        return self.table if self.table is not None else read_tokens(self.out)
+
+
+def diff(checkpoint: str | Path, rollouts: str | Path, *, a: str, b: str, reference: str = "hf",
+         out: str | Path | None = None, **options: Any) -> DiffResult:
+    """Which of configs `a` and `b` is closer to `reference`, by how much, and where. The other
+    keywords are DiffOptions' (force, seed, shard, block_size, progress)."""
+    return run_diff(checkpoint, rollouts, DiffOptions(a=a, b=b, reference=reference,
+                                                      out=Path(out) if out is not None else None, **options))
+
+
+def run_diff(checkpoint: str | Path, rollouts: str | Path, options: DiffOptions) -> DiffResult:
+    analysis_workers(0)  # a bad MISMATCH_WORKERS is refused before any replay
+    with results_lock(options.out):
+        return _diff(checkpoint, rollouts, options)
+
+
+def _diff(checkpoint: str | Path, rollouts: str | Path, options: DiffOptions) -> DiffResult:
+    prepared = stages.prepare(checkpoint, rollouts, options.sources, options, command="diff")
+    replayed = stages.replay(checkpoint, rollouts, options.sources, options, prepared,
+                             processed_source=None, routing_from="reference")
+    with staged_tokens(options.out, force=options.force) as store:
+        stages.store_rows(replayed, store)
+        provenance = Provenance(command="diff", checkpoint=str(checkpoint), rollouts_file=str(rollouts),
+                                engines=replayed.engines, shard=stages.shard_info(options), inputs=prepared.inputs)
+        del replayed
+        per_rollout = PerRollout(DIFF_PAIRS)
+        summary = analyze_diff(store.chunks, provenance, seed=options.seed, extra=[per_rollout],
+                               workers=analysis_workers(store.num_rows))
+        if options.out is None:
+            return DiffResult(summary=summary, out=None, table=store.table)
+        stages.publish(store, summary, per_rollout.result())
+    if prepared.work is not None:
+        prepared.work.remove()
+    return DiffResult(summary=summary, out=options.out)
+
+
+def analyze_diff(chunks: Chunks, provenance: Provenance, *, seed: int = 0, extra: Sequence[Analysis] = (),
+                 workers: int = 1) -> dict[str, Any]:
+    """summary.json of a diff (or a merge of its shards) from its token table's chunks."""
+    measured, comparison = SummaryAnalyses(DIFF_PAIRS, None), ConfigComparison(seed=seed)
+    run_passes(chunks, [*measured.analyses, comparison, *extra], workers=workers)
+    speeds = {source: provenance.engines[source].get("tokens_per_s") for source in ("a", "b")}
+    return summary_json(provenance, measured.result(),
+                        {"diff": {**comparison.result(), "throughput_tokens_per_s": speeds}})

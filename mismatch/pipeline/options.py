@@ -1,0 +1,45 @@
+"""What each command of the flow is asked to do, as one frozen object handed down its stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mismatch.analysis.clip import ClipRange
+from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Shard
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RunOptions:
+    """Where the results go and how the run is cut: the same for every command that replays."""
+
+    out: Path | None = None  # no results dir: the library keeps the token table in memory
+    force: bool = False  # replace an existing results dir (and a work dir of other inputs)
+    shard: Shard | None = None
+    block_size: int = DEFAULT_BLOCK
+    progress: ProgressFactory | None = None
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AuditOptions(RunOptions):
+    train: str = "hf"
+    infer: str = "hf-decode"
+    localize_models: bool = False  # also rerun both configs with hooks (layers, kernels)
+    clip: ClipRange = ClipRange()  # the PPO clip range the gap is measured against
+    probe: bool = False  # also run the kernel probes at the checkpoint's shapes
+
+    @property
+    def sources(self) -> dict[str, str]:
+        return {"train": self.train, "infer": self.infer}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DiffOptions(RunOptions):
+    a: str
+    b: str
+    reference: str = "hf"
+    seed: int = 0  # of the bootstrap over rollouts
+
+    @property
+    def sources(self) -> dict[str, str]:
+        return {"a": self.a, "b": self.b, "reference": self.reference}

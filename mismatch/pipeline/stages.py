@@ -1,0 +1,172 @@
+"""The stages audit, diff and merge share: load and check, replay, store, publish.
+
+Each is a function of typed inputs to a typed output; the commands (audit.py, diff.py, merge.py)
+compose them in the flow's order, and nothing here knows which command runs it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache, partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from mismatch import __version__
+from mismatch.analysis.prefixes import PrefixConsistency, PrefixKeys, prefix_keys
+from mismatch.checkpoint import load_tokenizer
+from mismatch.engines import check_spec
+from mismatch.identity import run_inputs
+from mismatch.pipeline.options import RunOptions
+from mismatch.replay import Block, Replayed, replay_sources
+from mismatch.results import ROLLOUTS_FILE, TokenStore, WorkDir, check_out_dir, write_summary
+from mismatch.rollouts.drift import find_drift, recorded
+
+if TYPE_CHECKING:
+    from mismatch.reports.digest import Digestion
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Prepared:
+    """What load-and-check hands on: the inputs' identity (summary.json `inputs`) and the
+    resumable work dir beside OUT, opened only once every input passed its checks."""
+
+    inputs: dict[str, Any] | None
+    work: WorkDir | None
+
+
+def prepare(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str], options: RunOptions, *,
+            command: str) -> Prepared:
+    """Refuse a taken results dir first, then every engine spec, then open the work dir (whose
+    manifest is the inputs' identity: a resume of other inputs is refused)."""
+    if options.out is not None:
+        check_out_dir(options.out, force=options.force)
+    # Every spec checked before anything else: a bad one leaves no work dir and costs no replay.
+    specs = {source: check_spec(text) for source, text in sources.items()}
+    inputs = None
+    # A missing checkpoint or rollouts file gets its own one-line error from the replay.
+    if Path(checkpoint).is_dir() and Path(rollouts).is_file():
+        inputs = run_inputs(command=command, checkpoint=checkpoint, rollouts=rollouts, engines=specs,
+                            block_size=options.block_size, version=__version__)
+    work = None
+    if options.out is not None and inputs is not None:
+        work = WorkDir.open(options.out, {**inputs, "shard": shard_info(options)}, force=options.force)
+    return Prepared(inputs=inputs, work=work)
+
+
+def replay(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str], options: RunOptions,
+           prepared: Prepared, *, processed_source: str | None, routing_from: str) -> Replayed:
+    """Every engine source replayed block by block into the work dir (replay/): the blocks to read."""
+    return replay_sources(checkpoint, rollouts, sources, progress=options.progress, shard=options.shard,
+                          block_size=options.block_size, work=prepared.work, processed_source=processed_source,
+                          routing_from=routing_from)
+
+
+def shard_info(options: RunOptions) -> dict[str, Any]:
+    """summary.json's `shard`: which slice of the blocks a run replayed (0 of 1: all of them)."""
+    shard = options.shard
+    return {"index": shard.index if shard else 0, "count": shard.count if shard else 1,
+            "block_size": options.block_size}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class StoredWithFindings:
+    """What the pass that stores an audit's blocks also finds: render drift (None when no rollout
+    has messages), and prefix consistency's query, run beside the analysis's first pass."""
+
+    drift: dict[str, Any] | None
+    prefixes: PrefixConsistency
+
+
+def store_rows(replayed: Replayed, store: TokenStore) -> None:
+    """Each block's rows into the token store, one block in memory at a time."""
+    for block in replayed.blocks():
+        store.write(block.plan.table)
+    store.close()
+
+
+def store_with_findings(replayed: Replayed, store: TokenStore, checkpoint: str | Path, sources: Sequence[str],
+                        workers: int = 1) -> StoredWithFindings:
+    """One pass over the replayed blocks: each block's rows into the token store, its rollouts'
+    render drift (those with messages), and each row's prefix key. `workers`: forked readers of a
+    stored-only replay's file (Replayed.map_blocks)."""
+    drifts: list[dict[str, Any]] = []
+    tokenized = False
+    keys = PrefixKeys(store.side_file("prefix_keys"))
+    for table, block_keys, drift, needed_tokenizer in replayed.map_blocks(partial(_stored_parts, str(checkpoint)),
+                                                                          workers):
+        store.write(table)
+        keys.add(block_keys)
+        drifts.append(drift)
+        tokenized = tokenized or needed_tokenizer
+    store.close()
+    keys.close()
+    # Same prefix, same engine config: the same log-prob, whatever request it came in.
+    prefixes = PrefixConsistency(store.file if store.file is not None else store.table,
+                                 keys.file if keys.file is not None else keys.values, sources)
+    return StoredWithFindings(drift=merge_drift(drifts) if tokenized else None, prefixes=prefixes)
+
+
+def _stored_parts(checkpoint: str, block: Block) -> tuple[pd.DataFrame, Any, dict[str, Any], bool]:
+    """What the store keeps of a block: its rows, their prefix keys, its rollouts' render drift,
+    and whether that needed the tokenizer. (Without messages a block's drift is its count of
+    rollouts without them: no tokenizer.)"""
+    tokenizer = None
+    if any(rollout.messages or recorded(rollout) for rollout in block.rollouts):
+        tokenizer = _tokenizer(checkpoint)
+    return block.plan.table, prefix_keys(block.plan.requests), find_drift(block.rollouts, tokenizer), \
+        tokenizer is not None
+
+
+@lru_cache(maxsize=1)
+def _tokenizer(checkpoint: str) -> Any:
+    """The checkpoint's tokenizer, loaded once per process (each forked reader loads its own)."""
+    return load_tokenizer(checkpoint)
+
+
+def merge_drift(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """find_drift of every block as one: counts summed, per-kind counts merged, spans in block order
+    (each rollout, and so each drifted one, lies in one block)."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if isinstance(value, list):
+                merged[key] = merged.get(key, []) + value
+            elif isinstance(value, dict):
+                kinds = Counter(merged.get(key, {}))
+                kinds.update(value)
+                merged[key] = dict(sorted(kinds.items()))
+            else:
+                merged[key] = merged.get(key, 0) + value
+    return merged
+
+
+def report_digestion(store: TokenStore, pairs: Sequence[tuple[str, str]]) -> Digestion:
+    """The report's reading of the tokens, as an analysis to run in the command's own passes: its
+    pairs as the summary lists them, the first as the focus, and the table's row count as every
+    pair's upper bound, so the tail behind the histograms' range is gathered in pass 0. The report
+    reads the tokens again only if the summary's focus turns out another pair."""
+    from mismatch.reports.digest import Digestion
+    from mismatch.reports.worst import WorstOptions
+
+    names = [f"{a}/{b}" for a, b in pairs]
+    return Digestion(store.columns, pairs=names, focus=names[0] if names else None, options=WorstOptions(),
+                     with_turns=False, with_worst_tokens=True, expected=dict.fromkeys(names, store.num_rows))
+
+
+def publish(store: TokenStore, summary: dict[str, Any], per_rollout: pd.DataFrame,
+            digested: Digestion | None = None) -> None:
+    """summary.json, rollouts.parquet and the report, beside the stored tokens.parquet in the
+    staged dir (they appear in the one rename that publishes it). `digested`: report_digestion
+    run in the command's passes."""
+    from mismatch.reports.build import build_report
+
+    stage = store.directory
+    assert stage is not None
+    per_rollout.to_parquet(stage / ROLLOUTS_FILE, index=False)
+    write_summary(stage, summary)
+    store.remove_side_files()
+    build_report(stage, digested=digested)

@@ -1,0 +1,118 @@
+"""summary.json (contract `mismatch.summary/v1`), built once from the stages' typed results.
+
+`Provenance` is what was run, `Measured` what the token table's pair analyses found; a command adds
+its own findings (audit: alignment, trees, corrections, ...; diff: the comparison) as named
+entries, in one call, so no key is a placeholder filled in later somewhere else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from mismatch import __version__
+from mismatch.advise.verdicts import verdicts
+from mismatch.analysis.chunked import Analysis, Chunks, run_passes
+from mismatch.analysis.counts import Counts
+from mismatch.analysis.grouped_metrics import OVERALL, GroupedPairMetrics, breakdown_records
+from mismatch.analysis.clip import ClipRange, clip_summary
+from mismatch.analysis.metrics import PAIR_METRICS
+from mismatch.results import SUMMARY_SCHEMA
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Provenance:
+    """What ran: the command, its inputs and each engine as it described itself."""
+
+    command: str
+    checkpoint: str
+    rollouts_file: str
+    engines: dict[str, Any]
+    shard: dict[str, Any] | None = None  # summary.json `shard` (None: a bare summary of a table)
+    inputs: dict[str, Any] | None = None  # the inputs' identity (pipeline.stages.prepare)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Measured:
+    """summary.json's pair metrics over trainable tokens, their breakdowns and the row counts."""
+
+    counts: dict[str, int]
+    pairs: dict[str, dict[str, float | int]]
+    turns: list[dict[str, Any]]
+    roles: list[dict[str, Any]]
+    branch_kinds: list[dict[str, Any]]
+    clip: dict[str, Any] | None
+
+
+class SummaryAnalyses:
+    """The analyses behind `Measured`, to run in a command's passes with its other analyses."""
+
+    def __init__(self, pairs: tuple[tuple[str, str], ...], clip: ClipRange | None) -> None:
+        self.pairs, self.clip = pairs, clip
+        self.trainable = GroupedPairMetrics(pairs, ("turn", "branch_kind"), trainable_only=True,
+                                            clip=(clip.low, clip.high) if clip is not None else None)
+        self.every_row = GroupedPairMetrics(pairs, ("role",), trainable_only=False, overall=False)
+        self.counts = Counts()
+        self.analyses: list[Analysis] = [self.trainable, self.every_row, self.counts]
+
+    def result(self) -> Measured:
+        found, by_role = self.trainable.result(), self.every_row.result()
+        return Measured(counts=self.counts.counts,
+                        pairs={name: _metrics_row(frame) for name, frame in found[OVERALL].items()},
+                        turns=breakdown_records(found["turn"], "turn"),
+                        roles=breakdown_records(by_role["role"], "role"),
+                        branch_kinds=breakdown_records(found["branch_kind"], "branch_kind"),
+                        clip=clip_summary(self.clip, found) if self.clip is not None else None)
+
+
+def summary_json(provenance: Provenance, measured: Measured,
+                 findings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """summary.json of a run: provenance, measurements, then the command's findings (entries that
+    are None are left out; `localization`, `corrections` and `recommendations` are the schema's
+    and default to empty). The advice (diagnosis, verdicts that name a cause, recommendations,
+    snippets) is advise/'s, added to this from it."""
+    summary: dict[str, Any] = {
+        "schema": SUMMARY_SCHEMA,
+        "command": provenance.command,
+        "mismatch_version": __version__,
+        "created_unix": time.time(),
+        "checkpoint": provenance.checkpoint,
+        "rollouts_file": provenance.rollouts_file,
+        "counts": measured.counts,
+        "engines": provenance.engines,
+        "pairs": measured.pairs,
+        "verdicts": verdicts(measured.pairs),
+        "turns": measured.turns,
+        "roles": measured.roles,
+        "branch_kinds": measured.branch_kinds,
+        "localization": {},
+        "corrections": [],
+        "recommendations": [],
+    }
+    if measured.clip is not None:
+        summary["clip"] = measured.clip
+    if provenance.shard is not None:
+        summary["shard"] = provenance.shard
+        summary["inputs"] = provenance.inputs
+    summary.update({key: value for key, value in (findings or {}).items() if value is not None})
+    return summary
+
+
+def build_summary(chunks: Chunks, *, engines: dict[str, Any], checkpoint: str,
+                  rollouts_file: str, pairs: tuple[tuple[str, str], ...], command: str,
+                  clip: ClipRange | None = None) -> dict[str, Any]:
+    """summary.json's measurements of a filled token table's chunks of whole rollouts, nothing else
+    (a report of a table in memory, the tests)."""
+    analyses = SummaryAnalyses(pairs, clip)
+    run_passes(chunks, analyses.analyses)
+    return summary_json(Provenance(command=command, checkpoint=checkpoint, rollouts_file=rollouts_file,
+                                   engines=engines), analyses.result())
+
+
+def _metrics_row(frame: pd.DataFrame) -> dict[str, float | int]:
+    row = frame.iloc[0]
+    return {name: int(row[name]) if name in ("n_tokens", "n_rollouts") else float(row[name]) for name in PAIR_METRICS}

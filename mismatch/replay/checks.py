@@ -1,0 +1,153 @@
+"""What a replay checks, before any engine loads (stored names, context lengths, attention paths,
+routing) and after each engine answers (the engine-output boundary: `check_column`).
+
+Every check here raises its one-line error (SpecError, RolloutError, EngineError) with the
+spec, file, rollout or position it is about, so the CLI's single boundary can print it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from mismatch.checkpoint import CheckpointInfo, resolve_attn
+from mismatch.engines import MODEL_KINDS, TORCH_KINDS, EngineSpec, engine_capabilities
+from mismatch.engines.contract import ProgressFn, replay_asking
+from mismatch.engines.processing import Sampling
+from mismatch.errors import CheckpointError, EngineError, RolloutError, SpecError
+from mismatch.replay.blocks import FileBlocks, FileScan
+from mismatch.rollouts import full_routed_experts
+from mismatch.streams import ReplayRequest, StreamRouting
+
+
+def replay_column(requests: Sequence[ReplayRequest], engine: Any, *, progress: ProgressFn | None = None,
+                  name: str = "engine", forced_experts: Sequence[np.ndarray] | None = None,
+                  processing: Sampling | None = None) -> np.ndarray:
+    """One engine's log-probs for these requests' rows (float64), checked at the boundary.
+
+    Every engine kind answers the same contract: one log-prob per requested token, each a number
+    <= 0 (-inf allowed: probability 0, as processed log-probs under top-k give), NaN only where
+    the request has no context to score from (position 0). Anything else is refused with the
+    request and position (`check_column` names the rollout), never dropped or kept silently.
+    `forced_experts` and `processing` are asked only of an engine that declares them.
+    """
+    results = replay_asking(engine, requests, progress=progress, forced_experts=forced_experts,
+                            processing=processing)
+    if len(results) != len(requests):
+        raise EngineError(f"{name}: returned {len(results)} results for {len(requests)} requests")
+    for index, (request, logp) in enumerate(zip(requests, results, strict=True)):
+        if np.shape(logp) != (request.num_scored,):
+            raise EngineError(f"{name}: request {index}: returned {np.shape(logp)} log-probs for "
+                              f"{request.num_scored} requested tokens")
+    return np.concatenate(results).astype(np.float64) if results else np.empty(0)
+
+
+def bad_logprob_rows(values: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Rows whose log-prob breaks the engine contract (replay_column): NaN with context before it,
+    +inf, or a positive log-prob."""
+    with np.errstate(invalid="ignore"):
+        bad = (np.isnan(values) & (pos > 0)) | (values > 0)
+    return np.flatnonzero(bad)
+
+
+def check_column(values: np.ndarray, table: pd.DataFrame, name: str, offset: int = 0) -> None:
+    """EngineError naming the rollout, branch, position and token of the first value an engine
+    should never have returned (`values` fill the table's rows from `offset` on, in order)."""
+    bad = bad_logprob_rows(values, table["pos"].to_numpy()[offset:offset + len(values)])
+    if not len(bad):
+        return
+    first = int(bad[0])
+    row = table.iloc[offset + first]
+    raise EngineError(f"{name}: log-prob {float(values[first])!r} for token {int(row['token_id'])} at rollout "
+                      f"{row['rollout']!r} branch {row['branch']!r} position {int(row['pos'])} "
+                      f"({len(bad)} such value{'s' if len(bad) > 1 else ''}; an engine must return one "
+                      "log-prob <= 0 per requested token)")
+
+
+def check_stored_names(specs: dict[str, EngineSpec], names: set[str]) -> None:
+    """A `stored:NAME` spec needs NAME in some segment of the file (names over the whole file, not
+    the shard: a shard, or an empty one, must accept what one run would)."""
+    for source, spec in specs.items():
+        if spec.kind == "stored" and spec.options["name"] not in names:
+            found = ["sampler", *sorted(names - {"sampler"})]
+            raise SpecError(f"--{source} {spec.text}: no segment of the rollouts carries "
+                            f"extra_logprobs[{spec.options['name']!r}] (found: {', '.join(found)})")
+
+
+def check_before_replay(specs: dict[str, EngineSpec], scan: FileScan, info: CheckpointInfo, *, file: str) -> None:
+    """What the specs ask of these rollouts and this model, checked before any replay."""
+    check_stored_names(specs, scan.names)
+    check_context(scan, info, specs, file=file)
+    for source, spec in specs.items():
+        own_model = "checkpoint" not in spec.options  # another checkpoint is checked when it loads
+        if spec.kind in TORCH_KINDS and own_model:
+            try:  # an attention path that would drop a model feature (soft-capping)
+                resolve_attn(str(spec.options.get("attn", "auto")), info)
+            except CheckpointError as exc:
+                raise SpecError(f"--{source} {spec.text}: {exc}") from None
+        if spec.options.get("routing") == "replay" and not engine_capabilities(spec).forced_experts:
+            raise SpecError(f"--{source} {spec.text}: option routing=replay: engine {spec.kind!r} cannot follow "
+                            f"another pass's experts (the torch engines {', '.join(TORCH_KINDS)} can)")
+        if spec.options.get("routing") == "replay" and info.num_experts is None and own_model:
+            raise SpecError(f"--{source} {spec.text}: option routing=replay: this model has no MoE router to "
+                            f"replay ({info.path}/config.json names no experts)")
+
+
+def check_context(scan: FileScan, info: CheckpointInfo, specs: dict[str, EngineSpec], *, file: str) -> None:
+    """Refuse, before any replay, a stream longer than the model's declared context: its positions
+    past that have no trained embedding, and the replay would score noise without a word."""
+    if info.max_positions is None or not scan.stream_lengths:
+        return
+    if not any(spec.kind in MODEL_KINDS and "checkpoint" not in spec.options for spec in specs.values()):
+        return
+    length, rollout_id, branch_id = scan.longest
+    if length <= info.max_positions:
+        return
+    too_long = sum(n > info.max_positions for n in scan.stream_lengths)  # streams that reach past the context
+    raise RolloutError(f"{length} tokens to replay (context included), past the model's "
+                       f"context of {info.max_positions} (config.json); {too_long} "
+                       f"stream{'s' if too_long != 1 else ''} in all", file=file, rollout=rollout_id,
+                       field=f"branch {branch_id!r}")
+
+
+def stored_routing(blocks: FileBlocks, scan: FileScan) -> list[StreamRouting] | None:
+    """The sampler's routing per selected stream (its fed positions, as an engine's is kept), from
+    the rollouts' routed_experts; None when the file stores none. The routing must be this model's
+    ([MoE layers][top-k] as config.json builds them), checked here before any replay."""
+    if scan.routing is None:
+        return None
+    info = blocks.info
+    line, rollout_id, shape = scan.routing
+    if info.moe_layers is None:
+        raise RolloutError(f"routed_experts stored, but {info.path}/config.json names no experts (a dense model "
+                           "routes nothing)", file=blocks.path, line=line, rollout=rollout_id)
+    if tuple(shape) != (info.moe_layers, info.experts_per_token):
+        raise RolloutError(f"routed_experts has {shape[0]} layers x top-{shape[1]} per token, but the model "
+                           f"routes {info.moe_layers} layers x top-{info.experts_per_token} ({info.path}/config.json)",
+                           file=blocks.path, line=line, rollout=rollout_id)
+    return list(stored_routing_streams(blocks, shape))
+
+
+def stored_routing_streams(blocks: FileBlocks, shape: tuple[int, ...]) -> Iterator[StreamRouting]:
+    """Each selected stream's stored routing (rows of -1 where none was stored), in plan order."""
+    for rollout, branch_id in blocks.streams():
+        experts = full_routed_experts(rollout, branch_id, shape)[:-1]
+        yield StreamRouting(experts=experts, margin=np.full(experts.shape[:2], np.nan, dtype=np.float32))
+
+
+def check_stored_routing(specs: dict[str, EngineSpec], blocks: FileBlocks, stored: list[StreamRouting]) -> None:
+    """A routing=replay engine that follows the stored routing needs a row at every position it feeds."""
+    replaying = [source for source, spec in specs.items() if spec.options.get("routing") == "replay"]
+    if not replaying:
+        return
+    streams = [(rollout.id, branch_id) for rollout, branch_id in blocks.streams()]  # plan order
+    for (rollout_id, branch_id), routed in zip(streams, stored, strict=True):
+        missing = np.flatnonzero(routed.experts[:, 0, 0] < 0)
+        if len(missing):
+            source = replaying[0]
+            raise SpecError(f"--{source} {specs[source].text}: routing=replay follows the stored routed_experts, "
+                            f"which have no row for rollout {rollout_id!r} branch {branch_id!r} position "
+                            f"{int(missing[0])}, a position the trainer feeds ({len(missing)} such in that stream)")

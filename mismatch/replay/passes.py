@@ -1,0 +1,275 @@
+"""The replay step: every engine source's pass over the file's blocks, one engine loaded at a time
+and fed one block at a time, each finished (source, block) saved as it finishes.
+
+`replay_sources` checks everything first, replays each engine source (`SourcePass`), and returns
+the blocks to read back (`Replayed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mismatch.checkpoint import checkpoint_info
+from mismatch.engines import TORCH_KINDS, Engine, EngineSpec, ProgressFn, check_spec, engine_capabilities, load_engine
+from mismatch.engines.contract import recorded_routing
+from mismatch.engines.processing import Sampling
+from mismatch.errors import SpecError
+from mismatch.replay.blocks import FileBlocks, sampler_meta, scan_file
+from mismatch.replay.checks import (
+    check_before_replay,
+    check_column,
+    check_stored_routing,
+    replay_column,
+    stored_routing,
+)
+from mismatch.replay.plan import DEFAULT_BLOCK, ReplayPlan, Shard
+from mismatch.replay.processed import declared_processing
+from mismatch.replay.replayed import FilledBlocks, Replayed, SavedColumns
+from mismatch.results import WorkDir
+from mismatch.rollouts import iter_rollouts
+from mismatch.streams import StreamRouting
+
+# (label, total tokens) -> a callback per batch of tokens done; total None: a phase without a count
+# (an engine starting), whose callback is called once when it ends.
+ProgressFactory = Callable[[str, int | None], ProgressFn | None]
+
+# What an engine reports about itself once loaded that its spec does not fix (the dtype "auto"
+# resolved to, the model and version an HTTP server serves): a resume must find it unchanged.
+ENGINE_FACTS = ("kind", "dtype", "api", "model", "server", "logprob_semantics")
+
+
+def engine_facts(described: dict[str, Any]) -> dict[str, Any]:
+    return {key: described[key] for key in ENGINE_FACTS if key in described}
+
+
+def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str], *,
+                   progress: ProgressFactory | None = None, shard: Shard | None = None,
+                   block_size: int = DEFAULT_BLOCK, work: WorkDir | None = None,
+                   processed_source: str | None = None, routing_from: str | None = None) -> Replayed:
+    """Check everything, replay each engine source block by block, and return the blocks to read.
+
+    All input checks (checkpoint, specs, rollouts, stored names, context) come before the first
+    forward. With engines to run, a first pass over the file validates it and gathers what the
+    checks need; each engine then streams the file block by block. An audit of stored log-probs
+    only (`stored:`) loads no engine and reads the file once, in `blocks()`, which raises at the
+    end of that pass for a stored name no segment of the file carries.
+    With `work`, each (source, block) result is saved as it finishes and reused on a rerun
+    (without one, kept in memory). `processed_source` (a torch engine's source): when the
+    rollouts' meta.sampler declares processed log-probs under a non-trivial temperature, top-k or
+    top-p, that engine also fills `logp_<source>_processed` under the same processing, like for
+    like with the sampler's, in the same load and block by block.
+    `routing_from`: the source whose MoE routing a `routing=replay` engine follows (R3); it replays
+    first. Rollouts that store the sampler's routed_experts give the "sampler" routing, and a
+    `routing=replay` engine follows that instead: the rollout engine's experts, as R3 replays them.
+    """
+    info = checkpoint_info(checkpoint)
+    # Every spec checked in full (options, values, dtype) before the rollouts are read and before
+    # the first replay: a typo in the second engine's spec must not cost the first one's replay.
+    specs = {source: check_spec(text) for source, text in sources.items()}
+    blocks = FileBlocks(rollouts=rollouts, info=info, shard=shard, block_size=block_size)
+    engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler", "meta": {}}}
+    columns = SavedColumns(work)
+    routing: dict[str, list[StreamRouting]] = {}
+    stored_only = all(spec.kind == "stored" for spec in specs.values())
+    if stored_only:
+        iter_rollouts(rollouts)  # opens nothing yet, but checks the file exists and is readable: now
+        engines.update({source: _stored_engine(spec) for source, spec in specs.items()})
+    else:
+        routing = _replay_engines(specs, blocks, engines, columns, checkpoint=str(checkpoint), progress=progress,
+                                  processed_source=processed_source, routing_from=routing_from)
+    filled = FilledBlocks(file=blocks, specs=specs, columns=columns, engines=engines, stored_only=stored_only)
+    return Replayed(engines=engines, routing=routing, filled=filled)
+
+
+def _replay_engines(specs: dict[str, EngineSpec], blocks: FileBlocks, engines: dict[str, Any],
+                    columns: SavedColumns, *, checkpoint: str, progress: ProgressFactory | None,
+                    processed_source: str | None, routing_from: str | None) -> dict[str, list[StreamRouting]]:
+    """The first scan and the checks it allows, then every source in replay order: each source's
+    description into `engines`; returns each source's MoE routing, where recorded or stored."""
+    scan = scan_file(blocks)
+    engines["sampler"]["meta"] = sampler_meta(scan.metas)
+    check_before_replay(specs, scan, blocks.info, file=blocks.path)
+    routing: dict[str, list[StreamRouting]] = {}
+    stored = stored_routing(blocks, scan)
+    if stored is not None:
+        routing["sampler"] = stored
+        routing_from = "sampler"
+        check_stored_routing(specs, blocks, stored)
+    totals = (sum(scan.stream_lengths), scan.num_scored)
+    for source, spec in _replay_order(specs, routing_from):
+        if spec.kind == "stored":
+            engines[source] = _stored_engine(spec)
+            continue
+        processing = (declared_processing(engines["sampler"]["meta"])
+                      if source == processed_source and engine_capabilities(spec).processing else None)
+        forced = _forced(source, spec, routing, routing_from)
+        replayer = SourcePass(source, spec, checkpoint=checkpoint, progress=progress, columns=columns,
+                              processing=processing, forced=forced)
+        described, routed = replayer.run(blocks.planned(), totals)
+        engines[source] = _with_replay_facts(described, routing_from if forced is not None else None, processing)
+        if routed is not None:
+            routing[source] = routed
+    return routing
+
+
+def _stored_engine(spec: EngineSpec) -> dict[str, Any]:
+    return {"kind": "stored", "spec": spec.text, "name": spec.options["name"]}
+
+
+def _forced(source: str, spec: EngineSpec, routing: dict[str, list[StreamRouting]],
+            routing_from: str | None) -> list[StreamRouting] | None:
+    """The routing a routing=replay source must follow (one per request, plan order), else None."""
+    if spec.options.get("routing") != "replay":
+        return None
+    forced = routing.get(routing_from) if routing_from is not None else None
+    if forced is None:
+        raise SpecError(f"--{source} {spec.text}: routing=replay follows the experts --{routing_from} "
+                        f"routed, and --{routing_from} recorded none (a torch engine on an MoE model "
+                        "records them)")
+    return forced
+
+
+def _with_replay_facts(described: dict[str, Any], routed_from: str | None,
+                       processing: Sampling | None) -> dict[str, Any]:
+    """summary.json's description of a source: the routing it followed, the processing it applied."""
+    if routed_from is not None and "routing" in described:
+        described = {**described, "routing": {**described["routing"], "from": routed_from}}
+    if processing is not None:
+        described = {**described, "processed": {"temperature": processing.temperature,
+                                                "top_k": processing.top_k, "top_p": processing.top_p}}
+    return described
+
+
+def _replay_order(specs: dict[str, EngineSpec], routing_from: str | None) -> list[tuple[str, EngineSpec]]:
+    """The order the sources replay in. Engines whose load can fail for reasons no check sees first
+    (vLLM, a server, a user's code; a torch engine's checkpoint was checked already), so such a
+    failure costs no other engine's replay; one engine is loaded at a time, so models that do not
+    fit together still run. The source a routing=replay engine follows goes first of all (its experts
+    must exist before they can be forced)."""
+    ordered = sorted(specs.items(), key=lambda item: item[1].kind in TORCH_KINDS)  # stable
+    replaying = [source for source, spec in specs.items() if spec.options.get("routing") == "replay"]
+    if not replaying or routing_from == "sampler":  # the stored routing needs no replay first
+        return ordered
+    if routing_from is None or routing_from not in specs or routing_from in replaying:
+        raise SpecError(f"--{replaying[0]} {specs[replaying[0]].text}: routing=replay needs another engine "
+                        "of this command to follow (audit: --infer; diff: --reference)")
+    if not engine_capabilities(specs[routing_from]).records_routing:
+        raise SpecError(f"--{replaying[0]} {specs[replaying[0]].text}: routing=replay follows "
+                        f"--{routing_from}, which must be a torch engine (hf, hf-decode) to record experts; "
+                        f"it is {specs[routing_from].text!r}")
+    return [(routing_from, specs[routing_from]), *((r, s) for r, s in ordered if r != routing_from)]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _Column:
+    name: str                   # the work dir's name of the column: the source, or SOURCE_processed
+    label: str                  # how errors and the progress bar name it
+    processing: Sampling | None
+
+
+class SourcePass:
+    """One engine source's log-prob column (and with `processing`, its processed column too, in the
+    same load), replayed block by block into the saved columns. The engine loads only when a block
+    is left to replay; with `forced` (one routing per request, plan order) it follows those experts."""
+
+    def __init__(self, source: str, spec: EngineSpec, *, checkpoint: str, progress: ProgressFactory | None,
+                 columns: SavedColumns, processing: Sampling | None = None,
+                 forced: list[StreamRouting] | None = None) -> None:
+        self.source, self.spec, self.checkpoint, self.progress = source, spec, checkpoint, progress
+        self.columns, self.forced = columns, forced
+        self.targets = [_Column(name=source, label=f"--{source} {spec.text}", processing=None)]
+        if processing is not None:
+            self.targets.append(_Column(name=f"{source}_processed", processing=processing,
+                                        label=f"--{source} {spec.text} (processed like the sampler's)"))
+        self.engine: Engine | None = None
+        self.callback: ProgressFn | None = None
+        self.routed: list[StreamRouting] = []
+
+    def run(self, blocks: Iterator[tuple[int, ReplayPlan]],
+            totals: tuple[int, int]) -> tuple[dict[str, Any], list[StreamRouting] | None]:
+        """Every block replayed (or resumed); returns the engine's description and each request's
+        MoE routing when it records it (else None). `totals`: (tokens fed, tokens scored) of the
+        run, for the progress bar."""
+        num_requests = 0
+        try:
+            for block, plan in blocks:
+                self._block(block, plan, num_requests, totals)
+                num_requests += len(plan.requests)
+            described = self._described()
+        finally:
+            if self.engine is not None:
+                self.engine.close()
+        work = self.columns.work
+        described = {**described, "resumed_blocks": work.num_loaded(self.source) if work else 0}
+        return described, (self.routed if len(self.routed) == num_requests and self.routed else None)
+
+    def _block(self, block: int, plan: ReplayPlan, first_request: int, totals: tuple[int, int]) -> None:
+        """One block's columns: resumed from the work dir where saved, else replayed and checked.
+        `first_request`: the block's first request in the plan."""
+        work = self.columns.work
+        done = [self.columns.resumed(column.name, block, plan.num_scored) for column in self.targets]
+        block_routing = work.load_routing(self.source, block) if work is not None else None
+        if any(values is None for values in done) and self.engine is None:  # not at all if every block is done
+            self._load()
+        if block_routing is None and self._records_routing():
+            done = [None for _ in done]  # the routing of this block is wanted too: replay it
+        # The bar starts once the engine loaded: a checkpoint that fails prints only its error.
+        if self.callback is None and self.progress is not None:
+            fed, scored = totals
+            # What the engine will feed: a branch's context is fed again with each branch.
+            self.callback = self.progress(f"replay {self.source}: {self.spec.text} (feeds "
+                                          f"{_count(fed * len(self.targets))} tokens)", scored * len(self.targets))
+        forced = self._forced_experts(first_request, len(plan.requests))
+        for k, (column, values) in enumerate(zip(self.targets, done)):
+            if values is not None:
+                if self.callback is not None:
+                    self.callback(plan.num_scored)
+                continue
+            values = replay_column(plan.requests, self.engine, progress=self.callback, name=column.label,
+                                   forced_experts=forced, processing=column.processing)
+            if k == 0 and self._records_routing():
+                block_routing = recorded_routing(self.engine)
+            check_column(values, plan.table, column.label)
+            # The routing before the log-probs: a block whose log-probs were saved always has its routing too.
+            if work is not None and k == 0 and block_routing is not None and self._records_routing():
+                work.save_routing(self.source, block, block_routing)
+            self.columns.keep(column.name, block, values)
+        if block_routing is not None:
+            self.routed += block_routing
+
+    def _load(self) -> None:
+        starting = (self.progress(f"starting {self.source}: {self.spec.text}", None)
+                    if self.progress is not None else None)
+        self.engine = load_engine(self.spec, self.checkpoint)
+        if starting is not None:
+            starting(0)
+        if self.columns.work is not None:
+            self.columns.work.check_engine(self.source, engine_facts(self.engine.describe()))
+
+    def _records_routing(self) -> bool:
+        return self.engine is not None and recorded_routing(self.engine) is not None
+
+    def _forced_experts(self, first_request: int, num_requests: int) -> list[np.ndarray] | None:
+        if self.forced is None or self.engine is None:
+            return None
+        return [self.forced[i].experts for i in range(first_request, first_request + num_requests)]
+
+    def _described(self) -> dict[str, Any]:
+        work = self.columns.work
+        if self.engine is not None:
+            described = self.engine.describe()
+            if work is not None:
+                work.save_described(self.source, described)
+            return described
+        # Every block was done: the engine as the run that replayed them described it.
+        return (work.load_described(self.source) if work is not None else None) or {
+            "spec": self.spec.text, "resumed": True}
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(n)

@@ -1,0 +1,203 @@
+"""A replay's results, block by block: the columns each engine pass saved, and the blocks of the
+file read back and filled from them (what the audit stores, analyzes and localizes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import pandas as pd
+
+from mismatch.engines import EngineSpec
+from mismatch.replay.blocks import (
+    Block,
+    FileBlocks,
+    FoundBlock,
+    extra_names,
+    sampler_meta,
+    sampler_metas,
+)
+from mismatch.replay.checks import check_stored_names
+from mismatch.replay.plan import ReplayPlan
+from mismatch.results import WorkDir, concat_tables
+from mismatch.rollouts import Rollout
+from mismatch.rollouts.forked import forked_blocks
+from mismatch.rollouts.trees import add_tree_weights
+from mismatch.streams import StreamRouting
+
+T = TypeVar("T")
+
+
+class SavedColumns:
+    """Each (column, block) an engine pass finished: in the work dir, saved as it finishes and
+    reused by a rerun, or without one in this process's memory."""
+
+    def __init__(self, work: WorkDir | None) -> None:
+        self.work = work
+        self._memory: dict[tuple[str, int], np.ndarray] = {}
+
+    def resumed(self, name: str, block: int, num_rows: int) -> np.ndarray | None:
+        """What an earlier run saved of this column and block, if it has this block's rows (the
+        manifest matched, the file did not: replayed again). None without a work dir."""
+        done = self.work.load(name, block) if self.work is not None else None
+        return None if done is not None and len(done) != num_rows else done
+
+    def keep(self, name: str, block: int, values: np.ndarray) -> None:
+        """A column just replayed, kept for `load` (and, in the work dir, for a rerun)."""
+        if self.work is not None:
+            self.work.save(name, block, values)
+        else:
+            self._memory[(name, block)] = values
+
+    def load(self, name: str, block: int) -> np.ndarray | None:
+        return self.work.load(name, block) if self.work is not None else self._memory.get((name, block))
+
+
+class FilledBlocks:
+    """The replayed blocks read back: each block of the file planned again, with its tree weights
+    and every source's column (saved by its engine pass, or stored in the rollouts). A stored-only
+    replay reads the file only here, once: its stored names are checked, and the sampler's
+    settings learnt, at the end of that pass (`finish`)."""
+
+    def __init__(self, *, file: FileBlocks, specs: dict[str, EngineSpec], columns: SavedColumns,
+                 engines: dict[str, Any], stored_only: bool) -> None:
+        self.file, self.specs, self.columns = file, specs, columns
+        self.engines = engines  # the Replayed's: the sampler's settings are filled in by `finish`
+        self.stored_only = stored_only
+
+    @property
+    def forkable(self) -> bool:
+        """Forked readers decode JSON Lines only, and replay no engine (an engine stays in this process)."""
+        return self.stored_only and Path(self.file.rollouts).suffix.lower() != ".parquet"
+
+    def filled(self, block: int, indices: list[int], selected: list[Rollout]) -> Block:
+        """The block planned, with its tree weights and every source's column."""
+        plan = self.file.plan(indices, selected)
+        # Tree weights are per rollout, so shards compute exactly the weights one run would.
+        table = add_tree_weights(plan.table, selected, inplace=True, planned=True)
+        for source, spec in self.specs.items():
+            if spec.kind == "stored":
+                # A name no segment of this block carries is NaN on its rows.
+                table[f"logp_{source}"] = plan.stored.get(spec.options["name"], np.full(plan.num_scored, np.nan))
+                continue
+            for column in (source, f"{source}_processed"):
+                values = self.columns.load(column, block)
+                if values is not None or (column == source and not selected):
+                    table[f"logp_{column}"] = values if values is not None else np.empty(0)
+        return Block(index=block, rollouts=selected, plan=plan)
+
+    def blocks(self) -> Iterator[Block]:
+        """One pass over the file: each block the shard takes, filled."""
+        names: set[str] = {"sampler"}
+        metas: list[dict[str, Any]] = []
+
+        def seen(rollout: Rollout) -> None:  # names over the whole file, not the shard's blocks
+            names.update(extra_names([rollout]))
+
+        for block, indices, selected in _or_empty(self.file.read(seen=seen)):
+            metas.extend(sampler_metas(selected))
+            yield self.filled(block, indices, selected)
+        if self.stored_only:
+            self.finish(names, metas)
+
+    def forked(self, fn: Callable[[Block], T], workers: int) -> Iterator[T]:
+        """fn of each filled block, in file order, read and mapped by `workers` forked readers."""
+        file = self.file
+        names, metas, any_taken = {"sampler"}, [], False
+        for found, taken, block_metas, result in forked_blocks(
+                file.rollouts, vocab_size=file.info.vocab_size, num_experts=file.info.num_experts,
+                block_size=file.block_size, workers=workers, work=self._mapped(fn)):
+            names |= found
+            if taken:
+                metas.extend(block_metas)
+                any_taken = True
+                yield result
+        if not any_taken:  # a shard that takes no block: one empty block, every column of it
+            yield fn(self.filled(-1, [], []))
+        self.finish(names, metas)
+
+    def _mapped(self, fn: Callable[[Block], T]) -> Callable[[int, list[int], list[Rollout]], tuple]:
+        """What a forked reader does with each block: its names and sampler settings for the
+        checks across the file, and fn of it filled when the shard takes it."""
+        shard = self.file.shard
+
+        def mapped(block: int, indices: list[int], selected: list[Rollout]) -> tuple[set[str], bool, list, Any]:
+            taken = shard is None or shard.takes(block)  # every block is read; a shard maps its own
+            return (extra_names(selected), taken, sampler_metas(selected) if taken else [],
+                    fn(self.filled(block, indices, selected)) if taken else None)
+        return mapped
+
+    def finish(self, names: set[str], metas: list[dict[str, Any]]) -> None:
+        """After the one pass of a stored-only replay: its names checked, the sampler's settings."""
+        check_stored_names(self.specs, names)
+        self.engines["sampler"]["meta"] = sampler_meta(metas)
+
+
+def _or_empty(blocks: Iterator[FoundBlock]) -> Iterator[FoundBlock]:
+    """The blocks, or one empty block when the shard takes none: its table has every column."""
+    empty = True
+    for found in blocks:
+        empty = False
+        yield found
+    if empty:
+        yield -1, [], []
+
+
+class Replayed:
+    """A replay's results, block by block: `blocks()` is one pass over the selected blocks, each
+    planned from the rollouts file again and filled from the engines' saved columns, so a pass holds
+    one block in memory, not the run. `table`, `plan` and `rollouts` put every block together, for
+    the callers that need them all at once (diff, the library, the layer localizer)."""
+
+    def __init__(self, *, engines: dict[str, Any], routing: dict[str, list[StreamRouting]],
+                 filled: FilledBlocks) -> None:
+        self.engines = engines   # source -> describe() (the sampler's declared settings too)
+        self.routing = routing   # source -> each request's MoE routing, where recorded
+        self._filled = filled
+        self._whole: tuple[list[Rollout], ReplayPlan] | None = None
+
+    def blocks(self) -> Iterator[Block]:
+        return self._filled.blocks()
+
+    def map_blocks(self, fn: Callable[[Block], T], workers: int = 1) -> Iterator[T]:
+        """fn of each block, in order. With `workers` > 1, a replay of stored log-probs from a JSONL
+        file reads, checks, plans and maps its blocks in that many forked readers (fn's results
+        travel back pickled); the same results, the same first error."""
+        if workers > 1 and self._filled.forkable:
+            yield from self._filled.forked(fn, workers)
+            return
+        for block in self.blocks():
+            yield fn(block)
+
+    def _gathered(self) -> tuple[list[Rollout], ReplayPlan]:
+        if self._whole is None:
+            blocks = list(self.blocks())
+            rollouts = [rollout for block in blocks for rollout in block.rollouts]
+            self._whole = (rollouts, _whole_plan([block.plan for block in blocks]))
+        return self._whole
+
+    @property
+    def rollouts(self) -> list[Rollout]:
+        return self._gathered()[0]
+
+    @property
+    def plan(self) -> ReplayPlan:
+        return self._gathered()[1]
+
+    @property
+    def table(self) -> pd.DataFrame:
+        return self._gathered()[1].table
+
+
+def _whole_plan(plans: list[ReplayPlan]) -> ReplayPlan:
+    """The blocks' plans as one (a stored name a block lacks is NaN on its rows)."""
+    table = concat_tables([plan.table for plan in plans])
+    names = {name for plan in plans for name in plan.stored}
+    stored = {name: np.concatenate([plan.stored.get(name, np.full(plan.num_scored, np.nan))
+                                    for plan in plans]) if plans else np.empty(0) for name in names}
+    return ReplayPlan(requests=[request for plan in plans for request in plan.requests],
+                      request_block=np.concatenate([plan.request_block for plan in plans])
+                      if plans else np.empty(0, dtype=np.int64), table=table, stored=stored)

@@ -1,0 +1,94 @@
+"""How the rollout checks report a problem: one `RolloutError` per broken rule, each one line.
+
+`Problems` gathers a rollout's errors (file:line, rollout, field, reason); the helpers word the
+values and names a reason quotes, cut short. The rules that use them are `rules`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from mismatch.errors import RolloutError
+
+MAX_NAME_CHARS = 60  # ids and names quoted in an error message are cut to this
+
+_JSON_TYPE_NAMES = {dict: "object", list: "array", str: "string", bool: "boolean",
+                    int: "number", float: "number", type(None): "null"}
+INT_TYPES = frozenset({int})
+NUMBER_TYPES = frozenset({int, float})  # bool is excluded on purpose: type(True) is bool
+
+
+@dataclass(slots=True)
+class Problems:
+    """The errors of one rollout (a line or row of a file), in the order the rules find them."""
+
+    file: str
+    line: int
+    rollout: str | None = None
+    errors: list[RolloutError] = field(default_factory=list)
+
+    def add(self, where: str | None, reason: str) -> None:
+        self.errors.append(RolloutError(reason, file=self.file, line=self.line,
+                                        rollout=self.rollout, field=where))
+
+
+# ---------------------------------------------------------------------------------------------
+# Words: values and names as a one-line message shows them
+
+
+def json_type(value: object) -> str:
+    return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def show(value: object) -> str:
+    """A value as the user wrote it (JSON), cut short so a reason stays one line."""
+    try:
+        text = json.dumps(value, default=repr)
+    except (RecursionError, ValueError):  # nested too deeply to print, or an int too long for str()
+        return f"<{json_type(value)} too large to show>"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def name(text: str) -> str:
+    """repr() of an id or name for a message, cut to MAX_NAME_CHARS (a 10 MB id stays one short line)."""
+    return repr(text) if len(text) <= MAX_NAME_CHARS else repr(text[:MAX_NAME_CHARS]) + "..."
+
+
+def short_id(text: str | None) -> str | None:
+    """A rollout or branch id as messages show it: cut to MAX_NAME_CHARS so the message stays short."""
+    if text is None or len(text) <= MAX_NAME_CHARS:
+        return text
+    return text[:MAX_NAME_CHARS] + "..."
+
+
+def key_path(key: object) -> str:
+    if isinstance(key, str) and key.isidentifier() and len(key) <= MAX_NAME_CHARS:
+        return f".{key}"
+    return f"[{show(key)}]"
+
+
+def layers_by_k(shape: tuple[int, ...]) -> str:
+    return f"{shape[0]} layers x top-{shape[1]}"
+
+
+def first_of(count: int, what: str) -> str:
+    return "" if count == 1 else f" (first of {count} {what})"
+
+
+def nesting(value: object) -> int:
+    """Levels of arrays/objects in a JSON value, counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def first_bad_type(values: list, allowed: frozenset[type]) -> int | None:
+    # set(map(type, ...)) runs in C, so the common all-good case costs no Python loop per token.
+    if set(map(type, values)) <= allowed:
+        return None
+    return next(i for i, v in enumerate(values) if type(v) not in allowed)
