@@ -22,7 +22,9 @@ from mismatch.analysis.chunked import Analysis, run_passes
 from mismatch.analysis.per_rollout import PerRollout
 from mismatch.analysis.clip import ClipRange
 from mismatch.frameworks.metrics import FrameworkMetrics
-from mismatch.audit import SummaryAnalyses, audit_pairs, report_digestion
+from mismatch.pipeline.audit import audit_pairs
+from mismatch.pipeline.stages import report_digestion
+from mismatch.pipeline.summary import SummaryAnalyses
 from mismatch.batch import tune_for_batch
 from mismatch.localize.turns import TurnLocalizer
 from mismatch.results import TOKENS_FILE, TokenStore, tokens_chunks
@@ -63,7 +65,7 @@ def main() -> None:
     summary = SummaryAnalyses(pairs, ClipRange())
     analyses: list[Analysis] = [*summary.analyses, TreeSums(pairs), FrameworkMetrics(pairs),
                                 TurnLocalizer("train", "sampler"), CorrectionSimulator(),
-                                AlignmentCheck(sampler_meta={}), PerRollout(pairs), report_digestion(store)]
+                                AlignmentCheck(sampler_meta={}), PerRollout(pairs), report_digestion(store, pairs)]
     reading, _ = timed_passes(chunks, None)
     found = {"rows": rows, "one_reading_s": round(reading, 2)}
     for analysis in analyses:

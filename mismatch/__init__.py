@@ -7,8 +7,6 @@ The library API; `mismatch.cli` is a thin layer over it. The public names load o
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -21,12 +19,12 @@ _LAZY = {
     "pair_metrics": "mismatch.analysis.metrics", "summarize_pairs": "mismatch.analysis.metrics",
     "iter_rollouts": "mismatch.rollouts", "load_rollouts": "mismatch.rollouts",
     "validate_file": "mismatch.rollouts",
-    "AuditResult": "mismatch.audit", "audit": "mismatch.audit",
+    "AuditResult": "mismatch.pipeline.audit", "audit": "mismatch.pipeline.audit",
 }
 
 if TYPE_CHECKING:
     from mismatch.analysis.metrics import PAIR_METRICS, metrics_by, pair_metrics, summarize_pairs
-    from mismatch.audit import AuditResult, audit
+    from mismatch.pipeline.audit import AuditResult, audit
     from mismatch.rollouts import iter_rollouts, load_rollouts, validate_file
 
 
@@ -40,18 +38,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value: Any) -> None:
-        # `import mismatch.audit` ends by binding the submodule over the package attribute of the
-        # same name; `mismatch.audit` is the function, whichever was imported first.
-        if name == "audit" and isinstance(value, types.ModuleType):
-            value = value.audit
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 __all__ = ["PAIR_METRICS", "AuditResult", "MismatchError", "RolloutError", "audit", "iter_rollouts",

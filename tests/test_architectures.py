@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mismatch.audit import audit
+from mismatch.pipeline.audit import audit
 from mismatch.cli import main
 from mismatch.demo.architectures import ARCHITECTURES
 from mismatch.engines import load_engine

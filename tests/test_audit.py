@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from mismatch.audit import audit
+from mismatch.pipeline.audit import audit
 from mismatch.cli import main
 from mismatch.analysis.metrics import PAIR_METRICS
 

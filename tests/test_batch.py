@@ -56,7 +56,7 @@ def test_freed_chunks_are_reused_not_faulted_in_again() -> None:
 def test_the_console_script_tunes_its_process_and_the_library_does_not() -> None:
     probe = ("import atexit, gc, json, sys\n"
              "start = gc.get_threshold()\n"
-             "import mismatch, mismatch.audit, mismatch.cli\n"
+             "import mismatch, mismatch.pipeline.audit, mismatch.cli\n"
              "library = gc.get_threshold()\n"
              "atexit.register(lambda: print(json.dumps([start, library, gc.get_threshold()])))\n"
              "sys.argv = ['mismatch', '--version']\n"

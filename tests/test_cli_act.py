@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mismatch.audit import audit
+from mismatch.pipeline.audit import audit
 from mismatch.cli import main
 
 
@@ -239,7 +239,7 @@ def test_json_stdout_holds_only_the_json(tmp_path, capsys, monkeypatch) -> None:
 
     from test_golden import GOLDEN, stored_checkpoint
 
-    audit_module = importlib.import_module("mismatch.audit")  # the module (mismatch.audit is the function)
+    audit_module = importlib.import_module("mismatch.pipeline.audit")
 
     analyze = audit_module.analyze_audit
 
@@ -262,7 +262,7 @@ def test_dependency_warnings_go_to_a_log_in_the_results_dir(tmp_path, capsys, mo
 
     from test_golden import GOLDEN, stored_checkpoint
 
-    audit_module = importlib.import_module("mismatch.audit")
+    audit_module = importlib.import_module("mismatch.pipeline.audit")
     analyze = audit_module.analyze_audit
 
     def warns(*args, **kwargs):

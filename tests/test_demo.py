@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import REPO
 from mismatch.results import validate_summary
-from mismatch.audit import audit
+from mismatch.pipeline.audit import audit
 from mismatch.demo import DEMO_INFER, vllm_available
 from mismatch.rollouts import load_rollouts
 

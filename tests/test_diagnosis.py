@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import faults_matrix as fm
-from mismatch.audit import audit
+from mismatch.pipeline.audit import audit
 from test_layers import planted
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

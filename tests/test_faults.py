@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from mismatch.audit import audit
+from mismatch.pipeline.audit import audit
 from mismatch.cli import main
-from mismatch.merge import merge
+from mismatch.pipeline.merge import merge
 from mismatch.replay import Shard
 from mismatch.results import WorkDir
 from test_golden import GOLDEN, stored_checkpoint

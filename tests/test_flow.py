@@ -31,7 +31,7 @@ def test_one_audit_loads_each_engine_once_and_runs_each_stage_once(tiny_checkpoi
                                                                      tmp_path, monkeypatch) -> None:
     passes = importlib.import_module("mismatch.replay.passes")  # loads each engine
     blocks = importlib.import_module("mismatch.replay.blocks")  # plans each block
-    audit_module = importlib.import_module("mismatch.audit")
+    audit_module = importlib.import_module("mismatch.pipeline.audit")
     calls: list[str] = []
 
     def counted(module, name, label=None):
@@ -47,14 +47,15 @@ def test_one_audit_loads_each_engine_once_and_runs_each_stage_once(tiny_checkpoi
     monkeypatch.setattr(passes, "load_engine", lambda spec, checkpoint: (loads.append(spec.text),
                                                                         original_load(spec, checkpoint))[1])
     counted(blocks, "plan_replay")
-    for name in ("check_alignment", "analyze_audit", "write_summary_files", "replay_processed"):
+    for name in ("check_alignment", "analyze_audit", "replay_processed"):
         counted(audit_module, name)
+    counted(importlib.import_module("mismatch.pipeline.stages"), "publish")
     result = audit_module.audit(tiny_checkpoint, processed_rollouts, train="hf", infer="hf-decode:dtype=bfloat16",
                                 out=tmp_path / "o")
     assert loads == ["hf", "hf-decode:dtype=bfloat16"]  # the processed column came with the trainer's load
     # The file is one block: planned once per engine (each streams the file) and once more when
     # the results are stored; no replay_processed: it was planned, not run after the fact.
-    assert calls == ["plan_replay"] * 3 + ["check_alignment", "analyze_audit", "write_summary_files"]
+    assert calls == ["plan_replay"] * 3 + ["check_alignment", "analyze_audit", "publish"]
     assert "logp_train_processed" in result.tokens.columns
     assert result.summary["engines"]["train"]["processed"] == {"temperature": 0.7, "top_k": -1, "top_p": 1.0}
     assert "train_processed/sampler" in result.summary["pairs"]
@@ -94,21 +95,22 @@ def test_localize_with_a_shard_is_refused_before_any_replay(tiny_checkpoint, tmp
 
 def test_the_model_localizers_are_a_stage_of_the_work_dir(tiny_checkpoint, tmp_path, monkeypatch) -> None:
     """A rerun after a kill past the localizers reads their result from the work dir."""
-    audit_module = importlib.import_module("mismatch.audit")
+    audit_module = importlib.import_module("mismatch.pipeline.audit")
     example = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
     calls = []
     original = audit_module.run_model_localizers
     monkeypatch.setattr(audit_module, "run_model_localizers", lambda *a, **k: (calls.append(1), original(*a, **k))[1])
-    real_publish = audit_module.write_summary_files
+    stages = importlib.import_module("mismatch.pipeline.stages")
+    real_publish = stages.publish
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt  # as a kill after the localizers, before publishing
-    monkeypatch.setattr(audit_module, "write_summary_files", killed)
+    monkeypatch.setattr(stages, "publish", killed)
     with pytest.raises(KeyboardInterrupt):
         audit_module.audit(tiny_checkpoint, example, train="hf", infer="hf:dtype=bfloat16", out=tmp_path / "o",
                            localize_models=True)
     assert calls == [1] and (tmp_path / ".o.work" / "stage-localize.json").is_file()
-    monkeypatch.setattr(audit_module, "write_summary_files", real_publish)
+    monkeypatch.setattr(stages, "publish", real_publish)
     result = audit_module.audit(tiny_checkpoint, example, train="hf", infer="hf:dtype=bfloat16", out=tmp_path / "o",
                                 localize_models=True)
     assert calls == [1]  # not run again

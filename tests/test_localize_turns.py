@@ -184,7 +184,7 @@ def _perturbed_rollouts(path: Path, *, from_turn: int, delta: float) -> Path:
 
 
 def test_replayed_rollouts_clean_and_with_a_planted_turn_fault(tiny_checkpoint, tmp_path) -> None:
-    from mismatch.audit import audit
+    from mismatch.pipeline.audit import audit
 
     clean = audit(tiny_checkpoint, EXAMPLE_ROLLOUTS, train="hf", infer="sampler").tokens
     assert localize_turns(clean)["onset_turn"] is None

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis.prefixes import prefix_consistency, prefix_keys
-from mismatch.audit import audit
+from mismatch.pipeline.audit import audit
 from mismatch.engines import ReplayRequest
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"

@@ -88,7 +88,8 @@ def audit_dir(root: Path, rollouts: list[dict[str, Any]], *, seed: int = 0, wors
               extra: dict[str, Any] | None = None) -> Path:
     """An audit results dir from mismatch's own summary builder; `worst` gets one big log-ratio."""
     from mismatch.analysis.chunked import table_chunks
-    from mismatch.audit import AUDIT_PAIRS, build_summary
+    from mismatch.pipeline.audit import AUDIT_PAIRS
+    from mismatch.pipeline.summary import build_summary
     from mismatch.results import write_results
 
     rng = np.random.default_rng(seed)
@@ -112,8 +113,9 @@ def audit_dir(root: Path, rollouts: list[dict[str, Any]], *, seed: int = 0, wors
 
 def diff_dir(root: Path) -> Path:
     from mismatch.analysis.chunked import table_chunks
-    from mismatch.audit import build_summary
-    from mismatch.diff import DIFF_PAIRS, compare_configs
+    from mismatch.analysis.comparison import compare_configs
+    from mismatch.pipeline.diff import DIFF_PAIRS
+    from mismatch.pipeline.summary import build_summary
     from mismatch.results import write_results
 
     rng = np.random.default_rng(1)
@@ -126,7 +128,8 @@ def diff_dir(root: Path) -> Path:
                "b": {"spec": "hf:dtype=float32", "tokens_per_s": 500.0}, "reference": {"spec": "hf"}}
     summary = build_summary(table_chunks(table), engines=engines, checkpoint="ckpt", rollouts_file="rollouts.jsonl",
                             pairs=DIFF_PAIRS, command="diff")
-    summary["diff"] = compare_configs(table, summary, num_bootstrap=200)
+    summary["diff"] = {**compare_configs(table_chunks(table), num_bootstrap=200),
+                       "throughput_tokens_per_s": {"a": 900.0, "b": 500.0}}
     return write_results(root, tokens=table, summary=summary, force=False)
 
 
@@ -175,7 +178,7 @@ def hostile_report(tmp_path_factory: pytest.TempPathFactory, word_tokenizer: Pat
 @pytest.fixture(scope="module")
 def demo_report(tiny_checkpoint: Path, sampled_rollouts: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo's audit (tiny checkpoint, toy-agent rollouts, fp32 trainer vs bf16 decode), reported."""
-    from mismatch.audit import audit
+    from mismatch.pipeline.audit import audit
     from mismatch.demo import DEMO_INFER, DEMO_TRAIN
 
     out = tmp_path_factory.mktemp("demo") / "audit"

@@ -79,7 +79,7 @@ MEASURE = """() => {
 
 def long_summary(table) -> dict[str, Any]:
     from mismatch.analysis.chunked import table_chunks
-    from mismatch.audit import build_summary
+    from mismatch.pipeline.summary import build_summary
 
     engines = {TRAIN: {"kind": "hf", "spec": "hf:dtype=bfloat16,attn_implementation=flash_attention_2"},
                SAMPLER: {"kind": "stored", "spec": "vllm:quantization=fp8,kv_cache_dtype=fp8_e5m2"},

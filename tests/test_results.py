@@ -49,8 +49,8 @@ def test_empty_table(tmp_path):
 
 
 def test_the_shipped_schema_describes_what_an_audit_and_a_merge_write(tmp_path):
-    from mismatch.audit import audit
-    from mismatch.merge import merge
+    from mismatch.pipeline.audit import audit
+    from mismatch.pipeline.merge import merge
     from mismatch.analysis.metrics import PAIR_METRICS
     from mismatch.replay import Shard
     from mismatch.results import summary_schema, validate_summary

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mismatch.audit import audit
+from mismatch.pipeline.audit import audit
 from mismatch.cli import main
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
@@ -94,7 +94,7 @@ def test_the_audit_recommends_routing_replay_exactly_when_flips_carry_most_of_th
 
 
 def test_sharded_routing_merges_to_one_runs_counts(moe, tmp_path) -> None:
-    from mismatch.merge import merge
+    from mismatch.pipeline.merge import merge
     from mismatch.replay import Shard
 
     specs = {"train": "hf:dtype=bfloat16", "infer": "hf:dtype=float32"}

@@ -15,9 +15,9 @@ import pandas as pd
 import pytest
 
 from conftest import REPO
-from mismatch.audit import audit
+from mismatch.pipeline.audit import audit
 from mismatch.cli import main
-from mismatch.merge import merge
+from mismatch.pipeline.merge import merge
 from mismatch.replay import Shard
 
 EXAMPLE = REPO / "examples/rollouts.jsonl"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from mismatch.audit import audit
+from mismatch.pipeline.audit import audit
 from mismatch.cli import main
 from mismatch.engines import load_engine, parse_spec
 from mismatch.errors import SpecError

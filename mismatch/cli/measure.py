@@ -1,6 +1,6 @@
 """The commands that measure and judge the gap: audit, diff, merge, recommend, gate.
 
-Each parses, calls the library (mismatch.audit, .diff, .merge, .advise), prints.
+Each parses, calls the library (mismatch.pipeline: audit, diff, merge; mismatch.advise), prints.
 """
 
 from __future__ import annotations
@@ -53,14 +53,15 @@ def audit(
 
     Rerunning the same command after an interruption resumes from the finished blocks."""
     from mismatch.analysis.clip import ClipRange
-    from mismatch.audit import audit as run_audit
+    from mismatch.pipeline.audit import run_audit
+    from mismatch.pipeline.options import AuditOptions
 
     clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
     target = target_for(framework)
     with dependency_log(out), replay_progress(not as_json) as progress:
-        result = run_audit(checkpoint, rollouts, train=train, infer=infer, out=out, force=force,
-                           localize_models=localize, shard=shard_for(shard), block_size=block_size,
-                           progress=progress, clip=clip, probe=probe)
+        result = run_audit(checkpoint, rollouts, AuditOptions(
+            train=train, infer=infer, out=out, force=force, localize_models=localize, shard=shard_for(shard),
+            block_size=block_size, progress=progress, clip=clip, probe=probe))
     if as_json:
         emit_json(result.summary)
         return
@@ -84,11 +85,13 @@ def diff(
     as_json: JsonFlag = False,
 ) -> None:
     """Replay two engine configs against a reference: which is closer, by how much, where, how fast."""
-    from mismatch.diff import diff as run_diff
+    from mismatch.pipeline.diff import run_diff
+    from mismatch.pipeline.options import DiffOptions
 
     with dependency_log(out), replay_progress(not as_json) as progress:
-        result = run_diff(checkpoint, rollouts, a=a, b=b, reference=reference, out=out, force=force,
-                          shard=shard_for(shard), block_size=block_size, progress=progress)
+        result = run_diff(checkpoint, rollouts, DiffOptions(
+            a=a, b=b, reference=reference, out=out, force=force, shard=shard_for(shard), block_size=block_size,
+            progress=progress))
     if as_json:
         emit_json(result.summary)
         return
@@ -104,7 +107,7 @@ def merge(
     as_json: JsonFlag = False,
 ) -> None:
     """Combine the results of `--shard I/N` runs into the results of one run."""
-    from mismatch.merge import merge as run_merge
+    from mismatch.pipeline.merge import merge as run_merge
 
     summary = run_merge(dirs, out, force=force)
     if as_json:

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from mismatch.audit import AuditResult, audit
+from mismatch.pipeline.audit import AuditResult, audit
 from mismatch.replay import ProgressFactory
 from mismatch.results import is_results_dir
 
