@@ -19,6 +19,7 @@ from mismatch.analysis.chunked import Chunk, Chunks, run_passes
 MEAN_METRICS = ("log_ratio_abs_mean", "kl_k1", "kl_k2", "kl_k3", "chi2_token",
                 "prob_abs_diff_mean", "frac_outside_2", "bitwise_equal_frac")
 NUM_BOOTSTRAP = 1000
+BOOTSTRAP_BATCH = 50  # draws resampled at a time
 POSITION_BIN = 256  # where_they_differ's position bins, in tokens
 WORST_COLUMNS = ("rollout", "branch", "pos", "token_id", "logp_a", "logp_b", "logp_reference")
 
@@ -143,19 +144,28 @@ def bootstrap_from_sums(sums_a: pd.DataFrame, sums_b: pd.DataFrame, *, seed: int
 
     Mean-type metrics are ratios of per-rollout sums, so each resample is a weighted sum
     (multinomial counts × per-rollout sums): vectorized, no replay and no Python loop per draw.
+    The draws are made BOOTSTRAP_BATCH at a time (the same stream of draws as all at once), so the
+    counts in memory are a batch's, not (draws × rollouts).
     """
     num_rollouts = len(sums_a)
     rng = np.random.default_rng(seed)
-    counts_SR = rng.multinomial(num_rollouts, np.full(num_rollouts, 1.0 / max(num_rollouts, 1)),
-                                size=num_bootstrap).astype(np.float64)
+    uniform = np.full(num_rollouts, 1.0 / max(num_rollouts, 1))
+    columns = ["n", *MEAN_METRICS]
+    values_a, values_b = sums_a[columns].to_numpy(np.float64), sums_b[columns].to_numpy(np.float64)
+    draws_a, draws_b = [], []
+    for start in range(0, num_bootstrap if num_rollouts else 0, BOOTSTRAP_BATCH):
+        counts_SR = rng.multinomial(num_rollouts, uniform, size=min(BOOTSTRAP_BATCH, num_bootstrap - start))
+        counts_SR = counts_SR.astype(np.float64)
+        draws_a.append(counts_SR @ values_a)
+        draws_b.append(counts_SR @ values_b)
     out: dict[str, Any] = {}
-    for name in MEAN_METRICS:
+    for column, name in enumerate(MEAN_METRICS, start=1):
         with np.errstate(invalid="ignore", divide="ignore"):
             point_a = sums_a[name].sum() / sums_a["n"].sum()
             point_b = sums_b[name].sum() / sums_b["n"].sum()
-            draws_a = counts_SR @ sums_a[name].to_numpy() / (counts_SR @ sums_a["n"].to_numpy())
-            draws_b = counts_SR @ sums_b[name].to_numpy() / (counts_SR @ sums_b["n"].to_numpy())
-        low, high = np.nanquantile(draws_b - draws_a, [0.025, 0.975]) if num_rollouts else (np.nan, np.nan)
+            delta_S = (np.concatenate([d[:, column] / d[:, 0] for d in draws_b])
+                       - np.concatenate([d[:, column] / d[:, 0] for d in draws_a])) if draws_a else np.empty(0)
+        low, high = np.nanquantile(delta_S, [0.025, 0.975]) if len(delta_S) else (np.nan, np.nan)
         out[name] = {"a": float(point_a), "b": float(point_b), "delta": float(point_b - point_a),
                      "ci95": [float(low), float(high)]}
     return out

@@ -287,7 +287,7 @@ def _read_by(request: urllib.request.Request, deadline: float) -> bytes:
 
 def _number(value: Any, root: str, position: int) -> float:
     """A log-prob from a server's JSON; vLLM's -9999 floor is probability 0 (-inf). Whether it is
-    a valid log-prob (<= 0, not NaN) is checked for every engine at one boundary (replay.py)."""
+    a valid log-prob (<= 0, not NaN) is checked for every engine at one boundary (mismatch/replay/checks.py)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise MismatchError(f"server at {root}: log-prob at position {position} is not a number "
                             f"({str(value)[:40]})")
