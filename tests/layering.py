@@ -44,6 +44,7 @@ LAYERS = (
 # Beyond the layers: (importer package, what it must never import).
 FORBIDDEN = (
     ("reports", ("engines", "replay", "localize", "probes")),
+    ("analysis", ("engines", "weights")),  # the token table in, numbers out: no model, no engine
 )
 
 

@@ -19,7 +19,7 @@ import pandas as pd
 from mismatch.analysis.chunked import Chunk, Chunks, run_passes, table_chunks
 from mismatch.analysis.moments import Moments
 from mismatch.analysis.groups import find_spans, key_codes
-from mismatch.engines.processing import Sampling  # plain data: the sampler's declared processing
+from mismatch.streams import Sampling  # the sampler's declared processing
 from mismatch.errors import MismatchError
 
 SHIFTS = (-1, 0, 1)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from mismatch.engines.processing import Sampling
+from mismatch.streams import Sampling
 from mismatch.streams import ReplayRequest, StreamRouting
 
 ProgressFn = Callable[[int], None]  # called with the number of tokens just scored

@@ -18,7 +18,8 @@ import numpy as np
 from mismatch.checkpoint import CheckpointInfo, checkpoint_info, load_model
 from mismatch.engines.contract import Capabilities, ProgressFn, ReplayRequest
 from mismatch.engines.logprobs import DEFAULT_CHUNK, token_logprobs
-from mismatch.engines.processing import Sampling, processed_token_logprobs
+from mismatch.engines.processing import processed_token_logprobs
+from mismatch.streams import Sampling
 from mismatch.engines.routing import RoutingRecorder, check_mode, forced_routing, routers
 from mismatch.streams import StreamRouting
 from mismatch.engines.spec import EngineSpec, options_from

@@ -1,35 +1,13 @@
 """The sampler's logit processing (temperature, top-k, top-p) as a torch engine applies it to its
 last step, so the trainer's log-probs can be compared like for like with processed stored ones.
 
-`Sampling` is plain data (read from meta.sampler, checked by the alignment analysis); the torch
-math imports torch lazily, so `Sampling` costs no torch import.
+`Sampling` is plain data in mismatch.streams (read from meta.sampler, checked by the alignment
+analysis); the torch math here imports torch lazily.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class Sampling:
-    """The sampler's logit processing, in vLLM's order: temperature, then top-k, then top-p."""
-
-    temperature: float = 1.0
-    top_k: int = -1       # -1 or 0: off
-    top_p: float = 1.0    # 1.0: off
-
-    @classmethod
-    def from_meta(cls, meta: dict[str, Any] | None) -> Sampling:
-        """From `meta.sampler` (temperature, top_k, top_p; missing keys mean off)."""
-        meta = meta or {}
-        return cls(temperature=float(meta.get("temperature", 1.0) or 1.0),
-                   top_k=int(meta.get("top_k", -1) if meta.get("top_k") is not None else -1),
-                   top_p=float(meta.get("top_p", 1.0) if meta.get("top_p") is not None else 1.0))
-
-    @property
-    def is_identity(self) -> bool:
-        return self.temperature == 1.0 and self.top_k <= 0 and self.top_p >= 1.0
+from mismatch.streams import Sampling  # noqa: F401  (plain data: what the engine is asked to apply)
 
 
 def processed_logprobs(logits_CV, sampling: Sampling):

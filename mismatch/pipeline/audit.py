@@ -25,7 +25,7 @@ from mismatch.frameworks.metrics import FrameworkMetrics, settings_used
 from mismatch.analysis.prefixes import PrefixConsistency
 from mismatch.analysis.routing import routing_summary, token_routing
 from mismatch.engines import TORCH_KINDS, parse_spec
-from mismatch.engines.processing import Sampling
+from mismatch.streams import Sampling
 from mismatch.errors import MismatchError
 from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers

@@ -16,7 +16,7 @@ import pandas as pd
 from mismatch.checkpoint import CheckpointInfo, resolve_attn
 from mismatch.engines import MODEL_KINDS, TORCH_KINDS, EngineSpec, engine_capabilities
 from mismatch.engines.contract import ProgressFn, replay_asking
-from mismatch.engines.processing import Sampling
+from mismatch.streams import Sampling
 from mismatch.errors import CheckpointError, EngineError, RolloutError, SpecError
 from mismatch.replay.blocks import FileBlocks, FileScan
 from mismatch.rollouts import full_routed_experts

@@ -17,7 +17,7 @@ import numpy as np
 from mismatch.checkpoint import checkpoint_info
 from mismatch.engines import TORCH_KINDS, Engine, EngineSpec, ProgressFn, check_spec, engine_capabilities, load_engine
 from mismatch.engines.contract import recorded_routing
-from mismatch.engines.processing import Sampling
+from mismatch.streams import Sampling
 from mismatch.errors import SpecError
 from mismatch.replay.blocks import FileBlocks, sampler_meta, scan_file
 from mismatch.replay.checks import (

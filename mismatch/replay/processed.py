@@ -14,7 +14,7 @@ import numpy as np
 
 from mismatch.checkpoint import checkpoint_info
 from mismatch.engines import engine_capabilities, load_engine
-from mismatch.engines.processing import Sampling
+from mismatch.streams import Sampling
 from mismatch.errors import SpecError
 from mismatch.replay.checks import check_column, replay_column
 from mismatch.replay.plan import ReplayPlan, plan_replay
