@@ -19,14 +19,14 @@ from mismatch.advise.advice import advise
 from mismatch.advise.corrections import CorrectionSimulator
 from mismatch.analysis.alignment import AlignmentCheck, check_alignment
 from mismatch.analysis.chunked import Analysis, Chunks, run_passes
-from mismatch.analysis.per_rollout import PerRollout
 from mismatch.analysis.clip import ClipRange
-from mismatch.frameworks.metrics import FrameworkMetrics, settings_used
+from mismatch.analysis.per_rollout import PerRollout
 from mismatch.analysis.prefixes import PrefixConsistency
 from mismatch.analysis.routing import routing_summary, token_routing
+from mismatch.analysis.trees import TreeSums
 from mismatch.engines import TORCH_KINDS, parse_spec
-from mismatch.streams import Sampling
 from mismatch.errors import MismatchError
+from mismatch.frameworks.metrics import FrameworkMetrics, settings_used
 from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import TurnLocalizer
@@ -35,7 +35,7 @@ from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json
 from mismatch.replay import Replayed, replay_processed
 from mismatch.results import TokenStore, read_tokens, results_lock, staged_tokens
-from mismatch.analysis.trees import TreeSums
+from mismatch.streams import Sampling
 from mismatch.workers import analysis_workers, reading_workers
 
 AUDIT_PAIRS = (("train", "sampler"), ("train", "infer"), ("infer", "sampler"))
