@@ -79,7 +79,7 @@ def synthetic_tokens(num_rollouts: int, seed: int) -> pd.DataFrame:
 
 
 def write_synthetic(out: Path, num_rollouts: int, seed: int) -> dict[str, int]:
-    from mismatch.analysis.chunked import table_chunks
+    from mismatch.results.chunks import table_chunks
     from mismatch.pipeline.audit import AUDIT_PAIRS
     from mismatch.pipeline.summary import build_summary
     from mismatch.results import write_results

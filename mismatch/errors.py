@@ -1,6 +1,6 @@
 """The one exception hierarchy of mismatch: what the user got wrong, and where.
 
-The CLI (`cli.py`) turns any `MismatchError` into one line on stderr and exit code 2;
+The CLI (`cli.main`) turns any `MismatchError` into one line on stderr and exit code 2;
 everything else is a bug and keeps its traceback.
 """
 

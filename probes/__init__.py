@@ -19,8 +19,8 @@ from mismatch.probes import attention, matmul, norm, reductions, router, softmax
 from mismatch.probes.result import SOURCES, ProbeResult
 from mismatch.probes.shapes import ProbeShapes, shapes_from_checkpoint
 
-FAMILIES = {"matmul": matmul.run, "attention": attention.run, "norm": norm.run,
-            "softmax": softmax.run, "reductions": reductions.run, "router": router.run}
+FAMILIES = {"matmul": matmul.probe_family, "attention": attention.probe_family, "norm": norm.probe_family,
+            "softmax": softmax.probe_family, "reductions": reductions.probe_family, "router": router.probe_family}
 
 
 def run_probes(checkpoint_or_shapes: str | Path | ProbeShapes, *, device: str = "auto", seed: int = 0,

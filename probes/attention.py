@@ -276,7 +276,7 @@ def mla_probes(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generato
     return results
 
 
-def run(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> list[ProbeResult]:
+def probe_family(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> list[ProbeResult]:
     batch, length = 4, shapes.tokens
     num_kv_heads, qk_dim, v_dim = attention_dims(shapes)
     scale = shapes.attn_scale

@@ -180,7 +180,7 @@ def tf32(x_ND: torch.Tensor, w_KD: torch.Tensor, *, op: str) -> ProbeResult:
     return measure(fast, exact, family=FAMILY, op=op, variation=variation, source="tf32")
 
 
-def run(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> list[ProbeResult]:
+def probe_family(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> list[ProbeResult]:
     num_rows = shapes.tokens
     results: list[ProbeResult] = []
     weights: dict[str, torch.Tensor] = {}

@@ -84,7 +84,7 @@ def batch_invariance(x_ND: torch.Tensor, w_D: torch.Tensor, *, rows_per_call: in
                    op=op, variation=variation, source=source)
 
 
-def run(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> list[ProbeResult]:
+def probe_family(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> list[ProbeResult]:
     num_rows, hidden = shapes.tokens, shapes.hidden
     x32 = randn(num_rows, hidden, gen=gen, device=device, scale=3.0)  # residual streams are not unit-scale
     w32 = 1.0 + randn(hidden, gen=gen, device=device, scale=0.1)

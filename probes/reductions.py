@@ -38,7 +38,7 @@ def fma_reference(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Te
     return (a.double() * b.double() + c.double()).to(a.dtype)
 
 
-def run(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> list[ProbeResult]:
+def probe_family(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> list[ProbeResult]:
     num_rows = shapes.tokens
     results: list[ProbeResult] = []
     for width in sorted({shapes.hidden, shapes.mlp_intermediate}):

@@ -110,7 +110,7 @@ def near_tie_probes(x32: torch.Tensor, w32: torch.Tensor, moe: MoEShapes) -> lis
     return results
 
 
-def run(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> list[ProbeResult]:
+def probe_family(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> list[ProbeResult]:
     moe = shapes.moe
     if moe is None:
         return []

@@ -51,7 +51,7 @@ def low_precision_sum_exp(logits_NV: torch.Tensor, dtype: torch.dtype, num_block
     return (x_NV - max_N1 - torch.log(total_N.float())[:, None]).to(dtype)
 
 
-def run(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> list[ProbeResult]:
+def probe_family(shapes: ProbeShapes, *, device: torch.device, gen: torch.Generator) -> list[ProbeResult]:
     num_rows, vocab = shapes.tokens, shapes.vocab
     logits32 = randn(num_rows, vocab, gen=gen, device=device, scale=4.0)  # peaky, like a trained model
     op = f"log_softmax N={num_rows} V={vocab}"

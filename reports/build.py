@@ -18,7 +18,7 @@ from typing import Any
 
 import pandas as pd
 
-from mismatch.analysis.chunked import ChunkSource
+from mismatch.results.chunks import ChunkSource
 from mismatch.errors import ReportError, ResultsError
 from mismatch.results import REPORT_FILE, TOKENS_FILE, json_safe, tokens_chunks
 from mismatch.results import read_summary as read_results_summary

@@ -177,7 +177,7 @@ def test_console_script_json_output(tiny_checkpoint, sampled_rollouts, tmp_path)
 
 def test_engine_start_is_a_labelled_phase(tiny_checkpoint, tmp_path) -> None:
     """Each engine's start is announced (total None) before its token bar, and closed when done."""
-    from mismatch.replay import replay_sources
+    from mismatch.replay import ReplayOptions, replay_sources
 
     events = []
 
@@ -186,7 +186,7 @@ def test_engine_start_is_a_labelled_phase(tiny_checkpoint, tmp_path) -> None:
         return lambda done: events.append((label, "done")) if total is None else None
 
     example = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
-    replay_sources(tiny_checkpoint, example, {"train": "hf", "infer": "hf-decode"}, progress=factory)
+    replay_sources(tiny_checkpoint, example, {"train": "hf", "infer": "hf-decode"}, ReplayOptions(progress=factory))
     starts = [(label, total) for label, total in events if total is None or total == "done"]
     assert starts == [("starting train: hf", None), ("starting train: hf", "done"),
                       ("starting infer: hf-decode", None), ("starting infer: hf-decode", "done")]

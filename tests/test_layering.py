@@ -67,3 +67,18 @@ def test_no_function_over_60_lines_and_no_module_over_500():
                 if length > MAX_FUNCTION_LINES:
                     long_functions.append(f"{file.relative_to(REPO)}:{node.lineno} {node.name}: {length} lines")
     assert long_modules == [] and long_functions == []
+
+
+def test_import_mismatch_and_help_load_no_heavy_dependency():
+    """`import mismatch` and `mismatch --help` load neither pandas, torch nor vLLM (ARCHITECTURE.md):
+    the CLI's modules import the library inside their commands."""
+    import json
+    import subprocess
+
+    code = ("import json, sys\nimport mismatch\nsys.argv = ['mismatch', '--help']\nfrom mismatch.cli import run\n"
+            "try:\n    run()\nexcept SystemExit:\n    pass\n"
+            "print('\\nLOADED', json.dumps(sorted({name.split('.')[0] for name in sys.modules})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    loaded = set(json.loads(out.rsplit("LOADED", 1)[1]))
+    assert "Usage" in out and "audit" in out
+    assert loaded.isdisjoint({"pandas", "torch", "vllm", "pyarrow", "transformers"}), loaded & {"pandas", "torch", "vllm"}

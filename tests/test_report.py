@@ -87,7 +87,7 @@ def tokenizer_file(path: Path) -> Path:
 def audit_dir(root: Path, rollouts: list[dict[str, Any]], *, seed: int = 0, worst: str | None = None,
               extra: dict[str, Any] | None = None) -> Path:
     """An audit results dir from mismatch's own summary builder; `worst` gets one big log-ratio."""
-    from mismatch.analysis.chunked import table_chunks
+    from mismatch.results.chunks import table_chunks
     from mismatch.pipeline.audit import AUDIT_PAIRS
     from mismatch.pipeline.summary import build_summary
     from mismatch.results import write_results
@@ -112,7 +112,7 @@ def audit_dir(root: Path, rollouts: list[dict[str, Any]], *, seed: int = 0, wors
 
 
 def diff_dir(root: Path) -> Path:
-    from mismatch.analysis.chunked import table_chunks
+    from mismatch.results.chunks import table_chunks
     from mismatch.analysis.comparison import compare_configs
     from mismatch.pipeline.diff import DIFF_PAIRS
     from mismatch.pipeline.summary import build_summary

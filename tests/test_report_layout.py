@@ -78,7 +78,7 @@ MEASURE = """() => {
 
 
 def long_summary(table) -> dict[str, Any]:
-    from mismatch.analysis.chunked import table_chunks
+    from mismatch.results.chunks import table_chunks
     from mismatch.pipeline.summary import build_summary
 
     engines = {TRAIN: {"kind": "hf", "spec": "hf:dtype=bfloat16,attn_implementation=flash_attention_2"},

@@ -67,13 +67,13 @@ def test_routing_replay_needs_a_router_and_an_engine_to_follow(moe, tiny_checkpo
 def test_routing_survives_a_resume(moe, tmp_path) -> None:
     """The routing of finished blocks is kept in the work dir with their log-probs: a rerun that
     replays nothing has every stream's routing back, bit for bit."""
-    from mismatch.replay import replay_sources
+    from mismatch.replay import ReplayOptions, replay_sources
     from mismatch.results import WorkDir
 
     roles = {"train": "hf:dtype=bfloat16", "infer": "hf:dtype=float32"}
-    first = replay_sources(moe, EXAMPLE, roles, block_size=4, work=WorkDir(tmp_path / ".o.work", {"run": 1}))
+    first = replay_sources(moe, EXAMPLE, roles, ReplayOptions(block_size=4, work=WorkDir(tmp_path / ".o.work", {"run": 1})))
     assert sorted(p.name for p in (tmp_path / ".o.work").glob("train-routing-*.npz"))[0] == "train-routing-000000.npz"
-    again = replay_sources(moe, EXAMPLE, roles, block_size=4, work=WorkDir(tmp_path / ".o.work", {"run": 1}))
+    again = replay_sources(moe, EXAMPLE, roles, ReplayOptions(block_size=4, work=WorkDir(tmp_path / ".o.work", {"run": 1})))
     assert again.engines["train"]["resumed_blocks"] == 3  # 12 rollouts, 4 a block: nothing replayed
     for role in roles:
         assert len(again.routing[role]) == len(first.routing[role]) == len(first.plan.requests)

@@ -17,7 +17,8 @@ import pandas as pd
 
 from mismatch.advise.correction_modes import DEFAULT_CORRECTIONS, MODES, PROB_GAP_MODES, Correction
 from mismatch.advise.correction_tokens import CorrectionTokens, is_tensor, prepare_tokens, to_numpy
-from mismatch.analysis.chunked import Chunk, Chunks, run_passes, table_chunks
+from mismatch.analysis.chunked import Chunk, Chunks, run_passes
+from mismatch.results.chunks import table_chunks
 from mismatch.analysis.groups import dot
 from mismatch.analysis.span_sums import span_sums
 from mismatch.errors import MismatchError

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis.chunked import Chunk, Chunks, run_passes, table_chunks
+from mismatch.analysis.chunked import Chunk, Chunks, run_passes
+from mismatch.results.chunks import table_chunks
 from mismatch.analysis.moments import Moments
 from mismatch.analysis.groups import find_spans, key_codes
 from mismatch.streams import Sampling  # the sampler's declared processing

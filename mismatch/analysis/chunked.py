@@ -25,7 +25,7 @@ import pandas as pd
 
 from mismatch.analysis.pair_tokens import PairTokens, pair_tokens
 from mismatch.analysis.tokenview import TokenView
-from mismatch.results.chunks import DEFAULT_CHUNK_ROWS, ChunkSource, chunk_bounds, table_chunks  # noqa: F401
+from mismatch.results.chunks import ChunkSource
 from mismatch.workers import fork_jobs
 
 Chunks = Callable[[], Iterable[pd.DataFrame]]  # a fresh pass over the same chunks, each call
@@ -83,7 +83,7 @@ class SideJob(Protocol):
     """Work over the whole run that reads no chunk (one query over the files, say): run once,
     in a process of its own beside the first pass, its state brought back."""
 
-    def run(self) -> None:
+    def compute(self) -> None:
         ...
 
 
@@ -124,7 +124,7 @@ def _one_pass(chunks: Chunks, active: list[Analysis], index: int, side_jobs: lis
         copies, done = found[1:len(parts)], found[len(parts):]
     else:
         for job in side_jobs:
-            job.run()
+            job.compute()
         # The copies the later parts read, as a fork would hand them over: pickled, before the first part.
         copies = [pickle.loads(pickle.dumps(active)) for _ in parts[1:]]
         _read_part(chunks, active, index, parts[0])
@@ -162,7 +162,7 @@ def _read_part(chunks: Chunks, analyses: list[Analysis], index: int, part: tuple
 
 def _run_side_job(job: SideJob) -> SideJob:
     """The job, run (in a fork: sent back to the parent, which adopts its state)."""
-    job.run()
+    job.compute()
     return job
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from mismatch.analysis.chunked import table_chunks
+from mismatch.results.chunks import table_chunks
 from mismatch.analysis.grouped_metrics import OVERALL, GroupedPairMetrics, run_grouped_metrics
 from mismatch.errors import MismatchError
 

@@ -127,13 +127,13 @@ class PrefixConsistency:
         self.sources = list(sources)
         self.found: dict[str, Any] | None = None
 
-    def run(self) -> None:
+    def compute(self) -> None:
         if self.inputs is not None:
             self.found = prefix_consistency(*self.inputs, self.sources)
             self.inputs = None  # a table in memory is not sent back from a worker with the result
 
     def result(self) -> dict[str, Any]:
-        self.run()
+        self.compute()
         assert self.found is not None
         return self.found
 

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis.chunked import Chunk, Chunks, run_passes, table_chunks
+from mismatch.analysis.chunked import Chunk, Chunks, run_passes
+from mismatch.results.chunks import table_chunks
 from mismatch.analysis.grouped_metrics import OVERALL, GroupedPairMetrics
 from mismatch.analysis.moments import Moments
 from mismatch.analysis.metrics import (

@@ -21,7 +21,7 @@ from mismatch.checkpoint import load_tokenizer
 from mismatch.engines import check_spec
 from mismatch.identity import run_inputs
 from mismatch.pipeline.options import RunOptions
-from mismatch.replay import Block, Replayed, replay_sources
+from mismatch.replay import Block, Replayed, ReplayOptions, replay_sources
 from mismatch.results import ROLLOUTS_FILE, TokenStore, WorkDir, check_out_dir, write_summary
 from mismatch.rollouts.drift import find_drift, recorded
 
@@ -60,9 +60,9 @@ def prepare(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str
 def replay(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str], options: RunOptions,
            prepared: Prepared, *, processed_source: str | None, routing_from: str) -> Replayed:
     """Every engine source replayed block by block into the work dir (replay/): the blocks to read."""
-    return replay_sources(checkpoint, rollouts, sources, progress=options.progress, shard=options.shard,
-                          block_size=options.block_size, work=prepared.work, processed_source=processed_source,
-                          routing_from=routing_from)
+    return replay_sources(checkpoint, rollouts, sources, ReplayOptions(
+        progress=options.progress, shard=options.shard, block_size=options.block_size, work=prepared.work,
+        processed_source=processed_source, routing_from=routing_from))
 
 
 def shard_info(options: RunOptions) -> dict[str, Any]:

@@ -1,5 +1,4 @@
 """Recorded exchanges → conversations → format v1 rollout trees, with rewritten history as drift.
-from mismatch.rollouts.drift import drift_edits
 
 Second half of `mismatch record` (the proxy hands every sampled completion here): `Recorder`
 groups exchanges into open conversations by their tokens (or a session key) and `build_rollout`

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from mismatch.replay.blocks import Block, FileBlocks, FileScan, file_blocks, scan_file
 from mismatch.replay.checks import bad_logprob_rows, check_column, replay_column
-from mismatch.replay.passes import ENGINE_FACTS, ProgressFactory, SourcePass, engine_facts, replay_sources
+from mismatch.replay.passes import ENGINE_FACTS, ProgressFactory, ReplayOptions, SourcePass, engine_facts, replay_sources
 from mismatch.replay.plan import DEFAULT_BLOCK, TABLE_KEYS, ReplayPlan, Shard, plan_replay
 from mismatch.replay.processed import declared_processing, recompute_processed, replay_processed
 from mismatch.replay.replayed import FilledBlocks, Replayed, SavedColumns
@@ -16,7 +16,7 @@ from mismatch.rollouts import segment_turns  # its home is rollouts; callers sti
 
 __all__ = [
     "DEFAULT_BLOCK", "ENGINE_FACTS", "TABLE_KEYS", "Block", "FileBlocks", "FileScan", "FilledBlocks",
-    "ProgressFactory", "ReplayPlan", "Replayed", "SavedColumns", "Shard", "SourcePass", "bad_logprob_rows",
+    "ProgressFactory", "ReplayOptions", "ReplayPlan", "Replayed", "SavedColumns", "Shard", "SourcePass", "bad_logprob_rows",
     "check_column", "declared_processing", "engine_facts", "file_blocks", "plan_replay",
     "recompute_processed", "replay_column", "replay_processed", "replay_sources", "scan_file", "segment_turns",
 ]

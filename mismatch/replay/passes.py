@@ -47,10 +47,23 @@ def engine_facts(described: dict[str, Any]) -> dict[str, Any]:
     return {key: described[key] for key in ENGINE_FACTS if key in described}
 
 
-def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str], *,
-                   progress: ProgressFactory | None = None, shard: Shard | None = None,
-                   block_size: int = DEFAULT_BLOCK, work: WorkDir | None = None,
-                   processed_source: str | None = None, routing_from: str | None = None) -> Replayed:
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ReplayOptions:
+    """How a replay runs, beside what it replays: its progress, the slice of blocks (`shard`) and
+    their size, the work dir its columns are saved to, and two roles a command gives its sources:
+    `processed_source`, the torch engine that also replays like the sampler's processed log-probs,
+    and `routing_from`, the source a `routing=replay` engine follows."""
+
+    progress: ProgressFactory | None = None
+    shard: Shard | None = None
+    block_size: int = DEFAULT_BLOCK
+    work: WorkDir | None = None
+    processed_source: str | None = None
+    routing_from: str | None = None
+
+
+def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str],
+                   options: ReplayOptions = ReplayOptions()) -> Replayed:
     """Check everything, replay each engine source block by block, and return the blocks to read.
 
     All input checks (checkpoint, specs, rollouts, stored names, context) come before the first
@@ -58,7 +71,7 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
     checks need; each engine then streams the file block by block. An audit of stored log-probs
     only (`stored:`) loads no engine and reads the file once, in `blocks()`, which raises at the
     end of that pass for a stored name no segment of the file carries.
-    With `work`, each (source, block) result is saved as it finishes and reused on a rerun
+    With `options.work`, each (source, block) result is saved as it finishes and reused on a rerun
     (without one, kept in memory). `processed_source` (a torch engine's source): when the
     rollouts' meta.sampler declares processed log-probs under a non-trivial temperature, top-k or
     top-p, that engine also fills `logp_<source>_processed` under the same processing, like for
@@ -71,29 +84,29 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
     # Every spec checked in full (options, values, dtype) before the rollouts are read and before
     # the first replay: a typo in the second engine's spec must not cost the first one's replay.
     specs = {source: check_spec(text) for source, text in sources.items()}
-    blocks = FileBlocks(rollouts=rollouts, info=info, shard=shard, block_size=block_size)
+    blocks = FileBlocks(rollouts=rollouts, info=info, shard=options.shard, block_size=options.block_size)
     engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler", "meta": {}}}
-    columns = SavedColumns(work)
+    columns = SavedColumns(options.work)
     routing: dict[str, list[StreamRouting]] = {}
     stored_only = all(spec.kind == "stored" for spec in specs.values())
     if stored_only:
         iter_rollouts(rollouts)  # opens nothing yet, but checks the file exists and is readable: now
         engines.update({source: _stored_engine(spec) for source, spec in specs.items()})
     else:
-        routing = _replay_engines(specs, blocks, engines, columns, checkpoint=str(checkpoint), progress=progress,
-                                  processed_source=processed_source, routing_from=routing_from)
+        routing = _replay_engines(specs, blocks, engines, columns, checkpoint=str(checkpoint), options=options)
     filled = FilledBlocks(file=blocks, specs=specs, columns=columns, engines=engines, stored_only=stored_only)
     return Replayed(engines=engines, routing=routing, filled=filled)
 
 
 def _replay_engines(specs: dict[str, EngineSpec], blocks: FileBlocks, engines: dict[str, Any],
-                    columns: SavedColumns, *, checkpoint: str, progress: ProgressFactory | None,
-                    processed_source: str | None, routing_from: str | None) -> dict[str, list[StreamRouting]]:
+                    columns: SavedColumns, *, checkpoint: str,
+                    options: ReplayOptions) -> dict[str, list[StreamRouting]]:
     """The first scan and the checks it allows, then every source in replay order: each source's
     description into `engines`; returns each source's MoE routing, where recorded or stored."""
     scan = scan_file(blocks)
     engines["sampler"]["meta"] = sampler_meta(scan.metas)
     check_before_replay(specs, scan, blocks.info, file=blocks.path)
+    routing_from = options.routing_from
     routing: dict[str, list[StreamRouting]] = {}
     stored = stored_routing(blocks, scan)
     if stored is not None:
@@ -106,11 +119,11 @@ def _replay_engines(specs: dict[str, EngineSpec], blocks: FileBlocks, engines: d
             engines[source] = _stored_engine(spec)
             continue
         processing = (declared_processing(engines["sampler"]["meta"])
-                      if source == processed_source and engine_capabilities(spec).processing else None)
+                      if source == options.processed_source and engine_capabilities(spec).processing else None)
         forced = _forced(source, spec, routing, routing_from)
-        replayer = SourcePass(source, spec, checkpoint=checkpoint, progress=progress, columns=columns,
+        replayer = SourcePass(source, spec, checkpoint=checkpoint, progress=options.progress, columns=columns,
                               processing=processing, forced=forced)
-        described, routed = replayer.run(blocks.planned(), totals)
+        described, routed = replayer.replay_blocks(blocks.planned(), totals)
         engines[source] = _with_replay_facts(described, routing_from if forced is not None else None, processing)
         if routed is not None:
             routing[source] = routed
@@ -190,7 +203,7 @@ class SourcePass:
         self.callback: ProgressFn | None = None
         self.routed: list[StreamRouting] = []
 
-    def run(self, blocks: Iterator[tuple[int, ReplayPlan]],
+    def replay_blocks(self, blocks: Iterator[tuple[int, ReplayPlan]],
             totals: tuple[int, int]) -> tuple[dict[str, Any], list[StreamRouting] | None]:
         """Every block replayed (or resumed); returns the engine's description and each request's
         MoE routing when it records it (else None). `totals`: (tokens fed, tokens scored) of the

@@ -35,7 +35,6 @@ from mismatch.results.names import (
 from mismatch.results.staging import atomic_write_text, check_out_dir, staged_dir
 from mismatch.results.tokens import (
     TOKENS_ROW_GROUP,
-    TakeOnce,
     TokenStore,
     TokensWriter,
     concat_tables,
@@ -50,7 +49,7 @@ from mismatch.results.workdir import WorkDir
 
 __all__ = [
     "DEFAULT_CHUNK_ROWS", "DEPENDENCY_LOG", "REPORT_FILE", "ROLLOUTS_FILE", "SCHEMA_FILE", "STAGE_IN_PLACE",
-    "SUMMARY_FILE", "SUMMARY_SCHEMA", "TOKENS_FILE", "TOKENS_ROW_GROUP", "ChunkSource", "TakeOnce", "TokenStore",
+    "SUMMARY_FILE", "SUMMARY_SCHEMA", "TOKENS_FILE", "TOKENS_ROW_GROUP", "ChunkSource", "TokenStore",
     "TokensWriter", "WorkDir", "atomic_write_text", "check_out_dir", "chunk_bounds", "concat_tables",
     "glob_escape", "is_results_dir", "json_safe", "load_json", "parquet_layout", "read_summary", "read_tokens",
     "results_lock", "staged_dir", "staged_tokens", "summary_schema", "table_chunks", "tokens_chunks",

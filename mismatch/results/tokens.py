@@ -28,26 +28,6 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 
-class TakeOnce:
-    """A value handed on to be consumed once: the receiver `take`s it and the sender keeps no name
-    for it, so it is freed as soon as the receiver is done (a token table of 10^8 rows must not
-    stay in memory while the report reads tokens.parquet back)."""
-
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    @property
-    def value(self) -> Any:
-        """The value, still the TakeOnce's (for a reader that runs before the receiver)."""
-        return self._value
-
-    def take(self) -> Any:
-        value, self._value = self._value, None
-        if value is None:
-            raise RuntimeError("TakeOnce taken twice")
-        return value
-
-
 class TokenStore:
     """The token table of a run being analysed: tokens.parquet in the staged results dir, written
     block by block and read back in chunks of whole rollouts (`chunks`), or, without a results
