@@ -17,9 +17,9 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis.chunked import Chunk, Chunks, run_passes
-from mismatch.results.chunks import table_chunks
+from mismatch.results.chunks import key_codes, table_chunks
 from mismatch.analysis.moments import Moments
-from mismatch.analysis.groups import find_spans, key_codes
+from mismatch.analysis.groups import find_spans
 from mismatch.streams import Sampling  # the sampler's declared processing
 from mismatch.errors import MismatchError
 

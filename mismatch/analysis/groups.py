@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Spans:
     """Maximal stretches of consecutive tokens whose keys are all equal.
@@ -61,21 +62,6 @@ def dot(a: np.ndarray, b: np.ndarray) -> float:
     few cores, fight the rest of the process for them (tree metrics at 10^7 tokens: 38 s through
     `@`, 5 s with one BLAS thread, the same through einsum)."""
     return float(np.einsum("i,i->", a, b))
-
-
-def key_codes(column: pd.Series) -> np.ndarray:
-    """Per-token values that are equal exactly where the keys are (for finding spans).
-
-    Categoricals give their codes and numbers themselves, without a hashing pass; a NaN number
-    differs even from itself, which only starts a new span.
-    """
-    if isinstance(column.dtype, pd.CategoricalDtype):
-        return column.cat.codes.to_numpy()
-    values = column.to_numpy()
-    if values.dtype.kind in "biuf":
-        return values
-    codes, _ = pd.factorize(values, use_na_sentinel=False)
-    return codes
 
 
 def find_spans(keys: Sequence[np.ndarray], num_rows: int, mask: np.ndarray | None = None) -> Spans:

@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis.groups import Grouping, Spans, find_spans, group_spans, key_codes
+from mismatch.analysis.groups import Grouping, Spans, find_spans, group_spans
+from mismatch.results.chunks import key_codes
 from mismatch.errors import MismatchError
 
 DEFAULT_SEQ = ("rollout", "branch")
@@ -135,7 +136,7 @@ class TokenView:
                          rollout=self.rollout_column, mask=mask)
 
     def _key(self, name: str) -> np.ndarray:
-        """Per table row: values equal exactly where the key is (groups.key_codes)."""
+        """Per table row: values equal exactly where the key is (results.chunks.key_codes)."""
         return self.memo(("key", name), lambda: key_codes(self.table[name]))
 
     def _span_codes(self, names: Sequence[str], spans: Spans) -> tuple[np.ndarray, int]:

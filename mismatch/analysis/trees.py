@@ -14,8 +14,8 @@ import pandas as pd
 
 from mismatch.analysis import terms
 from mismatch.analysis.chunked import Chunk, Chunks, run_passes
-from mismatch.results.chunks import table_chunks
-from mismatch.analysis.groups import dot, find_spans, key_codes
+from mismatch.results.chunks import key_codes, table_chunks
+from mismatch.analysis.groups import dot, find_spans
 from mismatch.errors import MismatchError
 from mismatch.rollouts.trees import DEFAULT_MAX_PATHS, GYRE_NORMALIZATION, WEIGHTS
 

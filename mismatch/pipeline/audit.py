@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 
 from mismatch.advise.advice import advise
 from mismatch.advise.corrections import CorrectionSimulator
@@ -34,7 +33,7 @@ from mismatch.pipeline import stages
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json
 from mismatch.replay import Replayed, replay_processed
-from mismatch.results import TokenStore, read_tokens, results_lock, staged_tokens
+from mismatch.results import TokenStore, results_lock, staged_tokens
 from mismatch.streams import Sampling
 from mismatch.workers import analysis_workers, reading_workers
 
@@ -47,17 +46,10 @@ def audit_pairs(columns: Iterable[str]) -> tuple[tuple[str, str], ...]:
     return AUDIT_PAIRS + ((PROCESSED_PAIR,) if "logp_train_processed" in set(columns) else ())
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class AuditResult:
-    summary: dict[str, Any]
-    out: Path | None
-    table: pd.DataFrame | None = None  # kept only without a results dir
+class AuditResult(stages.CommandResult):
+    """An audit's summary.json, results dir, and token table when it wrote no results dir."""
 
-    @property
-    def tokens(self) -> pd.DataFrame:
-        """The token table: as computed without a results dir, else read back from
-        OUT/tokens.parquet (an audit with one never holds its table whole)."""
-        return self.table if self.table is not None else read_tokens(self.out)
+    __slots__ = ()
 
 
 def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf", infer: str = "hf-decode",

@@ -8,34 +8,25 @@ the audit, it holds one block or one chunk of the token table at a time, never t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from mismatch.analysis.chunked import Analysis, Chunks, run_passes
-from mismatch.analysis.per_rollout import PerRollout
 from mismatch.analysis.comparison import ConfigComparison
+from mismatch.analysis.per_rollout import PerRollout
 from mismatch.pipeline import stages
 from mismatch.pipeline.options import DiffOptions
 from mismatch.pipeline.summary import Provenance, SummaryAnalyses, summary_json
-from mismatch.results import read_tokens, results_lock, staged_tokens
+from mismatch.results import results_lock, staged_tokens
 from mismatch.workers import analysis_workers
 
 DIFF_PAIRS = (("a", "reference"), ("b", "reference"), ("a", "b"))
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class DiffResult:
-    summary: dict[str, Any]
-    out: Path | None
-    table: pd.DataFrame | None = None  # kept only without a results dir
+class DiffResult(stages.CommandResult):
+    """A diff's summary.json, results dir, and token table when it wrote no results dir."""
 
-    @property
-    def tokens(self) -> pd.DataFrame:
-        """The token table: as computed without a results dir, else read back from OUT."""
-        return self.table if self.table is not None else read_tokens(self.out)
+    __slots__ = ()
 
 
 def diff(checkpoint: str | Path, rollouts: str | Path, *, a: str, b: str, reference: str = "hf",

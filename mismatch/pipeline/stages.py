@@ -22,11 +22,26 @@ from mismatch.engines import check_spec
 from mismatch.identity import run_inputs
 from mismatch.pipeline.options import RunOptions
 from mismatch.replay import Block, Replayed, ReplayOptions, replay_sources
-from mismatch.results import ROLLOUTS_FILE, TokenStore, WorkDir, check_out_dir, write_summary
+from mismatch.results import ROLLOUTS_FILE, TokenStore, WorkDir, check_out_dir, read_tokens, write_summary
 from mismatch.rollouts.drift import find_drift, recorded
 
 if TYPE_CHECKING:
     from mismatch.reports.digest import Digestion
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CommandResult:
+    """What a command returns: its summary.json, its results dir, and its token table only when it
+    wrote no results dir (a command with one never holds the table whole)."""
+
+    summary: dict[str, Any]
+    out: Path | None
+    table: pd.DataFrame | None = None
+
+    @property
+    def tokens(self) -> pd.DataFrame:
+        """The token table: as computed without a results dir, else read back from OUT/tokens.parquet."""
+        return self.table if self.table is not None else read_tokens(self.out)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

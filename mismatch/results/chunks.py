@@ -38,9 +38,12 @@ class ChunkSource:
         return (self.read(number) for number in range(start, stop))
 
 
-def _rollout_codes(column: pd.Series) -> np.ndarray:
-    """Per-row values equal exactly where the rollouts are (as analysis.groups.key_codes, which
-    lies a layer above: categoricals give their codes, numbers themselves, others a factorizing)."""
+def key_codes(column: pd.Series) -> np.ndarray:
+    """Per-row values that are equal exactly where the column's are (for finding rollouts, spans).
+
+    Categoricals give their codes and numbers themselves, without a hashing pass; a NaN number
+    differs even from itself, which only starts a new span.
+    """
     import pandas as pd
 
     if isinstance(column.dtype, pd.CategoricalDtype):
@@ -60,7 +63,7 @@ def chunk_bounds(table: pd.DataFrame, rows: int | None = None) -> list[tuple[int
     num_rows = len(table)
     if num_rows == 0:
         return [(0, 0)]
-    codes = _rollout_codes(table["rollout"])
+    codes = key_codes(table["rollout"])
     starts = np.flatnonzero(codes[1:] != codes[:-1]) + 1
     firsts = codes[np.r_[0, starts]]
     if len(np.unique(firsts)) != len(firsts):  # a rollout comes back after another one

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.errors import MismatchError
+from mismatch.results.chunks import key_codes
 from mismatch.rollouts.model import Rollout
 
 DEFAULT_MAX_PATHS = 5
@@ -130,17 +131,10 @@ def _branch_spans(table: pd.DataFrame) -> list[tuple[str, str, int]]:
     starts = np.zeros(len(table), dtype=bool)
     starts[0] = True
     for name in ("rollout", "branch"):
-        codes = _codes(table[name])
+        codes = key_codes(table[name])
         starts[1:] |= codes[1:] != codes[:-1]
     first = np.flatnonzero(starts)
     lengths = np.diff(np.append(first, len(table)))
     rollout, branch = (table[name].iloc[first].astype(str).tolist() for name in ("rollout", "branch"))
     return list(zip(rollout, branch, lengths.tolist()))
 
-
-def _codes(column: pd.Series) -> np.ndarray:
-    """Per-row integers, equal exactly where the column's values are (a categorical's codes,
-    without a hashing pass)."""
-    if isinstance(column.dtype, pd.CategoricalDtype):
-        return column.cat.codes.to_numpy()
-    return pd.factorize(column.to_numpy(), use_na_sentinel=False)[0]
