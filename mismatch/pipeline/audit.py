@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 from mismatch.advise.advice import advise
 from mismatch.advise.corrections import CorrectionSimulator
 from mismatch.analysis.alignment import AlignmentCheck, check_alignment
