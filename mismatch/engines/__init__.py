@@ -78,6 +78,9 @@ def check_spec(spec: str | EngineSpec) -> EngineSpec:
         from mismatch.engines.vllm import check_options
 
         check_options(options)
+    checked = getattr(backend, "check_options", None)  # a backend's own checks of its values
+    if callable(checked):
+        checked(options, parsed.text)
     return parsed
 
 

@@ -1,8 +1,14 @@
-"""The training path in torch: one teacher-forced full-sequence forward per padded batch.
+"""The training path in torch: one teacher-forced full-sequence forward per micro-batch.
 
-This is what an FSDP/HF trainer computes for old/new log-probs. Sequences are sorted by length
-and packed under a token budget, right-padded with no attention mask: causal attention means a
-real position never sees the padding after it, so padding cannot change a real token's result.
+This is what an FSDP/HF trainer computes for old/new log-probs. By default (`packing=pad`)
+sequences are sorted by length and batched under a token budget, right-padded with no attention
+mask: causal attention means a real position never sees the padding after it, so padding cannot
+change a real token's result. `packing=varlen` is how verl (`use_remove_padding`), slime and
+prime-rl feed them: each micro-batch's sequences in one row, positions restarting per sequence,
+attention kept within each (transformers finds the sequences from the position ids), no padding.
+`micro_batch=N` forms micro-batches of N sequences in order, as a trainer's log-prob micro-batch
+size does; `temperature=T` divides the logits by T before the log-softmax, as verl's actor does
+(verl 0.9.1: verl/workers/actor/dp_actor.py, `_forward_micro_batch`: `logits.div_(temperature)`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import numpy as np
 from mismatch.checkpoint import CheckpointInfo, checkpoint_info, load_model
 from mismatch.engines.contract import Capabilities, ProgressFn, ReplayRequest
 from mismatch.engines.logprobs import DEFAULT_CHUNK, token_logprobs
+from mismatch.engines.micro_batches import balanced_by_tokens, in_order, padded_by_budget
 from mismatch.engines.processing import processed_token_logprobs
 from mismatch.streams import Sampling
 from mismatch.engines.routing import RoutingRecorder, check_mode, forced_routing, routers
@@ -32,7 +39,10 @@ class HFOptions:
     attn: str = "auto"           # auto (sdpa, eager where sdpa drops a feature) | sdpa | eager | flash_attention_2
     device: str = "auto"         # auto = cuda when available, else cpu
     device_map: str | None = None  # e.g. auto: spread a model too big for one GPU (accelerate)
-    batch_tokens: int = 16384    # padded tokens per forward (batch rows x longest row)
+    batch_tokens: int = 16384    # tokens per forward: padded (rows x longest row), or packed
+    packing: str = "pad"         # pad (right-padded rows) | varlen (one packed row, no padding)
+    micro_batch: int = 0         # sequences per forward, in order (0: by the batch_tokens budget)
+    temperature: float = 1.0     # the trainer's logits / T before the log-softmax (verl's actor)
     chunk: int = DEFAULT_CHUNK   # positions per fp32 log-softmax chunk
     routing: str = "own"         # MoE: own | replay (R3: another pass's experts, engines/routing.py)
     checkpoint: str | None = None  # replay other weights than the audited checkpoint
@@ -46,20 +56,30 @@ def resolve_device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def pack_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Indices grouped longest-first so each batch's padded size stays under `budget` tokens.
+pack_batches = padded_by_budget  # the name benchmarks and tests know it by
 
-    Sorting first keeps padding small: rows in a batch have similar lengths. A row longer than
-    the budget gets a batch of its own rather than an error.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for index in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
-            batches[-1].append(index)
-        else:
-            batches.append([index])
-    return batches
+PACKINGS = ("pad", "varlen")
+
+
+def micro_batches(lengths: Sequence[int], options: HFOptions) -> list[list[int]]:
+    """The requests' micro-batches under the options: `micro_batch` in order, else by the token
+    budget (padded: longest first; packed: verl's balanced dynamic batch size)."""
+    if options.micro_batch > 0:
+        return in_order(len(lengths), options.micro_batch)
+    if options.packing == "varlen":
+        return balanced_by_tokens(lengths, options.batch_tokens)
+    return padded_by_budget(lengths, options.batch_tokens)
+
+
+def check_packing(options: HFOptions, spec_text: str) -> None:
+    """The batching options' values, checked with the spec (before any model loads)."""
+    if options.packing not in PACKINGS:
+        raise SpecError(f"engine 'hf': option packing={options.packing!r} is not one of: {', '.join(PACKINGS)}")
+    for name, value, least in (("micro_batch", options.micro_batch, 0), ("batch_tokens", options.batch_tokens, 1)):
+        if value < least:
+            raise SpecError(f"engine 'hf': option {name}={value} must be at least {least} ({spec_text})")
+    if not options.temperature > 0:
+        raise SpecError(f"engine 'hf': option temperature={options.temperature} must be above 0 ({spec_text})")
 
 
 class TorchEngineBase:
@@ -144,30 +164,25 @@ class TorchEngineBase:
 class HFEngine(TorchEngineBase):
     kind = "hf"
     options_cls = HFOptions
+    check_options = staticmethod(check_packing)
 
     def replay(self, requests: Sequence[ReplayRequest], *, progress: ProgressFn | None = None,
                forced_experts: Sequence[np.ndarray] | None = None,
                processing: Sampling | None = None) -> list[np.ndarray]:
         import torch
 
+        if processing is None and self.options.temperature != 1.0:
+            processing = Sampling(temperature=self.options.temperature)  # the trainer's own scaling
         results: list[np.ndarray] = [np.empty(0)] * len(requests)
         self.routed = [None] * len(requests)  # type: ignore[list-item]
         started = time.perf_counter()
-        for batch in pack_batches([len(r.tokens) for r in requests], self.options.batch_tokens):
-            width = len(requests[batch[0]].tokens)
-            ids_BL = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, index in enumerate(batch):
-                tokens = requests[index].tokens
-                ids_BL[row, : len(tokens)] = torch.from_numpy(tokens)
-            with torch.inference_mode(), self._forcing(requests, batch, width, forced_experts):
-                hidden_BLD = self.decoder(input_ids=ids_BL.to(self.device)).last_hidden_state
-                for row, index in enumerate(batch):
-                    results[index] = self._score(hidden_BLD[row], requests[index], processing)
-            if self.recorder is not None:
-                self._keep_routing(requests, batch, width)
+        for batch in micro_batches([len(r.tokens) for r in requests], self.options):
+            forward = self._forward_packed if self.options.packing == "varlen" else self._forward_padded
+            with torch.inference_mode():
+                hidden = forward(requests, batch, forced_experts)
+                for index, hidden_LD in zip(batch, hidden):
+                    results[index] = self._score(hidden_LD, requests[index], processing)
             self.num_forward += 1
-            self.num_fed += sum(len(requests[i].tokens) for i in batch)
-            self.num_padded += len(batch) * width - sum(len(requests[i].tokens) for i in batch)
             scored = sum(requests[i].num_scored for i in batch)
             self.num_scored += scored
             if progress is not None:
@@ -175,30 +190,73 @@ class HFEngine(TorchEngineBase):
         self.seconds += time.perf_counter() - started
         return results
 
-    def _keep_routing(self, requests: Sequence[ReplayRequest], batch: list[int], width: int) -> None:
-        """The batch's routing into `routed`, row by row: padding dropped, and each stream's last
-        position too (it predicts nothing scored), as hf-decode, which never feeds it."""
-        experts, margin = self.recorder.take()
-        experts = experts.reshape(len(batch), width, *experts.shape[1:])
-        margin = margin.reshape(len(batch), width, -1)
-        for row, index in enumerate(batch):
-            fed = len(requests[index].tokens) - 1
-            self.routed[index] = StreamRouting(experts=experts[row, :fed].copy(), margin=margin[row, :fed].copy())
+    def _forward_padded(self, requests: Sequence[ReplayRequest], batch: list[int],
+                        forced_experts: Sequence[np.ndarray] | None) -> list[Any]:
+        """The batch right-padded to its longest row: each request's hidden states [L, D]."""
+        import torch
 
-    def _forcing(self, requests: Sequence[ReplayRequest], batch: list[int], width: int,
+        width = max(len(requests[index].tokens) for index in batch)
+        ids_BL = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, index in enumerate(batch):
+            tokens = requests[index].tokens
+            ids_BL[row, : len(tokens)] = torch.from_numpy(tokens)
+        with self._forcing(requests, batch, width, forced_experts):
+            hidden_BLD = self.decoder(input_ids=ids_BL.to(self.device)).last_hidden_state
+        lengths = [len(requests[index].tokens) for index in batch]
+        if self.recorder is not None:
+            experts, margin = self.recorder.take()
+            self._keep_routing(batch, lengths, experts.reshape(len(batch), width, *experts.shape[1:]),
+                               margin.reshape(len(batch), width, -1))
+        self.num_fed += sum(lengths)
+        self.num_padded += len(batch) * width - sum(lengths)
+        return [hidden_BLD[row, :length] for row, length in enumerate(lengths)]
+
+    def _forward_packed(self, requests: Sequence[ReplayRequest], batch: list[int],
+                        forced_experts: Sequence[np.ndarray] | None) -> list[Any]:
+        """The batch as one row, positions restarting per request: transformers builds the
+        block-diagonal causal mask from the position ids (masking_utils.find_packed_sequence_indices),
+        but only without a KV cache, so none is made (with one, every sequence would attend to the
+        ones before it)."""
+        import torch
+
+        lengths = [len(requests[index].tokens) for index in batch]
+        ids_1T = torch.from_numpy(np.concatenate([requests[index].tokens for index in batch]))[None]
+        positions_1T = torch.from_numpy(np.concatenate([np.arange(length) for length in lengths]))[None]
+        with self._forcing(requests, batch, None, forced_experts):
+            hidden_TD = self.decoder(input_ids=ids_1T.to(self.device), position_ids=positions_1T.to(self.device),
+                                     use_cache=False).last_hidden_state[0]
+        if self.recorder is not None:
+            experts, margin = self.recorder.take()
+            cuts = np.cumsum(lengths)[:-1]
+            self._keep_routing(batch, lengths, np.split(experts, cuts), np.split(margin.reshape(len(experts), -1), cuts))
+        self.num_fed += sum(lengths)
+        return list(torch.split(hidden_TD, lengths))
+
+    def _keep_routing(self, batch: list[int], lengths: list[int], experts: Any, margin: Any) -> None:
+        """Each request's routing into `routed` (`experts[row]`, `margin[row]`: its positions, padded
+        or not): padding dropped, and each stream's last position too (it predicts nothing
+        scored), as hf-decode, which never feeds it."""
+        for row, (index, length) in enumerate(zip(batch, lengths)):
+            self.routed[index] = StreamRouting(experts=experts[row][: length - 1].copy(),
+                                               margin=margin[row][: length - 1].copy())
+
+    def _forcing(self, requests: Sequence[ReplayRequest], batch: list[int], width: int | None,
                  forced_experts: Sequence[np.ndarray] | None):
-        """routing=replay: the batch's forced experts, padding rows sent anywhere (their outputs
-        are never read), flattened as the routers see the batch."""
+        """routing=replay: the batch's forced experts, as the routers see its positions: rows of
+        `width` (padding sent anywhere: its outputs are never read), or one packed row (width
+        None); each stream's last position, which predicts nothing scored, sent anywhere too."""
         if self.options.routing != "replay":
             return nullcontext()
         import torch
 
         rows = [self._forced_rows(forced_experts, index, 0, len(requests[index].tokens) - 1) for index in batch]
         layers, k = rows[0].shape[1:]
-        forced = np.zeros((len(batch), width, layers, k), dtype=np.int64)
-        for row, experts in enumerate(rows):
-            forced[row, : len(experts)] = experts
-        return forced_routing(self.model, torch.from_numpy(forced.reshape(len(batch) * width, layers, k)))
+        lengths = [len(requests[index].tokens) for index in batch]
+        slots = [width] * len(batch) if width is not None else lengths
+        forced = np.zeros((sum(slots), layers, k), dtype=np.int64)
+        for start, experts in zip(np.cumsum([0, *slots[:-1]]), rows):
+            forced[start: start + len(experts)] = experts
+        return forced_routing(self.model, torch.from_numpy(forced))
 
     def _score(self, hidden_LD, request: ReplayRequest, processing: Sampling | None) -> np.ndarray:
         import torch
