@@ -18,7 +18,7 @@ import gc
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 # Arrays up to this size come from the heap, and freed ones are reused there instead of unmapped:
-# a chunk's and a block's per-token arrays fit under it (analysis/chunked.py); it is glibc's
+# a chunk's and a block's per-token arrays fit under it (results/chunks.py); it is glibc's
 # largest mmap threshold on 64-bit systems.
 MMAP_THRESHOLD = 32 * 2**20
 # The heap gives memory back to the kernel only when this much is free at its top: the peak RSS

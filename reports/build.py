@@ -252,7 +252,7 @@ def build_report(results_dir: Path, *, tokenizer_path: Path | None = None,
     return out
 
 
-if __name__ == "__main__":  # `python -m reports.build DIR`: the same as `mismatch report DIR`, torch-free
+if __name__ == "__main__":  # `python -m mismatch.reports.build DIR`: the same as `mismatch report DIR`, torch-free
     import sys
 
     print(build_report(Path(sys.argv[1])))

@@ -49,13 +49,13 @@ def test_one_audit_loads_each_engine_once_and_runs_each_stage_once(tiny_checkpoi
     counted(blocks, "plan_replay")
     for name in ("check_alignment", "analyze_audit", "replay_processed"):
         counted(audit_module, name)
-    counted(importlib.import_module("mismatch.pipeline.stages"), "publish")
+    counted(importlib.import_module("mismatch.pipeline.stages"), "write_results_files")
     result = audit_module.audit(tiny_checkpoint, processed_rollouts, train="hf", infer="hf-decode:dtype=bfloat16",
                                 out=tmp_path / "o")
     assert loads == ["hf", "hf-decode:dtype=bfloat16"]  # the processed column came with the trainer's load
     # The file is one block: planned once per engine (each streams the file) and once more when
     # the results are stored; no replay_processed: it was planned, not run after the fact.
-    assert calls == ["plan_replay"] * 3 + ["check_alignment", "analyze_audit", "publish"]
+    assert calls == ["plan_replay"] * 3 + ["check_alignment", "analyze_audit", "write_results_files"]
     assert "logp_train_processed" in result.tokens.columns
     assert result.summary["engines"]["train"]["processed"] == {"temperature": 0.7, "top_k": -1, "top_p": 1.0}
     assert "train_processed/sampler" in result.summary["pairs"]
@@ -101,16 +101,16 @@ def test_the_model_localizers_are_a_stage_of_the_work_dir(tiny_checkpoint, tmp_p
     original = audit_module.run_model_localizers
     monkeypatch.setattr(audit_module, "run_model_localizers", lambda *a, **k: (calls.append(1), original(*a, **k))[1])
     stages = importlib.import_module("mismatch.pipeline.stages")
-    real_publish = stages.publish
+    real_publish = stages.write_results_files
 
     def killed(*args, **kwargs):
         raise KeyboardInterrupt  # as a kill after the localizers, before publishing
-    monkeypatch.setattr(stages, "publish", killed)
+    monkeypatch.setattr(stages, "write_results_files", killed)
     with pytest.raises(KeyboardInterrupt):
         audit_module.audit(tiny_checkpoint, example, train="hf", infer="hf:dtype=bfloat16", out=tmp_path / "o",
                            localize_models=True)
     assert calls == [1] and (tmp_path / ".o.work" / "stage-localize.json").is_file()
-    monkeypatch.setattr(stages, "publish", real_publish)
+    monkeypatch.setattr(stages, "write_results_files", real_publish)
     result = audit_module.audit(tiny_checkpoint, example, train="hf", infer="hf:dtype=bfloat16", out=tmp_path / "o",
                                 localize_models=True)
     assert calls == [1]  # not run again

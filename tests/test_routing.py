@@ -58,7 +58,7 @@ def test_routing_replay_needs_a_router_and_an_engine_to_follow(moe, tiny_checkpo
     assert main([args[0], str(tiny_checkpoint), *args[1:], "--train", "hf:routing=replay", "--infer", "hf"]) == 2
     assert "this model has no MoE router to replay" in capsys.readouterr().err
     assert main([args[0], str(moe), *args[1:], "--train", "hf:routing=replay", "--infer", "sampler"]) == 2
-    assert "which must be a torch engine (hf, hf-decode) to record experts" in capsys.readouterr().err
+    assert "which must be an engine that records the experts it routes" in capsys.readouterr().err
     assert main([args[0], str(moe), *args[1:], "--train", "hf:routing=maybe"]) == 2
     assert "option routing='maybe' is not one of: own, replay" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

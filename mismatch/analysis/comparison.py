@@ -20,7 +20,7 @@ MEAN_METRICS = ("log_ratio_abs_mean", "kl_k1", "kl_k2", "kl_k3", "chi2_token",
                 "prob_abs_diff_mean", "frac_outside_2", "bitwise_equal_frac")
 NUM_BOOTSTRAP = 1000
 BOOTSTRAP_BATCH = 50  # draws resampled at a time
-POSITION_BIN = 256  # where_they_differ's position bins, in tokens
+POSITION_BIN = 256  # the position bins of `where` (ConfigComparison._where), in tokens
 WORST_COLUMNS = ("rollout", "branch", "pos", "token_id", "logp_a", "logp_b", "logp_reference")
 
 

@@ -67,7 +67,7 @@ def _span_sums(pair: PairTokens, spans: Spans) -> dict[str, np.ndarray]:
 class SpanSums:
     """A pair's tokens reduced per span: everything the metrics of any grouping of the spans are
     made of, except what only the tokens themselves give (metrics.TokenPass). Each chunk of a
-    table has its own; their GroupTotals merge (analysis/grouped.py)."""
+    table has its own; their GroupTotals merge (analysis/grouped_metrics.py)."""
 
     spans: Spans
     sums: dict[str, np.ndarray]  # per span: _span_sums's keys

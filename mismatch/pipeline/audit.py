@@ -22,7 +22,7 @@ from mismatch.analysis.per_rollout import PerRollout
 from mismatch.analysis.prefixes import PrefixConsistency
 from mismatch.analysis.routing import routing_summary, token_routing
 from mismatch.analysis.trees import TreeSums
-from mismatch.engines import TORCH_KINDS, parse_spec
+from mismatch.engines import engine_capabilities
 from mismatch.errors import MismatchError
 from mismatch.frameworks.metrics import FrameworkMetrics, settings_used
 from mismatch.localize import check_localizable
@@ -31,7 +31,7 @@ from mismatch.localize.turns import TurnLocalizer
 from mismatch.pipeline import stages
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json
-from mismatch.replay import Replayed, replay_processed
+from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_processed
 from mismatch.results import TokenStore, results_lock, staged_tokens
 from mismatch.streams import Sampling
 from mismatch.workers import analysis_workers, reading_workers
@@ -52,7 +52,9 @@ class AuditResult(stages.CommandResult):
 
 
 def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf", infer: str = "hf-decode",
-          out: str | Path | None = None, **options: Any) -> AuditResult:
+          out: str | Path | None = None, force: bool = False, localize_models: bool = False,
+          shard: Shard | None = None, block_size: int = DEFAULT_BLOCK, progress: ProgressFactory | None = None,
+          clip: ClipRange = ClipRange(), probe: bool = False) -> AuditResult:
     """Replay `rollouts` through `train` and `infer` engines and measure every pair's gap.
 
     The turn localizer always runs (it reads the table); `localize_models=True` also reruns the
@@ -60,10 +62,12 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf", in
     With `out`, finished blocks are kept in a work dir so the same call resumes after a kill.
     `clip` is the PPO clip range the gap is also measured against (summary.json `clip`).
     `probe=True` also runs the kernel probes at the checkpoint's shapes (summary.json `probes`).
-    The other keywords are AuditOptions' (force, shard, block_size, progress).
+    The library's front door to `run_audit(checkpoint, rollouts, AuditOptions(...))`.
     """
-    return run_audit(checkpoint, rollouts, AuditOptions(train=train, infer=infer,
-                                                        out=Path(out) if out is not None else None, **options))
+    return run_audit(checkpoint, rollouts, AuditOptions(
+        train=train, infer=infer, out=Path(out) if out is not None else None, force=force,
+        localize_models=localize_models, shard=shard, block_size=block_size, progress=progress, clip=clip,
+        probe=probe))
 
 
 def run_audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) -> AuditResult:
@@ -75,30 +79,32 @@ def run_audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOption
 
 def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) -> AuditResult:
     _check_requested_work(options)
-    prepared = stages.prepare(checkpoint, rollouts, options.sources, options, command="audit")
-    replayed = stages.replay(checkpoint, rollouts, options.sources, options, prepared,
-                             processed_source="train", routing_from="infer")
+    prepared = stages.prepare(checkpoint, rollouts, options, command="audit")
+    replayed = stages.replay(checkpoint, rollouts, options, prepared, processed_source="train", routing_from="infer")
     with staged_tokens(options.out, force=options.force) as store:
         stored = stages.store_with_findings(replayed, store, checkpoint, ("sampler", *options.sources),
                                             workers=reading_workers(Path(rollouts).stat().st_size))
-        evidence = _evidence_beside_the_table(replayed, store, stored, checkpoint, options)
+        alignment = _alignment_before_the_passes(replayed, store, checkpoint, options)
+        beside = FoundBesideTheTable(engines=replayed.engines, drift=stored.drift, alignment=alignment,
+                                     routing=replayed_routing(replayed, audit_pairs(store.columns)),
+                                     prefixes=stored.prefixes)
         requests = replayed.plan.requests if options.localize_models else None
         del replayed  # the rollouts and their requests: from here on only the tokens are read
         per_rollout = PerRollout(audit_pairs(store.columns))
         digestion = stages.report_digestion(store, audit_pairs(store.columns)) if options.out is not None else None
-        measured, findings = analyze_audit(store.chunks, evidence, clip=options.clip,
+        measured, findings = analyze_audit(store.chunks, beside, clip=options.clip,
                                            extra=[per_rollout, digestion] if digestion is not None else [],
                                            workers=analysis_workers(store.num_rows))
         localized = _localized_models(checkpoint, requests, prepared, options) if requests is not None else {}
         summary = audit_summary(Provenance(command="audit", checkpoint=str(checkpoint), rollouts_file=str(rollouts),
-                                           engines=evidence.engines, shard=stages.shard_info(options),
+                                           engines=beside.engines, shard=stages.shard_info(options),
                                            inputs=prepared.inputs),
                                 measured, findings, localized=localized,
-                                weights=engine_weights(evidence.engines, checkpoint),
+                                weights=engine_weights(beside.engines, checkpoint),
                                 probes=_probes(checkpoint, options) if options.probe else None)
         if options.out is None:
             return AuditResult(summary=summary, out=None, table=store.table)
-        stages.publish(store, summary, per_rollout.result(), digestion)
+        stages.write_results_files(store, summary, per_rollout.result(), digestion)
     if prepared.work is not None:
         prepared.work.remove()
     return AuditResult(summary=summary, out=options.out)
@@ -117,7 +123,7 @@ def _check_requested_work(options: AuditOptions) -> None:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class Evidence:
+class FoundBesideTheTable:
     """What the analysis is given beside the token table: each engine as it described itself, and
     the findings that need the rollouts, the engines' routers or the replay's requests (render
     drift, MoE routing agreement, prefix consistency as found or as its query, run beside the
@@ -130,22 +136,22 @@ class Evidence:
     prefixes: dict[str, Any] | PrefixConsistency | None = None
 
 
-def _evidence_beside_the_table(replayed: Replayed, store: TokenStore, stored: stages.StoredWithFindings,
-                               checkpoint: str | Path, options: AuditOptions) -> Evidence:
-    engines = replayed.engines
-    # Read on its own only when it decides on a like-for-like pass (a torch trainer); else in the
-    # analysis's own passes.
-    alignment = (check_alignment(store.chunks, sampler_meta=engines["sampler"]["meta"])
-                 if parse_spec(options.train).kind in TORCH_KINDS else None)
-    if (alignment is not None and "logp_train_processed" not in store.columns
-            and alignment["logprob_semantics"] == "processed"):
-        # Processed log-probs the rollouts do not declare are found only in the data: then, and
-        # only then, the like-for-like pass runs after the analysis began (a declared one is
-        # planned with the trainer's replay, resumable with it).
-        sampling = Sampling.from_meta(engines["sampler"]["meta"])
-        store.add_column("logp_train_processed", replay_processed(replayed.plan, options.train, checkpoint, sampling))
-    return Evidence(engines=engines, drift=stored.drift, alignment=alignment,
-                    routing=replayed_routing(replayed, audit_pairs(store.columns)), prefixes=stored.prefixes)
+def _alignment_before_the_passes(replayed: Replayed, store: TokenStore, checkpoint: str | Path,
+                                 options: AuditOptions) -> dict[str, Any] | None:
+    """The alignment check, read on its own when it decides on a like-for-like pass (a trainer
+    that can process its log-probs like the sampler's); else None, and it is read in the
+    analysis's own passes. Processed log-probs the rollouts do not declare are found only in the
+    data: then, and only then, the trainer replays again under the sampler's processing and the
+    column joins tokens.parquet (a declared one is planned with the trainer's replay, resumable
+    with it)."""
+    if not engine_capabilities(options.train).processing:
+        return None
+    meta = replayed.engines["sampler"]["meta"]
+    alignment = check_alignment(store.chunks, sampler_meta=meta)
+    if "logp_train_processed" not in store.columns and alignment["logprob_semantics"] == "processed":
+        store.add_column("logp_train_processed",
+                         replay_processed(replayed.plan, options.train, checkpoint, Sampling.from_meta(meta)))
+    return alignment
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -163,7 +169,7 @@ class AuditFindings:
     prefix_consistency: dict[str, Any] | None
 
 
-def analyze_audit(chunks: Chunks, evidence: Evidence, *, clip: ClipRange | None, extra: Sequence[Analysis] = (),
+def analyze_audit(chunks: Chunks, beside: FoundBesideTheTable, *, clip: ClipRange | None, extra: Sequence[Analysis] = (),
                   workers: int = 1) -> tuple[Measured, AuditFindings]:
     """Everything the token table shows, read as chunks of whole rollouts, every analysis in the
     same passes; `extra`: more analyses for those passes (the per-rollout table, the report's
@@ -171,21 +177,21 @@ def analyze_audit(chunks: Chunks, evidence: Evidence, *, clip: ClipRange | None,
     first = next(iter(chunks()), None)
     pairs = audit_pairs(first.columns if first is not None else ())
     summary = SummaryAnalyses(pairs, clip)
-    checked = AlignmentCheck(sampler_meta=evidence.engines["sampler"].get("meta")) if evidence.alignment is None else None
+    checked = AlignmentCheck(sampler_meta=beside.engines["sampler"].get("meta")) if beside.alignment is None else None
     trees, frameworks = TreeSums(pairs), FrameworkMetrics(pairs)
     # With processed stored log-probs the correction is simulated like for like: on the raw pair it
     # would correct the processing, which raw_logprobs fixes.
     corrections = CorrectionSimulator(pair=PROCESSED_PAIR if PROCESSED_PAIR in pairs else ("train", "sampler"))
     turns = TurnLocalizer("train", "sampler")
-    prefixes = evidence.prefixes
+    prefixes = beside.prefixes
     run_passes(chunks, [*summary.analyses, trees, frameworks, turns, corrections,
                         *([checked] if checked is not None else []), *extra], workers=workers,
                side_jobs=[prefixes] if isinstance(prefixes, PrefixConsistency) else [])
     return summary.result(), AuditFindings(
-        alignment=evidence.alignment if checked is None else checked.result(), trees=trees.result(),
+        alignment=beside.alignment if checked is None else checked.result(), trees=trees.result(),
         framework_metrics=frameworks.result(), framework_settings=settings_used(), turns=turns.result(),
-        corrections=[result.to_dict() for result in corrections.result()], drift=evidence.drift,
-        routing=evidence.routing or None,
+        corrections=[result.to_dict() for result in corrections.result()], drift=beside.drift,
+        routing=beside.routing or None,
         prefix_consistency=prefixes.result() if isinstance(prefixes, PrefixConsistency) else prefixes)
 
 

@@ -44,9 +44,8 @@ def run_diff(checkpoint: str | Path, rollouts: str | Path, options: DiffOptions)
 
 
 def _diff(checkpoint: str | Path, rollouts: str | Path, options: DiffOptions) -> DiffResult:
-    prepared = stages.prepare(checkpoint, rollouts, options.sources, options, command="diff")
-    replayed = stages.replay(checkpoint, rollouts, options.sources, options, prepared,
-                             processed_source=None, routing_from="reference")
+    prepared = stages.prepare(checkpoint, rollouts, options, command="diff")
+    replayed = stages.replay(checkpoint, rollouts, options, prepared, processed_source=None, routing_from="reference")
     with staged_tokens(options.out, force=options.force) as store:
         stages.store_rows(replayed, store)
         provenance = Provenance(command="diff", checkpoint=str(checkpoint), rollouts_file=str(rollouts),
@@ -57,7 +56,7 @@ def _diff(checkpoint: str | Path, rollouts: str | Path, options: DiffOptions) ->
                                workers=analysis_workers(store.num_rows))
         if options.out is None:
             return DiffResult(summary=summary, out=None, table=store.table)
-        stages.publish(store, summary, per_rollout.result())
+        stages.write_results_files(store, summary, per_rollout.result())
     if prepared.work is not None:
         prepared.work.remove()
     return DiffResult(summary=summary, out=options.out)

@@ -22,7 +22,7 @@ from mismatch.analysis.clip import ClipRange
 from mismatch.analysis.routing import merged_routing
 from mismatch.errors import ResultsError
 from mismatch.pipeline import stages
-from mismatch.pipeline.audit import Evidence, analyze_audit, audit_pairs, audit_summary
+from mismatch.pipeline.audit import FoundBesideTheTable, analyze_audit, audit_pairs, audit_summary
 from mismatch.pipeline.diff import DIFF_PAIRS, analyze_diff
 from mismatch.pipeline.summary import Provenance
 from mismatch.results import TOKENS_FILE, TokenStore, check_out_dir, read_summary, results_lock, staged_tokens, tokens_chunks
@@ -53,14 +53,14 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> dict[str, Any]:
         if first["command"] != "audit":
             per_rollout = PerRollout(DIFF_PAIRS)
             summary = analyze_diff(store.chunks, provenance, extra=[per_rollout], workers=workers)
-            stages.publish(store, summary, per_rollout.result())
+            stages.write_results_files(store, summary, per_rollout.result())
             return summary
         pairs = audit_pairs(store.columns)
         per_rollout, digestion = PerRollout(pairs), stages.report_digestion(store, pairs)
         measured, findings = analyze_audit(store.chunks, _merged_evidence(provenance, summaries, order),
                                            clip=_clip_range(first), extra=[per_rollout, digestion], workers=workers)
         summary = audit_summary(provenance, measured, findings)
-        stages.publish(store, summary, per_rollout.result(), digestion)
+        stages.write_results_files(store, summary, per_rollout.result(), digestion)
     return summary
 
 
@@ -76,12 +76,12 @@ def _store_merged(paths: list[Path], store: TokenStore, block_size: int) -> dict
     return order
 
 
-def _merged_evidence(provenance: Provenance, summaries: list[dict[str, Any]], order: dict[str, int]) -> Evidence:
+def _merged_evidence(provenance: Provenance, summaries: list[dict[str, Any]], order: dict[str, int]) -> FoundBesideTheTable:
     """What the shards found beside their tables, as one run's: drift and routing merged; a prefix
     two shards share is in neither shard's table twice, so it is not comparable after the fact."""
     prefixes = ({"not_merged": "shared prefixes are compared within one run; audit without --shard"}
                 if any("prefix_consistency" in s for s in summaries) else None)
-    return Evidence(engines=provenance.engines, drift=_merged_drift(summaries, order),
+    return FoundBesideTheTable(engines=provenance.engines, drift=_merged_drift(summaries, order),
                     routing=merged_routing(summaries), prefixes=prefixes)
 
 

@@ -19,6 +19,11 @@ class RunOptions:
     block_size: int = DEFAULT_BLOCK
     progress: ProgressFactory | None = None
 
+    @property
+    def sources(self) -> dict[str, str]:
+        """The engine spec each source of the command replays ({} for a command that replays none)."""
+        return {}
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class AuditOptions(RunOptions):

@@ -1,4 +1,4 @@
-"""The stages audit, diff and merge share: load and check, replay, store, publish.
+"""The stages audit, diff and merge share: load and check, replay, store, the results files.
 
 Each is a function of typed inputs to a typed output; the commands (audit.py, diff.py, merge.py)
 compose them in the flow's order, and nothing here knows which command runs it.
@@ -53,14 +53,13 @@ class Prepared:
     work: WorkDir | None
 
 
-def prepare(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str], options: RunOptions, *,
-            command: str) -> Prepared:
+def prepare(checkpoint: str | Path, rollouts: str | Path, options: RunOptions, *, command: str) -> Prepared:
     """Refuse a taken results dir first, then every engine spec, then open the work dir (whose
     manifest is the inputs' identity: a resume of other inputs is refused)."""
     if options.out is not None:
         check_out_dir(options.out, force=options.force)
     # Every spec checked before anything else: a bad one leaves no work dir and costs no replay.
-    specs = {source: check_spec(text) for source, text in sources.items()}
+    specs = {source: check_spec(text) for source, text in options.sources.items()}
     inputs = None
     # A missing checkpoint or rollouts file gets its own one-line error from the replay.
     if Path(checkpoint).is_dir() and Path(rollouts).is_file():
@@ -72,10 +71,12 @@ def prepare(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str
     return Prepared(inputs=inputs, work=work)
 
 
-def replay(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str], options: RunOptions,
-           prepared: Prepared, *, processed_source: str | None, routing_from: str) -> Replayed:
-    """Every engine source replayed block by block into the work dir (replay/): the blocks to read."""
-    return replay_sources(checkpoint, rollouts, sources, ReplayOptions(
+def replay(checkpoint: str | Path, rollouts: str | Path, options: RunOptions, prepared: Prepared, *,
+           processed_source: str | None, routing_from: str) -> Replayed:
+    """Every engine source replayed block by block into the work dir (replay/): the blocks to read.
+    The two roles are the command's: which source also replays like the sampler's processed
+    log-probs, and which one a `routing=replay` engine follows."""
+    return replay_sources(checkpoint, rollouts, options.sources, ReplayOptions(
         progress=options.progress, shard=options.shard, block_size=options.block_size, work=prepared.work,
         processed_source=processed_source, routing_from=routing_from))
 
@@ -172,11 +173,11 @@ def report_digestion(store: TokenStore, pairs: Sequence[tuple[str, str]]) -> Dig
                      with_turns=False, with_worst_tokens=True, expected=dict.fromkeys(names, store.num_rows))
 
 
-def publish(store: TokenStore, summary: dict[str, Any], per_rollout: pd.DataFrame,
-            digested: Digestion | None = None) -> None:
+def write_results_files(store: TokenStore, summary: dict[str, Any], per_rollout: pd.DataFrame,
+                        digested: Digestion | None = None) -> None:
     """summary.json, rollouts.parquet and the report, beside the stored tokens.parquet in the
-    staged dir (they appear in the one rename that publishes it). `digested`: report_digestion
-    run in the command's passes."""
+    staged dir: they appear in the one rename that publishes it, when `staged_tokens` exits.
+    `digested`: report_digestion run in the command's passes."""
     from mismatch.reports.build import build_report
 
     stage = store.directory

@@ -2,7 +2,9 @@
 
 `Provenance` is what was run, `Measured` what the token table's pair analyses found; a command adds
 its own findings (audit: alignment, trees, corrections, ...; diff: the comparison) as named
-entries, in one call, so no key is a placeholder filled in later somewhere else.
+entries, in one call. The only keys written again afterwards are the advice's: `advise()` (advise/)
+replaces the plain verdicts with ones that name the diagnosed cause, and fills `recommendations`,
+which the schema requires of every summary (a diff's stay empty).
 """
 
 from __future__ import annotations

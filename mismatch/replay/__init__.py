@@ -12,11 +12,10 @@ from mismatch.replay.passes import ENGINE_FACTS, ProgressFactory, ReplayOptions,
 from mismatch.replay.plan import DEFAULT_BLOCK, TABLE_KEYS, ReplayPlan, Shard, plan_replay
 from mismatch.replay.processed import declared_processing, recompute_processed, replay_processed
 from mismatch.replay.replayed import FilledBlocks, Replayed, SavedColumns
-from mismatch.rollouts import segment_turns  # its home is rollouts; callers still import it from here
 
 __all__ = [
     "DEFAULT_BLOCK", "ENGINE_FACTS", "TABLE_KEYS", "Block", "FileBlocks", "FileScan", "FilledBlocks",
     "ProgressFactory", "ReplayOptions", "ReplayPlan", "Replayed", "SavedColumns", "Shard", "SourcePass", "bad_logprob_rows",
     "check_column", "declared_processing", "engine_facts", "file_blocks", "plan_replay",
-    "recompute_processed", "replay_column", "replay_processed", "replay_sources", "scan_file", "segment_turns",
+    "recompute_processed", "replay_column", "replay_processed", "replay_sources", "scan_file",
 ]

@@ -173,7 +173,8 @@ def _replay_order(specs: dict[str, EngineSpec], routing_from: str | None) -> lis
                         "of this command to follow (audit: --infer; diff: --reference)")
     if not engine_capabilities(specs[routing_from]).records_routing:
         raise SpecError(f"--{replaying[0]} {specs[replaying[0]].text}: routing=replay follows "
-                        f"--{routing_from}, which must be a torch engine (hf, hf-decode) to record experts; "
+                        f"--{routing_from}, which must be an engine that records the experts it routes (the "
+                        f"torch engines hf, hf-decode do); "
                         f"it is {specs[routing_from].text!r}")
     return [(routing_from, specs[routing_from]), *((r, s) for r, s in ordered if r != routing_from)]
 

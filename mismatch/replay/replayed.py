@@ -150,7 +150,8 @@ class Replayed:
     """A replay's results, block by block: `blocks()` is one pass over the selected blocks, each
     planned from the rollouts file again and filled from the engines' saved columns, so a pass holds
     one block in memory, not the run. `table`, `plan` and `rollouts` put every block together, for
-    the callers that need them all at once (diff, the library, the layer localizer)."""
+    the callers that need them all at once (the routing agreement, the layer localizer, the
+    processed pass found only in the data, the library)."""
 
     def __init__(self, *, engines: dict[str, Any], routing: dict[str, list[StreamRouting]],
                  filled: FilledBlocks) -> None:
