@@ -85,13 +85,13 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) 
         stored = stages.store_with_findings(replayed, store, checkpoint, ("sampler", *options.sources),
                                             workers=reading_workers(Path(rollouts).stat().st_size))
         alignment = _alignment_before_the_passes(replayed, store, checkpoint, options)
+        pairs = audit_pairs(store.columns)  # with the processed pair once its column is there
         beside = FoundBesideTheTable(engines=replayed.engines, drift=stored.drift, alignment=alignment,
-                                     routing=replayed_routing(replayed, audit_pairs(store.columns)),
-                                     prefixes=stored.prefixes)
+                                     routing=replayed_routing(replayed, pairs), prefixes=stored.prefixes)
         requests = replayed.plan.requests if options.localize_models else None
         del replayed  # the rollouts and their requests: from here on only the tokens are read
-        per_rollout = PerRollout(audit_pairs(store.columns))
-        digestion = stages.report_digestion(store, audit_pairs(store.columns)) if options.out is not None else None
+        per_rollout = PerRollout(pairs)
+        digestion = stages.report_digestion(store, pairs) if options.out is not None else None
         measured, findings = analyze_audit(store.chunks, beside, clip=options.clip,
                                            extra=[per_rollout, digestion] if digestion is not None else [],
                                            workers=analysis_workers(store.num_rows))
