@@ -13,8 +13,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from mismatch.streams import Sampling
-from mismatch.streams import ReplayRequest, StreamRouting
+from mismatch.streams import ReplayRequest, Sampling, StreamRouting
 
 ProgressFn = Callable[[int], None]  # called with the number of tokens just scored
 

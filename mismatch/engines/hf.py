@@ -26,11 +26,10 @@ from mismatch.engines.contract import Capabilities, ProgressFn, ReplayRequest
 from mismatch.engines.logprobs import DEFAULT_CHUNK, token_logprobs
 from mismatch.engines.micro_batches import balanced_by_tokens, in_order, padded_by_budget
 from mismatch.engines.processing import processed_token_logprobs
-from mismatch.streams import Sampling
 from mismatch.engines.routing import RoutingRecorder, check_mode, forced_routing, routers
-from mismatch.streams import StreamRouting
 from mismatch.engines.spec import EngineSpec, options_from
 from mismatch.errors import SpecError
+from mismatch.streams import Sampling, StreamRouting
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

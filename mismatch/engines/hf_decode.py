@@ -18,10 +18,9 @@ import numpy as np
 from mismatch.engines.contract import ProgressFn, ReplayRequest
 from mismatch.engines.hf import TorchEngineBase
 from mismatch.engines.logprobs import DEFAULT_CHUNK
-from mismatch.streams import Sampling
 from mismatch.engines.routing import forced_routing
-from mismatch.streams import StreamRouting
 from mismatch.errors import SpecError
+from mismatch.streams import Sampling, StreamRouting
 
 PREFILL_MODES = ("prompt", "none")
 

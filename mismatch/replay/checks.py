@@ -16,11 +16,10 @@ import pandas as pd
 from mismatch.checkpoint import CheckpointInfo, resolve_attn
 from mismatch.engines import MODEL_KINDS, TORCH_KINDS, EngineSpec, engine_capabilities
 from mismatch.engines.contract import ProgressFn, replay_asking
-from mismatch.streams import Sampling
 from mismatch.errors import CheckpointError, EngineError, RolloutError, SpecError
 from mismatch.replay.blocks import FileBlocks, FileScan
 from mismatch.rollouts import full_routed_experts
-from mismatch.streams import ReplayRequest, StreamRouting
+from mismatch.streams import ReplayRequest, Sampling, StreamRouting
 
 
 def replay_column(requests: Sequence[ReplayRequest], engine: Any, *, progress: ProgressFn | None = None,

@@ -17,7 +17,6 @@ import numpy as np
 from mismatch.checkpoint import checkpoint_info
 from mismatch.engines import TORCH_KINDS, Engine, EngineSpec, ProgressFn, check_spec, engine_capabilities, load_engine
 from mismatch.engines.contract import recorded_routing
-from mismatch.streams import Sampling
 from mismatch.errors import SpecError
 from mismatch.replay.blocks import FileBlocks, sampler_meta, scan_file
 from mismatch.replay.checks import (
@@ -32,7 +31,7 @@ from mismatch.replay.processed import declared_processing
 from mismatch.replay.replayed import FilledBlocks, Replayed, SavedColumns
 from mismatch.results import WorkDir
 from mismatch.rollouts import iter_rollouts
-from mismatch.streams import StreamRouting
+from mismatch.streams import Sampling, StreamRouting
 
 # (label, total tokens) -> a callback per batch of tokens done; total None: a phase without a count
 # (an engine starting), whose callback is called once when it ends.

@@ -14,11 +14,11 @@ import numpy as np
 
 from mismatch.checkpoint import checkpoint_info
 from mismatch.engines import engine_capabilities, load_engine
-from mismatch.streams import Sampling
 from mismatch.errors import SpecError
 from mismatch.replay.checks import check_column, replay_column
 from mismatch.replay.plan import ReplayPlan, plan_replay
 from mismatch.rollouts import load_rollouts
+from mismatch.streams import Sampling
 
 
 def declared_processing(meta: dict[str, Any]) -> Sampling | None:
