@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,16 +28,8 @@ from mismatch.engines.hf import micro_batches
 from mismatch.replay import plan_replay
 from mismatch.rollouts import load_rollouts
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def best_of(repeats: int, run) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return min(times)
+sys.path.insert(0, str(Path(__file__).parent))
+from replay import REPO, best_of  # noqa: E402  (benchmarks/replay.py: the same timing)
 
 
 def compared(a: list[np.ndarray], b: list[np.ndarray]) -> dict[str, float]:

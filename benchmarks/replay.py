@@ -18,7 +18,7 @@ import torch
 
 from mismatch.demo.tinymodel import ensure_tiny_checkpoint
 from mismatch.engines import load_engine
-from mismatch.engines.hf import pack_batches
+from mismatch.engines.micro_batches import padded_by_budget
 from mismatch.replay import plan_replay
 from mismatch.rollouts import load_rollouts
 
@@ -49,7 +49,7 @@ def main() -> None:
     requests = plan.requests * args.copies
     engine = load_engine(f"hf:dtype={args.dtype}", args.checkpoint)
     model = engine.model
-    batches = pack_batches([len(r.tokens) for r in requests], engine.options.batch_tokens)
+    batches = padded_by_budget([len(r.tokens) for r in requests], engine.options.batch_tokens)
     padded = []
     for batch in batches:
         ids_BL = torch.zeros((len(batch), len(requests[batch[0]].tokens)), dtype=torch.long)

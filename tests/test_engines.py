@@ -11,7 +11,7 @@ import torch
 
 from mismatch.checkpoint import checkpoint_info, load_model
 from mismatch.engines import ReplayRequest, load_engine, parse_spec
-from mismatch.engines.hf import pack_batches
+from mismatch.engines.micro_batches import padded_by_budget
 from mismatch.engines.hf_decode import feed_chunks
 from mismatch.errors import SpecError
 from mismatch.engines.logprobs import token_logprobs
@@ -41,7 +41,7 @@ def test_token_logprobs_matches_full_log_softmax_for_any_chunk() -> None:
 
 def test_pack_batches_sorts_longest_first_and_respects_the_budget() -> None:
     lengths = [5, 100, 7, 98, 6, 300]
-    batches = pack_batches(lengths, budget=210)
+    batches = padded_by_budget(lengths, budget=210)
     assert batches == [[5], [1, 3], [2, 4, 0]]
     assert all(len(b) * lengths[b[0]] <= 210 for b in batches if len(b) > 1)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))

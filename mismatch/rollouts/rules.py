@@ -251,10 +251,7 @@ def check_logprobs(value: object, where: str, num_tokens: int | None, problems: 
 
 def check_extra_logprobs(value: object, where: str, problems: Problems) -> bool:
     """`extra_logprobs` is an object {NAME: [...]} (each name's values are check_logprobs')."""
-    if not isinstance(value, dict):
-        problems.add(where, f"must be an object, got {json_type(value)}")
-        return False
-    return True
+    return check_object(value, where, problems)
 
 
 def _routing_row_shape(row: object) -> tuple[int, int] | None:
