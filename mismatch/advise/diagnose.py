@@ -9,10 +9,12 @@ the first cause. Here are the cause rules; readers.py reads the evidence they sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from mismatch.advise.cause import Cause
 from mismatch.advise.levels import GAPS, HEALTHY, pair_levels
+from mismatch.advise.log_prob_semantics import alignment_shift, processed, trainer_temperature
 from mismatch.advise.readers import (
     Side,
     batch_variant_from_probes,
@@ -29,8 +31,10 @@ from mismatch.advise.readers import (
 RULE = """\
 Causes, in the order they lead (each only on the evidence named):
 1. alignment_shift: the stored log-probs fit the tokens best shifted (alignment shift != 0).
-2. processed_logprobs: the stored log-probs are temperature/top-p processed; the gap left is the
-   like-for-like pair's (train_processed/sampler).
+2. trainer_temperature: the trainer divides its logits by a temperature (its spec's temperature=T)
+   other than the stored log-probs' (meta.sampler's when it declares processed ones, 1 for raw);
+   else processed_logprobs: the stored log-probs are temperature/top-p processed; the gap left is
+   the like-for-like pair's (train_processed/sampler).
 3. weights: the weights of two sides differ: a weights diff of the engine's checkpoint against the
    trainer's, or the localizers confine the train/infer error to a few modules (each module's error
    over 10x the median module's and its rounding floor; an expert when one expert carries it).
@@ -59,25 +63,6 @@ MINOR_DRIFT = 0.01  # re-rendered tokens under this share of the trained ones ex
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class Cause:
-    """One cause: the pair whose gap it explains, in words with where it is, and why."""
-
-    kind: str
-    pair: str
-    title: str                      # the cause in one phrase, naming where (layer, module, turn, ...)
-    evidence: tuple[str, ...]       # what supports it
-    rules_out: tuple[str, ...] = ()  # why not the other causes
-    fix: str = ""                   # the recommendation kind that fixes it at the source
-    where: dict[str, Any] = field(default_factory=dict)
-    minor: bool = False             # real, but too small to explain the gap: listed, never leading
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "pair": self.pair, "title": self.title, "evidence": list(self.evidence),
-                "rules_out": list(self.rules_out), "fix": self.fix, "where": dict(self.where),
-                "minor": self.minor}
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
 class Diagnosis:
     causes: tuple[Cause, ...]
     findings: tuple[str, ...] = ()  # facts that explain no gap but change how to read one
@@ -102,11 +87,13 @@ def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = N
     """The causes the summary's evidence supports, in the order RULE gives."""
     level = pair_levels(summary)
     side = sides(summary)
-    shift = _alignment_shift(summary)
+    shift = alignment_shift(summary)
     if shift is not None:  # every other number is measured on misaligned pairs
         return Diagnosis(causes=(shift,))
     weights = _weights(summary, level, side)
-    found = [_processed(summary, level), weights, _sampler_side(summary, level, side),
+    temperature = trainer_temperature(summary, level)
+    # A trainer that scales its logits looks, to the semantics check, like processed stored log-probs.
+    found = [temperature or processed(summary, level), weights, _sampler_side(summary, level, side),
              _turn_onset(summary), _render_drift(summary),
              _batch_variance(summary, side, batch_variant if batch_variant is not None
                              else _probes_batch_variant(probes)),
@@ -117,49 +104,6 @@ def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = N
 
 
 # --- one function per cause ---
-
-def _alignment_shift(summary: dict[str, Any]) -> Cause | None:
-    alignment = summary.get("alignment") or {}
-    shift = int(alignment.get("shift") or 0)
-    if not shift:
-        return None
-    fit = alignment.get("shift_fit") or {}
-    fits = ", ".join(f"shift {k}: mean |log-ratio| {v:.3g}" for k, v in fit.items() if isinstance(v, (int, float)))
-    by_rollout = alignment.get("shift_by_rollout") or {}
-    return Cause(kind="alignment_shift", pair="train/sampler", fix="fix_alignment",
-                 title=f"the stored log-probs are shifted by {shift:+d} against their tokens",
-                 evidence=(f"the stored log-probs fit the replay best shifted by {shift:+d} ({fits})",
-                           *([f"rollouts shifted: {listed(list(by_rollout))}"] if by_rollout else [])),
-                 rules_out=("every other gap is measured on misaligned pairs: nothing else can be judged "
-                            "until they line up",),
-                 where={"shift": shift, "rollouts": list(by_rollout)[:10]})
-
-
-def _processed(summary: dict[str, Any], level: dict[str, str]) -> Cause | None:
-    alignment = summary.get("alignment") or {}
-    if alignment.get("logprob_semantics") != "processed":
-        return None
-    temperature = alignment.get("estimated_temperature")
-    declared = (alignment.get("declared") or {})
-    evidence = [f"the stored log-probs are sharper or flatter than the raw ones in a way only processing gives "
-                f"(estimated temperature {temperature:.3g})" if isinstance(temperature, (int, float))
-                else "the stored log-probs are processed (temperature / top-p), not raw"]
-    if declared.get("logprobs") == "processed":
-        evidence.append(f"meta.sampler declares logprobs=processed (temperature {declared.get('temperature')})")
-    like = "train_processed/sampler"
-    rules_out = []
-    if like in level:
-        metrics = summary["pairs"][like]
-        rules_out.append(f"the like-for-like gap (the trainer with the sampler's processing, {like}) is "
-                         f"{level[like]} (kl_k3 {metrics['kl_k3']:.3g}) where the raw train/sampler one is "
-                         f"{level.get('train/sampler', 'unknown')} (kl_k3 {kl_words(summary, 'train/sampler')}): "
-                         "the gap is the processing, not the numerics")
-    return Cause(kind="processed_logprobs", pair="train/sampler", fix="raw_logprobs",
-                 title="the sampler stored processed log-probs (after temperature / top-p) and the trainer raw ones",
-                 evidence=tuple(evidence), rules_out=tuple(rules_out),
-                 where={"estimated_temperature": temperature, "like_for_like": like if like in level else None,
-                        "like_for_like_level": level.get(like)})
-
 
 def _weights(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side]) -> Cause | None:
     """A weights diff of two checkpoints, else the localizers confining train/infer to a few modules."""

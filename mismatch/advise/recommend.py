@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mismatch.advise.choice import choose_correction
-from mismatch.advise.diagnose import Cause
+from mismatch.advise.cause import Cause
 from mismatch.advise.evidence import Evidence, evidence_from_summary
 from mismatch.frameworks.protocol import Recommendation, Target
 
@@ -69,7 +69,7 @@ def _add(out: list[Recommendation], fix: Recommendation | None) -> None:
 
 
 # Causes a fix removes at the source: recomputing old log-probs would only hide them.
-FAULTS = frozenset({"processed_logprobs", "weights", "sampler_weights", "sampler_config", "turn_onset"})
+FAULTS = frozenset({"processed_logprobs", "trainer_temperature", "weights", "sampler_weights", "sampler_config", "turn_onset"})
 
 
 def _source_fix(cause: Cause) -> Recommendation | None:
@@ -81,6 +81,12 @@ def _source_fix(cause: Cause) -> Recommendation | None:
         where["at"] = cause.where["words"]
     if cause.kind == "processed_logprobs":
         return _raw_logprobs(why)
+    if cause.kind == "trainer_temperature":
+        return Recommendation(kind="match_temperature", params=where,
+                              why=f"{why}: the trainer must scale by the temperature the stored log-probs carry "
+                                  f"(set {where.get('config_key') or 'the trainer temperature'} to "
+                                  f"{where['stored_temperature']:g}, or store log-probs at the trainer's), before "
+                                  "correcting anything")
     if cause.kind in ("weights", "sampler_weights"):
         return Recommendation(kind="fix_weight_sync", params={"cause": cause.kind, **where},
                               why=f"{why}; fix the weight sync (the tensor names it maps, a shard or layer it "

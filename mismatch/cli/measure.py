@@ -5,6 +5,7 @@ Each parses, calls the library (mismatch.pipeline: audit, diff, merge; mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -24,8 +25,8 @@ from mismatch.cli.options import (
     shard_for,
     target_for,
 )
-from mismatch.cli.output import emit_json, out_console, say
-from mismatch.cli.printing import print_diagnosis, print_diff, print_findings, print_pairs
+from mismatch.cli.output import emit_json, err_console, out_console, say
+from mismatch.cli.printing import print_diagnosis, print_diff, print_findings, print_from_config, print_pairs
 from mismatch.cli.progress import replay_progress
 from mismatch.errors import MismatchError
 
@@ -35,8 +36,10 @@ def audit(
                                                help="Checkpoint directory (HF format, safetensors).")],
     rollouts: Annotated[Path, typer.Option("--rollouts", help="Rollouts file (.jsonl or .parquet).")],
     out: Annotated[Path, typer.Option("--out", help="Results directory to write.")],
-    train: Annotated[str, typer.Option("--train", help="Trainer engine spec.")] = "hf",
-    infer: Annotated[str, typer.Option("--infer", help="Inference engine spec.")] = "hf-decode",
+    train: Annotated[str, typer.Option(
+        "--train", help="Trainer engine spec, or a trainer's config: verl:FILE, trl:, openrlhf:, slime:, prime-rl:.")] = "hf",
+    infer: Annotated[Optional[str], typer.Option(
+        "--infer", help="Inference engine spec [default: hf-decode, or the rollout engine of a --train config].")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing results dir.")] = False,
     localize: Annotated[bool, typer.Option(
         "--localize", help="Also localize train vs infer by layer and kernel (torch engines).")] = False,
@@ -54,14 +57,16 @@ def audit(
     Rerunning the same command after an interruption resumes from the finished blocks."""
     from mismatch.analysis.clip import ClipRange
     from mismatch.pipeline.audit import run_audit
+    from mismatch.pipeline.configured import with_configs
     from mismatch.pipeline.options import AuditOptions
 
     clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
     target = target_for(framework)
+    options = with_configs(AuditOptions(train=train, infer=infer, out=out, force=force, localize_models=localize,
+                                        shard=shard_for(shard), block_size=block_size, clip=clip, probe=probe))
+    print_from_config(options.from_config, err_console if as_json else None)  # before the replay: it may be long
     with dependency_log(out), replay_progress(not as_json) as progress:
-        result = run_audit(checkpoint, rollouts, AuditOptions(
-            train=train, infer=infer, out=out, force=force, localize_models=localize, shard=shard_for(shard),
-            block_size=block_size, progress=progress, clip=clip, probe=probe))
+        result = run_audit(checkpoint, rollouts, dataclasses.replace(options, progress=progress))
     if as_json:
         emit_json(result.summary)
         return
@@ -75,8 +80,8 @@ def diff(
     checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT",
                                                help="Checkpoint directory (HF format, safetensors).")],
     rollouts: Annotated[Path, typer.Option("--rollouts", help="Rollouts file (.jsonl or .parquet).")],
-    a: Annotated[str, typer.Option("--a", help="First engine config (spec or TOML).")],
-    b: Annotated[str, typer.Option("--b", help="Second engine config (spec or TOML).")],
+    a: Annotated[str, typer.Option("--a", help="First engine config (spec, TOML, or a trainer config FRAMEWORK:FILE).")],
+    b: Annotated[str, typer.Option("--b", help="Second engine config (spec, TOML, or FRAMEWORK:FILE).")],
     out: Annotated[Path, typer.Option("--out", help="Results directory to write.")],
     reference: Annotated[str, typer.Option("--reference", help="Reference engine (the trainer).")] = "hf",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing results dir.")] = False,
@@ -85,13 +90,15 @@ def diff(
     as_json: JsonFlag = False,
 ) -> None:
     """Replay two engine configs against a reference: which is closer, by how much, where, how fast."""
+    from mismatch.pipeline.configured import with_configs
     from mismatch.pipeline.diff import run_diff
     from mismatch.pipeline.options import DiffOptions
 
+    options = with_configs(DiffOptions(a=a, b=b, reference=reference, out=out, force=force, shard=shard_for(shard),
+                                       block_size=block_size))
+    print_from_config(options.from_config, err_console if as_json else None)
     with dependency_log(out), replay_progress(not as_json) as progress:
-        result = run_diff(checkpoint, rollouts, DiffOptions(
-            a=a, b=b, reference=reference, out=out, force=force, shard=shard_for(shard), block_size=block_size,
-            progress=progress))
+        result = run_diff(checkpoint, rollouts, dataclasses.replace(options, progress=progress))
     if as_json:
         emit_json(result.summary)
         return

@@ -171,3 +171,28 @@ def print_weights(payload: dict[str, Any]) -> None:
     total = len(payload["tensors"])
     out_console.print(f"{total - len(differing)}/{total} shared tensors bitwise equal", markup=False)
     out_console.print(payload["summary"]["verdict"], markup=False, highlight=False, soft_wrap=True)
+
+
+def print_from_config(from_config: dict[str, dict[str, Any]], console: Any = None) -> None:
+    """Each source a framework config set: the spec it derived, then a line for every setting it
+    could not reproduce as configured (approximated, or not at all) and every option the spec
+    overrode. The reproduced settings are the spec itself."""
+    console = console or out_console
+    for source, table in from_config.items():
+        console.print(f"--{source} {table['spec']}", markup=False, highlight=False, soft_wrap=True)
+        console.print(f"  from the {table['framework']} config {table['file']}, read with: {table['loader']}",
+                      markup=False, highlight=False, soft_wrap=True)
+        for setting in table["settings"]:
+            if setting["status"] == "reproduced":
+                continue
+            became = f" → {setting['option']}" if setting.get("option") else ""
+            console.print(f"  {setting['status']}: {setting['key']}={_config_value(setting['value'])}{became}"
+                          f" ({setting['note']})", markup=False, highlight=False, soft_wrap=True)
+        for key, value in (table.get("overrides") or {}).items():
+            console.print(f"  overridden in the spec: {key}={value}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _config_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "null" if value is None else str(value)

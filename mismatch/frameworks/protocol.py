@@ -56,6 +56,7 @@ COSTS = {
     "fp16": "loss scaling in the trainer, and weights within float16's range; memory as bf16",
     "batch_invariant": "inference throughput (reported 10-60% for bitwise modes)",
     "raw_logprobs": "none: an engine setting",
+    "match_temperature": "none: a config value",
     "fix_weight_sync": "a fix to the weight sync or the checkpoint; nothing at run time",
     "match_sampler_config": "one more audit, with the sampler's config as --infer",
     "inspect_turn": "reading the named rollouts at that turn (mismatch report)",

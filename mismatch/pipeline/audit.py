@@ -29,6 +29,7 @@ from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import TurnLocalizer
 from mismatch.pipeline import stages
+from mismatch.pipeline.configured import with_configs
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_processed
@@ -51,7 +52,7 @@ class AuditResult(stages.CommandResult):
     __slots__ = ()
 
 
-def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf", infer: str = "hf-decode",
+def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf", infer: str | None = None,
           out: str | Path | None = None, force: bool = False, localize_models: bool = False,
           shard: Shard | None = None, block_size: int = DEFAULT_BLOCK, progress: ProgressFactory | None = None,
           clip: ClipRange = ClipRange(), probe: bool = False) -> AuditResult:
@@ -73,6 +74,7 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf", in
 def run_audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) -> AuditResult:
     """The audit of `options`, one run at a time into its results dir."""
     analysis_workers(0)  # a bad MISMATCH_WORKERS is refused before any replay
+    options = with_configs(options)
     with results_lock(options.out):  # from its first check to its publish
         return _audit(checkpoint, rollouts, options)
 

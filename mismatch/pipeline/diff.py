@@ -15,6 +15,7 @@ from mismatch.analysis.chunked import Analysis, Chunks, run_passes
 from mismatch.analysis.comparison import ConfigComparison
 from mismatch.analysis.per_rollout import PerRollout
 from mismatch.pipeline import stages
+from mismatch.pipeline.configured import with_configs
 from mismatch.pipeline.options import DiffOptions
 from mismatch.pipeline.summary import Provenance, SummaryAnalyses, summary_json
 from mismatch.results import results_lock, staged_tokens
@@ -39,6 +40,7 @@ def diff(checkpoint: str | Path, rollouts: str | Path, *, a: str, b: str, refere
 
 def run_diff(checkpoint: str | Path, rollouts: str | Path, options: DiffOptions) -> DiffResult:
     analysis_workers(0)  # a bad MISMATCH_WORKERS is refused before any replay
+    options = with_configs(options)
     with results_lock(options.out):
         return _diff(checkpoint, rollouts, options)
 

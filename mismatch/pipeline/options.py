@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mismatch.analysis.clip import ClipRange
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Shard
+
+
+DEFAULT_INFER = "hf-decode"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -18,6 +22,8 @@ class RunOptions:
     shard: Shard | None = None
     block_size: int = DEFAULT_BLOCK
     progress: ProgressFactory | None = None
+    # source -> what its framework config set (pipeline/configured.py), for summary.json's engines
+    from_config: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def sources(self) -> dict[str, str]:
@@ -28,14 +34,14 @@ class RunOptions:
 @dataclass(kw_only=True, slots=True, frozen=True)
 class AuditOptions(RunOptions):
     train: str = "hf"
-    infer: str = "hf-decode"
+    infer: str | None = None  # None: hf-decode, or the rollout engine of a --train framework config
     localize_models: bool = False  # also rerun both configs with hooks (layers, kernels)
     clip: ClipRange = ClipRange()  # the PPO clip range the gap is measured against
     probe: bool = False  # also run the kernel probes at the checkpoint's shapes
 
     @property
     def sources(self) -> dict[str, str]:
-        return {"train": self.train, "infer": self.infer}
+        return {"train": self.train, "infer": self.infer or DEFAULT_INFER}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

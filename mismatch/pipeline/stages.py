@@ -76,9 +76,12 @@ def replay(checkpoint: str | Path, rollouts: str | Path, options: RunOptions, pr
     """Every engine source replayed block by block into the work dir (replay/): the blocks to read.
     The two roles are the command's: which source also replays like the sampler's processed
     log-probs, and which one a `routing=replay` engine follows."""
-    return replay_sources(checkpoint, rollouts, options.sources, ReplayOptions(
+    replayed = replay_sources(checkpoint, rollouts, options.sources, ReplayOptions(
         progress=options.progress, shard=options.shard, block_size=options.block_size, work=prepared.work,
         processed_source=processed_source, routing_from=routing_from))
+    for source, table in options.from_config.items():  # what a framework config set, beside what ran
+        replayed.engines[source] = {**replayed.engines[source], "from_config": table}
+    return replayed
 
 
 def shard_info(options: RunOptions) -> dict[str, Any]:

@@ -1,0 +1,88 @@
+"""The causes that say what the stored log-probs mean against what the trainer computes: shifted
+against their tokens, at another temperature than the trainer scales by, or processed where the
+trainer's are raw. They lead the diagnosis: every other gap is measured through them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from mismatch.advise.cause import Cause
+from mismatch.advise.readers import kl_words, listed
+
+
+def alignment_shift(summary: dict[str, Any]) -> Cause | None:
+    alignment = summary.get("alignment") or {}
+    shift = int(alignment.get("shift") or 0)
+    if not shift:
+        return None
+    fit = alignment.get("shift_fit") or {}
+    fits = ", ".join(f"shift {k}: mean |log-ratio| {v:.3g}" for k, v in fit.items() if isinstance(v, (int, float)))
+    by_rollout = alignment.get("shift_by_rollout") or {}
+    return Cause(kind="alignment_shift", pair="train/sampler", fix="fix_alignment",
+                 title=f"the stored log-probs are shifted by {shift:+d} against their tokens",
+                 evidence=(f"the stored log-probs fit the replay best shifted by {shift:+d} ({fits})",
+                           *([f"rollouts shifted: {listed(list(by_rollout))}"] if by_rollout else [])),
+                 rules_out=("every other gap is measured on misaligned pairs: nothing else can be judged "
+                            "until they line up",),
+                 where={"shift": shift, "rollouts": list(by_rollout)[:10]})
+
+
+def trainer_temperature(summary: dict[str, Any], level: dict[str, str]) -> Cause | None:
+    """The trainer divides its logits by a temperature (hf temperature=T, as verl's actor does)
+    other than the one the stored log-probs carry: meta.sampler's temperature when it declares
+    processed log-probs, 1 when it declares raw ones (undeclared: not judged)."""
+    from mismatch.engines import TORCH_KINDS
+
+    train = (summary.get("engines") or {}).get("train") or {}
+    trainer_t = (train.get("options") or {}).get("temperature") if train.get("kind") in TORCH_KINDS else None
+    declared = (summary.get("engines") or {}).get("sampler", {}).get("meta") or {}
+    semantics = declared.get("logprobs")
+    # A trainer at temperature 1 computes raw log-probs: processed stored ones are `processed`'s cause.
+    if not isinstance(trainer_t, (int, float)) or trainer_t == 1.0 or semantics not in ("raw", "processed"):
+        return None
+    stored_t = float(declared.get("temperature") or 1.0) if semantics == "processed" else 1.0
+    if math.isclose(float(trainer_t), stored_t, rel_tol=1e-6):
+        return None
+    from_config = ((train.get("from_config") or {}).get("settings") or [])
+    keys = [s["key"] for s in from_config if str(s.get("option") or "").startswith("temperature=")]
+    evidence = [f"the trainer divides its logits by temperature {trainer_t:g} (--train {train.get('spec')}"
+                + (f"; the config's {keys[0]}" if keys else "") + ")",
+                f"meta.sampler declares {semantics} log-probs at temperature {declared.get('temperature', 1.0)}: "
+                f"the stored log-probs are at temperature {stored_t:g}"]
+    like = "train_processed/sampler"
+    rules_out = ([f"the trainer at the sampler's processing ({like}) is {level[like]} (kl_k3 "
+                  f"{summary['pairs'][like]['kl_k3']:.3g}): the gap is the temperature, not the numerics"]
+                 if like in level else [])
+    return Cause(kind="trainer_temperature", pair="train/sampler", fix="match_temperature",
+                 title=f"the trainer scales its logits by temperature {trainer_t:g}, the stored log-probs are at "
+                       f"temperature {stored_t:g}",
+                 evidence=tuple(evidence), rules_out=tuple(rules_out),
+                 where={"trainer_temperature": float(trainer_t), "stored_temperature": stored_t,
+                        "config_key": keys[0] if keys else None})
+
+
+def processed(summary: dict[str, Any], level: dict[str, str]) -> Cause | None:
+    alignment = summary.get("alignment") or {}
+    if alignment.get("logprob_semantics") != "processed":
+        return None
+    temperature = alignment.get("estimated_temperature")
+    declared = (alignment.get("declared") or {})
+    evidence = [f"the stored log-probs are sharper or flatter than the raw ones in a way only processing gives "
+                f"(estimated temperature {temperature:.3g})" if isinstance(temperature, (int, float))
+                else "the stored log-probs are processed (temperature / top-p), not raw"]
+    if declared.get("logprobs") == "processed":
+        evidence.append(f"meta.sampler declares logprobs=processed (temperature {declared.get('temperature')})")
+    like = "train_processed/sampler"
+    rules_out = []
+    if like in level:
+        metrics = summary["pairs"][like]
+        rules_out.append(f"the like-for-like gap (the trainer with the sampler's processing, {like}) is "
+                         f"{level[like]} (kl_k3 {metrics['kl_k3']:.3g}) where the raw train/sampler one is "
+                         f"{level.get('train/sampler', 'unknown')} (kl_k3 {kl_words(summary, 'train/sampler')}): "
+                         "the gap is the processing, not the numerics")
+    return Cause(kind="processed_logprobs", pair="train/sampler", fix="raw_logprobs",
+                 title="the sampler stored processed log-probs (after temperature / top-p) and the trainer raw ones",
+                 evidence=tuple(evidence), rules_out=tuple(rules_out),
+                 where={"estimated_temperature": temperature, "like_for_like": like if like in level else None,
+                        "like_for_like_level": level.get(like)})

@@ -1,0 +1,132 @@
+"""What a trainer's config says about how it computes log-probs, as mismatch's engine specs.
+
+A reader (one module per framework here) turns a framework's config file into a `Derived`: the
+trainer replay (an `hf` spec), the engine replay (a `vllm` spec), and one `Setting` per config key
+that decides a log-prob, each either reproduced by an engine option, approximated by one (and
+how), or not reproduced here (and why). summary.json keeps the table under each engine's
+`from_config`; the audit prints it before its replay.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Side = Literal["train", "infer"]
+Status = Literal["reproduced", "approximated", "not reproduced"]
+SIDES: tuple[Side, ...] = ("train", "infer")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Machine:
+    """What this machine can run, for the settings whose reproduction depends on it: tensor
+    parallelism needs that many GPUs, flash-attention its package and CUDA, CUDA graphs CUDA."""
+
+    gpus: int = 0
+    flash_attn: bool = False
+
+    @classmethod
+    def here(cls) -> Machine:
+        if importlib.util.find_spec("torch") is None:
+            return cls()
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return cls(gpus=gpus, flash_attn=gpus > 0 and importlib.util.find_spec("flash_attn") is not None)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Setting:
+    """One config key that decides a log-prob, and what became of it."""
+
+    side: Side
+    key: str             # the framework's own name: "actor_rollout_ref.model.use_remove_padding", "--bf16"
+    value: Any           # as the config gives it, after the release's defaults
+    status: Status
+    option: str | None   # the engine option it became ("packing=varlen"), None where none did
+    note: str = ""       # approximated: by what and why; not reproduced: why
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "value": self.value, "status": self.status, "option": self.option,
+                "note": self.note}
+
+    def line(self) -> str:
+        """One line for the terminal: `key=value → option (note)`."""
+        became = self.option if self.option else "-"
+        note = f" ({self.note})" if self.note else ""
+        return f"{self.key}={_shown(self.value)} → {became}{note}"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "null" if value is None else str(value)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Derived:
+    """A framework config read: the specs each side replays, and every setting's fate."""
+
+    framework: str
+    file: str
+    loader: str  # how it was read: the release's own loader (and version), or the built-in subset
+    specs: dict[Side, str]  # side -> engine spec
+    settings: tuple[Setting, ...]
+
+    def for_side(self, side: Side) -> dict[str, Any]:
+        """summary.json `engines.<source>.from_config`: this side's spec and its settings."""
+        return {"framework": self.framework, "file": self.file, "loader": self.loader, "side": side,
+                "spec": self.specs[side],
+                "settings": [s.to_dict() for s in self.settings if s.side == side]}
+
+
+@dataclass(slots=True)
+class Deriving:
+    """A reader's running account: each key it read, as an option of one side's engine or as a
+    line saying why not. `derived()` joins the options into the two specs."""
+
+    framework: str
+    file: str
+    loader: str
+    kinds: dict[Side, str] = field(default_factory=lambda: {"train": "hf", "infer": "vllm"})
+    options: dict[Side, dict[str, Any]] = field(default_factory=lambda: {"train": {}, "infer": {}})
+    settings: list[Setting] = field(default_factory=list)
+
+    def reproduce(self, side: Side, key: str, value: Any, option: str, option_value: Any, note: str = "") -> None:
+        """`key` is reproduced as the engine option `option=option_value`."""
+        self._set(side, option, option_value)
+        self.settings.append(Setting(side=side, key=key, value=value, status="reproduced",
+                                     option=f"{option}={_shown(option_value)}", note=note))
+
+    def approximate(self, side: Side, key: str, value: Any, note: str, option: str | None = None,
+                    option_value: Any = None) -> None:
+        """`key` cannot run here as configured; `option=option_value` (or the engine's default,
+        with option None) comes nearest, and `note` says what differs."""
+        if option is not None:
+            self._set(side, option, option_value)
+        self.settings.append(Setting(side=side, key=key, value=value, status="approximated",
+                                     option=f"{option}={_shown(option_value)}" if option else None, note=note))
+
+    def cannot(self, side: Side, key: str, value: Any, note: str) -> None:
+        """`key` decides log-probs and no engine option here reproduces it: `note` says why."""
+        self.settings.append(Setting(side=side, key=key, value=value, status="not reproduced", option=None,
+                                     note=note))
+
+    def _set(self, side: Side, option: str, value: Any) -> None:
+        previous = self.options[side].get(option)
+        if previous is not None and previous != value:  # two keys onto one option: a reader's bug
+            raise AssertionError(f"{self.framework}: {side} option {option} set to {previous!r} and {value!r}")
+        self.options[side][option] = value
+
+    def derived(self) -> Derived:
+        specs = {side: spec_text(self.kinds[side], self.options[side]) for side in SIDES}
+        return Derived(framework=self.framework, file=self.file, loader=self.loader, specs=specs,
+                       settings=tuple(self.settings))
+
+
+def spec_text(kind: str, options: dict[str, Any]) -> str:
+    """`kind:key=value,...` in the option order given; an engine with no options is its kind."""
+    if not options:
+        return kind
+    return f"{kind}:" + ",".join(f"{key}={_shown(value)}" for key, value in options.items())
