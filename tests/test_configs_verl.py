@@ -33,7 +33,7 @@ def _statuses(derived) -> dict[str, str]:
 
 def test_a_users_overrides_derive_the_trainer_and_engine_replays() -> None:
     derived = read_config("verl", DATA / "overrides.yaml", CPU)
-    assert derived.specs["train"] == "hf:dtype=bfloat16,attn=sdpa,packing=varlen,micro_batch=8,temperature=0.7"
+    assert derived.specs["train"] == "hf:dtype=bfloat16,attn=sdpa,packing=varlen,temperature=0.7,micro_batch=8"
     assert derived.specs["infer"].startswith("vllm:dtype=bfloat16,enable_prefix_caching=false,")
     assert "tensor_parallel_size=1" in derived.specs["infer"] and "logprobs_mode=processed_logprobs" in derived.specs["infer"]
     statuses = _statuses(derived)
@@ -46,10 +46,19 @@ def test_a_users_overrides_derive_the_trainer_and_engine_replays() -> None:
         check_spec(derived.specs[side])  # mismatch's engines (and vLLM's arg schema) accept them
 
 
+def test_the_policy_updates_forward_is_its_own_side() -> None:
+    """verl#6280: old log-probs in the rollout section's micro-batches, new ones in the actor's."""
+    derived = read_config("verl", DATA / "overrides.yaml", CPU)
+    assert derived.specs["update"] == "hf:dtype=bfloat16,attn=sdpa,packing=varlen,temperature=0.7,micro_batch=4"
+    update = [s for s in derived.settings if s.side == "update"]
+    assert [s.key for s in update if s.option == "micro_batch=4"] == ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"]
+    assert len(update) == len([s for s in derived.settings if s.side == "train"])  # dtype, attn, ... as the trainer's
+
+
 def test_the_run_scripts_command_line_is_read_as_hydra_overrides() -> None:
     derived = read_config("verl", DATA / "run_qwen3_4b_fsdp.cmdline", CPU)
     # use_dynamic_bsz with log_prob_max_token_len_per_gpu=4096: the token budget, verl's balancing
-    assert derived.specs["train"] == "hf:dtype=bfloat16,attn=sdpa,packing=varlen,batch_tokens=4096,temperature=1.0"
+    assert derived.specs["train"] == "hf:dtype=bfloat16,attn=sdpa,packing=varlen,temperature=1.0,batch_tokens=4096"
     assert "enable_chunked_prefill=false" in derived.specs["infer"]
 
 
@@ -75,7 +84,8 @@ def test_the_spec_picks_a_side_and_overrides_options(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "message"), [
     ("actor_rollout_ref:\n  rollout:\n    name: vllm\n    log_prob_micro_batch_size_per_gpu: eight\n",
      "log_prob_micro_batch_size_per_gpu='eight' is not an integer"),
-    ("actor_rollout_ref:\n  rollout:\n    log_prob_micro_batch_size_per_gpu: 8\n", "rollout.name is mandatory"),
+    ("actor_rollout_ref:\n  actor:\n    ppo_micro_batch_size_per_gpu: 4\n  rollout:\n"
+     "    log_prob_micro_batch_size_per_gpu: 8\n", "rollout.name is mandatory"),
     ("actor_rollout_ref:\n  rollout:\n    name: vllm\n", "log_prob_micro_batch_size_per_gpu is not set"),
     ("actor_rollout_ref:\n  actor:\n    use_dynamic_bsz: true\n  rollout:\n    name: vllm\n"
      "    log_prob_use_dynamic_bsz: false\n", "refuse the two to differ"),
@@ -109,8 +119,8 @@ def _installed_reading(files: list[Path]) -> list[dict]:
 
 def test_the_built_in_subset_reads_as_the_release_does(tmp_path: Path) -> None:
     unknown = tmp_path / "unknown.yaml"
-    unknown.write_text("actor_rollout_ref:\n  rollout:\n    name: vllm\n    log_prob_micro_batch_size_per_gpu: 8\n"
-                       "    temprature: 0.7\n")
+    unknown.write_text("actor_rollout_ref:\n  actor:\n    ppo_micro_batch_size_per_gpu: 4\n  rollout:\n    name: vllm\n"
+                       "    log_prob_micro_batch_size_per_gpu: 8\n    temprature: 0.7\n")
     files = [DATA / "overrides.yaml", DATA / "run_qwen3_4b_fsdp.cmdline", unknown]
     installed = _installed_reading(files)
     for path, answer in zip(files[:2], installed):
@@ -120,7 +130,7 @@ def test_the_built_in_subset_reads_as_the_release_does(tmp_path: Path) -> None:
         assert answer["settings"] == [s.to_dict() for s in subset.settings]
     # a key verl lacks: the release's struct-mode merge refuses it; the subset ignores it
     assert "temprature" in installed[2]["refused"]
-    assert read_config("verl", unknown, CPU).specs["train"].endswith("temperature=1.0")
+    assert "temperature=1.0," in read_config("verl", unknown, CPU).specs["train"]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -137,7 +147,7 @@ def test_audit_on_a_verl_config_prints_what_it_derived_and_answers_with_its_key(
                 "--train", f"verl:{DATA / 'overrides.yaml'}", "--infer", "sampler")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0] == "--train hf:dtype=bfloat16,attn=sdpa,packing=varlen,micro_batch=8,temperature=0.7"
+    assert lines[0] == "--train hf:dtype=bfloat16,attn=sdpa,packing=varlen,temperature=0.7,micro_batch=8"
     assert "read with: built-in subset of verl 0.9.1's keys" in lines[1]
     assert any(line.startswith("  approximated: actor_rollout_ref.model.override_config.attn_implementation="
                                "flash_attention_2 → attn=sdpa") for line in lines)

@@ -2,7 +2,8 @@
 config computes old log-probs, and the engine as that config's rollout engine is set up.
 
 Spec form: `FRAMEWORK:PATH[,side=train|infer][,OPTION=VALUE...]`. The path ends at the first comma;
-`side` picks the trainer (`train`) or the rollout engine (`infer`), by default the side of the flag
+`side` picks the trainer's old-log-prob forward (`train`), the rollout engine (`infer`) or, where
+the framework batches it otherwise, the policy update's forward (`update`), by default the side of the flag
 it is given to (`--train`, `--reference`, `--a`/`--b`: the trainer; `--infer`: the engine); any
 other OPTION=VALUE is an option of the derived engine and wins over what the config gave (e.g.
 `device=cuda`, `tensor_parallel_size=2`). One reader per framework (derived.py: what a reader
@@ -64,6 +65,9 @@ def resolve(text: str, source: str, machine: Machine | None = None) -> Resolved:
     if side not in SIDES:
         raise SpecError(f"engine spec {text!r}: side={side!r} is not one of: {', '.join(SIDES)}")
     derived = read_config(framework, Path(path_text.strip()).expanduser(), machine)
+    if side not in derived.specs:
+        raise SpecError(f"engine spec {text!r}: a {framework} config has no side {side!r} "
+                        f"(it has: {', '.join(derived.specs)})")
     base = parse_spec(derived.specs[side])
     spec = spec_text(base.kind, {**base.options, **overrides})
     return Resolved(spec=spec, from_config={**derived.for_side(side), "spec": spec, "derived_spec": base.text,

@@ -10,12 +10,14 @@ how), or not reproduced here (and why). summary.json keeps the table under each 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-Side = Literal["train", "infer"]
+# train: the trainer's old-log-prob forward; infer: the rollout engine; update: the policy update's
+# forward (new log-probs), where the framework batches it otherwise than the old-log-prob one.
+Side = Literal["train", "infer", "update"]
 Status = Literal["reproduced", "approximated", "not reproduced"]
-SIDES: tuple[Side, ...] = ("train", "infer")
+SIDES: tuple[Side, ...] = ("train", "infer", "update")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -71,7 +73,7 @@ class Derived:
     framework: str
     file: str
     loader: str  # how it was read: the release's own loader (and version), or the built-in subset
-    specs: dict[Side, str]  # side -> engine spec
+    specs: dict[Side, str]  # side -> engine spec (train and infer always; update where the framework has it)
     settings: tuple[Setting, ...]
 
     def for_side(self, side: Side) -> dict[str, Any]:
@@ -113,6 +115,14 @@ class Deriving:
         self.settings.append(Setting(side=side, key=key, value=value, status="not reproduced", option=None,
                                      note=note))
 
+    def fork(self, side: Side, base: Side, without: frozenset[str]) -> None:
+        """A side that computes like `base` but for the options in `without`: base's options and
+        settings copied, those of `without` left for the reader to set."""
+        self.kinds[side] = self.kinds[base]
+        self.options[side] = {k: v for k, v in self.options[base].items() if k not in without}
+        self.settings += [replace(s, side=side) for s in self.settings
+                          if s.side == base and (s.option or "").partition("=")[0] not in without]
+
     def _set(self, side: Side, option: str, value: Any) -> None:
         previous = self.options[side].get(option)
         if previous is not None and previous != value:  # two keys onto one option: a reader's bug
@@ -120,7 +130,7 @@ class Deriving:
         self.options[side][option] = value
 
     def derived(self) -> Derived:
-        specs = {side: spec_text(self.kinds[side], self.options[side]) for side in SIDES}
+        specs = {side: spec_text(self.kinds[side], self.options.get(side, {})) for side in self.kinds}
         return Derived(framework=self.framework, file=self.file, loader=self.loader, specs=specs,
                        settings=tuple(self.settings))
 

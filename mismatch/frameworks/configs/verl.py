@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mismatch.errors import SpecError
-from mismatch.frameworks.configs.derived import Derived, Deriving, Machine
+from mismatch.frameworks.configs.derived import Derived, Deriving, Machine, Side
 
 NAME = "verl"
 VERSION = "0.9.1"
@@ -38,6 +38,8 @@ ACTOR = f"{ARR}.actor"
 DEFAULTS: dict[str, Any] = {
     f"{ACTOR}.strategy": "fsdp",                                                          # :79
     f"{ACTOR}.use_dynamic_bsz": False,                                                    # :83
+    f"{ACTOR}.ppo_micro_batch_size": None,                                                # :81
+    f"{ACTOR}.ppo_micro_batch_size_per_gpu": None,                                        # :82
     f"{ACTOR}.ppo_max_token_len_per_gpu": 16384,                                          # :84
     f"{ACTOR}.fsdp_config.mixed_precision": None,              # FSDPEngineConfig (workers/config/engine.py:291)
     f"{ACTOR}.ulysses_sequence_parallel_size": 1,                                         # :178
@@ -207,12 +209,16 @@ def _trainer(config: Config, deriving: Deriving, machine: Machine) -> None:
     """The actor's compute_log_prob: engine_workers.py:616-636 hands the engine the rollout
     section's log_prob_* settings; prepare_micro_batches (engine/utils.py:92-130) cuts by them."""
     _trainer_model(config, deriving, machine)
-    _trainer_batches(config, deriving)
     temperature = config.get(f"{ROLLOUT}.temperature")
     # ray_trainer.py:1479 puts rollout.temperature in the batch; transformer_impl.py:1386/:1483
     # divide the logits by it before the log-softmax.
     deriving.reproduce("train", f"{ROLLOUT}.temperature", temperature, "temperature", float(temperature),
                        note="the actor divides its logits by the rollout temperature")
+    # The policy update's forward: the same model and scaling in the actor's own micro-batches
+    # (engine_workers.py:626-628: ppo_max_token_len_per_gpu, ppo_micro_batch_size_per_gpu).
+    deriving.fork("update", "train", frozenset({"micro_batch", "batch_tokens"}))
+    _batches(config, deriving, "train", ROLLOUT, "log_prob_")
+    _batches(config, deriving, "update", ACTOR, "ppo_")
 
 
 def _trainer_model(config: Config, deriving: Deriving, machine: Machine) -> None:
@@ -273,27 +279,28 @@ def _attention(config: Config, deriving: Deriving, machine: Machine) -> None:
         deriving.reproduce("train", key, attn, "attn", attn)
 
 
-def _trainer_batches(config: Config, deriving: Deriving) -> None:
+def _batches(config: Config, deriving: Deriving, side: Side, section: str, prefix: str) -> None:
+    """One forward's micro-batches: `{prefix}max_token_len_per_gpu` under dynamic bsz, else
+    `{prefix}micro_batch_size_per_gpu` (prepare_micro_batches, engine/utils.py:92-130)."""
     dynamic = bool(config.get(f"{ROLLOUT}.log_prob_use_dynamic_bsz"))
     if dynamic != bool(config.get(f"{ACTOR}.use_dynamic_bsz")):  # engine_workers.py:616 asserts they agree
         raise SpecError(f"{deriving.file}: {ROLLOUT}.log_prob_use_dynamic_bsz={str(dynamic).lower()} but "
                         f"{ACTOR}.use_dynamic_bsz={str(not dynamic).lower()}: verl's workers refuse the two to differ")
     if dynamic:
-        budget = _int(deriving.file, f"{ROLLOUT}.log_prob_max_token_len_per_gpu",
-                      config.get(f"{ROLLOUT}.log_prob_max_token_len_per_gpu"))
-        deriving.reproduce("train", f"{ROLLOUT}.log_prob_max_token_len_per_gpu", budget, "batch_tokens", budget,
+        key = f"{section}.{prefix}max_token_len_per_gpu"
+        budget = _int(deriving.file, key, config.get(key))
+        deriving.reproduce(side, key, budget, "batch_tokens", budget,
                            note="verl's balanced dynamic batch size (rearrange_micro_batches), over the whole file "
                                 "rather than each GPU's share")
         return
-    if config.get(f"{ROLLOUT}.log_prob_micro_batch_size") is not None:  # utils/config.py:150-160 refuses it
-        raise SpecError(f"{deriving.file}: {ROLLOUT}.log_prob_micro_batch_size is deprecated and refused by verl; "
-                        f"set {ROLLOUT}.log_prob_micro_batch_size_per_gpu")
-    size = config.get(f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu")
-    if size is None:  # utils/config.py:153-154: verl refuses it too
-        raise SpecError(f"{deriving.file}: {ROLLOUT}.log_prob_micro_batch_size_per_gpu is not set (verl needs it "
-                        f"unless log_prob_use_dynamic_bsz is true)")
-    size = _int(deriving.file, f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", size)
-    deriving.reproduce("train", f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", size, "micro_batch", size,
+    if config.get(f"{section}.{prefix}micro_batch_size") is not None:  # utils/config.py:150-160 refuses it
+        raise SpecError(f"{deriving.file}: {section}.{prefix}micro_batch_size is deprecated and refused by verl; "
+                        f"set {section}.{prefix}micro_batch_size_per_gpu")
+    key = f"{section}.{prefix}micro_batch_size_per_gpu"
+    if config.get(key) is None:  # utils/config.py:153-154 and engine_workers.py:636: verl refuses it too
+        raise SpecError(f"{deriving.file}: {key} is not set (verl needs it unless use_dynamic_bsz is true)")
+    size = _int(deriving.file, key, config.get(key))
+    deriving.reproduce(side, key, size, "micro_batch", size,
                        note="in order over the whole file; verl first splits the batch over its GPUs")
 
 
