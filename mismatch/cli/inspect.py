@@ -61,19 +61,22 @@ def probe(
 def layers(
     checkpoint: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="Checkpoint directory.")],
     rollouts: Annotated[Path, typer.Option("--rollouts", help="Rollouts file (.jsonl or .parquet).")],
-    a: Annotated[str, typer.Option("--a", help="Candidate config (hf or hf-decode spec).")],
-    b: Annotated[str, typer.Option("--b", help="Reference config (hf or hf-decode spec).")],
+    a: Annotated[str, typer.Option("--a", help="Candidate config (hf or hf-decode spec, or FRAMEWORK:FILE).")],
+    b: Annotated[str, typer.Option("--b", help="Reference config (hf or hf-decode spec, or FRAMEWORK:FILE).")],
     max_tokens: Annotated[int, typer.Option(help="Tokens to compare (first branches first).")] = 2048,
     out: Annotated[Optional[Path], typer.Option(help="Also write the localization JSON here.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Where a's residual stream departs from b's: per layer and sub-block, logit lens, kernels."""
     from mismatch.checkpoint import checkpoint_info
+    from mismatch.frameworks.configs import config_framework, resolve
     from mismatch.localize import check_localizable, localize_models
     from mismatch.replay import plan_replay
     from mismatch.results import atomic_write_text, json_safe
     from mismatch.rollouts import load_rollouts
 
+    # a trainer's config (verl:ppo.yaml) names its trainer replay here, as in audit and diff
+    a, b = (resolve(text, "train").spec if config_framework(text) else text for text in (a, b))
     check_localizable(a, b, flag="layers")
     plan = plan_replay(load_rollouts(rollouts, vocab_size=checkpoint_info(checkpoint).vocab_size))
     with working(f"layers: replaying {a} and {b} with hooks on every layer", not as_json):
