@@ -104,3 +104,42 @@ def test_balanced_micro_batches_fit_the_budget_with_the_fewest_forwards() -> Non
     assert len(parts) >= -(-sum(lengths) // 2048)
     assert balanced_by_tokens([5000, 10], 2048) == [[0], [1]]  # too long for the budget: alone
     assert in_order(5, 2) == [[0, 1], [2, 3], [4]]
+
+
+PRIME_RL = Path(__file__).parent / "data" / "frameworks" / "prime_rl"
+_PRIME_RL_PACKER = """
+import json, sys
+from prime_rl.trainer.batch import packed_samples_into_micro_bs
+from prime_rl.transports.rollouts.types import MicroBatch
+lengths, budget = json.loads(sys.argv[1]), int(sys.argv[2])
+samples = [MicroBatch(input_ids=[i] * n, loss_mask=[True] * n, advantages=[0.0] * n, inference_logprobs=[0.0] * n,
+                      position_ids=list(range(n)), sequence_lengths=[n], temperatures=[1.0] * n,
+                      env_names=["e"] * n, seq_lens=[n]) for i, n in enumerate(lengths)]
+rows = packed_samples_into_micro_bs(samples, budget, 1, lambda lens: sum(lens))
+out = []
+for row in rows:  # each packed sample's index, from its tokens, in row order
+    ids, start = [], 0
+    for n in row.sequence_lengths:
+        ids.append(row.input_ids[start]); start += n
+    out.append(ids)
+print(json.dumps(out))
+"""
+
+
+def test_first_fit_rows_are_prime_rls_own() -> None:
+    """balance=first_fit against prime-rl's packer itself (vendored unmodified, run on one rank)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mismatch.engines.micro_batches import first_fit_decreasing
+
+    rng = random.Random(3)
+    cases = [([5, 9, 3, 7, 2], 10), ([4, 4, 4, 4], 8), ([12, 1, 1], 10), ([rng.randint(1, 300) for _ in range(200)], 1024)]
+    for lengths, budget in cases:
+        done = subprocess.run([sys.executable, "-c", _PRIME_RL_PACKER, json.dumps(lengths), str(budget)],
+                              capture_output=True, text=True, check=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(PRIME_RL)})
+        assert first_fit_decreasing(lengths, budget) == json.loads(done.stdout), (lengths, budget)
+    assert first_fit_decreasing([5, 9, 3, 7, 2], 10) == [[1], [3, 2], [0, 4]]

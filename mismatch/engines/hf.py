@@ -24,7 +24,7 @@ import numpy as np
 from mismatch.checkpoint import CheckpointInfo, checkpoint_info, load_model
 from mismatch.engines.contract import Capabilities, ProgressFn, ReplayRequest
 from mismatch.engines.logprobs import DEFAULT_CHUNK, token_logprobs
-from mismatch.engines.micro_batches import balanced_by_tokens, in_order, padded_by_budget
+from mismatch.engines.micro_batches import balanced_by_tokens, first_fit_decreasing, in_order, padded_by_budget
 from mismatch.engines.processing import processed_token_logprobs
 from mismatch.engines.routing import RoutingRecorder, check_mode, forced_routing, routers
 from mismatch.engines.spec import EngineSpec, options_from
@@ -41,6 +41,7 @@ class HFOptions:
     batch_tokens: int = 16384    # tokens per forward: padded (rows x longest row), or packed
     packing: str = "pad"         # pad (right-padded rows) | varlen (one packed row, no padding)
     micro_batch: int = 0         # sequences per forward, in order (0: by the batch_tokens budget)
+    balance: str = "verl"        # packed rows under the budget: verl (dynamic bsz) | first_fit (prime-rl)
     temperature: float = 1.0     # the trainer's logits / T before the log-softmax (verl's actor)
     chunk: int = DEFAULT_CHUNK   # positions per fp32 log-softmax chunk
     routing: str = "own"         # MoE: own | replay (R3: another pass's experts, engines/routing.py)
@@ -56,13 +57,17 @@ def resolve_device(name: str) -> str:
 
 
 PACKINGS = ("pad", "varlen")
+BALANCES = ("verl", "first_fit")
 
 
 def micro_batches(lengths: Sequence[int], options: HFOptions) -> list[list[int]]:
     """The requests' micro-batches under the options: `micro_batch` in order, else by the token
-    budget (padded: longest first; packed: verl's balanced dynamic batch size)."""
+    budget (padded: longest first; packed: verl's balanced dynamic batch size, or prime-rl's
+    first-fit-decreasing rows)."""
     if options.micro_batch > 0:
         return in_order(len(lengths), options.micro_batch)
+    if options.packing == "varlen" and options.balance == "first_fit":
+        return first_fit_decreasing(lengths, options.batch_tokens)
     if options.packing == "varlen":
         return balanced_by_tokens(lengths, options.batch_tokens)
     return padded_by_budget(lengths, options.batch_tokens)
@@ -72,6 +77,8 @@ def check_packing(options: HFOptions, spec_text: str) -> None:
     """The batching options' values, checked with the spec (before any model loads)."""
     if options.packing not in PACKINGS:
         raise SpecError(f"engine 'hf': option packing={options.packing!r} is not one of: {', '.join(PACKINGS)}")
+    if options.balance not in BALANCES:
+        raise SpecError(f"engine 'hf': option balance={options.balance!r} is not one of: {', '.join(BALANCES)}")
     for name, value, least in (("micro_batch", options.micro_batch, 0), ("batch_tokens", options.batch_tokens, 1)):
         if value < least:
             raise SpecError(f"engine 'hf': option {name}={value} must be at least {least} ({spec_text})")

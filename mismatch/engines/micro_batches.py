@@ -12,7 +12,10 @@ differ), so the replay can form its micro-batches the way the trainer does:
   balanced by Karmarkar-Karp on verl's workload estimate (verl 0.9.1:
   verl/utils/seqlen_balancing.py, `rearrange_micro_batches` (line 348), `karmarkar_karp` (49),
   `calculate_workload` (27)). verl then reorders the micro-batches for pipeline bubbles, which
-  changes no sequence's neighbours, so the order here is by first index.
+  changes no sequence's neighbours, so the order here is by first index;
+- `first_fit_decreasing`: prime-rl's packer: longest first, each sequence into the first row its
+  tokens fit (prime-rl 559b447: src/prime_rl/trainer/batch.py, `packed_samples_into_micro_bs`
+  (line 637) and `_MicroBatchBin.can_add` (486)), on one data-parallel rank.
 """
 
 from __future__ import annotations
@@ -124,3 +127,22 @@ def karmarkar_karp(values: Sequence[int], k: int) -> list[list[int]]:
         first.merge(second)
         heapq.heappush(heap, first)
     return [[index for index, _ in partition.items] for partition in heap[0].sets]
+
+
+def first_fit_decreasing(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """prime-rl's micro-batches: sequences sorted longest first (a stable sort, as its
+    `samples.sort(key=-len)`), each put in the first row whose tokens it fits under `max_tokens`
+    (its seq_len), else in a new row; a longer sequence gets a row of its own, never truncated.
+    prime-rl splits rows further only for several data-parallel ranks, which one replay has not."""
+    rows: list[list[int]] = []
+    filled: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for row, tokens in enumerate(filled):
+            if tokens + lengths[index] <= max_tokens:
+                rows[row].append(index)
+                filled[row] += lengths[index]
+                break
+        else:
+            rows.append([index])
+            filled.append(lengths[index])
+    return rows
