@@ -26,6 +26,7 @@ else:  # pragma: no cover
 LAYERS = (
     "__main__",
     "cli",
+    "hooks",
     "demo | record",
     "pipeline",
     "reports",
