@@ -156,6 +156,9 @@ def test_audit_on_a_verl_config_prints_what_it_derived_and_answers_with_its_key(
     answer = next(line for line in lines if line.startswith("answer: "))
     assert "temperature 0.7" in answer and "the trainer's temperature: 1" in answer
     summary = json.loads((out / "summary.json").read_text())
+    import jsonschema
+
+    jsonschema.validate(summary, json.loads((REPO / "mismatch" / "data" / "summary.schema.json").read_text()))
     table = summary["engines"]["train"]["from_config"]
     assert table["framework"] == "verl" and table["side"] == "train"
     assert summary["engines"]["train"]["spec"] == table["spec"]
