@@ -143,8 +143,9 @@ def test_audit_on_a_verl_config_prints_what_it_derived_and_answers_with_its_key(
     rollouts = tmp_path / "rollouts.jsonl"
     rollouts.write_text("".join((REPO / "examples" / "rollouts.jsonl").read_text().splitlines(True)[:3]))
     out = tmp_path / "audit"
+    # As a verl user writes it: no --infer, so the config's vLLM rollout server is replayed too.
     done = _cli("audit", str(tiny_checkpoint), "--rollouts", str(rollouts), "--out", str(out),
-                "--train", f"verl:{DATA / 'overrides.yaml'}", "--infer", "sampler")
+                "--train", f"verl:{DATA / 'overrides.yaml'}")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "--train hf:dtype=bfloat16,attn=sdpa,packing=varlen,temperature=0.7,micro_batch=8"
@@ -161,6 +162,10 @@ def test_audit_on_a_verl_config_prints_what_it_derived_and_answers_with_its_key(
     jsonschema.validate(summary, json.loads((REPO / "mismatch" / "data" / "summary.schema.json").read_text()))
     table = summary["engines"]["train"]["from_config"]
     assert table["framework"] == "verl" and table["side"] == "train"
+    infer = summary["engines"]["infer"]
+    assert infer["kind"] == "vllm" and infer["from_config"]["side"] == "infer"
+    assert infer["spec"] == next(line for line in lines if line.startswith("--infer ")).removeprefix("--infer ")
+    assert any("tensor_model_parallel_size=4 → tensor_parallel_size=1" in line for line in lines)
     assert summary["engines"]["train"]["spec"] == table["spec"]
     assert summary["diagnosis"]["causes"][0]["where"]["config_key"] == f"{ROLLOUT}.temperature"
     assert summary["recommendations"][0]["kind"] == "match_temperature"
