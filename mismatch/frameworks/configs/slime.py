@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import yaml
 
 from mismatch.errors import SpecError
+from mismatch.frameworks.configs import scripts
 from mismatch.frameworks.configs.derived import Derived, Deriving, Machine, Setting, Side
 
 RELEASE = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
@@ -227,57 +227,12 @@ def _custom_config(path: Path, values: dict[str, Any]) -> str | None:
     return None
 
 
-ARRAY = re.compile(r"^[ \t]*([A-Za-z_]\w*)=\(", re.M)
 TRAIN_LINE = re.compile(r"^[^#\n]*?\btrain(?:_async)?\.py\b", re.M)
-REFERENCE = re.compile(r"^\$\{([A-Za-z_]\w*)\[[@*]\]\}$")  # ${NAME[@]}: the whole array
 
 
 def command_line(path: Path, text: str) -> tuple[list[str], tuple[str, ...]]:
-    """train.py's argv as the file gives it (see the module docstring), and the arrays it names but lacks."""
-    arrays = {match[1]: _array(path, text, match) for match in ARRAY.finditer(text)}
-    line = TRAIN_LINE.search(text)
-    if line is None:
-        if arrays:
-            return [token for tokens in arrays.values() for token in tokens], ()
-        return _tokens(path, text.replace("\\\n", " \n"), 1), ()
-    rest = text[line.end():]
-    end = re.search(r"(?<!\\)\n", rest)
-    first = text.count("\n", 0, line.end()) + 1
-    argv, unread = [], []
-    for token in _tokens(path, rest[:end.start() if end else None].replace("\\\n", " "), first):
-        name = REFERENCE.match(token)
-        if name is None:
-            argv.append(token)
-        elif name[1] in arrays:
-            argv += arrays[name[1]]
-        else:
-            unread.append(name[1])
-    return argv, tuple(unread)
-
-
-def _array(path: Path, text: str, match: re.Match) -> list[str]:
-    """The tokens of one `NAME=( ... )` block, up to its closing parenthesis."""
-    line = text.count("\n", 0, match.end()) + 1
-    lexer = shlex.shlex(text[match.end():], posix=True, punctuation_chars="()")
-    lexer.whitespace_split = True
-    tokens = []
-    try:
-        for token in iter(lexer.get_token, None):
-            if token == ")":
-                return tokens
-            tokens.append(token)
-    except ValueError as exc:
-        raise SpecError(f"{path}:{line}: {match[1]}=(: invalid shell syntax: {exc}") from None
-    raise SpecError(f"{path}:{line}: {match[1]}=(: the array is not closed")
-
-
-def _tokens(path: Path, text: str, first_line: int) -> list[str]:
-    lexer = shlex.shlex(text, posix=True)
-    lexer.whitespace_split = True
-    try:
-        return list(iter(lexer.get_token, None))
-    except ValueError as exc:
-        raise SpecError(f"{path}:{first_line}: invalid shell syntax: {exc}") from None
+    """train.py's argv as the file gives it (scripts.py), and the arrays it names but lacks."""
+    return scripts.command_line(path, text, TRAIN_LINE)
 
 
 def _default(d: Deriving, side: Side, key: str, value: Any, note: str) -> None:
