@@ -59,7 +59,7 @@ def test_unknown_option_names_the_valid_keys(tiny_checkpoint) -> None:
     with pytest.raises(SpecError) as err:
         load_engine("hf:dtyp=bfloat16", str(tiny_checkpoint))
     assert str(err.value) == ("engine 'hf': unknown option 'dtyp' "
-                              "(valid: attn, batch_tokens, checkpoint, chunk, device, device_map, dtype, micro_batch, packing, routing, "
+                              "(valid: attn, balance, batch_tokens, checkpoint, chunk, device, device_map, dtype, micro_batch, packing, routing, "
                               "temperature)")
     with pytest.raises(SpecError, match=r"^engine 'hf-decode': option prefill='sometimes' is not one of"):
         load_engine("hf-decode:prefill=sometimes", str(tiny_checkpoint))
