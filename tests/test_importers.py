@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -359,3 +360,257 @@ def test_unreadable_msgpack_is_one_error_line(tmp_path: Path) -> None:
         assert str(error.value) == f"{path}: not a readable MessagePack file: {reasons[name]}"
         assert not out.exists()
 
+
+
+# --- per-step dump directories, and the frameworks' own writers -------------------------------------
+
+VERL_DUMP = Path(__file__).resolve().parent / "data" / "importers" / "verl_dump.py"
+VERL_RELEASE = "0.9.1"
+
+
+def _sample_dict(response: list[int], mask: list[int], logprobs: list[float], reward: float) -> dict[str, Any]:
+    """One agent-loop sample for verl_dump.py: vLLM-like routing over every fed position, and a
+    trainer recompute (old_log_probs) a little off the sampler's."""
+    return {"prompt_ids": PROMPT, "response_ids": response, "response_mask": mask, "response_logprobs": logprobs,
+            "routed_experts": _routing(len(PROMPT) + len(response) - 1), "reward_score": reward, "num_turns": 4,
+            "old_log_probs": [lp - 0.25 for lp in logprobs]}
+
+
+@pytest.fixture(scope="module")
+def verl_dumps(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """verl 0.9.1's own agent-loop postprocess, DataProto.save_to_disk, AgentLoopOutput.as_dict and
+    rollout_data_dir writer, run in a subprocess (tests/data/importers/verl_dump.py says which parts
+    cannot run on CPU); the DataProto pickles are imported there too (unpickling needs verl)."""
+    import subprocess
+    import sys
+
+    import releases
+
+    try:
+        folders = releases.install("verl", VERL_RELEASE)
+    except Exception as exc:  # noqa: BLE001 - only a failed install skips
+        pytest.skip(f"verl {VERL_RELEASE} could not be installed: {exc}")
+    out = tmp_path_factory.mktemp("verl")
+    steps = {"3": [_sample_dict(RESPONSE, MASK, LOGPROBS, 1.0),
+                   _sample_dict(RESPONSE[:5], MASK[:5], LOGPROBS[:5], 0.0)],
+             "4": [_sample_dict(RESPONSE[:5], MASK[:5], LOGPROBS[:5], 0.5)]}
+    payload = {"tokenizer": str(tiny_checkpoint), "out": str(out), "prompt_length": 12, "response_length": 20,
+               "steps": steps}
+    path = os.pathsep.join(str(p) for p in [*folders, releases.DRIVERS])
+    done = subprocess.run([sys.executable, str(VERL_DUMP)], input=json.dumps(payload), capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path, "PYTHONNOUSERSITE": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out, json.loads(done.stdout.strip().splitlines()[-1])["batch"]
+
+
+def _unpadded(columns: dict[str, Any], i: int) -> dict[str, list]:
+    """Sample i of a verl batch without its padding, by the batch's own attention_mask."""
+    num_prompt = len(columns["prompts"][i])
+    attention = columns["attention_mask"][i]
+    kept = [j for j, on in enumerate(attention[num_prompt:]) if on]
+    routed = [row for row, on in zip(columns["routed_experts"][i], attention) if on]
+    return {"prompt": [t for t, on in zip(columns["prompts"][i], attention) if on],
+            "response": [columns["responses"][i][j] for j in kept],
+            "mask": [columns["response_mask"][i][j] for j in kept],
+            "sampler": [columns["rollout_log_probs"][i][j] for j in kept],
+            "trainer": [columns["old_log_probs"][i][j] for j in kept],
+            "routed": [None if not any(any(layer) for layer in row) else [sorted(layer) for layer in row]
+                       for row in routed]}
+
+
+def _trained(rollout: Rollout, stream: str | None) -> list[float]:
+    """Log-probs on trained tokens: the sampler's (None) or an extra_logprobs stream."""
+    values: list[float] = []
+    for segment in rollout.branch("main").segments[1:]:
+        if segment.trainable:
+            values += (segment.logprobs if stream is None else segment.extra_logprobs[stream]).tolist()
+    return values
+
+
+def test_verl_release_batches_import_per_step_with_trainer_logprobs(verl_dumps: tuple[Path, dict[str, Any]],
+                                                                     tmp_path: Path) -> None:
+    out, batches = verl_dumps
+    rollouts = load_rollouts(out / "batches.jsonl")
+    # One file per step ({step}.pkl): ids prefixed with the file's name, meta.step from it.
+    assert [(r.id, r.meta["step"]) for r in rollouts] == [("3/verl-0-0", 3), ("3/verl-0-1", 3), ("4/verl-0-0", 4)]
+    for rollout, (step, i) in zip(rollouts, [("3", 0), ("3", 1), ("4", 0)]):
+        expected = _unpadded(batches[step], i)
+        prompt, response, mask, _ = _back(rollout)
+        assert (prompt, response, mask) == (expected["prompt"], expected["response"], expected["mask"])
+        on = [j for j, m in enumerate(expected["mask"]) if m]
+        assert _trained(rollout, None) == [expected["sampler"][j] for j in on]
+        assert _trained(rollout, "trainer_old") == [expected["trainer"][j] for j in on]
+        assert _routing_back(rollout) == expected["routed"]
+    assert _back(rollouts[0])[:3] == (PROMPT, RESPONSE, MASK) and rollouts[0].meta["reward"] == 1.0
+
+
+def test_verl_as_dict_pickles_and_the_text_only_rollout_data_dir(verl_dumps: tuple[Path, dict[str, Any]],
+                                                                 tmp_path: Path) -> None:
+    out, _ = verl_dumps
+    # AgentLoopOutput.as_dict() torch.save'd under step_N/: the step folder names the step.
+    rollouts = _imported("verl", out / "as_dict", tmp_path, allow_pickle=True)
+    assert [(r.id, r.meta["step"]) for r in rollouts] == [("step_3/0/verl-0", 3), ("step_3/1/verl-0", 3),
+                                                          ("step_4/0/verl-0", 4)]
+    # as_dict() stores the log-probs as float32 tensors (agent_loop.py:127).
+    assert _back(rollouts[0]) == (PROMPT, RESPONSE, MASK, np.float32(_trained_logprobs()).tolist())
+    assert _routing_back(rollouts[0]) == [[sorted(layer) for layer in row]
+                                          for row in _routing(len(PROMPT) + len(RESPONSE) - 1)] + [None]
+    # trainer.rollout_data_dir ({global_steps}.jsonl) holds decoded text only.
+    with pytest.raises(ImportFormatError, match=r"rollout_data/3.jsonl:1: this is verl's trainer.rollout_data_dir "
+                                                r"dump \(decoded text, no token ids\)"):
+        import_file("verl", out / "rollout_data", tmp_path / "o.jsonl")
+
+
+PRIME_RL_SOURCE = Path(__file__).resolve().parent / "data" / "frameworks" / "prime_rl"
+PRIME_RL_DUMP = Path(__file__).resolve().parent / "data" / "importers" / "prime_rl_dump.py"
+
+
+def test_prime_rl_step_directories_from_its_own_packer(tmp_path: Path) -> None:
+    """A run's `rollouts/step_N/rank_R.bin` written by prime-rl's own prepare_batch (vendored at
+    559b4477, tests/data/importers/prime_rl_dump.py) imports as one file: each sample once, its
+    step from its folder, prepare_batch's dummy micro batches (loss_mask all false) left out."""
+    import subprocess
+    import sys
+
+    tokens = PROMPT + RESPONSE
+    routed = _routing(len(tokens) - 1)
+    sample = {"token_ids": tokens, "mask": [0] * len(PROMPT) + MASK, "logprobs": [0.0] * len(PROMPT) + LOGPROBS,
+              "temperature": 0.7, "env_name": "gsm8k", "advantage": 0.5, "routed_experts": routed}
+    short = {**sample, "token_ids": PROMPT + RESPONSE[:5], "mask": [0] * len(PROMPT) + MASK[:5],
+             "logprobs": [0.0] * len(PROMPT) + LOGPROBS[:5], "advantage": -0.5, "routed_experts": None}
+    payload = {"out": str(tmp_path), "seq_len": 32, "num_train_workers": 2, "pad_to_multiple_of": 8,
+               "steps": {"7": [sample, {**sample, "advantage": -1.0}, sample], "8": [short]}}
+    done = subprocess.run([sys.executable, str(PRIME_RL_DUMP)], input=json.dumps(payload), capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(PRIME_RL_SOURCE)}, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"ranks": {"7": 2, "8": 2}}
+    rollouts = _imported("prime-rl", tmp_path / "rollouts", tmp_path)
+    assert sorted((r.meta["step"], r.meta["advantage"]) for r in rollouts) == [(7, -1.0), (7, 0.5), (7, 0.5), (8, -0.5)]
+    assert all(r.id.startswith(f"step_{r.meta['step']}/rank_") for r in rollouts)
+    for rollout in rollouts:
+        full = rollout.meta["step"] == 7
+        assert _back(rollout) == (PROMPT, RESPONSE if full else RESPONSE[:5], MASK if full else MASK[:5],
+                                  [lp for lp, m in zip(LOGPROBS, MASK) if m] if full else LOGPROBS[:5])
+        assert rollout.meta["sampler"] == {"engine": "prime-rl", "temperature": 0.7}
+        expected = [[sorted(layer) for layer in row] for row in routed] + [None] if full else [None] * 14
+        assert _routing_back(rollout) == expected
+
+
+SLIME_SOURCE = Path(__file__).resolve().parent / "data" / "importers" / "slime"
+SLIME_DUMP = Path(__file__).resolve().parent / "data" / "importers" / "slime_dump.py"
+
+
+def test_slime_rollout_data_directory_from_its_own_writer(tmp_path: Path) -> None:
+    """`--save-debug-rollout-data {dir}/rollout_data/{rollout_id}.pt` written by slime's own Sample
+    and save_debug_rollout_data (vendored at 624b824a, tests/data/importers/slime_dump.py): each
+    file's rollout_id is its samples' meta.step; SGLang's dense layer 0 (all zeros) is dropped."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    turns = [{"tokens": RESPONSE[:5], "log_probs": LOGPROBS[:5], "trainable": True},
+             {"tokens": RESPONSE[5:12], "log_probs": None, "trainable": False},
+             {"tokens": RESPONSE[12:], "log_probs": LOGPROBS[12:], "trainable": True}]
+    routed = [[[0, 0], *row] for row in _routing(len(PROMPT) + len(RESPONSE) - 1)]
+    agentic = {"prompt_tokens": PROMPT, "turns": turns, "routed_experts": routed, "remove_sample": False}
+    single = {"prompt_tokens": PROMPT, "turns": turns[:1], "routed_experts": None, "remove_sample": True}
+    payload = {"template": str(tmp_path / "rollout_data" / "{rollout_id}.pt"), "num_layers": 3, "topk": 2,
+               "rollouts": {"5": [agentic, single], "6": [agentic]}}
+    done = subprocess.run([sys.executable, str(SLIME_DUMP)], input=json.dumps(payload), capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(SLIME_SOURCE)}, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rollouts = _imported("slime", tmp_path / "rollout_data", tmp_path, allow_pickle=True)
+    assert [(r.id, r.meta["step"]) for r in rollouts] == [("5/slime-0-0", 5), ("5/slime-0-1", 5), ("6/slime-0-0", 6)]
+    for rollout in (rollouts[0], rollouts[2]):
+        assert _back(rollout) == (PROMPT, RESPONSE, MASK, _trained_logprobs())
+        assert [s.role for s in rollout.branch("main").segments] == ["user", "assistant", "tool", "assistant"]
+        assert _routing_back(rollout) == [[sorted(layer) for layer in row]
+                                          for row in _routing(len(PROMPT) + len(RESPONSE) - 1)] + [None]
+        assert rollout.meta["status"] == "completed" and rollout.meta["reward"] == 1.0
+    removed = rollouts[1].branch("main").segments[1]
+    assert not removed.trainable and removed.logprobs.tolist() == LOGPROBS[:5]
+
+
+TOKEN_EXPORTS = Path(__file__).resolve().parent / "data" / "importers" / "prime_rl" / "token_exports"
+
+
+def test_prime_rl_token_export_carries_sampler_and_trainer_logprobs(tmp_path: Path) -> None:
+    """`token_exports/step_N/rank_R.jsonl` (trainer.enable_token_export; fixture and its sources in
+    tests/data/importers/prime_rl/README.md): inference_logprobs are the sampler's, trainer_logprobs
+    land in extra_logprobs["trainer"]; the STABLE marker is not a dump file."""
+    rollouts = _imported("prime-rl", TOKEN_EXPORTS, tmp_path)
+    assert [(r.id, r.meta["step"], r.meta["advantage"]) for r in rollouts] == [
+        ("step_2/rank_0/prime-rl-1", 2, 0.5), ("step_2/rank_0/prime-rl-2", 2, -0.5)]
+    full, short = rollouts
+    assert _back(full) == (PROMPT, RESPONSE, MASK, _trained_logprobs())
+    assert _trained(full, "trainer") == [lp - 0.0625 for lp in _trained_logprobs()]
+    assert _back(short) == (PROMPT, RESPONSE[:5], MASK[:5], LOGPROBS[:5]) and full.meta["env"] == "gsm8k"
+    record = json.loads((TOKEN_EXPORTS / "step_2" / "rank_0.jsonl").read_text().splitlines()[0])
+    record["trainer_logprobs"][len(PROMPT)] = None
+    with pytest.raises(ImportFormatError, match=r"bad.jsonl:1: trainer_logprobs: is null \(non-finite\) at "
+                                                r"sampled token 9$"):
+        import_file("prime-rl", _jsonl(tmp_path / "bad.jsonl", [record]), tmp_path / "o.jsonl")
+
+
+VERIFIERS_TRACES = Path(__file__).resolve().parent / "data" / "importers" / "verifiers" / "rollouts"
+
+
+def test_verifiers_v1_traces_per_step_become_trees(tmp_path: Path) -> None:
+    """prime-rl's `rollouts/step_N/train/all/traces.jsonl` of verifiers v1 Episodes (fixture and
+    sources in tests/data/importers/verifiers/README.md): one rollout per trace, root-to-leaf paths
+    as branches, the assistant nodes' scaffold joined to the prompt run before it."""
+    [rollout] = _imported("verifiers", VERIFIERS_TRACES, tmp_path)
+    assert rollout.id == "step_4/train/all/traces/3f2a9c"
+    assert rollout.meta["step"] == 4 and rollout.meta["reward"] == 1.0 and rollout.meta["episode"] == "ep-7"
+    assert _back(rollout) == (PROMPT, RESPONSE, MASK, _trained_logprobs())
+    assert [s.role for s in rollout.branch("main").segments] == ["user", "assistant", "tool", "assistant"]
+    fork = rollout.branch("branch-1")
+    assert (fork.parent, fork.fork_at, fork.kind) == ("main", len(PROMPT) + 9, "subagent")
+    assert [(s.role, s.tokens.tolist()) for s in fork.segments] == [("tool", RESPONSE[9:12]), ("assistant", [70, 2])]
+    assert fork.segments[1].logprobs.tolist() == [-0.3, -0.1]
+
+
+def test_skyrl_rollout_expert_indices_become_routed_experts(tmp_path: Path) -> None:
+    """GeneratorOutput as SkyRL's generate() returns it (NovaSky-AI/SkyRL@a9564572
+    skyrl/train/generators/skyrl_gym_generator.py:941-981): rollout_expert_indices one NumPy
+    [tokens, layers, top-k] array per trajectory over prompt + response, stopping short of the last
+    (never fed) token; pickled per step as `global_step_N_...`. skyrl 0.3.0 declared the same
+    column as nested lists (skyrl/train/generators/base.py:49 in its wheel): that reads the same."""
+    routed = _routing(len(PROMPT) + len(RESPONSE) - 1)
+    output = {"prompt_token_ids": [PROMPT, PROMPT], "response_ids": [RESPONSE, RESPONSE[:5]], "rewards": [1.0, 0.0],
+              "loss_masks": [MASK, MASK[:5]], "stop_reasons": ["stop", "stop"], "rollout_metrics": {},
+              "rollout_logprobs": [LOGPROBS, LOGPROBS[:5]],
+              "trajectory_ids": [{"instance_id": "q7", "repetition_id": 0}, {"instance_id": "q7", "repetition_id": 1}],
+              "trajectory_generation_times": [0.5, 0.25], "trajectory_time_splits": None,
+              "rollout_expert_indices": [np.array(routed, dtype=np.uint8),
+                                         np.array(_routing(len(PROMPT) + 4), dtype=np.uint8)],
+              "is_last_step": None, "env_metrics": [{}, {}]}
+    folder = tmp_path / "dumped"
+    folder.mkdir()
+    (folder / "global_step_2_generator_output.pkl").write_bytes(pickle.dumps(output))
+    listed = {**output, "rollout_expert_indices": [a.tolist() for a in output["rollout_expert_indices"]]}
+    (folder / "global_step_3_generator_output.json").write_text(json.dumps(listed))
+    rollouts = _imported("skyrl", folder, tmp_path, allow_pickle=True)
+    assert [(r.id, r.meta["step"]) for r in rollouts] == [
+        ("global_step_2_generator_output/q7_0", 2), ("global_step_2_generator_output/q7_1", 2),
+        ("global_step_3_generator_output/q7_0", 3), ("global_step_3_generator_output/q7_1", 3)]
+    for full, short in (rollouts[:2], rollouts[2:]):
+        assert _back(full) == (PROMPT, RESPONSE, MASK, _trained_logprobs())
+        assert _routing_back(full) == [[sorted(layer) for layer in row] for row in routed] + [None]
+        assert _routing_back(short) == [[sorted(layer) for layer in row] for row in _routing(len(PROMPT) + 4)] + [None]
+
+
+def test_step_names_and_an_empty_directory(tmp_path: Path) -> None:
+    from mismatch.rollouts.importers.steps import file_step, step_of
+
+    names = [("12",), ("step_3", "rank_0"), ("step_3", "0"), ("global_step_7_training_input",),
+             ("rollout_data", "eval_5"), ("rank_0",)]
+    assert [step_of(parts) for parts in names] == [12, 3, 3, 7, None, None]
+    # A single file: its stem, or a folder that says `step_N` (a bare-number folder may be anything).
+    files = ["run/12.jsonl", "rollouts/step_3/rank_0.bin", "2024/dump.jsonl"]
+    assert [file_step(Path(p)) for p in files] == [12, 3, None]
+    empty = tmp_path / "empty"
+    (empty / ".hidden.jsonl").parent.mkdir()
+    (empty / ".hidden.jsonl").write_text("{}\n")
+    with pytest.raises(MismatchError, match=r"empty: no dump files in this directory \(known suffixes: \.bin, "):
+        import_file("verl", empty, tmp_path / "o.jsonl")

@@ -43,6 +43,14 @@ def sides(summary: dict[str, Any]) -> dict[str, Side]:
             out[source] = Side(source=source, kind=_text(meta.get("engine")), dtype=_dtype(meta.get("dtype")),
                                attn=_text(meta.get("attn")), weights=None)
             continue
+        if engine.get("kind") == "stored":
+            # A stored stream replayed as an engine (`--infer sampler`, `--train stored:trainer_old`): the
+            # sampler's stream is the sampler's engine; another stored stream's engine is not known.
+            named = engines.get("sampler") if engine.get("name") == "sampler" else None
+            meta = (named or {}).get("meta") or {}
+            out[source] = Side(source=source, kind=_text(meta.get("engine")), dtype=_dtype(meta.get("dtype")),
+                               attn=_text(meta.get("attn")), weights=None)
+            continue
         torch = engine.get("kind") in TORCH_KINDS
         out[source] = Side(source=source, kind=_text(engine.get("kind")), dtype=_dtype(engine.get("dtype")),
                            attn=_text(engine.get("attn")) if torch else None,

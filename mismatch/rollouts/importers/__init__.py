@@ -16,6 +16,7 @@ from typing import Any
 
 from mismatch.errors import MismatchError
 from mismatch.rollouts.importers._common import ImportFormatError, Where
+from mismatch.rollouts.importers.steps import dump_files, file_step
 
 # Format name -> module with `convert(record, where) -> list[rollout dict]`; framework specifics
 # live in those modules only.
@@ -29,6 +30,7 @@ FORMATS: dict[str, str] = {
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 MSGPACK_SUFFIXES = (".bin", ".msgpack", ".mpk")
 PICKLE_SUFFIXES = (".pkl", ".pickle", ".pt", ".pth")  # torch.save files are pickles too
+KNOWN_SUFFIXES = frozenset({".json", ".parquet", *JSONL_SUFFIXES, *MSGPACK_SUFFIXES, *PICKLE_SUFFIXES})
 
 Converter = Callable[[Any, Where], list[dict[str, Any]]]
 
@@ -41,31 +43,57 @@ def converter(format_name: str) -> Converter:
 
 def import_file(format_name: str, path: str | os.PathLike[str], out_path: str | os.PathLike[str], *,
                 allow_pickle: bool = False) -> int:
-    """Convert `path` (a `format_name` dump) to format v1 JSON Lines at `out_path`; returns the count.
+    """Convert `path` (a `format_name` dump file, or a directory of per-step dump files) to format v1
+    JSON Lines at `out_path`; returns the count.
 
-    Every rollout is validated before anything is written, and the file appears in one rename.
-    Pickle files (.pkl, .pickle, .pt, .pth) are refused unless `allow_pickle`: unpickling runs
-    code from the file.
+    A step named by a file or its folder (`12.jsonl`, `step_12/rank_0.bin`, `global_step_12_...`)
+    becomes meta.step of its rollouts unless the dump carries its own. From a directory, every
+    rollout id is prefixed with its file's relative name (`step_12/rank_0/...`): the frameworks
+    number rollouts per file. Every rollout is validated before anything is written, and the file
+    appears in one rename. Pickle files (.pkl, .pickle, .pt, .pth) are refused unless
+    `allow_pickle`: unpickling runs code from the file.
     """
     from mismatch.results import atomic_write_text
-    from mismatch.rollouts import check_rollout
 
     convert = converter(format_name)
+    root = Path(os.fspath(path))
+    if root.is_dir():
+        files: list[tuple[Path, str | None, int | None]] = list(dump_files(root, KNOWN_SUFFIXES))
+        if not files:
+            raise MismatchError(f"{root}: no dump files in this directory (known suffixes: "
+                                f"{', '.join(sorted(KNOWN_SUFFIXES))})")
+    else:
+        files = [(root, None, file_step(root))]
     lines: list[str] = []
     first_seen: dict[str, str] = {}
-    for where, record in read_records(path, allow_pickle=allow_pickle):
-        for raw in convert(record, where):
-            _, errors = check_rollout(raw, file=where.file, line=where.line, vocab_size=None)
-            if errors:
-                raise errors[0]
+    for file, name, step in files:
+        for where, raw in _converted(convert, file, allow_pickle=allow_pickle, name=name, step=step):
             if raw["id"] in first_seen:
                 raise where.error("id", f"rollout id {raw['id']!r} already made from {first_seen[raw['id']]}")
             first_seen[raw["id"]] = where.text
             lines.append(json.dumps(raw, separators=(",", ":")))
     if not lines:
-        raise MismatchError(f"{os.fspath(path)}: no rollouts found in this {format_name} file")
+        raise MismatchError(f"{os.fspath(path)}: no rollouts found in this {format_name} "
+                            f"{'directory' if root.is_dir() else 'file'}")
     atomic_write_text(Path(out_path), "\n".join(lines) + "\n")
     return len(lines)
+
+
+def _converted(convert: Converter, file: Path, *, allow_pickle: bool, name: str | None,
+               step: int | None) -> Iterator[tuple[Where, dict[str, Any]]]:
+    """Each validated rollout of one dump file, its id prefixed with `name` and tagged with `step`."""
+    from mismatch.rollouts import check_rollout
+
+    for where, record in read_records(file, allow_pickle=allow_pickle):
+        for raw in convert(record, where):
+            if name is not None and isinstance(raw.get("id"), str):
+                raw["id"] = f"{name}/{raw['id']}"
+            if step is not None and isinstance(raw.get("meta"), dict):
+                raw["meta"].setdefault("step", step)  # a step the dump itself carries wins
+            _, errors = check_rollout(raw, file=where.file, line=where.line, vocab_size=None)
+            if errors:
+                raise errors[0]
+            yield where, raw
 
 
 def read_records(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Iterator[tuple[Where, Any]]:
@@ -88,7 +116,7 @@ def read_records(path: str | os.PathLike[str], *, allow_pickle: bool = False) ->
         return _msgpack_records(p, file)
     if suffix in PICKLE_SUFFIXES:
         return _items(file, _plain(_unpickle(p, suffix)))
-    known = ", ".join(sorted({".json", ".parquet", *JSONL_SUFFIXES, *MSGPACK_SUFFIXES, *PICKLE_SUFFIXES}))
+    known = ", ".join(sorted(KNOWN_SUFFIXES))
     raise MismatchError(f"{file}: cannot tell the file type from suffix {suffix or '(none)'!r} "
                         f"(known: {known})")
 
@@ -179,4 +207,4 @@ def _plain(value: Any) -> Any:
     return value
 
 
-__all__ = ["FORMATS", "ImportFormatError", "Where", "converter", "import_file", "read_records"]
+__all__ = ["FORMATS", "ImportFormatError", "Where", "converter", "dump_files", "import_file", "read_records"]

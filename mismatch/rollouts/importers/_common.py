@@ -126,14 +126,16 @@ def with_routing(segment: dict[str, Any], rows: list[Any] | None) -> dict[str, A
 
 
 def masked_segments(ids: list[int], mask: Sequence[int], logprobs: list[float] | None, *,
-                    off_role: str, routed: list[Any] | None = None) -> list[dict[str, Any]]:
+                    off_role: str, routed: list[Any] | None = None,
+                    extra_logprobs: dict[str, list[float]] | None = None) -> list[dict[str, Any]]:
     """Segments of a response whose mask marks trained (1) and other (0) tokens.
 
     Mask-1 runs are assistant turns with their log-probs. Mask-0 runs are `off_role`: "tool"
     for frameworks whose 0 means environment tokens inside the response (their placeholder
     log-probs are dropped), or "assistant" for ones whose 0 means a sampled token left out of
     the loss (kept with its log-probs, trainable false). `routed`: one routed_experts row (or
-    None) per token, split with the tokens.
+    None) per token, split with the tokens. `extra_logprobs`: other log-prob streams aligned with
+    the response (a trainer's own, e.g. "trainer_old"), split like the sampler's.
     """
     segments = []
     for start, stop, on in runs(mask):
@@ -141,6 +143,8 @@ def masked_segments(ids: list[int], mask: Sequence[int], logprobs: list[float] |
         segment: dict[str, Any] = {"role": role, "tokens": ids[start:stop]}
         if logprobs is not None and role == "assistant":
             segment["logprobs"] = logprobs[start:stop]
+        if extra_logprobs and role == "assistant":
+            segment["extra_logprobs"] = {name: values[start:stop] for name, values in extra_logprobs.items()}
         if role == "assistant" and not on:
             segment["trainable"] = False
         segments.append(with_routing(segment, routed[start:stop] if routed is not None else None))

@@ -12,6 +12,15 @@ pad_micro_batch). Routing replay (`trainer.enable_router_replay`): `routed_exper
 token i, zero rows where vLLM returned none (`src/prime_rl/orchestrator/trajectories.py:52-67`
 zero-pads the tail; vLLM's `CompletionOutput.routed_experts` never has the last token).
 
+The trainer's token export (`trainer.enable_token_export`) writes `token_exports/step_N/rank_R.jsonl`
+(`src/prime_rl/trainer/rl/token_export.py:87-100`): one line per packed sequence that has a
+loss-mask token, padding trimmed (:55-74, :239-244), with step, env_name and per-token token_ids,
+loss_mask, advantages, `inference_logprobs` (the sampler's) and `trainer_logprobs`, the training
+forward's log-probs of the same tokens (:136-157; null where non-finite, :247-253). Those land in
+`extra_logprobs["trainer"]`: `--train stored:trainer --infer sampler` measures prime-rl's own gap.
+The filesystem transport's dummy micro batches (loss_mask all false, `trainer/batch.py:774-792`,
+added to even out the ranks) are skipped.
+
 Older prime-rl (until b8697b0f0, 2025-12-15) wrote a `TrainingBatch` (examples, temperature,
 seq_len, step) of `TrainingExample` (prompt_ids, prompt_mask, completion_ids, completion_mask,
 completion_logprobs, advantage) from `src/prime_rl/transport/types.py`; a JSON dump with the same
@@ -37,6 +46,8 @@ MICRO_BATCH_FIELDS = ("input_ids", "loss_mask", "advantages", "inference_logprob
                       "mm_kwargs", "mm_token_type_ids", "rl_weights", "ce_weights", "ref_kl_weights")
 MICRO_BATCH_REQUIRED = 9  # through seq_lens; the rest default to None and omit_defaults drops them
 ROUTED_EXPERTS_FIELDS = ("data", "shape", "dtype")
+# The token export's training-forward log-probs (the ratio's numerator), as extra_logprobs["trainer"].
+TRAINER_LOGPROBS = "trainer"
 
 
 def _as_struct(value: Any, fields: tuple[str, ...], required: int) -> dict[str, Any] | None:
@@ -66,8 +77,10 @@ def _is_micro_batch(value: Any) -> bool:
 
 
 def convert(record: Any, where: Where) -> list[dict[str, Any]]:
-    """A rank file's MicroBatch list (or one MicroBatch), a TrainingBatch (its examples, with its
-    temperature and step) or a single TrainingExample."""
+    """A token-export line, a rank file's MicroBatch list (or one MicroBatch), a TrainingBatch (its
+    examples, with its temperature and step) or a single TrainingExample."""
+    if _is_token_export(record):
+        return [_token_export(record, where)]
     # A list of MicroBatch is tested first: four of them would also pass for a TrainingBatch's shape.
     if isinstance(record, list) and record and all(_is_micro_batch(x) for x in record):
         return [rollout for m, micro in enumerate(record) for rollout in _micro_batch(micro, where, m)]
@@ -143,6 +156,11 @@ def _micro_batch(value: Any, where: Where, index: int | None) -> list[dict[str, 
     for s, length in enumerate(seq_lens):
         # pad_micro_batch extends the last sample with position ids counting again from 0.
         stop = next((i for i in range(start + 1, start + length) if positions[i] == 0), start + length)
+        if not any(loss_mask[start:stop]):
+            # No sampled token: one of prepare_batch's dummy micro batches, a copy of a real one
+            # with loss_mask all false to even out the ranks (trainer/batch.py:774-792).
+            start += length
+            continue
         rollout_id = f"prime-rl-{where.index}" + ("" if index is None else f"-{index}") + f"-{s}"
         rollouts.append(_sample(ids[start:stop], loss_mask[start:stop], logprobs[start:stop],
                                 temperatures[start:stop], advantages[start:stop], env_names[start],
@@ -171,19 +189,50 @@ def _routed_experts(value: Any, field: str, num_tokens: int, where: Where) -> li
     return routed_rows(rows, field, num_tokens, where)
 
 
-def _sample(ids: list[int], mask: list[int], logprobs: list[float], temperatures: list[float],
+def _sample(ids: list[int], mask: list[int], logprobs: list[float], temperatures: list[float] | None,
             advantages: list[float], env_name: Any, routed: list[Any] | None, where: Where,
-            rollout_id: str) -> dict[str, Any]:
+            rollout_id: str, extra: dict[str, list[float]] | None = None, step: Any = None) -> dict[str, Any]:
     # The tokens before the first sampled one are the prompt; later mask-0 runs are the environment's.
     first = next((i for i, on in enumerate(mask) if on), len(mask))
+    extra_tail = {name: values[first:] for name, values in extra.items()} if extra else None
     segments = [with_routing({"role": "user", "tokens": ids[:first]}, routed[:first] if routed else None),
                 *masked_segments(ids[first:], mask[first:], logprobs[first:], off_role="tool",
-                                 routed=routed[first:] if routed else None)]
+                                 routed=routed[first:] if routed else None, extra_logprobs=extra_tail)]
     # Per-token temperatures and advantages: one value over the sampled tokens is the rollout's.
-    sampled_temperatures = {t for t, on in zip(temperatures, mask) if on}
+    sampled_temperatures = {t for t, on in zip(temperatures or [], mask) if on}
     sampled_advantages = {a for a, on in zip(advantages, mask) if on}
     sampler = ({"engine": "prime-rl", "temperature": sampled_temperatures.pop()}
                if len(sampled_temperatures) == 1 else None)
-    meta = source_meta("prime-rl", where, sampler=sampler, env=env_name or None,
+    meta = source_meta("prime-rl", where, sampler=sampler, env=env_name or None, step=step,
                        advantage=sampled_advantages.pop() if len(sampled_advantages) == 1 else None)
     return {"id": rollout_id, "meta": meta, "branches": [branch("main", segments)]}
+
+
+def _is_token_export(record: Any) -> bool:
+    return isinstance(record, dict) and "schema_version" in record and "trainer_logprobs" in record
+
+
+def _token_export(record: dict[str, Any], where: Where) -> dict[str, Any]:
+    """One sequence of the trainer's token export (`trainer.enable_token_export`): the sampler's
+    and the trainer's log-probs of the same tokens, side by side."""
+    ids = ints(get(record, "token_ids", where), "token_ids", where)
+    mask = _flags(get(record, "loss_mask", where), "loss_mask", where)
+    logprobs = _sampled_floats(record, "inference_logprobs", mask, where)
+    trainer = _sampled_floats(record, "trainer_logprobs", mask, where)
+    advantages = floats(get(record, "advantages", where), "advantages", where)
+    for name, values in (("loss_mask", mask), ("advantages", advantages)):
+        same_length(name, values, "token_ids", ids, where)
+    return _sample(ids, mask, logprobs, None, advantages, record.get("env_name"), None, where,
+                   f"prime-rl-{where.index}", extra={TRAINER_LOGPROBS: trainer}, step=record.get("step"))
+
+
+def _sampled_floats(record: dict[str, Any], field: str, mask: list[int], where: Where) -> list[float]:
+    """A per-token log-prob column; the exporter writes null for a non-finite value
+    (token_export.py:247-253), which only a token outside the loss may carry here."""
+    values = get(record, field, where)
+    if not isinstance(values, list) or len(values) != len(mask):
+        raise where.error(field, f"must be an array of {len(mask)} numbers (one per token)")
+    bad = next((i for i, (v, on) in enumerate(zip(values, mask)) if on and v is None), None)
+    if bad is not None:
+        raise where.error(field, f"is null (non-finite) at sampled token {bad}")
+    return floats([0.0 if v is None else v for v in values], field, where)

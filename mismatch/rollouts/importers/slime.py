@@ -3,7 +3,9 @@
 Read at THUDM/slime@624b824a898a. `slime/observability/rollout_data_utils.py:140-153`
 (`save_debug_rollout_data`) writes `torch.save({"rollout_id": id, "samples": [sample.to_dict()
 ...]})` to `--save-debug-rollout-data` (`{dump_details}/rollout_data/{rollout_id}.pt` with
-`--dump-details`); a .pt is a pickle, so `--allow-pickle`. A JSON Lines file of `to_dict()`s is
+`--dump-details`; evaluation rollouts as `eval_{rollout_id}.pt`, rollout_data_utils.py:144); a .pt is
+a pickle, so `--allow-pickle`. The file's `rollout_id` is its samples' meta.step, so a whole
+`rollout_data/` directory imports as one run. A JSON Lines file of `to_dict()`s is
 read too. `Sample` (`slime/utils/types.py:93-130`): `tokens` is prompt + response,
 `response_length` the response's tail of it, `loss_mask` (None: all 1) and `rollout_log_probs`
 align with the response, 0 / 0.0 on tool and environment tokens (`append_response_tokens`,

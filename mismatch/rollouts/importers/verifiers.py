@@ -1,9 +1,14 @@
-"""verifiers trajectories → format v1: a rollout's steps merged into a tree of branches.
+"""verifiers trajectories → format v1: a rollout's steps (or a v1 trace's message graph) as a tree of branches.
 
-Field names from PrimeIntellect-ai/verifiers `verifiers/types.py` (`State.trajectory`: a list of
-`TrajectoryStep` with prompt, completion, tokens, reward, trajectory_id; `TrajectoryStepTokens`:
-prompt_ids, prompt_mask, completion_ids, completion_mask, completion_logprobs, overlong_prompt,
-is_truncated), as saved per rollout (one JSON object per line, `trajectory` among its columns).
+Two layouts, read at PrimeIntellect-ai/verifiers@a60a606ecc4d:
+- v1 (`verifiers.v1`): `traces.jsonl` of Episode records, converted by `verifiers_trace`.
+- v0, now `verifiers/legacy/` and still importable as `verifiers.types` (the alias finder in
+  `verifiers/__init__.py`), field names unchanged: `State.trajectory` (`verifiers/legacy/types.py:
+  464`), a list of `TrajectoryStep` (:300-309: prompt, completion, tokens, reward, trajectory_id)
+  whose `TrajectoryStepTokens` (:256-272) hold prompt_ids, prompt_mask, completion_ids,
+  completion_mask, completion_logprobs, overlong_prompt, is_truncated, and now routed_experts
+  (raw bytes: no JSON dump keeps them), as saved per rollout (one JSON object per line,
+  `trajectory` among its columns).
 A step whose prompt extends the previous step's whole sequence continues its branch (the new
 prompt tokens are the environment's turn); one that does not — compaction, stripped thinking,
 a subagent — starts a new branch at the longest common prefix, as prime-rl's best-effort
@@ -17,6 +22,7 @@ from typing import Any
 
 from mismatch.rollouts.importers._common import (Where, branch, floats, get, ints, masked_segments,
                                                  same_length, source_meta)
+from mismatch.rollouts.importers.verifiers_trace import convert_episode, convert_trace, is_episode, is_trace
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,7 +44,12 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def convert(record: Any, where: Where) -> list[dict[str, Any]]:
-    """One saved rollout (an object with `trajectory`, or a State with it under `state`)."""
+    """A v1 Episode (or Trace) record, or one saved v0 rollout (an object with `trajectory`, or a
+    State with it under `state`)."""
+    if is_episode(record):
+        return convert_episode(record, where)
+    if is_trace(record):
+        return [convert_trace(record, where)]
     if isinstance(record, dict) and "trajectory" not in record and isinstance(record.get("state"), dict):
         record = record["state"]
     steps = get(record, "trajectory", where)
