@@ -41,8 +41,9 @@ meta.sampler: the engine from the `engine` AReaL passes (a RemoteInfEngine with 
 VLLMBackend: remote_inf_engine.py:475-477), the sampling from the wrapped workflow's `gconfig`
 (rlvr.py:70, multi_turn.py:36), as the backends send it; the `sampler` in `meta=` overrides any key.
 The trainer's recompute (`prox_logp`) is made after the workflow returns, in the training
-processes: the dump holds the sampler's stream; `mismatch audit CKPT --rollouts F --train hf
---infer sampler` replays the trainer's side.
+processes: the dump holds the sampler's stream; `mismatch audit CKPT --rollouts F --train
+hf:temperature=T --infer sampler` replays the trainer's side as AReaL runs it, T being the actor's
+`temperature` (api/cli_args.py:1098, used by engine/fsdp_engine.py:2000 on the logits).
 
 A dump failure never fails the episode: it is counted (`num_failed`, `first_failure`) and logged.
 Processes: every process that runs the wrapper appends whole lines to the one path (O_APPEND).
