@@ -1,7 +1,8 @@
 """The one exception hierarchy of mismatch: what the user got wrong, and where.
 
-The CLI (`cli.main`) turns any `MismatchError` into one line on stderr and exit code 2;
-everything else is a bug and keeps its traceback.
+The CLI (`cli.main`) turns any `MismatchError` into one line on stderr and exit code 2, and an
+`EnvironmentFault` (the machine, not the input: disk full) into one line and exit code 3; exit
+code 1 means only "the gate failed". Everything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -50,3 +51,11 @@ class ResultsError(MismatchError):
 class ReportError(MismatchError, ValueError):
     """A results dir the report cannot be built from (raised by `reports/`, which may import only this
     module of the core: a light import, so the CLI catches it without loading the report builder)."""
+
+
+class EnvironmentFault(Exception):
+    """The machine failed the run, not its input (disk full, quota, read-only file system): one
+    line and exit code 3, so a CI script tells it from bad input (2) and a failed gate (1)."""
+
+
+ENVIRONMENT_FAULT_EXIT = 3

@@ -30,7 +30,7 @@ from mismatch.cli.printing import (
     print_weights,
 )
 from mismatch.cli.progress import replay_progress, working
-from mismatch.errors import MismatchError
+from mismatch.errors import ENVIRONMENT_FAULT_EXIT, EnvironmentFault, MismatchError
 
 __all__ = ["KEY_METRICS", "app", "audit", "demo", "dependency_log", "diff", "drift", "err_console",
            "gate", "import_", "layers", "main", "merge", "out_console", "print_diagnosis", "print_diff",
@@ -45,8 +45,8 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
                   epilog="Engine specs (--train, --infer, --a, --b, --reference): hf, hf:dtype=bf16,attn=eager, "
                          "hf-decode:dtype=bfloat16, vllm:dtype=bfloat16,enable_prefix_caching=false, "
                          "http://127.0.0.1:8000/v1, sampler, stored:NAME, python:MODULE:CALLABLE[,opt=v], or "
-                         "engine.toml. Exit codes: 0 ok, 1 gate failed, 2 bad input or usage "
-                         "(MISMATCH_DEBUG=1 shows tracebacks).")
+                         "engine.toml. Exit codes: 0 ok, 1 gate failed, 2 bad input or usage, 3 the machine "
+                         "failed (disk full) (MISMATCH_DEBUG=1 shows tracebacks).")
 
 # `mismatch --help` lists the commands in this order (typer keeps the order they are added in).
 COMMANDS = (("audit", audit), ("diff", diff), ("merge", merge), ("report", report),
@@ -95,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             err_console.print(f"mismatch: error: {exc}", markup=False, highlight=False, soft_wrap=True)
             return 2
+        except EnvironmentFault as exc:
+            if debug:
+                raise
+            err_console.print(f"mismatch: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+            return ENVIRONMENT_FAULT_EXIT
         except typer.TyperException as exc:  # usage errors: missing option, bad value, unknown command
             message = getattr(exc, "format_message", exc.__str__)()
             if message.startswith("Usage:"):  # bare `mismatch`: its help is the message, not an error
