@@ -12,17 +12,26 @@ from typing import Any
 from mismatch.checkpoint import CheckpointInfo
 from mismatch.replay.plan import ReplayPlan, Shard, plan_replay
 from mismatch.rollouts import Rollout, context_tokens, iter_rollouts, routing_shape
+from mismatch.rollouts.pinned import Pinned, pinned_pass
 
 FoundBlock = tuple[int, list[int], list[Rollout]]  # (block, file indices, rollouts) of a block a shard takes
 
 
+def pinned_rollouts(rollouts: str | Path, info: CheckpointInfo, pinned: Pinned | None) -> Iterator[Rollout]:
+    """Every rollout of the file, validated against the checkpoint as it streams; with `pinned`,
+    within the pinned size, and the file checked unchanged once the pass is done."""
+    limit = pinned.size if pinned is not None else None
+    return pinned_pass(rollouts, pinned, lambda: iter_rollouts(
+        rollouts, vocab_size=info.vocab_size, num_experts=info.num_experts, limit=limit))
+
+
 def file_blocks(rollouts: str | Path, info: CheckpointInfo, *, shard: Shard | None, block_size: int,
-                seen: Callable[[Rollout], None] | None = None) -> Iterator[FoundBlock]:
+                seen: Callable[[Rollout], None] | None = None, pinned: Pinned | None = None) -> Iterator[FoundBlock]:
     """(block, file indices, rollouts) of the blocks a shard takes, read and validated from the file
     as it streams: one block in memory at a time. `seen` is called with every rollout of the file,
-    taken or not."""
+    taken or not; `pinned`: the file as the run found it (pinned_rollouts)."""
     current, indices, selected = -1, [], []
-    for index, rollout in enumerate(iter_rollouts(rollouts, vocab_size=info.vocab_size, num_experts=info.num_experts)):
+    for index, rollout in enumerate(pinned_rollouts(rollouts, info, pinned)):
         if seen is not None:
             seen(rollout)
         block = index // block_size
@@ -40,13 +49,15 @@ def file_blocks(rollouts: str | Path, info: CheckpointInfo, *, shard: Shard | No
 @dataclass(kw_only=True, slots=True, frozen=True)
 class FileBlocks:
     """The blocks of a rollouts file one replay reads: the file, the checkpoint it is read against
-    (token ids below its vocabulary, experts below its count), the shard that selects the blocks
-    and the block size."""
+    (token ids below its vocabulary, experts below its count), the shard that selects the blocks,
+    the block size, and the file's size and digest as the run found them (every pass reads that
+    many bytes and checks them unchanged at its end)."""
 
     rollouts: str | Path
     info: CheckpointInfo
     shard: Shard | None
     block_size: int
+    pinned: Pinned | None = None
 
     @property
     def path(self) -> str:
@@ -55,7 +66,8 @@ class FileBlocks:
 
     def read(self, seen: Callable[[Rollout], None] | None = None) -> Iterator[FoundBlock]:
         """The blocks the shard takes, streamed from the file (`file_blocks`)."""
-        return file_blocks(self.rollouts, self.info, shard=self.shard, block_size=self.block_size, seen=seen)
+        return file_blocks(self.rollouts, self.info, shard=self.shard, block_size=self.block_size, seen=seen,
+                           pinned=self.pinned)
 
     def plan(self, indices: list[int], selected: list[Rollout]) -> ReplayPlan:
         return plan_replay(selected, indices=indices, block_size=self.block_size)
@@ -90,8 +102,7 @@ def scan_file(blocks: FileBlocks) -> FileScan:
     streams the shard takes."""
     info, shard = blocks.info, blocks.shard
     names, metas, lengths, longest, routing, scored = {"sampler"}, [], [], (0, "", ""), None, 0
-    for index, rollout in enumerate(iter_rollouts(blocks.rollouts, vocab_size=info.vocab_size,
-                                                  num_experts=info.num_experts)):
+    for index, rollout in enumerate(pinned_rollouts(blocks.rollouts, info, blocks.pinned)):
         names.update(extra_names([rollout]))
         shape = routing_shape(rollout) if routing is None else None
         if shape is not None:  # the file's first (the loader holds every rollout of a file to one shape)

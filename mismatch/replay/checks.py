@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.checkpoint import CheckpointInfo, resolve_attn
+from mismatch.checkpoint import CheckpointInfo, checkpoint_info, resolve_attn
 from mismatch.engines import MODEL_KINDS, TORCH_KINDS, EngineSpec, engine_capabilities
 from mismatch.engines.contract import ProgressFn, replay_asking
 from mismatch.errors import CheckpointError, EngineError, RolloutError, SpecError
@@ -56,14 +56,30 @@ def check_column(values: np.ndarray, table: pd.DataFrame, name: str, offset: int
     """EngineError naming the rollout, branch, position and token of the first value an engine
     should never have returned (`values` fill the table's rows from `offset` on, in order)."""
     bad = bad_logprob_rows(values, table["pos"].to_numpy()[offset:offset + len(values)])
-    if not len(bad):
-        return
+    if len(bad):
+        raise EngineError(f"{name}: {_first_bad(values, table, bad, offset)} ({_num_bad(bad)}; an engine must "
+                          "return one log-prob <= 0 per requested token)")
+
+
+def column_damage(values: np.ndarray, table: pd.DataFrame) -> str | None:
+    """What makes a saved column unfit to fill these rows, as check_column and the plan see it (its
+    length, a value no engine may return), or None: the check of every column a run publishes,
+    wherever it came from (this run's replay, or a work dir an earlier run left)."""
+    if len(values) != len(table):
+        return f"{len(values)} log-probs for the block's {len(table)} rows"
+    bad = bad_logprob_rows(values, table["pos"].to_numpy())
+    return f"{_first_bad(values, table, bad)} ({_num_bad(bad)})" if len(bad) else None
+
+
+def _first_bad(values: np.ndarray, table: pd.DataFrame, bad: np.ndarray, offset: int = 0) -> str:
     first = int(bad[0])
     row = table.iloc[offset + first]
-    raise EngineError(f"{name}: log-prob {float(values[first])!r} for token {int(row['token_id'])} at rollout "
-                      f"{row['rollout']!r} branch {row['branch']!r} position {int(row['pos'])} "
-                      f"({len(bad)} such value{'s' if len(bad) > 1 else ''}; an engine must return one "
-                      "log-prob <= 0 per requested token)")
+    return (f"log-prob {float(values[first])!r} for token {int(row['token_id'])} at rollout {row['rollout']!r} "
+            f"branch {row['branch']!r} position {int(row['pos'])}")
+
+
+def _num_bad(bad: np.ndarray) -> str:
+    return f"{len(bad)} such value{'s' if len(bad) > 1 else ''}"
 
 
 def check_stored_names(specs: dict[str, EngineSpec], names: set[str]) -> None:
@@ -77,39 +93,53 @@ def check_stored_names(specs: dict[str, EngineSpec], names: set[str]) -> None:
 
 
 def check_before_replay(specs: dict[str, EngineSpec], scan: FileScan, info: CheckpointInfo, *, file: str) -> None:
-    """What the specs ask of these rollouts and this model, checked before any replay."""
+    """What the specs ask of these rollouts and each spec's model (its own `checkpoint=PATH`'s, read
+    from its config.json now, or the audited one), checked before any replay."""
     check_stored_names(specs, scan.names)
-    check_context(scan, info, specs, file=file)
+    models = {source: spec_info(source, spec, info) for source, spec in specs.items() if spec.kind in MODEL_KINDS}
+    check_context(scan, models, info, specs, file=file)
     for source, spec in specs.items():
-        own_model = "checkpoint" not in spec.options  # another checkpoint is checked when it loads
-        if spec.kind in TORCH_KINDS and own_model:
+        model = models.get(source, info)
+        if spec.kind in TORCH_KINDS:
             try:  # an attention path that would drop a model feature (soft-capping)
-                resolve_attn(str(spec.options.get("attn", "auto")), info)
+                resolve_attn(str(spec.options.get("attn", "auto")), model)
             except CheckpointError as exc:
                 raise SpecError(f"--{source} {spec.text}: {exc}") from None
         if spec.options.get("routing") == "replay" and not engine_capabilities(spec).forced_experts:
             raise SpecError(f"--{source} {spec.text}: option routing=replay: engine {spec.kind!r} cannot follow "
                             f"another pass's experts (the torch engines {', '.join(TORCH_KINDS)} can)")
-        if spec.options.get("routing") == "replay" and info.num_experts is None and own_model:
+        if spec.options.get("routing") == "replay" and model.num_experts is None:
             raise SpecError(f"--{source} {spec.text}: option routing=replay: this model has no MoE router to "
-                            f"replay ({info.path}/config.json names no experts)")
+                            f"replay ({model.path}/config.json names no experts)")
 
 
-def check_context(scan: FileScan, info: CheckpointInfo, specs: dict[str, EngineSpec], *, file: str) -> None:
-    """Refuse, before any replay, a stream longer than the model's declared context: its positions
+def spec_info(source: str, spec: EngineSpec, info: CheckpointInfo) -> CheckpointInfo:
+    """The checkpoint a spec's engine runs: its `checkpoint=PATH`'s facts (config.json, no weights
+    loaded), else the audited checkpoint's `info`."""
+    if "checkpoint" not in spec.options:
+        return info
+    try:
+        return checkpoint_info(str(spec.options["checkpoint"]))
+    except CheckpointError as exc:
+        raise SpecError(f"--{source} {spec.text}: {exc}") from None
+
+
+def check_context(scan: FileScan, models: dict[str, CheckpointInfo], info: CheckpointInfo,
+                  specs: dict[str, EngineSpec], *, file: str) -> None:
+    """Refuse, before any replay, a stream longer than the declared context of a model an engine
+    runs (`models`: each model engine's checkpoint by source; `info`, the audited one): its positions
     past that have no trained embedding, and the replay would score noise without a word."""
-    if info.max_positions is None or not scan.stream_lengths:
-        return
-    if not any(spec.kind in MODEL_KINDS and "checkpoint" not in spec.options for spec in specs.values()):
-        return
     length, rollout_id, branch_id = scan.longest
-    if length <= info.max_positions:
-        return
-    too_long = sum(n > info.max_positions for n in scan.stream_lengths)  # streams that reach past the context
-    raise RolloutError(f"{length} tokens to replay (context included), past the model's "
-                       f"context of {info.max_positions} (config.json); {too_long} "
-                       f"stream{'s' if too_long != 1 else ''} in all", file=file, rollout=rollout_id,
-                       field=f"branch {branch_id!r}")
+    for source, model in models.items():
+        limit = model.max_positions
+        if limit is None or length <= limit:
+            continue
+        context = (f"the model's context of {limit} (config.json)" if model is info else
+                   f"the context of {limit} of --{source} {specs[source].text} ({model.path}/config.json)")
+        too_long = sum(n > limit for n in scan.stream_lengths)  # streams that reach past it
+        raise RolloutError(f"{length} tokens to replay (context included), past {context}; {too_long} "
+                           f"stream{'s' if too_long != 1 else ''} in all", file=file, rollout=rollout_id,
+                           field=f"branch {branch_id!r}")
 
 
 def stored_routing(blocks: FileBlocks, scan: FileScan) -> list[StreamRouting] | None:

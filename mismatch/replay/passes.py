@@ -28,9 +28,10 @@ from mismatch.replay.checks import (
 )
 from mismatch.replay.plan import DEFAULT_BLOCK, ReplayPlan, Shard
 from mismatch.replay.processed import declared_processing
-from mismatch.replay.replayed import FilledBlocks, Replayed, SavedColumns
+from mismatch.replay.replayed import Counts, FilledBlocks, Replayed, SavedColumns
 from mismatch.results import WorkDir
 from mismatch.rollouts import iter_rollouts
+from mismatch.rollouts.pinned import Pinned
 from mismatch.streams import Sampling, StreamRouting
 
 # (label, total tokens) -> a callback per batch of tokens done; total None: a phase without a count
@@ -46,12 +47,34 @@ def engine_facts(described: dict[str, Any]) -> dict[str, Any]:
     return {key: described[key] for key in ENGINE_FACTS if key in described}
 
 
+def engine_counts(described: dict[str, Any]) -> Counts:
+    """An engine's counters of the work it did (num_*, seconds: what a merge of shards sums too)."""
+    return {key: value for key, value in described.items() if (key.startswith("num_") or key == "seconds")
+            and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def with_counts(described: dict[str, Any], counts: Counts) -> dict[str, Any]:
+    """An engine's description with its counters summed over every block of the run, and the
+    ratios made of them: a resumed run's engine did only the blocks left, and reports what one
+    run would have (the earlier blocks' counters were saved beside them). Counters start at 0
+    when an engine loads (every built-in engine's do), so the blocks' sum is the whole."""
+    merged = {**described, **counts}
+    if {"padding_frac", "num_tokens_padded", "num_tokens_fed"} <= merged.keys():
+        padded = merged["num_tokens_padded"]
+        merged["padding_frac"] = padded / max(merged["num_tokens_fed"] + padded, 1)
+    if "tokens_per_s" in merged:
+        seconds, scored = merged.get("seconds"), merged.get("num_tokens_scored")
+        merged["tokens_per_s"] = scored / seconds if seconds and scored is not None else None
+    return merged
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ReplayOptions:
     """How a replay runs, beside what it replays: its progress, the slice of blocks (`shard`) and
-    their size, the work dir its columns are saved to, and two roles a command gives its sources:
+    their size, the work dir its columns are saved to, two roles a command gives its sources:
     `processed_source`, the torch engine that also replays like the sampler's processed log-probs,
-    and `routing_from`, the source a `routing=replay` engine follows."""
+    and `routing_from`, the source a `routing=replay` engine follows; and `pinned`, the rollouts
+    file as the run found it (`Pinned.of_inputs(inputs["rollouts"])`; see `_pinned`)."""
 
     progress: ProgressFactory | None = None
     shard: Shard | None = None
@@ -59,6 +82,7 @@ class ReplayOptions:
     work: WorkDir | None = None
     processed_source: str | None = None
     routing_from: str | None = None
+    pinned: Pinned | None = None  # the rollouts file's size and digest as the run's inputs took them
 
 
 def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str],
@@ -83,7 +107,8 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
     # Every spec checked in full (options, values, dtype) before the rollouts are read and before
     # the first replay: a typo in the second engine's spec must not cost the first one's replay.
     specs = {source: check_spec(text) for source, text in sources.items()}
-    blocks = FileBlocks(rollouts=rollouts, info=info, shard=options.shard, block_size=options.block_size)
+    blocks = FileBlocks(rollouts=rollouts, info=info, shard=options.shard, block_size=options.block_size,
+                        pinned=_pinned(rollouts, options))
     engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler", "meta": {}}}
     columns = SavedColumns(options.work)
     routing: dict[str, list[StreamRouting]] = {}
@@ -95,6 +120,16 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
         routing = _replay_engines(specs, blocks, engines, columns, checkpoint=str(checkpoint), options=options)
     filled = FilledBlocks(file=blocks, specs=specs, columns=columns, engines=engines, stored_only=stored_only)
     return Replayed(engines=engines, routing=routing, filled=filled)
+
+
+def _pinned(rollouts: str | Path, options: ReplayOptions) -> Pinned | None:
+    """The rollouts file as the run found it, which every pass reads and checks unchanged at its
+    end: the command's pin, else its work dir's (whose manifest holds the run's inputs), else the
+    file now (a library caller)."""
+    if options.pinned is not None:
+        return options.pinned
+    recorded = Pinned.of_inputs(options.work.manifest.get("rollouts")) if options.work is not None else None
+    return recorded or Pinned.take(rollouts)
 
 
 def _replay_engines(specs: dict[str, EngineSpec], blocks: FileBlocks, engines: dict[str, Any],
@@ -202,6 +237,9 @@ class SourcePass:
         self.engine: Engine | None = None
         self.callback: ProgressFn | None = None
         self.routed: list[StreamRouting] = []
+        self.counts: Counts = {}   # the engine's counters summed over every column and block, resumed or not
+        self._last: Counts = {}    # its counters when last read (after its load, then after each column)
+        self.num_resumed = 0       # blocks of the source's own column taken from the work dir
 
     def replay_blocks(self, blocks: Iterator[tuple[int, ReplayPlan]],
             totals: tuple[int, int]) -> tuple[dict[str, Any], list[StreamRouting] | None]:
@@ -217,15 +255,14 @@ class SourcePass:
         finally:
             if self.engine is not None:
                 self.engine.close()
-        work = self.columns.work
-        described = {**described, "resumed_blocks": work.num_loaded(self.source) if work else 0}
+        described = {**with_counts(described, self.counts), "resumed_blocks": self.num_resumed}
         return described, (self.routed if len(self.routed) == num_requests and self.routed else None)
 
     def _block(self, block: int, plan: ReplayPlan, first_request: int, totals: tuple[int, int]) -> None:
         """One block's columns: resumed from the work dir where saved, else replayed and checked.
         `first_request`: the block's first request in the plan."""
         work = self.columns.work
-        done = [self.columns.resumed(column.name, block, plan.num_scored) for column in self.targets]
+        done = [self.columns.resumed(column.name, block, plan.table) for column in self.targets]
         block_routing = work.load_routing(self.source, block) if work is not None else None
         if any(values is None for values in done) and self.engine is None:  # not at all if every block is done
             self._load()
@@ -238,20 +275,23 @@ class SourcePass:
             self.callback = self.progress(f"replay {self.source}: {self.spec.text} (feeds "
                                           f"{_count(fed * len(self.targets))} tokens)", scored * len(self.targets))
         forced = self._forced_experts(first_request, len(plan.requests))
-        for k, (column, values) in enumerate(zip(self.targets, done)):
-            if values is not None:
+        for k, (column, saved) in enumerate(zip(self.targets, done)):
+            if saved is not None:
+                self._add(saved[1])
+                self.num_resumed += k == 0
                 if self.callback is not None:
                     self.callback(plan.num_scored)
                 continue
             values = replay_column(plan.requests, self.engine, progress=self.callback, name=column.label,
                                    forced_experts=forced, processing=column.processing)
+            counts = self._counted()
             if k == 0 and self._records_routing():
                 block_routing = recorded_routing(self.engine)
             check_column(values, plan.table, column.label)
             # The routing before the log-probs: a block whose log-probs were saved always has its routing too.
             if work is not None and k == 0 and block_routing is not None and self._records_routing():
                 work.save_routing(self.source, block, block_routing)
-            self.columns.keep(column.name, block, values)
+            self.columns.keep(column.name, block, values, counts)
         if block_routing is not None:
             self.routed += block_routing
 
@@ -261,8 +301,25 @@ class SourcePass:
         self.engine = load_engine(self.spec, self.checkpoint)
         if starting is not None:
             starting(0)
+        described = self.engine.describe()
+        self._last = engine_counts(described)
         if self.columns.work is not None:
-            self.columns.work.check_engine(self.source, engine_facts(self.engine.describe()))
+            self.columns.work.check_engine(self.source, engine_facts(described))
+
+    def _counted(self) -> Counts:
+        """The engine's counters of the column it just replayed (their growth since last read),
+        added to the run's and saved beside the column."""
+        assert self.engine is not None
+        now = engine_counts(self.engine.describe())
+        counts = {key: value - self._last.get(key, 0) for key, value in now.items()}
+        self._last = now
+        self._add(counts)
+        return counts
+
+    def _add(self, counts: Counts) -> None:
+        for key, value in counts.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.counts[key] = self.counts.get(key, 0) + value
 
     def _records_routing(self) -> bool:
         return self.engine is not None and recorded_routing(self.engine) is not None

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.engines import EngineSpec
+from mismatch.errors import ResultsError
 from mismatch.replay.blocks import (
     Block,
     FileBlocks,
@@ -20,40 +21,74 @@ from mismatch.replay.blocks import (
     sampler_meta,
     sampler_metas,
 )
-from mismatch.replay.checks import check_stored_names
+from mismatch.replay.checks import check_stored_names, column_damage
 from mismatch.replay.plan import ReplayPlan
 from mismatch.results import WorkDir, concat_tables
 from mismatch.rollouts import Rollout
 from mismatch.rollouts.forked import forked_blocks
+from mismatch.rollouts.pinned import pinned_pass
 from mismatch.rollouts.trees import add_tree_weights
 from mismatch.streams import StreamRouting
 
 T = TypeVar("T")
 
 
+Counts = dict[str, float]  # an engine's counters of the work one (column, block) took (passes.engine_counts)
+
+
 class SavedColumns:
     """Each (column, block) an engine pass finished: in the work dir, saved as it finishes and
-    reused by a rerun, or without one in this process's memory."""
+    reused by a rerun, or without one in this process's memory. A column is checked as the engine's
+    answers are (checks.column_damage) whenever it is read back, resumed or published."""
 
     def __init__(self, work: WorkDir | None) -> None:
         self.work = work
         self._memory: dict[tuple[str, int], np.ndarray] = {}
 
-    def resumed(self, name: str, block: int, num_rows: int) -> np.ndarray | None:
-        """What an earlier run saved of this column and block, if it has this block's rows (the
-        manifest matched, the file did not: replayed again). None without a work dir."""
-        done = self.work.load(name, block) if self.work is not None else None
-        return None if done is not None and len(done) != num_rows else done
+    def resumed(self, name: str, block: int, table: pd.DataFrame) -> tuple[np.ndarray, Counts] | None:
+        """What an earlier run saved of this column and block for these rows, with its engine
+        counters (None without a work dir, or where either is missing: replayed again)."""
+        if self.work is None:
+            return None
+        values, counts = self.work.load(name, block), self.work.load_counts(name, block)
+        if values is None or counts is None:
+            return None
+        damage = column_damage(values, table)
+        if damage is None:
+            return values, counts
+        if not self.work.force:
+            raise self._damaged(name, block, damage)
+        self.work.discard(name, block)  # the user said so: replayed, and the other blocks trusted
+        return None
 
-    def keep(self, name: str, block: int, values: np.ndarray) -> None:
-        """A column just replayed, kept for `load` (and, in the work dir, for a rerun)."""
+    def keep(self, name: str, block: int, values: np.ndarray, counts: Counts) -> None:
+        """A column just replayed (and checked), kept for `load` (and, in the work dir, with its
+        engine counters, for a rerun)."""
         if self.work is not None:
-            self.work.save(name, block, values)
+            self.work.save(name, block, values, counts)
         else:
             self._memory[(name, block)] = values
 
-    def load(self, name: str, block: int) -> np.ndarray | None:
-        return self.work.load(name, block) if self.work is not None else self._memory.get((name, block))
+    def load(self, name: str, block: int, table: pd.DataFrame) -> np.ndarray | None:
+        """The column of the block's rows, to publish. One read back from the work dir is checked
+        again (in memory it is the checked replay itself); a damaged one is refused even with
+        --force: its engine is closed by now, and the rerun replays it."""
+        if self.work is None:
+            return self._memory.get((name, block))
+        values = self.work.load(name, block)
+        damage = column_damage(values, table) if values is not None else None
+        if damage is not None:
+            raise self._damaged(name, block, damage)
+        return values
+
+    def _damaged(self, name: str, block: int, damage: str) -> ResultsError:
+        """Every column was checked before it was saved, so a damaged one was changed by something
+        outside this tool, which may as well have left wrong values that look right: the user
+        decides (--force replays it), not a silent replay that would vouch for the rest."""
+        assert self.work is not None
+        return ResultsError(f"{self.work.block_file(name, block)}: damaged: {damage}: not what the engine returned "
+                            "(the work dir changed after the block was saved); nothing published; pass --force "
+                            "to replay it")
 
 
 class FilledBlocks:
@@ -70,8 +105,11 @@ class FilledBlocks:
 
     @property
     def forkable(self) -> bool:
-        """Forked readers decode JSON Lines only, and replay no engine (an engine stays in this process)."""
-        return self.stored_only and Path(self.file.rollouts).suffix.lower() != ".parquet"
+        """Forked readers decode JSON Lines only, and replay no engine (an engine stays in this
+        process). They read the whole file: not one that grew past its pinned size (a live record)."""
+        path, pinned = Path(self.file.rollouts), self.file.pinned
+        return (self.stored_only and path.suffix.lower() != ".parquet"
+                and (pinned is None or path.is_file() and path.stat().st_size == pinned.size))
 
     def filled(self, block: int, indices: list[int], selected: list[Rollout]) -> Block:
         """The block planned, with its tree weights and every source's column."""
@@ -84,7 +122,7 @@ class FilledBlocks:
                 table[f"logp_{source}"] = plan.stored.get(spec.options["name"], np.full(plan.num_scored, np.nan))
                 continue
             for column in (source, f"{source}_processed"):
-                values = self.columns.load(column, block)
+                values = self.columns.load(column, block, table)
                 if values is not None or (column == source and not selected):
                     table[f"logp_{column}"] = values if values is not None else np.empty(0)
         return Block(index=block, rollouts=selected, plan=plan)
@@ -107,9 +145,9 @@ class FilledBlocks:
         """fn of each filled block, in file order, read and mapped by `workers` forked readers."""
         file = self.file
         names, metas, any_taken = {"sampler"}, [], False
-        for found, taken, block_metas, result in forked_blocks(
+        for found, taken, block_metas, result in pinned_pass(file.rollouts, file.pinned, lambda: forked_blocks(
                 file.rollouts, vocab_size=file.info.vocab_size, num_experts=file.info.num_experts,
-                block_size=file.block_size, workers=workers, work=self._mapped(fn)):
+                block_size=file.block_size, workers=workers, work=self._mapped(fn))):
             names |= found
             if taken:
                 metas.extend(block_metas)

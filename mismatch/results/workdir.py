@@ -26,10 +26,10 @@ class WorkDir:
     same command resumes and a different command never picks up another run's blocks.
     """
 
-    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+    def __init__(self, path: Path, manifest: dict[str, Any], *, force: bool = False) -> None:
         self.path = path
         self.manifest = manifest
-        self._loaded: dict[str, int] = {}
+        self.force = force  # the run's --force: a damaged block is replayed, not refused (replay/replayed.py)
         self._facts: dict[str, dict[str, Any]] = {}  # source -> engine_facts, written with its first block
 
     @classmethod
@@ -44,24 +44,32 @@ class WorkDir:
                                        "pass --force to discard it")
                 shutil.rmtree(path)
         # Nothing is created until the first block is saved: bad input must leave nothing behind.
-        return cls(path, manifest)
+        return cls(path, manifest, force=force)
 
-    def _file(self, source: str, block: int) -> Path:
+    def block_file(self, source: str, block: int) -> Path:
+        """Where a (source, block) log-prob column is saved (errors name it)."""
         return self.path / f"{source}-{block:06d}.npy"
 
     def load(self, source: str, block: int) -> np.ndarray | None:
-        file = self._file(source, block)
+        file = self.block_file(source, block)
         if not file.is_file():
             return None
         try:
-            values = np.load(file, allow_pickle=False)
+            return np.load(file, allow_pickle=False)
         except (ValueError, OSError, EOFError):
             # Saves are atomic, so only something outside this tool makes a block unreadable
             # (an empty or cut file): replayed again, never trusted and never fatal.
             file.unlink(missing_ok=True)
             return None
-        self._loaded[source] = self._loaded.get(source, 0) + 1
-        return values
+
+    def load_counts(self, source: str, block: int) -> dict[str, Any] | None:
+        """The engine's counters of the work that (source, block) took (saved with it), or None."""
+        return self._read_json(f"{source}-counts-{block:06d}.json")
+
+    def discard(self, source: str, block: int) -> None:
+        """A (source, block) column dropped, to be replayed."""
+        self.block_file(source, block).unlink(missing_ok=True)
+        (self.path / f"{source}-counts-{block:06d}.json").unlink(missing_ok=True)
 
     def _create(self) -> None:
         """The dir and its manifest, at the first save (bad input must leave nothing behind)."""
@@ -69,11 +77,16 @@ class WorkDir:
             self.path.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.path / "manifest.json", json.dumps(json_safe(self.manifest), indent=1) + "\n")
 
-    def save(self, source: str, block: int, logp: np.ndarray) -> None:
+    def save(self, source: str, block: int, logp: np.ndarray, counts: dict[str, Any] | None = None) -> None:
+        """A (source, block) column, with `counts`, the engine's counters of the work it took,
+        written first: a block whose log-probs were saved always has its counters too, so a resumed
+        run reports the work one run did (replay/passes.py)."""
         self._create()
         if source in self._facts and not (self.path / f"{source}-engine.json").is_file():
             atomic_write_text(self.path / f"{source}-engine.json", json.dumps(self._facts[source]) + "\n")
-        self._write_binary(self._file(source, block),
+        if counts is not None:
+            self._write_json(f"{source}-counts-{block:06d}.json", counts)
+        self._write_binary(self.block_file(source, block),
                            lambda handle: np.save(handle, logp, allow_pickle=False))
 
     def _write_binary(self, file: Path, write: Callable[[Any], None]) -> None:
@@ -151,9 +164,6 @@ class WorkDir:
                                f"{', '.join(f'{k}={facts.get(k)!r}' for k in changed)}; pass --force to "
                                "discard those blocks")
         self._facts[source] = facts
-
-    def num_loaded(self, source: str) -> int:
-        return self._loaded.get(source, 0)
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

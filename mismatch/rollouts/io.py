@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from mismatch.errors import RolloutError
 from mismatch.rollouts.decode import UNPARSED, check_rollout, decode_line, loads, raw_id
@@ -43,12 +44,13 @@ class ValidationReport:
 # Readers: (line, value, errors) of each rollout of a file
 
 
-def read_jsonl(path: Path, file: str, wanted: Callable[[int], bool] | None = None) -> Rows:
+def read_jsonl(path: Path, file: str, wanted: Callable[[int], bool] | None = None, limit: int | None = None) -> Rows:
     """(line, value, errors) of each rollout line; `wanted(n)` says whether the file's n-th
-    rollout (from 0) is decoded, the others come as SKIPPED."""
+    rollout (from 0) is decoded, the others come as SKIPPED. `limit`: only the whole lines within
+    the file's first `limit` bytes are read (the size a run pinned: rollouts/pinned.py)."""
     number = -1
     with path.open("rb") as f:
-        for line_no, text in enumerate(f, start=1):
+        for line_no, text in enumerate(f if limit is None else _lines_within(f, limit), start=1):
             if not text or text.isspace():  # as `not text.strip()`, without copying the line
                 continue
             number += 1
@@ -58,6 +60,18 @@ def read_jsonl(path: Path, file: str, wanted: Callable[[int], bool] | None = Non
             raw, why = decode_line(text)
             errors = [] if why is None else [RolloutError(f"invalid JSON: {why}", file=file, line=line_no)]
             yield line_no, raw, errors
+
+
+def _lines_within(handle: BinaryIO, limit: int) -> Iterator[bytes]:
+    """The lines of the file's first `limit` bytes. A last one the limit cuts (no newline) while
+    the file goes on past it was still being written when the size was taken: not yet a line.
+    (One that ends the file without a newline is a line, as it is without a limit.)"""
+    left = limit
+    while left > 0 and (text := handle.readline(left)):
+        left -= len(text)
+        if left == 0 and not text.endswith(b"\n") and handle.read(1):
+            return
+        yield text
 
 
 def _decode_json_columns(row: dict, file: str, line: int) -> list[RolloutError]:
@@ -106,8 +120,10 @@ def _read_parquet(path: Path, file: str) -> Rows:
             yield row_no, row, _decode_json_columns(row, file, row_no)
 
 
-def open_rollouts(path: str | os.PathLike[str]) -> tuple[str, Rows]:
-    """Check the path now (not at the first `next`) and pick the reader by suffix."""
+def open_rollouts(path: str | os.PathLike[str], limit: int | None = None) -> tuple[str, Rows]:
+    """Check the path now (not at the first `next`) and pick the reader by suffix. `limit`: a
+    JSONL file is read to that many bytes (read_jsonl); a Parquet file is written whole, never
+    appended, so a run's pin needs only its digest (rollouts/pinned.py)."""
     file = os.fspath(path)
     p = Path(file)
     if not p.exists():
@@ -118,8 +134,9 @@ def open_rollouts(path: str | os.PathLike[str]) -> tuple[str, Rows]:
         p.open("rb").close()
     except OSError as e:
         raise RolloutError(f"cannot read: {e.strerror or e}", file=file) from None
-    reader = _read_parquet if p.suffix.lower() == ".parquet" else read_jsonl
-    return file, reader(p, file)
+    if p.suffix.lower() == ".parquet":
+        return file, _read_parquet(p, file)
+    return file, read_jsonl(p, file, limit=limit)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,9 +209,10 @@ def empty_file_error(file: str) -> RolloutError:
 
 
 def iter_rollouts(path: str | os.PathLike[str], *, vocab_size: int | None = None,
-                  num_experts: int | None = None) -> Iterator[Rollout]:
-    """Rollouts of a JSONL or Parquet file, one at a time; raises `RolloutError` at the first bad one."""
-    file, rows = open_rollouts(path)
+                  num_experts: int | None = None, limit: int | None = None) -> Iterator[Rollout]:
+    """Rollouts of a JSONL or Parquet file, one at a time; raises `RolloutError` at the first bad one.
+    `limit`: a JSONL file's whole lines within its first `limit` bytes only (open_rollouts)."""
+    file, rows = open_rollouts(path, limit)
     return _iter_valid(file, rows, vocab_size, num_experts)
 
 
