@@ -1,6 +1,6 @@
 """The `mismatch` command's own process, set up as the batch job it is: set once by the console
-script (cli.run), never by the library, which runs inside other people's processes (a training
-loop) whose allocator and collector are theirs to tune.
+script (cli.run, cli.main), never by the library, which runs inside other people's processes (a
+training loop) whose allocator, collector and signals are theirs.
 
 Why (the figures: benchmarks/RESULTS.md, "Figures moved from the code"): glibc hands every freed
 chunk-sized array back to the kernel and faults it in again on the next chunk; the cycle
@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 # mallopt(3) parameters (malloc.h): M_TRIM_THRESHOLD and M_MMAP_THRESHOLD.
 _M_TRIM_THRESHOLD = -1
@@ -48,3 +53,44 @@ def end_batch() -> None:
     interpreter's teardown runs (they find no garbage a batch job needs freed, and walking them
     costs time at the very end). Finalizers registered to run at exit still run."""
     gc.freeze()
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT, raised in the main thread as Ctrl-C is, so that every `finally` on the
+    way out runs: the forked children stopped, the stage, the pending log and the lock removed,
+    the finished blocks kept in the work dir for the rerun. A KeyboardInterrupt, so that what
+    treats Ctrl-C as "stopped, not failed" (the dependency log) treats SIGTERM the same."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass
+class Interrupt:
+    """The signal that interrupted the command, once one has."""
+    signum: int | None = None
+
+
+@contextmanager
+def interruptible() -> Iterator[Interrupt]:
+    """While the command runs, SIGTERM and SIGINT raise Interrupted (the first one: another
+    arriving while the run unwinds is ignored, so the cleanup is not cut short; kill -9 still
+    stops it, and its forked children with it). The former handlers are put back after. Off the
+    main thread, where Python runs no signal handler, signals keep their own handlers."""
+    interrupt = Interrupt()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupt
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        if interrupt.signum is None:
+            interrupt.signum = signum
+            raise Interrupted(signum)
+
+    saved = {signum: signal.signal(signum, handler) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield interrupt
+    finally:
+        for signum, former in saved.items():  # None: a handler set outside Python
+            signal.signal(signum, signal.SIG_DFL if former is None else former)

@@ -4,14 +4,17 @@ and how many processes an analysis, or the reading of a rollouts file, may use.
 
 A fork, not a fresh interpreter: the child starts with the parent's imports and data (a token
 table in memory, the closures that read tokens.parquet), so nothing but a child's results is
-pickled, and only on its way back.
+pickled, and only on its way back. A child dies with its parent however the parent dies (kill -9
+included: `_dies_with_parent`), so none is left stuck on a pipe, holding the parent's files.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import queue
+import signal
 import sys
 import threading
 import traceback
@@ -31,6 +34,8 @@ ANALYSIS_PROCESSES = 2
 # file of about as many tokens.
 MIN_ROWS_TO_FORK = 1_000_000
 MIN_BYTES_TO_FORK = 32 * 2**20
+# prctl(2) option (linux/prctl.h): the signal the kernel sends this process when its parent dies.
+_PR_SET_PDEATHSIG = 1
 
 
 def usable_cpus() -> int:
@@ -91,10 +96,41 @@ def forked(target: Callable[..., None], *args: Any) -> Forked:
     sys.stderr.flush()
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=target, args=(*args, send), daemon=True)
+    child = context.Process(target=_as_child, args=(os.getpid(), target, *args, send), daemon=True)
     child.start()
     send.close()
     return child, receive
+
+
+def _as_child(parent: int, target: Callable[..., None], *args: Any) -> None:
+    _dies_with_parent(parent)
+    target(*args)
+
+
+def _dies_with_parent(parent: int) -> None:
+    """In a forked child, first thing: killed (SIGKILL) when `parent` dies, however it dies.
+
+    A daemon child is killed by its parent's exit only when the parent exits normally; a parent
+    killed by a signal (kill -9, or SIGTERM before the CLI caught it) left its readers stuck on a
+    pipe forever. Linux's parent-death signal goes with the thread that forked the child (every
+    fork here is made and waited for by one thread). Elsewhere a thread watches the parent."""
+    libc_prctl = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
+    if libc_prctl is not None:
+        libc_prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGKILL))
+    else:
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the signal was asked for: nobody to send to
+        os._exit(1)
+    # The terminal's Ctrl-C reaches the whole process group: the parent alone decides (it stops
+    # its children as it unwinds); SIGTERM kills a child at once, not the parent's CLI handler.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        threading.Event().wait(0.5)
+    os._exit(1)
 
 
 @contextmanager

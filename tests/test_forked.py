@@ -161,3 +161,73 @@ def test_a_drained_child_that_dies_is_raised_in_order() -> None:
     finally:
         drained.close()
         stop([child])
+
+
+# A parent that forks an analysis worker (fork_jobs) and is killed -9 while the worker runs.
+_KILLED_PARENT = '''
+import os, signal, sys, time
+from pathlib import Path
+from mismatch.workers import fork_jobs
+
+pid_file = Path(sys.argv[1])
+
+def worker():
+    pid_file.write_text(str(os.getpid()))
+    time.sleep(60)
+
+def parent():
+    while not pid_file.exists() or not pid_file.read_text():
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+fork_jobs([parent, worker])
+'''
+
+
+def test_a_forked_worker_dies_with_its_parent_killed_minus_9(tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    pid_file = tmp_path / "worker.pid"
+    parent = subprocess.run([sys.executable, "-c", _KILLED_PARENT, str(pid_file)], timeout=60)
+    assert parent.returncode == -signal.SIGKILL
+    worker = psutil.Process(int(pid_file.read_text()))
+    try:
+        deadline = time.monotonic() + 10
+        while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        pass
+    finally:
+        if worker.is_running():
+            worker.kill()
+
+
+def _open_files(send) -> None:
+    from mismatch.workers import reporting
+
+    with reporting(send):
+        fds = Path("/proc/self/fd")
+        send.send((True, sorted(os.path.realpath(fd) for fd in fds.iterdir() if fd.exists())))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_a_forked_child_does_not_hold_the_results_lock(tmp_path) -> None:
+    """An flock belongs to the open file: a child holding the lock's descriptor would hold OUT
+    for as long as it lived, after its parent's death too."""
+    from mismatch.results import results_lock
+    from mismatch.workers import forked, received, stop
+
+    with results_lock(tmp_path / "o"):
+        child = forked(_open_files)
+        try:
+            files = received(child, "a child")
+        finally:
+            stop([child])
+        assert os.path.realpath(tmp_path / ".o.lock") not in files
+        assert (tmp_path / ".o.lock").exists()  # the parent's lock, untouched by the child's exit

@@ -2,7 +2,8 @@
 
 Errors meet one boundary here (`main`): a MismatchError or a usage error becomes one line on
 stderr and exit code 2 (MISMATCH_DEBUG=1 shows the traceback); anything else is a bug and keeps
-its traceback. The commands live by what users do with them: measure.py (audit, diff, merge,
+its traceback. SIGTERM and SIGINT meet it too: the run unwinds (its `finally` blocks clean up),
+then one line and exit code 128 + the signal. The commands live by what users do with them: measure.py (audit, diff, merge,
 recommend, gate), inspect.py (report, probe, layers, weights, drift, validate) and capture.py
 (record, import, demo); this module gathers them into one typer app.
 """
@@ -10,11 +11,13 @@ recommend, gate), inspect.py (report, probe, layers, weights, drift, validate) a
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Annotated, Any
 
 import typer
 
+from mismatch.batch import interruptible
 from mismatch.cli.capture import demo, import_, record
 from mismatch.cli.dependency_output import dependency_log, quiet_dependencies
 from mismatch.cli.inspect import drift, layers, probe, report, validate, weights
@@ -46,7 +49,8 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
                          "hf-decode:dtype=bfloat16, vllm:dtype=bfloat16,enable_prefix_caching=false, "
                          "http://127.0.0.1:8000/v1, sampler, stored:NAME, python:MODULE:CALLABLE[,opt=v], or "
                          "engine.toml. Exit codes: 0 ok, 1 gate failed, 2 bad input or usage, 3 the machine "
-                         "failed (disk full) (MISMATCH_DEBUG=1 shows tracebacks).")
+                         "failed (disk full), 130 or 143 interrupted by SIGINT or SIGTERM (rerun to resume) "
+                         "(MISMATCH_DEBUG=1 shows tracebacks).")
 
 # `mismatch --help` lists the commands in this order (typer keeps the order they are added in).
 COMMANDS = (("audit", audit), ("diff", diff), ("merge", merge), ("report", report),
@@ -82,8 +86,23 @@ def _options(version: Annotated[bool, typer.Option(
     """Options of `mismatch` itself (before the command)."""
 
 
+INTERRUPTED = "mismatch: interrupted; rerun the same command to resume"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Console-script entry point: the error boundary."""
+    """Console-script entry point: the error boundary, and the signals' (see batch.interruptible)."""
+    with interruptible() as interrupt:
+        try:
+            code = _command(argv)
+        except KeyboardInterrupt:  # one raised outside the command (typer turns one inside into 130)
+            interrupt.signum = interrupt.signum or signal.SIGINT
+    if interrupt.signum is not None:
+        err_console.print(INTERRUPTED, markup=False, highlight=False, soft_wrap=True)
+        return 128 + interrupt.signum
+    return code
+
+
+def _command(argv: list[str] | None) -> int:
     debug = os.environ.get("MISMATCH_DEBUG") == "1"
     quiet_dependencies()
     args = sys.argv[1:] if argv is None else argv
@@ -107,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             elif message:
                 err_console.print(f"mismatch: error: {message}", markup=False, highlight=False, soft_wrap=True)
             return 2
-        except typer.Abort:
-            err_console.print("mismatch: aborted", markup=False)
+        except typer.Abort as exc:
+            if not isinstance(exc.__cause__, KeyboardInterrupt):  # Ctrl-C (in older click): main says it
+                err_console.print("mismatch: aborted", markup=False)
             return 130
     return code if isinstance(code, int) else 0
 
