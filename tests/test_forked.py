@@ -231,3 +231,19 @@ def test_a_forked_child_does_not_hold_the_results_lock(tmp_path) -> None:
             stop([child])
         assert os.path.realpath(tmp_path / ".o.lock") not in files
         assert (tmp_path / ".o.lock").exists()  # the parent's lock, untouched by the child's exit
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_forked_readers_read_only_the_whole_lines_of_the_pinned_size(tmp_path, workers) -> None:
+    """A file growing under the run (a live `record`): the readers stop at the size pinned at the
+    start, and a line cut by the limit is not read."""
+    path = write_jsonl(tmp_path / "r.jsonl", _rows(7))
+    pinned = path.stat().st_size
+    with path.open("a") as handle:  # appended after the pin: two more rollouts
+        handle.write(json.dumps(make_rollout("late-0")) + "\n" + json.dumps(make_rollout("late-1")))
+    read = list(forked_blocks(path, vocab_size=None, num_experts=None, block_size=BLOCK, workers=workers,
+                              work=_work, limit=pinned))
+    assert [index for _, indices, _ in read for index in indices] == list(range(7))
+    cut = list(forked_blocks(path, vocab_size=None, num_experts=None, block_size=BLOCK, workers=workers,
+                             work=_work, limit=pinned + 20))  # inside the first late line
+    assert [index for _, indices, _ in cut for index in indices] == list(range(7))

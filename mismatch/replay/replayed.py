@@ -106,10 +106,8 @@ class FilledBlocks:
     @property
     def forkable(self) -> bool:
         """Forked readers decode JSON Lines only, and replay no engine (an engine stays in this
-        process). They read the whole file: not one that grew past its pinned size (a live record)."""
-        path, pinned = Path(self.file.rollouts), self.file.pinned
-        return (self.stored_only and path.suffix.lower() != ".parquet"
-                and (pinned is None or path.is_file() and path.stat().st_size == pinned.size))
+        process); like this process, they read only the whole lines within the pinned size."""
+        return self.stored_only and Path(self.file.rollouts).suffix.lower() != ".parquet"
 
     def filled(self, block: int, indices: list[int], selected: list[Rollout]) -> Block:
         """The block planned, with its tree weights and every source's column."""
@@ -147,7 +145,8 @@ class FilledBlocks:
         names, metas, any_taken = {"sampler"}, [], False
         for found, taken, block_metas, result in pinned_pass(file.rollouts, file.pinned, lambda: forked_blocks(
                 file.rollouts, vocab_size=file.info.vocab_size, num_experts=file.info.num_experts,
-                block_size=file.block_size, workers=workers, work=self._mapped(fn))):
+                block_size=file.block_size, workers=workers, work=self._mapped(fn),
+                limit=file.pinned.size if file.pinned else None)):
             names |= found
             if taken:
                 metas.extend(block_metas)

@@ -30,14 +30,15 @@ _ErrorFields = tuple[str, str, int | None, str | None, str | None]  # a RolloutE
 
 
 def forked_blocks(path: str | Path, *, vocab_size: int | None, num_experts: int | None, block_size: int,
-                  workers: int, work: Work[T]) -> Iterator[T]:
+                  workers: int, work: Work[T], limit: int | None = None) -> Iterator[T]:
     """`work` of every block of the file, in file order, from `workers` forked readers; raises
-    the file's first RolloutError as iter_rollouts does (no rollouts: the empty-file error)."""
-    file, _ = open_rollouts(path)  # a missing or unreadable file: its one-line error, now
+    the file's first RolloutError as iter_rollouts does (no rollouts: the empty-file error).
+    `limit`: read whole lines within that many bytes only (the size pinned for the run)."""
+    file, _ = open_rollouts(path, limit=limit)  # a missing or unreadable file: its one-line error, now
     readers: list[Forked] = []
     drained: list[Drained] = []
     try:
-        readers.extend(forked(_reader, file, index, workers, block_size, vocab_size, num_experts, work)
+        readers.extend(forked(_reader, file, index, workers, block_size, vocab_size, num_experts, limit, work)
                        for index in range(workers))
         # Received ahead: a reader goes on with its next block while this process stores the last.
         drained.extend(Drained(reader, "a rollouts reader") for reader in readers)
@@ -61,14 +62,14 @@ def forked_blocks(path: str | Path, *, vocab_size: int | None, num_experts: int 
 
 
 def _reader(file: str, index: int, workers: int, block_size: int, vocab_size: int | None,
-            num_experts: int | None, work: Work[Any], send: Connection) -> None:
+            num_experts: int | None, limit: int | None, work: Work[Any], send: Connection) -> None:
     """Reader `index`: its blocks of the file, one message each, then None."""
     def mine(number: int) -> bool:  # the n-th rollout lies in one of this reader's blocks
         return (number // block_size) % workers == index
 
     with reporting(send):
         current, rows = -1, []
-        for number, (line, raw, read_errors) in enumerate(read_jsonl(Path(file), file, wanted=mine)):
+        for number, (line, raw, read_errors) in enumerate(read_jsonl(Path(file), file, wanted=mine, limit=limit)):
             if raw is SKIPPED:
                 continue
             block = number // block_size
