@@ -87,8 +87,7 @@ def _interrupted(tmp_path: Path, rollouts: Path = ROLLOUTS) -> tuple[list[str], 
     """An audit stopped at its third block (two saved in the work dir): its args and work dir."""
     checkpoint = stored_checkpoint(tmp_path / "ckpt")
     args = _audit_args(checkpoint, rollouts, _engine(tmp_path, stop_at=3), tmp_path / "o")
-    with pytest.raises(RuntimeError, match="stopped by the test"):
-        main(args)
+    assert main(args) == 2  # the engine's raise is one line (engines/user.py), the blocks before it kept
     work = tmp_path / ".o.work"
     assert sorted(p.name for p in work.glob("infer-0*.npy")) == ["infer-000000.npy", "infer-000001.npy"]
     _control(tmp_path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import sys
 import threading
 import time
 import urllib.error
@@ -23,7 +24,7 @@ import numpy as np
 
 from mismatch.engines.contract import ProgressFn, ReplayRequest
 from mismatch.engines.spec import EngineSpec, options_from
-from mismatch.errors import MismatchError, SpecError
+from mismatch.errors import EngineError, SpecError
 
 APIS = ("auto", "openai", "sglang")
 # vLLM's OpenAI server writes -inf as -9999.0 (entrypoints/generate/base/serving.py,
@@ -88,9 +89,9 @@ class HTTPEngine:
         listing = self._call("GET", "/v1/models", None)
         cards = listing.get("data") if isinstance(listing, dict) else None
         if not isinstance(cards, list) or not all(isinstance(card, dict) for card in cards):
-            raise MismatchError(f"server at {self.root} answered /v1/models with something that is not a model list")
+            raise EngineError(f"server at {self.root} answered /v1/models with something that is not a model list")
         if not cards:
-            raise MismatchError(f"server at {self.root} lists no models at /v1/models")
+            raise EngineError(f"server at {self.root} lists no models at /v1/models")
         server = {"owned_by": cards[0].get("owned_by"), "root": cards[0].get("root"),
                   "max_model_len": cards[0].get("max_model_len"), "version": self._version()}
         if api == "auto":
@@ -98,8 +99,8 @@ class HTTPEngine:
         if model is None and api == "openai":
             if len(cards) > 1:
                 names = ", ".join(str(card.get("id")) for card in cards)
-                raise MismatchError(f"server at {self.root} serves several models ({names}): "
-                                    "set model = \"NAME\" in the engine TOML")
+                raise EngineError(f"server at {self.root} serves several models ({names}): "
+                                  "set model = \"NAME\" in the engine TOML")
             model = str(cards[0].get("id"))
         return api, model, server
 
@@ -109,7 +110,8 @@ class HTTPEngine:
         try:
             with urllib.request.urlopen(self.root + "/version", timeout=min(self.options.timeout, 10.0)) as answer:
                 version = json.loads(answer.read()).get("version")
-        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError, AttributeError):
+        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError, AttributeError,
+                RecursionError):
             return None
         return str(version) if version is not None else None
 
@@ -156,8 +158,8 @@ class HTTPEngine:
             logp_L = (self._openai if self.api == "openai" else self._sglang)(tokens)
         except (AttributeError, TypeError, KeyError, IndexError) as exc:
             # A body of another shape than the API's (a list, a string, a field of the wrong type).
-            raise MismatchError(f"server at {self.root} answered a body this API never sends "
-                                f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]})") from None
+            raise EngineError(f"server at {self.root} answered a body this API never sends "
+                              f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]})") from None
         logp_L[0] = np.nan
         return logp_L[request.score_from:]
 
@@ -175,22 +177,22 @@ class HTTPEngine:
         choice = choices[0]
         prompt_logprobs = choice.get("prompt_logprobs")
         if not prompt_logprobs:
-            raise MismatchError(
+            raise EngineError(
                 f"server at {self.root} returned no prompt_logprobs; is it vLLM >= 0.5.5, or did "
                 "a proxy drop the extra field? (for SGLang set api = \"sglang\")")
         echoed = choice.get("prompt_token_ids")
         if echoed is not None and list(echoed) != tokens:
-            raise MismatchError(f"server at {self.root} changed the prompt's token ids "
-                                f"({len(tokens)} sent, {len(echoed)} scored)")
+            raise EngineError(f"server at {self.root} changed the prompt's token ids "
+                              f"({len(tokens)} sent, {len(echoed)} scored)")
         if len(prompt_logprobs) != len(tokens):
-            raise MismatchError(f"server at {self.root} returned {len(prompt_logprobs)} prompt "
-                                f"log-probs for {len(tokens)} tokens")
+            raise EngineError(f"server at {self.root} returned {len(prompt_logprobs)} prompt "
+                              f"log-probs for {len(tokens)} tokens")
         logp_L = np.full(len(tokens), np.nan)
         for position in range(1, len(tokens)):
             entry = (prompt_logprobs[position] or {}).get(str(tokens[position]))
             if entry is None:
-                raise MismatchError(f"server at {self.root}: no log-prob for token "
-                                    f"{tokens[position]} at position {position}")
+                raise EngineError(f"server at {self.root}: no log-prob for token "
+                                  f"{tokens[position]} at position {position}")
             logp_L[position] = _number(entry.get("logprob") if isinstance(entry, dict) else None,
                                        self.root, position)
         return logp_L
@@ -207,21 +209,21 @@ class HTTPEngine:
         meta = self._call("POST", "/generate", body).get("meta_info") or {}
         triples = meta.get("input_token_logprobs")
         if not triples:
-            raise MismatchError(f"server at {self.root} returned no "
-                                "meta_info.input_token_logprobs; is it SGLang? "
-                                "(for vLLM set api = \"openai\")")
+            raise EngineError(f"server at {self.root} returned no "
+                              "meta_info.input_token_logprobs; is it SGLang? "
+                              "(for vLLM set api = \"openai\")")
         if len(triples) != len(tokens):
-            raise MismatchError(f"server at {self.root} returned {len(triples)} input log-probs "
-                                f"for {len(tokens)} tokens")
+            raise EngineError(f"server at {self.root} returned {len(triples)} input log-probs "
+                              f"for {len(tokens)} tokens")
         logp_L = np.full(len(tokens), np.nan)
         for position in range(1, len(tokens)):
             triple = triples[position]
             if not isinstance(triple, (list, tuple)) or len(triple) < 2 or triple[0] is None:
-                raise MismatchError(f"server at {self.root}: no log-prob at position {position} "
-                                    f"(got {str(triple)[:80]})")
+                raise EngineError(f"server at {self.root}: no log-prob at position {position} "
+                                  f"(got {str(triple)[:80]})")
             if triple[1] != tokens[position]:  # a log-prob of another token is no answer at all
-                raise MismatchError(f"server at {self.root}: answered for token {triple[1]!r} at "
-                                    f"position {position}, where the prompt has {tokens[position]}")
+                raise EngineError(f"server at {self.root}: answered for token {triple[1]!r} at "
+                                  f"position {position}, where the prompt has {tokens[position]}")
             logp_L[position] = _number(triple[0], self.root, position)
         return logp_L
 
@@ -238,26 +240,25 @@ class HTTPEngine:
             request = urllib.request.Request(url, data=data, method=method,
                                              headers={"Content-Type": "application/json"})
             try:
-                return json.loads(_read_by(request, time.monotonic() + self.options.timeout))
+                data = _read_by(request, time.monotonic() + self.options.timeout)
             except _DeadlineExpired:
                 # Not retried: a server that used the whole deadline once would use it again.
-                raise MismatchError(f"server at {url} did not answer within timeout = "
-                                    f"{self.options.timeout:g} s") from None
+                raise EngineError(f"server at {url} did not answer within timeout = "
+                                  f"{self.options.timeout:g} s") from None
             except urllib.error.HTTPError as exc:
                 message = _error_message(exc)
                 if exc.code < 500:
-                    raise MismatchError(
+                    raise EngineError(
                         f"server at {url} answered HTTP {exc.code}: {message}") from None
                 reason = f"HTTP {exc.code}: {message}"
             except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
                 # refused, reset, timed out, cut off mid-answer
                 reason = str(getattr(exc, "reason", exc))
-            except json.JSONDecodeError:
-                raise MismatchError(
-                    f"server at {url} answered with something that is not JSON") from None
+            else:
+                return _json_answer(data, url)
         attempts = self.options.retries + 1
-        raise MismatchError(f"server at {url} unreachable after {attempts} "
-                            f"attempt{'s' if attempts > 1 else ''}: {reason}")
+        raise EngineError(f"server at {url} unreachable after {attempts} "
+                          f"attempt{'s' if attempts > 1 else ''}: {reason}")
 
     def close(self) -> None:
         pass  # the server is not ours to stop
@@ -285,20 +286,42 @@ def _read_by(request: urllib.request.Request, deadline: float) -> bytes:
         return b"".join(chunks)
 
 
+def _json_answer(data: bytes, url: str) -> Any:
+    """A server's answer as JSON (UTF-8, RFC 8259); whatever else its bytes are is one EngineError
+    naming the URL."""
+    try:
+        text = data.removeprefix(b"\xef\xbb\xbf").decode("utf-8")
+    except UnicodeDecodeError as exc:
+        start = exc.start + (len(data) - len(exc.object))  # where in the answer, its BOM counted
+        raise EngineError(f"server at {url} answered bytes that are not UTF-8 "
+                          f"(byte 0x{data[start]:02x} at offset {start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise EngineError(f"server at {url} answered with something that is not JSON") from None
+    except RecursionError:  # the C decoder recurses once per level of [ or {
+        raise EngineError(f"server at {url} answered JSON nested too deeply") from None
+    except ValueError:  # int() refuses a literal longer than sys.get_int_max_str_digits()
+        raise EngineError(f"server at {url} answered a number of more than "
+                          f"{sys.get_int_max_str_digits()} digits") from None
+
+
 def _number(value: Any, root: str, position: int) -> float:
     """A log-prob from a server's JSON; vLLM's -9999 floor is probability 0 (-inf). Whether it is
     a valid log-prob (<= 0, not NaN) is checked for every engine at one boundary (mismatch/replay/checks.py)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise MismatchError(f"server at {root}: log-prob at position {position} is not a number "
-                            f"({str(value)[:40]})")
+    # A positive integer past float64's range is no log-prob either (float() raises OverflowError).
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, int) and value > sys.float_info.max):
+        raise EngineError(f"server at {root}: log-prob at position {position} is not a number "
+                          f"({str(value)[:40]})")
     return -math.inf if value <= NEG_INF_FLOOR else float(value)
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:
     """The server's own one-line reason: vLLM and SGLang answer {"error": {"message": ...}}."""
     try:
-        payload = json.loads(exc.read() or b"{}")
-    except (json.JSONDecodeError, OSError):
+        payload = json.loads(exc.read().decode("utf-8") or "{}")
+    except (ValueError, RecursionError, OSError):  # not JSON, not UTF-8, too deep: the status's reason
         return str(exc.reason)
     error = payload.get("error", payload) if isinstance(payload, dict) else payload
     message = error.get("message", error) if isinstance(error, dict) else error

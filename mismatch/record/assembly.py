@@ -32,7 +32,7 @@ class Exchange:
 
     prompt: np.ndarray             # int64: the prompt token ids as the server rendered them
     sampled: np.ndarray            # int64: the sampled token ids (stop token included)
-    logprobs: list[float] | None   # the sampler's log-prob of each sampled token
+    logprobs: list[float | None] | None  # the sampler's log-prob of each sampled token (None: null)
     endpoint: str                  # "chat" | "completions"
     messages: list | None          # as the harness sent them (chat)
     tools: list | None             # as the harness sent them (chat)
@@ -284,6 +284,18 @@ def _resent(before: np.ndarray, after: np.ndarray) -> bool:
 
 
 _PROMPT, _SAMPLED = 1, 2
+# What the sampler said of a sampled token's log-prob: nothing (it sent no column), a number
+# (NaN and ±inf included: format v1 holds finite ones only), or null.
+_UNSAID, _NUMBER, _NULL = 0, 1, 2
+
+
+def _sampled_logprobs(exchange: Exchange) -> tuple[np.ndarray, np.ndarray]:
+    """(float64 value, what was said: _UNSAID/_NUMBER/_NULL) per sampled token."""
+    n = len(exchange.sampled)
+    if exchange.logprobs is None:
+        return np.full(n, np.nan), np.full(n, _UNSAID, np.int8)
+    said = np.array([_NULL if v is None else _NUMBER for v in exchange.logprobs], np.int8)
+    return np.array([np.nan if v is None else v for v in exchange.logprobs], np.float64), said
 
 
 class _Labels:
@@ -295,10 +307,11 @@ class _Labels:
         self.how = [np.zeros(len(b.tokens), np.int8) for b in tree.branches]
         self.who = [np.full(len(b.tokens), -1, np.int64) for b in tree.branches]
         self.logp = [np.full(len(b.tokens), np.nan) for b in tree.branches]
+        self.said = [np.full(len(b.tokens), _UNSAID, np.int8) for b in tree.branches]
 
     def claim(self, leaf: int, lo: int, hi: int, how: int, exchange: int,
-              logp: np.ndarray | None = None) -> None:
-        """Positions [lo, hi) of the path ending in `leaf`; `logp` holds one value per position."""
+              logp: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Positions [lo, hi) of the path ending in `leaf`; `logp` holds one (value, said) per position."""
         for index, start, stop in self.tree.runs(leaf, hi):
             start = max(start, lo)
             if start >= stop:
@@ -309,7 +322,8 @@ class _Labels:
             self.how[index][own][free] = how
             self.who[index][own][free] = exchange
             if logp is not None:
-                self.logp[index][own][free] = logp[start - lo:stop - lo][free]
+                self.logp[index][own][free] = logp[0][start - lo:stop - lo][free]
+                self.said[index][own][free] = logp[1][start - lo:stop - lo][free]
 
     def exchange_at(self, leaf: int, position: int) -> int:
         index = self.tree.owner(leaf, position)
@@ -332,23 +346,24 @@ def build_rollout(rollout_id: str, exchanges: Sequence[Exchange], *, sampler: di
     leaves = [tree.place(tokens) for tokens in sequences[:-1]] + [0]
     labels = _Labels(tree)
     for k, exchange in enumerate(exchanges):  # sampled first: a sampled token is never a prompt
-        logp = np.asarray(exchange.logprobs if exchange.logprobs is not None
-                          else [np.nan] * len(exchange.sampled), np.float64)
-        labels.claim(leaves[k], len(exchange.prompt), len(sequences[k]), _SAMPLED, k, logp)
+        labels.claim(leaves[k], len(exchange.prompt), len(sequences[k]), _SAMPLED, k, _sampled_logprobs(exchange))
     for k, exchange in enumerate(exchanges):
         labels.claim(leaves[k], 0, len(exchange.prompt), _PROMPT, k)
     links = _links(exchanges)
     kinds = _branch_kinds(tree, leaves, links)
-    branches = [{"id": branch.id, "kind": kinds[i],
-                 "parent": None if branch.parent is None else tree.branches[branch.parent].id,
-                 "fork_at": branch.fork_at,
-                 "segments": _segments(branch.tokens, labels.how[i], labels.who[i], labels.logp[i], exchanges)}
-                for i, branch in enumerate(tree.branches)]
+    branches, nonfinite = [], []
+    for i, branch in enumerate(tree.branches):
+        segments = _segments(branch.tokens, labels.how[i], labels.who[i], exchanges)
+        nonfinite += _fill_logprobs(segments, branch.id, labels.logp[i], labels.said[i], labels.who[i])
+        branches.append({"id": branch.id, "kind": kinds[i],
+                         "parent": None if branch.parent is None else tree.branches[branch.parent].id,
+                         "fork_at": branch.fork_at, "segments": [segment for segment, _ in segments]})
     record = {
         "proxy": "mismatch record", "upstream": upstream, "session": session,
         "requests": _requests(exchanges, links, leaves, tree),
         "tools": _distinct_tools(exchanges),
         "drift": _drift(exchanges, links, leaves, tree, labels.exchange_at),
+        "nonfinite_logprobs": nonfinite,
     }
     return {"id": rollout_id,
             "meta": {"sampler": {**sampler, **_sampling(exchanges[0].params)}, "record": record},
@@ -373,23 +388,41 @@ def _branch_kinds(tree: _Tree, leaves: list[int], links: list[_Link]) -> list[st
     return kinds
 
 
-def _segments(tokens: np.ndarray, label: np.ndarray, owner: np.ndarray, logp: np.ndarray,
-              exchanges: Sequence[Exchange]) -> list[dict[str, Any]]:
-    """Format v1 segments: one per sampled completion, one per run of prompt tokens of one role."""
+def _segments(tokens: np.ndarray, label: np.ndarray, owner: np.ndarray,
+              exchanges: Sequence[Exchange]) -> list[tuple[dict[str, Any], slice]]:
+    """Format v1 segments, each with its own positions: one per sampled completion, one per run of
+    prompt tokens of one role."""
     roles = np.array([e.prompt_role for e in exchanges], dtype=object)[owner]
     sampled = label == _SAMPLED
     cuts = np.flatnonzero((sampled[1:] != sampled[:-1]) | (sampled[1:] & (owner[1:] != owner[:-1]))
                           | (~sampled[1:] & (roles[1:] != roles[:-1]))) + 1
     segments = []
     for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(tokens)]):
-        if label[lo] == _SAMPLED:
-            segment: dict[str, Any] = {"role": "assistant", "tokens": tokens[lo:hi].tolist()}
-            if not np.isnan(logp[lo:hi]).any():
-                segment["logprobs"] = logp[lo:hi].tolist()
-        else:
-            segment = {"role": exchanges[int(owner[lo])].prompt_role, "tokens": tokens[lo:hi].tolist()}
-        segments.append(segment)
+        role = "assistant" if label[lo] == _SAMPLED else exchanges[int(owner[lo])].prompt_role
+        segments.append(({"role": role, "tokens": tokens[lo:hi].tolist()}, slice(lo, hi)))
     return segments
+
+
+def _said_as(value: float, said: int) -> str | None:
+    """How meta.record.nonfinite_logprobs names a value v1 cannot hold: "nan", "inf", "-inf", null."""
+    return None if said == _NULL else "nan" if np.isnan(value) else "inf" if value > 0 else "-inf"
+
+
+def _fill_logprobs(segments: list[tuple[dict[str, Any], slice]], branch: str, logp: np.ndarray,
+                   said: np.ndarray, owner: np.ndarray) -> list[dict[str, Any]]:
+    """Give each sampled segment the sampler's log-probs. One that is no finite number keeps its
+    token, null in its place, and is returned as a meta.record.nonfinite_logprobs entry:
+    {branch, segment, index (into the segment's tokens), request, value}."""
+    flagged = []
+    for number, (segment, own) in enumerate(segments):
+        if segment["role"] != "assistant" or not (said[own] != _UNSAID).all():
+            continue  # a prompt, or a completion the sampler sent no log-prob column for
+        values, what = logp[own], said[own]
+        finite = (what == _NUMBER) & np.isfinite(values)
+        segment["logprobs"] = [float(v) if ok else None for v, ok in zip(values.tolist(), finite.tolist())]
+        flagged += [{"branch": branch, "segment": number, "index": int(i), "request": int(owner[own][i]),
+                     "value": _said_as(float(values[i]), int(what[i]))} for i in np.flatnonzero(~finite)]
+    return flagged
 
 
 def _sampling(params: dict[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,8 @@ from typing import Any
 
 import msgspec
 
+from mismatch.record import constants
+
 _OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _OBJECTS = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
 _NULL = msgspec.Raw(b"null")
@@ -85,12 +87,43 @@ def sampling_params(body: dict[str, Any]) -> dict[str, Any]:
 class Choice:
     prompt: list[int] | None = None
     sampled: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = field(default_factory=list)  # None once a chunk lacked them
+    # One per sampled token, as the server wrote it: a number (NaN and ±inf too) or None (null, or
+    # what no log-prob is); the list is None once a chunk with tokens lacked them.
+    logprobs: list[float | None] | None = field(default_factory=list)
     finish_reason: str | None = None
+
+
+class Unreadable(Exception):
+    """An answer whose token ids cannot be read: passed on as it is, its request not recorded."""
 
 
 def _decode(raw: msgspec.Raw | None) -> Any:
     return None if raw is None else msgspec.json.decode(raw)
+
+
+def _ids(value: Any) -> list[int] | None:
+    """Token ids as the engine wrote them (null: none); anything else is no answer of an engine."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise Unreadable
+    return value
+
+
+def _top(data: bytes) -> tuple[dict[str, msgspec.Raw], bool] | None:
+    """(the answer's fields, whether bare NaN/Infinity words were quoted to read it); None for
+    what is not a JSON object even then."""
+    try:
+        return _OBJECT.decode(data), False
+    except msgspec.DecodeError:
+        pass
+    quoted = constants.quote(data)
+    if quoted is None or quoted == data:
+        return None
+    try:
+        return _OBJECT.decode(quoted), True
+    except msgspec.DecodeError:
+        return None
 
 
 class Capture:
@@ -101,6 +134,8 @@ class Capture:
         self.engine, self.endpoint, self.asked = engine, endpoint, asked
         self.prompt: list[int] | None = None  # chat: one prompt for all choices
         self.choices: dict[int, Choice] = {}
+        # A piece of the answer the proxy could not read: what it recorded would lack its tokens.
+        self.unreadable = False
 
     def body(self, data: bytes) -> bytes:
         """A non-streaming answer."""
@@ -114,23 +149,34 @@ class Capture:
         return self.choices.setdefault(index, Choice())
 
     def _rewrite(self, data: bytes, *, stream: bool) -> bytes | None:
-        try:
-            top = _OBJECT.decode(data)
-        except msgspec.DecodeError:
+        decoded = _top(data)
+        if decoded is None:
+            self.unreadable = True
             return data  # not an object (an error text): not ours to change
+        top, quoted = decoded
+        try:
+            out = self._rewrite_object(data, top, stream=stream)
+        except (Unreadable, msgspec.DecodeError):  # fields of other shapes than the engine's
+            self.unreadable = True
+            return data
+        if out is None or out is data or not quoted:
+            return out
+        return constants.unquote(out)  # re-encoded around the quoted words: the server's words again
+
+    def _rewrite_object(self, data: bytes, top: dict[str, msgspec.Raw], *, stream: bool) -> bytes | None:
         changed = False
         if self.engine == "sglang":
             top, changed, only_ids = self._sglext(top)
             if only_ids:
                 return None
         elif "prompt_token_ids" in top:
-            ids = _decode(top["prompt_token_ids"])
+            ids = _ids(_decode(top["prompt_token_ids"]))
             if ids is not None:
                 self.prompt = ids
                 if not self.asked.token_ids:
                     top["prompt_token_ids"], changed = _NULL, True
         raw_choices = top.get("choices")
-        if raw_choices is None:
+        if raw_choices is None or bytes(raw_choices) == b"null":
             return msgspec.json.encode(top) if changed else data
         choices = _OBJECTS.decode(raw_choices)
         hidden = bool(choices)  # an extra chunk of the additions: every choice empty, unfinished
@@ -147,12 +193,15 @@ class Capture:
 
     def _read_choice(self, raw: dict[str, msgspec.Raw], *, stream: bool) -> bool:
         """Add a choice's ids and log-probs; True when it carries nothing else the harness sees."""
-        choice = self._choice(_decode(raw.get("index")) or 0)
+        index = _decode(raw.get("index")) or 0
+        if not isinstance(index, int):
+            raise Unreadable
+        choice = self._choice(index)
         if "prompt_token_ids" in raw:  # completions: per choice
-            ids = _decode(raw["prompt_token_ids"])
+            ids = _ids(_decode(raw["prompt_token_ids"]))
             if ids is not None:
                 choice.prompt = ids
-        ids = _decode(raw.get("token_ids"))
+        ids = _ids(_decode(raw.get("token_ids")))
         if ids is not None:
             choice.sampled.extend(ids)
         values = _logprobs(self.endpoint, _decode(raw.get("logprobs")))
@@ -180,9 +229,13 @@ class Capture:
         if not isinstance(ext, dict):
             return top, False, False
         if ext.get("input_ids") is not None:
-            self.prompt = ext["input_ids"]
-        for index, ids in enumerate(ext.get("output_ids") or []):
+            self.prompt = _ids(ext["input_ids"])
+        output_ids = ext.get("output_ids") or []
+        if not isinstance(output_ids, list):
+            raise Unreadable
+        for index, raw_ids in enumerate(output_ids):
             choice = self._choice(index)
+            ids = _ids(raw_ids)
             if ids is not None and len(ids) > len(choice.sampled):
                 choice.sampled = list(ids)
         if self.asked.token_ids:
@@ -197,6 +250,8 @@ class Capture:
 
     def exchanges(self) -> list[tuple[list[int], Choice]]:
         """(prompt ids, choice) per finished choice that the engine answered with token ids."""
+        if self.unreadable:
+            return []
         done = []
         for _, choice in sorted(self.choices.items()):
             prompt = choice.prompt if choice.prompt is not None else self.prompt
@@ -208,12 +263,15 @@ class Capture:
         return done
 
 
-def _logprobs(endpoint: str, value: Any) -> list[float] | None:
-    """The sampled tokens' log-probs in a choice's `logprobs` (None when it has none)."""
+def _logprobs(endpoint: str, value: Any) -> list[float | None] | None:
+    """The sampled tokens' log-probs in a choice's `logprobs` (None when it has none), each as
+    `constants.logprob` reads it: a value that is no number stays in its token's place."""
     if not isinstance(value, dict):
         return None
     if endpoint == "chat":
         content = value.get("content")
-        return None if content is None else [float(entry["logprob"]) for entry in content]
+        if not isinstance(content, list):
+            return None
+        return [constants.logprob(entry.get("logprob") if isinstance(entry, dict) else None) for entry in content]
     values = value.get("token_logprobs")
-    return None if values is None else [float(v) for v in values]
+    return [constants.logprob(v) for v in values] if isinstance(values, list) else None

@@ -278,10 +278,7 @@ class Proxy:
             return refused
         started = time.time()
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
+        body = _strict_json(raw)
         endpoint = ENDPOINTS[request.url.path]
         prepared = prepare(self.upstream.engine, endpoint, body)
         response = await self._send(request, raw if prepared is None else json.dumps(prepared[0]).encode())
@@ -323,6 +320,20 @@ class Proxy:
             await response.aclose()
         if finished:
             await record()
+
+
+def _refuse_constant(word: str) -> Any:
+    raise ValueError(word)
+
+
+def _strict_json(raw: bytes) -> Any:
+    """The harness's request body, None when it is no strict JSON: such a request is forwarded as
+    sent and not recorded. Python's json takes NaN and Infinity, which the rollouts file cannot
+    hold (the writer's JSON is strict: one such value would stop the recording)."""
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, a bare NaN, too deep
+        return None
 
 
 def _event(event: bytes, capture: Capture) -> bytes | None:

@@ -26,7 +26,12 @@ def open_out(path: Path, *, force: bool) -> int:
 
 def encode_line(rollout: dict[str, Any]) -> bytes:
     # allow_nan=False: a NaN would make a line no JSON parser reads back.
-    return (json.dumps(rollout, separators=(",", ":"), ensure_ascii=False, allow_nan=False) + "\n").encode()
+    text = json.dumps(rollout, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    try:
+        return (text + "\n").encode()
+    except UnicodeEncodeError:
+        # A lone surrogate (a harness's "\ud800" escape) has no UTF-8: written as the escape it came as.
+        return (json.dumps(rollout, separators=(",", ":"), allow_nan=False) + "\n").encode()
 
 
 def _append(fd: int, lines: list[bytes]) -> None:
