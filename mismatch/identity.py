@@ -1,25 +1,39 @@
-"""What a resume and a merge must match: the content of a run's inputs, not their names.
+"""What a resume and a merge must match: the content of a run's inputs, never their names or times.
 
 The rollouts file is hashed whole (SHA-256: ~1.8 GB/s on CPUs with SHA extensions, twice
 BLAKE2b's speed here, 0.13 against 0.26 s for benchmarks/audit_stored.py's 233 MB file; the
-command waits for it before its first block). A checkpoint's
-weights are not (tens of GB): each weight file is known by its size, mtime and safetensors header
-(tensor names, dtypes, shapes, offsets), config.json by its content. An engine is known by its
-kind and fully parsed options (a TOML's content, not its path) and, for `python:`, the digest of
-the module file that defines it. An HTTP server's own identity is not asked before the replay.
+command waits for it before its first block). A checkpoint's weight files are hashed whole too,
+once: their digests are cached by file (path, size, mtime, ctime, inode) in the user's cache dir
+(`digest_cache_dir`), so an unchanged checkpoint costs a stat per file (benchmarks/identity_hash.py).
+What is recorded is each file's name, size and digest, so a copy of a checkpoint on another node is
+the same checkpoint and a file edited in place is not. Its config and tokenizer files are hashed
+whole. An engine is known by its kind and fully parsed options (a TOML's content, not its path;
+a `checkpoint=` dir by its files) and, for `python:`, the digest of the module file that defines
+it. An HTTP server's own identity is not asked before the replay.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import struct
+import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 from mismatch.engines.spec import EngineSpec
+from mismatch.results.staging import atomic_write_text
 
 _CHUNK = 1 << 20
+_SMALL_SUFFIXES = frozenset({".json", ".jinja", ".model", ".txt", ".tiktoken"})  # config, tokenizer
+CACHE_FILE = "digests.json"
+_CACHE_VERSION = 1
+_CACHE_ENTRIES = 4096  # the most recently used files kept (~200 bytes each)
+# A file changed within this long before its hashing began may change again without its ctime
+# moving (timestamps come from a coarse clock; some file systems keep seconds): its digest is used
+# but not cached, as git treats a "racily clean" index entry.
+RACY_NS = 1_000_000_000
 
 
 def file_digest(path: str | Path) -> str:
@@ -27,37 +41,104 @@ def file_digest(path: str | Path) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
-def _safetensors_header_digest(path: Path) -> str:
-    """Digest of a safetensors file's JSON header (8-byte length, then the header)."""
-    with path.open("rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            return hashlib.blake2b(prefix).hexdigest()
-        (length,) = struct.unpack("<Q", prefix)
-        return hashlib.blake2b(prefix + handle.read(min(length, 100 * _CHUNK))).hexdigest()
+def content_digest(path: str | Path) -> str:
+    """A weight file's SHA-256, streamed (hashlib reads it in 256 KiB pieces)."""
+    return file_digest(path)
 
 
-def checkpoint_identity(checkpoint: str | Path) -> list[dict[str, Any]]:
-    """Per weight file: name, size, mtime and header digest; config.json and tokenizer files whole."""
+def digest_cache_dir() -> Path:
+    """$MISMATCH_CACHE_DIR, else $XDG_CACHE_HOME/mismatch, else ~/.cache/mismatch."""
+    if os.environ.get("MISMATCH_CACHE_DIR"):
+        return Path(os.environ["MISMATCH_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mismatch"
+
+
+def _stamp(stat: os.stat_result) -> dict[str, int]:
+    """What must not have moved for a cached digest to stand. ctime is in it because nothing but a
+    change sets it: `os.utime` puts an mtime back after an edit, never a ctime."""
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns,
+            "ino": stat.st_ino, "dev": stat.st_dev}
+
+
+class DigestCache:
+    """Weight-file digests by path and stamp, in one small JSON file rewritten atomically. It is a
+    speed-up only: a missing, corrupt or unwritable cache means hashing again, never an error."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+        self.entries = self._load(file)
+        self.changed = False
+
+    @staticmethod
+    def _load(file: Path) -> dict[str, dict[str, Any]]:
+        try:
+            data = json.loads(file.read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION or not isinstance(data.get("files"), dict):
+            return {}
+        return {key: entry for key, entry in data["files"].items() if isinstance(entry, dict)}
+
+    def digest(self, path: Path) -> str:
+        key = str(path.resolve())
+        stat = path.stat()
+        entry = self.entries.get(key)
+        if entry is not None and isinstance(entry.get("sha256"), str) and \
+                {name: entry.get(name) for name in _stamp(stat)} == _stamp(stat):
+            entry["used_ns"] = time.time_ns()
+            self.changed = True
+            return entry["sha256"]
+        started = time.time_ns()
+        digest = content_digest(path)
+        after = path.stat()
+        # Changed while hashed, or too recently to trust its stamp: the digest stands, uncached.
+        if _stamp(after) == _stamp(stat) and max(stat.st_mtime_ns, stat.st_ctime_ns) < started - RACY_NS:
+            self.entries[key] = {**_stamp(stat), "sha256": digest, "used_ns": started}
+            self.changed = True
+        return digest
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        newest = sorted(self.entries.items(), key=lambda item: item[1].get("used_ns", 0), reverse=True)
+        try:
+            atomic_write_text(self.file, json.dumps({"version": _CACHE_VERSION,
+                                                     "files": dict(newest[:_CACHE_ENTRIES])}) + "\n")
+        except OSError:
+            return  # a read-only or full home: the next run hashes again
+        self.changed = False
+
+
+def checkpoint_identity(checkpoint: str | Path, cache: DigestCache | None = None) -> list[dict[str, Any]]:
+    """Per weight file (safetensors): name, size and SHA-256 (cached); config and tokenizer files:
+    name and digest. Never a time or an inode: a copy is the same checkpoint."""
     root = Path(checkpoint)
     if not root.is_dir():
         return []
+    own = cache is None
+    cache = cache or DigestCache(digest_cache_dir() / CACHE_FILE)
     found = []
     for path in sorted(root.iterdir()):
         if not path.is_file():
             continue
-        stat = path.stat()
+        size = path.stat().st_size
         if path.suffix == ".safetensors":
-            found.append({"file": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                          "header": _safetensors_header_digest(path)})
-        elif path.suffix == ".json" and stat.st_size < 64 * _CHUNK:
+            found.append({"file": path.name, "size": size, "sha256": cache.digest(path)})
+        elif path.suffix in _SMALL_SUFFIXES and size < 64 * _CHUNK:
             found.append({"file": path.name, "digest": file_digest(path)})
+    if own:
+        cache.save()
     return found
 
 
-def engine_identity(spec: EngineSpec) -> dict[str, Any]:
-    """Kind and parsed options; for a python: engine, the digest of its module's file too."""
-    identity: dict[str, Any] = {"kind": spec.kind, "options": dict(spec.options)}
+def engine_identity(spec: EngineSpec, cache: DigestCache | None = None) -> dict[str, Any]:
+    """Kind and parsed options, a `checkpoint=` dir by its files; for a python: engine, the digest
+    of its module's file too."""
+    options = dict(spec.options)
+    if isinstance(options.get("checkpoint"), str) and Path(options["checkpoint"]).is_dir():
+        options["checkpoint"] = {"files": checkpoint_identity(options["checkpoint"], cache)}
+    identity: dict[str, Any] = {"kind": spec.kind, "options": options}
     if spec.kind == "python":
         identity["module"] = _module_digest(str(spec.options.get("target", "")))
     return identity
@@ -77,12 +158,19 @@ def _module_digest(target: str) -> str | None:
 
 
 def run_inputs(*, command: str, checkpoint: str | Path, rollouts: str | Path,
-               engines: dict[str, EngineSpec], block_size: int, version: str) -> dict[str, Any]:
+               engines: dict[str, EngineSpec], block_size: int, version: str,
+               options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything a resumed or merged run must share with the run it continues (summary.json
-    `inputs`; the work dir's manifest adds the shard)."""
+    `inputs`; the work dir's manifest adds the shard). `options`: the command's options that
+    change its numbers but not its replay (a merge must match them; a resume re-analyses)."""
     rollouts_path = Path(rollouts)
-    return {"command": command, "mismatch_version": version, "block_size": block_size,
-            "rollouts": {"size": rollouts_path.stat().st_size, "digest": file_digest(rollouts_path)}
-            if rollouts_path.is_file() else None,
-            "checkpoint": checkpoint_identity(checkpoint),
-            "engines": {source: engine_identity(spec) for source, spec in engines.items()}}
+    cache = DigestCache(digest_cache_dir() / CACHE_FILE)
+    inputs = {"command": command, "mismatch_version": version, "block_size": block_size,
+              "rollouts": {"size": rollouts_path.stat().st_size, "digest": file_digest(rollouts_path)}
+              if rollouts_path.is_file() else None,
+              "checkpoint": checkpoint_identity(checkpoint, cache),
+              "engines": {source: engine_identity(spec, cache) for source, spec in engines.items()}}
+    cache.save()
+    if options is not None:
+        inputs["options"] = options
+    return inputs

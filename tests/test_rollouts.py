@@ -605,12 +605,15 @@ def test_a_line_decoded_into_the_types_is_checked_as_its_dict_is(data):
 
 def test_a_field_the_format_does_not_name_is_read_as_strictly_as_before(tmp_path) -> None:
     """msgspec skips an unknown field's value without checking its UTF-8: such a line takes the
-    untyped path, which refuses it as invalid JSON; a clean unknown field is ignored as before."""
+    untyped path, which refuses it as invalid JSON; a clean unknown field is refused by name (a
+    misspelt field would otherwise drop its data without a word), and `meta` takes anything."""
     text = json.dumps(make_rollout()).encode()
     bad = text[:-1] + b', "note": "caf\xe9"}'
     path = tmp_path / "r.jsonl"
-    path.write_bytes(bad + b"\n" + text[:-1] + b', "note": "fine"}\n')
+    other = json.dumps({**make_rollout(), "id": "r-2"}).encode()
+    path.write_bytes(bad + b"\n" + text[:-1] + b', "note": "fine"}\n' + other + b"\n")
     report = validate_file(path)
     assert [str(e) for e in report.errors] == [
-        f"{path}:1: invalid JSON: not UTF-8 (byte 0xe9 at offset {len(bad) - 3})"]
+        f"{path}:1: invalid JSON: not UTF-8 (byte 0xe9 at offset {len(bad) - 3})",
+        f"{path}:2: rollout 'r-1': unknown field 'note' (valid: id, branches, meta, messages)"]
     assert report.num_rollouts == 1

@@ -5,8 +5,10 @@ Flow: results dir (summary.json) -> run_gate -> GateResult -> exit code (0 pass,
 
 from __future__ import annotations
 
+import errno
 import math
 import sys
+import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -15,7 +17,8 @@ from typing import Any
 
 from mismatch.analysis.metrics import PAIR_METRICS
 from mismatch.analysis.terms import METRIC_RANGES
-from mismatch.errors import MismatchError, ResultsError
+from mismatch.advise.consistency import check_summary, in_range
+from mismatch.errors import EnvironmentFault, MismatchError, ResultsError
 from mismatch.results import SUMMARY_FILE, SUMMARY_SCHEMA, atomic_write_text, load_json
 
 if sys.version_info >= (3, 11):
@@ -164,27 +167,34 @@ def load_thresholds(path: str | Path) -> Thresholds:
                       max_drift_pct=None if drift is None else _limit(drift, where=f"{path}: max_drift_pct"))
 
 
-def load_summary(path: str | Path) -> dict[str, Any]:
-    """summary.json of a results dir (or the file itself). Its schema is checked by the gate, not here."""
+def summary_file(path: str | Path) -> Path:
+    """summary.json of a results dir, or the file itself."""
     path = Path(path)
-    file = path / SUMMARY_FILE if path.is_dir() else path
+    return path / SUMMARY_FILE if path.is_dir() else path
+
+
+def load_summary(path: str | Path) -> dict[str, Any]:
+    """summary.json of a results dir (or the file itself), refused (ResultsError, naming the file)
+    where no run can have written it (check_summary). Its schema is checked by the gate, not here."""
+    file = summary_file(path)
     if not file.is_file():
         raise ResultsError(f"{path}: no {SUMMARY_FILE} (not a mismatch results dir)")
     summary = load_json(file)
     if not isinstance(summary, dict):
         raise ResultsError(f"{file}: not a JSON object")
+    check_summary(summary, where=str(file))
     return summary
 
 
 def check_possible(summary: dict[str, Any], keys: Iterable[str], *, label: str) -> None:
-    """Refuse (exit 2) a gated value no measurement can have: a hand-edited or corrupted file
-    must not pass a gate, nor fail it as if it were a measured regression."""
+    """Refuse (exit 2) a gated value no measurement can have (the API's summaries; a file's are
+    check_summary's at load_summary): it must not pass a gate, nor fail it as a measured regression."""
     for key in keys:
         value, problem = _value(summary, key)
         if problem is not None:
             continue  # missing or NaN: the check itself reports it
         low, high = METRIC_RANGES[key.rpartition(".")[2]]
-        if not (math.isfinite(value) and low <= value <= high):
+        if not (math.isfinite(value) and in_range(value, low, high)):
             raise MismatchError(f"{label}: {key} = {value!r} is impossible ({key.rpartition('.')[2]} lies "
                                 f"in [{low:g}, {high:g}]): its summary.json was edited or corrupted")
 
@@ -195,6 +205,8 @@ def _value(summary: dict[str, Any], key: str) -> tuple[float | None, str | None]
     pairs = summary.get("pairs") if isinstance(summary.get("pairs"), dict) else {}
     if pair not in pairs:
         return None, f"no pair {pair!r} (pairs: {', '.join(pairs) or 'none'})"
+    if not isinstance(pairs[pair], dict):
+        return None, f"pair {pair!r} is not an object"
     if metric not in pairs[pair]:
         return None, f"metric {metric!r} missing"
     value = pairs[pair][metric]
@@ -202,7 +214,10 @@ def _value(summary: dict[str, Any], key: str) -> tuple[float | None, str | None]
         return None, "NaN"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None, f"not a number: {value!r}"
-    return float(value), None
+    try:
+        return float(value), None
+    except OverflowError:  # an integer past float64
+        return None, f"not a number: {value!r}"
 
 
 def _schema_check(summary: dict[str, Any], *, label: str) -> Check:
@@ -345,8 +360,31 @@ def junit_xml(result: GateResult, *, suite: str = "mismatch gate") -> str:
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
-def write_junit(result: GateResult, path: str | Path) -> Path:
-    """Write junit_xml(result) atomically (temp file + rename)."""
+def check_junit_path(path: str | Path) -> None:
+    """Refuse, before any check runs, a --junit PATH that cannot be written: a gate whose checks all
+    passed must not end in a traceback (exit 1 reads as "the gate failed")."""
     path = Path(path)
-    atomic_write_text(path, junit_xml(result))
+    if path.is_dir():
+        raise MismatchError(f"--junit {path}: cannot be written (a directory)")
+    existing = path.parent
+    while not existing.exists():  # the folders write_junit will create
+        existing = existing.parent
+    if not existing.is_dir():
+        raise MismatchError(f"--junit {path}: cannot be written ({existing} is not a directory)")
+    try:  # a real file, not permission bits: root, ACLs and read-only mounts answer alike
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as exc:
+        raise MismatchError(f"--junit {path}: cannot be written ({exc.strerror or exc} in {existing})") from None
+
+
+def write_junit(result: GateResult, path: str | Path) -> Path:
+    """Write junit_xml(result) atomically (temp file + rename); a disk that fails it meanwhile is
+    the machine's fault (exit 3), anything else that path's (exit 2)."""
+    path = Path(path)
+    try:
+        atomic_write_text(path, junit_xml(result))
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise EnvironmentFault(f"--junit {path}: {exc.strerror}") from None
+        raise MismatchError(f"--junit {path}: cannot be written ({exc.strerror or exc})") from None
     return path

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -14,6 +14,10 @@ from mismatch.cli.options import JsonFlag
 from mismatch.cli.output import emit_json, err_console, out_console
 from mismatch.cli.printing import print_layers, print_weights
 from mismatch.cli.progress import working
+from mismatch.errors import RolloutError
+
+if TYPE_CHECKING:
+    from mismatch.checkpoint import CheckpointInfo
 
 
 def report(
@@ -25,8 +29,13 @@ def report(
 ) -> None:
     """Rebuild DIR/index.html from DIR/summary.json and DIR/tokens.parquet."""
     from mismatch.reports.build import build_report
+    from mismatch.results import read_summary, results_lock
 
-    path = build_report(results, tokenizer_path=tokenizer)
+    read_summary(results)  # not a results dir: refused before the lock makes anything beside it
+    # Held while it reads, as audit and merge hold it while they write: a `merge --force` of this
+    # dir replacing tokens.parquet under the reader is refused (exit 2), not a pyarrow traceback.
+    with results_lock(results):
+        path = build_report(results, tokenizer_path=tokenizer)
     if as_json:
         emit_json({"report": str(path)})
         return
@@ -140,22 +149,42 @@ def validate(
     from mismatch.checkpoint import checkpoint_info
     from mismatch.rollouts import validate_file
 
-    num_experts = None  # with a checkpoint, routed_experts ids are checked against its experts too
+    num_experts = info = None  # with a checkpoint, routed_experts ids are checked against its experts too
     if checkpoint is not None:
         info = checkpoint_info(checkpoint)
         vocab_size, num_experts = info.vocab_size, info.num_experts
     report = validate_file(file, vocab_size=vocab_size, num_experts=num_experts)
+    # A valid file is checked against the model's context as an audit checks it before replaying.
+    context = _context_errors(file, info) if info is not None and not report.errors else []
+    errors = [*report.errors, *context]
     if as_json:
         emit_json({"num_rollouts": report.num_rollouts, "num_branches": report.num_branches,
                     "num_invalid": report.num_invalid, "num_tokens": report.num_tokens, "num_trainable_tokens": report.num_trainable_tokens,
-                    "errors": [str(e) for e in report.errors], "truncated": report.truncated})
+                    "errors": [str(e) for e in errors], "truncated": report.truncated})
     else:
-        for error in report.errors:
+        for error in errors:
             err_console.print(str(error), markup=False, highlight=False, soft_wrap=True)
         total = report.num_rollouts + report.num_invalid
-        status = "ok" if not report.errors else f"{len(report.errors)} error(s) in {report.num_invalid}"
+        status = ("ok" if not errors else f"{len(errors)} error(s) in {report.num_invalid}" if report.errors
+                  else f"{len(errors)} error(s) for {checkpoint}")
         out_console.print(f"{file}: {total} rollouts, {status}; valid ones hold {report.num_branches} "
                           f"branches, {report.num_tokens:,} tokens ({report.num_trainable_tokens:,} "
                           "trainable)", markup=False, highlight=False, soft_wrap=True)
-    if report.errors:
+    if errors:
         raise typer.Exit(2)
+
+
+def _context_errors(file: Path, info: CheckpointInfo) -> list[RolloutError]:
+    """A stream longer than the model's context, as an audit refuses it: the replay's own scan of the
+    file and check (replay.checks.check_context), for the checkpoint's model."""
+    from mismatch.replay import DEFAULT_BLOCK, FileBlocks, scan_file
+    from mismatch.replay.checks import check_context
+
+    if info.max_positions is None:  # config.json declares no context: nothing to check against
+        return []
+    scan = scan_file(FileBlocks(rollouts=file, info=info, shard=None, block_size=DEFAULT_BLOCK))
+    try:
+        check_context(scan, {"checkpoint": info}, info, {}, file=str(file))
+    except RolloutError as error:
+        return [error]
+    return []

@@ -170,6 +170,8 @@ def gate(
     """Fail (exit 1) when drift metrics exceed thresholds or worsen past a baseline."""
     from mismatch.advise import gate as gating
 
+    if junit:  # before any check: a gate that passed must not end in a traceback at the write
+        gating.check_junit_path(junit)
     limits = gating.load_thresholds(thresholds) if thresholds else gating.Thresholds()
     drift_pct = max_drift if max_drift is not None else (limits.max_drift_pct if baseline else None)
     result = gating.run_gate(

@@ -3,7 +3,10 @@
 Shards replay disjoint blocks of rollouts with identical batching, so their token tables' blocks in
 file order are the table one run would have made: they are streamed into the merged tokens.parquet
 a block at a time, and every metric is recomputed from it in chunks, as the command (audit or
-diff) did.
+diff) did. Nothing of a shard is taken on trust: its inputs and the options that change numbers
+must be the others', its files the ones its summary.json records (by digest), its rows only in its
+own blocks, in file order, and its log-probs within the engine contract. Prefix consistency is
+grouped over every shard's rows by the prefix keys each shard publishes, as one run groups them.
 """
 
 from __future__ import annotations
@@ -17,15 +20,27 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis.per_rollout import PerRollout
 from mismatch.analysis.clip import ClipRange
+from mismatch.analysis.per_rollout import PerRollout
+from mismatch.analysis.prefixes import PrefixConsistency, PrefixKeys
 from mismatch.analysis.routing import merged_routing
 from mismatch.errors import ResultsError
 from mismatch.pipeline import stages
 from mismatch.pipeline.audit import FoundBesideTheTable, analyze_audit, audit_pairs, audit_summary
 from mismatch.pipeline.diff import DIFF_PAIRS, analyze_diff
 from mismatch.pipeline.summary import Provenance
-from mismatch.results import TOKENS_FILE, TokenStore, check_out_dir, read_summary, results_lock, staged_tokens, tokens_chunks
+from mismatch.replay import bad_logprob_rows
+from mismatch.results import (
+    PREFIX_KEYS_FILE,
+    TOKENS_FILE,
+    TokenStore,
+    check_out_dir,
+    check_published_files,
+    read_summary,
+    results_lock,
+    staged_tokens,
+    tokens_chunks,
+)
 from mismatch.workers import analysis_workers
 
 
@@ -41,48 +56,82 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> dict[str, Any]:
     check_out_dir(out_dir, force=force)
     summaries = [read_summary(path) for path in paths]
     first = _check_compatible(paths, summaries)
+    shards = [_Shard(path, summary) for path, summary in zip(paths, summaries)]
+    _check_same_columns(shards)
     provenance = Provenance(
         command=first["command"], checkpoint=first["checkpoint"], rollouts_file=first["rollouts_file"],
         engines={source: _merged_engine([s["engines"][source] for s in summaries]) for source in first["engines"]},
         shard={"index": 0, "count": 1, "block_size": first["shard"]["block_size"],
                "merged_from": [str(path) for path in paths]},
         inputs=first["inputs"])
+    options = first["inputs"].get("options") or {}
     with staged_tokens(out_dir, force=force) as store:
-        order = _store_merged(paths, store, first["shard"]["block_size"])
+        keys = PrefixKeys(store.side_file(stages.PREFIX_KEYS_SIDE)) if all(s.has_keys for s in shards) else None
+        order = _store_merged(shards, store, keys)
         workers = analysis_workers(store.num_rows)
         if first["command"] != "audit":
             per_rollout = PerRollout(DIFF_PAIRS)
-            summary = analyze_diff(store.chunks, provenance, extra=[per_rollout], workers=workers)
+            summary = analyze_diff(store.chunks, provenance, seed=options.get("seed", 0), extra=[per_rollout],
+                                   workers=workers)
             stages.write_results_files(store, summary, per_rollout.result())
             return summary
         pairs = audit_pairs(store.columns)
         per_rollout, digestion = PerRollout(pairs), stages.report_digestion(store, pairs)
-        measured, findings = analyze_audit(store.chunks, _merged_evidence(provenance, summaries, order),
-                                           clip=_clip_range(first), extra=[per_rollout, digestion], workers=workers)
+        beside = _merged_evidence(provenance, summaries, order, _merged_prefixes(store, keys, first))
+        measured, findings = analyze_audit(store.chunks, beside, clip=_clip_range(first),
+                                           extra=[per_rollout, digestion], workers=workers)
         summary = audit_summary(provenance, measured, findings)
         stages.write_results_files(store, summary, per_rollout.result(), digestion)
     return summary
 
 
-def _store_merged(paths: list[Path], store: TokenStore, block_size: int) -> dict[str, int]:
-    """The shards' blocks into the merged token store in file order; returns each rollout's index
-    in the file (for the drift spans)."""
+def _store_merged(shards: list[_Shard], store: TokenStore, keys: PrefixKeys | None) -> dict[str, int]:
+    """The shards' blocks into the merged token store (and their rows' prefix keys beside it) in
+    file order; returns each rollout's index in the file (for the drift spans)."""
     order: dict[str, int] = {}
-    for block in _merged_blocks(paths, block_size):
+    # A block is in one shard: the merge never compares two tables.
+    for _, block, block_keys in heapq.merge(*(shard.blocks() for shard in shards), key=lambda item: item[0]):
         store.write(block)
+        if keys is not None:
+            keys.add(block_keys)
         firsts = block.drop_duplicates("rollout")
         order.update(zip(firsts["rollout"].astype(str), firsts["rollout_index"].tolist()))
-    store.close(empty=_empty_table(paths[0]))
+    store.close(empty=shards[0].empty_table())
+    if keys is not None:
+        keys.close()
     return order
 
 
-def _merged_evidence(provenance: Provenance, summaries: list[dict[str, Any]], order: dict[str, int]) -> FoundBesideTheTable:
-    """What the shards found beside their tables, as one run's: drift and routing merged; a prefix
-    two shards share is in neither shard's table twice, so it is not comparable after the fact."""
-    prefixes = ({"not_merged": "shared prefixes are compared within one run; audit without --shard"}
-                if any("prefix_consistency" in s for s in summaries) else None)
+def _check_same_columns(shards: list[_Shard]) -> None:
+    """One token table's columns in every shard (a like-for-like column one shard's data called for
+    and another's did not cannot be one run's)."""
+    first = shards[0].empty_table().columns.tolist()
+    for shard in shards[1:]:
+        columns = shard.empty_table().columns.tolist()
+        if columns != first:
+            raise ResultsError(f"{shard.file}: its columns ({', '.join(map(str, columns))}) are not "
+                               f"{shards[0].file}'s ({', '.join(map(str, first))}); shards must be one run's")
+
+
+def _merged_prefixes(store: TokenStore, keys: PrefixKeys | None, first: dict[str, Any]) -> Any:
+    """Prefix consistency's query over every shard's rows (grouped beside the analysis's first pass,
+    as an audit's is); a note where a shard published no prefix keys (a diff has none to merge)."""
+    if "prefix_consistency" not in first:
+        return None
+    if keys is None or store.file is None:
+        return {"not_merged": "a shard published no prefix keys (prefix_keys.parquet); rerun it"}
+    sources = ["sampler", *first["inputs"]["engines"]]
+    if keys.file is None or not keys.file.is_file():  # no row at all: nothing is shared
+        return PrefixConsistency(store.table, np.empty(0, np.uint64), sources)
+    return PrefixConsistency(store.file, keys.file, sources)
+
+
+def _merged_evidence(provenance: Provenance, summaries: list[dict[str, Any]], order: dict[str, int],
+                     prefixes: Any) -> FoundBesideTheTable:
+    """What the shards found beside their tables, as one run's: drift and routing merged, prefix
+    consistency as grouped over all of them."""
     return FoundBesideTheTable(engines=provenance.engines, drift=_merged_drift(summaries, order),
-                    routing=merged_routing(summaries), prefixes=prefixes)
+                               routing=merged_routing(summaries), prefixes=prefixes)
 
 
 def _clip_range(summary: dict[str, Any]) -> ClipRange:
@@ -91,27 +140,116 @@ def _clip_range(summary: dict[str, Any]) -> ClipRange:
     return ClipRange(low=clip.get("eps_low", 0.2), high=clip.get("eps_high", 0.2))
 
 
-def _merged_blocks(paths: list[Path], block_size: int) -> Iterator[pd.DataFrame]:
-    """Every shard's blocks in file order (shard i holds blocks i, i + N, ...), read a chunk at a
-    time from each: the rows one run would have written, in its order."""
-    def blocks(path: Path) -> Iterator[tuple[int, pd.DataFrame]]:
-        for chunk in tokens_chunks([path / TOKENS_FILE])():
+class _Shard:
+    """One shard's results dir, its files checked against its summary.json first; its rows read
+    back block by block and checked as they come: only its own blocks (block % count == index),
+    in file order, every log-prob within the engine contract (a stored column may lack values)."""
+
+    def __init__(self, path: Path, summary: dict[str, Any]) -> None:
+        self.path, self.file = path, path / TOKENS_FILE
+        shard = summary["shard"]
+        self.index, self.count, self.block_size = shard["index"], shard["count"], shard["block_size"]
+        check_published_files(path, shard.get("files"))
+        recorded, counted = shard["files"][TOKENS_FILE].get("rows"), summary["counts"]["tokens"]
+        if recorded != counted:
+            raise ResultsError(f"{self.file}: {recorded} rows recorded, but {path}/summary.json counts "
+                               f"{counted} tokens; rerun the shard")
+        self.stored = {f"logp_{source}" for source, engine in summary["engines"].items()
+                       if engine.get("kind") == "stored"}
+        self.keys_file = path / PREFIX_KEYS_FILE if PREFIX_KEYS_FILE in shard["files"] else None
+        if self.keys_file is not None and shard["files"][PREFIX_KEYS_FILE].get("rows") != counted:
+            raise ResultsError(f"{self.keys_file}: not one prefix key per token row of {self.file}; rerun the shard")
+        self.has_keys = self.keys_file is not None or not counted
+
+    def empty_table(self) -> pd.DataFrame:
+        """The shard's token table without its rows (the columns of an empty merge)."""
+        import pyarrow.parquet as pq
+
+        return self._reading(lambda: pq.read_schema(self.file).empty_table().to_pandas())
+
+    def _reading(self, read: Any) -> Any:
+        """`read()`, a Parquet file that cannot be read being one line naming the shard's file."""
+        import pyarrow as pa
+
+        try:
+            return read()
+        except (pa.ArrowException, OSError) as error:
+            raise ResultsError(f"{self.file}: not a readable token table ({' '.join(str(error).split())[:200]}); "
+                               "rerun the shard") from None
+
+    def blocks(self) -> Iterator[tuple[int, pd.DataFrame, np.ndarray | None]]:
+        """(block, its rows, their prefix keys) in file order, a chunk of the file at a time."""
+        source = tokens_chunks([self.file])
+        keys = _KeyRows(self.keys_file) if self.keys_file is not None else None
+        last = -1
+        for number in range(self._reading(source.count)):
+            chunk = self._reading(lambda: source.read(number))
             if not len(chunk):  # an empty shard's file
                 continue
-            block = chunk["rollout_index"].to_numpy() // block_size
+            block = self._owned_blocks(chunk, last)
+            self._check_logprobs(chunk)
+            chunk_keys = self._reading(lambda: keys.take(len(chunk))) if keys is not None else None
+            last = int(block[-1])
             edges = np.flatnonzero(np.r_[True, block[1:] != block[:-1], True])
             for lo, hi in itertools.pairwise(edges.tolist()):
-                yield int(block[lo]), chunk.iloc[lo:hi].reset_index(drop=True)
-    # A block is in one shard: the merge never compares two tables.
-    for _, block in heapq.merge(*(blocks(path) for path in paths), key=lambda item: item[0]):
-        yield block
+                yield (int(block[lo]), chunk.iloc[lo:hi].reset_index(drop=True),
+                       chunk_keys[lo:hi] if chunk_keys is not None else None)
+
+    def _owned_blocks(self, chunk: pd.DataFrame, last: int) -> np.ndarray:
+        """Each row's block, refused unless every one is this shard's and they only go forward (a
+        copied or reordered file, even with a summary made to match it)."""
+        if "rollout_index" not in chunk.columns:
+            raise ResultsError(f"{self.file}: no rollout_index column: not a token table; rerun the shard")
+        block = chunk["rollout_index"].to_numpy() // self.block_size
+        foreign = np.flatnonzero(block % self.count != self.index)
+        if len(foreign):
+            other = int(block[foreign[0]])
+            raise ResultsError(f"{self.file}: holds rows of block {other}, which is shard {other % self.count}'s "
+                               f"of {self.count} (shard {self.index} holds blocks "
+                               f"{', '.join(str(self.index + k * self.count) for k in range(3))}, ...); rerun the shard")
+        if block[0] < last or np.any(np.diff(block) < 0):
+            raise ResultsError(f"{self.file}: its blocks are not in file order; rerun the shard")
+        return block
+
+    def _check_logprobs(self, chunk: pd.DataFrame) -> None:
+        """The engine-output boundary again (replay.checks): a shard's file may have been written
+        by something else than its run."""
+        pos = chunk["pos"].to_numpy()
+        for name in (str(c) for c in chunk.columns if str(c).startswith("logp_")):
+            values = chunk[name].to_numpy(np.float64)
+            # A stored column lacks values where the rollouts stored none: only its signs are the contract's.
+            bad = bad_logprob_rows(values, np.zeros_like(pos) if name in self.stored else pos)
+            if len(bad):
+                row = chunk.iloc[int(bad[0])]
+                raise ResultsError(f"{self.file}: {name}: log-prob {float(values[bad[0]])!r} for token "
+                                   f"{int(row['token_id'])} at rollout {str(row['rollout'])!r} branch "
+                                   f"{str(row['branch'])!r} position {int(row['pos'])} ({len(bad)} such "
+                                   f"value{'s' if len(bad) > 1 else ''}; a log-prob is <= 0); rerun the shard")
 
 
-def _empty_table(path: Path) -> pd.DataFrame:
-    """A shard's token table without its rows (the columns of an empty merge)."""
-    import pyarrow.parquet as pq
+class _KeyRows:
+    """A shard's prefix keys (prefix_keys.parquet, row for row with its tokens.parquet), taken in
+    order a chunk's worth at a time: never the file whole."""
 
-    return pq.read_schema(path / TOKENS_FILE).empty_table().to_pandas()
+    def __init__(self, file: Path) -> None:
+        import pyarrow.parquet as pq
+
+        self.file = file
+        self._batches = pq.ParquetFile(file).iter_batches(columns=["key"])
+        self._pending = np.empty(0, np.uint64)
+
+    def take(self, rows: int) -> np.ndarray:
+        parts, have = [self._pending], len(self._pending)
+        while have < rows:
+            batch = next(self._batches, None)
+            if batch is None:
+                raise ResultsError(f"{self.file}: fewer prefix keys than token rows; rerun the shard")
+            values = batch.column(0).to_numpy(zero_copy_only=False).astype(np.uint64, copy=False)
+            parts.append(values)
+            have += len(values)
+        values = np.concatenate(parts)
+        self._pending = values[rows:]
+        return values[:rows]
 
 
 def _merged_engine(described: list[dict[str, Any]]) -> dict[str, Any]:
@@ -144,6 +282,11 @@ def _merged_drift(summaries: list[dict[str, Any]], order: dict[str, int]) -> dic
     return merged
 
 
+# The options that change numbers (stages.NUMBER_OPTIONS, summary.json inputs.options), as a user
+# names them.
+_OPTION_NAMES = {"clip_eps_low": "clip eps_low (--clip-eps)", "clip_eps_high": "clip eps_high (--clip-eps)",
+                 "seed": "bootstrap seed", "probe": "--probe"}
+
 _DIFFERS = {"command": "its command differs", "rollouts": "its rollouts file's content differs",
             "checkpoint": "its checkpoint files differ", "engines": "its engine options differ",
             "block_size": "its block size differs", "mismatch_version": "its mismatch version differs"}
@@ -163,8 +306,18 @@ def _check_compatible(paths: list[Path], summaries: list[dict[str, Any]]) -> dic
             if summary["inputs"].get(key) != first["inputs"].get(key):
                 raise ResultsError(f"{path}: {_DIFFERS[key]} from {paths[0]}'s; shards must come "
                                    "from one run's inputs")
+        _check_same_options(path, summary["inputs"].get("options") or {}, paths[0], first["inputs"].get("options") or {})
     count = first["shard"]["count"]
     indices = sorted(s["shard"]["index"] for s in summaries)
     if any(s["shard"]["count"] != count for s in summaries) or indices != list(range(count)):
         raise ResultsError(f"shards {indices} of {count}: need each of 0..{count - 1} exactly once")
     return first
+
+
+def _check_same_options(path: Path, options: dict[str, Any], first_path: Path, first: dict[str, Any]) -> None:
+    """The options that change a number, the same in every shard: a merge recomputes the numbers
+    once, under one set of them."""
+    for name in sorted(set(options) | set(first)):
+        if options.get(name) != first.get(name):
+            raise ResultsError(f"{path}: its {_OPTION_NAMES.get(name, name)} differs ({options.get(name)}, not "
+                               f"{first.get(name)} as in {first_path}); shards must be run with the same options")

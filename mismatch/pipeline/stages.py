@@ -16,13 +16,23 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from mismatch import __version__
+from mismatch.analysis.clip import ClipRange
 from mismatch.analysis.prefixes import PrefixConsistency, PrefixKeys, prefix_keys
 from mismatch.checkpoint import load_tokenizer
 from mismatch.engines import check_spec
 from mismatch.identity import run_inputs
 from mismatch.pipeline.options import RunOptions
 from mismatch.replay import Block, Replayed, ReplayOptions, replay_sources
-from mismatch.results import ROLLOUTS_FILE, TokenStore, WorkDir, check_out_dir, read_tokens, write_summary
+from mismatch.results import (
+    PREFIX_KEYS_FILE,
+    ROLLOUTS_FILE,
+    TokenStore,
+    WorkDir,
+    check_out_dir,
+    published_files,
+    read_tokens,
+    write_summary,
+)
 from mismatch.rollouts.drift import find_drift, recorded
 
 if TYPE_CHECKING:
@@ -64,11 +74,30 @@ def prepare(checkpoint: str | Path, rollouts: str | Path, options: RunOptions, *
     # A missing checkpoint or rollouts file gets its own one-line error from the replay.
     if Path(checkpoint).is_dir() and Path(rollouts).is_file():
         inputs = run_inputs(command=command, checkpoint=checkpoint, rollouts=rollouts, engines=specs,
-                            block_size=options.block_size, version=__version__)
+                            block_size=options.block_size, version=__version__, options=number_options(options))
     work = None
     if options.out is not None and inputs is not None:
-        work = WorkDir.open(options.out, {**inputs, "shard": shard_info(options)}, force=options.force)
+        # Not the options: a resume with another clip range analyses the same replayed blocks anew.
+        replayed_from = {key: value for key, value in inputs.items() if key != "options"}
+        work = WorkDir.open(options.out, {**replayed_from, "shard": shard_info(options)}, force=options.force)
     return Prepared(inputs=inputs, work=work)
+
+
+# The options of a command that change its numbers (or its advice) but not what it replays:
+# summary.json `inputs.options`, which the shards of one merge must share.
+NUMBER_OPTIONS = ("clip", "seed", "probe")
+
+
+def number_options(options: RunOptions) -> dict[str, Any]:
+    """`options`' NUMBER_OPTIONS that it has, as JSON (a clip range as its two bounds)."""
+    found: dict[str, Any] = {}
+    for name in NUMBER_OPTIONS:
+        value = getattr(options, name, None)
+        if isinstance(value, ClipRange):
+            found.update(clip_eps_low=value.low, clip_eps_high=value.high)
+        elif value is not None:
+            found[name] = value
+    return found
 
 
 def replay(checkpoint: str | Path, rollouts: str | Path, options: RunOptions, prepared: Prepared, *,
@@ -89,6 +118,9 @@ def shard_info(options: RunOptions) -> dict[str, Any]:
     shard = options.shard
     return {"index": shard.index if shard else 0, "count": shard.count if shard else 1,
             "block_size": options.block_size}
+
+
+PREFIX_KEYS_SIDE = "prefix_keys"  # the side file of each row's prefix key (TokenStore.side_file)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -114,7 +146,7 @@ def store_with_findings(replayed: Replayed, store: TokenStore, checkpoint: str |
     stored-only replay's file (Replayed.map_blocks)."""
     drifts: list[dict[str, Any]] = []
     tokenized = False
-    keys = PrefixKeys(store.side_file("prefix_keys"))
+    keys = PrefixKeys(store.side_file(PREFIX_KEYS_SIDE))
     for table, block_keys, drift, needed_tokenizer in replayed.map_blocks(partial(_stored_parts, str(checkpoint)),
                                                                           workers):
         store.write(table)
@@ -179,13 +211,20 @@ def report_digestion(store: TokenStore, pairs: Sequence[tuple[str, str]]) -> Dig
 def write_results_files(store: TokenStore, summary: dict[str, Any], per_rollout: pd.DataFrame,
                         digested: Digestion | None = None) -> None:
     """summary.json, rollouts.parquet and the report, beside the stored tokens.parquet in the
-    staged dir: they appear in the one rename that publishes it, when `staged_tokens` exits.
+    staged dir: they appear in the one rename that publishes it, when `staged_tokens` exits. The
+    summary records each published table's rows and digest (`shard.files`, what a merge checks);
+    a shard also publishes its rows' prefix keys, which its merge groups across shards.
     `digested`: report_digestion run in the command's passes."""
     from mismatch.reports.build import build_report
 
     stage = store.directory
     assert stage is not None
     per_rollout.to_parquet(stage / ROLLOUTS_FILE, index=False)
-    write_summary(stage, summary)
+    shard = summary.get("shard")
+    if shard is not None and shard["count"] > 1:  # what the merge of the shards reads
+        store.keep_side_file(PREFIX_KEYS_SIDE, PREFIX_KEYS_FILE)
     store.remove_side_files()
+    if shard is not None:  # in the summary returned too: it is the one written
+        shard["files"] = published_files(stage)
+    write_summary(stage, summary)
     build_report(stage, digested=digested)

@@ -32,7 +32,15 @@ from mismatch.results.names import (
     TOKENS_FILE,
     is_results_dir,
 )
-from mismatch.results.staging import atomic_write_text, check_out_dir, staged_dir
+from mismatch.results.staging import (
+    PREFIX_KEYS_FILE,
+    PUBLISHED_TABLES,
+    atomic_write_text,
+    check_out_dir,
+    check_published_files,
+    published_files,
+    staged_dir,
+)
 from mismatch.results.tokens import (
     TOKENS_ROW_GROUP,
     TokenStore,
@@ -48,10 +56,11 @@ from mismatch.results.tokens import (
 from mismatch.results.workdir import WorkDir
 
 __all__ = [
-    "DEFAULT_CHUNK_ROWS", "DEPENDENCY_LOG", "REPORT_FILE", "ROLLOUTS_FILE", "SCHEMA_FILE", "STAGE_IN_PLACE",
-    "SUMMARY_FILE", "SUMMARY_SCHEMA", "TOKENS_FILE", "TOKENS_ROW_GROUP", "ChunkSource", "TokenStore",
-    "TokensWriter", "WorkDir", "atomic_write_text", "check_out_dir", "chunk_bounds", "concat_tables",
-    "glob_escape", "is_results_dir", "json_safe", "load_json", "parquet_layout", "read_summary", "read_tokens",
-    "results_lock", "staged_dir", "staged_tokens", "summary_schema", "table_chunks", "tokens_chunks",
-    "validate_summary", "write_results", "write_summary", "write_tokens",
+    "ChunkSource", "DEFAULT_CHUNK_ROWS", "DEPENDENCY_LOG", "PREFIX_KEYS_FILE", "PUBLISHED_TABLES",
+    "REPORT_FILE", "ROLLOUTS_FILE", "SCHEMA_FILE", "STAGE_IN_PLACE", "SUMMARY_FILE", "SUMMARY_SCHEMA",
+    "TOKENS_FILE", "TOKENS_ROW_GROUP", "TokenStore", "TokensWriter", "WorkDir", "atomic_write_text",
+    "check_out_dir", "check_published_files", "chunk_bounds", "concat_tables", "glob_escape",
+    "is_results_dir", "json_safe", "load_json", "parquet_layout", "published_files", "read_summary",
+    "read_tokens", "results_lock", "staged_dir", "staged_tokens", "summary_schema", "table_chunks",
+    "tokens_chunks", "validate_summary", "write_results", "write_summary", "write_tokens",
 ]

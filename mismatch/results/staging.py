@@ -1,23 +1,32 @@
 """A results dir built in a hidden sibling temp dir and published by rename at the end, so a
 crash or a bad input never leaves a half-written results dir; an existing one is replaced only
-on request (`--force`), and only when it is a results dir.
+on request (`--force`), and only when it is a results dir. What it publishes is recorded
+(`published_files`: each file's rows and SHA-256, in summary.json) so a merge can check a shard's
+files are the ones its run wrote (`check_published_files`).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from mismatch.errors import ResultsError
-from mismatch.results.names import STAGE_IN_PLACE, SUMMARY_FILE, is_results_dir
+from mismatch.errors import EnvironmentFault, ResultsError
+from mismatch.results.names import ROLLOUTS_FILE, STAGE_IN_PLACE, SUMMARY_FILE, TOKENS_FILE, is_results_dir
+
+# The machine, not the input: a full disk, a quota, a read-only file system.
+_ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 def check_out_dir(out: Path, *, force: bool) -> None:
     """Refuse early (before any replay) to overwrite what the user has."""
+    _refuse_symlink(out)
     if out.exists() and not out.is_dir():
         raise ResultsError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -27,30 +36,71 @@ def check_out_dir(out: Path, *, force: bool) -> None:
                            "refusing to replace it even with --force")
 
 
+def _refuse_symlink(out: Path) -> None:
+    """A symlink as OUT is refused, dangling or not. Publishing renames a dir into place: over a
+    link that replaces the link (the results never reach its target), and following it would put
+    the results where the run's lock and work dir (beside the name given) do not guard them."""
+    if not out.is_symlink():
+        return
+    target = Path(os.readlink(out))
+    resolved = (out.parent / target).resolve()
+    if not resolved.exists():
+        raise ResultsError(f"{out}: is a symlink to {target}, which does not exist; give --out the "
+                           "directory's own path (results are published by renaming a directory into place)")
+    raise ResultsError(f"{out}: is a symlink to {target}; give --out {resolved} itself (results are "
+                       "published by renaming a directory into place, which would replace the link)")
+
+
+def _environment_fault(error: OSError, doing: str, out: Path) -> EnvironmentFault:
+    where = f" ({error.filename})" if error.filename else ""
+    return EnvironmentFault(f"{out}: {doing} failed: {error.strerror or error}{where}; the staged results "
+                            "were removed; free space and rerun: the work dir resumes")
+
+
 @contextmanager
 def staged_dir(out: Path, *, force: bool) -> Iterator[Path]:
     """Yield a temp dir to fill; on success it replaces `out` in one rename (file by file when
-    `out` is a mount point), on error it vanishes."""
+    `out` is a mount point), on error it vanishes. A full disk, a quota or a read-only file
+    system (while it is filled or renamed) is an EnvironmentFault: the machine's, not the input's."""
     check_out_dir(out, force=force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    in_place = out.is_dir() and os.path.ismount(out)
-    stage = Path(tempfile.mkdtemp(prefix=STAGE_IN_PLACE if in_place else f".{out.name}.tmp-",
-                                  dir=out if in_place else out.parent))
-    os.chmod(stage, 0o777 & ~_umask())  # mkdtemp makes 0700; the user expects a normal dir
+    doing = "creating the staged results dir"
+    stage: Path | None = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        in_place = out.is_dir() and os.path.ismount(out)
+        stage = Path(tempfile.mkdtemp(prefix=STAGE_IN_PLACE if in_place else f".{out.name}.tmp-",
+                                      dir=out if in_place else out.parent))
+        os.chmod(stage, 0o777 & ~_umask())  # mkdtemp makes 0700; the user expects a normal dir
+        doing = "writing the staged results"
         yield stage
-        if in_place:
-            _replace_contents(out, stage)
-        elif out.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, trash / "old")
-            os.replace(stage, out)
-            shutil.rmtree(trash)
-        else:
-            os.replace(stage, out)
+        doing = "renaming the staged results into place"
+        _publish(stage, out, in_place=in_place)
+    except OSError as error:
+        if error.errno in _ENVIRONMENT_ERRNOS:
+            raise _environment_fault(error, doing, out) from None
+        raise
     finally:
-        if stage.exists():
-            shutil.rmtree(stage)
+        if stage is not None and stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def _publish(stage: Path, out: Path, *, in_place: bool) -> None:
+    """The staged dir as `out`: moved in file by file on a mount point, else one rename (an
+    existing `out` moved aside first, and put back if the rename fails)."""
+    if in_place:
+        _replace_contents(out, stage)
+    elif out.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, trash / "old")
+        try:
+            os.replace(stage, out)
+        except OSError:
+            os.replace(trash / "old", out)  # the previous results stay where they were
+            trash.rmdir()
+            raise
+        shutil.rmtree(trash)
+    else:
+        os.replace(stage, out)
 
 
 def _replace_contents(out: Path, stage: Path) -> None:
@@ -63,6 +113,48 @@ def _replace_contents(out: Path, stage: Path) -> None:
     for name in sorted(names, key=lambda name: name == SUMMARY_FILE):
         os.replace(stage / name, out / name)
     stage.rmdir()
+
+
+# Each row's prefix key (analysis/prefixes), row for row with tokens.parquet: published by a shard
+# (count > 1) so that merge groups every shard's rows by prefix, as one run does.
+PREFIX_KEYS_FILE = "prefix_keys.parquet"
+# The files summary.json vouches for (what a merge reads of a shard); the report is rebuilt from them.
+PUBLISHED_TABLES = (TOKENS_FILE, ROLLOUTS_FILE, PREFIX_KEYS_FILE)
+
+
+def published_files(directory: Path) -> dict[str, dict[str, Any]]:
+    """summary.json `shard.files`: each published table's row count and SHA-256, hashed in the
+    staged dir once it is written (before the rename publishes it)."""
+    import pyarrow.parquet as pq
+
+    found = {}
+    for name in PUBLISHED_TABLES:
+        file = directory / name
+        if file.is_file():
+            found[name] = {"rows": pq.ParquetFile(file).metadata.num_rows, "sha256": _sha256(file)}
+    return found
+
+
+def check_published_files(directory: Path, recorded: Any) -> None:
+    """Each file `recorded` (summary.json `shard.files`) is in `directory` with that digest: a
+    shard's files are the ones its run wrote (not another shard's, not cut short)."""
+    if not isinstance(recorded, dict) or TOKENS_FILE not in recorded:
+        raise ResultsError(f"{directory}/{SUMMARY_FILE}: records no digest of its files (written by an "
+                           "older mismatch, or not by mismatch); rerun the shard to merge it")
+    for name, entry in recorded.items():
+        file = directory / name
+        if name not in PUBLISHED_TABLES or not isinstance(entry, dict):
+            raise ResultsError(f"{directory}/{SUMMARY_FILE}: files.{name}: not a file a results dir publishes")
+        if not file.is_file():
+            raise ResultsError(f"{file}: missing ({directory}/{SUMMARY_FILE} records it)")
+        if _sha256(file) != entry.get("sha256"):
+            raise ResultsError(f"{file}: its content is not what {directory}/{SUMMARY_FILE} recorded (another "
+                               "run's file, or changed since); rerun the shard")
+
+
+def _sha256(file: Path) -> str:
+    with open(file, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def atomic_write_text(path: Path, text: str) -> None:

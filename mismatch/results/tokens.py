@@ -101,6 +101,15 @@ class TokenStore:
         self._side.append(path)
         return path
 
+    def keep_side_file(self, name: str, published: str) -> None:
+        """Side file `name` published with the results as `published` (a shard's prefix keys, which
+        its merge reads), when it was written."""
+        assert self.directory is not None
+        path = self.directory / f".{name}.parquet"
+        if path in self._side and path.is_file():
+            os.replace(path, self.directory / published)
+            self._side.remove(path)
+
     def remove_side_files(self) -> None:
         for path in self._side:
             path.unlink(missing_ok=True)

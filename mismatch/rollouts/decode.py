@@ -19,10 +19,11 @@ import msgspec
 import numpy as np
 
 from mismatch.errors import RolloutError
-from mismatch.rollouts.model import Branch, Rollout, Segment
+from mismatch.rollouts.model import BRANCH_FIELDS, ROLLOUT_FIELDS, SEGMENT_FIELDS, Branch, Rollout, Segment
 from mismatch.rollouts.problems import Problems, key_path, short_id
 from mismatch.rollouts.rules import (
     check_extra_logprobs,
+    check_fields,
     check_id,
     check_items,
     check_kind,
@@ -46,6 +47,7 @@ from mismatch.rollouts.rules import (
     check_tree,
     required,
     trained_on,
+    unknown_fields,
 )
 
 # Levels of arrays/objects a JSON text may have before it is parsed at all. json's C decoder
@@ -235,10 +237,11 @@ class _SegmentFields:
 
 def fast_segments(raw_segments: list, vocab_size: int | None) -> list[Segment] | None:
     """A branch's segments when every one of them is plainly valid, or None: then the untyped
-    decoder checks each segment and words what is wrong. Routed experts always take that path."""
+    decoder checks each segment and words what is wrong. Routed experts always take that path, and
+    so does a field the format does not name."""
     parts = []
     for raw in raw_segments:
-        if not isinstance(raw, dict) or raw.get("routed_experts") is not None:
+        if not isinstance(raw, dict) or raw.get("routed_experts") is not None or unknown_fields(raw, SEGMENT_FIELDS):
             return None
         parts.append(_SegmentFields(raw.get("role"), raw.get("tokens"), raw.get("logprobs"), raw.get("trainable"),
                                     raw.get("extra_logprobs")))
@@ -338,6 +341,7 @@ def check_rollout(raw: object, *, file: str, line: int, vocab_size: int | None,
 
     meta = check_meta(raw.get("meta"), problems)
     messages = check_messages(raw.get("messages"), problems)
+    check_fields(raw, ROLLOUT_FIELDS, None, problems)
 
     raw_branches = required(raw, "branches", "branches", problems)
     branches: list[Branch | None] = []
@@ -372,6 +376,7 @@ def _check_branch(raw: object, where: str, vocab_size: int | None, problems: Pro
         if segments is None:  # something to word: each segment checked on its own
             segments = [_check_segment(s, f"{where}.segments[{i}]", vocab_size, problems, num_experts)
                         for i, s in enumerate(raw_segments)]
+    check_fields(raw, BRANCH_FIELDS, where, problems)
 
     if len(problems.errors) > num_errors:
         return None
@@ -402,6 +407,7 @@ def _check_segment(raw: object, where: str, vocab_size: int | None, problems: Pr
     raw_routed = raw.get("routed_experts")
     routed = None if raw_routed is None else check_routed_experts(raw_routed, f"{where}.routed_experts",
                                                                  num_tokens, num_experts, problems)
+    check_fields(raw, SEGMENT_FIELDS, where, problems)
 
     if len(problems.errors) > num_errors:
         return None

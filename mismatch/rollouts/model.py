@@ -6,6 +6,7 @@ a branch's context, its whole sequence, its stored MoE routing, its segments' tu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -14,6 +15,16 @@ import numpy as np
 ROLES = ("system", "user", "assistant", "tool", "summary")
 MODEL_ROLES = frozenset({"assistant", "summary"})
 BRANCH_KINDS = ("main", "subagent", "summary", "subagent_summary")
+# The fields format v1 names at each level (README "Rollout format"); `meta` and `messages` are free-form.
+ROLLOUT_FIELDS = ("id", "branches", "meta", "messages")
+BRANCH_FIELDS = ("id", "kind", "parent", "fork_at", "segments")
+SEGMENT_FIELDS = ("role", "tokens", "logprobs", "trainable", "extra_logprobs", "routed_experts")
+# pandas writes a DataFrame's index beside its columns (DataFrame.to_parquet): a row's key, not a field.
+_PANDAS_INDEX = re.compile(r"__index_level_\d+__")
+
+
+def is_index_column(key: object) -> bool:
+    return isinstance(key, str) and _PANDAS_INDEX.fullmatch(key) is not None
 
 
 # eq=False everywhere: the generated __eq__ would compare numpy arrays, whose truth value is ambiguous.
@@ -139,6 +150,46 @@ def full_routed_experts(rollout: Rollout, branch_id: str, shape: tuple[int, int]
         branch = parent
     parts = [part for piece in pieces[::-1] for part in piece]
     return np.concatenate(parts) if parts else np.zeros((0, *shape), dtype=np.int16)
+
+
+def replayed_tokens(branches: Sequence[Branch]) -> int:
+    """Tokens a replay of the whole tree feeds: each branch's context (context_tokens' length: its
+    parent's context plus fork_at) and its own tokens, for a sound tree (rules.check_tree).
+    Iterative with memo: O(branches) for any shape."""
+    by_id = {branch.id: branch for branch in branches}
+    context: dict[str, int] = {}
+    for start in branches:
+        path, node = [], start
+        while node.parent is not None and node.id not in context:
+            path.append(node)
+            node = by_id[node.parent]
+        base = context.get(node.id, 0)  # a branch walked before, or the root, whose context is empty
+        for branch in reversed(path):
+            base += branch.fork_at
+            context[branch.id] = base
+    return sum(context.values()) + sum(branch.num_tokens for branch in branches)
+
+
+def deepest_branch(parent_of: dict[str, str], in_cycle: set[str]) -> tuple[str, int] | None:
+    """(id, depth) of the branch with the most parent links above it (first such in `parent_of` order).
+
+    Iterative with memo: O(branches) even for a 10k-level chain. Branches that hang off a cycle
+    have no depth (the cycle is reported).
+    """
+    depth: dict[str, int] = {}  # -1: no way up to a root
+    deepest: tuple[str, int] | None = None
+    for start in parent_of:
+        path: list[str] = []
+        node = start
+        while node in parent_of and node not in depth and node not in in_cycle:
+            path.append(node)
+            node = parent_of[node]
+        base = -1 if node in in_cycle else depth.get(node, 0)
+        for k, branch_id in enumerate(reversed(path), start=1):
+            depth[branch_id] = -1 if base < 0 else base + k
+        if depth.get(start, -1) > (deepest[1] if deepest else 0):
+            deepest = (start, depth[start])
+    return deepest
 
 
 def routing_shape(rollout: Rollout) -> tuple[int, int] | None:

@@ -6,6 +6,7 @@ values and names a reason quotes, cut short. The rules that use them are `rules`
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass, field
 
@@ -60,6 +61,12 @@ def short_id(text: str | None) -> str | None:
     if text is None or len(text) <= MAX_NAME_CHARS:
         return text
     return text[:MAX_NAME_CHARS] + "..."
+
+
+def did_you_mean(key: str, known: tuple[str, ...]) -> str:
+    """The known name `key` is likely a typo of, else the known names."""
+    close = difflib.get_close_matches(key, known, n=1)
+    return f"did you mean {close[0]!r}?" if close else f"valid: {', '.join(known)}"
 
 
 def key_path(key: object) -> str:

@@ -10,18 +10,34 @@ from __future__ import annotations
 
 import numpy as np
 
-from mismatch.rollouts.model import BRANCH_KINDS, MODEL_ROLES, ROLES, Branch
-from mismatch.rollouts.problems import (INT_TYPES, NUMBER_TYPES, Problems, first_bad_type, first_of, json_type,
-                                        layers_by_k, name, nesting, short_id, show)
+from mismatch.rollouts.model import (BRANCH_KINDS, MODEL_ROLES, ROLES, Branch, deepest_branch, is_index_column,
+                                     replayed_tokens)
+from mismatch.rollouts.problems import (INT_TYPES, NUMBER_TYPES, Problems, did_you_mean, first_bad_type, first_of,
+                                        json_type, layers_by_k, name, nesting, short_id, show)
 
 # Limits that turn hostile input into an error instead of a hang, a huge message or a RecursionError.
 MAX_TREE_DEPTH = 1000  # parent links from the root; each level replays its whole context again
+# Tokens one rollout's replay feeds (model.replayed_tokens); depth alone leaves width unbounded.
+MAX_REPLAY_TOKENS = 2**25  # 32 Mi: still 256 subagents forked from a full 128k-token context
 MAX_NESTING = 64  # levels of arrays/objects in free-form `meta` and `messages` (written to summary.json)
 MAX_EXPERT_ID = np.iinfo(np.int16).max  # routed_experts are held as int16; no model has more experts
 
 
 # ---------------------------------------------------------------------------------------------
 # Shapes and free-form fields
+
+
+def unknown_fields(raw: dict, known: tuple[str, ...]) -> list[str]:
+    """The keys of `raw` format v1 does not name at its level. A null one is absent, as every
+    optional field's null is (Parquet gives each row every field another row has, null where none)."""
+    return [key for key, value in raw.items() if key not in known and value is not None and not is_index_column(key)]
+
+
+def check_fields(raw: dict, known: tuple[str, ...], where: str | None, problems: Problems) -> None:
+    """A field the format does not name is a typo until shown otherwise: "logprob" would leave the
+    sampler's log-probs out without a word."""
+    for key in unknown_fields(raw, known):
+        problems.add(where, f"unknown field {name(str(key))} ({did_you_mean(str(key), known)})")
 
 
 def check_rollout_object(raw: object, problems: Problems) -> bool:
@@ -359,18 +375,23 @@ def check_routing_shapes(branches: list[Branch | None], problems: Problems) -> N
 def check_tree(raw_branches: list, branches: list[Branch | None], problems: Problems) -> None:
     """Unique ids, one root, parents that exist, no cycles, fork_at in range, at most
     MAX_TREE_DEPTH levels. `raw_branches` are dicts of the branches' `id`, `parent`, `fork_at`
-    as written; `branches` the decoded ones (None where a branch has errors)."""
+    as written; `branches` the decoded ones (None where a branch has errors). A sound tree feeds
+    at most MAX_REPLAY_TOKENS."""
+    num_errors = len(problems.errors)
     index_of, links = _first_ids(raw_branches, problems)
     _check_one_root(index_of, links, problems)
     parent_of = _known_parents(index_of, links, problems)
     in_cycle = _check_cycles(parent_of, index_of, problems)
     _check_fork_range(parent_of, links, in_cycle, index_of, branches, problems)
-    deepest = _deepest_branch(parent_of, in_cycle)
+    deepest = deepest_branch(parent_of, in_cycle)
     if deepest is not None and deepest[1] > MAX_TREE_DEPTH:
         branch_id, depth = deepest
         problems.add(f"branches[{index_of[branch_id]}].parent",
                      f"branch {name(branch_id)} is {depth} levels below the root; at most "
                      f"{MAX_TREE_DEPTH} are allowed (each level replays its whole context again)")
+    if len(problems.errors) == num_errors and all(branches) and (total := replayed_tokens(branches)) > MAX_REPLAY_TOKENS:
+        problems.add("branches", f"{total:,} tokens to replay (each branch's context plus its own tokens, over its "
+                                 f"{len(branches)} branches); at most {MAX_REPLAY_TOKENS:,} per rollout")
 
 
 def _first_ids(raw_branches: list, problems: Problems) -> tuple[dict[str, int], dict[str, tuple[object, object]]]:
@@ -462,25 +483,3 @@ def _check_fork_range(parent_of: dict[str, str], links: dict[str, tuple[object, 
         elif not 0 <= fork_at <= parent_branch.num_tokens:
             problems.add(where, f"fork_at {fork_at} is outside 0..{parent_branch.num_tokens} "
                                 f"(the length of parent {name(parent)})")
-
-
-def _deepest_branch(parent_of: dict[str, str], in_cycle: set[str]) -> tuple[str, int] | None:
-    """(id, depth) of the branch with the most parent links above it (first such in `parent_of` order).
-
-    Iterative with memo: O(branches) even for a 10k-level chain. Branches that hang off a cycle
-    have no depth (the cycle is reported).
-    """
-    depth: dict[str, int] = {}  # -1: no way up to a root
-    deepest: tuple[str, int] | None = None
-    for start in parent_of:
-        path: list[str] = []
-        node = start
-        while node in parent_of and node not in depth and node not in in_cycle:
-            path.append(node)
-            node = parent_of[node]
-        base = -1 if node in in_cycle else depth.get(node, 0)
-        for k, branch_id in enumerate(reversed(path), start=1):
-            depth[branch_id] = -1 if base < 0 else base + k
-        if depth.get(start, -1) > (deepest[1] if deepest else 0):
-            deepest = (start, depth[start])
-    return deepest
