@@ -31,6 +31,7 @@ LAYERS = (
     "pipeline",
     "reports",
     "advise",
+    "trend",
     "frameworks",
     "localize | probes",
     "replay | identity",

@@ -4,7 +4,7 @@ Errors meet one boundary here (`main`): a MismatchError or a usage error becomes
 stderr and exit code 2 (MISMATCH_DEBUG=1 shows the traceback); anything else is a bug and keeps
 its traceback. SIGTERM and SIGINT meet it too: the run unwinds (its `finally` blocks clean up),
 then one line and exit code 128 + the signal. The commands live by what users do with them: measure.py (audit, diff, merge,
-recommend, gate), inspect.py (report, probe, layers, weights, drift, validate) and capture.py
+recommend, gate), trend.py (a run's steps), inspect.py (report, probe, layers, weights, drift, validate) and capture.py
 (record, import, demo); this module gathers them into one typer app.
 """
 
@@ -33,12 +33,13 @@ from mismatch.cli.printing import (
     print_weights,
 )
 from mismatch.cli.progress import replay_progress, working
+from mismatch.cli.trend import trend
 from mismatch.errors import ENVIRONMENT_FAULT_EXIT, EnvironmentFault, MismatchError
 
 __all__ = ["KEY_METRICS", "app", "audit", "demo", "dependency_log", "diff", "drift", "err_console",
            "gate", "import_", "layers", "main", "merge", "out_console", "print_diagnosis", "print_diff",
            "print_findings", "print_layers", "print_pairs", "print_weights", "probe", "record",
-           "recommend", "replay_progress", "report", "run", "validate", "weights", "working"]
+           "recommend", "replay_progress", "report", "run", "trend", "validate", "weights", "working"]
 
 # Plain Click help (no rich markup): brackets and % print as written, flags have no metavar.
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -54,7 +55,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 
 # `mismatch --help` lists the commands in this order (typer keeps the order they are added in).
 COMMANDS = (("audit", audit), ("diff", diff), ("merge", merge), ("report", report),
-            ("recommend", recommend), ("gate", gate), ("probe", probe), ("layers", layers),
+            ("recommend", recommend), ("gate", gate), ("trend", trend), ("probe", probe), ("layers", layers),
             ("weights", weights), ("drift", drift), ("record", record), ("import", import_),
             ("validate", validate), ("demo", demo))
 for _name, _command in COMMANDS:

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -157,7 +157,8 @@ def recommend(
 
 
 def gate(
-    results: Annotated[Path, typer.Argument(metavar="RESULTS", help="Results directory to gate.")],
+    results: Annotated[list[Path], typer.Argument(
+        metavar="RESULTS", help="Results directory to gate (with --trend: one per step of a run).")],
     maxima: Annotated[Optional[list[str]], typer.Option(
         "--max", help="Upper bound METRIC=VALUE (or PAIR.METRIC=VALUE; default pair train/sampler).")] = None,
     minima: Annotated[Optional[list[str]], typer.Option("--min", help="Lower bound, e.g. ess=0.95.")] = None,
@@ -165,22 +166,48 @@ def gate(
     baseline: Annotated[Optional[Path], typer.Option(help="Baseline results dir to compare against.")] = None,
     max_drift: Annotated[Optional[float], typer.Option(help="Allowed % worsening vs the baseline.")] = None,
     junit: Annotated[Optional[Path], typer.Option(help="Write a JUnit XML report here.")] = None,
+    trend: Annotated[bool, typer.Option(
+        "--trend", help="Gate a run's steps (RESULTS...: one audit per step) on how fast the gap grows.")] = False,
+    max_slope: Annotated[Optional[list[str]], typer.Option(
+        "--max-slope", help="With --trend: upper bound on METRIC's slope per step since the last change point.")] = None,
+    max_step_change: Annotated[Optional[list[str]], typer.Option(
+        "--max-step-change", help="With --trend: upper bound on METRIC's rise between consecutive steps.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Fail (exit 1) when drift metrics exceed thresholds or worsen past a baseline."""
+    """Fail (exit 1) when drift metrics exceed thresholds or worsen past a baseline, or (--trend)
+    when the gap grows faster than allowed over a run's steps."""
     from mismatch.advise import gate as gating
 
     if junit:  # before any check: a gate that passed must not end in a traceback at the write
         gating.check_junit_path(junit)
+    if trend:
+        from mismatch.advise.trend_gate import run_trend_gate
+
+        if maxima or minima or thresholds or baseline or max_drift is not None:
+            raise MismatchError("gate --trend takes --max-slope and --max-step-change; gate one results dir "
+                                "for --max, --min, --thresholds and --baseline")
+        _gate_exit(run_trend_gate(results, max_slope=max_slope or [], max_step_change=max_step_change or []),
+                   junit, as_json)
+    if len(results) != 1:
+        raise MismatchError(f"gate: one results dir, got {len(results)} (with --trend: one per step)")
+    if max_slope or max_step_change:
+        raise MismatchError("--max-slope and --max-step-change gate a run's steps: add --trend")
     limits = gating.load_thresholds(thresholds) if thresholds else gating.Thresholds()
     drift_pct = max_drift if max_drift is not None else (limits.max_drift_pct if baseline else None)
     result = gating.run_gate(
-        gating.load_summary(results),
+        gating.load_summary(results[0]),
         maxima=gating.combined_limits(limits.maxima, gating.parse_limits(maxima or []), bound="max",
                                       file=thresholds),
         minima=gating.combined_limits(limits.minima, gating.parse_limits(minima or [], flag="--min"),
                                       bound="min", file=thresholds),
         baseline=gating.load_summary(baseline) if baseline else None, max_drift_pct=drift_pct)
+    _gate_exit(result, junit, as_json)
+
+
+def _gate_exit(result: Any, junit: Optional[Path], as_json: bool) -> None:
+    """The gate's JUnit file, its table or JSON, and its exit code (0 pass, 1 fail)."""
+    from mismatch.advise import gate as gating
+
     if junit:
         gating.write_junit(result, junit)
     if as_json:

@@ -21,6 +21,7 @@ from mismatch.analysis.clip import ClipRange
 from mismatch.analysis.per_rollout import PerRollout
 from mismatch.analysis.prefixes import PrefixConsistency
 from mismatch.analysis.routing import routing_summary, token_routing
+from mismatch.analysis.strata import Strata
 from mismatch.analysis.trees import TreeSums
 from mismatch.engines import engine_capabilities
 from mismatch.errors import MismatchError
@@ -169,6 +170,7 @@ class AuditFindings:
     drift: dict[str, Any] | None
     routing: dict[str, Any] | None
     prefix_consistency: dict[str, Any] | None
+    strata: dict[str, Any]
 
 
 def analyze_audit(chunks: Chunks, beside: FoundBesideTheTable, *, clip: ClipRange | None, extra: Sequence[Analysis] = (),
@@ -180,13 +182,13 @@ def analyze_audit(chunks: Chunks, beside: FoundBesideTheTable, *, clip: ClipRang
     pairs = audit_pairs(first.columns if first is not None else ())
     summary = SummaryAnalyses(pairs, clip)
     checked = AlignmentCheck(sampler_meta=beside.engines["sampler"].get("meta")) if beside.alignment is None else None
-    trees, frameworks = TreeSums(pairs), FrameworkMetrics(pairs)
+    trees, frameworks, strata = TreeSums(pairs), FrameworkMetrics(pairs), Strata(pairs)
     # With processed stored log-probs the correction is simulated like for like: on the raw pair it
     # would correct the processing, which raw_logprobs fixes.
     corrections = CorrectionSimulator(pair=PROCESSED_PAIR if PROCESSED_PAIR in pairs else ("train", "sampler"))
     turns = TurnLocalizer("train", "sampler")
     prefixes = beside.prefixes
-    run_passes(chunks, [*summary.analyses, trees, frameworks, turns, corrections,
+    run_passes(chunks, [*summary.analyses, trees, frameworks, strata, turns, corrections,
                         *([checked] if checked is not None else []), *extra], workers=workers,
                side_jobs=[prefixes] if isinstance(prefixes, PrefixConsistency) else [])
     return summary.result(), AuditFindings(
@@ -194,7 +196,8 @@ def analyze_audit(chunks: Chunks, beside: FoundBesideTheTable, *, clip: ClipRang
         framework_metrics=frameworks.result(), framework_settings=settings_used(), turns=turns.result(),
         corrections=[result.to_dict() for result in corrections.result()], drift=beside.drift,
         routing=beside.routing or None,
-        prefix_consistency=prefixes.result() if isinstance(prefixes, PrefixConsistency) else prefixes)
+        prefix_consistency=prefixes.result() if isinstance(prefixes, PrefixConsistency) else prefixes,
+        strata=strata.result())
 
 
 def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFindings, *,
@@ -206,7 +209,7 @@ def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFin
         "framework_settings": findings.framework_settings,
         "localization": {"turns": findings.turns, **(localized or {})}, "corrections": findings.corrections,
         "drift": findings.drift, "routing": findings.routing, "prefix_consistency": findings.prefix_consistency,
-        "weights": weights or None, "probes": probes})
+        "weights": weights or None, "probes": probes, "strata": findings.strata})
     advise(summary, probes=probes["results"] if probes is not None else None)
     return summary
 

@@ -1,0 +1,103 @@
+"""summary.json `strata`: each pair's gap split by the rollout's length, the token's position, its
+probability and (where a torch trainer recorded it) the trainer's entropy, on fixed bucket edges.
+
+The edges are the same in every run, so the audits of a training run's steps line up bucket for
+bucket and `mismatch trend` can tell whether the gap grew because responses got longer (more tokens
+in the long buckets) or within the low-probability / high-entropy buckets (Precision-RL#10), from
+the summaries alone. Sums only: one pass, mergeable, bounded memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mismatch.analysis import terms
+from mismatch.analysis.chunked import Chunk
+
+# Lower edges; the last bucket is open above. Powers of two for lengths and positions (a 128k-token
+# rollout is bucket 17); probabilities as the field buckets them (tails apart, the middle coarse).
+_POW2 = tuple(float(2**k) for k in range(18))
+EDGES: dict[str, tuple[float, ...]] = {
+    "length": (0.0, *_POW2),     # trained tokens of the token's rollout
+    "position": (0.0, *_POW2),   # the token's position in its stream (context included)
+    "prob": (0.0, 1e-3, 1e-2, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99),  # exp(logp) of the pair's B side
+    "entropy": (0.0, 1e-3, 1e-2, 0.1, 0.3, 1.0, 2.0, 4.0),     # nats, the trainer's at the position
+}
+DIMENSIONS = tuple(EDGES)
+ENTROPY_COLUMN = "entropy_{source}"  # a torch engine's entropy of the distribution it normalized
+NO_ENTROPY = ("no entropy column: stored log-probs, vLLM and servers give log-probs of sampled tokens only, "
+              "not the distribution; a torch trainer (hf, hf-decode) records it")
+_SUMS = ("n", "k3", "abs", "lr")
+
+
+class Strata:
+    """Per pair and dimension, per bucket: tokens, Σ k3, Σ |log-ratio|, Σ log-ratio (pass 0)."""
+
+    def __init__(self, pairs: tuple[tuple[str, str], ...]) -> None:
+        self.pairs = pairs
+        self.sums: dict[str, dict[str, np.ndarray]] = {}
+        self.seen: set[str] = set()  # pairs whose columns the table has
+
+    def wants(self, index: int) -> bool:
+        return index == 0
+
+    def add(self, chunk: Chunk, index: int) -> None:
+        for a, b in self.pairs:
+            if f"logp_{a}" not in chunk.table.columns or f"logp_{b}" not in chunk.table.columns:
+                continue
+            name = f"{a}/{b}"
+            self.seen.add(name)
+            tokens = chunk.pair(f"logp_{a}", f"logp_{b}")
+            if tokens.view.num_tokens == 0:
+                continue
+            log_ratio = tokens.log_ratio
+            values = {"n": np.ones_like(log_ratio), "k3": terms.k3(log_ratio), "abs": np.abs(log_ratio),
+                      "lr": log_ratio}
+            pair_sums = self.sums.setdefault(name, {})
+            for dimension, keys in _keys(tokens, a).items():
+                bucket = np.searchsorted(EDGES[dimension], keys, side="right") - 1
+                size = len(EDGES[dimension])
+                found = np.stack([np.bincount(bucket, weights=values[s], minlength=size) for s in _SUMS])
+                pair_sums[dimension] = pair_sums.get(dimension, 0) + found
+
+    def merge(self, other: Strata, index: int) -> None:
+        self.seen |= other.seen
+        for name, dimensions in other.sums.items():
+            mine = self.sums.setdefault(name, {})
+            for dimension, found in dimensions.items():
+                mine[dimension] = mine.get(dimension, 0) + found
+
+    def result(self) -> dict[str, Any]:
+        return {name: {dimension: _stratum(dimension, self.sums.get(name, {}).get(dimension))
+                       for dimension in DIMENSIONS}
+                for name in (f"{a}/{b}" for a, b in self.pairs) if name in self.seen}
+
+
+def _keys(tokens: Any, a: str) -> dict[str, np.ndarray]:
+    """Each dimension's value per token of the pair (entropy only where the A side recorded it)."""
+    view = tokens.view
+    # The view's spans lie within one rollout each: a token's rollout code through its span.
+    rollout_codes = view.spans.spread(view.span_rollout)
+    keys = {"length": np.bincount(rollout_codes)[rollout_codes].astype(np.float64),
+            "position": view.column("pos").astype(np.float64),
+            "prob": np.exp(tokens.logp_b)}
+    entropy = ENTROPY_COLUMN.format(source=a)
+    if view.has(entropy):
+        keys["entropy"] = view.column(entropy).astype(np.float64)
+    return keys
+
+
+def _stratum(dimension: str, sums: np.ndarray | None) -> dict[str, Any]:
+    """One dimension's buckets: lower edges, tokens, mean k3 and mean |log-ratio| (null where empty)."""
+    if sums is None:
+        if dimension == "entropy":
+            return {"unavailable": NO_ENTROPY}
+        sums = np.zeros((len(_SUMS), len(EDGES[dimension])))
+    n = sums[0]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = sums[1:] / n
+    return {"edges": list(EDGES[dimension]), "n_tokens": n.astype(np.int64).tolist(),
+            "kl_k3": means[0].tolist(), "log_ratio_abs_mean": means[1].tolist(),
+            "log_ratio_mean": means[2].tolist()}

@@ -1,0 +1,75 @@
+"""`mismatch trend`: the mismatch over a run's steps (mismatch.trend), printed, as JSON, or as a page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from mismatch.cli.options import JsonFlag
+from mismatch.cli.output import emit_json, out_console
+
+
+def trend(
+    results: Annotated[list[Path], typer.Argument(
+        metavar="RESULTS...", help="One audit's results dir per step (steps from step_N names, else the order given).")],
+    pair: Annotated[str, typer.Option(help="The pair whose gap is followed (A/B).")] = "train/sampler",
+    metric: Annotated[str, typer.Option(
+        help="The metric change points are found in: a pair metric, or FRAMEWORK:NAME (verl:rollout_corr/kl).")] = "kl_k3",
+    weights: Annotated[bool, typer.Option(
+        "--weights", help="Also diff the checkpoints across each change (each step's summary names its checkpoint).")] = False,
+    report: Annotated[Optional[Path], typer.Option(
+        "--report", help="Write the trend page (self-contained HTML) here.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """The mismatch across training steps: each metric per step with its 95% CI, the steps where it
+    changes level or slope, and what changed there (strata, turns, layers, engines, weights)."""
+    from mismatch.trend import analyze_trend
+
+    found = analyze_trend(results, pair=pair, metric=metric, weights=weights)
+    if report is not None:
+        from mismatch.reports.trend import build_trend_report
+
+        build_trend_report(found, report)
+    if as_json:
+        emit_json(found)
+        return
+    _print_trend(found)
+    if report is not None:
+        out_console.print(f"report: {report}", markup=False, highlight=False)
+
+
+def _print_trend(found: dict[str, Any]) -> None:
+    from mismatch.reports.html import num, pct
+    from mismatch.reports.trend import headline
+
+    say = lambda text: out_console.print(text, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
+    say(headline(found))
+    metric = found["metric"]
+    say(f"{found['num_steps']} steps (from {found['step_from']}); {metric} of {found['pair']} per step, 95% CI over rollouts:")
+    for row in found["series"][metric]:
+        ci = f"  [{num(row['ci_low'])}, {num(row['ci_high'])}]" if row["ci_low"] is not None else ""
+        say(f"  step {row['step']:>6}  {num(row['value'])}{ci}")
+    for change in found["changes"]:
+        say(f"change at step {change['step']} ({change['kind']}, p = {num(change['p_value'], 2)}):")
+        for cause in change["causes"]:
+            say(f"  - {cause}")
+    for jump in found["jumps"]:
+        say(f"step {jump['from_step']} → {jump['step']}: {num(jump['before'])} → {num(jump['after'])}"
+            f"{' (past the CIs)' if jump['significant'] else ''}: " + "; ".join(jump["causes"]))
+    growth = found.get("growth")
+    if growth:
+        say(f"growth of k3 from steps {growth['before'][0]}–{growth['before'][-1]} to "
+            f"{growth['after'][0]}–{growth['after'][-1]}, by strata:")
+        for dimension, split in growth["strata"].items():
+            if dimension == "explained_by":
+                continue
+            if "unavailable" in split:
+                say(f"  {dimension}: {split['unavailable']}")
+                continue
+            hot = split.get("hot")
+            mix = pct(split["mix"] / split["growth"]) if split["growth"] else "–"
+            where = (f"; {pct(hot['growth_share'])} of it in {hot['where']} ({pct(hot['token_share'])} of the tokens)"
+                     if hot else "")
+            say(f"  {dimension}: {num(split['gap_before'])} → {num(split['gap_after'])}, {mix} from the mix{where}")

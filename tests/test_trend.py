@@ -1,0 +1,185 @@
+"""`mismatch trend`: a synthetic training run of audits built from the tiny checkpoint, whose stored
+log-probs' gap grows after one step in long responses only; a control run whose gap does not move;
+a resume across which the sampler restarts in another dtype; the trend gate and its report.
+
+Each step's rollouts are the tiny model's own text (the toy agent's sampled turns, cut to a short
+or a long response) and the trainer's log-probs are the tiny model's (hf, fp32, computed once);
+the sampler's are those times exp(ε), ε ~ N(0, σ) per token, σ growing after step K in the long
+responses. The audits are real stored-only audits (no model replay: the gap is the one planted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mismatch.cli import main
+
+pytestmark = pytest.mark.slow
+
+STEPS, K = 24, 12
+SIGMA, GROWTH = 0.02, 0.25  # noise of a log-prob; its growth per step after K in long responses
+SHORT, LONG = (6, 14), (40, 64)  # response lengths, in tokens
+
+
+@pytest.fixture(scope="module")
+def responses(tiny_checkpoint: Path, sampled_rollouts: Path) -> list[tuple[list[int], np.ndarray]]:
+    """(prompt, response, the tiny model's log-prob of each response token): windows of 16 + 64
+    tokens, every 8th, over the main branch of each sampled rollout (the tiny model's own text)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    found = []
+    for line in sampled_rollouts.read_text().splitlines():
+        stream = [t for segment in json.loads(line)["branches"][0]["segments"] for t in segment["tokens"]]
+        for start in range(0, len(stream) - 16 - LONG[1] + 1, 8):
+            prompt, response = stream[start:start + 16], stream[start + 16:start + 16 + LONG[1]]
+            ids = torch.tensor([prompt + response])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+            found.append((prompt, response, logp[torch.arange(15, ids.shape[1] - 1), ids[0, 16:]].numpy()))
+    assert len(found) >= 4, "the toy agent sampled too little text to build a run from"
+    return found
+
+
+def write_step(path: Path, responses: list, step: int, rng: np.random.Generator, *, grows: bool,
+               sampler_dtype: str = "bfloat16", rollouts: int = 40) -> None:
+    lines = []
+    for i in range(rollouts):
+        prompt, response, logp = responses[i % len(responses)]
+        long = i % 2 == 1
+        length = int(rng.integers(*(LONG if long else SHORT)))
+        length = min(length, len(response))
+        sigma = SIGMA * (1 + GROWTH * max(0, step - K + 1) if grows and long else 1)
+        trainer = logp[:length]
+        sampler = np.minimum(trainer * np.exp(rng.normal(0, sigma, length)), 0.0)
+        lines.append(json.dumps({"id": f"s{step}-r{i}", "meta": {"step": step, "sampler": {
+            "engine": "vllm", "dtype": sampler_dtype, "temperature": 1.0, "logprobs": "raw"}},
+            "branches": [{"id": "main", "kind": "main", "parent": None, "fork_at": None, "segments": [
+                {"role": "user", "tokens": prompt},
+                {"role": "assistant", "tokens": response[:length], "logprobs": sampler.tolist(),
+                 "extra_logprobs": {"trainer": trainer.tolist()}}]}]}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def audit_run(root: Path, checkpoint: Path, responses: list, *, grows: bool, seed: int,
+              steps: int = STEPS, dtype_at: int | None = None) -> list[Path]:
+    import mismatch
+
+    rng = np.random.default_rng(seed)
+    dirs = []
+    for step in range(steps):
+        rollouts = root / f"rollouts_{step}.jsonl"
+        dtype = "float16" if dtype_at is not None and step >= dtype_at else "bfloat16"
+        write_step(rollouts, responses, step, rng, grows=grows, sampler_dtype=dtype)
+        out = root / f"step_{step}"
+        mismatch.audit(checkpoint, rollouts, train="stored:trainer", infer="sampler", out=out)
+        dirs.append(out)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def growing_run(tmp_path_factory, tiny_checkpoint, responses) -> list[Path]:
+    return audit_run(tmp_path_factory.mktemp("growing"), tiny_checkpoint, responses, grows=True, seed=1)
+
+
+@pytest.fixture(scope="module")
+def control_run(tmp_path_factory, tiny_checkpoint, responses) -> list[Path]:
+    return audit_run(tmp_path_factory.mktemp("control"), tiny_checkpoint, responses, grows=False, seed=2)
+
+
+def trend_json(dirs: list[Path], capsys, *extra: str) -> dict:
+    capsys.readouterr()
+    assert main(["trend", *map(str, dirs), "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_trend_names_the_step_where_the_gap_grows_and_attributes_it_to_length(growing_run, capsys):
+    found = trend_json(growing_run, capsys)
+    assert found["num_steps"] == STEPS and found["step_from"] == "directory name"
+    assert len(found["change_points"]) == 1 and abs(found["change_points"][0] - K) <= 1, found["change_points"]
+    change = found["changes"][0]
+    assert change["after"]["slope_per_step"] > change["before"]["slope_per_step"]
+    assert change["strata"]["explained_by"] == "length"
+    hot = change["strata"]["length"]["hot"]
+    assert all(found_edge >= 32 for found_edge in [2.0 ** (b - 1) for b in hot["buckets"]]), hot
+    assert hot["growth_share"] >= 0.8 and hot["factor"] > 2 * hot["rest_factor"]
+    # Low-probability tokens carry more of the gap, but every probability bucket grew alike.
+    assert change["strata"]["prob"]["hot"]["contrast"] < 1.5
+    assert change["strata"]["entropy"]["unavailable"].startswith("no entropy column")
+    # Over the whole run too, and the responses did not get longer: the growth is within buckets.
+    growth = found["growth"]["strata"]
+    assert growth["explained_by"] == "length" and abs(growth["length"]["mix"]) < 0.2 * growth["length"]["growth"]
+    assert change["causes"][0].startswith("concentrated in response length (trained tokens in the rollout) [32, 64)")
+
+
+def test_each_step_has_its_metric_with_a_ci_over_rollouts_and_framework_metrics(growing_run, capsys):
+    found = trend_json(growing_run, capsys)
+    rows = found["series"]["kl_k3"]
+    assert [row["step"] for row in rows] == list(range(STEPS))
+    for row, path in zip(rows, growing_run):
+        summary = json.loads((path / "summary.json").read_text())
+        assert row["value"] == summary["pairs"]["train/sampler"]["kl_k3"]
+        assert row["ci_low"] < row["value"] < row["ci_high"]
+    assert "verl:rollout_corr/k3_kl" in found["series"] and "ess" in found["series"]
+    assert found["series"]["ess"][0]["ci_low"] is None  # not a mean over tokens: no CI claimed
+
+
+def test_a_control_run_names_no_change(control_run, capsys):
+    found = trend_json(control_run, capsys)
+    assert found["change_points"] == [] and found["changes"] == []
+    assert [jump for jump in found["jumps"] if jump["significant"]] == []
+
+
+def test_the_terminal_leads_with_the_change_and_its_cause(growing_run, capsys):
+    capsys.readouterr()
+    assert main(["trend", *map(str, growing_run)]) == 0
+    out = capsys.readouterr().out
+    first = out.strip().splitlines()[0]
+    assert "changed at step" in first and "length" in first, out
+
+
+def test_a_resume_that_restarts_the_sampler_in_another_dtype_is_named(tmp_path, tiny_checkpoint, responses, capsys):
+    dirs = audit_run(tmp_path, tiny_checkpoint, responses, grows=False, seed=3, steps=2, dtype_at=1)
+    found = trend_json(dirs, capsys)
+    (jump,) = found["jumps"]
+    assert jump["step"] == 1 and jump["from_step"] == 0
+    assert jump["causes"][0] == "engine restart: dtype: sampler.meta.dtype 'bfloat16' → 'float16'"
+
+
+def test_the_trend_gate_fails_on_a_slope_past_the_limit_and_writes_junit(growing_run, control_run, tmp_path, capsys):
+    junit = tmp_path / "trend.xml"
+    assert main(["gate", "--trend", *map(str, growing_run), "--max-slope", "kl_k3=1e-6", "--junit", str(junit)]) == 1
+    assert "slope" in capsys.readouterr().out
+    assert 'failures="1"' in junit.read_text()
+    assert main(["gate", "--trend", *map(str, control_run), "--max-slope", "kl_k3=1e-4",
+                 "--max-step-change", "kl_k3=1e-3"]) == 0
+
+
+def test_the_trend_report_marks_the_change_and_links_each_step(growing_run, tmp_path, capsys):
+    out = tmp_path / "trend.html"
+    assert main(["trend", *map(str, growing_run), "--report", str(out)]) == 0
+    html = out.read_text()
+    assert "<script" in html and "https://" not in html.split("<script", 1)[0]  # self-contained
+    found = trend_json(growing_run, capsys)
+    assert f"change point: step {found['change_points'][0]}" in html
+    for path in growing_run[:2]:  # relative links: the run and its page move together
+        assert f'href="{os.path.relpath(path / "index.html", tmp_path)}"' in html
+
+
+def test_bad_input_is_one_line_and_exit_2(growing_run, tmp_path, capsys):
+    assert main(["trend", str(tmp_path / "missing")]) == 2
+    assert main(["trend", str(growing_run[0]), str(growing_run[0])]) == 2
+    assert "is given twice" in capsys.readouterr().err
+    twin = tmp_path / "again" / growing_run[0].name
+    shutil.copytree(growing_run[0], twin)
+    assert main(["trend", str(growing_run[0]), str(twin), str(growing_run[1])]) == 2
+    assert "are both step 0" in capsys.readouterr().err
+    assert main(["trend", *map(str, growing_run[:3]), "--metric", "nope"]) == 2
+    assert "no metric 'nope'" in capsys.readouterr().err
