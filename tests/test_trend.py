@@ -69,7 +69,7 @@ def write_step(path: Path, responses: list, step: int, rng: np.random.Generator,
 
 
 def audit_run(root: Path, checkpoint: Path, responses: list, *, grows: bool, seed: int,
-              steps: int = STEPS, dtype_at: int | None = None) -> list[Path]:
+              steps: int = STEPS, dtype_at: int | None = None, checkpoints: list[Path] | None = None) -> list[Path]:
     import mismatch
 
     rng = np.random.default_rng(seed)
@@ -79,7 +79,8 @@ def audit_run(root: Path, checkpoint: Path, responses: list, *, grows: bool, see
         dtype = "float16" if dtype_at is not None and step >= dtype_at else "bfloat16"
         write_step(rollouts, responses, step, rng, grows=grows, sampler_dtype=dtype)
         out = root / f"step_{step}"
-        mismatch.audit(checkpoint, rollouts, train="stored:trainer", infer="sampler", out=out)
+        mismatch.audit(checkpoints[step] if checkpoints else checkpoint, rollouts, train="stored:trainer",
+                       infer="sampler", out=out)
         dirs.append(out)
     return dirs
 
@@ -146,11 +147,27 @@ def test_the_terminal_leads_with_the_change_and_its_cause(growing_run, capsys):
 
 
 def test_a_resume_that_restarts_the_sampler_in_another_dtype_is_named(tmp_path, tiny_checkpoint, responses, capsys):
-    dirs = audit_run(tmp_path, tiny_checkpoint, responses, grows=False, seed=3, steps=2, dtype_at=1)
-    found = trend_json(dirs, capsys)
+    from safetensors.torch import load_file, save_file
+
+    resumed = tmp_path / "resumed"  # the checkpoint the run resumed from: one tensor moved
+    shutil.copytree(tiny_checkpoint, resumed)
+    tensors = load_file(resumed / "model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] * 1.01
+    save_file(tensors, resumed / "model.safetensors", metadata={"format": "pt"})
+    dirs = audit_run(tmp_path, tiny_checkpoint, responses, grows=False, seed=3, steps=2, dtype_at=1,
+                     checkpoints=[tiny_checkpoint, resumed])
+    found = trend_json(dirs, capsys, "--weights")
     (jump,) = found["jumps"]
     assert jump["step"] == 1 and jump["from_step"] == 0
     assert jump["causes"][0] == "engine restart: dtype: sampler.meta.dtype 'bfloat16' → 'float16'"
+    assert jump["weights"]["compared"] and jump["weights"]["top_tensor"] == name
+    assert jump["weights"]["rel_l2"] == pytest.approx(0.01, rel=1e-3)
+    capsys.readouterr()
+    assert main(["trend", *map(str, dirs)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("kl_k3 of train/sampler jumped at step 1 (") and first.endswith(
+        "engine restart: dtype: sampler.meta.dtype 'bfloat16' → 'float16'"), first
 
 
 def test_the_trend_gate_fails_on_a_slope_past_the_limit_and_writes_junit(growing_run, control_run, tmp_path, capsys):
@@ -183,3 +200,19 @@ def test_bad_input_is_one_line_and_exit_2(growing_run, tmp_path, capsys):
     assert "are both step 0" in capsys.readouterr().err
     assert main(["trend", *map(str, growing_run[:3]), "--metric", "nope"]) == 2
     assert "no metric 'nope'" in capsys.readouterr().err
+
+
+def test_change_points_name_no_step_on_noisy_lines_and_find_a_clear_bend_and_jump():
+    from mismatch.trend.changes import change_points
+
+    steps = np.arange(30)
+    named = 0
+    for seed in range(300):  # README: "on 300 simulated noisy lines it named no step"
+        rng = np.random.default_rng(seed)
+        named += len(change_points(steps, 1e-4 + 2e-7 * steps + rng.normal(0, 1e-5, 30), np.full(30, 1e-5)))
+    assert named == 0
+    rng = np.random.default_rng(0)
+    bend = 1e-4 + rng.normal(0, 1e-5, 30) + np.where(steps >= 12, (steps - 11) * 1e-5, 0)
+    assert [abs(point.index - 12) <= 1 for point in change_points(steps, bend, np.full(30, 1e-5))] == [True]
+    jump = 1e-4 + rng.normal(0, 1e-5, 30) + np.where(steps >= 20, 5e-5, 0)
+    assert [(point.index, point.kind) for point in change_points(steps, jump, None)] == [(20, "level")]

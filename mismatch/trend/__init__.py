@@ -49,7 +49,7 @@ def analyze_trend(paths: list[Path], *, pair: str = "train/sampler", metric: str
                        for row in headline])
     found = change_points(numbers, values, errors)
     changes = [_change(steps, point, pair, metric, weights=weights) for point in found]
-    jumps = _jumps(steps, values, errors, pair, metric)
+    jumps = _jumps(steps, values, errors, weights=weights)
     half = max(1, min(WINDOW, len(steps) // 2))
     metrics = [m for m in MEAN_METRICS + ("ratio_q001", "ratio_q999", "ess", "log_ratio_abs_max")
                if any(m in step.pairs.get(pair, {}) for step in steps)]
@@ -102,7 +102,7 @@ def _change(steps: list[Step], point: ChangePoint, pair: str, metric: str, *, we
     return found
 
 
-def _jumps(steps: list[Step], values: np.ndarray, errors: np.ndarray, pair: str, metric: str) -> list[dict[str, Any]]:
+def _jumps(steps: list[Step], values: np.ndarray, errors: np.ndarray, *, weights: bool) -> list[dict[str, Any]]:
     """Consecutive steps whose values differ past their CIs (z-test, Bonferroni over the steps), and
     every step where an engine's recorded configuration changed, with that change as the cause."""
     from scipy import stats
@@ -118,6 +118,8 @@ def _jumps(steps: list[Step], values: np.ndarray, errors: np.ndarray, pair: str,
         if significant or configuration:
             entry = {"step": steps[k].step, "from_step": steps[k - 1].step, "before": values[k - 1],
                      "after": values[k], "p_value": p, "significant": significant, "configuration": configuration}
+            if weights:
+                entry["weights"] = weights_between(steps, k)
             entry["causes"] = causes(entry)
             out.append(entry)
     return out
