@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from mismatch.cli import main
+from test_report import Opened, browser  # noqa: F401  (the module's Chromium fixture, used below)
 
 pytestmark = pytest.mark.slow
 
@@ -216,3 +217,15 @@ def test_change_points_name_no_step_on_noisy_lines_and_find_a_clear_bend_and_jum
     assert [abs(point.index - 12) <= 1 for point in change_points(steps, bend, np.full(30, 1e-5))] == [True]
     jump = 1e-4 + rng.normal(0, 1e-5, 30) + np.where(steps >= 20, 5e-5, 0)
     assert [(point.index, point.kind) for point in change_points(steps, jump, None)] == [(20, "level")]
+
+
+def test_the_trend_page_draws_every_timeline_in_chromium(browser, growing_run, tmp_path):  # noqa: F811
+    out = tmp_path / "trend.html"
+    assert main(["trend", *map(str, growing_run), "--report", str(out)]) == 0
+    opened = Opened(browser, out)
+    charts = opened.charts()
+    assert charts and all(charts.values()), charts  # every timeline drew its SVG
+    assert "trend-kl_k3" in charts
+    marks = opened.page.eval_on_selector_all(".chart[data-fig='trend-kl_k3'] .annotation-text", "els => els.map(e => e.textContent)")
+    assert any(text.startswith("change point: step") for text in marks), marks
+    opened.assert_clean()

@@ -37,7 +37,7 @@ class Step:
 
     step: int
     path: Path
-    step_from: str                      # "summary", "directory name", "checkpoint name" or "order"
+    step_from: str                      # "directory name", "checkpoint name" or "order"
     checkpoint: str
     pairs: dict[str, dict[str, Any]]    # pair -> metric -> value (summary.json `pairs`)
     ci: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)  # pair -> metric -> (low, high)
@@ -56,9 +56,9 @@ class Step:
 
 
 def load_steps(paths: list[Path]) -> list[Step]:
-    """Each results dir as a Step, in step order. Steps come from each summary's `step` (a results
-    dir of one training step's rollouts), else the directory's name, else its checkpoint's name, else
-    the order given; two dirs of one step are refused."""
+    """Each results dir as a Step, in step order. Steps come from the directories' names (the last
+    number in each: step_12, global_step_12), else their checkpoints' names, else the order given;
+    two dirs of one step are refused."""
     if not paths:
         raise ResultsError("trend: no results dirs given")
     seen: dict[Path, Path] = {}
@@ -79,9 +79,6 @@ def load_steps(paths: list[Path]) -> list[Step]:
 
 def _step_numbers(summaries: list[tuple[Path, dict[str, Any]]]) -> tuple[list[int], str]:
     """Every dir's step from one source, the first that names a step for all of them."""
-    recorded = [summary.get("step") for _, summary in summaries]
-    if all(isinstance(step, int) and not isinstance(step, bool) for step in recorded):
-        return recorded, "summary"
     for source, names in (("directory name", [path.resolve().name for path, _ in summaries]),
                           ("checkpoint name", [Path(str(summary.get("checkpoint", ""))).name for _, summary in summaries])):
         found = [_STEP_IN_NAME.search(name) for name in names]
