@@ -133,7 +133,8 @@ def test_gate_drift_and_fail_closed_cases_through_the_cli(results, tmp_path, cap
 
     cases = {
         "null_metric": lambda s: s["pairs"]["train/sampler"].update(kl_k3=None),   # NaN on disk
-        "no_tokens": lambda s: s["pairs"]["train/infer"].update(n_tokens=0),
+        # Both counts: n_rollouts > n_tokens is a summary no run writes, refused (tests/test_faults_small.py).
+        "no_tokens": lambda s: s["pairs"]["train/infer"].update(n_tokens=0, n_rollouts=0),
         "old_schema": lambda s: s.update(schema="mismatch.summary/v0"),
     }
     for name, edit in cases.items():
