@@ -8,6 +8,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from _vllm_reloadable import keep_weights
+
+keep_weights()  # imported by vLLM's worker, wherever it runs, before it loads the model
+
 
 class FromFile:
     def update_weight(self, name: str, dtype: Any, shape: Any, empty_cache: bool = False) -> None:

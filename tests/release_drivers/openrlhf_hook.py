@@ -34,6 +34,7 @@ import tempfile
 from typing import Any
 
 from _driver import main, stand_in
+from _vllm_reloadable import keep_weights
 
 STAND_INS = ("ray", "ray.util", "ray.util.placement_group", "ray.util.scheduling_strategies",
              "ray._private", "ray._private.worker", "deepspeed", "pylatexenc")
@@ -90,6 +91,7 @@ def _actor(payload: dict[str, Any], folder: str) -> Any:
     # What RolloutRayActor._configure_vllm_env sets for vLLM >= 0.9 (vllm_engine.py:94-95): the weight
     # sync's torch.dtype argument crosses to the engine process by pickle.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    keep_weights()  # so update_weight can load into vLLM on this CPU (_vllm_reloadable)
     actor = vllm_engine.RolloutRayActor.__new__(vllm_engine.RolloutRayActor)
     actor.llm = vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(
         model=payload["checkpoint"], dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,

@@ -31,6 +31,7 @@ import tempfile
 from typing import Any
 
 from _driver import main
+from _vllm_reloadable import keep_weights
 
 TOOL_TEXT = "<|tool|> 42"  # the environment's answer between the two sampled turns
 
@@ -151,6 +152,8 @@ def _train(payload: dict[str, Any]) -> dict[str, Any]:
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": texts[i % len(texts)]}]}
                                  for i in range(payload["num_prompts"])])
     vllm = payload["backend"] == "vllm"
+    if vllm:
+        keep_weights()  # so TRL's sync_weights can load into vLLM on this CPU (_vllm_reloadable)
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(output_dir=os.path.join(tmp, "out"), use_cpu=True, report_to="none", max_steps=1,
                           logging_steps=1, save_strategy="no", seed=0, use_vllm=vllm,
