@@ -96,6 +96,29 @@ def test_hf_engine_equals_the_models_own_logits(tiny_checkpoint) -> None:
         np.testing.assert_allclose(logp, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_hf_engine_records_the_entropy_of_each_scored_distribution(tiny_checkpoint) -> None:
+    """recorded_entropy() is torch's own Categorical entropy of the model's fp32 logits at each
+    scored position, NaN where the log-prob is (position 0); none after a processed replay."""
+    from mismatch.streams import Sampling
+
+    info = checkpoint_info(tiny_checkpoint)
+    model = load_model(info, dtype="float32", attn="sdpa", device="cpu")
+    requests = [*_requests(info.vocab_size, [40, 17]),
+                ReplayRequest(tokens=np.arange(1, 9), generated=np.zeros(8, bool), score_from=0)]
+    engine = load_engine("hf:dtype=float32,chunk=5", str(tiny_checkpoint))
+    logps, entropies = engine.replay(requests), engine.recorded_entropy()
+    for request, logp, entropy in zip(requests, logps, entropies):
+        with torch.no_grad():
+            logits = model(torch.from_numpy(request.tokens)[None]).logits.float()[0, :-1]
+        expected = torch.distributions.Categorical(logits=logits).entropy().double().numpy()
+        first = max(request.score_from, 1)
+        assert entropy.shape == logp.shape
+        np.testing.assert_allclose(entropy[-len(expected[first - 1:]):], expected[first - 1:], rtol=1e-5, atol=1e-6)
+        assert np.isnan(entropy[0]) == (request.score_from == 0)
+    engine.replay(requests[:1], processing=Sampling(temperature=0.7))
+    assert engine.recorded_entropy() is None  # another distribution's: not recorded as the trainer's
+
+
 def test_batching_changes_a_row_only_by_rounding(tiny_checkpoint) -> None:
     """A row padded into a batch vs replayed alone: equal to fp32 rounding in fp32.
 
@@ -222,6 +245,7 @@ def test_capabilities_are_declared_by_the_backend_and_known_before_it_loads() ->
     for spec in ("hf", "hf-decode:dtype=bfloat16"):
         declared = engine_capabilities(spec)
         assert declared.records_routing and declared.forced_experts and declared.processing
+    assert engine_capabilities("hf").records_entropy and not engine_capabilities("hf-decode").records_entropy
     for spec in ("http://localhost:1", "python:x.py:make", "stored:trainer"):
         assert engine_capabilities(spec) == BASIC
 

@@ -30,7 +30,8 @@ SHORT, LONG = (6, 14), (40, 64)  # response lengths, in tokens
 
 @pytest.fixture(scope="module")
 def responses(tiny_checkpoint: Path, sampled_rollouts: Path) -> list[tuple[list[int], np.ndarray]]:
-    """(prompt, response, the tiny model's log-prob of each response token): windows of 16 + 64
+    """(prompt, response, the tiny model's log-prob of each response token and the entropy of the
+    distribution it was drawn from): windows of 16 + 64
     tokens, every 8th, over the main branch of each sampled rollout (the tiny model's own text)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -44,20 +45,25 @@ def responses(tiny_checkpoint: Path, sampled_rollouts: Path) -> list[tuple[list[
             ids = torch.tensor([prompt + response])
             with torch.no_grad():
                 logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
-            found.append((prompt, response, logp[torch.arange(15, ids.shape[1] - 1), ids[0, 16:]].numpy()))
+            entropy = torch.distributions.Categorical(logits=logp[15:]).entropy().numpy()
+            found.append((prompt, response, logp[torch.arange(15, ids.shape[1] - 1), ids[0, 16:]].numpy(), entropy))
     assert len(found) >= 4, "the toy agent sampled too little text to build a run from"
     return found
 
 
-def write_step(path: Path, responses: list, step: int, rng: np.random.Generator, *, grows: bool,
-               sampler_dtype: str = "bfloat16", rollouts: int = 40) -> None:
+def write_step(path: Path, responses: list, step: int, rng: np.random.Generator, *, grows: bool | str,
+               sampler_dtype: str = "bfloat16", rollouts: int = 40, k: int = K) -> None:
+    """One step's rollouts; `grows`: the gap grows after step k in the long responses (True), in
+    the tokens whose distribution has over 1 nat of entropy ("entropy"), or nowhere (False)."""
     lines = []
     for i in range(rollouts):
-        prompt, response, logp = responses[i % len(responses)]
+        prompt, response, logp, entropy = responses[i % len(responses)]
         long = i % 2 == 1
         length = int(rng.integers(*(LONG if long else SHORT)))
         length = min(length, len(response))
-        sigma = SIGMA * (1 + GROWTH * max(0, step - K + 1) if grows and long else 1)
+        factor = 1 + GROWTH * max(0, step - k + 1)
+        where = entropy[:length] > 1.0 if grows == "entropy" else np.full(length, bool(grows) and long)
+        sigma = SIGMA * np.where(where, factor, 1.0)
         trainer = logp[:length]
         sampler = np.minimum(trainer * np.exp(rng.normal(0, sigma, length)), 0.0)
         lines.append(json.dumps({"id": f"s{step}-r{i}", "meta": {"step": step, "sampler": {
@@ -108,16 +114,16 @@ def test_the_trend_names_the_step_where_the_gap_grows_and_attributes_it_to_lengt
     assert len(found["change_points"]) == 1 and abs(found["change_points"][0] - K) <= 1, found["change_points"]
     change = found["changes"][0]
     assert change["after"]["slope_per_step"] > change["before"]["slope_per_step"]
-    assert change["strata"]["explained_by"] == "length"
+    assert change["strata"]["explained_by"][0] == "length" and "prob" not in change["strata"]["explained_by"]
     hot = change["strata"]["length"]["hot"]
     assert all(found_edge >= 32 for found_edge in [2.0 ** (b - 1) for b in hot["buckets"]]), hot
     assert hot["growth_share"] >= 0.8 and hot["factor"] > 2 * hot["rest_factor"]
     # Low-probability tokens carry more of the gap, but every probability bucket grew alike.
-    assert change["strata"]["prob"]["hot"]["contrast"] < 1.5
+    assert (change["strata"]["prob"]["hot"]["contrast"] or 0) < 1.5
     assert change["strata"]["entropy"]["unavailable"].startswith("no entropy column")
     # Over the whole run too, and the responses did not get longer: the growth is within buckets.
     growth = found["growth"]["strata"]
-    assert growth["explained_by"] == "length" and abs(growth["length"]["mix"]) < 0.2 * growth["length"]["growth"]
+    assert growth["explained_by"][0] == "length" and abs(growth["length"]["mix"]) < 0.2 * growth["length"]["growth"]
     assert change["causes"][0].startswith("concentrated in response length (trained tokens in the rollout) [32, 64)")
 
 
@@ -229,3 +235,25 @@ def test_the_trend_page_draws_every_timeline_in_chromium(browser, growing_run, t
     marks = opened.page.eval_on_selector_all(".chart[data-fig='trend-kl_k3'] .annotation-text", "els => els.map(e => e.textContent)")
     assert any(text.startswith("change point: step") for text in marks), marks
     opened.assert_clean()
+
+
+def test_growth_in_high_entropy_tokens_is_attributed_to_the_trainers_entropy(tmp_path, tiny_checkpoint, responses,
+                                                                            capsys):
+    """The hf trainer records the entropy at each position; a gap that grows only where it is over
+    1 nat is named by it, from the summaries alone."""
+    import mismatch
+
+    rng, dirs = np.random.default_rng(4), []
+    for step in range(10):
+        rollouts = tmp_path / f"rollouts_{step}.jsonl"
+        write_step(rollouts, responses, step, rng, grows="entropy", k=5)
+        dirs.append(tmp_path / f"step_{step}")
+        mismatch.audit(tiny_checkpoint, rollouts, train="hf:dtype=float32", infer="sampler", out=dirs[-1])
+    summary = json.loads((dirs[0] / "summary.json").read_text())
+    entropy = summary["strata"]["train/sampler"]["entropy"]
+    assert sum(entropy["n_tokens"]) == summary["pairs"]["train/sampler"]["n_tokens"]
+    found = trend_json(dirs, capsys)
+    assert [abs(step - 5) <= 1 for step in found["change_points"]] == [True], found["change_points"]
+    strata = found["changes"][0]["strata"]
+    assert "entropy" in strata["explained_by"] and "length" not in strata["explained_by"], strata["explained_by"]
+    assert strata["entropy"]["hot"]["where"] == "trainer entropy (nats) ≥ 1", strata["entropy"]["hot"]

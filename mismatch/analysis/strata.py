@@ -28,7 +28,7 @@ EDGES: dict[str, tuple[float, ...]] = {
 DIMENSIONS = tuple(EDGES)
 ENTROPY_COLUMN = "entropy_{source}"  # a torch engine's entropy of the distribution it normalized
 NO_ENTROPY = ("no entropy column: stored log-probs, vLLM and servers give log-probs of sampled tokens only, "
-              "not the distribution; a torch trainer (hf, hf-decode) records it")
+              "not the distribution; the hf trainer records it (--train hf, without temperature processing)")
 _SUMS = ("n", "k3", "abs", "lr")
 
 
@@ -57,9 +57,12 @@ class Strata:
                       "lr": log_ratio}
             pair_sums = self.sums.setdefault(name, {})
             for dimension, keys in _keys(tokens, a).items():
-                bucket = np.searchsorted(EDGES[dimension], keys, side="right") - 1
+                known = ~np.isnan(keys)  # an entropy a resumed block's older run did not record
+                if not known.any():  # none recorded (a processed replay): the dimension stays unavailable
+                    continue
+                bucket = np.searchsorted(EDGES[dimension], keys[known], side="right") - 1
                 size = len(EDGES[dimension])
-                found = np.stack([np.bincount(bucket, weights=values[s], minlength=size) for s in _SUMS])
+                found = np.stack([np.bincount(bucket, weights=values[s][known], minlength=size) for s in _SUMS])
                 pair_sums[dimension] = pair_sums.get(dimension, 0) + found
 
     def merge(self, other: Strata, index: int) -> None:
@@ -85,7 +88,8 @@ def _keys(tokens: Any, a: str) -> dict[str, np.ndarray]:
             "prob": np.exp(tokens.logp_b)}
     entropy = ENTROPY_COLUMN.format(source=a)
     if view.has(entropy):
-        keys["entropy"] = view.column(entropy).astype(np.float64)
+        # fp32 rounding can put a near-certain distribution a hair under 0: bucket 0 still.
+        keys["entropy"] = np.maximum(view.column(entropy).astype(np.float64), 0.0)
     return keys
 
 

@@ -1,6 +1,6 @@
 """The engine contract: what every backend, plug-in and user engine provides, and the three
 capabilities past it that a replay may ask of an engine (routing recorded, experts forced,
-log-probs processed like the sampler's), each declared, never probed.
+log-probs processed like the sampler's, entropy recorded), each declared, never probed.
 
 Backends import the contract from here, not from the package `__init__` (which imports them).
 """
@@ -27,6 +27,7 @@ class Capabilities:
     records_routing: bool = False  # recorded_routing(): each request's MoE experts in the last replay
     forced_experts: bool = False   # replay(..., forced_experts=): follows another pass's experts (R3)
     processing: bool = False       # replay(..., processing=): log-probs under the sampler's processing
+    records_entropy: bool = False  # recorded_entropy(): each scored position's entropy in the last replay
 
 
 BASIC = Capabilities()  # describe/replay/close only: a user's engine, an HTTP server, vLLM
@@ -63,6 +64,10 @@ class CapableEngine(Engine, Protocol):
         """Each request's MoE routing in the last replay, in request order (its fed positions);
         None when the model routes nothing (a dense model)."""
 
+    def recorded_entropy(self) -> list[np.ndarray] | None:
+        """Each request's entropy per scored token in the last replay (NaN where its log-prob is),
+        in request order; None when that replay applied processing."""
+
 
 def capabilities_of(engine: Any) -> Capabilities:
     """The capabilities a backend class or a loaded engine declares; BASIC where it declares none
@@ -74,6 +79,13 @@ def capabilities_of(engine: Any) -> Capabilities:
 def recorded_routing(engine: Any) -> list[StreamRouting] | None:
     """The routing `engine` recorded in its last replay, or None (it records none, or routes none)."""
     return engine.recorded_routing() if capabilities_of(engine).records_routing else None
+
+
+def recorded_entropy(engine: Any) -> list[np.ndarray] | None:
+    """Per request of `engine`'s last replay, the entropy (nats) of the distribution each scored
+    token was drawn from, aligned with its log-probs; None where it records none (it declares no
+    such capability, or that replay applied processing, whose entropy is another distribution's)."""
+    return engine.recorded_entropy() if capabilities_of(engine).records_entropy else None
 
 
 def replay_asking(engine: Any, requests: Sequence[ReplayRequest], *, progress: ProgressFn | None = None,

@@ -111,6 +111,7 @@ class TorchEngineBase:
         # MoE: each replayed stream's experts (RoutingRecorder), in `routed` after each replay().
         self.recorder = RoutingRecorder(self.model) if routers(self.model) else None
         self.routed: list[StreamRouting] = []
+        self.entropy: list[np.ndarray] | None = None  # each request's, after a replay that records it
         self.num_scored = 0
         self.num_fed = 0
         self.num_padded = 0
@@ -140,12 +141,18 @@ class TorchEngineBase:
         """Each request's routing in the last replay (request order); None for a dense model."""
         return list(self.routed) if self.recorder is not None else None
 
-    def logprobs_of(self, hidden_ND, target_N, processing: Sampling | None = None) -> np.ndarray:
-        """The targets' log-probs from their hidden states: raw, or under the sampler's processing
-        (the same forward either way: only this last step differs)."""
+    def recorded_entropy(self) -> list[np.ndarray] | None:
+        """Each request's entropy per scored token in the last raw replay (None after a processed one)."""
+        return list(self.entropy) if self.entropy is not None else None
+
+    def logprobs_of(self, hidden_ND, target_N, processing: Sampling | None = None,
+                    entropy_N: Any = None) -> np.ndarray:
+        """The targets' log-probs from their hidden states: raw (and their distributions' entropy
+        into `entropy_N`, when given), or under the sampler's processing (the same forward either
+        way: only this last step differs)."""
         if processing is None:
             return token_logprobs(hidden_ND, target_N, self.lm_head, chunk=self.options.chunk,
-                                  softcap=self.softcap).numpy()
+                                  softcap=self.softcap, entropy_N=entropy_N).numpy()
         return processed_token_logprobs(hidden_ND, target_N, self.lm_head, sampling=processing,
                                         chunk=self.options.chunk, softcap=self.softcap).numpy()
 
@@ -169,6 +176,9 @@ class HFEngine(TorchEngineBase):
     kind = "hf"
     options_cls = HFOptions
     check_options = staticmethod(check_packing)
+    # The trainer's entropy at each position, for summary.json `strata` (trend: is the growth in
+    # high-entropy tokens?). hf-decode records none: it is the sampler's path, not the trainer's.
+    capabilities = Capabilities(records_routing=True, forced_experts=True, processing=True, records_entropy=True)
 
     def replay(self, requests: Sequence[ReplayRequest], *, progress: ProgressFn | None = None,
                forced_experts: Sequence[np.ndarray] | None = None,
@@ -179,13 +189,14 @@ class HFEngine(TorchEngineBase):
             processing = Sampling(temperature=self.options.temperature)  # the trainer's own scaling
         results: list[np.ndarray] = [np.empty(0)] * len(requests)
         self.routed = [None] * len(requests)  # type: ignore[list-item]
+        self.entropy = [np.empty(0)] * len(requests) if processing is None else None
         started = time.perf_counter()
         for batch in micro_batches([len(r.tokens) for r in requests], self.options):
             forward = self._forward_packed if self.options.packing == "varlen" else self._forward_padded
             with torch.inference_mode():
                 hidden = forward(requests, batch, forced_experts)
                 for index, hidden_LD in zip(batch, hidden):
-                    results[index] = self._score(hidden_LD, requests[index], processing)
+                    results[index] = self._score(hidden_LD, requests[index], processing, self.entropy, index)
             self.num_forward += 1
             scored = sum(requests[i].num_scored for i in batch)
             self.num_scored += scored
@@ -262,13 +273,19 @@ class HFEngine(TorchEngineBase):
             forced[start: start + len(experts)] = experts
         return forced_routing(self.model, torch.from_numpy(forced))
 
-    def _score(self, hidden_LD, request: ReplayRequest, processing: Sampling | None) -> np.ndarray:
+    def _score(self, hidden_LD, request: ReplayRequest, processing: Sampling | None,
+               entropy: list[np.ndarray] | None = None, index: int = 0) -> np.ndarray:
+        """The request's log-probs; with `entropy`, its entropies go to entropy[index] (aligned)."""
         import torch
 
         # Hidden state at j predicts token j+1; position 0 has no prediction.
         first = max(request.score_from, 1)
         tokens = torch.from_numpy(request.tokens)
-        logp = self.logprobs_of(hidden_LD[first - 1: len(request.tokens) - 1], tokens[first:], processing)
+        entropy_N = torch.empty(len(request.tokens) - first, dtype=torch.float64) if entropy is not None else None
+        logp = self.logprobs_of(hidden_LD[first - 1: len(request.tokens) - 1], tokens[first:], processing, entropy_N)
         if request.score_from == 0:
             logp = np.concatenate([[np.nan], logp])
+        if entropy is not None:
+            entropy[index] = np.concatenate([[np.nan], entropy_N.numpy()]) if request.score_from == 0 \
+                else entropy_N.numpy()
         return logp

@@ -61,6 +61,26 @@ def check_column(values: np.ndarray, table: pd.DataFrame, name: str, offset: int
                           "return one log-prob <= 0 per requested token)")
 
 
+# An entropy a little under 0 is fp32 rounding of a near-certain distribution; past this, a bug.
+ENTROPY_ROUNDING = 1e-3
+ENTROPY_SUFFIX = "_entropy"  # the saved column of a source's entropies: "train_entropy"
+
+
+def bad_entropy_rows(values: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Rows whose entropy no distribution has: NaN with context before it, ±inf, or below 0."""
+    with np.errstate(invalid="ignore"):
+        bad = (np.isnan(values) & (pos > 0)) | np.isinf(values) | (values < -ENTROPY_ROUNDING)
+    return np.flatnonzero(bad)
+
+
+def entropy_damage(values: np.ndarray, table: pd.DataFrame) -> str | None:
+    """column_damage for a column of entropies (one per row, nats, ≥ 0)."""
+    if len(values) != len(table):
+        return f"{len(values)} entropies for the block's {len(table)} rows"
+    bad = bad_entropy_rows(values, table["pos"].to_numpy())
+    return f"entropy {float(values[bad[0]])!r} at row {int(bad[0])} ({_num_bad(bad)})" if len(bad) else None
+
+
 def column_damage(values: np.ndarray, table: pd.DataFrame) -> str | None:
     """What makes a saved column unfit to fill these rows, as check_column and the plan see it (its
     length, a value no engine may return), or None: the check of every column a run publishes,

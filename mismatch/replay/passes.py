@@ -16,13 +16,15 @@ import numpy as np
 
 from mismatch.checkpoint import checkpoint_info
 from mismatch.engines import TORCH_KINDS, Engine, EngineSpec, ProgressFn, check_spec, engine_capabilities, load_engine
-from mismatch.engines.contract import recorded_routing
-from mismatch.errors import SpecError
+from mismatch.engines.contract import recorded_entropy, recorded_routing
+from mismatch.errors import EngineError, SpecError
 from mismatch.replay.blocks import FileBlocks, sampler_meta, scan_file
 from mismatch.replay.checks import (
+    ENTROPY_SUFFIX,
     check_before_replay,
     check_column,
     check_stored_routing,
+    entropy_damage,
     replay_column,
     stored_routing,
 )
@@ -288,6 +290,8 @@ class SourcePass:
             if k == 0 and self._records_routing():
                 block_routing = recorded_routing(self.engine)
             check_column(values, plan.table, column.label)
+            if k == 0:  # before the log-probs too: a block whose log-probs were saved has its entropies
+                self._keep_entropy(block, plan, counts)
             # The routing before the log-probs: a block whose log-probs were saved always has its routing too.
             if work is not None and k == 0 and block_routing is not None and self._records_routing():
                 work.save_routing(self.source, block, block_routing)
@@ -320,6 +324,19 @@ class SourcePass:
         for key, value in counts.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.counts[key] = self.counts.get(key, 0) + value
+
+    def _keep_entropy(self, block: int, plan: ReplayPlan, counts: Counts) -> None:
+        """The entropies the engine recorded in the replay of the source's own column, checked at the
+        boundary as its log-probs are, kept as the column SOURCE_entropy (when it records them)."""
+        assert self.engine is not None
+        entropy = recorded_entropy(self.engine)
+        if entropy is None:
+            return
+        values = np.concatenate(entropy).astype(np.float64) if entropy else np.empty(0)
+        damage = entropy_damage(values, plan.table)
+        if damage is not None:
+            raise EngineError(f"--{self.source} {self.spec.text}: recorded {damage}")
+        self.columns.keep(self.source + ENTROPY_SUFFIX, block, values, counts)
 
     def _records_routing(self) -> bool:
         return self.engine is not None and recorded_routing(self.engine) is not None

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pandas as pd
 
-from mismatch.engines import EngineSpec
+from mismatch.engines import EngineSpec, engine_capabilities
 from mismatch.errors import ResultsError
 from mismatch.replay.blocks import (
     Block,
@@ -21,7 +21,7 @@ from mismatch.replay.blocks import (
     sampler_meta,
     sampler_metas,
 )
-from mismatch.replay.checks import check_stored_names, column_damage
+from mismatch.replay.checks import ENTROPY_SUFFIX, check_stored_names, column_damage, entropy_damage
 from mismatch.replay.plan import ReplayPlan
 from mismatch.results import WorkDir, concat_tables
 from mismatch.rollouts import Rollout
@@ -69,14 +69,16 @@ class SavedColumns:
         else:
             self._memory[(name, block)] = values
 
-    def load(self, name: str, block: int, table: pd.DataFrame) -> np.ndarray | None:
+    def load(self, name: str, block: int, table: pd.DataFrame,
+             damage_of: Callable[[np.ndarray, pd.DataFrame], str | None] = column_damage) -> np.ndarray | None:
         """The column of the block's rows, to publish. One read back from the work dir is checked
-        again (in memory it is the checked replay itself); a damaged one is refused even with
-        --force: its engine is closed by now, and the rerun replays it."""
+        again (in memory it is the checked replay itself; `damage_of`: a log-prob column's check, or
+        an entropy column's); a damaged one is refused even with --force: its engine is closed by
+        now, and the rerun replays it."""
         if self.work is None:
             return self._memory.get((name, block))
         values = self.work.load(name, block)
-        damage = column_damage(values, table) if values is not None else None
+        damage = damage_of(values, table) if values is not None else None
         if damage is not None:
             raise self._damaged(name, block, damage)
         return values
@@ -123,6 +125,9 @@ class FilledBlocks:
                 values = self.columns.load(column, block, table)
                 if values is not None or (column == source and not selected):
                     table[f"logp_{column}"] = values if values is not None else np.empty(0)
+            if engine_capabilities(spec).records_entropy:  # every block has the column: NaN where unsaved
+                values = self.columns.load(source + ENTROPY_SUFFIX, block, table, entropy_damage)
+                table[f"entropy_{source}"] = values if values is not None else np.full(len(table), np.nan)
         return Block(index=block, rollouts=selected, plan=plan)
 
     def blocks(self) -> Iterator[Block]:

@@ -134,8 +134,7 @@ def causes(found: dict[str, Any]) -> list[str]:
     if isinstance(weights, dict) and weights.get("outlier"):
         named.append(f"weights: the step's update is {weights['ratio']:.3g}× the run's typical one "
                      f"({weights['top_tensor']})")
-    explained = (found.get("strata") or {}).get("explained_by")
-    if explained:
+    for explained in (found.get("strata") or {}).get("explained_by") or []:
         hot = found["strata"][explained]["hot"]
         named.append(f"concentrated in {hot['where']}: their gap grew {hot['factor']:.3g}×, the rest's "
                      f"{hot['rest_factor']:.3g}× ({hot['growth_share']:.0%} of the growth, "

@@ -6,9 +6,9 @@ The strata split is a shift-share decomposition of the token-weighted mean gap G
 buckets b (w: the share of tokens, g: the bucket's mean k3): G' − G = Σ_b (w'_b − w_b)·g_b (mix:
 more tokens in some buckets, e.g. longer responses) + Σ_b w'_b·(g'_b − g_b) (within: the buckets'
 own gap grew). A bucket empty before takes g_b = g'_b, so the identity is exact. Where the within
-part concentrates: the fewest buckets, by relative growth g'/g, holding 80% of it; the dimension
-explains the growth when those buckets' gap grew by a larger factor than the other buckets' gap
-(contrast = factor / rest's factor: 1 when every bucket grew by one factor, whatever its share).
+part concentrates: the buckets whose gap grew by more than the whole's; the dimension explains the
+growth when their gap grew by a larger factor than the other buckets' gap (contrast = factor /
+rest's factor: 1 when every bucket grew by one factor, whatever its share).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import numpy as np
 
 from mismatch.trend.steps import Step
 
-HOT_SHARE = 0.8   # the share of the within-bucket growth the hot buckets hold
+MIN_REST_SHARE = 0.1     # the other buckets must have held this share of the gap for a contrast to mean anything
+MIN_GROWTH_SHARE = 0.02  # a hot bucket holds at least this share of the growth
 MIN_CONTRAST = 1.5  # a dimension explains the growth when its hot buckets' gap grew 1.5x the rest's factor
 _UNITS = {"length": "response length (trained tokens in the rollout)", "position": "position in the stream",
           "prob": "token probability", "entropy": "trainer entropy (nats)"}
@@ -64,32 +65,31 @@ def shift_share(before: tuple[np.ndarray, np.ndarray, np.ndarray], after: tuple[
 
 
 def _hot_buckets(edges: np.ndarray, w1: np.ndarray, g0: np.ndarray, g1: np.ndarray, dimension: str) -> dict[str, Any] | None:
-    """The fewest buckets, by relative growth g'/g, holding HOT_SHARE of the within-bucket growth, and
-    the factor their gap grew by against the other buckets'. Relative, not absolute: where the gap
-    is larger (low-probability tokens always have more of it), a growth by one factor everywhere
-    grows more in absolute terms, and that is no concentration."""
+    """The buckets whose gap grew by more than the whole's (g'/g above Σw'g'/Σw'g: relative, not
+    absolute, since where the gap is larger a growth by one factor everywhere grows more in absolute
+    terms, and that is no concentration), and the factor their gap grew by against the other buckets'.
+    The contrast of the two is only claimed where the other buckets held MIN_REST_SHARE of the gap:
+    against a sliver of it (the near-certain tokens' gap is ~0) a ratio says nothing."""
     within_b = w1 * (g1 - g0)
-    positive = float(within_b[within_b > 0].sum())
     baseline = w1 * g0  # these tokens at the old gap
-    if positive <= 0 or baseline.sum() <= 0:
+    if within_b.sum() <= 0 or baseline.sum() <= 0:
         return None
+    overall = float(np.sum(w1 * g1) / baseline.sum())
     with np.errstate(invalid="ignore", divide="ignore"):
-        relative = np.where(g0 > 0, g1 / g0, np.inf)
-    order = [b for b in np.argsort(-relative, kind="stable") if within_b[b] > 0]
-    chosen, held = [], 0.0
-    for b in order:
-        chosen.append(int(b))
-        held += within_b[b]
-        if held >= HOT_SHARE * positive:
-            break
-    rest = np.setdiff1d(np.arange(len(w1)), chosen)
-    factor = float(np.sum(w1[chosen] * g1[chosen]) / baseline[chosen].sum()) if baseline[chosen].sum() > 0 else math.inf
-    rest_base = baseline[rest].sum()
+        relative = np.where(g0 > 0, g1 / g0, np.where(g1 > 0, np.inf, 1.0))
+    # A bucket that holds almost none of the growth is noise there, however fast its sliver grew.
+    chosen = [int(b) for b in np.flatnonzero((relative > overall) & (within_b >= MIN_GROWTH_SHARE * within_b.sum()))]
+    rest = [int(b) for b in np.flatnonzero(w1 > 0) if b not in chosen]
+    if not chosen:
+        return None
+    hot_base, rest_base = float(baseline[chosen].sum()), float(baseline[rest].sum())
+    factor = float(np.sum(w1[chosen] * g1[chosen]) / hot_base) if hot_base > 0 else math.inf
     rest_factor = float(np.sum(w1[rest] * g1[rest]) / rest_base) if rest_base > 0 else math.nan
-    return {"buckets": sorted(chosen), "where": describe_buckets(edges, sorted(chosen), dimension),
-            "growth_share": held / positive, "gap_share": float(baseline[chosen].sum() / baseline.sum()),
+    comparable = rest_base >= MIN_REST_SHARE * baseline.sum() and rest_factor > 0
+    return {"buckets": chosen, "where": describe_buckets(edges, chosen, dimension),
+            "growth_share": float(within_b[chosen].sum() / within_b.sum()), "gap_share": hot_base / baseline.sum(),
             "token_share": float(w1[chosen].sum()), "factor": factor, "rest_factor": rest_factor,
-            "contrast": factor / rest_factor if rest_factor > 0 else 1.0 if math.isnan(rest_factor) else math.inf}
+            "contrast": factor / rest_factor if comparable else None}
 
 
 def describe_buckets(edges: np.ndarray, buckets: list[int], dimension: str) -> str:
@@ -108,8 +108,9 @@ def describe_buckets(edges: np.ndarray, buckets: list[int], dimension: str) -> s
 
 
 def strata_growth(before: Sequence[Step], after: Sequence[Step], pair: str) -> dict[str, Any]:
-    """Each dimension's decomposition between the two windows, and the dimension that explains the
-    growth best (the highest contrast past MIN_CONTRAST), if any."""
+    """Each dimension's decomposition between the two windows, and the dimensions that explain the
+    growth (contrast past MIN_CONTRAST), best first. Probability and entropy go together (an
+    uncertain distribution gives low-probability tokens), so both may; length and position too."""
     out: dict[str, Any] = {}
     for dimension in _UNITS:
         pooled = pooled_stratum(before, pair, dimension), pooled_stratum(after, pair, dimension)
@@ -120,8 +121,8 @@ def strata_growth(before: Sequence[Step], after: Sequence[Step], pair: str) -> d
             continue
         out[dimension] = shift_share(pooled[0], pooled[1], dimension) or {"unavailable": "no tokens in a window"}
     ranked = sorted(((d["hot"]["contrast"], name) for name, d in out.items() if isinstance(d.get("hot"), dict)
-                     and d["hot"]["contrast"] >= MIN_CONTRAST and d.get("growth", 0) > 0), reverse=True)
-    out["explained_by"] = ranked[0][1] if ranked else None
+                     and (d["hot"]["contrast"] or 0) >= MIN_CONTRAST and d.get("growth", 0) > 0), reverse=True)
+    out["explained_by"] = [name for _, name in ranked]
     return out
 
 
