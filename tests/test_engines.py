@@ -59,8 +59,8 @@ def test_unknown_option_names_the_valid_keys(tiny_checkpoint) -> None:
     with pytest.raises(SpecError) as err:
         load_engine("hf:dtyp=bfloat16", str(tiny_checkpoint))
     assert str(err.value) == ("engine 'hf': unknown option 'dtyp' "
-                              "(valid: attn, balance, batch_tokens, checkpoint, chunk, device, device_map, dtype, micro_batch, packing, routing, "
-                              "temperature)")
+                              "(valid: attn, balance, batch_tokens, checkpoint, chunk, device, device_map, dtype, entropy, micro_batch, "
+                              "packing, routing, temperature)")
     with pytest.raises(SpecError, match=r"^engine 'hf-decode': option prefill='sometimes' is not one of"):
         load_engine("hf-decode:prefill=sometimes", str(tiny_checkpoint))
     with pytest.raises(SpecError, match=r"^unknown engine 'hff' in spec 'hff:dtype=x'"):
@@ -117,6 +117,9 @@ def test_hf_engine_records_the_entropy_of_each_scored_distribution(tiny_checkpoi
         assert np.isnan(entropy[0]) == (request.score_from == 0)
     engine.replay(requests[:1], processing=Sampling(temperature=0.7))
     assert engine.recorded_entropy() is None  # another distribution's: not recorded as the trainer's
+    spared = load_engine("hf:dtype=float32,chunk=5,entropy=false", str(tiny_checkpoint))
+    np.testing.assert_array_equal(np.concatenate(spared.replay(requests)), np.concatenate(logps))
+    assert spared.recorded_entropy() is None
 
 
 def test_batching_changes_a_row_only_by_rounding(tiny_checkpoint) -> None:

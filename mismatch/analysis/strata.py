@@ -28,7 +28,7 @@ EDGES: dict[str, tuple[float, ...]] = {
 DIMENSIONS = tuple(EDGES)
 ENTROPY_COLUMN = "entropy_{source}"  # a torch engine's entropy of the distribution it normalized
 NO_ENTROPY = ("no entropy column: stored log-probs, vLLM and servers give log-probs of sampled tokens only, "
-              "not the distribution; the hf trainer records it (--train hf, without temperature processing)")
+              "not the distribution; the hf trainer records it (--train hf, unless entropy=false or temperature=T)")
 _SUMS = ("n", "k3", "abs", "lr")
 
 

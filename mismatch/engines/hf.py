@@ -46,6 +46,9 @@ class HFOptions:
     chunk: int = DEFAULT_CHUNK   # positions per fp32 log-softmax chunk
     routing: str = "own"         # MoE: own | replay (R3: another pass's experts, engines/routing.py)
     checkpoint: str | None = None  # replay other weights than the audited checkpoint
+    # hf records the entropy at each scored position (summary.json strata). It costs three more
+    # passes over each chunk's fp32 [chunk, vocab] (benchmarks/RESULTS.md): false spares them.
+    entropy: bool = True
 
 
 def resolve_device(name: str) -> str:
@@ -189,7 +192,7 @@ class HFEngine(TorchEngineBase):
             processing = Sampling(temperature=self.options.temperature)  # the trainer's own scaling
         results: list[np.ndarray] = [np.empty(0)] * len(requests)
         self.routed = [None] * len(requests)  # type: ignore[list-item]
-        self.entropy = [np.empty(0)] * len(requests) if processing is None else None
+        self.entropy = [np.empty(0)] * len(requests) if processing is None and self.options.entropy else None
         started = time.perf_counter()
         for batch in micro_batches([len(r.tokens) for r in requests], self.options):
             forward = self._forward_packed if self.options.packing == "varlen" else self._forward_padded
