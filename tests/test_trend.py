@@ -257,3 +257,35 @@ def test_growth_in_high_entropy_tokens_is_attributed_to_the_trainers_entropy(tmp
     strata = found["changes"][0]["strata"]
     assert "entropy" in strata["explained_by"] and "length" not in strata["explained_by"], strata["explained_by"]
     assert strata["entropy"]["hot"]["where"] == "trainer entropy (nats) ≥ 1", strata["entropy"]["hot"]
+
+
+def test_one_audit_of_a_step_indexed_dump_is_split_by_its_rollouts_steps(growing_run, tiny_checkpoint, tmp_path, capsys):
+    """The hooks and importers tag each rollout with meta.step: the whole dump audited once gives
+    the same per-step series (from rollouts.parquet's `step`) and the same change point."""
+    import mismatch
+
+    dump = tmp_path / "dump.jsonl"
+    dump.write_text("".join((path.parent / f"rollouts_{step}.jsonl").read_text()
+                            for step, path in enumerate(growing_run)))
+    mismatch.audit(tiny_checkpoint, dump, train="stored:trainer", infer="sampler", out=tmp_path / "once")
+    found = trend_json([tmp_path / "once"], capsys)
+    assert found["num_steps"] == STEPS and found["step_from"] == "meta.step"
+    per_step = trend_json(growing_run, capsys)
+    assert found["change_points"] == per_step["change_points"]
+    for once, each in zip(found["series"]["kl_k3"], per_step["series"]["kl_k3"]):
+        assert once["step"] == each["step"]
+        assert once["value"] == pytest.approx(each["value"], rel=1e-9)
+        assert once["ci_low"] == pytest.approx(each["ci_low"], rel=1e-9)
+    assert found["changes"][0]["strata"]["length"]["unavailable"].startswith("not in these summaries")
+    from mismatch.replay import Shard
+
+    shards = [tmp_path / f"shard{i}" for i in range(2)]
+    for index, out in enumerate(shards):
+        mismatch.audit(tiny_checkpoint, dump, train="stored:trainer", infer="sampler", out=out, block_size=16,
+                       shard=Shard(index=index, count=2))
+    assert main(["merge", *map(str, shards), "--out", str(tmp_path / "merged")]) == 0
+    merged = trend_json([tmp_path / "merged"], capsys)
+    assert [row["value"] for row in merged["series"]["kl_k3"]] == pytest.approx(
+        [row["value"] for row in found["series"]["kl_k3"]], rel=1e-9)
+    assert main(["trend", str(growing_run[0])]) == 2
+    assert f"{growing_run[0]} holds 1 training step (rollouts.parquet" in capsys.readouterr().err

@@ -107,7 +107,7 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) 
                                 probes=_probes(checkpoint, options) if options.probe else None)
         if options.out is None:
             return AuditResult(summary=summary, out=None, table=store.table)
-        stages.write_results_files(store, summary, per_rollout.result(), digestion)
+        stages.write_results_files(store, summary, stages.with_steps(per_rollout.result(), stored.steps), digestion)
     if prepared.work is not None:
         prepared.work.remove()
     return AuditResult(summary=summary, out=options.out)

@@ -32,6 +32,7 @@ from mismatch.pipeline.summary import Provenance
 from mismatch.replay import bad_logprob_rows
 from mismatch.results import (
     PREFIX_KEYS_FILE,
+    ROLLOUTS_FILE,
     TOKENS_FILE,
     TokenStore,
     check_out_dir,
@@ -81,7 +82,8 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> dict[str, Any]:
         measured, findings = analyze_audit(store.chunks, beside, clip=_clip_range(first),
                                            extra=[per_rollout, digestion], workers=workers)
         summary = audit_summary(provenance, measured, findings)
-        stages.write_results_files(store, summary, per_rollout.result(), digestion)
+        stages.write_results_files(store, summary, stages.with_steps(per_rollout.result(), _merged_steps(shards)),
+                                   digestion)
     return summary
 
 
@@ -100,6 +102,19 @@ def _store_merged(shards: list[_Shard], store: TokenStore, keys: PrefixKeys | No
     if keys is not None:
         keys.close()
     return order
+
+
+def _merged_steps(shards: list[_Shard]) -> dict[str, int]:
+    """Each rollout's training step as its shard's rollouts.parquet records it (checked by digest)."""
+    import pyarrow.parquet as pq
+
+    steps: dict[str, int] = {}
+    for shard in shards:
+        file = shard.path / ROLLOUTS_FILE
+        if "step" in pq.read_schema(file).names:
+            rows = pq.read_table(file, columns=["rollout", "step"]).to_pandas().dropna().drop_duplicates("rollout")
+            steps.update(zip(rows["rollout"].astype(str), rows["step"].astype(int)))
+    return steps
 
 
 def _check_same_columns(shards: list[_Shard]) -> None:

@@ -126,10 +126,13 @@ PREFIX_KEYS_SIDE = "prefix_keys"  # the side file of each row's prefix key (Toke
 @dataclass(kw_only=True, slots=True, frozen=True)
 class StoredWithFindings:
     """What the pass that stores an audit's blocks also finds: render drift (None when no rollout
-    has messages), and prefix consistency's query, run beside the analysis's first pass."""
+    has messages), prefix consistency's query, run beside the analysis's first pass, and each
+    rollout's training step where its `meta.step` gives one (a step-indexed dump audited once:
+    rollouts.parquet's `step`, which `mismatch trend` splits the run by)."""
 
     drift: dict[str, Any] | None
     prefixes: PrefixConsistency
+    steps: dict[str, int]
 
 
 def store_rows(replayed: Replayed, store: TokenStore) -> None:
@@ -147,29 +150,48 @@ def store_with_findings(replayed: Replayed, store: TokenStore, checkpoint: str |
     drifts: list[dict[str, Any]] = []
     tokenized = False
     keys = PrefixKeys(store.side_file(PREFIX_KEYS_SIDE))
-    for table, block_keys, drift, needed_tokenizer in replayed.map_blocks(partial(_stored_parts, str(checkpoint)),
-                                                                          workers):
+    steps: dict[str, int] = {}
+    for table, block_keys, drift, needed_tokenizer, block_steps in replayed.map_blocks(
+            partial(_stored_parts, str(checkpoint)), workers):
         store.write(table)
         keys.add(block_keys)
         drifts.append(drift)
         tokenized = tokenized or needed_tokenizer
+        steps.update(block_steps)
     store.close()
     keys.close()
     # Same prefix, same engine config: the same log-prob, whatever request it came in.
     prefixes = PrefixConsistency(store.file if store.file is not None else store.table,
                                  keys.file if keys.file is not None else keys.values, sources)
-    return StoredWithFindings(drift=merge_drift(drifts) if tokenized else None, prefixes=prefixes)
+    return StoredWithFindings(drift=merge_drift(drifts) if tokenized else None, prefixes=prefixes, steps=steps)
 
 
-def _stored_parts(checkpoint: str, block: Block) -> tuple[pd.DataFrame, Any, dict[str, Any], bool]:
+def _stored_parts(checkpoint: str, block: Block) -> tuple[pd.DataFrame, Any, dict[str, Any], bool, dict[str, int]]:
     """What the store keeps of a block: its rows, their prefix keys, its rollouts' render drift,
-    and whether that needed the tokenizer. (Without messages a block's drift is its count of
-    rollouts without them: no tokenizer.)"""
+    whether that needed the tokenizer, and each rollout's `meta.step` (an integer one). (Without
+    messages a block's drift is its count of rollouts without them: no tokenizer.)"""
     tokenizer = None
     if any(rollout.messages or recorded(rollout) for rollout in block.rollouts):
         tokenizer = _tokenizer(checkpoint)
     return block.plan.table, prefix_keys(block.plan.requests), find_drift(block.rollouts, tokenizer), \
-        tokenizer is not None
+        tokenizer is not None, rollout_steps(block.rollouts)
+
+
+def rollout_steps(rollouts: Sequence[Any]) -> dict[str, int]:
+    """Each rollout's training step, where its meta.step is an integer (hooks and importers write it)."""
+    found = {}
+    for rollout in rollouts:
+        step = rollout.meta.get("step") if isinstance(rollout.meta, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            found[rollout.id] = step
+    return found
+
+
+def with_steps(per_rollout: pd.DataFrame, steps: dict[str, int]) -> pd.DataFrame:
+    """rollouts.parquet with each rollout's `step` (nullable: a rollout without one), when any has one."""
+    if not steps:
+        return per_rollout
+    return per_rollout.assign(step=per_rollout["rollout"].astype(str).map(steps).astype("Int64"))
 
 
 @lru_cache(maxsize=1)

@@ -117,7 +117,8 @@ def strata_growth(before: Sequence[Step], after: Sequence[Step], pair: str) -> d
         if pooled[0] is None or pooled[1] is None:
             unavailable = next((s.strata.get(pair, {}).get(dimension, {}).get("unavailable")
                                 for s in after if isinstance(s.strata.get(pair, {}).get(dimension), dict)), None)
-            out[dimension] = {"unavailable": unavailable or "not in these summaries (audited before strata were recorded)"}
+            out[dimension] = {"unavailable": unavailable or "not in these summaries (one audit of many steps keeps no "
+                                                            "strata per step; an audit per step does)"}
             continue
         out[dimension] = shift_share(pooled[0], pooled[1], dimension) or {"unavailable": "no tokens in a window"}
     ranked = sorted(((d["hot"]["contrast"], name) for name, d in out.items() if isinstance(d.get("hot"), dict)

@@ -37,7 +37,7 @@ class Step:
 
     step: int
     path: Path
-    step_from: str                      # "directory name", "checkpoint name" or "order"
+    step_from: str                      # "directory name", "checkpoint name", "order" or "meta.step"
     checkpoint: str
     pairs: dict[str, dict[str, Any]]    # pair -> metric -> value (summary.json `pairs`)
     ci: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)  # pair -> metric -> (low, high)
@@ -58,7 +58,7 @@ class Step:
 def load_steps(paths: list[Path]) -> list[Step]:
     """Each results dir as a Step, in step order. Steps come from the directories' names (the last
     number in each: step_12, global_step_12), else their checkpoints' names, else the order given;
-    two dirs of one step are refused."""
+    two dirs of one step are refused. One dir alone is a step-indexed dump's audit, split by step."""
     if not paths:
         raise ResultsError("trend: no results dirs given")
     seen: dict[Path, Path] = {}
@@ -67,6 +67,14 @@ def load_steps(paths: list[Path]) -> list[Step]:
             raise ResultsError(f"trend: {path} is given twice (as {seen[path.resolve()]}); give each step's dir once")
         seen[path.resolve()] = path
     summaries = [(path, read_summary(path)) for path in paths]
+    if len(paths) == 1:  # one audit of a step-indexed dump, split by its rollouts' steps
+        _step(paths[0], summaries[0][1], 0, "order")  # an audit's results dir, or refused here
+        steps = split_by_step(*summaries[0])
+        if len(steps) < 2:
+            raise ResultsError(f"trend: {paths[0]} holds {len(steps) or 'no'} training step"
+                               f"{'' if len(steps) == 1 else 's'} (rollouts.parquet `step`, from meta.step); give "
+                               "one results dir per step, or one audit of a dump whose rollouts carry meta.step")
+        return steps
     numbers, source = _step_numbers(summaries)
     steps = [_step(path, summary, number, source) for (path, summary), number in zip(summaries, numbers)]
     steps.sort(key=lambda step: step.step)
@@ -140,28 +148,65 @@ def _framework_metrics(found: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def _confidence_intervals(path: Path, pairs: dict[str, dict[str, Any]]) -> dict[str, dict[str, tuple[float, float]]]:
-    """Per pair, each mean metric's 95% CI over rollouts (rollouts.parquet): the ratio estimator's
-    delta-method standard error, Σ n_i m_i / Σ n_i with clusters of rollouts. None without the file."""
+    """Per pair, each mean metric's 95% CI over rollouts (rollouts.parquet); none without the file."""
+    table = _per_rollout(path)
+    if table is None:
+        return {}
+    return {str(pair): {metric: ci for metric, (_, ci) in _means(rows).items() if ci is not None}
+            for pair, rows in table.groupby("pair", observed=True, sort=False)}
+
+
+def _per_rollout(path: Path, extra: tuple[str, ...] = ()) -> Any:
+    """rollouts.parquet's pair, token count and mean metrics (and `extra` columns), or None."""
     import pyarrow.parquet as pq
 
     file = path / ROLLOUTS_FILE
     if not file.is_file():
-        return {}
-    columns = ["pair", "n_tokens", *(m for m in MEAN_METRICS if m in pq.read_schema(file).names)]
-    table = pq.read_table(file, columns=columns).to_pandas()
-    out: dict[str, dict[str, tuple[float, float]]] = {}
-    for pair, rows in table.groupby("pair", observed=True, sort=False):
-        n = rows["n_tokens"].to_numpy(np.float64)
-        total, k = n.sum(), len(n)
-        if k < 2 or total <= 0:
+        return None
+    names = pq.read_schema(file).names
+    columns = ["pair", "n_tokens", *(m for m in (*MEAN_METRICS, *extra) if m in names)]
+    return pq.read_table(file, columns=columns).to_pandas()
+
+
+def _means(rows: Any) -> dict[str, tuple[float, tuple[float, float] | None]]:
+    """Each mean metric over these rollouts' rows: Σ n_i m_i / Σ n_i, and its 95% CI by the delta
+    method for a ratio estimator with rollouts as clusters (None with fewer than 2 rollouts)."""
+    n = rows["n_tokens"].to_numpy(np.float64)
+    out: dict[str, tuple[float, tuple[float, float] | None]] = {}
+    for metric in (m for m in MEAN_METRICS if m in rows.columns):
+        values = rows[metric].to_numpy(np.float64)
+        keep = np.isfinite(values) & (n > 0)
+        if not keep.any():
             continue
-        out[str(pair)] = {}
-        for metric in columns[2:]:
-            values = rows[metric].to_numpy(np.float64)
-            keep = np.isfinite(values)
-            estimate = float(np.sum(n[keep] * values[keep]) / n[keep].sum()) if keep.any() else math.nan
-            se = math.sqrt(k / (k - 1) * np.sum((n[keep] * (values[keep] - estimate)) ** 2)) / n[keep].sum() \
-                if keep.sum() >= 2 else math.nan
-            if math.isfinite(se):
-                out[str(pair)][metric] = (estimate - Z95 * se, estimate + Z95 * se)
+        weights, kept = n[keep], values[keep]
+        estimate = float(np.sum(weights * kept) / weights.sum())
+        k, ci = int(keep.sum()), None
+        if k >= 2:
+            se = math.sqrt(k / (k - 1) * np.sum((weights * (kept - estimate)) ** 2)) / weights.sum()
+            ci = (estimate - Z95 * se, estimate + Z95 * se)
+        out[metric] = (estimate, ci)
     return out
+
+
+def split_by_step(path: Path, summary: dict[str, Any]) -> list[Step]:
+    """One audit of a step-indexed dump (its rollouts.parquet has each rollout's `step`, from
+    meta.step) as one Step per training step: the mean metrics and their CIs per step, from the
+    rollouts' own values. What needs the token table per step (quantiles, turns, strata) is not
+    there: an audit per step gives it."""
+    table = _per_rollout(path, ("step",))
+    if table is None or "step" not in table.columns:
+        return []
+    table = table.dropna(subset=["step"])
+    engines = {source: configuration(engine) for source, engine in (summary.get("engines") or {}).items()
+               if isinstance(engine, dict)}
+    steps = []
+    for number, rows in table.groupby("step", sort=True):
+        pairs, ci = {}, {}
+        for pair, pair_rows in rows.groupby("pair", observed=True, sort=False):
+            found = _means(pair_rows)
+            pairs[str(pair)] = {"n_tokens": int(pair_rows["n_tokens"].sum()), "n_rollouts": len(pair_rows),
+                                **{metric: estimate for metric, (estimate, _) in found.items()}}
+            ci[str(pair)] = {metric: interval for metric, (_, interval) in found.items() if interval is not None}
+        steps.append(Step(step=int(number), path=path, step_from="meta.step", checkpoint=str(summary.get("checkpoint", "")),
+                          pairs=pairs, ci=ci, engines=engines))  # the one report is the whole run's
+    return steps
