@@ -39,7 +39,8 @@ def series(steps: list[Step], pair: str, metric: str) -> list[dict[str, Any]]:
 
 def analyze_trend(paths: list[Path], *, pair: str = "train/sampler", metric: str = "kl_k3",
                   weights: bool = False) -> dict[str, Any]:
-    """The trend of `metric` of `pair` over the results dirs (trend.json's content)."""
+    """The trend of `metric` of `pair` over the results dirs: what `mismatch trend --json` prints
+    and the trend page draws. `weights`: diff the checkpoints across each change and jump."""
     steps = load_steps(paths)
     _check_known(steps, pair, metric)
     numbers = np.array([step.step for step in steps], np.float64)
