@@ -26,10 +26,11 @@ EDGES: dict[str, tuple[float, ...]] = {
     "entropy": (0.0, 1e-3, 1e-2, 0.1, 0.3, 1.0, 2.0, 4.0),     # nats, the trainer's at the position
 }
 DIMENSIONS = tuple(EDGES)
+_POW2_DIMENSIONS = frozenset({"length", "position"})  # edges 0, 1, 2, 4, …: bucketed by binary exponent
 ENTROPY_COLUMN = "entropy_{source}"  # a torch engine's entropy of the distribution it normalized
 NO_ENTROPY = ("no entropy column: stored log-probs, vLLM and servers give log-probs of sampled tokens only, "
               "not the distribution; the hf trainer records it (--train hf, unless entropy=false or temperature=T)")
-_SUMS = ("n", "k3", "abs", "lr")
+_SUMS = ("n", "k3", "abs", "lr")  # the rows of each dimension's sums
 
 
 class Strata:
@@ -53,16 +54,17 @@ class Strata:
             if tokens.view.num_tokens == 0:
                 continue
             log_ratio = tokens.log_ratio
-            values = {"n": np.ones_like(log_ratio), "k3": terms.k3(log_ratio), "abs": np.abs(log_ratio),
-                      "lr": log_ratio}
+            values = (terms.k3(log_ratio), np.abs(log_ratio), log_ratio)
             pair_sums = self.sums.setdefault(name, {})
             for dimension, keys in _keys(tokens, a).items():
                 known = ~np.isnan(keys)  # an entropy a resumed block's older run did not record
                 if not known.any():  # none recorded (a processed replay): the dimension stays unavailable
                     continue
-                bucket = np.searchsorted(EDGES[dimension], keys[known], side="right") - 1
+                weights = values if known.all() else tuple(v[known] for v in values)  # no copies when all are
+                bucket = _buckets(dimension, keys if known.all() else keys[known])
                 size = len(EDGES[dimension])
-                found = np.stack([np.bincount(bucket, weights=values[s][known], minlength=size) for s in _SUMS])
+                found = np.stack([np.bincount(bucket, minlength=size).astype(np.float64),
+                                  *(np.bincount(bucket, weights=w, minlength=size) for w in weights)])
                 pair_sums[dimension] = pair_sums.get(dimension, 0) + found
 
     def merge(self, other: Strata, index: int) -> None:
@@ -76,6 +78,19 @@ class Strata:
         return {name: {dimension: _stratum(dimension, self.sums.get(name, {}).get(dimension))
                        for dimension in DIMENSIONS}
                 for name in (f"{a}/{b}" for a, b in self.pairs) if name in self.seen}
+
+
+def _buckets(dimension: str, keys: np.ndarray) -> np.ndarray:
+    """Each key's bucket: the last edge at or below it. Lengths and positions by their binary
+    exponent (frexp: [2^(e-1), 2^e) is bucket e, 0 is bucket 0), the others by one comparison per
+    edge: either is ~20x np.searchsorted's binary search per element on this machine."""
+    edges = EDGES[dimension]
+    if dimension in _POW2_DIMENSIONS:
+        return np.minimum(np.frexp(keys)[1], len(edges) - 1)
+    bucket = np.zeros(len(keys), dtype=np.intp)
+    for edge in edges[1:]:
+        bucket += keys >= edge
+    return bucket
 
 
 def _keys(tokens: Any, a: str) -> dict[str, np.ndarray]:
