@@ -56,15 +56,10 @@ class Strata:
             log_ratio = tokens.log_ratio
             values = (terms.k3(log_ratio), np.abs(log_ratio), log_ratio)
             pair_sums = self.sums.setdefault(name, {})
-            for dimension, keys in _keys(tokens, a).items():
-                known = ~np.isnan(keys)  # an entropy a resumed block's older run did not record
-                if not known.any():  # none recorded (a processed replay): the dimension stays unavailable
-                    continue
-                weights = values if known.all() else tuple(v[known] for v in values)  # no copies when all are
-                bucket = _buckets(dimension, keys if known.all() else keys[known])
+            for dimension, (bucket, known, counts) in _bucketed(tokens, a, b).items():
+                weights = values if known is None else tuple(v[known] for v in values)
                 size = len(EDGES[dimension])
-                found = np.stack([np.bincount(bucket, minlength=size).astype(np.float64),
-                                  *(np.bincount(bucket, weights=w, minlength=size) for w in weights)])
+                found = np.stack([counts, *(np.bincount(bucket, weights=w, minlength=size) for w in weights)])
                 pair_sums[dimension] = pair_sums.get(dimension, 0) + found
 
     def merge(self, other: Strata, index: int) -> None:
@@ -93,19 +88,49 @@ def _buckets(dimension: str, keys: np.ndarray) -> np.ndarray:
     return bucket
 
 
-def _keys(tokens: Any, a: str) -> dict[str, np.ndarray]:
-    """Each dimension's value per token of the pair (entropy only where the A side recorded it)."""
+def _bucketed(tokens: Any, a: str, b: str) -> dict[str, tuple[np.ndarray, np.ndarray | None, np.ndarray]]:
+    """Per dimension: each token's bucket, which tokens have a key (None: all), and the bucket
+    counts. Kept on the view: the pairs of a chunk mostly share one (every trainable token), so
+    length and position are bucketed once a chunk, probability once per B side."""
     view = tokens.view
-    # The view's spans lie within one rollout each: a token's rollout code through its span.
+    found = {}
+    for dimension, memo_key, keys_of in (
+            ("length", ("strata", "length"), lambda: _rollout_lengths(view)),
+            ("position", ("strata", "position"), lambda: view.column("pos").astype(np.float64)),
+            ("prob", ("strata", "prob", b), lambda: np.exp(tokens.logp_b)),
+            ("entropy", ("strata", "entropy", a), lambda: _entropy(view, a))):
+        bucketed = view.memo(memo_key, lambda dimension=dimension, keys_of=keys_of: _bucket_keys(dimension, keys_of()))
+        if bucketed is not None:
+            found[dimension] = bucketed
+    return found
+
+
+def _rollout_lengths(view: Any) -> np.ndarray:
+    """Each token's rollout's token count in the view (the spans lie within one rollout each)."""
     rollout_codes = view.spans.spread(view.span_rollout)
-    keys = {"length": np.bincount(rollout_codes)[rollout_codes].astype(np.float64),
-            "position": view.column("pos").astype(np.float64),
-            "prob": np.exp(tokens.logp_b)}
-    entropy = ENTROPY_COLUMN.format(source=a)
-    if view.has(entropy):
-        # fp32 rounding can put a near-certain distribution a hair under 0: bucket 0 still.
-        keys["entropy"] = np.maximum(view.column(entropy).astype(np.float64), 0.0)
-    return keys
+    return np.bincount(rollout_codes)[rollout_codes].astype(np.float64)
+
+
+def _entropy(view: Any, a: str) -> np.ndarray | None:
+    column = ENTROPY_COLUMN.format(source=a)
+    if not view.has(column):
+        return None
+    # fp32 rounding can put a near-certain distribution a hair under 0: bucket 0 still.
+    return np.maximum(view.column(column).astype(np.float64), 0.0)
+
+
+def _bucket_keys(dimension: str, keys: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None, np.ndarray] | None:
+    """(buckets, known, counts) of the keys; None where no token has one (no entropy recorded, or
+    a processed replay's): the dimension stays unavailable."""
+    if keys is None:
+        return None
+    known = ~np.isnan(keys)  # an entropy a resumed block's older run did not record
+    if not known.any():
+        return None
+    every = bool(known.all())
+    bucket = _buckets(dimension, keys if every else keys[known])
+    counts = np.bincount(bucket, minlength=len(EDGES[dimension])).astype(np.float64)
+    return bucket, None if every else known, counts
 
 
 def _stratum(dimension: str, sums: np.ndarray | None) -> dict[str, Any]:
