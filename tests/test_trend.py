@@ -170,6 +170,12 @@ def test_a_resume_that_restarts_the_sampler_in_another_dtype_is_named(tmp_path, 
     assert jump["causes"][0] == "engine restart: dtype: sampler.meta.dtype 'bfloat16' → 'float16'"
     assert jump["weights"]["compared"] and jump["weights"]["top_tensor"] == name
     assert jump["weights"]["rel_l2"] == pytest.approx(0.01, rel=1e-3)
+    summary = json.loads((dirs[1] / "summary.json").read_text())
+    (dirs[1] / "summary.json").write_text(json.dumps({**summary, "mismatch_version": "0.0.9"}))
+    (again,) = trend_json(dirs, capsys)["jumps"]
+    assert again["causes"][:2] == ["another mismatch version audited this step: mismatch.mismatch_version "
+                                   f"{summary['mismatch_version']!r} → '0.0.9'", jump["causes"][0]]
+    (dirs[1] / "summary.json").write_text(json.dumps(summary))
     capsys.readouterr()
     assert main(["trend", *map(str, dirs)]) == 0
     first = capsys.readouterr().out.splitlines()[0]

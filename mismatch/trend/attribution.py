@@ -152,8 +152,12 @@ def grown(records_before: Sequence[list[dict[str, Any]]], records_after: Sequenc
 
 def configuration_changes(previous: Step, current: Step) -> list[dict[str, Any]]:
     """Every recorded configuration fact of an engine that differs between two steps, each with its
-    kind of cause: an engine restarted in another dtype or version, or otherwise configured."""
+    kind of cause: an engine restarted in another dtype or version, or otherwise configured; and
+    the audits' own mismatch version."""
     changes = []
+    if previous.mismatch_version != current.mismatch_version:
+        changes.append({"engine": "mismatch", "key": "mismatch_version", "before": previous.mismatch_version,
+                        "after": current.mismatch_version, "cause": "another mismatch version audited this step"})
     for source in sorted(set(previous.engines) | set(current.engines)):
         old, new = previous.engines.get(source, {}), current.engines.get(source, {})
         for key in sorted(set(old) | set(new)):

@@ -49,6 +49,7 @@ class Step:
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)  # configuration facts only
     headline: str = ""
     has_report: bool = False
+    mismatch_version: str = ""  # the audit's own: two versions may measure differently
 
     def value(self, pair: str, metric: str) -> float:
         value = self.pairs.get(pair, {}).get(metric)
@@ -112,7 +113,7 @@ def _step(path: Path, summary: dict[str, Any], number: int, source: str) -> Step
                 engines={source: configuration(engine) for source, engine in (summary.get("engines") or {}).items()
                          if isinstance(engine, dict)},
                 headline=str(first.get("text", "")) if isinstance(first, dict) else "",
-                has_report=(path / "index.html").is_file())
+                has_report=(path / "index.html").is_file(), mismatch_version=str(summary.get("mismatch_version", "")))
     step.ci = _confidence_intervals(path, step.pairs)
     return step
 
