@@ -69,7 +69,7 @@ def load_steps(paths: list[Path]) -> list[Step]:
         seen[path.resolve()] = path
     summaries = [(path, read_summary(path)) for path in paths]
     if len(paths) == 1:  # one audit of a step-indexed dump, split by its rollouts' steps
-        _step(paths[0], summaries[0][1], 0, "order")  # an audit's results dir, or refused here
+        _check_audit(*summaries[0])
         steps = split_by_step(*summaries[0])
         if len(steps) < 2:
             raise ResultsError(f"trend: {paths[0]} holds {len(steps) or 'no'} training step"
@@ -97,13 +97,17 @@ def _step_numbers(summaries: list[tuple[Path, dict[str, Any]]]) -> tuple[list[in
     return list(range(len(summaries))), "order"
 
 
-def _step(path: Path, summary: dict[str, Any], number: int, source: str) -> Step:
+def _check_audit(path: Path, summary: dict[str, Any]) -> None:
     if summary.get("command") != "audit":
         raise ResultsError(f"{path}: a {summary.get('command')} results dir; trend reads audits (one per step)")
+
+
+def _step(path: Path, summary: dict[str, Any], number: int, step_from: str) -> Step:
+    _check_audit(path, summary)
     localization = summary.get("localization") or {}
     verdicts = summary.get("verdicts") or {}
     first = verdicts.get("train/sampler") or next(iter(verdicts.values()), {})
-    step = Step(step=number, path=path, step_from=source, checkpoint=str(summary.get("checkpoint", "")),
+    step = Step(step=number, path=path, step_from=step_from, checkpoint=str(summary.get("checkpoint", "")),
                 pairs={name: dict(metrics) for name, metrics in (summary.get("pairs") or {}).items()
                        if isinstance(metrics, dict)},
                 frameworks=_framework_metrics(summary.get("framework_metrics") or {}),
@@ -114,7 +118,7 @@ def _step(path: Path, summary: dict[str, Any], number: int, source: str) -> Step
                          if isinstance(engine, dict)},
                 headline=str(first.get("text", "")) if isinstance(first, dict) else "",
                 has_report=(path / "index.html").is_file(), mismatch_version=str(summary.get("mismatch_version", "")))
-    step.ci = _confidence_intervals(path, step.pairs)
+    step.ci = _confidence_intervals(path)
     return step
 
 
@@ -148,7 +152,7 @@ def _framework_metrics(found: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
-def _confidence_intervals(path: Path, pairs: dict[str, dict[str, Any]]) -> dict[str, dict[str, tuple[float, float]]]:
+def _confidence_intervals(path: Path) -> dict[str, dict[str, tuple[float, float]]]:
     """Per pair, each mean metric's 95% CI over rollouts (rollouts.parquet); none without the file."""
     table = _per_rollout(path)
     if table is None:
