@@ -422,65 +422,16 @@ def stage_checkpoint(kind: str) -> Callable[[Run], dict[str, Any]]:
 
 # --- rollouts ---------------------------------------------------------------------------------
 
-def device_sampler(device: str) -> type:
-    """The toy agent's bf16 hf-decode sampler, on `device`: the same ops (prompt runs prefilled,
-    tokens decoded one by one with a KV cache, the last row alone through lm_head), so an
-    `hf-decode:dtype=bfloat16` replay on that device should give its log-probs bit for bit
-    (infer/sampler says whether it does). The draw stays on the CPU generator: same seed, same
-    draws from the same probabilities."""
-    import numpy as np
-    import torch
-
-    from mismatch.checkpoint import checkpoint_info, load_model
-    from mismatch.demo.toy_agent import HFDecodeSampler
-    from mismatch.engines.hf_decode import DecodeSession
-
-    class DeviceDecodeSampler(HFDecodeSampler):
-        def __init__(self, checkpoint, config) -> None:
-            self.config = config
-            self.model = load_model(checkpoint_info(checkpoint), dtype=config.dtype, attn=config.attn, device=device)
-            self.lm_head = self.model.get_output_embeddings()
-            self.generator = torch.Generator().manual_seed(config.seed)
-
-        def new_state(self) -> dict[str, Any]:
-            return {"session": DecodeSession(self.model, device), "pending": []}
-
-        def sample(self, state, unsent, all_tokens, stop_id):
-            pending = state["pending"] + unsent
-            sampled: list[int] = []
-            logprobs: list[float] = []
-            while len(sampled) < self.config.max_turn_tokens:
-                hidden_CD = state["session"].feed(np.asarray(pending))
-                with torch.inference_mode():
-                    logits_V = self.lm_head(hidden_CD[-1:]).float()[0] / self.config.temperature
-                    logp_V = torch.log_softmax(logits_V, dim=-1)
-                token = int(torch.multinomial(logp_V.exp().cpu(), 1, generator=self.generator))
-                sampled.append(token)
-                logprobs.append(float(logp_V[token]))
-                pending = [token]
-                if token == stop_id:
-                    break
-            state["pending"] = pending
-            return sampled, logprobs
-
-    return DeviceDecodeSampler
-
-
 def sample_rollouts(run: Run, checkpoint: Path, out: Path, num: int) -> dict[str, Any]:
-    from mismatch.demo import toy_agent
     from mismatch.demo.toy_agent import HarnessConfig, write_rollouts
 
-    config = HarnessConfig(num_rollouts=num, seed=0, engine="hf-decode", dtype="bfloat16",
+    # The toy agent's bf16 hf-decode sampler on the device: the ops of the hf-decode replay, so an
+    # `hf-decode:dtype=bfloat16` replay there should give its log-probs bit for bit (infer/sampler).
+    config = HarnessConfig(num_rollouts=num, seed=0, engine="hf-decode", dtype="bfloat16", device=run.device,
                            max_turns=run.preset.max_turns, max_turn_tokens=run.preset.max_turn_tokens)
-    # The toy agent picks its sampler class by name; for this call, the hf-decode one runs on the device.
-    original = toy_agent.SAMPLERS["hf-decode"]
-    toy_agent.SAMPLERS["hf-decode"] = device_sampler(run.device)
-    try:
-        started = time.perf_counter()
-        count = write_rollouts(checkpoint, out, config)
-        seconds = time.perf_counter() - started
-    finally:
-        toy_agent.SAMPLERS["hf-decode"] = original
+    started = time.perf_counter()
+    count = write_rollouts(checkpoint, out, config)
+    seconds = time.perf_counter() - started
     _free_device(run.device)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     segments = [s for r in lines for b in r["branches"] for s in b["segments"]]

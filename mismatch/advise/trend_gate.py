@@ -20,17 +20,17 @@ from mismatch.errors import MismatchError
 
 def run_trend_gate(paths: list[Path], *, max_slope: list[str], max_step_change: list[str]) -> GateResult:
     """Each limit checked on the run's series of its pair and metric."""
-    from mismatch.trend import analyze_trend
+    from mismatch.trend import analyze_steps, load_steps
 
     slopes = parse_limits(max_slope, flag="--max-slope")
     changes = parse_limits(max_step_change, flag="--max-step-change")
     if not slopes and not changes:
         raise MismatchError("gate --trend: give --max-slope METRIC=V and/or --max-step-change METRIC=V")
-    checks = []
+    run, checks = load_steps(paths), []  # loaded once for every limit
     for kind, limits in (("slope", slopes), ("step_change", changes)):
         for key, limit in limits.items():
             pair, _, metric = key.rpartition(".")
-            found = analyze_trend(paths, pair=pair, metric=metric)
+            found = analyze_steps(run, pair=pair, metric=metric)
             rows = found["series"][metric]
             steps = np.array([row["step"] for row in rows], np.float64)
             values = np.array([math.nan if row["value"] is None else row["value"] for row in rows], np.float64)

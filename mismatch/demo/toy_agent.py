@@ -55,6 +55,7 @@ class HarnessConfig:
     max_turns: int = 4
     max_turn_tokens: int = 48
     faults: tuple[str, ...] = ()  # names from FAULTS
+    device: str = "cpu"  # the hf-decode sampler's (benchmarks/gpu samples on cuda); the draws stay on the CPU
 
     def __post_init__(self) -> None:
         from mismatch.errors import MismatchError
@@ -95,14 +96,14 @@ class HFDecodeSampler:
 
         self.config = config
         self.model = load_model(checkpoint_info(checkpoint), dtype=config.dtype, attn=config.attn,
-                                device="cpu")
+                                device=config.device)
         self.lm_head = self.model.get_output_embeddings()
         self.generator = torch.Generator().manual_seed(config.seed)
 
     def new_state(self) -> dict[str, Any]:
         from mismatch.engines.hf_decode import DecodeSession
 
-        return {"session": DecodeSession(self.model, "cpu"), "pending": []}
+        return {"session": DecodeSession(self.model, self.config.device), "pending": []}
 
     def sample(self, state: dict[str, Any], unsent: list[int], all_tokens: list[int],
                stop_id: int) -> tuple[list[int], list[float]]:
@@ -117,7 +118,8 @@ class HFDecodeSampler:
             with torch.inference_mode():
                 logits_V = self.lm_head(hidden_CD[-1:]).float()[0] / self.config.temperature
                 logp_V = torch.log_softmax(logits_V, dim=-1)
-            token = int(torch.multinomial(logp_V.exp(), 1, generator=self.generator))
+            # The CPU generator draws on any device: one seed, the same draws from the same probabilities.
+            token = int(torch.multinomial(logp_V.exp().cpu(), 1, generator=self.generator))
             sampled.append(token)
             logprobs.append(float(logp_V[token]))
             pending = [token]

@@ -20,7 +20,7 @@ from mismatch.trend.attribution import configuration_changes, grown, layer_chang
 from mismatch.trend.changes import ALPHA, ChangePoint, change_points
 from mismatch.trend.steps import MEAN_METRICS, Z95, Step, load_steps
 
-__all__ = ["MEAN_METRICS", "Step", "analyze_trend", "load_steps", "series"]
+__all__ = ["MEAN_METRICS", "Step", "analyze_steps", "analyze_trend", "load_steps", "series"]
 
 WINDOW = 5  # steps each side of a change whose summaries are pooled to say what changed there
 
@@ -41,7 +41,11 @@ def analyze_trend(paths: list[Path], *, pair: str = "train/sampler", metric: str
                   weights: bool = False) -> dict[str, Any]:
     """The trend of `metric` of `pair` over the results dirs: what `mismatch trend --json` prints
     and the trend page draws. `weights`: diff the checkpoints across each change and jump."""
-    steps = load_steps(paths)
+    return analyze_steps(load_steps(paths), pair=pair, metric=metric, weights=weights)
+
+
+def analyze_steps(steps: list[Step], *, pair: str, metric: str, weights: bool = False) -> dict[str, Any]:
+    """analyze_trend of steps already loaded (the trend gate checks several metrics of one run)."""
     _check_known(steps, pair, metric)
     numbers = np.array([step.step for step in steps], np.float64)
     headline = series(steps, pair, metric)
