@@ -131,7 +131,7 @@ def published_files(directory: Path) -> dict[str, dict[str, Any]]:
     for name in PUBLISHED_TABLES:
         file = directory / name
         if file.is_file():
-            found[name] = {"rows": pq.ParquetFile(file).metadata.num_rows, "sha256": _sha256(file)}
+            found[name] = {"rows": pq.ParquetFile(file).metadata.num_rows, "sha256": file_sha256(file)}
     return found
 
 
@@ -147,12 +147,14 @@ def check_published_files(directory: Path, recorded: Any) -> None:
             raise ResultsError(f"{directory}/{SUMMARY_FILE}: files.{name}: not a file a results dir publishes")
         if not file.is_file():
             raise ResultsError(f"{file}: missing ({directory}/{SUMMARY_FILE} records it)")
-        if _sha256(file) != entry.get("sha256"):
+        if file_sha256(file) != entry.get("sha256"):
             raise ResultsError(f"{file}: its content is not what {directory}/{SUMMARY_FILE} recorded (another "
                                "run's file, or changed since); rerun the shard")
 
 
-def _sha256(file: Path) -> str:
+def file_sha256(file: str | Path) -> str:
+    """A file's SHA-256, streamed (hashlib reads it in 256 KiB pieces): the one content digest of
+    the project (published files here, a run's inputs in identity)."""
     with open(file, "rb") as handle:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
