@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from mismatch.version import __version__  # noqa: E402  (a leaf: no import)
 
 from mismatch.errors import MismatchError, RolloutError  # noqa: E402  (light: no third-party import)
 

@@ -41,7 +41,7 @@ LAYERS = (
     "results",
     "streams | checkpoint",
     "workers | batch",
-    "errors",
+    "errors | version",
 )
 # Beyond the layers: (importer package, what it must never import).
 FORBIDDEN = (

@@ -75,7 +75,7 @@ if hasattr(typer.core.TyperArgument, "_usage_display_name"):
 
 def _version(show: bool) -> None:
     if show:
-        from mismatch import __version__
+        from mismatch.version import __version__
 
         out_console.print(f"mismatch {__version__}", markup=False, highlight=False)
         raise typer.Exit()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from mismatch import __version__
+from mismatch.version import __version__
 from mismatch.analysis.clip import ClipRange
 from mismatch.analysis.prefixes import PrefixConsistency, PrefixKeys, prefix_keys
 from mismatch.checkpoint import load_tokenizer

@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from mismatch import __version__
+from mismatch.version import __version__
 from mismatch.advise.verdicts import verdicts
 from mismatch.analysis.chunked import Analysis, Chunks, run_passes
 from mismatch.analysis.counts import Counts
