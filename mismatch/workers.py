@@ -1,5 +1,5 @@
 """Forked processes: jobs run side by side (`fork_jobs`, the parent running the first itself),
-the plumbing the rollouts readers share (`forked`, `reporting`, `received`, `Drained`, `stop`),
+the plumbing the rollouts readers share (`forked`, `reporting`, `received`, `PrefetchedReceiver`, `stop`),
 and how many processes an analysis, or the reading of a rollouts file, may use.
 
 A fork, not a fresh interpreter: the child starts with the parent's imports and data (a token
@@ -157,7 +157,7 @@ def received(child: Forked, what: str) -> Any:
     return payload
 
 
-class Drained:
+class PrefetchedReceiver:
     """A child's payloads received ahead of the caller by a thread, at most `depth` of them
     waiting: a child's message (a block of a rollouts file: megabytes) fills the pipe, so without
     it the child would wait for this process to finish the work before it takes the next one, and

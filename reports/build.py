@@ -25,7 +25,7 @@ from mismatch.results import read_summary as read_results_summary
 from mismatch.reports import advice, aggregate, figures, sections
 from mismatch.reports.banner import banner, focus_pair
 from mismatch.reports.blocks import section
-from mismatch.reports.digest import Chunks, Digest, Digestion, digest
+from mismatch.reports.digest import Chunks, Digest, DigestAnalysis, digest
 from mismatch.reports.html import Html, el, join
 from mismatch.reports.worst import WorstOptions
 
@@ -146,7 +146,7 @@ def distribution_section(pairs: list[str], figs: dict[str, Any], colors: dict[st
 
 
 def page_body(summary: dict[str, Any], tokens: tuple[Chunks, list[str]], *, tokenizer_path: Path | None,
-              worst_options: WorstOptions, digested: Digestion | None = None) -> tuple[Html, dict[str, Any], str]:
+              worst_options: WorstOptions, digested: DigestAnalysis | None = None) -> tuple[Html, dict[str, Any], str]:
     """(static markup, JSON data for the page's script, page title); `tokens` as token_chunks gives
     them. `digested`: the tokens already read for the page in the analysis's passes, used when it
     read them for this summary's pairs and focus (else they are read here)."""
@@ -233,7 +233,7 @@ def atomic_write(path: Path, text: str) -> None:
 
 
 def build_report(results_dir: Path, *, tokenizer_path: Path | None = None,
-                 worst_options: WorstOptions = WorstOptions(), digested: Digestion | None = None) -> Path:
+                 worst_options: WorstOptions = WorstOptions(), digested: DigestAnalysis | None = None) -> Path:
     """Write `results_dir/index.html` from its summary.json and tokens.parquet; return its path.
 
     Token text comes from `tokenizer_path` (a tokenizer.json), else from the checkpoint the

@@ -1,7 +1,7 @@
 """What the page needs from tokens.parquet, read in chunks of whole rollouts: memory of a chunk,
 however many tokens were audited.
 
-`Digestion` is an Analysis (mismatch.analysis.chunked) of two passes, three without the pairs'
+`DigestAnalysis` is an Analysis (mismatch.analysis.chunked) of two passes, three without the pairs'
 token counts: (1) per pair the count and extremes of the log-ratio, its top 0.1% (behind the
 histograms' common x-range), the stream's longest position, each rollout's ranking score, the
 focus pair's worst tokens; (2) the histogram counts, the per-position (and, for results without
@@ -71,7 +71,7 @@ class Digest:
     worst_tokens: list[dict[str, Any]]
 
 
-class Digestion:
+class DigestAnalysis:
     """The Digest as an Analysis of a token table's chunks (mismatch.analysis.chunked): an audit
     runs it in its own passes, `digest` on a results dir. Pass 0: per pair the count and extremes
     of the log-ratio and its top 0.1% (against `expected`, an upper bound of each pair's finite
@@ -142,7 +142,7 @@ class Digestion:
         else:
             self._last(table)
 
-    def merge(self, other: Digestion, index: int) -> None:
+    def merge(self, other: DigestAnalysis, index: int) -> None:
         """Take in what the pass found in later chunks (its stage is this one's: set before the pass)."""
         if index == 0:
             for pair, state in self.found.items():
@@ -216,7 +216,7 @@ def digest(chunks: Chunks, columns: list[str], *, pairs: list[str], focus: str, 
     tail behind the histograms' range is gathered in the first pass (else in a pass of its own)."""
     from mismatch.analysis.chunked import run_passes
 
-    found = Digestion(columns, pairs=pairs, focus=focus, options=options, with_turns=with_turns,
+    found = DigestAnalysis(columns, pairs=pairs, focus=focus, options=options, with_turns=with_turns,
                       with_worst_tokens=with_worst_tokens, expected=expected)
     run_passes(chunks, [found])
     return found.result(tokenizer_path)

@@ -132,12 +132,12 @@ def _counting(send) -> None:
 
 
 def test_a_drained_child_stopped_early_is_killed_and_nothing_hangs() -> None:
-    """workers.Drained receives a child's messages ahead on a thread; a consumer that stops early
+    """workers.PrefetchedReceiver receives a child's messages ahead on a thread; a consumer that stops early
     (the parent raising the file's first error) kills the child and joins the thread."""
-    from mismatch.workers import Drained, forked, stop
+    from mismatch.workers import PrefetchedReceiver, forked, stop
 
     child = forked(_counting)
-    drained = Drained(child, "a counting child", depth=2)
+    drained = PrefetchedReceiver(child, "a counting child", depth=2)
     assert [drained.next() for _ in range(5)] == [0, 1, 2, 3, 4]
     drained.close()
     stop([child])
@@ -145,7 +145,7 @@ def test_a_drained_child_stopped_early_is_killed_and_nothing_hangs() -> None:
 
 
 def test_a_drained_child_that_dies_is_raised_in_order() -> None:
-    from mismatch.workers import Drained, forked, stop
+    from mismatch.workers import PrefetchedReceiver, forked, stop
 
     def two_then_die(send) -> None:
         send.send((True, "a"))
@@ -153,7 +153,7 @@ def test_a_drained_child_that_dies_is_raised_in_order() -> None:
         os._exit(3)
 
     child = forked(two_then_die)
-    drained = Drained(child, "a dying child")
+    drained = PrefetchedReceiver(child, "a dying child")
     try:
         assert drained.next() == "a" and drained.next() == "b"
         with pytest.raises(RuntimeError, match=r"a dying child process died \(exit code 3\)"):

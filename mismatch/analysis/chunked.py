@@ -4,7 +4,7 @@ Flow: tokens.parquet (or a table in memory) -> rollout-aligned chunks (results.c
 numbered, re-iterable) -> `run_passes`: pass after pass, each chunk once for every `Analysis` that
 wants it, through views they share (`Chunk`); each pass's chunks in PARTS_PER_PASS parts, the later
 parts' states merged into the first's (`Analysis.merge`), so two processes share every pass -> each
-analysis's `result()`. A `SideJob` (a query over the whole run's files) runs beside the first pass.
+analysis's `result()`. A `WholeRunJob` (a query over the whole run's files) runs beside the first pass.
 The analyses themselves live beside this module: grouped_metrics, per_rollout, counts, and the
 mergeable reductions they are made of (tails, radix_select, moments).
 
@@ -79,7 +79,7 @@ class Analysis(Protocol):
         ...
 
 
-class SideJob(Protocol):
+class WholeRunJob(Protocol):
     """Work over the whole run that reads no chunk (one query over the files, say): run once,
     in a process of its own beside the first pass, its state brought back."""
 
@@ -96,7 +96,7 @@ PARTS_PER_PASS = 2
 
 
 def run_passes(chunks: Chunks, analyses: Sequence[Analysis], *, workers: int = 1,
-               side_jobs: Sequence[SideJob] = ()) -> None:
+               side_jobs: Sequence[WholeRunJob] = ()) -> None:
     """Every analysis over the chunks: pass after pass, each chunk read once per pass for all of
     the analyses that want that pass, its views shared by them.
 
@@ -116,7 +116,7 @@ def run_passes(chunks: Chunks, analyses: Sequence[Analysis], *, workers: int = 1
         index += 1
 
 
-def _one_pass(chunks: Chunks, active: list[Analysis], index: int, side_jobs: list[SideJob], workers: int) -> None:
+def _one_pass(chunks: Chunks, active: list[Analysis], index: int, side_jobs: list[WholeRunJob], workers: int) -> None:
     parts = _pass_parts(chunks)
     if workers > 1 and (len(parts) > 1 or side_jobs):
         jobs: list[Callable[[], Any]] = [partial(_read_part, chunks, active, index, part) for part in parts]
@@ -160,7 +160,7 @@ def _read_part(chunks: Chunks, analyses: list[Analysis], index: int, part: tuple
     return analyses
 
 
-def _run_side_job(job: SideJob) -> SideJob:
+def _run_side_job(job: WholeRunJob) -> WholeRunJob:
     """The job, run (in a fork: sent back to the parent, which adopts its state)."""
     job.compute()
     return job

@@ -117,7 +117,7 @@ def prefix_consistency(tokens: pd.DataFrame | Path, keys: np.ndarray | Path,
 
 
 class PrefixConsistency:
-    """prefix_consistency beside an audit's analyses (a chunked.SideJob): its one DuckDB query reads
+    """prefix_consistency beside an audit's analyses (a chunked.WholeRunJob): its one DuckDB query reads
     the files itself, so it runs in a process of its own during the analysis's first pass instead
     of before the analysis on one core (DuckDB's positional join of the two files scans on one
     thread: ~1 s over benchmarks/audit_stored.py's 9.3M rows)."""

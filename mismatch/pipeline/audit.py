@@ -85,11 +85,11 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) 
     prepared = stages.prepare(checkpoint, rollouts, options, command="audit")
     replayed = stages.replay(checkpoint, rollouts, options, prepared, processed_source="train", routing_from="infer")
     with staged_tokens(options.out, force=options.force) as store:
-        stored = stages.store_with_findings(replayed, store, checkpoint, ("sampler", *options.sources),
+        stored = stages.store_audit_rows(replayed, store, checkpoint, ("sampler", *options.sources),
                                             workers=reading_workers(Path(rollouts).stat().st_size))
         alignment = _alignment_before_the_passes(replayed, store, checkpoint, options)
         pairs = audit_pairs(store.columns)  # with the processed pair once its column is there
-        beside = FoundBesideTheTable(engines=replayed.engines, drift=stored.drift, alignment=alignment,
+        beside = ReplayFindings(engines=replayed.engines, drift=stored.drift, alignment=alignment,
                                      routing=replayed_routing(replayed, pairs), prefixes=stored.prefixes)
         requests = replayed.plan.requests if options.localize_models else None
         del replayed  # the rollouts and their requests: from here on only the tokens are read
@@ -126,7 +126,7 @@ def _check_requested_work(options: AuditOptions) -> None:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class FoundBesideTheTable:
+class ReplayFindings:
     """What the analysis is given beside the token table: each engine as it described itself, and
     the findings that need the rollouts, the engines' routers or the replay's requests (render
     drift, MoE routing agreement, prefix consistency as found or as its query, run beside the
@@ -173,7 +173,7 @@ class AuditFindings:
     strata: dict[str, Any]
 
 
-def analyze_audit(chunks: Chunks, beside: FoundBesideTheTable, *, clip: ClipRange | None, extra: Sequence[Analysis] = (),
+def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | None, extra: Sequence[Analysis] = (),
                   workers: int = 1) -> tuple[Measured, AuditFindings]:
     """Everything the token table shows, read as chunks of whole rollouts, every analysis in the
     same passes; `extra`: more analyses for those passes (the per-rollout table, the report's

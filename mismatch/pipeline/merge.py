@@ -26,7 +26,7 @@ from mismatch.analysis.prefixes import PrefixConsistency, PrefixKeys
 from mismatch.analysis.routing import merged_routing
 from mismatch.errors import ResultsError
 from mismatch.pipeline import stages
-from mismatch.pipeline.audit import FoundBesideTheTable, analyze_audit, audit_pairs, audit_summary
+from mismatch.pipeline.audit import ReplayFindings, analyze_audit, audit_pairs, audit_summary
 from mismatch.pipeline.diff import DIFF_PAIRS, analyze_diff
 from mismatch.pipeline.summary import Provenance
 from mismatch.replay import bad_logprob_rows
@@ -142,10 +142,10 @@ def _merged_prefixes(store: TokenStore, keys: PrefixKeys | None, first: dict[str
 
 
 def _merged_evidence(provenance: Provenance, summaries: list[dict[str, Any]], order: dict[str, int],
-                     prefixes: Any) -> FoundBesideTheTable:
+                     prefixes: Any) -> ReplayFindings:
     """What the shards found beside their tables, as one run's: drift and routing merged, prefix
     consistency as grouped over all of them."""
-    return FoundBesideTheTable(engines=provenance.engines, drift=_merged_drift(summaries, order),
+    return ReplayFindings(engines=provenance.engines, drift=_merged_drift(summaries, order),
                                routing=merged_routing(summaries), prefixes=prefixes)
 
 

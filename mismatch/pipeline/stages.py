@@ -36,7 +36,7 @@ from mismatch.results import (
 from mismatch.rollouts.drift import find_drift, recorded
 
 if TYPE_CHECKING:
-    from mismatch.reports.digest import Digestion
+    from mismatch.reports.digest import DigestAnalysis
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -124,7 +124,7 @@ PREFIX_KEYS_SIDE = "prefix_keys"  # the side file of each row's prefix key (Toke
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class StoredWithFindings:
+class StoreFindings:
     """What the pass that stores an audit's blocks also finds: render drift (None when no rollout
     has messages), prefix consistency's query, run beside the analysis's first pass, and each
     rollout's training step where its `meta.step` gives one (a step-indexed dump audited once:
@@ -142,8 +142,8 @@ def store_rows(replayed: Replayed, store: TokenStore) -> None:
     store.close()
 
 
-def store_with_findings(replayed: Replayed, store: TokenStore, checkpoint: str | Path, sources: Sequence[str],
-                        workers: int = 1) -> StoredWithFindings:
+def store_audit_rows(replayed: Replayed, store: TokenStore, checkpoint: str | Path, sources: Sequence[str],
+                        workers: int = 1) -> StoreFindings:
     """One pass over the replayed blocks: each block's rows into the token store, its rollouts'
     render drift (those with messages), and each row's prefix key. `workers`: forked readers of a
     stored-only replay's file (Replayed.map_blocks)."""
@@ -163,7 +163,7 @@ def store_with_findings(replayed: Replayed, store: TokenStore, checkpoint: str |
     # Same prefix, same engine config: the same log-prob, whatever request it came in.
     prefixes = PrefixConsistency(store.file if store.file is not None else store.table,
                                  keys.file if keys.file is not None else keys.values, sources)
-    return StoredWithFindings(drift=merge_drift(drifts) if tokenized else None, prefixes=prefixes, steps=steps)
+    return StoreFindings(drift=merge_drift(drifts) if tokenized else None, prefixes=prefixes, steps=steps)
 
 
 def _stored_parts(checkpoint: str, block: Block) -> tuple[pd.DataFrame, Any, dict[str, Any], bool, dict[str, int]]:
@@ -217,21 +217,21 @@ def merge_drift(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def report_digestion(store: TokenStore, pairs: Sequence[tuple[str, str]]) -> Digestion:
+def report_digestion(store: TokenStore, pairs: Sequence[tuple[str, str]]) -> DigestAnalysis:
     """The report's reading of the tokens, as an analysis to run in the command's own passes: its
     pairs as the summary lists them, the first as the focus, and the table's row count as every
     pair's upper bound, so the tail behind the histograms' range is gathered in pass 0. The report
     reads the tokens again only if the summary's focus turns out another pair."""
-    from mismatch.reports.digest import Digestion
+    from mismatch.reports.digest import DigestAnalysis
     from mismatch.reports.worst import WorstOptions
 
     names = [f"{a}/{b}" for a, b in pairs]
-    return Digestion(store.columns, pairs=names, focus=names[0] if names else None, options=WorstOptions(),
+    return DigestAnalysis(store.columns, pairs=names, focus=names[0] if names else None, options=WorstOptions(),
                      with_turns=False, with_worst_tokens=True, expected=dict.fromkeys(names, store.num_rows))
 
 
 def write_results_files(store: TokenStore, summary: dict[str, Any], per_rollout: pd.DataFrame,
-                        digested: Digestion | None = None) -> None:
+                        digested: DigestAnalysis | None = None) -> None:
     """summary.json, rollouts.parquet and the report, beside the stored tokens.parquet in the
     staged dir: they appear in the one rename that publishes it, when `staged_tokens` exits. The
     summary records each published table's rows and digest (`shard.files`, what a merge checks);

@@ -48,14 +48,14 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class Asked:
+class HarnessAsked:
     """What the harness asked for itself: the proxy strips only what it added."""
 
     logprobs: bool
     token_ids: bool
 
 
-def prepare(engine: str, endpoint: str, body: Any) -> tuple[dict[str, Any], Asked] | None:
+def prepare(engine: str, endpoint: str, body: Any) -> tuple[dict[str, Any], HarnessAsked] | None:
     """The upstream request and what the harness asked for; None when the request is forwarded
     unchanged and not recorded (not an object, or options whose meaning the additions change:
     completions `echo`, beam search, SGLang completions)."""
@@ -64,7 +64,7 @@ def prepare(engine: str, endpoint: str, body: Any) -> tuple[dict[str, Any], Aske
     if engine == "sglang":
         if endpoint != "chat":
             return None
-        asked = Asked(logprobs=bool(body.get("logprobs")),
+        asked = HarnessAsked(logprobs=bool(body.get("logprobs")),
                       token_ids=bool(body.get("return_input_ids_in_sglext") and body.get("return_output_ids_in_sglext")))
         return {**body, "logprobs": True, "return_input_ids_in_sglext": True,
                 "return_output_ids_in_sglext": True}, asked
@@ -73,9 +73,9 @@ def prepare(engine: str, endpoint: str, body: Any) -> tuple[dict[str, Any], Aske
     if endpoint == "chat":
         if body.get("top_logprobs") and not body.get("logprobs"):
             return None  # vLLM refuses this; with logprobs added it would not: the error must stay
-        asked = Asked(logprobs=bool(body.get("logprobs")), token_ids=bool(body.get("return_token_ids")))
+        asked = HarnessAsked(logprobs=bool(body.get("logprobs")), token_ids=bool(body.get("return_token_ids")))
         return {**body, "logprobs": True, "return_token_ids": True}, asked
-    asked = Asked(logprobs=body.get("logprobs") is not None, token_ids=bool(body.get("return_token_ids")))
+    asked = HarnessAsked(logprobs=body.get("logprobs") is not None, token_ids=bool(body.get("return_token_ids")))
     return {**body, "logprobs": body.get("logprobs") if asked.logprobs else 0, "return_token_ids": True}, asked
 
 
@@ -130,7 +130,7 @@ class Capture:
     """Reads one response (a whole body, or its SSE events in order) into per-choice token ids and
     log-probs, and returns each piece as the harness would have had it without the proxy."""
 
-    def __init__(self, engine: str, endpoint: str, asked: Asked) -> None:
+    def __init__(self, engine: str, endpoint: str, asked: HarnessAsked) -> None:
         self.engine, self.endpoint, self.asked = engine, endpoint, asked
         self.prompt: list[int] | None = None  # chat: one prompt for all choices
         self.choices: dict[int, Choice] = {}

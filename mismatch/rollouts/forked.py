@@ -3,7 +3,7 @@
 The file's blocks (`block_size` rollouts each) are dealt round robin to forked readers. Each reads
 every line but decodes and checks only its own blocks' rollouts, and runs the caller's `work` on
 each of its blocks whose rollouts are all valid. The parent receives each reader's next blocks
-ahead (a thread per reader: workers.Drained), takes them in file order and runs the checks across
+ahead (a thread per reader: workers.PrefetchedReceiver), takes them in file order and runs the checks across
 the file on the way (unique ids, one routing shape: FileChecks), so the error raised is the one a
 single reader raises first, word for word.
 
@@ -22,7 +22,7 @@ from mismatch.errors import RolloutError
 from mismatch.rollouts.decode import UNPARSED, check_rollout
 from mismatch.rollouts.io import SKIPPED, FileChecks, LineFacts, empty_file_error, open_rollouts, read_jsonl
 from mismatch.rollouts.model import Rollout
-from mismatch.workers import Drained, Forked, forked, reporting, stop
+from mismatch.workers import PrefetchedReceiver, Forked, forked, reporting, stop
 
 T = TypeVar("T")
 Work = Callable[[int, list[int], list[Rollout]], T]  # (block, file indices, its rollouts) -> result
@@ -36,12 +36,12 @@ def forked_blocks(path: str | Path, *, vocab_size: int | None, num_experts: int 
     `limit`: read whole lines within that many bytes only (the size pinned for the run)."""
     file, _ = open_rollouts(path, limit=limit)  # a missing or unreadable file: its one-line error, now
     readers: list[Forked] = []
-    drained: list[Drained] = []
+    drained: list[PrefetchedReceiver] = []
     try:
         readers.extend(forked(_reader, file, index, workers, block_size, vocab_size, num_experts, limit, work)
                        for index in range(workers))
         # Received ahead: a reader goes on with its next block while this process stores the last.
-        drained.extend(Drained(reader, "a rollouts reader") for reader in readers)
+        drained.extend(PrefetchedReceiver(reader, "a rollouts reader") for reader in readers)
         checks = FileChecks(file)
         block = 0
         while (found := drained[block % workers].next()) is not None:
