@@ -26,6 +26,8 @@ from typing import Any
 
 from mismatch.errors import SpecError
 from mismatch.frameworks.configs.derived import Derived, Deriving, Machine, Side
+from mismatch.frameworks.configs.loading import text, yaml_value
+from mismatch.frameworks.configs.scripts import command_line
 
 NAME = "verl"
 VERSION = "0.9.1"
@@ -42,7 +44,13 @@ DEFAULTS: dict[str, Any] = {
     f"{ACTOR}.ppo_micro_batch_size_per_gpu": None,                                        # :82
     f"{ACTOR}.ppo_max_token_len_per_gpu": 16384,                                          # :84
     f"{ACTOR}.fsdp_config.mixed_precision": None,              # FSDPEngineConfig (workers/config/engine.py:291)
-    f"{ACTOR}.ulysses_sequence_parallel_size": 1,                                         # :178
+    f"{ACTOR}.fsdp_config.model_dtype": "fp32",                                           # :37
+    f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size": 1,                             # :41
+    f"{ACTOR}.ulysses_sequence_parallel_size": 1,                  # :178 (deprecated; the engine reads fsdp_config's)
+    f"{ACTOR}.megatron.expert_model_parallel_size": 1,   # _generated_ppo_megatron_trainer.yaml
+    f"{ACTOR}.megatron.router_replay.mode": "disabled",  # ibid.:85-89 (EngineRouterReplayConfig)
+    f"{ACTOR}.megatron.override_transformer_config": {},  # ibid.
+    f"{ARR}.model.path": "~/models/deepseek-llm-7b-chat",                                 # model/hf_model.yaml
     f"{ACTOR}.megatron.tensor_model_parallel_size": 1,   # _generated_ppo_megatron_trainer.yaml:49
     f"{ACTOR}.megatron.pipeline_model_parallel_size": 1,  # ibid.
     f"{ACTOR}.megatron.context_parallel_size": 1,         # ibid.
@@ -69,7 +77,30 @@ DEFAULTS: dict[str, Any] = {
     f"{ROLLOUT}.log_prob_use_dynamic_bsz": f"${{oc.select:{ACTOR}.use_dynamic_bsz,false}}",            # :325
     f"{ROLLOUT}.log_prob_max_token_len_per_gpu": f"${{oc.select:{ACTOR}.ppo_max_token_len_per_gpu,16384}}",  # :326
     f"{ROLLOUT}.engine_kwargs": {},                                                       # :332
+    f"{ROLLOUT}.gpu_memory_utilization": 0.5,                                             # :305
+    f"{ROLLOUT}.enable_rollout_routing_replay": False,                                    # :382
+    "algorithm.rollout_correction.rollout_is": None,                                      # :851
+    "algorithm.rollout_correction.rollout_is_threshold": 2.0,                             # :852
+    "algorithm.rollout_correction.bypass_mode": False,                                    # :855
 }
+
+# verl 0.9.1's ppo_trainer.yaml defaults list: the config groups a dotless `GROUP=OPTION` override picks
+# an option of (Hydra's group override), and each group's options in that release.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "model_engine": ("dp", "megatron", "torchtitan", "veomni"),  # trainer/config/model_engine/*.yaml
+    "actor": (), "ref": (), "rollout": (), "model": (), "critic": (), "data": (), "reward": (), "algorithm": (),
+    "distillation": (), "transfer_queue": (), "legacy_reward_impl": (), "optim": (), "engine": (),
+}
+# model_engine=OPTION sets actor.strategy (trainer/config/actor/{dp,megatron,veomni,torchtitan}_actor.yaml:16)
+ENGINE_STRATEGY = {"dp": "fsdp", "megatron": "megatron", "torchtitan": "torchtitan", "veomni": "veomni"}
+# The top-level sections of verl 0.9.1's composed config (_generated_ppo_trainer.yaml): a dotless
+# override that is neither a group nor one of these, Hydra refuses.
+SECTIONS = ("actor_rollout_ref", "data", "critic", "custom_reward_function", "reward_model", "sandbox_fusion",
+            "reward", "algorithm", "distillation", "transfer_queue", "trainer", "global_profiler", "skip",
+            "ray_kwargs", "hydra")
+# The entry points that run verl's PPO loop (and so read these keys): the run scripts launch one of them.
+PPO_ENTRIES = ("verl.trainer.main_ppo", "verl.trainer.main_ppo_sync",
+               "verl.experimental.fully_async_policy.fully_async_main")
 
 _SELECT = re.compile(r"^\$\{oc\.select:([^,}]+),([^}]*)\}$")
 _REFERENCE = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
@@ -109,15 +140,15 @@ def _walk(tree: Any, key: str) -> tuple[bool, Any]:
     return True, tree
 
 
-def _yaml_value(text: str) -> Any:
-    import yaml
-
-    return yaml.safe_load(text.strip()) if text.strip() else None
+def _yaml_value(text: str, where: str = "override") -> Any:
+    return yaml_value(text.strip(), where, NAME) if text.strip() else None
 
 
 def derive(path: Path, machine: Machine) -> Derived:
     config, loader = load(path)
     deriving = Deriving(framework=NAME, file=str(path), loader=loader)
+    _model(config, deriving)
+    _bypass(config, deriving)
     _trainer(config, deriving, machine)
     _engine(config, deriving, machine)
     return deriving.derived()
@@ -131,63 +162,124 @@ def load(path: Path) -> tuple[Config, str]:
         version = importlib.metadata.version("verl")
         package = Path(next(iter(found.submodule_search_locations)))
         return _with_omegaconf(path, user, package), f"verl {version} (installed): OmegaConf over its default config"
-    return Config(user, DEFAULTS), f"built-in subset of verl {VERSION}'s keys (verl not installed)"
+    return Config(user, _defaults(user)), f"built-in subset of verl {VERSION}'s keys (verl not installed)"
+
+
+def _defaults(user: dict[str, Any]) -> dict[str, Any]:
+    """DEFAULTS with the `model_engine` group's choice applied: the actor's strategy it selects."""
+    engine = user.get(GROUP_CHOICES, {}).get("model_engine", "dp")
+    return {**DEFAULTS, f"{ACTOR}.strategy": ENGINE_STRATEGY[engine]}
+
+
+GROUP_CHOICES = "__groups__"  # where _from_overrides keeps the `GROUP=OPTION` overrides
 
 
 def _user_config(path: Path) -> dict[str, Any]:
     """The file as a nested dict: a YAML mapping, or a command line's `key=value` overrides."""
-    import yaml
-
     text = _text(path)
     try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError:
-        loaded = None
+        loaded = yaml_value(text, path, NAME)
+    except SpecError as error:
+        if not text.lstrip().startswith(("python", "#", "set ", "export ", "ray ", "torchrun")) or _bounded(error):
+            raise
+        loaded = None  # a shell script is not YAML: read as a command line below
     if isinstance(loaded, dict):
-        return loaded
+        return _yaml_config(path, loaded)
     return _from_overrides(path, text)
 
 
+def _bounded(error: SpecError) -> bool:
+    return any(word in str(error) for word in ("aliases", "nested", "values with its aliases", "tag"))
+
+
+def _yaml_config(path: Path, loaded: dict[str, Any]) -> dict[str, Any]:
+    """A YAML mapping that is a verl config: one of verl's sections at its top, no Hydra defaults list."""
+    if "defaults" in loaded and isinstance(loaded["defaults"], list):
+        raise SpecError(f"{path}: not a verl run config: a Hydra defaults file (it has a `defaults:` list); give the "
+                        "composed config (outputs/.../.hydra/config.yaml) or the run's key=value overrides")
+    if not {"actor_rollout_ref", "algorithm", "trainer"} & loaded.keys():
+        keys = ", ".join(map(str, list(loaded)[:5]))
+        raise SpecError(f"{path}: not a verl config: no actor_rollout_ref, algorithm or trainer section "
+                        f"(top-level keys: {keys})")
+    return loaded
+
+
 def _text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: cannot read the verl config: {exc}") from None
+    return text(path, NAME)
 
 
 def _from_overrides(path: Path, text: str) -> dict[str, Any]:
-    """Hydra's `key=value` overrides of a run script (`+key=`/`++key=` add or force a key), each
-    value read as YAML, as Hydra's override grammar reads plain values."""
-    try:  # a backslash-newline continues the line, as the shell reads it
-        words = shlex.split(text.replace("\\\n", " "), comments=True)
-    except ValueError as exc:
-        raise SpecError(f"{path}: not a verl YAML config nor a command line: {exc}") from None
+    """Hydra's overrides of a run script: `key=value` (each value read as YAML, as Hydra's override
+    grammar reads plain values), `+key=`/`++key=` (add or force a key), `~key` (delete it) and
+    `GROUP=OPTION` (a dotless key: the option of a config group of verl's defaults list, e.g.
+    `model_engine=megatron`). A line that launches something else than verl's PPO loop is refused."""
+    launched = LAUNCHER.search(text)
+    if launched is not None:
+        _entry(path, launched["module"] or launched["script"])
+    words, unread = command_line(path, text, LAUNCHER)
+    if unread:
+        raise SpecError(f"{path}: the launch line names ${{{unread[0]}[@]}}, an array the file does not define: "
+                        "give the command line as it ran (the script's `set -x` line)")
     tree: dict[str, Any] = {}
     for word in words:
+        if word.startswith("~") and "." in word:  # ~key or ~key=value: Hydra deletes the key
+            _put(path, tree, word, word[1:].partition("=")[0], None)
+            continue
         key, eq, value = word.partition("=")
         key = key.lstrip("+")
-        if not eq or "." not in key or key.startswith("-"):
+        if not eq or key.startswith("-") or "/" in key or not key:
             continue  # the interpreter, the module, flags: not overrides
         if _SHELL_VARIABLE.search(value):
             raise SpecError(f"{path}: override {word!r} holds a shell variable: give the command line as it ran "
                             "(the script's `set -x` line), or a YAML")
-        node = tree
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise SpecError(f"{path}: override {word!r}: {part} is set to a value and a section")
-        node[leaf] = _yaml_value(value)
+        if "." not in key:
+            _group(path, tree, word, key, value)
+            continue
+        _put(path, tree, word, key, _yaml_value(value, f"{path}: override {key}"))
     if not tree:
         raise SpecError(f"{path}: neither a verl YAML config nor a command line with key=value overrides")
     return tree
+
+
+# A run script's launch line: `python3 -m MODULE` or `python3 SCRIPT.py` (not `python3 -c ...`).
+LAUNCHER = re.compile(r"\b(?:python3?|torchrun)(?:\s+--?[\w-]+(?:=\S+)?)*\s+(?:-m\s+(?P<module>[A-Za-z_][\w.]*)|(?P<script>[^\s-]\S*\.py))")
+
+
+def _entry(path: Path, launched: str) -> None:
+    """Refuse a command line that launches a module other than verl's PPO entry points."""
+    if launched not in PPO_ENTRIES and "main_ppo" not in launched:
+        raise SpecError(f"{path}: not a verl PPO config: the command line launches {launched} "
+                        f"(the reader reads {', '.join(PPO_ENTRIES)})")
+
+
+def _group(path: Path, tree: dict[str, Any], word: str, key: str, value: str) -> None:
+    if key in GROUPS:
+        options = GROUPS[key]
+        if options and value not in options:
+            raise SpecError(f"{path}: override {word!r}: verl {VERSION}'s {key} group has no option {value!r} "
+                            f"(it has: {', '.join(options)})")
+        tree.setdefault(GROUP_CHOICES, {})[key] = value
+    elif key not in SECTIONS:
+        raise SpecError(f"{path}: override {word!r}: {key} is neither a config group of verl {VERSION}'s defaults "
+                        f"list nor a section of its config")
+
+
+def _put(path: Path, tree: dict[str, Any], word: str, key: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SpecError(f"{path}: override {word!r}: {part} is set to a value and a section")
+    node[leaf] = value
 
 
 def _with_omegaconf(path: Path, user: dict[str, Any], package: Path) -> Config:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    strategy = _walk(user, f"{ACTOR}.strategy")[1]
+    groups = user.pop(GROUP_CHOICES, {})
+    strategy = _walk(user, f"{ACTOR}.strategy")[1] or ENGINE_STRATEGY[groups.get("model_engine", "dp")]
     name = "_generated_ppo_megatron_trainer.yaml" if strategy == "megatron" else "_generated_ppo_trainer.yaml"
     try:
         default = OmegaConf.load(package / "trainer" / "config" / name)
@@ -197,6 +289,27 @@ def _with_omegaconf(path: Path, user: dict[str, Any], package: Path) -> Config:
     except OmegaConfBaseException as exc:
         raise SpecError(f"{path}: verl refuses the config: {str(exc).splitlines()[0]}") from None
     return Config(values, {})
+
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _model(config: Config, deriving: Deriving) -> None:
+    """The model the config trains (model/hf_model.yaml `path`), compared with the checkpoint by the audit."""
+    deriving.model = config.get(f"{ARR}.model.path")
+
+
+def _bypass(config: Config, deriving: Deriving) -> None:
+    """rollout_correction.bypass_mode (trainer/config/algorithm.py:127-131; ray_trainer.py:1575-1583): verl
+    never recomputes old log-probs, it reuses the rollout's as old_log_prob; the ratio the loss sees is the
+    update forward's log-probs over the sampler's. The train side then replays the update forward."""
+    key = "algorithm.rollout_correction.bypass_mode"
+    if config.get(key):
+        deriving.bypass = True
+        deriving.notice(f"bypass mode ({key}=true): verl trains on the rollout's log-probs as old log-probs and never "
+                        "recomputes them; the train side replays the policy update's forward (actor.ppo_* "
+                        "micro-batches), the pair the run's ratio really compares with the sampler")
+        deriving.same("train", key, True, note="no old-log-prob forward in the run: the train side is the update's")
 
 
 def _int(path: str, key: str, value: Any) -> int:
@@ -217,6 +330,7 @@ def _trainer(config: Config, deriving: Deriving, machine: Machine) -> None:
     # The policy update's forward: the same model and scaling in the actor's own micro-batches
     # (engine_workers.py:626-628: ppo_max_token_len_per_gpu, ppo_micro_batch_size_per_gpu).
     deriving.fork("update", "train", frozenset({"micro_batch", "batch_tokens"}))
+    _routing(config, deriving)
     _batches(config, deriving, "train", ROLLOUT, "log_prob_")
     _batches(config, deriving, "update", ACTOR, "ppo_")
 
@@ -233,22 +347,31 @@ def _trainer_model(config: Config, deriving: Deriving, machine: Machine) -> None
         # transformer_impl.py:391-403: param_dtype (bf16 when unset), and forward_step runs under
         # torch.autocast(param_dtype) (:1555-1565) unless that is fp32.
         param = str(mixed.get("param_dtype", "bf16"))
-        dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(param, param)
+        dtype = DTYPES.get(param, param)
+        # fsdp_config.model_dtype is the dtype the weights are loaded and kept in (transformer_impl.py:
+        # torch_dtype=model_dtype): fp32 by default, so the "FSDP keeps fp32 weights" note holds only then.
+        kept = DTYPES.get(str(config.get(f"{ACTOR}.fsdp_config.model_dtype")), "float32")
+        if kept != "float32":
+            deriving.approximate("train", f"{ACTOR}.fsdp_config.model_dtype",
+                                 config.get(f"{ACTOR}.fsdp_config.model_dtype"),
+                                 note=f"FSDP loads and keeps the weights in {kept}, not fp32")
         if dtype == "float32":
             deriving.reproduce("train", f"{ACTOR}.fsdp_config.mixed_precision.param_dtype", param, "dtype", dtype)
         else:
             deriving.approximate("train", f"{ACTOR}.fsdp_config.mixed_precision.param_dtype", param,
-                                 note=f"FSDP keeps fp32 weights, casts them to {param} and runs under torch.autocast; "
-                                      f"a {dtype} model here: autocast's fp32 ops run in {dtype}",
+                                 note=f"FSDP keeps {kept} weights, casts them to {param} and runs under "
+                                      f"torch.autocast; a {dtype} model here: autocast's fp32 ops run in {dtype}",
                                  option="dtype", option_value=dtype)
     _attention(config, deriving, machine)
     packed = bool(config.get(f"{ARR}.model.use_remove_padding"))
     deriving.reproduce("train", f"{ARR}.model.use_remove_padding", packed, "packing", "varlen" if packed else "pad",
                        note="sequences packed into one row, no padding" if packed else "")
-    sp = config.get(f"{ACTOR}.ulysses_sequence_parallel_size")
-    if sp and sp > 1:
-        deriving.approximate("train", f"{ACTOR}.ulysses_sequence_parallel_size", sp,
-                             note="Ulysses splits each sequence's attention heads over GPUs; hf runs it whole")
+    for key in (f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size", f"{ACTOR}.ulysses_sequence_parallel_size"):
+        sp = config.get(key)  # fsdp_config's is the engine's (workers/config/engine.py); the other is deprecated
+        if sp and sp > 1:
+            deriving.approximate("train", key, sp,
+                                 note="Ulysses splits each sequence's attention heads over GPUs; hf runs it whole")
+            break
     if config.get(f"{ARR}.model.use_fused_kernels"):
         deriving.cannot("train", f"{ARR}.model.use_fused_kernels", True,
                         note="verl's fused linear-cross-entropy log-prob kernel; hf takes the log-softmax of full logits")
@@ -261,11 +384,41 @@ def _megatron(config: Config, deriving: Deriving) -> None:
     deriving.reproduce("train", f"{ACTOR}.megatron.dtype", dtype, "dtype", dtype)
     for name, what in (("tensor_model_parallel_size", "splits each GEMM's reduction over GPUs"),
                        ("pipeline_model_parallel_size", "splits the layers over GPUs"),
-                       ("context_parallel_size", "splits each sequence's attention over GPUs")):
+                       ("context_parallel_size", "splits each sequence's attention over GPUs"),
+                       ("expert_model_parallel_size", "splits the experts over GPUs (all-to-all dispatch)")):
         size = config.get(f"{ACTOR}.megatron.{name}")
         if size and size > 1:
             deriving.approximate("train", f"{ACTOR}.megatron.{name}", size,
                                  note=f"hf runs the whole model on one device; {name}={size} {what} (other rounding)")
+        else:  # listed even at 1: a Megatron run's parallel layout is on the first screen
+            deriving.same("train", f"{ACTOR}.megatron.{name}", size, note="one device, as here")
+    router = (config.get(f"{ACTOR}.megatron.override_transformer_config") or {}).get("moe_router_dtype")
+    if router is not None:
+        deriving.approximate("train", f"{ACTOR}.megatron.override_transformer_config.moe_router_dtype", router,
+                             note="Megatron computes the MoE gate in this dtype; hf's router runs in the model's "
+                                  "dtype (no effect on a dense model)")
+
+
+def _routing(config: Config, deriving: Deriving) -> None:
+    """verl's router replay (workers/config/engine.py:55-71, EngineRouterReplayConfig): R3 forces, in the
+    trainer's forwards, the experts vLLM routed to (rollout.enable_rollout_routing_replay makes vLLM return
+    them, vllm_async_server.py:438); R2 records the old-log-prob forward's experts and forces them in the update."""
+    mode = config.get(f"{ACTOR}.megatron.router_replay.mode") or "disabled"
+    returned = bool(config.get(f"{ROLLOUT}.enable_rollout_routing_replay"))
+    if returned:
+        deriving.same("infer", f"{ROLLOUT}.enable_rollout_routing_replay", True,
+                      note="vLLM returns each token's experts with the rollout")
+    if mode == "R3" or (mode == "disabled" and returned and config.get(f"{ACTOR}.strategy") != "megatron"):
+        for side in ("train", "update"):
+            deriving.reproduce(side, f"{ACTOR}.megatron.router_replay.mode", mode, "routing", "replay",
+                               note="the trainer forces the experts vLLM routed to; the replay forces those recorded "
+                                    "with each rollout")
+    elif mode == "R2":
+        deriving.reproduce("update", f"{ACTOR}.megatron.router_replay.mode", mode, "routing", "replay",
+                           note="the update forces the experts the old-log-prob forward routed to; the replay forces "
+                                "those recorded with each rollout")
+        deriving.same("train", f"{ACTOR}.megatron.router_replay.mode", mode,
+                      note="R2: the old-log-prob forward routes freely and records its experts")
 
 
 def _attention(config: Config, deriving: Deriving, machine: Machine) -> None:
@@ -321,6 +474,10 @@ def _engine(config: Config, deriving: Deriving, machine: Machine) -> None:
                            config.get(f"{ROLLOUT}.{key}"))
     if (length := config.get(f"{ROLLOUT}.max_model_len")) is not None:
         deriving.reproduce("infer", f"{ROLLOUT}.max_model_len", length, "max_model_len", length)
+    memory = config.get(f"{ROLLOUT}.gpu_memory_utilization")
+    deriving.same("infer", f"{ROLLOUT}.gpu_memory_utilization", memory,
+                  note="the KV-cache share of GPU memory: it decides batch sizes and preemption, not one "
+                       "sequence's log-probs; the replay's engine sizes its own cache")
     _parallel_and_graphs(config, deriving, machine)
     for key, identity in (("temperature", 1.0), ("top_k", -1), ("top_p", 1.0)):
         if (value := config.get(f"{ROLLOUT}.{key}")) != identity and not (key == "top_k" and value == 0):
