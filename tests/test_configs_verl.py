@@ -90,7 +90,7 @@ def test_the_spec_picks_a_side_and_overrides_options(tmp_path: Path) -> None:
     ("actor_rollout_ref:\n  actor:\n    use_dynamic_bsz: true\n  rollout:\n    name: vllm\n"
      "    log_prob_use_dynamic_bsz: false\n", "refuse the two to differ"),
     ("python3 -m verl.trainer.main_ppo actor_rollout_ref.rollout.name=${INFER_BACKEND}\n", "shell variable"),
-    ("just: [unclosed\n", "neither a verl YAML config nor a command line"),
+    ("just: [unclosed\n", r"bad.yaml:2: invalid YAML in the verl config"),
 ])
 def test_a_bad_config_is_one_line_naming_the_file_and_key(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "bad.yaml"

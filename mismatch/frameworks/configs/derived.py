@@ -77,11 +77,15 @@ class Derived:
     settings: tuple[Setting, ...]
     model: str | None = None     # the model the config names (its path or hub name), None where it names none
     notices: tuple[str, ...] = ()  # what the first screen must say (e.g. verl's bypass mode)
+    # the correction settings the config runs, under the framework's own --for names (frameworks/NAME.py
+    # SETTINGS): the audit computes the framework's metrics with them, as the run logged them
+    framework_settings: dict[str, Any] = field(default_factory=dict)
 
     def for_side(self, side: Side) -> dict[str, Any]:
         """summary.json `engines.<source>.from_config`: this side's spec and its settings."""
         return {"framework": self.framework, "file": self.file, "loader": self.loader, "side": side,
                 "spec": self.specs[side], "model": self.model, "notices": list(self.notices),
+                "framework_settings": dict(self.framework_settings),
                 "settings": [s.to_dict() for s in self.settings if s.side == side]}
 
 
@@ -99,6 +103,7 @@ class Deriving:
     model: str | None = None
     notices: list[str] = field(default_factory=list)
     bypass: bool = False  # the trainer never recomputes old log-probs: the train side is the update's forward
+    framework_settings: dict[str, Any] = field(default_factory=dict)
 
     def notice(self, text: str) -> None:
         """A line the first screen must carry."""
@@ -150,7 +155,8 @@ class Deriving:
             settings = [s for s in settings if s.side != "train"] + [replace(s, side="train") for s in settings
                                                                       if s.side == "update"]
         return Derived(framework=self.framework, file=self.file, loader=self.loader, specs=specs,
-                       settings=tuple(settings), model=self.model, notices=tuple(self.notices))
+                       settings=tuple(settings), model=self.model, notices=tuple(self.notices),
+                       framework_settings=dict(self.framework_settings))
 
 
 def spec_text(kind: str, options: dict[str, Any]) -> str:

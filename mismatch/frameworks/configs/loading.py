@@ -30,8 +30,6 @@ def text(path: Path, what: str) -> str:
     """The file as text, or one line saying why it is not a `what` config (`what`: "verl")."""
     try:
         data = path.read_bytes()
-    except IsADirectoryError:
-        raise SpecError(f"{path}: a directory, not a {what} config") from None
     except OSError as exc:
         raise SpecError(f"{path}: cannot read the {what} config: {exc.strerror or exc}") from None
     if not data.strip():

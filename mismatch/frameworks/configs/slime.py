@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from mismatch.errors import SpecError
 from mismatch.frameworks.configs import scripts
+from mismatch.frameworks.configs.scripts import flag_value
+from mismatch.frameworks.configs.loading import text as config_text, yaml_value
 from mismatch.frameworks.configs.derived import Derived, Deriving, Machine, Setting, Side
 
 RELEASE = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
@@ -115,6 +116,7 @@ def derive(path: Path, machine: Machine) -> Derived:
     """The hf spec slime's Megatron log-prob forward is, and the vllm spec nearest its SGLang engines."""
     read = read_config(path)
     d = Deriving(framework="slime", file=str(path), loader=read.loader)
+    d.model = flag_value(read.argv, "--hf-checkpoint")  # the HF checkpoint slime's rollout engines load
     _train(d, read.values, machine)
     _train_rest(d, read)
     _infer(d, read.values, machine)
@@ -123,10 +125,7 @@ def derive(path: Path, machine: Machine) -> Derived:
 
 def read_config(path: Path) -> Read:
     """The file's command line parsed by slime's own parser where slime imports, else by the built-in subset."""
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: cannot read the slime command line: {exc}") from None
+    text = config_text(path, "slime")
     argv, unread = command_line(path, text)
     try:
         from slime.utils.arguments import get_slime_extra_args_provider
@@ -208,10 +207,7 @@ def _custom_config(path: Path, values: dict[str, Any]) -> str | None:
     found = next((p for p in (Path(given), path.parent / given) if p.is_file()), None)
     if found is None:
         return given
-    try:
-        data = yaml.safe_load(found.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise SpecError(f"{found}: cannot read the --custom-config-path YAML: {exc}") from None
+    data = yaml_value(config_text(found, "slime --custom-config-path"), found, "slime --custom-config-path") or {}
     if not isinstance(data, dict):
         raise SpecError(f"{found}: --custom-config-path: expected a mapping of argument names, got {data!r}")
     for key, value in data.items():

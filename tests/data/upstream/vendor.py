@@ -67,8 +67,10 @@ def launch_line(script: Path, entry: str) -> str:
             (stubs / name).write_text(STUB)
             (stubs / name).chmod(0o755)
         env = {"PATH": f"{stubs}:/usr/bin:/bin", "HOME": str(home), "LAUNCH_OUT": str(record)}
+        copy = Path(tmp, script.name)  # run a copy: a script that writes beside itself writes in tmp
+        shutil.copyfile(script, copy)
         try:
-            subprocess.run(["bash", str(script)], env=env, cwd=tmp, timeout=20, capture_output=True)
+            subprocess.run(["bash", str(copy)], env=env, cwd=tmp, timeout=20, capture_output=True)
         except subprocess.TimeoutExpired:
             return ""
         lines = record.read_text().splitlines() if record.exists() else []
