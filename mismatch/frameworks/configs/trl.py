@@ -22,6 +22,7 @@ from typing import Any
 
 
 from mismatch.errors import SpecError
+from mismatch.frameworks.configs.kinds import trl_grpo_or_refused
 from mismatch.frameworks.configs.loading import text, yaml_node, yaml_value
 from mismatch.frameworks.configs.derived import Derived, Deriving, Machine, Setting, Side
 
@@ -121,29 +122,6 @@ def read_config(path: Path) -> Read:
     return Read(loader=loader, values=_effective(path, fields, given), given=given)
 
 
-# Keys that mark a file as something else than a GRPO trainer config: accelerate's launch config
-# (accelerate/commands/config/config_args.py), and the keys of TRL 1.16.0's other trainers' configs that
-# GRPOConfig lacks (trl/trainer/sft_config.py, dpo_config.py). A file that sets one of them and none of
-# GRPOConfig's own keys is refused: read as GRPO it would derive a run that never existed.
-ACCELERATE_KEYS = ("compute_environment", "distributed_type")
-OTHER_TRAINER_KEYS = ("packing", "max_length", "max_seq_length", "dataset_text_field", "completion_only_loss",
-                      "assistant_only_loss", "padding_free", "eos_token", "rpo_alpha", "ref_model_init_kwargs")
-GRPO_KEYS = ("num_generations", "max_completion_length", "max_prompt_length", "use_vllm", "vllm_mode",
-             "reward_funcs", "reward_weights", "beta", "loss_type", "num_iterations", "epsilon", "scale_rewards",
-             "steps_per_generation", "generation_batch_size", "temperature", "vllm_importance_sampling_correction",
-             "vllm_importance_sampling_mode", "mask_truncated_completions")
-
-
-def _grpo_or_refused(path: Path, raw: dict[str, Any]) -> None:
-    if found := [key for key in ACCELERATE_KEYS if key in raw]:
-        raise SpecError(f"{path}: not a trl GRPO config: an accelerate launch config (it sets {found[0]}); "
-                        "give the file `trl grpo --config` reads")
-    other = [key for key in OTHER_TRAINER_KEYS if key in raw]
-    if other and not any(key in raw for key in GRPO_KEYS):
-        raise SpecError(f"{path}: not a trl GRPO config: it sets {other[0]} (another trainer's key, e.g. SFTConfig's) "
-                        "and none of GRPOConfig's own keys")
-
-
 def _load(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """The YAML mapping (JSON is YAML) TrlParser reads with yaml.safe_load (scripts/utils.py:326-329),
     and the line of each top-level key."""
@@ -152,7 +130,7 @@ def _load(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     raw = yaml_value(source, path, "trl")
     if not isinstance(raw, dict):  # TRL's own refusal (scripts/utils.py:328-329)
         raise SpecError(f"{path}: a trl config must be a YAML mapping of keys, got {type(raw).__name__}")
-    _grpo_or_refused(path, raw)
+    trl_grpo_or_refused(path, raw)
     lines = {str(key.value): key.start_mark.line + 1 for key, _ in node.value} if node is not None else {}
     return raw, lines
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from mismatch.errors import SpecError
 from mismatch.frameworks.configs.derived import Derived, Deriving, Machine, Side
+from mismatch.frameworks.configs.kinds import verl_entry_or_refused, verl_yaml_or_refused
 from mismatch.frameworks.configs.loading import text, yaml_value
 from mismatch.frameworks.configs.scripts import command_line
 
@@ -98,10 +99,6 @@ ENGINE_STRATEGY = {"dp": "fsdp", "megatron": "megatron", "torchtitan": "torchtit
 SECTIONS = ("actor_rollout_ref", "data", "critic", "custom_reward_function", "reward_model", "sandbox_fusion",
             "reward", "algorithm", "distillation", "transfer_queue", "trainer", "global_profiler", "skip",
             "ray_kwargs", "hydra")
-# The entry points that run verl's PPO loop (and so read these keys): the run scripts launch one of them.
-PPO_ENTRIES = ("verl.trainer.main_ppo", "verl.trainer.main_ppo_sync",
-               "verl.experimental.fully_async_policy.fully_async_main")
-
 _SELECT = re.compile(r"^\$\{oc\.select:([^,}]+),([^}]*)\}$")
 _REFERENCE = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
 # `$NAME` or `${NAME...}` with no dot or colon in NAME: the shell's, not one of OmegaConf's interpolations
@@ -184,24 +181,12 @@ def _user_config(path: Path) -> dict[str, Any]:
             raise
         loaded = None  # a shell script is not YAML: read as a command line below
     if isinstance(loaded, dict):
-        return _yaml_config(path, loaded)
+        return verl_yaml_or_refused(path, loaded)
     return _from_overrides(path, text)
 
 
 def _bounded(error: SpecError) -> bool:
     return any(word in str(error) for word in ("aliases", "nested", "values with its aliases", "tag"))
-
-
-def _yaml_config(path: Path, loaded: dict[str, Any]) -> dict[str, Any]:
-    """A YAML mapping that is a verl config: one of verl's sections at its top, no Hydra defaults list."""
-    if "defaults" in loaded and isinstance(loaded["defaults"], list):
-        raise SpecError(f"{path}: not a verl run config: a Hydra defaults file (it has a `defaults:` list); give the "
-                        "composed config (outputs/.../.hydra/config.yaml) or the run's key=value overrides")
-    if not {"actor_rollout_ref", "algorithm", "trainer"} & loaded.keys():
-        keys = ", ".join(map(str, list(loaded)[:5]))
-        raise SpecError(f"{path}: not a verl config: no actor_rollout_ref, algorithm or trainer section "
-                        f"(top-level keys: {keys})")
-    return loaded
 
 
 def _text(path: Path) -> str:
@@ -215,7 +200,7 @@ def _from_overrides(path: Path, text: str) -> dict[str, Any]:
     `model_engine=megatron`). A line that launches something else than verl's PPO loop is refused."""
     launched = LAUNCHER.search(text)
     if launched is not None:
-        _entry(path, launched["module"] or launched["script"])
+        verl_entry_or_refused(path, launched["module"] or launched["script"])
     words, unread = command_line(path, text, LAUNCHER)
     if unread:
         raise SpecError(f"{path}: the launch line names ${{{unread[0]}[@]}}, an array the file does not define: "
@@ -243,13 +228,6 @@ def _from_overrides(path: Path, text: str) -> dict[str, Any]:
 
 # A run script's launch line: `python3 -m MODULE` or `python3 SCRIPT.py` (not `python3 -c ...`).
 LAUNCHER = re.compile(r"\b(?:python3?|torchrun)(?:\s+--?[\w-]+(?:=\S+)?)*\s+(?:-m\s+(?P<module>[A-Za-z_][\w.]*)|(?P<script>[^\s-]\S*\.py))")
-
-
-def _entry(path: Path, launched: str) -> None:
-    """Refuse a command line that launches a module other than verl's PPO entry points."""
-    if launched not in PPO_ENTRIES and "main_ppo" not in launched:
-        raise SpecError(f"{path}: not a verl PPO config: the command line launches {launched} "
-                        f"(the reader reads {', '.join(PPO_ENTRIES)})")
 
 
 def _group(path: Path, tree: dict[str, Any], word: str, key: str, value: str) -> None:
@@ -303,6 +281,10 @@ def _bypass(config: Config, deriving: Deriving) -> None:
     """rollout_correction.bypass_mode (trainer/config/algorithm.py:127-131; ray_trainer.py:1575-1583): verl
     never recomputes old log-probs, it reuses the rollout's as old_log_prob; the ratio the loss sees is the
     update forward's log-probs over the sampler's. The train side then replays the update forward."""
+    level = config.get("algorithm.rollout_correction.rollout_is")
+    if level in ("token", "sequence"):  # the IS weights the run logs rollout_corr/ metrics with (--for verl names)
+        deriving.framework_settings = {"rollout_is": level, "rollout_is_threshold":
+                                       config.get("algorithm.rollout_correction.rollout_is_threshold")}
     key = "algorithm.rollout_correction.bypass_mode"
     if config.get(key):
         deriving.bypass = True
