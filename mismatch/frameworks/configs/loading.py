@@ -28,20 +28,21 @@ MAX_NODES = 200_000          # verl's composed config: ~1,500 nodes
 
 def text(path: Path, what: str) -> str:
     """The file as text, or one line saying why it is not a `what` config (`what`: "verl")."""
+    article = "an" if what[:1].lower() in "aeiou" else "a"
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise SpecError(f"{path}: cannot read the {what} config: {exc.strerror or exc}") from None
     if not data.strip():
-        raise SpecError(f"{path}: not a {what} config (the file is empty)")
+        raise SpecError(f"{path}: not {article} {what} config (the file is empty)")
     if len(data) > MAX_BYTES:
-        raise SpecError(f"{path}: not a {what} config ({len(data):,} bytes; a config is under {MAX_BYTES:,})")
+        raise SpecError(f"{path}: not {article} {what} config ({len(data):,} bytes; a config is under {MAX_BYTES:,})")
     if b"\x00" in data:
-        raise SpecError(f"{path}: not a {what} config (a binary file: NUL byte at offset {data.index(0)})")
+        raise SpecError(f"{path}: not {article} {what} config (a binary file: NUL byte at offset {data.index(0)})")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise SpecError(f"{path}: not a {what} config (not UTF-8 text: byte {exc.start})") from None
+        raise SpecError(f"{path}: not {article} {what} config (not UTF-8 text: byte {exc.start})") from None
 
 
 class _BoundedLoader(yaml.SafeLoader):

@@ -111,6 +111,8 @@ def read_config(path: Path) -> Read:
     """The file's command line parsed by OpenRLHF's own parser where openrlhf is installed, else by the subset."""
     text = config_text(path, "openrlhf")
     argv, unread = command_line(path, text)
+    if not unread and not any(token.startswith("--") for token in argv):  # defaults for a file that is no config
+        raise SpecError(f"{path}: not an OpenRLHF config: no train_ppo_ray command line and no --flags")
     loader, built = own_parser()
     if built is None:
         _refuse_undotted(path, argv)
@@ -264,6 +266,8 @@ def _train(d: Deriving, read: Read, machine: Machine) -> None:
                     note="right-padded rows (trainer/ppo_utils/experience.py:113), positions from the attention mask "
                          "(models/actor.py:262-263)")
     t = v["rollout.temperature"]
+    if t != t or t in (float("inf"), float("-inf")):  # argparse's float takes "nan" and "inf"
+        raise SpecError(f"{d.file}: --rollout.temperature={t}: not a finite number")
     if t > 0:
         d.reproduce("train", "--rollout.temperature", t, "temperature", t,
                     note="the actor divides the fp32 logits by it before the log-softmax (models/actor.py:267-271; "

@@ -127,6 +127,8 @@ def read_config(path: Path) -> Read:
     """The file's command line parsed by slime's own parser where slime imports, else by the built-in subset."""
     text = config_text(path, "slime")
     argv, unread = command_line(path, text)
+    if not unread and not any(token.startswith("--") for token in argv):  # defaults for a file that is no config
+        raise SpecError(f"{path}: not a slime config: no train.py command line and no --flags")
     try:
         from slime.utils.arguments import get_slime_extra_args_provider
     except ImportError:  # the usual case: slime needs SGLang and Ray; mismatch's venv has neither
@@ -175,7 +177,7 @@ def effective(path: Path, values: dict[str, Any]) -> tuple[dict[str, Any], str |
     """slime's parse_args rewrites of the mapped flags, in its order (utils/arguments.py:1600-1643), and the
     --custom-config-path file where it is not found here."""
     values["bf16"] = not values["fp16"]  # backends/megatron_utils/arguments.py:157
-    if values["rollout_temperature"] <= 0:  # utils/arguments.py:1770-1774
+    if not 0 < values["rollout_temperature"] < float("inf"):  # nan too  # utils/arguments.py:1770-1774
         raise SpecError(f"{path}: --rollout-temperature={values['rollout_temperature']}: must be > 0 (slime "
                         "refuses it)")
     if values["use_dynamic_batch_size"]:  # :1867-1870

@@ -108,24 +108,29 @@ _SHELL_VARIABLE = re.compile(r"\$(\{[A-Za-z_][A-Za-z0-9_]*([:}]-|\})|[A-Za-z_])"
 class Config:
     """The config's values by dotted key: the file's, else verl's default."""
 
-    def __init__(self, values: dict[str, Any], defaults: dict[str, Any]) -> None:
-        self.values, self.defaults = values, defaults
+    def __init__(self, values: dict[str, Any], defaults: dict[str, Any], file: str = "") -> None:
+        self.values, self.defaults, self.file = values, defaults, file
 
-    def get(self, key: str) -> Any:
+    def get(self, key: str, seen: tuple[str, ...] = ()) -> Any:
+        if key in seen:  # ${a} -> ${b} -> ${a}: OmegaConf refuses it too (InterpolationResolutionError)
+            raise SpecError(f"{self.file}: {key}: the interpolation refers back to itself ({' -> '.join((*seen, key))})")
         found, value = _walk(self.values, key)
         if not found:
             value = self.defaults.get(key)
-        return self._resolved(value)
+        return self._resolved(value, (*seen, key))
 
-    def _resolved(self, value: Any) -> Any:
+    def _resolved(self, value: Any, seen: tuple[str, ...]) -> Any:
         """The two interpolations verl's defaults use for these keys, as OmegaConf resolves them."""
         if not isinstance(value, str):
             return value
         if match := _SELECT.match(value):
             found, selected = _walk(self.values, match.group(1))
-            return self._resolved(selected) if found else _yaml_value(match.group(2))
+            return self._resolved(selected, seen) if found else _yaml_value(match.group(2))
         if match := _REFERENCE.match(value):
-            return self.get(match.group(1))
+            return self.get(match.group(1), seen)
+        if value.startswith("${") and value.endswith("}"):  # a resolver (oc.env, oc.decode...): not read here
+            raise SpecError(f"{self.file}: {seen[-1] if seen else 'a key'}={value}: an interpolation the built-in reader does not "
+                            "resolve; give the composed config (outputs/.../.hydra/config.yaml)")
         return value
 
 
@@ -159,7 +164,7 @@ def load(path: Path) -> tuple[Config, str]:
         version = importlib.metadata.version("verl")
         package = Path(next(iter(found.submodule_search_locations)))
         return _with_omegaconf(path, user, package), f"verl {version} (installed): OmegaConf over its default config"
-    return Config(user, _defaults(user)), f"built-in subset of verl {VERSION}'s keys (verl not installed)"
+    return Config(user, _defaults(user), str(path)), f"built-in subset of verl {VERSION}'s keys (verl not installed)"
 
 
 def _defaults(user: dict[str, Any]) -> dict[str, Any]:
@@ -266,15 +271,18 @@ def _with_omegaconf(path: Path, user: dict[str, Any], package: Path) -> Config:
         values = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as exc:
         raise SpecError(f"{path}: verl refuses the config: {str(exc).splitlines()[0]}") from None
-    return Config(values, {})
+    return Config(values, {}, str(path))
 
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def _model(config: Config, deriving: Deriving) -> None:
-    """The model the config trains (model/hf_model.yaml `path`), compared with the checkpoint by the audit."""
-    deriving.model = config.get(f"{ARR}.model.path")
+    """The model the config names (model/hf_model.yaml `path`), compared with the checkpoint by the audit;
+    none where the file leaves verl's placeholder default."""
+    found, _ = _walk(config.values, f"{ARR}.model.path")
+    path = config.get(f"{ARR}.model.path") if found else None
+    deriving.model = str(path) if path is not None else None
 
 
 def _bypass(config: Config, deriving: Deriving) -> None:
@@ -300,11 +308,17 @@ def _int(path: str, key: str, value: Any) -> int:
     return value
 
 
+def _number(path: str, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value <= 0:
+        raise SpecError(f"{path}: {key}={value!r} is not a positive number")
+    return float(value)
+
+
 def _trainer(config: Config, deriving: Deriving, machine: Machine) -> None:
     """The actor's compute_log_prob: engine_workers.py:616-636 hands the engine the rollout
     section's log_prob_* settings; prepare_micro_batches (engine/utils.py:92-130) cuts by them."""
     _trainer_model(config, deriving, machine)
-    temperature = config.get(f"{ROLLOUT}.temperature")
+    temperature = _number(deriving.file, f"{ROLLOUT}.temperature", config.get(f"{ROLLOUT}.temperature"))
     # ray_trainer.py:1479 puts rollout.temperature in the batch; transformer_impl.py:1386/:1483
     # divide the logits by it before the log-softmax.
     deriving.reproduce("train", f"{ROLLOUT}.temperature", temperature, "temperature", float(temperature),
