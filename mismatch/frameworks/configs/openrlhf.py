@@ -109,7 +109,7 @@ def derive(path: Path, machine: Machine) -> Derived:
 
 def read_config(path: Path) -> Read:
     """The file's command line parsed by OpenRLHF's own parser where openrlhf is installed, else by the subset."""
-    text = config_text(path, "openrlhf")
+    text = config_text(path, "OpenRLHF")
     argv, unread = command_line(path, text)
     if not unread and not any(token.startswith("--") for token in argv):  # defaults for a file that is no config
         raise SpecError(f"{path}: not an OpenRLHF config: no train_ppo_ray command line and no --flags")
@@ -119,7 +119,8 @@ def read_config(path: Path) -> Read:
         built = subset_parser()
     namespace = vars(_parse(path, built, argv, known_only=loader.startswith("built-in")))
     values, rewrites = effective(path, {dest: namespace[dest] for dest in MAPPED})
-    values.update({flag[2:]: namespace.get(flag[2:]) for flag in FLAGS_0110})
+    if namespace.get("algo.advantage.is_correction_enable"):  # 0.11.0's family, only where the file uses it
+        values.update({flag[2:]: namespace.get(flag[2:]) for flag in FLAGS_0110})
     return Read(loader=loader, argv=tuple(argv), values=values, rewrites=rewrites, unread=unread)
 
 
