@@ -76,7 +76,7 @@ def test_openrlhf_09x_gets_its_own_flag_names() -> None:
 
 def test_a_config_naming_a_model_of_other_sizes_is_refused_unless_forced(tiny_checkpoint: Path,
                                                                          tmp_path: Path) -> None:
-    from mismatch.pipeline.configured import with_configs, with_model_check
+    from mismatch.pipeline.configured import with_configs, with_checkpoint_checks
     from mismatch.pipeline.options import AuditOptions
 
     other = tmp_path / "other-model"
@@ -92,12 +92,12 @@ def test_a_config_naming_a_model_of_other_sizes_is_refused_unless_forced(tiny_ch
     assert f"model: the config's model_name_or_path={other} is not the checkpoint" in done.stderr
     assert f"vocab_size {config['vocab_size'] + 64} vs {config['vocab_size']}" in done.stderr
     assert "--force-model" in done.stderr and not out.exists()
-    forced = with_model_check(tiny_checkpoint, with_configs(AuditOptions(train=f"trl:{grpo}", force_model=True)))
+    forced = with_checkpoint_checks(tiny_checkpoint, with_configs(AuditOptions(train=f"trl:{grpo}", force_model=True)))
     assert forced.from_config["train"]["model_check"]["verdict"] == "differs"
     same = tmp_path / "same-model"
     shutil.copytree(tiny_checkpoint, same, ignore=shutil.ignore_patterns("*.safetensors"))
     grpo.write_text(f"model_name_or_path: {same}\n")
-    checked = with_model_check(tiny_checkpoint, with_configs(AuditOptions(train=f"trl:{grpo}")))
+    checked = with_checkpoint_checks(tiny_checkpoint, with_configs(AuditOptions(train=f"trl:{grpo}")))
     assert checked.from_config["train"]["model_check"]["verdict"] == "same"
 
 
@@ -131,3 +131,33 @@ def test_audit_says_the_configs_model_first_and_computes_the_for_settings_metric
     defaults = logged_metrics(out, parse_target("trl", detect=False))
     assert defaults is not None and defaults["metrics"] != pytest.approx(ours, rel=1e-9)
     assert "vllm_importance_sampling_clip_max=1.01" in done.stdout.replace("\n", " ")
+
+
+VERL_RUN = ("python3 -m verl.trainer.main_ppo actor_rollout_ref.rollout.name=vllm "
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 "
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2 "
+            "actor_rollout_ref.rollout.max_model_len={length}\n")
+
+
+def test_a_config_asking_for_more_context_than_the_checkpoint_is_capped_and_says_so(tiny_checkpoint: Path,
+                                                                                    tmp_path: Path) -> None:
+    from mismatch.checkpoint import checkpoint_info
+    from mismatch.pipeline.configured import with_checkpoint_checks, with_configs
+    from mismatch.pipeline.options import AuditOptions
+
+    limit = checkpoint_info(tiny_checkpoint).max_positions
+    assert limit is not None
+    run = tmp_path / "run.cmdline"
+    run.write_text(VERL_RUN.format(length=limit * 4))
+    options = with_checkpoint_checks(tiny_checkpoint, with_configs(AuditOptions(train=f"verl:{run}")))
+    assert f"max_model_len={limit}" in options.infer and f"max_model_len={limit * 4}" not in options.infer
+    notice = options.from_config["infer"]["notices"][-1]
+    assert notice.startswith(f"actor_rollout_ref.rollout.max_model_len={limit * 4} asks vLLM for more context than "
+                             f"the checkpoint's {limit}")
+    run.write_text(VERL_RUN.format(length=limit // 2))  # within the checkpoint's context: as the config says
+    options = with_checkpoint_checks(tiny_checkpoint, with_configs(AuditOptions(train=f"verl:{run}")))
+    assert f"max_model_len={limit // 2}" in options.infer and not options.from_config["infer"]["notices"]
+    # the option on the --train config goes to the rollout engine it derives; the trainer's forward has no limit
+    options = with_configs(AuditOptions(train=f"verl:{run},max_model_len=64"))
+    assert "max_model_len=64" in options.infer and "max_model_len" not in options.train
+    assert with_checkpoint_checks(tiny_checkpoint, options).infer == options.infer  # the user's own: kept

@@ -59,7 +59,7 @@ def audit(
     Rerunning the same command after an interruption resumes from the finished blocks."""
     from mismatch.analysis.clip import ClipRange
     from mismatch.pipeline.audit import run_audit
-    from mismatch.pipeline.configured import model_line, with_configs, with_model_check
+    from mismatch.pipeline.configured import model_line, with_configs, with_checkpoint_checks
     from mismatch.pipeline.options import AuditOptions
 
     clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
@@ -69,7 +69,7 @@ def audit(
                          shard=shard_for(shard), block_size=block_size, clip=clip, probe=probe,
                          framework_settings={target.framework: target.settings} if target else {},
                          force_model=force_model)
-    options = with_model_check(checkpoint, with_configs(asked))
+    options = with_checkpoint_checks(checkpoint, with_configs(asked))
     print_from_config(options.from_config, err_console if as_json else None,
                       model=model_line(options))  # before the replay: it may be long
     with dependency_log(out), replay_progress(not as_json) as progress:

@@ -30,7 +30,7 @@ from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import TurnLocalizer
 from mismatch.pipeline import stages
-from mismatch.pipeline.configured import with_configs, with_model_check
+from mismatch.pipeline.configured import with_configs, with_checkpoint_checks
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_processed
@@ -75,7 +75,7 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf", in
 def run_audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) -> AuditResult:
     """The audit of `options`, one run at a time into its results dir."""
     analysis_workers(0)  # a bad MISMATCH_WORKERS is refused before any replay
-    options = with_model_check(checkpoint, with_configs(options))
+    options = with_checkpoint_checks(checkpoint, with_configs(options))
     with results_lock(options.out):  # from its first check to its publish
         return _audit(checkpoint, rollouts, options)
 

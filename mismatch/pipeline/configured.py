@@ -6,11 +6,15 @@ settings rides on the options into summary.json `engines.<source>.from_config`."
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import TypeVar
 
+from mismatch.checkpoint import max_positions
+from mismatch.engines.spec import parse_spec
 from mismatch.errors import MismatchError
-from mismatch.frameworks.configs import config_framework, resolve
+from mismatch.frameworks.configs import ENGINE_SIDE_OPTIONS, config_framework, resolve
+from mismatch.frameworks.configs.derived import spec_text
 from mismatch.frameworks.configs.model_check import MODEL_KEYS, check_model
 from mismatch.pipeline.options import DEFAULT_INFER, AuditOptions, RunOptions
 
@@ -41,17 +45,52 @@ def with_configs(options: O) -> O:
     return dataclasses.replace(options, **changes, from_config=tables)
 
 
-def with_model_check(checkpoint: str | Path, options: O) -> O:
-    """`options` with the --train config's model compared with the checkpoint (summary.json
-    engines.train.from_config.model_check); MismatchError for a clear mismatch unless force_model."""
+def with_checkpoint_checks(checkpoint: str | Path, options: O) -> O:
+    """`options` with the framework configs held against the checkpoint, before anything is replayed:
+    the --train config's model compared with it (summary.json engines.train.from_config.model_check;
+    MismatchError for a clear mismatch unless force_model), and a derived vLLM spec that asks for more
+    context than config.json declares replayed at the checkpoint's context, said in a notice."""
+    return _with_context_check(Path(checkpoint), _with_model_check(Path(checkpoint), options))
+
+
+def _with_model_check(checkpoint: Path, options: O) -> O:
     table = options.from_config.get("train")
     if table is None or not table.get("model") or "model_check" in table:
         return options
-    check = check_model(str(table["model"]), Path(checkpoint), MODEL_KEYS.get(table["framework"], "model"))
+    check = check_model(str(table["model"]), checkpoint, MODEL_KEYS.get(table["framework"], "model"))
     if check.verdict == "differs" and not getattr(options, "force_model", False):
         raise MismatchError(check.line)
     return dataclasses.replace(options, from_config={**options.from_config,
                                                      "train": {**table, "model_check": check.to_dict()}})
+
+
+def _with_context_check(checkpoint: Path, options: O) -> O:
+    """The infer side's max_model_len (from the config, not the user's own override) capped at the
+    checkpoint's context: vLLM refuses a larger one with its own message, which names neither the
+    config key nor the override that works."""
+    table = options.from_config.get("infer")
+    if table is None or not isinstance(options, AuditOptions) or "max_model_len" in (table.get("overrides") or {}):
+        return options
+    spec = parse_spec(options.infer or DEFAULT_INFER)
+    asked, limit = spec.options.get("max_model_len"), _context(checkpoint)
+    if asked is None or limit is None or int(asked) <= limit:
+        return options
+    key = next((s["key"] for s in table["settings"] if (s.get("option") or "").startswith("max_model_len=")),
+               "max_model_len")
+    capped = spec_text(spec.kind, {**spec.options, "max_model_len": limit})
+    notice = (f"{key}={asked} asks vLLM for more context than the checkpoint's {limit} (config.json): the replay "
+              f"runs max_model_len={limit} (every rollout fits it, or the audit refuses it by name); "
+              f"--infer {capped.split(',max_model_len=')[0]},max_model_len=N sets another")
+    return dataclasses.replace(options, infer=capped, from_config={**options.from_config, "infer": {
+        **table, "spec": capped, "notices": [*(table.get("notices") or []), notice]}})
+
+
+def _context(checkpoint: Path) -> int | None:
+    try:
+        config = json.loads((checkpoint / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return None  # the checkpoint's own checks name what is wrong with it
+    return max_positions(config) if isinstance(config, dict) else None
 
 
 def model_line(options: RunOptions) -> str | None:
@@ -60,9 +99,11 @@ def model_line(options: RunOptions) -> str | None:
 
 
 def _rollout_side(train: str) -> str | None:
-    """`verl:ppo.yaml[,...]` → `verl:ppo.yaml,side=infer` (the trainer's own options left out)."""
+    """`verl:ppo.yaml[,...]` → `verl:ppo.yaml,side=infer` (the trainer's own options left out, the rollout
+    engine's ones, max_model_len, carried)."""
     framework = config_framework(train)
     if framework is None:
         return None
-    path = train.strip().partition(":")[2].partition(",")[0]
-    return f"{framework}:{path},side=infer"
+    path, _, inline = train.strip().partition(":")[2].partition(",")
+    carried = [item.strip() for item in inline.split(",") if item.partition("=")[0].strip() in ENGINE_SIDE_OPTIONS]
+    return ",".join([f"{framework}:{path}", "side=infer", *carried])
