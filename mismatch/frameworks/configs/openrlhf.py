@@ -30,8 +30,8 @@ from typing import Any
 
 from mismatch.errors import SpecError
 from mismatch.frameworks.configs import scripts
-from mismatch.frameworks.configs.scripts import flag_value
 from mismatch.frameworks.configs.loading import text as config_text
+from mismatch.frameworks.configs.scripts import flag_value
 from mismatch.frameworks.configs.derived import Derived, Deriving, Machine, Setting, Side
 
 RELEASE = "0.11.2"

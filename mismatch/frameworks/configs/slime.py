@@ -26,8 +26,8 @@ from typing import Any
 
 from mismatch.errors import SpecError
 from mismatch.frameworks.configs import scripts
-from mismatch.frameworks.configs.scripts import flag_value
 from mismatch.frameworks.configs.loading import text as config_text, yaml_value
+from mismatch.frameworks.configs.scripts import flag_value
 from mismatch.frameworks.configs.derived import Derived, Deriving, Machine, Setting, Side
 
 RELEASE = "624b824a898ab0ec1fcb4d373004c7f3852bf515"

@@ -13,6 +13,10 @@ Read from verl 0.9.1 (PyPI wheel; verl-project/verl): what the old-log-prob forw
 workers/engine_workers.py (the micro-batch settings it hands the engine), workers/engine/utils.py
 (prepare_micro_batches) and workers/engine/fsdp/transformer_impl.py (dtype, packing, temperature);
 the vLLM server's engine args in workers/rollout/vllm_rollout/vllm_async_server.py:325-349.
+A run script's overrides are read by hydra_overrides.py (`model_engine=megatron` selects Megatron's
+defaults, as verl's defaults list does); router replay (workers/config/engine.py:55-71) becomes
+routing=replay; rollout_correction.bypass_mode (trainer/config/algorithm.py:127-131) makes the
+train side the policy update's forward, said first (verl never recomputes old log-probs then).
 """
 
 from __future__ import annotations
@@ -20,15 +24,14 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import re
-import shlex
 from pathlib import Path
 from typing import Any
 
 from mismatch.errors import SpecError
 from mismatch.frameworks.configs.derived import Derived, Deriving, Machine, Side
-from mismatch.frameworks.configs.kinds import verl_entry_or_refused, verl_yaml_or_refused
+from mismatch.frameworks.configs.hydra_overrides import ENGINE_STRATEGY, GROUP_CHOICES, from_overrides
+from mismatch.frameworks.configs.kinds import verl_yaml_or_refused
 from mismatch.frameworks.configs.loading import text, yaml_value
-from mismatch.frameworks.configs.scripts import command_line
 
 NAME = "verl"
 VERSION = "0.9.1"
@@ -85,24 +88,9 @@ DEFAULTS: dict[str, Any] = {
     "algorithm.rollout_correction.bypass_mode": False,                                    # :855
 }
 
-# verl 0.9.1's ppo_trainer.yaml defaults list: the config groups a dotless `GROUP=OPTION` override picks
-# an option of (Hydra's group override), and each group's options in that release.
-GROUPS: dict[str, tuple[str, ...]] = {
-    "model_engine": ("dp", "megatron", "torchtitan", "veomni"),  # trainer/config/model_engine/*.yaml
-    "actor": (), "ref": (), "rollout": (), "model": (), "critic": (), "data": (), "reward": (), "algorithm": (),
-    "distillation": (), "transfer_queue": (), "legacy_reward_impl": (), "optim": (), "engine": (),
-}
-# model_engine=OPTION sets actor.strategy (trainer/config/actor/{dp,megatron,veomni,torchtitan}_actor.yaml:16)
-ENGINE_STRATEGY = {"dp": "fsdp", "megatron": "megatron", "torchtitan": "torchtitan", "veomni": "veomni"}
-# The top-level sections of verl 0.9.1's composed config (_generated_ppo_trainer.yaml): a dotless
-# override that is neither a group nor one of these, Hydra refuses.
-SECTIONS = ("actor_rollout_ref", "data", "critic", "custom_reward_function", "reward_model", "sandbox_fusion",
-            "reward", "algorithm", "distillation", "transfer_queue", "trainer", "global_profiler", "skip",
-            "ray_kwargs", "hydra")
 _SELECT = re.compile(r"^\$\{oc\.select:([^,}]+),([^}]*)\}$")
 _REFERENCE = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
-# `$NAME` or `${NAME...}` with no dot or colon in NAME: the shell's, not one of OmegaConf's interpolations
-_SHELL_VARIABLE = re.compile(r"\$(\{[A-Za-z_][A-Za-z0-9_]*([:}]-|\})|[A-Za-z_])")
+
 
 
 class Config:
@@ -173,9 +161,6 @@ def _defaults(user: dict[str, Any]) -> dict[str, Any]:
     return {**DEFAULTS, f"{ACTOR}.strategy": ENGINE_STRATEGY[engine]}
 
 
-GROUP_CHOICES = "__groups__"  # where _from_overrides keeps the `GROUP=OPTION` overrides
-
-
 def _user_config(path: Path) -> dict[str, Any]:
     """The file as a nested dict: a YAML mapping, or a command line's `key=value` overrides."""
     text = _text(path)
@@ -187,7 +172,7 @@ def _user_config(path: Path) -> dict[str, Any]:
         loaded = None  # a shell script is not YAML: read as a command line below
     if isinstance(loaded, dict):
         return verl_yaml_or_refused(path, loaded)
-    return _from_overrides(path, text)
+    return from_overrides(path, text)
 
 
 def _bounded(error: SpecError) -> bool:
@@ -196,65 +181,6 @@ def _bounded(error: SpecError) -> bool:
 
 def _text(path: Path) -> str:
     return text(path, NAME)
-
-
-def _from_overrides(path: Path, text: str) -> dict[str, Any]:
-    """Hydra's overrides of a run script: `key=value` (each value read as YAML, as Hydra's override
-    grammar reads plain values), `+key=`/`++key=` (add or force a key), `~key` (delete it) and
-    `GROUP=OPTION` (a dotless key: the option of a config group of verl's defaults list, e.g.
-    `model_engine=megatron`). A line that launches something else than verl's PPO loop is refused."""
-    launched = LAUNCHER.search(text)
-    if launched is not None:
-        verl_entry_or_refused(path, launched["module"] or launched["script"])
-    words, unread = command_line(path, text, LAUNCHER)
-    if unread:
-        raise SpecError(f"{path}: the launch line names ${{{unread[0]}[@]}}, an array the file does not define: "
-                        "give the command line as it ran (the script's `set -x` line)")
-    tree: dict[str, Any] = {}
-    for word in words:
-        if word.startswith("~") and "." in word:  # ~key or ~key=value: Hydra deletes the key
-            _put(path, tree, word, word[1:].partition("=")[0], None)
-            continue
-        key, eq, value = word.partition("=")
-        key = key.lstrip("+")
-        if not eq or key.startswith("-") or "/" in key or not key:
-            continue  # the interpreter, the module, flags: not overrides
-        if _SHELL_VARIABLE.search(value):
-            raise SpecError(f"{path}: override {word!r} holds a shell variable: give the command line as it ran "
-                            "(the script's `set -x` line), or a YAML")
-        if "." not in key:
-            _group(path, tree, word, key, value)
-            continue
-        _put(path, tree, word, key, _yaml_value(value, f"{path}: override {key}"))
-    if not tree:
-        raise SpecError(f"{path}: neither a verl YAML config nor a command line with key=value overrides")
-    return tree
-
-
-# A run script's launch line: `python3 -m MODULE` or `python3 SCRIPT.py` (not `python3 -c ...`).
-LAUNCHER = re.compile(r"\b(?:python3?|torchrun)(?:\s+--?[\w-]+(?:=\S+)?)*\s+(?:-m\s+(?P<module>[A-Za-z_][\w.]*)|(?P<script>[^\s-]\S*\.py))")
-
-
-def _group(path: Path, tree: dict[str, Any], word: str, key: str, value: str) -> None:
-    if key in GROUPS:
-        options = GROUPS[key]
-        if options and value not in options:
-            raise SpecError(f"{path}: override {word!r}: verl {VERSION}'s {key} group has no option {value!r} "
-                            f"(it has: {', '.join(options)})")
-        tree.setdefault(GROUP_CHOICES, {})[key] = value
-    elif key not in SECTIONS:
-        raise SpecError(f"{path}: override {word!r}: {key} is neither a config group of verl {VERSION}'s defaults "
-                        f"list nor a section of its config")
-
-
-def _put(path: Path, tree: dict[str, Any], word: str, key: str, value: Any) -> None:
-    node = tree
-    *parents, leaf = key.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise SpecError(f"{path}: override {word!r}: {part} is set to a value and a section")
-    node[leaf] = value
 
 
 def _with_omegaconf(path: Path, user: dict[str, Any], package: Path) -> Config:
