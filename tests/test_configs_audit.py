@@ -161,3 +161,21 @@ def test_a_config_asking_for_more_context_than_the_checkpoint_is_capped_and_says
     options = with_configs(AuditOptions(train=f"verl:{run},max_model_len=64"))
     assert "max_model_len=64" in options.infer and "max_model_len" not in options.train
     assert with_checkpoint_checks(tiny_checkpoint, options).infer == options.infer  # the user's own: kept
+
+
+def test_bypass_mode_and_the_model_are_on_the_first_screen_before_the_specs() -> None:
+    from rich.console import Console
+
+    from mismatch.cli.printing import print_from_config
+    from mismatch.pipeline.configured import with_configs
+    from mismatch.pipeline.options import AuditOptions
+
+    script = REPO / "tests" / "data" / "upstream" / "verl" / "examples" / "rollout_correction" / "run_qwen2_5_7b_fsdp.sh.cmdline"
+    options = with_configs(AuditOptions(train=f"verl:{script}"))
+    console = Console(record=True, width=400)
+    print_from_config(options.from_config, console, model="model: (the model line)")
+    lines = console.export_text().splitlines()
+    assert lines[0] == "model: (the model line)"
+    assert lines[1].startswith("note: bypass mode (algorithm.rollout_correction.bypass_mode=true): verl trains on "
+                               "the rollout's log-probs")
+    assert lines[2].startswith("--train hf:") and options.from_config["train"]["spec"] == options.train
