@@ -179,3 +179,22 @@ def test_bypass_mode_and_the_model_are_on_the_first_screen_before_the_specs() ->
     assert lines[1].startswith("note: bypass mode (algorithm.rollout_correction.bypass_mode=true): verl trains on "
                                "the rollout's log-probs")
     assert lines[2].startswith("--train hf:") and options.from_config["train"]["spec"] == options.train
+
+
+def test_a_configs_own_correction_settings_are_the_audits_unless_for_names_the_framework(tmp_path: Path) -> None:
+    from mismatch.errors import SpecError
+    from mismatch.pipeline.configured import with_configs
+    from mismatch.pipeline.options import AuditOptions
+
+    grpo = tmp_path / "grpo.yaml"
+    grpo.write_text("vllm_importance_sampling_mode: token_truncate\nvllm_importance_sampling_clip_max: 2.0\n")
+    options = with_configs(AuditOptions(train=f"trl:{grpo}"))
+    assert options.framework_settings == {"trl": {"vllm_importance_sampling_mode": "token_truncate",
+                                                  "vllm_importance_sampling_clip_max": 2.0}}
+    asked = {"trl": {"vllm_importance_sampling_mode": "sequence_mask"}}
+    assert with_configs(AuditOptions(train=f"trl:{grpo}", framework_settings=asked)).framework_settings == asked
+    grpo.write_text("vllm_importance_sampling_mode: tokens\n")
+    with pytest.raises(SpecError, match=r"grpo\.yaml: trl's correction settings: 'tokens' is not one of"):
+        with_configs(AuditOptions(train=f"trl:{grpo}"))
+    kimi = REPO / "tests" / "data" / "upstream" / "slime" / "scripts" / "run-kimi-k2-Thinking.sh.cmdline"
+    assert with_configs(AuditOptions(train=f"slime:{kimi}")).framework_settings == {"slime": {"use_tis": True}}

@@ -8,14 +8,16 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from mismatch.checkpoint import max_positions
 from mismatch.engines.spec import parse_spec
-from mismatch.errors import MismatchError
+from mismatch.errors import MismatchError, SpecError
 from mismatch.frameworks.configs import ENGINE_SIDE_OPTIONS, config_framework, resolve
 from mismatch.frameworks.configs.derived import spec_text
+from mismatch.frameworks._common import yaml_scalar
 from mismatch.frameworks.configs.model_check import MODEL_KEYS, check_model
+from mismatch.frameworks.registry import MODULES
 from mismatch.pipeline.options import DEFAULT_INFER, AuditOptions, RunOptions
 
 O = TypeVar("O", bound=RunOptions)
@@ -41,8 +43,22 @@ def with_configs(options: O) -> O:
         from_train = tables.get("train", {})
         framework, settings = from_train.get("framework"), from_train.get("framework_settings") or {}
         if framework and settings and framework not in options.framework_settings:
+            _check_settings(framework, settings, from_train["file"])
             changes["framework_settings"] = {**options.framework_settings, framework: dict(settings)}
     return dataclasses.replace(options, **changes, from_config=tables)
+
+
+def _check_settings(framework: str, settings: dict[str, Any], file: str) -> None:
+    """A config's correction settings held to what `--for` takes (frameworks/NAME.py SETTINGS), before any
+    replay: the audit computes the framework's metrics with them."""
+    module = MODULES[framework]
+    try:
+        for key, value in settings.items():
+            if key in module.SETTINGS and not isinstance(value, list):
+                module.SETTINGS[key](yaml_scalar(value).strip('"'))
+        module.metrics({**module.DEFAULTS, **settings})
+    except (ValueError, KeyError, TypeError) as error:
+        raise SpecError(f"{file}: {framework}'s correction settings: {error}") from None
 
 
 def with_checkpoint_checks(checkpoint: str | Path, options: O) -> O:

@@ -117,6 +117,10 @@ def derive(path: Path, machine: Machine) -> Derived:
     read = read_config(path)
     d = Deriving(framework="slime", file=str(path), loader=read.loader)
     d.model = flag_value(read.argv, "--hf-checkpoint")  # the HF checkpoint slime's rollout engines load
+    if "--use-tis" in read.argv:  # the TIS the run applies (utils/arguments.py:1061-1079): its metrics' settings
+        d.framework_settings = {"use_tis": True, **{name: float(given) for name, flag in
+                                (("tis_clip", "--tis-clip"), ("tis_clip_low", "--tis-clip-low"))
+                                if (given := flag_value(read.argv, flag)) is not None}}
     _train(d, read.values, machine)
     _train_rest(d, read)
     _infer(d, read.values, machine)

@@ -97,12 +97,19 @@ class Read:
     given: dict[str, Any]   # the mapped keys the file sets, typed
 
 
+IS_KEYS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+           "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min")
+
+
 def derive(path: Path, machine: Machine) -> Derived:
     """The hf spec the GRPO trainer's log-prob forward is, and the spec of its sampler."""
     read = read_config(path)
     deriving = Deriving(framework="trl", file=str(path), loader=read.loader)
-    model = _load(path)[0].get("model_name_or_path")  # ModelConfig.model_name_or_path (model_config.py)
+    raw = _load(path)[0]
+    model = raw.get("model_name_or_path")  # ModelConfig.model_name_or_path (model_config.py)
     deriving.model = model if isinstance(model, str) else None
+    # the IS correction the run applies (grpo_config.py:925-960), under --for trl's names: its metrics' settings
+    deriving.framework_settings = {key: raw[key] for key in IS_KEYS if key in raw}
     _train(deriving, read, machine)
     _infer(deriving, read, machine)
     return deriving.derived()
