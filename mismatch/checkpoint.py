@@ -64,7 +64,7 @@ def checkpoint_info(path: str | Path) -> CheckpointInfo:
         raise CheckpointError(f"{config_file}: vocab_size missing or not a positive integer")
     dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     return CheckpointInfo(path=root, model_type=str(config.get("model_type", "?")),
-                          vocab_size=vocab_size, dtype=str(dtype), max_positions=_max_positions(config),
+                          vocab_size=vocab_size, dtype=str(dtype), max_positions=max_positions(config),
                           num_experts=_num_experts(config), attn_softcap=_attn_softcap(config),
                           **_moe_shape(config))
 
@@ -120,7 +120,7 @@ def _moe_shape(config: dict) -> dict[str, int]:
     return {"moe_layers": len(routed), "experts_per_token": k}
 
 
-def _max_positions(config: dict) -> int | None:
+def max_positions(config: dict) -> int | None:
     """The context length config.json declares (the text model's, for a multimodal config)."""
     for scope in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
         for key in ("max_position_embeddings", "n_positions", "seq_length"):

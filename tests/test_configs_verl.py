@@ -90,7 +90,7 @@ def test_the_spec_picks_a_side_and_overrides_options(tmp_path: Path) -> None:
     ("actor_rollout_ref:\n  actor:\n    use_dynamic_bsz: true\n  rollout:\n    name: vllm\n"
      "    log_prob_use_dynamic_bsz: false\n", "refuse the two to differ"),
     ("python3 -m verl.trainer.main_ppo actor_rollout_ref.rollout.name=${INFER_BACKEND}\n", "shell variable"),
-    ("just: [unclosed\n", "neither a verl YAML config nor a command line"),
+    ("just: [unclosed\n", r"bad.yaml:2: invalid YAML in the verl config"),
 ])
 def test_a_bad_config_is_one_line_naming_the_file_and_key(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "bad.yaml"
@@ -195,3 +195,18 @@ def test_the_trainer_temperature_cause_fires_only_on_a_real_difference(trainer_t
     summary = {"engines": {"train": {"kind": "hf", "spec": "hf", "options": {"temperature": trainer_t}},
                            "sampler": {"meta": declared}}, "pairs": {}}
     assert (trainer_temperature(summary, {}) is not None) == fires
+
+
+def test_upstream_megatron_and_bypass_scripts_read_as_the_release_does() -> None:
+    """The group override `model_engine=megatron` merges into verl 0.9.1's own megatron default (no "not in
+    struct"), and the subset derives the same specs and table as the release's OmegaConf merge."""
+    upstream = Path(__file__).parent / "data" / "upstream" / "verl" / "examples"
+    files = [upstream / "grpo_trainer" / "run_qwen3_8b_megatron.sh.cmdline",
+             upstream / "rollout_correction" / "run_qwen2_5_7b_fsdp.sh.cmdline",
+             upstream / "grpo_trainer" / "run_qwen3_8b_fsdp.sh.cmdline"]
+    for path, answer in zip(files, _installed_reading(files)):
+        assert "refused" not in answer, answer
+        subset = read_config("verl", path, CPU)
+        assert answer["loader"].startswith("verl 0.9.1 (installed)")
+        assert answer["specs"] == subset.specs
+        assert answer["settings"] == [s.to_dict() for s in subset.settings]

@@ -50,6 +50,8 @@ def audit(
     clip_eps: Annotated[str, typer.Option(
         "--clip-eps", help="PPO clip range to measure the gap against: EPS or EPS_LOW,EPS_HIGH.")] = "0.2",
     framework: FrameworkOption = None,
+    force_model: Annotated[bool, typer.Option(
+        "--force-model", help="Audit even when the --train config names another model than CHECKPOINT.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Replay stored rollouts through a trainer and an engine; write tokens.parquet + summary.json.
@@ -57,14 +59,19 @@ def audit(
     Rerunning the same command after an interruption resumes from the finished blocks."""
     from mismatch.analysis.clip import ClipRange
     from mismatch.pipeline.audit import run_audit
-    from mismatch.pipeline.configured import with_configs
+    from mismatch.pipeline.configured import model_line, with_configs, with_checkpoint_checks
     from mismatch.pipeline.options import AuditOptions
 
     clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
     target = target_for(framework)
-    options = with_configs(AuditOptions(train=train, infer=infer, out=out, force=force, localize_models=localize,
-                                        shard=shard_for(shard), block_size=block_size, clip=clip, probe=probe))
-    print_from_config(options.from_config, err_console if as_json else None)  # before the replay: it may be long
+    # --for's settings are an input of the audit: its framework metrics are computed with them
+    asked = AuditOptions(train=train, infer=infer, out=out, force=force, localize_models=localize,
+                         shard=shard_for(shard), block_size=block_size, clip=clip, probe=probe,
+                         framework_settings={target.framework: target.settings} if target else {},
+                         force_model=force_model)
+    options = with_checkpoint_checks(checkpoint, with_configs(asked))
+    print_from_config(options.from_config, err_console if as_json else None,
+                      model=model_line(options))  # before the replay: it may be long
     with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_audit(checkpoint, rollouts, dataclasses.replace(options, progress=progress))
     if as_json:

@@ -100,7 +100,8 @@ def _print_framework_metrics(summary: dict[str, Any], target: Target, out: Path 
     named = {pair: (block or {}).get(framework) or {} for pair, block in
              (summary.get("framework_metrics") or {}).items()}
     settings = (summary.get("framework_settings") or {}).get(framework)
-    if target.settings and out is not None:
+    asked = {**(settings or {}), **target.settings}
+    if target.settings and asked != settings and out is not None:  # an audit made without these settings
         logged = logged_metrics(out, target)
         if logged is not None:
             named, settings = {logged["pair"]: logged["metrics"]}, logged["settings"]
@@ -173,11 +174,17 @@ def print_weights(payload: dict[str, Any]) -> None:
     out_console.print(payload["summary"]["verdict"], markup=False, highlight=False, soft_wrap=True)
 
 
-def print_from_config(from_config: dict[str, dict[str, Any]], console: Any = None) -> None:
-    """Each source a framework config set: the spec it derived, then a line for every setting it
-    could not reproduce as configured (approximated, or not at all) and every option the spec
-    overrode. The reproduced settings are the spec itself."""
+def print_from_config(from_config: dict[str, dict[str, Any]], console: Any = None, model: str | None = None) -> None:
+    """The config's model against the checkpoint first (`model`), then each config's notices (what
+    changes what the audit compares, e.g. verl's bypass mode), then each source a framework config
+    set: the spec it derived, a line for every setting it could not reproduce as configured
+    (approximated, or not at all) and every option the spec overrode. The reproduced settings are
+    the spec itself."""
     console = console or out_console
+    if model:
+        console.print(model, markup=False, highlight=False, soft_wrap=True)
+    for notice in dict.fromkeys(n for table in from_config.values() for n in table.get("notices") or []):
+        console.print(f"note: {notice}", markup=False, highlight=False, soft_wrap=True)
     for source, table in from_config.items():
         console.print(f"--{source} {table['spec']}", markup=False, highlight=False, soft_wrap=True)
         console.print(f"  from the {table['framework']} config {table['file']}, read with: {table['loader']}",

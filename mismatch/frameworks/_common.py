@@ -4,6 +4,9 @@ frameworks' loaders read them back."""
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Callable
 from typing import Any
 
 from mismatch.frameworks.protocol import Release
@@ -60,11 +63,46 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"{text!r} is not true or false")
 
 
+# A number as a config file spells it: digits, at most one dot, an optional exponent. Python's float()
+# also takes "1_2" (12.0), "nan", "inf" and "1e999" (inf); none of them is a threshold a release takes
+# as meant ("1_2" is verl's [1, 2] band), so each is refused here rather than read otherwise.
+_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+def number(text: str, *, positive: bool = True) -> float:
+    """A finite float spelt with digits, one dot and an exponent; positive unless `positive` is False
+    (then non-negative). ValueError naming the text otherwise."""
+    stripped = text.strip()
+    if not _NUMBER.fullmatch(stripped):
+        raise ValueError(f"{text!r} is not a number (digits, one dot, an exponent)")
+    value = float(stripped)
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is out of range")
+    if value < 0 or (positive and value == 0):
+        raise ValueError(f"{text!r} must be {'positive' if positive else 'non-negative'}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    return number(text, positive=False)
+
+
 def optional_float(text: str) -> float | None:
-    """A float, or null / none for no bound."""
+    """A positive number, or null / none for no bound."""
     if text.strip().lower() in ("null", "none", ""):
         return None
-    return float(text)
+    return number(text)
+
+
+def one_of(*choices: str, optional: bool = False) -> Callable[[str], str | None]:
+    """A parser that takes one of `choices` (and null / none when `optional`)."""
+    def parse(text: str) -> str | None:
+        if optional and text.strip().lower() in ("null", "none", ""):
+            return None
+        if text.strip() not in choices:
+            raise ValueError(f"{text!r} is not one of: {', '.join(choices)}")
+        return text.strip()
+    return parse
 
 
 def optional_str(text: str) -> str | None:

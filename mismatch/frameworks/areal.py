@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from mismatch.frameworks._common import optional_float, optional_str, yaml_scalar
+from mismatch.frameworks._common import number, one_of, optional_float, optional_str, yaml_scalar
 from mismatch.frameworks.pair_arrays import PairArrays
 from mismatch.frameworks.protocol import FrameworkMetric, Recommendation, Release, Target
 
@@ -19,7 +19,8 @@ RELEASES = (Release("1.0.4", "areal 1.0.4 wheel (PyPI)"),)
 # areal 1.0.4 areal/api/cli_args.py:1288-1449 (RejectionSamplingConfig: level token|sequence, action
 # mask|clamp, metric ratio|kl_k1|kl_k2|kl_k3, agg sum|mean|max, upper 5.0, lower None), :1555
 # (actor.rejection_sampling, None by default: no behaviour weight at all), :1549 (use_decoupled_loss).
-SETTINGS: dict[str, Callable[[str], Any]] = {"level": str, "action": str, "upper": float, "lower": optional_float,
+SETTINGS: dict[str, Callable[[str], Any]] = {"level": one_of("token", "sequence"), "action": one_of("mask", "clamp"),
+                                             "upper": number, "lower": optional_float,
                                              "rejection_sampling": optional_str}
 # With rejection_sampling null AReaL logs no behave_* metric: the metrics' defaults are the
 # config's own field defaults (token, mask, ratio, upper 5.0), with the section set.

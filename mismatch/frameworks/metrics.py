@@ -29,12 +29,13 @@ from mismatch.frameworks.registry import MODULES
 Settings = dict[str, dict[str, Any]]  # framework -> its correction settings (its own names)
 
 
-def settings_used(targets: Sequence[Target] = ()) -> Settings:
+def settings_used(targets: Sequence[Target] | Settings = ()) -> Settings:
     """Each framework's settings: a target's (over its defaults), the others' defaults; also
-    summary.json["framework_settings"], what the metrics were computed with."""
-    chosen = {target.framework: target for target in targets}
-    return {name: {**module.DEFAULTS, **(chosen[name].settings if name in chosen else {})}
-            for name, module in MODULES.items()}
+    summary.json["framework_settings"], what the metrics were computed with. `targets`: Targets, or
+    framework -> settings (AuditOptions.framework_settings)."""
+    chosen = ({name: dict(values) for name, values in targets.items()} if isinstance(targets, dict)
+              else {target.framework: target.settings for target in targets})
+    return {name: {**module.DEFAULTS, **chosen.get(name, {})} for name, module in MODULES.items()}
 
 
 def build_metrics(settings: Settings) -> tuple[FrameworkMetric, ...]:

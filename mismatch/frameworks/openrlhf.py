@@ -8,24 +8,32 @@ from typing import Any
 
 import numpy as np
 
-from mismatch.frameworks._common import parse_bool
+from mismatch.frameworks._common import number, one_of, parse_bool
 from mismatch.frameworks.pair_arrays import PairArrays
 from mismatch.frameworks.protocol import FrameworkMetric, Recommendation, Release, Target
 
 NAME = "openrlhf"
 PACKAGE = "openrlhf"
 # The dotted --algo.advantage.* names start in 0.10.2; 0.9.x-0.10.1 spell them
-# --enable_vllm_is_correction / --vllm_is_correction_type / --vllm_is_truncated_threshold (read in
-# the 0.9.10 wheel, openrlhf/cli/train_ppo_ray.py:254-268): an older version gets 0.10.4's keys and a note.
-RELEASES = (Release("0.10.4", "openrlhf 0.10.4 wheel (PyPI)"), Release("0.11.2", "openrlhf 0.11.2 wheel (PyPI)"))
+# --enable_vllm_is_correction / --vllm_is_correction_type / --vllm_is_truncated_threshold (read at
+# the v0.9.10 tag, openrlhf/cli/train_ppo_ray.py:254-268): `--for openrlhf==0.9.x` gets those names.
+RELEASES = (Release("0.9.10", "OpenRLHF v0.9.10 (GitHub tag, openrlhf/cli/train_ppo_ray.py:254-268)"),
+            Release("0.10.4", "openrlhf 0.10.4 wheel (PyPI)"), Release("0.11.2", "openrlhf 0.11.2 wheel (PyPI)"))
+# 0.9.x's undotted names of 0.10.4's enable/type/threshold flags (v0.9.10 cli/train_ppo_ray.py:254-268;
+# models/loss.py:88-109 computes the same three types).
+_UNDOTTED = {"is_correction_enable": "--enable_vllm_is_correction", "is_correction_type": "--vllm_is_correction_type",
+             "is_correction_threshold": "--vllm_is_truncated_threshold"}
 _PREFIX = "--algo.advantage."
 
 
 def _threshold(text: str) -> list[float]:
     """is_correction_threshold as --for takes it: HIGH, or LOW_HIGH."""
-    bounds = [float(part) for part in text.split("_")]
-    if len(bounds) not in (1, 2):
+    parts = text.split("_")
+    if len(parts) not in (1, 2):
         raise ValueError(f"{text!r}: HIGH or LOW_HIGH")
+    bounds = [number(part, positive=len(parts) == 1 or i == 1) for i, part in enumerate(parts)]
+    if len(bounds) == 2 and bounds[0] > bounds[1]:
+        raise ValueError(f"{text!r}: LOW must not exceed HIGH")
     return [0.0, *bounds] if len(bounds) == 1 else bounds  # train_ppo_ray.py:639-642 (0.11.2)
 
 
@@ -33,8 +41,10 @@ def _threshold(text: str) -> list[float]:
 # ratio|binary_kl|tv, threshold HIGH or LOW HIGH); 0.10.4 :257-271 (enable, type tis|icepop|seq-mask-tis,
 # threshold LOW HIGH).
 SETTINGS: dict[str, Callable[[str], Any]] = {
-    "is_correction_level": str, "is_correction_mode": str, "is_correction_gating": str,
-    "is_correction_threshold": _threshold, "is_correction_enable": parse_bool, "is_correction_type": str}
+    "is_correction_level": one_of("off", "token", "seq"), "is_correction_mode": one_of("mask", "clip"),
+    "is_correction_gating": one_of("ratio", "binary_kl", "tv"),
+    "is_correction_threshold": _threshold, "is_correction_enable": parse_bool,
+    "is_correction_type": one_of("tis", "icepop", "seq-mask-tis")}
 # 0.11.2's defaults leave the level off (no correction, and train/vllm_kl is not logged): the metrics'
 # defaults are its other defaults at token level, which is IcePop on [0.5, 5.0].
 DEFAULTS: dict[str, Any] = {"is_correction_level": "token", "is_correction_mode": "mask",
@@ -51,7 +61,7 @@ _MODES = {"token_truncate": ("token", "clip", "tis"), "token_clip": ("token", "c
 
 def _dotted(release: Release) -> bool:
     """0.11.2's level/mode/gating flags; 0.10.4's enable/type (the two releases read)."""
-    return release.version != "0.10.4"
+    return release.version not in ("0.9.10", "0.10.4")
 
 
 def express(mode: str, params: Mapping[str, Any], release: Release) -> dict[str, Any] | None:
@@ -102,12 +112,13 @@ def render(by_kind: dict[str, Recommendation], target: Target) -> list[str]:
         settings = express(correction.params["mode"], correction.params, target.release)
         assert settings is not None  # render_config drops a correction the release cannot express
         for key, value in settings.items():
+            flag = _UNDOTTED[key] if target.release.version.startswith("0.9.") else _PREFIX + key
             if value is True:
-                flags.append(_PREFIX + key)
+                flags.append(flag)
             elif isinstance(value, list):
-                flags.append(f"{_PREFIX}{key} " + " ".join(repr(v) for v in value))
+                flags.append(f"{flag} " + " ".join(repr(v) for v in value))
             else:
-                flags.append(f"{_PREFIX}{key} {value}")
+                flags.append(f"{flag} {value}")
     if "recompute_old_logprobs" in by_kind:  # experience_maker.py:154-158, :222 (both releases)
         lines.append("# old log-probs: OpenRLHF always recomputes them with the actor (make_experience); "
                      "nothing to set")

@@ -66,6 +66,10 @@ def _settings(found: Framework, options: str, text: str) -> dict[str, object]:
             out[key] = found.SETTINGS[key](value.strip())
         except ValueError as error:
             raise MismatchError(f"{text}: {key}: {error}") from None
+    try:  # the settings together, as the metrics will use them: a bad combination costs no replay
+        found.metrics({**found.DEFAULTS, **out})
+    except (ValueError, KeyError, TypeError) as error:
+        raise MismatchError(f"{text}: {error}") from None
     return out
 
 

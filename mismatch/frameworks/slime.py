@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from mismatch.frameworks._common import parse_bool
+from mismatch.frameworks._common import non_negative, number, parse_bool
 from mismatch.frameworks.pair_arrays import PairArrays
 from mismatch.frameworks.protocol import FrameworkMetric, Recommendation, Release, Target
 
@@ -18,7 +18,7 @@ RELEASES = (Release("624b824a898ab0ec1fcb4d373004c7f3852bf515",
                     "slime @ 624b824a898a (GitHub main, committed 2026-08-21, read 2026-12-02)"),)
 
 # slime/utils/arguments.py:1061-1079: --use-tis (store_true), --tis-clip (2.0), --tis-clip-low (0).
-SETTINGS = {"use_tis": parse_bool, "tis_clip": float, "tis_clip_low": float}
+SETTINGS = {"use_tis": parse_bool, "tis_clip": number, "tis_clip_low": non_negative}
 DEFAULTS: dict[str, Any] = {"use_tis": False, "tis_clip": 2.0, "tis_clip_low": 0.0}
 
 # Our simulated modes that examples/train_infer_mismatch_helper/mis.py computes (:193-237: tis_level

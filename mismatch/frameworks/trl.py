@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from mismatch.analysis import terms
-from mismatch.frameworks._common import optional_float, parse_bool, yaml_scalar
+from mismatch.frameworks._common import one_of, optional_float, parse_bool, yaml_scalar
 from mismatch.frameworks.pair_arrays import PairArrays
 from mismatch.frameworks.protocol import FrameworkMetric, Recommendation, Release, Target
 
@@ -19,12 +19,12 @@ PACKAGE = "trl"
 RELEASES = (Release("1.14.2", "trl 1.14.2 wheel (PyPI)"), Release("1.16.0", "trl 1.16.0 wheel (PyPI)"))
 
 # trl 1.16.0 trl/trainer/grpo_config.py:925-960 (1.14.2: :924-959): the IS correction's fields.
-SETTINGS = {"vllm_importance_sampling_correction": parse_bool, "vllm_importance_sampling_mode": str,
+MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+SETTINGS = {"vllm_importance_sampling_correction": parse_bool, "vllm_importance_sampling_mode": one_of(*MODES),
             "vllm_importance_sampling_clip_max": optional_float, "vllm_importance_sampling_clip_min": optional_float}
 DEFAULTS: dict[str, Any] = {"vllm_importance_sampling_correction": True,
                             "vllm_importance_sampling_mode": "sequence_mask",
                             "vllm_importance_sampling_clip_max": 3.0, "vllm_importance_sampling_clip_min": None}
-MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 # Our simulated mode -> (TRL mode, whether it takes clip_min): grpo_trainer.py:2680-2702 clamps a
 # *_truncate ratio to [clip_min, clip_max] and zeroes a *_mask ratio outside it.

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from mismatch.frameworks._common import optional_str, yaml_scalar
+from mismatch.frameworks._common import number, one_of, yaml_scalar
 from mismatch.frameworks.pair_arrays import SAFETY_BOUND, PairArrays, probs
 from mismatch.frameworks.protocol import FrameworkMetric, Recommendation, Release, Target
 
@@ -22,12 +22,18 @@ RELEASES = (Release("0.8.0", "verl 0.8.0 wheel (PyPI)"), Release("0.9.1", "verl 
 
 
 def _threshold(text: str) -> float | str:
-    """rollout_is_threshold as verl takes it: a float (TIS cap) or "lower_upper" (IcePop band)."""
-    try:
-        return float(text)
-    except ValueError:
-        _bounds(text)  # refuse what verl would refuse, here
-        return text.strip()
+    """rollout_is_threshold as verl takes it: a positive number (TIS cap) or "lower_upper" (IcePop band),
+    each bound a plain number ("1_2" is the band [1, 2], never twelve)."""
+    if "_" not in text:
+        return number(text)
+    low, _, high = text.strip().partition("_")
+    if low.isdigit() and high.isdigit():  # "1_2": YAML 1.1 and Hydra's override grammar read an unquoted 1_2 as 12
+        raise ValueError(f"{text!r} is ambiguous: verl reads it as the integer {int(low + high)} unquoted (YAML and "
+                         f"Hydra take _ in integers) and as the band [{low}, {high}] quoted; write the band "
+                         f"{low}.0_{high}.0 or the cap {low}{high}")
+    number(low), number(high)
+    _bounds(text)  # refuse what verl would refuse, here
+    return text.strip()
 
 
 def _bounds(threshold: float | str) -> tuple[float, float | None]:
@@ -48,7 +54,9 @@ def _bounds(threshold: float | str) -> tuple[float, float | None]:
 # composed YAML (trainer/config/algorithm/rollout_correction.yaml) leaves rollout_is null: no IS
 # weights, and none of the rollout_is_* metrics. The metrics' defaults are therefore its
 # decoupled_token_is preset (algorithm.py:188: rollout_is token, threshold 2.0), said in the summary.
-SETTINGS: dict[str, Callable[[str], Any]] = {"rollout_is": optional_str, "rollout_is_threshold": _threshold}
+# rollout_is: null, "token" or "sequence" (algorithm.py RolloutCorrectionConfig; rollout_corr_helper.py)
+SETTINGS: dict[str, Callable[[str], Any]] = {"rollout_is": one_of("token", "sequence", optional=True),
+                                             "rollout_is_threshold": _threshold}
 DEFAULTS: dict[str, Any] = {"rollout_is": "token", "rollout_is_threshold": 2.0}
 
 _RS_OPTIONS = frozenset({"token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",

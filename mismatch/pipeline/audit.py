@@ -30,7 +30,7 @@ from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import TurnLocalizer
 from mismatch.pipeline import stages
-from mismatch.pipeline.configured import with_configs
+from mismatch.pipeline.configured import with_configs, with_checkpoint_checks
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_processed
@@ -75,7 +75,7 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf", in
 def run_audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) -> AuditResult:
     """The audit of `options`, one run at a time into its results dir."""
     analysis_workers(0)  # a bad MISMATCH_WORKERS is refused before any replay
-    options = with_configs(options)
+    options = with_checkpoint_checks(checkpoint, with_configs(options))
     with results_lock(options.out):  # from its first check to its publish
         return _audit(checkpoint, rollouts, options)
 
@@ -96,6 +96,7 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) 
         per_rollout = PerRollout(pairs)
         digestion = stages.report_digestion(store, pairs) if options.out is not None else None
         measured, findings = analyze_audit(store.chunks, beside, clip=options.clip,
+                                           settings=settings_used(options.framework_settings),
                                            extra=[per_rollout, digestion] if digestion is not None else [],
                                            workers=analysis_workers(store.num_rows))
         localized = _localized_models(checkpoint, requests, prepared, options) if requests is not None else {}
@@ -174,15 +175,17 @@ class AuditFindings:
 
 
 def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | None, extra: Sequence[Analysis] = (),
-                  workers: int = 1) -> tuple[Measured, AuditFindings]:
+                  workers: int = 1, settings: dict[str, dict[str, Any]] | None = None) -> tuple[Measured, AuditFindings]:
     """Everything the token table shows, read as chunks of whole rollouts, every analysis in the
     same passes; `extra`: more analyses for those passes (the per-rollout table, the report's
-    digestion); `workers`: how many processes share them (chunked.run_passes)."""
+    digestion); `workers`: how many processes share them (chunked.run_passes); `settings`: each framework's
+    correction settings for its metrics (frameworks/metrics.py settings_used), its defaults when None."""
+    settings = settings if settings is not None else settings_used()
     first = next(iter(chunks()), None)
     pairs = audit_pairs(first.columns if first is not None else ())
     summary = SummaryAnalyses(pairs, clip)
     checked = AlignmentCheck(sampler_meta=beside.engines["sampler"].get("meta")) if beside.alignment is None else None
-    trees, frameworks, strata = TreeSums(pairs), FrameworkMetrics(pairs), Strata(pairs)
+    trees, frameworks, strata = TreeSums(pairs), FrameworkMetrics(pairs, settings), Strata(pairs)
     # With processed stored log-probs the correction is simulated like for like: on the raw pair it
     # would correct the processing, which raw_logprobs fixes.
     corrections = CorrectionSimulator(pair=PROCESSED_PAIR if PROCESSED_PAIR in pairs else ("train", "sampler"))
@@ -193,7 +196,7 @@ def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | N
                side_jobs=[prefixes] if isinstance(prefixes, PrefixConsistency) else [])
     return summary.result(), AuditFindings(
         alignment=beside.alignment if checked is None else checked.result(), trees=trees.result(),
-        framework_metrics=frameworks.result(), framework_settings=settings_used(), turns=turns.result(),
+        framework_metrics=frameworks.result(), framework_settings=settings, turns=turns.result(),
         corrections=[result.to_dict() for result in corrections.result()], drift=beside.drift,
         routing=beside.routing or None,
         prefix_consistency=prefixes.result() if isinstance(prefixes, PrefixConsistency) else prefixes,

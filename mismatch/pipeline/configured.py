@@ -6,9 +6,18 @@ settings rides on the options into summary.json `engines.<source>.from_config`."
 from __future__ import annotations
 
 import dataclasses
-from typing import TypeVar
+import json
+from pathlib import Path
+from typing import Any, TypeVar
 
-from mismatch.frameworks.configs import config_framework, resolve
+from mismatch.checkpoint import max_positions
+from mismatch.engines.spec import parse_spec
+from mismatch.errors import MismatchError, SpecError
+from mismatch.frameworks.configs import ENGINE_SIDE_OPTIONS, config_framework, resolve
+from mismatch.frameworks.configs.derived import spec_text
+from mismatch.frameworks._common import yaml_scalar
+from mismatch.frameworks.configs.model_check import MODEL_KEYS, check_model
+from mismatch.frameworks.registry import MODULES
 from mismatch.pipeline.options import DEFAULT_INFER, AuditOptions, RunOptions
 
 O = TypeVar("O", bound=RunOptions)
@@ -30,13 +39,87 @@ def with_configs(options: O) -> O:
             changes[source], tables[source] = resolved.spec, resolved.from_config
         elif source == "infer" and isinstance(options, AuditOptions):
             changes[source] = text
+    if isinstance(options, AuditOptions):  # a config's own correction settings, where --for gave none
+        from_train = tables.get("train", {})
+        framework, settings = from_train.get("framework"), from_train.get("framework_settings") or {}
+        if framework and settings and framework not in options.framework_settings:
+            _check_settings(framework, settings, from_train["file"])
+            changes["framework_settings"] = {**options.framework_settings, framework: dict(settings)}
     return dataclasses.replace(options, **changes, from_config=tables)
 
 
+def _check_settings(framework: str, settings: dict[str, Any], file: str) -> None:
+    """A config's correction settings held to what `--for` takes (frameworks/NAME.py SETTINGS), before any
+    replay: the audit computes the framework's metrics with them."""
+    module = MODULES[framework]
+    try:
+        for key, value in settings.items():
+            if key in module.SETTINGS and not isinstance(value, list):
+                module.SETTINGS[key](yaml_scalar(value).strip('"'))
+        module.metrics({**module.DEFAULTS, **settings})
+    except (ValueError, KeyError, TypeError) as error:
+        raise SpecError(f"{file}: {framework}'s correction settings: {error}") from None
+
+
+def with_checkpoint_checks(checkpoint: str | Path, options: O) -> O:
+    """`options` with the framework configs held against the checkpoint, before anything is replayed:
+    the --train config's model compared with it (summary.json engines.train.from_config.model_check;
+    MismatchError for a clear mismatch unless force_model), and a derived vLLM spec that asks for more
+    context than config.json declares replayed at the checkpoint's context, said in a notice."""
+    return _with_context_check(Path(checkpoint), _with_model_check(Path(checkpoint), options))
+
+
+def _with_model_check(checkpoint: Path, options: O) -> O:
+    table = options.from_config.get("train")
+    if table is None or not table.get("model") or "model_check" in table:
+        return options
+    check = check_model(str(table["model"]), checkpoint, MODEL_KEYS.get(table["framework"], "model"))
+    if check.verdict == "differs" and not getattr(options, "force_model", False):
+        raise MismatchError(check.line)
+    return dataclasses.replace(options, from_config={**options.from_config,
+                                                     "train": {**table, "model_check": check.to_dict()}})
+
+
+def _with_context_check(checkpoint: Path, options: O) -> O:
+    """The infer side's max_model_len (from the config, not the user's own override) capped at the
+    checkpoint's context: vLLM refuses a larger one with its own message, which names neither the
+    config key nor the override that works."""
+    table = options.from_config.get("infer")
+    if table is None or not isinstance(options, AuditOptions) or "max_model_len" in (table.get("overrides") or {}):
+        return options
+    spec = parse_spec(options.infer or DEFAULT_INFER)
+    asked, limit = spec.options.get("max_model_len"), _context(checkpoint)
+    if asked is None or limit is None or int(asked) <= limit:
+        return options
+    key = next((s["key"] for s in table["settings"] if (s.get("option") or "").startswith("max_model_len=")),
+               "max_model_len")
+    capped = spec_text(spec.kind, {**spec.options, "max_model_len": limit})
+    notice = (f"{key}={asked} asks vLLM for more context than the checkpoint's {limit} (config.json): the replay "
+              f"runs max_model_len={limit} (every rollout fits it, or the audit refuses it by name); "
+              f"--infer {capped.split(',max_model_len=')[0]},max_model_len=N sets another")
+    return dataclasses.replace(options, infer=capped, from_config={**options.from_config, "infer": {
+        **table, "spec": capped, "notices": [*(table.get("notices") or []), notice]}})
+
+
+def _context(checkpoint: Path) -> int | None:
+    try:
+        config = json.loads((checkpoint / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return None  # the checkpoint's own checks name what is wrong with it
+    return max_positions(config) if isinstance(config, dict) else None
+
+
+def model_line(options: RunOptions) -> str | None:
+    """The audit's first line: the --train config's model against the checkpoint, None without one."""
+    return (options.from_config.get("train", {}).get("model_check") or {}).get("line")
+
+
 def _rollout_side(train: str) -> str | None:
-    """`verl:ppo.yaml[,...]` → `verl:ppo.yaml,side=infer` (the trainer's own options left out)."""
+    """`verl:ppo.yaml[,...]` → `verl:ppo.yaml,side=infer` (the trainer's own options left out, the rollout
+    engine's ones, max_model_len, carried)."""
     framework = config_framework(train)
     if framework is None:
         return None
-    path = train.strip().partition(":")[2].partition(",")[0]
-    return f"{framework}:{path},side=infer"
+    path, _, inline = train.strip().partition(":")[2].partition(",")
+    carried = [item.strip() for item in inline.split(",") if item.partition("=")[0].strip() in ENGINE_SIDE_OPTIONS]
+    return ",".join([f"{framework}:{path}", "side=infer", *carried])

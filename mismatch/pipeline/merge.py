@@ -80,6 +80,7 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> dict[str, Any]:
         per_rollout, digestion = PerRollout(pairs), stages.report_digestion(store, pairs)
         beside = _merged_evidence(provenance, summaries, order, _merged_prefixes(store, keys, first))
         measured, findings = analyze_audit(store.chunks, beside, clip=_clip_range(first),
+                                           settings=first.get("framework_settings") or None,
                                            extra=[per_rollout, digestion], workers=workers)
         summary = audit_summary(provenance, measured, findings)
         stages.write_results_files(store, summary, stages.with_steps(per_rollout.result(), _merged_steps(shards)),

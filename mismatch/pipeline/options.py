@@ -38,6 +38,11 @@ class AuditOptions(RunOptions):
     localize_models: bool = False  # also rerun both configs with hooks (layers, kernels)
     clip: ClipRange = ClipRange()  # the PPO clip range the gap is measured against
     probe: bool = False  # also run the kernel probes at the checkpoint's shapes
+    # framework -> the correction settings the run uses, under its own names (`--for NAME:KEY=VALUE`, or
+    # what a --train framework config sets): its metrics are computed with them, over its defaults, and
+    # summary.json framework_settings records them
+    framework_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    force_model: bool = False  # replay even when the --train config names another model than the checkpoint
 
     @property
     def sources(self) -> dict[str, str]:

@@ -32,6 +32,9 @@ READERS: dict[str, str] = {
 # The side a config spec replays when it names none: the flag's (a diff's --a/--b compare trainer
 # settings, as verl#6280's micro-batch question asks; `side=infer` compares engine settings).
 SOURCE_SIDES: dict[str, Side] = {"infer": "infer"}
+# Options of a config's rollout engine that `--train FRAMEWORK:FILE,OPTION=VALUE` may give: the trainer's
+# forward has no such limit, so they go to the rollout engine the same config derives (--infer left unset).
+ENGINE_SIDE_OPTIONS = ("max_model_len",)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -69,6 +72,8 @@ def resolve(text: str, source: str, machine: Machine | None = None) -> Resolved:
         raise SpecError(f"engine spec {text!r}: a {framework} config has no side {side!r} "
                         f"(it has: {', '.join(derived.specs)})")
     base = parse_spec(derived.specs[side])
+    if side != "infer" and base.kind == "hf":  # the rollout engine's context: _rollout_side carries it there
+        overrides = {key: value for key, value in overrides.items() if key not in ENGINE_SIDE_OPTIONS}
     spec = spec_text(base.kind, {**base.options, **overrides})
     return Resolved(spec=spec, from_config={**derived.for_side(side), "spec": spec, "derived_spec": base.text,
                                             "overrides": overrides})
@@ -84,4 +89,4 @@ def _overrides(text: str, inline: str) -> dict[str, str]:
     return overrides
 
 
-__all__ = ["READERS", "Derived", "Machine", "Resolved", "Setting", "config_framework", "read_config", "resolve"]
+__all__ = ["ENGINE_SIDE_OPTIONS", "READERS", "Derived", "Machine", "Resolved", "Setting", "config_framework", "read_config", "resolve"]

@@ -75,11 +75,17 @@ class Derived:
     loader: str  # how it was read: the release's own loader (and version), or the built-in subset
     specs: dict[Side, str]  # side -> engine spec (train and infer always; update where the framework has it)
     settings: tuple[Setting, ...]
+    model: str | None = None     # the model the config names (its path or hub name), None where it names none
+    notices: tuple[str, ...] = ()  # what the first screen must say (e.g. verl's bypass mode)
+    # the correction settings the config runs, under the framework's own --for names (frameworks/NAME.py
+    # SETTINGS): the audit computes the framework's metrics with them, as the run logged them
+    framework_settings: dict[str, Any] = field(default_factory=dict)
 
     def for_side(self, side: Side) -> dict[str, Any]:
         """summary.json `engines.<source>.from_config`: this side's spec and its settings."""
         return {"framework": self.framework, "file": self.file, "loader": self.loader, "side": side,
-                "spec": self.specs[side],
+                "spec": self.specs[side], "model": self.model, "notices": list(self.notices),
+                "framework_settings": dict(self.framework_settings),
                 "settings": [s.to_dict() for s in self.settings if s.side == side]}
 
 
@@ -94,6 +100,18 @@ class Deriving:
     kinds: dict[Side, str] = field(default_factory=lambda: {"train": "hf", "infer": "vllm"})
     options: dict[Side, dict[str, Any]] = field(default_factory=lambda: {"train": {}, "infer": {}})
     settings: list[Setting] = field(default_factory=list)
+    model: str | None = None
+    notices: list[str] = field(default_factory=list)
+    bypass: bool = False  # the trainer never recomputes old log-probs: the train side is the update's forward
+    framework_settings: dict[str, Any] = field(default_factory=dict)
+
+    def notice(self, text: str) -> None:
+        """A line the first screen must carry."""
+        self.notices.append(text)
+
+    def same(self, side: Side, key: str, value: Any, note: str = "") -> None:
+        """`key` is listed for the record; nothing needs setting for the replay to match it."""
+        self.settings.append(Setting(side=side, key=key, value=value, status="reproduced", option=None, note=note))
 
     def reproduce(self, side: Side, key: str, value: Any, option: str, option_value: Any, note: str = "") -> None:
         """`key` is reproduced as the engine option `option=option_value`."""
@@ -131,8 +149,14 @@ class Deriving:
 
     def derived(self) -> Derived:
         specs = {side: spec_text(self.kinds[side], self.options.get(side, {})) for side in self.kinds}
+        settings = self.settings
+        if self.bypass and "update" in specs:  # what the run's ratio compares: the update forward vs the sampler
+            specs["train"] = specs["update"]
+            settings = [s for s in settings if s.side != "train"] + [replace(s, side="train") for s in settings
+                                                                      if s.side == "update"]
         return Derived(framework=self.framework, file=self.file, loader=self.loader, specs=specs,
-                       settings=tuple(self.settings))
+                       settings=tuple(settings), model=self.model, notices=tuple(self.notices),
+                       framework_settings=dict(self.framework_settings))
 
 
 def spec_text(kind: str, options: dict[str, Any]) -> str:

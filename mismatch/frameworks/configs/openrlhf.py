@@ -30,6 +30,8 @@ from typing import Any
 
 from mismatch.errors import SpecError
 from mismatch.frameworks.configs import scripts
+from mismatch.frameworks.configs.loading import text as config_text
+from mismatch.frameworks.configs.scripts import flag_value
 from mismatch.frameworks.configs.derived import Derived, Deriving, Machine, Setting, Side
 
 RELEASE = "0.11.2"
@@ -65,6 +67,14 @@ FLAGS: dict[str, dict[str, Any]] = {
     "--ds.ring_attn_size": {"type": int, "default": 1},  # :545
 }
 MAPPED = tuple(flag[2:] for flag in FLAGS)  # argparse's dest: the flag without its dashes, dots kept
+# OpenRLHF 0.11.0's correction flags (cli/train_ppo_ray.py:257-271 @ v0.11.0), which 0.11.2 replaced by
+# --algo.advantage.is_correction_level/_mode/_gating: its example scripts pass them, and with
+# is_correction_enable 0.11.0 asks vLLM for processed log-probs (:78). The subset reads both families.
+FLAGS_0110: dict[str, dict[str, Any]] = {
+    "--algo.advantage.is_correction_enable": SWITCH,
+    "--algo.advantage.is_correction_type": {"type": str, "default": "tis", "choices": ["tis", "icepop", "seq-mask-tis"]},
+    "--algo.advantage.is_correction_threshold": {"type": float, "nargs": "+", "default": [0.5, 5.0]},
+}
 UNDOTTED = ("--local_rank", "--use_ms")  # :326, :625
 SAMPLER_NOTE = ("the engine replay scores raw log-probs; the sampler's processing is replayed from each rollout's "
                 "meta.sampler")
@@ -85,6 +95,7 @@ def derive(path: Path, machine: Machine) -> Derived:
     """The hf specs of the actor's old- and new-log-prob forwards and the vllm spec of its rollout engines."""
     read = read_config(path)
     d = Deriving(framework="openrlhf", file=str(path), loader=read.loader)
+    d.model = flag_value(read.argv, "--actor.model_name_or_path")  # cli/train_ppo_ray.py:69
     _train(d, read, machine)
     for name in read.unread:
         d.cannot("train", f"${{{name}[@]}}", None, "an array the file does not define (sourced from another "
@@ -98,17 +109,18 @@ def derive(path: Path, machine: Machine) -> Derived:
 
 def read_config(path: Path) -> Read:
     """The file's command line parsed by OpenRLHF's own parser where openrlhf is installed, else by the subset."""
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: cannot read the OpenRLHF command line: {exc}") from None
+    text = config_text(path, "OpenRLHF")
     argv, unread = command_line(path, text)
+    if not unread and not any(token.startswith("--") for token in argv):  # defaults for a file that is no config
+        raise SpecError(f"{path}: not an OpenRLHF config: no train_ppo_ray command line and no --flags")
     loader, built = own_parser()
     if built is None:
         _refuse_undotted(path, argv)
         built = subset_parser()
     namespace = vars(_parse(path, built, argv, known_only=loader.startswith("built-in")))
     values, rewrites = effective(path, {dest: namespace[dest] for dest in MAPPED})
+    if namespace.get("algo.advantage.is_correction_enable"):  # 0.11.0's family, only where the file uses it
+        values.update({flag[2:]: namespace.get(flag[2:]) for flag in FLAGS_0110})
     return Read(loader=loader, argv=tuple(argv), values=values, rewrites=rewrites, unread=unread)
 
 
@@ -158,7 +170,7 @@ def _version() -> str:
 def subset_parser() -> argparse.ArgumentParser:
     """The mapped flags, in an ArgumentParser configured as train_ppo_ray.py's (:198: abbreviations allowed)."""
     built = argparse.ArgumentParser(prog="train_ppo_ray.py", add_help=False, exit_on_error=False)
-    for flag, kwargs in FLAGS.items():
+    for flag, kwargs in {**FLAGS, **FLAGS_0110}.items():
         built.add_argument(flag, **kwargs)
     return built
 
@@ -217,8 +229,14 @@ def effective(path: Path, values: dict[str, Any]) -> tuple[dict[str, Any], dict[
 TRAIN_LINE = re.compile(r"^[^#\n]*?\bopenrlhf[./]cli[./]train_ppo_ray(?:\.py)?\b", re.M)
 
 
+OTHER_ENTRY = re.compile(r"^[^#\n]*?\bopenrlhf[./]cli[./](\w+)", re.M)
+
+
 def command_line(path: Path, text: str) -> tuple[list[str], tuple[str, ...]]:
-    """train_ppo_ray's argv as the file gives it (scripts.py), and the arrays it names but lacks."""
+    """train_ppo_ray's argv as the file gives it (scripts.py), and the arrays it names but lacks; a script
+    that launches another of OpenRLHF's entry points (train_sft, train_rm, ...) is refused."""
+    if TRAIN_LINE.search(text) is None and (other := OTHER_ENTRY.search(text)) is not None:
+        raise SpecError(f"{path}: not an OpenRLHF PPO config: it launches openrlhf.cli.{other[1]}, not train_ppo_ray")
     return scripts.command_line(path, text, TRAIN_LINE)
 
 
@@ -249,6 +267,8 @@ def _train(d: Deriving, read: Read, machine: Machine) -> None:
                     note="right-padded rows (trainer/ppo_utils/experience.py:113), positions from the attention mask "
                          "(models/actor.py:262-263)")
     t = v["rollout.temperature"]
+    if t != t or t in (float("inf"), float("-inf")):  # argparse's float takes "nan" and "inf"
+        raise SpecError(f"{d.file}: --rollout.temperature={t}: not a finite number")
     if t > 0:
         d.reproduce("train", "--rollout.temperature", t, "temperature", t,
                     note="the actor divides the fp32 logits by it before the log-softmax (models/actor.py:267-271; "
@@ -388,7 +408,16 @@ def _infer_rest(d: Deriving, v: dict[str, Any], machine: Machine) -> None:
                       note="the KV cache's share of GPU memory (how many requests run together, preemption); on CPU "
                            "the replay's own KV-cache budget")
     level = v["algo.advantage.is_correction_level"]
-    if level != "off":
+    if v.get("algo.advantage.is_correction_enable"):
+        d.reproduce("infer", "--algo.advantage.is_correction_enable", True, "logprobs_mode", "processed_logprobs",
+                    note="OpenRLHF 0.11.0's flag: the correction asks vLLM for log-probs after its logits processing "
+                         "(cli/train_ppo_ray.py:78 @ v0.11.0); 0.11.2 names it --algo.advantage.is_correction_level")
+        for flag in ("is_correction_type", "is_correction_threshold"):
+            d.same("train", f"--algo.advantage.{flag}", v[f"algo.advantage.{flag}"],
+                   note="the correction the run applies (0.11.0): its metrics are audited with these settings")
+        d.framework_settings = {"is_correction_enable": True, "is_correction_type": v["algo.advantage.is_correction_type"],
+                                "is_correction_threshold": list(v["algo.advantage.is_correction_threshold"])}
+    elif level != "off":
         d.reproduce("infer", "--algo.advantage.is_correction_level", level, "logprobs_mode", "processed_logprobs",
                     note="the correction asks vLLM for log-probs after its logits processing (cli/train_ppo_ray.py:78;"
                          " trainer/ray/vllm_engine.py:293-295)")

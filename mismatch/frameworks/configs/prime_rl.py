@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import copy
 import json
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mismatch.errors import SpecError
+from mismatch.frameworks.configs.loading import text, toml_table
 from mismatch.frameworks.configs.derived import Derived, Deriving, Machine, Setting, Side
 
 RELEASE = "559b44772e471d1538537b8805cc77f3824a5e64"
@@ -87,6 +87,9 @@ def derive(path: Path, machine: Machine) -> Derived:
     """The hf spec prime-rl's trainer forward is, and the vllm spec of its inference server."""
     read = read_config(path)
     d = Deriving(framework="prime-rl", file=str(path), loader=read.loader)
+    raw = toml_table(text(path, "prime-rl"), path, "prime-rl")
+    model = raw.get("model") or (raw.get("trainer") or {}).get("model") or {}  # [model] name (configs/model.py)
+    d.model = model.get("name") if isinstance(model, dict) and isinstance(model.get("name"), str) else None
     _train(d, read, machine)
     _infer(d, read, machine)
     return d.derived()
@@ -94,13 +97,8 @@ def derive(path: Path, machine: Machine) -> Derived:
 
 def read_config(path: Path) -> Read:
     """The file read with prime-rl's own config classes where they import, else the built-in subset."""
-    try:
-        with path.open("rb") as f:
-            raw = tomllib.load(f)  # prime-rl's loader reads TOML with tomli (pydantic_config cli.py:411-419)
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read the prime-rl config: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"{path}: invalid TOML in the prime-rl config: {exc}") from None
+    # prime-rl's loader reads TOML with tomli (pydantic_config cli.py:411-419)
+    raw = toml_table(text(path, "prime-rl"), path, "prime-rl")
     kind = "rl" if {"trainer", "orchestrator", "inference"} & raw.keys() else "trainer"
     for section in ("trainer", "orchestrator") if kind == "rl" else ():  # required (configs/rl.py:230, :232)
         if not isinstance(raw.get(section), dict):

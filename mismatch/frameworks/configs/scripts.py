@@ -62,3 +62,14 @@ def _tokens(path: Path, text: str, first_line: int) -> list[str]:
         return list(iter(lexer.get_token, None))
     except ValueError as exc:
         raise SpecError(f"{path}:{first_line}: invalid shell syntax: {exc}") from None
+
+
+def flag_value(argv: tuple[str, ...] | list[str], flag: str) -> str | None:
+    """The value of `flag` in an argv (`--flag VALUE` or `--flag=VALUE`, the last one given), None if absent."""
+    found = None
+    for i, token in enumerate(argv):
+        if token == flag and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif token.startswith(flag + "="):
+            found = token.partition("=")[2]
+    return found

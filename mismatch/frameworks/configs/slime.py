@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from mismatch.errors import SpecError
 from mismatch.frameworks.configs import scripts
+from mismatch.frameworks.configs.loading import text as config_text, yaml_value
+from mismatch.frameworks.configs.scripts import flag_value
 from mismatch.frameworks.configs.derived import Derived, Deriving, Machine, Setting, Side
 
 RELEASE = "624b824a898ab0ec1fcb4d373004c7f3852bf515"
@@ -115,6 +116,11 @@ def derive(path: Path, machine: Machine) -> Derived:
     """The hf spec slime's Megatron log-prob forward is, and the vllm spec nearest its SGLang engines."""
     read = read_config(path)
     d = Deriving(framework="slime", file=str(path), loader=read.loader)
+    d.model = flag_value(read.argv, "--hf-checkpoint")  # the HF checkpoint slime's rollout engines load
+    if "--use-tis" in read.argv:  # the TIS the run applies (utils/arguments.py:1061-1079): its metrics' settings
+        d.framework_settings = {"use_tis": True, **{name: float(given) for name, flag in
+                                (("tis_clip", "--tis-clip"), ("tis_clip_low", "--tis-clip-low"))
+                                if (given := flag_value(read.argv, flag)) is not None}}
     _train(d, read.values, machine)
     _train_rest(d, read)
     _infer(d, read.values, machine)
@@ -123,11 +129,10 @@ def derive(path: Path, machine: Machine) -> Derived:
 
 def read_config(path: Path) -> Read:
     """The file's command line parsed by slime's own parser where slime imports, else by the built-in subset."""
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: cannot read the slime command line: {exc}") from None
+    text = config_text(path, "slime")
     argv, unread = command_line(path, text)
+    if not unread and not any(token.startswith("--") for token in argv):  # defaults for a file that is no config
+        raise SpecError(f"{path}: not a slime config: no train.py command line and no --flags")
     try:
         from slime.utils.arguments import get_slime_extra_args_provider
     except ImportError:  # the usual case: slime needs SGLang and Ray; mismatch's venv has neither
@@ -176,7 +181,7 @@ def effective(path: Path, values: dict[str, Any]) -> tuple[dict[str, Any], str |
     """slime's parse_args rewrites of the mapped flags, in its order (utils/arguments.py:1600-1643), and the
     --custom-config-path file where it is not found here."""
     values["bf16"] = not values["fp16"]  # backends/megatron_utils/arguments.py:157
-    if values["rollout_temperature"] <= 0:  # utils/arguments.py:1770-1774
+    if not 0 < values["rollout_temperature"] < float("inf"):  # nan too  # utils/arguments.py:1770-1774
         raise SpecError(f"{path}: --rollout-temperature={values['rollout_temperature']}: must be > 0 (slime "
                         "refuses it)")
     if values["use_dynamic_batch_size"]:  # :1867-1870
@@ -208,10 +213,7 @@ def _custom_config(path: Path, values: dict[str, Any]) -> str | None:
     found = next((p for p in (Path(given), path.parent / given) if p.is_file()), None)
     if found is None:
         return given
-    try:
-        data = yaml.safe_load(found.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise SpecError(f"{found}: cannot read the --custom-config-path YAML: {exc}") from None
+    data = yaml_value(config_text(found, "slime --custom-config-path"), found, "slime --custom-config-path") or {}
     if not isinstance(data, dict):
         raise SpecError(f"{found}: --custom-config-path: expected a mapping of argument names, got {data!r}")
     for key, value in data.items():

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from mismatch.errors import SpecError
+from mismatch.frameworks.configs.kinds import trl_grpo_or_refused
+from mismatch.frameworks.configs.loading import text, yaml_node, yaml_value
 from mismatch.frameworks.configs.derived import Derived, Deriving, Machine, Setting, Side
 
 RELEASE = "1.16.0"
@@ -96,10 +97,19 @@ class Read:
     given: dict[str, Any]   # the mapped keys the file sets, typed
 
 
+IS_KEYS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+           "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min")
+
+
 def derive(path: Path, machine: Machine) -> Derived:
     """The hf spec the GRPO trainer's log-prob forward is, and the spec of its sampler."""
     read = read_config(path)
     deriving = Deriving(framework="trl", file=str(path), loader=read.loader)
+    raw = _load(path)[0]
+    model = raw.get("model_name_or_path")  # ModelConfig.model_name_or_path (model_config.py)
+    deriving.model = model if isinstance(model, str) else None
+    # the IS correction the run applies (grpo_config.py:925-960), under --for trl's names: its metrics' settings
+    deriving.framework_settings = {key: raw[key] for key in IS_KEYS if key in raw}
     _train(deriving, read, machine)
     _infer(deriving, read, machine)
     return deriving.derived()
@@ -122,19 +132,12 @@ def read_config(path: Path) -> Read:
 def _load(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """The YAML mapping (JSON is YAML) TrlParser reads with yaml.safe_load (scripts/utils.py:326-329),
     and the line of each top-level key."""
-    try:
-        text = path.read_text()
-        node = yaml.compose(text)
-        raw = yaml.safe_load(text)
-    except OSError as exc:
-        raise SpecError(f"{path}: cannot read the trl config: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecError(f"{where}: invalid YAML in the trl config: {problem}") from None
+    source = text(path, "trl")
+    node = yaml_node(source, path, "trl")
+    raw = yaml_value(source, path, "trl")
     if not isinstance(raw, dict):  # TRL's own refusal (scripts/utils.py:328-329)
         raise SpecError(f"{path}: a trl config must be a YAML mapping of keys, got {type(raw).__name__}")
+    trl_grpo_or_refused(path, raw)
     lines = {str(key.value): key.start_mark.line + 1 for key, _ in node.value} if node is not None else {}
     return raw, lines
 
