@@ -193,3 +193,15 @@ def test_each_process_writes_its_own_samples_to_its_own_file(tiny_checkpoint, tm
         assert [line["meta"]["trl"]["group"] for line in lines] == [2 * rank, 2 * rank, 2 * rank + 1, 2 * rank + 1]
         prompts += [tuple(_prompt(row)) for row in rows[::2]]
     assert len(set(prompts)) == 4  # the two processes sampled different prompts
+
+
+def test_trls_default_generation_is_refused_naming_use_vllm(tiny_checkpoint, tmp_path):
+    """transformers' generate gives TRL no sampler log-probs: the hook refuses when the trainer is built
+    (one line naming use_vllm), rather than dump rollouts the audit would compare with themselves."""
+    dump = tmp_path / "rollouts.jsonl"
+    with pytest.raises(releases.ReleaseRefused) as refused:
+        _run(tiny_checkpoint, dump, "transformers", 2, {"per_device_train_batch_size": 2, "max_completion_length": 4})
+    message = str(refused.value)
+    assert message.startswith("DumpSetupError: mismatch dump: TRL's default generation") and "\n" not in message
+    assert "set use_vllm=True in GRPOConfig" in message
+    assert not dump.exists() or dump.stat().st_size == 0
