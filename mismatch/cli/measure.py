@@ -133,11 +133,16 @@ def recommend(
 ) -> None:
     """The correction (and fixes at the source) the measured gap calls for, with a config snippet."""
     from mismatch.advise.advice import for_target
-    from mismatch.results import read_summary
+    from mismatch.advise.consistency import check_summary
+    from mismatch.results import SUMMARY_FILE, read_summary
+    from mismatch.results.verify import check_tables
 
     target = target_for(framework)
     probe_results = read_probes(probes) if probes is not None else None
     summary = read_summary(results)
+    # What gate refuses as impossible gets no advice either; nor a dir whose tables are another run's.
+    check_summary(summary, where=str(results / SUMMARY_FILE))
+    check_tables(results, summary, required=())
     if summary.get("command") != "audit":  # a diff compares two configs: it recommends nothing
         raise MismatchError(f"{results}: a `mismatch {summary.get('command')}` results dir; recommend reads an "
                             "audit's (mismatch audit … --out DIR)")

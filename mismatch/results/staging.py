@@ -51,6 +51,18 @@ def _refuse_symlink(out: Path) -> None:
                        "published by renaming a directory into place, which would replace the link)")
 
 
+def file_fault(error: OSError, what: str) -> Exception:
+    """What a command says when the file system refuses `what` (a path it reads or writes): the
+    machine's fault (EnvironmentFault, exit 3) for a full disk, a quota or a read-only file
+    system; the path's (ResultsError, exit 2) for anything else (a directory, no permission, an
+    immutable file, /proc). One line either way, raised `from None` by the caller."""
+    detail = error.strerror or str(error)
+    where = f" ({error.filename})" if error.filename and str(error.filename) not in what else ""
+    if error.errno in _ENVIRONMENT_ERRNOS:
+        return EnvironmentFault(f"{what}: {detail}{where}")
+    return ResultsError(f"{what}: cannot be written or read ({detail}{where})")
+
+
 def _environment_fault(error: OSError, doing: str, out: Path) -> EnvironmentFault:
     where = f" ({error.filename})" if error.filename else ""
     return EnvironmentFault(f"{out}: {doing} failed: {error.strerror or error}{where}; the staged results "
