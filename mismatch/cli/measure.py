@@ -177,6 +177,9 @@ def gate(
         "--max-slope", help="With --trend: upper bound on METRIC's slope per step since the last change point.")] = None,
     max_step_change: Annotated[Optional[list[str]], typer.Option(
         "--max-step-change", help="With --trend: upper bound on METRIC's rise between consecutive steps.")] = None,
+    order: Annotated[str, typer.Option(
+        "--order", help="With --trend: names (steps from step_N dir names, every dir needs one) or given (the "
+                        "order of RESULTS).")] = "names",
     as_json: JsonFlag = False,
 ) -> None:
     """Fail (exit 1) when drift metrics exceed thresholds or worsen past a baseline, or (--trend)
@@ -191,8 +194,8 @@ def gate(
         if maxima or minima or thresholds or baseline or max_drift is not None:
             raise MismatchError("gate --trend takes --max-slope and --max-step-change; gate one results dir "
                                 "for --max, --min, --thresholds and --baseline")
-        _gate_exit(run_trend_gate(results, max_slope=max_slope or [], max_step_change=max_step_change or []),
-                   junit, as_json)
+        _gate_exit(run_trend_gate(results, max_slope=max_slope or [], max_step_change=max_step_change or [],
+                                  order=order), junit, as_json)
     if len(results) != 1:
         raise MismatchError(f"gate: one results dir, got {len(results)} (with --trend: one per step)")
     if max_slope or max_step_change:
