@@ -33,8 +33,8 @@ def run_trend_gate(paths: list[Path], *, max_slope: list[str], max_step_change: 
     for kind, limits in (("slope", slopes), ("step_change", changes)):
         for key, limit in limits.items():
             pair, _, metric = key.rpartition(".")
+            found = analyze_steps(run, pair=pair, metric=metric)  # an unknown metric is named here
             check_named(run, pair, metric)
-            found = analyze_steps(run, pair=pair, metric=metric)
             rows = found["series"][metric]
             steps = np.array([row["step"] for row in rows], np.float64)
             values = np.array([math.nan if row["value"] is None else row["value"] for row in rows], np.float64)

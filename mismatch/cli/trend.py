@@ -34,8 +34,8 @@ def trend(
     if report is not None:  # before any step is read: a path the page cannot be written to
         check_report_path(report)
     steps = load_steps(results, order=order)
+    found = analyze_steps(steps, pair=pair, metric=metric, weights=weights)  # an unknown metric is named here
     check_named(steps, pair, metric)
-    found = analyze_steps(steps, pair=pair, metric=metric, weights=weights)
     if report is not None:
         from mismatch.reports.trend import build_trend_report
         from mismatch.results import file_fault
@@ -54,7 +54,7 @@ def trend(
 
 def check_report_path(report: Path) -> None:
     """--report names a file in an existing, writable directory (not a directory itself)."""
-    import os
+    import tempfile
 
     from mismatch.errors import MismatchError
 
@@ -63,8 +63,10 @@ def check_report_path(report: Path) -> None:
     parent = report.parent if str(report.parent) else Path(".")
     if not parent.is_dir():
         raise MismatchError(f"--report {report}: the directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or (report.exists() and not os.access(report, os.W_OK)):
-        raise MismatchError(f"--report {report}: cannot be written (no permission)")
+    try:  # what the page's temp file + rename needs: a file made in that directory (root ignores os.access)
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as error:
+        raise MismatchError(f"--report {report}: cannot be written ({error.strerror or error} in {parent})") from None
 
 
 def _print_trend(found: dict[str, Any]) -> None:
