@@ -50,6 +50,8 @@ def audit(
     clip_eps: Annotated[str, typer.Option(
         "--clip-eps", help="PPO clip range to measure the gap against: EPS or EPS_LOW,EPS_HIGH.")] = "0.2",
     framework: FrameworkOption = None,
+    skip_invalid: Annotated[bool, typer.Option(
+        "--skip-invalid", help="Audit the valid rollouts; count and list the others (summary.json skipped).")] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Replay stored rollouts through a trainer and an engine; write tokens.parquet + summary.json.
@@ -63,13 +65,19 @@ def audit(
     clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
     target = target_for(framework)
     options = with_configs(AuditOptions(train=train, infer=infer, out=out, force=force, localize_models=localize,
-                                        shard=shard_for(shard), block_size=block_size, clip=clip, probe=probe))
+                                        shard=shard_for(shard), block_size=block_size, clip=clip, probe=probe,
+                                        skip_invalid=skip_invalid))
     print_from_config(options.from_config, err_console if as_json else None)  # before the replay: it may be long
     with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_audit(checkpoint, rollouts, dataclasses.replace(options, progress=progress))
     if as_json:
         emit_json(result.summary)
         return
+    skipped = result.summary.get("skipped")
+    if skipped and skipped["count"]:
+        first = skipped["rollouts"][0]["error"] if skipped["rollouts"] else ""
+        out_console.print(f"skipped {skipped['count']} invalid rollout(s) of {skipped['count'] + skipped['valid']} "
+                          f"(summary.json skipped), the first: {first}", markup=False, highlight=False, soft_wrap=True)
     print_pairs(result.summary, target, out)
     print_findings(result.summary)
     print_diagnosis(result.summary)

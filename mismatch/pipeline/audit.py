@@ -105,6 +105,8 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) 
                                 measured, findings, localized=localized,
                                 weights=engine_weights(beside.engines, checkpoint),
                                 probes=_probes(checkpoint, options) if options.probe else None)
+        if prepared.skipped is not None:
+            summary["skipped"] = prepared.skipped
         if options.out is None:
             return AuditResult(summary=summary, out=None, table=store.table)
         stages.write_results_files(store, summary, stages.with_steps(per_rollout.result(), stored.steps), digestion)
