@@ -402,3 +402,24 @@ def test_record_with_hostile_options_and_an_unwritable_out(scratch, port, idle, 
     assert done.returncode == 2
     assert existing.read_text() == "keep\n"
     assert _leftovers(root, {existing}) == []
+
+
+def test_import_on_a_full_disk_is_exit_3_and_leaves_nothing(tmp_path):
+    """A real write limit (RLIMIT_FSIZE, the kernel's EFBIG as a full disk gives ENOSPC) under `import`:
+    one line, exit 3 (the machine's fault, as audit says it), no temp file left."""
+    dump = tmp_path / "dump.jsonl"
+    rows = [{"tokens": list(range(1, 200)), "response_length": 190, "loss_mask": [1] * 190,
+             "rollout_log_probs": [-0.5] * 190} for _ in range(20)]
+    dump.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    out = tmp_path / "out" / "v1.jsonl"
+    out.parent.mkdir()
+    code = ("import resource, signal, sys\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+            "from mismatch.cli import main\n"
+            f"sys.exit(main(['import', 'slime', {str(dump)!r}, '--out', {str(out)!r}]))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.split("\n") if line.strip()]
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert len(lines) == 1 and "Traceback" not in done.stderr and str(out) in lines[0]
+    assert list(out.parent.iterdir()) == []

@@ -21,7 +21,7 @@ from mismatch.errors import EnvironmentFault, ResultsError
 from mismatch.results.names import ROLLOUTS_FILE, STAGE_IN_PLACE, SUMMARY_FILE, TOKENS_FILE, is_results_dir
 
 # The machine, not the input: a full disk, a quota, a read-only file system.
-_ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+_ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})  # EFBIG: a size limit
 
 
 def check_out_dir(out: Path, *, force: bool) -> None:
