@@ -58,8 +58,8 @@ class MismatchDumpMixin:
         super().__init__(*args, **kwargs)
         num_processes, rank = self.accelerator.num_processes, self.accelerator.process_index
         self.mismatch_dump = StepDump(rank_path(mismatch_dump, rank, num_processes), framework="trl",
-                                      meta={"sampler": sampler_meta(self),
-                                            "framework_settings": {"trl": is_settings(self.args)}})
+                                      meta={"sampler": {**sampler_meta(self),
+                                                        "framework_settings": {"trl": is_settings(self.args)}}})
         self._mismatch_run = uuid.uuid4().hex[:8]
         self._mismatch_calls: tuple[int, int] = (-1, 0)  # (global step, generation calls in it)
 
@@ -117,7 +117,8 @@ def check_sampler_logprobs(args: Any, rollout_func: Any) -> None:
 
 def is_settings(args: Any) -> dict[str, Any]:
     """GRPOConfig's IS correction fields (frameworks/trl.py SETTINGS, grpo_config.py:925-960) as the run
-    set them: `mismatch audit` computes TRL's logged sampling metrics at these, not at the defaults."""
+    set them, kept in meta.sampler.framework_settings: `mismatch audit` computes TRL's logged sampling
+    metrics at these, not at the defaults (frameworks/metrics.declared_settings)."""
     from mismatch.frameworks.trl import SETTINGS
 
     return {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}

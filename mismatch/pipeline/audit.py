@@ -25,7 +25,7 @@ from mismatch.analysis.strata import Strata
 from mismatch.analysis.trees import TreeSums
 from mismatch.engines import engine_capabilities
 from mismatch.errors import MismatchError
-from mismatch.frameworks.metrics import FrameworkMetrics, settings_used
+from mismatch.frameworks.metrics import FrameworkMetrics, declared_settings
 from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import TurnLocalizer
@@ -184,7 +184,9 @@ def analyze_audit(chunks: Chunks, beside: FoundBesideTheTable, *, clip: ClipRang
     pairs = audit_pairs(first.columns if first is not None else ())
     summary = SummaryAnalyses(pairs, clip)
     checked = AlignmentCheck(sampler_meta=beside.engines["sampler"].get("meta")) if beside.alignment is None else None
-    trees, frameworks, strata = TreeSums(pairs), FrameworkMetrics(pairs), Strata(pairs)
+    # The IS settings the run declared (a dump hook's meta.sampler.framework_settings), else the defaults.
+    settings = declared_settings(beside.engines["sampler"].get("meta"))
+    trees, frameworks, strata = TreeSums(pairs), FrameworkMetrics(pairs, settings), Strata(pairs)
     # With processed stored log-probs the correction is simulated like for like: on the raw pair it
     # would correct the processing, which raw_logprobs fixes.
     corrections = CorrectionSimulator(pair=PROCESSED_PAIR if PROCESSED_PAIR in pairs else ("train", "sampler"))
@@ -195,7 +197,7 @@ def analyze_audit(chunks: Chunks, beside: FoundBesideTheTable, *, clip: ClipRang
                side_jobs=[prefixes] if isinstance(prefixes, PrefixConsistency) else [])
     return summary.result(), AuditFindings(
         alignment=beside.alignment if checked is None else checked.result(), trees=trees.result(),
-        framework_metrics=frameworks.result(), framework_settings=settings_used(), turns=turns.result(),
+        framework_metrics=frameworks.result(), framework_settings=settings, turns=turns.result(),
         corrections=[result.to_dict() for result in corrections.result()], drift=beside.drift,
         routing=beside.routing or None,
         prefix_consistency=prefixes.result() if isinstance(prefixes, PrefixConsistency) else prefixes,
