@@ -21,8 +21,7 @@ MAX_TREE_DEPTH = 1000  # parent links from the root; each level replays its whol
 MAX_REPLAY_TOKENS = 2**25  # 32 Mi: still 256 subagents forked from a full 128k-token context
 MAX_NESTING = 64  # levels of arrays/objects in free-form `meta` and `messages` (written to summary.json)
 MAX_EXPERT_ID = np.iinfo(np.int16).max  # routed_experts are held as int16; no model has more experts
-# meta.step is a training step: a JSON integer every reader (JavaScript's, pandas' float column of a
-# step with nulls) holds exactly. Past 2^53 a float rounds it; 2^70 overflowed the audit's int64.
+# meta.step: an integer every reader holds exactly (a float column rounds past 2^53; 2^70 overflowed int64).
 MAX_STEP = 2**53
 
 
@@ -103,9 +102,8 @@ def check_meta(meta: object, problems: Problems) -> dict:
 
 
 def check_step(step: object, problems: Problems) -> None:
-    """meta.step, the training step a hook or an importer tags a rollout with (rollouts.parquet
-    `step`, `mismatch trend`'s split): absent/null, or a non-negative integer below 2^53. "7", true
-    and 2.5 are not steps: read loosely they dropped the rollout from its step without a word."""
+    """meta.step (a hook's or importer's training step; `trend` splits by it): null or an integer in
+    [0, 2^53). "7", true and 2.5 are not steps: read loosely, they lost the rollout its step unsaid."""
     if step is None:
         return
     if type(step) is not int:
