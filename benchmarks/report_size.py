@@ -71,6 +71,7 @@ def synthetic_tokens(num_rollouts: int, seed: int) -> pd.DataFrame:
     logp_sampler[late] += rng.normal(0.0, 0.2, int(late.sum()))
     outliers = rng.random(num) < 1e-5
     logp_sampler[outliers] += rng.choice([-3.0, 3.0], int(outliers.sum()))
+    logp_sampler = np.minimum(logp_sampler, 0.0)  # a log-prob is <= 0: the report refuses a table with more
     logp_sampler[~table["trainable"].to_numpy()] = np.nan  # the sampler stores only what it sampled
     table["logp_sampler"] = logp_sampler
     table["logp_train"] = logp_train

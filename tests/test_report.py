@@ -96,7 +96,7 @@ def audit_dir(root: Path, rollouts: list[dict[str, Any]], *, seed: int = 0, wors
     table = token_table(rollouts)
     num = len(table)
     logp_train = -rng.exponential(1.0, num)
-    logp_infer = logp_train + rng.normal(0.0, 0.01, num)
+    logp_infer = np.minimum(logp_train + rng.normal(0.0, 0.01, num), 0.0)  # a log-prob is <= 0 (the report checks)
     logp_sampler = logp_infer.copy()
     if worst is not None:
         first = np.flatnonzero((table["rollout"] == worst).to_numpy() & table["trainable"].to_numpy())[0]
@@ -121,8 +121,8 @@ def diff_dir(root: Path) -> Path:
     rng = np.random.default_rng(1)
     table = token_table([rollout(f"r-{i}", subagent=i % 2 == 0) for i in range(8)])
     reference = -rng.exponential(1.0, len(table))
-    table["logp_a"] = reference + rng.normal(0.0, 0.05, len(table))  # bf16-like: farther
-    table["logp_b"] = reference + rng.normal(0.0, 0.001, len(table))
+    table["logp_a"] = np.minimum(reference + rng.normal(0.0, 0.05, len(table)), 0.0)  # bf16-like: farther
+    table["logp_b"] = np.minimum(reference + rng.normal(0.0, 0.001, len(table)), 0.0)
     table["logp_reference"] = reference
     engines = {"a": {"spec": "hf:dtype=bfloat16", "tokens_per_s": 900.0},
                "b": {"spec": "hf:dtype=float32", "tokens_per_s": 500.0}, "reference": {"spec": "hf"}}

@@ -175,7 +175,11 @@ def summary_file(path: str | Path) -> Path:
 
 def load_summary(path: str | Path) -> dict[str, Any]:
     """summary.json of a results dir (or the file itself), refused (ResultsError, naming the file)
-    where no run can have written it (check_summary). Its schema is checked by the gate, not here."""
+    where no run can have written it (check_summary), or where the dir's tables are not the ones it
+    recorded (results.verify; a CI artifact of summary.json alone is gated on its own). Its schema
+    is checked by the gate, not here."""
+    from mismatch.results.verify import check_tables
+
     file = summary_file(path)
     if not file.is_file():
         raise ResultsError(f"{path}: no {SUMMARY_FILE} (not a mismatch results dir)")
@@ -183,6 +187,8 @@ def load_summary(path: str | Path) -> dict[str, Any]:
     if not isinstance(summary, dict):
         raise ResultsError(f"{file}: not a JSON object")
     check_summary(summary, where=str(file))
+    if Path(path).is_dir():
+        check_tables(Path(path), summary, required=())
     return summary
 
 

@@ -18,19 +18,23 @@ from mismatch.advise.gate import Check, GateResult, parse_limits
 from mismatch.errors import MismatchError
 
 
-def run_trend_gate(paths: list[Path], *, max_slope: list[str], max_step_change: list[str]) -> GateResult:
-    """Each limit checked on the run's series of its pair and metric."""
+def run_trend_gate(paths: list[Path], *, max_slope: list[str], max_step_change: list[str],
+                   order: str = "names") -> GateResult:
+    """Each limit checked on the run's series of its pair and metric; a step without that pair or
+    metric is refused (exit 2), not left out of the series unnamed. `order`: load_steps'."""
     from mismatch.trend import analyze_steps, load_steps
+    from mismatch.trend.steps import check_named
 
     slopes = parse_limits(max_slope, flag="--max-slope")
     changes = parse_limits(max_step_change, flag="--max-step-change")
     if not slopes and not changes:
         raise MismatchError("gate --trend: give --max-slope METRIC=V and/or --max-step-change METRIC=V")
-    run, checks = load_steps(paths), []  # loaded once for every limit
+    run, checks = load_steps(paths, order=order), []  # loaded once for every limit
     for kind, limits in (("slope", slopes), ("step_change", changes)):
         for key, limit in limits.items():
             pair, _, metric = key.rpartition(".")
-            found = analyze_steps(run, pair=pair, metric=metric)
+            found = analyze_steps(run, pair=pair, metric=metric)  # an unknown metric is named here
+            check_named(run, pair, metric)
             rows = found["series"][metric]
             steps = np.array([row["step"] for row in rows], np.float64)
             values = np.array([math.nan if row["value"] is None else row["value"] for row in rows], np.float64)

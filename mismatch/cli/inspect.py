@@ -29,13 +29,16 @@ def report(
 ) -> None:
     """Rebuild DIR/index.html from DIR/summary.json and DIR/tokens.parquet."""
     from mismatch.reports.build import build_report
-    from mismatch.results import read_summary, results_lock
+    from mismatch.results import REPORT_FILE, file_fault, read_summary, results_lock
 
     read_summary(results)  # not a results dir: refused before the lock makes anything beside it
     # Held while it reads, as audit and merge hold it while they write: a `merge --force` of this
     # dir replacing tokens.parquet under the reader is refused (exit 2), not a pyarrow traceback.
     with results_lock(results):
-        path = build_report(results, tokenizer_path=tokenizer)
+        try:
+            path = build_report(results, tokenizer_path=tokenizer)
+        except OSError as error:  # an immutable or unwritable index.html, a full disk
+            raise file_fault(error, str(results / REPORT_FILE)) from None
     if as_json:
         emit_json({"report": str(path)})
         return

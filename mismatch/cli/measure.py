@@ -52,6 +52,8 @@ def audit(
     framework: FrameworkOption = None,
     force_model: Annotated[bool, typer.Option(
         "--force-model", help="Audit even when the --train config names another model than CHECKPOINT.")] = False,
+    skip_invalid: Annotated[bool, typer.Option(
+        "--skip-invalid", help="Audit the valid rollouts; count and list the others (summary.json skipped).")] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Replay stored rollouts through a trainer and an engine; write tokens.parquet + summary.json.
@@ -68,7 +70,7 @@ def audit(
     asked = AuditOptions(train=train, infer=infer, out=out, force=force, localize_models=localize,
                          shard=shard_for(shard), block_size=block_size, clip=clip, probe=probe,
                          framework_settings={target.framework: target.settings} if target else {},
-                         force_model=force_model)
+                         force_model=force_model, skip_invalid=skip_invalid)
     options = with_checkpoint_checks(checkpoint, with_configs(asked))
     print_from_config(options.from_config, err_console if as_json else None,
                       model=model_line(options))  # before the replay: it may be long
@@ -77,6 +79,11 @@ def audit(
     if as_json:
         emit_json(result.summary)
         return
+    skipped = result.summary.get("skipped")
+    if skipped and skipped["count"]:
+        first = skipped["rollouts"][0]["error"] if skipped["rollouts"] else ""
+        out_console.print(f"skipped {skipped['count']} invalid rollout(s) of {skipped['count'] + skipped['valid']} "
+                          f"(summary.json skipped), the first: {first}", markup=False, highlight=False, soft_wrap=True)
     print_pairs(result.summary, target, out)
     print_findings(result.summary)
     print_diagnosis(result.summary)
@@ -140,11 +147,16 @@ def recommend(
 ) -> None:
     """The correction (and fixes at the source) the measured gap calls for, with a config snippet."""
     from mismatch.advise.advice import for_target
-    from mismatch.results import read_summary
+    from mismatch.advise.consistency import check_summary
+    from mismatch.results import SUMMARY_FILE, read_summary
+    from mismatch.results.verify import check_tables
 
     target = target_for(framework)
     probe_results = read_probes(probes) if probes is not None else None
     summary = read_summary(results)
+    # What gate refuses as impossible gets no advice either; nor a dir whose tables are another run's.
+    check_summary(summary, where=str(results / SUMMARY_FILE))
+    check_tables(results, summary, required=())
     if summary.get("command") != "audit":  # a diff compares two configs: it recommends nothing
         raise MismatchError(f"{results}: a `mismatch {summary.get('command')}` results dir; recommend reads an "
                             "audit's (mismatch audit … --out DIR)")
@@ -179,6 +191,9 @@ def gate(
         "--max-slope", help="With --trend: upper bound on METRIC's slope per step since the last change point.")] = None,
     max_step_change: Annotated[Optional[list[str]], typer.Option(
         "--max-step-change", help="With --trend: upper bound on METRIC's rise between consecutive steps.")] = None,
+    order: Annotated[str, typer.Option(
+        "--order", help="With --trend: names (steps from step_N dir names, every dir needs one) or given (the "
+                        "order of RESULTS).")] = "names",
     as_json: JsonFlag = False,
 ) -> None:
     """Fail (exit 1) when drift metrics exceed thresholds or worsen past a baseline, or (--trend)
@@ -193,8 +208,8 @@ def gate(
         if maxima or minima or thresholds or baseline or max_drift is not None:
             raise MismatchError("gate --trend takes --max-slope and --max-step-change; gate one results dir "
                                 "for --max, --min, --thresholds and --baseline")
-        _gate_exit(run_trend_gate(results, max_slope=max_slope or [], max_step_change=max_step_change or []),
-                   junit, as_json)
+        _gate_exit(run_trend_gate(results, max_slope=max_slope or [], max_step_change=max_step_change or [],
+                                  order=order), junit, as_json)
     if len(results) != 1:
         raise MismatchError(f"gate: one results dir, got {len(results)} (with --trend: one per step)")
     if max_slope or max_step_change:

@@ -19,25 +19,54 @@ def trend(
         help="The metric change points are found in: a pair metric, or FRAMEWORK:NAME (verl:rollout_corr/kl).")] = "kl_k3",
     weights: Annotated[bool, typer.Option(
         "--weights", help="Also diff the checkpoints across each change (each step's summary names its checkpoint).")] = False,
+    order: Annotated[str, typer.Option(
+        "--order", help="names: steps from the dirs' names (ASCII digits ending each, e.g. step_12; every dir needs "
+                        "one); given: the order the dirs are given in.")] = "names",
     report: Annotated[Optional[Path], typer.Option(
         "--report", help="Write the trend page (self-contained HTML) here.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """The mismatch across training steps: each metric per step with its 95% CI, the steps where it
     changes level or slope, and what changed there (strata, turns, layers, engines, weights)."""
-    from mismatch.trend import analyze_trend
+    from mismatch.trend import analyze_steps, load_steps
+    from mismatch.trend.steps import check_named
 
-    found = analyze_trend(results, pair=pair, metric=metric, weights=weights)
+    if report is not None:  # before any step is read: a path the page cannot be written to
+        check_report_path(report)
+    steps = load_steps(results, order=order)
+    found = analyze_steps(steps, pair=pair, metric=metric, weights=weights)  # an unknown metric is named here
+    check_named(steps, pair, metric)
     if report is not None:
         from mismatch.reports.trend import build_trend_report
+        from mismatch.results import file_fault
 
-        build_trend_report(found, report)
+        try:
+            build_trend_report(found, report)
+        except OSError as error:  # the disk filled, or the dir changed since the check
+            raise file_fault(error, str(report)) from None
     if as_json:
         emit_json(found)
         return
     _print_trend(found)
     if report is not None:
         out_console.print(f"report: {report}", markup=False, highlight=False)
+
+
+def check_report_path(report: Path) -> None:
+    """--report names a file in an existing, writable directory (not a directory itself)."""
+    import tempfile
+
+    from mismatch.errors import MismatchError
+
+    if report.is_dir():
+        raise MismatchError(f"--report {report}: is a directory; give the page's file name (e.g. {report / 'trend.html'})")
+    parent = report.parent if str(report.parent) else Path(".")
+    if not parent.is_dir():
+        raise MismatchError(f"--report {report}: the directory {parent} does not exist")
+    try:  # what the page's temp file + rename needs: a file made in that directory (root ignores os.access)
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as error:
+        raise MismatchError(f"--report {report}: cannot be written ({error.strerror or error} in {parent})") from None
 
 
 def _print_trend(found: dict[str, Any]) -> None:

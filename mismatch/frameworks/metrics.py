@@ -38,6 +38,38 @@ def settings_used(targets: Sequence[Target] | Settings = ()) -> Settings:
     return {name: {**module.DEFAULTS, **chosen.get(name, {})} for name, module in MODULES.items()}
 
 
+def declared_settings(sampler_meta: Any) -> Settings:
+    """settings_used() with what the run declared in its rollouts' meta.sampler.framework_settings
+    (a dump hook records its trainer's IS settings there: TRL's), so the audit's framework metrics
+    are the ones the run logged. Each is checked as `--for` checks it (registry.parse_target); an
+    undeclared or unreadable one stays at the release's default."""
+    from mismatch.errors import MismatchError
+    from mismatch.frameworks.registry import parse_target
+
+    declared = sampler_meta.get("framework_settings") if isinstance(sampler_meta, dict) else None
+    targets = []
+    for name, values in (declared.items() if isinstance(declared, dict) else ()):
+        if name not in MODULES or not isinstance(values, dict) or not values:
+            continue
+        text = f"{name}:" + ",".join(f"{key}={_setting_text(value)}" for key, value in values.items())
+        try:
+            target = parse_target(text, detect=False)
+            MODULES[name].metrics({**MODULES[name].DEFAULTS, **target.settings})  # a mode its metrics know
+        except (MismatchError, ValueError, TypeError, KeyError):
+            continue
+        targets.append(target)
+    return settings_used(targets)
+
+
+def _setting_text(value: Any) -> str:
+    """A JSON value as `--for` writes it: null, true/false, the number or the string."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 def build_metrics(settings: Settings) -> tuple[FrameworkMetric, ...]:
     """The metrics of the frameworks in `settings`, at those settings. The settings decide what a
     weight statistic logs (verl's ESS at its rollout_is level and threshold, TRL's ratio after its

@@ -61,7 +61,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mismatch.hooks.dump import StepDump, sample_rollout
+from mismatch.hooks.dump import DumpInputError, StepDump, sample_rollout
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +130,12 @@ class DumpingWorkflow:
             by_step: dict[int, list[dict[str, Any]]] = {}
             for index, row in enumerate(rows):
                 rollout_id = f"areal-{self._run}-e{episode}-{index}"
-                step, rollout, reason = row_rollout(row, rollout_id, off_role=self.off_role, fallback_step=fallback,
-                                                    meta=meta)
+                try:
+                    step, rollout, reason = row_rollout(row, rollout_id, off_role=self.off_role,
+                                                        fallback_step=fallback, meta=meta)
+                except DumpInputError as error:  # this row's log-probs do not align: the others still go
+                    self.mismatch_dump.refuse(str(error))
+                    continue
                 if rollout is None:
                     self._count_skips([reason or "no rollout"])
                     continue

@@ -53,7 +53,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from mismatch.hooks.dump import StepDump, sample_rollout
+from mismatch.hooks.dump import DumpInputError, StepDump, sample_rollout
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +88,12 @@ class MismatchDumpMixin:
         dump = self._mismatch_file(sampling_params, llm_engine)
         step = self.mismatch_first_step + versions[0]
         refused = dump.num_refused
-        rollout = sample_of(output, f"{self._mismatch_run}-{next_index(self)}", max_length=max_length,
-                            versions=versions)
+        try:
+            rollout = sample_of(output, f"{self._mismatch_run}-{next_index(self)}", max_length=max_length,
+                                versions=versions)
+        except DumpInputError as error:  # log-probs that do not align with the sample's tokens
+            dump.refuse(str(error))
+            rollout = None
         dump.write([rollout] if rollout is not None else [], step=step)
         if dump.num_refused > refused:
             logger.warning("mismatch: a sample of step %d was left out of %s (%s)", step, dump.path,

@@ -33,11 +33,11 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mismatch.hooks.dump import StepDump, sample_rollout
+from mismatch.hooks.dump import DumpInputError, DumpSetupError, StepDump, sample_rollout
 
 TRAINER_STREAM = "trainer_old"
 logger = logging.getLogger(__name__)
@@ -52,10 +52,14 @@ class MismatchDumpMixin:
     GRPOTrainer subclass, so what your override returns is what is written)."""
 
     def __init__(self, *args: Any, mismatch_dump: str | os.PathLike[str], **kwargs: Any) -> None:
+        # GRPOTrainer(model, reward_funcs, args=None, ..., rollout_func=None): checked before the model
+        # loads. No args is GRPOConfig's defaults, whose use_vllm is False.
+        check_sampler_logprobs(kwargs.get("args", args[2] if len(args) > 2 else None), kwargs.get("rollout_func"))
         super().__init__(*args, **kwargs)
         num_processes, rank = self.accelerator.num_processes, self.accelerator.process_index
         self.mismatch_dump = StepDump(rank_path(mismatch_dump, rank, num_processes), framework="trl",
-                                      meta={"sampler": sampler_meta(self)})
+                                      meta={"sampler": {**sampler_meta(self),
+                                                        "framework_settings": {"trl": is_settings(self.args)}}})
         self._mismatch_run = uuid.uuid4().hex[:8]
         self._mismatch_calls: tuple[int, int] = (-1, 0)  # (global step, generation calls in it)
 
@@ -66,6 +70,14 @@ class MismatchDumpMixin:
         return output
 
     def _mismatch_write(self, output: Mapping[str, Any]) -> None:
+        try:
+            self._mismatch_write_batch(output)
+        except Exception as error:  # the dump must never stop the training step it records
+            self.mismatch_dump.refuse(f"{type(error).__name__}: {error}")
+            logger.warning("mismatch: a batch was not written to %s (%s: %s)", self.mismatch_dump.path,
+                           type(error).__name__, error)
+
+    def _mismatch_write_batch(self, output: Mapping[str, Any]) -> None:
         step = int(self.state.global_step)
         # gradient_accumulation_steps > steps_per_generation generates more than once per step
         # (grpo_trainer.py:1536-1546): the call count keeps those ids apart.
@@ -73,13 +85,43 @@ class MismatchDumpMixin:
         self._mismatch_calls = (step, call)
         rank = self.accelerator.process_index
         refused = self.mismatch_dump.num_refused
+        if output.get("sampling_per_token_logps") is None:
+            # A rollout_func that returns no log-probs: a dump without the sampler's stream would
+            # audit the trainer against itself ("found: sampler").
+            self.mismatch_dump.refuse(NO_LOGPROBS)
+            logger.warning("mismatch: step %d not written to %s: %s", step, self.mismatch_dump.path, NO_LOGPROBS)
+            return
         self.mismatch_dump.write(batch_rollouts(
             output, id_prefix=f"trl-{self._mismatch_run}-s{step}-r{rank}-c{call}",
             pad_token_id=self._tokenizer.pad_token_id, masks_truncated=bool(self.mask_truncated_completions),
-            first_index=rank * len(output["prompt_ids"]), num_generations=self.num_generations), step=step)
+            first_index=rank * len(output["prompt_ids"]), num_generations=self.num_generations,
+            on_refused=self.mismatch_dump.refuse), step=step)
         if self.mismatch_dump.num_refused > refused:
             logger.warning("mismatch: %d rollout(s) of step %d left out of %s (%s)", self.mismatch_dump.num_refused
                            - refused, step, self.mismatch_dump.path, self.mismatch_dump.first_refusal)
+
+
+NO_LOGPROBS = ("TRL's batch has no sampler log-probs (sampling_per_token_logps): set use_vllm=True in GRPOConfig "
+               "(or return `logprobs` from your rollout_func)")
+
+
+def check_sampler_logprobs(args: Any, rollout_func: Any) -> None:
+    """Refuse, before the first step, a run whose sampler gives TRL no log-probs: transformers'
+    generate returns none to TRL (grpo_trainer.py:1811, :1889), so its dump would hold no sampler
+    stream and the audit would measure nothing the run trains on."""
+    if rollout_func is None and not getattr(args, "use_vllm", False):
+        raise DumpSetupError("mismatch dump: TRL's default generation (transformers, use_vllm=False) gives no "
+                             "sampler log-probs to dump; set use_vllm=True in GRPOConfig (or give a rollout_func "
+                             "that returns logprobs)")
+
+
+def is_settings(args: Any) -> dict[str, Any]:
+    """GRPOConfig's IS correction fields (frameworks/trl.py SETTINGS, grpo_config.py:925-960) as the run
+    set them, kept in meta.sampler.framework_settings: `mismatch audit` computes TRL's logged sampling
+    metrics at these, not at the defaults (frameworks/metrics.declared_settings)."""
+    from mismatch.frameworks.trl import SETTINGS
+
+    return {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
 
 
 def rank_path(path: str | os.PathLike[str], rank: int, num_processes: int) -> Path:
@@ -116,8 +158,10 @@ def sampler_meta(trainer: Any) -> dict[str, Any]:
 
 
 def batch_rollouts(output: Mapping[str, Any], *, id_prefix: str, pad_token_id: int, masks_truncated: bool,
-                   first_index: int, num_generations: int) -> list[dict[str, Any]]:
-    """One format v1 rollout per row of the dict `_generate_and_score_completions` returns."""
+                   first_index: int, num_generations: int,
+                   on_refused: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """One format v1 rollout per row of the dict `_generate_and_score_completions` returns; a row
+    that cannot be one (DumpInputError) goes to `on_refused` (raised without it)."""
     rows = {name: _rows(output.get(name)) for name in
             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask",
              "sampling_per_token_logps", "old_per_token_logps", "advantages")}
@@ -125,10 +169,15 @@ def batch_rollouts(output: Mapping[str, Any], *, id_prefix: str, pad_token_id: i
     for i, prompt_row in enumerate(rows["prompt_ids"]):
         row = {name: values[i] if values is not None else None for name, values in rows.items()}
         prompt = [token for token, kept in zip(prompt_row, row["prompt_mask"]) if kept]
-        rollouts.append(_sample(row, prompt, f"{id_prefix}-{i}", pad_token_id=pad_token_id,
-                                masks_truncated=masks_truncated,
-                                meta={"trl": {"index": first_index + i, "group": (first_index + i) // num_generations,
-                                              "advantage": row["advantages"]}}))
+        try:
+            rollouts.append(_sample(row, prompt, f"{id_prefix}-{i}", pad_token_id=pad_token_id,
+                                    masks_truncated=masks_truncated,
+                                    meta={"trl": {"index": first_index + i, "group": (first_index + i) // num_generations,
+                                                  "advantage": row["advantages"]}}))
+        except DumpInputError as error:
+            if on_refused is None:
+                raise
+            on_refused(str(error))
     return rollouts
 
 

@@ -25,7 +25,7 @@ from mismatch.analysis.strata import Strata
 from mismatch.analysis.trees import TreeSums
 from mismatch.engines import engine_capabilities
 from mismatch.errors import MismatchError
-from mismatch.frameworks.metrics import FrameworkMetrics, settings_used
+from mismatch.frameworks.metrics import FrameworkMetrics, declared_settings
 from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import TurnLocalizer
@@ -96,7 +96,7 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) 
         per_rollout = PerRollout(pairs)
         digestion = stages.report_digestion(store, pairs) if options.out is not None else None
         measured, findings = analyze_audit(store.chunks, beside, clip=options.clip,
-                                           settings=settings_used(options.framework_settings),
+                                           settings=options.framework_settings,
                                            extra=[per_rollout, digestion] if digestion is not None else [],
                                            workers=analysis_workers(store.num_rows))
         localized = _localized_models(checkpoint, requests, prepared, options) if requests is not None else {}
@@ -106,6 +106,8 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) 
                                 measured, findings, localized=localized,
                                 weights=engine_weights(beside.engines, checkpoint),
                                 probes=_probes(checkpoint, options) if options.probe else None)
+        if prepared.skipped is not None:
+            summary["skipped"] = prepared.skipped
         if options.out is None:
             return AuditResult(summary=summary, out=None, table=store.table)
         stages.write_results_files(store, summary, stages.with_steps(per_rollout.result(), stored.steps), digestion)
@@ -179,12 +181,15 @@ def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | N
     """Everything the token table shows, read as chunks of whole rollouts, every analysis in the
     same passes; `extra`: more analyses for those passes (the per-rollout table, the report's
     digestion); `workers`: how many processes share them (chunked.run_passes); `settings`: each framework's
-    correction settings for its metrics (frameworks/metrics.py settings_used), its defaults when None."""
-    settings = settings if settings is not None else settings_used()
+    correction settings asked for (`--for`, a config), over those the rollouts declare, over the defaults."""
     first = next(iter(chunks()), None)
     pairs = audit_pairs(first.columns if first is not None else ())
     summary = SummaryAnalyses(pairs, clip)
     checked = AlignmentCheck(sampler_meta=beside.engines["sampler"].get("meta")) if beside.alignment is None else None
+    # The IS settings: `--for`'s (or a --train config's), over what the run declared in its rollouts'
+    # meta.sampler.framework_settings (a dump hook records its trainer's), over the releases' defaults.
+    declared = declared_settings(beside.engines["sampler"].get("meta"))
+    settings = {name: {**values, **(settings or {}).get(name, {})} for name, values in declared.items()}
     trees, frameworks, strata = TreeSums(pairs), FrameworkMetrics(pairs, settings), Strata(pairs)
     # With processed stored log-probs the correction is simulated like for like: on the raw pair it
     # would correct the processing, which raw_logprobs fixes.

@@ -24,6 +24,7 @@ class RunOptions:
     progress: ProgressFactory | None = None
     # source -> what its framework config set (pipeline/configured.py), for summary.json's engines
     from_config: dict[str, dict[str, Any]] = field(default_factory=dict)
+    skip_invalid: bool = False  # audit the valid rollouts; the others counted and listed (summary.json skipped)
 
     @property
     def sources(self) -> dict[str, str]:

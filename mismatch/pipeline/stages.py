@@ -61,6 +61,7 @@ class Prepared:
 
     inputs: dict[str, Any] | None
     work: WorkDir | None
+    skipped: dict[str, Any] | None = None  # --skip-invalid: the rollouts left out (summary.json `skipped`)
 
 
 def prepare(checkpoint: str | Path, rollouts: str | Path, options: RunOptions, *, command: str) -> Prepared:
@@ -80,7 +81,28 @@ def prepare(checkpoint: str | Path, rollouts: str | Path, options: RunOptions, *
         # Not the options: a resume with another clip range analyses the same replayed blocks anew.
         replayed_from = {key: value for key, value in inputs.items() if key != "options"}
         work = WorkDir.open(options.out, {**replayed_from, "shard": shard_info(options)}, force=options.force)
-    return Prepared(inputs=inputs, work=work)
+    skipped = invalid_rollouts(checkpoint, rollouts) if options.skip_invalid else None
+    return Prepared(inputs=inputs, work=work, skipped=skipped)
+
+
+MAX_SKIPPED_LISTED = 100  # summary.json `skipped.rollouts`: the first ones; `count` has them all
+
+
+def invalid_rollouts(checkpoint: str | Path, rollouts: str | Path) -> dict[str, Any]:
+    """--skip-invalid: the file's rollouts in error, validated as the replay reads it (against the
+    checkpoint's vocabulary and experts): {count, rollouts: [{line, rollout, error}], listed}. The
+    replay then reads the valid ones only (iter_rollouts(skip_invalid=True)), the same ones."""
+    from mismatch.checkpoint import checkpoint_info
+    from mismatch.rollouts import validate_file
+
+    info = checkpoint_info(checkpoint)
+    found = validate_file(rollouts, vocab_size=info.vocab_size, num_experts=info.num_experts,
+                          max_errors=MAX_SKIPPED_LISTED * 4)
+    listed: dict[int | None, dict[str, Any]] = {}
+    for error in found.errors:  # the first error of each rollout
+        if error.line not in listed and len(listed) < MAX_SKIPPED_LISTED:
+            listed[error.line] = {"line": error.line, "rollout": error.rollout, "error": str(error)}
+    return {"count": found.num_invalid, "valid": found.num_rollouts, "rollouts": list(listed.values())}
 
 
 # The options of a command that change its numbers (or its advice) but not what it replays:
@@ -97,6 +119,8 @@ def number_options(options: RunOptions) -> dict[str, Any]:
             found.update(clip_eps_low=value.low, clip_eps_high=value.high)
         elif value is not None:
             found[name] = value
+    if getattr(options, "skip_invalid", False):  # which rollouts are measured: shards of one merge must agree
+        found["skip_invalid"] = True
     return found
 
 
@@ -107,7 +131,7 @@ def replay(checkpoint: str | Path, rollouts: str | Path, options: RunOptions, pr
     log-probs, and which one a `routing=replay` engine follows."""
     replayed = replay_sources(checkpoint, rollouts, options.sources, ReplayOptions(
         progress=options.progress, shard=options.shard, block_size=options.block_size, work=prepared.work,
-        processed_source=processed_source, routing_from=routing_from))
+        processed_source=processed_source, routing_from=routing_from, skip_invalid=options.skip_invalid))
     for source, table in options.from_config.items():  # what a framework config set, beside what ran
         replayed.engines[source] = {**replayed.engines[source], "from_config": table}
     return replayed
@@ -249,4 +273,4 @@ def write_results_files(store: TokenStore, summary: dict[str, Any], per_rollout:
     if shard is not None:  # in the summary returned too: it is the one written
         shard["files"] = published_files(stage)
     write_summary(stage, summary)
-    build_report(stage, digested=digested)
+    build_report(stage, digested=digested, verify=False)  # its own tables, hashed just above

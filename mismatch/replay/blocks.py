@@ -17,21 +17,24 @@ from mismatch.rollouts.pinned import Pinned, pinned_pass
 FoundBlock = tuple[int, list[int], list[Rollout]]  # (block, file indices, rollouts) of a block a shard takes
 
 
-def pinned_rollouts(rollouts: str | Path, info: CheckpointInfo, pinned: Pinned | None) -> Iterator[Rollout]:
+def pinned_rollouts(rollouts: str | Path, info: CheckpointInfo, pinned: Pinned | None,
+                    skip_invalid: bool = False) -> Iterator[Rollout]:
     """Every rollout of the file, validated against the checkpoint as it streams; with `pinned`,
-    within the pinned size, and the file checked unchanged once the pass is done."""
+    within the pinned size, and the file checked unchanged once the pass is done. `skip_invalid`:
+    the valid ones only (every pass skips the same ones: the file is pinned)."""
     limit = pinned.size if pinned is not None else None
     return pinned_pass(rollouts, pinned, lambda: iter_rollouts(
-        rollouts, vocab_size=info.vocab_size, num_experts=info.num_experts, limit=limit))
+        rollouts, vocab_size=info.vocab_size, num_experts=info.num_experts, limit=limit, skip_invalid=skip_invalid))
 
 
 def file_blocks(rollouts: str | Path, info: CheckpointInfo, *, shard: Shard | None, block_size: int,
-                seen: Callable[[Rollout], None] | None = None, pinned: Pinned | None = None) -> Iterator[FoundBlock]:
+                seen: Callable[[Rollout], None] | None = None, pinned: Pinned | None = None,
+                skip_invalid: bool = False) -> Iterator[FoundBlock]:
     """(block, file indices, rollouts) of the blocks a shard takes, read and validated from the file
     as it streams: one block in memory at a time. `seen` is called with every rollout of the file,
     taken or not; `pinned`: the file as the run found it (pinned_rollouts)."""
     current, indices, selected = -1, [], []
-    for index, rollout in enumerate(pinned_rollouts(rollouts, info, pinned)):
+    for index, rollout in enumerate(pinned_rollouts(rollouts, info, pinned, skip_invalid)):
         if seen is not None:
             seen(rollout)
         block = index // block_size
@@ -58,6 +61,7 @@ class FileBlocks:
     shard: Shard | None
     block_size: int
     pinned: Pinned | None = None
+    skip_invalid: bool = False  # --skip-invalid: the valid rollouts only, numbered among themselves
 
     @property
     def path(self) -> str:
@@ -67,7 +71,7 @@ class FileBlocks:
     def read(self, seen: Callable[[Rollout], None] | None = None) -> Iterator[FoundBlock]:
         """The blocks the shard takes, streamed from the file (`file_blocks`)."""
         return file_blocks(self.rollouts, self.info, shard=self.shard, block_size=self.block_size, seen=seen,
-                           pinned=self.pinned)
+                           pinned=self.pinned, skip_invalid=self.skip_invalid)
 
     def plan(self, indices: list[int], selected: list[Rollout]) -> ReplayPlan:
         return plan_replay(selected, indices=indices, block_size=self.block_size)
@@ -102,7 +106,7 @@ def scan_file(blocks: FileBlocks) -> FileScan:
     streams the shard takes."""
     info, shard = blocks.info, blocks.shard
     names, metas, lengths, longest, routing, scored = {"sampler"}, [], [], (0, "", ""), None, 0
-    for index, rollout in enumerate(pinned_rollouts(blocks.rollouts, info, blocks.pinned)):
+    for index, rollout in enumerate(pinned_rollouts(blocks.rollouts, info, blocks.pinned, blocks.skip_invalid)):
         names.update(extra_names([rollout]))
         shape = routing_shape(rollout) if routing is None else None
         if shape is not None:  # the file's first (the loader holds every rollout of a file to one shape)

@@ -85,6 +85,7 @@ class ReplayOptions:
     processed_source: str | None = None
     routing_from: str | None = None
     pinned: Pinned | None = None  # the rollouts file's size and digest as the run's inputs took them
+    skip_invalid: bool = False  # replay the file's valid rollouts only (--skip-invalid)
 
 
 def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str],
@@ -110,7 +111,7 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
     # the first replay: a typo in the second engine's spec must not cost the first one's replay.
     specs = {source: check_spec(text) for source, text in sources.items()}
     blocks = FileBlocks(rollouts=rollouts, info=info, shard=options.shard, block_size=options.block_size,
-                        pinned=_pinned(rollouts, options))
+                        pinned=_pinned(rollouts, options), skip_invalid=options.skip_invalid)
     engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler", "meta": {}}}
     columns = SavedColumns(options.work)
     routing: dict[str, list[StreamRouting]] = {}

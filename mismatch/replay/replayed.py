@@ -108,8 +108,10 @@ class FilledBlocks:
     @property
     def forkable(self) -> bool:
         """Forked readers decode JSON Lines only, and replay no engine (an engine stays in this
-        process); like this process, they read only the whole lines within the pinned size."""
-        return self.stored_only and Path(self.file.rollouts).suffix.lower() != ".parquet"
+        process); like this process, they read only the whole lines within the pinned size. They
+        number every line, so a file read with --skip-invalid is read here, in one process."""
+        return (self.stored_only and Path(self.file.rollouts).suffix.lower() != ".parquet"
+                and not self.file.skip_invalid)
 
     def filled(self, block: int, indices: list[int], selected: list[Rollout]) -> Block:
         """The block planned, with its tree weights and every source's column."""

@@ -38,6 +38,7 @@ from mismatch.results.staging import (
     atomic_write_text,
     check_out_dir,
     check_published_files,
+    file_fault,
     published_files,
     staged_dir,
 )
@@ -59,7 +60,7 @@ __all__ = [
     "ChunkSource", "DEFAULT_CHUNK_ROWS", "DEPENDENCY_LOG", "PREFIX_KEYS_FILE", "PUBLISHED_TABLES",
     "REPORT_FILE", "ROLLOUTS_FILE", "SCHEMA_FILE", "STAGE_IN_PLACE", "SUMMARY_FILE", "SUMMARY_SCHEMA",
     "TOKENS_FILE", "TOKENS_ROW_GROUP", "TokenStore", "TokensWriter", "WorkDir", "atomic_write_text",
-    "check_out_dir", "check_published_files", "chunk_bounds", "concat_tables", "glob_escape",
+    "check_out_dir", "check_published_files", "file_fault", "chunk_bounds", "concat_tables", "glob_escape",
     "is_results_dir", "json_safe", "load_json", "parquet_layout", "published_files", "read_summary",
     "read_tokens", "results_lock", "staged_dir", "staged_tokens", "summary_schema", "table_chunks",
     "tokens_chunks", "validate_summary", "write_results", "write_summary", "write_tokens",

@@ -4,6 +4,7 @@ the writer, and the shipped JSON Schema (`mismatch/data/summary.schema.json`) it
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -62,7 +63,21 @@ def read_summary(path: Path) -> dict[str, Any]:
         raise ResultsError(f"{file}: schema is not {SUMMARY_SCHEMA!r}")
     if not isinstance(summary.get("pairs"), dict):
         raise ResultsError(f"{file}: no 'pairs' object")
+    # Its shipped schema, so that no reader (report, recommend, trend, merge) meets a `verdicts` that is
+    # a number or a `diagnosis` that is a string as a traceback: one line naming the first key that breaks it.
+    # A key missing is each reader's to say (a hand-made or older summary may lack `shard`); a key of the
+    # wrong shape is refused here.
+    problems = validate_summary(summary, missing_keys=False)
+    if problems:
+        raise ResultsError(f"{file}: not a summary.json a run writes ({' '.join(problems[0].split())[:200]})")
     return summary
+
+
+@functools.cache
+def _validator() -> Any:
+    import jsonschema
+
+    return jsonschema.Draft202012Validator(summary_schema())
 
 
 def summary_schema() -> dict[str, Any]:
@@ -70,10 +85,11 @@ def summary_schema() -> dict[str, Any]:
     return json.loads(SCHEMA_FILE.read_text())
 
 
-def validate_summary(summary: dict[str, Any]) -> list[str]:
-    """Where `summary` breaks the schema, one line each (empty: it conforms). Needs jsonschema."""
-    import jsonschema
-
-    validator = jsonschema.Draft202012Validator(summary_schema())
+def validate_summary(summary: dict[str, Any], *, missing_keys: bool = True) -> list[str]:
+    """Where `summary` breaks the schema, one line each (empty: it conforms). `missing_keys` False:
+    a top-level key missing is not reported; the keys that are there are held to their shapes."""
+    validator = _validator()
+    errors = [error for error in validator.iter_errors(summary)
+              if missing_keys or error.validator != "required" or error.absolute_path]  # top-level keys only
     return [f"{'/'.join(map(str, error.absolute_path)) or '(top)'}: {error.message}"
-            for error in sorted(validator.iter_errors(summary), key=lambda e: list(map(str, e.absolute_path)))]
+            for error in sorted(errors, key=lambda e: list(map(str, e.absolute_path)))]

@@ -21,7 +21,7 @@ from mismatch.errors import EnvironmentFault, ResultsError
 from mismatch.results.names import ROLLOUTS_FILE, STAGE_IN_PLACE, SUMMARY_FILE, TOKENS_FILE, is_results_dir
 
 # The machine, not the input: a full disk, a quota, a read-only file system.
-_ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+_ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})  # EFBIG: a size limit
 
 
 def check_out_dir(out: Path, *, force: bool) -> None:
@@ -49,6 +49,18 @@ def _refuse_symlink(out: Path) -> None:
                            "directory's own path (results are published by renaming a directory into place)")
     raise ResultsError(f"{out}: is a symlink to {target}; give --out {resolved} itself (results are "
                        "published by renaming a directory into place, which would replace the link)")
+
+
+def file_fault(error: OSError, what: str) -> Exception:
+    """What a command says when the file system refuses `what` (a path it reads or writes): the
+    machine's fault (EnvironmentFault, exit 3) for a full disk, a quota or a read-only file
+    system; the path's (ResultsError, exit 2) for anything else (a directory, no permission, an
+    immutable file, /proc). One line either way, raised `from None` by the caller."""
+    detail = error.strerror or str(error)
+    where = f" ({error.filename})" if error.filename and str(error.filename) not in what else ""
+    if error.errno in _ENVIRONMENT_ERRNOS:
+        return EnvironmentFault(f"{what}: {detail}{where}")
+    return ResultsError(f"{what}: cannot be written or read ({detail}{where})")
 
 
 def _environment_fault(error: OSError, doing: str, out: Path) -> EnvironmentFault:

@@ -209,22 +209,31 @@ def empty_file_error(file: str) -> RolloutError:
 
 
 def iter_rollouts(path: str | os.PathLike[str], *, vocab_size: int | None = None,
-                  num_experts: int | None = None, limit: int | None = None) -> Iterator[Rollout]:
+                  num_experts: int | None = None, limit: int | None = None,
+                  skip_invalid: bool = False) -> Iterator[Rollout]:
     """Rollouts of a JSONL or Parquet file, one at a time; raises `RolloutError` at the first bad one.
-    `limit`: a JSONL file's whole lines within its first `limit` bytes only (open_rollouts)."""
+    `limit`: a JSONL file's whole lines within its first `limit` bytes only (open_rollouts).
+    `skip_invalid`: a rollout in error is passed over (`validate_file` lists them) instead; a file
+    with no valid rollout is still refused. (A file that cannot be read at all is refused either way.)"""
     file, rows = open_rollouts(path, limit)
-    return _iter_valid(file, rows, vocab_size, num_experts)
+    return _iter_valid(file, rows, vocab_size, num_experts, skip_invalid)
 
 
-def _iter_valid(file: str, rows: Rows, vocab_size: int | None, num_experts: int | None) -> Iterator[Rollout]:
-    num_rollouts = 0
+def _iter_valid(file: str, rows: Rows, vocab_size: int | None, num_experts: int | None,
+                skip_invalid: bool = False) -> Iterator[Rollout]:
+    num_rollouts = num_skipped = 0
     for rollout, errors in _checked(file, rows, vocab_size, num_experts):
         if errors:
+            if skip_invalid:
+                num_skipped += 1
+                continue
             raise errors[0]
         num_rollouts += 1
         yield rollout
     if num_rollouts == 0:
-        raise empty_file_error(file)
+        raise (empty_file_error(file) if not num_skipped else
+               RolloutError(f"no valid rollout ({num_skipped} invalid, skipped); `mismatch validate` lists them",
+                            file=file))
 
 
 def load_rollouts(path: str | os.PathLike[str], *, vocab_size: int | None = None,

@@ -21,6 +21,8 @@ MAX_TREE_DEPTH = 1000  # parent links from the root; each level replays its whol
 MAX_REPLAY_TOKENS = 2**25  # 32 Mi: still 256 subagents forked from a full 128k-token context
 MAX_NESTING = 64  # levels of arrays/objects in free-form `meta` and `messages` (written to summary.json)
 MAX_EXPERT_ID = np.iinfo(np.int16).max  # routed_experts are held as int16; no model has more experts
+# meta.step: an integer every reader holds exactly (a float column rounds past 2^53; 2^70 overflowed int64).
+MAX_STEP = 2**53
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,7 +97,19 @@ def check_meta(meta: object, problems: Problems) -> dict:
     if nesting(meta) > MAX_NESTING:  # it is copied into summary.json, whose writers recurse
         problems.add("meta", f"nested deeper than {MAX_NESTING} levels")
         return {}
+    check_step(meta.get("step"), problems)
     return meta
+
+
+def check_step(step: object, problems: Problems) -> None:
+    """meta.step (a hook's or importer's training step; `trend` splits by it): null or an integer in
+    [0, 2^53). "7", true and 2.5 are not steps: read loosely, they lost the rollout its step unsaid."""
+    if step is None:
+        return
+    if type(step) is not int:
+        problems.add("meta.step", f"must be a non-negative integer (a training step), got {show(step)}")
+    elif not 0 <= step < MAX_STEP:
+        problems.add("meta.step", f"must be a non-negative integer below 2^53, got {show(step)}")
 
 
 def check_messages(messages: object, problems: Problems) -> list | None:

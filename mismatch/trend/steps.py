@@ -28,7 +28,11 @@ Z95 = 1.959963984540054  # the normal 97.5% quantile: the CI is the delta method
 # how it is configured: left out when two steps' engines are compared.
 _RUN_FACTS = frozenset({"seconds", "tokens_per_s", "load_seconds", "first_replay_seconds", "resumed_blocks",
                         "padding_frac", "checkpoint", "num_rollouts_differing"})
-_STEP_IN_NAME = re.compile(r"(\d+)(?!.*\d)")  # the last number in a name: step_12, global_step_12, ckpt-12
+# A step in a name: ASCII digits ending it (step_12, global_step_12, ckpt-12, 12), after a separator or a
+# letter. Not a sign (step_-7, -7), an exponent (step_1e3), a decimal (step_1.5) or another script's digit.
+_STEP_IN_NAME = re.compile(r"(?:^|(?<=[A-Za-z])[-+]?|(?<=[_.\s]))([0-9]+)$", re.ASCII)
+_NOT_A_STEP = re.compile(r"(?:[_.\s][-+]|^[-+]|[0-9][eE.]|[0-9][eE][-+])[0-9]+$", re.ASCII)
+ORDERS = ("names", "given")  # `--order`: steps from the names (strict), or the order the dirs are given in
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,10 +60,14 @@ class Step:
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
-def load_steps(paths: list[Path]) -> list[Step]:
-    """Each results dir as a Step, in step order. Steps come from the directories' names (the last
-    number in each: step_12, global_step_12), else their checkpoints' names, else the order given;
-    two dirs of one step are refused. One dir alone is a step-indexed dump's audit, split by step."""
+def load_steps(paths: list[Path], *, order: str = "names") -> list[Step]:
+    """Each results dir as a Step, in step order. With `order` "names", steps come from the
+    directories' names (the ASCII digits ending each: step_12, global_step_12, ckpt-12), else from
+    their checkpoints' names, when every one of them has one; otherwise the run is refused (one dir
+    renamed `latest` must not silently reorder it). With "given", the order the dirs are given in.
+    Two dirs of one step are refused. One dir alone is a step-indexed dump's audit, split by step."""
+    if order not in ORDERS:
+        raise ResultsError(f"trend: --order {order!r}: expected one of {', '.join(ORDERS)}")
     if not paths:
         raise ResultsError("trend: no results dirs given")
     seen: dict[Path, Path] = {}
@@ -76,7 +84,7 @@ def load_steps(paths: list[Path]) -> list[Step]:
                                f"{'' if len(steps) == 1 else 's'} (rollouts.parquet `step`, from meta.step); give "
                                "one results dir per step, or one audit of a dump whose rollouts carry meta.step")
         return steps
-    numbers, source = _step_numbers(summaries)
+    numbers, source = _step_numbers(summaries) if order == "names" else (list(range(len(paths))), "order")
     steps = [_step(path, summary, number, source) for (path, summary), number in zip(summaries, numbers)]
     steps.sort(key=lambda step: step.step)
     for before, after in zip(steps, steps[1:]):
@@ -87,19 +95,60 @@ def load_steps(paths: list[Path]) -> list[Step]:
 
 
 def _step_numbers(summaries: list[tuple[Path, dict[str, Any]]]) -> tuple[list[int], str]:
-    """Every dir's step from one source, the first that names a step for all of them."""
-    for source, names in (("directory name", [path.resolve().name for path, _ in summaries]),
+    """Every dir's step from one source, the first that names a step for all of them; refused when
+    neither does (the dirs' names say which lack one)."""
+    dir_names = [path.resolve().name for path, _ in summaries]
+    for source, names in (("directory name", dir_names),
                           ("checkpoint name", [Path(str(summary.get("checkpoint", ""))).name for _, summary in summaries])):
-        found = [_STEP_IN_NAME.search(name) for name in names]
-        numbers = [int(match.group(1)) for match in found if match is not None]
-        if len(numbers) == len(names):  # two of one step are refused, not read in another order
-            return numbers, source
-    return list(range(len(summaries))), "order"
+        numbers = [step_in_name(name) for name in names]
+        if all(number is not None for number in numbers):  # two of one step are refused, not read in another order
+            return [int(number) for number in numbers if number is not None], source
+    without = [str(path) for (path, _), name in zip(summaries, dir_names) if step_in_name(name) is None]
+    shown = ", ".join(without[:3]) + (f" and {len(without) - 3} more" if len(without) > 3 else "")
+    raise ResultsError(f"trend: {shown}: no step number in the name (ASCII digits ending it, no sign: step_12), "
+                       "nor in every checkpoint's name; rename it, or pass --order given to take the dirs in the "
+                       "order given")
+
+
+def step_in_name(name: str) -> int | None:
+    """The step a directory or checkpoint name ends in (strict: see _STEP_IN_NAME), or None."""
+    if _NOT_A_STEP.search(name) or any(c.isdigit() and not c.isascii() for c in name):
+        return None
+    found = _STEP_IN_NAME.search(name)
+    return int(found.group(1)) if found is not None else None
 
 
 def _check_audit(path: Path, summary: dict[str, Any]) -> None:
+    """An audit's dir whose summary any run can have written (advise's check_summary is the gate's;
+    here the pairs' shape) and whose rollouts.parquet is the one it recorded (results.verify)."""
+    from mismatch.results.verify import check_tables
+
     if summary.get("command") != "audit":
         raise ResultsError(f"{path}: a {summary.get('command')} results dir; trend reads audits (one per step)")
+    for pair, metrics in summary["pairs"].items():
+        if not isinstance(metrics, dict):
+            raise ResultsError(f"{path}/summary.json: pairs[{pair!r}] is not an object of metrics (edited or "
+                               "corrupted)")
+    check_tables(path, summary, tables=(ROLLOUTS_FILE,), required=())
+
+
+def check_named(steps: list[Step], pair: str, metric: str) -> None:
+    """Every step has `pair` and a value of `metric` (FRAMEWORK:NAME: a framework's, as trend reads
+    it): a step without one would show a gap in the series and pass a trend gate unnamed."""
+    lacking = []
+    for step in steps:
+        if ":" in metric:
+            found = step.frameworks.get(pair, {}).get(metric)
+        else:
+            found = step.pairs.get(pair, {}).get(metric) if pair in step.pairs else None
+        if pair not in step.pairs or found is None:
+            lacking.append(step)
+    if lacking:
+        what = "no pair " + repr(pair) if pair not in lacking[0].pairs else f"no value of {metric} for {pair}"
+        where = ", ".join(f"step {step.step} ({step.path})" for step in lacking[:3])
+        more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+        raise ResultsError(f"trend: {where}{more}: {what}; give the pair and metric every step has (--pair, --metric), "
+                           "or leave those steps out")
 
 
 def _step(path: Path, summary: dict[str, Any], number: int, step_from: str) -> Step:
@@ -165,12 +214,27 @@ def _per_rollout(path: Path, extra: tuple[str, ...] = ()) -> Any:
     """rollouts.parquet's pair, token count and mean metrics (and `extra` columns), or None."""
     import pyarrow.parquet as pq
 
+    import pyarrow as pa
+
     file = path / ROLLOUTS_FILE
     if not file.is_file():
         return None
-    names = pq.read_schema(file).names
-    columns = ["pair", "n_tokens", *(m for m in (*MEAN_METRICS, *extra) if m in names)]
-    return pq.read_table(file, columns=columns).to_pandas()
+    try:
+        names = pq.read_schema(file).names
+        columns = ["pair", "n_tokens", *(m for m in (*MEAN_METRICS, *extra) if m in names)]
+        table = pq.read_table(file, columns=columns).to_pandas()
+    except (pa.ArrowException, OSError, ValueError, KeyError) as error:  # garbage, cut short, a column missing
+        raise ResultsError(f"{file}: not a readable rollouts table ({' '.join(str(error).split())[:160]})") from None
+    numbers = [column for column in table.columns if column != "pair"]
+    try:
+        table[numbers] = table[numbers].astype("float64")
+    except (TypeError, ValueError):
+        raise ResultsError(f"{file}: a column of {', '.join(numbers)} is not numeric: not the table a run writes") from None
+    steps = table["step"].dropna() if "step" in table else table["n_tokens"].iloc[:0]
+    if (table["n_tokens"] < 0).any() or ((steps < 0) | (steps % 1 != 0) | (steps >= 2**53)).any():
+        raise ResultsError(f"{file}: a negative token count or a step that is not a non-negative integer: not the "
+                           "table a run writes")
+    return table
 
 
 def _means(rows: Any) -> dict[str, tuple[float, tuple[float, float] | None]]:

@@ -1,7 +1,7 @@
 """TRL: one training step of the release's own GRPOTrainer with mismatch's dump hook
 (mismatch/hooks/trl.py), on the tests' tiny checkpoint, on CPU.
 
-Payload: {"checkpoint": DIR, "dump": PATH, "backend": "vllm" | "rollout_func", "num_prompts": N,
+Payload: {"checkpoint": DIR, "dump": PATH, "backend": "vllm" | "rollout_func" | "transformers", "num_prompts": N,
           "config": {GRPOConfig keys}, "processes": P (default 1)}.
 Answer: {"calls": [{"step", "tensors": {name: nested list}, "sampling": {metric: value}}, ...],
          "log_history": trainer.state.log_history, "written", "refused", "first_refusal", "meta", "path"};
@@ -22,6 +22,8 @@ trainer's own model with transformers' generate, puts environment tokens between
 its tokens with one forward at the config's temperature. TRL's tool loop (`tools=`) is not driven:
 it needs a model that emits a tool call TRL can parse, and `add_response_schema` knows only named
 chat templates, not the tiny checkpoint's.
+backend "transformers": TRL's default generation (use_vllm=False, no rollout_func), which gives TRL no
+sampler log-probs: the hook refuses it when the trainer is built.
 """
 
 from __future__ import annotations
@@ -159,7 +161,8 @@ def _train(payload: dict[str, Any]) -> dict[str, Any]:
                           logging_steps=1, save_strategy="no", seed=0, use_vllm=vllm,
                           **({"vllm_mode": "colocate"} if vllm else {}), **payload["config"])
         trainer = _trainer_class()(model=payload["checkpoint"], reward_funcs=_reward, args=args,
-                                   train_dataset=dataset, rollout_func=None if vllm else rollout_func,
+                                   train_dataset=dataset,
+                                   rollout_func=rollout_func if payload["backend"] == "rollout_func" else None,
                                    mismatch_dump=payload["dump"])
         trainer.calls = []
         trainer.train()

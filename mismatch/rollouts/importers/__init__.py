@@ -53,7 +53,7 @@ def import_file(format_name: str, path: str | os.PathLike[str], out_path: str | 
     appears in one rename. Pickle files (.pkl, .pickle, .pt, .pth) are refused unless
     `allow_pickle`: unpickling runs code from the file.
     """
-    from mismatch.results import atomic_write_text
+    from mismatch.results import atomic_write_text, file_fault
 
     convert = converter(format_name)
     root = Path(os.fspath(path))
@@ -75,7 +75,10 @@ def import_file(format_name: str, path: str | os.PathLike[str], out_path: str | 
     if not lines:
         raise MismatchError(f"{os.fspath(path)}: no rollouts found in this {format_name} "
                             f"{'directory' if root.is_dir() else 'file'}")
-    atomic_write_text(Path(out_path), "\n".join(lines) + "\n")
+    try:
+        atomic_write_text(Path(out_path), "\n".join(lines) + "\n")
+    except OSError as error:  # a full disk is the machine's (exit 3); a directory or /proc, the path's (exit 2)
+        raise file_fault(error, os.fspath(out_path)) from None
     return len(lines)
 
 
