@@ -1,0 +1,85 @@
+"""Clean controls for the diagnosis (issue 43): rollouts sampled by the toy agent from the demo
+checkpoint under one sampling seed each, audited with an fp32 trainer and a replay of the
+sampler's own config. Nothing is planted, so any cause but the numerics' own (precision, kernel
+paths) is a false alarm; the rate is what benchmarks/RESULTS.md states.
+
+    python benchmarks/clean_controls.py --seeds 20 --configs hf-decode:bfloat16,hf-decode:float32 --out DIR
+    flock /tmp/vllm.lock python benchmarks/clean_controls.py --seeds 20 --configs vllm:bfloat16,vllm:float32 --out DIR
+
+Each summary is kept (DIR/summaries/CONFIG-SEED.json) so the rule can be re-read offline
+(`mismatch.advise.diagnose.diagnose(summary)` is a function of the summary alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+NUMERICS = {"precision", "kernel_path"}  # what a clean control may be blamed on
+
+
+def control(checkpoint: Path, root: Path, engine: str, dtype: str, seed: int) -> dict[str, Any]:
+    from mismatch.demo.toy_agent import HarnessConfig, write_rollouts
+    from mismatch.pipeline.audit import audit
+
+    rollouts = root / "rollouts" / f"{engine}-{dtype}-{seed}.jsonl"
+    rollouts.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    if not rollouts.exists():
+        write_rollouts(checkpoint, rollouts, HarnessConfig(num_rollouts=2, seed=seed, engine=engine, dtype=dtype,
+                                                            max_turns=3, max_turn_tokens=32))
+    summary = audit(checkpoint, rollouts, train="hf:dtype=float32", infer=f"{engine}:dtype={dtype}").summary
+    (root / "summaries").mkdir(exist_ok=True)
+    (root / "summaries" / f"{engine}-{dtype}-{seed}.json").write_text(json.dumps(summary, default=str))
+    return row(summary, engine=engine, dtype=dtype, seed=seed, seconds=time.perf_counter() - started)
+
+
+def row(summary: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    causes = summary["diagnosis"]["causes"]
+    leading = [c["kind"] for c in causes if not c["minor"]]
+    return {**extra, "kl_k3": {pair: m["kl_k3"] for pair, m in summary["pairs"].items()},
+            "causes": [(c["kind"], c["minor"]) for c in causes],
+            "false_alarm": [kind for kind in leading if kind not in NUMERICS],
+            "first_recommendation": summary["recommendations"][0]["kind"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--configs", default="hf-decode:bfloat16,hf-decode:float32")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="default: the demo checkpoint, built once")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        from mismatch.demo.tinymodel import ensure_tiny_checkpoint
+
+        checkpoint = ensure_tiny_checkpoint(args.out / "checkpoint").path
+    rows = []
+    for config in args.configs.split(","):
+        engine, dtype = config.split(":")
+        for seed in range(args.seeds):
+            found = control(checkpoint, args.out, engine, dtype, seed)
+            rows.append(found)
+            print(json.dumps(found), flush=True)
+    (args.out / "controls.json").write_text(json.dumps(rows, indent=1))
+    for config in args.configs.split(","):
+        mine = [r for r in rows if f"{r['engine']}:{r['dtype']}" == config]
+        alarms = [r for r in mine if r["false_alarm"]]
+        print(f"{config}: {len(alarms)} false alarms in {len(mine)} seeds "
+              f"({', '.join(f'seed {r['seed']}: {r['false_alarm']}' for r in alarms) or 'none'})")
+
+
+if __name__ == "__main__":
+    main()
