@@ -77,9 +77,8 @@ def main() -> None:
     for config in args.configs.split(","):
         mine = [r for r in rows if f"{r['engine']}:{r['dtype']}" == config]
         alarms = [r for r in mine if r["false_alarm"]]
-        print(f"{config}: {len(alarms)} false alarms in {len(mine)} seeds "
-              f"({', '.join(f'seed {r['seed']}: {r['false_alarm']}' for r in alarms) or 'none'})")
-
+        named = ", ".join("seed {}: {}".format(r["seed"], r["false_alarm"]) for r in alarms) or "none"
+        print(f"{config}: {len(alarms)} false alarms in {len(mine)} seeds ({named})")
 
 if __name__ == "__main__":
     main()

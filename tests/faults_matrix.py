@@ -136,6 +136,41 @@ def last_assistant_turn(rollout: dict[str, Any]) -> int:
     return max(t for role, t in zip(roles, turns) if role == "assistant")
 
 
+def noised(logprobs: np.ndarray, sd: float, seed: int = 0) -> np.ndarray:
+    """Stored log-probs replaced by noised ones (a pipeline that corrupts what it stores): each
+    moved by N(0, sd), kept <= 0."""
+    return np.minimum(logprobs + np.random.default_rng(seed).normal(0.0, sd, len(logprobs)), 0.0)
+
+
+def adam_step(tensors: dict[str, Any]) -> None:
+    """One Adam step's worth of change on every tensor (its first step is lr x the gradient's
+    sign): a copy one optimizer step stale (tests/test_weights.py makes the same)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    for name, weight in tensors.items():
+        tensors[name] = weight - 1e-5 * torch.randn(weight.shape, generator=generator).sign()
+
+
+def edited_copy(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    """A copy of checkpoint `src` whose tensors went through `edit` before saving (once)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if not dst.exists():
+        shutil.copytree(src, dst)
+        tensors = load_file(dst / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def renamed(rollout: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The rollout under another id (rollouts of several sampling runs in one file)."""
+    return {**rollout, "id": f"{prefix}{rollout['id']}"}
+
+
 # --- a batch-variant engine ---
 
 class BatchVariant:

@@ -110,8 +110,12 @@ def size_test(cause: Cause, summary: dict[str, Any], found: Envelope | None) -> 
 def processed_test(cause: Cause, summary: dict[str, Any]) -> str | None:
     """Processed log-probs explain the gap only when the trainer with the sampler's processing (the
     like-for-like pair) comes much closer to them than the raw trainer does."""
-    if cause.kind != "processed_logprobs":
-        return None
+    return not_processing(summary) if cause.kind == "processed_logprobs" else None
+
+
+def not_processing(summary: dict[str, Any]) -> str | None:
+    """Why the processing cannot be what makes the gap (the like-for-like gap is no smaller than the
+    raw one), or None."""
     pairs = summary.get("pairs") or {}
     like, raw = pairs.get("train_processed/sampler") or {}, pairs.get("train/sampler") or {}
     kl_like, kl_raw = like.get("kl_k3"), raw.get("kl_k3")
@@ -123,11 +127,12 @@ def processed_test(cause: Cause, summary: dict[str, Any]) -> str | None:
             f"is no smaller than the raw one (train/sampler, kl_k3 {three_digits(kl_raw)})")
 
 
-def routing_test(cause: Cause, level: dict[str, str], side: dict[str, Side]) -> str | None:
+def routing_test(cause: Cause, level: dict[str, str], side: dict[str, Side], *, sampler_fault: bool) -> str | None:
     """Routing flips are rounding near the router's ties only when both sides of the pair are shown
     to run the same weights: two replays of one checkpoint, or, for the sampler, a replay that
-    reproduces it. Otherwise a faulty expert or router on one side flips routing too, and routing
-    replay would hide it."""
+    reproduces it (exact, or up to rounding with no sampler-side fault found: `sampler_fault`).
+    Otherwise a faulty expert or router on one side flips routing too, and routing replay would
+    hide it."""
     if cause.kind != "routing_flips":
         return None
     a, _, b = cause.pair.partition("/")
@@ -137,11 +142,13 @@ def routing_test(cause: Cause, level: dict[str, str], side: dict[str, Side]) -> 
         return None
     if b == "sampler":
         witness = next((s for s in ("infer", "train") if s in side and side[s].replayed and s != a
-                        and level.get(f"{s}/sampler") in HEALTHY), None)
+                        and (level.get(f"{s}/sampler") == "exact"
+                             or (level.get(f"{s}/sampler") in HEALTHY and not sampler_fault))), None)
         if witness is not None:
             return None
         return (f"not rounding at the router's ties: no replay reproduces the sampler (infer/sampler "
-                f"{level.get('infer/sampler', 'not measured')}), so its weights are not shown to be the trainer's; a "
+                f"{level.get('infer/sampler', 'not measured')}"
+                + (", and the sampler's side is found at fault" if sampler_fault else "") + "), so its weights are not shown to be the trainer's; a "
                 "faulty expert or router on the sampler's side flips routing too, and routing replay would hide it")
     return (f"not rounding at the router's ties: {a} and {b} are not shown to run the same weights")
 
