@@ -57,7 +57,12 @@ def main() -> None:
     parser.add_argument("--configs", default="hf-decode:bfloat16,hf-decode:float32")
     parser.add_argument("--checkpoint", type=Path, default=None, help="default: the demo checkpoint, built once")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--reread", action="store_true",
+                        help="re-diagnose the summaries kept in OUT with this code, sampling and replaying nothing")
     args = parser.parse_args()
+    if args.reread:
+        reread(args.out)
+        return
     import torch
 
     torch.set_num_threads(1)
@@ -79,6 +84,29 @@ def main() -> None:
         alarms = [r for r in mine if r["false_alarm"]]
         named = ", ".join("seed {}: {}".format(r["seed"], r["false_alarm"]) for r in alarms) or "none"
         print(f"{config}: {len(alarms)} false alarms in {len(mine)} seeds ({named})")
+
+def reread(out: Path) -> None:
+    """The kept summaries through today's diagnosis (a function of the summary alone): each config's
+    false alarms, and the render drift found apart (a sampled token sequence that re-renders to
+    other tokens is real drift in the data, not a threshold's false alarm)."""
+    from mismatch.advise.advice import advise
+
+    by_config: dict[str, list[dict[str, Any]]] = {}
+    for file in sorted((out / "summaries").glob("*.json")):
+        summary = json.loads(file.read_text())
+        advise(summary)
+        engine, dtype, seed = file.stem.rsplit("-", 2)
+        found = row(summary, engine=engine, dtype=dtype, seed=int(seed))
+        by_config.setdefault(f"{engine}:{dtype}", []).append(found)
+    for config, rows in by_config.items():
+        drift = [r["seed"] for r in rows if "render_drift" in r["false_alarm"]]
+        alarms = [(r["seed"], [k for k in r["false_alarm"] if k != "render_drift"]) for r in rows]
+        alarms = [(seed, kinds) for seed, kinds in alarms if kinds]
+        leads = sorted({kind for r in rows for kind, minor in r["causes"] if not minor})
+        print(f"{config}: {len(rows)} seeds, {len(alarms)} false alarms {alarms}, causes named {leads}, "
+              f"render drift (real, re-tokenized) in seeds {drift}, first recommendations "
+              f"{sorted({r['first_recommendation'] for r in rows})}")
+
 
 if __name__ == "__main__":
     main()

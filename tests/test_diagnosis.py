@@ -480,6 +480,20 @@ def test_the_clean_bf16_sampler_replayed_in_its_config_is_precision_not_the_samp
     assert summary["diagnosis"]["refused"] == []
 
 
+def test_a_sampler_that_declares_truncated_sampling_is_not_blamed_on_its_weights(matrix) -> None:
+    """The same evidence, had the sampler declared top_p 0.8: the replay does not apply it, so the
+    gap is not shown to be the weights; "unexplained" (issue 46's truncation cause names it)."""
+    from mismatch.advise.advice import advise
+
+    summary = json.loads(json.dumps(matrix.summary(f"sampler_planted:{BF16_DECODE}")))
+    summary["engines"]["sampler"]["meta"]["top_p"] = 0.8
+    advise(summary)
+    assert lead(summary)["kind"] == "unexplained", causes(summary)
+    [refused] = [r for r in summary["diagnosis"]["refused"] if r["kind"] == "sampler_weights"]
+    assert refused["test"] == "consistency" and "top_p 0.8" in refused["why"]
+    assert "fix_weight_sync" not in kinds(summary) and kinds(summary)[0] == "correction"
+
+
 @pytest.mark.parametrize("fault", list(MOE_SAMPLER_FAULTS))
 def test_a_sampler_side_expert_or_router_fault_is_never_routing_replay(matrix, fault) -> None:
     """The sampler ran a faulty expert or router and returned its routing: the flips against the

@@ -15,7 +15,8 @@ Terms:
   rollouts, not rounding, a weight-sync fault or a stale copy of this one.
 - consistency: no cause whose own evidence contradicts it: processed log-probs only when the
   like-for-like gap is well under the raw one; routing flips only when both sides are shown to run
-  the same weights.
+  the same weights; the sampler's weights only when the replay runs all the sampler declared (a
+  truncated sampler, top-p / top-k / min-p, is not replayed here: issue 46's cause).
 """
 
 from __future__ import annotations
@@ -177,3 +178,21 @@ def identity(summary: dict[str, Any], level: dict[str, str], side: dict[str, Sid
                             f"a weight-sync fault or a stale copy moves some probabilities, not over "
                             f"{IDENTITY_TAIL:.0%} of them by 2x"),
                  where={"checkpoint": summary.get("checkpoint"), "declared": declared.get("checkpoint")})
+
+
+TRUNCATION_OFF = {"top_p": (1.0,), "top_k": (-1, 0), "min_p": (0.0,)}  # meta.sampler values that truncate nothing
+
+
+def truncation_test(cause: Cause, summary: dict[str, Any], *, like_for_like: bool) -> str | None:
+    """The sampler's side is blamed on its weights only when the replay runs all the sampler
+    declared: truncated sampling (top-p < 1, top-k > 0, min-p > 0) is replayed only by the
+    like-for-like pass (`like_for_like`), and it can move stored log-probs with the same weights."""
+    if cause.kind != "sampler_weights" or like_for_like:
+        return None
+    declared = ((summary.get("engines") or {}).get("sampler") or {}).get("meta") or {}
+    truncated = [f"{name} {declared[name]}" for name, off in TRUNCATION_OFF.items()
+                 if isinstance(declared.get(name), (int, float)) and declared[name] not in off]
+    if not truncated:
+        return None
+    return (f"not shown to be the sampler's weights: it declares truncated sampling ({', '.join(truncated)}), which "
+            "this replay does not apply, and which can move the stored log-probs with the same weights")

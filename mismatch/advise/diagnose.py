@@ -24,6 +24,7 @@ from mismatch.advise.admissibility import (
     routing_test,
     size_test,
     times,
+    truncation_test,
 )
 from mismatch.advise.cause import Cause
 from mismatch.advise.levels import GAPS, HEALTHY, pair_levels
@@ -45,9 +46,11 @@ from mismatch.advise.readers import (
     kl_words,
     listed,
     located,
+    sampler_spec,
     sides,
     three_digits,
 )
+from mismatch.advise.unexplained import unexplained
 
 RULE = """\
 Causes, in the order they lead (each only on the evidence named, and only once it passes its
@@ -157,7 +160,7 @@ RULES: tuple[Rule, ...] = (
     Rule(find=lambda f: trainer_temperature(f.summary, f.level) or processed(f.summary, f.level),
          test=lambda cause, f: processed_test(cause, f.summary)),
     Rule(find=lambda f: f.weights),
-    Rule(find=lambda f: _sampler_side(f)),
+    Rule(find=lambda f: _sampler_side(f), test=lambda cause, f: truncation_test(cause, f.summary, like_for_like=f.ratio_pair == PROCESSED_PAIR)),
     Rule(find=lambda f: _turn_onset(f.summary)),
     Rule(find=lambda f: _render_drift(f.summary)),
     Rule(find=lambda f: batch_variance(f.summary, f.side, f.batch_variant), test=_size),
@@ -202,81 +205,13 @@ def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = N
             refused.append(Refusal(kind=cause.kind, pair=cause.pair, test=_test_name(cause), why=why))
     causes = _minor_drift_last(tuple(kept), summary)
     if level.get(ratio_pair) in GAPS and not any(not cause.minor for cause in causes):
-        causes = (_unexplained(facts, refused), *causes)
+        causes = (unexplained(summary, side, ratio_pair=ratio_pair, found=found_envelope, refused=refused), *causes)
     return Diagnosis(causes=causes, findings=tuple(_findings(summary, level, side)), refused=tuple(refused),
                      envelope=found_envelope)
 
 
 def _test_name(cause: Cause) -> str:
-    return "consistency" if cause.kind in ("processed_logprobs", "routing_flips") else "size"
-
-
-# --- unexplained: no cause passes its test ---
-
-def _unexplained(facts: Facts, refused: list[Refusal]) -> Cause:
-    """The gap's size, what was ruled out, and the next command to run; no fix of its own (the
-    correction meanwhile is recommend's)."""
-    pair, summary = facts.ratio_pair, facts.summary
-    metrics = (summary.get("pairs") or {}).get(pair) or {}
-    kl, tail = metrics.get("kl_k3"), metrics.get("frac_outside_2")
-    found = facts.envelope
-    size = (f"{times(float(kl), found.kl_k3)} {found.words}" if found is not None and isinstance(kl, (int, float))
-            else "no bf16 gap measured on these weights to size it against")
-    ruled = [r.why for r in refused] + _ruled_out(facts)
-    command = _next_command(facts)
-    return Cause(kind="unexplained", pair=pair,
-                 # No "(kl_k3" in a title: the banner cuts a verdict's numbers off there.
-                 title=f"unexplained: the {pair} gap, kl_k3 {three_digits(kl)}"
-                       + (f" with {tail:.2%} of tokens outside [0.5, 2]," if isinstance(tail, (int, float)) else ",")
-                       + " passes no cause's test",
-                 evidence=(size,), rules_out=tuple(ruled),
-                 where={"next": command, "ruled_out": ruled,
-                        "envelope": found.to_dict() if found is not None else None})
-
-
-def _ruled_out(facts: Facts) -> list[str]:
-    """What the evidence shows is not the cause (each only where it was measured)."""
-    summary, side = facts.summary, facts.side
-    out = []
-    alignment = summary.get("alignment") or {}
-    if alignment.get("stored"):
-        out.append("alignment shift 0" + (", stored log-probs raw" if alignment.get("logprob_semantics") == "raw" else ""))
-    if any(not (diff or {}).get("differing") for diff in (summary.get("weights") or {}).values()):
-        out.append("the weights diff finds no differing tensor")
-    turns = (summary.get("localization") or {}).get("turns") or {}
-    if turns.get("n_tokens") and turns.get("onset_turn") is None:
-        out.append("no turn where the gap steps up")
-    drift = summary.get("drift") or {}
-    if drift.get("num_rollouts_checked") and not drift.get("spans"):
-        out.append("no render drift")
-    infer = side.get("infer")
-    if infer is not None and not infer.replayed:
-        out.append("infer replays a stored stream, not the model: it is no evidence of how the stored log-probs "
-                   "were made (stored, not replayed)")
-    return out
-
-
-def _next_command(facts: Facts) -> str:
-    """The audit that would decide: a replay of the sampler's declared config beside an fp32 trainer
-    (it measures the bf16 gap on these weights, and whether the sampler's config reproduces the
-    stored log-probs); with that replay already here, the localizers and the weights diff."""
-    summary, side = facts.summary, facts.side
-    base = (f"mismatch audit {summary.get('checkpoint') or 'CHECKPOINT'} --rollouts "
-            f"{summary.get('rollouts_file') or 'ROLLOUTS'} --train hf:dtype=float32")
-    sampler, infer = side.get("sampler"), side.get("infer")
-    spec = _sampler_spec(sampler) if sampler is not None else "hf-decode:dtype=bfloat16"
-    runs_declared = infer is not None and infer.replayed and sampler is not None and not sampler.differs(infer)
-    if not runs_declared:
-        return f"{base} --infer {spec} --out OUT2"
-    if facts.envelope is None:
-        return f"{base} --infer {_with_dtype(spec, 'bfloat16')} --out OUT2"
-    return (f"mismatch weights {summary.get('checkpoint') or 'CHECKPOINT'} SYNCED_CHECKPOINT (the copy the sampler "
-            f"loaded); {base} --infer {spec} --localize --out OUT2")
-
-
-def _with_dtype(spec: str, dtype: str) -> str:
-    kind = spec.split(":", 1)[0]
-    return f"{kind}:dtype={dtype}"
+    return "consistency" if cause.kind in ("processed_logprobs", "routing_flips", "sampler_weights") else "size"
 
 
 # --- one function per cause ---
@@ -329,17 +264,14 @@ def _sampler_side(facts: Facts) -> Cause | None:
     log-probs are beyond that config's noise, from the first turn on (a step at a later turn is
     turn_onset: the turns before it were reproduced, so were the weights): the sampler ran other
     weights or a config it did not declare. Judged like for like when the stored log-probs are
-    processed. A stored stream replayed as an engine (`--infer sampler`) is no witness.
-
-    The noise of the declared config: none for a torch engine of the sampler's own kind that gave
-    every shared prefix the same bits (torch on this CPU is batch-invariant; it replays the very
-    path the sampler ran); else the bf16 gap measured on these weights (another engine's path,
-    batch variance)."""
+    processed. A stored stream replayed as an engine (`--infer sampler`) is no witness. When the
+    sampler declares another config: decided if the gap is over SIZE_FACTOR times the bf16 gap
+    measured on these weights, else sampler_config (replay the sampler's config)."""
     summary, level, side = facts.summary, facts.level, facts.side
     # Raw pairs differ by the processing: judged like for like when the ratio is.
     judged = PROCESSED_PAIR if facts.ratio_pair == PROCESSED_PAIR else "infer/sampler"
     # "negligible" is under the thresholds, yet more than a deterministic replay's own noise can be:
-    # only the sampler's own torch path (below) judges it.
+    # only the sampler's own torch path (_beyond_declared) judges it.
     if level.get(judged) not in (*GAPS, "negligible") or facts.weights is not None:
         return None
     if ((summary.get("localization") or {}).get("turns") or {}).get("onset_turn") is not None:
@@ -353,45 +285,53 @@ def _sampler_side(facts: Facts) -> Cause | None:
     replays = ((summary.get("pairs") or {}).get("train/infer") or {}).get("kl_k3")
     if not isinstance(kl, (int, float)) or not isinstance(replays, (int, float)):
         return None
-    differs = sampler.differs(infer)
-    found = facts.envelope
+    differs, found = sampler.differs(infer), facts.envelope
     agree = (f"train/infer is {level['train/infer']} (kl_k3 {three_digits(replays)}), {judged} is {level[judged]} "
              f"(kl_k3 {kl_words(summary, judged)}) from the first turn on")
-    spec = _sampler_spec(sampler)
-    if differs and level[judged] in GAPS:
-        if found is not None and kl > SIZE_FACTOR * found.kl_k3:
-            size = (f"{judged} kl_k3 {three_digits(kl)} is {times(kl, found.kl_k3)} {found.words}: more than the "
-                    f"declared config ({facts_words(differs)}) can make")
-            return _sampler_weights(summary, sampler, spec, agree, size)
-        if level.get("train/infer") not in HEALTHY and kl <= SIZE_FACTOR * replays:
-            return None  # within the replays' own gap: the numeric rules judge it
-        return Cause(kind="sampler_config", pair="infer/sampler", fix="match_sampler_config",
-                     title=f"the sampler ran another config than this replay: {facts_words(differs)}",
-                     evidence=(agree, f"meta.sampler declares {facts_words(differs)}"),
-                     rules_out=("precision or weights cannot be told apart until a replay runs the sampler's "
-                                "config",),
-                     where={"differs": {k: list(v) for k, v in differs.items()}, "infer": spec})
-    declared = ", ".join(f"{name} {value}" for name, value in (("dtype", sampler.dtype), ("engine", sampler.kind))
-                         if value) or "nothing declared to compare"
+    spec = sampler_spec(sampler)
+    if not differs:
+        size = _beyond_declared(facts, judged, float(kl))
+        return _sampler_weights(summary, sampler, spec, agree, size) if size is not None else None
+    if level[judged] not in GAPS:
+        return None
+    if found is not None and kl > SIZE_FACTOR * found.kl_k3:
+        size = (f"{judged} kl_k3 {three_digits(kl)} is {times(kl, found.kl_k3)} {found.words}: more than the "
+                f"declared config ({facts_words(differs)}) can make")
+        return _sampler_weights(summary, sampler, spec, agree, size)
+    if level.get("train/infer") not in HEALTHY and kl <= SIZE_FACTOR * replays:
+        return None  # within the replays' own gap: the numeric rules judge it
+    return Cause(kind="sampler_config", pair="infer/sampler", fix="match_sampler_config",
+                 title=f"the sampler ran another config than this replay: {facts_words(differs)}",
+                 evidence=(agree, f"meta.sampler declares {facts_words(differs)}"),
+                 rules_out=("precision or weights cannot be told apart until a replay runs the sampler's config",),
+                 where={"differs": {k: list(v) for k, v in differs.items()}, "infer": spec})
+
+
+def _beyond_declared(facts: Facts, judged: str, kl: float) -> str | None:
+    """Why `judged`'s gap is beyond the noise of the sampler's declared config, which this replay
+    runs; None when it is not, or cannot be sized. The noise: on the sampler's own torch path, the
+    most this replay moved one shared prefix between requests, S, bounding a per-token kl_k3 of
+    S^2 / 2 (torch on this CPU is batch-invariant: S is 0 or rounding); on another path, the bf16
+    gap measured on these weights."""
     from mismatch.engines import TORCH_KINDS
 
+    summary, sampler, infer = facts.summary, facts.side["sampler"], facts.side["infer"]
+    declared = ", ".join(f"{name} {value}" for name, value in (("dtype", sampler.dtype), ("engine", sampler.kind))
+                         if value) or "nothing declared to compare"
     if infer.kind in TORCH_KINDS and infer.kind == sampler.kind:
-        # Its own noise, measured: the most it moved one shared prefix between requests, S, bounds
-        # a per-token kl_k3 of S^2 / 2.
         spread = ((summary.get("prefix_consistency") or {}).get("infer") or {}).get("max_abs_spread") or 0.0
         noise = 0.5 * float(spread) ** 2
-        if kl > SIZE_FACTOR * noise:
-            size = (f"this replay runs the sampler's declared config ({declared}) on the sampler's own torch path, "
-                    f"whose noise is measured here: one shared prefix moved at most {three_digits(spread)} between "
-                    f"requests (kl_k3 at most {three_digits(noise)}), and {judged} is kl_k3 {three_digits(kl)} "
-                    f"({_bitwise_words(summary, judged)})")
-            return _sampler_weights(summary, sampler, spec, agree, size)
+        if kl <= SIZE_FACTOR * noise:
+            return None
+        return (f"this replay runs the sampler's declared config ({declared}) on the sampler's own torch path, whose "
+                f"noise is measured here: one shared prefix moved at most {three_digits(spread)} between requests "
+                f"(kl_k3 at most {three_digits(noise)}), and {judged} is kl_k3 {three_digits(kl)} "
+                f"({_bitwise_words(summary, judged)})")
+    found = facts.envelope
+    if facts.level[judged] not in GAPS or found is None or kl <= SIZE_FACTOR * found.kl_k3:
         return None
-    if level[judged] in GAPS and found is not None and kl > SIZE_FACTOR * found.kl_k3:
-        size = (f"this replay runs the sampler's declared config ({declared}); {judged} kl_k3 {three_digits(kl)} is "
-                f"{times(kl, found.kl_k3)} {found.words}, over the {SIZE_FACTOR:g}x that config's numerics can make")
-        return _sampler_weights(summary, sampler, spec, agree, size)
-    return None  # within the declared config's noise, or no envelope to size it against
+    return (f"this replay runs the sampler's declared config ({declared}); {judged} kl_k3 {three_digits(kl)} is "
+            f"{times(kl, found.kl_k3)} {found.words}, over the {SIZE_FACTOR:g}x that config's numerics can make")
 
 
 def _bitwise_words(summary: dict[str, Any], pair: str) -> str:
@@ -413,11 +353,6 @@ def _sampler_weights(summary: dict[str, Any], sampler: Side, spec: str, agree: s
                             "precision make the gap; the sampler's side does: fix the weight sync (or the "
                             "checkpoint given), not the precision",
                             f"what separates other weights from an undeclared config: {separates}"))
-
-
-def _sampler_spec(sampler: Side) -> str:
-    kind = sampler.kind if sampler.kind in ("hf", "hf-decode", "vllm") else "hf-decode"
-    return f"{kind}:dtype={sampler.dtype}" if sampler.dtype else kind
 
 
 def _turn_onset(summary: dict[str, Any]) -> Cause | None:

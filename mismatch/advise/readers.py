@@ -175,3 +175,10 @@ def kl_words(summary: dict[str, Any], pair: str) -> str:
 
 def three_digits(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, (int, float)) else "n/a"
+
+
+def sampler_spec(sampler: Side) -> str:
+    """The --infer spec of the sampler's declared config (engine and dtype; hf-decode for an engine
+    mismatch cannot run)."""
+    kind = sampler.kind if sampler.kind in ("hf", "hf-decode", "vllm") else "hf-decode"
+    return f"{kind}:dtype={sampler.dtype}" if sampler.dtype else kind
