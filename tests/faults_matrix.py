@@ -96,6 +96,12 @@ def rewrite(src: Path, dst: Path, edit: Edit) -> Path:
     return dst
 
 
+def rewrite_lines(src: Path, dst: Path, count: int) -> Path:
+    """The first `count` rollouts of `src`."""
+    dst.write_text("\n".join(src.read_text().splitlines()[:count]) + "\n")
+    return dst
+
+
 # --- faults on stored rollouts (each an `edit` of one rollout) ---
 
 def step_from_turn(turn: int, delta: float) -> Edit:

@@ -43,6 +43,7 @@ MOE_FAULTS = {"layer0-expert5-gate": (0, 5, "model.layers.0.mlp.experts.5.gate_p
 MOE_SAMPLER_FAULTS = {"expert": "model.layers.0.mlp.experts.5.gate_proj.weight",
                       "router": "model.layers.1.mlp.gate.weight"}
 BF16_DECODE = "hf-decode:dtype=bfloat16"
+SMALL_ROLLOUTS = 4  # of the example's: the bf16 decode cases replay token by token
 DRIFTED = {"r-1", "r-4", "r-9"}  # rollouts whose messages carry another last answer than was sampled
 TEMPERATURES = (0.7, 1.3)
 
@@ -128,7 +129,7 @@ class Matrix:
             return self.tiny, path, {"train": F32, "infer": arg}
         if kind == "noised":  # the bf16 sampler's log-probs, replaced by noised ones before they were stored
             path = self.once(kind, lambda: fm.write_stored(
-                fm.EXAMPLE_ROLLOUTS, self.root / "noised.jsonl", fm.noised(self.bf16_decode(self.tiny), 0.2),
+                self.small(), self.root / "noised.jsonl", fm.noised(self.bf16_decode(self.tiny), 0.2),
                 meta=fm.sampler_meta(engine="hf-decode", dtype="bfloat16")))
             return self.tiny, path, {"train": F32, "infer": arg}
         if kind in ("sampler_planted", "sampler_stale", "sampler_clean"):  # the bf16 sampler's weights
@@ -136,7 +137,7 @@ class Matrix:
                     else fm.edited_copy(self.tiny, self.root / "stale", fm.adam_step) if kind == "sampler_stale"
                     else self.tiny)
             path = self.once(kind, lambda: fm.write_stored(
-                fm.EXAMPLE_ROLLOUTS, self.root / f"{kind}.jsonl", self.bf16_decode(copy),
+                self.small(), self.root / f"{kind}.jsonl", self.bf16_decode(copy),
                 meta=fm.sampler_meta(engine="hf-decode", dtype="bfloat16")))
             return self.tiny, path, {"train": F32, "infer": arg}
         if kind == "moe_sampler":  # the sampler ran a faulty expert or router, and returned its routing
@@ -145,9 +146,13 @@ class Matrix:
             return self.moe(), path, {"train": F32, "infer": spec}
         raise KeyError(case)
 
+    def small(self) -> Path:
+        """The first SMALL_ROLLOUTS example rollouts: the bf16 decode cases replay token by token."""
+        return self.once("small", lambda: fm.rewrite_lines(fm.EXAMPLE_ROLLOUTS, self.root / "small.jsonl",
+                                                           SMALL_ROLLOUTS))
+
     def bf16_decode(self, checkpoint: Path) -> np.ndarray:
-        return self.once(f"bf16:{checkpoint}", lambda: fm.replayed_logprobs(checkpoint, fm.EXAMPLE_ROLLOUTS,
-                                                                             BF16_DECODE))
+        return self.once(f"bf16:{checkpoint}", lambda: fm.replayed_logprobs(checkpoint, self.small(), BF16_DECODE))
 
     def _moe_sampler(self, name: str) -> Path:
         from mismatch.engines import load_engine
@@ -538,7 +543,7 @@ def clean_controls(tiny_checkpoint, tmp_path_factory) -> Callable[[str, str], Pa
         for seed, count in runs:
             one = root / f"{engine}-{dtype}-{seed}.jsonl"
             write_rollouts(tiny_checkpoint, one, HarnessConfig(num_rollouts=count, seed=seed, engine=engine,
-                                                                dtype=dtype, max_turns=2, max_turn_tokens=24))
+                                                                dtype=dtype, max_turns=2, max_turn_tokens=16))
             # Without `messages`: a sampled token sequence that re-renders to other tokens is real render
             # drift (benchmarks/RESULTS.md), not a threshold's false alarm; these controls test thresholds.
             lines += [json.dumps({k: v for k, v in fm.renamed(json.loads(line), f"s{seed}-").items()
@@ -548,9 +553,8 @@ def clean_controls(tiny_checkpoint, tmp_path_factory) -> Callable[[str, str], Pa
     return build
 
 
-@pytest.mark.parametrize("config", ["hf-decode:bfloat16", "hf-decode:float32",
-                                    pytest.param("vllm:bfloat16", marks=needs_vllm),
-                                    pytest.param("vllm:float32", marks=needs_vllm)])
+# bf16 here (the gap a threshold could mistake); fp32 and per-seed audits: benchmarks/clean_controls.py.
+@pytest.mark.parametrize("config", ["hf-decode:bfloat16", pytest.param("vllm:bfloat16", marks=needs_vllm)])
 def test_clean_controls_raise_no_cause_but_the_numerics(tiny_checkpoint, clean_controls, config) -> None:
     """Sampled rollouts audited with an fp32 trainer and a replay of the sampler's own config: no
     fault, no "unexplained", no drift; at most precision (bf16) or the kernels (fp32)."""
