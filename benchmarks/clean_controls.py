@@ -1,5 +1,6 @@
 """Clean controls for the diagnosis (issue 43): rollouts sampled by the toy agent from the demo
-checkpoint under one sampling seed each, audited with an fp32 trainer and a replay of the
+checkpoint under one sampling seed each (hf-decode: two rollouts per seed; vLLM: one rollout per
+per-call seed of one run), audited with an fp32 trainer and a replay of the
 sampler's own config. Nothing is planted, so any cause but the numerics' own (precision, kernel
 paths) is a false alarm; the rate is what benchmarks/RESULTS.md states.
 
@@ -24,6 +25,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 NUMERICS = {"precision", "kernel_path"}  # what a clean control may be blamed on
+CONTROLS_PER_VLLM_RUN = 20
 
 
 def control(checkpoint: Path, root: Path, engine: str, dtype: str, seed: int) -> dict[str, Any]:
@@ -33,6 +35,14 @@ def control(checkpoint: Path, root: Path, engine: str, dtype: str, seed: int) ->
     rollouts = root / "rollouts" / f"{engine}-{dtype}-{seed}.jsonl"
     rollouts.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    if not rollouts.exists() and engine == "vllm":
+        # One vLLM run (an engine per sampling seed would be a load per control): its rollouts, each
+        # drawn under its own per-call seed (toy_agent's VLLMSampler), one control each.
+        run = root / "rollouts" / f"{engine}-{dtype}-run.jsonl"
+        write_rollouts(checkpoint, run, HarnessConfig(num_rollouts=CONTROLS_PER_VLLM_RUN, seed=0, engine=engine,
+                                                      dtype=dtype, max_turns=3, max_turn_tokens=32))
+        for index, line in enumerate(run.read_text().splitlines()):
+            (root / "rollouts" / f"{engine}-{dtype}-{index}.jsonl").write_text(line + "\n")
     if not rollouts.exists():
         write_rollouts(checkpoint, rollouts, HarnessConfig(num_rollouts=2, seed=seed, engine=engine, dtype=dtype,
                                                             max_turns=3, max_turn_tokens=32))
