@@ -475,6 +475,16 @@ def test_a_bf16_sampler_on_other_weights_is_decided_once_its_config_is_replayed(
     assert first(summary)["kind"] == "fix_weight_sync" and first(summary)["params"]["cause"] == "sampler_weights"
     assert not {"fp16", "recompute_old_logprobs", "match_sampler_config"} & set(kinds(summary)), kinds(summary)
     assert "the sampler ran other weights or an undeclared config" in headline(summary).lower()
+    # Following the check it names: `mismatch weights` against the copy the sampler loaded says which.
+    from mismatch.weights import diff_checkpoints
+
+    copy = (matrix.faulty(WEIGHT_FAULTS[1, "mlp"]) if kind == "sampler_planted"
+            else fm.edited_copy(matrix.tiny, matrix.root / "stale", fm.adam_step))
+    report = diff_checkpoints(matrix.tiny, copy)
+    if kind == "sampler_planted":
+        assert [t.name for t in report.differing] == [WEIGHT_FAULTS[1, "mlp"]]
+    else:
+        assert report.optimizer_step is not None and len(report.differing) == len(report.tensors)
 
 
 def test_the_clean_bf16_sampler_replayed_in_its_config_is_precision_not_the_sampler(matrix) -> None:

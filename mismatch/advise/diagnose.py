@@ -58,7 +58,9 @@ admissibility test, advise/admissibility.py):
 1. alignment_shift: the stored log-probs fit the tokens best shifted (alignment shift != 0).
    identity: a replay of the checkpoint puts over half the sampled tokens' ratios outside
    [0.5, 2]: these rollouts were not sampled by this checkpoint (no numeric cause reaches it).
-   Either is the answer alone: every other number is measured on misaligned or foreign pairs.
+   A shift is the answer alone (every other number is measured on misaligned pairs); identity
+   leads, followed only by causes between two replays (every pair with the sampler compares two
+   models).
 2. trainer_temperature: the trainer divides its logits by a temperature (its spec's temperature=T)
    other than the stored log-probs' (meta.sampler's when it declares processed ones, 1 for raw);
    else processed_logprobs: the stored log-probs are temperature/top-p processed; the gap left is
@@ -188,8 +190,6 @@ def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = N
         and not_processing(summary) is None
     ratio_pair = PROCESSED_PAIR if processed_run and PROCESSED_PAIR in level else "train/sampler"
     foreign = identity(summary, level, side, ratio_pair, found_envelope)
-    if foreign is not None:  # every other number compares two models
-        return Diagnosis(causes=(foreign,), envelope=found_envelope)
     facts = Facts(summary=summary, level=level, side=side, probes=probes, envelope=found_envelope,
                   batch_variant=batch_variant if batch_variant is not None else _probes_batch_variant(probes),
                   weights=_weights(summary, level, side), ratio_pair=ratio_pair)
@@ -203,11 +203,17 @@ def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = N
             kept.append(cause)
         else:
             refused.append(Refusal(kind=cause.kind, pair=cause.pair, test=_test_name(cause), why=why))
+    if foreign is not None:  # every pair with the sampler compares two models; two replays still say what they say
+        kept = [foreign, *(cause for cause in kept if _between_replays(cause, side))]
     causes = _minor_drift_last(tuple(kept), summary)
     if level.get(ratio_pair) in GAPS and not any(not cause.minor for cause in causes):
         causes = (unexplained(summary, side, ratio_pair=ratio_pair, found=found_envelope, refused=refused), *causes)
     return Diagnosis(causes=causes, findings=tuple(_findings(summary, level, side)), refused=tuple(refused),
                      envelope=found_envelope)
+
+
+def _between_replays(cause: Cause, side: dict[str, Side]) -> bool:
+    return all(source in side and side[source].replayed for source in cause.pair.split("/"))
 
 
 def _test_name(cause: Cause) -> str:

@@ -27,8 +27,8 @@ RULE = """\
    hide it); bfloat16 rounding, when the evidence confirms it and its gap is large, fp16 (a small
    one gets the correction alone: fp16 is a migration). A minor cause (re-rendered
    tokens under 1% of the trained ones) explains no gap: its fix comes after everything else.
-   Rollouts another checkpoint sampled (identity) get match_checkpoint alone: no ratio between two
-   models is worth correcting. An unexplained gap gets no fix of its own and no recompute: only
+   Rollouts another checkpoint sampled (identity) get match_checkpoint, then the fixes of causes
+   found between two replays, and no correction: no ratio between two models is worth correcting. An unexplained gap gets no fix of its own and no recompute: only
    the correction meanwhile (its headline names the next command that would decide).
 1. Then, only if the ratio still needs it meanwhile, the correction: none when the train/sampler gap
    (the like-for-like train_processed/sampler one when the sampler stored processed log-probs) is
@@ -55,8 +55,11 @@ def rule(evidence: Evidence, target: Target | None = None) -> list[Recommendatio
     diagnosis = evidence.diagnosis
     if diagnosis.lead is not None and diagnosis.lead.kind == "alignment_shift":
         return [_fix_alignment(diagnosis.lead)]
-    if diagnosis.lead is not None and diagnosis.lead.kind == "identity":
-        return [_match_checkpoint(diagnosis.lead)]
+    if diagnosis.lead is not None and diagnosis.lead.kind == "identity":  # no ratio between two models to correct
+        out = [_match_checkpoint(diagnosis.lead)]
+        for cause in [c for c in diagnosis.causes[1:] if not c.minor]:
+            _add(out, _source_fix(cause))
+        return out
     out: list[Recommendation] = []
     for cause in [c for c in diagnosis.causes if not c.minor]:
         _add(out, _source_fix(cause))

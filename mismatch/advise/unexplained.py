@@ -66,8 +66,9 @@ def _next_command(summary: dict[str, Any], side: dict[str, Side], found: Envelop
         return f"{base} --infer {spec} --out OUT2"
     if found is None:
         return f"{base} --infer {_with_dtype(spec, 'bfloat16')} --out OUT2"
+    localize = " --localize" if spec.split(":", 1)[0] in ("hf", "hf-decode") else ""  # torch engines only
     return (f"mismatch weights {summary.get('checkpoint') or 'CHECKPOINT'} SYNCED_CHECKPOINT (the copy the sampler "
-            f"loaded); {base} --infer {spec} --localize --out OUT2")
+            f"loaded); {base} --infer {spec}{localize} --out OUT2")
 
 
 def _with_dtype(spec: str, dtype: str) -> str:
