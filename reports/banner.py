@@ -16,7 +16,7 @@ from typing import Any
 CORRECT_KINDS = frozenset({"correction"})
 NO_ACTION_KINDS = frozenset({"no_correction", "none", "healthy"})
 # Fixes for a comparison that is itself wrong: a correction on top would correct the wrong thing.
-BUG_KINDS = frozenset({"fix_alignment", "fix_renderer", "raw_logprobs", "match_temperature"})
+BUG_KINDS = frozenset({"fix_alignment", "fix_renderer", "raw_logprobs", "match_temperature", "match_checkpoint"})
 LABELS = {"recompute_old_logprobs": "recompute old log-probs with the trainer",
           "fp16": "fp16 instead of bf16", "batch_invariant": "a batch-invariant inference mode",
           "fix_renderer": "the renderer (re-rendered tokens differ from the sampled ones)",
@@ -27,7 +27,8 @@ LABELS = {"recompute_old_logprobs": "recompute old log-probs with the trainer",
           "fix_weight_sync": "the weight sync of {at}",
           "match_sampler_config": "audit again with the sampler's config (--infer {infer})",
           "inspect_turn": "read turn {turn} of the rollouts that step up there",
-          "routing_replay": "routing replay (R3)"}
+          "routing_replay": "routing replay (R3)",
+          "match_checkpoint": "audit against the checkpoint that sampled these rollouts"}
 HEALTHY_LEVELS = frozenset({"exact", "negligible"})
 
 
@@ -124,18 +125,26 @@ def _cause_banner(cause: dict[str, Any], summary: dict[str, Any], recs: list[dic
     recommended meanwhile (recommend leaves it out when the ratio is 1 up to rounding)."""
     fix = next((r for r in recs if r.get("kind") == cause.get("fix")), None)
     parts = [_sentence(str(cause.get("title", cause.get("kind", "?"))))]
+    unexplained = cause.get("kind") == "unexplained"
+    if unexplained:  # the size, what was ruled out and the command that would decide: no fix to name
+        where = cause.get("where") or {}
+        parts += [str(line) for line in cause.get("evidence") or []][:1]
+        if where.get("ruled_out"):
+            parts.append("ruled out: " + "; ".join(str(line) for line in where["ruled_out"]))
+        if where.get("next"):
+            parts.append(f"next: {where['next']}")
     if fix is not None:
         parts.append("fix: " + describe(fix))
     if corrections:
-        parts.append(("meanwhile correct with " if fix is not None else "correct with ")
+        parts.append(("meanwhile correct with " if fix is not None or unexplained else "correct with ")
                      + "; ".join(describe(r) for r in corrections))
     evidence = [str(line) for line in cause.get("evidence") or []]
     lines = [f"Evidence: {'; '.join(evidence)}."] if evidence else []
     lines += [f"Not the others: {cause['rules_out'][0]}."] if cause.get("rules_out") else []
     others = [c for c in (summary.get("diagnosis") or {}).get("causes") or [] if c is not cause]
     lines += ["Also found: " + "; ".join(str(c.get("title")) for c in others) + "."] if others else []
-    status, label = ("fix", "FIX AT THE SOURCE") if fix is not None else \
-        ("correct", "CORRECT") if corrections else ("fix", "CAUSE FOUND")
+    status, label = ("fix", "FIX AT THE SOURCE") if fix is not None else ("unknown", "UNEXPLAINED") if unexplained \
+        else ("correct", "CORRECT") if corrections else ("fix", "CAUSE FOUND")
     return Banner(status=status, label=label, headline=" — ".join(parts), details=[*lines, *details],
                   numbers=numbers)
 

@@ -96,6 +96,12 @@ def rewrite(src: Path, dst: Path, edit: Edit) -> Path:
     return dst
 
 
+def rewrite_lines(src: Path, dst: Path, count: int) -> Path:
+    """The first `count` rollouts of `src`."""
+    dst.write_text("\n".join(src.read_text().splitlines()[:count]) + "\n")
+    return dst
+
+
 # --- faults on stored rollouts (each an `edit` of one rollout) ---
 
 def step_from_turn(turn: int, delta: float) -> Edit:
@@ -134,6 +140,41 @@ def last_assistant_turn(rollout: dict[str, Any]) -> int:
     roles = [segment["role"] for segment in main["segments"]]
     turns = segment_turns(roles)
     return max(t for role, t in zip(roles, turns) if role == "assistant")
+
+
+def noised(logprobs: np.ndarray, sd: float, seed: int = 0) -> np.ndarray:
+    """Stored log-probs replaced by noised ones (a pipeline that corrupts what it stores): each
+    moved by N(0, sd), kept <= 0."""
+    return np.minimum(logprobs + np.random.default_rng(seed).normal(0.0, sd, len(logprobs)), 0.0)
+
+
+def adam_step(tensors: dict[str, Any]) -> None:
+    """One Adam step's worth of change on every tensor (its first step is lr x the gradient's
+    sign): a copy one optimizer step stale (tests/test_weights.py makes the same)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    for name, weight in tensors.items():
+        tensors[name] = weight - 1e-5 * torch.randn(weight.shape, generator=generator).sign()
+
+
+def edited_copy(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    """A copy of checkpoint `src` whose tensors went through `edit` before saving (once)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if not dst.exists():
+        shutil.copytree(src, dst)
+        tensors = load_file(dst / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def renamed(rollout: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The rollout under another id (rollouts of several sampling runs in one file)."""
+    return {**rollout, "id": f"{prefix}{rollout['id']}"}
 
 
 # --- a batch-variant engine ---

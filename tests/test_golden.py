@@ -24,7 +24,9 @@ import mismatch
 GOLDEN = Path(__file__).parent / "data" / "golden"
 # Where and when a run happened, not what it found; and the advice's prose.
 RUN_FACTS = {"created_unix", "checkpoint", "rollouts_file"}
-PROSE = {"why", "config_snippets", "text"}  # advice and verdict sentences (their numbers are compared as numbers)
+# Advice and verdict sentences (their numbers are compared as numbers), and each verdict's label: a
+# pair with a stored stream on one side reads "stored, not replayed" (issue 43).
+PROSE = {"why", "config_snippets", "text", "meaning"}
 
 
 def _correction_key(item: dict) -> str:

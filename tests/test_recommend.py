@@ -101,8 +101,15 @@ def test_a_small_gap_gets_the_cap_alone():
     assert [r.kind for r in recommend(bf16)] == ["correction"]  # no recompute pass, no fp16 migration
 
 
+def bf16_rounding(metrics: dict) -> dict:
+    """A bf16 sampler whose rounding the dtype probes confirm: a numeric cause no fix removes."""
+    found = summary(metrics, corrections=TOKEN_CAPS)
+    found["engines"]["sampler"]["meta"]["dtype"] = "bfloat16"
+    return found
+
+
 def test_recompute_states_its_cost_from_the_counts():
-    rec = the(recommend(summary(LARGE, corrections=TOKEN_CAPS)), "recompute_old_logprobs")
+    rec = the(recommend(bf16_rounding(LARGE), probes=DTYPE_PROBES), "recompute_old_logprobs")
     assert rec.params == {"extra_forward_tokens": 12_345, "trainable_tokens": 4_321}
     assert rec.why.endswith("cost: one extra forward pass (no backward) over N = 12,345 tokens per batch "
                             "like this one (4,321 of them trainable)")
@@ -257,7 +264,7 @@ def test_every_recommendation_says_what_it_costs():
     bf16["engines"]["sampler"]["meta"]["dtype"] = "bfloat16"
     recs = recommend(bf16, probes=[*probes, *DTYPE_PROBES], drift={"spans": [{}]},
                      alignment={"logprob_semantics": "processed"})
-    recs += recommend(summary(LARGE, corrections=TOKEN_CAPS))  # recompute: a large gap with no cause found
+    recs += recommend(bf16_rounding(LARGE), probes=DTYPE_PROBES)  # recompute: a large gap no fix removes
     assert {r.kind for r in recs} == {"fix_renderer", "correction", "recompute_old_logprobs", "fp16",
                                       "batch_invariant", "raw_logprobs"}
     assert all(r.cost == COSTS[r.kind] and r.to_dict()["cost"] for r in recs)
@@ -284,7 +291,18 @@ def _routing(with_k3: float, without_k3: float) -> dict:
 
 
 def routing_summary() -> dict:
-    return {**summary(SMALL, corrections=TOKEN_CAPS), "routing": _routing(0.0014, 0.0008)}
+    """Flips between two replays of one checkpoint (routing replay is claimed only with the same
+    weights on both sides: a fault on one side flips routing too)."""
+    found = {**summary(SMALL, corrections=TOKEN_CAPS), "routing": _routing(0.0014, 0.0008), "checkpoint": "ckpt"}
+    found["engines"] = {**found["engines"], "train": {"kind": "hf", "dtype": "bfloat16"},
+                        "infer": {"kind": "hf", "dtype": "float32"}}
+    return found
+
+
+def test_an_unexplained_large_gap_gets_the_correction_alone():
+    """No cause passes its test: no fix, no fp16, no recompute, only the correction meanwhile."""
+    recs = recommend(summary(LARGE, corrections=TOKEN_CAPS))
+    assert [r.kind for r in recs] == ["correction"]
 
 
 def test_routing_replay_when_routing_flips_carry_most_of_the_gap_with_each_frameworks_keys():

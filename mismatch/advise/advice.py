@@ -22,7 +22,7 @@ def advise(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = Non
     and each framework's config snippet for them; each pair's verdict names its cause."""
     diagnosis = diagnose(summary, probes=probes)
     summary["diagnosis"] = diagnosis.to_dict()
-    summary["verdicts"] = verdicts(summary["pairs"], diagnosis)
+    summary["verdicts"] = verdicts(summary["pairs"], diagnosis, summary.get("engines"))
     summary["recommendations"] = recommendations_dicts(recommend(summary, probes=probes))
     # Each framework's snippet chooses among the corrections its release can express (the one
     # installed here, else the newest mismatch has read).

@@ -9,63 +9,109 @@ the first cause. Here are the cause rules; readers.py reads the evidence they sh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mismatch.advise.admissibility import (
+    SIZE_FACTOR,
+    Envelope,
+    Refusal,
+    envelope,
+    identity,
+    not_processing,
+    processed_test,
+    routing_test,
+    size_test,
+    times,
+    truncation_test,
+)
 from mismatch.advise.cause import Cause
 from mismatch.advise.levels import GAPS, HEALTHY, pair_levels
+from mismatch.advise.numeric_causes import (  # noqa: F401 (ROUTING_SHARE: the rule's constant, read by tests)
+    ROUTING_SHARE,
+    batch_variance,
+    kernel_path,
+    position_drift,
+    precision,
+    routing_flips,
+)
 from mismatch.advise.log_prob_semantics import alignment_shift, processed, trainer_temperature
 from mismatch.advise.readers import (
     Side,
     batch_variant_from_probes,
     confined,
     fact_counts,
-    facts,
+    facts as facts_words,
     kl_words,
     listed,
     located,
+    sampler_spec,
     sides,
     three_digits,
 )
+from mismatch.advise.unexplained import unexplained
 
 RULE = """\
-Causes, in the order they lead (each only on the evidence named):
+Causes, in the order they lead (each only on the evidence named, and only once it passes its
+admissibility test, advise/admissibility.py):
 1. alignment_shift: the stored log-probs fit the tokens best shifted (alignment shift != 0).
+   identity: a replay of the checkpoint puts over half the sampled tokens' ratios outside
+   [0.5, 2]: these rollouts were not sampled by this checkpoint (no numeric cause reaches it).
+   A shift is the answer alone (every other number is measured on misaligned pairs); identity
+   leads, followed only by causes between two replays (every pair with the sampler compares two
+   models).
 2. trainer_temperature: the trainer divides its logits by a temperature (its spec's temperature=T)
    other than the stored log-probs' (meta.sampler's when it declares processed ones, 1 for raw);
    else processed_logprobs: the stored log-probs are temperature/top-p processed; the gap left is
-   the like-for-like pair's (train_processed/sampler).
+   the like-for-like pair's (train_processed/sampler). Test: the like-for-like gap is under half
+   the raw one (else the processing is not what makes it).
 3. weights: the weights of two sides differ: a weights diff of the engine's checkpoint against the
    trainer's, or the localizers confine the train/infer error to a few modules (each module's error
    over 10x the median module's and its rounding floor; an expert when one expert carries it).
-4. sampler_weights: the replays agree (train/infer exact or negligible) but not the sampler
-   (infer/sampler small or large; train_processed/sampler when processed), with no turn onset,
-   while meta.sampler declares the replay's dtype and engine: the sampler ran other weights. sampler_config: the same, but meta.sampler declares another dtype,
-   engine or attention: replay the sampler's config to tell them apart.
+4. sampler_weights: a replay (never a stored stream: `--infer sampler` is no witness) that runs
+   the sampler's declared config (meta.sampler's dtype, engine, attention) and the trainer's
+   weights, yet the stored log-probs are beyond that config's noise (infer/sampler, or
+   train_processed/sampler when processed, over 10x the replays' own gap, or any gap when the
+   replays agree), with no turn onset: the sampler ran other weights or an undeclared config;
+   `mismatch weights` against the synced checkpoint and a replay in another dtype tell them apart.
+   The same when meta.sampler declares another config but the gap is over 10x the bf16 gap
+   measured on these weights. sampler_config: meta.sampler declares another dtype, engine or
+   attention and the gap is within what that config could make: replay the sampler's config.
 5. turn_onset: the train/sampler gap steps up at a turn (localization.turns onset rule).
 6. render_drift: re-rendered messages give other tokens than were sampled (drift spans).
 7. batch_variance: probes show batch-shape variance, or an inference source gave one prefix
    different log-probs in different requests (unless probes ran and show no batch variance).
 8. routing_flips: MoE routing flips carry >= half of a trainer pair's k3, and no weight fault is
-   localized (a faulty expert flips routing downstream: routing replay would hide it).
-9. precision: the sides differ in dtype with one in bfloat16, and the evidence confirms it: the
-   third source runs the other side's weights in bfloat16 and reproduces the bf16 side (exact or
-   negligible), or the kernel localizer spreads the error over most modules with none standing
-   out, or the dtype probes show it. Never when meta.sampler declares bfloat16 and a replay in
-   another dtype reproduces the stored log-probs bit for bit (the declaration is wrong).
+   localized (a faulty expert flips routing downstream: routing replay would hide it). Test: both
+   sides run the same weights (two replays of one checkpoint; for the sampler, a replay that
+   reproduces it), else a sampler-side expert or router fault would be hidden.
+9. precision: the sides differ in dtype with one in bfloat16, and the evidence confirms it: a
+   replay (not a stored stream) of the other side's weights in bfloat16 reproduces the bf16 side
+   (exact or negligible), or the kernel localizer spreads the error over most modules with none
+   standing out, or the dtype probes show it. Never when meta.sampler declares bfloat16 and a
+   replay in another dtype reproduces the stored log-probs bit for bit (the declaration is wrong).
 10. kernel_path: the sides differ in engine kind (full forward vs decode, another engine) with the
    same dtype, the replay reproducing the sampler.
 11. position_drift: the gap grows with position, with no turn onset.
+Size test of the numeric causes (precision, kernel_path, batch_variance, position_drift): the
+pair's kl_k3 at most 10x the bf16 gap measured on these weights (two replays of the checkpoint in
+two dtypes), else "more than <cause>: Nx the bf16 gap"; with none measured, at most 1% of tokens
+outside [0.5, 2].
+unexplained: when the ratio's pair (train/sampler, or train_processed/sampler) has a gap and no
+cause passes its test: the gap's size, what was ruled out, and the next command to run.
 """
 
-ROUTING_SHARE = 0.5  # the share of a pair's k3 on tokens with a routing flip that makes it the cause
 MINOR_DRIFT = 0.01  # re-rendered tokens under this share of the trained ones explain no gap
+PROCESSED_PAIR = "train_processed/sampler"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Diagnosis:
     causes: tuple[Cause, ...]
     findings: tuple[str, ...] = ()  # facts that explain no gap but change how to read one
+    refused: tuple[Refusal, ...] = ()  # causes found but not claimed: the test each failed
+    envelope: Envelope | None = None  # the bf16 gap measured on these weights, when two replays give it
 
     @property
     def lead(self) -> Cause | None:
@@ -79,28 +125,99 @@ class Diagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         return {"causes": [cause.to_dict() for cause in self.causes], "findings": list(self.findings),
-                "rule": RULE}
+                "refused": [r.to_dict() for r in self.refused],
+                "envelope": self.envelope.to_dict() if self.envelope is not None else None, "rule": RULE}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Facts:
+    """What every rule reads: the summary, each pair's level, each side's config, the probes, the
+    bf16 envelope and the weights cause (found first: several rules defer to it)."""
+
+    summary: dict[str, Any]
+    level: dict[str, str]
+    side: dict[str, Side]
+    probes: list[dict[str, Any]] | None
+    batch_variant: bool | None
+    envelope: Envelope | None
+    weights: Cause | None
+    ratio_pair: str  # the pair the RL ratio is judged on
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Rule:
+    """A cause rule: `find` returns the cause its evidence shows, or None; `test` says why a found
+    cause cannot be claimed (its admissibility test), or None when it can."""
+
+    find: Callable[[Facts], Cause | None]
+    test: Callable[[Cause, Facts], str | None] = lambda cause, facts: None
+
+
+def _size(cause: Cause, facts: Facts) -> str | None:
+    return size_test(cause, facts.summary, facts.envelope)
+
+
+RULES: tuple[Rule, ...] = (
+    # A trainer that scales its logits looks, to the semantics check, like processed stored log-probs.
+    Rule(find=lambda f: trainer_temperature(f.summary, f.level) or processed(f.summary, f.level),
+         test=lambda cause, f: processed_test(cause, f.summary)),
+    Rule(find=lambda f: f.weights),
+    Rule(find=lambda f: _sampler_side(f), test=lambda cause, f: truncation_test(cause, f.summary, like_for_like=f.ratio_pair == PROCESSED_PAIR)),
+    Rule(find=lambda f: _turn_onset(f.summary)),
+    Rule(find=lambda f: _render_drift(f.summary)),
+    Rule(find=lambda f: batch_variance(f.summary, f.side, f.batch_variant), test=_size),
+    Rule(find=lambda f: routing_flips(f.summary, f.weights),
+         test=lambda cause, f: routing_test(cause, f.level, f.side, sampler_fault=_sampler_side(f) is not None)),
+    Rule(find=lambda f: precision(f.summary, f.level, f.side, f.weights, f.probes), test=_size),
+    Rule(find=lambda f: kernel_path(f.summary, f.level, f.side, f.weights), test=_size),
+    Rule(find=lambda f: position_drift(f.summary), test=_size),
+)
 
 
 def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = None,
              batch_variant: bool | None = None) -> Diagnosis:
-    """The causes the summary's evidence supports, in the order RULE gives."""
+    """The causes the summary's evidence supports and their admissibility tests pass, in the order
+    RULE gives; "unexplained" when the ratio's pair has a gap and none does."""
     level = pair_levels(summary)
     side = sides(summary)
     shift = alignment_shift(summary)
     if shift is not None:  # every other number is measured on misaligned pairs
         return Diagnosis(causes=(shift,))
-    weights = _weights(summary, level, side)
-    temperature = trainer_temperature(summary, level)
-    # A trainer that scales its logits looks, to the semantics check, like processed stored log-probs.
-    found = [temperature or processed(summary, level), weights, _sampler_side(summary, level, side),
-             _turn_onset(summary), _render_drift(summary),
-             _batch_variance(summary, side, batch_variant if batch_variant is not None
-                             else _probes_batch_variant(probes)),
-             _routing(summary, weights), _precision(summary, level, side, weights, probes),
-             _kernel_path(summary, level, side, weights), _position_drift(summary)]
-    causes = tuple(cause for cause in found if cause is not None)
-    return Diagnosis(causes=_minor_drift_last(causes, summary), findings=tuple(_findings(summary, level, side)))
+    found_envelope = envelope(summary, side)
+    # The ratio is judged like for like when the stored log-probs are processed, unless the
+    # processing cannot be what makes the gap (then the like-for-like pair is no better a judge).
+    processed_run = (summary.get("alignment") or {}).get("logprob_semantics") == "processed" \
+        and not_processing(summary) is None
+    ratio_pair = PROCESSED_PAIR if processed_run and PROCESSED_PAIR in level else "train/sampler"
+    foreign = identity(summary, level, side, ratio_pair, found_envelope)
+    facts = Facts(summary=summary, level=level, side=side, probes=probes, envelope=found_envelope,
+                  batch_variant=batch_variant if batch_variant is not None else _probes_batch_variant(probes),
+                  weights=_weights(summary, level, side), ratio_pair=ratio_pair)
+    kept, refused = [], []
+    for rule in RULES:
+        cause = rule.find(facts)
+        if cause is None:
+            continue
+        why = rule.test(cause, facts)
+        if why is None:
+            kept.append(cause)
+        else:
+            refused.append(Refusal(kind=cause.kind, pair=cause.pair, test=_test_name(cause), why=why))
+    if foreign is not None:  # every pair with the sampler compares two models; two replays still say what they say
+        kept = [foreign, *(cause for cause in kept if _between_replays(cause, side))]
+    causes = _minor_drift_last(tuple(kept), summary)
+    if level.get(ratio_pair) in GAPS and not any(not cause.minor for cause in causes):
+        causes = (unexplained(summary, side, ratio_pair=ratio_pair, found=found_envelope, refused=refused), *causes)
+    return Diagnosis(causes=causes, findings=tuple(_findings(summary, level, side)), refused=tuple(refused),
+                     envelope=found_envelope)
+
+
+def _between_replays(cause: Cause, side: dict[str, Side]) -> bool:
+    return all(source in side and side[source].replayed for source in cause.pair.split("/"))
+
+
+def _test_name(cause: Cause) -> str:
+    return "consistency" if cause.kind in ("processed_logprobs", "routing_flips", "sampler_weights") else "size"
 
 
 # --- one function per cause ---
@@ -142,49 +259,106 @@ def _same_config_words(side: dict[str, Side], a: str, b: str, gap: str | None) -
         return ()
     differs = side[a].differs(side[b])
     if differs:
-        return (f"{a} and {b} also differ in {facts(differs)}: that adds rounding, but not error confined to "
+        return (f"{a} and {b} also differ in {facts_words(differs)}: that adds rounding, but not error confined to "
                 "these tensors",)
     return (f"{a} and {b} run the same dtype ({side[a].dtype}) and engine ({side[a].kind}): not precision or "
             "kernels",)
 
 
-def _sampler_side(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side]) -> Cause | None:
-    """The replays agree with each other but not with the stored log-probs, from the first turn on
-    (a step at a later turn is turn_onset: the turns before it were reproduced, so were the weights),
-    judged like for like when the stored log-probs are processed."""
-    processed = (summary.get("alignment") or {}).get("logprob_semantics") == "processed"
-    judged = "train_processed/sampler" if processed else "infer/sampler"  # raw pairs differ by the processing
-    if level.get("train/infer") not in HEALTHY or level.get(judged) not in GAPS:
+def _sampler_side(facts: Facts) -> Cause | None:
+    """A replay of the trainer's weights that runs the sampler's declared config, yet the stored
+    log-probs are beyond that config's noise, from the first turn on (a step at a later turn is
+    turn_onset: the turns before it were reproduced, so were the weights): the sampler ran other
+    weights or a config it did not declare. Judged like for like when the stored log-probs are
+    processed. A stored stream replayed as an engine (`--infer sampler`) is no witness. When the
+    sampler declares another config: decided if the gap is over SIZE_FACTOR times the bf16 gap
+    measured on these weights, else sampler_config (replay the sampler's config)."""
+    summary, level, side = facts.summary, facts.level, facts.side
+    # Raw pairs differ by the processing: judged like for like when the ratio is.
+    judged = PROCESSED_PAIR if facts.ratio_pair == PROCESSED_PAIR else "infer/sampler"
+    # "negligible" is under the thresholds, yet more than a deterministic replay's own noise can be:
+    # only the sampler's own torch path (_beyond_declared) judges it.
+    if level.get(judged) not in (*GAPS, "negligible") or facts.weights is not None:
         return None
     if ((summary.get("localization") or {}).get("turns") or {}).get("onset_turn") is not None:
         return None
-    if "sampler" not in side or "infer" not in side:
+    sampler, infer, train = side.get("sampler"), side.get("infer"), side.get("train")
+    if sampler is None or infer is None or train is None or not (infer.replayed and train.replayed):
         return None
-    differs = side["sampler"].differs(side["infer"])
-    agree = (f"train/infer is {level['train/infer']} (the two replays agree), {judged} is {level[judged]} "
+    if infer.weights is not None and train.weights is not None and infer.weights != train.weights:
+        return None
+    kl = ((summary.get("pairs") or {}).get(judged) or {}).get("kl_k3")
+    replays = ((summary.get("pairs") or {}).get("train/infer") or {}).get("kl_k3")
+    if not isinstance(kl, (int, float)) or not isinstance(replays, (int, float)):
+        return None
+    differs, found = sampler.differs(infer), facts.envelope
+    agree = (f"train/infer is {level['train/infer']} (kl_k3 {three_digits(replays)}), {judged} is {level[judged]} "
              f"(kl_k3 {kl_words(summary, judged)}) from the first turn on")
-    if differs:
-        spec = _sampler_spec(side["sampler"])
-        return Cause(kind="sampler_config", pair="infer/sampler", fix="match_sampler_config",
-                     title=f"the sampler ran another config than this replay: {facts(differs)}",
-                     evidence=(agree, f"meta.sampler declares {facts(differs)}"),
-                     rules_out=("precision or weights cannot be told apart until a replay runs the sampler's "
-                                "config",),
-                     where={"differs": {k: list(v) for k, v in differs.items()}, "infer": spec})
-    declared = ", ".join(f"{name} {value}" for name, value in (("dtype", side["sampler"].dtype),
-                                                               ("engine", side["sampler"].kind)) if value)
+    spec = sampler_spec(sampler)
+    if not differs:
+        size = _beyond_declared(facts, judged, float(kl))
+        return _sampler_weights(summary, sampler, spec, agree, size) if size is not None else None
+    if level[judged] not in GAPS:
+        return None
+    if found is not None and kl > SIZE_FACTOR * found.kl_k3:
+        size = (f"{judged} kl_k3 {three_digits(kl)} is {times(kl, found.kl_k3)} {found.words}: more than the "
+                f"declared config ({facts_words(differs)}) can make")
+        return _sampler_weights(summary, sampler, spec, agree, size)
+    if level.get("train/infer") not in HEALTHY and kl <= SIZE_FACTOR * replays:
+        return None  # within the replays' own gap: the numeric rules judge it
+    return Cause(kind="sampler_config", pair="infer/sampler", fix="match_sampler_config",
+                 title=f"the sampler ran another config than this replay: {facts_words(differs)}",
+                 evidence=(agree, f"meta.sampler declares {facts_words(differs)}"),
+                 rules_out=("precision or weights cannot be told apart until a replay runs the sampler's config",),
+                 where={"differs": {k: list(v) for k, v in differs.items()}, "infer": spec})
+
+
+def _beyond_declared(facts: Facts, judged: str, kl: float) -> str | None:
+    """Why `judged`'s gap is beyond the noise of the sampler's declared config, which this replay
+    runs; None when it is not, or cannot be sized. The noise: on the sampler's own torch path, the
+    most this replay moved one shared prefix between requests, S, bounding a per-token kl_k3 of
+    S^2 / 2 (torch on this CPU is batch-invariant: S is 0 or rounding); on another path, the bf16
+    gap measured on these weights."""
+    from mismatch.engines import TORCH_KINDS
+
+    summary, sampler, infer = facts.summary, facts.side["sampler"], facts.side["infer"]
+    declared = ", ".join(f"{name} {value}" for name, value in (("dtype", sampler.dtype), ("engine", sampler.kind))
+                         if value) or "nothing declared to compare"
+    if infer.kind in TORCH_KINDS and infer.kind == sampler.kind:
+        spread = ((summary.get("prefix_consistency") or {}).get("infer") or {}).get("max_abs_spread") or 0.0
+        noise = 0.5 * float(spread) ** 2
+        if kl <= SIZE_FACTOR * noise:
+            return None
+        return (f"this replay runs the sampler's declared config ({declared}) on the sampler's own torch path, whose "
+                f"noise is measured here: one shared prefix moved at most {three_digits(spread)} between requests "
+                f"(kl_k3 at most {three_digits(noise)}), and {judged} is kl_k3 {three_digits(kl)} "
+                f"({_bitwise_words(summary, judged)})")
+    found = facts.envelope
+    if facts.level[judged] not in GAPS or found is None or kl <= SIZE_FACTOR * found.kl_k3:
+        return None
+    return (f"this replay runs the sampler's declared config ({declared}); {judged} kl_k3 {three_digits(kl)} is "
+            f"{times(kl, found.kl_k3)} {found.words}, over the {SIZE_FACTOR:g}x that config's numerics can make")
+
+
+def _bitwise_words(summary: dict[str, Any], pair: str) -> str:
+    value = ((summary.get("pairs") or {}).get(pair) or {}).get("bitwise_equal_frac")
+    return f"{value:.1%} of tokens bitwise equal" if isinstance(value, (int, float)) else "not bitwise equal"
+
+
+def _sampler_weights(summary: dict[str, Any], sampler: Side, spec: str, agree: str, size: str) -> Cause:
+    checkpoint = summary.get("checkpoint") or "CHECKPOINT"
+    # The other dtype in words, not as a spec: a snippet's comment must not read like a precision setting.
+    other = "fp32" if sampler.dtype == "bfloat16" else "bf16"
+    separates = (f"`mismatch weights {checkpoint} SYNCED_CHECKPOINT` (the copy the sampler loaded) shows other "
+                 f"weights; a replay of {spec.split(':')[0]} in {other} shows whether the gap moves with the config")
     return Cause(kind="sampler_weights", pair="infer/sampler", fix="fix_weight_sync",
-                 where={"source": "sampler", "words": "the sampler's weights"},
-                 title="the sampler ran other weights than the checkpoint replayed",
-                 evidence=(agree, f"meta.sampler declares what the replay runs ({declared or 'nothing to compare'})"),
-                 rules_out=("the replays agree, so neither the trainer's kernels nor its precision make the gap; "
-                            "the sampler's side does: fix the weight sync (or the checkpoint given), not the "
-                            "precision",))
-
-
-def _sampler_spec(sampler: Side) -> str:
-    kind = sampler.kind if sampler.kind in ("hf", "hf-decode", "vllm") else "hf-decode"
-    return f"{kind}:dtype={sampler.dtype}" if sampler.dtype else kind
+                 where={"source": "sampler", "words": "the sampler's weights", "infer": spec},
+                 title="the sampler ran other weights or an undeclared config, not the checkpoint replayed here",
+                 evidence=(agree, size),
+                 rules_out=("the replays agree up to their own noise, so neither the trainer's kernels nor its "
+                            "precision make the gap; the sampler's side does: fix the weight sync (or the "
+                            "checkpoint given), not the precision",
+                            f"what separates other weights from an undeclared config: {separates}"))
 
 
 def _turn_onset(summary: dict[str, Any]) -> Cause | None:
@@ -253,162 +427,6 @@ def _probes_batch_variant(probes: list[dict[str, Any]] | None) -> bool | None:
     return batch_variant_from_probes(probes) if probes is not None else None
 
 
-def _batch_variance(summary: dict[str, Any], side: dict[str, Side], probed: bool | None) -> Cause | None:
-    from mismatch.analysis.prefixes import split_prefixes
-    from mismatch.engines import TORCH_KINDS
-
-    engines = summary.get("engines") or {}
-    split = {source: found for source, found in split_prefixes(summary).items()
-             if (engines.get(source) or {}).get("kind") not in TORCH_KINDS}
-    if probed is False or not (probed or split):  # probes that ran and show none outweigh a split prefix
-        return None
-    evidence = []
-    if probed:
-        evidence.append("the probes show log-probs that change with batch composition")
-    for source, found in split.items():
-        worst = found.get("worst") or {}
-        evidence.append(f"{source} gave one prefix different log-probs in different requests: "
-                        f"{found['frac_prefixes_bitwise_equal']:.1%} of {found['n_prefixes']:,} shared prefixes "
-                        f"bitwise equal, spread up to {found['max_abs_spread']:.3g}"
-                        + (f" (rollouts {listed(worst['rollouts'])})" if worst.get("rollouts") else ""))
-    pair = "train/sampler" if "sampler" in split or probed else f"train/{next(iter(split))}"
-    return Cause(kind="batch_variance", pair=pair, fix="batch_invariant",
-                 title="the inference engine's log-probs change with what else is in the batch",
-                 evidence=tuple(evidence), where={"sources": sorted(split)},
-                 rules_out=("the same prefix and the same weights gave different numbers: neither weights nor "
-                            "the renderer can do that",))
-
-
-def _routing(summary: dict[str, Any], weights: Cause | None) -> Cause | None:
-    from mismatch.analysis.routing import routing_share
-
-    routing = summary.get("routing") or {}
-    for pair in ("train/infer", "train/sampler"):
-        agreement = routing.get(pair)
-        share = routing_share(agreement) if agreement else None
-        if share is None or share < ROUTING_SHARE:
-            continue
-        flips = f"{agreement['frac_tokens_with_flip']:.2%} of {pair} tokens follow a different expert set"
-        if weights is not None:  # the flips are the fault's downstream effect: R3 would hide it
-            return None
-        return Cause(kind="routing_flips", pair=pair, fix="routing_replay",
-                     title=f"MoE routing flips carry {share:.0%} of the {pair} gap",
-                     evidence=(f"{flips}, and they carry {share:.0%} of the gap (k3)",),
-                     rules_out=("no weight fault is localized: the flips come from rounding near the router's "
-                                "ties, which routing replay removes",),
-                     where={"pair": pair, "k3_share": share, "frac_tokens_with_flip": agreement["frac_tokens_with_flip"]})
-    return None
-
-
-def _precision(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side], weights: Cause | None,
-               probes: list[dict[str, Any]] | None) -> Cause | None:
-    """bf16 rounding, when the evidence says so: a replay in the other dtype that makes it vanish,
-    error spread over every module, or the dtype probes."""
-    if weights is not None:
-        return None
-    for pair, (a, b) in (("train/sampler", ("train", "sampler")), ("train/infer", ("train", "infer")),
-                         ("infer/sampler", ("infer", "sampler"))):
-        if level.get(pair) not in GAPS or a not in side or b not in side:
-            continue
-        differs = side[a].differs(side[b])
-        dtypes = differs.get("dtype")
-        if dtypes is None or "bfloat16" not in dtypes:
-            continue
-        bf16 = a if side[a].dtype == "bfloat16" else b
-        if _declared_wrongly(level, side, bf16):
-            continue
-        confirmed = _vanishes(level, side, bf16, b if bf16 == a else a) or _spread(summary, pair) \
-            or _dtype_probes(probes)
-        if confirmed is None:
-            continue
-        return Cause(kind="precision", pair=pair, fix="fp16",
-                     title=f"bfloat16 rounding: {bf16} runs in bfloat16, the other side of {pair} in {_other(dtypes)}",
-                     evidence=(f"{a} and {b} differ in {facts(differs)}", confirmed),
-                     rules_out=("no module carries the error alone: not one weight tensor",),
-                     where={"bf16_source": bf16, "sources": [bf16], "pair": pair, "gap": level[pair]})
-    return None
-
-
-def _other(dtypes: tuple[Any, Any]) -> str:
-    return next(d for d in dtypes if d != "bfloat16")
-
-
-def _vanishes(level: dict[str, str], side: dict[str, Side], bf16: str, other: str) -> str | None:
-    """A third source on the other end's weights, in bfloat16, reproduces the bf16 end: the gap is
-    the same weights in two dtypes. (One reproducing the float end says nothing about the bf16 one.)"""
-    for third in ("train", "infer", "sampler"):
-        if third in (bf16, other) or third not in side or side[third].dtype != "bfloat16":
-            continue
-        if side[third].weights is not None and side[other].weights is not None \
-                and side[third].weights != side[other].weights:
-            continue
-        pair = _pair_name(third, bf16)
-        if level.get(pair) in HEALTHY:
-            also = {k: v for k, v in side[third].differs(side[other]).items() if k != "dtype"}
-            return (f"{third} runs {other}'s weights in bfloat16" + (f" (and {facts(also)})" if also else "")
-                    + f" and reproduces {bf16} ({pair} {level[pair]}): the gap is between the same weights in "
-                    + ("two dtypes" if not also else "two dtypes and engine paths"))
-    return None
-
-
-def _declared_wrongly(level: dict[str, str], side: dict[str, Side], bf16: str) -> bool:
-    """meta.sampler says bfloat16, yet a replay in another dtype reproduces it bit for bit."""
-    infer = side.get("infer")
-    return bf16 == "sampler" and infer is not None and level.get("infer/sampler") == "exact" \
-        and infer.dtype not in (None, "bfloat16")
-
-
-def _pair_name(x: str, y: str) -> str:
-    order = ("train", "infer", "sampler")
-    a, b = sorted((x, y), key=order.index)
-    return f"{a}/{b}"
-
-
-def _spread(summary: dict[str, Any], pair: str) -> str | None:
-    if pair != "train/infer":
-        return None
-    kernels = ((summary.get("localization") or {}).get("kernels") or {}).get("by_module") or []
-    errors = [m["rel_error"] for m in kernels if isinstance(m.get("rel_error"), (int, float))]
-    if errors and sum(e > 0 for e in errors) >= 0.5 * len(errors) and confined(summary) is None:
-        return f"the kernel localizer finds error in {sum(e > 0 for e in errors)} of {len(errors)} modules, none standing out"
-    return None
-
-
-def _dtype_probes(probes: list[dict[str, Any]] | None) -> str | None:
-    relevant = [p for p in probes or [] if p.get("source") == "dtype" and p.get("applicable")
-                and isinstance(p.get("bitwise_equal_frac"), (int, float)) and p["bitwise_equal_frac"] < 1.0]
-    return "the dtype probes show each op changing with bfloat16" if relevant else None
-
-
-def _kernel_path(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side],
-                 weights: Cause | None) -> Cause | None:
-    if weights is not None or level.get("train/infer") not in GAPS or "train" not in side or "infer" not in side:
-        return None
-    differs = side["train"].differs(side["infer"])
-    if set(differs) - {"engine", "attn"} or not differs:
-        return None
-    faithful = level.get("infer/sampler") in HEALTHY
-    return Cause(kind="kernel_path", pair="train/infer", fix="recompute_old_logprobs",
-                 title=f"the engines' kernels differ ({facts(differs)}) at the same dtype",
-                 evidence=(f"train and infer differ only in {facts(differs)}",
-                           *(["the replay reproduces the sampler (infer/sampler "
-                              f"{level['infer/sampler']}): the sampler's kernels are these"] if faithful else [])),
-                 where={"differs": {k: list(v) for k, v in differs.items()}})
-
-
-def _position_drift(summary: dict[str, Any]) -> Cause | None:
-    turns = (summary.get("localization") or {}).get("turns") or {}
-    slope = turns.get("position_slope") or {}
-    if turns.get("onset_turn") is not None or not slope.get("grows_with_position"):
-        return None
-    low, high = slope.get("ci95_per_1k") or (None, None)
-    return Cause(kind="position_drift", pair=turns.get("pair", "train/sampler"),
-                 title="the gap grows with context length",
-                 evidence=(f"|log-ratio| rises {three_digits(slope.get('slope_per_1k'))} per 1000 tokens of position (95% CI "
-                           f"{three_digits(low)} to {three_digits(high)}), with no turn where it steps up",),
-                 where={"slope_per_1k": slope.get("slope_per_1k")})
-
-
 def _findings(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side]) -> list[str]:
     out = []
     if level.get("train/infer") == "large" and level.get("train/sampler") in ("exact", "negligible", "small"):
@@ -417,9 +435,9 @@ def _findings(summary: dict[str, Any], level: dict[str, str], side: dict[str, Si
                    f"replayed here ({spec}) is farther from the trainer than the sampler was; it is not the "
                    f"sampler's config (infer/sampler {level.get('infer/sampler', 'unknown')})")
     sampler, infer = side.get("sampler"), side.get("infer")
-    if (sampler is not None and infer is not None and level.get("infer/sampler") == "exact"
+    if (sampler is not None and infer is not None and infer.replayed and level.get("infer/sampler") == "exact"
             and sampler.differs(infer)):
-        out.append(f"meta.sampler declares {facts(sampler.differs(infer))}, yet the replay reproduces the "
+        out.append(f"meta.sampler declares {facts_words(sampler.differs(infer))}, yet the replay reproduces the "
                    "stored log-probs bit for bit: the declaration is wrong")
     return out
 

@@ -19,13 +19,16 @@ BATCH_SOURCES = ("batch_size", "chunking", "split_kv")
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Side:
-    """What one source ran: engine kind, dtype, attention, and which weights (None: not known)."""
+    """What one source ran: engine kind, dtype, attention, and which weights (None: not known).
+    `replayed`: the source ran a model here; a stored stream (the sampler's, or one replayed as an
+    engine: `--infer sampler`, `stored:NAME`) was not, so it is never evidence of how it was made."""
 
     source: str
     kind: str | None
     dtype: str | None
     attn: str | None
     weights: str | None
+    replayed: bool = True
 
     def differs(self, other: Side) -> dict[str, tuple[Any, Any]]:
         """The facts both sides know that differ: {fact: (this side's, the other's)}."""
@@ -41,7 +44,7 @@ def sides(summary: dict[str, Any]) -> dict[str, Side]:
         meta = engine.get("meta") or {}
         if source == "sampler":  # stored log-probs: what meta.sampler declares of the engine that sampled
             out[source] = Side(source=source, kind=_text(meta.get("engine")), dtype=_dtype(meta.get("dtype")),
-                               attn=_text(meta.get("attn")), weights=None)
+                               attn=_text(meta.get("attn")), weights=None, replayed=False)
             continue
         if engine.get("kind") == "stored":
             # A stored stream replayed as an engine (`--infer sampler`, `--train stored:trainer_old`): the
@@ -49,7 +52,7 @@ def sides(summary: dict[str, Any]) -> dict[str, Side]:
             named = engines.get("sampler") if engine.get("name") == "sampler" else None
             meta = (named or {}).get("meta") or {}
             out[source] = Side(source=source, kind=_text(meta.get("engine")), dtype=_dtype(meta.get("dtype")),
-                               attn=_text(meta.get("attn")), weights=None)
+                               attn=_text(meta.get("attn")), weights=None, replayed=False)
             continue
         torch = engine.get("kind") in TORCH_KINDS
         out[source] = Side(source=source, kind=_text(engine.get("kind")), dtype=_dtype(engine.get("dtype")),
@@ -172,3 +175,10 @@ def kl_words(summary: dict[str, Any], pair: str) -> str:
 
 def three_digits(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, (int, float)) else "n/a"
+
+
+def sampler_spec(sampler: Side) -> str:
+    """The --infer spec of the sampler's declared config (engine and dtype; hf-decode for an engine
+    mismatch cannot run)."""
+    kind = sampler.kind if sampler.kind in ("hf", "hf-decode", "vllm") else "hf-decode"
+    return f"{kind}:dtype={sampler.dtype}" if sampler.dtype else kind

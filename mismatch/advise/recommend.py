@@ -27,6 +27,9 @@ RULE = """\
    hide it); bfloat16 rounding, when the evidence confirms it and its gap is large, fp16 (a small
    one gets the correction alone: fp16 is a migration). A minor cause (re-rendered
    tokens under 1% of the trained ones) explains no gap: its fix comes after everything else.
+   Rollouts another checkpoint sampled (identity) get match_checkpoint, then the fixes of causes
+   found between two replays, and no correction: no ratio between two models is worth correcting. An unexplained gap gets no fix of its own and no recompute: only
+   the correction meanwhile (its headline names the next command that would decide).
 1. Then, only if the ratio still needs it meanwhile, the correction: none when the train/sampler gap
    (the like-for-like train_processed/sampler one when the sampler stored processed log-probs) is
    exact or negligible (mismatch.advise.levels.gap_level). Otherwise, of the simulated IS
@@ -52,11 +55,16 @@ def rule(evidence: Evidence, target: Target | None = None) -> list[Recommendatio
     diagnosis = evidence.diagnosis
     if diagnosis.lead is not None and diagnosis.lead.kind == "alignment_shift":
         return [_fix_alignment(diagnosis.lead)]
+    if diagnosis.lead is not None and diagnosis.lead.kind == "identity":  # no ratio between two models to correct
+        out = [_match_checkpoint(diagnosis.lead)]
+        for cause in [c for c in diagnosis.causes[1:] if not c.minor]:
+            _add(out, _source_fix(cause))
+        return out
     out: list[Recommendation] = []
     for cause in [c for c in diagnosis.causes if not c.minor]:
         _add(out, _source_fix(cause))
     out.append(choose_correction(evidence, target))
-    if evidence.level == "large" and not any(c.kind in FAULTS for c in diagnosis.causes):
+    if evidence.level == "large" and not any(c.kind in FAULTS or c.kind == "unexplained" for c in diagnosis.causes):
         out.append(_recompute(evidence))
     for cause in [c for c in diagnosis.causes if c.minor]:  # real, but explaining no gap: after the answer
         _add(out, _source_fix(cause))
@@ -146,6 +154,16 @@ def _fix_alignment(cause: Cause) -> Recommendation:
                           why=f"{'; '.join([cause.title, *cause.evidence])}: an off-by-one pairs each log-prob with "
                               "the wrong token; align logprob[i] with token[i] before any correction (every number "
                               "above is measured on misaligned pairs)")
+
+
+def _match_checkpoint(cause: Cause) -> Recommendation:
+    declared = cause.where.get("declared")
+    return Recommendation(kind="match_checkpoint", params={k: v for k, v in cause.where.items() if v is not None},
+                          why=f"{'; '.join([cause.title, *cause.evidence, *cause.rules_out])}: audit these rollouts "
+                              "against the checkpoint that sampled them"
+                              + (f" (they declare {declared})" if declared else "")
+                              + ", or sample them again from this one; no correction makes another model's "
+                              "log-probs this one's")
 
 
 def _raw_logprobs(why: str) -> Recommendation:

@@ -71,9 +71,38 @@ _GENERIC = {
 }
 
 
-def verdicts(pairs: dict[str, dict[str, Any]], diagnosis: Diagnosis | None = None) -> dict[str, dict[str, str]]:
+def stored_verdict(pair: str, metrics: dict[str, Any], source: str, name: str) -> dict[str, str]:
+    """A pair one of whose sides is a stored stream replayed as an engine (`--infer sampler`,
+    `stored:NAME`): nothing was replayed on that side, so the pair claims no fidelity and no
+    reproduction; its numbers are the stored stream's own."""
+    level = gap_level(metrics)
+    if name == "sampler" and pair.endswith("/sampler"):
+        text = f"{source} is the sampler's stored stream itself (stored, not replayed): this pair compares it with itself"
+    else:
+        text = (f"{source} is the stored stream {name} (stored, not replayed): the gap to it, {_GENERIC[level]}, says "
+                "nothing about how it was produced")
+    if level not in ("unknown", "exact"):
+        text += f" (kl_k3 {metrics['kl_k3']:.3g}, {metrics['frac_outside_2']:.2%} of tokens outside [0.5, 2])"
+    return {"level": level, "meaning": "stored, not replayed", "text": text}
+
+
+def verdicts(pairs: dict[str, dict[str, Any]], diagnosis: Diagnosis | None = None,
+             engines: dict[str, Any] | None = None) -> dict[str, dict[str, str]]:
+    """Each pair's verdict; with `engines` (summary.json's), a pair with a stored stream replayed as
+    an engine on one side is worded as such (stored_verdict)."""
     def cause(pair: str) -> str | None:
         found = diagnosis.for_pair(pair) if diagnosis is not None else None
         return found.title if found is not None else None
 
-    return {pair: verdict(pair, metrics, cause(pair)) for pair, metrics in pairs.items()}
+    def stored(pair: str) -> tuple[str, str] | None:
+        for source in pair.split("/"):
+            engine = (engines or {}).get(source) or {}
+            if source != "sampler" and engine.get("kind") == "stored":
+                return source, str(engine.get("name") or "?")
+        return None
+
+    out = {}
+    for pair, metrics in pairs.items():
+        found = stored(pair)
+        out[pair] = stored_verdict(pair, metrics, *found) if found else verdict(pair, metrics, cause(pair))
+    return out
