@@ -1,5 +1,6 @@
-"""The sampler's logit processing (temperature, top-k, top-p) as a torch engine applies it to its
-last step, so the trainer's log-probs can be compared like for like with processed stored ones.
+"""The sampler's logit processing (temperature, min-p, top-k, top-p) as a torch engine applies it to
+its last step, so the trainer's log-probs can be compared like for like with processed stored ones,
+or renormalized over the sampler's kept set (`sampling=replay`).
 
 `Sampling` is plain data in mismatch.streams (read from meta.sampler, checked by the alignment
 analysis); the torch math here imports torch lazily.
@@ -7,7 +8,9 @@ analysis); the torch math here imports torch lazily.
 
 from __future__ import annotations
 
-from mismatch.streams import Sampling  # noqa: F401  (plain data: what the engine is asked to apply)
+import numpy as np
+
+from mismatch.streams import KeptSets, Sampling
 
 
 def kept_mask(logits_CV, sampling: Sampling):
@@ -71,3 +74,52 @@ def processed_token_logprobs(hidden_ND, target_N, lm_head, *, sampling: Sampling
         picked_C = logp_CV.gather(1, target_N[start:stop, None].to(logp_CV.device)).squeeze(1)
         logp_N[start:stop] = picked_C.to("cpu", torch.float64)
     return logp_N
+
+
+# How `sampling=replay` renormalized each scored token: over the kept set the rollouts recorded,
+# over the one their declared truncation gives on this replay's own logits, or not at all.
+SUPPORT_SOURCES = ("recorded", "declared", "full")
+
+
+def kept_token_logprobs(hidden_ND, target_N, lm_head, *, kept: KeptSets | None, truncation: Sampling | None,
+                        temperature: float = 1.0, chunk: int = 512, softcap: float | None = None):
+    """The targets' log-probs renormalized over the sampler's kept set (`sampling=replay`):
+    log p(t) - log sum_{k in kept} p(k), where p is this replay's own distribution (at the
+    trainer's `temperature`), so its ratio to processed stored log-probs carries no kept mass.
+
+    Row i's set is `kept`'s row i where recorded, else `truncation` (min-p/top-k/top-p) applied to
+    this replay's logits, else the whole vocabulary. The target always counts as kept: a recorded set
+    holds it (rules.check_sampling_mask) and a recomputed one that misses it (the two sides' numerics
+    straddle the cut) would make its log-prob -inf, a ratio no correction can take.
+    Returns (float64 [N], int8 [N] index into SUPPORT_SOURCES).
+    """
+    import torch
+
+    num_rows = hidden_ND.shape[0]
+    logp_N = torch.empty(num_rows, dtype=torch.float64)
+    source_N = np.full(num_rows, SUPPORT_SOURCES.index("full"), dtype=np.int8)
+    recorded_N = kept.recorded if kept is not None else np.zeros(num_rows, dtype=bool)
+    for start in range(0, num_rows, chunk):
+        stop = min(start + chunk, num_rows)
+        logits_CV = lm_head(hidden_ND[start:stop]).float()
+        if softcap is not None:
+            logits_CV = torch.tanh(logits_CV / softcap) * softcap
+        if temperature != 1.0:
+            logits_CV = logits_CV / temperature
+        keep_CV = (kept_mask(logits_CV, truncation) if truncation is not None
+                   else torch.ones_like(logits_CV, dtype=torch.bool))
+        recorded_C = recorded_N[start:stop]
+        if recorded_C.any():
+            part = kept.slice(start, stop)
+            rows = np.repeat(np.arange(stop - start), np.diff(part.offsets))
+            from_record_CV = torch.zeros_like(keep_CV)
+            from_record_CV[torch.from_numpy(rows), torch.from_numpy(part.ids.astype(np.int64))] = True
+            keep_CV = torch.where(torch.from_numpy(recorded_C)[:, None].to(keep_CV.device), from_record_CV, keep_CV)
+        targets_C = target_N[start:stop].to(logits_CV.device)
+        keep_CV[torch.arange(stop - start, device=keep_CV.device), targets_C] = True
+        logp_CV = torch.log_softmax(logits_CV.masked_fill(~keep_CV, float("-inf")), dim=-1)
+        logp_N[start:stop] = logp_CV.gather(1, targets_C[:, None]).squeeze(1).to("cpu", torch.float64)
+        if truncation is not None:
+            source_N[start:stop] = SUPPORT_SOURCES.index("declared")
+        source_N[start:stop][recorded_C] = SUPPORT_SOURCES.index("recorded")
+    return logp_N, source_N
