@@ -15,6 +15,7 @@ from typing import Any
 from mismatch.advise.cause import Cause
 from mismatch.advise.levels import GAPS, HEALTHY, pair_levels
 from mismatch.advise.log_prob_semantics import alignment_shift, processed, trainer_temperature
+from mismatch.advise.truncation import truncated_sampling
 from mismatch.advise.readers import (
     Side,
     batch_variant_from_probes,
@@ -33,6 +34,8 @@ Causes, in the order they lead (each only on the evidence named):
 1. alignment_shift: the stored log-probs fit the tokens best shifted (alignment shift != 0).
 2. trainer_temperature: the trainer divides its logits by a temperature (its spec's temperature=T)
    other than the stored log-probs' (meta.sampler's when it declares processed ones, 1 for raw);
+   else truncated_sampling: the stored log-probs sit above the replay's by the kept mass of a
+   top-p/top-k/min-p (none lowered, unlikely ones too), declared or estimated (advise/truncation.py);
    else processed_logprobs: the stored log-probs are temperature/top-p processed; the gap left is
    the like-for-like pair's (train_processed/sampler).
 3. weights: the weights of two sides differ: a weights diff of the engine's checkpoint against the
@@ -93,7 +96,7 @@ def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = N
     weights = _weights(summary, level, side)
     temperature = trainer_temperature(summary, level)
     # A trainer that scales its logits looks, to the semantics check, like processed stored log-probs.
-    found = [temperature or processed(summary, level), weights, _sampler_side(summary, level, side),
+    found = [temperature or truncated_sampling(summary, level) or processed(summary, level), weights, _sampler_side(summary, level, side),
              _turn_onset(summary), _render_drift(summary),
              _batch_variance(summary, side, batch_variant if batch_variant is not None
                              else _probes_batch_variant(probes)),
@@ -152,7 +155,7 @@ def _sampler_side(summary: dict[str, Any], level: dict[str, str], side: dict[str
     """The replays agree with each other but not with the stored log-probs, from the first turn on
     (a step at a later turn is turn_onset: the turns before it were reproduced, so were the weights),
     judged like for like when the stored log-probs are processed."""
-    processed = (summary.get("alignment") or {}).get("logprob_semantics") == "processed"
+    processed = (summary.get("alignment") or {}).get("logprob_semantics") in ("processed", "truncated")
     judged = "train_processed/sampler" if processed else "infer/sampler"  # raw pairs differ by the processing
     if level.get("train/infer") not in HEALTHY or level.get(judged) not in GAPS:
         return None

@@ -20,6 +20,7 @@ from mismatch.analysis.chunked import Chunk, Chunks, run_passes
 from mismatch.results.chunks import key_codes, table_chunks
 from mismatch.analysis.moments import Moments
 from mismatch.analysis.groups import find_spans
+from mismatch.analysis.truncation import TruncationEvidence
 from mismatch.streams import Sampling  # the sampler's declared processing
 from mismatch.errors import MismatchError
 
@@ -236,6 +237,7 @@ class AlignmentCheck:
         self.likely = self.raised = self.lowered = 0
         self.loglog = Moments()  # of (log -replayed, log -stored) over likely tokens
         self.x_range = (math.inf, -math.inf)
+        self.truncation = TruncationEvidence()
 
     def wants(self, index: int) -> bool:
         return index == 0
@@ -262,6 +264,7 @@ class AlignmentCheck:
         shifted_codes = np.flatnonzero(np.isin(cols.rollout_names, list(shifted)))
         keep = cols.trainable & ~np.isin(cols.rollout, shifted_codes) & (cols.stored != 0.0)
         self._add_semantics(cols.stored[keep], cols.replayed[keep])
+        self.truncation.add(cols.stored[keep], cols.replayed[keep])
 
     def merge(self, other: AlignmentCheck, index: int) -> None:
         """Take in the later chunks' findings (the earlier chunk's first, as `add` keeps them)."""
@@ -279,6 +282,7 @@ class AlignmentCheck:
         self.likely, self.raised, self.lowered = (self.likely + other.likely, self.raised + other.raised,
                                                   self.lowered + other.lowered)
         self.loglog.merge(other.loglog)
+        self.truncation.merge(other.truncation)
         self.x_range = (min(self.x_range[0], other.x_range[0]), max(self.x_range[1], other.x_range[1]))
 
     def _add_semantics(self, stored: np.ndarray, replayed: np.ndarray) -> None:
@@ -304,6 +308,10 @@ class AlignmentCheck:
         """
         out: dict[str, Any] = {"n_likely": self.likely, "frac_likely_raised": None,
                                "frac_likely_lowered": None, "loglog_slope": None}
+        # Truncation first: its kept mass raises every token, which the log-log slope would read
+        # as a temperature below 1 (analysis/truncation.py says how the two differ).
+        if self.truncation.result()["truncated"]:
+            return {**out, "semantics": "truncated", "estimated_temperature": 1.0}
         if self.likely < MIN_TOKENS:
             return {**out, "semantics": "unknown", "estimated_temperature": None}
         raised, lowered = self.raised / self.likely, self.lowered / self.likely
@@ -333,6 +341,7 @@ class AlignmentCheck:
             "logprob_semantics": semantics["semantics"],
             "estimated_temperature": semantics["estimated_temperature"],
             "semantics": semantics, "declared": self.declared,
+            "truncation": self.truncation.result(),
             "findings": findings,
         }
 

@@ -23,6 +23,7 @@ from mismatch.analysis.prefixes import PrefixConsistency
 from mismatch.analysis.routing import routing_summary, token_routing
 from mismatch.analysis.strata import Strata
 from mismatch.analysis.trees import TreeSums
+from mismatch.analysis.truncation import KeptMassRatios
 from mismatch.engines import engine_capabilities
 from mismatch.errors import MismatchError
 from mismatch.frameworks.metrics import FrameworkMetrics, settings_used
@@ -34,6 +35,7 @@ from mismatch.pipeline.configured import with_configs
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_processed
+from mismatch.replay.truncation import sampler_truncation
 from mismatch.results import TokenStore, results_lock, staged_tokens
 from mismatch.streams import Sampling
 from mismatch.workers import analysis_workers, reading_workers
@@ -151,9 +153,14 @@ def _alignment_before_the_passes(replayed: Replayed, store: TokenStore, checkpoi
         return None
     meta = replayed.engines["sampler"]["meta"]
     alignment = check_alignment(store.chunks, sampler_meta=meta)
-    if "logp_train_processed" not in store.columns and alignment["logprob_semantics"] == "processed":
-        store.add_column("logp_train_processed",
-                         replay_processed(replayed.plan, options.train, checkpoint, Sampling.from_meta(meta)))
+    processing = Sampling.from_meta(meta)
+    if alignment["logprob_semantics"] == "truncated":
+        # A declared truncation is replayed as declared; only an undeclared one is estimated.
+        found = sampler_truncation(replayed.plan, meta, options.train, checkpoint)
+        alignment["truncation"].update(found)
+        processing = Sampling(**found["replayed"])
+    if "logp_train_processed" not in store.columns and alignment["logprob_semantics"] in ("processed", "truncated"):
+        store.add_column("logp_train_processed", replay_processed(replayed.plan, options.train, checkpoint, processing))
     return alignment
 
 
@@ -187,12 +194,15 @@ def analyze_audit(chunks: Chunks, beside: FoundBesideTheTable, *, clip: ClipRang
     # would correct the processing, which raw_logprobs fixes.
     corrections = CorrectionSimulator(pair=PROCESSED_PAIR if PROCESSED_PAIR in pairs else ("train", "sampler"))
     turns = TurnLocalizer("train", "sampler")
+    kept_mass = KeptMassRatios()
     prefixes = beside.prefixes
-    run_passes(chunks, [*summary.analyses, trees, frameworks, strata, turns, corrections,
+    run_passes(chunks, [*summary.analyses, trees, frameworks, strata, turns, corrections, kept_mass,
                         *([checked] if checked is not None else []), *extra], workers=workers,
                side_jobs=[prefixes] if isinstance(prefixes, PrefixConsistency) else [])
+    alignment = beside.alignment if checked is None else checked.result()
+    alignment.setdefault("truncation", {})["ratios"] = kept_mass.result()
     return summary.result(), AuditFindings(
-        alignment=beside.alignment if checked is None else checked.result(), trees=trees.result(),
+        alignment=alignment, trees=trees.result(),
         framework_metrics=frameworks.result(), framework_settings=settings_used(), turns=turns.result(),
         corrections=[result.to_dict() for result in corrections.result()], drift=beside.drift,
         routing=beside.routing or None,
