@@ -80,8 +80,21 @@ def truncated_sampling(summary: dict[str, Any], level: dict[str, str]) -> Cause 
 def replay_kept_set(cause: Cause, why: str, framework: str | None) -> Recommendation:
     """The fix: renormalize the trainer over the kept set where the stack can, else sample the
     training rollouts untruncated, in the words of the target's release."""
+    where = cause.where
+    # sampling=replay renormalizes over a recorded kept set or a declared truncation, never a guess.
+    declare = _declare(where)
     return Recommendation(
-        kind="replay_kept_set", params={k: v for k, v in cause.where.items() if k != "ratios"},
+        kind="replay_kept_set", params={k: v for k, v in where.items() if k != "ratios"},
         why=f"{why}: renormalize the trainer's log-probs over the sampler's kept set before the ratio (vLLM "
-            "--return-sampling-mask records it per token; mismatch replays it with --train hf:sampling=replay), "
-            f"or sample training rollouts with top_p = 1, top_k off, min_p 0. {truncation_fix(framework)}")
+            f"--return-sampling-mask records it per token as format v1's sampling_mask; {declare}audit with "
+            "--train hf:sampling=replay --infer hf-decode:sampling=replay to see the ratio without the bias), or "
+            "sample training rollouts with "
+            f"top_p = 1, top_k off, min_p 0. {truncation_fix(framework)}")
+
+
+def _declare(where: dict[str, Any]) -> str:
+    """For an estimated truncation: the meta.sampler key to declare before replaying it."""
+    if where.get("source") != "estimated":
+        return ""
+    kind = next((k for k in ("top_p", "top_k", "min_p") if k in where), None)
+    return f"declare meta.sampler.{kind}: {where[kind]:g} (the estimate) and " if kind else ""
