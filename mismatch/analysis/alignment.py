@@ -214,6 +214,14 @@ def _semantics_finding(semantics: dict[str, Any], declared: dict[str, Any], stor
             f"compare like for like: recompute the {replayed} side under the sampler's processing "
             f"(mismatch.replay.recompute_processed, temperature={temperature}, top_k={sampling.top_k}, "
             f"top_p={sampling.top_p}), or store raw log-probs (vLLM: logprobs_mode='raw_logprobs')"))
+    elif semantics["semantics"] == "truncated":
+        findings.append(_finding(
+            "truncated_logprobs", f"stored {stored} log-probs sit above {replayed}'s by a kept mass on every token "
+            "(none lowered): top-p/top-k/min-p processed log-probs against raw ones"
+            + (f"; meta.sampler declares top_p={sampling.top_p}, top_k={sampling.top_k}, min_p={sampling.min_p}"
+               if sampling.truncates else "; meta.sampler declares no truncation"),
+            f"replay {replayed} on the sampler's kept set (engine option sampling=replay, with meta.sampler's "
+            "top_p/top_k/min_p or each segment's sampling_mask), or sample training rollouts untruncated"))
     elif semantics["semantics"] == "raw" and declared.get("logprobs") == "processed" and not sampling.is_identity:
         findings.append(_finding("semantics_mismatch",
                                  "meta.sampler declares processed log-probs but they read as raw",
@@ -299,7 +307,8 @@ class AlignmentCheck:
         self.x_range = (min(self.x_range[0], float(x.min())), max(self.x_range[1], float(x.max())))
 
     def semantics(self) -> dict[str, Any]:
-        """Raw or processed, from tokens the replay finds likely (stored 0.0 left to the padding check).
+        """Raw, processed or truncated, from tokens the replay finds likely (stored 0.0 left to the
+        padding check); truncated first, from every such token (analysis/truncation.py).
 
         Temperature T < 1 raises every likely token (log q = log p / T + log-normalizer, both
         pushing toward 0), T > 1 lowers them all; raw log-probs only scatter around the replay.
