@@ -44,6 +44,31 @@ def test_kept_mask_follows_vllms_rules_for_min_p_top_k_and_top_p() -> None:
     assert torch.isinf(processed[2:]).all() and math.isclose(float(processed[:2].exp().sum()), 1.0, rel_tol=1e-6)
 
 
+def test_kept_token_logprobs_renormalize_over_recorded_then_declared_sets_and_say_which() -> None:
+    from mismatch.engines.processing import SUPPORT_SOURCES, kept_token_logprobs
+    from mismatch.streams import KeptSets
+
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(8, 32, bias=False)
+    hidden = torch.randn(4, 8)
+    targets = torch.tensor([3, 5, 7, 9])
+    logp_raw = torch.log_softmax(lm_head(hidden).float(), dim=-1)
+    # Row 0 recorded {3, 4}; rows 1-3 recorded none. Row 3 is a prompt token: never truncated.
+    kept = KeptSets(offsets=np.array([0, 2, 2, 2, 2]), ids=np.array([3, 4], dtype=np.int32))
+    truncation = Sampling(top_k=4)
+    logp, source = kept_token_logprobs(hidden, targets, lm_head, kept=kept, truncation=truncation,
+                                       sampled=np.array([True, True, True, False]))
+    assert [SUPPORT_SOURCES[i] for i in source] == ["recorded", "declared", "declared", "full"]
+    assert logp[0].item() == pytest.approx((logp_raw[0, 3] - torch.logsumexp(logp_raw[0, [3, 4]], 0)).item(), abs=1e-6)
+    top4 = kept_mask(lm_head(hidden).float(), truncation)
+    for row in (1, 2):  # the declared top-k on this replay's logits, the target kept even outside it
+        keep = top4[row].clone()
+        keep[targets[row]] = True
+        expected = logp_raw[row, targets[row]] - torch.logsumexp(logp_raw[row][keep], 0)
+        assert logp[row].item() == pytest.approx(expected.item(), abs=1e-6)
+    assert logp[3].item() == pytest.approx(logp_raw[3, 9].item(), abs=1e-6)
+
+
 # --- format v1: sampling_mask ----------------------------------------------------------------
 
 def _write(tmp_path: Path, mask: object, meta: dict | None = None) -> Path:

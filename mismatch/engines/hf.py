@@ -159,14 +159,15 @@ class TorchEngineBase:
         return list(self.entropy) if self.entropy is not None else None
 
     def logprobs_of(self, hidden_ND, target_N, processing: Sampling | None = None,
-                    entropy_N: Any = None, support: tuple[KeptSets | None, Sampling | None] | None = None) -> np.ndarray:
+                    entropy_N: Any = None,
+                    support: tuple[KeptSets | None, Sampling | None, np.ndarray] | None = None) -> np.ndarray:
         """The targets' log-probs from their hidden states: raw (and their distributions' entropy
         into `entropy_N`, when given), under the sampler's processing, or renormalized over the
-        sampler's kept set (`support`: the rows' recorded sets and declared truncation, sampling=replay;
-        the same forward every way: only this last step differs)."""
+        sampler's kept set (`support`: the rows' recorded sets, the declared truncation and which rows
+        were sampled; sampling=replay). The same forward every way: only this last step differs."""
         if support is not None and processing is None:
             logp_N, source_N = kept_token_logprobs(hidden_ND, target_N, self.lm_head, kept=support[0],
-                                                   truncation=support[1],
+                                                   truncation=support[1], sampled=support[2],
                                                    temperature=getattr(self.options, "temperature", 1.0),
                                                    chunk=self.options.chunk, softcap=self.softcap)
             self.support_counts += np.bincount(source_N, minlength=len(SUPPORT_SOURCES))
@@ -184,7 +185,7 @@ class TorchEngineBase:
         kept = request.kept
         offset = request.score_from
         return {"support": (kept.slice(first - offset, stop - offset) if kept is not None else None,
-                            request.truncation)}
+                            request.truncation, request.generated[first:stop])}
 
     def _forced_rows(self, forced_experts: Sequence[np.ndarray] | None, request_index: int, start: int,
                      stop: int):

@@ -82,13 +82,15 @@ SUPPORT_SOURCES = ("recorded", "declared", "full")
 
 
 def kept_token_logprobs(hidden_ND, target_N, lm_head, *, kept: KeptSets | None, truncation: Sampling | None,
-                        temperature: float = 1.0, chunk: int = 512, softcap: float | None = None):
+                        sampled: np.ndarray | None = None, temperature: float = 1.0, chunk: int = 512,
+                        softcap: float | None = None):
     """The targets' log-probs renormalized over the sampler's kept set (`sampling=replay`):
     log p(t) - log sum_{k in kept} p(k), where p is this replay's own distribution (at the
     trainer's `temperature`), so its ratio to processed stored log-probs carries no kept mass.
 
-    Row i's set is `kept`'s row i where recorded, else `truncation` (min-p/top-k/top-p) applied to
-    this replay's logits, else the whole vocabulary. The target always counts as kept: a recorded set
+    Row i's set is `kept`'s row i where recorded, else, where the token was sampled (`sampled`, bool
+    [N]; all when None), `truncation` (min-p/top-k/top-p) applied to this replay's logits, else the
+    whole vocabulary (a prompt token was never truncated). The target always counts as kept: a recorded set
     holds it (rules.check_sampling_mask) and a recomputed one that misses it (the two sides' numerics
     straddle the cut) would make its log-prob -inf, a ratio no correction can take.
     Returns (float64 [N], int8 [N] index into SUPPORT_SOURCES).
@@ -99,6 +101,8 @@ def kept_token_logprobs(hidden_ND, target_N, lm_head, *, kept: KeptSets | None, 
     logp_N = torch.empty(num_rows, dtype=torch.float64)
     source_N = np.full(num_rows, SUPPORT_SOURCES.index("full"), dtype=np.int8)
     recorded_N = kept.recorded if kept is not None else np.zeros(num_rows, dtype=bool)
+    declared_N = (np.ones(num_rows, dtype=bool) if sampled is None else np.asarray(sampled, dtype=bool)) \
+        if truncation is not None else np.zeros(num_rows, dtype=bool)
     for start in range(0, num_rows, chunk):
         stop = min(start + chunk, num_rows)
         logits_CV = lm_head(hidden_ND[start:stop]).float()
@@ -106,8 +110,11 @@ def kept_token_logprobs(hidden_ND, target_N, lm_head, *, kept: KeptSets | None, 
             logits_CV = torch.tanh(logits_CV / softcap) * softcap
         if temperature != 1.0:
             logits_CV = logits_CV / temperature
-        keep_CV = (kept_mask(logits_CV, truncation) if truncation is not None
-                   else torch.ones_like(logits_CV, dtype=torch.bool))
+        keep_CV = torch.ones_like(logits_CV, dtype=torch.bool)
+        declared_C = declared_N[start:stop]
+        if declared_C.any():
+            keep_CV = torch.where(torch.from_numpy(declared_C)[:, None].to(keep_CV.device),
+                                  kept_mask(logits_CV, truncation), keep_CV)
         recorded_C = recorded_N[start:stop]
         if recorded_C.any():
             part = kept.slice(start, stop)
@@ -119,7 +126,6 @@ def kept_token_logprobs(hidden_ND, target_N, lm_head, *, kept: KeptSets | None, 
         keep_CV[torch.arange(stop - start, device=keep_CV.device), targets_C] = True
         logp_CV = torch.log_softmax(logits_CV.masked_fill(~keep_CV, float("-inf")), dim=-1)
         logp_N[start:stop] = logp_CV.gather(1, targets_C[:, None]).squeeze(1).to("cpu", torch.float64)
-        if truncation is not None:
-            source_N[start:stop] = SUPPORT_SOURCES.index("declared")
+        source_N[start:stop][declared_C] = SUPPORT_SOURCES.index("declared")
         source_N[start:stop][recorded_C] = SUPPORT_SOURCES.index("recorded")
     return logp_N, source_N
