@@ -12,8 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from mismatch.advise.cause import Cause
+from mismatch.advise.levels import HEALTHY
 from mismatch.frameworks.protocol import Recommendation
 from mismatch.frameworks.sampling import truncation_fix
+from mismatch.replay.truncation import misdeclared
 
 LIKE = "train_processed/sampler"
 
@@ -21,12 +23,20 @@ LIKE = "train_processed/sampler"
 def _parameter_words(truncation: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The truncation in words (declared, or estimated with its confidence) and its `where` entries."""
     declared = truncation.get("declared")
+    estimate = truncation.get("estimate")
     if declared:
         active = {k: v for k, v in declared.items()
                   if (k == "top_p" and v < 1) or (k == "top_k" and v > 0) or (k == "min_p" and v > 0)}
-        return (", ".join(f"{k} {v:g}" for k, v in active.items()) + " (declared in meta.sampler, replayed as declared)",
-                {"source": "declared", **active})
-    estimate = truncation.get("estimate")
+        fit = truncation.get("declared_fit")
+        words = ", ".join(f"{k} {v:g}" for k, v in active.items()) + " (declared in meta.sampler" + \
+            (")" if misdeclared(fit, estimate) else ", replayed as declared)")
+        if misdeclared(fit, estimate):
+            words += (f"; but the declaration explains {fit:.0%} of the tokens where {estimate['kind']} "
+                      f"{estimate['value']:g} explains {estimate['confidence']:.0%}: fix meta.sampler (the "
+                      "like-for-like pair replays the estimate)")
+        return words, {"source": "declared", **active, "declared_fit": fit,
+                       **({"misdeclared": True, "estimate": {estimate["kind"]: estimate["value"]}}
+                          if misdeclared(fit, estimate) else {})}
     if not estimate:
         return "its parameter not estimated (the trainer is not a torch engine)", {"source": None}
     low, high = estimate["range"]
@@ -67,9 +77,12 @@ def truncated_sampling(summary: dict[str, Any], level: dict[str, str]) -> Cause 
                 f"the sampler truncated: {parameter}", *ratio_words(ratios)]
     rules_out = [f"not a temperature: one below 1 lowers unlikely tokens ({truncation.get('frac_unlikely_lowered', 0):.0%} "
                  "of them lowered here), one above 1 lowers likely ones"]
-    if LIKE in level:
+    if LIKE in level and level[LIKE] in HEALTHY:
         rules_out.append(f"renormalized over the kept set ({LIKE}) the gap is {level[LIKE]} (kl_k3 "
                          f"{summary['pairs'][LIKE]['kl_k3']:.3g}): the truncation is the gap, not the numerics")
+    elif LIKE in level:
+        evidence.append(f"renormalized over the kept set ({LIKE}) a {level[LIKE]} gap remains (kl_k3 "
+                        f"{summary['pairs'][LIKE]['kl_k3']:.3g}): the truncation is not all of it")
     return Cause(kind="truncated_sampling", pair="train/sampler", fix="replay_kept_set",
                  title=f"truncated sampling: the ratio carries the kept mass (mean {mass:.3g})"
                  if isinstance(mass, (int, float)) else "truncated sampling: the ratio carries the kept mass",

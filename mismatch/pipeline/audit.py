@@ -155,11 +155,17 @@ def _alignment_before_the_passes(replayed: Replayed, store: TokenStore, checkpoi
     alignment = check_alignment(store.chunks, sampler_meta=meta)
     processing = Sampling.from_meta(meta)
     if alignment["logprob_semantics"] == "truncated":
-        # A declared truncation is replayed as declared; only an undeclared one is estimated.
+        # A declared truncation is replayed as declared unless the data refute it; the estimate is made either way.
         found = sampler_truncation(replayed.plan, meta, options.train, checkpoint)
         alignment["truncation"].update(found)
         processing = Sampling(**found["replayed"])
-    if "logp_train_processed" not in store.columns and alignment["logprob_semantics"] in ("processed", "truncated"):
+        refuted = found["replayed_from"] != "declared" and "logp_train_processed" in store.columns
+    else:
+        refuted = False
+    # The declared processing's column was planned with the trainer's pass; a declaration the data
+    # refute gets it replaced by the estimate's (alignment.truncation.replayed_from says so).
+    if refuted or ("logp_train_processed" not in store.columns
+                   and alignment["logprob_semantics"] in ("processed", "truncated")):
         store.add_column("logp_train_processed", replay_processed(replayed.plan, options.train, checkpoint, processing))
     return alignment
 

@@ -128,17 +128,48 @@ def _plain(value: Any) -> float | int:
 
 def sampler_truncation(plan: ReplayPlan, meta: dict[str, Any] | None, spec: str,
                        checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
-    """summary `alignment.truncation`'s `declared`, `estimate` and `replayed` (the Sampling the
-    like-for-like column replays, as a dict) for stored log-probs that read as truncated: what
-    meta.sampler declares when it declares a truncation, else the estimate on `spec`'s replay."""
+    """summary `alignment.truncation`'s `declared`, `estimate`, `declared_fit` and `replayed` (the
+    Sampling the like-for-like column replays, as a dict) for stored log-probs that read as
+    truncated: what meta.sampler declares is replayed as declared; the estimate is made either way,
+    so a declaration the data do not fit (`declared_fit`: the share of tokens it explains, for a
+    declaration of one family) is told, not silently replayed."""
     from dataclasses import asdict
 
     from mismatch.streams import Sampling
 
     declared = Sampling.from_meta(meta)
-    if declared.truncates:
-        return {"declared": asdict(declared.truncation), "estimate": None, "replayed": asdict(declared)}
-    estimate = estimate_truncation(support_profiles(plan, plan.stored["sampler"], spec, checkpoint))
-    replayed = Sampling(temperature=declared.temperature,
-                        **({estimate["kind"]: estimate["value"]} if estimate is not None else {}))
-    return {"declared": None, "estimate": estimate, "replayed": asdict(replayed)}
+    profiles = support_profiles(plan, plan.stored["sampler"], spec, checkpoint)
+    estimate = estimate_truncation(profiles)
+    estimated = Sampling(temperature=declared.temperature,
+                         **({estimate["kind"]: estimate["value"]} if estimate is not None else {}))
+    if not declared.truncates:
+        return {"declared": None, "declared_fit": None, "estimate": estimate, "replayed": asdict(estimated),
+                "replayed_from": "estimate"}
+    fit = declared_fit(profiles, declared)
+    # A declaration the data refute would make the like-for-like pair measure the wrong set (and
+    # blame the sampler's weights for it): that pair then replays the estimate, and says so.
+    wrong = misdeclared(fit, estimate)
+    return {"declared": asdict(declared.truncation), "declared_fit": fit, "estimate": estimate,
+            "replayed": asdict(estimated if wrong else declared),
+            "replayed_from": "estimate (the declaration does not fit)" if wrong else "declared"}
+
+
+def misdeclared(fit: float | None, estimate: dict[str, Any] | None) -> bool:
+    """A declaration the data do not fit: it explains under 90% of the tokens and the estimate at
+    least 10 points more."""
+    return fit is not None and estimate is not None and fit < 0.9 and estimate["confidence"] >= fit + 0.1
+
+
+def declared_fit(profiles: dict[str, np.ndarray], declared: Any) -> float | None:
+    """The share of tokens a declared truncation of one family explains (as a candidate of
+    estimate_truncation would); None for none, or for several families at once."""
+    active = [(family, value) for family, value in (("top_p", declared.top_p), ("top_k", declared.top_k),
+                                                     ("min_p", declared.min_p))
+              if (family == "top_p" and value < 1) or (family != "top_p" and value > 0)]
+    if len(active) != 1 or not len(profiles["cum"]):
+        return None
+    family, value = active[0]
+    mass, kept = predicted_mass(profiles["cum"], profiles["rank"], family, float(value))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        close = np.abs(np.log(mass) - (profiles["logp"] - profiles["stored"])) <= TOLERANCE
+    return float(np.mean(kept & close))
