@@ -212,3 +212,22 @@ def test_undeclared_top_p_audit_names_truncation_first_and_the_replay_returns_to
     assert replayed["pairs"]["train/sampler"]["log_ratio_abs_max"] < 1e-4
     assert replayed["pairs"]["infer/sampler"]["bitwise_equal_frac"] == 1.0  # the sampler's own path, same run
     assert replayed["diagnosis"]["causes"] == [] or replayed["diagnosis"]["causes"][0]["kind"] != "truncated_sampling"
+
+
+@pytest.mark.slow
+def test_a_declaration_the_data_refute_is_named_and_the_estimate_replayed(tiny_checkpoint, truncated_rollouts,
+                                                                         tmp_path) -> None:
+    from mismatch.advise.truncation import _parameter_words
+    from mismatch.replay.plan import plan_replay
+    from mismatch.replay.truncation import sampler_truncation
+
+    rollouts = load_rollouts(truncated_rollouts["top_p"], vocab_size=1024)
+    plan = plan_replay(rollouts)
+    right = sampler_truncation(plan, {**rollouts[0].meta["sampler"]}, "hf:dtype=float32", tiny_checkpoint)
+    assert right["replayed_from"] == "declared" and right["declared_fit"] >= 0.95
+    wrong = sampler_truncation(plan, {**rollouts[0].meta["sampler"], "top_p": 0.9}, "hf:dtype=float32",
+                               tiny_checkpoint)
+    assert wrong["declared_fit"] < 0.9 and wrong["replayed_from"].startswith("estimate")
+    assert wrong["replayed"]["top_p"] == pytest.approx(0.8)
+    words, where = _parameter_words({"declared": wrong["declared"], **wrong})
+    assert "fix meta.sampler" in words and where["misdeclared"] is True
