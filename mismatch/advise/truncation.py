@@ -73,7 +73,7 @@ def truncated_sampling(summary: dict[str, Any], level: dict[str, str]) -> Cause 
     parameter, where = _parameter_words(truncation)
     evidence = [f"{truncation.get('frac_raised', 0):.0%} of {truncation.get('n_tokens')} tokens with a stored "
                 f"log-prob below 0 sit above the replay and {truncation.get('frac_lowered', 0):.1%} below it: "
-                "ratio <= 1 on every token, by the kept mass",
+                "the ratio is <= 1 up to rounding, by the kept mass",
                 f"the sampler truncated: {parameter}", *ratio_words(ratios)]
     rules_out = [f"not a temperature: one below 1 lowers unlikely tokens ({truncation.get('frac_unlikely_lowered', 0):.0%} "
                  "of them lowered here), one above 1 lowers likely ones"]
