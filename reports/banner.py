@@ -16,12 +16,14 @@ from typing import Any
 CORRECT_KINDS = frozenset({"correction"})
 NO_ACTION_KINDS = frozenset({"no_correction", "none", "healthy"})
 # Fixes for a comparison that is itself wrong: a correction on top would correct the wrong thing.
-BUG_KINDS = frozenset({"fix_alignment", "fix_renderer", "raw_logprobs", "match_temperature", "match_checkpoint"})
+BUG_KINDS = frozenset({"fix_alignment", "fix_renderer", "raw_logprobs", "match_temperature", "match_checkpoint", "replay_kept_set"})
 LABELS = {"recompute_old_logprobs": "recompute old log-probs with the trainer",
           "fp16": "fp16 instead of bf16", "batch_invariant": "a batch-invariant inference mode",
           "fix_renderer": "the renderer (re-rendered tokens differ from the sampled ones)",
           "fix_alignment": "the log-prob alignment (off by {shift:+d})",
           "raw_logprobs": "store raw log-probs (they are temperature/top-p processed)",
+          "replay_kept_set": "renormalize the trainer over the sampler's kept set (sampling replay), or sample "
+                             "training rollouts untruncated (top_p = 1)",
           "match_temperature": "the trainer's temperature: {stored_temperature:g}, the stored log-probs', "
                                "not {trainer_temperature:g}",
           "fix_weight_sync": "the weight sync of {at}",

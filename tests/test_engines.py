@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mismatch.checkpoint import checkpoint_info, load_model
-from mismatch.engines import ReplayRequest, load_engine, parse_spec
+from mismatch.engines import ReplayRequest, check_spec, load_engine, parse_spec
 from mismatch.engines.micro_batches import padded_by_budget
 from mismatch.engines.hf_decode import feed_chunks
 from mismatch.errors import SpecError
@@ -60,9 +60,12 @@ def test_unknown_option_names_the_valid_keys(tiny_checkpoint) -> None:
         load_engine("hf:dtyp=bfloat16", str(tiny_checkpoint))
     assert str(err.value) == ("engine 'hf': unknown option 'dtyp' "
                               "(valid: attn, balance, batch_tokens, checkpoint, chunk, device, device_map, dtype, entropy, micro_batch, "
-                              "packing, routing, temperature)")
+                              "packing, routing, sampling, temperature)")
     with pytest.raises(SpecError, match=r"^engine 'hf-decode': option prefill='sometimes' is not one of"):
         load_engine("hf-decode:prefill=sometimes", str(tiny_checkpoint))
+    for kind in ("hf", "hf-decode"):  # refused with the spec, before any model loads
+        with pytest.raises(SpecError, match=rf"^engine '{kind}': option sampling='always' is not one of: own, replay"):
+            check_spec(f"{kind}:sampling=always")
     with pytest.raises(SpecError, match=r"^unknown engine 'hff' in spec 'hff:dtype=x'"):
         load_engine("hff:dtype=x", str(tiny_checkpoint))
     with pytest.raises(SpecError, match=r"option batch_tokens='many' is not a valid int"):

@@ -336,7 +336,7 @@ def test_sigterm_flushes_every_open_conversation_as_valid_rollouts(recorded) -> 
     for rollout in load_rollouts(recorded.out):
         sampler = rollout.meta["sampler"]
         assert sampler == {"engine": "vllm", "logprobs": "raw", "dtype": "float32", "temperature": 1.0,
-                           "top_p": 1.0, "top_k": -1}
+                           "top_p": 1.0, "top_k": -1, "min_p": 0.0}
         assert rollout.meta["record"]["upstream"]["logprobs_from"] == "server /server_info"
 
 

@@ -37,6 +37,7 @@ from mismatch.advise.numeric_causes import (  # noqa: F401 (ROUTING_SHARE: the r
     routing_flips,
 )
 from mismatch.advise.log_prob_semantics import alignment_shift, processed, trainer_temperature
+from mismatch.advise.truncation import truncated_sampling
 from mismatch.advise.readers import (
     Side,
     batch_variant_from_probes,
@@ -63,6 +64,8 @@ admissibility test, advise/admissibility.py):
    models).
 2. trainer_temperature: the trainer divides its logits by a temperature (its spec's temperature=T)
    other than the stored log-probs' (meta.sampler's when it declares processed ones, 1 for raw);
+   else truncated_sampling: the stored log-probs sit above the replay's by the kept mass of a
+   top-p/top-k/min-p (none lowered, unlikely ones too), declared or estimated (advise/truncation.py);
    else processed_logprobs: the stored log-probs are temperature/top-p processed; the gap left is
    the like-for-like pair's (train_processed/sampler). Test: the like-for-like gap is under half
    the raw one (else the processing is not what makes it).
@@ -159,7 +162,9 @@ def _size(cause: Cause, facts: Facts) -> str | None:
 
 RULES: tuple[Rule, ...] = (
     # A trainer that scales its logits looks, to the semantics check, like processed stored log-probs.
-    Rule(find=lambda f: trainer_temperature(f.summary, f.level) or processed(f.summary, f.level),
+    # Truncated sampling (top-p/top-k/min-p) is told from a temperature by its shape (advise/truncation.py).
+    Rule(find=lambda f: trainer_temperature(f.summary, f.level) or truncated_sampling(f.summary, f.level)
+         or processed(f.summary, f.level),
          test=lambda cause, f: processed_test(cause, f.summary)),
     Rule(find=lambda f: f.weights),
     Rule(find=lambda f: _sampler_side(f), test=lambda cause, f: truncation_test(cause, f.summary, like_for_like=f.ratio_pair == PROCESSED_PAIR)),
@@ -186,7 +191,7 @@ def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = N
     found_envelope = envelope(summary, side)
     # The ratio is judged like for like when the stored log-probs are processed, unless the
     # processing cannot be what makes the gap (then the like-for-like pair is no better a judge).
-    processed_run = (summary.get("alignment") or {}).get("logprob_semantics") == "processed" \
+    processed_run = (summary.get("alignment") or {}).get("logprob_semantics") in ("processed", "truncated") \
         and not_processing(summary) is None
     ratio_pair = PROCESSED_PAIR if processed_run and PROCESSED_PAIR in level else "train/sampler"
     foreign = identity(summary, level, side, ratio_pair, found_envelope)

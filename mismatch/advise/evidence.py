@@ -66,5 +66,5 @@ def correction_pair(summary: dict[str, Any]) -> str:
     """The pair a correction is chosen on: train/sampler, or the like-for-like train_processed/
     sampler when the sampler stored processed log-probs (a correction computed on mismatched
     semantics would correct the processing, which raw_logprobs fixes)."""
-    processed = (summary.get("alignment") or {}).get("logprob_semantics") == "processed"
+    processed = (summary.get("alignment") or {}).get("logprob_semantics") in ("processed", "truncated")
     return PROCESSED_PAIR if processed and PROCESSED_PAIR in (summary.get("pairs") or {}) else PAIR

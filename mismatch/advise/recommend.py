@@ -14,12 +14,14 @@ from typing import Any
 from mismatch.advise.choice import choose_correction
 from mismatch.advise.cause import Cause
 from mismatch.advise.evidence import Evidence, evidence_from_summary
+from mismatch.advise.truncation import replay_kept_set
 from mismatch.frameworks.protocol import Recommendation, Target
 
 RULE = """\
 0. The diagnosis first (mismatch.advise.diagnose.RULE): each cause it finds, in its order, gets the
    fix at its source: a shift fix_alignment alone (every ratio is measured on misaligned pairs, so
-   no correction or cost can be chosen from it); processed log-probs raw_logprobs; weights that
+   no correction or cost can be chosen from it); truncated sampling replay_kept_set (the target
+   release's own way, else untruncated training rollouts); processed log-probs raw_logprobs; weights that
    differ fix_weight_sync, naming the tensors, layer, module and expert; a sampler that ran another
    config match_sampler_config (the replay that tells precision from weights); a step at a turn
    inspect_turn (the turn and the rollouts that show it); render drift fix_renderer; batch variance
@@ -62,7 +64,7 @@ def rule(evidence: Evidence, target: Target | None = None) -> list[Recommendatio
         return out
     out: list[Recommendation] = []
     for cause in [c for c in diagnosis.causes if not c.minor]:
-        _add(out, _source_fix(cause))
+        _add(out, _source_fix(cause, target.framework if target is not None else None))
     out.append(choose_correction(evidence, target))
     if evidence.level == "large" and not any(c.kind in FAULTS or c.kind == "unexplained" for c in diagnosis.causes):
         out.append(_recompute(evidence))
@@ -77,10 +79,10 @@ def _add(out: list[Recommendation], fix: Recommendation | None) -> None:
 
 
 # Causes a fix removes at the source: recomputing old log-probs would only hide them.
-FAULTS = frozenset({"processed_logprobs", "trainer_temperature", "weights", "sampler_weights", "sampler_config", "turn_onset"})
+FAULTS = frozenset({"processed_logprobs", "truncated_sampling", "trainer_temperature", "weights", "sampler_weights", "sampler_config", "turn_onset"})
 
 
-def _source_fix(cause: Cause) -> Recommendation | None:
+def _source_fix(cause: Cause, framework: str | None = None) -> Recommendation | None:
     """The fix at a cause's source, in the words of the cause's evidence (kernel paths and position
     drift have none of their own: recompute and the correction's level answer them)."""
     why = "; ".join([cause.title, *cause.evidence, *cause.rules_out])
@@ -89,6 +91,8 @@ def _source_fix(cause: Cause) -> Recommendation | None:
         where["at"] = cause.where["words"]
     if cause.kind == "processed_logprobs":
         return _raw_logprobs(why)
+    if cause.kind == "truncated_sampling":
+        return replay_kept_set(cause, why, framework)
     if cause.kind == "trainer_temperature":
         return Recommendation(kind="match_temperature", params=where,
                               why=f"{why}: the trainer must scale by the temperature the stored log-probs carry "

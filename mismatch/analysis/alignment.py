@@ -20,6 +20,7 @@ from mismatch.analysis.chunked import Chunk, Chunks, run_passes
 from mismatch.results.chunks import key_codes, table_chunks
 from mismatch.analysis.moments import Moments
 from mismatch.analysis.groups import find_spans
+from mismatch.analysis.truncation import TruncationEvidence
 from mismatch.streams import Sampling  # the sampler's declared processing
 from mismatch.errors import MismatchError
 
@@ -213,6 +214,14 @@ def _semantics_finding(semantics: dict[str, Any], declared: dict[str, Any], stor
             f"compare like for like: recompute the {replayed} side under the sampler's processing "
             f"(mismatch.replay.recompute_processed, temperature={temperature}, top_k={sampling.top_k}, "
             f"top_p={sampling.top_p}), or store raw log-probs (vLLM: logprobs_mode='raw_logprobs')"))
+    elif semantics["semantics"] == "truncated":
+        findings.append(_finding(
+            "truncated_logprobs", f"stored {stored} log-probs sit above {replayed}'s by a kept mass on every token "
+            "(none lowered): top-p/top-k/min-p processed log-probs against raw ones"
+            + (f"; meta.sampler declares top_p={sampling.top_p}, top_k={sampling.top_k}, min_p={sampling.min_p}"
+               if sampling.truncates else "; meta.sampler declares no truncation"),
+            f"replay {replayed} on the sampler's kept set (engine option sampling=replay, with meta.sampler's "
+            "top_p/top_k/min_p or each segment's sampling_mask), or sample training rollouts untruncated"))
     elif semantics["semantics"] == "raw" and declared.get("logprobs") == "processed" and not sampling.is_identity:
         findings.append(_finding("semantics_mismatch",
                                  "meta.sampler declares processed log-probs but they read as raw",
@@ -236,6 +245,7 @@ class AlignmentCheck:
         self.likely = self.raised = self.lowered = 0
         self.loglog = Moments()  # of (log -replayed, log -stored) over likely tokens
         self.x_range = (math.inf, -math.inf)
+        self.truncation = TruncationEvidence()
 
     def wants(self, index: int) -> bool:
         return index == 0
@@ -262,6 +272,7 @@ class AlignmentCheck:
         shifted_codes = np.flatnonzero(np.isin(cols.rollout_names, list(shifted)))
         keep = cols.trainable & ~np.isin(cols.rollout, shifted_codes) & (cols.stored != 0.0)
         self._add_semantics(cols.stored[keep], cols.replayed[keep])
+        self.truncation.add(cols.stored[keep], cols.replayed[keep])
 
     def merge(self, other: AlignmentCheck, index: int) -> None:
         """Take in the later chunks' findings (the earlier chunk's first, as `add` keeps them)."""
@@ -279,6 +290,7 @@ class AlignmentCheck:
         self.likely, self.raised, self.lowered = (self.likely + other.likely, self.raised + other.raised,
                                                   self.lowered + other.lowered)
         self.loglog.merge(other.loglog)
+        self.truncation.merge(other.truncation)
         self.x_range = (min(self.x_range[0], other.x_range[0]), max(self.x_range[1], other.x_range[1]))
 
     def _add_semantics(self, stored: np.ndarray, replayed: np.ndarray) -> None:
@@ -295,7 +307,8 @@ class AlignmentCheck:
         self.x_range = (min(self.x_range[0], float(x.min())), max(self.x_range[1], float(x.max())))
 
     def semantics(self) -> dict[str, Any]:
-        """Raw or processed, from tokens the replay finds likely (stored 0.0 left to the padding check).
+        """Raw, processed or truncated, from tokens the replay finds likely (stored 0.0 left to the
+        padding check); truncated first, from every such token (analysis/truncation.py).
 
         Temperature T < 1 raises every likely token (log q = log p / T + log-normalizer, both
         pushing toward 0), T > 1 lowers them all; raw log-probs only scatter around the replay.
@@ -304,6 +317,10 @@ class AlignmentCheck:
         """
         out: dict[str, Any] = {"n_likely": self.likely, "frac_likely_raised": None,
                                "frac_likely_lowered": None, "loglog_slope": None}
+        # Truncation first: its kept mass raises every token, which the log-log slope would read
+        # as a temperature below 1 (analysis/truncation.py says how the two differ).
+        if self.truncation.result()["truncated"]:
+            return {**out, "semantics": "truncated", "estimated_temperature": 1.0}
         if self.likely < MIN_TOKENS:
             return {**out, "semantics": "unknown", "estimated_temperature": None}
         raised, lowered = self.raised / self.likely, self.lowered / self.likely
@@ -333,6 +350,7 @@ class AlignmentCheck:
             "logprob_semantics": semantics["semantics"],
             "estimated_temperature": semantics["estimated_temperature"],
             "semantics": semantics, "declared": self.declared,
+            "truncation": self.truncation.result(),
             "findings": findings,
         }
 

@@ -52,6 +52,13 @@ class HarnessConfig:
     dtype: str = "bfloat16"
     attn: str = "auto"
     temperature: float = 1.0
+    # Truncated sampling (vLLM's order: min-p, top-k, top-p); the log-probs stored are then the
+    # processed ones (vLLM's processed_logprobs), and `sampling_mask` stores each token's kept ids.
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    sampling_mask: bool = False
+    vllm_logprobs: str = "raw_logprobs"  # the vLLM sampler's logprobs_mode (processed_logprobs: after truncation)
     max_turns: int = 4
     max_turn_tokens: int = 48
     faults: tuple[str, ...] = ()  # names from FAULTS
@@ -64,6 +71,12 @@ class HarnessConfig:
         if unknown:
             raise MismatchError(f"HarnessConfig.faults: unknown fault {unknown[0]!r} "
                                 f"(known: {', '.join(FAULTS)})")
+
+    @property
+    def sampling(self) -> Any:
+        from mismatch.streams import Sampling
+
+        return Sampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,27 +119,36 @@ class HFDecodeSampler:
         return {"session": DecodeSession(self.model, self.config.device), "pending": []}
 
     def sample(self, state: dict[str, Any], unsent: list[int], all_tokens: list[int],
-               stop_id: int) -> tuple[list[int], list[float]]:
+               stop_id: int) -> tuple[list[int], list[float], list[list[int]] | None]:
         import torch
 
+        from mismatch.engines.processing import processed_logprobs
+
+        sampling = self.config.sampling
         # The last sampled token was never fed: it goes in front of the new prompt run.
         pending = state["pending"] + unsent
         sampled: list[int] = []
         logprobs: list[float] = []
+        kept: list[list[int]] = []
         while len(sampled) < self.config.max_turn_tokens:
             hidden_CD = state["session"].feed(np.asarray(pending))
             with torch.inference_mode():
-                logits_V = self.lm_head(hidden_CD[-1:]).float()[0] / self.config.temperature
-                logp_V = torch.log_softmax(logits_V, dim=-1)
+                if sampling.truncates:
+                    logp_V = processed_logprobs(self.lm_head(hidden_CD[-1:]), sampling)[0]
+                else:
+                    logits_V = self.lm_head(hidden_CD[-1:]).float()[0] / self.config.temperature
+                    logp_V = torch.log_softmax(logits_V, dim=-1)
             # The CPU generator draws on any device: one seed, the same draws from the same probabilities.
             token = int(torch.multinomial(logp_V.exp().cpu(), 1, generator=self.generator))
             sampled.append(token)
             logprobs.append(float(logp_V[token]))
+            if self.config.sampling_mask:
+                kept.append(torch.isfinite(logp_V).nonzero().flatten().tolist())
             pending = [token]
             if token == stop_id:
                 break
         state["pending"] = pending
-        return sampled, logprobs
+        return sampled, logprobs, kept if self.config.sampling_mask else None
 
 
 class VLLMSampler:
@@ -142,20 +164,22 @@ class VLLMSampler:
         from mismatch.engines.vllm import shared_llm
 
         self.config = config
-        self.llm = shared_llm(str(checkpoint), dtype=config.dtype, seed=config.seed)
+        self.llm = shared_llm(str(checkpoint), dtype=config.dtype, seed=config.seed, logprobs_mode=config.vllm_logprobs,
+                              **({"return_sampling_mask": True} if config.sampling_mask else {}))
         self.num_calls = 0
 
     def new_state(self) -> None:
         return None
 
     def sample(self, state: None, unsent: list[int], all_tokens: list[int],
-               stop_id: int) -> tuple[list[int], list[float]]:
+               stop_id: int) -> tuple[list[int], list[float], list[list[int]] | None]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         # A per-call seed keeps the rollouts reproducible whatever vLLM batches together.
         self.num_calls += 1
-        params = SamplingParams(temperature=self.config.temperature, top_p=1.0, top_k=0,
+        params = SamplingParams(temperature=self.config.temperature, top_p=self.config.top_p,
+                                top_k=max(self.config.top_k, 0), min_p=self.config.min_p,
                                 max_tokens=self.config.max_turn_tokens, stop_token_ids=[stop_id],
                                 logprobs=0, seed=self.config.seed * 1_000_003 + self.num_calls)
         out = self.llm.generate([TokensPrompt(prompt_token_ids=list(all_tokens))], params,
@@ -163,7 +187,9 @@ class VLLMSampler:
         tokens = list(out.token_ids)
         logprobs = [float(entry[token].logprob) for token, entry in zip(tokens, out.logprobs)]
         assert len(logprobs) == len(tokens), "vLLM returned no log-prob for a sampled token"
-        return tokens, logprobs
+        # vLLM's SamplingMask (vllm/outputs.py): token_ids, one kept-id list per sampled token.
+        mask = getattr(out, "sampling_mask", None)
+        return tokens, logprobs, [list(ids) for ids in mask.token_ids] if self.config.sampling_mask and mask else None
 
 
 SAMPLERS = {"hf-decode": HFDecodeSampler, "vllm": VLLMSampler}
@@ -228,10 +254,11 @@ class ToyAgent:
         stream.unsent += header
         stream.tokens += header
         stream.segments[-1]["tokens"] += header  # the header belongs to the prompt, not the turn
-        sampled, logprobs = self.sampler.sample(stream.state, stream.unsent, stream.tokens, self.end_id)
+        sampled, logprobs, kept = self.sampler.sample(stream.state, stream.unsent, stream.tokens, self.end_id)
         stream.unsent = []
         stream.tokens += sampled
-        stream.segments.append({"role": role, "tokens": sampled, "logprobs": logprobs})
+        stream.segments.append({"role": role, "tokens": sampled, "logprobs": logprobs,
+                                **({"sampling_mask": csr(kept)} if kept is not None else {})})
         # Keep special tokens: <tool_call> is one, and the harness must see it to run the tool.
         text = self.tokenizer.decode(sampled, skip_special_tokens=False)
         finished = sampled[-1] == self.end_id
@@ -298,18 +325,26 @@ class ToyAgent:
         return faults
 
     def _meta(self, scenario: str) -> dict[str, Any]:
-        # The hf-decode sampler stores log_softmax(logits / T): processed unless T = 1. vLLM's
-        # default logprobs mode returns raw log-probs whatever the temperature.
-        processed = self.config.engine == "hf-decode" and self.config.temperature != 1.0
+        # The hf-decode sampler stores log_softmax(logits / T), truncated: processed unless T = 1
+        # and no truncation. vLLM returns what its engine's logprobs_mode says (raw by default).
+        processed = ((self.config.engine == "hf-decode" and not self.config.sampling.is_identity)
+                     or (self.config.engine == "vllm" and self.config.vllm_logprobs == "processed_logprobs"))
         return {"checkpoint": str(self.info.path), "scenario": scenario, "harness": "mismatch.demo.toy_agent",
                 "sampler": {"engine": self.config.engine, "dtype": self.config.dtype,
                             **({"attn": self.config.attn} if self.config.engine == "hf-decode" else {}),
-                            "temperature": self.config.temperature, "top_p": 1.0, "top_k": -1,
+                            "temperature": self.config.temperature, "top_p": self.config.top_p,
+                            "top_k": self.config.top_k, "min_p": self.config.min_p,
                             "logprobs": "processed" if processed else "raw", "seed": self.config.seed}}
 
     def rollouts(self) -> Iterator[dict[str, Any]]:
         for index in range(self.config.num_rollouts):
             yield self.rollout(index)
+
+
+def csr(kept: list[list[int]]) -> dict[str, list[int]]:
+    """Per-token kept ids as format v1's `sampling_mask` (CSR, as vLLM's SamplingMaskLists)."""
+    return {"offsets": np.concatenate([[0], np.cumsum([len(ids) for ids in kept])]).astype(int).tolist(),
+            "token_ids": [i for ids in kept for i in ids]}
 
 
 def _branch(branch_id: str, kind: str, parent: str | None, fork_at: int | None,

@@ -25,11 +25,11 @@ from mismatch.checkpoint import CheckpointInfo, checkpoint_info, load_model
 from mismatch.engines.contract import Capabilities, ProgressFn, ReplayRequest
 from mismatch.engines.logprobs import DEFAULT_CHUNK, token_logprobs
 from mismatch.engines.micro_batches import balanced_by_tokens, first_fit_decreasing, in_order, padded_by_budget
-from mismatch.engines.processing import processed_token_logprobs
+from mismatch.engines.processing import SUPPORT_SOURCES, kept_token_logprobs, processed_token_logprobs
 from mismatch.engines.routing import RoutingRecorder, check_mode, forced_routing, routers
 from mismatch.engines.spec import EngineSpec, options_from
 from mismatch.errors import SpecError
-from mismatch.streams import Sampling, StreamRouting
+from mismatch.streams import KeptSets, Sampling, StreamRouting
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -45,6 +45,9 @@ class HFOptions:
     temperature: float = 1.0     # the trainer's logits / T before the log-softmax (verl's actor)
     chunk: int = DEFAULT_CHUNK   # positions per fp32 log-softmax chunk
     routing: str = "own"         # MoE: own | replay (R3: another pass's experts, engines/routing.py)
+    # own | replay: renormalize over the sampler's kept set (recorded sampling_mask, else the
+    # declared top-k/top-p/min-p on this replay's logits), as prime-rl's sampling replay does.
+    sampling: str = "own"
     checkpoint: str | None = None  # replay other weights than the audited checkpoint
     # hf records the entropy at each scored position (summary.json strata). It costs three more
     # passes over each chunk's fp32 [chunk, vocab] (benchmarks/RESULTS.md): false spares them.
@@ -60,6 +63,7 @@ def resolve_device(name: str) -> str:
 
 
 PACKINGS = ("pad", "varlen")
+SAMPLING_MODES = ("own", "replay")
 BALANCES = ("verl", "first_fit")
 
 
@@ -85,6 +89,8 @@ def check_packing(options: HFOptions, spec_text: str) -> None:
     for name, value, least in (("micro_batch", options.micro_batch, 0), ("batch_tokens", options.batch_tokens, 1)):
         if value < least:
             raise SpecError(f"engine 'hf': option {name}={value} must be at least {least} ({spec_text})")
+    if options.sampling not in SAMPLING_MODES:
+        raise SpecError(f"engine 'hf': option sampling={options.sampling!r} is not one of: {', '.join(SAMPLING_MODES)}")
     if not options.temperature > 0:
         raise SpecError(f"engine 'hf': option temperature={options.temperature} must be above 0 ({spec_text})")
 
@@ -115,6 +121,7 @@ class TorchEngineBase:
         self.recorder = RoutingRecorder(self.model) if routers(self.model) else None
         self.routed: list[StreamRouting] = []
         self.entropy: list[np.ndarray] | None = None  # each request's, after a replay that records it
+        self.support_counts = np.zeros(len(SUPPORT_SOURCES), dtype=np.int64)  # sampling=replay: rows per source
         self.num_scored = 0
         self.num_fed = 0
         self.num_padded = 0
@@ -132,7 +139,10 @@ class TorchEngineBase:
             "attn": self.model.config._attn_implementation,
             **({"routing": {"moe_layers": len(self.recorder.modules), "mode": self.options.routing}}
                if self.recorder is not None else {}),
-            "device": self.device, "logprob_semantics": "raw",
+            "device": self.device,
+            "logprob_semantics": "kept_set" if self.options.sampling == "replay" else "raw",
+            **({"sampling_replay": dict(zip(SUPPORT_SOURCES, self.support_counts.tolist()))}
+               if self.options.sampling == "replay" else {}),
             "num_tokens_scored": self.num_scored, "num_tokens_fed": self.num_fed,
             "padding_frac": self.num_padded / max(self.num_fed + self.num_padded, 1),
             "num_tokens_padded": self.num_padded,
@@ -149,15 +159,33 @@ class TorchEngineBase:
         return list(self.entropy) if self.entropy is not None else None
 
     def logprobs_of(self, hidden_ND, target_N, processing: Sampling | None = None,
-                    entropy_N: Any = None) -> np.ndarray:
+                    entropy_N: Any = None,
+                    support: tuple[KeptSets | None, Sampling | None, np.ndarray] | None = None) -> np.ndarray:
         """The targets' log-probs from their hidden states: raw (and their distributions' entropy
-        into `entropy_N`, when given), or under the sampler's processing (the same forward either
-        way: only this last step differs)."""
+        into `entropy_N`, when given), under the sampler's processing, or renormalized over the
+        sampler's kept set (`support`: the rows' recorded sets, the declared truncation and which rows
+        were sampled; sampling=replay). The same forward every way: only this last step differs."""
+        if support is not None and processing is None:
+            logp_N, source_N = kept_token_logprobs(hidden_ND, target_N, self.lm_head, kept=support[0],
+                                                   truncation=support[1], sampled=support[2],
+                                                   temperature=getattr(self.options, "temperature", 1.0),
+                                                   chunk=self.options.chunk, softcap=self.softcap)
+            self.support_counts += np.bincount(source_N, minlength=len(SUPPORT_SOURCES))
+            return logp_N.numpy()
         if processing is None:
             return token_logprobs(hidden_ND, target_N, self.lm_head, chunk=self.options.chunk,
                                   softcap=self.softcap, entropy_N=entropy_N).numpy()
         return processed_token_logprobs(hidden_ND, target_N, self.lm_head, sampling=processing,
                                         chunk=self.options.chunk, softcap=self.softcap).numpy()
+
+    def _support(self, request: ReplayRequest, first: int, stop: int) -> dict[str, Any]:
+        """logprobs_of's `support` for the request's positions [first, stop) under sampling=replay."""
+        if self.options.sampling != "replay":
+            return {}
+        kept = request.kept
+        offset = request.score_from
+        return {"support": (kept.slice(first - offset, stop - offset) if kept is not None else None,
+                            request.truncation, request.generated[first:stop])}
 
     def _forced_rows(self, forced_experts: Sequence[np.ndarray] | None, request_index: int, start: int,
                      stop: int):
@@ -188,11 +216,12 @@ class HFEngine(TorchEngineBase):
                processing: Sampling | None = None) -> list[np.ndarray]:
         import torch
 
-        if processing is None and self.options.temperature != 1.0:
+        if processing is None and self.options.temperature != 1.0 and self.options.sampling != "replay":
             processing = Sampling(temperature=self.options.temperature)  # the trainer's own scaling
         results: list[np.ndarray] = [np.empty(0)] * len(requests)
         self.routed = [None] * len(requests)  # type: ignore[list-item]
-        self.entropy = [np.empty(0)] * len(requests) if processing is None and self.options.entropy else None
+        self.entropy = ([np.empty(0)] * len(requests) if processing is None and self.options.entropy
+                        and self.options.sampling != "replay" else None)
         started = time.perf_counter()
         for batch in micro_batches([len(r.tokens) for r in requests], self.options):
             forward = self._forward_packed if self.options.packing == "varlen" else self._forward_padded
@@ -285,7 +314,8 @@ class HFEngine(TorchEngineBase):
         first = max(request.score_from, 1)
         tokens = torch.from_numpy(request.tokens)
         entropy_N = torch.empty(len(request.tokens) - first, dtype=torch.float64) if entropy is not None else None
-        logp = self.logprobs_of(hidden_LD[first - 1: len(request.tokens) - 1], tokens[first:], processing, entropy_N)
+        logp = self.logprobs_of(hidden_LD[first - 1: len(request.tokens) - 1], tokens[first:], processing, entropy_N,
+                                **self._support(request, first, len(request.tokens)))
         if request.score_from == 0:
             logp = np.concatenate([[np.nan], logp])
         if entropy is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mismatch.engines.contract import ProgressFn, ReplayRequest
-from mismatch.engines.hf import TorchEngineBase
+from mismatch.engines.hf import SAMPLING_MODES, TorchEngineBase
 from mismatch.engines.logprobs import DEFAULT_CHUNK
 from mismatch.engines.routing import forced_routing
 from mismatch.errors import SpecError
@@ -34,6 +34,7 @@ class HFDecodeOptions:
     prefill: str = "prompt"      # prompt: feed each prompt run in one forward; none: token by token
     chunk: int = DEFAULT_CHUNK
     routing: str = "own"         # MoE: own | replay (R3: another pass's experts, engines/routing.py)
+    sampling: str = "own"        # own | replay: as HFOptions.sampling
     checkpoint: str | None = None
 
 
@@ -82,10 +83,18 @@ class HFDecodeEngine(TorchEngineBase):
     kind = "hf-decode"
     options_cls = HFDecodeOptions
 
-    def __init__(self, options: HFDecodeOptions, checkpoint: str, spec_text: str) -> None:
+    @staticmethod
+    def check_options(options: HFDecodeOptions, spec_text: str) -> None:
+        """The options' values, checked with the spec (before any model loads)."""
         if options.prefill not in PREFILL_MODES:
             raise SpecError(f"engine 'hf-decode': option prefill={options.prefill!r} is not one of: "
                             f"{', '.join(PREFILL_MODES)}")
+        if options.sampling not in SAMPLING_MODES:
+            raise SpecError(f"engine 'hf-decode': option sampling={options.sampling!r} is not one of: "
+                            f"{', '.join(SAMPLING_MODES)}")
+
+    def __init__(self, options: HFDecodeOptions, checkpoint: str, spec_text: str) -> None:
+        self.check_options(options, spec_text)
         super().__init__(options, checkpoint, spec_text)
 
     def replay(self, requests: Sequence[ReplayRequest], *, progress: ProgressFn | None = None,
@@ -125,6 +134,8 @@ class HFDecodeEngine(TorchEngineBase):
             rows = hidden_CD[first - start:]
             # A sampler computes logits for the sampled position alone; do the same for the last
             # row so a replay of the sampler's own config reproduces its numbers exactly.
-            logp_L[first + 1: stop] = self.logprobs_of(rows[:-1], targets[:-1], processing)
-            logp_L[stop] = self.logprobs_of(rows[-1:], targets[-1:], processing)[0]
+            logp_L[first + 1: stop] = self.logprobs_of(rows[:-1], targets[:-1], processing,
+                                                       **self._support(request, first + 1, stop))
+            logp_L[stop] = self.logprobs_of(rows[-1:], targets[-1:], processing,
+                                            **self._support(request, stop, stop + 1))[0]
         return logp_L[request.score_from:]

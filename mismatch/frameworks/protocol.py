@@ -57,6 +57,8 @@ COSTS = {
     "batch_invariant": "inference throughput (reported 10-60% for bitwise modes)",
     "raw_logprobs": "none: an engine setting",
     "match_temperature": "none: a config value",
+    "replay_kept_set": "the engine returns each token's kept ids (vLLM --return-sampling-mask); the trainer "
+                       "renormalizes over them: no extra pass. Untruncated training rollouts: none",
     "fix_weight_sync": "a fix to the weight sync or the checkpoint; nothing at run time",
     "match_sampler_config": "one more audit, with the sampler's config as --infer",
     "inspect_turn": "reading the named rollouts at that turn (mismatch report)",

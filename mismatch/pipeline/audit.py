@@ -23,6 +23,7 @@ from mismatch.analysis.prefixes import PrefixConsistency
 from mismatch.analysis.routing import routing_summary, token_routing
 from mismatch.analysis.strata import Strata
 from mismatch.analysis.trees import TreeSums
+from mismatch.analysis.truncation import KeptMassRatios
 from mismatch.engines import engine_capabilities
 from mismatch.errors import MismatchError
 from mismatch.frameworks.metrics import FrameworkMetrics, declared_settings
@@ -34,6 +35,7 @@ from mismatch.pipeline.configured import with_configs, with_checkpoint_checks
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_processed
+from mismatch.replay.truncation import sampler_truncation
 from mismatch.results import TokenStore, results_lock, staged_tokens
 from mismatch.streams import Sampling
 from mismatch.workers import analysis_workers, reading_workers
@@ -154,9 +156,20 @@ def _alignment_before_the_passes(replayed: Replayed, store: TokenStore, checkpoi
         return None
     meta = replayed.engines["sampler"]["meta"]
     alignment = check_alignment(store.chunks, sampler_meta=meta)
-    if "logp_train_processed" not in store.columns and alignment["logprob_semantics"] == "processed":
-        store.add_column("logp_train_processed",
-                         replay_processed(replayed.plan, options.train, checkpoint, Sampling.from_meta(meta)))
+    processing = Sampling.from_meta(meta)
+    if alignment["logprob_semantics"] == "truncated":
+        # A declared truncation is replayed as declared unless the data refute it; the estimate is made either way.
+        found = sampler_truncation(replayed.plan, meta, options.train, checkpoint)
+        alignment["truncation"].update(found)
+        processing = Sampling(**found["replayed"])
+        refuted = found["replayed_from"] != "declared" and "logp_train_processed" in store.columns
+    else:
+        refuted = False
+    # The declared processing's column was planned with the trainer's pass; a declaration the data
+    # refute gets it replaced by the estimate's (alignment.truncation.replayed_from says so).
+    if refuted or ("logp_train_processed" not in store.columns
+                   and alignment["logprob_semantics"] in ("processed", "truncated")):
+        store.add_column("logp_train_processed", replay_processed(replayed.plan, options.train, checkpoint, processing))
     return alignment
 
 
@@ -195,12 +208,15 @@ def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | N
     # would correct the processing, which raw_logprobs fixes.
     corrections = CorrectionSimulator(pair=PROCESSED_PAIR if PROCESSED_PAIR in pairs else ("train", "sampler"))
     turns = TurnLocalizer("train", "sampler")
+    kept_mass = KeptMassRatios()
     prefixes = beside.prefixes
-    run_passes(chunks, [*summary.analyses, trees, frameworks, strata, turns, corrections,
+    run_passes(chunks, [*summary.analyses, trees, frameworks, strata, turns, corrections, kept_mass,
                         *([checked] if checked is not None else []), *extra], workers=workers,
                side_jobs=[prefixes] if isinstance(prefixes, PrefixConsistency) else [])
+    alignment = beside.alignment if checked is None else checked.result()
+    alignment.setdefault("truncation", {})["ratios"] = kept_mass.result()
     return summary.result(), AuditFindings(
-        alignment=beside.alignment if checked is None else checked.result(), trees=trees.result(),
+        alignment=alignment, trees=trees.result(),
         framework_metrics=frameworks.result(), framework_settings=settings, turns=turns.result(),
         corrections=[result.to_dict() for result in corrections.result()], drift=beside.drift,
         routing=beside.routing or None,

@@ -430,7 +430,8 @@ def _sampling(params: dict[str, Any]) -> dict[str, Any]:
     def pick(key: str, default: Any) -> Any:
         value = params.get(key)
         return default if value is None else value
-    return {"temperature": pick("temperature", 1.0), "top_p": pick("top_p", 1.0), "top_k": pick("top_k", -1)}
+    return {"temperature": pick("temperature", 1.0), "top_p": pick("top_p", 1.0), "top_k": pick("top_k", -1),
+            "min_p": pick("min_p", 0.0)}
 
 
 def _distinct_tools(exchanges: Sequence[Exchange]) -> list[Any]:

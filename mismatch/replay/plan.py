@@ -14,7 +14,7 @@ import pandas as pd
 
 from mismatch.errors import MismatchError
 from mismatch.rollouts import Branch, Rollout, Segment, context_tokens, segment_turns
-from mismatch.streams import ReplayRequest
+from mismatch.streams import KeptSets, ReplayRequest, Sampling
 
 TABLE_KEYS = ("rollout_index", "rollout", "branch", "branch_kind", "turn", "segment", "pos", "role",
               "token_id", "trainable")
@@ -88,8 +88,13 @@ class _Branches:
         for seg in branch.segments:
             generated[start:start + len(seg.tokens)] = seg.generated
             start += len(seg.tokens)
+        # The scored positions are the branch's own tokens: their kept sets are its segments'.
+        kept = KeptSets.concat([seg.sampling_mask for seg in branch.segments], list(map(len, own)))
+        declared = rollout.meta.get("sampler")
+        sampling = Sampling.from_meta(declared if isinstance(declared, dict) else None)
         self.requests.append(ReplayRequest(tokens=np.concatenate([context, *own]).astype(np.int64),
-                                           generated=generated, score_from=len(context)))
+                                           generated=generated, score_from=len(context), kept=kept,
+                                           truncation=sampling.truncation if sampling.truncates else None))
         self.request_block.append(block)
         self.segment_branch.extend([len(self.branch_ids)] * len(own))
         self.segment_turn.extend(segment_turns([seg.role for seg in branch.segments]))

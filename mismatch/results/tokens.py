@@ -79,7 +79,8 @@ class TokenStore:
         return tokens_chunks([self.directory / TOKENS_FILE])
 
     def add_column(self, name: str, values: np.ndarray) -> None:
-        """A column computed after the blocks were stored (aligned with the rows)."""
+        """A column computed after the blocks were stored (aligned with the rows); one of that name
+        already there is replaced."""
         if self.directory is None:
             self.table[name] = values
         else:
@@ -91,7 +92,8 @@ class TokenStore:
                 writer.write(chunk)
             writer.close()
             os.replace(writer.file, file)
-        self.columns.append(name)
+        if name not in self.columns:
+            self.columns.append(name)
 
     def side_file(self, name: str) -> Path | None:
         """A scratch file beside tokens.parquet (None without a results dir)."""

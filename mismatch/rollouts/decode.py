@@ -40,6 +40,7 @@ from mismatch.rollouts.rules import (
     check_rollout_object,
     check_routed_experts,
     check_routing_shapes,
+    check_sampling_mask,
     check_token_ids,
     check_token_list,
     check_tokens,
@@ -126,6 +127,7 @@ class _TypedSegment(msgspec.Struct, forbid_unknown_fields=True):
     trainable: bool | None = None
     extra_logprobs: dict[str, list[float] | None] | None = None
     routed_experts: Any = None  # shapes and ids: rules.check_routed_experts, on the plain lists
+    sampling_mask: Any = None   # CSR offsets and ids: rules.check_sampling_mask
 
 
 class _TypedBranch(msgspec.Struct, forbid_unknown_fields=True):
@@ -213,6 +215,9 @@ def _typed_branch(raw: _TypedBranch, vocab_size: int | None, num_experts: int | 
             routed = check_routed_experts(fields.routed_experts, "routed_experts", segments[i].num_tokens,
                                           num_experts, scratch)
             segments[i] = replace(segments[i], routed_experts=routed)
+        if fields.sampling_mask is not None:
+            kept = check_sampling_mask(fields.sampling_mask, "sampling_mask", segments[i].tokens, vocab_size, scratch)
+            segments[i] = replace(segments[i], sampling_mask=kept)
     if scratch.errors:
         return None
     return Branch(id=raw.id, kind=kind, parent=raw.parent, fork_at=raw.fork_at, segments=tuple(segments))
@@ -237,11 +242,12 @@ class _SegmentFields:
 
 def fast_segments(raw_segments: list, vocab_size: int | None) -> list[Segment] | None:
     """A branch's segments when every one of them is plainly valid, or None: then the untyped
-    decoder checks each segment and words what is wrong. Routed experts always take that path, and
+    decoder checks each segment and words what is wrong. Routed experts and sampling masks always take that path, and
     so does a field the format does not name."""
     parts = []
     for raw in raw_segments:
-        if not isinstance(raw, dict) or raw.get("routed_experts") is not None or unknown_fields(raw, SEGMENT_FIELDS):
+        if not isinstance(raw, dict) or raw.get("routed_experts") is not None or raw.get("sampling_mask") is not None \
+                or unknown_fields(raw, SEGMENT_FIELDS):
             return None
         parts.append(_SegmentFields(raw.get("role"), raw.get("tokens"), raw.get("logprobs"), raw.get("trainable"),
                                     raw.get("extra_logprobs")))
@@ -407,12 +413,15 @@ def _check_segment(raw: object, where: str, vocab_size: int | None, problems: Pr
     raw_routed = raw.get("routed_experts")
     routed = None if raw_routed is None else check_routed_experts(raw_routed, f"{where}.routed_experts",
                                                                  num_tokens, num_experts, problems)
+    raw_mask = raw.get("sampling_mask")
+    kept = None if raw_mask is None else check_sampling_mask(raw_mask, f"{where}.sampling_mask", tokens,
+                                                             vocab_size, problems)
     check_fields(raw, SEGMENT_FIELDS, where, problems)
 
     if len(problems.errors) > num_errors:
         return None
     return Segment(role=role, tokens=tokens, logprobs=logprobs, trainable=trained_on(role, trainable),
-                   extra_logprobs=extra, routed_experts=routed)
+                   extra_logprobs=extra, routed_experts=routed, sampling_mask=kept)
 
 
 def _check_extra_logprobs(raw_extra: object, where: str, num_tokens: int | None,

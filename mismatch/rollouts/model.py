@@ -12,13 +12,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mismatch.streams import KeptSets
+
 ROLES = ("system", "user", "assistant", "tool", "summary")
 MODEL_ROLES = frozenset({"assistant", "summary"})
 BRANCH_KINDS = ("main", "subagent", "summary", "subagent_summary")
 # The fields format v1 names at each level (README "Rollout format"); `meta` and `messages` are free-form.
 ROLLOUT_FIELDS = ("id", "branches", "meta", "messages")
 BRANCH_FIELDS = ("id", "kind", "parent", "fork_at", "segments")
-SEGMENT_FIELDS = ("role", "tokens", "logprobs", "trainable", "extra_logprobs", "routed_experts")
+SEGMENT_FIELDS = ("role", "tokens", "logprobs", "trainable", "extra_logprobs", "routed_experts", "sampling_mask")
 # pandas writes a DataFrame's index beside its columns (DataFrame.to_parquet): a row's key, not a field.
 _PANDAS_INDEX = re.compile(r"__index_level_\d+__")
 
@@ -38,6 +40,8 @@ class Segment:
     # The experts the sampler routed each token to (MoE), int16 [num_tokens, moe_layers, top_k];
     # a row of -1 where it routed none (see rules.check_routed_experts).
     routed_experts: np.ndarray | None = None
+    # The token ids the sampler's truncation kept at each token (CSR; rules.check_sampling_mask).
+    sampling_mask: KeptSets | None = None
 
     @property
     def generated(self) -> bool:
