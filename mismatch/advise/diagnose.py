@@ -14,6 +14,7 @@ from typing import Any
 
 from mismatch.advise.cause import Cause
 from mismatch.advise.levels import GAPS, HEALTHY, pair_levels
+from mismatch.advise.mechanisms import mechanism_causes, same_checkpoint
 from mismatch.advise.log_prob_semantics import alignment_shift, processed, trainer_temperature
 from mismatch.advise.readers import (
     Side,
@@ -56,6 +57,7 @@ Causes, in the order they lead (each only on the evidence named):
 10. kernel_path: the sides differ in engine kind (full forward vs decode, another engine) with the
    same dtype, the replay reproducing the sampler.
 11. position_drift: the gap grows with position, with no turn onset.
+index_flips (before routing_flips) and layer_type (before precision): advise/mechanisms.py RULE.
 """
 
 ROUTING_SHARE = 0.5  # the share of a pair's k3 on tokens with a routing flip that makes it the cause
@@ -91,13 +93,16 @@ def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = N
     if shift is not None:  # every other number is measured on misaligned pairs
         return Diagnosis(causes=(shift,))
     weights = _weights(summary, level, side)
+    index_flips, layer_type = mechanism_causes(summary)
+    if layer_type is not None and weights is not None and not summary.get("weights") and same_checkpoint(summary):
+        weights = None  # confinement alone, which the layer type's two algorithms explain (mechanisms.RULE)
     temperature = trainer_temperature(summary, level)
     # A trainer that scales its logits looks, to the semantics check, like processed stored log-probs.
     found = [temperature or processed(summary, level), weights, _sampler_side(summary, level, side),
              _turn_onset(summary), _render_drift(summary),
              _batch_variance(summary, side, batch_variant if batch_variant is not None
                              else _probes_batch_variant(probes)),
-             _routing(summary, weights), _precision(summary, level, side, weights, probes),
+             index_flips, _routing(summary, weights), layer_type, _precision(summary, level, side, weights, probes),
              _kernel_path(summary, level, side, weights), _position_drift(summary)]
     causes = tuple(cause for cause in found if cause is not None)
     return Diagnosis(causes=_minor_drift_last(causes, summary), findings=tuple(_findings(summary, level, side)))
