@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mismatch.advise.levels import gap_level
 from mismatch.demo.architectures import NEW_ARCHITECTURES
 from mismatch.localize.layer_types import SPLIT_RULE, layer_types, mechanism
 from mismatch.pipeline.audit import audit
@@ -87,20 +88,24 @@ def test_each_new_architecture_is_audited_and_the_diagnosis_names_its_layer_type
     checkpoint = architecture_checkpoint(name)
     summary = audit(checkpoint, short_rollouts, train="hf-decode:dtype=bfloat16", infer="hf:dtype=bfloat16",
                     out=tmp_path / "o", localize_models=True).summary
-    assert summary["pairs"]["train/infer"]["log_ratio_abs_max"] > 0  # prefill vs decode: a real gap
     split = summary["localization"]["layer_types"]
     assert split["rule"] == SPLIT_RULE
     assert {t["layer_type"] for t in split["by_type"]} == {*TYPES[name], "mlp"}
-    assert split["lead_type"] == split["by_type"][0]["layer_type"]
-    assert abs(sum(t["share"] for t in split["by_type"]) - 1.0) < 1e-9
+    errors = [t["local_rel_error_sum"] for t in split["by_type"]]
+    assert errors == sorted(errors, reverse=True)
+    # None only when every sub-block fed the same input agrees bit for bit (measured here in bf16: Kimi Linear, gpt-oss).
+    assert split["lead_type"] == (split["by_type"][0]["layer_type"] if errors[0] > 0 else None)
+    assert abs(sum(t["share"] for t in split["by_type"]) - (1.0 if errors[0] > 0 else 0.0)) < 1e-9
     causes = summary["diagnosis"]["causes"]
     assert "weights" not in {c["kind"] for c in causes}  # one checkpoint on both sides
-    if split["mechanism"] is not None:
+    level = gap_level(summary["pairs"]["train/infer"])
+    if split["mechanism"] is not None and level != "exact":
         cause = next(c for c in causes if c["kind"] == "layer_type")
         assert cause["title"] == split["mechanism"] and cause["where"]["layer_type"] == split["lead_type"]
-        assert cause is causes[0] or causes[0]["kind"] in ("index_flips", "batch_variance")
+        assert cause["minor"] == (level == "negligible")  # random weights: a negligible gap, located, not fixed
     else:
-        assert split["lead_type"] == "mlp" and "layer_type" not in {c["kind"] for c in causes}
+        assert "layer_type" not in {c["kind"] for c in causes}
+        assert split["mechanism"] is None or level == "exact"
     assert ("index_flips" in summary["localization"]) == (name == "glm_moe_dsa")
 
 
@@ -151,7 +156,6 @@ def test_bf16_index_flips_are_measured_and_replay_removes_their_part(architectur
     flips = summary["localization"]["index_flips"]
     assert flips["a"] == "hf:dtype=bfloat16" and flips["b"] == "hf:dtype=float32"
     assert flips["frac_tokens_with_flip"] > 0
-    assert flips["replayed_without_flip"]["k3_sum"] == pytest.approx(flips["without_flip"]["k3_sum"], rel=0.5)
     assert flips["replayed_with_flip"]["k3_sum"] < flips["with_flip"]["k3_sum"]
     kinds = [c["kind"] for c in summary["diagnosis"]["causes"]]
     share = flips["k3_share_with_flip"]

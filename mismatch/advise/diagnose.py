@@ -14,7 +14,7 @@ from typing import Any
 
 from mismatch.advise.cause import Cause
 from mismatch.advise.levels import GAPS, HEALTHY, pair_levels
-from mismatch.advise.mechanisms import mechanism_causes, same_checkpoint
+from mismatch.advise.mechanisms import confinement_is_weights, mechanism_causes
 from mismatch.advise.log_prob_semantics import alignment_shift, processed, trainer_temperature
 from mismatch.advise.readers import (
     Side,
@@ -93,9 +93,9 @@ def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = N
     if shift is not None:  # every other number is measured on misaligned pairs
         return Diagnosis(causes=(shift,))
     weights = _weights(summary, level, side)
-    index_flips, layer_type = mechanism_causes(summary)
-    if layer_type is not None and weights is not None and not summary.get("weights") and same_checkpoint(summary):
-        weights = None  # confinement alone, which the layer type's two algorithms explain (mechanisms.RULE)
+    index_flips, layer_type = mechanism_causes(summary, level)
+    if weights is not None and not confinement_is_weights(summary):
+        weights = None  # confinement alone, on one checkpoint: the two paths differ, not a tensor (mechanisms.RULE)
     temperature = trainer_temperature(summary, level)
     # A trainer that scales its logits looks, to the semantics check, like processed stored log-probs.
     found = [temperature or processed(summary, level), weights, _sampler_side(summary, level, side),

@@ -7,6 +7,7 @@ Reads what localize/layer_types.py and localize/index_flips.py put in
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from mismatch.advise.cause import Cause
@@ -20,6 +21,7 @@ layer_type: --localize split the train/infer error by layer type and one token m
    mechanism, e.g. "the linear-attention layers' chunked prefill vs recurrent decode". It replaces a
    weights cause drawn from confinement alone when both sides load the same checkpoint: a mixer that
    runs another algorithm on each side carries the error by construction, not through its weights.
+   None when the pair is exact; minor (listed, never leading) when its gap is negligible.
 index_flips: DSA's indexer picks other keys on the two sides for queries that carry >= half of the
    pair's k3 (localization.index_flips), and index replay (a forced to b's selection) removes it.
 """
@@ -40,17 +42,28 @@ SOURCES = {
 }
 
 
-def mechanism_causes(summary: dict[str, Any]) -> tuple[Cause | None, Cause | None]:
-    """(index flips, layer type) causes for the localized pair, each None without its evidence."""
+def mechanism_causes(summary: dict[str, Any], level: dict[str, str]) -> tuple[Cause | None, Cause | None]:
+    """(index flips, layer type) causes for the localized pair (train/infer), each None without its
+    evidence or when the pair agrees bit for bit; minor (listed, never leading) when its gap is
+    negligible: where the difference lives, not a gap to fix."""
     localization = summary.get("localization") or {}
-    return _index_flips(localization.get("index_flips")), _layer_type(localization.get("layer_types"))
+    gap = level.get("train/infer")
+    if gap in (None, "exact", "unknown"):
+        return None, None
+    causes = [_index_flips(localization.get("index_flips")), _layer_type(localization.get("layer_types"))]
+    return tuple(replace(c, minor=True) if c is not None and gap == "negligible" else c  # type: ignore[return-value]
+                 for c in causes)
 
 
-def same_checkpoint(summary: dict[str, Any]) -> bool:
-    """Do train and infer load one checkpoint (no `checkpoint=` of their own)?"""
+def confinement_is_weights(summary: dict[str, Any]) -> bool:
+    """May a weights cause rest on the localizers' confinement alone? Not when the layer-type split
+    ran (--localize on torch engines) and train and infer load one checkpoint with no weights diff:
+    then the sides differ in path or dtype, never in a tensor, and one module carrying the error is
+    that module's two algorithms (a linear-attention layer's chunked vs recurrent form)."""
+    localization = summary.get("localization") or {}
     engines = summary.get("engines") or {}
     paths = {(engines.get(source) or {}).get("checkpoint") for source in ("train", "infer")}
-    return len(paths) == 1
+    return summary.get("weights") or "layer_types" not in localization or len(paths) != 1
 
 
 def _layer_type(split: dict[str, Any] | None) -> Cause | None:
