@@ -87,12 +87,30 @@ def resolve_attn(attn: str, info: CheckpointInfo) -> str:
     would silently drop (soft-capping: then eager); one the user named that drops it is refused,
     since the replay would not be the model."""
     if attn == "auto":
-        return "eager" if info.attn_softcap else "sdpa"
+        return "eager" if info.attn_softcap or not _supports_sdpa(info.model_type) else "sdpa"
     if attn in IGNORES_SOFTCAP and info.attn_softcap:
         raise CheckpointError(f"{info.path}: attn={attn} ignores this model's attention logit soft-capping "
                               f"(attn_logit_softcapping={info.attn_softcap:g}), so the replay would not be the "
                               "model; use attn=eager, or leave attn unset (auto picks eager here)")
     return attn
+
+
+def _supports_sdpa(model_type: str) -> bool:
+    """Does transformers' causal LM class for `model_type` take sdpa? gpt-oss's does not (its sinks
+    join the softmax: transformers 5.19 GptOssPreTrainedModel._supports_sdpa = False), and loading it
+    with sdpa fails."""
+    import importlib
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if name is None:
+        return True
+    try:
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ImportError:
+        return True
+    return bool(getattr(getattr(module, name, None), "_supports_sdpa", True))
 
 
 def _num_experts(config: dict) -> int | None:

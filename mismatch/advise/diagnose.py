@@ -38,6 +38,7 @@ from mismatch.advise.numeric_causes import (  # noqa: F401 (ROUTING_SHARE: the r
 )
 from mismatch.advise.log_prob_semantics import alignment_shift, processed, trainer_temperature
 from mismatch.advise.truncation import truncated_sampling
+from mismatch.advise.mechanisms import confinement_is_weights, mechanism_causes
 from mismatch.advise.readers import (
     Side,
     batch_variant_from_probes,
@@ -97,6 +98,7 @@ admissibility test, advise/admissibility.py):
 10. kernel_path: the sides differ in engine kind (full forward vs decode, another engine) with the
    same dtype, the replay reproducing the sampler.
 11. position_drift: the gap grows with position, with no turn onset.
+index_flips (before routing_flips) and layer_type (before precision): advise/mechanisms.py RULE.
 Size test of the numeric causes (precision, kernel_path, batch_variance, position_drift): the
 pair's kl_k3 at most 10x the bf16 gap measured on these weights (two replays of the checkpoint in
 two dtypes), else "more than <cause>: Nx the bf16 gap"; with none measured, at most 1% of tokens
@@ -171,8 +173,11 @@ RULES: tuple[Rule, ...] = (
     Rule(find=lambda f: _turn_onset(f.summary)),
     Rule(find=lambda f: _render_drift(f.summary)),
     Rule(find=lambda f: batch_variance(f.summary, f.side, f.batch_variant), test=_size),
+    # The new architectures' mechanisms (advise/mechanisms.py): DSA index flips, a layer type's path.
+    Rule(find=lambda f: mechanism_causes(f.summary, f.level)[0]),
     Rule(find=lambda f: routing_flips(f.summary, f.weights),
          test=lambda cause, f: routing_test(cause, f.level, f.side, sampler_fault=_sampler_side(f) is not None)),
+    Rule(find=lambda f: mechanism_causes(f.summary, f.level)[1]),
     Rule(find=lambda f: precision(f.summary, f.level, f.side, f.weights, f.probes), test=_size),
     Rule(find=lambda f: kernel_path(f.summary, f.level, f.side, f.weights), test=_size),
     Rule(find=lambda f: position_drift(f.summary), test=_size),
@@ -197,7 +202,7 @@ def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = N
     foreign = identity(summary, level, side, ratio_pair, found_envelope)
     facts = Facts(summary=summary, level=level, side=side, probes=probes, envelope=found_envelope,
                   batch_variant=batch_variant if batch_variant is not None else _probes_batch_variant(probes),
-                  weights=_weights(summary, level, side), ratio_pair=ratio_pair)
+                  weights=_weights_fault(summary, level, side), ratio_pair=ratio_pair)
     kept, refused = [], []
     for rule in RULES:
         cause = rule.find(facts)
@@ -215,6 +220,13 @@ def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = N
         causes = (unexplained(summary, side, ratio_pair=ratio_pair, found=found_envelope, refused=refused), *causes)
     return Diagnosis(causes=causes, findings=tuple(_findings(summary, level, side)), refused=tuple(refused),
                      envelope=found_envelope)
+
+
+def _weights_fault(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side]) -> Cause | None:
+    """The weights cause, unless it rests on the localizers' confinement alone on one checkpoint
+    where the two paths run different algorithms (advise/mechanisms.py: the paths differ, not a tensor)."""
+    weights = _weights(summary, level, side)
+    return weights if weights is None or confinement_is_weights(summary) else None
 
 
 def _between_replays(cause: Cause, side: dict[str, Side]) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 
 from mismatch.advise.choice import choose_correction
 from mismatch.advise.cause import Cause
+from mismatch.advise.mechanisms import mechanism_fix
 from mismatch.advise.evidence import Evidence, evidence_from_summary
 from mismatch.advise.truncation import replay_kept_set
 from mismatch.frameworks.protocol import Recommendation, Target
@@ -128,6 +129,8 @@ def _source_fix(cause: Cause, framework: str | None = None) -> Recommendation | 
     if cause.kind == "routing_flips":
         return Recommendation(kind="routing_replay", params=where,
                               why=f"{why}: the trainer follows the experts the engine routed each token to (R3)")
+    if cause.kind in ("layer_type", "index_flips"):
+        return mechanism_fix(cause, why)
     if cause.kind == "precision":
         if cause.where.get("gap") != "large":  # a small bf16 gap: the correction alone, not a migration
             return None

@@ -16,11 +16,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def _configs(vocab_size: int) -> dict[str, Any]:
-    from transformers import (DeepseekV3Config, Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig, Phi3Config,
-                              Qwen3MoeConfig)
+    from transformers import (DeepseekV3Config, Gemma2Config, Gemma3TextConfig, GlmMoeDsaConfig, GptOssConfig,
+                              KimiLinearConfig, LlamaConfig, MiniMaxM2Config, MixtralConfig, OlmoHybridConfig,
+                              Phi3Config, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3MoeConfig, Qwen3NextConfig)
 
     common = {"vocab_size": vocab_size, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "max_position_embeddings": 2048, "tie_word_embeddings": False}
+    # Hybrids: a gated-DeltaNet (linear-attention) layer, then a full-attention one. Head dims of 32
+    # for the linear layers too (the chunked algorithm's chunk is 64 tokens: the example's
+    # sequences span several chunks).
+    hybrid = {"layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
+              "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4}
+    moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+           "shared_expert_intermediate_size": 64}
+    # The families' own token ids lie past the demo vocabulary: the demo's are set after.
+    no_ids = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
     return {
         "qwen3_moe": Qwen3MoeConfig(**common, head_dim=32, intermediate_size=256, moe_intermediate_size=64,
                                     num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
@@ -51,10 +62,47 @@ def _configs(vocab_size: int) -> dict[str, Any]:
                                                "original_max_position_embeddings": 512}),
         # Phi-3: fused qkv and gate-up projections, dropout modules in every layer.
         "phi3": Phi3Config(**common, intermediate_size=256),
+        # Qwen3.5: gated DeltaNet + gated full attention, dense MLPs; Qwen3-Next and Qwen3.5-MoE: the
+        # same hybrid with MoE (a shared expert beside the routed ones).
+        "qwen3_5": Qwen3_5TextConfig(**common, **hybrid, head_dim=32, intermediate_size=256),
+        "qwen3_next": Qwen3NextConfig(**common, **hybrid, **moe, head_dim=32, intermediate_size=256),
+        "qwen3_5_moe": Qwen3_5MoeTextConfig(**common, **hybrid, **moe, head_dim=32),
+        # Kimi Linear: Kimi Delta Attention (KDA, channel-wise gates) layers then MLA full attention;
+        # the layer lists are 1-indexed as in the released config.
+        "kimi_linear": KimiLinearConfig(**{**common, "num_key_value_heads": 4}, **no_ids, intermediate_size=256,
+                                        mlp_layer_types=["dense", "sparse"], num_local_experts=8,
+                                        num_experts_per_tok=2, moe_intermediate_size=64, kv_lora_rank=256,
+                                        qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                                        linear_attn_config={"head_dim": 32, "num_heads": 4,
+                                                            "short_conv_kernel_size": 4,
+                                                            "kda_layers": [1], "full_attn_layers": [2]}),
+        # OLMo-hybrid: gated DeltaNet (negative eigenvalues allowed) and full attention layers.
+        "olmo_hybrid": OlmoHybridConfig(**common, **no_ids, intermediate_size=256,
+                                        layer_types=["linear_attention", "full_attention"],
+                                        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=32,
+                                        linear_value_head_dim=64),
+        # GLM-5 (glm_moe_dsa): MLA attention whose keys a lightning indexer picks (DeepSeek Sparse
+        # Attention): top-8 per query here, so sequences past 8 tokens attend sparsely. The indexer's
+        # head dim holds the rotary part (qk_rope_head_dim) and more. Dense MLPs (the MoE is
+        # DeepSeek-V3's, covered there).
+        "glm_moe_dsa": GlmMoeDsaConfig(**{**common, "num_key_value_heads": 4}, intermediate_size=256,
+                                       moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2,
+                                       n_shared_experts=1, q_lora_rank=64, kv_lora_rank=256, qk_rope_head_dim=64,
+                                       qk_nope_head_dim=32, v_head_dim=32, index_topk=8, index_head_dim=128,
+                                       index_n_heads=4),
+        # gpt-oss: learned attention sinks, sliding-window and full layers alternating, MoE.
+        "gpt_oss": GptOssConfig(**common, head_dim=32, intermediate_size=64, num_local_experts=8,
+                                num_experts_per_tok=2, sliding_window=16),
+        # MiniMax-M2: full attention with per-layer q/k norms over all heads, sigmoid-routed MoE.
+        "minimax_m2": MiniMaxM2Config(**common, **no_ids, head_dim=32, intermediate_size=64, num_local_experts=8,
+                                      num_experts_per_tok=2),
     }
 
 
 ARCHITECTURES = ("qwen3_moe", "mixtral", "gemma2", "gemma3", "deepseek_v3", "llama3", "phi3")
+# Issue #47: the models trained now (hybrid linear attention, sparse attention, sinks).
+NEW_ARCHITECTURES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "kimi_linear", "olmo_hybrid", "glm_moe_dsa", "gpt_oss",
+                     "minimax_m2")
 
 
 def build_architecture(name: str, out: str | Path, *, tokenizer_from: str | Path, seed: int = 0) -> Path:

