@@ -54,7 +54,7 @@ CASES: dict[str, tuple[bytes, dict[str, str]]] = {
     "deep_toml": (("a = " + "[" * 3000 + "]" * 3000 + "\n").encode(), {"prime-rl": "nested too deep"}),
     "deep_tables": ("".join(f"[{'.'.join(['x'] * i)}]\n" for i in range(1, 200)).encode(),
                     {"prime-rl": "nested more than 64 deep"}),
-    "no_command_line": (b"just: words\n", {"openrlhf": "not an OpenRLHF config: no train_ppo_ray command line",
+    "no_command_line": (b"just: words\n", {"openrlhf": "not an OpenRLHF PPO config: no openrlhf.cli.train_ppo_ray line",
                                           "slime": "not a slime config: no train.py command line"}),
 }
 

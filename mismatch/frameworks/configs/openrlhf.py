@@ -237,7 +237,11 @@ def command_line(path: Path, text: str) -> tuple[list[str], tuple[str, ...]]:
     that launches another of OpenRLHF's entry points (train_sft, train_rm, ...) is refused."""
     if TRAIN_LINE.search(text) is None and (other := OTHER_ENTRY.search(text)) is not None:
         raise SpecError(f"{path}: not an OpenRLHF PPO config: it launches openrlhf.cli.{other[1]}, not train_ppo_ray")
-    return scripts.command_line(path, text, TRAIN_LINE)
+    argv, unread = scripts.command_line(path, text, TRAIN_LINE)
+    if TRAIN_LINE.search(text) is None and argv and not argv[0].startswith("-"):  # `docker run ...`, a helper script
+        raise SpecError(f"{path}: not an OpenRLHF PPO config: no openrlhf.cli.train_ppo_ray line, nor a list of its "
+                        f"flags (it starts with {argv[0]!r})")
+    return argv, unread
 
 
 def _default(d: Deriving, side: Side, key: str, value: Any, note: str) -> None:
