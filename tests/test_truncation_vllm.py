@@ -35,7 +35,8 @@ def processed_upstream(tiny_checkpoint, tmp_path_factory) -> Iterator[str]:
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_checkpoint),
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
                "--seed", "0", "--logprobs-mode", "processed_logprobs", "--max-num-batched-tokens", "8192"]
-    with running_vllm_server(command, port, log, VLLM_ENV) as url:
+    # A loaded 2-core machine has taken over 180 s to bring the engine core up.
+    with running_vllm_server(command, port, log, VLLM_ENV, timeout=480) as url:
         yield url
 
 
