@@ -141,8 +141,9 @@ def _cause_banner(cause: dict[str, Any], summary: dict[str, Any], recs: list[dic
         parts.append(("meanwhile correct with " if fix is not None or unexplained else "correct with ")
                      + "; ".join(describe(r) for r in corrections))
     evidence = [str(line) for line in cause.get("evidence") or []]
-    lines = [f"Evidence: {'; '.join(evidence)}."] if evidence else []
-    lines += [f"Not the others: {cause['rules_out'][0]}."] if cause.get("rules_out") else []
+    # An unexplained gap's evidence and what was ruled out are its headline already.
+    lines = [f"Evidence: {'; '.join(evidence)}."] if evidence and not unexplained else []
+    lines += [f"Not the others: {cause['rules_out'][0]}."] if cause.get("rules_out") and not unexplained else []
     others = [c for c in (summary.get("diagnosis") or {}).get("causes") or [] if c is not cause]
     lines += ["Also found: " + "; ".join(str(c.get("title")) for c in others) + "."] if others else []
     status, label = ("fix", "FIX AT THE SOURCE") if fix is not None else ("unknown", "UNEXPLAINED") if unexplained \
