@@ -56,7 +56,7 @@ class AuditResult(stages.CommandResult):
 def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf", infer: str | None = None,
           out: str | Path | None = None, force: bool = False, localize_models: bool = False,
           shard: Shard | None = None, block_size: int = DEFAULT_BLOCK, progress: ProgressFactory | None = None,
-          clip: ClipRange = ClipRange(), probe: bool = False) -> AuditResult:
+          clip: ClipRange = ClipRange(), probe: bool = False, distribution: str | int | None = None) -> AuditResult:
     """Replay `rollouts` through `train` and `infer` engines and measure every pair's gap.
 
     The turn localizer always runs (it reads the table); `localize_models=True` also reruns the
@@ -64,12 +64,14 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf", in
     With `out`, finished blocks are kept in a work dir so the same call resumes after a kill.
     `clip` is the PPO clip range the gap is also measured against (summary.json `clip`).
     `probe=True` also runs the kernel probes at the checkpoint's shapes (summary.json `probes`).
+    `distribution` (a top-K size, or "full"): also compare train's and infer's whole next-token
+    distributions at every scored position (summary.json `distribution`; docs/distribution.md).
     The library's front door to `run_audit(checkpoint, rollouts, AuditOptions(...))`.
     """
     return run_audit(checkpoint, rollouts, AuditOptions(
         train=train, infer=infer, out=Path(out) if out is not None else None, force=force,
         localize_models=localize_models, shard=shard, block_size=block_size, progress=progress, clip=clip,
-        probe=probe))
+        probe=probe, distribution=None if distribution is None else str(distribution)))
 
 
 def run_audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) -> AuditResult:

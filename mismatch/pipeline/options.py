@@ -24,6 +24,13 @@ class RunOptions:
     progress: ProgressFactory | None = None
     # source -> what its framework config set (pipeline/configured.py), for summary.json's engines
     from_config: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # --distribution K | full: each pair of engines' whole next-token distributions (replay/distribution.py)
+    distribution: str | None = None
+
+    @property
+    def distribution_pairs(self) -> tuple[tuple[str, str], ...]:
+        """The pairs of engine sources whose distributions --distribution compares."""
+        return ()
 
     @property
     def sources(self) -> dict[str, str]:
@@ -43,6 +50,10 @@ class AuditOptions(RunOptions):
     def sources(self) -> dict[str, str]:
         return {"train": self.train, "infer": self.infer or DEFAULT_INFER}
 
+    @property
+    def distribution_pairs(self) -> tuple[tuple[str, str], ...]:
+        return (("train", "infer"),)
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class DiffOptions(RunOptions):
@@ -54,3 +65,7 @@ class DiffOptions(RunOptions):
     @property
     def sources(self) -> dict[str, str]:
         return {"a": self.a, "b": self.b, "reference": self.reference}
+
+    @property
+    def distribution_pairs(self) -> tuple[tuple[str, str], ...]:
+        return (("a", "reference"), ("b", "reference"))
