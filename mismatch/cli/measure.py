@@ -26,9 +26,22 @@ from mismatch.cli.options import (
     target_for,
 )
 from mismatch.cli.output import emit_json, err_console, out_console, say
-from mismatch.cli.printing import print_diagnosis, print_diff, print_findings, print_from_config, print_pairs
+from mismatch.cli.printing import (
+    print_diagnosis,
+    print_diff,
+    print_distribution,
+    print_findings,
+    print_from_config,
+    print_pairs,
+)
 from mismatch.cli.progress import replay_progress
 from mismatch.errors import MismatchError
+
+
+DistributionOption = Annotated[Optional[str], typer.Option(
+    "--distribution", metavar="K|full",
+    help="Also compare the engines' whole next-token distributions at every position: top-K size "
+         "(vLLM: prompt_logprobs=K, bounded) or full (torch engines only, exact). docs/distribution.md")]
 
 
 def audit(
@@ -45,6 +58,7 @@ def audit(
         "--localize", help="Also localize train vs infer by layer and kernel (torch engines).")] = False,
     probe: Annotated[bool, typer.Option(
         "--probe", help="Also run the kernel probes; batch-shape variance adds the batch-invariant fix.")] = False,
+    distribution: DistributionOption = None,
     shard: ShardOption = None,
     block_size: BlockOption = DEFAULT_BLOCK,
     clip_eps: Annotated[str, typer.Option(
@@ -63,7 +77,8 @@ def audit(
     clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
     target = target_for(framework)
     options = with_configs(AuditOptions(train=train, infer=infer, out=out, force=force, localize_models=localize,
-                                        shard=shard_for(shard), block_size=block_size, clip=clip, probe=probe))
+                                        shard=shard_for(shard), block_size=block_size, clip=clip, probe=probe,
+                                        distribution=distribution))
     print_from_config(options.from_config, err_console if as_json else None)  # before the replay: it may be long
     with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_audit(checkpoint, rollouts, dataclasses.replace(options, progress=progress))
@@ -71,6 +86,7 @@ def audit(
         emit_json(result.summary)
         return
     print_pairs(result.summary, target, out)
+    print_distribution(result.summary)
     print_findings(result.summary)
     print_diagnosis(result.summary)
     out_console.print(f"wrote {out}/")
@@ -85,6 +101,7 @@ def diff(
     out: Annotated[Path, typer.Option("--out", help="Results directory to write.")],
     reference: Annotated[str, typer.Option("--reference", help="Reference engine (the trainer).")] = "hf",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing results dir.")] = False,
+    distribution: DistributionOption = None,
     shard: ShardOption = None,
     block_size: BlockOption = DEFAULT_BLOCK,
     as_json: JsonFlag = False,
@@ -95,7 +112,7 @@ def diff(
     from mismatch.pipeline.options import DiffOptions
 
     options = with_configs(DiffOptions(a=a, b=b, reference=reference, out=out, force=force, shard=shard_for(shard),
-                                       block_size=block_size))
+                                       block_size=block_size, distribution=distribution))
     print_from_config(options.from_config, err_console if as_json else None)
     with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_diff(checkpoint, rollouts, dataclasses.replace(options, progress=progress))
@@ -103,6 +120,7 @@ def diff(
         emit_json(result.summary)
         return
     print_pairs(result.summary)
+    print_distribution(result.summary)
     print_diff(result.summary["diff"])
     out_console.print(f"wrote {out}/")
 

@@ -18,6 +18,7 @@ from mismatch.advise.corrections import CorrectionSimulator
 from mismatch.analysis.alignment import AlignmentCheck, check_alignment
 from mismatch.analysis.chunked import Analysis, Chunks, run_passes
 from mismatch.analysis.clip import ClipRange
+from mismatch.analysis.distribution import DistributionSummary
 from mismatch.analysis.per_rollout import PerRollout
 from mismatch.analysis.prefixes import PrefixConsistency
 from mismatch.analysis.routing import routing_summary, token_routing
@@ -94,12 +95,14 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) 
         beside = FoundBesideTheTable(engines=replayed.engines, drift=stored.drift, alignment=alignment,
                                      routing=replayed_routing(replayed, pairs), prefixes=stored.prefixes)
         requests = replayed.plan.requests if options.localize_models else None
+        distribution = (DistributionSummary(options.distribution_pairs, replayed.distribution)
+                        if options.distribution is not None else None)
         del replayed  # the rollouts and their requests: from here on only the tokens are read
         per_rollout = PerRollout(pairs)
         digestion = stages.report_digestion(store, pairs) if options.out is not None else None
         measured, findings = analyze_audit(store.chunks, beside, clip=options.clip,
                                            extra=[per_rollout, digestion] if digestion is not None else [],
-                                           workers=analysis_workers(store.num_rows))
+                                           workers=analysis_workers(store.num_rows), distribution=distribution)
         localized = _localized_models(checkpoint, requests, prepared, options) if requests is not None else {}
         summary = audit_summary(Provenance(command="audit", checkpoint=str(checkpoint), rollouts_file=str(rollouts),
                                            engines=beside.engines, shard=stages.shard_info(options),
@@ -173,10 +176,11 @@ class AuditFindings:
     routing: dict[str, Any] | None
     prefix_consistency: dict[str, Any] | None
     strata: dict[str, Any]
+    distribution: dict[str, Any] | None = None  # --distribution: each engine pair's whole-distribution gap
 
 
 def analyze_audit(chunks: Chunks, beside: FoundBesideTheTable, *, clip: ClipRange | None, extra: Sequence[Analysis] = (),
-                  workers: int = 1) -> tuple[Measured, AuditFindings]:
+                  workers: int = 1, distribution: DistributionSummary | None = None) -> tuple[Measured, AuditFindings]:
     """Everything the token table shows, read as chunks of whole rollouts, every analysis in the
     same passes; `extra`: more analyses for those passes (the per-rollout table, the report's
     digestion); `workers`: how many processes share them (chunked.run_passes)."""
@@ -191,7 +195,8 @@ def analyze_audit(chunks: Chunks, beside: FoundBesideTheTable, *, clip: ClipRang
     turns = TurnLocalizer("train", "sampler")
     prefixes = beside.prefixes
     run_passes(chunks, [*summary.analyses, trees, frameworks, strata, turns, corrections,
-                        *([checked] if checked is not None else []), *extra], workers=workers,
+                        *([checked] if checked is not None else []),
+                        *([distribution] if distribution is not None else []), *extra], workers=workers,
                side_jobs=[prefixes] if isinstance(prefixes, PrefixConsistency) else [])
     return summary.result(), AuditFindings(
         alignment=beside.alignment if checked is None else checked.result(), trees=trees.result(),
@@ -199,7 +204,7 @@ def analyze_audit(chunks: Chunks, beside: FoundBesideTheTable, *, clip: ClipRang
         corrections=[result.to_dict() for result in corrections.result()], drift=beside.drift,
         routing=beside.routing or None,
         prefix_consistency=prefixes.result() if isinstance(prefixes, PrefixConsistency) else prefixes,
-        strata=strata.result())
+        strata=strata.result(), distribution=distribution.result() if distribution is not None else None)
 
 
 def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFindings, *,
@@ -211,7 +216,8 @@ def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFin
         "framework_settings": findings.framework_settings,
         "localization": {"turns": findings.turns, **(localized or {})}, "corrections": findings.corrections,
         "drift": findings.drift, "routing": findings.routing, "prefix_consistency": findings.prefix_consistency,
-        "weights": weights or None, "probes": probes, "strata": findings.strata})
+        "weights": weights or None, "probes": probes, "strata": findings.strata,
+        **({"distribution": findings.distribution} if findings.distribution is not None else {})})
     advise(summary, probes=probes["results"] if probes is not None else None)
     return summary
 
