@@ -24,19 +24,22 @@ from mismatch.engines.distributions import TERMS, FullRows, TopRows, compare_row
 from mismatch.errors import SpecError
 from mismatch.replay.plan import ReplayPlan
 
-DEFAULT_CHUNK = 64  # positions per [chunk, vocab] log-softmax of each side (two such at a time)
+# Elements of one side's [rows, vocab] fp32 log-softmax per comparison: 2^21 (8 MiB); the
+# comparison makes a few more of that size (benchmarks/distribution_cost.py measures the peak).
+# 2,048 rows of a 1,024-token vocabulary, 13 of a 151,936-token one.
+CHUNK_ELEMENTS = 1 << 21
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class DistributionAsk:
     """What --distribution asked: `k`, the top-K size (overlap, tails; vLLM's prompt_logprobs);
     `full`: every side must give its whole distribution (torch engines), so every number is exact;
-    `pairs`: the (A, B) sources compared; `chunk`: positions per log-softmax chunk."""
+    `pairs`: the (A, B) sources compared; `chunk`: positions per comparison (0: by CHUNK_ELEMENTS)."""
 
     k: int
     full: bool = False
     pairs: tuple[tuple[str, str], ...] = ()
-    chunk: int = DEFAULT_CHUNK
+    chunk: int = 0
 
     @property
     def label(self) -> str:
@@ -106,39 +109,65 @@ class DistributionPass:
         self.num_positions = 0
 
     def block_terms(self, plan: ReplayPlan) -> np.ndarray:
-        """The block's terms, one row per table row (NaN where a position predicts nothing)."""
+        """The block's terms, one row per table row (NaN where a position predicts nothing).
+
+        Positions are compared in chunks of `chunk_rows` that may span requests (a small vocabulary
+        makes many rows cheap): a torch side's hidden states [rows, D] wait in `pending` until a
+        chunk is full, so at most one chunk's [rows, vocab] per side exists at a time."""
         if not self.engines:
             self.engines = [load_engine(self.specs[source], self.checkpoint) for source in self.sources]
         started = time.perf_counter()
         terms = np.full((plan.num_scored, len(TERMS)), np.nan)
         tops = [engine.top_rows(plan.requests, self.ask.k) if not _full(engine) else None
                 for engine in self.engines]
+        pending: list[tuple[int, list[Any], np.ndarray]] = []  # (first table row, each side's rows, targets)
         offset = 0
         for index, request in enumerate(plan.requests):
             first = max(request.score_from, 1)
             row = offset + (first - request.score_from)  # score_from 0: position 0's row stays NaN
             offset += request.num_scored
-            count = len(request.tokens) - first
-            if count <= 0:
+            if len(request.tokens) <= first:
                 continue
-            hidden = [engine.scored_hidden(request) if _full(engine) else None for engine in self.engines]
-            targets = request.tokens[first:]
-            for start in range(0, count, self.ask.chunk):
-                stop = min(start + self.ask.chunk, count)
-                sides = [engine.full_rows(h[start:stop]) if h is not None else _slice(top[index], start, stop)
-                         for engine, h, top in zip(self.engines, hidden, tops)]
-                terms[row + start: row + stop] = compare_rows(sides[0], sides[1], targets[start:stop],
-                                                              self.ask.k, _vocab(sides, self.vocab_size))
-            self.num_positions += count
+            sides = [engine.scored_hidden(request) if _full(engine) else top[index]
+                     for engine, top in zip(self.engines, tops)]
+            pending.append((row, sides, request.tokens[first:]))
+            self.num_positions += len(request.tokens) - first
+            if sum(len(targets) for _, _, targets in pending) >= self.chunk_rows:
+                self._compare(pending, terms)
+                pending = []
+        if pending:
+            self._compare(pending, terms)
         self.seconds += time.perf_counter() - started
         return terms
+
+    @property
+    def chunk_rows(self) -> int:
+        """Positions per comparison: `ask.chunk`, else as many as CHUNK_ELEMENTS of [rows, vocab] hold."""
+        return self.ask.chunk or max(1, CHUNK_ELEMENTS // self.vocab_size)
+
+    def _compare(self, pending: list[tuple[int, list[Any], np.ndarray]], terms: np.ndarray) -> None:
+        """The pending requests' positions compared, chunk by chunk, into their rows of `terms`."""
+        import torch
+
+        rows = np.concatenate([np.arange(row, row + len(targets)) for row, _, targets in pending])
+        targets = np.concatenate([targets for _, _, targets in pending])
+        joined = [torch.cat([sides[k] for _, sides, _ in pending]) if _full(engine)
+                  else _joined([sides[k] for _, sides, _ in pending])
+                  for k, engine in enumerate(self.engines)]
+        step = self.chunk_rows
+        for start in range(0, len(targets), step):
+            stop = min(start + step, len(targets))
+            views = [engine.full_rows(side[start:stop]) if _full(engine) else _slice(side, start, stop)
+                     for engine, side in zip(self.engines, joined)]
+            terms[rows[start:stop]] = compare_rows(views[0], views[1], targets[start:stop], self.ask.k,
+                                                   _vocab(views, self.vocab_size))
 
     def described(self) -> dict[str, Any]:
         """summary.json's account of the pass: each side's kind of view, its time."""
         views = {source: ("full" if engine_capabilities(self.specs[source]).full_distribution else "top_k")
                  for source in self.sources}
         return {"k": self.ask.k, "full": self.ask.full, "views": views, "seconds": self.seconds,
-                "num_positions": self.num_positions, "chunk": self.ask.chunk}
+                "num_positions": self.num_positions, "chunk_rows": self.chunk_rows}
 
     def run(self, blocks: Any, columns: Any) -> dict[str, Any]:
         """Every block's terms into `columns` (a SavedColumns), resumed where saved; the pass's account."""
@@ -169,6 +198,12 @@ def _slice(top: TopRows, start: int, stop: int) -> TopRows:
     return TopRows(ids_CK=top.ids_CK[start:stop], logp_CK=top.logp_CK[start:stop],
                    sampled_logp_C=top.sampled_logp_C[start:stop], sampled_rank_C=top.sampled_rank_C[start:stop],
                    k=top.k)
+
+
+def _joined(tops: list[TopRows]) -> TopRows:
+    return TopRows(ids_CK=np.concatenate([t.ids_CK for t in tops]), logp_CK=np.concatenate([t.logp_CK for t in tops]),
+                   sampled_logp_C=np.concatenate([t.sampled_logp_C for t in tops]),
+                   sampled_rank_C=np.concatenate([t.sampled_rank_C for t in tops]), k=tops[0].k)
 
 
 def _vocab(sides: list[FullRows | TopRows], vocab_size: int) -> int:
