@@ -131,6 +131,8 @@ def test_planted_fault_off_the_sampled_tokens_is_found_and_named(tiny_checkpoint
     table = pd.read_parquet(tmp_path / "out" / "tokens.parquet")
     worst = table.loc[table["dist_train_infer_kl_ab"].idxmax()]
     assert int(worst["dist_train_infer_token"]) == token and int(worst["pos"]) == found["worst"][0]["pos"]
+    page = (tmp_path / "out" / "index.html").read_text()
+    assert 'id="next-token"' in page and "Tokens whose probability moved most" in page
     # The gate reads it; the sampled-token gate would pass the same run.
     assert not run_gate(summary, maxima=parse_limits(["dist.kl=1e-6"])).passed
     assert run_gate(summary, maxima=parse_limits(["train/infer.kl_k3=1e-6"])).passed
