@@ -131,6 +131,12 @@ def test_planted_fault_off_the_sampled_tokens_is_found_and_named(tiny_checkpoint
     table = pd.read_parquet(tmp_path / "out" / "tokens.parquet")
     worst = table.loc[table["dist_train_infer_kl_ab"].idxmax()]
     assert int(worst["dist_train_infer_token"]) == token and int(worst["pos"]) == found["worst"][0]["pos"]
+    from mismatch.trend import load_steps
+
+    for name in ("step_1", "step_2"):  # the same run as two steps: the trend reads each one's distribution
+        shutil.copytree(tmp_path / "out", tmp_path / "steps" / name)
+    steps = load_steps([tmp_path / "steps" / "step_1", tmp_path / "steps" / "step_2"])
+    assert [step.value("train/infer", "dist.kl") for step in steps] == [found["kl"]] * 2
     page = (tmp_path / "out" / "index.html").read_text()
     assert 'id="next-token"' in page and "Tokens whose probability moved most" in page
     # The gate reads it; the sampled-token gate would pass the same run.

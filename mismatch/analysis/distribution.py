@@ -189,7 +189,7 @@ def bitwise_claim(sums: _PairSums, exact: bool) -> dict[str, Any]:
         claim = f"bitwise equal on every sampled token and on the {scope} at all {n} positions"
     else:
         claim = (f"bitwise equal on {sampled} of {n} sampled tokens; at {sampled - both} of those the {scope} "
-                 "differs: equality of the sampled tokens does not carry over")
+                 f"{'is' if exact else 'are'} not: equality of the sampled tokens does not carry over")
     return {"n_sampled_equal": sampled, "n_row_equal": sums.n_row_equal, "n_both_equal": both,
             "scope": scope, "holds": both == n, "claim": claim}
 
