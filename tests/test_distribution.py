@@ -186,3 +186,29 @@ def test_gate_keys_of_the_distribution() -> None:
     summary = {"schema": "mismatch.summary/v1", "pairs": {"train/infer": {"n_tokens": 3}}}
     check = run_gate(summary, maxima={"dist.kl": 1.0}).checks[-1]
     assert not check.passed and "measured with --distribution K" in check.message
+
+
+def test_layers_localize_on_the_distribution(tiny_checkpoint, tmp_path) -> None:
+    """A fault in layer 1's MLP moves the read-out distribution first after layer 1; one in the
+    lm_head moves every layer's read-out, so it shows at layer 0 (localize/lens_distribution.py)."""
+    from safetensors.torch import load_file, save_file
+
+    from mismatch.localize.layers import compare_layers
+
+    def planted(tensor: str, name: str) -> Path:
+        root = tmp_path / name
+        shutil.copytree(tiny_checkpoint, root)
+        weights = load_file(root / "model.safetensors")
+        weights[tensor] = weights[tensor] * 1.5
+        save_file(weights, root / "model.safetensors", metadata={"format": "pt"})
+        return root
+
+    tokens = [[1, 5, 9, 14, 22, 30, 41, 57, 63, 70, 88, 95]]
+    mlp = compare_layers(tiny_checkpoint, tokens, a=f"hf:checkpoint={planted('model.layers.1.mlp.down_proj.weight', 'mlp')}",
+                         b="hf").to_dict()
+    residual = [row for row in mlp["by_layer"] if row["block"] == "residual"]
+    assert mlp["dist_jump_layer"] == 1 and residual[0]["logit_lens_kl"] == 0 and residual[1]["logit_lens_kl"] > 0
+    head = compare_layers(tiny_checkpoint, tokens, a=f"hf:checkpoint={planted('lm_head.weight', 'head')}", b="hf")
+    assert head.dist_jump_layer == 0
+    same = compare_layers(tiny_checkpoint, tokens, a="hf", b="hf")
+    assert same.dist_jump_layer is None and all(row.logit_lens_kl == 0 for row in same.residual())
