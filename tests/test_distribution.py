@@ -212,3 +212,15 @@ def test_layers_localize_on_the_distribution(tiny_checkpoint, tmp_path) -> None:
     assert head.dist_jump_layer == 0
     same = compare_layers(tiny_checkpoint, tokens, a="hf", b="hf")
     assert same.dist_jump_layer is None and all(row.logit_lens_kl == 0 for row in same.residual())
+
+
+def test_diff_names_the_config_closer_on_the_whole_distribution(tiny_checkpoint, sampled_rollouts, tmp_path) -> None:
+    from mismatch.pipeline.diff import diff
+
+    faulty, token = _never_sampled_fault(tiny_checkpoint, sampled_rollouts, tmp_path)
+    summary = diff(tiny_checkpoint, sampled_rollouts, a=f"hf:checkpoint={faulty}", b="hf", reference="hf",
+                   distribution="full").summary
+    validate_summary(summary)
+    closer = summary["diff"]["distribution"]
+    assert closer["exact"] and closer["closer"] == "b" and closer["kl"]["b"] == 0 < closer["kl"]["a"]
+    assert summary["distribution"]["a/reference"]["tokens"][0]["token_id"] == token
