@@ -168,6 +168,16 @@ def distribution_section(pairs: list[str], figs: dict[str, Any], colors: dict[st
                         "the tails are what PPO's ratio feels.")
 
 
+def _moved_token_texts(summary: dict[str, Any], tokenizer_path: Path | None) -> dict[str, str] | None:
+    """The text of each token the distribution pass names (often one no rollout sampled)."""
+    from mismatch.reports.worst import token_texts
+
+    found = summary.get("distribution") if isinstance(summary.get("distribution"), dict) else {}
+    ids = {int(t["token_id"]) for entry in found.values() if isinstance(entry, dict)
+           for t in entry.get("tokens") or [] if isinstance(t, dict) and isinstance(t.get("token_id"), int)}
+    return token_texts(ids, tokenizer_path) if ids else None
+
+
 def page_body(summary: dict[str, Any], tokens: tuple[Chunks, list[str]], *, tokenizer_path: Path | None,
               worst_options: WorstOptions, digested: DigestAnalysis | None = None) -> tuple[Html, dict[str, Any], str]:
     """(static markup, JSON data for the page's script, page title); `tokens` as token_chunks gives
@@ -192,7 +202,7 @@ def page_body(summary: dict[str, Any], tokens: tuple[Chunks, list[str]], *, toke
     texts = worst["text"] if worst else None
     top = banner(summary)
     nav = [("verdict", "Verdict"), ("gaps", "Gaps"), ("diff", "A vs B"), ("distribution", "Distribution"),
-           ("where", "Where"), ("localization", "Localization"),
+           ("next-token", "Next-token"), ("where", "Where"), ("localization", "Localization"),
            ("findings", "Findings"), ("corrections", "Corrections"), ("frameworks", "Frameworks"),
            ("worst", "Worst rollouts")]
     body = [
@@ -201,6 +211,7 @@ def page_body(summary: dict[str, Any], tokens: tuple[Chunks, list[str]], *, toke
         sections.gaps_section(summary, pairs, colors),
         sections.diff_section(summary, texts),
         distribution_section(pairs, figs, colors),
+        sections.next_token_section(summary, _moved_token_texts(summary, tokenizer_path)),
         sections.where_section(summary, pairs, figs, colors),
         sections.localization_section(summary, figs),
         sections.findings_section(summary),

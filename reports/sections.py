@@ -392,6 +392,45 @@ def diff_section(summary: dict[str, Any], texts: dict[str, str] | None) -> Html 
                    lead="Deltas over rollouts with a bootstrap 95% interval; negative Δ means B is closer.")
 
 
+# --- the whole next-token distribution (--distribution) -------------------------------------------
+
+NEXT_TOKEN_FACTS = (("kl_ab_mean", "mean KL(A‖B)"), ("kl_ba_mean", "mean KL(B‖A)"), ("kl_ab_max", "max KL(A‖B)"),
+                    ("tv_mean", "mean total variation"), ("topk_overlap_mean", "top-K overlap"),
+                    ("argmax_agree_frac", "argmax agrees"), ("rank_differs_frac", "sampled token's rank differs"),
+                    ("sampled_abs_log_ratio_mean", "sampled tokens' mean |log-ratio|"))
+
+
+def next_token_section(summary: dict[str, Any], texts: dict[str, str] | None = None) -> Html | None:
+    """summary.json `distribution`: per pair, the whole next-token distribution's gap, what is exact
+    or bounded, the bitwise claim checked, the tokens that moved, the worst positions and turns."""
+    found = summary.get("distribution") if isinstance(summary.get("distribution"), dict) else {}
+    if not found:
+        return None
+    texts = texts or {}
+    parts: list[Any] = []
+    for pair, entry in found.items():
+        if not isinstance(entry, dict):
+            continue
+        view = ("exact over the whole vocabulary" if entry.get("exact")
+                else f"bounded: {entry.get('bounded')}")
+        parts.append(el("h3", f"{pair}: top-K = {entry.get('k')}, {view}"))
+        parts.append(facts([(label, entry.get(key)) for key, label in NEXT_TOKEN_FACTS]))
+        parts.append(el("p", (entry.get("bitwise") or {}).get("claim")))
+        tokens = [{**t, "text": texts.get(str(t.get("token_id")), "")} for t in entry.get("tokens") or []]
+        if tokens:
+            parts.append(el("h4", "Tokens whose probability moved most (share of the moved mass)"))
+            parts.append(records_table(tokens, limit=len(tokens)))
+        if entry.get("worst"):
+            parts.append(el("h4", "Positions where the distributions differ most"))
+            parts.append(records_table(entry["worst"], limit=len(entry["worst"])))
+        if entry.get("turns"):
+            parts.append(el("h4", "By turn"))
+            parts.append(records_table(entry["turns"], limit=len(entry["turns"])))
+    return section("next-token", "The whole next-token distribution", *parts,
+                   lead="Beyond the sampled token: both sides' distributions over the vocabulary at every trainable "
+                        "position (--distribution; docs/distribution.md). A is the pair's first side.")
+
+
 # --- worst rollouts, absent sections, footer -------------------------------------------------------
 
 def worst_section(worst: dict[str, Any] | None, tokens: list[dict[str, Any]] | None = None) -> Html | None:

@@ -38,6 +38,25 @@ HIGHER_IS_BETTER = frozenset({"ess", "bitwise_equal_frac", "ratio_min", "ratio_q
 RENAMED = {"ratio_p01": "ratio_q01", "ratio_p99": "ratio_q99", "ratio_p999": "ratio_q999"}
 # Compared against a baseline even when no threshold names them: the headline gap metrics.
 DRIFT_METRICS = tuple(f"{DEFAULT_PAIR}.{m}" for m in ("kl_k3", "log_ratio_abs_mean", "chi2_token", "frac_outside_2"))
+# `dist.NAME`: summary.json `distribution[A/B][NAME]` (--distribution; docs/distribution.md), by default
+# of the audit's one engine pair. `dist.kl` is the mean KL(A||B) of the whole next-token distribution.
+DIST = "dist."
+DIST_PAIR = "train/infer"
+DIST_RANGES = {"kl": (0.0, math.inf), "kl_ab_mean": (0.0, math.inf), "kl_ba_mean": (0.0, math.inf),
+               "kl_ab_max": (0.0, math.inf), "tv_mean": (0.0, 1.0), "tv_max": (0.0, 1.0),
+               "topk_overlap_mean": (0.0, 1.0), "argmax_agree_frac": (0.0, 1.0), "rank_differs_frac": (0.0, 1.0)}
+HIGHER_IS_WORSE = HIGHER_IS_WORSE | {DIST + name for name in DIST_RANGES
+                                     if name not in ("topk_overlap_mean", "argmax_agree_frac")}
+HIGHER_IS_BETTER = HIGHER_IS_BETTER | {DIST + "topk_overlap_mean", DIST + "argmax_agree_frac"}
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """ "A/B.metric" -> (A/B, metric); "A/B.dist.NAME" -> (A/B, dist.NAME)."""
+    if "." + DIST in key:
+        pair, _, name = key.partition("." + DIST)
+        return pair, DIST + name
+    pair, _, metric = key.rpartition(".")
+    return pair, metric
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -87,7 +106,18 @@ class Thresholds:
 
 
 def threshold_key(key: str, *, where: str) -> str:
-    """ "kl_k3" -> "train/sampler.kl_k3"; "train/infer.kl_k3" stays; anything else is a MismatchError."""
+    """ "kl_k3" -> "train/sampler.kl_k3"; "train/infer.kl_k3" stays; "dist.kl" ->
+    "train/infer.dist.kl"; anything else is a MismatchError."""
+    if key.startswith(DIST) or "." + DIST in key:
+        pair, _, name = key.partition(DIST)
+        pair = pair.removesuffix(".") or DIST_PAIR
+        if name not in DIST_RANGES:
+            raise MismatchError(f"{where}: unknown distribution metric {name!r} (valid: "
+                                f"{', '.join(DIST + n for n in DIST_RANGES)})")
+        sides = pair.split("/")
+        if len(sides) != 2 or not all(sides):
+            raise MismatchError(f"{where}: pair {pair!r} is not A/B (e.g. train/infer)")
+        return f"{pair}.{DIST}{name}"
     pair, _, metric = key.rpartition(".")
     pair = pair or DEFAULT_PAIR
     metric = RENAMED.get(metric, metric)
@@ -199,15 +229,18 @@ def check_possible(summary: dict[str, Any], keys: Iterable[str], *, label: str) 
         value, problem = _value(summary, key)
         if problem is not None:
             continue  # missing or NaN: the check itself reports it
-        low, high = METRIC_RANGES[key.rpartition(".")[2]]
+        metric = split_key(key)[1]
+        low, high = DIST_RANGES[metric.removeprefix(DIST)] if metric.startswith(DIST) else METRIC_RANGES[metric]
         if not (math.isfinite(value) and in_range(value, low, high)):
-            raise MismatchError(f"{label}: {key} = {value!r} is impossible ({key.rpartition('.')[2]} lies "
+            raise MismatchError(f"{label}: {key} = {value!r} is impossible ({metric} lies "
                                 f"in [{low:g}, {high:g}]): its summary.json was edited or corrupted")
 
 
 def _value(summary: dict[str, Any], key: str) -> tuple[float | None, str | None]:
     """(value, None) or (None, why it is unusable) for "A/B.metric"; NaN is stored as null in summary.json."""
-    pair, _, metric = key.rpartition(".")
+    pair, metric = split_key(key)
+    if metric.startswith(DIST):
+        return _dist_value(summary, pair, metric.removeprefix(DIST))
     pairs = summary.get("pairs") if isinstance(summary.get("pairs"), dict) else {}
     if pair not in pairs:
         return None, f"no pair {pair!r} (pairs: {', '.join(pairs) or 'none'})"
@@ -224,6 +257,19 @@ def _value(summary: dict[str, Any], key: str) -> tuple[float | None, str | None]
         return float(value), None
     except OverflowError:  # an integer past float64
         return None, f"not a number: {value!r}"
+
+
+def _dist_value(summary: dict[str, Any], pair: str, name: str) -> tuple[float | None, str | None]:
+    found = summary.get("distribution") if isinstance(summary.get("distribution"), dict) else {}
+    if pair not in found or not isinstance(found[pair], dict):
+        return None, (f"no distribution of pair {pair!r} (measured with --distribution K; "
+                      f"pairs: {', '.join(found) or 'none'})")
+    value = found[pair].get(name)
+    if value is None:
+        return None, f"distribution {name!r} missing or NaN"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None, f"not a number: {value!r}"
+    return float(value), None
 
 
 def _schema_check(summary: dict[str, Any], *, label: str) -> Check:
@@ -279,7 +325,7 @@ def _drift_check(summary: dict[str, Any], baseline: dict[str, Any], key: str, ma
         why = f"{problem}" if problem else f"baseline {base_problem}"
         return Check(kind="drift", name=name, value=None, limit=max_pct, passed=False,
                      message=f"{key}: {why} (max drift {max_pct!r}%)")
-    pct = drift_pct(value, base, key.rpartition(".")[2])
+    pct = drift_pct(value, base, split_key(key)[1])
     ok = pct <= max_pct
     return Check(kind="drift", name=name, value=pct, limit=max_pct, passed=ok,
                  message=f"{key} = {_shown(value, base)} vs baseline {_shown(base, value)}: "
@@ -312,7 +358,7 @@ def run_gate(summary: dict[str, Any], *, maxima: dict[str, float] | None = None,
                             "--baseline DIR with --max-drift PCT")
     drift_keys = list(dict.fromkeys(drift_metrics if drift_metrics is not None
                                     else [*maxima, *minima, *DRIFT_METRICS])) if baseline is not None else []
-    pairs = dict.fromkeys(key.rpartition(".")[0] for key in [*maxima, *minima, *drift_keys])
+    pairs = dict.fromkeys(split_key(key)[0] for key in [*maxima, *minima, *drift_keys])
     # A pair the results do not have is a typo in the thresholds (exit 2), not a failed gate (exit 1).
     for label, measured in (("results", summary), ("baseline", baseline)):
         available = (measured or {}).get("pairs") if isinstance((measured or {}).get("pairs"), dict) else {}
@@ -329,7 +375,7 @@ def run_gate(summary: dict[str, Any], *, maxima: dict[str, float] | None = None,
     if baseline is not None:
         checks.append(_schema_check(baseline, label="baseline"))
         checks += [_tokens_check(baseline, pair, label="baseline")
-                   for pair in dict.fromkeys(key.rpartition(".")[0] for key in drift_keys)]
+                   for pair in dict.fromkeys(split_key(key)[0] for key in drift_keys)]
         checks += [_drift_check(summary, baseline, key, max_drift_pct) for key in drift_keys]
     return GateResult(checks=tuple(checks))
 

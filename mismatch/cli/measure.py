@@ -26,9 +26,22 @@ from mismatch.cli.options import (
     target_for,
 )
 from mismatch.cli.output import emit_json, err_console, out_console, say
-from mismatch.cli.printing import print_diagnosis, print_diff, print_findings, print_from_config, print_pairs
+from mismatch.cli.printing import (
+    print_diagnosis,
+    print_diff,
+    print_distribution,
+    print_findings,
+    print_from_config,
+    print_pairs,
+)
 from mismatch.cli.progress import replay_progress
 from mismatch.errors import MismatchError
+
+
+DistributionOption = Annotated[Optional[str], typer.Option(
+    "--distribution", metavar="K|full",
+    help="Also compare the engines' whole next-token distributions at every position: top-K size "
+         "(vLLM: prompt_logprobs=K, bounded) or full (torch engines only, exact). docs/distribution.md")]
 
 
 def audit(
@@ -45,6 +58,7 @@ def audit(
         "--localize", help="Also localize train vs infer by layer and kernel (torch engines).")] = False,
     probe: Annotated[bool, typer.Option(
         "--probe", help="Also run the kernel probes; batch-shape variance adds the batch-invariant fix.")] = False,
+    distribution: DistributionOption = None,
     shard: ShardOption = None,
     block_size: BlockOption = DEFAULT_BLOCK,
     clip_eps: Annotated[str, typer.Option(
@@ -70,7 +84,8 @@ def audit(
     asked = AuditOptions(train=train, infer=infer, out=out, force=force, localize_models=localize,
                          shard=shard_for(shard), block_size=block_size, clip=clip, probe=probe,
                          framework_settings={target.framework: target.settings} if target else {},
-                         force_model=force_model, skip_invalid=skip_invalid)
+                         force_model=force_model, skip_invalid=skip_invalid,
+                         distribution=distribution)
     options = with_checkpoint_checks(checkpoint, with_configs(asked))
     print_from_config(options.from_config, err_console if as_json else None,
                       model=model_line(options))  # before the replay: it may be long
@@ -85,6 +100,7 @@ def audit(
         out_console.print(f"skipped {skipped['count']} invalid rollout(s) of {skipped['count'] + skipped['valid']} "
                           f"(summary.json skipped), the first: {first}", markup=False, highlight=False, soft_wrap=True)
     print_pairs(result.summary, target, out)
+    print_distribution(result.summary)
     print_findings(result.summary)
     print_diagnosis(result.summary)
     out_console.print(f"wrote {out}/")
@@ -99,6 +115,7 @@ def diff(
     out: Annotated[Path, typer.Option("--out", help="Results directory to write.")],
     reference: Annotated[str, typer.Option("--reference", help="Reference engine (the trainer).")] = "hf",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing results dir.")] = False,
+    distribution: DistributionOption = None,
     shard: ShardOption = None,
     block_size: BlockOption = DEFAULT_BLOCK,
     as_json: JsonFlag = False,
@@ -109,7 +126,7 @@ def diff(
     from mismatch.pipeline.options import DiffOptions
 
     options = with_configs(DiffOptions(a=a, b=b, reference=reference, out=out, force=force, shard=shard_for(shard),
-                                       block_size=block_size))
+                                       block_size=block_size, distribution=distribution))
     print_from_config(options.from_config, err_console if as_json else None)
     with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_diff(checkpoint, rollouts, dataclasses.replace(options, progress=progress))
@@ -117,6 +134,7 @@ def diff(
         emit_json(result.summary)
         return
     print_pairs(result.summary)
+    print_distribution(result.summary)
     print_diff(result.summary["diff"])
     out_console.print(f"wrote {out}/")
 

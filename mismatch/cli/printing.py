@@ -129,6 +129,11 @@ def print_diff(comparison: dict[str, Any]) -> None:
     out_console.print(f"closer to the reference: {comparison['closer_to_reference']} "
                       f"({comparison['closer_rule']}); replay tokens/s: a {fmt(speed['a'])}, "
                       f"b {fmt(speed['b'])}", markup=False, highlight=False, soft_wrap=True)
+    on_distribution = comparison.get("distribution")
+    if on_distribution:
+        kl = on_distribution["kl"]
+        say(f"closer on the whole next-token distribution: {on_distribution['closer'] or 'undecided'} "
+            f"(mean KL a {fmt(kl['a'])}, b {fmt(kl['b'])}; {on_distribution['rule']})")
 
 
 def print_layers(found: dict[str, Any]) -> None:
@@ -203,3 +208,36 @@ def _config_value(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     return "null" if value is None else str(value)
+
+
+DISTRIBUTION_ROWS = (("KL(A‖B) mean", "kl_ab_mean"), ("KL(B‖A) mean", "kl_ba_mean"), ("KL(A‖B) max", "kl_ab_max"),
+                     ("TV mean", "tv_mean"), ("top-K overlap", "topk_overlap_mean"),
+                     ("argmax agree", "argmax_agree_frac"), ("rank differs", "rank_differs_frac"),
+                     ("sampled |Δlogp| mean", "sampled_abs_log_ratio_mean"))
+
+
+def print_distribution(summary: dict[str, Any]) -> None:
+    """--distribution: each pair's whole next-token distribution gap, what is exact or bounded,
+    the bitwise claim checked, and where and on which token it is largest."""
+    found = summary.get("distribution") or {}
+    if not found:
+        return
+    table = new_table(title="whole next-token distribution, A vs B, over trainable positions", title_justify="left")
+    table.add_column("metric")
+    for pair in found:
+        table.add_column(pair, justify="right")
+    for label, key in DISTRIBUTION_ROWS:
+        table.add_row(label, *(fmt(entry.get(key)) for entry in found.values()))
+    out_console.print(table)
+    for pair, entry in found.items():
+        view = "exact over the whole vocabulary" if entry["exact"] else f"bounded ({entry['bounded']})"
+        say(f"{pair}: top-K = {entry.get('k')}, {view}")
+        say(f"{pair}: {entry['bitwise']['claim']}")
+        if entry["tokens"]:
+            top = entry["tokens"][0]
+            say(f"{pair}: token {top['token_id']} moved most ({top['tv_share']:.0%} of the moved mass, "
+                f"largest change at {top['n_positions']} positions)")
+        if entry["worst"]:
+            worst = entry["worst"][0]
+            say(f"{pair}: largest KL(A‖B) {fmt(worst['kl_ab'])} at rollout {worst['rollout']} branch "
+                f"{worst['branch']} turn {worst['turn']} position {worst['pos']} (token {worst['moved_token']} moved)")

@@ -28,6 +28,11 @@ class Capabilities:
     forced_experts: bool = False   # replay(..., forced_experts=): follows another pass's experts (R3)
     processing: bool = False       # replay(..., processing=): log-probs under the sampler's processing
     records_entropy: bool = False  # recorded_entropy(): each scored position's entropy in the last replay
+    # The whole next-token distribution (--distribution, engines/distributions.py): full_distribution:
+    # scored_hidden() and full_rows(), the log-softmax over the vocabulary (torch engines);
+    # top_logprobs: top_rows(), each position's top-K and the sampled token's rank (vLLM).
+    full_distribution: bool = False
+    top_logprobs: bool = False
 
 
 BASIC = Capabilities()  # describe/replay/close only: a user's engine, an HTTP server, vLLM
@@ -67,6 +72,21 @@ class CapableEngine(Engine, Protocol):
     def recorded_entropy(self) -> list[np.ndarray] | None:
         """Each request's entropy per scored token in the last replay (NaN where its log-prob is),
         in request order; None when that replay applied processing."""
+
+
+class DistributionEngine(Engine, Protocol):
+    """What --distribution asks of an engine that declares full_distribution or top_logprobs."""
+
+    def scored_hidden(self, request: ReplayRequest) -> Any:
+        """full_distribution: the final hidden states [N, D] that predict the request's scored
+        tokens past position 0 (row j predicts token max(score_from, 1) + j)."""
+
+    def full_rows(self, hidden_ND: Any) -> Any:
+        """full_distribution: `distributions.FullRows` of those rows (fp32 log-softmax [N, V]); the
+        caller passes a chunk at a time."""
+
+    def top_rows(self, requests: Sequence[ReplayRequest], k: int) -> list[Any]:
+        """top_logprobs: per request, `distributions.TopRows` of its scored tokens past position 0."""
 
 
 def capabilities_of(engine: Any) -> Capabilities:

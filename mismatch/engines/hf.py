@@ -23,6 +23,7 @@ import numpy as np
 
 from mismatch.checkpoint import CheckpointInfo, checkpoint_info, load_model
 from mismatch.engines.contract import Capabilities, ProgressFn, ReplayRequest
+from mismatch.engines.distributions import FullRows
 from mismatch.engines.logprobs import DEFAULT_CHUNK, token_logprobs
 from mismatch.engines.micro_batches import balanced_by_tokens, first_fit_decreasing, in_order, padded_by_budget
 from mismatch.engines.processing import SUPPORT_SOURCES, kept_token_logprobs, processed_token_logprobs
@@ -102,7 +103,8 @@ class TorchEngineBase:
 
     kind = "?"
     options_cls: type = HFOptions
-    capabilities = Capabilities(records_routing=True, forced_experts=True, processing=True)
+    capabilities = Capabilities(records_routing=True, forced_experts=True, processing=True,
+                                full_distribution=True)
 
     def __init__(self, options: Any, checkpoint: str, spec_text: str) -> None:
         self.options = options
@@ -187,6 +189,21 @@ class TorchEngineBase:
         return {"support": (kept.slice(first - offset, stop - offset) if kept is not None else None,
                             request.truncation, request.generated[first:stop])}
 
+    def full_rows(self, hidden_ND) -> FullRows:
+        """The whole next-token distribution of these rows (--distribution): the same fp32
+        log-softmax of the same lm_head output as `token_logprobs`, over every token (the trainer's
+        temperature applied, as its log-probs are); the caller feeds a chunk of rows at a time."""
+        import torch
+
+        with torch.inference_mode():
+            logits_CV = self.lm_head(hidden_ND).float()
+            if self.softcap is not None:
+                logits_CV = torch.tanh(logits_CV / self.softcap) * self.softcap
+            temperature = getattr(self.options, "temperature", 1.0)
+            if temperature != 1.0:
+                logits_CV = logits_CV / temperature
+            return FullRows(logp_CV=torch.log_softmax(logits_CV, dim=-1).cpu())
+
     def _forced_rows(self, forced_experts: Sequence[np.ndarray] | None, request_index: int, start: int,
                      stop: int):
         """The forced experts of positions [start, stop) of a request (routing=replay), or None."""
@@ -209,7 +226,21 @@ class HFEngine(TorchEngineBase):
     check_options = staticmethod(check_packing)
     # The trainer's entropy at each position, for summary.json `strata` (trend: is the growth in
     # high-entropy tokens?). hf-decode records none: it is the sampler's path, not the trainer's.
-    capabilities = Capabilities(records_routing=True, forced_experts=True, processing=True, records_entropy=True)
+    capabilities = Capabilities(records_routing=True, forced_experts=True, processing=True, records_entropy=True,
+                                full_distribution=True)
+
+    def scored_hidden(self, request: ReplayRequest):
+        """The hidden states that predict the request's scored tokens past position 0 (--distribution):
+        the request forwarded alone (CPU matmuls were batch-invariant here; MACHINE.md)."""
+        import torch
+
+        ids_1L = torch.from_numpy(request.tokens)[None].to(self.device)
+        with torch.inference_mode():
+            hidden_LD = self.decoder(input_ids=ids_1L).last_hidden_state[0]
+        if self.recorder is not None:
+            self.recorder.take()  # this pass's routing is not the replay's: dropped
+        first = max(request.score_from, 1)
+        return hidden_LD[first - 1: len(request.tokens) - 1]
 
     def replay(self, requests: Sequence[ReplayRequest], *, progress: ProgressFn | None = None,
                forced_experts: Sequence[np.ndarray] | None = None,

@@ -115,6 +115,22 @@ class HFDecodeEngine(TorchEngineBase):
         self.seconds += time.perf_counter() - started
         return results
 
+    def scored_hidden(self, request: ReplayRequest):
+        """The hidden states that predict the request's scored tokens past position 0, fed as the
+        replay feeds them (prefill, then one token at a time with the KV cache; --distribution)."""
+        import torch
+
+        tokens = request.tokens
+        session = DecodeSession(self.model, self.device)
+        rows = []
+        for start, stop in feed_chunks(request.generated, prefill=self.options.prefill == "prompt"):
+            rows.append(session.feed(tokens[start:stop]))
+        if self.recorder is not None:
+            self.recorder.take()  # this pass's routing is not the replay's: dropped
+        hidden_LD = torch.cat(rows)  # inputs 0..L-2: row i predicts token i+1
+        first = max(request.score_from, 1)
+        return hidden_LD[first - 1:]
+
     def _replay_one(self, request: ReplayRequest, index: int, forced_experts: Sequence[np.ndarray] | None,
                     processing: Sampling | None) -> np.ndarray:
         import torch

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from mismatch.checkpoint import checkpoint_info, normalize_dtype
-from mismatch.engines.contract import ProgressFn, ReplayRequest
+from mismatch.engines.contract import Capabilities, ProgressFn, ReplayRequest
+from mismatch.engines.distributions import TopRows
 from mismatch.engines.spec import EngineSpec, options_from
 from mismatch.errors import EngineError, MismatchError, SpecError
 
@@ -210,6 +211,10 @@ def _shutdown(llm: Any) -> None:
 class VLLMEngine:
     kind = "vllm"
     options_cls = VLLMOptions
+    # --distribution: prompt_logprobs=K gives each prompt position's top-K and the prompt token
+    # with its rank (vllm/v1/worker/gpu_model_runner.py `_get_prompt_logprobs_dict`), never the
+    # whole vocabulary: the comparison is bounded, not exact (engines/distributions.py).
+    capabilities = Capabilities(top_logprobs=True)
 
     def __init__(self, options: VLLMOptions, checkpoint: str, spec_text: str) -> None:
         if options.prefix_cache_read and options.enable_prefix_caching is False:
@@ -330,14 +335,37 @@ class VLLMEngine:
         self.seconds += elapsed
         return results
 
+    def top_rows(self, requests: Sequence[ReplayRequest], k: int) -> list[TopRows]:
+        """Per request, the top-k of each scored position past 0 and the prompt token's log-prob
+        and rank, from one generate with prompt_logprobs=k (the prefix cache is never read: a
+        cached position has no prompt log-probs)."""
+        from vllm.inputs import TokensPrompt
+
+        llm = self.llm
+        todo = [i for i, r in enumerate(requests) if len(r.tokens) > max(r.score_from, 1)]
+        prompts = [TokensPrompt(prompt_token_ids=requests[i].tokens.tolist()) for i in todo]
+        started = time.perf_counter()
+        outputs = self._generate(llm, prompts, None, read_cache=False, prompt_logprobs=k) if todo else []
+        self.seconds += time.perf_counter() - started
+        rows = [_top_rows([], np.empty(0, dtype=np.int64), k) for _ in requests]
+        for i, output in zip(todo, outputs, strict=True):
+            request = requests[i]
+            entries = output.prompt_logprobs
+            if entries is None or len(entries) != len(request.tokens):
+                raise MismatchError(f"engine 'vllm': expected {len(request.tokens)} prompt log-probs, "
+                                    f"got {None if entries is None else len(entries)}")
+            first = max(request.score_from, 1)
+            rows[i] = _top_rows(entries[first:], request.tokens[first:], k)
+        return rows
+
     def _generate(self, llm: Any, prompts: list[Any], tracker: _Progress | None, *,
-                  read_cache: bool) -> list[Any]:
+                  read_cache: bool, prompt_logprobs: int = 0) -> list[Any]:
         from vllm import SamplingParams
 
         self.num_generate += 1
         # detokenize=False: scores are looked up by token id; decoding text is wasted work.
         extra = {"skip_reading_prefix_cache": False} if read_cache else {}
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, **extra)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=prompt_logprobs, detokenize=False, **extra)
         bar = False if tracker is None else tracker.bar_class()
         return llm.generate(prompts, params, use_tqdm=bar)
 
@@ -362,6 +390,25 @@ def _realized_logprobs(output: Any, request: ReplayRequest) -> np.ndarray:
                                 f"at position {position}")
         logp[j + (request.score_from == 0)] = entry.logprob
     return logp
+
+
+def _top_rows(entries: Sequence[Any], targets: np.ndarray, k: int) -> TopRows:
+    """The prompt log-prob dicts (token id -> Logprob) of these positions as TopRows: k + 1 slots,
+    the prompt token's always there (vLLM adds it when it is outside the top-k), padding id -1."""
+    ids = np.full((len(entries), k + 1), -1, dtype=np.int64)
+    logp = np.full((len(entries), k + 1), -np.inf)
+    sampled_logp = np.full(len(entries), np.nan)
+    sampled_rank = np.zeros(len(entries), dtype=np.int64)
+    for row, (entry, target) in enumerate(zip(entries, targets, strict=True)):
+        if not entry or int(target) not in entry:
+            raise MismatchError(f"engine 'vllm': no log-prob for token {int(target)} at scored row {row}")
+        for slot, (token, value) in enumerate(list(entry.items())[: k + 1]):
+            ids[row, slot], logp[row, slot] = token, value.logprob
+        sampled_logp[row] = entry[int(target)].logprob
+        sampled_rank[row] = entry[int(target)].rank
+        if int(target) not in ids[row]:  # more than k + 1 entries (ties): the prompt token kept
+            ids[row, k], logp[row, k] = int(target), sampled_logp[row]
+    return TopRows(ids_CK=ids, logp_CK=logp, sampled_logp_C=sampled_logp, sampled_rank_C=sampled_rank, k=k)
 
 
 class _Progress:

@@ -22,6 +22,7 @@ from mismatch.engines.hf import TorchEngineBase
 from mismatch.engines.hf_decode import DecodeSession, feed_chunks
 from mismatch.engines.logprobs import token_logprobs
 from mismatch.errors import MismatchError, SpecError
+from mismatch.localize.lens_distribution import DIST_JUMP_RULE, dist_jump, lens_kl
 from mismatch.results import json_safe
 
 DEFAULT_MAX_TOKENS = 2048
@@ -59,6 +60,7 @@ class LayerRow:
     logit_lens_logp_b: float | None = None
     logit_lens_abs_diff: float | None = None  # mean |logp_a - logp_b| of that read-out
     logit_lens_abs_diff_max: float | None = None
+    logit_lens_kl: float | None = None  # the whole distribution read out here: mean KL(a‖b) (issue #48)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -75,6 +77,7 @@ class LayerReport:
     jump_block: str | None          # "attn" | "mlp" | "norm" | "embed" | None
     jump_module: str | None         # the sub-block's attribute name, e.g. "mlp"
     by_layer: tuple[LayerRow, ...]  # per layer: its sub-blocks in execution order, then "residual"
+    dist_jump_layer: int | None = None  # the layer whose read-out KL rises most (DIST_JUMP_RULE)
 
     def residual(self) -> list[LayerRow]:
         return [row for row in self.by_layer if row.block == "residual"]
@@ -91,6 +94,7 @@ class LayerReport:
             "embed_rel_error": self.embed_rel_error,
             "output_logp_abs_diff_mean": last.logit_lens_abs_diff if last else None,
             "jump_layer": self.jump_layer, "jump_block": self.jump_block, "jump_module": self.jump_module,
+            "dist_jump_layer": self.dist_jump_layer, "dist_jump_rule": DIST_JUMP_RULE,
             "by_layer": [row.to_dict() for row in self.by_layer],
         })
 
@@ -340,7 +344,6 @@ class _Hooks:
 # ---------------------------------------------------------------------------------------------
 # Comparison
 
-
 @dataclass(slots=True)
 class _Tally:
     """Pooled relative error; squared norms summed in float64 from fp32 differences."""
@@ -367,6 +370,7 @@ class _Tally:
 
 @dataclass(slots=True)
 class _Lens:
+    sum_kl: float = 0.0  # KL(a‖b) of the whole read-out distribution, summed over positions
     sum_logp_a: float = 0.0
     sum_logp_b: float = 0.0
     sum_abs_diff: float = 0.0
@@ -426,7 +430,7 @@ def _compare(engine_a: TorchEngineBase, engine_b: TorchEngineBase, requests: lis
     vocab = engine_b.model.config.vocab_size
     hooks_b = _Hooks(engine_b, structure_b, reference=None)
     hooks_a = _Hooks(engine_a, structure_a, reference=None)
-    totals = _Totals()
+    totals, norms = _Totals(), (structure_a.final_norm, structure_b.final_norm)
     try:
         for request in requests:
             if int(request.tokens.max()) >= vocab:
@@ -444,6 +448,8 @@ def _compare(engine_a: TorchEngineBase, engine_b: TorchEngineBase, requests: lis
                 totals.lens[index].add(
                     _logit_lens(engine_a, structure_a.final_norm, cap_a.outputs[site], first, targets_P),
                     _logit_lens(engine_b, structure_b.final_norm, cap_b.outputs[site], first, targets_P))
+                totals.lens[index].sum_kl += lens_kl((engine_a, engine_b), norms, (cap_a.outputs[site], cap_b.outputs[site]),
+                                                     first, len(targets_P))
     finally:
         hooks_b.remove()
         hooks_a.remove()
@@ -452,7 +458,7 @@ def _compare(engine_a: TorchEngineBase, engine_b: TorchEngineBase, requests: lis
     jump_layer, jump_block, jump_module = _jump(rows, embed_error)
     return LayerReport(a=a, b=b, num_sequences=len(requests), num_tokens=totals.num_tokens,
                        embed_rel_error=embed_error, jump_layer=jump_layer, jump_block=jump_block,
-                       jump_module=jump_module, by_layer=tuple(rows))
+                       jump_module=jump_module, by_layer=tuple(rows), dist_jump_layer=dist_jump(rows))
 
 
 def _rows(structure: _Structure, totals: _Totals) -> list[LayerRow]:
@@ -471,7 +477,7 @@ def _rows(structure: _Structure, totals: _Totals) -> list[LayerRow]:
                              rel_error_token_max=residual.token_max, rel_error_increase=residual.rel() - previous,
                              logit_lens_logp_a=lens.sum_logp_a / count, logit_lens_logp_b=lens.sum_logp_b / count,
                              logit_lens_abs_diff=lens.sum_abs_diff / count,
-                             logit_lens_abs_diff_max=lens.max_abs_diff))
+                             logit_lens_abs_diff_max=lens.max_abs_diff, logit_lens_kl=lens.sum_kl / count))
         previous = residual.rel()
     return rows
 

@@ -18,6 +18,7 @@ from mismatch.advise.corrections import CorrectionSimulator
 from mismatch.analysis.alignment import AlignmentCheck, check_alignment
 from mismatch.analysis.chunked import Analysis, Chunks, run_passes
 from mismatch.analysis.clip import ClipRange
+from mismatch.analysis.distribution import DistributionSummary
 from mismatch.analysis.per_rollout import PerRollout
 from mismatch.analysis.prefixes import PrefixConsistency
 from mismatch.analysis.routing import routing_summary, token_routing
@@ -58,7 +59,9 @@ class AuditResult(stages.CommandResult):
 def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf", infer: str | None = None,
           out: str | Path | None = None, force: bool = False, localize_models: bool = False,
           shard: Shard | None = None, block_size: int = DEFAULT_BLOCK, progress: ProgressFactory | None = None,
-          clip: ClipRange = ClipRange(), probe: bool = False) -> AuditResult:
+          clip: ClipRange = ClipRange(), probe: bool = False, distribution: str | int | None = None,
+          framework_settings: dict[str, dict[str, Any]] | None = None, force_model: bool = False,
+          skip_invalid: bool = False) -> AuditResult:
     """Replay `rollouts` through `train` and `infer` engines and measure every pair's gap.
 
     The turn localizer always runs (it reads the table); `localize_models=True` also reruns the
@@ -66,12 +69,18 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf", in
     With `out`, finished blocks are kept in a work dir so the same call resumes after a kill.
     `clip` is the PPO clip range the gap is also measured against (summary.json `clip`).
     `probe=True` also runs the kernel probes at the checkpoint's shapes (summary.json `probes`).
+    `distribution` (a top-K size, or "full"): also compare train's and infer's whole next-token
+    distributions at every scored position (summary.json `distribution`; docs/distribution.md).
+    `framework_settings` (framework -> settings, as `--for` gives them): the IS settings its
+    framework metrics are computed with; `force_model`: audit although a --train config names
+    another model; `skip_invalid`: audit the valid rollouts, list the others (summary.json skipped).
     The library's front door to `run_audit(checkpoint, rollouts, AuditOptions(...))`.
     """
     return run_audit(checkpoint, rollouts, AuditOptions(
         train=train, infer=infer, out=Path(out) if out is not None else None, force=force,
         localize_models=localize_models, shard=shard, block_size=block_size, progress=progress, clip=clip,
-        probe=probe))
+        probe=probe, distribution=None if distribution is None else str(distribution),
+        framework_settings=framework_settings or {}, force_model=force_model, skip_invalid=skip_invalid))
 
 
 def run_audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) -> AuditResult:
@@ -94,13 +103,15 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) 
         beside = ReplayFindings(engines=replayed.engines, drift=stored.drift, alignment=alignment,
                                      routing=replayed_routing(replayed, pairs), prefixes=stored.prefixes)
         requests = replayed.plan.requests if options.localize_models else None
+        distribution = (DistributionSummary(options.distribution_pairs, replayed.distribution)
+                        if options.distribution is not None else None)
         del replayed  # the rollouts and their requests: from here on only the tokens are read
         per_rollout = PerRollout(pairs)
         digestion = stages.report_digestion(store, pairs) if options.out is not None else None
         measured, findings = analyze_audit(store.chunks, beside, clip=options.clip,
                                            settings=options.framework_settings,
                                            extra=[per_rollout, digestion] if digestion is not None else [],
-                                           workers=analysis_workers(store.num_rows))
+                                           workers=analysis_workers(store.num_rows), distribution=distribution)
         localized = _localized_models(checkpoint, requests, prepared, options) if requests is not None else {}
         summary = audit_summary(Provenance(command="audit", checkpoint=str(checkpoint), rollouts_file=str(rollouts),
                                            engines=beside.engines, shard=stages.shard_info(options),
@@ -187,10 +198,12 @@ class AuditFindings:
     routing: dict[str, Any] | None
     prefix_consistency: dict[str, Any] | None
     strata: dict[str, Any]
+    distribution: dict[str, Any] | None = None  # --distribution: each engine pair's whole-distribution gap
 
 
 def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | None, extra: Sequence[Analysis] = (),
-                  workers: int = 1, settings: dict[str, dict[str, Any]] | None = None) -> tuple[Measured, AuditFindings]:
+                  workers: int = 1, settings: dict[str, dict[str, Any]] | None = None,
+                  distribution: DistributionSummary | None = None) -> tuple[Measured, AuditFindings]:
     """Everything the token table shows, read as chunks of whole rollouts, every analysis in the
     same passes; `extra`: more analyses for those passes (the per-rollout table, the report's
     digestion); `workers`: how many processes share them (chunked.run_passes); `settings`: each framework's
@@ -211,7 +224,8 @@ def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | N
     kept_mass = KeptMassRatios()
     prefixes = beside.prefixes
     run_passes(chunks, [*summary.analyses, trees, frameworks, strata, turns, corrections, kept_mass,
-                        *([checked] if checked is not None else []), *extra], workers=workers,
+                        *([checked] if checked is not None else []),
+                        *([distribution] if distribution is not None else []), *extra], workers=workers,
                side_jobs=[prefixes] if isinstance(prefixes, PrefixConsistency) else [])
     alignment = beside.alignment if checked is None else checked.result()
     alignment.setdefault("truncation", {})["ratios"] = kept_mass.result()
@@ -221,7 +235,7 @@ def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | N
         corrections=[result.to_dict() for result in corrections.result()], drift=beside.drift,
         routing=beside.routing or None,
         prefix_consistency=prefixes.result() if isinstance(prefixes, PrefixConsistency) else prefixes,
-        strata=strata.result())
+        strata=strata.result(), distribution=distribution.result() if distribution is not None else None)
 
 
 def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFindings, *,
@@ -233,7 +247,8 @@ def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFin
         "framework_settings": findings.framework_settings,
         "localization": {"turns": findings.turns, **(localized or {})}, "corrections": findings.corrections,
         "drift": findings.drift, "routing": findings.routing, "prefix_consistency": findings.prefix_consistency,
-        "weights": weights or None, "probes": probes, "strata": findings.strata})
+        "weights": weights or None, "probes": probes, "strata": findings.strata,
+        **({"distribution": findings.distribution} if findings.distribution is not None else {})})
     advise(summary, probes=probes["results"] if probes is not None else None)
     return summary
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from mismatch.analysis.chunked import Analysis, Chunks, run_passes
 from mismatch.analysis.comparison import ConfigComparison
+from mismatch.analysis.distribution import DistributionSummary, closer_on_distribution
 from mismatch.analysis.per_rollout import PerRollout
 from mismatch.pipeline import stages
 from mismatch.pipeline.configured import with_configs
@@ -52,10 +53,12 @@ def _diff(checkpoint: str | Path, rollouts: str | Path, options: DiffOptions) ->
         stages.store_rows(replayed, store)
         provenance = Provenance(command="diff", checkpoint=str(checkpoint), rollouts_file=str(rollouts),
                                 engines=replayed.engines, shard=stages.shard_info(options), inputs=prepared.inputs)
+        distribution = (DistributionSummary(options.distribution_pairs, replayed.distribution)
+                        if options.distribution is not None else None)
         del replayed
         per_rollout = PerRollout(DIFF_PAIRS)
         summary = analyze_diff(store.chunks, provenance, seed=options.seed, extra=[per_rollout],
-                               workers=analysis_workers(store.num_rows))
+                               workers=analysis_workers(store.num_rows), distribution=distribution)
         if options.out is None:
             return DiffResult(summary=summary, out=None, table=store.table)
         stages.write_results_files(store, summary, per_rollout.result())
@@ -65,10 +68,16 @@ def _diff(checkpoint: str | Path, rollouts: str | Path, options: DiffOptions) ->
 
 
 def analyze_diff(chunks: Chunks, provenance: Provenance, *, seed: int = 0, extra: Sequence[Analysis] = (),
-                 workers: int = 1) -> dict[str, Any]:
-    """summary.json of a diff (or a merge of its shards) from its token table's chunks."""
+                 workers: int = 1, distribution: DistributionSummary | None = None) -> dict[str, Any]:
+    """summary.json of a diff (or a merge of its shards) from its token table's chunks; with
+    `distribution` (--distribution), which config is closer on the whole next-token distribution too."""
     measured, comparison = SummaryAnalyses(DIFF_PAIRS, None), ConfigComparison(seed=seed)
-    run_passes(chunks, [*measured.analyses, comparison, *extra], workers=workers)
+    run_passes(chunks, [*measured.analyses, comparison, *([distribution] if distribution is not None else []),
+                        *extra], workers=workers)
     speeds = {source: provenance.engines[source].get("tokens_per_s") for source in ("a", "b")}
+    found = distribution.result() if distribution is not None else None
+    compared = {**comparison.result(), "throughput_tokens_per_s": speeds}
+    if found is not None:
+        compared["distribution"] = closer_on_distribution(found)
     return summary_json(provenance, measured.result(),
-                        {"diff": {**comparison.result(), "throughput_tokens_per_s": speeds}})
+                        {"diff": compared, **({"distribution": found} if found is not None else {})})

@@ -26,6 +26,14 @@ class RunOptions:
     from_config: dict[str, dict[str, Any]] = field(default_factory=dict)
     skip_invalid: bool = False  # audit the valid rollouts; the others counted and listed (summary.json skipped)
 
+    # --distribution K | full: each pair of engines' whole next-token distributions (replay/distribution.py)
+    distribution: str | None = None
+
+    @property
+    def distribution_pairs(self) -> tuple[tuple[str, str], ...]:
+        """The pairs of engine sources whose distributions --distribution compares."""
+        return ()
+
     @property
     def sources(self) -> dict[str, str]:
         """The engine spec each source of the command replays ({} for a command that replays none)."""
@@ -49,6 +57,10 @@ class AuditOptions(RunOptions):
     def sources(self) -> dict[str, str]:
         return {"train": self.train, "infer": self.infer or DEFAULT_INFER}
 
+    @property
+    def distribution_pairs(self) -> tuple[tuple[str, str], ...]:
+        return (("train", "infer"),)
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class DiffOptions(RunOptions):
@@ -60,3 +72,7 @@ class DiffOptions(RunOptions):
     @property
     def sources(self) -> dict[str, str]:
         return {"a": self.a, "b": self.b, "reference": self.reference}
+
+    @property
+    def distribution_pairs(self) -> tuple[tuple[str, str], ...]:
+        return (("a", "reference"), ("b", "reference"))

@@ -23,6 +23,7 @@ from mismatch.engines import check_spec
 from mismatch.identity import run_inputs
 from mismatch.pipeline.options import RunOptions
 from mismatch.replay import Block, Replayed, ReplayOptions, replay_sources
+from mismatch.replay.distribution import DistributionAsk, check_distribution, parse_distribution
 from mismatch.results import (
     PREFIX_KEYS_FILE,
     ROLLOUTS_FILE,
@@ -71,6 +72,9 @@ def prepare(checkpoint: str | Path, rollouts: str | Path, options: RunOptions, *
         check_out_dir(options.out, force=options.force)
     # Every spec checked before anything else: a bad one leaves no work dir and costs no replay.
     specs = {source: check_spec(text) for source, text in options.sources.items()}
+    ask = distribution_ask(options)
+    if ask is not None:
+        check_distribution(ask, specs)
     inputs = None
     # A missing checkpoint or rollouts file gets its own one-line error from the replay.
     if Path(checkpoint).is_dir() and Path(rollouts).is_file():
@@ -107,7 +111,15 @@ def invalid_rollouts(checkpoint: str | Path, rollouts: str | Path) -> dict[str, 
 
 # The options of a command that change its numbers (or its advice) but not what it replays:
 # summary.json `inputs.options`, which the shards of one merge must share.
-NUMBER_OPTIONS = ("clip", "seed", "probe")
+NUMBER_OPTIONS = ("clip", "seed", "probe", "distribution")
+
+
+def distribution_ask(options: RunOptions) -> DistributionAsk | None:
+    """--distribution as the replay takes it (its pairs the command's), or None when not asked."""
+    if options.distribution is None:
+        return None
+    k, full = parse_distribution(options.distribution)
+    return DistributionAsk(k=k, full=full, pairs=options.distribution_pairs)
 
 
 def number_options(options: RunOptions) -> dict[str, Any]:
@@ -131,7 +143,8 @@ def replay(checkpoint: str | Path, rollouts: str | Path, options: RunOptions, pr
     log-probs, and which one a `routing=replay` engine follows."""
     replayed = replay_sources(checkpoint, rollouts, options.sources, ReplayOptions(
         progress=options.progress, shard=options.shard, block_size=options.block_size, work=prepared.work,
-        processed_source=processed_source, routing_from=routing_from, skip_invalid=options.skip_invalid))
+        processed_source=processed_source, routing_from=routing_from, skip_invalid=options.skip_invalid,
+        distribution=distribution_ask(options)))
     for source, table in options.from_config.items():  # what a framework config set, beside what ran
         replayed.engines[source] = {**replayed.engines[source], "from_config": table}
     return replayed

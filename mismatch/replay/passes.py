@@ -28,6 +28,7 @@ from mismatch.replay.checks import (
     replay_column,
     stored_routing,
 )
+from mismatch.replay.distribution import DistributionAsk, DistributionPass, check_distribution
 from mismatch.replay.plan import DEFAULT_BLOCK, ReplayPlan, Shard
 from mismatch.replay.processed import declared_processing
 from mismatch.replay.replayed import Counts, FilledBlocks, Replayed, SavedColumns
@@ -87,6 +88,8 @@ class ReplayOptions:
     pinned: Pinned | None = None  # the rollouts file's size and digest as the run's inputs took them
     skip_invalid: bool = False  # replay the file's valid rollouts only (--skip-invalid)
 
+    distribution: DistributionAsk | None = None  # --distribution: the pairs' whole next-token distributions
+
 
 def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[str, str],
                    options: ReplayOptions = ReplayOptions()) -> Replayed:
@@ -110,6 +113,8 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
     # Every spec checked in full (options, values, dtype) before the rollouts are read and before
     # the first replay: a typo in the second engine's spec must not cost the first one's replay.
     specs = {source: check_spec(text) for source, text in sources.items()}
+    if options.distribution is not None:
+        check_distribution(options.distribution, specs)
     blocks = FileBlocks(rollouts=rollouts, info=info, shard=options.shard, block_size=options.block_size,
                         pinned=_pinned(rollouts, options), skip_invalid=options.skip_invalid)
     engines: dict[str, Any] = {"sampler": {"kind": "stored", "spec": "sampler", "meta": {}}}
@@ -121,8 +126,16 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
         engines.update({source: _stored_engine(spec) for source, spec in specs.items()})
     else:
         routing = _replay_engines(specs, blocks, engines, columns, checkpoint=str(checkpoint), options=options)
-    filled = FilledBlocks(file=blocks, specs=specs, columns=columns, engines=engines, stored_only=stored_only)
-    return Replayed(engines=engines, routing=routing, filled=filled)
+    distribution: dict[str, Any] = {}
+    ask = options.distribution
+    pairs = ask.pairs if ask is not None and not stored_only else ()
+    for a, b in pairs:
+        # After every replay: both engines of the pair at once (engines/distributions.py).
+        distribution[f"{a}/{b}"] = DistributionPass(a, b, specs=specs, checkpoint=str(checkpoint), ask=ask,
+                                                    vocab_size=info.vocab_size).run(blocks.planned(), columns)
+    filled = FilledBlocks(file=blocks, specs=specs, columns=columns, engines=engines, stored_only=stored_only,
+                          distribution=ask if pairs else None)
+    return Replayed(engines=engines, routing=routing, filled=filled, distribution=distribution)
 
 
 def _pinned(rollouts: str | Path, options: ReplayOptions) -> Pinned | None:

@@ -22,6 +22,8 @@ from mismatch.replay.blocks import (
     sampler_metas,
 )
 from mismatch.replay.checks import ENTROPY_SUFFIX, check_stored_names, column_damage, entropy_damage
+from mismatch.engines.distributions import TERMS
+from mismatch.replay.distribution import DistributionAsk, column_name, distribution_damage, table_columns
 from mismatch.replay.plan import ReplayPlan
 from mismatch.results import WorkDir, concat_tables
 from mismatch.rollouts import Rollout
@@ -100,8 +102,10 @@ class FilledBlocks:
     settings learnt, at the end of that pass (`finish`)."""
 
     def __init__(self, *, file: FileBlocks, specs: dict[str, EngineSpec], columns: SavedColumns,
-                 engines: dict[str, Any], stored_only: bool) -> None:
+                 engines: dict[str, Any], stored_only: bool,
+                 distribution: DistributionAsk | None = None) -> None:
         self.file, self.specs, self.columns = file, specs, columns
+        self.distribution = distribution
         self.engines = engines  # the Replayed's: the sampler's settings are filled in by `finish`
         self.stored_only = stored_only
 
@@ -130,6 +134,12 @@ class FilledBlocks:
             if engine_capabilities(spec).records_entropy:  # every block has the column: NaN where unsaved
                 values = self.columns.load(source + ENTROPY_SUFFIX, block, table, entropy_damage)
                 table[f"entropy_{source}"] = values if values is not None else np.full(len(table), np.nan)
+        for a, b in self.distribution.pairs if self.distribution is not None else ():
+            terms = self.columns.load(column_name(a, b, self.distribution), block, table, distribution_damage)
+            if terms is None:
+                terms = np.full((len(table), len(TERMS)), np.nan)
+            for name, values in zip(table_columns(a, b), terms.T):
+                table[name] = values
         return Block(index=block, rollouts=selected, plan=plan)
 
     def blocks(self) -> Iterator[Block]:
@@ -198,8 +208,9 @@ class Replayed:
     processed pass found only in the data, the library)."""
 
     def __init__(self, *, engines: dict[str, Any], routing: dict[str, list[StreamRouting]],
-                 filled: FilledBlocks) -> None:
+                 filled: FilledBlocks, distribution: dict[str, Any] | None = None) -> None:
         self.engines = engines   # source -> describe() (the sampler's declared settings too)
+        self.distribution = distribution or {}  # "A/B" -> the distribution pass's account (--distribution)
         self.routing = routing   # source -> each request's MoE routing, where recorded
         self._filled = filled
         self._whole: tuple[list[Rollout], ReplayPlan] | None = None

@@ -157,8 +157,8 @@ def _step(path: Path, summary: dict[str, Any], number: int, step_from: str) -> S
     verdicts = summary.get("verdicts") or {}
     first = verdicts.get("train/sampler") or next(iter(verdicts.values()), {})
     step = Step(step=number, path=path, step_from=step_from, checkpoint=str(summary.get("checkpoint", "")),
-                pairs={name: dict(metrics) for name, metrics in (summary.get("pairs") or {}).items()
-                       if isinstance(metrics, dict)},
+                pairs=_with_distribution({name: dict(metrics) for name, metrics in (summary.get("pairs") or {}).items()
+                                          if isinstance(metrics, dict)}, summary.get("distribution")),
                 frameworks=_framework_metrics(summary.get("framework_metrics") or {}),
                 turns=list(summary.get("turns") or []), branch_kinds=list(summary.get("branch_kinds") or []),
                 strata=dict(summary.get("strata") or {}),
@@ -169,6 +169,18 @@ def _step(path: Path, summary: dict[str, Any], number: int, step_from: str) -> S
                 has_report=(path / "index.html").is_file(), mismatch_version=str(summary.get("mismatch_version", "")))
     step.ci = _confidence_intervals(path)
     return step
+
+
+DISTRIBUTION_METRICS = ("kl", "tv_mean", "argmax_agree_frac")  # read as "dist.NAME" (docs/distribution.md)
+
+
+def _with_distribution(pairs: dict[str, dict[str, Any]], found: Any) -> dict[str, dict[str, Any]]:
+    """A step's pair metrics with its --distribution means, where it measured them, as `dist.NAME`
+    (the gate's names), so `Step.value(pair, "dist.kl")` reads them like any metric."""
+    for pair, entry in (found.items() if isinstance(found, dict) else ()):
+        if isinstance(entry, dict) and pair in pairs:
+            pairs[pair].update({f"dist.{name}": entry.get(name) for name in DISTRIBUTION_METRICS})
+    return pairs
 
 
 def configuration(engine: dict[str, Any]) -> dict[str, Any]:
