@@ -557,12 +557,12 @@ def test_kill_9_leaves_only_whole_lines_and_the_proxy_keeps_its_token(upstream, 
     assert report.ok and report.num_rollouts == 1
 
 
-def test_the_readme_commands_are_ones_the_cli_takes(tmp_path, capsys) -> None:
-    """README "Recording a harness": the two commands, run against nothing, fail on their inputs
+def test_the_recording_page_commands_are_ones_the_cli_takes(tmp_path, capsys) -> None:
+    """docs/recording.md: the two commands, run against nothing, fail on their inputs
     (no server, no checkpoint), never on their usage."""
     import shlex
 
-    block = re.search(r"<!-- record -->\s*```bash\n(.*?)```", (REPO / "README.md").read_text(), re.DOTALL)
+    block = re.search(r"<!-- record -->\s*```bash\n(.*?)```", (REPO / "docs/recording.md").read_text(), re.DOTALL)
     assert block is not None
     record, audit = [shlex.split(line) for line in block.group(1).splitlines() if line.strip()]
     assert record[:2] == ["mismatch", "record"] and audit[:2] == ["mismatch", "audit"]
