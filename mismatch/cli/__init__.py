@@ -70,11 +70,19 @@ def _click_usage_name(self: Any) -> str:
     """Click's convention on the usage line: a required argument is NAME, an optional one [NAME]
     (typer >= 0.20 writes {NAME}, which reads like a set or a placeholder to fill with braces)."""
     name = self.display_name_raw if self.required else f"[{self.display_name_raw}]"
-    return name + ("..." if self.nargs != 1 else "")
+    return name + ("..." if self.nargs != 1 and not name.rstrip("]").endswith("...") else "")
+
+
+def _argument_type(self: Any, ctx: Any) -> str | None:
+    """An argument's metavar (RESULTS..., DIR...) says what it takes: no `<list[Path]>` beside it."""
+    return None if self.metavar else _typer_argument_type(self, ctx)
 
 
 if hasattr(typer.core.TyperArgument, "_usage_display_name"):
     typer.core.TyperArgument._usage_display_name = _click_usage_name  # type: ignore[method-assign]
+_typer_argument_type = getattr(typer.core.TyperArgument, "display_type_rich", None)
+if _typer_argument_type is not None:
+    typer.core.TyperArgument.display_type_rich = _argument_type  # type: ignore[method-assign]
 
 
 def _version(show: bool) -> None:
