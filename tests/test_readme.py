@@ -19,6 +19,7 @@ import pytest
 
 from conftest import REPO
 from mismatch.cli import EXIT_CODES, main
+from test_report import Opened, browser  # noqa: F401  (the report's Chromium fixture)
 from test_trend import responses  # noqa: F401  (the tiny model's own text, with its fp32 log-probs)
 from test_trend_faults import sampler_logprobs  # noqa: F401  (the same text's bf16 log-probs)
 
@@ -83,7 +84,7 @@ def run_block(name: str, capsys) -> dict[str, str]:
     return outputs
 
 
-def test_the_verl_path_runs_as_written(run_dir, responses, sampler_logprobs, capsys) -> None:  # noqa: F811
+def test_the_verl_path_runs_as_written(run_dir, responses, sampler_logprobs, capsys, browser) -> None:  # noqa: F811
     """verl's AgentLoopOutput rows (one step's dump) → import → audit with verl's config → recommend → gate."""
     dumps = run_dir / "dumps" / "step_3"
     dumps.mkdir(parents=True)
@@ -99,7 +100,16 @@ def test_the_verl_path_runs_as_written(run_dir, responses, sampler_logprobs, cap
     assert summary["pairs"]["train/sampler"]["n_tokens"] == sum(len(r[1]) for r in responses[:12])
     assert 0 < summary["pairs"]["train/sampler"]["kl_k3"] < 0.05  # bf16 against fp32: a small, real gap
     assert "rollout_correction" in outputs["recommend"], outputs["recommend"]
-    assert (run_dir / "audit/index.html").is_file()
+    # The report knows the framework from --train verl:…: its snippet on the first screen, the
+    # recommendation's parameters as a table, never a Python repr.
+    html = (run_dir / "audit/index.html").read_text()
+    assert "Paste into your verl config" in html and html.index('id="snippet"') < html.index('id="gaps"')
+    assert "{&#x27;" not in html and "{'" not in html and "ranked=" not in html
+    opened = Opened(browser, run_dir / "audit/index.html", width=1280)
+    box = opened.page.query_selector("#snippet pre").bounding_box()
+    assert box["y"] < 900, box  # it starts on the first screen
+    assert opened.page.query_selector("#corrections table.params") is not None
+    opened.assert_clean()
 
 
 def test_the_trl_path_runs_as_written(run_dir, responses, sampler_logprobs, capsys) -> None:  # noqa: F811
