@@ -127,3 +127,22 @@ def test_the_trl_path_runs_as_written(run_dir, responses, sampler_logprobs, caps
     summary = json.loads((run_dir / "audit/summary.json").read_text())
     assert 0 < summary["pairs"]["train/sampler"]["kl_k3"] < 0.05
     assert "vllm_importance_sampling" in outputs["recommend"], outputs["recommend"]
+
+
+def test_the_glossary_defines_every_term_the_outputs_use() -> None:
+    """Every summary.json pair metric, every simulated correction mode (its table is generated from
+    correction_modes.MODES), and the field's words the outputs print."""
+    from mismatch.advise.correction_modes import MODES
+    from mismatch.analysis.metrics import PAIR_METRICS
+
+    glossary = (REPO / "docs/glossary.md").read_text()
+    for metric in PAIR_METRICS:
+        assert f"`{metric}`" in glossary, metric
+    rows = ["| mode | params | level | weight (and where the field ships it) |", "|---|---|---|---|"]
+    rows += [f"| `{name}` | {', '.join(spec.params)} | {spec.level} | {spec.doc} |" for name, spec in MODES.items()]
+    block = re.search(r"<!-- modes -->\n(.*?)<!-- /modes -->", glossary, re.S)
+    assert block is not None and block.group(1) == "\n".join(rows) + "\n"
+    for word in ("**IS**", "**TIS**", "**MIS**", "**RS**", "**ESS**", "**k1**", "**k2**", "**k3**", "**χ²**",
+                 "**IcePop**", "**triangle**", "**R3**", "**replay fidelity**", "**change point**", "**jump**",
+                 "`frac_outside_clip`", "**level**", "**strata**"):
+        assert word in glossary, word
