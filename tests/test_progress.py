@@ -20,9 +20,10 @@ def test_off_a_terminal_each_stage_is_plain_whole_lines(tiny_checkpoint, tmp_pat
     err = capsys.readouterr().err
     assert "\r" not in err and "\x1b[" not in err and "…\n" not in err.replace(" …\n", ""), err  # nothing redrawn or cut
     lines = err.splitlines()
-    start = lines.index("starting train: hf:dtype=float32,attn=eager,batch_tokens=512 …")
-    assert re.fullmatch(r"starting train: \S+: done in \d+\.\d s", lines[start + 1]), lines
+    loaded = [line for line in lines if line.startswith("starting train: ")]
+    assert len(loaded) == 1 and re.fullmatch(r"starting train: \S+: done in \d+\.\d s", loaded[0]), lines
     bar = [line for line in lines if line.startswith(label)]
+    assert lines.index(loaded[0]) < lines.index(bar[0])  # the load is a stage of its own, before the replay
     total = int(re.search(r": 0/(\d+) tokens scored$", bar[0]).group(1))
     assert re.fullmatch(rf".*: {total}/{total} tokens scored \(100%, \d+\.\d s\)", bar[-1]), bar
     assert 2 <= len(bar) <= 6, bar  # the start, the quarters it crossed: a log, not a stream of redraws

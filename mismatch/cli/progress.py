@@ -1,9 +1,11 @@
 """What the terminal shows while a command works: a progress line for every stage that takes time
 (an engine loading, the demo's build and sampling, each replay), and phase spinners.
 
-All of it goes to stderr and stays off with --json. On a terminal: rich's live bars. Anywhere else
-(a pipe, a CI log): plain lines, never cut to a width nor redrawn — one when a stage starts, one at
-each quarter of its count (at most one per PLAIN_EVERY_S seconds between those), one when it ends.
+All of it goes to stderr and stays off with --json. On a terminal: rich's live bars and spinners.
+Anywhere else (a pipe, a CI log): plain lines, never cut to a width nor redrawn — a counted stage
+one when it starts, one at each quarter of its count (at most one per PLAIN_EVERY_S seconds between
+those) and one at its end; a phase without a count (an engine loading) one when it is done, with
+its seconds, so a load that fails leaves only its one error line.
 
 The factory contract (mismatch.replay.ProgressFactory): `factory(label, total)` returns `advance`;
 total None is a phase without a count (an engine starting), closed by `advance(0)`; total 0 is a
@@ -77,8 +79,7 @@ def _plain_factory(label: str, total: int | None) -> Callable[[int], None]:
     if total == 0:
         _say(label)
         return lambda done: None
-    if total is None:
-        _say(f"{label} …")
+    if total is None:  # said when done: a load that fails leaves its one error line alone
         return lambda done: _say(f"{label}: done in {time.perf_counter() - started:.1f} s")
     unit = _unit(label)
     state = {"done": 0, "quarter": 0, "said": started}
@@ -99,7 +100,7 @@ def _plain_factory(label: str, total: int | None) -> Callable[[int], None]:
 @contextmanager
 def working(label: str, enabled: bool) -> Iterator[None]:
     """A spinner with its label on stderr while a phase without a token count runs (not with
-    --json); off a terminal, a line when it starts and one when it ends."""
+    --json); off a terminal, a line when it is done."""
     if not enabled:
         yield
         return
