@@ -65,9 +65,10 @@ def known_framework(summary: dict[str, Any]) -> str | None:
     if not isinstance(snippets, dict):
         return None
     for source in ("train", "infer"):
-        spec = str(((summary.get("engines") or {}).get(source) or {}).get("spec", ""))
-        name = spec.split(":", 1)[0]
-        if ":" in spec and name in snippets and isinstance(snippets[name], str):
+        engine = (summary.get("engines") or {}).get(source) or {}
+        derived = engine.get("from_config") if isinstance(engine.get("from_config"), dict) else {}
+        name = str(derived.get("framework", ""))
+        if name in snippets and isinstance(snippets[name], str):
             return name
     return None
 

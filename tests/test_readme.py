@@ -85,14 +85,16 @@ def run_block(name: str, capsys) -> dict[str, str]:
 
 
 def test_the_verl_path_runs_as_written(run_dir, responses, sampler_logprobs, capsys, browser) -> None:  # noqa: F811
-    """verl's AgentLoopOutput rows (one step's dump) → import → audit with verl's config → recommend → gate."""
+    """verl's AgentLoopOutput rows (one step's dump) → import → audit with verl's config → recommend → gate.
+    verl's old-log-prob forward runs in bf16 (its default mixed precision): the sampler here is fp32."""
     dumps = run_dir / "dumps" / "step_3"
     dumps.mkdir(parents=True)
     rows = [{"prompt_ids": prompt, "response_ids": response, "response_mask": [1] * len(response),
-             "response_logprobs": sampler_logprobs["clean"][i].tolist(), "num_turns": 2}
-            for i, (prompt, response, _, _) in enumerate(responses[:12])]
+             "response_logprobs": np.asarray(fp32).tolist(), "num_turns": 2}
+            for prompt, response, fp32, _ in responses[:12]]
     (dumps / "agent_loop.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (run_dir / "ppo.yaml").write_text("actor_rollout_ref:\n  model:\n    use_remove_padding: true\n"
+                                      "  actor:\n    ppo_micro_batch_size_per_gpu: 4\n"
                                       "  rollout:\n    name: vllm\n    temperature: 1.0\n"
                                       "    log_prob_micro_batch_size_per_gpu: 4\n")
     outputs = run_block("verl", capsys)
