@@ -24,9 +24,9 @@ from test_trend import responses  # noqa: F401  (the tiny model's own text, with
 pytestmark = pytest.mark.slow
 
 STEPS, FAULT_AT = 12, 6
-# The headline metrics a weight fault moves by a factor (k3 ~60x here); each has a CI over rollouts per step.
+# The headline metrics a weight fault moves by a factor (k3 ~45x here); each has a CI over rollouts per step.
 HEADLINE_METRICS = ("kl_k1", "kl_k2", "log_ratio_abs_mean")
-FAULT_SCALE = 1.25  # layer 1's mlp.down_proj: k3 about 60x the clean bf16 gap on this text
+FAULT_SCALE = 1.25  # layer 1's mlp.down_proj: k3 about 45x the clean bf16 gap on this text (measured: 7.7e-4 against 1.7e-5)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_a_weight_fault_from_step_6_is_named_once_at_step_6(faulted_run, capsys)
     found = trend_json(dirs, capsys)
     series = found["series"]["kl_k3"]
     ratio = series[FAULT_AT]["value"] / series[FAULT_AT - 1]["value"]
-    assert ratio > 30, (ratio, series)  # the fault is large, as planted (about 60x)
+    assert ratio > 30, (ratio, series)  # the fault is large, as planted (about 45x)
     assert found["change_points"] == [FAULT_AT], found["change_points"]
     change = found["changes"][0]
     assert change["p_value"] < 1e-3 and change["separated"] is True
