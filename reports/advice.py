@@ -14,7 +14,7 @@ from mismatch.reports.html import Html, el, join, num
 CORRECTION_COLUMNS = (("frac_tokens_affected", "tokens affected", "pct"),
                       ("frac_rollouts_affected", "rollouts affected", "pct"),
                       ("weight_mean", "weight mean", "num"), ("weight_max", "weight max", "num"),
-                      ("ess", "ESS", "num"))
+                      ("ess", "ess", "num"))
 
 
 def snippet_blocks(value: Any) -> list[Html]:
