@@ -14,7 +14,7 @@ from mismatch.reports.html import Html, el, join, num
 CORRECTION_COLUMNS = (("frac_tokens_affected", "tokens affected", "pct"),
                       ("frac_rollouts_affected", "rollouts affected", "pct"),
                       ("weight_mean", "weight mean", "num"), ("weight_max", "weight max", "num"),
-                      ("ess", "ESS", "num"))
+                      ("ess", "ess", "num"))
 
 
 def snippet_blocks(value: Any) -> list[Html]:
@@ -32,6 +32,57 @@ def _compact(params: Any) -> str:
     if not isinstance(params, dict) or not params:
         return ""
     return ", ".join(f"{k}={num(v) if isinstance(v, float) else v}" for k, v in params.items())
+
+
+def params_table(params: Any) -> Html | None:
+    """A recommendation's parameters as a small table (name, value): numbers formatted, a nested
+    parameter dict compact ("cap=1.5"), a list of records (the ranked alternatives) a table of its own."""
+    if not isinstance(params, dict) or not params:
+        return None
+    rows, nested = [], []
+    for key, value in params.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            nested.append((key, value))
+            continue
+        shown = _compact(value) if isinstance(value, dict) else num(value) if isinstance(value, float) else str(value)
+        rows.append(el("tr", el("th", str(key), scope="row"), el("td", shown)))
+    tables = [el("table", el("tbody", rows), class_="data kv params")] if rows else []
+    for key, records in nested:
+        columns = list(dict.fromkeys(k for record in records for k in record))
+        head = el("tr", [el("th", column) for column in columns])
+        body = [el("tr", [el("td", _compact(r.get(c)) if isinstance(r.get(c), dict) else
+                             num(r.get(c)) if isinstance(r.get(c), float) else str(r.get(c, "–")))
+                          for c in columns]) for r in records]
+        tables.append(el("details", el("summary", f"{key} ({len(records)})"),
+                         el("div", el("table", el("thead", head), el("tbody", body), class_="data num"), class_="scroll")))
+    return join(*tables)
+
+
+def known_framework(summary: dict[str, Any]) -> str | None:
+    """The user's framework when the audit knows it: a replay derived from its config
+    (`--train verl:ppo.yaml`), whose snippet the summary holds."""
+    snippets = summary.get("config_snippets")
+    if not isinstance(snippets, dict):
+        return None
+    for source in ("train", "infer"):
+        engine = (summary.get("engines") or {}).get(source) or {}
+        derived = engine.get("from_config") if isinstance(engine.get("from_config"), dict) else {}
+        name = str(derived.get("framework", ""))
+        if name in snippets and isinstance(snippets[name], str):
+            return name
+    return None
+
+
+def first_screen_snippet(summary: dict[str, Any]) -> Html | None:
+    """The snippet for the user's framework, right under the verdict: what to paste, first."""
+    framework = known_framework(summary)
+    if framework is None:
+        return None
+    return el("section", el("h2", f"Paste into your {framework} config"),
+              el("pre", summary["config_snippets"][framework], class_="snippet"),
+              el("p", "The correction the recommendation below chooses, at the settings it simulated; "
+                      "see the glossary (docs/glossary.md) for each term.", class_="note"),
+              id="snippet", class_="panel")
 
 
 def is_recommended(correction: dict[str, Any], recs: list[dict[str, Any]]) -> bool:
@@ -58,7 +109,7 @@ def corrections_section(summary: dict[str, Any]) -> Html | None:
         rec_items.append(el("li", el("span", badge, class_=f"badge badge-{action}"), " ",
                             el("strong", describe(rec)), " ", el("code", str(rec.get("kind", "")), class_="kind"),
                             el("p", rec.get("why")) if rec.get("why") else None,
-                            el("p", _compact(rec.get("params")), class_="params") if rec.get("params") else None,
+                            params_table(rec.get("params")),
                             snippet_blocks(rec.get("snippets") or rec.get("snippet"))))
     # Snippets for the whole set, per framework (what `mismatch recommend --for F` prints), if stored.
     snippets = snippet_blocks(summary.get("config_snippets"))
@@ -73,7 +124,7 @@ def corrections_section(summary: dict[str, Any]) -> Html | None:
                      and not is_recommended(c, recs)]
         shown = [c for c in corrections if not any(c is u for u in untouched)]
         if len(untouched) > 1:
-            rows.append(el("tr", el("td", f"{len(untouched)} corrections change no token here: " + ", ".join(
+            rows.append(el("tr", el("td", f"{len(untouched)} of them change no token here: " + ", ".join(
                 f"{c.get('mode')} ({_compact(c.get('params'))})" for c in untouched),
                 colspan=str(2 + len(columns))), class_="collapsed"))
         else:
@@ -91,6 +142,7 @@ def corrections_section(summary: dict[str, Any]) -> Html | None:
                    el("ul", rec_items, class_="recs") if rec_items else
                    el("p", "Recommendation: not computed.", class_="note"),
                    join(el("h3", "Config snippets"), snippets) if snippets else None,
-                   join(el("h3", f"Simulated corrections ({len(corrections)})"),
-                        el("p", "Over train/sampler trainable tokens; ★ the recommended one.", class_="note"),
+                   join(el("h3", "Simulated corrections"),
+                        el("p", f"{len(corrections)} simulated over train/sampler's trainable tokens; ★ the "
+                                "recommended one.", class_="note"),
                         table) if table else None)

@@ -85,13 +85,14 @@ def describe(rec: dict[str, Any]) -> str:
 
 
 def key_numbers(metrics: dict[str, Any]) -> list[tuple[str, Any, str]]:
-    return [("kl_k3 per token", metrics.get("kl_k3"), "num"),
-            ("ratio q0.1 – q99.9", (metrics.get("ratio_q001"), metrics.get("ratio_q999")), "range"),
-            ("max |log-ratio|", metrics.get("log_ratio_abs_max"), "num"),
-            ("tokens outside [0.5, 2]", metrics.get("frac_outside_2"), "pct"),
-            ("ESS", metrics.get("ess"), "num"),
-            ("bitwise equal", metrics.get("bitwise_equal_frac"), "pct"),
-            ("trainable tokens", metrics.get("n_tokens"), "num")]
+    # One name per quantity: each tile is labelled with its summary.json key (docs/glossary.md).
+    return [("kl_k3", metrics.get("kl_k3"), "num"),
+            ("ratio_q001 – ratio_q999", (metrics.get("ratio_q001"), metrics.get("ratio_q999")), "range"),
+            ("log_ratio_abs_max", metrics.get("log_ratio_abs_max"), "num"),
+            ("frac_outside_2", metrics.get("frac_outside_2"), "pct"),
+            ("ess", metrics.get("ess"), "num"),
+            ("bitwise_equal_frac", metrics.get("bitwise_equal_frac"), "pct"),
+            ("n_tokens", metrics.get("n_tokens"), "num")]
 
 
 def _sentence(text: str) -> str:

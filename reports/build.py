@@ -201,12 +201,13 @@ def page_body(summary: dict[str, Any], tokens: tuple[Chunks, list[str]], *, toke
     worst = found.worst if focus in found.scored else None
     texts = worst["text"] if worst else None
     top = banner(summary)
-    nav = [("verdict", "Verdict"), ("gaps", "Gaps"), ("diff", "A vs B"), ("distribution", "Distribution"),
+    nav = [("verdict", "Verdict"), ("snippet", "Snippet"), ("gaps", "Gaps"), ("diff", "A vs B"), ("distribution", "Distribution"),
            ("next-token", "Next-token"), ("where", "Where"), ("localization", "Localization"),
            ("findings", "Findings"), ("corrections", "Corrections"), ("frameworks", "Frameworks"),
            ("worst", "Worst rollouts")]
     body = [
         sections.banner_html(top),
+        advice.first_screen_snippet(summary),
         sections.context_line(summary),
         sections.gaps_section(summary, pairs, colors),
         sections.diff_section(summary, texts),

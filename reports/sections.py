@@ -16,11 +16,12 @@ from mismatch.reports.blocks import chart, facts, fmt, pair_legend, records_tabl
 from mismatch.reports.figures import LEVEL_COLORS
 from mismatch.reports.html import Html, el, join, num, pct
 
-CARD_METRICS = (("kl_k3", "kl_k3 per token", "num"), ("log_ratio_abs_mean", "mean |log-ratio|", "num"),
-                ("log_ratio_abs_max", "max |log-ratio|", "num"),
-                (("ratio_q001", "ratio_q999"), "ratio q0.1 – q99.9", "range"), ("chi2_token", "χ² token", "num"),
-                ("ess", "ESS", "num"), ("frac_outside_2", "ratio outside [0.5, 2]", "pct"),
-                ("bitwise_equal_frac", "bitwise equal", "pct"), ("n_tokens", "trainable tokens", "num"))
+# One name per quantity: each card row is labelled with its summary.json key (docs/glossary.md).
+CARD_METRICS = (("kl_k3", "kl_k3", "num"), ("log_ratio_abs_mean", "log_ratio_abs_mean", "num"),
+                ("log_ratio_abs_max", "log_ratio_abs_max", "num"),
+                (("ratio_q001", "ratio_q999"), "ratio_q001 – ratio_q999", "range"), ("chi2_token", "chi2_token", "num"),
+                ("ess", "ess", "num"), ("frac_outside_2", "frac_outside_2", "pct"),
+                ("bitwise_equal_frac", "bitwise_equal_frac", "pct"), ("n_tokens", "n_tokens", "num"))
 
 
 # --- header and verdict -------------------------------------------------------------------------
@@ -39,6 +40,7 @@ def context_line(summary: dict[str, Any]) -> Html:
         items.append(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(created)))
     if summary.get("mismatch_version"):
         items.append(f"mismatch {summary['mismatch_version']} · {summary.get('command', '?')}")
+    items.append(join("every term: ", el("code", "docs/glossary.md"), " in mismatch's source"))
     separated = [join(el("span", " · ", class_="sep") if i else None, item) for i, item in enumerate(items)]
     return el("p", separated, class_="context")
 

@@ -1,8 +1,10 @@
-"""The trend report: one self-contained HTML page (the results report's conventions: plotly's basic
-bundle inlined, a strict CSP, data through one JSON block) over a training run's steps.
+"""The trend report: one self-contained HTML page over a training run's steps, in the results
+report's style (its CSS, plotly's basic bundle inlined, a strict CSP, data through one JSON block).
 
-A timeline per metric with its 95% CIs and each change point marked, the change's attribution, the
-per-step headline, and a link to each step's own report.
+First screen: a headline card (what changed, at which step, why, with the test behind it). Then a
+timeline per metric with its 95% CIs, every change point and jump marked on each; the changes, each
+once (a change point, else a jump, and the recorded configuration changes beside); the growth split
+by strata as a table; the steps with a link to each step's own report.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from mismatch.reports.build import atomic_write, render_page
 from mismatch.reports.html import Html, el, join, num, pct
 
 TIMELINES = ("kl_k3", "log_ratio_abs_mean", "chi2_token", "ratio_q001", "ratio_q999", "ess")
-_COLOR, _MARK = "#1f77b4", "#d62728"
+_COLOR, _MARK, _JUMP = "#1f77b4", "#d62728", "#e67700"
+_NAV = (("headline", "Headline"), ("timelines", "Timelines"), ("changes", "Changes"), ("strata", "Strata"),
+        ("steps", "Steps"))
 
 
 def build_trend_report(found: dict[str, Any], out: Path) -> Path:
@@ -23,16 +27,19 @@ def build_trend_report(found: dict[str, Any], out: Path) -> Path:
     out = Path(out)
     figures = {f"trend-{metric}": timeline(found, metric)
                for metric in dict.fromkeys([found["metric"], *TIMELINES]) if metric in found["series"]}
-    body = join(el("header", el("h1", "mismatch trend: ", found["pair"], " over ", str(found["num_steps"]), " steps"),
-                   el("p", headline(found), class_="headline")),
-                el("main", _charts(figures), _changes(found), _growth(found), _steps_table(found, out.parent)))
+    top = el("header", el("div", el("span", "mismatch", class_="brand"), el("span", "trend", class_="brand-sub"),
+                          class_="brand-box"),
+             el("nav", [el("a", label, href=f"#{anchor}") for anchor, label in _NAV]), class_="top")
+    body = join(top, el("main", headline_card(found), _charts(figures), _changes(found), _growth(found),
+                        _steps_table(found, out.parent)))
     atomic_write(out, render_page(body, {"figures": figures, "worst": None, "colors": {}},
                                   f"mismatch trend: {found['pair']}"))
     return out
 
 
 def headline(found: dict[str, Any]) -> str:
-    """The first line: where the metric changed and the first cause found, or that it did not."""
+    """The first line: where the metric changed, the test behind it and the first cause found, or
+    that it did not (and what was recorded changing without a measured move)."""
     metric, pair = found["metric"], found["pair"]
     if found["changes"]:
         change = found["changes"][0]
@@ -40,15 +47,63 @@ def headline(found: dict[str, Any]) -> str:
                 f"{num(change['before']['level'])} → {num(change['after']['level'])}, slope "
                 f"{num(change['before']['slope_per_step'])} → {num(change['after']['slope_per_step'])} per step, "
                 f"p = {num(change['p_value'], 2)}): {change['causes'][0]}")
-    significant = [jump for jump in found["jumps"] if jump["significant"] or jump["configuration"]]
-    if significant:
-        jump = significant[0]
-        return (f"{metric} of {pair} jumped at step {jump['step']} ({num(jump['before'])} → {num(jump['after'])}): "
-                f"{jump['causes'][0]}")
-    return f"no change in {metric} of {pair} over {found['num_steps']} steps (no change point passes the test)"
+    if found["jumps"]:
+        jump = found["jumps"][0]
+        return (f"{metric} of {pair} jumped at step {jump['step']} ({num(jump['before'])} → {num(jump['after'])}, "
+                f"p = {num(jump['p_value'], 2)}): {jump['causes'][0]}")
+    line = f"no change in {metric} of {pair} over {found['num_steps']} steps (no change point passes the test)"
+    recorded = found.get("configuration_changes") or []
+    if recorded:
+        first = recorded[0]
+        line += (f"; recorded at step {first['step']}, without a significant move "
+                 f"({num(first['before'])} → {num(first['after'])}, p = {num(first['p_value'], 2)}): "
+                 f"{first['causes'][0]}")
+    return line
+
+
+def headline_card(found: dict[str, Any]) -> Html:
+    """The report's banner, for a run: a pill, what changed at which step, why, and the numbers."""
+    metric = found["metric"]
+    if found["changes"]:
+        change = found["changes"][0]
+        status, pill, step = "fix", "CHANGED", change["step"]
+        title = f"{metric} changed at step {step}: {change['kind']}"
+        why = change["causes"]
+        tiles = [("step", str(step)), ("level before", num(change["before"]["level"])),
+                 ("level after", num(change["after"]["level"])), ("p-value", num(change["p_value"], 2))]
+        test = ("the step's 95% CI leaves the level before" if change.get("separated")
+                else "a bend: the test of one line against two is the evidence")
+    elif found["jumps"]:
+        jump = found["jumps"][0]
+        status, pill, step = "correct", "JUMPED", jump["step"]
+        title = f"{metric} jumped at step {step}"
+        why = jump["causes"]
+        tiles = [("step", str(step)), ("before", num(jump["before"])), ("after", num(jump["after"])),
+                 ("p-value", num(jump["p_value"], 2))]
+        test = "the two steps' difference passes a z-test from their CIs"
+    else:
+        status, pill = "healthy", "NO CHANGE"
+        title = f"no change in {metric} over {found['num_steps']} steps"
+        why = [f"{c['causes'][0]} (step {c['step']}, p = {num(c['p_value'], 2)}: no significant move)"
+               for c in found.get("configuration_changes") or []][:3]
+        values = [row["value"] for row in found["series"][metric]]
+        tiles = [("steps", str(found["num_steps"])), ("first", num(values[0])), ("last", num(values[-1]))]
+        test = "no change point passes the test; no two steps differ past their CIs"
+    details = [el("p", el("strong", "why: "), "; ".join(why), class_="banner-detail") if why else None,
+               el("p", el("strong", "test: "), test, " (", found["method"]["change_points"], ")",
+                  class_="banner-detail")]
+    return el("section",
+              el("div", el("span", pill, class_="pill"),
+                 el("h1", title, " — ", found["pair"], id="verdict-headline"), class_="banner-head"),
+              details,
+              el("div", [el("div", el("div", value, class_="tile-value", style=f"--chars: {len(value)}"),
+                            el("div", label, class_="tile-label"), class_="tile") for label, value in tiles],
+                 class_="tiles"),
+              id="headline", class_=f"banner status-{status}")
 
 
 def timeline(found: dict[str, Any], metric: str) -> dict[str, Any]:
+    """One metric over the steps with its CIs; each change point (red) and jump (orange) marked."""
     rows = found["series"][metric]
     steps = [row["step"] for row in rows]
     has_ci = any(row["ci_low"] is not None for row in rows)
@@ -58,53 +113,75 @@ def timeline(found: dict[str, Any], metric: str) -> dict[str, Any]:
         trace["error_y"] = {"type": "data", "symmetric": False, "color": _COLOR,
                             "array": [None if r["ci_high"] is None else r["ci_high"] - r["value"] for r in rows],
                             "arrayminus": [None if r["ci_low"] is None else r["value"] - r["ci_low"] for r in rows]}
+    marked = [(step, f"change point: step {step}", _MARK) for step in found["change_points"]]
+    marked += [(jump["step"], f"jump: step {jump['step']}", _JUMP) for jump in found["jumps"]]
     marks = [{"type": "line", "xref": "x", "yref": "paper", "x0": step, "x1": step, "y0": 0, "y1": 1,
-              "line": {"color": _MARK, "dash": "dash"}} for step in found["change_points"]]
-    notes = [{"x": step, "yref": "paper", "y": 1, "text": f"change point: step {step}", "showarrow": False,
-              "font": {"color": _MARK}, "yanchor": "bottom"} for step in found["change_points"]]
+              "line": {"color": color, "dash": "dash"}} for step, _, color in marked]
+    notes = [{"x": step, "yref": "paper", "y": 1, "text": text, "showarrow": False,
+              "font": {"color": color}, "yanchor": "bottom"} for step, text, color in marked]
     return {"data": [trace], "layout": {"title": {"text": f"{metric}{' (95% CI over rollouts)' if has_ci else ''}"},
                                         "xaxis": {"title": {"text": "step"}}, "shapes": marks, "annotations": notes,
-                                        "margin": {"t": 48, "r": 16}, "height": 300}}
+                                        "margin": {"t": 56, "r": 16, "l": 56}, "height": 300, "showlegend": False}}
+
+
+def _panel(anchor: str, title: str, *content: Any) -> Html:
+    return el("section", el("h2", title), *content, id=anchor, class_="panel")
 
 
 def _charts(figures: dict[str, Any]) -> Html:
-    return el("section", el("h2", "Timelines"), [el("div", class_="chart", data_fig=fig_id) for fig_id in figures])
+    return _panel("timelines", "Timelines", [el("div", class_="chart", data_fig=fig_id) for fig_id in figures])
 
 
 def _changes(found: dict[str, Any]) -> Html:
-    if not found["changes"] and not found["jumps"]:
-        return el("section", el("h2", "Changes"), el("p", "None: ", found["method"]["change_points"]))
-    items = []
+    """Every change once: the change points, the jumps that are none, then what was recorded changing."""
+    head = el("thead", el("tr", el("th", "step"), el("th", "what"), el("th", "before → after"), el("th", "p-value"),
+                          el("th", "why")))
+    rows = []
     for change in found["changes"]:
-        turns = ", ".join(f"turn {t['turn']} ({num(t['before'])} → {num(t['after'])})" for t in change["turns"])
-        items.append(el("li", el("strong", f"step {change['step']}: {change['kind']}"), " — ",
-                        "; ".join(change["causes"]), el("br"), "turns that grew most: ", turns or "–"))
+        rows.append(el("tr", el("td", str(change["step"])), el("td", f"change point ({change['kind']})"),
+                       el("td", f"{num(change['before']['level'])} → {num(change['after']['level'])}"),
+                       el("td", num(change["p_value"], 2)), el("td", "; ".join(change["causes"]))))
     for jump in found["jumps"]:
-        items.append(el("li", el("strong", f"step {jump['from_step']} → {jump['step']}"), " — ",
-                        "; ".join(jump["causes"])))
-    return el("section", el("h2", "Changes"), el("ul", items))
+        rows.append(el("tr", el("td", str(jump["step"])), el("td", f"jump from step {jump['from_step']}"),
+                       el("td", f"{num(jump['before'])} → {num(jump['after'])}"), el("td", num(jump["p_value"], 2)),
+                       el("td", "; ".join(jump["causes"]))))
+    named = {row["step"] for row in [*found["changes"], *found["jumps"]]}
+    for recorded in found.get("configuration_changes") or []:
+        if recorded["step"] in named:
+            continue  # its configuration is already among that row's causes
+        rows.append(el("tr", el("td", str(recorded["step"])), el("td", "recorded, no significant move"),
+                       el("td", f"{num(recorded['before'])} → {num(recorded['after'])}"),
+                       el("td", num(recorded["p_value"], 2)), el("td", "; ".join(recorded["causes"]))))
+    if not rows:
+        return _panel("changes", "Changes", el("p", "None. ", found["method"]["change_points"], "."))
+    return _panel("changes", "Changes", el("table", head, el("tbody", rows), class_="data"))
 
 
 def _growth(found: dict[str, Any]) -> Html:
+    """The whole run's growth of k3 split by strata (mismatch.trend.attribution), one row a dimension."""
     growth = found.get("growth")
     if not growth:
         return Html("")
+    head = el("thead", el("tr", el("th", "dimension"), el("th", "k3 before → after"), el("th", "from the mix"),
+                          el("th", "where it grew most"), el("th", "their gap grew"), el("th", "the rest's grew"),
+                          el("th", "their tokens")))
     rows = []
     for dimension, split in growth["strata"].items():
         if dimension == "explained_by":
             continue
         if "unavailable" in split:
-            rows.append(el("tr", el("td", dimension), el("td", split["unavailable"], colspan="4")))
+            rows.append(el("tr", el("td", dimension), el("td", split["unavailable"], colspan="6")))
             continue
         hot = split.get("hot") or {}
-        share = (lambda part: pct(part / split["growth"]) if split["growth"] else "–")
-        rows.append(el("tr", el("td", dimension), el("td", num(split["growth"])), el("td", share(split["mix"])),
+        mix = pct(split["mix"] / split["growth"]) if split["growth"] else "–"
+        rows.append(el("tr", el("td", dimension + (" (explains it)" if dimension in growth["strata"]["explained_by"] else "")),
+                       el("td", f"{num(split['gap_before'])} → {num(split['gap_after'])}"), el("td", mix),
                        el("td", hot.get("where", "–")),
-                       el("td", f"{pct(hot.get('growth_share'))} of the growth from {pct(hot.get('token_share'))} "
-                                "of the tokens" if hot else "–")))
-    return el("section", el("h2", f"Growth, steps {growth['before'][0]}… vs …{growth['after'][-1]}, by strata"),
-              el("table", el("tr", el("th", "dimension"), el("th", "growth of k3"), el("th", "from the mix"),
-                             el("th", "where it grew"), el("th", "concentration")), rows))
+                       el("td", f"{num(hot['factor'], 3)}×" if hot else "–"),
+                       el("td", f"{num(hot['rest_factor'], 3)}×" if hot else "–"),
+                       el("td", pct(hot["token_share"]) if hot else "–")))
+    title = f"Growth of k3, steps {growth['before'][0]}–{growth['before'][-1]} → {growth['after'][0]}–{growth['after'][-1]}, by strata"
+    return _panel("strata", title, el("div", el("table", head, el("tbody", rows), class_="data"), class_="scroll"))
 
 
 def _steps_table(found: dict[str, Any], here: Path) -> Html:
@@ -114,7 +191,47 @@ def _steps_table(found: dict[str, Any], here: Path) -> Html:
     for step in found["steps"]:
         link = el("a", "report", href=os.path.relpath(step["report"], here)) if step["report"] else "–"
         row = values[step["step"]]
-        rows.append(el("tr", el("td", str(step["step"])), el("td", num(row["value"])),
-                       el("td", f"{num(row['ci_low'])} – {num(row['ci_high'])}"), el("td", step["headline"]), el("td", link)))
-    return el("section", el("h2", "Steps"), el("table", el("tr", el("th", "step"), el("th", metric), el("th", "95% CI"),
-                                                           el("th", "headline"), el("th", "")), rows))
+        ci = f"{num(row['ci_low'])} – {num(row['ci_high'])}" if row["ci_low"] is not None else "–"
+        rows.append(el("tr", el("td", str(step["step"])), el("td", num(row["value"])), el("td", ci),
+                       el("td", step["headline"]), el("td", link)))
+    head = el("thead", el("tr", el("th", "step"), el("th", metric), el("th", "95% CI"), el("th", "the step's headline"),
+                          el("th", "")))
+    return _panel("steps", "Steps", el("table", head, el("tbody", rows), class_="data"))
+
+
+def terminal_lines(found: dict[str, Any]) -> list[str]:
+    """What `mismatch trend` prints: the headline, the series, each change once, the strata."""
+    metric = found["metric"]
+    lines = [headline(found),
+             f"{found['num_steps']} steps (from {found['step_from']}); {metric} of {found['pair']} per step, "
+             "95% CI over rollouts:"]
+    for row in found["series"][metric]:
+        ci = f"  [{num(row['ci_low'])}, {num(row['ci_high'])}]" if row["ci_low"] is not None else ""
+        lines.append(f"  step {row['step']:>6}  {num(row['value'])}{ci}")
+    for change in found["changes"]:
+        lines.append(f"change at step {change['step']} ({change['kind']}, p = {num(change['p_value'], 2)}):")
+        lines += [f"  - {cause}" for cause in change["causes"]]
+    for jump in found["jumps"]:
+        lines.append(f"jump at step {jump['step']} (from step {jump['from_step']}: {num(jump['before'])} → "
+                     f"{num(jump['after'])}, p = {num(jump['p_value'], 2)}): " + "; ".join(jump["causes"]))
+    named = {row["step"] for row in [*found["changes"], *found["jumps"]]}
+    for recorded in found.get("configuration_changes") or []:
+        if recorded["step"] not in named:
+            lines.append(f"recorded at step {recorded['step']}, no significant move (p = {num(recorded['p_value'], 2)}): "
+                         + "; ".join(recorded["causes"]))
+    growth = found.get("growth")
+    if growth:
+        lines.append(f"growth of k3 from steps {growth['before'][0]}–{growth['before'][-1]} to "
+                     f"{growth['after'][0]}–{growth['after'][-1]}, by strata:")
+        for dimension, split in growth["strata"].items():
+            if dimension == "explained_by":
+                continue
+            if "unavailable" in split:
+                lines.append(f"  {dimension}: {split['unavailable']}")
+                continue
+            hot = split.get("hot")
+            mix = pct(split["mix"] / split["growth"]) if split["growth"] else "–"
+            where = (f"; most in {hot['where']} ({pct(hot['token_share'])} of the tokens): their gap grew "
+                     f"{num(hot['factor'], 3)}×, the rest's {num(hot['rest_factor'], 3)}×" if hot else "")
+            lines.append(f"  {dimension}: {num(split['gap_before'])} → {num(split['gap_after'])}, {mix} from the mix{where}")
+    return lines

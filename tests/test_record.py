@@ -557,12 +557,12 @@ def test_kill_9_leaves_only_whole_lines_and_the_proxy_keeps_its_token(upstream, 
     assert report.ok and report.num_rollouts == 1
 
 
-def test_the_readme_commands_are_ones_the_cli_takes(tmp_path, capsys) -> None:
-    """README "Recording a harness": the two commands, run against nothing, fail on their inputs
+def test_the_recording_page_commands_are_ones_the_cli_takes(tmp_path, capsys) -> None:
+    """docs/recording.md: the two commands, run against nothing, fail on their inputs
     (no server, no checkpoint), never on their usage."""
     import shlex
 
-    block = re.search(r"<!-- record -->\s*```bash\n(.*?)```", (REPO / "README.md").read_text(), re.DOTALL)
+    block = re.search(r"<!-- record -->\s*```bash\n(.*?)```", (REPO / "docs/recording.md").read_text(), re.DOTALL)
     assert block is not None
     record, audit = [shlex.split(line) for line in block.group(1).splitlines() if line.strip()]
     assert record[:2] == ["mismatch", "record"] and audit[:2] == ["mismatch", "audit"]
@@ -575,3 +575,17 @@ def test_the_readme_commands_are_ones_the_cli_takes(tmp_path, capsys) -> None:
     assert main([swap.get(arg, arg) for arg in audit[1:]]) == 2
     err = capsys.readouterr().err
     assert "no-checkpoint" in err and "No such option" not in err, err
+
+
+def test_record_json_prints_what_it_wrote_on_stop(upstream, tmp_path) -> None:
+    """`record --json`: on SIGTERM, stdout is one JSON object with the file and its counts."""
+    from openai import OpenAI
+
+    out = tmp_path / "rollouts.jsonl"
+    with recording(upstream, out, "--json") as proxy:
+        client = OpenAI(base_url=proxy.url, api_key="unused")
+        model = client.models.list().data[0].id
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "2+2?"}], max_tokens=4)
+        stdout = proxy.stop(signal.SIGTERM)
+    assert json.loads(stdout) == {"out": str(out), "num_rollouts": 1, "num_requests": 1, "num_unrecorded": 0}
+    assert validate_file(out).num_rollouts == 1

@@ -165,22 +165,24 @@ def test_a_resume_that_restarts_the_sampler_in_another_dtype_is_named(tmp_path, 
     dirs = audit_run(tmp_path, tiny_checkpoint, responses, grows=False, seed=3, steps=2, dtype_at=1,
                      checkpoints=[tiny_checkpoint, resumed])
     found = trend_json(dirs, capsys, "--weights")
-    (jump,) = found["jumps"]
-    assert jump["step"] == 1 and jump["from_step"] == 0
+    # The stored log-probs did not move: the restart is recorded, with its test, and not claimed as a jump.
+    assert found["jumps"] == []
+    (jump,) = found["configuration_changes"]
+    assert jump["step"] == 1 and jump["from_step"] == 0 and jump["significant"] is False and jump["p_value"] > 0.01
     assert jump["causes"][0] == "engine restart: dtype: sampler.meta.dtype 'bfloat16' → 'float16'"
     assert jump["weights"]["compared"] and jump["weights"]["top_tensor"] == name
     assert jump["weights"]["rel_l2"] == pytest.approx(0.01, rel=1e-3)
     summary = json.loads((dirs[1] / "summary.json").read_text())
     (dirs[1] / "summary.json").write_text(json.dumps({**summary, "mismatch_version": "0.0.9"}))
-    (again,) = trend_json(dirs, capsys)["jumps"]
+    (again,) = trend_json(dirs, capsys)["configuration_changes"]
     assert again["causes"][:2] == ["another mismatch version audited this step: mismatch.mismatch_version "
                                    f"{summary['mismatch_version']!r} → '0.0.9'", jump["causes"][0]]
     (dirs[1] / "summary.json").write_text(json.dumps(summary))
     capsys.readouterr()
     assert main(["trend", *map(str, dirs)]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith("kl_k3 of train/sampler jumped at step 1 (") and first.endswith(
-        "engine restart: dtype: sampler.meta.dtype 'bfloat16' → 'float16'"), first
+    assert first.startswith("no change in kl_k3 of train/sampler over 2 steps") and first.endswith(
+        "engine restart: dtype: sampler.meta.dtype 'bfloat16' → 'float16'") and "without a significant move" in first, first
 
 
 def test_the_trend_gate_fails_on_a_slope_past_the_limit_and_writes_junit(growing_run, control_run, tmp_path, capsys):
@@ -220,7 +222,7 @@ def test_change_points_name_no_step_on_noisy_lines_and_find_a_clear_bend_and_jum
 
     steps = np.arange(30)
     named = 0
-    for seed in range(300):  # README: "on 300 simulated noisy lines it named no step"
+    for seed in range(300):  # docs/trend.md: "on 300 simulated noisy lines it named no step"
         rng = np.random.default_rng(seed)
         named += len(change_points(steps, 1e-4 + 2e-7 * steps + rng.normal(0, 1e-5, 30), np.full(30, 1e-5)))
     assert named == 0
@@ -262,7 +264,10 @@ def test_growth_in_high_entropy_tokens_is_attributed_to_the_trainers_entropy(tmp
     assert [abs(step - 5) <= 1 for step in found["change_points"]] == [True], found["change_points"]
     strata = found["changes"][0]["strata"]
     assert "entropy" in strata["explained_by"] and "length" not in strata["explained_by"], strata["explained_by"]
-    assert strata["entropy"]["hot"]["where"] == "trainer entropy (nats) ≥ 1", strata["entropy"]["hot"]
+    # The growth is planted above 1 nat; the hot buckets lie there (the weighted change point's
+    # windows may put the fastest growth above 2 nats, a part of it).
+    assert strata["entropy"]["hot"]["where"] in ("trainer entropy (nats) ≥ 1", "trainer entropy (nats) ≥ 2"), \
+        strata["entropy"]["hot"]
 
 
 def test_one_audit_of_a_step_indexed_dump_is_split_by_its_rollouts_steps(growing_run, tiny_checkpoint, tmp_path, capsys):

@@ -54,7 +54,7 @@ def choose_correction(evidence: Evidence, target: Target | None = None) -> Recom
 
 
 def _gap_words(metrics: dict[str, Any]) -> str:
-    return (f"kl_k3 {metrics['kl_k3']:.3g}, ratio q0.1-q99.9 {metrics['ratio_q001']:.3g}-"
+    return (f"kl_k3 {metrics['kl_k3']:.3g}, ratio_q001-ratio_q999 {metrics['ratio_q001']:.3g}-"
             f"{metrics['ratio_q999']:.3g} over {metrics['n_tokens']:,} trainable tokens")
 
 

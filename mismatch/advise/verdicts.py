@@ -30,8 +30,8 @@ def verdict(pair: str, metrics: dict[str, Any], cause: str | None = None) -> dic
     if cause and level == "negligible":  # under the thresholds, yet with a cause: not "rounding"
         text = _GENERIC["negligible"]
     if level not in ("unknown", "exact"):
-        text += (f" (kl_k3 {metrics['kl_k3']:.3g}, ratio q0.1–q99.9 {metrics['ratio_q001']:.3g}–"
-                 f"{metrics['ratio_q999']:.3g}, {metrics['frac_outside_2']:.2%} of tokens outside [0.5, 2])")
+        text += (f" (kl_k3 {metrics['kl_k3']:.3g}, ratio_q001–ratio_q999 {metrics['ratio_q001']:.3g}–"
+                 f"{metrics['ratio_q999']:.3g}, frac_outside_2 {metrics['frac_outside_2']:.2%})")
     if cause and level != "exact":
         text += f"; cause: {cause}"
     return {"level": level, "meaning": MEANING.get(pair, f"{pair} log-ratio"), "text": text}
@@ -42,7 +42,7 @@ _TEXT: dict[str, dict[str, str]] = {
         "unknown": "no stored sampler log-probs on trainable tokens: the RL ratio cannot be judged",
         "exact": "the PPO ratio is exactly 1 on-policy: trainer and sampler agree bit for bit",
         "negligible": "the PPO ratio is 1 up to rounding: no correction needed",
-        "small": "the PPO ratio drifts slightly from 1: a token-level TIS cap is cheap insurance",
+        "small": "the PPO ratio drifts slightly from 1: capping each token's ratio (TIS, token_truncate) bounds it at little cost",
         "large": "the PPO ratio is far from 1 on-policy: correct it (TIS/MIS) or fix the source",
     },
     "train/infer": {

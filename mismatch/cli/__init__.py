@@ -41,6 +41,11 @@ __all__ = ["KEY_METRICS", "app", "audit", "demo", "dependency_log", "diff", "dri
            "print_findings", "print_layers", "print_pairs", "print_weights", "probe", "record",
            "recommend", "replay_progress", "report", "run", "trend", "validate", "weights", "working"]
 
+# The one statement of the exit codes: `mismatch --help` prints it and the README quotes it
+# (tests/test_readme.py holds the two equal).
+EXIT_CODES = ("Exit codes: 0 ok, 1 gate failed, 2 bad input or usage, 3 the machine failed (disk full), "
+              "130 or 143 interrupted by SIGINT or SIGTERM (rerun to resume).")
+
 # Plain Click help (no rich markup): brackets and % print as written, flags have no metavar.
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode=None,
@@ -49,9 +54,8 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
                   epilog="Engine specs (--train, --infer, --a, --b, --reference): hf, hf:dtype=bf16,attn=eager, "
                          "hf-decode:dtype=bfloat16, vllm:dtype=bfloat16,enable_prefix_caching=false, "
                          "http://127.0.0.1:8000/v1, sampler, stored:NAME, python:MODULE:CALLABLE[,opt=v], or "
-                         "engine.toml. Exit codes: 0 ok, 1 gate failed, 2 bad input or usage, 3 the machine "
-                         "failed (disk full), 130 or 143 interrupted by SIGINT or SIGTERM (rerun to resume) "
-                         "(MISMATCH_DEBUG=1 shows tracebacks).")
+                         f"engine.toml. {EXIT_CODES} MISMATCH_DEBUG=1 shows tracebacks. Every word of the "
+                         "outputs is defined in docs/glossary.md.")
 
 # `mismatch --help` lists the commands in this order (typer keeps the order they are added in).
 COMMANDS = (("audit", audit), ("diff", diff), ("merge", merge), ("report", report),
@@ -66,11 +70,19 @@ def _click_usage_name(self: Any) -> str:
     """Click's convention on the usage line: a required argument is NAME, an optional one [NAME]
     (typer >= 0.20 writes {NAME}, which reads like a set or a placeholder to fill with braces)."""
     name = self.display_name_raw if self.required else f"[{self.display_name_raw}]"
-    return name + ("..." if self.nargs != 1 else "")
+    return name + ("..." if self.nargs != 1 and not name.rstrip("]").endswith("...") else "")
+
+
+def _argument_type(self: Any, ctx: Any) -> str | None:
+    """An argument's metavar (RESULTS..., DIR...) says what it takes: no `<list[Path]>` beside it."""
+    return None if self.metavar else _typer_argument_type(self, ctx)
 
 
 if hasattr(typer.core.TyperArgument, "_usage_display_name"):
     typer.core.TyperArgument._usage_display_name = _click_usage_name  # type: ignore[method-assign]
+_typer_argument_type = getattr(typer.core.TyperArgument, "display_type_rich", None)
+if _typer_argument_type is not None:
+    typer.core.TyperArgument.display_type_rich = _argument_type  # type: ignore[method-assign]
 
 
 def _version(show: bool) -> None:

@@ -29,6 +29,7 @@ def record(
     upstream_key_env: Annotated[Optional[str], typer.Option(
         "--upstream-key-env", help="Send this environment variable's value to the upstream as its API key.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output file.")] = False,
+    as_json: JsonFlag = False,
 ) -> None:
     """Proxy an OpenAI-compatible engine and record what it sampled as rollouts (stop: Ctrl-C)."""
     try:
@@ -40,6 +41,10 @@ def record(
     done = run_proxy(RecordOptions(upstream=upstream, out=out, host=host, port=port, idle_seconds=idle_seconds,
                                    api_key_env=api_key_env, upstream_key_env=upstream_key_env, force=force),
                      announce=lambda line: err_console.print(line, markup=False, highlight=False, soft_wrap=True))
+    if as_json:  # on stop: what was written, as the line below says it
+        emit_json({"out": str(done.out), "num_rollouts": done.num_rollouts, "num_requests": done.num_requests,
+                   "num_unrecorded": done.num_unrecorded})
+        return
     out_console.print(f"wrote {done.num_rollouts} rollouts ({done.num_requests} recorded requests, "
                       f"{done.num_unrecorded} not recorded) to {done.out}", markup=False, highlight=False,
                       soft_wrap=True)

@@ -23,10 +23,17 @@ def say(line: str) -> None:
     out_console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
+# Off a terminal (a pipe, a CI log) nothing redraws and nobody resizes: a table is laid out this
+# wide, at its natural width, so no metric name is cut to "log_ratio_abs_me…".
+PLAIN_WIDTH = 400
+
+
 def new_table(**options: Any) -> Table:
     # Imported on use: `mismatch --help` should not pay for rich's table layout.
     from rich.table import Table
 
+    if not out_console.is_terminal and out_console.width < PLAIN_WIDTH:
+        out_console.width = PLAIN_WIDTH
     return Table(**options)
 
 

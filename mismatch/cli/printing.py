@@ -21,7 +21,8 @@ def print_pairs(summary: dict[str, Any], target: Target | None = None, out: Path
     """Metrics as rows, pairs as columns: fits 80 columns for the three pairs of an audit. With a
     target framework, its own metric names and values as well: summary.json framework_metrics (its
     default settings), or, when the target names settings, recomputed at them from OUT's tokens."""
-    table = new_table(title="log(pi_A / pi_B) over trainable tokens", title_justify="left")
+    table = new_table(title="log(pi_A / pi_B) over trainable tokens", title_justify="left",
+                      caption="every term: docs/glossary.md", caption_justify="left")
     table.add_column("metric")
     pairs = summary["pairs"]
     for pair in pairs:

@@ -70,35 +70,7 @@ def check_report_path(report: Path) -> None:
 
 
 def _print_trend(found: dict[str, Any]) -> None:
-    from mismatch.reports.html import num, pct
-    from mismatch.reports.trend import headline
+    from mismatch.reports.trend import terminal_lines
 
-    say = lambda text: out_console.print(text, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
-    say(headline(found))
-    metric = found["metric"]
-    say(f"{found['num_steps']} steps (from {found['step_from']}); {metric} of {found['pair']} per step, 95% CI over rollouts:")
-    for row in found["series"][metric]:
-        ci = f"  [{num(row['ci_low'])}, {num(row['ci_high'])}]" if row["ci_low"] is not None else ""
-        say(f"  step {row['step']:>6}  {num(row['value'])}{ci}")
-    for change in found["changes"]:
-        say(f"change at step {change['step']} ({change['kind']}, p = {num(change['p_value'], 2)}):")
-        for cause in change["causes"]:
-            say(f"  - {cause}")
-    for jump in found["jumps"]:
-        say(f"step {jump['from_step']} → {jump['step']}: {num(jump['before'])} → {num(jump['after'])}"
-            f"{' (past the CIs)' if jump['significant'] else ''}: " + "; ".join(jump["causes"]))
-    growth = found.get("growth")
-    if growth:
-        say(f"growth of k3 from steps {growth['before'][0]}–{growth['before'][-1]} to "
-            f"{growth['after'][0]}–{growth['after'][-1]}, by strata:")
-        for dimension, split in growth["strata"].items():
-            if dimension == "explained_by":
-                continue
-            if "unavailable" in split:
-                say(f"  {dimension}: {split['unavailable']}")
-                continue
-            hot = split.get("hot")
-            mix = pct(split["mix"] / split["growth"]) if split["growth"] else "–"
-            where = (f"; {pct(hot['growth_share'])} of it in {hot['where']} ({pct(hot['token_share'])} of the tokens)"
-                     if hot else "")
-            say(f"  {dimension}: {num(split['gap_before'])} → {num(split['gap_after'])}, {mix} from the mix{where}")
+    for line in terminal_lines(found):
+        out_console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -21,6 +21,7 @@ DEMO_TRAIN = "hf"  # fp32 full forward: the trainer
 # The engine that replays each sampler's rollouts: its own path, so infer/sampler measures fidelity.
 DEMO_INFER = {"vllm": "vllm:dtype=bfloat16", "hf-decode": "hf-decode:dtype=bfloat16"}
 DEFAULT_DIR = Path("reports/demo")
+BUILD_STEPS = 300  # the tiny checkpoint's training steps (tinymodel.build_tiny_checkpoint's default)
 
 
 def vllm_available() -> bool:
@@ -46,9 +47,11 @@ def run_demo(out: str | Path = DEFAULT_DIR, *, progress: ProgressFactory | None 
     root = Path(out)
     checkpoint = root / "checkpoint"
     rollouts = root / "rollouts.jsonl"
+    tick = None
     if not (checkpoint / "config.json").is_file():
         say(f"building the tiny checkpoint in {checkpoint} (a minute on 2 cores, once) …")
-    built = ensure_tiny_checkpoint(checkpoint)
+        tick = progress(f"build the tiny checkpoint: {BUILD_STEPS} training steps", BUILD_STEPS) if progress else None
+    built = ensure_tiny_checkpoint(checkpoint, steps=BUILD_STEPS, progress=tick)
     say(f"checkpoint {checkpoint} ({built.num_params:,} params, final train loss {built.final_loss:.3f})")
     if not rollouts.is_file():
         engine = "vllm" if vllm_available() else "hf-decode"
@@ -57,8 +60,10 @@ def run_demo(out: str | Path = DEFAULT_DIR, *, progress: ProgressFactory | None 
                 "(pip install 'mismatch[vllm]' for a real engine)")
         say(f"sampling agentic rollouts with the bf16 {engine} sampler …")
         # One harness bug on purpose: a re-rendered tool call that `drift` must find.
-        count = write_rollouts(checkpoint, rollouts,
-                               HarnessConfig(engine=engine, faults=("rewrite_tool_args",)))
+        harness = HarnessConfig(engine=engine, faults=("rewrite_tool_args",))
+        tick = (progress(f"sample {harness.num_rollouts} rollouts: the bf16 {engine} sampler", harness.num_rollouts)
+                if progress else None)
+        count = write_rollouts(checkpoint, rollouts, harness, progress=tick)
         say(f"sampled {count} rollouts with the bf16 {engine} sampler -> {rollouts}")
     sampler = _sampler_engine(rollouts)
     if sampler == "vllm" and not vllm_available():

@@ -13,7 +13,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,8 +95,9 @@ class TinyCheckpoint:
 # --- public API -------------------------------------------------------------------------------
 
 def build_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, steps: int = 300,
-                          arch: str = "llama") -> TinyCheckpoint:
-    """Train tokenizer and model from scratch and publish them at out_dir in one rename."""
+                          arch: str = "llama", progress: Callable[[int], None] | None = None) -> TinyCheckpoint:
+    """Train tokenizer and model from scratch and publish them at out_dir in one rename;
+    `progress(1)` after each training step."""
     if arch not in _CONFIGS:
         raise ValueError(f"arch must be one of {sorted(_CONFIGS)}, got {arch!r}")
     if steps < 1:
@@ -108,7 +109,7 @@ def build_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, steps: int = 30
     # Same filesystem as out_dir, so the final rename is atomic; a crash leaves only a dot-dir.
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building-", dir=out_dir.parent))
     try:
-        facts = _build_into(tmp_dir, seed=seed, steps=steps, arch=arch)
+        facts = _build_into(tmp_dir, seed=seed, steps=steps, arch=arch, progress=progress)
         facts["build_seconds"] = round(time.perf_counter() - started, 3)
         (tmp_dir / BUILD_FILE).write_text(json.dumps(facts, indent=2) + "\n")
         # mkdtemp and safetensors leave owner-only modes; a shared cache must be readable.
@@ -123,14 +124,14 @@ def build_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, steps: int = 30
 
 
 def ensure_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, steps: int = 300,
-                           arch: str = "llama") -> TinyCheckpoint:
+                           arch: str = "llama", progress: Callable[[int], None] | None = None) -> TinyCheckpoint:
     """Return the checkpoint cached at out_dir if it was built with this recipe, else build it."""
     out_dir = Path(out_dir)
     facts = _read_facts(out_dir)
     wanted = {"format": BUILD_FORMAT, "seed": seed, "steps": steps, "arch": arch}
     if facts is not None and all(facts.get(k) == v for k, v in wanted.items()):
         return _checkpoint_from_facts(out_dir, facts)
-    return build_tiny_checkpoint(out_dir, seed=seed, steps=steps, arch=arch)
+    return build_tiny_checkpoint(out_dir, seed=seed, steps=steps, arch=arch, progress=progress)
 
 
 def render_chat(tokenizer: PreTrainedTokenizerFast, messages: Sequence[dict[str, Any]],
@@ -211,7 +212,7 @@ def _lr_at(step: int, steps: int) -> float:
 
 
 def _train(model: PreTrainedModel, token_ids: torch.Tensor, *, seed: int,
-           steps: int) -> list[float]:
+           steps: int, progress: Callable[[int], None] | None = None) -> list[float]:
     """AdamW on random 256-token windows of the packed corpus; returns the loss of every step."""
     generator = torch.Generator().manual_seed(seed)
     # No weight decay: we want a peaky, near-memorising model, like a policy late in RL.
@@ -232,11 +233,14 @@ def _train(model: PreTrainedModel, token_ids: torch.Tensor, *, seed: int,
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(loss.item())
+        if progress is not None:
+            progress(1)
     model.eval()
     return losses
 
 
-def _build_into(directory: Path, *, seed: int, steps: int, arch: str) -> dict[str, Any]:
+def _build_into(directory: Path, *, seed: int, steps: int, arch: str,
+                progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     texts = chat_corpus(seed)
     tokenizer = _train_tokenizer(texts)
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
@@ -245,7 +249,7 @@ def _build_into(directory: Path, *, seed: int, steps: int, arch: str) -> dict[st
 
     with _pinned_torch(seed):
         model = AutoModelForCausalLM.from_config(_config(arch, tokenizer), dtype=torch.float32)
-        losses = _train(model, token_ids, seed=seed, steps=steps)
+        losses = _train(model, token_ids, seed=seed, steps=steps, progress=progress)
 
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

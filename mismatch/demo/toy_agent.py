@@ -15,7 +15,7 @@ import json
 import operator
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -414,11 +414,17 @@ def run_tool(call_text: str) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.4g}"
 
 
-def write_rollouts(checkpoint: str | Path, out: str | Path, config: HarnessConfig) -> int:
-    """Sample `config.num_rollouts` rollouts to a JSONL file (atomically); returns the count."""
+def write_rollouts(checkpoint: str | Path, out: str | Path, config: HarnessConfig,
+                   progress: Callable[[int], None] | None = None) -> int:
+    """Sample `config.num_rollouts` rollouts to a JSONL file (atomically); returns the count.
+    `progress(1)` after each rollout."""
     from mismatch.results import atomic_write_text
 
     agent = ToyAgent(checkpoint, config)
-    lines = [json.dumps(rollout, separators=(",", ":")) for rollout in agent.rollouts()]
+    lines = []
+    for rollout in agent.rollouts():
+        lines.append(json.dumps(rollout, separators=(",", ":")))
+        if progress is not None:
+            progress(1)
     atomic_write_text(Path(out), "\n".join(lines) + "\n")
     return len(lines)

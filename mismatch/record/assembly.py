@@ -94,7 +94,7 @@ class Conversation:
 class Recorder:
     """Open conversations; exchanges in, finished rollouts (dicts) out.
 
-    Grouping rule (README "Recording a harness"): with a session key, a request joins that
+    Grouping rule (docs/recording.md): with a session key, a request joins that
     session's conversation. Without one it joins the open conversation it shares the longest
     token prefix with, provided that prefix reaches past the conversation's first prompt (into
     what the model sampled), or covers that whole first prompt and the request re-sends most of

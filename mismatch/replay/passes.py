@@ -38,7 +38,7 @@ from mismatch.rollouts.pinned import Pinned
 from mismatch.streams import Sampling, StreamRouting
 
 # (label, total tokens) -> a callback per batch of tokens done; total None: a phase without a count
-# (an engine starting), whose callback is called once when it ends.
+# (an engine starting), whose callback is called once when it ends; total 0: a note, one line.
 ProgressFactory = Callable[[str, int | None], ProgressFn | None]
 
 # What an engine reports about itself once loaded that its spec does not fix (the dtype "auto"
@@ -262,16 +262,20 @@ class SourcePass:
         """Every block replayed (or resumed); returns the engine's description and each request's
         MoE routing when it records it (else None). `totals`: (tokens fed, tokens scored) of the
         run, for the progress bar."""
-        num_requests = 0
+        num_requests = num_blocks = 0
         try:
             for block, plan in blocks:
                 self._block(block, plan, num_requests, totals)
                 num_requests += len(plan.requests)
+                num_blocks += 1
             described = self._described()
         finally:
             if self.engine is not None:
                 self.engine.close()
         described = {**with_counts(described, self.counts), "resumed_blocks": self.num_resumed}
+        if self.num_resumed and self.progress is not None:  # a rerun says what it did not redo
+            self.progress(f"--{self.source} {self.spec.text}: resumed {self.num_resumed} of {num_blocks} blocks "
+                          "from the interrupted run", 0)
         return described, (self.routed if len(self.routed) == num_requests and self.routed else None)
 
     def _block(self, block: int, plan: ReplayPlan, first_request: int, totals: tuple[int, int]) -> None:

@@ -17,7 +17,7 @@ from mismatch.streams import KeptSets
 ROLES = ("system", "user", "assistant", "tool", "summary")
 MODEL_ROLES = frozenset({"assistant", "summary"})
 BRANCH_KINDS = ("main", "subagent", "summary", "subagent_summary")
-# The fields format v1 names at each level (README "Rollout format"); `meta` and `messages` are free-form.
+# The fields format v1 names at each level (docs/format.md); `meta` and `messages` are free-form.
 ROLLOUT_FIELDS = ("id", "branches", "meta", "messages")
 BRANCH_FIELDS = ("id", "kind", "parent", "fork_at", "segments")
 SEGMENT_FIELDS = ("role", "tokens", "logprobs", "trainable", "extra_logprobs", "routed_experts", "sampling_mask")

@@ -54,7 +54,8 @@ def analyze_steps(steps: list[Step], *, pair: str, metric: str, weights: bool = 
                        for row in headline])
     found = change_points(numbers, values, errors)
     changes = [_change(steps, point, pair, metric, weights=weights) for point in found]
-    jumps = _jumps(steps, values, errors, weights=weights)
+    # Each move is listed once: a step that is a change point is not listed again as a jump.
+    jumps, recorded = _jumps(steps, values, errors, weights=weights, skip={point.index for point in found})
     half = max(1, min(WINDOW, len(steps) // 2))
     metrics = [m for m in MEAN_METRICS + ("ratio_q001", "ratio_q999", "ess", "log_ratio_abs_max")
                if any(m in step.pairs.get(pair, {}) for step in steps)]
@@ -65,14 +66,19 @@ def analyze_steps(steps: list[Step], *, pair: str, metric: str, weights: bool = 
                    "report": str(s.path / "index.html") if s.has_report else None} for s in steps],
         "series": {name: series(steps, pair, name) for name in [*metrics, *frameworks]},
         "change_points": [steps[point.index].step for point in found],
-        "changes": changes, "jumps": jumps,
+        "changes": changes, "jumps": jumps, "configuration_changes": recorded,
         "growth": {"before": [s.step for s in steps[:half]], "after": [s.step for s in steps[-half:]],
                    "strata": strata_growth(steps[:half], steps[-half:], pair)} if len(steps) >= 2 else None,
-        "method": {"change_points": "ruptures PELT on a line per segment, pen 5·σ²·log n; each kept if the "
-                                    f"F-test of one line against two is below {ALPHA} (Bonferroni)",
+        "method": {"change_points": "ruptures PELT on a line per segment, weighted by each step's standard error, "
+                                    "pen 5·log n; each kept if one line against two is rejected at "
+                                    f"{ALPHA} (Bonferroni; χ² with the steps' errors, else F), and a change of "
+                                    "level only where the step's 95% CI excludes the level before",
                    "ci": "95%, delta method over rollouts (rollouts.parquet), for token-weighted means",
                    "jumps": f"consecutive steps whose difference passes a two-sided z-test at {ALPHA} "
-                            "(Bonferroni over the steps), from their CIs"},
+                            "(Bonferroni over the steps), from their CIs, not already a change point",
+                   "configuration_changes": "every step where an engine's recorded configuration changed "
+                                            "(a per-step sampling seed or rollout count is none), with the "
+                                            "same z-test: a change recorded is not a change measured"},
     })
 
 
@@ -92,7 +98,7 @@ def _change(steps: list[Step], point: ChangePoint, pair: str, metric: str, *, we
     k = point.index
     before, after = steps[max(0, k - WINDOW):k], steps[k:k + WINDOW]
     previous, current = steps[k - 1], steps[k]
-    found = {"step": current.step, "kind": point.kind, "p_value": point.p_value,
+    found = {"step": current.step, "kind": point.kind, "p_value": point.p_value, "separated": point.separated,
              "before": {"level": point.before[0], "slope_per_step": point.before[1]},
              "after": {"level": point.after[0], "slope_per_step": point.after[1]},
              "strata": strata_growth(before, after, pair),
@@ -107,12 +113,14 @@ def _change(steps: list[Step], point: ChangePoint, pair: str, metric: str, *, we
     return found
 
 
-def _jumps(steps: list[Step], values: np.ndarray, errors: np.ndarray, *, weights: bool) -> list[dict[str, Any]]:
-    """Consecutive steps whose values differ past their CIs (z-test, Bonferroni over the steps), and
-    every step where an engine's recorded configuration changed, with that change as the cause."""
+def _jumps(steps: list[Step], values: np.ndarray, errors: np.ndarray, *, weights: bool,
+           skip: set[int]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(jumps, configuration changes): consecutive steps whose values differ past their CIs (z-test,
+    Bonferroni over the steps) and are no change point already; and every step where an engine's
+    recorded configuration changed, with the same test's answer, whether or not it passes."""
     from scipy import stats
 
-    out = []
+    jumps, recorded = [], []
     tests = max(len(steps) - 1, 1)
     for k in range(1, len(steps)):
         se = math.hypot(errors[k - 1], errors[k])
@@ -120,14 +128,18 @@ def _jumps(steps: list[Step], values: np.ndarray, errors: np.ndarray, *, weights
         p = float(2 * stats.norm.sf(abs(z))) if math.isfinite(z) else None
         configuration = configuration_changes(steps[k - 1], steps[k])
         significant = p is not None and p < ALPHA / tests
-        if significant or configuration:
-            entry = {"step": steps[k].step, "from_step": steps[k - 1].step, "before": values[k - 1],
-                     "after": values[k], "p_value": p, "significant": significant, "configuration": configuration}
-            if weights:
-                entry["weights"] = weights_between(steps, k)
-            entry["causes"] = causes(entry)
-            out.append(entry)
-    return out
+        if not ((significant and k not in skip) or configuration):
+            continue
+        entry = {"step": steps[k].step, "from_step": steps[k - 1].step, "before": values[k - 1],
+                 "after": values[k], "p_value": p, "significant": significant, "configuration": configuration}
+        if weights:
+            entry["weights"] = weights_between(steps, k)
+        entry["causes"] = causes(entry)
+        if significant and k not in skip:
+            jumps.append(entry)
+        if configuration:
+            recorded.append(entry)
+    return jumps, recorded
 
 
 def causes(found: dict[str, Any]) -> list[str]:

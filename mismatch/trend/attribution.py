@@ -24,6 +24,9 @@ from mismatch.trend.steps import Step
 MIN_REST_SHARE = 0.1     # the other buckets must have held this share of the gap for a contrast to mean anything
 MIN_GROWTH_SHARE = 0.02  # a hot bucket holds at least this share of the growth
 MIN_CONTRAST = 1.5  # a dimension explains the growth when its hot buckets' gap grew 1.5x the rest's factor
+# What a run draws anew at every step without reconfiguring any engine: the sampling seed and how
+# many rollouts (or samples per prompt) the step drew. Two steps differing there ran the same engine.
+PER_STEP_FACTS = frozenset({"seed", "sampling_seed", "n", "num_rollouts", "n_rollouts", "num_samples", "rollouts"})
 _UNITS = {"length": "response length (trained tokens in the rollout)", "position": "position in the stream",
           "prob": "token probability", "entropy": "trainer entropy (nats)"}
 
@@ -153,7 +156,7 @@ def grown(records_before: Sequence[list[dict[str, Any]]], records_after: Sequenc
 def configuration_changes(previous: Step, current: Step) -> list[dict[str, Any]]:
     """Every recorded configuration fact of an engine that differs between two steps, each with its
     kind of cause: an engine restarted in another dtype or version, or otherwise configured; and
-    the audits' own mismatch version."""
+    the audits' own mismatch version. A per-step seed or rollout count (PER_STEP_FACTS) is none."""
     changes = []
     if previous.mismatch_version != current.mismatch_version:
         changes.append({"engine": "mismatch", "key": "mismatch_version", "before": previous.mismatch_version,
@@ -161,6 +164,8 @@ def configuration_changes(previous: Step, current: Step) -> list[dict[str, Any]]
     for source in sorted(set(previous.engines) | set(current.engines)):
         old, new = previous.engines.get(source, {}), current.engines.get(source, {})
         for key in sorted(set(old) | set(new)):
+            if key.rpartition(".")[2] in PER_STEP_FACTS:
+                continue
             if old.get(key) != new.get(key):
                 changes.append({"engine": source, "key": key, "before": old.get(key), "after": new.get(key),
                                 "cause": _cause_of(key)})
