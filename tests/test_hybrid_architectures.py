@@ -147,6 +147,24 @@ def test_a_perturbed_indexer_flips_keys_and_index_replay_removes_the_gap(archite
     assert flips["removed_k3_frac"] == 1.0
 
 
+def test_layers_cli_reports_the_split_and_the_index_flips(architecture_checkpoint, short_rollouts, tmp_path,
+                                                          capsys) -> None:
+    from mismatch.cli import main
+
+    checkpoint = architecture_checkpoint("glm_moe_dsa")
+    perturbed = _perturbed_indexer(checkpoint, tmp_path / "perturbed")
+    args = ["layers", str(checkpoint), "--rollouts", str(short_rollouts), "--a",
+            f"hf:dtype=float32,checkpoint={perturbed}", "--b", "hf:dtype=float32"]
+    assert main([*args, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["layer_types"]["lead_type"] == "sparse_attention"
+    assert found["index_flips"]["removed_k3_frac"] == 1.0
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "layer types: the sparse-attention layers' indexer top-k selection" in printed
+    assert "index replay removes 100%" in printed
+
+
 def test_bf16_index_flips_are_measured_and_replay_removes_their_part(architecture_checkpoint, short_rollouts,
                                                                      tmp_path) -> None:
     """bf16 vs fp32: the indexer's top-k flips on rounding; replay (bf16 forced to fp32's keys) leaves
