@@ -147,6 +147,24 @@ def test_a_perturbed_indexer_flips_keys_and_index_replay_removes_the_gap(archite
     assert flips["removed_k3_frac"] == 1.0
 
 
+def test_layers_cli_reports_the_split_and_the_index_flips(architecture_checkpoint, short_rollouts, tmp_path,
+                                                          capsys) -> None:
+    from mismatch.cli import main
+
+    checkpoint = architecture_checkpoint("glm_moe_dsa")
+    perturbed = _perturbed_indexer(checkpoint, tmp_path / "perturbed")
+    args = ["layers", str(checkpoint), "--rollouts", str(short_rollouts), "--a",
+            f"hf:dtype=float32,checkpoint={perturbed}", "--b", "hf:dtype=float32"]
+    assert main([*args, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["layer_types"]["lead_type"] == "sparse_attention"
+    assert found["index_flips"]["removed_k3_frac"] == 1.0
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "layer types: the sparse-attention layers' indexer top-k selection" in printed
+    assert "index replay removes 100%" in printed
+
+
 def test_bf16_index_flips_are_measured_and_replay_removes_their_part(architecture_checkpoint, short_rollouts,
                                                                      tmp_path) -> None:
     """bf16 vs fp32: the indexer's top-k flips on rounding; replay (bf16 forced to fp32's keys) leaves
@@ -163,3 +181,33 @@ def test_bf16_index_flips_are_measured_and_replay_removes_their_part(architectur
     if "index_flips" in kinds:
         assert any(r["kind"] == "index_replay" and "#48305" in r["why"] for r in summary["recommendations"])
     assert np.isfinite(summary["pairs"]["train/infer"]["kl_k3"])
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "kimi_linear"])
+def test_a_bf16_recurrent_state_puts_the_gap_in_the_linear_attention_layers(name, architecture_checkpoint,
+                                                                            short_rollouts, tmp_path) -> None:
+    """The sampler keeping its linear-attention state in bfloat16 (as a serving engine's state cache
+    of the model's dtype does) against the trainer's chunked float32 recurrence: the gap grows, the
+    linear-attention layers carry the most of it, and the diagnosis names them. Its neighbour, the
+    float32 state (auto), is the test above (measured: full attention or nothing leads there)."""
+    checkpoint = architecture_checkpoint(name)
+    own = audit(checkpoint, short_rollouts, train="hf-decode:dtype=bfloat16", infer="hf:dtype=bfloat16",
+                out=tmp_path / "own").summary["pairs"]["train/infer"]
+    summary = audit(checkpoint, short_rollouts, train="hf-decode:dtype=bfloat16,state_dtype=bfloat16",
+                    infer="hf:dtype=bfloat16", out=tmp_path / "bf16", localize_models=True).summary
+    assert summary["engines"]["train"]["options"]["state_dtype"] == "bfloat16"
+    assert summary["pairs"]["train/infer"]["kl_k3"] > 5 * own["kl_k3"]
+    split = summary["localization"]["layer_types"]
+    assert split["lead_type"] == "linear_attention"
+    words = "the linear-attention layers' chunked prefill vs recurrent decode (recurrent state in bfloat16)"
+    assert split["mechanism"] == words
+    cause = next(c for c in summary["diagnosis"]["causes"] if c["kind"] == "layer_type")
+    assert cause["title"] == words and cause["where"]["layers"] == [0]
+
+
+def test_an_unknown_state_dtype_is_refused(architecture_checkpoint) -> None:
+    from mismatch.engines import load_engine
+    from mismatch.errors import SpecError
+
+    with pytest.raises(SpecError, match="state_dtype='fp8' is not one of: auto, float32, bfloat16, float16"):
+        load_engine("hf-decode:state_dtype=fp8", str(architecture_checkpoint("qwen3_5")))

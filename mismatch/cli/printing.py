@@ -152,6 +152,10 @@ def print_layers(found: dict[str, Any]) -> None:
         out_console.print(table)
         out_console.print(f"jump: layer {found_layers['jump_layer']} {found_layers['jump_block']}",
                           markup=False)
+        from mismatch.localize import localized_what
+
+        for line in localized_what(found)[2:]:  # by layer type, index flips (after layers and kernels)
+            out_console.print(line, markup=False, soft_wrap=True)
     kernels = found["kernels"]
     if "skipped" in kernels:
         out_console.print(f"kernels: skipped: {kernels['skipped']}", markup=False)

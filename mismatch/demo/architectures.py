@@ -16,22 +16,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def _configs(vocab_size: int) -> dict[str, Any]:
-    from transformers import (DeepseekV3Config, Gemma2Config, Gemma3TextConfig, GlmMoeDsaConfig, GptOssConfig,
-                              KimiLinearConfig, LlamaConfig, MiniMaxM2Config, MixtralConfig, OlmoHybridConfig,
-                              Phi3Config, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3MoeConfig, Qwen3NextConfig)
+    from transformers import (DeepseekV3Config, Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig, Phi3Config,
+                              Qwen3MoeConfig)
 
     common = {"vocab_size": vocab_size, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "max_position_embeddings": 2048, "tie_word_embeddings": False}
-    # Hybrids: a gated-DeltaNet (linear-attention) layer, then a full-attention one. Head dims of 32
-    # for the linear layers too (the chunked algorithm's chunk is 64 tokens: the example's
-    # sequences span several chunks).
-    hybrid = {"layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
-              "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_num_key_heads": 2,
-              "linear_num_value_heads": 4}
-    moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-           "shared_expert_intermediate_size": 64}
-    # The families' own token ids lie past the demo vocabulary: the demo's are set after.
-    no_ids = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
     return {
         "qwen3_moe": Qwen3MoeConfig(**common, head_dim=32, intermediate_size=256, moe_intermediate_size=64,
                                     num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
@@ -62,6 +51,26 @@ def _configs(vocab_size: int) -> dict[str, Any]:
                                                "original_max_position_embeddings": 512}),
         # Phi-3: fused qkv and gate-up projections, dropout modules in every layer.
         "phi3": Phi3Config(**common, intermediate_size=256),
+        **_configs_47(common),
+    }
+
+
+def _configs_47(common: dict[str, Any]) -> dict[str, Any]:
+    """Issue #47's: the models trained now (hybrid linear attention, sparse attention, sinks)."""
+    from transformers import (GlmMoeDsaConfig, GptOssConfig, KimiLinearConfig, MiniMaxM2Config, OlmoHybridConfig,
+                              Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig)
+
+    # Hybrids: a gated-DeltaNet (linear-attention) layer, then a full-attention one. Head dims of 32
+    # for the linear layers too (the chunked algorithm's chunk is 64 tokens: the example's
+    # sequences span several chunks).
+    hybrid = {"layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
+              "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4}
+    moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+           "shared_expert_intermediate_size": 64}
+    # The families' own token ids lie past the demo vocabulary: the demo's are set after.
+    no_ids = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+    return {
         # Qwen3.5: gated DeltaNet + gated full attention, dense MLPs; Qwen3-Next and Qwen3.5-MoE: the
         # same hybrid with MoE (a shared expert beside the routed ones).
         "qwen3_5": Qwen3_5TextConfig(**common, **hybrid, head_dim=32, intermediate_size=256),

@@ -35,6 +35,9 @@ class HFDecodeOptions:
     chunk: int = DEFAULT_CHUNK
     routing: str = "own"         # MoE: own | replay (R3: another pass's experts, engines/routing.py)
     sampling: str = "own"        # own | replay: as HFOptions.sampling
+    # Linear attention (gated DeltaNet, KDA): the dtype the recurrent state is kept in between forwards,
+    # as a serving engine's state cache (vLLM's mamba_ssm_cache_dtype); auto: as transformers (float32).
+    state_dtype: str = "auto"
     checkpoint: str | None = None
 
 
@@ -56,15 +59,31 @@ def feed_chunks(generated: np.ndarray, *, prefill: bool) -> list[tuple[int, int]
     return chunks
 
 
+def round_states(cache, state_dtype: str) -> None:
+    """Round every linear-attention layer's recurrent state in `cache` to `state_dtype`, in place
+    (its storage keeps transformers' float32): the state a cache of that dtype would carry into the
+    next forward. `auto` leaves it."""
+    import torch
+
+    if state_dtype == "auto":
+        return
+    dtype = getattr(torch, state_dtype)
+    for layer in cache.layers:
+        for state in (getattr(layer, "recurrent_states", None) or {}).values():
+            if state is not None:
+                state.copy_(state.to(dtype))
+
+
 class DecodeSession:
     """One KV-cached stream: feed token chunks, get their final hidden states back."""
 
-    def __init__(self, model, device: str) -> None:
+    def __init__(self, model, device: str, state_dtype: str = "auto") -> None:
         from transformers import DynamicCache
 
         self.decoder = model.base_model
         self.device = device
         self.cache = DynamicCache(config=model.config)
+        self.state_dtype = state_dtype
         # transformers 5.20+ renamed `past_key_values` to `cache` (the old name warns until 5.40).
         params = inspect.signature(self.decoder.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -76,6 +95,7 @@ class DecodeSession:
         ids_1L = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))[None].to(self.device)
         with torch.inference_mode():
             out = self.decoder(input_ids=ids_1L, use_cache=True, **{self.cache_kwarg: self.cache})
+            round_states(self.cache, self.state_dtype)
         return out.last_hidden_state[0]
 
 
@@ -92,6 +112,9 @@ class HFDecodeEngine(TorchEngineBase):
         if options.sampling not in SAMPLING_MODES:
             raise SpecError(f"engine 'hf-decode': option sampling={options.sampling!r} is not one of: "
                             f"{', '.join(SAMPLING_MODES)}")
+        if options.state_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise SpecError(f"engine 'hf-decode': option state_dtype={options.state_dtype!r} is not one of: "
+                            "auto, float32, bfloat16, float16")
 
     def __init__(self, options: HFDecodeOptions, checkpoint: str, spec_text: str) -> None:
         self.check_options(options, spec_text)
@@ -137,7 +160,7 @@ class HFDecodeEngine(TorchEngineBase):
 
         tokens = request.tokens
         logp_L = np.full(len(tokens), np.nan)
-        session = DecodeSession(self.model, self.device)
+        session = DecodeSession(self.model, self.device, self.options.state_dtype)
         for start, stop in feed_chunks(request.generated, prefill=self.options.prefill == "prompt"):
             forced = self._forced_rows(forced_experts, index, start, stop)
             with forced_routing(self.model, torch.from_numpy(forced)) if forced is not None else nullcontext():

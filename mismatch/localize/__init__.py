@@ -32,6 +32,15 @@ def localized_what(found: dict[str, Any]) -> list[str]:
     for name, say in (("layers", _layers_found), ("kernels", _kernels_found)):
         block = found.get(name) or {}
         lines.append(f"{name}: skipped: {block['skipped']}" if "skipped" in block else f"{name}: {say(block)}")
+    split, flips = found.get("layer_types"), found.get("index_flips")
+    if split:
+        shares = ", ".join(f"{t['layer_type']} {t['share']:.0%}" for t in split["by_type"])
+        lines.append(f"layer types: {split['mechanism'] or split['lead_type'] or 'no sub-block differs'} ({shares})")
+    if flips:
+        removed = flips.get("removed_k3_frac")
+        lines.append(f"index flips: {flips['frac_tokens_with_flip']:.1%} of tokens after a flipped query carry "
+                     f"{flips.get('k3_share_with_flip') or 0:.0%} of k3; index replay removes "
+                     + (f"{removed:.0%}" if removed is not None else "nothing measurable"))
     return lines
 
 

@@ -137,8 +137,10 @@ def mechanism(layer_type: str, a: str, b: str, saved_dtype: str = "auto") -> str
     sinks = " (with learned sink logits)" if layer_type.startswith(SINK_PREFIX) else ""
     decode = paths == {"hf", "hf-decode"}
     if base == LINEAR:
-        return ("the linear-attention layers' chunked prefill vs recurrent decode" if decode
-                else f"the linear-attention layers' recurrence in {between}")
+        states = {spec.options.get("state_dtype", "auto") for spec in (spec_a, spec_b) if spec.kind == "hf-decode"}
+        state = next((f" (recurrent state in {s})" for s in states if s != "auto"), "")
+        return (f"the linear-attention layers' chunked prefill vs recurrent decode{state}" if decode
+                else f"the linear-attention layers' recurrence in {between}{state}")
     words = {FULL: "full-attention", SLIDING: "sliding-window attention", SPARSE: "sparse-attention"}.get(base, base)
     if base == SPARSE:
         return (f"the {words} layers' indexer top-k selection and attention over the selected keys"

@@ -19,7 +19,7 @@ from torch import nn
 
 from mismatch.engines import TORCH_KINDS, ReplayRequest, load_engine, parse_spec
 from mismatch.engines.hf import TorchEngineBase
-from mismatch.engines.hf_decode import DecodeSession, feed_chunks
+from mismatch.engines.hf_decode import DecodeSession, feed_chunks, round_states
 from mismatch.engines.logprobs import token_logprobs
 from mismatch.errors import MismatchError, SpecError
 from mismatch.localize.lens_distribution import DIST_JUMP_RULE, dist_jump, lens_kl
@@ -331,9 +331,10 @@ class _Hooks:
                 ids_1L = torch.from_numpy(request.tokens)[None].to(engine.device)
                 engine.decoder(input_ids=ids_1L)
             else:
-                session = DecodeSession(engine.model, engine.device)
+                session = DecodeSession(engine.model, engine.device, engine.options.state_dtype)
                 for start, stop in feed_chunks(request.generated, prefill=engine.options.prefill == "prompt"):
                     session.feed(request.tokens[start:stop])
+                    round_states(self.local_cache, engine.options.state_dtype)  # the re-run's state as the real one
         return self.capture.cat()
 
     def remove(self) -> None:
