@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import free_port
 from test_record import recording
@@ -109,6 +110,7 @@ def _generate(url: str, prompt: list[int], seed: int) -> dict[str, Any]:
         return json.loads(answer.read())
 
 
+@pytest.mark.slow
 def test_the_proxy_keeps_vllms_sampling_mask_and_the_audit_replays_it(fake_vllm, tiny_checkpoint, tmp_path) -> None:
     import mismatch
     from mismatch.rollouts import load_rollouts
@@ -143,3 +145,85 @@ def test_the_proxy_keeps_vllms_sampling_mask_and_the_audit_replays_it(fake_vllm,
     replay = summary["engines"]["train"]["sampling_replay"]
     assert replay["recorded"] == 3 * MAX_TOKENS, replay
     assert summary["pairs"]["train/sampler"]["log_ratio_abs_max"] < 1e-4
+
+    # Neighbours: the trainer's own full-vocabulary log-probs carry the kept mass; with the masks
+    # gone, the replay falls back on the declared top-p and says so.
+    own = mismatch.audit(tiny_checkpoint, out, out=tmp_path / "own", train="hf:dtype=float32",
+                         infer="hf-decode:dtype=float32").summary
+    assert own["pairs"]["train/sampler"]["log_ratio_abs_max"] > 1e-2
+    for rollout in rollouts:
+        for branch in rollout["branches"]:
+            for segment in branch["segments"]:
+                segment.pop("sampling_mask", None)
+    unmasked = tmp_path / "unmasked.jsonl"
+    unmasked.write_text("".join(json.dumps(rollout) + "\n" for rollout in rollouts))
+    declared = mismatch.audit(tiny_checkpoint, unmasked, out=tmp_path / "declared",
+                              train="hf:dtype=float32,sampling=replay",
+                              infer="hf-decode:dtype=float32,sampling=replay").summary
+    fallback = declared["engines"]["train"]["sampling_replay"]
+    assert fallback["recorded"] == 0 and fallback["declared"] == 3 * MAX_TOKENS, fallback
+    print(f"recorded: {replay}, |log ratio| max {summary['pairs']['train/sampler']['log_ratio_abs_max']:.3g}; "
+          f"without replay {own['pairs']['train/sampler']['log_ratio_abs_max']:.3g}; masks removed: {fallback}, "
+          f"{declared['pairs']['train/sampler']['log_ratio_abs_max']:.3g}")
+
+
+# --- the dialect alone: vLLM generate answers as bytes, no server --------------------------------
+
+def _capture(asked_logprobs: bool = False) -> Any:
+    from mismatch.record.dialects import Capture, prepare
+
+    upstream, asked = prepare("vllm", "generate", {"token_ids": [1, 2], "sampling_params": {"top_p": TOP_P}})
+    assert upstream["sampling_params"] == {"top_p": TOP_P, "logprobs": 0} and not asked.logprobs
+    return Capture("vllm", "generate", asked, [1, 2])
+
+
+def _choice(tokens: list[int], mask: Any, **extra: Any) -> dict[str, Any]:
+    return {"index": 0, "token_ids": tokens, "sampling_mask": mask,
+            "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in tokens]}, **extra}
+
+
+def test_a_streamed_mask_is_joined_and_the_added_logprobs_are_stripped() -> None:
+    capture = _capture()
+    first = capture.event(json.dumps({"choices": [_choice([7, 8], [[7, 3], [8]])]}).encode())
+    capture.event(json.dumps({"choices": [_choice([9], [[4, 9]], finish_reason="length")]}).encode())
+    assert json.loads(first)["choices"][0]["logprobs"] is None  # the harness asked for none
+    assert json.loads(first)["choices"][0]["sampling_mask"] == [[7, 3], [8]]  # the server's own field, kept
+    [(prompt, choice)] = capture.exchanges()
+    assert prompt == [1, 2] and choice.sampled == [7, 8, 9] and choice.logprobs == [-0.5] * 3
+    assert choice.sampling_mask == [[7, 3], [8], [4, 9]]
+
+
+@pytest.mark.parametrize("mask", [None, [[7], [3]], [[7]], [[7], []]],
+                         ids=["no-mask", "row-without-its-token", "one-row-short", "empty-row"])
+def test_a_mask_that_is_not_the_sampled_tokens_kept_sets_is_not_kept(mask) -> None:
+    from mismatch.record.assembly import Exchange, build_rollout
+
+    capture = _capture()
+    capture.body(json.dumps({"choices": [_choice([7, 8], mask)]}).encode())
+    [(prompt, choice)] = capture.exchanges()
+    assert choice.sampled == [7, 8] and not choice.sampling_mask  # the tokens are still recorded
+    exchange = Exchange(prompt=np.asarray(prompt), sampled=np.asarray(choice.sampled), logprobs=choice.logprobs,
+                        sampling_mask=choice.sampling_mask or None, endpoint="generate", messages=None, tools=None,
+                        params={}, session=None, started=0.0, seconds=0.0, finish_reason=None)
+    segment = build_rollout("r", [exchange], sampler={}, upstream={})["branches"][0]["segments"][-1]
+    assert segment["tokens"] == [7, 8] and "sampling_mask" not in segment
+
+
+def test_a_mask_follows_its_tokens_into_the_segment_that_sampled_them() -> None:
+    """Two turns: each sampled segment gets its own exchange's rows, CSR, checked by format v1's rules."""
+    from mismatch.record.assembly import Exchange, build_rollout
+    from mismatch.rollouts import check_rollout
+
+    def exchange(prompt: list[int], sampled: list[int], rows: list[list[int]]) -> Exchange:
+        return Exchange(prompt=np.asarray(prompt), sampled=np.asarray(sampled), logprobs=[-1.0] * len(sampled),
+                        sampling_mask=rows, endpoint="generate", messages=None, tools=None, params={},
+                        session=None, started=0.0, seconds=0.0, finish_reason="stop")
+
+    rollout = build_rollout("r", [exchange([1, 2], [7, 8], [[7, 3], [8]]),
+                                  exchange([1, 2, 7, 8, 5], [6], [[6, 2, 9]])], sampler={}, upstream={})
+    segments = rollout["branches"][0]["segments"]
+    assert [s["role"] for s in segments] == ["user", "assistant", "user", "assistant"]
+    assert segments[1]["sampling_mask"] == {"offsets": [0, 2, 3], "token_ids": [7, 3, 8]}
+    assert segments[3]["sampling_mask"] == {"offsets": [0, 3], "token_ids": [6, 2, 9]}
+    checked, problems = check_rollout(rollout, file="t.jsonl", line=1, vocab_size=16)
+    assert problems == [] and checked.branches[0].segments[3].sampling_mask is not None
