@@ -42,7 +42,7 @@ def _fake_vllm(checkpoint: Path, port: int) -> Any:
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import JSONResponse
+    from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
     from transformers import AutoModelForCausalLM
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
@@ -51,6 +51,8 @@ def _fake_vllm(checkpoint: Path, port: int) -> Any:
         GenerateRequest,
         GenerateTokensChoice,
         GenerateTokensResponse,
+        GenerateTokensStreamChoice,
+        GenerateTokensStreamResponse,
     )
 
     from mismatch.engines.processing import kept_mask, processed_logprobs
@@ -65,7 +67,7 @@ def _fake_vllm(checkpoint: Path, port: int) -> Any:
         return JSONResponse({"vllm_config": {"model_config": {"dtype": "torch.float32",
                                                               "logprobs_mode": "processed_logprobs"}}})
 
-    async def generate(request: Request) -> JSONResponse:
+    async def generate(request: Request) -> JSONResponse | StreamingResponse:
         asked = GenerateRequest.model_validate(await request.json())  # what vLLM itself would parse
         params = asked.sampling_params
         if params.top_k <= 0 or params.temperature <= 0:  # vLLM's own refusal with the mask on
@@ -83,6 +85,16 @@ def _fake_vllm(checkpoint: Path, port: int) -> Any:
                 content.append(GenerateLogProbsContent(token_id=token, logprob=float(logp[token])))
                 mask.append(torch.nonzero(kept_mask(logits, sampling)[0]).flatten().tolist())
                 ids.append(token)
+        if asked.stream:  # one chunk per token, each with its own row, as vLLM's delta outputs
+            def chunk(i: int) -> str:
+                piece = GenerateTokensStreamChoice(
+                    index=0, token_ids=[content[i].token_id], sampling_mask=[mask[i]],
+                    finish_reason="length" if i == len(mask) - 1 else None,
+                    logprobs=GenerateLogProbs(content=[content[i]]) if params.logprobs is not None else None)
+                response = GenerateTokensStreamResponse(request_id=asked.request_id, choices=[piece])
+                return f"data: {response.model_dump_json()}\n\n"
+            return StreamingResponse(iter([*map(chunk, range(len(mask))), "data: [DONE]\n\n"]),
+                                     media_type="text/event-stream")
         choice = GenerateTokensChoice(index=0, finish_reason="length", token_ids=ids[len(asked.token_ids):],
                                       logprobs=GenerateLogProbs(content=content) if params.logprobs is not None
                                       else None, sampling_mask=mask)
@@ -108,13 +120,22 @@ def fake_vllm(tiny_checkpoint: Path) -> Iterator[str]:
     thread.join(10)
 
 
-def _generate(url: str, prompt: list[int], seed: int, top_k: int = TOP_K) -> dict[str, Any]:
-    body = {"token_ids": prompt, "sampling_params": {"temperature": 1.0, "top_p": TOP_P, "top_k": top_k, "seed": seed,
-                                                     "max_tokens": MAX_TOKENS}}
+def _generate(url: str, prompt: list[int], seed: int, top_k: int = TOP_K, stream: bool = False) -> dict[str, Any]:
+    """One generate call; a stream is joined into the shape of a whole answer."""
+    body = {"token_ids": prompt, "stream": stream,
+            "sampling_params": {"temperature": 1.0, "top_p": TOP_P, "top_k": top_k, "seed": seed,
+                                "max_tokens": MAX_TOKENS}}
     request = urllib.request.Request(url + "/inference/v1/generate", data=json.dumps(body).encode(),
                                      headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as answer:
-        return json.loads(answer.read())
+        raw = answer.read()
+    if not stream:
+        return json.loads(raw)
+    chunks = [json.loads(e[len(b"data: "):])["choices"][0] for e in raw.split(b"\n\n")
+              if e.startswith(b"data: {")]
+    return {"choices": [{"token_ids": [t for c in chunks for t in c["token_ids"]],
+                         "sampling_mask": [row for c in chunks for row in c["sampling_mask"]],
+                         "logprobs": None if all(c["logprobs"] is None for c in chunks) else "some"}]}
 
 
 @pytest.mark.slow
@@ -125,7 +146,7 @@ def test_the_proxy_keeps_vllms_sampling_mask_and_the_audit_replays_it(fake_vllm,
     out = tmp_path / "recorded.jsonl"
     with recording(fake_vllm, out, "--idle-seconds", "600") as proxy:
         base = proxy.url.removesuffix("/v1")
-        answers = [_generate(base, [1, 5 + k, 9, 17, 30 + k], seed=k) for k in range(3)]
+        answers = [_generate(base, [1, 5 + k, 9, 17, 30 + k], seed=k, stream=k == 2) for k in range(3)]
         with pytest.raises(urllib.error.HTTPError) as refused:  # the server's refusal, passed on, not recorded
             _generate(base, [1, 2, 3], seed=0, top_k=-1)
         assert refused.value.code == 400 and b"requires top_k > 0" in refused.value.read()
