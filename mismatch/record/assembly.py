@@ -41,6 +41,9 @@ class Exchange:
     started: float                 # wall-clock seconds (time.time) when the request arrived
     seconds: float                 # how long the upstream took
     finish_reason: str | None
+    # Per sampled token the ids the sampler's truncation kept (vLLM generate's `sampling_mask`);
+    # None when the server returned none.
+    sampling_mask: list[list[int]] | None = None
 
     @property
     def tokens(self) -> np.ndarray:
@@ -308,9 +311,10 @@ class _Labels:
         self.who = [np.full(len(b.tokens), -1, np.int64) for b in tree.branches]
         self.logp = [np.full(len(b.tokens), np.nan) for b in tree.branches]
         self.said = [np.full(len(b.tokens), _UNSAID, np.int8) for b in tree.branches]
+        self.kept = [np.full(len(b.tokens), None, dtype=object) for b in tree.branches]  # a row or None
 
     def claim(self, leaf: int, lo: int, hi: int, how: int, exchange: int,
-              logp: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+              logp: tuple[np.ndarray, np.ndarray] | None = None, kept: list[list[int]] | None = None) -> None:
         """Positions [lo, hi) of the path ending in `leaf`; `logp` holds one (value, said) per position."""
         for index, start, stop in self.tree.runs(leaf, hi):
             start = max(start, lo)
@@ -324,6 +328,9 @@ class _Labels:
             if logp is not None:
                 self.logp[index][own][free] = logp[0][start - lo:stop - lo][free]
                 self.said[index][own][free] = logp[1][start - lo:stop - lo][free]
+            if kept is not None:
+                for at in np.flatnonzero(free):
+                    self.kept[index][own.start + at] = kept[start - lo + at]
 
     def exchange_at(self, leaf: int, position: int) -> int:
         index = self.tree.owner(leaf, position)
@@ -346,7 +353,8 @@ def build_rollout(rollout_id: str, exchanges: Sequence[Exchange], *, sampler: di
     leaves = [tree.place(tokens) for tokens in sequences[:-1]] + [0]
     labels = _Labels(tree)
     for k, exchange in enumerate(exchanges):  # sampled first: a sampled token is never a prompt
-        labels.claim(leaves[k], len(exchange.prompt), len(sequences[k]), _SAMPLED, k, _sampled_logprobs(exchange))
+        labels.claim(leaves[k], len(exchange.prompt), len(sequences[k]), _SAMPLED, k, _sampled_logprobs(exchange),
+                     exchange.sampling_mask)
     for k, exchange in enumerate(exchanges):
         labels.claim(leaves[k], 0, len(exchange.prompt), _PROMPT, k)
     links = _links(exchanges)
@@ -355,6 +363,7 @@ def build_rollout(rollout_id: str, exchanges: Sequence[Exchange], *, sampler: di
     for i, branch in enumerate(tree.branches):
         segments = _segments(branch.tokens, labels.how[i], labels.who[i], exchanges)
         nonfinite += _fill_logprobs(segments, branch.id, labels.logp[i], labels.said[i], labels.who[i])
+        _fill_masks(segments, labels.kept[i])
         branches.append({"id": branch.id, "kind": kinds[i],
                          "parent": None if branch.parent is None else tree.branches[branch.parent].id,
                          "fork_at": branch.fork_at, "segments": [segment for segment, _ in segments]})
@@ -423,6 +432,17 @@ def _fill_logprobs(segments: list[tuple[dict[str, Any], slice]], branch: str, lo
         flagged += [{"branch": branch, "segment": number, "index": int(i), "request": int(owner[own][i]),
                      "value": _said_as(float(values[i]), int(what[i]))} for i in np.flatnonzero(~finite)]
     return flagged
+
+
+def _fill_masks(segments: list[tuple[dict[str, Any], slice]], kept: np.ndarray) -> None:
+    """Give each sampled segment whose every token has a kept-id row its `sampling_mask`, CSR as
+    format v1 holds it: {"offsets": [0, ..., len(token_ids)], "token_ids": rows concatenated}."""
+    for segment, own in segments:
+        rows = kept[own].tolist()
+        if segment["role"] != "assistant" or any(row is None for row in rows):
+            continue
+        segment["sampling_mask"] = {"offsets": np.cumsum([0, *map(len, rows)]).tolist(),
+                                    "token_ids": [i for row in rows for i in row]}
 
 
 def _sampling(params: dict[str, Any]) -> dict[str, Any]:

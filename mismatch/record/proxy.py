@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from mismatch.errors import MismatchError
 from mismatch.record.assembly import Exchange, Recorder
-from mismatch.record.dialects import ENDPOINTS, Capture, prepare, sampling_params
+from mismatch.record.dialects import ENDPOINTS, Capture, prepare, request_prompt, sampling_params
 from mismatch.record.upstream import Upstream, discover, root_url
 from mismatch.record.writer import Writer, open_out
 
@@ -220,10 +220,10 @@ class Proxy:
         for prompt, choice in done:
             await self.exchanges.put(Exchange(
                 prompt=np.asarray(prompt, np.int64), sampled=np.asarray(choice.sampled, np.int64),
-                logprobs=choice.logprobs, endpoint=endpoint,
+                logprobs=choice.logprobs, sampling_mask=choice.sampling_mask or None, endpoint=endpoint,
                 messages=body.get("messages") if endpoint == "chat" else None,
                 tools=body.get("tools") if endpoint == "chat" else None,
-                params=sampling_params(body), session=session, started=started,
+                params=sampling_params(endpoint, body), session=session, started=started,
                 seconds=time.time() - started, finish_reason=choice.finish_reason))
 
     # -- HTTP ----------------------------------------------------------------------------------
@@ -287,7 +287,7 @@ class Proxy:
         if prepared is None or response.status_code != 200:
             self.num_unrecorded += 1  # the upstream's errors reach the harness unchanged
             return self._relay(response)
-        capture = Capture(self.upstream.engine, endpoint, prepared[1])
+        capture = Capture(self.upstream.engine, endpoint, prepared[1], request_prompt(endpoint, body))
         session = request.headers.get(SESSION_HEADER) or (body.get("user") if isinstance(body.get("user"), str) else None)
         record = BackgroundTask(self._record, capture, body, endpoint, session, started)
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
