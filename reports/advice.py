@@ -59,11 +59,14 @@ def params_table(params: Any) -> Html | None:
 
 
 def known_framework(summary: dict[str, Any]) -> str | None:
-    """The user's framework when the audit knows it: a replay derived from its config
-    (`--train verl:ppo.yaml`), whose snippet the summary holds."""
+    """The user's framework when the audit knows it: the one `audit --for` named, else a replay
+    derived from its config (`--train verl:ppo.yaml`), whose snippet the summary holds."""
     snippets = summary.get("config_snippets")
     if not isinstance(snippets, dict):
         return None
+    asked = summary.get("framework")  # `audit --for NAME`
+    if isinstance(asked, str) and isinstance(snippets.get(asked), str):
+        return asked
     for source in ("train", "infer"):
         engine = (summary.get("engines") or {}).get(source) or {}
         derived = engine.get("from_config") if isinstance(engine.get("from_config"), dict) else {}

@@ -85,6 +85,7 @@ def audit(
                          shard=shard_for(shard), block_size=block_size, clip=clip, probe=probe,
                          framework_settings={target.framework: target.settings} if target else {},
                          force_model=force_model, skip_invalid=skip_invalid,
+                         framework=target.framework if target else None,
                          distribution=distribution)
     options = with_checkpoint_checks(checkpoint, with_configs(asked))
     print_from_config(options.from_config, err_console if as_json else None,

@@ -118,7 +118,8 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) 
                                            inputs=prepared.inputs),
                                 measured, findings, localized=localized,
                                 weights=engine_weights(beside.engines, checkpoint),
-                                probes=_probes(checkpoint, options) if options.probe else None)
+                                probes=_probes(checkpoint, options) if options.probe else None,
+                                framework=options.framework)
         if prepared.skipped is not None:
             summary["skipped"] = prepared.skipped
         if options.out is None:
@@ -240,15 +241,17 @@ def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | N
 
 def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFindings, *,
                   localized: dict[str, Any] | None = None, weights: dict[str, Any] | None = None,
-                  probes: dict[str, Any] | None = None) -> dict[str, Any]:
-    """summary.json of an audit (or a merge of its shards), advised once on all of its evidence."""
+                  probes: dict[str, Any] | None = None, framework: str | None = None) -> dict[str, Any]:
+    """summary.json of an audit (or a merge of its shards), advised once on all of its evidence;
+    `framework`: the one `--for` named."""
     summary = summary_json(provenance, measured, {
         "alignment": findings.alignment, "trees": findings.trees, "framework_metrics": findings.framework_metrics,
         "framework_settings": findings.framework_settings,
         "localization": {"turns": findings.turns, **(localized or {})}, "corrections": findings.corrections,
         "drift": findings.drift, "routing": findings.routing, "prefix_consistency": findings.prefix_consistency,
         "weights": weights or None, "probes": probes, "strata": findings.strata,
-        **({"distribution": findings.distribution} if findings.distribution is not None else {})})
+        **({"distribution": findings.distribution} if findings.distribution is not None else {}),
+        **({"framework": framework} if framework is not None else {})})
     advise(summary, probes=probes["results"] if probes is not None else None)
     return summary
 

@@ -82,7 +82,7 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> dict[str, Any]:
         measured, findings = analyze_audit(store.chunks, beside, clip=_clip_range(first),
                                            settings=first.get("framework_settings") or None,
                                            extra=[per_rollout, digestion], workers=workers)
-        summary = audit_summary(provenance, measured, findings)
+        summary = audit_summary(provenance, measured, findings, framework=first.get("framework"))
         stages.write_results_files(store, summary, stages.with_steps(per_rollout.result(), _merged_steps(shards)),
                                    digestion)
     return summary

@@ -51,6 +51,7 @@ class AuditOptions(RunOptions):
     # what a --train framework config sets): its metrics are computed with them, over its defaults, and
     # summary.json framework_settings records them
     framework_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    framework: str | None = None  # the framework `--for` named: its snippet leads the report (summary.json framework)
     force_model: bool = False  # replay even when the --train config names another model than the checkpoint
 
     @property
