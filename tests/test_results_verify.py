@@ -167,4 +167,4 @@ def test_recommend_refuses_a_null_pair(run_a, capsys):
     summary["pairs"]["train/sampler"] = None
     (run_a / "summary.json").write_text(json.dumps(summary))
     assert main(["recommend", str(run_a)]) == 2
-    assert "pairs['train/sampler'] is null" in _one_line(capsys)
+    assert "pairs/train/sampler: None is not of type 'object'" in _one_line(capsys)  # the schema's word

@@ -132,6 +132,8 @@ class StepDump:
             return 0
         written = 0
         try:
+            if self._fd < 0:  # written after close(): lost like a refused write, never raised
+                raise OSError(errno.EBADF, "the dump was closed", str(self.path))
             with _locked(self._fd):
                 for line in lines:
                     end = os.fstat(self._fd).st_size

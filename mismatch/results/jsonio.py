@@ -65,8 +65,8 @@ def read_summary(path: Path) -> dict[str, Any]:
         raise ResultsError(f"{file}: no 'pairs' object")
     # Its shipped schema, so that no reader (report, recommend, trend, merge) meets a `verdicts` that is
     # a number or a `diagnosis` that is a string as a traceback: one line naming the first key that breaks it.
-    # A key missing is each reader's to say (a hand-made or older summary may lack `shard`); a key of the
-    # wrong shape is refused here.
+    # A key missing is each reader's to say (a hand-made or older summary may lack `shard` or a drift's
+    # `num_spans`); a key of the wrong shape is refused here.
     problems = validate_summary(summary, missing_keys=False)
     if problems:
         raise ResultsError(f"{file}: not a summary.json a run writes ({' '.join(problems[0].split())[:200]})")
@@ -87,9 +87,9 @@ def summary_schema() -> dict[str, Any]:
 
 def validate_summary(summary: dict[str, Any], *, missing_keys: bool = True) -> list[str]:
     """Where `summary` breaks the schema, one line each (empty: it conforms). `missing_keys` False:
-    a top-level key missing is not reported; the keys that are there are held to their shapes."""
+    a required key missing is not reported (hand-made and older summaries lack some, and readers
+    take them as absent); the keys that are there are held to their shapes."""
     validator = _validator()
-    errors = [error for error in validator.iter_errors(summary)
-              if missing_keys or error.validator != "required" or error.absolute_path]  # top-level keys only
+    errors = [error for error in validator.iter_errors(summary) if missing_keys or error.validator != "required"]
     return [f"{'/'.join(map(str, error.absolute_path)) or '(top)'}: {error.message}"
             for error in sorted(errors, key=lambda e: list(map(str, e.absolute_path)))]

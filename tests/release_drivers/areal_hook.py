@@ -252,6 +252,7 @@ def handle(payload: dict[str, Any]) -> dict[str, Any]:
     dump = hook.mismatch_dump
     return {"episodes": episodes, "written": dump.num_written, "refused": dump.num_refused,
             "first_refusal": dump.first_refusal, "failed": hook.num_failed, "first_failure": hook.first_failure,
+            "lost": dump.num_lost, "first_loss": dump.first_loss,
             "skipped": hook.num_skipped, "skip_reasons": hook.skip_reasons,
             "is_rollout_workflow": isinstance(hook, RolloutWorkflow), "wrapper": type(wrapper).__name__,
             # the trainer's own test for "a RolloutWorkflow, not an agent needing the proxy" (rl_trainer.py:1335-1377)
