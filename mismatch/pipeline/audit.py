@@ -25,7 +25,7 @@ from mismatch.analysis.routing import routing_summary, token_routing
 from mismatch.analysis.strata import Strata
 from mismatch.analysis.trees import TreeSums
 from mismatch.analysis.truncation import KeptMassRatios
-from mismatch.engines import engine_capabilities
+from mismatch.engines import check_spec, engine_capabilities
 from mismatch.errors import MismatchError
 from mismatch.frameworks.metrics import FrameworkMetrics, declared_settings
 from mismatch.localize import check_localizable
@@ -166,6 +166,8 @@ def _alignment_before_the_passes(replayed: Replayed, store: TokenStore, checkpoi
     with it)."""
     if not engine_capabilities(options.train).processing:
         return None
+    if check_spec(options.train).options.get("routing") == "replay":
+        return None  # its experts come from the infer pass, which a like-for-like pass has none of
     meta = replayed.engines["sampler"]["meta"]
     alignment = check_alignment(store.chunks, sampler_meta=meta)
     processing = Sampling.from_meta(meta)
@@ -173,6 +175,13 @@ def _alignment_before_the_passes(replayed: Replayed, store: TokenStore, checkpoi
         # A declared truncation is replayed as declared unless the data refute it; the estimate is made either way.
         found = sampler_truncation(replayed.plan, meta, options.train, checkpoint)
         alignment["truncation"].update(found)
+        estimate = found["estimate"]
+        if found["declared"] is None and (estimate is None or estimate["confidence"] < TRUNCATION_EXPLAINED):
+            # Raised, yet no kept set of this model's explains it (another model's rollouts, say):
+            # not read as truncation, so no like-for-like pass measures against a set never sampled.
+            alignment["truncation"]["truncated"] = False
+            alignment["logprob_semantics"] = "raw"
+            return alignment
         processing = Sampling(**found["replayed"])
         refuted = found["replayed_from"] != "declared" and "logp_train_processed" in store.columns
     else:
@@ -183,6 +192,11 @@ def _alignment_before_the_passes(replayed: Replayed, store: TokenStore, checkpoi
                    and alignment["logprob_semantics"] in ("processed", "truncated")):
         store.add_column("logp_train_processed", replay_processed(replayed.plan, options.train, checkpoint, processing))
     return alignment
+
+
+# The share of stored log-probs a truncation estimated on the replay's own distributions must explain
+# before an undeclared truncation is read as one (real top-p/top-k/min-p samples: 92-100%, RESULTS.md).
+TRUNCATION_EXPLAINED = 0.5
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
