@@ -204,7 +204,7 @@ def test_reports_never_import_torch_or_the_engines(tmp_path: Path) -> None:
     # the probes, the checkpoint, the advice or an orchestration.
     core = {m.split(".")[1] if "." in m else m for m in modules
             if m.split(".")[0] == "mismatch" and m.split(".")[1:2] != ["reports"]}
-    assert core <= {"mismatch", "errors", "results", "streams", "analysis", "workers", "frameworks"}, core
+    assert core <= {"mismatch", "errors", "version", "results", "streams", "analysis", "workers", "frameworks"}, core
     assert {"mismatch", "errors", "results", "analysis", "frameworks"} <= core, core
     assert (out / REPORT_FILE).is_file()
 
@@ -438,9 +438,12 @@ def test_corrections_that_change_nothing_collapse_to_one_line_and_negative_chi2_
                    row("token_truncate", 1.5, 0.004)]
     recs = [{"kind": "correction", "params": {"mode": "token_truncate", "cap": 1.5}, "why": "w"}]
     page = corrections_section({"corrections": corrections, "recommendations": recs})
-    assert "3 corrections change no token here: token_truncate (cap=2), token_mask (cap=2), sequence_mask (cap=3)" \
+    assert "3 of them change no token here: token_truncate (cap=2), token_mask (cap=2), sequence_mask (cap=3)" \
         in page
-    assert page.count("<tr") == 3  # the header, the collapsed line, the one that acts (recommended)
+    # The simulated corrections' table: the header, the collapsed line, the one that acts (recommended);
+    # the recommendation's own parameters are a small table before it.
+    table = page[page.rindex("<table"):]
+    assert table.count("<tr") == 3
     metrics = {"n_tokens": 10, "chi2_token": -2e-7, "chi2_seq": 1e-3}
     summary = {"command": "audit", "pairs": {"train/sampler": metrics}}
     assert "A χ² below 0 is an estimate" in gaps_section(summary, ["train/sampler"], {"train/sampler": "#000"})

@@ -108,9 +108,9 @@ def long_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     table = token_table([rollout(f"r-{i}") for i in range(3)])
     logp = -rng.exponential(1.0, len(table))
     for role, noise in ((TRAIN, 0.0), (INFER, 0.01), (SAMPLER, 0.02)):
-        table[f"logp_{role}"] = logp + rng.normal(0.0, noise, len(table))
+        table[f"logp_{role}"] = np.minimum(logp + rng.normal(0.0, noise, len(table)), 0.0)  # log-probs are <= 0
     out = write_results(tmp_path_factory.mktemp("long") / "audit", tokens=table, summary=long_summary(table), force=False)
-    return build_report(out)
+    return build_report(out, verify=False)  # its counts are stretched on purpose: the layout is tested, not the table
 
 
 @pytest.mark.parametrize(("width", "height"), VIEWPORTS)

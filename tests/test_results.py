@@ -82,7 +82,7 @@ def test_importing_the_results_contract_loads_no_model_code():
                                         check=True).stdout)
     assert not [m for m in modules if m.split(".")[0] in ("torch", "transformers", "vllm", "pandas", "pyarrow")]
     loaded = [m for m in modules if m.startswith("mismatch")]
-    assert [m for m in loaded if not m.startswith("mismatch.results.")] == ["mismatch", "mismatch.errors", "mismatch.results"]
+    assert [m for m in loaded if not m.startswith("mismatch.results.")] == ["mismatch", "mismatch.errors", "mismatch.results", "mismatch.version"]
     assert "mismatch.results.tokens" in loaded  # the package's own modules, and nothing above it
 
 

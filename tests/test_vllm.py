@@ -147,7 +147,7 @@ def test_bad_options_are_one_line_errors(tiny_checkpoint, monkeypatch) -> None:
         "engine 'vllm': unknown option 'dtyp' (valid: checkpoint, distributed_executor_backend, "
         "dtype, enable_chunked_prefill, enable_prefix_caching, enforce_eager, "
         "gpu_memory_utilization, kv_cache_dtype, kv_cache_memory_bytes, logprobs_mode, max_model_len, "
-        "max_num_batched_tokens, max_num_seqs, pipeline_parallel_size, prefix_cache_read, seed, "
+        "max_num_batched_tokens, max_num_seqs, pipeline_parallel_size, prefix_cache_read, return_sampling_mask, seed, "
         "tensor_parallel_size)")
     with pytest.raises(SpecError, match=r"^engine 'vllm': option logprobs_mode='raw_logits' is "
                                         r"not one of: raw_logprobs, processed_logprobs"):
