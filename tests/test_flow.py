@@ -74,7 +74,8 @@ def test_the_processed_audit_resumes_after_kill_9_identically(tiny_checkpoint, p
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert list(work.glob("train_processed-*.npy"))
-    subprocess.run([*command, str(tmp_path / "resumed")], check=True, capture_output=True)
+    done = subprocess.run([*command, str(tmp_path / "resumed")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
     subprocess.run([*command, str(tmp_path / "whole")], check=True, capture_output=True)
     resumed = json.loads((tmp_path / "resumed" / "summary.json").read_text())
     whole = json.loads((tmp_path / "whole" / "summary.json").read_text())
