@@ -153,6 +153,12 @@ def check_published_files(directory: Path, recorded: Any) -> None:
     if not isinstance(recorded, dict) or TOKENS_FILE not in recorded:
         raise ResultsError(f"{directory}/{SUMMARY_FILE}: records no digest of its files (written by an "
                            "older mismatch, or not by mismatch); rerun the shard to merge it")
+    check_recorded_files(directory, recorded, hint="; rerun the shard")
+
+
+def check_recorded_files(directory: Path, recorded: dict[str, Any], *, hint: str = "") -> None:
+    """Each file of `recorded` (summary.json `shard.files`, or the part a reader needs) is in
+    `directory` with its recorded digest; `hint` ends the message of a changed one."""
     for name, entry in recorded.items():
         file = directory / name
         if name not in PUBLISHED_TABLES or not isinstance(entry, dict):
@@ -161,7 +167,7 @@ def check_published_files(directory: Path, recorded: Any) -> None:
             raise ResultsError(f"{file}: missing ({directory}/{SUMMARY_FILE} records it)")
         if file_sha256(file) != entry.get("sha256"):
             raise ResultsError(f"{file}: its content is not what {directory}/{SUMMARY_FILE} recorded (another "
-                               "run's file, or changed since); rerun the shard")
+                               f"run's file, or changed since){hint}")
 
 
 def file_sha256(file: str | Path) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from mismatch.errors import ResultsError
 from mismatch.results.names import ROLLOUTS_FILE, SUMMARY_FILE, TOKENS_FILE
-from mismatch.results.staging import check_published_files
+from mismatch.results.staging import check_published_files, check_recorded_files
 
 # The columns every tokens.parquet has (ARCHITECTURE.md, "Results dir"), and rollouts.parquet's.
 TOKEN_COLUMNS = ("rollout", "branch", "turn", "pos", "role", "token_id", "trainable")
@@ -32,7 +32,7 @@ def check_tables(directory: Path, summary: dict[str, Any], *, tables: tuple[str,
         # that is there must be the one recorded.
         wanted = {name: entry for name, entry in recorded.items()
                   if name in tables and (name in required or (directory / name).is_file())}
-        check_published_files(directory, wanted) if TOKENS_FILE in wanted else _check_recorded(directory, wanted)
+        check_published_files(directory, wanted) if TOKENS_FILE in wanted else check_recorded_files(directory, wanted)
     for name in tables:
         file = directory / name
         if not file.is_file():
@@ -52,21 +52,6 @@ def check_tables(directory: Path, summary: dict[str, Any], *, tables: tuple[str,
         if type(expected) is int and expected != rows:
             raise ResultsError(f"{file}: {rows} rows, but {directory}/{SUMMARY_FILE} counts {expected} tokens "
                                "(another run's file, or cut short)")
-
-
-def _check_recorded(directory: Path, recorded: dict[str, Any]) -> None:
-    """check_published_files for a subset without tokens.parquet (trend reads rollouts.parquet only)."""
-    from mismatch.results.staging import file_sha256
-
-    for name, entry in recorded.items():
-        file = directory / name
-        if not isinstance(entry, dict):
-            raise ResultsError(f"{directory}/{SUMMARY_FILE}: files.{name}: not a file a results dir publishes")
-        if not file.is_file():
-            raise ResultsError(f"{file}: missing ({directory}/{SUMMARY_FILE} records it)")
-        if file_sha256(file) != entry.get("sha256"):
-            raise ResultsError(f"{file}: its content is not what {directory}/{SUMMARY_FILE} recorded (another "
-                               "run's file, or changed since)")
 
 
 def _layout(file: Path) -> tuple[int, list[str]]:
