@@ -36,7 +36,7 @@ from mismatch.pipeline.configured import with_configs, with_checkpoint_checks
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_processed
-from mismatch.replay.truncation import sampler_truncation
+from mismatch.replay.truncation import sampler_truncation, truncation_explained
 from mismatch.results import TokenStore, results_lock, staged_tokens
 from mismatch.streams import Sampling
 from mismatch.workers import analysis_workers, reading_workers
@@ -175,8 +175,7 @@ def _alignment_before_the_passes(replayed: Replayed, store: TokenStore, checkpoi
         # A declared truncation is replayed as declared unless the data refute it; the estimate is made either way.
         found = sampler_truncation(replayed.plan, meta, options.train, checkpoint)
         alignment["truncation"].update(found)
-        estimate = found["estimate"]
-        if found["declared"] is None and (estimate is None or estimate["confidence"] < TRUNCATION_EXPLAINED):
+        if not truncation_explained(found):
             # Raised, yet no kept set of this model's explains it (another model's rollouts, say):
             # not read as truncation, so no like-for-like pass measures against a set never sampled.
             alignment["truncation"]["truncated"] = False
@@ -192,11 +191,6 @@ def _alignment_before_the_passes(replayed: Replayed, store: TokenStore, checkpoi
                    and alignment["logprob_semantics"] in ("processed", "truncated")):
         store.add_column("logp_train_processed", replay_processed(replayed.plan, options.train, checkpoint, processing))
     return alignment
-
-
-# The share of stored log-probs a truncation estimated on the replay's own distributions must explain
-# before an undeclared truncation is read as one (real top-p/top-k/min-p samples: 92-100%, RESULTS.md).
-TRUNCATION_EXPLAINED = 0.5
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -154,6 +154,19 @@ def sampler_truncation(plan: ReplayPlan, meta: dict[str, Any] | None, spec: str,
             "replayed_from": "estimate (the declaration does not fit)" if wrong else "declared"}
 
 
+# The share of stored log-probs a truncation estimated on the replay's own distributions must explain
+# before an undeclared truncation is read as one (real top-p/top-k/min-p samples: 92-100%, RESULTS.md).
+TRUNCATION_EXPLAINED = 0.5
+
+
+def truncation_explained(found: dict[str, Any]) -> bool:
+    """Whether sampler_truncation's answer is a truncation: declared, or estimated with a kept set of
+    this model's that explains at least TRUNCATION_EXPLAINED of the tokens (stored log-probs that sit
+    above the replay's with no such set, another model's say, are not one)."""
+    estimate = found["estimate"]
+    return found["declared"] is not None or (estimate is not None and estimate["confidence"] >= TRUNCATION_EXPLAINED)
+
+
 def misdeclared(fit: float | None, estimate: dict[str, Any] | None) -> bool:
     """A declaration the data do not fit: it explains under 90% of the tokens and the estimate at
     least 10 points more."""
