@@ -1,9 +1,14 @@
 """The GPU run's dry run: benchmarks/gpu/run.py --device cpu --tiny runs every stage on the CPU and
 records measured figures, so the script cannot rot between the times a GPU is at hand.
+
+The dry run proves the script runs; it does not re-measure: its `mismatch` commands run in the
+script's own process (--in-process), since ten interpreters each importing torch and transformers
+were most of its time here; the subprocess path the GPU run takes has its own test below.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -40,7 +45,7 @@ def run_script(out: Path, work: Path, *args: str) -> subprocess.CompletedProcess
 @pytest.fixture(scope="module")
 def dry_run(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("gpu-dry-run")
-    done = run_script(root / "out", root / "work", "--tiny-checkpoint", str(tiny_checkpoint))
+    done = run_script(root / "out", root / "work", "--tiny-checkpoint", str(tiny_checkpoint), "--in-process")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((root / "out" / "results.json").read_text())
     return root, results, results["stages"]
@@ -164,6 +169,17 @@ def test_a_failed_or_late_stage_is_recorded_and_the_rest_still_run(tmp_path: Pat
     assert late.returncode == 1
     entry = json.loads((tmp_path / "late" / "results.json").read_text())["stages"]["probe_dense"]
     assert entry["ok"] is False and entry["error"].startswith("skipped: ") and "budget spent" in entry["error"]
+
+
+def test_a_command_runs_as_a_subprocess_from_the_work_dir_and_a_failure_is_its_last_lines(tmp_path: Path) -> None:
+    """The GPU run's way (no --in-process): `python -m mismatch` in the work dir, its exit and stderr."""
+    args = argparse.Namespace(in_process=False, budget_s=600.0)
+    run = gpu_run.Run(args=args, preset=gpu_run.TINY, out=tmp_path / "out", work=tmp_path)
+    (tmp_path / "rollouts.jsonl").write_text((REPO / "examples" / "rollouts.jsonl").read_text())
+    stdout, seconds = gpu_run.cli(run, "validate", "rollouts.jsonl")  # relative: found from the work dir
+    assert seconds > 0 and "rollouts.jsonl" in stdout
+    with pytest.raises(gpu_run.StageError, match=r"^exit 2: mismatch validate missing\.jsonl: .*missing\.jsonl"):
+        gpu_run.cli(run, "validate", "missing.jsonl")
 
 
 def test_the_project_installs_from_a_copy_of_the_tree(tmp_path: Path) -> None:

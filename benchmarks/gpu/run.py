@@ -1,7 +1,7 @@
 """The GPU run, prepared: one script that measures the CUDA paths with the real CLI, in minutes.
 
 Usage: python benchmarks/gpu/run.py --out DIR [--device cuda|cpu] [--tiny] [--budget-s S]
-           [--install auto|never] [--work DIR] [--tiny-checkpoint CKPT] [--stages a,b,…]
+           [--install auto|never] [--work DIR] [--tiny-checkpoint CKPT] [--stages a,b,…] [--in-process]
 
 On a GPU machine with torch and transformers but no network (the workplace's H200): installs what
 `mismatch` needs and the machine lacks from wheels in benchmarks/gpu/carry/wheels (prepare.sh
@@ -16,7 +16,8 @@ same batches. Each stage is timed and fails alone; DIR gets, after every stage:
   summaries.json   each audit's whole summary.json, by stage name;
   probes.json      each `mismatch probe --out` file, by model.
 Three files (the device tool brings back at most eight); tokens.parquet and the reports stay in
-the work dir. `--device cpu --tiny` is the dry run the test suite runs (tests/test_gpu_script.py).
+the work dir. `--device cpu --tiny --in-process` is the dry run the test suite runs
+(tests/test_gpu_script.py; its own test runs `cli` as a subprocess, as the GPU run does).
 """
 
 from __future__ import annotations
@@ -470,17 +471,44 @@ def _tail(text: str, lines: int = 6) -> str:
 def cli(run: Run, *argv: str) -> tuple[str, float]:
     """`python -m mismatch ARGV` in a subprocess (its own CUDA context and memory, freed when it
     exits), from the work dir (never the checkout, whose mismatch/ lacks probes/ and reports/),
-    within what is left of the budget; returns (stdout, wall seconds)."""
-    command = [sys.executable, "-m", "mismatch", *argv]
+    within what is left of the budget; returns (stdout, wall seconds). With --in-process, the
+    same ARGV through `mismatch.cli.main` in this process (cli_in_process)."""
     started = time.perf_counter()
+    if run.args.in_process:
+        code, stdout, stderr = cli_in_process(run.work, list(argv))
+    else:
+        try:
+            done = subprocess.run([sys.executable, "-m", "mismatch", *argv], cwd=run.work, env=run.env,
+                                  capture_output=True, text=True, timeout=max(run.left(), 10.0))
+        except subprocess.TimeoutExpired:
+            raise StageError(f"timed out past the budget: {shlex.join(argv)}") from None
+        code, stdout, stderr = done.returncode, done.stdout, done.stderr
+    if code != 0:
+        raise StageError(f"exit {code}: mismatch {shlex.join(argv)}: {_tail(stderr)}")
+    return stdout, time.perf_counter() - started
+
+
+def cli_in_process(cwd: Path, argv: list[str]) -> tuple[int, str, str]:
+    """`mismatch ARGV` run by `mismatch.cli.main` in this process, from `cwd`: (exit code, stdout,
+    stderr). For the CPU dry run: ten commands would each pay an interpreter and the torch and
+    transformers imports (most of the dry run's time on a 2-core machine), and there is no CUDA
+    context to free between them. No budget timeout: a command cannot be cut short in-process."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from mismatch.cli import main
+
+    stdout, stderr, here = io.StringIO(), io.StringIO(), Path.cwd()
+    os.chdir(cwd)
     try:
-        done = subprocess.run(command, cwd=run.work, env=run.env, capture_output=True, text=True,
-                              timeout=max(run.left(), 10.0))
-    except subprocess.TimeoutExpired:
-        raise StageError(f"timed out past the budget: {shlex.join(argv)}") from None
-    if done.returncode != 0:
-        raise StageError(f"exit {done.returncode}: mismatch {shlex.join(argv)}: {_tail(done.stderr)}")
-    return done.stdout, time.perf_counter() - started
+        with redirect_stdout(stdout), redirect_stderr(stderr):
+            try:
+                code = main(argv)
+            except SystemExit as exit_:  # what a console script's sys.exit would have returned
+                code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        os.chdir(here)
+    return code, stdout.getvalue(), stderr.getvalue()
 
 
 PAIR_KEYS = ("n_tokens", "log_ratio_mean", "log_ratio_abs_mean", "log_ratio_abs_max", "kl_k3", "chi2_token",
@@ -739,6 +767,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the demo checkpoint to use (default: benchmarks/gpu/carry/tiny-checkpoint, else built)")
     parser.add_argument("--stages", type=lambda text: [s for s in text.split(",") if s], default=None,
                         help=f"run only these (comma-separated): {', '.join(STAGE_NAMES)}")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run the mismatch commands in this process, not one subprocess each (the CPU "
+                             "dry run: no interpreter start and imports per command; no budget timeout)")
     args = parser.parse_args(argv)
     # The CLI runs from the work dir: every path it is given must be absolute.
     args.out = args.out.resolve()
