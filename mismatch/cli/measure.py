@@ -173,25 +173,26 @@ def recommend(
 
     target = target_for(framework)
     probe_results = read_probes(probes) if probes is not None else None
-    summary = read_summary(results).to_dict()  # TRANSITIONAL (h4 moves the CLI onto the record)
+    record = read_summary(results)
+    summary = record.to_dict()  # TRANSITIONAL: the checks below read plain data
     # What gate refuses as impossible gets no advice either; nor a dir whose tables are another run's.
     check_summary(summary, where=str(results / SUMMARY_FILE))
     check_tables(results, summary, required=())
-    if summary.get("command") != "audit":  # a diff compares two configs: it recommends nothing
-        raise MismatchError(f"{results}: a `mismatch {summary.get('command')}` results dir; recommend reads an "
+    if record.command != "audit":  # a diff compares two configs: it recommends nothing
+        raise MismatchError(f"{results}: a `mismatch {record.command}` results dir; recommend reads an "
                             "audit's (mismatch audit … --out DIR)")
-    advice = for_target(summary, target, results=results, probes=probe_results)
+    advice = for_target(record, target, results=results, probes=probe_results)
     if as_json:
         emit_json(advice.to_dict())
         return
     if advice.snippet is not None:  # the snippet alone (its comments carry each recommendation): pipeable
         sys.stdout.write(advice.snippet)
         return
-    for cause in advice.diagnosis.get("causes") or []:  # the cause first, then what to do about it
-        say(f"cause{' (minor)' if cause.get('minor') else ''}: {cause['title']} [{cause['pair']}]")
+    for cause in advice.diagnosis.causes:  # the cause first, then what to do about it
+        say(f"cause{' (minor)' if cause.minor else ''}: {cause.title} [{cause.pair}]")
     for item in advice.recommendations:
-        cost = f" Cost: {item['cost']}." if item.get("cost") else ""
-        out_console.print(f"{item['kind']} {json.dumps(item['params'])}: {item['why']}.{cost}",
+        cost = f" Cost: {item.cost}." if item.cost else ""
+        out_console.print(f"{item.kind} {json.dumps(item.params)}: {item.why}.{cost}",
                           markup=False, highlight=False)
 
 
