@@ -259,15 +259,30 @@ class Summary(_Record, kw_only=True):
     alignment: dict[str, Any] | UnsetType = UNSET  # log-prob semantics, shift, truncation
     trees: dict[str, Any] | UnsetType = UNSET
     framework_metrics: dict[str, dict[str, dict[str, Number]]] | UnsetType = UNSET  # pair -> framework -> metric
-    framework_settings: dict[str, dict[str, Any]] | UnsetType = UNSET  # framework -> its correction settings
+    framework_settings: Annotated[dict[str, Section], Meta(description=(
+        "The correction settings (each framework's own names) its framework_metrics were computed with: "
+        "the newest read release's defaults, under what the rollouts declared, under --for's or a config's."))] \
+        | UnsetType = UNSET
     drift: dict[str, Any] | UnsetType = UNSET
     routing: dict[str, Any] | UnsetType = UNSET
     prefix_consistency: dict[str, Any] | UnsetType = UNSET
-    weights: dict[str, dict[str, Any]] | UnsetType = UNSET  # engine -> its weights diff to the trainer's
+    weights: Annotated[dict[str, Section], Meta(description=(
+        "per engine run on another checkpoint than the trainer's: the weights diff against it "
+        "(mismatch.weights.WeightsReport.brief)"))] | UnsetType = UNSET
     probes: dict[str, Any] | UnsetType = UNSET
-    strata: dict[str, dict[str, dict[str, Any]]] | UnsetType = UNSET  # pair -> dimension -> buckets
-    distribution: dict[str, dict[str, Any]] | UnsetType = UNSET  # pair -> whole-distribution gap
-    framework: str | UnsetType = UNSET  # the framework `audit --for NAME` named
+    strata: Annotated[dict[str, dict[str, Section]], Meta(description=(
+        "Per pair (A/B), the gap over the trainable tokens split on fixed bucket edges by the token's rollout "
+        "length (its trained tokens), its position in the stream, its probability under B (exp logp_B), and the "
+        "A side's entropy at the position where a torch engine recorded it (else `unavailable`, saying why). "
+        "Means are null in an empty bucket. mismatch trend reads them across steps."))] | UnsetType = UNSET
+    distribution: Annotated[dict[str, Section], Meta(description=(
+        "--distribution only. Per engine pair (A/B), the gap between the two sides' whole next-token "
+        "distributions over the trainable positions (docs/distribution.md; terms defined in "
+        "mismatch/engines/distributions.py). `kl` is the mean KL(A||B); exact when `exact` (both sides gave "
+        "every token's log-prob), else a lower bound (`bounded` says why)."))] | UnsetType = UNSET
+    framework: Annotated[str, Meta(description=(
+        "The framework `audit --for NAME` named: its config snippet leads the report's first screen."))] \
+        | UnsetType = UNSET
     diff: dict[str, Any] | UnsetType = UNSET
     skipped: Skipped | UnsetType = UNSET
     diagnosis: Diagnosis | UnsetType = UNSET
