@@ -231,6 +231,17 @@ class Skipped(_Record, kw_only=True):
     rollouts: list[SkippedRollout]
 
 
+class EngineEntry(_Record, kw_only=True):
+    """What readers rely on of one engine in `engines`: these keys held to their types. Each
+    backend's describe() adds its own facts, kept as they are: `engines` stays a map of sections,
+    checked against this record on reading (`partial_summary`), never decoded into it."""
+
+    kind: str | UnsetType = UNSET
+    spec: str | UnsetType = UNSET
+    meta: Section | UnsetType = UNSET  # the sampler's declaration (meta.sampler)
+    from_config: Section | UnsetType = UNSET  # what a framework config set (pipeline/configured.py)
+
+
 class Summary(_Record, kw_only=True):
     """What audit, diff and merge write into DIR/summary.json. NaN and infinities are written as
     null. Keys not listed here may be added by later versions; readers must ignore them. The pair
@@ -244,7 +255,7 @@ class Summary(_Record, kw_only=True):
     checkpoint: str
     rollouts_file: str
     counts: dict[str, NonNegative]
-    engines: dict[str, dict[str, Any]]  # each engine as it described itself (its spec, kind, meta, options)
+    engines: dict[str, Section]  # each engine as it described itself: EngineEntry's keys, and its own
     pairs: Pairs
     verdicts: dict[str, Verdict]
     turns: list[TurnRow]
@@ -354,7 +365,9 @@ def partial_summary(data: Any) -> Summary:
         if isinstance(filled[key], list):
             filled[key] = [{**row, "pairs": _filled_pairs(row.get("pairs"))} if isinstance(row, dict) else row
                            for row in filled[key]]
-    return from_builtins(filled)
+    summary = from_builtins(filled)
+    msgspec.convert(summary.engines, dict[str, EngineEntry], strict=False)  # the keys readers rely on, typed
+    return summary
 
 
 def partial_metrics(data: Any) -> PairMetrics:
@@ -392,9 +405,9 @@ def _finite(value: Any) -> Any:
 def json_schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of summary.json, generated from `Summary`: msgspec's,
     with the top-level record inlined and the per-command required sections added."""
-    generated = msgspec.json.schema(Summary)
-    definitions = generated["$defs"]
+    _, definitions = msgspec.json.schema_components([Summary, EngineEntry], ref_template="#/$defs/{name}")
     top = definitions.pop("Summary")
+    top["properties"]["engines"]["additionalProperties"] = {"$ref": "#/$defs/EngineEntry"}
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": "https://mismatch.dev/schemas/summary-v1.json",
