@@ -75,7 +75,7 @@ def audit(
     Rerunning the same command after an interruption resumes from the finished blocks."""
     from mismatch.analysis.clip import ClipRange
     from mismatch.pipeline.audit import run_audit
-    from mismatch.pipeline.configured import model_line, with_configs, with_checkpoint_checks
+    from mismatch.pipeline.configured import model_line, resolve_options
     from mismatch.pipeline.options import AuditOptions
 
     clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
@@ -87,7 +87,7 @@ def audit(
                          force_model=force_model, skip_invalid=skip_invalid,
                          framework=target.framework if target else None,
                          distribution=distribution)
-    options = with_checkpoint_checks(checkpoint, with_configs(asked))
+    options = resolve_options(checkpoint, asked)  # the one options pass: run_audit resolves nothing again
     print_from_config(options.from_config, err_console if as_json else None,
                       model=model_line(options))  # before the replay: it may be long
     with dependency_log(out), replay_progress(not as_json) as progress:
@@ -122,12 +122,13 @@ def diff(
     as_json: JsonFlag = False,
 ) -> None:
     """Replay two engine configs against a reference: which is closer, by how much, where, how fast."""
-    from mismatch.pipeline.configured import with_configs
+    from mismatch.pipeline.configured import resolve_options
     from mismatch.pipeline.diff import run_diff
     from mismatch.pipeline.options import DiffOptions
 
-    options = with_configs(DiffOptions(a=a, b=b, reference=reference, out=out, force=force, shard=shard_for(shard),
-                                       block_size=block_size, distribution=distribution))
+    options = resolve_options(checkpoint, DiffOptions(a=a, b=b, reference=reference, out=out, force=force,
+                                                      shard=shard_for(shard), block_size=block_size,
+                                                      distribution=distribution))
     print_from_config(options.from_config, err_console if as_json else None)
     with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_diff(checkpoint, rollouts, dataclasses.replace(options, progress=progress))
@@ -172,25 +173,26 @@ def recommend(
 
     target = target_for(framework)
     probe_results = read_probes(probes) if probes is not None else None
-    summary = read_summary(results)
+    record = read_summary(results)
+    summary = record.to_dict()  # TRANSITIONAL: the checks below read plain data
     # What gate refuses as impossible gets no advice either; nor a dir whose tables are another run's.
     check_summary(summary, where=str(results / SUMMARY_FILE))
     check_tables(results, summary, required=())
-    if summary.get("command") != "audit":  # a diff compares two configs: it recommends nothing
-        raise MismatchError(f"{results}: a `mismatch {summary.get('command')}` results dir; recommend reads an "
+    if record.command != "audit":  # a diff compares two configs: it recommends nothing
+        raise MismatchError(f"{results}: a `mismatch {record.command}` results dir; recommend reads an "
                             "audit's (mismatch audit … --out DIR)")
-    advice = for_target(summary, target, results=results, probes=probe_results)
+    advice = for_target(record, target, results=results, probes=probe_results)
     if as_json:
         emit_json(advice.to_dict())
         return
     if advice.snippet is not None:  # the snippet alone (its comments carry each recommendation): pipeable
         sys.stdout.write(advice.snippet)
         return
-    for cause in advice.diagnosis.get("causes") or []:  # the cause first, then what to do about it
-        say(f"cause{' (minor)' if cause.get('minor') else ''}: {cause['title']} [{cause['pair']}]")
+    for cause in advice.diagnosis.causes:  # the cause first, then what to do about it
+        say(f"cause{' (minor)' if cause.minor else ''}: {cause.title} [{cause.pair}]")
     for item in advice.recommendations:
-        cost = f" Cost: {item['cost']}." if item.get("cost") else ""
-        out_console.print(f"{item['kind']} {json.dumps(item['params'])}: {item['why']}.{cost}",
+        cost = f" Cost: {item.cost}." if item.cost else ""
+        out_console.print(f"{item.kind} {json.dumps(item.params)}: {item.why}.{cost}",
                           markup=False, highlight=False)
 
 
