@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mismatch.reports.banner import describe, recommendation_action
-from mismatch.reports.blocks import fmt, section
-from mismatch.reports.html import Html, el, join, num
+from mismatch.present.headline import describe, recommendation_action
+from mismatch.present.numbers import formatted, num
+from mismatch.reports.blocks import section
+from mismatch.reports.html import Html, el, join
 
 CORRECTION_COLUMNS = (("frac_tokens_affected", "tokens affected", "pct"),
                       ("frac_rollouts_affected", "rollouts affected", "pct"),
@@ -136,7 +137,7 @@ def corrections_section(summary: dict[str, Any]) -> Html | None:
             mark = is_recommended(c, [r for r in recs if recommendation_action(r, modes) == "correct"])
             rows.append(el("tr", el("td", ("★ " if mark else "") + str(c.get("mode"))),
                            el("td", _compact(c.get("params")) or "–"),
-                           [el("td", str(c.get(key, "–")) if kind == "text" else fmt(c.get(key), kind))
+                           [el("td", str(c.get(key, "–")) if kind == "text" else formatted(c.get(key), kind))
                             for key, _, kind in columns],
                            class_="highlight" if mark else None))
         table = el("div", el("table", el("thead", head), el("tbody", rows), class_="data num corrections"),

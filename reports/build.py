@@ -23,7 +23,7 @@ from mismatch.errors import ReportError, ResultsError
 from mismatch.results import REPORT_FILE, TOKENS_FILE, json_safe, tokens_chunks
 from mismatch.results import read_summary as read_results_summary
 from mismatch.reports import advice, aggregate, figures, sections
-from mismatch.reports.banner import banner, focus_pair
+from mismatch.present.headline import banner, focus_pair
 from mismatch.reports.blocks import section
 from mismatch.reports.digest import Chunks, Digest, DigestAnalysis, digest
 from mismatch.reports.html import Html, el, join

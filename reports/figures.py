@@ -11,7 +11,7 @@ from html import escape
 from typing import Any
 
 from mismatch.reports.aggregate import BREAKDOWN_METRICS
-from mismatch.reports.html import num
+from mismatch.present.numbers import num
 
 FONT = "-apple-system, BlinkMacSystemFont, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
 PAIR_PALETTE = ("#d9480f", "#6741d9", "#0c8599", "#2f9e44", "#c2255c", "#1971c2", "#e67700")

@@ -11,10 +11,11 @@ import time
 from typing import Any
 
 from mismatch.reports.aggregate import pair_roles
-from mismatch.reports.banner import Banner, focus_pair
-from mismatch.reports.blocks import chart, facts, fmt, pair_legend, records_table, section, value_html
+from mismatch.present.headline import Banner, focus_pair
+from mismatch.present.numbers import formatted, num, pct
+from mismatch.reports.blocks import chart, facts, pair_legend, records_table, section, value_html
 from mismatch.reports.figures import LEVEL_COLORS
-from mismatch.reports.html import Html, el, join, num, pct
+from mismatch.reports.html import Html, el, join
 
 # One name per quantity: each card row is labelled with its summary.json key (docs/glossary.md).
 CARD_METRICS = (("kl_k3", "kl_k3", "num"), ("log_ratio_abs_mean", "log_ratio_abs_mean", "num"),
@@ -48,7 +49,7 @@ def context_line(summary: dict[str, Any]) -> Html:
 def tile_value(value: Any, kind: str) -> Html:
     """A tile's number, with `--chars`: the widest line it needs (a range may break at its dash), so
     the CSS shrinks its font to fit the tile instead of letting it spill out (report.css, .tile)."""
-    text = fmt(value, kind)
+    text = formatted(value, kind)
     words = text.split()
     chars = max(len(w) for w in words) + (2 if len(words) > 1 else 0) if words else 1
     return el("div", text, class_="tile-value tile-range" if kind in ("range", "ci") else "tile-value",
@@ -86,7 +87,7 @@ def pair_card(summary: dict[str, Any], pair: str, color: str) -> Html:
               el("p", verdict.get("meaning"), class_="meaning") if verdict.get("meaning") else None,
               el("p", el("code", sub), class_="specs"),
               el("p", text, class_="verdict-text") if text else None,
-              el("dl", [el("div", el("dt", label), el("dd", fmt(_metric(metrics, key), kind)))
+              el("dl", [el("div", el("dt", label), el("dd", formatted(_metric(metrics, key), kind)))
                         for key, label, kind in CARD_METRICS], class_="metrics"),
               class_=f"card level-{level}")
 
@@ -158,7 +159,7 @@ def slope_text(slope: Any) -> Any:
         return "not enough tokens to fit"
     ci = slope.get("ci95_per_1k") or [None, None]
     grows = "grows with context" if slope.get("grows_with_position") else "no significant growth"
-    return (f"{num(slope['slope_per_1k'], 3)} |log-ratio| per 1k tokens, 95% CI {fmt(tuple(ci), 'ci')}"
+    return (f"{num(slope['slope_per_1k'], 3)} |log-ratio| per 1k tokens, 95% CI {formatted(tuple(ci), 'ci')}"
             f"{', p ' + num(slope['p_value'], 2) if slope.get('p_value') is not None else ''}: {grows}")
 
 

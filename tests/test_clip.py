@@ -13,7 +13,7 @@ from test_golden import GOLDEN, stored_checkpoint
 from mismatch.analysis.clip import ClipRange, clip_sentence, table_clip_summary
 from mismatch.cli import main
 from mismatch.errors import MismatchError
-from mismatch.reports.banner import audit_banner
+from mismatch.present.headline import audit_banner
 
 
 def test_clip_range_parses_symmetric_and_clip_higher() -> None:

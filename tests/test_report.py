@@ -20,7 +20,7 @@ import pytest
 
 from conftest import REPO
 from mismatch.reports.aggregate import histogram
-from mismatch.reports.banner import banner
+from mismatch.present.headline import banner
 from mismatch.reports.build import REPORT_FILE, ReportError, build_report, plotly_js, script_json
 from mismatch.reports.worst import WorstOptions, select_rows
 
@@ -467,7 +467,7 @@ def test_the_demo_report_stays_small(demo_report: Path) -> None:
 
 
 def test_a_few_redrawn_tokens_do_not_take_the_headline() -> None:
-    from mismatch.reports.banner import audit_banner
+    from mismatch.present.headline import audit_banner
 
     def summary(touched: int) -> dict:
         return {"pairs": {"train/sampler": {"n_tokens": 598}},
@@ -489,7 +489,7 @@ def test_the_audit_report_lists_its_worst_tokens(demo_report: Path) -> None:
     tokens = pd.read_parquet(demo_report.parent / "tokens.parquet")
     trainable = tokens[tokens["trainable"]]
     worst = (trainable["logp_train"] - trainable["logp_sampler"]).abs().max()
-    from mismatch.reports.html import num
+    from mismatch.present.numbers import num
 
     assert f"<td><span>{num(worst, 6)}</span></td></tr>" in page  # the largest gap, rendered as the table does
 

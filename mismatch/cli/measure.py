@@ -186,8 +186,10 @@ def recommend(
     if advice.snippet is not None:  # the snippet alone (its comments carry each recommendation): pipeable
         sys.stdout.write(advice.snippet)
         return
+    from mismatch.present.headline import cause_line
+
     for cause in advice.diagnosis.get("causes") or []:  # the cause first, then what to do about it
-        say(f"cause{' (minor)' if cause.get('minor') else ''}: {cause['title']} [{cause['pair']}]")
+        say(cause_line(cause))
     for item in advice.recommendations:
         cost = f" Cost: {item['cost']}." if item.get("cost") else ""
         out_console.print(f"{item['kind']} {json.dumps(item['params'])}: {item['why']}.{cost}",

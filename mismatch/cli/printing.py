@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mismatch.cli.output import fmt, new_table, out_console, say
+from mismatch.cli.output import new_table, out_console, say
+from mismatch.present.headline import audit_banner, cause_line, verdict_line
+from mismatch.present.numbers import plain
 
 if TYPE_CHECKING:
     from mismatch.frameworks.protocol import Target
@@ -28,7 +30,7 @@ def print_pairs(summary: dict[str, Any], target: Target | None = None, out: Path
     for pair in pairs:
         table.add_column(pair, justify="right")
     for name in KEY_METRICS:
-        table.add_row(name, *(fmt(metrics.get(name)) for metrics in pairs.values()))
+        table.add_row(name, *(plain(metrics.get(name)) for metrics in pairs.values()))
     out_console.print(table)
     if target is not None:
         _print_framework_metrics(summary, target, out)
@@ -38,8 +40,7 @@ def print_pairs(summary: dict[str, Any], target: Target | None = None, out: Path
         out_console.print(sentence[:1].upper() + sentence[1:] + ".", markup=False, highlight=False,
                           soft_wrap=True)
     for pair, verdict in summary.get("verdicts", {}).items():
-        out_console.print(f"{pair} ({verdict['meaning']}): {verdict['level']}: {verdict['text']}",
-                          markup=False, highlight=False, soft_wrap=True)
+        out_console.print(verdict_line(pair, verdict), markup=False, highlight=False, soft_wrap=True)
     from mismatch.analysis.prefixes import prefix_sentence, split_prefixes
 
     for source, finding in split_prefixes(summary).items():
@@ -81,11 +82,9 @@ def print_findings(summary: dict[str, Any]) -> None:
 
 def print_diagnosis(summary: dict[str, Any]) -> None:
     """The diagnosis' causes (title, evidence) and findings, then the answer the report leads with."""
-    from mismatch.reports.banner import audit_banner
-
     diagnosis = summary.get("diagnosis") or {}
     for n, cause in enumerate(diagnosis.get("causes") or [], start=1):
-        say(f"cause {n}{' (minor)' if cause.get('minor') else ''}: {cause['title']} [{cause['pair']}]")
+        say(cause_line(cause, n))
         for line in [*(cause.get("evidence") or []), *(cause.get("rules_out") or [])]:
             say(f"  - {line}")
     for finding in diagnosis.get("findings") or []:
@@ -114,7 +113,7 @@ def _print_framework_metrics(summary: dict[str, Any], target: Target, out: Path 
     for pair in named:
         table.add_column(pair, justify="right")
     for key in dict.fromkeys(k for values in named.values() for k in values):
-        table.add_row(key, *(fmt(values.get(key)) for values in named.values()))
+        table.add_row(key, *(plain(values.get(key)) for values in named.values()))
     out_console.print(table)
 
 
@@ -123,18 +122,18 @@ def print_diff(comparison: dict[str, Any]) -> None:
     for column in ("metric", "a", "b", "delta", "ci95"):
         table.add_column(column, justify="left" if column == "metric" else "right")
     for name, d in comparison["deltas"].items():
-        table.add_row(name, fmt(d["a"]), fmt(d["b"]), fmt(d["delta"]),
-                      f"[{fmt(d['ci95'][0])}, {fmt(d['ci95'][1])}]")
+        table.add_row(name, plain(d["a"]), plain(d["b"]), plain(d["delta"]),
+                      f"[{plain(d['ci95'][0])}, {plain(d['ci95'][1])}]")
     out_console.print(table)
     speed = comparison["throughput_tokens_per_s"]
     out_console.print(f"closer to the reference: {comparison['closer_to_reference']} "
-                      f"({comparison['closer_rule']}); replay tokens/s: a {fmt(speed['a'])}, "
-                      f"b {fmt(speed['b'])}", markup=False, highlight=False, soft_wrap=True)
+                      f"({comparison['closer_rule']}); replay tokens/s: a {plain(speed['a'])}, "
+                      f"b {plain(speed['b'])}", markup=False, highlight=False, soft_wrap=True)
     on_distribution = comparison.get("distribution")
     if on_distribution:
         kl = on_distribution["kl"]
         say(f"closer on the whole next-token distribution: {on_distribution['closer'] or 'undecided'} "
-            f"(mean KL a {fmt(kl['a'])}, b {fmt(kl['b'])}; {on_distribution['rule']})")
+            f"(mean KL a {plain(kl['a'])}, b {plain(kl['b'])}; {on_distribution['rule']})")
 
 
 def print_layers(found: dict[str, Any]) -> None:
@@ -147,8 +146,8 @@ def print_layers(found: dict[str, Any]) -> None:
         for column in ("layer", "block", "rel_error", "local_rel_error", "logit_lens |Δlogp|"):
             table.add_column(column, justify="left" if column == "block" else "right")
         for row in found_layers["by_layer"]:
-            table.add_row(str(row["layer"]), row["block"], fmt(row.get("rel_error")),
-                          fmt(row.get("local_rel_error")), fmt(row.get("logit_lens_abs_diff")))
+            table.add_row(str(row["layer"]), row["block"], plain(row.get("rel_error")),
+                          plain(row.get("local_rel_error")), plain(row.get("logit_lens_abs_diff")))
         out_console.print(table)
         out_console.print(f"jump: layer {found_layers['jump_layer']} {found_layers['jump_block']}",
                           markup=False)
@@ -164,7 +163,7 @@ def print_layers(found: dict[str, Any]) -> None:
     for column in ("type", "rel_error", "max_abs"):
         table.add_column(column, justify="left" if column == "type" else "right")
     for row in kernels["by_type"]:
-        table.add_row(row["type"], fmt(row.get("rel_error")), fmt(row.get("max_abs")))
+        table.add_row(row["type"], plain(row.get("rel_error")), plain(row.get("max_abs")))
     out_console.print(table)
 
 
@@ -173,8 +172,8 @@ def print_weights(payload: dict[str, Any]) -> None:
     for tensor in differing:
         out_console.print(
             f"{tensor['name']}: {tensor.get('dtype_a')} {tensor.get('shape_a')} vs {tensor.get('dtype_b')} "
-            f"{tensor.get('shape_b')}: max abs {fmt(tensor.get('max_abs_diff'))}, max rel "
-            f"{fmt(tensor.get('max_rel_diff'))}, bitwise equal {fmt(tensor.get('bitwise_equal_frac'))}",
+            f"{tensor.get('shape_b')}: max abs {plain(tensor.get('max_abs_diff'))}, max rel "
+            f"{plain(tensor.get('max_rel_diff'))}, bitwise equal {plain(tensor.get('bitwise_equal_frac'))}",
             markup=False, highlight=False, soft_wrap=True)
     for side in ("only_a", "only_b"):
         for name in payload.get(side) or []:
@@ -232,7 +231,7 @@ def print_distribution(summary: dict[str, Any]) -> None:
     for pair in found:
         table.add_column(pair, justify="right")
     for label, key in DISTRIBUTION_ROWS:
-        table.add_row(label, *(fmt(entry.get(key)) for entry in found.values()))
+        table.add_row(label, *(plain(entry.get(key)) for entry in found.values()))
     out_console.print(table)
     for pair, entry in found.items():
         view = "exact over the whole vocabulary" if entry["exact"] else f"bounded ({entry['bounded']})"
@@ -244,5 +243,5 @@ def print_distribution(summary: dict[str, Any]) -> None:
                 f"largest change at {top['n_positions']} positions)")
         if entry["worst"]:
             worst = entry["worst"][0]
-            say(f"{pair}: largest KL(A‖B) {fmt(worst['kl_ab'])} at rollout {worst['rollout']} branch "
+            say(f"{pair}: largest KL(A‖B) {plain(worst['kl_ab'])} at rollout {worst['rollout']} branch "
                 f"{worst['branch']} turn {worst['turn']} position {worst['pos']} (token {worst['moved_token']} moved)")

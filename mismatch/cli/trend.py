@@ -37,7 +37,7 @@ def trend(
     found = analyze_steps(steps, pair=pair, metric=metric, weights=weights)  # an unknown metric is named here
     check_named(steps, pair, metric)
     if report is not None:
-        from mismatch.reports.trend import build_trend_report
+        from mismatch.reports import build_trend_report
         from mismatch.results import file_fault
 
         try:
@@ -70,7 +70,7 @@ def check_report_path(report: Path) -> None:
 
 
 def _print_trend(found: dict[str, Any]) -> None:
-    from mismatch.reports.trend import terminal_lines
+    from mismatch.present.trend import terminal_lines
 
     for line in terminal_lines(found):
         out_console.print(line, markup=False, highlight=False, soft_wrap=True)

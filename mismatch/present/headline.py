@@ -1,4 +1,6 @@
-"""The verdict in one glance: healthy, correct with X, or fix at the source: Y, with key numbers.
+"""The verdict in one glance: healthy, correct with X, or fix at the source: Y, with key numbers;
+and the lines a cause or a verdict is printed as. The report's banner and the terminal's `answer:`
+are both this module's words.
 
 Read from summary.json only (`diagnosis`, `verdicts`, `recommendations`, and `diff` for diff
 reports): the banner restates what the audit concluded. With a diagnosis the headline is its lead
@@ -95,10 +97,22 @@ def key_numbers(metrics: dict[str, Any]) -> list[tuple[str, Any, str]]:
             ("n_tokens", metrics.get("n_tokens"), "num")]
 
 
-def _sentence(text: str) -> str:
-    # verdicts.py appends "(kl_k3 …)" to its sentence: the numbers are in the tiles already.
+def verdict_sentence(text: str) -> str:
+    """A verdict's sentence without the numbers verdicts.py appends ("(kl_k3 …)": they are in the
+    tiles already), capitalized."""
     head = text.split(" (kl_k3", 1)[0].strip()
     return head[:1].upper() + head[1:] if head else head
+
+
+def verdict_line(pair: str, verdict: dict[str, Any]) -> str:
+    """A pair's verdict as the terminal lists it: its meaning, its level and the whole sentence."""
+    return f"{pair} ({verdict['meaning']}): {verdict['level']}: {verdict['text']}"
+
+
+def cause_line(cause: dict[str, Any], number: int | None = None) -> str:
+    """A diagnosed cause on one line: `cause 1 (minor): <title> [<pair>]` (numbered when listed)."""
+    ordinal = f" {number}" if number is not None else ""
+    return f"cause{ordinal}{' (minor)' if cause.get('minor') else ''}: {cause['title']} [{cause['pair']}]"
 
 
 # Re-rendered tokens that differ from the sampled ones lead the page only when they are a share of
@@ -127,7 +141,7 @@ def _cause_banner(cause: dict[str, Any], summary: dict[str, Any], recs: list[dic
     """The cause, in its own words; the fix at its source; then the correction, only if one is
     recommended meanwhile (recommend leaves it out when the ratio is 1 up to rounding)."""
     fix = next((r for r in recs if r.get("kind") == cause.get("fix")), None)
-    parts = [_sentence(str(cause.get("title", cause.get("kind", "?"))))]
+    parts = [verdict_sentence(str(cause.get("title", cause.get("kind", "?"))))]
     unexplained = cause.get("kind") == "unexplained"
     if unexplained:  # the size, what was ruled out and the command that would decide: no fix to name
         where = cause.get("where") or {}
@@ -177,10 +191,10 @@ def audit_banner(summary: dict[str, Any]) -> Banner:
         details.append(f"Mismatch alone takes {clip['pairs'][pair]:.2%} of {pair} tokens out of the "
                        f"PPO clip range [{low:g}, {high:g}].")
         numbers.insert(0, (f"outside clip [{low:g}, {high:g}]", clip["pairs"][pair], "pct"))
-    verdict_line = None
+    verdict_detail = None
     if verdict and verdict.get("text"):
-        verdict_line = f"{pair} ({verdict.get('meaning', 'log-ratio')}): {_sentence(verdict['text'])}."
-        details.append(verdict_line)
+        verdict_detail = f"{pair} ({verdict.get('meaning', 'log-ratio')}): {verdict_sentence(verdict['text'])}."
+        details.append(verdict_detail)
     # Facts that explain no gap but change how to read one (a replayed config farther from the
     # trainer than the sampler was; a declaration the replay contradicts).
     details += [f"Note: {finding}." for finding in (summary.get("diagnosis") or {}).get("findings") or []]
@@ -205,7 +219,7 @@ def audit_banner(summary: dict[str, Any]) -> Banner:
     if verdict is None:
         return Banner(status="unknown", label="NO VERDICT", numbers=numbers, details=details,
                       headline="No verdict recorded in summary.json (re-run the audit to get one)")
-    details = [line for line in details if line != verdict_line]  # the verdict is the headline itself
+    details = [line for line in details if line != verdict_detail]  # the verdict is the headline itself
     return _level_banner(pair, verdict, details=details, numbers=numbers, recommended=bool(recs))
 
 
@@ -224,7 +238,7 @@ def _level_banner(pair: str | None, verdict: dict[str, Any], *, details: list[st
         details.append(f"On {pair} ({verdict.get('meaning', 'its log-ratio')}), trainable tokens.")
     if not recommended and level not in HEALTHY_LEVELS:
         details.append("Recommendation: not computed for this results dir.")
-    return Banner(status=status, label=label, headline=_sentence(verdict.get("text", "")),
+    return Banner(status=status, label=label, headline=verdict_sentence(verdict.get("text", "")),
                   details=details, numbers=numbers)
 
 
