@@ -199,12 +199,13 @@ def test_reports_never_import_torch_or_the_engines(tmp_path: Path) -> None:
     assert heavy == [], heavy
     # Of the core (the reports' own modules aside), only its light packages: the package root, the
     # errors (ReportError), the results contract, the streams' data, the analysis (terms, chunked
-    # reductions, prefix findings' wording), their worker processes and the frameworks' metric
-    # names (numpy and pandas only); never an engine, the replay, the rollouts loader, a localizer,
+    # reductions, prefix findings' wording), their worker processes, the frameworks' metric
+    # names (numpy and pandas only) and the words it shares with the terminal (present); never an engine, the replay, the rollouts loader, a localizer,
     # the probes, the checkpoint, the advice or an orchestration.
     core = {m.split(".")[1] if "." in m else m for m in modules
             if m.split(".")[0] == "mismatch" and m.split(".")[1:2] != ["reports"]}
-    assert core <= {"mismatch", "errors", "version", "results", "streams", "analysis", "workers", "frameworks"}, core
+    assert core <= {"mismatch", "errors", "version", "results", "streams", "analysis", "workers", "frameworks",
+                    "present"}, core
     assert {"mismatch", "errors", "results", "analysis", "frameworks"} <= core, core
     assert (out / REPORT_FILE).is_file()
 
