@@ -34,7 +34,7 @@ TEMPLATES = Path(__file__).with_name("templates")
 
 def read_summary(results_dir: Path) -> dict[str, Any]:
     try:
-        return read_results_summary(results_dir)
+        return read_results_summary(results_dir).to_dict()  # TRANSITIONAL (h4 moves the report onto the record)
     except ResultsError as exc:  # the report's own error kind, for callers that catch it
         raise ReportError(str(exc)) from None
 

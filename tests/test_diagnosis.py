@@ -498,10 +498,13 @@ def test_a_sampler_that_declares_truncated_sampling_is_not_blamed_on_its_weights
     """The same evidence, had the sampler declared top_p 0.8: the replay does not apply it, so the
     gap is not shown to be the weights; "unexplained" (issue 46's truncation cause names it)."""
     from mismatch.advise.advice import advise
+    from mismatch.pipeline.summary import with_parts
+    from mismatch.results.summary_model import from_builtins
 
     summary = json.loads(json.dumps(matrix.summary(f"sampler_planted:{BF16_DECODE}")))
     summary["engines"]["sampler"]["meta"]["top_p"] = 0.8
-    advise(summary)
+    record = from_builtins(summary)
+    summary = with_parts(record, advise(record).parts()).to_dict()
     assert lead(summary)["kind"] == "unexplained", causes(summary)
     [refused] = [r for r in summary["diagnosis"]["refused"] if r["kind"] == "sampler_weights"]
     assert refused["test"] == "consistency" and "top_p 0.8" in refused["why"]

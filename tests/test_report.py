@@ -89,7 +89,7 @@ def audit_dir(root: Path, rollouts: list[dict[str, Any]], *, seed: int = 0, wors
     """An audit results dir from mismatch's own summary builder; `worst` gets one big log-ratio."""
     from mismatch.results.chunks import table_chunks
     from mismatch.pipeline.audit import AUDIT_PAIRS
-    from mismatch.pipeline.summary import build_summary
+    from mismatch.pipeline.summary import build_summary, with_parts
     from mismatch.results import write_results
 
     rng = np.random.default_rng(seed)
@@ -107,15 +107,14 @@ def audit_dir(root: Path, rollouts: list[dict[str, Any]], *, seed: int = 0, wors
                "infer": {"kind": "hf-decode", "spec": "hf-decode:dtype=bfloat16"}}
     summary = build_summary(table_chunks(table), engines=engines, checkpoint="ckpt", rollouts_file="rollouts.jsonl",
                             pairs=AUDIT_PAIRS, command="audit")
-    summary.update(extra or {})
-    return write_results(root, tokens=table, summary=summary, force=False)
+    return write_results(root, tokens=table, summary=with_parts(summary, extra or {}), force=False)
 
 
 def diff_dir(root: Path) -> Path:
     from mismatch.results.chunks import table_chunks
     from mismatch.analysis.comparison import compare_configs
     from mismatch.pipeline.diff import DIFF_PAIRS
-    from mismatch.pipeline.summary import build_summary
+    from mismatch.pipeline.summary import build_summary, with_parts
     from mismatch.results import write_results
 
     rng = np.random.default_rng(1)
@@ -128,8 +127,8 @@ def diff_dir(root: Path) -> Path:
                "b": {"spec": "hf:dtype=float32", "tokens_per_s": 500.0}, "reference": {"spec": "hf"}}
     summary = build_summary(table_chunks(table), engines=engines, checkpoint="ckpt", rollouts_file="rollouts.jsonl",
                             pairs=DIFF_PAIRS, command="diff")
-    summary["diff"] = {**compare_configs(table_chunks(table), num_bootstrap=200),
-                       "throughput_tokens_per_s": {"a": 900.0, "b": 500.0}}
+    summary = with_parts(summary, {"diff": {**compare_configs(table_chunks(table), num_bootstrap=200),
+                                            "throughput_tokens_per_s": {"a": 900.0, "b": 500.0}}})
     return write_results(root, tokens=table, summary=summary, force=False)
 
 

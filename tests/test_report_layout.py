@@ -77,15 +77,16 @@ MEASURE = """() => {
 }"""
 
 
-def long_summary(table) -> dict[str, Any]:
+def long_summary(table) -> Summary:
     from mismatch.results.chunks import table_chunks
     from mismatch.pipeline.summary import build_summary
+    from mismatch.results.summary_model import from_builtins
 
     engines = {TRAIN: {"kind": "hf", "spec": "hf:dtype=bfloat16,attn_implementation=flash_attention_2"},
                SAMPLER: {"kind": "stored", "spec": "vllm:quantization=fp8,kv_cache_dtype=fp8_e5m2"},
                INFER: {"kind": "hf-decode", "spec": "hf-decode:dtype=bfloat16"}}
     summary = build_summary(table_chunks(table), engines=engines, checkpoint="checkpoints/qwen3-30b-a3b-step-1200",
-                            rollouts_file="rollouts/step-1200-agentic.jsonl", pairs=PAIRS, command="audit")
+                            rollouts_file="rollouts/step-1200-agentic.jsonl", pairs=PAIRS, command="audit").to_dict()
     for pair in summary["pairs"]:
         summary["pairs"][pair].update(LONG_METRICS)
     # LARGE, NEGLIGIBLE, and a pair without a verdict: NOT JUDGED.
@@ -94,10 +95,10 @@ def long_summary(table) -> dict[str, Any]:
                            for pair, level in ((FOCUS, "large"), (f"{TRAIN}/{INFER}", "negligible"))}
     summary["counts"] = {"rollouts": 1_234_567, "branches": 2_345_678, "tokens": 987_654_321,
                          "trainable_tokens": 123_456_789}
-    summary["clip"] = {"range": [0.8, 1.28], "pairs": {FOCUS: 0.001234}}
+    summary["clip"] = {"eps_low": 0.2, "eps_high": 0.28, "range": [0.8, 1.28], "pairs": {FOCUS: 0.001234}}
     summary["recommendations"] = [FIX, CORRECTION]
     summary.pop("diagnosis", None)
-    return summary
+    return from_builtins(summary)
 
 
 @pytest.fixture(scope="module")

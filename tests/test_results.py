@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
+import pytest
 
 from mismatch.results import TOKENS_FILE, read_tokens, write_tokens
 
@@ -57,7 +58,7 @@ def test_the_shipped_schema_describes_what_an_audit_and_a_merge_write(tmp_path):
     from test_golden import GOLDEN, stored_checkpoint
 
     schema = summary_schema()
-    assert schema["$defs"]["metrics"]["required"] == list(PAIR_METRICS)  # one list of metric names
+    assert schema["$defs"]["PairMetrics"]["required"] == list(PAIR_METRICS)  # one list of metric names
     checkpoint, rollouts = stored_checkpoint(tmp_path / "ckpt"), GOLDEN / "rollouts.jsonl"
     stored = {"train": "stored:trainer", "infer": "stored:engine"}
     whole = audit(checkpoint, rollouts, **stored, out=tmp_path / "whole", block_size=16)
@@ -71,6 +72,31 @@ def test_the_shipped_schema_describes_what_an_audit_and_a_merge_write(tmp_path):
     broken["counts"]["tokens"] = -1
     assert validate_summary(broken) == ["counts/tokens: -1 is less than the minimum of 0",
                                         "pairs/train/sampler: 'kl_k3' is a required property"]
+
+
+def test_the_shipped_schema_is_the_one_the_model_generates():
+    """mismatch/data/summary.schema.json is generated from results/summary_model.py: a change to the
+    model without regenerating it (python -m mismatch.results.summary_model) fails here."""
+    from mismatch.results import SCHEMA_FILE
+    from mismatch.results.summary_model import schema_text
+
+    assert SCHEMA_FILE.read_text() == schema_text(), "regenerate: python -m mismatch.results.summary_model"
+
+
+def test_a_summary_of_the_wrong_shape_is_one_line_naming_the_field(tmp_path):
+    """read_summary decodes through the model: a field of the wrong type is refused with its path."""
+    from mismatch.errors import ResultsError
+    from mismatch.results import read_summary
+    from mismatch.results.summary_model import Summary
+    from test_golden import GOLDEN, renamed
+
+    want = renamed(json.loads((GOLDEN / "expected_summary.json").read_text()))
+    (tmp_path / "summary.json").write_text(json.dumps(want))
+    assert isinstance(read_summary(tmp_path), Summary)
+    want["pairs"]["train/sampler"]["kl_k3"] = "small"
+    (tmp_path / "summary.json").write_text(json.dumps(want))
+    with pytest.raises(ResultsError, match=r"pairs/train/sampler/kl_k3: 'small' is not valid under any of the given schemas"):
+        read_summary(tmp_path)
 
 
 def test_importing_the_results_contract_loads_no_model_code():

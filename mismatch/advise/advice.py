@@ -15,21 +15,44 @@ from mismatch.advise.snippets import render_config, snippet_settings
 from mismatch.advise.verdicts import verdicts
 from mismatch.frameworks.protocol import Target
 from mismatch.frameworks.registry import FRAMEWORKS, default_target
+from mismatch.results import summary_model as model
+from mismatch.results.summary_model import Summary, from_builtins
 
 
-def advise(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = None) -> None:
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AuditAdvice:
+    """advise()'s part of summary.json: the diagnosis, each pair's verdict naming its cause, the
+    recommendations and each framework's config snippet for them."""
+
+    diagnosis: model.Diagnosis
+    verdicts: dict[str, model.Verdict]
+    recommendations: list[model.Recommendation]
+    config_snippets: dict[str, str]
+
+    def parts(self) -> dict[str, object]:
+        """The summary sections it sets (pipeline.summary.with_parts)."""
+        return {"diagnosis": self.diagnosis, "verdicts": self.verdicts,
+                "recommendations": self.recommendations, "config_snippets": self.config_snippets}
+
+
+def advise(summary: Summary, *, probes: list[dict[str, Any]] | None = None) -> AuditAdvice:
     """summary.json's diagnosis, recommendations (the rule on the summary and the `probes`' evidence)
-    and each framework's config snippet for them; each pair's verdict names its cause."""
-    diagnosis = diagnose(summary, probes=probes)
-    summary["diagnosis"] = diagnosis.to_dict()
-    summary["verdicts"] = verdicts(summary["pairs"], diagnosis, summary.get("engines"))
-    summary["recommendations"] = recommendations_dicts(recommend(summary, probes=probes))
+    and each framework's config snippet for them; each pair's verdict names its cause. The summary
+    is read, never edited: the command builds its summary with the part returned."""
+    seen = summary.to_dict()  # TRANSITIONAL: the readers below take the plain summary until they read records
+    diagnosis = diagnose(seen, probes=probes)
+    found = diagnosis.to_dict()
+    seen["diagnosis"] = found
+    recommendations = recommendations_dicts(recommend(seen, probes=probes))
     # Each framework's snippet chooses among the corrections its release can express (the one
     # installed here, else the newest mismatch has read).
     targets = [default_target(framework) for framework in FRAMEWORKS]
-    summary["config_snippets"] = {target.framework: render_config(
-        recommendations_dicts(recommend(summary, target, probes=probes)), target,
-        causes=summary["diagnosis"]["causes"]) for target in targets}
+    snippets = {target.framework: render_config(recommendations_dicts(recommend(seen, target, probes=probes)), target,
+                                                causes=found["causes"]) for target in targets}
+    return AuditAdvice(diagnosis=from_builtins(found, model.Diagnosis),
+                       verdicts=verdicts(summary.pairs, diagnosis, summary.engines),
+                       recommendations=from_builtins(recommendations, list[model.Recommendation]),
+                       config_snippets=snippets)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -9,6 +9,7 @@ from typing import Any
 
 from mismatch.advise.diagnose import Diagnosis, diagnose
 from mismatch.advise.levels import gap_level
+from mismatch.results.summary_model import partial_metrics
 
 PAIR = "train/sampler"
 PROCESSED_PAIR = "train_processed/sampler"
@@ -30,7 +31,7 @@ class Evidence:
 
     @property
     def level(self) -> str:
-        return gap_level(self.metrics)
+        return gap_level(partial_metrics(self.metrics))  # TRANSITIONAL: plain metrics
 
 
 def evidence_from_summary(summary: dict[str, Any], *, corrections: list[dict[str, Any]] | None = None,

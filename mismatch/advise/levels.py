@@ -3,7 +3,7 @@ kl_k3 and the ratio's tail: what the verdicts word, the diagnosis reads and the 
 
 from __future__ import annotations
 
-from typing import Any
+from mismatch.results.summary_model import PairMetrics, Summary, partial_metrics
 
 # Thresholds (kl_k3 is per token; frac_outside_2 is the share of tokens with ratio outside [0.5, 2]).
 NEGLIGIBLE_KL = 1e-6
@@ -14,13 +14,13 @@ HEALTHY = ("exact", "negligible")
 GAPS = ("small", "large")
 
 
-def gap_level(metrics: dict[str, Any]) -> str:
+def gap_level(metrics: PairMetrics) -> str:
     """exact | negligible | small | large | unknown (no tokens to judge)."""
-    if not metrics.get("n_tokens"):
+    if not metrics.n_tokens:
         return "unknown"
-    if metrics["bitwise_equal_frac"] == 1.0:
+    if metrics.bitwise_equal_frac == 1.0:
         return "exact"
-    kl, tail = metrics["kl_k3"], metrics["frac_outside_2"]
+    kl, tail = metrics.kl_k3, metrics.frac_outside_2
     if kl is None or tail is None or kl != kl:  # NaN/inf from overflow counts as large
         return "large"
     if kl < NEGLIGIBLE_KL and tail == 0.0:
@@ -30,7 +30,9 @@ def gap_level(metrics: dict[str, Any]) -> str:
     return "large"
 
 
-def pair_levels(summary: dict[str, Any]) -> dict[str, str]:
+def pair_levels(summary: Summary) -> dict[str, str]:
     """summary.json's pairs, each at its gap level."""
-    return {pair: gap_level(metrics) for pair, metrics in (summary.get("pairs") or {}).items()
-            if isinstance(metrics, dict)}
+    if isinstance(summary, dict):  # TRANSITIONAL: the readers still on plain data
+        return {pair: gap_level(partial_metrics(metrics)) for pair, metrics in (summary.get("pairs") or {}).items()
+                if isinstance(metrics, dict)}
+    return {pair: gap_level(metrics) for pair, metrics in summary.pairs.items()}

@@ -8,9 +8,11 @@ sentence.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from mismatch.advise.levels import gap_level
+from mismatch.results.summary_model import PairMetrics, Verdict
 
 if TYPE_CHECKING:
     from mismatch.advise.diagnose import Diagnosis
@@ -22,19 +24,27 @@ MEANING = {
 }
 
 
-def verdict(pair: str, metrics: dict[str, Any], cause: str | None = None) -> dict[str, str]:
-    """{"level", "meaning", "text"}: the level, what this pair measures, and one plain sentence,
+def verdict(pair: str, metrics: PairMetrics, cause: str | None = None) -> Verdict:
+    """The level, what this pair measures, and one plain sentence,
     ending with the diagnosed `cause` of this pair's gap when there is one."""
     level = gap_level(metrics)
     text = _TEXT.get(pair, _GENERIC)[level]
     if cause and level == "negligible":  # under the thresholds, yet with a cause: not "rounding"
         text = _GENERIC["negligible"]
     if level not in ("unknown", "exact"):
-        text += (f" (kl_k3 {metrics['kl_k3']:.3g}, ratio_q001–ratio_q999 {metrics['ratio_q001']:.3g}–"
-                 f"{metrics['ratio_q999']:.3g}, frac_outside_2 {metrics['frac_outside_2']:.2%})")
+        text += (f" (kl_k3 {_number(metrics.kl_k3)}, ratio_q001–ratio_q999 {_number(metrics.ratio_q001)}–"
+                 f"{_number(metrics.ratio_q999)}, frac_outside_2 {_share(metrics.frac_outside_2)})")
     if cause and level != "exact":
         text += f"; cause: {cause}"
-    return {"level": level, "meaning": MEANING.get(pair, f"{pair} log-ratio"), "text": text}
+    return Verdict(level=level, meaning=MEANING.get(pair, f"{pair} log-ratio"), text=text)
+
+
+def _number(value: float | None) -> str:
+    return f"{value:.3g}" if value is not None else "null"
+
+
+def _share(value: float | None) -> str:
+    return f"{value:.2%}" if value is not None else "null"
 
 
 _TEXT: dict[str, dict[str, str]] = {
@@ -71,7 +81,7 @@ _GENERIC = {
 }
 
 
-def stored_verdict(pair: str, metrics: dict[str, Any], source: str, name: str) -> dict[str, str]:
+def stored_verdict(pair: str, metrics: PairMetrics, source: str, name: str) -> Verdict:
     """A pair one of whose sides is a stored stream replayed as an engine (`--infer sampler`,
     `stored:NAME`): nothing was replayed on that side, so the pair claims no fidelity and no
     reproduction; its numbers are the stored stream's own."""
@@ -82,12 +92,12 @@ def stored_verdict(pair: str, metrics: dict[str, Any], source: str, name: str) -
         text = (f"{source} is the stored stream {name} (stored, not replayed): the gap to it, {_GENERIC[level]}, says "
                 "nothing about how it was produced")
     if level not in ("unknown", "exact"):
-        text += f" (kl_k3 {metrics['kl_k3']:.3g}, {metrics['frac_outside_2']:.2%} of tokens outside [0.5, 2])"
-    return {"level": level, "meaning": "stored, not replayed", "text": text}
+        text += f" (kl_k3 {_number(metrics.kl_k3)}, {_share(metrics.frac_outside_2)} of tokens outside [0.5, 2])"
+    return Verdict(level=level, meaning="stored, not replayed", text=text)
 
 
-def verdicts(pairs: dict[str, dict[str, Any]], diagnosis: Diagnosis | None = None,
-             engines: dict[str, Any] | None = None) -> dict[str, dict[str, str]]:
+def verdicts(pairs: Mapping[str, PairMetrics], diagnosis: Diagnosis | None = None,
+             engines: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Verdict]:
     """Each pair's verdict; with `engines` (summary.json's), a pair with a stored stream replayed as
     an engine on one side is worded as such (stored_verdict)."""
     def cause(pair: str) -> str | None:

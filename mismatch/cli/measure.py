@@ -75,7 +75,7 @@ def audit(
     Rerunning the same command after an interruption resumes from the finished blocks."""
     from mismatch.analysis.clip import ClipRange
     from mismatch.pipeline.audit import run_audit
-    from mismatch.pipeline.configured import model_line, with_configs, with_checkpoint_checks
+    from mismatch.pipeline.configured import model_line, resolve_options
     from mismatch.pipeline.options import AuditOptions
 
     clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
@@ -87,7 +87,7 @@ def audit(
                          force_model=force_model, skip_invalid=skip_invalid,
                          framework=target.framework if target else None,
                          distribution=distribution)
-    options = with_checkpoint_checks(checkpoint, with_configs(asked))
+    options = resolve_options(checkpoint, asked)  # the one options pass: run_audit resolves nothing again
     print_from_config(options.from_config, err_console if as_json else None,
                       model=model_line(options))  # before the replay: it may be long
     with dependency_log(out), replay_progress(not as_json) as progress:
@@ -122,12 +122,13 @@ def diff(
     as_json: JsonFlag = False,
 ) -> None:
     """Replay two engine configs against a reference: which is closer, by how much, where, how fast."""
-    from mismatch.pipeline.configured import with_configs
+    from mismatch.pipeline.configured import resolve_options
     from mismatch.pipeline.diff import run_diff
     from mismatch.pipeline.options import DiffOptions
 
-    options = with_configs(DiffOptions(a=a, b=b, reference=reference, out=out, force=force, shard=shard_for(shard),
-                                       block_size=block_size, distribution=distribution))
+    options = resolve_options(checkpoint, DiffOptions(a=a, b=b, reference=reference, out=out, force=force,
+                                                      shard=shard_for(shard), block_size=block_size,
+                                                      distribution=distribution))
     print_from_config(options.from_config, err_console if as_json else None)
     with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_diff(checkpoint, rollouts, dataclasses.replace(options, progress=progress))
@@ -172,7 +173,7 @@ def recommend(
 
     target = target_for(framework)
     probe_results = read_probes(probes) if probes is not None else None
-    summary = read_summary(results)
+    summary = read_summary(results).to_dict()  # TRANSITIONAL (h4 moves the CLI onto the record)
     # What gate refuses as impossible gets no advice either; nor a dir whose tables are another run's.
     check_summary(summary, where=str(results / SUMMARY_FILE))
     check_tables(results, summary, required=())

@@ -32,9 +32,10 @@ from mismatch.localize import check_localizable
 from mismatch.localize import localize_models as run_model_localizers
 from mismatch.localize.turns import TurnLocalizer
 from mismatch.pipeline import stages
-from mismatch.pipeline.configured import with_configs, with_checkpoint_checks
+from mismatch.pipeline.configured import resolve_options
 from mismatch.pipeline.options import AuditOptions
-from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json
+from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json, with_parts
+from mismatch.results.summary_model import Summary
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_processed
 from mismatch.replay.truncation import sampler_truncation, truncation_explained
 from mismatch.results import TokenStore, results_lock, staged_tokens
@@ -86,7 +87,7 @@ def audit(checkpoint: str | Path, rollouts: str | Path, *, train: str = "hf", in
 def run_audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) -> AuditResult:
     """The audit of `options`, one run at a time into its results dir."""
     analysis_workers(0)  # a bad MISMATCH_WORKERS is refused before any replay
-    options = with_checkpoint_checks(checkpoint, with_configs(options))
+    options = resolve_options(checkpoint, options)  # nothing to do when the edge resolved them
     with results_lock(options.out):  # from its first check to its publish
         return _audit(checkpoint, rollouts, options)
 
@@ -119,15 +120,14 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) 
                                 measured, findings, localized=localized,
                                 weights=engine_weights(beside.engines, checkpoint),
                                 probes=_probes(checkpoint, options) if options.probe else None,
-                                framework=options.framework)
-        if prepared.skipped is not None:
-            summary["skipped"] = prepared.skipped
+                                framework=options.framework, skipped=prepared.skipped)
         if options.out is None:
-            return AuditResult(summary=summary, out=None, table=store.table)
-        stages.write_results_files(store, summary, stages.with_steps(per_rollout.result(), stored.steps), digestion)
+            return AuditResult(record=summary, out=None, table=store.table)
+        summary = stages.write_results_files(store, summary, stages.with_steps(per_rollout.result(), stored.steps),
+                                             digestion)
     if prepared.work is not None:
         prepared.work.remove()
-    return AuditResult(summary=summary, out=options.out)
+    return AuditResult(record=summary, out=options.out)
 
 
 def _check_requested_work(options: AuditOptions) -> None:
@@ -249,9 +249,10 @@ def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | N
 
 def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFindings, *,
                   localized: dict[str, Any] | None = None, weights: dict[str, Any] | None = None,
-                  probes: dict[str, Any] | None = None, framework: str | None = None) -> dict[str, Any]:
+                  probes: dict[str, Any] | None = None, framework: str | None = None,
+                  skipped: dict[str, Any] | None = None) -> Summary:
     """summary.json of an audit (or a merge of its shards), advised once on all of its evidence;
-    `framework`: the one `--for` named."""
+    `framework`: the one `--for` named; `skipped`: the rollouts --skip-invalid left out."""
     summary = summary_json(provenance, measured, {
         "alignment": findings.alignment, "trees": findings.trees, "framework_metrics": findings.framework_metrics,
         "framework_settings": findings.framework_settings,
@@ -259,9 +260,9 @@ def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFin
         "drift": findings.drift, "routing": findings.routing, "prefix_consistency": findings.prefix_consistency,
         "weights": weights or None, "probes": probes, "strata": findings.strata,
         **({"distribution": findings.distribution} if findings.distribution is not None else {}),
-        **({"framework": framework} if framework is not None else {})})
-    advise(summary, probes=probes["results"] if probes is not None else None)
-    return summary
+        **({"framework": framework} if framework is not None else {}), "skipped": skipped})
+    advice = advise(summary, probes=probes["results"] if probes is not None else None)
+    return with_parts(summary, advice.parts())
 
 
 def _localized_models(checkpoint: str | Path, requests: list[Any], prepared: stages.Prepared,

@@ -23,11 +23,20 @@ from mismatch.pipeline.options import DEFAULT_INFER, AuditOptions, RunOptions
 O = TypeVar("O", bound=RunOptions)
 
 
+def resolve_options(checkpoint: str | Path, options: O) -> O:
+    """The one options pass, at the edge (the CLI, the library's front doors): the framework configs
+    resolved (with_configs), then held against the checkpoint (with_checkpoint_checks), once; the
+    options come back marked `resolved`, and a command given resolved options resolves nothing."""
+    if options.resolved:
+        return options
+    return dataclasses.replace(with_checkpoint_checks(checkpoint, with_configs(options)), resolved=True)
+
+
 def with_configs(options: O) -> O:
     """`options` with each framework-config source resolved (the same options when none is, or
     when they were resolved already). An audit's infer left unset replays the rollout engine of a
     --train framework config, else hf-decode."""
-    if options.from_config:
+    if options.resolved:
         return options
     requested = dict(options.sources)
     if isinstance(options, AuditOptions) and options.infer is None:

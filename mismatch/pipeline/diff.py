@@ -16,9 +16,10 @@ from mismatch.analysis.comparison import ConfigComparison
 from mismatch.analysis.distribution import DistributionSummary, closer_on_distribution
 from mismatch.analysis.per_rollout import PerRollout
 from mismatch.pipeline import stages
-from mismatch.pipeline.configured import with_configs
+from mismatch.pipeline.configured import resolve_options
 from mismatch.pipeline.options import DiffOptions
 from mismatch.pipeline.summary import Provenance, SummaryAnalyses, summary_json
+from mismatch.results.summary_model import Summary
 from mismatch.results import results_lock, staged_tokens
 from mismatch.workers import analysis_workers
 
@@ -41,7 +42,7 @@ def diff(checkpoint: str | Path, rollouts: str | Path, *, a: str, b: str, refere
 
 def run_diff(checkpoint: str | Path, rollouts: str | Path, options: DiffOptions) -> DiffResult:
     analysis_workers(0)  # a bad MISMATCH_WORKERS is refused before any replay
-    options = with_configs(options)
+    options = resolve_options(checkpoint, options)  # nothing to do when the edge resolved them
     with results_lock(options.out):
         return _diff(checkpoint, rollouts, options)
 
@@ -60,15 +61,15 @@ def _diff(checkpoint: str | Path, rollouts: str | Path, options: DiffOptions) ->
         summary = analyze_diff(store.chunks, provenance, seed=options.seed, extra=[per_rollout],
                                workers=analysis_workers(store.num_rows), distribution=distribution)
         if options.out is None:
-            return DiffResult(summary=summary, out=None, table=store.table)
-        stages.write_results_files(store, summary, per_rollout.result())
+            return DiffResult(record=summary, out=None, table=store.table)
+        summary = stages.write_results_files(store, summary, per_rollout.result())
     if prepared.work is not None:
         prepared.work.remove()
-    return DiffResult(summary=summary, out=options.out)
+    return DiffResult(record=summary, out=options.out)
 
 
 def analyze_diff(chunks: Chunks, provenance: Provenance, *, seed: int = 0, extra: Sequence[Analysis] = (),
-                 workers: int = 1, distribution: DistributionSummary | None = None) -> dict[str, Any]:
+                 workers: int = 1, distribution: DistributionSummary | None = None) -> Summary:
     """summary.json of a diff (or a merge of its shards) from its token table's chunks; with
     `distribution` (--distribution), which config is closer on the whole next-token distribution too."""
     measured, comparison = SummaryAnalyses(DIFF_PAIRS, None), ConfigComparison(seed=seed)

@@ -29,6 +29,7 @@ from mismatch.pipeline import stages
 from mismatch.pipeline.audit import ReplayFindings, analyze_audit, audit_pairs, audit_summary
 from mismatch.pipeline.diff import DIFF_PAIRS, analyze_diff
 from mismatch.pipeline.summary import Provenance
+from mismatch.results.summary_model import Summary
 from mismatch.replay import bad_logprob_rows
 from mismatch.results import (
     PREFIX_KEYS_FILE,
@@ -50,12 +51,12 @@ def merge(dirs: Sequence[str | Path], out: str | Path, *, force: bool = False) -
     out_dir = Path(out)
     analysis_workers(0)  # a bad MISMATCH_WORKERS is refused before any work
     with results_lock(out_dir):
-        return _merge([Path(d) for d in dirs], out_dir, force=force)
+        return _merge([Path(d) for d in dirs], out_dir, force=force).to_dict()  # TRANSITIONAL: plain data
 
 
-def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> dict[str, Any]:
+def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> Summary:
     check_out_dir(out_dir, force=force)
-    summaries = [read_summary(path) for path in paths]
+    summaries = [read_summary(path).to_dict() for path in paths]  # TRANSITIONAL: plain data
     first = _check_compatible(paths, summaries)
     shards = [_Shard(path, summary) for path, summary in zip(paths, summaries)]
     _check_same_columns(shards)
@@ -74,8 +75,7 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> dict[str, Any]:
             per_rollout = PerRollout(DIFF_PAIRS)
             summary = analyze_diff(store.chunks, provenance, seed=options.get("seed", 0), extra=[per_rollout],
                                    workers=workers)
-            stages.write_results_files(store, summary, per_rollout.result())
-            return summary
+            return stages.write_results_files(store, summary, per_rollout.result())
         pairs = audit_pairs(store.columns)
         per_rollout, digestion = PerRollout(pairs), stages.report_digestion(store, pairs)
         beside = _merged_evidence(provenance, summaries, order, _merged_prefixes(store, keys, first))
@@ -83,9 +83,8 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> dict[str, Any]:
                                            settings=first.get("framework_settings") or None,
                                            extra=[per_rollout, digestion], workers=workers)
         summary = audit_summary(provenance, measured, findings, framework=first.get("framework"))
-        stages.write_results_files(store, summary, stages.with_steps(per_rollout.result(), _merged_steps(shards)),
-                                   digestion)
-    return summary
+        return stages.write_results_files(store, summary,
+                                          stages.with_steps(per_rollout.result(), _merged_steps(shards)), digestion)
 
 
 def _store_merged(shards: list[_Shard], store: TokenStore, keys: PrefixKeys | None) -> dict[str, int]:

@@ -28,6 +28,9 @@ class RunOptions:
 
     # --distribution K | full: each pair of engines' whole next-token distributions (replay/distribution.py)
     distribution: str | None = None
+    # Set by pipeline.configured.resolve_options, the one pass at the edge that resolves the framework
+    # configs and holds them against the checkpoint: a command never resolves its options again.
+    resolved: bool = False
 
     @property
     def distribution_pairs(self) -> tuple[tuple[str, str], ...]:

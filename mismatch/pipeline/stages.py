@@ -13,6 +13,7 @@ from functools import lru_cache, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import pandas as pd
 
 from mismatch.version import __version__
@@ -34,6 +35,7 @@ from mismatch.results import (
     read_tokens,
     write_summary,
 )
+from mismatch.results.summary_model import PublishedFile, Summary, present
 from mismatch.rollouts.drift import find_drift, recorded
 
 if TYPE_CHECKING:
@@ -42,12 +44,19 @@ if TYPE_CHECKING:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class CommandResult:
-    """What a command returns: its summary.json, its results dir, and its token table only when it
-    wrote no results dir (a command with one never holds the table whole)."""
+    """What a command returns: its summary.json (`record`, the typed `Summary`), its results dir,
+    and its token table only when it wrote no results dir (a command with one never holds the
+    table whole)."""
 
-    summary: dict[str, Any]
+    record: Summary
     out: Path | None
     table: pd.DataFrame | None = None
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """TRANSITIONAL: the summary as plain data (`Summary.to_dict()`, NaN kept) for readers not
+        yet on the record; a new copy each time."""
+        return self.record.to_dict()
 
     @property
     def tokens(self) -> pd.DataFrame:
@@ -266,23 +275,25 @@ def report_digestion(store: TokenStore, pairs: Sequence[tuple[str, str]]) -> Dig
                      with_turns=False, with_worst_tokens=True, expected=dict.fromkeys(names, store.num_rows))
 
 
-def write_results_files(store: TokenStore, summary: dict[str, Any], per_rollout: pd.DataFrame,
-                        digested: DigestAnalysis | None = None) -> None:
+def write_results_files(store: TokenStore, summary: Summary, per_rollout: pd.DataFrame,
+                        digested: DigestAnalysis | None = None) -> Summary:
     """summary.json, rollouts.parquet and the report, beside the stored tokens.parquet in the
     staged dir: they appear in the one rename that publishes it, when `staged_tokens` exits. The
     summary records each published table's rows and digest (`shard.files`, what a merge checks);
     a shard also publishes its rows' prefix keys, which its merge groups across shards.
-    `digested`: report_digestion run in the command's passes."""
+    `digested`: report_digestion run in the command's passes. Returns the summary written."""
     from mismatch.reports import build_report
 
     stage = store.directory
     assert stage is not None
     per_rollout.to_parquet(stage / ROLLOUTS_FILE, index=False)
-    shard = summary.get("shard")
-    if shard is not None and shard["count"] > 1:  # what the merge of the shards reads
+    shard = present(summary.shard)
+    if shard is not None and shard.count > 1:  # what the merge of the shards reads
         store.keep_side_file(PREFIX_KEYS_SIDE, PREFIX_KEYS_FILE)
     store.remove_side_files()
     if shard is not None:  # in the summary returned too: it is the one written
-        shard["files"] = published_files(stage)
+        files = msgspec.convert(published_files(stage), dict[str, PublishedFile])
+        summary = msgspec.structs.replace(summary, shard=msgspec.structs.replace(shard, files=files))
     write_summary(stage, summary)
     build_report(stage, digested=digested, verify=False)  # its own tables, hashed just above
+    return summary

@@ -1,5 +1,6 @@
-"""summary.json as JSON: `json_safe` (no NaN: it must parse in a browser), the strict reader,
-the writer, and the shipped JSON Schema (`mismatch/data/summary.schema.json`) it is checked by.
+"""summary.json as JSON: `json_safe` (no NaN: it must parse in a browser), the strict reader
+(decoding into the typed `Summary`), the writer, and the shipped JSON Schema
+(`mismatch/data/summary.schema.json`, generated from the model) it is checked by.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from mismatch.errors import ResultsError
 from mismatch.results.names import SCHEMA_FILE, SUMMARY_FILE, SUMMARY_SCHEMA
+from mismatch.results.summary_model import Summary, encode, partial_summary
 
 _PLAIN = frozenset({int, str, bool, type(None)})  # JSON as they are
 
@@ -32,8 +36,8 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def write_summary(directory: Path, summary: dict[str, Any]) -> None:
-    (directory / SUMMARY_FILE).write_text(json.dumps(json_safe(summary), indent=1) + "\n")
+def write_summary(directory: Path, summary: Summary) -> None:
+    (directory / SUMMARY_FILE).write_text(encode(summary))
 
 
 def load_json(file: Path) -> Any:
@@ -50,8 +54,8 @@ def load_json(file: Path) -> Any:
         raise ResultsError(f"{file}: not valid JSON ({' '.join(str(exc).split())[:200]})") from None
 
 
-def read_summary(path: Path) -> dict[str, Any]:
-    """summary.json of results dir `path`, checked to be one (its schema name and pairs)."""
+def read_summary(path: Path) -> Summary:
+    """summary.json of results dir `path`, as the typed `Summary` (results/summary_model.py)."""
     path = Path(path)
     if not path.is_dir():
         raise ResultsError(f"{path}: not a directory (give the results dir an audit, diff or merge wrote)")
@@ -63,14 +67,19 @@ def read_summary(path: Path) -> dict[str, Any]:
         raise ResultsError(f"{file}: schema is not {SUMMARY_SCHEMA!r}")
     if not isinstance(summary.get("pairs"), dict):
         raise ResultsError(f"{file}: no 'pairs' object")
-    # Its shipped schema, so that no reader (report, recommend, trend, merge) meets a `verdicts` that is
-    # a number or a `diagnosis` that is a string as a traceback: one line naming the first key that breaks it.
-    # A key missing is each reader's to say (a hand-made or older summary may lack `shard` or a drift's
-    # `num_spans`); a key of the wrong shape is refused here.
-    problems = validate_summary(summary, missing_keys=False)
-    if problems:
-        raise ResultsError(f"{file}: not a summary.json a run writes ({' '.join(problems[0].split())[:200]})")
-    return summary
+    # Decoded by the model, so that no reader (report, recommend, trend, merge) meets a `verdicts`
+    # that is a number or a `diagnosis` that is a string as a traceback: one line naming the path
+    # of the first field that breaks it. A section or a pair metric missing reads as empty / null
+    # (a hand-made or older summary may lack `turns` or a metric added since); a field of the
+    # wrong shape is refused here.
+    try:
+        return partial_summary(summary)
+    except msgspec.ValidationError as error:
+        # msgspec's path elides a map's keys ($.pairs[...]); the generated schema's check of the
+        # same data names them (pairs/train/sampler).
+        problems = validate_summary(summary, missing_keys=False)
+        detail = problems[0] if problems else str(error)
+        raise ResultsError(f"{file}: not a summary.json a run writes ({' '.join(detail.split())[:200]})") from None
 
 
 @functools.cache

@@ -75,7 +75,7 @@ def load_steps(paths: list[Path], *, order: str = "names") -> list[Step]:
         if path.resolve() in seen:
             raise ResultsError(f"trend: {path} is given twice (as {seen[path.resolve()]}); give each step's dir once")
         seen[path.resolve()] = path
-    summaries = [(path, read_summary(path)) for path in paths]
+    summaries = [(path, read_summary(path).to_dict()) for path in paths]  # TRANSITIONAL: plain data
     if len(paths) == 1:  # one audit of a step-indexed dump, split by its rollouts' steps
         _check_audit(*summaries[0])
         steps = split_by_step(*summaries[0])

@@ -1,0 +1,380 @@
+"""summary.json as typed records: the contract `mismatch.summary/v1`, written and read through them.
+
+`Summary` is the whole file; each section a stage returns is one record below (the pair metrics,
+verdicts, the diagnosis with its causes, refusals and bf16 envelope, recommendations, simulated
+corrections, the shard, the clip range, the rollouts skipped). Maps whose keys a run decides
+(engines as they describe themselves, framework settings, the localizers' and analyses' tables)
+stay `dict[str, ...]`. The shipped JSON Schema (mismatch/data/summary.schema.json) is GENERATED
+from these records (`json_schema`, `python -m mismatch.results.summary_model`), never edited by
+hand; a test regenerates it and compares it byte for byte.
+
+A section present in only some runs defaults to `UNSET` and is then left out of the file (an
+audit's `alignment`, a shard's `inputs`, a diff's `diff`); a reader tests it with
+`is not UNSET` (or `present(...)`). Unknown keys are ignored on reading (readers must ignore keys
+they do not know). NaN and +-inf are written as null, so every metric reads `float | None`.
+
+This module is a leaf: it imports only the standard library and msgspec.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+SCHEMA_NAME = "mismatch.summary/v1"
+
+_T = TypeVar("_T")
+
+NonNegative = Annotated[int, Meta(ge=0)]
+Number = float | None  # NaN and +-inf are written as null
+PairName = Annotated[str, Meta(pattern="^[^/]+/[^/]+$")]
+
+
+class _Record(Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=False):
+    """A section of summary.json: keyword-built, its UNSET fields left out of the file."""
+
+
+class PairMetrics(_Record, kw_only=True):
+    """One pair's metrics over trainable tokens (analysis.metrics.PAIR_METRICS, in that order), where
+    log_ratio = logp_A - logp_B and ratio = exp(log_ratio). kl_k1/k2/k3 are Schulman's estimators of
+    KL(B || A) from samples of B; chi2_* the chi-square divergence per token / per sequence; ess the
+    effective sample size of the ratio as importance weights; ratio_qXYZ its quantiles."""
+
+    n_tokens: int | None
+    n_rollouts: int | None
+    log_ratio_mean: Number
+    log_ratio_abs_mean: Number
+    log_ratio_abs_max: Number
+    ratio_mean: Number
+    ratio_std: Number
+    ratio_min: Number
+    ratio_max: Number
+    ratio_q001: Number
+    ratio_q01: Number
+    ratio_q99: Number
+    ratio_q999: Number
+    kl_k1: Number
+    kl_k2: Number
+    kl_k3: Number
+    chi2_token: Number
+    chi2_seq: Number
+    ppl_ratio: Number
+    ess: Number
+    prob_abs_diff_mean: Number
+    prob_abs_diff_max: Number
+    frac_outside_2: Number
+    bitwise_equal_frac: Number
+
+
+Pairs = dict[PairName, PairMetrics]
+
+
+class TurnRow(_Record, kw_only=True):
+    """`turns[i]`: the pair metrics of one turn's trainable tokens."""
+
+    turn: int
+    pairs: Pairs
+
+
+class RoleRow(_Record, kw_only=True):
+    """`roles[i]`: the pair metrics of one chat role's tokens, trainable or not."""
+
+    role: str
+    pairs: Pairs
+
+
+class BranchKindRow(_Record, kw_only=True):
+    """`branch_kinds[i]`: the pair metrics of one branch kind's trainable tokens."""
+
+    branch_kind: str
+    pairs: Pairs
+
+
+class Verdict(_Record, kw_only=True):
+    """`verdicts["A/B"]`: the pair's gap level, what the pair measures, and one plain sentence
+    ending with the diagnosed cause."""
+
+    level: str
+    meaning: str | UnsetType = UNSET
+    text: str
+
+
+class Cause(_Record, kw_only=True):
+    """A diagnosed cause of one pair's gap: its evidence, what rules the others out, where it
+    is (layer, module, expert, turn, rollouts) and the fix at its source."""
+
+    kind: str
+    pair: str
+    title: str
+    evidence: list[str]
+    rules_out: list[str]
+    fix: str
+    where: dict[str, Any]
+    minor: bool | UnsetType = UNSET
+
+
+class Refusal(_Record, kw_only=True):
+    """A cause found but not claimed: the admissibility test it failed, and why."""
+
+    kind: str
+    pair: str
+    test: Literal["size", "consistency"]
+    why: str
+
+
+class Envelope(_Record, kw_only=True):
+    """The bf16 gap measured on these weights (two replays of the checkpoint in two dtypes)."""
+
+    pair: str
+    kl_k3: float
+    words: str
+
+
+class Diagnosis(_Record, kw_only=True):
+    """The evidence turned into ranked causes before any advice (mismatch.advise.diagnose; its
+    RULE is in `rule`)."""
+
+    causes: list[Cause]
+    findings: list[str]
+    refused: list[Refusal] | UnsetType = UNSET
+    envelope: Envelope | None | UnsetType = UNSET
+    rule: str | UnsetType = UNSET
+
+
+class Recommendation(_Record, kw_only=True):
+    """A fix or a correction recommended: its kind, its parameters, why, and its cost."""
+
+    kind: str
+    params: dict[str, Any] | UnsetType = UNSET
+    why: str
+    cost: str | UnsetType = UNSET
+
+
+class Correction(_Record, kw_only=True):
+    """An IS correction the frameworks ship, simulated on the run's own tokens: its mode and
+    parameters, then what it does to them (the share of tokens, sequences and rollouts it
+    touches, its weights' mean/max/std, their effective sample size, by turn)."""
+
+    mode: str
+    params: dict[str, Any]
+    frac_tokens_affected: Number | UnsetType = UNSET
+    frac_rollouts_affected: Number | UnsetType = UNSET
+    weight_mean: Number | UnsetType = UNSET
+    weight_max: Number | UnsetType = UNSET
+    ess: Number | UnsetType = UNSET
+    weight_std: Number | UnsetType = UNSET
+    level: str | UnsetType = UNSET
+    n_tokens: int | UnsetType = UNSET
+    n_sequences: int | UnsetType = UNSET
+    n_rollouts: int | UnsetType = UNSET
+    frac_sequences_affected: Number | UnsetType = UNSET
+    by_turn: list[dict[str, Any]] | UnsetType = UNSET
+
+
+class PublishedFile(_Record, kw_only=True):
+    """A published table's row count and content digest (what a merge and the readers check)."""
+
+    rows: NonNegative
+    sha256: Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
+
+
+class Shard(_Record, kw_only=True):
+    """Which slice of the blocks a run replayed (0 of 1: all of them), the shards a merge came
+    from, and each published table's rows and digest."""
+
+    index: NonNegative
+    count: Annotated[int, Meta(ge=1)]
+    block_size: Annotated[int, Meta(ge=1)]
+    merged_from: list[str] | UnsetType = UNSET
+    files: dict[str, PublishedFile] | UnsetType = UNSET
+
+
+class Clip(_Record, kw_only=True):
+    """The PPO clip range [1 - eps_low, 1 + eps_high] and, per pair, the share of trainable
+    tokens outside it, overall, by turn and by branch kind."""
+
+    eps_low: float
+    eps_high: float
+    range: list[float] | UnsetType = UNSET
+    pairs: dict[str, Number]
+    turns: dict[str, list[dict[str, Any]]] | UnsetType = UNSET
+    branch_kinds: dict[str, list[dict[str, Any]]] | UnsetType = UNSET
+
+
+class SkippedRollout(_Record, kw_only=True):
+    line: int | None
+    rollout: str | None | UnsetType = UNSET
+    error: str
+
+
+class Skipped(_Record, kw_only=True):
+    """audit --skip-invalid: the rollouts of the file left out for an error (count), the valid
+    ones audited (valid), and the first 100 of those left out."""
+
+    count: NonNegative
+    valid: NonNegative
+    rollouts: list[SkippedRollout]
+
+
+class Summary(_Record, kw_only=True):
+    """What audit, diff and merge write into DIR/summary.json. NaN and infinities are written as
+    null. Keys not listed here may be added by later versions; readers must ignore them. The pair
+    metrics are mismatch.analysis.metrics.PAIR_METRICS (log_ratio = log pi_A - log pi_B over the
+    trainable tokens)."""
+
+    schema: Literal["mismatch.summary/v1"]
+    command: Literal["audit", "diff"]
+    mismatch_version: str
+    created_unix: float
+    checkpoint: str
+    rollouts_file: str
+    counts: dict[str, NonNegative]
+    engines: dict[str, dict[str, Any]]  # each engine as it described itself (its spec, kind, meta, options)
+    pairs: Pairs
+    verdicts: dict[str, Verdict]
+    turns: list[TurnRow]
+    roles: list[RoleRow]
+    branch_kinds: list[BranchKindRow]
+    localization: dict[str, Any]  # turns (the onset), layers, kernels, layer types, index flips
+    corrections: list[Correction]
+    recommendations: list[Recommendation]
+    clip: Clip | UnsetType = UNSET
+    shard: Shard | UnsetType = UNSET
+    inputs: dict[str, Any] | None | UnsetType = UNSET  # the inputs' identity (identity.run_inputs)
+    alignment: dict[str, Any] | UnsetType = UNSET  # log-prob semantics, shift, truncation
+    trees: dict[str, Any] | UnsetType = UNSET
+    framework_metrics: dict[str, dict[str, dict[str, Number]]] | UnsetType = UNSET  # pair -> framework -> metric
+    framework_settings: dict[str, dict[str, Any]] | UnsetType = UNSET  # framework -> its correction settings
+    drift: dict[str, Any] | UnsetType = UNSET
+    routing: dict[str, Any] | UnsetType = UNSET
+    prefix_consistency: dict[str, Any] | UnsetType = UNSET
+    weights: dict[str, dict[str, Any]] | UnsetType = UNSET  # engine -> its weights diff to the trainer's
+    probes: dict[str, Any] | UnsetType = UNSET
+    strata: dict[str, dict[str, dict[str, Any]]] | UnsetType = UNSET  # pair -> dimension -> buckets
+    distribution: dict[str, dict[str, Any]] | UnsetType = UNSET  # pair -> whole-distribution gap
+    framework: str | UnsetType = UNSET  # the framework `audit --for NAME` named
+    diff: dict[str, Any] | UnsetType = UNSET
+    skipped: Skipped | UnsetType = UNSET
+    diagnosis: Diagnosis | UnsetType = UNSET
+    config_snippets: dict[str, str] | UnsetType = UNSET
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary as plain JSON data (what summary.json holds, NaN kept in memory): the
+        transitional view for readers not yet on the records."""
+        return to_builtins(self)
+
+
+# What an audit's summary always holds beside the common sections, and a diff's.
+AUDIT_REQUIRED = ("alignment", "trees", "framework_metrics", "clip", "config_snippets", "inputs")
+DIFF_REQUIRED = ("diff", "inputs")
+
+
+def present(value: _T | UnsetType) -> _T | None:
+    """An optional section's value, None where the summary has none."""
+    return None if value is UNSET else value
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and arrays as JSON values (msgspec's hook for types it does not know)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise NotImplementedError(f"{type(value).__name__} is not JSON data")
+
+
+def to_builtins(record: Any) -> Any:
+    """A record as plain dicts, lists and numbers."""
+    return msgspec.to_builtins(record, enc_hook=_plain)
+
+
+def from_builtins(data: Any, type: type[_T] = Summary) -> _T:  # noqa: A002 (msgspec's own name)
+    """Plain JSON data as `type` (the whole summary by default); raises msgspec.ValidationError
+    naming the field's path ($.pairs["A/B"].kl_k3) where the data does not fit."""
+    return msgspec.convert(data, type, strict=False)
+
+
+_EMPTY_SECTIONS: dict[str, Any] = {
+    "schema": SCHEMA_NAME, "command": "audit", "mismatch_version": "", "created_unix": 0.0, "checkpoint": "",
+    "rollouts_file": "", "counts": {}, "engines": {}, "pairs": {}, "verdicts": {}, "turns": [], "roles": [],
+    "branch_kinds": [], "localization": {}, "corrections": [], "recommendations": []}
+
+
+def partial_summary(data: Any) -> Summary:
+    """A summary made by hand or by an older mismatch, which may lack sections a run always writes
+    and metrics of a pair: each missing section read as empty, each missing metric as null. What
+    is there is held to its type as `from_builtins` holds it."""
+    filled = {**_EMPTY_SECTIONS, **data}
+    filled["pairs"] = _filled_pairs(filled["pairs"])
+    for key in ("turns", "roles", "branch_kinds"):
+        if isinstance(filled[key], list):
+            filled[key] = [{**row, "pairs": _filled_pairs(row.get("pairs"))} if isinstance(row, dict) else row
+                           for row in filled[key]]
+    return from_builtins(filled)
+
+
+def partial_metrics(data: Any) -> PairMetrics:
+    """One pair's metrics made by hand: each missing metric null."""
+    return from_builtins(_filled_metrics(data), PairMetrics)
+
+
+def _filled_pairs(pairs: Any) -> Any:
+    if not isinstance(pairs, dict):
+        return pairs
+    return {name: _filled_metrics(metrics) for name, metrics in pairs.items()}
+
+
+def _filled_metrics(metrics: Any) -> Any:
+    if not isinstance(metrics, dict):
+        return metrics
+    return {**dict.fromkeys(PairMetrics.__struct_fields__), **metrics}
+
+
+def encode(summary: Summary) -> str:
+    """summary.json's text: one-space indent, NaN and +-inf as null."""
+    return json.dumps(_finite(to_builtins(summary)), indent=1) + "\n"
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of summary.json, generated from `Summary`: msgspec's,
+    with the top-level record inlined and the per-command required sections added."""
+    generated = msgspec.json.schema(Summary)
+    definitions = generated["$defs"]
+    top = definitions.pop("Summary")
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://mismatch.dev/schemas/summary-v1.json",
+        **top,
+        "title": "mismatch summary.json (mismatch.summary/v1)",
+        "allOf": [
+            {"if": {"properties": {"command": {"const": "audit"}}}, "then": {"required": list(AUDIT_REQUIRED)}},
+            {"if": {"properties": {"command": {"const": "diff"}}}, "then": {"required": list(DIFF_REQUIRED)}},
+        ],
+        "$defs": definitions,
+    }
+
+
+def schema_text() -> str:
+    """The shipped schema file's text, as `json_schema` generates it."""
+    return json.dumps(json_schema(), indent=1, sort_keys=False) + "\n"
+
+
+if __name__ == "__main__":  # regenerate mismatch/data/summary.schema.json
+    import sys
+    from pathlib import Path
+
+    target = Path(__file__).parent.parent / "data" / "summary.schema.json"
+    target.write_text(schema_text())
+    sys.stdout.write(f"wrote {target}\n")
