@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
+from mismatch.results.summary_model import PairMetrics, Summary, partial_metrics
 
 # Breakdown statistics, with the summary.json names they share (ARCHITECTURE.md, "Results dir").
 BREAKDOWN_METRICS: dict[str, str] = {
@@ -159,13 +160,13 @@ def by_position_block(sums: dict[str, GroupSums], width: int) -> dict[str, Any] 
             "series": _series(stats, index)}
 
 
-def by_probability_from_summary(summary: dict[str, Any], pairs: list[str]) -> dict[str, Any] | None:
+def by_probability_from_summary(summary: Summary, pairs: list[str]) -> dict[str, Any] | None:
     """summary.json's probability buckets (localization.turns.by_prob_bucket, of the pair the turn
     localizer reads): the report draws the buckets the analysis defined, never its own."""
-    turns = (summary.get("localization") or {}).get("turns")
+    turns = summary.localization.get("turns")
     if not isinstance(turns, dict) or not isinstance(turns.get("by_prob_bucket"), list):
         return None
-    rows = [{"bucket": row.get("bucket"), "pairs": {turns.get("pair"): row}}
+    rows = [(row.get("bucket"), {turns.get("pair"): partial_metrics(row)})
             for row in turns["by_prob_bucket"] if isinstance(row, dict)]
     return by_key_from_summary(rows, "bucket", pairs, x_title="probability of the token under the pair's B side")
 
@@ -180,14 +181,15 @@ def by_turn_block(sums: dict[str, GroupSums]) -> dict[str, Any] | None:
             "series": _series(stats, index), "integer_ticks": True}
 
 
-def by_key_from_summary(rows: list[dict[str, Any]], key: str, pairs: list[str], *,
+def by_key_from_summary(rows: list[tuple[Any, dict[str, PairMetrics]]], key: str, pairs: list[str], *,
                         x_title: str) -> dict[str, Any] | None:
-    """summary.json's own breakdowns (`turns`, `branch_kinds`): [{key, "pairs": {pair: metrics}}]."""
-    rows = [r for r in rows or [] if isinstance(r, dict) and key in r and isinstance(r.get("pairs"), dict)]
+    """summary.json's own breakdowns (`turns`, `branch_kinds`, the probability buckets), each row
+    as (its `key`'s value, {pair: metrics})."""
     if not rows:
         return None
-    x = [r[key] for r in rows]
-    series = {pair: {name: [_json_number(r["pairs"].get(pair, {}).get(name), name) for r in rows]
+    x = [value for value, _ in rows]
+    series = {pair: {name: [_json_number(getattr(metrics[pair], name), name) if pair in metrics else None
+                            for _, metrics in rows]
                      for name in BREAKDOWN_METRICS} for pair in pairs}
     # A pair no row has tokens for is left out rather than drawn as an empty line.
     series = {pair: s for pair, s in series.items() if any(n for n in s["n_tokens"])}

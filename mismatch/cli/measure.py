@@ -93,17 +93,19 @@ def audit(
     with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_audit(checkpoint, rollouts, dataclasses.replace(options, progress=progress))
     if as_json:
-        emit_json(result.summary)
+        emit_json(result.record.to_dict())
         return
-    skipped = result.summary.get("skipped")
-    if skipped and skipped["count"]:
-        first = skipped["rollouts"][0]["error"] if skipped["rollouts"] else ""
-        out_console.print(f"skipped {skipped['count']} invalid rollout(s) of {skipped['count'] + skipped['valid']} "
+    from mismatch.results.summary_model import present
+
+    skipped = present(result.record.skipped)
+    if skipped is not None and skipped.count:
+        first = skipped.rollouts[0].error if skipped.rollouts else ""
+        out_console.print(f"skipped {skipped.count} invalid rollout(s) of {skipped.count + skipped.valid} "
                           f"(summary.json skipped), the first: {first}", markup=False, highlight=False, soft_wrap=True)
-    print_pairs(result.summary, target, out)
-    print_distribution(result.summary)
-    print_findings(result.summary)
-    print_diagnosis(result.summary)
+    print_pairs(result.record, target, out)
+    print_distribution(result.record)
+    print_findings(result.record)
+    print_diagnosis(result.record)
     out_console.print(f"wrote {out}/")
 
 
@@ -133,11 +135,13 @@ def diff(
     with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_diff(checkpoint, rollouts, dataclasses.replace(options, progress=progress))
     if as_json:
-        emit_json(result.summary)
+        emit_json(result.record.to_dict())
         return
-    print_pairs(result.summary)
-    print_distribution(result.summary)
-    print_diff(result.summary["diff"])
+    from mismatch.results.summary_model import present
+
+    print_pairs(result.record)
+    print_distribution(result.record)
+    print_diff(present(result.record.diff) or {})
     out_console.print(f"wrote {out}/")
 
 
@@ -149,12 +153,13 @@ def merge(
 ) -> None:
     """Combine the results of `--shard I/N` runs into the results of one run."""
     from mismatch.pipeline.merge import merge as run_merge
+    from mismatch.results import read_summary
 
     summary = run_merge(dirs, out, force=force)
     if as_json:
         emit_json(summary)
         return
-    print_pairs(summary)
+    print_pairs(read_summary(out))  # as published
     out_console.print(f"wrote {out}/")
 
 
@@ -169,16 +174,18 @@ def recommend(
     from mismatch.advise.advice import for_target
     from mismatch.advise.consistency import check_summary
     from mismatch.results import SUMMARY_FILE, read_summary
+    from mismatch.results.summary_model import Diagnosis, Recommendation, from_builtins, present
     from mismatch.results.verify import check_tables
 
     target = target_for(framework)
     probe_results = read_probes(probes) if probes is not None else None
-    summary = read_summary(results).to_dict()  # TRANSITIONAL (h4 moves the CLI onto the record)
+    record = read_summary(results)
+    summary = record.to_dict()  # TRANSITIONAL: check_summary, check_tables and for_target read plain data
     # What gate refuses as impossible gets no advice either; nor a dir whose tables are another run's.
     check_summary(summary, where=str(results / SUMMARY_FILE))
     check_tables(results, summary, required=())
-    if summary.get("command") != "audit":  # a diff compares two configs: it recommends nothing
-        raise MismatchError(f"{results}: a `mismatch {summary.get('command')}` results dir; recommend reads an "
+    if record.command != "audit":  # a diff compares two configs: it recommends nothing
+        raise MismatchError(f"{results}: a `mismatch {record.command}` results dir; recommend reads an "
                             "audit's (mismatch audit … --out DIR)")
     advice = for_target(summary, target, results=results, probes=probe_results)
     if as_json:
@@ -189,11 +196,13 @@ def recommend(
         return
     from mismatch.present.headline import cause_line
 
-    for cause in advice.diagnosis.get("causes") or []:  # the cause first, then what to do about it
+    # TRANSITIONAL: Advice holds plain data; read here as the summary's records.
+    diagnosis = from_builtins(advice.diagnosis, Diagnosis) if advice.diagnosis else None
+    for cause in diagnosis.causes if diagnosis is not None else []:  # the cause first, then what to do about it
         say(cause_line(cause))
-    for item in advice.recommendations:
-        cost = f" Cost: {item['cost']}." if item.get("cost") else ""
-        out_console.print(f"{item['kind']} {json.dumps(item['params'])}: {item['why']}.{cost}",
+    for item in from_builtins(advice.recommendations, list[Recommendation]):
+        cost = f" Cost: {item.cost}." if item.cost else ""
+        out_console.print(f"{item.kind} {json.dumps(present(item.params))}: {item.why}.{cost}",
                           markup=False, highlight=False)
 
 

@@ -8,61 +8,61 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mismatch.cli.output import new_table, out_console, say
-from mismatch.present.headline import audit_banner, cause_line, verdict_line
+from mismatch.present.headline import audit_banner, cause_line, causes, clip_sentence, findings, verdict_line
 from mismatch.present.numbers import plain
 
 if TYPE_CHECKING:
     from mismatch.frameworks.protocol import Target
+    from mismatch.results.summary_model import Summary
 
 
 KEY_METRICS = ("n_tokens", "log_ratio_abs_mean", "log_ratio_abs_max", "kl_k3", "chi2_token",
                "ess", "ratio_q001", "ratio_q999", "bitwise_equal_frac")
 
 
-def print_pairs(summary: dict[str, Any], target: Target | None = None, out: Path | None = None) -> None:
+def print_pairs(summary: Summary, target: Target | None = None, out: Path | None = None) -> None:
     """Metrics as rows, pairs as columns: fits 80 columns for the three pairs of an audit. With a
     target framework, its own metric names and values as well: summary.json framework_metrics (its
     default settings), or, when the target names settings, recomputed at them from OUT's tokens."""
     table = new_table(title="log(pi_A / pi_B) over trainable tokens", title_justify="left",
                       caption="every term: docs/glossary.md", caption_justify="left")
     table.add_column("metric")
-    pairs = summary["pairs"]
-    for pair in pairs:
+    for pair in summary.pairs:
         table.add_column(pair, justify="right")
     for name in KEY_METRICS:
-        table.add_row(name, *(plain(metrics.get(name)) for metrics in pairs.values()))
+        table.add_row(name, *(plain(getattr(metrics, name)) for metrics in summary.pairs.values()))
     out_console.print(table)
     if target is not None:
         _print_framework_metrics(summary, target, out)
-    from mismatch.analysis.clip import clip_sentence
-
     if sentence := clip_sentence(summary):  # the question behind the table: is my ratio OK?
         out_console.print(sentence[:1].upper() + sentence[1:] + ".", markup=False, highlight=False,
                           soft_wrap=True)
-    for pair, verdict in summary.get("verdicts", {}).items():
+    for pair, verdict in summary.verdicts.items():
         out_console.print(verdict_line(pair, verdict), markup=False, highlight=False, soft_wrap=True)
-    from mismatch.analysis.prefixes import prefix_sentence, split_prefixes
+    from mismatch.present.headline import prefix_lines
 
-    for source, finding in split_prefixes(summary).items():
-        out_console.print(prefix_sentence(source, finding, (summary.get("engines") or {}).get(source)),
-                          markup=False, highlight=False, soft_wrap=True)
+    for line in prefix_lines(summary):
+        out_console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
-def print_findings(summary: dict[str, Any]) -> None:
+def print_findings(summary: Summary) -> None:
     """What the audit found besides the pairs: alignment and semantics, render drift, the turn
     onset or position trend, and what the localizers found (each said when it ran)."""
-    alignment = summary.get("alignment") or {}
+    from mismatch.results.summary_model import present
+
+    alignment = present(summary.alignment) or {}
     if alignment.get("stored"):
         temperature = alignment.get("estimated_temperature")
         say(f"alignment: shift {int(alignment.get('shift') or 0):+d}, stored log-probs "
              f"{alignment.get('logprob_semantics', 'unknown')}"
              + (f" (estimated temperature {temperature:.3g})" if isinstance(temperature, (int, float)) else ""))
-    drift = summary.get("drift") or {}
+    drift = present(summary.drift) or {}
     if drift.get("num_rollouts_checked"):
         say(f"render drift: {drift.get('num_spans', 0)} span(s) in {drift.get('num_rollouts_drifted', 0)} of "
              f"{drift['num_rollouts_checked']} rollouts, {drift.get('trainable_tokens_touched', 0)} trainable "
              "token(s) touched")
-    turns = (summary.get("localization") or {}).get("turns") or {}
+    localization = summary.localization
+    turns = localization.get("turns") or {}
     if turns.get("n_tokens"):
         onset, slope = turns.get("onset") or {}, turns.get("position_slope") or {}
         if turns.get("onset_turn") is not None:
@@ -72,7 +72,6 @@ def print_findings(summary: dict[str, Any]) -> None:
             grows = "grows" if slope.get("grows_with_position") else "does not grow"
             say(f"turns: no turn where the {turns.get('pair')} gap steps up; it {grows} with position "
                  f"({slope['slope_per_1k']:.3g} per 1000 tokens)")
-    localization = summary.get("localization") or {}
     if "layers" in localization or "kernels" in localization:
         from mismatch.localize import localized_what
 
@@ -80,26 +79,24 @@ def print_findings(summary: dict[str, Any]) -> None:
             say(f"localize: {line}")
 
 
-def print_diagnosis(summary: dict[str, Any]) -> None:
+def print_diagnosis(summary: Summary) -> None:
     """The diagnosis' causes (title, evidence) and findings, then the answer the report leads with."""
-    diagnosis = summary.get("diagnosis") or {}
-    for n, cause in enumerate(diagnosis.get("causes") or [], start=1):
+    for n, cause in enumerate(causes(summary), start=1):
         say(cause_line(cause, n))
-        for line in [*(cause.get("evidence") or []), *(cause.get("rules_out") or [])]:
+        for line in [*cause.evidence, *cause.rules_out]:
             say(f"  - {line}")
-    for finding in diagnosis.get("findings") or []:
+    for finding in findings(summary):
         say(f"note: {finding}")
-    if "verdicts" in summary:
-        say(f"answer: {audit_banner(summary).headline}")
+    say(f"answer: {audit_banner(summary).headline}")
 
 
-def _print_framework_metrics(summary: dict[str, Any], target: Target, out: Path | None) -> None:
+def _print_framework_metrics(summary: Summary, target: Target, out: Path | None) -> None:
     from mismatch.advise.advice import logged_metrics
+    from mismatch.results.summary_model import present
 
     framework = target.framework
-    named = {pair: (block or {}).get(framework) or {} for pair, block in
-             (summary.get("framework_metrics") or {}).items()}
-    settings = (summary.get("framework_settings") or {}).get(framework)
+    named = {pair: block.get(framework) or {} for pair, block in (present(summary.framework_metrics) or {}).items()}
+    settings = (present(summary.framework_settings) or {}).get(framework)
     asked = {**(settings or {}), **target.settings}
     if target.settings and asked != settings and out is not None:  # an audit made without these settings
         logged = logged_metrics(out, target)
@@ -220,10 +217,12 @@ DISTRIBUTION_ROWS = (("KL(A‖B) mean", "kl_ab_mean"), ("KL(B‖A) mean", "kl_ba
                      ("sampled |Δlogp| mean", "sampled_abs_log_ratio_mean"))
 
 
-def print_distribution(summary: dict[str, Any]) -> None:
+def print_distribution(summary: Summary) -> None:
     """--distribution: each pair's whole next-token distribution gap, what is exact or bounded,
     the bitwise claim checked, and where and on which token it is largest."""
-    found = summary.get("distribution") or {}
+    from mismatch.results.summary_model import present
+
+    found = present(summary.distribution) or {}
     if not found:
         return
     table = new_table(title="whole next-token distribution, A vs B, over trainable positions", title_justify="left")
