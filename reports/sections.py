@@ -12,6 +12,7 @@ from typing import Any
 
 from mismatch.present.headline import Banner, focus_pair, role_spec, split_prefixes
 from mismatch.present.numbers import formatted, num, pct
+from mismatch.present.views import Alignment, Comparison, Drift, NextTokenGap, PositionSlope, view
 from mismatch.reports.aggregate import pair_roles
 from mismatch.reports.blocks import chart, facts, pair_legend, records_table, section, value_html
 from mismatch.reports.figures import LEVEL_COLORS
@@ -150,12 +151,13 @@ def slope_text(slope: Any) -> Any:
     """position_slope ({slope_per_1k, ci95_per_1k, grows_with_position, …}) in one line."""
     if not isinstance(slope, dict) or "slope_per_1k" not in slope:
         return slope
-    if slope.get("slope_per_1k") is None:
+    fit = view(slope, PositionSlope, "localization.turns.position_slope")
+    if fit.slope_per_1k is None:
         return "not enough tokens to fit"
-    ci = slope.get("ci95_per_1k") or [None, None]
-    grows = "grows with context" if slope.get("grows_with_position") else "no significant growth"
-    return (f"{num(slope['slope_per_1k'], 3)} |log-ratio| per 1k tokens, 95% CI {formatted(tuple(ci), 'ci')}"
-            f"{', p ' + num(slope['p_value'], 2) if slope.get('p_value') is not None else ''}: {grows}")
+    ci = fit.ci95_per_1k or [None, None]
+    grows = "grows with context" if fit.grows_with_position else "no significant growth"
+    return (f"{num(fit.slope_per_1k, 3)} |log-ratio| per 1k tokens, 95% CI {formatted(tuple(ci), 'ci')}"
+            f"{', p ' + num(fit.p_value, 2) if fit.p_value is not None else ''}: {grows}")
 
 
 def turn_facts(localization: dict[str, Any]) -> Html | None:
@@ -276,33 +278,30 @@ def findings_section(summary: Summary) -> Html | None:
     parts = []
     alignment = present(summary.alignment)
     if alignment:
-        shift = alignment.get("shift")
-        semantics = alignment.get("logprob_semantics")
+        checked = view(alignment, Alignment, "alignment")
+        shift, semantics, zero = checked.shift, checked.logprob_semantics, checked.padded_zero_frac
         flags = []
-        if isinstance(shift, int) and shift != 0:
+        if shift:
             flags.append(f"Stored log-probs fit better shifted by {shift:+d} position: an off-by-one "
                          "in the harness; no metric is trustworthy until it is fixed.")
         if semantics == "processed":
             flags.append("Stored log-probs are processed (temperature / top-p / top-k renormalized) "
                          "while the trainer's are raw: compare like for like.")
-        zero = alignment.get("padded_zero_frac")
-        if isinstance(zero, (int, float)) and zero > 0:
+        if zero is not None and zero > 0:
             flags.append(f"{pct(zero)} of positions carry padded-zero or constant log-probs.")
-        findings = [f for f in alignment.get("findings") or [] if isinstance(f, dict)]
+        findings = checked.findings
         parts += [el("h3", "Alignment"), [el("p", f, class_="flag") for f in flags],
                   facts([("shift (stored[i] fits token i + shift)", shift), ("log-prob semantics", semantics),
-                         ("estimated temperature", alignment.get("estimated_temperature")),
-                         ("trainable tokens without a stored log-prob",
-                          _pct_or_none(alignment.get("missing_trainable_frac"))),
-                         ("padded zeros", _pct_or_none(alignment.get("padded_zero_frac"))),
-                         ("constant runs", _pct_or_none(alignment.get("constant_frac")))]),
-                  el("ul", [el("li", el("strong", f.get("kind", "")), ": ", f.get("message", ""),
-                               el("p", "Fix: " + str(f.get("fix")), class_="note") if f.get("fix") else None)
+                         ("estimated temperature", checked.estimated_temperature),
+                         ("trainable tokens without a stored log-prob", _pct_or_none(checked.missing_trainable_frac)),
+                         ("padded zeros", _pct_or_none(zero)), ("constant runs", _pct_or_none(checked.constant_frac))]),
+                  el("ul", [el("li", el("strong", f.kind), ": ", f.message,
+                               el("p", "Fix: " + f.fix, class_="note") if f.fix else None)
                             for f in findings], class_="findings") if findings else None,
                   el("details", el("summary", "Every alignment field"), value_html(alignment))]
     drift = present(summary.drift)
     if drift:
-        spans = [s for s in drift.get("spans") or [] if isinstance(s, dict)]
+        spans = view(drift, Drift, "drift").spans
         parts.append(el("h3", f"Render drift: {len(spans):,} drifted span{'s' if len(spans) != 1 else ''}"))
         if spans:
             # Stored vs rendered text is the finding: monospace, whitespace kept.
@@ -362,20 +361,19 @@ def frameworks_section(summary: Summary) -> Html | None:
 # --- diff ----------------------------------------------------------------------------------------
 
 def diff_section(summary: Summary, texts: dict[str, str] | None) -> Html | None:
-    diff = present(summary.diff)
-    if summary.command != "diff" or diff is None:
+    if summary.command != "diff" or present(summary.diff) is None:
         return None
-    deltas = diff.get("deltas") or {}
+    diff = view(present(summary.diff), Comparison, "diff")
     rows = []
-    for name, d in deltas.items():
-        ci = d.get("ci95") or [None, None]
+    for name, d in diff.deltas.items():
+        ci = d.ci95 or [None, None]
         excludes_zero = all(isinstance(v, (int, float)) for v in ci) and (ci[0] > 0 or ci[1] < 0)
-        rows.append(el("tr", el("th", name, scope="row"), el("td", num(d.get("a"))), el("td", num(d.get("b"))),
-                       el("td", num(d.get("delta"))), el("td", f"{num(ci[0])} … {num(ci[1])}"),
+        rows.append(el("tr", el("th", name, scope="row"), el("td", num(d.a)), el("td", num(d.b)),
+                       el("td", num(d.delta)), el("td", f"{num(ci[0])} … {num(ci[1])}"),
                        el("td", "yes" if excludes_zero else "no"), class_="highlight" if excludes_zero else None))
     heads = ("metric", "A vs ref", "B vs ref", "Δ (B − A)", "95% CI", "CI excludes 0")
     table = el("table", el("thead", el("tr", [el("th", h) for h in heads])), el("tbody", rows), class_="data num")
-    worst = ((diff.get("where") or {}).get("worst_tokens")) or []
+    worst = diff.where.get("worst_tokens") or []
     if texts is not None:
         worst = [{**w, "text": texts.get(str(w.get("token_id")), "")} for w in worst if isinstance(w, dict)]
     return section("diff", "A against B", table if rows else None,
@@ -401,23 +399,21 @@ def next_token_section(summary: Summary, texts: dict[str, str] | None = None) ->
     texts = texts or {}
     parts: list[Any] = []
     for pair, entry in found.items():
-        if not isinstance(entry, dict):
-            continue
-        view = ("exact over the whole vocabulary" if entry.get("exact")
-                else f"bounded: {entry.get('bounded')}")
-        parts.append(el("h3", f"{pair}: top-K = {entry.get('k')}, {view}"))
+        gap = view(entry, NextTokenGap, f"distribution[{pair!r}]")
+        scope = "exact over the whole vocabulary" if gap.exact else f"bounded: {gap.bounded}"
+        parts.append(el("h3", f"{pair}: top-K = {gap.k}, {scope}"))
         parts.append(facts([(label, entry.get(key)) for key, label in NEXT_TOKEN_FACTS]))
-        parts.append(el("p", (entry.get("bitwise") or {}).get("claim")))
-        tokens = [{**t, "text": texts.get(str(t.get("token_id")), "")} for t in entry.get("tokens") or []]
+        parts.append(el("p", gap.bitwise.claim))
+        tokens = [{**t, "text": texts.get(str(t.get("token_id")), "")} for t in gap.tokens]
         if tokens:
             parts.append(el("h4", "Tokens whose probability moved most (share of the moved mass)"))
             parts.append(records_table(tokens, limit=len(tokens)))
-        if entry.get("worst"):
+        if gap.worst:
             parts.append(el("h4", "Positions where the distributions differ most"))
-            parts.append(records_table(entry["worst"], limit=len(entry["worst"])))
-        if entry.get("turns"):
+            parts.append(records_table(gap.worst, limit=len(gap.worst)))
+        if gap.turns:
             parts.append(el("h4", "By turn"))
-            parts.append(records_table(entry["turns"], limit=len(entry["turns"])))
+            parts.append(records_table(gap.turns, limit=len(gap.turns)))
     return section("next-token", "The whole next-token distribution", *parts,
                    lead="Beyond the sampled token: both sides' distributions over the vocabulary at every trainable "
                         "position (--distribution; docs/distribution.md). A is the pair's first side.")

@@ -218,21 +218,23 @@ def first(summary: dict[str, Any]) -> dict[str, Any]:
 
 def headline(summary: dict[str, Any]) -> str:
     from mismatch.present.headline import banner
+    from mismatch.results.summary_model import partial_summary
 
-    return banner(summary).headline
+    return banner(partial_summary(summary)).headline
 
 
 # --- 1. clean control -------------------------------------------------------------------------
 
 def test_clean_replay_has_no_cause_and_no_correction(matrix) -> None:
     from mismatch.present.headline import banner
+    from mismatch.results.summary_model import partial_summary
 
     summary = matrix.summary("clean")
     assert {pair: v["level"] for pair, v in summary["verdicts"].items()} == dict.fromkeys(
         ("train/sampler", "train/infer", "infer/sampler"), "exact")
     assert summary["diagnosis"]["causes"] == []
     assert kinds(summary) == ["no_correction"]
-    assert banner(summary).status == "healthy"
+    assert banner(partial_summary(summary)).status == "healthy"
 
 
 # --- 2. weight faults in one tensor of the engine's checkpoint ---------------------------------

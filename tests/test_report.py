@@ -19,10 +19,11 @@ import pandas as pd
 import pytest
 
 from conftest import REPO
-from mismatch.reports.aggregate import histogram
 from mismatch.present.headline import banner
+from mismatch.reports.aggregate import histogram
 from mismatch.reports.build import REPORT_FILE, ReportError, build_report, plotly_js, script_json
 from mismatch.reports.worst import WorstOptions, select_rows
+from mismatch.results.summary_model import partial_summary
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -275,12 +276,12 @@ RECOMPUTE = {"kind": "recompute_old_logprobs", "params": {"extra_forward_tokens"
     ("small", [], "SMALL GAP", "The PPO ratio is small"),
 ])
 def test_banner_leads_with_the_right_action(level: str, recs: list, label: str, headline: str) -> None:
-    top = banner(verdict_summary(level, *recs))
+    top = banner(partial_summary(verdict_summary(level, *recs)))
     assert (top.label, top.headline) == (label, headline)
 
 
 def test_no_verdict_is_never_healthy() -> None:
-    assert banner({**verdict_summary("exact"), "verdicts": {}}).status == "unknown"
+    assert banner(partial_summary({**verdict_summary("exact"), "verdicts": {}})).status == "unknown"
 
 
 def test_large_rollout_sets_stay_small(tmp_path: Path) -> None:
@@ -437,7 +438,7 @@ def test_corrections_that_change_nothing_collapse_to_one_line_and_negative_chi2_
     corrections = [row("token_truncate", 2.0, 0.0), row("token_mask", 2.0, 0.0), row("sequence_mask", 3.0, 0.0),
                    row("token_truncate", 1.5, 0.004)]
     recs = [{"kind": "correction", "params": {"mode": "token_truncate", "cap": 1.5}, "why": "w"}]
-    page = corrections_section({"corrections": corrections, "recommendations": recs})
+    page = corrections_section(partial_summary({"corrections": corrections, "recommendations": recs}))
     assert "3 of them change no token here: token_truncate (cap=2), token_mask (cap=2), sequence_mask (cap=3)" \
         in page
     # The simulated corrections' table: the header, the collapsed line, the one that acts (recommended);
@@ -446,9 +447,10 @@ def test_corrections_that_change_nothing_collapse_to_one_line_and_negative_chi2_
     assert table.count("<tr") == 3
     metrics = {"n_tokens": 10, "chi2_token": -2e-7, "chi2_seq": 1e-3}
     summary = {"command": "audit", "pairs": {"train/sampler": metrics}}
-    assert "A χ² below 0 is an estimate" in gaps_section(summary, ["train/sampler"], {"train/sampler": "#000"})
+    assert "A χ² below 0 is an estimate" in gaps_section(partial_summary(summary), ["train/sampler"],
+                                                         {"train/sampler": "#000"})
     summary["pairs"]["train/sampler"]["chi2_token"] = 2e-7
-    assert "A χ² below 0" not in gaps_section(summary, ["train/sampler"], {"train/sampler": "#000"})
+    assert "A χ² below 0" not in gaps_section(partial_summary(summary), ["train/sampler"], {"train/sampler": "#000"})
 
 
 @pytest.mark.parametrize("width", [390, 1440])
@@ -477,9 +479,9 @@ def test_a_few_redrawn_tokens_do_not_take_the_headline() -> None:
                                     {"kind": "correction", "params": {"mode": "token_truncate", "cap": 2.0},
                                      "why": "w"}]}
 
-    minor = audit_banner(summary(4))  # 4 of 598 trained tokens: the gap's own answer leads
+    minor = audit_banner(partial_summary(summary(4)))  # 4 of 598 trained tokens: the gap's own answer leads
     assert minor.headline == "Correct with token_truncate (cap=2)" and "the renderer" in " ".join(minor.details)
-    major = audit_banner(summary(100))
+    major = audit_banner(partial_summary(summary(100)))
     assert major.headline.startswith("Fix at the source: the renderer")
 
 

@@ -137,11 +137,9 @@ def diff(
     if as_json:
         emit_json(result.record.to_dict())
         return
-    from mismatch.results.summary_model import present
-
     print_pairs(result.record)
     print_distribution(result.record)
-    print_diff(present(result.record.diff) or {})
+    print_diff(result.record)
     out_console.print(f"wrote {out}/")
 
 

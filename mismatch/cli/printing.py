@@ -48,30 +48,29 @@ def print_pairs(summary: Summary, target: Target | None = None, out: Path | None
 def print_findings(summary: Summary) -> None:
     """What the audit found besides the pairs: alignment and semantics, render drift, the turn
     onset or position trend, and what the localizers found (each said when it ran)."""
+    from mismatch.present.views import Alignment, Drift, TurnFindings, view
     from mismatch.results.summary_model import present
 
-    alignment = present(summary.alignment) or {}
-    if alignment.get("stored"):
-        temperature = alignment.get("estimated_temperature")
-        say(f"alignment: shift {int(alignment.get('shift') or 0):+d}, stored log-probs "
-             f"{alignment.get('logprob_semantics', 'unknown')}"
-             + (f" (estimated temperature {temperature:.3g})" if isinstance(temperature, (int, float)) else ""))
-    drift = present(summary.drift) or {}
-    if drift.get("num_rollouts_checked"):
-        say(f"render drift: {drift.get('num_spans', 0)} span(s) in {drift.get('num_rollouts_drifted', 0)} of "
-             f"{drift['num_rollouts_checked']} rollouts, {drift.get('trainable_tokens_touched', 0)} trainable "
-             "token(s) touched")
+    alignment = view(present(summary.alignment), Alignment, "alignment")
+    if alignment.stored:
+        temperature = alignment.estimated_temperature
+        say(f"alignment: shift {alignment.shift or 0:+d}, stored log-probs {alignment.logprob_semantics or 'unknown'}"
+            + (f" (estimated temperature {temperature:.3g})" if temperature is not None else ""))
+    drift = view(present(summary.drift), Drift, "drift")
+    if drift.num_rollouts_checked:
+        say(f"render drift: {drift.num_spans} span(s) in {drift.num_rollouts_drifted} of "
+            f"{drift.num_rollouts_checked} rollouts, {drift.trainable_tokens_touched or 0} trainable token(s) touched")
     localization = summary.localization
-    turns = localization.get("turns") or {}
-    if turns.get("n_tokens"):
-        onset, slope = turns.get("onset") or {}, turns.get("position_slope") or {}
-        if turns.get("onset_turn") is not None:
-            say(f"turns: the {turns.get('pair')} gap steps up at turn {turns['onset_turn']}"
-                 + (f" in {onset['n_rollouts_departing']} of {onset['n_rollouts_compared']} rollouts" if onset else ""))
-        elif isinstance(slope.get("slope_per_1k"), (int, float)):
-            grows = "grows" if slope.get("grows_with_position") else "does not grow"
-            say(f"turns: no turn where the {turns.get('pair')} gap steps up; it {grows} with position "
-                 f"({slope['slope_per_1k']:.3g} per 1000 tokens)")
+    turns = view(localization.get("turns"), TurnFindings, "localization.turns")
+    if turns.n_tokens:
+        onset, slope = turns.onset, turns.position_slope
+        if turns.onset_turn is not None:
+            say(f"turns: the {turns.pair} gap steps up at turn {turns.onset_turn}"
+                + (f" in {onset.n_rollouts_departing} of {onset.n_rollouts_compared} rollouts" if onset else ""))
+        elif slope is not None and slope.slope_per_1k is not None:
+            grows = "grows" if slope.grows_with_position else "does not grow"
+            say(f"turns: no turn where the {turns.pair} gap steps up; it {grows} with position "
+                f"({slope.slope_per_1k:.3g} per 1000 tokens)")
     if "layers" in localization or "kernels" in localization:
         from mismatch.localize import localized_what
 
@@ -114,23 +113,29 @@ def _print_framework_metrics(summary: Summary, target: Target, out: Path | None)
     out_console.print(table)
 
 
-def print_diff(comparison: dict[str, Any]) -> None:
+def print_diff(summary: Summary) -> None:
+    """diff's answer: each metric's b − a with its CI, the closer config by kl_k3 (and on the whole
+    distribution, with --distribution), each config's replay speed."""
+    from mismatch.present.views import Comparison, view
+    from mismatch.results.summary_model import present
+
+    comparison = view(present(summary.diff), Comparison, "diff")
     table = new_table(title="b/reference − a/reference (95% bootstrap CI over rollouts)", title_justify="left")
     for column in ("metric", "a", "b", "delta", "ci95"):
         table.add_column(column, justify="left" if column == "metric" else "right")
-    for name, d in comparison["deltas"].items():
-        table.add_row(name, plain(d["a"]), plain(d["b"]), plain(d["delta"]),
-                      f"[{plain(d['ci95'][0])}, {plain(d['ci95'][1])}]")
+    for name, d in comparison.deltas.items():
+        low, high = d.ci95 or [None, None]
+        table.add_row(name, plain(d.a), plain(d.b), plain(d.delta), f"[{plain(low)}, {plain(high)}]")
     out_console.print(table)
-    speed = comparison["throughput_tokens_per_s"]
-    out_console.print(f"closer to the reference: {comparison['closer_to_reference']} "
-                      f"({comparison['closer_rule']}); replay tokens/s: a {plain(speed['a'])}, "
+    speed = comparison.throughput_tokens_per_s
+    out_console.print(f"closer to the reference: {comparison.closer_to_reference} "
+                      f"({comparison.closer_rule}); replay tokens/s: a {plain(speed['a'])}, "
                       f"b {plain(speed['b'])}", markup=False, highlight=False, soft_wrap=True)
-    on_distribution = comparison.get("distribution")
-    if on_distribution:
-        kl = on_distribution["kl"]
-        say(f"closer on the whole next-token distribution: {on_distribution['closer'] or 'undecided'} "
-            f"(mean KL a {plain(kl['a'])}, b {plain(kl['b'])}; {on_distribution['rule']})")
+    on_distribution = comparison.distribution
+    if on_distribution is not None:
+        kl = on_distribution.kl
+        say(f"closer on the whole next-token distribution: {on_distribution.closer or 'undecided'} "
+            f"(mean KL a {plain(kl['a'])}, b {plain(kl['b'])}; {on_distribution.rule})")
 
 
 def print_layers(found: dict[str, Any]) -> None:
@@ -220,6 +225,7 @@ DISTRIBUTION_ROWS = (("KL(A‖B) mean", "kl_ab_mean"), ("KL(B‖A) mean", "kl_ba
 def print_distribution(summary: Summary) -> None:
     """--distribution: each pair's whole next-token distribution gap, what is exact or bounded,
     the bitwise claim checked, and where and on which token it is largest."""
+    from mismatch.present.views import NextTokenGap, view
     from mismatch.results.summary_model import present
 
     found = present(summary.distribution) or {}
@@ -233,14 +239,15 @@ def print_distribution(summary: Summary) -> None:
         table.add_row(label, *(plain(entry.get(key)) for entry in found.values()))
     out_console.print(table)
     for pair, entry in found.items():
-        view = "exact over the whole vocabulary" if entry["exact"] else f"bounded ({entry['bounded']})"
-        say(f"{pair}: top-K = {entry.get('k')}, {view}")
-        say(f"{pair}: {entry['bitwise']['claim']}")
-        if entry["tokens"]:
-            top = entry["tokens"][0]
+        gap = view(entry, NextTokenGap, f"distribution[{pair!r}]")
+        scope = "exact over the whole vocabulary" if gap.exact else f"bounded ({gap.bounded})"
+        say(f"{pair}: top-K = {gap.k}, {scope}")
+        say(f"{pair}: {gap.bitwise.claim}")
+        if gap.tokens:
+            top = gap.tokens[0]
             say(f"{pair}: token {top['token_id']} moved most ({top['tv_share']:.0%} of the moved mass, "
                 f"largest change at {top['n_positions']} positions)")
-        if entry["worst"]:
-            worst = entry["worst"][0]
+        if gap.worst:
+            worst = gap.worst[0]
             say(f"{pair}: largest KL(A‖B) {plain(worst['kl_ab'])} at rollout {worst['rollout']} branch "
                 f"{worst['branch']} turn {worst['turn']} position {worst['pos']} (token {worst['moved_token']} moved)")

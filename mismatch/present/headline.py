@@ -23,6 +23,7 @@ from mismatch.results.summary_model import (
     partial_metrics,
     present,
 )
+from mismatch.present.views import Comparison, Drift, MetricDelta, view
 
 # How each recommendation kind reads in a headline (mismatch.advise.recommend's kinds); an unknown kind
 # is shown by its name.
@@ -158,9 +159,9 @@ MINOR_DRIFT_FRAC = 0.01
 def _minor_drift(rec: Recommendation, summary: Summary) -> bool:
     if rec.kind != "fix_renderer":
         return False
-    touched = (present(summary.drift) or {}).get("trainable_tokens_touched")
+    touched = view(present(summary.drift), Drift, "drift").trainable_tokens_touched
     trainable = summary.counts.get("trainable_tokens")
-    return isinstance(touched, int) and bool(trainable) and touched < MINOR_DRIFT_FRAC * trainable
+    return touched is not None and bool(trainable) and touched < MINOR_DRIFT_FRAC * trainable
 
 
 def causes(summary: Summary) -> list[Cause]:
@@ -293,19 +294,18 @@ def role_spec(summary: Summary, role: str) -> str:
 
 def diff_banner(summary: Summary) -> Banner:
     """Which config is closer to the reference, by kl_k3, with its bootstrap interval."""
-    diff = present(summary.diff) or {}
+    diff = view(present(summary.diff), Comparison, "diff")
     spec = {role: role_spec(summary, role) for role in ("a", "b", "reference")}
-    closer = diff.get("closer_to_reference")
-    kl = (diff.get("deltas") or {}).get("kl_k3") or {}
-    ci = kl.get("ci95") or [None, None]
+    closer = diff.closer_to_reference
+    kl = diff.deltas["kl_k3"] if "kl_k3" in diff.deltas else MetricDelta()
     numbers: list[tuple[str, Any, str]] = [
-        ("kl_k3 A vs reference", kl.get("a"), "num"), ("kl_k3 B vs reference", kl.get("b"), "num"),
-        ("Δ kl_k3 (B − A)", kl.get("delta"), "num"), ("95% CI of Δ", tuple(ci), "ci")]
-    speed = diff.get("throughput_tokens_per_s") or {}
-    numbers += [(f"{role.upper()} tokens/s", speed.get(role), "num") for role in ("a", "b") if role in speed]
+        ("kl_k3 A vs reference", kl.a, "num"), ("kl_k3 B vs reference", kl.b, "num"),
+        ("Δ kl_k3 (B − A)", kl.delta, "num"), ("95% CI of Δ", tuple(kl.ci95 or [None, None]), "ci")]
+    speed = diff.throughput_tokens_per_s
+    numbers += [(f"{role.upper()} tokens/s", speed[role], "num") for role in ("a", "b") if role in speed]
     details = [f"A = {spec['a']}   ·   B = {spec['b']}   ·   reference = {spec['reference']}"]
-    if diff.get("closer_rule"):
-        details.append(f"Rule: {diff['closer_rule']}.")
+    if diff.closer_rule:
+        details.append(f"Rule: {diff.closer_rule}.")
     if closer in ("a", "b"):
         headline = f"Config {closer.upper()} ({spec[closer]}) is closer to the reference"
         return Banner(status="diff", label=f"{closer.upper()} IS CLOSER", headline=headline,
