@@ -23,21 +23,22 @@ class SectionError(ResultsError):
     """A section of summary.json whose field is not of the type a run writes."""
 
 
-class _View(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+class View(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     """A reader's view of one open section: unknown keys ignored, every field optional."""
 
 
-def view(data: Any, kind: type[_V], where: str) -> _V:
-    """`data` (a section's plain JSON) as the view `kind`; `where` names the section in the error."""
+def view(data: Any, kind: type[_V], where: str, *, source: str = "summary.json") -> _V:
+    """`data` (a section's plain JSON) as the view `kind`; `where` names the section of `source` in
+    the error."""
     try:
         return msgspec.convert(data if data is not None else {}, kind, strict=False)
     except msgspec.ValidationError as error:
-        raise SectionError(f"summary.json {where}: {error}") from None
+        raise SectionError(f"{source} {where}: {error}") from None
 
 
 # --- diff -----------------------------------------------------------------------------------------
 
-class MetricDelta(_View):
+class MetricDelta(View):
     """One metric of `diff.deltas`: a/reference, b/reference, b − a and its bootstrap 95% CI."""
 
     a: float | None = None
@@ -46,7 +47,7 @@ class MetricDelta(_View):
     ci95: list[float | None] | None = None
 
 
-class DistributionCloser(_View):
+class DistributionCloser(View):
     """`diff.distribution`: which config is closer on the whole next-token distribution (mean KL)."""
 
     kl: dict[str, float | None] = msgspec.field(default_factory=dict)  # {"a": …, "b": …}
@@ -54,7 +55,7 @@ class DistributionCloser(_View):
     rule: str = ""
 
 
-class Comparison(_View):
+class Comparison(View):
     """summary.json `diff` (analysis.comparison.ConfigComparison and the engines' throughputs):
     b/reference − a/reference per metric, the closer config by kl_k3 and the rule behind it,
     where a and b disagree most, and each config's replay speed."""
@@ -69,13 +70,13 @@ class Comparison(_View):
 
 # --- alignment ----------------------------------------------------------------------------------
 
-class AlignmentFinding(_View):
+class AlignmentFinding(View):
     kind: str = ""
     message: str = ""
     fix: str | None = None
 
 
-class Alignment(_View):
+class Alignment(View):
     """summary.json `alignment` (analysis.alignment): is the stored column the quantity the replay
     computes: its best shift, its semantics (raw or processed), the temperature that fits, and the
     share of positions with no, padded or constant log-probs."""
@@ -92,7 +93,7 @@ class Alignment(_View):
 
 # --- render drift ----------------------------------------------------------------------------------
 
-class Drift(_View):
+class Drift(View):
     """summary.json `drift` (rollouts.drift): re-rendered tokens that differ from the sampled ones:
     how many rollouts were checked and drifted, the spans and the trainable tokens they touch."""
 
@@ -105,7 +106,7 @@ class Drift(_View):
 
 # --- the turn localizer -----------------------------------------------------------------------------
 
-class PositionSlope(_View):
+class PositionSlope(View):
     """The gap's linear growth along position (localize.slope): per 1000 tokens, with its 95% CI."""
 
     slope_per_1k: float | None = None
@@ -114,12 +115,12 @@ class PositionSlope(_View):
     grows_with_position: bool = False
 
 
-class Onset(_View):
+class Onset(View):
     n_rollouts_departing: int | None = None
     n_rollouts_compared: int | None = None
 
 
-class TurnFindings(_View):
+class TurnFindings(View):
     """summary.json `localization.turns` (localize.turns): the pair it reads, the first turn where
     the gap steps up (None: none does), how many rollouts depart there, and the drift along
     position. Its tables stay in the section."""
@@ -133,11 +134,11 @@ class TurnFindings(_View):
 
 # --- the whole next-token distribution ------------------------------------------------------------
 
-class BitwiseClaim(_View):
+class BitwiseClaim(View):
     claim: str = ""
 
 
-class NextTokenGap(_View):
+class NextTokenGap(View):
     """One pair of summary.json `distribution` (analysis.distribution): both sides' distributions
     over the vocabulary at every trainable position: exact or bounded by a top-K side, the bitwise
     claim checked, the tokens that moved most, the worst positions and turns."""
