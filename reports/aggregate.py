@@ -7,7 +7,7 @@ the number of bins, never on the number of tokens.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import pandas as pd
@@ -51,7 +51,36 @@ def limit_rule(max_abs: float, p999: float) -> float:
     return nice_ceil(limit) if limit > 0 else 1e-3
 
 
-def histogram(log_ratio: np.ndarray, limit: float, num_bins: int = NUM_HIST_BINS) -> dict[str, Any]:
+class Histogram(TypedDict):
+    """A pair's log-ratio histogram over [-limit, limit] (the page's JSON): bin edges and counts,
+    the values beyond the range counted apart, NaN counted apart, the extremes."""
+
+    edges: list[float]
+    counts: list[int]
+    n: int
+    n_below: int
+    n_above: int
+    n_nan: int
+    limit: float
+    min: float | None
+    max: float | None
+
+
+class _BreakdownBase(TypedDict):
+    x: list[Any]  # the key's values (turns, position bins, buckets, branch kinds)
+    labels: list[str]
+    x_title: str
+    series: dict[str, dict[str, list[Any]]]  # pair -> BREAKDOWN_METRICS name -> one value per x
+
+
+class Breakdown(_BreakdownBase, total=False):
+    """A chart's data by turn, position bin, probability bucket or branch kind (the page's JSON)."""
+
+    integer_ticks: bool
+    width: int  # the position bins' width
+
+
+def histogram(log_ratio: np.ndarray, limit: float, num_bins: int = NUM_HIST_BINS) -> Histogram:
     """Counts over [-limit, limit]; values beyond land in the edge bins and are counted apart."""
     edges = np.linspace(-limit, limit, num_bins + 1)
     below = int(np.sum(log_ratio < -limit))
@@ -67,7 +96,7 @@ def histogram(log_ratio: np.ndarray, limit: float, num_bins: int = NUM_HIST_BINS
             "max": _finite_or_none(np.nanmax(log_ratio)) if len(log_ratio) else None}
 
 
-def merge_histograms(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[str, Any]:
+def merge_histograms(first: Histogram | None, second: Histogram) -> Histogram:
     """Two histograms over the same bins (of two chunks of tokens) as one."""
     if first is None:
         return second
@@ -148,7 +177,7 @@ def _json_number(value: Any, name: str) -> Any:
     return float(value)
 
 
-def by_position_block(sums: dict[str, GroupSums], width: int) -> dict[str, Any] | None:
+def by_position_block(sums: dict[str, GroupSums], width: int) -> Breakdown | None:
     """The position chart's block from each pair's sums per bin (bins `width` tokens wide)."""
     stats = {pair: found.stats() for pair, found in sums.items() if found.sums}
     if not stats:
@@ -160,7 +189,7 @@ def by_position_block(sums: dict[str, GroupSums], width: int) -> dict[str, Any] 
             "series": _series(stats, index)}
 
 
-def by_probability_from_summary(summary: Summary, pairs: list[str]) -> dict[str, Any] | None:
+def by_probability_from_summary(summary: Summary, pairs: list[str]) -> Breakdown | None:
     """summary.json's probability buckets (localization.turns.by_prob_bucket, of the pair the turn
     localizer reads): the report draws the buckets the analysis defined, never its own."""
     turns = summary.localization.get("turns")
@@ -171,7 +200,7 @@ def by_probability_from_summary(summary: Summary, pairs: list[str]) -> dict[str,
     return by_key_from_summary(rows, "bucket", pairs, x_title="probability of the token under the pair's B side")
 
 
-def by_turn_block(sums: dict[str, GroupSums]) -> dict[str, Any] | None:
+def by_turn_block(sums: dict[str, GroupSums]) -> Breakdown | None:
     """The turn chart from tokens (results whose summary.json has no `turns`)."""
     stats = {pair: found.stats() for pair, found in sums.items() if found.sums}
     if not stats:
@@ -182,7 +211,7 @@ def by_turn_block(sums: dict[str, GroupSums]) -> dict[str, Any] | None:
 
 
 def by_key_from_summary(rows: list[tuple[Any, dict[str, PairMetrics]]], key: str, pairs: list[str], *,
-                        x_title: str) -> dict[str, Any] | None:
+                        x_title: str) -> Breakdown | None:
     """summary.json's own breakdowns (`turns`, `branch_kinds`, the probability buckets), each row
     as (its `key`'s value, {pair: metrics})."""
     if not rows:

@@ -27,6 +27,7 @@ from mismatch.present.headline import banner, focus_pair
 from mismatch.present.views import NextTokenGap, view
 from mismatch.reports.blocks import section
 from mismatch.reports.digest import Chunks, Digest, DigestAnalysis, digest
+from mismatch.reports.figures import Figure
 from mismatch.reports.html import Html, el, join
 from mismatch.reports.worst import WorstOptions
 from mismatch.results.summary_model import Summary, present
@@ -131,9 +132,9 @@ def csp_hash(source: str) -> str:
 
 
 def chart_figures(summary: Summary, found: Digest, pairs: list[str],
-                  colors: dict[str, str]) -> dict[str, Any]:
+                  colors: dict[str, str]) -> dict[str, Figure]:
     """Every chart of the page by id; a chart whose data are absent is simply not in the dict."""
-    figs: dict[str, Any] = {}
+    figs: dict[str, Figure] = {}
     if found.histograms:
         max_count = max(max(h["counts"]) for h in found.histograms.values())
         for pair, hist in found.histograms.items():
@@ -157,7 +158,7 @@ def chart_figures(summary: Summary, found: Digest, pairs: list[str],
     return figs
 
 
-def distribution_section(pairs: list[str], figs: dict[str, Any], colors: dict[str, str]) -> Html | None:
+def distribution_section(pairs: list[str], figs: dict[str, Figure], colors: dict[str, str]) -> Html | None:
     panels = [el("figure", el("figcaption", el("span", class_="swatch", style=f"background:{colors[p]}"), p),
                  el("div", class_="chart", id=f"chart-hist-{i}", data_fig=f"hist-{p}"), class_="hist")
               for i, p in enumerate(pairs) if f"hist-{p}" in figs]

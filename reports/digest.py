@@ -46,7 +46,7 @@ class _PairTokenSums:
     finite: int = 0                     # tokens with a finite log-ratio
     max_abs: float = -math.inf          # largest finite |log-ratio|
     tails: Any = None                   # the top 0.1% of finite |log-ratio| (analysis.tails.Tails)
-    histogram: dict[str, Any] | None = None  # pass 3
+    histogram: aggregate.Histogram | None = None  # pass 3
     by_position: aggregate.GroupSums = field(default_factory=aggregate.GroupSums)
     by_turn: aggregate.GroupSums = field(default_factory=aggregate.GroupSums)
 
@@ -64,9 +64,9 @@ class Digest:
     """The page's token-derived data."""
 
     scored: list[str]                        # pairs whose log-prob columns the table has
-    histograms: dict[str, dict[str, Any]]    # pair -> aggregate.histogram block
-    by_position: dict[str, Any] | None
-    by_turn: dict[str, Any] | None
+    histograms: dict[str, aggregate.Histogram]  # pair -> its log-ratio histogram
+    by_position: aggregate.Breakdown | None
+    by_turn: aggregate.Breakdown | None
     worst: dict[str, Any] | None
     worst_tokens: list[dict[str, Any]]
 

@@ -15,7 +15,7 @@ from mismatch.present.numbers import formatted, num, pct
 from mismatch.present.views import Alignment, Comparison, Drift, NextTokenGap, PositionSlope, view
 from mismatch.reports.aggregate import pair_roles
 from mismatch.reports.blocks import chart, facts, pair_legend, records_table, section, value_html
-from mismatch.reports.figures import LEVEL_COLORS
+from mismatch.reports.figures import LEVEL_COLORS, Figure
 from mismatch.reports.html import Html, el, join
 from mismatch.results.summary_model import PairMetrics, Summary, present
 
@@ -160,9 +160,9 @@ def slope_text(slope: Any) -> Any:
             f"{', p ' + num(fit.p_value, 2) if fit.p_value is not None else ''}: {grows}")
 
 
-def turn_facts(localization: dict[str, Any]) -> Html | None:
+def turn_facts(summary: Summary) -> Html | None:
     """localization["turns"]: the onset turn and the drift along position, tables one click away."""
-    turns = localization.get("turns")
+    turns = summary.localization.get("turns")
     if not isinstance(turns, dict):
         return None
     onset = turns.get("onset_turn", "not computed")
@@ -196,10 +196,10 @@ def branch_table(summary: Summary, pairs: list[str]) -> Html | None:
     return el("details", el("summary", "By branch kind: table"), records_table(records), id="branches")
 
 
-def where_section(summary: Summary, pairs: list[str], figures: dict[str, Any],
+def where_section(summary: Summary, pairs: list[str], figures: dict[str, Figure],
                   colors: dict[str, str]) -> Html | None:
     """Turn, position, probability bucket and branch kind: four views of one question, 2 × 2."""
-    turn = turn_facts(summary.localization)
+    turn = turn_facts(summary)
     captions = (("turn", "By turn: a turn is one model segment with the context before it."),
                 ("position", "By position in the token stream, binned."),
                 ("prob", "By the probability the pair's B side gave the token: low-probability tokens "
@@ -237,7 +237,7 @@ def _method(block: dict[str, Any]) -> Html | None:
               [el("p", join(el("strong", k.replace("_", " ") + ": "), text), class_="note") for k, text in texts])
 
 
-def localization_section(summary: Summary, figures: dict[str, Any]) -> Html | None:
+def localization_section(summary: Summary, figures: dict[str, Figure]) -> Html | None:
     """localization["layers"] and ["kernels"] (turns are under "Where the gap is")."""
     localization = summary.localization
     parts: list[Any] = []
