@@ -100,11 +100,13 @@ def reread(out: Path) -> None:
     false alarms, and the render drift found apart (a sampled token sequence that re-renders to
     other tokens is real drift in the data, not a threshold's false alarm)."""
     from mismatch.advise.advice import advise
+    from mismatch.pipeline.summary import with_parts
+    from mismatch.results.summary_model import partial_summary
 
     by_config: dict[str, list[dict[str, Any]]] = {}
     for file in sorted((out / "summaries").glob("*.json")):
-        summary = json.loads(file.read_text())
-        advise(summary)
+        record = partial_summary(json.loads(file.read_text()))
+        summary = with_parts(record, advise(record).parts()).to_dict()
         engine, dtype, seed = file.stem.rsplit("-", 2)
         found = row(summary, engine=engine, dtype=dtype, seed=int(seed))
         by_config.setdefault(f"{engine}:{dtype}", []).append(found)

@@ -191,9 +191,10 @@ def test_a_bad_verl_config_is_exit_2_before_anything_is_written(tiny_checkpoint:
 ])
 def test_the_trainer_temperature_cause_fires_only_on_a_real_difference(trainer_t, declared, fires) -> None:
     from mismatch.advise.log_prob_semantics import trainer_temperature
+    from mismatch.results.summary_model import partial_summary
 
-    summary = {"engines": {"train": {"kind": "hf", "spec": "hf", "options": {"temperature": trainer_t}},
-                           "sampler": {"meta": declared}}, "pairs": {}}
+    summary = partial_summary({"engines": {"train": {"kind": "hf", "spec": "hf", "options": {"temperature": trainer_t}},
+                                           "sampler": {"meta": declared}}, "pairs": {}})
     assert (trainer_temperature(summary, {}) is not None) == fires
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from mismatch.advise.corrections import (DEFAULT_CORRECTIONS, MODES, Correction, correction_weights,
                                   effective_sample_size, simulate, simulate_table, summary_corrections)
+from mismatch.results.summary_model import to_builtins
 from mismatch.errors import MismatchError
 
 # Three sequences over two rollouts, token ratios chosen so every threshold below is easy to check by hand:
@@ -184,7 +185,7 @@ def test_torch_tensors_in_give_tensors_out_and_match_numpy():
     [from_tensor] = simulate(torch.tensor(LOG_RATIO), [correction], seq=torch.tensor([0, 0, 0, 1, 2, 2, 2, 2]),
                              rollout=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]), trainable=torch.tensor(TRAINABLE))
     [from_lists] = simulate(LOG_RATIO, [correction], seq=SEQ, rollout=ROLLOUT, trainable=TRAINABLE)
-    assert from_tensor.to_dict() == from_lists.to_dict()
+    assert from_tensor.to_record() == from_lists.to_record()
 
 
 def test_nan_log_ratio_gets_nan_weight_and_is_not_affected():
@@ -251,7 +252,7 @@ def test_simulate_table_uses_rollout_and_branch_as_the_sequence():
 
 
 def test_summary_corrections_hold_trl_modes_with_contract_keys():
-    corrections = summary_corrections(table())
+    corrections = [to_builtins(c) for c in summary_corrections(table())]
     assert len(corrections) == len(DEFAULT_CORRECTIONS)
     keys = ["mode", "params", "frac_tokens_affected", "frac_rollouts_affected", "weight_mean", "weight_max", "ess"]
     assert all(list(c)[:7] == keys for c in corrections)

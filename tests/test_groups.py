@@ -8,6 +8,7 @@ import pytest
 from conftest import PAIRS, agentic_frame
 
 from mismatch.advise.corrections import simulate, summary_corrections
+from mismatch.results.summary_model import to_builtins
 from mismatch.analysis.groups import Grouping, find_spans, quantiles, single_group
 from mismatch.analysis.metrics import PAIR_METRICS, metrics_by, summarize_pairs
 from mismatch.analysis.tokenview import TokenView
@@ -107,20 +108,20 @@ def test_shuffled_rows_give_the_same_analysis():
     assert located["position_slope"]["slope_per_1k"] == pytest.approx(
         located_mixed["position_slope"]["slope_per_1k"], rel=1e-9)
     for result, other in zip(summary_corrections(table), summary_corrections(shuffled)):
-        assert result["mode"] == other["mode"] and result["frac_tokens_affected"] == other["frac_tokens_affected"]
-        assert result["weight_mean"] == pytest.approx(other["weight_mean"], rel=1e-12), result["mode"]
-        assert result["ess"] == pytest.approx(other["ess"], rel=1e-12), result["mode"]
+        assert result.mode == other.mode and result.frac_tokens_affected == other.frac_tokens_affected
+        assert result.weight_mean == pytest.approx(other.weight_mean, rel=1e-12), result.mode
+        assert result.ess == pytest.approx(other.ess, rel=1e-12), result.mode
 
 
 def test_corrections_on_a_view_equal_corrections_on_arrays():
     table = agentic_table(seed=2)
-    from_view = summary_corrections(table)
+    from_view = [to_builtins(c) for c in summary_corrections(table)]
     seq = (table["rollout"].astype(str) + "/" + table["branch"].astype(str)).to_numpy()
     from_arrays = simulate((table["logp_train"] - table["logp_sampler"]).to_numpy(), seq=seq,
                            rollout=table["rollout"].astype(str).to_numpy(), turn=table["turn"].to_numpy(),
                            trainable=table["trainable"].to_numpy(), logp_sampler=table["logp_sampler"].to_numpy())
     assert [r["mode"] for r in from_view] == [r.mode for r in from_arrays]
-    for result, other in zip(from_view, (r.to_dict() for r in from_arrays)):
+    for result, other in zip(from_view, (to_builtins(r.to_record()) for r in from_arrays)):
         assert result.keys() == other.keys()
         for key in ("n_tokens", "n_sequences", "n_rollouts", "frac_tokens_affected", "frac_sequences_affected",
                     "frac_rollouts_affected", "weight_max"):

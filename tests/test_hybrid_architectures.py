@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from mismatch.advise.levels import gap_level
+from mismatch.results.summary_model import partial_metrics
 from mismatch.demo.architectures import NEW_ARCHITECTURES
 from mismatch.localize.layer_types import SPLIT_RULE, layer_types, mechanism
 from mismatch.pipeline.audit import audit
@@ -98,7 +99,7 @@ def test_each_new_architecture_is_audited_and_the_diagnosis_names_its_layer_type
     assert abs(sum(t["share"] for t in split["by_type"]) - (1.0 if errors[0] > 0 else 0.0)) < 1e-9
     causes = summary["diagnosis"]["causes"]
     assert "weights" not in {c["kind"] for c in causes}  # one checkpoint on both sides
-    level = gap_level(summary["pairs"]["train/infer"])
+    level = gap_level(partial_metrics(summary["pairs"]["train/infer"]))
     if split["mechanism"] is not None and level != "exact":
         cause = next(c for c in causes if c["kind"] == "layer_type")
         assert cause["title"] == split["mechanism"] and cause["where"]["layer_type"] == split["lead_type"]

@@ -67,9 +67,8 @@ def test_a_split_prefix_in_an_inference_source_is_said_and_advised() -> None:
     """The sampler's or an inference engine's split prefixes advise the batch-invariant mode (unless
     probes ran and show no batch variance); the trainer's own replay does not: it is not the
     rollout engine."""
-    from mismatch.advise.recommend import recommend
     from mismatch.analysis.prefixes import prefix_sentence, split_prefixes
-    from tests.test_recommend import TOKEN_CAPS
+    from tests.test_recommend import TOKEN_CAPS, recommend
     from tests.test_recommend import summary as make_summary
 
     engines = {"sampler": {"kind": "stored"}, "train": {"kind": "hf"}, "infer": {"kind": "vllm"}}

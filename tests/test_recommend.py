@@ -13,11 +13,12 @@ from mismatch.advise.corrections import summary_corrections
 from mismatch.errors import MismatchError
 from mismatch.analysis.metrics import summarize_pairs
 from mismatch.frameworks import FRAMEWORKS
-from mismatch.advise.diagnose import diagnose
+from mismatch.advise.diagnose import diagnose as diagnose_summary
 from mismatch.advise.readers import batch_variant_from_probes
-from mismatch.advise.recommend import recommend
+from mismatch.advise.recommend import recommend as recommend_summary
 from mismatch.advise.snippets import render_config
 from mismatch.frameworks.protocol import Recommendation
+from mismatch.results.summary_model import partial_summary
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,6 +32,16 @@ SMALL = {"n_tokens": 1000, "kl_k3": 1e-4, "frac_outside_2": 0.0, "bitwise_equal_
 def trunc(mode: str, cap: float, frac: float, ess: float) -> dict:
     return {"mode": mode, "params": {"cap": cap}, "frac_tokens_affected": frac, "frac_rollouts_affected": frac,
             "weight_mean": 1.0, "weight_max": cap, "ess": ess}
+
+
+def diagnose(summary: dict, **findings):
+    """The diagnosis of a hand-made summary, read as read_summary reads one (partial_summary)."""
+    return diagnose_summary(partial_summary(summary), **findings)
+
+
+def recommend(summary: dict, *args, **findings) -> list[Recommendation]:
+    """The rule on a hand-made summary, read as read_summary reads one (partial_summary)."""
+    return recommend_summary(partial_summary(summary), *args, **findings)
 
 
 def summary(metrics: dict | None = None, corrections: list | None = None, **extra) -> dict:

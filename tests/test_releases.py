@@ -259,9 +259,10 @@ def routing_summary() -> dict[str, Any]:
 def routing_snippet(framework: str, version: str) -> str:
     """What `mismatch recommend DIR --for FRAMEWORK==VERSION` prints for that summary."""
     from mismatch.advise.advice import for_target
+    from mismatch.results.summary_model import partial_summary
 
-    advice = for_target(routing_summary(), parse_target(f"{framework}=={version}", detect=False))
-    assert [r["kind"] for r in advice.recommendations] == ["routing_replay", "correction"]  # the cause first
+    advice = for_target(partial_summary(routing_summary()), parse_target(f"{framework}=={version}", detect=False))
+    assert [r.kind for r in advice.recommendations] == ["routing_replay", "correction"]  # the cause first
     return advice.snippet
 
 

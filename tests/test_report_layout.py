@@ -9,12 +9,12 @@ every box of the banner and of the pair cards against the card that holds it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
 from mismatch.reports.build import build_report
+from mismatch.results.summary_model import Summary
 from test_report import browser, rollout, token_table  # noqa: F401 (browser: the shared Chromium fixture)
 
 # Role names as long as a user's engines are named; the pair names are "a/b" of these.

@@ -22,9 +22,10 @@ Terms:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from mismatch.advise.cause import Cause
+from mismatch.results import summary_model as model
+from mismatch.results.summary_model import Summary
 from mismatch.advise.levels import HEALTHY
 from mismatch.advise.readers import Side, three_digits
 
@@ -44,8 +45,8 @@ class Envelope:
     kl_k3: float
     words: str
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"pair": self.pair, "kl_k3": self.kl_k3, "words": self.words}
+    def to_record(self) -> model.Envelope:
+        return model.Envelope(pair=self.pair, kl_k3=self.kl_k3, words=self.words)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -57,23 +58,23 @@ class Refusal:
     test: str  # size | consistency
     why: str
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "pair": self.pair, "test": self.test, "why": self.why}
+    def to_record(self) -> model.Refusal:
+        return model.Refusal(kind=self.kind, pair=self.pair, test=self.test, why=self.why)
 
 
-def envelope(summary: dict[str, Any], side: dict[str, Side]) -> Envelope | None:
+def envelope(summary: Summary, side: dict[str, Side]) -> Envelope | None:
     """Two replays of the same checkpoint, one in bfloat16 and one not (their engines may differ
     too: then the envelope bounds the kernels as well), and their kl_k3; None when no pair of the
     run is that."""
-    for pair, metrics in (summary.get("pairs") or {}).items():
+    for pair, metrics in summary.pairs.items():
         a, _, b = pair.partition("/")
-        if a not in side or b not in side or not isinstance(metrics, dict):
+        if a not in side or b not in side:
             continue
         x, y = side[a], side[b]
         if not (x.replayed and y.replayed) or x.weights is None or x.weights != y.weights:
             continue
         dtypes = x.differs(y).get("dtype")
-        kl = metrics.get("kl_k3")
+        kl = metrics.kl_k3
         if dtypes is None or "bfloat16" not in dtypes or not isinstance(kl, (int, float)):
             continue
         also = {k: v for k, v in x.differs(y).items() if k != "dtype"}
@@ -88,12 +89,11 @@ def times(kl: float, bound: float) -> str:
     return f"{kl / bound:,.0f}x" if bound > 0 else "infinitely many times"
 
 
-def size_test(cause: Cause, summary: dict[str, Any], found: Envelope | None) -> str | None:
+def size_test(cause: Cause, summary: Summary, found: Envelope | None) -> str | None:
     """Why a numeric cause cannot carry its pair's gap, or None when it can."""
     if cause.kind not in NUMERIC:
         return None
-    metrics = (summary.get("pairs") or {}).get(cause.pair) or {}
-    kl, tail = metrics.get("kl_k3"), metrics.get("frac_outside_2")
+    kl, tail = summary.metric(cause.pair, "kl_k3"), summary.metric(cause.pair, "frac_outside_2")
     name = NUMERIC[cause.kind]
     if found is not None:
         if found.pair == cause.pair or not isinstance(kl, (int, float)):
@@ -108,18 +108,16 @@ def size_test(cause: Cause, summary: dict[str, Any], found: Envelope | None) -> 
     return None
 
 
-def processed_test(cause: Cause, summary: dict[str, Any]) -> str | None:
+def processed_test(cause: Cause, summary: Summary) -> str | None:
     """Processed log-probs explain the gap only when the trainer with the sampler's processing (the
     like-for-like pair) comes much closer to them than the raw trainer does."""
     return not_processing(summary) if cause.kind == "processed_logprobs" else None
 
 
-def not_processing(summary: dict[str, Any]) -> str | None:
+def not_processing(summary: Summary) -> str | None:
     """Why the processing cannot be what makes the gap (the like-for-like gap is no smaller than the
     raw one), or None."""
-    pairs = summary.get("pairs") or {}
-    like, raw = pairs.get("train_processed/sampler") or {}, pairs.get("train/sampler") or {}
-    kl_like, kl_raw = like.get("kl_k3"), raw.get("kl_k3")
+    kl_like, kl_raw = summary.metric("train_processed/sampler", "kl_k3"), summary.metric("train/sampler", "kl_k3")
     if not isinstance(kl_like, (int, float)) or not isinstance(kl_raw, (int, float)):
         return None
     if kl_like < LIKE_FOR_LIKE * kl_raw:
@@ -154,21 +152,20 @@ def routing_test(cause: Cause, level: dict[str, str], side: dict[str, Side], *, 
     return (f"not rounding at the router's ties: {a} and {b} are not shown to run the same weights")
 
 
-def identity(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side], pair: str,
+def identity(summary: Summary, level: dict[str, str], side: dict[str, Side], pair: str,
              found: Envelope | None) -> Cause | None:
     """These rollouts were not sampled by this checkpoint: the trainer (a replay of it) puts most of
     the sampled tokens' probabilities off by more than 2x, which no numeric cause reaches and no
     perturbed or stale copy of a trained model does."""
-    metrics = (summary.get("pairs") or {}).get(pair) or {}
-    tail, kl = metrics.get("frac_outside_2"), metrics.get("kl_k3")
+    tail, kl = summary.metric(pair, "frac_outside_2"), summary.metric(pair, "kl_k3")
     train = side.get("train")
     if train is None or not train.replayed or not isinstance(tail, (int, float)) or tail < IDENTITY_TAIL:
         return None
-    declared = ((summary.get("engines") or {}).get("sampler") or {}).get("meta") or {}
+    declared = summary.engine("sampler").get("meta") or {}
     evidence = [f"{tail:.1%} of {pair} tokens have a ratio outside [0.5, 2] (kl_k3 {three_digits(kl)})"]
     if declared.get("checkpoint"):
         evidence.append(f"the rollouts declare meta.checkpoint {declared['checkpoint']}; this audit replays "
-                        f"{summary.get('checkpoint')}")
+                        f"{summary.checkpoint}")
     reach = (f"{times(float(kl), found.kl_k3)} {found.words}" if found is not None and isinstance(kl, (int, float))
              else f"rounding never takes over {ROUNDING_TAIL:.0%} of tokens outside [0.5, 2]")
     return Cause(kind="identity", pair=pair, fix="match_checkpoint",
@@ -177,19 +174,19 @@ def identity(summary: dict[str, Any], level: dict[str, str], side: dict[str, Sid
                  rules_out=(f"no numeric cause reaches it: {reach}",
                             f"a weight-sync fault or a stale copy moves some probabilities, not over "
                             f"{IDENTITY_TAIL:.0%} of them by 2x"),
-                 where={"checkpoint": summary.get("checkpoint"), "declared": declared.get("checkpoint")})
+                 where={"checkpoint": summary.checkpoint, "declared": declared.get("checkpoint")})
 
 
 TRUNCATION_OFF = {"top_p": (1.0,), "top_k": (-1, 0), "min_p": (0.0,)}  # meta.sampler values that truncate nothing
 
 
-def truncation_test(cause: Cause, summary: dict[str, Any], *, like_for_like: bool) -> str | None:
+def truncation_test(cause: Cause, summary: Summary, *, like_for_like: bool) -> str | None:
     """The sampler's side is blamed on its weights only when the replay runs all the sampler
     declared: truncated sampling (top-p < 1, top-k > 0, min-p > 0) is replayed only by the
     like-for-like pass (`like_for_like`), and it can move stored log-probs with the same weights."""
     if cause.kind != "sampler_weights" or like_for_like:
         return None
-    declared = ((summary.get("engines") or {}).get("sampler") or {}).get("meta") or {}
+    declared = summary.engine("sampler").get("meta") or {}
     truncated = [f"{name} {declared[name]}" for name, off in TRUNCATION_OFF.items()
                  if isinstance(declared.get(name), (int, float)) and declared[name] not in off]
     if not truncated:

@@ -4,19 +4,18 @@ one framework release (`for_target`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from mismatch.advise.diagnose import diagnose
 from mismatch.advise.evidence import PAIR
-from mismatch.advise.recommend import recommend, recommendations_dicts
-from mismatch.advise.snippets import render_config, snippet_settings
+from mismatch.advise.recommend import recommend, recommendation_records
+from mismatch.advise.snippets import Logged, render_config, snippet_settings
 from mismatch.advise.verdicts import verdicts
 from mismatch.frameworks.protocol import Target
 from mismatch.frameworks.registry import FRAMEWORKS, default_target
 from mismatch.results import summary_model as model
-from mismatch.results.summary_model import Summary, from_builtins
+from mismatch.results.summary_model import Probe, Summary, present, to_builtins
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -35,23 +34,19 @@ class AuditAdvice:
                 "recommendations": self.recommendations, "config_snippets": self.config_snippets}
 
 
-def advise(summary: Summary, *, probes: list[dict[str, Any]] | None = None) -> AuditAdvice:
+def advise(summary: Summary, *, probes: list[Probe] | None = None) -> AuditAdvice:
     """summary.json's diagnosis, recommendations (the rule on the summary and the `probes`' evidence)
     and each framework's config snippet for them; each pair's verdict names its cause. The summary
     is read, never edited: the command builds its summary with the part returned."""
-    seen = summary.to_dict()  # TRANSITIONAL: the readers below take the plain summary until they read records
-    diagnosis = diagnose(seen, probes=probes)
-    found = diagnosis.to_dict()
-    seen["diagnosis"] = found
-    recommendations = recommendations_dicts(recommend(seen, probes=probes))
+    diagnosis = diagnose(summary, probes=probes)
     # Each framework's snippet chooses among the corrections its release can express (the one
     # installed here, else the newest mismatch has read).
     targets = [default_target(framework) for framework in FRAMEWORKS]
-    snippets = {target.framework: render_config(recommendations_dicts(recommend(seen, target, probes=probes)), target,
-                                                causes=found["causes"]) for target in targets}
-    return AuditAdvice(diagnosis=from_builtins(found, model.Diagnosis),
+    snippets = {target.framework: render_config(recommend(summary, target, probes=probes), target,
+                                                causes=diagnosis.causes) for target in targets}
+    return AuditAdvice(diagnosis=diagnosis.to_record(),
                        verdicts=verdicts(summary.pairs, diagnosis, summary.engines),
-                       recommendations=from_builtins(recommendations, list[model.Recommendation]),
+                       recommendations=recommendation_records(recommend(summary, probes=probes)),
                        config_snippets=snippets)
 
 
@@ -60,42 +55,44 @@ class Advice:
     """What `mismatch recommend` answers: the recommendations for a target (or framework-neutral),
     its snippet, and the target framework's own metrics at the settings it runs or will run."""
 
-    recommendations: list[dict[str, Any]]
-    diagnosis: dict[str, Any] = field(default_factory=dict)  # summary.json's "diagnosis", on these findings
+    recommendations: list[model.Recommendation]
+    diagnosis: model.Diagnosis  # summary.json's "diagnosis", on these findings
     target: Target | None = None
     snippet: str | None = None
-    logged: dict[str, Any] | None = None  # {"settings": {...}, "pair": "A/B", "metrics": {key: value}}
+    logged: Logged | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         target = self.target
-        return {"diagnosis": self.diagnosis, "recommendations": self.recommendations, "framework": target.framework if target else None,
+        return {"diagnosis": to_builtins(self.diagnosis), "recommendations": to_builtins(self.recommendations),
+                "framework": target.framework if target else None,
                 "release": target.release.version if target else None, "note": target.note if target else None,
                 "config": self.snippet, "logged": self.logged}
 
 
-def for_target(summary: dict[str, Any], target: Target | None, *, results: Path | None = None,
-               probes: list[dict[str, Any]] | None = None) -> Advice:
+def for_target(summary: Summary, target: Target | None, *, results: Path | None = None,
+               probes: list[Probe] | None = None) -> Advice:
     """The rule for `target`'s release (the modes it can express), its snippet, and what the target
     framework logs on the audit's tokens (results/tokens.parquet) at the settings the user named in
     the target, else at those the snippet sets."""
-    stored_probes = (summary.get("probes") or {}).get("results")
+    stored_probes = summary.section("probes").get("results")
     if target is None and probes is None:
-        return Advice(recommendations=list(summary.get("recommendations") or []),
-                      diagnosis=summary.get("diagnosis") or diagnose(summary, probes=stored_probes).to_dict())
+        diagnosed = present(summary.diagnosis)
+        return Advice(recommendations=list(summary.recommendations),
+                      diagnosis=diagnosed if diagnosed is not None else diagnose(summary, probes=stored_probes).to_record())
     found = probes if probes is not None else stored_probes
-    diagnosis = diagnose(summary, probes=found).to_dict()
-    recs = recommendations_dicts(recommend(summary, target, probes=found))
+    diagnosis = diagnose(summary, probes=found)
+    recs = recommend(summary, target, probes=found)
     if target is None:
-        return Advice(recommendations=recs, diagnosis=diagnosis)
+        return Advice(recommendations=recommendation_records(recs), diagnosis=diagnosis.to_record())
     logged = None
     if results is not None:
         settings = target.settings or snippet_settings(recs, target)
         logged = logged_metrics(results, replace(target, settings=settings))
-    return Advice(recommendations=recs, diagnosis=diagnosis, target=target, logged=logged,
-                  snippet=render_config(recs, target, logged, causes=diagnosis["causes"]))
+    return Advice(recommendations=recommendation_records(recs), diagnosis=diagnosis.to_record(), target=target,
+                  logged=logged, snippet=render_config(recs, target, logged, causes=diagnosis.causes))
 
 
-def logged_metrics(results: Path, target: Target, pair: str = PAIR) -> dict[str, Any] | None:
+def logged_metrics(results: Path, target: Target, pair: str = PAIR) -> Logged | None:
     """The target framework's metrics on the results dir's tokens at the target's settings (over
     its defaults): one pass over tokens.parquet, in chunks."""
     from mismatch.frameworks.metrics import framework_metrics, settings_used

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from mismatch.results import summary_model as model
+from mismatch.results.summary_model import Section
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -16,10 +18,10 @@ class Cause:
     evidence: tuple[str, ...]       # what supports it
     rules_out: tuple[str, ...] = ()  # why not the other causes
     fix: str = ""                   # the recommendation kind that fixes it at the source
-    where: dict[str, Any] = field(default_factory=dict)
+    where: Section = field(default_factory=dict)
     minor: bool = False             # real, but too small to explain the gap: listed, never leading
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "pair": self.pair, "title": self.title, "evidence": list(self.evidence),
-                "rules_out": list(self.rules_out), "fix": self.fix, "where": dict(self.where),
-                "minor": self.minor}
+    def to_record(self) -> model.Cause:
+        """As summary.json's diagnosis lists it."""
+        return model.Cause(kind=self.kind, pair=self.pair, title=self.title, evidence=list(self.evidence),
+                           rules_out=list(self.rules_out), fix=self.fix, where=dict(self.where), minor=self.minor)

@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any
 
+from mismatch.results.summary_model import JSONObject
 from mismatch.analysis.metrics import PAIR_METRICS
 from mismatch.analysis.terms import METRIC_RANGES
 from mismatch.errors import ResultsError
@@ -23,7 +24,7 @@ ORDERED = (("ratio_min", "ratio_q001", "ratio_q01", "ratio_q99", "ratio_q999", "
 _SLACK = 1e-9
 
 
-def check_summary(summary: dict[str, Any], *, where: str) -> None:
+def check_summary(summary: JSONObject, *, where: str) -> None:
     """Refuse a summary no run can have written: `pairs` that is not an object of metric objects,
     a metric that is neither a number nor null, a number JSON overflowed to +-inf (summary.json
     writes null), or pair metrics that contradict each other or the counts. A hand-edited or
@@ -51,7 +52,7 @@ def _shown_json(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _known_values(metrics: dict[str, Any], *, where: str) -> dict[str, float]:
+def _known_values(metrics: JSONObject, *, where: str) -> dict[str, float]:
     """The pair's known metrics as floats, nulls (NaN) left out; anything else is refused."""
     values = {}
     for name in PAIR_METRICS:
@@ -88,7 +89,7 @@ def _range_problem(values: dict[str, float]) -> str | None:
     return None
 
 
-def _count_problem(values: dict[str, float], counts: dict[str, Any]) -> str | None:
+def _count_problem(values: dict[str, float], counts: JSONObject) -> str | None:
     """Whole counts; a pair's rollouts are among its tokens', and both among the run's (`counts`)."""
     for name in ("n_tokens", "n_rollouts"):
         if name in values and values[name] != int(values[name]):

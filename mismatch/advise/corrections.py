@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mismatch.results import summary_model as model
+from mismatch.results.summary_model import Section
 from mismatch.advise.correction_modes import DEFAULT_CORRECTIONS, MODES, PROB_GAP_MODES, Correction
 from mismatch.advise.correction_tokens import CorrectionTokens, is_tensor, prepare_tokens, to_numpy
 from mismatch.analysis.chunked import Chunk, Chunks, run_passes
@@ -41,18 +43,17 @@ class CorrectionResult:
     weight_std: float
     weight_max: float
     ess: float
-    by_turn: list[dict[str, Any]]
+    by_turn: list[Section]  # per turn: {turn, n_tokens, frac_tokens_affected, weight_mean}
 
-    def to_dict(self) -> dict[str, Any]:
-        """Contract keys first (ARCHITECTURE.md, "Results dir"), then the extras."""
-        return {"mode": self.mode, "params": dict(self.params),
-                "frac_tokens_affected": self.frac_tokens_affected,
-                "frac_rollouts_affected": self.frac_rollouts_affected,
-                "weight_mean": self.weight_mean, "weight_max": self.weight_max, "ess": self.ess,
-                "weight_std": self.weight_std, "level": self.level, "n_tokens": self.n_tokens,
-                "n_sequences": self.n_sequences, "n_rollouts": self.n_rollouts,
-                "frac_sequences_affected": self.frac_sequences_affected,
-                "by_turn": [dict(row) for row in self.by_turn]}
+    def to_record(self) -> model.Correction:
+        """As summary.json's `corrections` lists it: contract keys first (ARCHITECTURE.md, "Results
+        dir"), then the extras."""
+        return model.Correction(
+            mode=self.mode, params=dict(self.params), frac_tokens_affected=self.frac_tokens_affected,
+            frac_rollouts_affected=self.frac_rollouts_affected, weight_mean=self.weight_mean,
+            weight_max=self.weight_max, ess=self.ess, weight_std=self.weight_std, level=self.level,
+            n_tokens=self.n_tokens, n_sequences=self.n_sequences, n_rollouts=self.n_rollouts,
+            frac_sequences_affected=self.frac_sequences_affected, by_turn=[dict(row) for row in self.by_turn])
 
 
 def _apply(tokens: CorrectionTokens, correction: Correction) -> tuple[np.ndarray, np.ndarray]:
@@ -233,7 +234,7 @@ class _CorrectionSums:
             weight_std=math.sqrt(self.m2 / n) * scale if math.isfinite(mean) else nan, weight_max=self.top * scale,
             ess=self.ess.value(n), by_turn=self._by_turn(scale))
 
-    def _by_turn(self, scale: float) -> list[dict[str, Any]]:
+    def _by_turn(self, scale: float) -> list[Section]:
         """Per turn: how many tokens, the share the correction touched, and their mean weight."""
         with np.errstate(invalid="ignore", over="ignore"):
             return [{"turn": key, "n_tokens": int(count), "frac_tokens_affected": float(hit / count),
@@ -324,6 +325,6 @@ def _chunk_tokens(chunk: Chunk, columns: tuple[str, str]) -> CorrectionTokens:
 
 
 def summary_corrections(table: pd.DataFrame | Chunks,
-                        corrections: Sequence[Correction] = DEFAULT_CORRECTIONS) -> list[dict[str, Any]]:
-    """`summary.json["corrections"]`: every correction simulated over train/sampler trainable tokens."""
-    return [result.to_dict() for result in simulate_table(table, corrections)]
+                        corrections: Sequence[Correction] = DEFAULT_CORRECTIONS) -> list[model.Correction]:
+    """summary.json's `corrections`: every correction simulated over train/sampler trainable tokens."""
+    return [result.to_record() for result in simulate_table(table, corrections)]

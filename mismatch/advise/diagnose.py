@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 from mismatch.advise.admissibility import (
     SIZE_FACTOR,
@@ -53,6 +52,8 @@ from mismatch.advise.readers import (
     three_digits,
 )
 from mismatch.advise.unexplained import unexplained
+from mismatch.results import summary_model as model
+from mismatch.results.summary_model import Probe, Section, Summary
 
 RULE = """\
 Causes, in the order they lead (each only on the evidence named, and only once it passes its
@@ -128,10 +129,11 @@ class Diagnosis:
     def for_pair(self, pair: str) -> Cause | None:
         return next((cause for cause in self.causes if cause.pair == pair and not cause.minor), None)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"causes": [cause.to_dict() for cause in self.causes], "findings": list(self.findings),
-                "refused": [r.to_dict() for r in self.refused],
-                "envelope": self.envelope.to_dict() if self.envelope is not None else None, "rule": RULE}
+    def to_record(self) -> model.Diagnosis:
+        """As summary.json holds it (with the RULE it applied)."""
+        return model.Diagnosis(causes=[cause.to_record() for cause in self.causes], findings=list(self.findings),
+                               refused=[r.to_record() for r in self.refused],
+                               envelope=self.envelope.to_record() if self.envelope is not None else None, rule=RULE)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -139,10 +141,10 @@ class Facts:
     """What every rule reads: the summary, each pair's level, each side's config, the probes, the
     bf16 envelope and the weights cause (found first: several rules defer to it)."""
 
-    summary: dict[str, Any]
+    summary: Summary
     level: dict[str, str]
     side: dict[str, Side]
-    probes: list[dict[str, Any]] | None
+    probes: list[Probe] | None
     batch_variant: bool | None
     envelope: Envelope | None
     weights: Cause | None
@@ -184,7 +186,7 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = None,
+def diagnose(summary: Summary, *, probes: list[Probe] | None = None,
              batch_variant: bool | None = None) -> Diagnosis:
     """The causes the summary's evidence supports and their admissibility tests pass, in the order
     RULE gives; "unexplained" when the ratio's pair has a gap and none does."""
@@ -196,7 +198,7 @@ def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = N
     found_envelope = envelope(summary, side)
     # The ratio is judged like for like when the stored log-probs are processed, unless the
     # processing cannot be what makes the gap (then the like-for-like pair is no better a judge).
-    processed_run = (summary.get("alignment") or {}).get("logprob_semantics") in ("processed", "truncated") \
+    processed_run = summary.section("alignment").get("logprob_semantics") in ("processed", "truncated") \
         and not_processing(summary) is None
     ratio_pair = PROCESSED_PAIR if processed_run and PROCESSED_PAIR in level else "train/sampler"
     foreign = identity(summary, level, side, ratio_pair, found_envelope)
@@ -222,7 +224,7 @@ def diagnose(summary: dict[str, Any], *, probes: list[dict[str, Any]] | None = N
                      envelope=found_envelope)
 
 
-def _weights_fault(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side]) -> Cause | None:
+def _weights_fault(summary: Summary, level: dict[str, str], side: dict[str, Side]) -> Cause | None:
     """The weights cause, unless it rests on the localizers' confinement alone on one checkpoint
     where the two paths run different algorithms (advise/mechanisms.py: the paths differ, not a tensor)."""
     weights = _weights(summary, level, side)
@@ -239,9 +241,9 @@ def _test_name(cause: Cause) -> str:
 
 # --- one function per cause ---
 
-def _weights(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side]) -> Cause | None:
+def _weights(summary: Summary, level: dict[str, str], side: dict[str, Side]) -> Cause | None:
     """A weights diff of two checkpoints, else the localizers confining train/infer to a few modules."""
-    for source, diff in (summary.get("weights") or {}).items():
+    for source, diff in summary.section("weights").items():
         differing = diff.get("differing") or []
         if diff.get("identical") or not differing:
             continue
@@ -297,15 +299,15 @@ def _sampler_side(facts: Facts) -> Cause | None:
     # only the sampler's own torch path (_beyond_declared) judges it.
     if level.get(judged) not in (*GAPS, "negligible") or facts.weights is not None:
         return None
-    if ((summary.get("localization") or {}).get("turns") or {}).get("onset_turn") is not None:
+    if (summary.localization.get("turns") or {}).get("onset_turn") is not None:
         return None
     sampler, infer, train = side.get("sampler"), side.get("infer"), side.get("train")
     if sampler is None or infer is None or train is None or not (infer.replayed and train.replayed):
         return None
     if infer.weights is not None and train.weights is not None and infer.weights != train.weights:
         return None
-    kl = ((summary.get("pairs") or {}).get(judged) or {}).get("kl_k3")
-    replays = ((summary.get("pairs") or {}).get("train/infer") or {}).get("kl_k3")
+    kl = summary.metric(judged, "kl_k3")
+    replays = summary.metric("train/infer", "kl_k3")
     if not isinstance(kl, (int, float)) or not isinstance(replays, (int, float)):
         return None
     differs, found = sampler.differs(infer), facts.envelope
@@ -342,7 +344,7 @@ def _beyond_declared(facts: Facts, judged: str, kl: float) -> str | None:
     declared = ", ".join(f"{name} {value}" for name, value in (("dtype", sampler.dtype), ("engine", sampler.kind))
                          if value) or "nothing declared to compare"
     if infer.kind in TORCH_KINDS and infer.kind == sampler.kind:
-        spread = ((summary.get("prefix_consistency") or {}).get("infer") or {}).get("max_abs_spread") or 0.0
+        spread = (summary.section("prefix_consistency").get("infer") or {}).get("max_abs_spread") or 0.0
         noise = 0.5 * float(spread) ** 2
         if kl <= SIZE_FACTOR * noise:
             return None
@@ -357,13 +359,13 @@ def _beyond_declared(facts: Facts, judged: str, kl: float) -> str | None:
             f"{times(kl, found.kl_k3)} {found.words}, over the {SIZE_FACTOR:g}x that config's numerics can make")
 
 
-def _bitwise_words(summary: dict[str, Any], pair: str) -> str:
-    value = ((summary.get("pairs") or {}).get(pair) or {}).get("bitwise_equal_frac")
+def _bitwise_words(summary: Summary, pair: str) -> str:
+    value = summary.metric(pair, "bitwise_equal_frac")
     return f"{value:.1%} of tokens bitwise equal" if isinstance(value, (int, float)) else "not bitwise equal"
 
 
-def _sampler_weights(summary: dict[str, Any], sampler: Side, spec: str, agree: str, size: str) -> Cause:
-    checkpoint = summary.get("checkpoint") or "CHECKPOINT"
+def _sampler_weights(summary: Summary, sampler: Side, spec: str, agree: str, size: str) -> Cause:
+    checkpoint = summary.checkpoint or "CHECKPOINT"
     # The other dtype in words, not as a spec: a snippet's comment must not read like a precision setting.
     other = "fp32" if sampler.dtype == "bfloat16" else "bf16"
     separates = (f"`mismatch weights {checkpoint} SYNCED_CHECKPOINT` (the copy the sampler loaded) shows other "
@@ -378,8 +380,8 @@ def _sampler_weights(summary: dict[str, Any], sampler: Side, spec: str, agree: s
                             f"what separates other weights from an undeclared config: {separates}"))
 
 
-def _turn_onset(summary: dict[str, Any]) -> Cause | None:
-    turns = (summary.get("localization") or {}).get("turns") or {}
+def _turn_onset(summary: Summary) -> Cause | None:
+    turns = summary.localization.get("turns") or {}
     turn = turns.get("onset_turn")
     if turn is None:
         return None
@@ -406,14 +408,14 @@ def _turn_onset(summary: dict[str, Any]) -> Cause | None:
                         "new_branch_kinds": detail.get("new_branch_kinds") or []})
 
 
-def _turn_holds(detail: dict[str, Any]) -> str:
+def _turn_holds(detail: Section) -> str:
     new = [*(f"the first {role} rows" for role in detail.get("new_roles") or []),
            *(f"the first {kind} branches" for kind in detail.get("new_branch_kinds") or [])]
     return ", ".join(new)
 
 
-def _render_drift(summary: dict[str, Any]) -> Cause | None:
-    drift = summary.get("drift") or {}
+def _render_drift(summary: Summary) -> Cause | None:
+    drift = summary.section("drift")
     spans = drift.get("spans") or []
     if not spans:
         return None
@@ -429,25 +431,25 @@ def _render_drift(summary: dict[str, Any]) -> Cause | None:
                         "places": [{"rollout": r, "turn": t} for r, t in places[:20]]})
 
 
-def _minor_drift_last(causes: tuple[Cause, ...], summary: dict[str, Any]) -> tuple[Cause, ...]:
+def _minor_drift_last(causes: tuple[Cause, ...], summary: Summary) -> tuple[Cause, ...]:
     """A handful of drifted tokens (< MINOR_DRIFT of the trained ones) explains no gap: listed last,
     marked minor."""
     drift = next((c for c in causes if c.kind == "render_drift"), None)
-    touched = (summary.get("drift") or {}).get("trainable_tokens_touched")
-    trainable = (summary.get("counts") or {}).get("trainable_tokens")
+    touched = summary.section("drift").get("trainable_tokens_touched")
+    trainable = summary.counts.get("trainable_tokens")
     if drift is None or not (isinstance(touched, int) and trainable and touched < MINOR_DRIFT * trainable):
         return causes
     return (*[c for c in causes if c is not drift], replace(drift, minor=True))
 
 
-def _probes_batch_variant(probes: list[dict[str, Any]] | None) -> bool | None:
+def _probes_batch_variant(probes: list[Probe] | None) -> bool | None:
     return batch_variant_from_probes(probes) if probes is not None else None
 
 
-def _findings(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side]) -> list[str]:
+def _findings(summary: Summary, level: dict[str, str], side: dict[str, Side]) -> list[str]:
     out = []
     if level.get("train/infer") == "large" and level.get("train/sampler") in ("exact", "negligible", "small"):
-        spec = ((summary.get("engines") or {}).get("infer") or {}).get("spec", "infer")
+        spec = summary.engine("infer").get("spec", "infer")
         out.append(f"train/infer is large while train/sampler is {level['train/sampler']}: the engine config "
                    f"replayed here ({spec}) is farther from the trainer than the sampler was; it is not the "
                    f"sampler's config (infer/sampler {level.get('infer/sampler', 'unknown')})")

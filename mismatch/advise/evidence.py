@@ -5,11 +5,12 @@ findings given beside it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+import msgspec
 
 from mismatch.advise.diagnose import Diagnosis, diagnose
 from mismatch.advise.levels import gap_level
-from mismatch.results.summary_model import partial_metrics
+from mismatch.results.summary_model import Correction, PairMetrics, Probe, Section, Summary
 
 PAIR = "train/sampler"
 PROCESSED_PAIR = "train_processed/sampler"
@@ -20,8 +21,8 @@ class Evidence:
     """What the rule reads: the diagnosis, and the gap and simulated corrections of the pair a
     correction would be chosen on."""
 
-    metrics: dict[str, Any]  # summary["pairs"][pair]
-    corrections: list[dict[str, Any]]
+    metrics: PairMetrics | None  # summary.pairs[pair]
+    corrections: list[Correction]
     diagnosis: Diagnosis = field(default_factory=lambda: Diagnosis(causes=()))
     pair: str = PAIR  # the pair the correction is chosen on (the like-for-like one when processed)
     num_tokens: int | None = None
@@ -31,41 +32,38 @@ class Evidence:
 
     @property
     def level(self) -> str:
-        return gap_level(partial_metrics(self.metrics))  # TRANSITIONAL: plain metrics
+        return gap_level(self.metrics) if self.metrics is not None else "unknown"
 
 
-def evidence_from_summary(summary: dict[str, Any], *, corrections: list[dict[str, Any]] | None = None,
+def evidence_from_summary(summary: Summary, *, corrections: list[Correction] | None = None,
                           grows_with_position: bool | None = None, batch_variant: bool | None = None,
-                          probes: list[dict[str, Any]] | None = None, drift: dict[str, Any] | None = None,
-                          alignment: dict[str, Any] | None = None) -> Evidence:
+                          probes: list[Probe] | None = None, drift: Section | None = None,
+                          alignment: Section | None = None) -> Evidence:
     """Evidence from summary.json; keyword arguments override or add what the summary lacks.
 
-    `corrections` defaults to summary["corrections"]; `grows_with_position` to
-    summary["localization"]["turns"]["position_slope"]["grows_with_position"]; `batch_variant` to what
-    `probes` (ProbeResult dicts, probes/result.py) show; `drift` / `alignment` to summary["drift"] /
-    summary["alignment"].
+    `corrections` defaults to summary.corrections; `grows_with_position` to
+    summary.localization["turns"]["position_slope"]["grows_with_position"]; `batch_variant` to what
+    `probes` (probes/result.py's records) show; `drift` / `alignment` to summary.drift /
+    summary.alignment.
     """
-    seen = dict(summary)  # what the diagnosis reads: the summary with the findings given here
-    if drift is not None:
-        seen["drift"] = drift
-    if alignment is not None:
-        seen["alignment"] = alignment
-    turns = (summary.get("localization") or {}).get("turns") or {}
+    given = {name: value for name, value in (("drift", drift), ("alignment", alignment)) if value is not None}
+    seen = msgspec.structs.replace(summary, **given)  # what the diagnosis reads: the summary with the findings given here
+    turns = summary.localization.get("turns") or {}
     if grows_with_position is None:
         grows_with_position = (turns.get("position_slope") or {}).get("grows_with_position")
-    counts = summary.get("counts") or {}
+    counts = summary.counts
     pair = correction_pair(seen)
     return Evidence(
-        metrics=(summary.get("pairs") or {}).get(pair) or {}, pair=pair,
+        metrics=summary.pairs.get(pair), pair=pair,
         diagnosis=diagnose(seen, probes=probes, batch_variant=batch_variant),
-        corrections=list(corrections if corrections is not None else summary.get("corrections") or []),
+        corrections=list(corrections if corrections is not None else summary.corrections),
         num_tokens=counts.get("tokens"), num_trainable_tokens=counts.get("trainable_tokens"),
         grows_with_position=grows_with_position, onset_turn=turns.get("onset_turn"))
 
 
-def correction_pair(summary: dict[str, Any]) -> str:
+def correction_pair(summary: Summary) -> str:
     """The pair a correction is chosen on: train/sampler, or the like-for-like train_processed/
     sampler when the sampler stored processed log-probs (a correction computed on mismatched
     semantics would correct the processing, which raw_logprobs fixes)."""
-    processed = (summary.get("alignment") or {}).get("logprob_semantics") in ("processed", "truncated")
-    return PROCESSED_PAIR if processed and PROCESSED_PAIR in (summary.get("pairs") or {}) else PAIR
+    processed = summary.section("alignment").get("logprob_semantics") in ("processed", "truncated")
+    return PROCESSED_PAIR if processed and PROCESSED_PAIR in summary.pairs else PAIR

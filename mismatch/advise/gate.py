@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mismatch.results.summary_model import JSONObject
 from mismatch.analysis.metrics import PAIR_METRICS
 from mismatch.analysis.terms import METRIC_RANGES
 from mismatch.advise.consistency import check_summary, in_range
@@ -70,7 +71,7 @@ class Check:
     passed: bool
     message: str
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"kind": self.kind, "name": self.name, "value": self.value, "limit": self.limit,
                 "passed": self.passed, "message": self.message}
 
@@ -91,7 +92,7 @@ class GateResult:
     def failures(self) -> tuple[Check, ...]:
         return tuple(check for check in self.checks if not check.passed)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"passed": self.passed, "num_checks": len(self.checks), "num_failed": len(self.failures),
                 "checks": [check.to_dict() for check in self.checks]}
 
@@ -203,7 +204,7 @@ def summary_file(path: str | Path) -> Path:
     return path / SUMMARY_FILE if path.is_dir() else path
 
 
-def load_summary(path: str | Path) -> dict[str, Any]:
+def load_summary(path: str | Path) -> JSONObject:
     """summary.json of a results dir (or the file itself), refused (ResultsError, naming the file)
     where no run can have written it (check_summary), or where the dir's tables are not the ones it
     recorded (results.verify; a CI artifact of summary.json alone is gated on its own). Its schema
@@ -222,7 +223,7 @@ def load_summary(path: str | Path) -> dict[str, Any]:
     return summary
 
 
-def check_possible(summary: dict[str, Any], keys: Iterable[str], *, label: str) -> None:
+def check_possible(summary: JSONObject, keys: Iterable[str], *, label: str) -> None:
     """Refuse (exit 2) a gated value no measurement can have (the API's summaries; a file's are
     check_summary's at load_summary): it must not pass a gate, nor fail it as a measured regression."""
     for key in keys:
@@ -236,7 +237,7 @@ def check_possible(summary: dict[str, Any], keys: Iterable[str], *, label: str) 
                                 f"in [{low:g}, {high:g}]): its summary.json was edited or corrupted")
 
 
-def _value(summary: dict[str, Any], key: str) -> tuple[float | None, str | None]:
+def _value(summary: JSONObject, key: str) -> tuple[float | None, str | None]:
     """(value, None) or (None, why it is unusable) for "A/B.metric"; NaN is stored as null in summary.json."""
     pair, metric = split_key(key)
     if metric.startswith(DIST):
@@ -259,7 +260,7 @@ def _value(summary: dict[str, Any], key: str) -> tuple[float | None, str | None]
         return None, f"not a number: {value!r}"
 
 
-def _dist_value(summary: dict[str, Any], pair: str, name: str) -> tuple[float | None, str | None]:
+def _dist_value(summary: JSONObject, pair: str, name: str) -> tuple[float | None, str | None]:
     found = summary.get("distribution") if isinstance(summary.get("distribution"), dict) else {}
     if pair not in found or not isinstance(found[pair], dict):
         return None, (f"no distribution of pair {pair!r} (measured with --distribution K; "
@@ -272,14 +273,14 @@ def _dist_value(summary: dict[str, Any], pair: str, name: str) -> tuple[float | 
     return float(value), None
 
 
-def _schema_check(summary: dict[str, Any], *, label: str) -> Check:
+def _schema_check(summary: JSONObject, *, label: str) -> Check:
     schema = summary.get("schema")
     ok = schema == SUMMARY_SCHEMA
     return Check(kind="schema", name=f"{label} schema", value=None, limit=None, passed=ok,
                  message=f"{label} schema {schema!r}" + ("" if ok else f" is not {SUMMARY_SCHEMA!r}"))
 
 
-def _tokens_check(summary: dict[str, Any], pair: str, *, label: str) -> Check:
+def _tokens_check(summary: JSONObject, pair: str, *, label: str) -> Check:
     value, problem = _value(summary, f"{pair}.n_tokens")
     ok = problem is None and value > 0
     message = (f"{label} {pair}: {problem}" if problem else
@@ -287,7 +288,7 @@ def _tokens_check(summary: dict[str, Any], pair: str, *, label: str) -> Check:
     return Check(kind="tokens", name=f"{label} {pair} tokens", value=value, limit=None, passed=ok, message=message)
 
 
-def _bound_check(summary: dict[str, Any], key: str, limit: float, bound: str) -> Check:
+def _bound_check(summary: JSONObject, key: str, limit: float, bound: str) -> Check:
     value, problem = _value(summary, key)
     if problem is not None:
         return Check(kind=bound, name=key, value=None, limit=limit, passed=False,
@@ -317,7 +318,7 @@ def drift_pct(value: float, base: float, metric: str) -> float:
     return math.inf if base == 0 else 100.0 * change / abs(base)
 
 
-def _drift_check(summary: dict[str, Any], baseline: dict[str, Any], key: str, max_pct: float) -> Check:
+def _drift_check(summary: JSONObject, baseline: JSONObject, key: str, max_pct: float) -> Check:
     value, problem = _value(summary, key)
     base, base_problem = _value(baseline, key)
     name = f"{key} drift"
@@ -332,8 +333,8 @@ def _drift_check(summary: dict[str, Any], baseline: dict[str, Any], key: str, ma
                          f"{_shown(pct, max_pct)}% worse ({'<=' if ok else '>'} {_shown(max_pct, pct)}%)")
 
 
-def run_gate(summary: dict[str, Any], *, maxima: dict[str, float] | None = None,
-             minima: dict[str, float] | None = None, baseline: dict[str, Any] | None = None,
+def run_gate(summary: JSONObject, *, maxima: dict[str, float] | None = None,
+             minima: dict[str, float] | None = None, baseline: JSONObject | None = None,
              max_drift_pct: float | None = None, drift_metrics: Iterable[str] | None = None) -> GateResult:
     """Every check on `summary`: its schema, each gated pair having tokens, each max / min, each drift.
 

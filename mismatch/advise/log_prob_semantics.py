@@ -5,14 +5,14 @@ trainer's are raw. They lead the diagnosis: every other gap is measured through 
 from __future__ import annotations
 
 import math
-from typing import Any
 
+from mismatch.results.summary_model import Summary
 from mismatch.advise.cause import Cause
 from mismatch.advise.readers import kl_words, listed
 
 
-def alignment_shift(summary: dict[str, Any]) -> Cause | None:
-    alignment = summary.get("alignment") or {}
+def alignment_shift(summary: Summary) -> Cause | None:
+    alignment = summary.section("alignment")
     shift = int(alignment.get("shift") or 0)
     if not shift:
         return None
@@ -28,15 +28,15 @@ def alignment_shift(summary: dict[str, Any]) -> Cause | None:
                  where={"shift": shift, "rollouts": list(by_rollout)[:10]})
 
 
-def trainer_temperature(summary: dict[str, Any], level: dict[str, str]) -> Cause | None:
+def trainer_temperature(summary: Summary, level: dict[str, str]) -> Cause | None:
     """The trainer divides its logits by a temperature (hf temperature=T, as verl's actor does)
     other than the one the stored log-probs carry: meta.sampler's temperature when it declares
     processed log-probs, 1 when it declares raw ones (undeclared: not judged)."""
     from mismatch.engines import TORCH_KINDS
 
-    train = (summary.get("engines") or {}).get("train") or {}
+    train = summary.engines.get("train") or {}
     trainer_t = (train.get("options") or {}).get("temperature") if train.get("kind") in TORCH_KINDS else None
-    declared = (summary.get("engines") or {}).get("sampler", {}).get("meta") or {}
+    declared = summary.engine("sampler").get("meta") or {}
     semantics = declared.get("logprobs")
     # A trainer at temperature 1 computes raw log-probs: processed stored ones are `processed`'s cause.
     if not isinstance(trainer_t, (int, float)) or trainer_t == 1.0 or semantics not in ("raw", "processed"):
@@ -52,7 +52,7 @@ def trainer_temperature(summary: dict[str, Any], level: dict[str, str]) -> Cause
                 f"the stored log-probs are at temperature {stored_t:g}"]
     like = "train_processed/sampler"
     rules_out = ([f"the trainer at the sampler's processing ({like}) is {level[like]} (kl_k3 "
-                  f"{summary['pairs'][like]['kl_k3']:.3g}): the gap is the temperature, not the numerics"]
+                  f"{summary.pairs[like].kl_k3:.3g}): the gap is the temperature, not the numerics"]
                  if like in level else [])
     return Cause(kind="trainer_temperature", pair="train/sampler", fix="match_temperature",
                  title=f"the trainer scales its logits by temperature {trainer_t:g}, the stored log-probs are at "
@@ -62,8 +62,8 @@ def trainer_temperature(summary: dict[str, Any], level: dict[str, str]) -> Cause
                         "config_key": keys[0] if keys else None})
 
 
-def processed(summary: dict[str, Any], level: dict[str, str]) -> Cause | None:
-    alignment = summary.get("alignment") or {}
+def processed(summary: Summary, level: dict[str, str]) -> Cause | None:
+    alignment = summary.section("alignment")
     if alignment.get("logprob_semantics") != "processed":
         return None
     temperature = alignment.get("estimated_temperature")
@@ -76,9 +76,8 @@ def processed(summary: dict[str, Any], level: dict[str, str]) -> Cause | None:
     like = "train_processed/sampler"
     rules_out = []
     if like in level:
-        metrics = summary["pairs"][like]
         rules_out.append(f"the like-for-like gap (the trainer with the sampler's processing, {like}) is "
-                         f"{level[like]} (kl_k3 {metrics['kl_k3']:.3g}) where the raw train/sampler one is "
+                         f"{level[like]} (kl_k3 {kl_words(summary, like)}) where the raw train/sampler one is "
                          f"{level.get('train/sampler', 'unknown')} (kl_k3 {kl_words(summary, 'train/sampler')}): "
                          "the gap is the processing, not the numerics")
     return Cause(kind="processed_logprobs", pair="train/sampler", fix="raw_logprobs",

@@ -8,8 +8,8 @@ Reads what localize/layer_types.py and localize/index_flips.py put in
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
+from mismatch.results.summary_model import Section, Summary, present
 from mismatch.advise.cause import Cause
 from mismatch.frameworks.protocol import Recommendation
 
@@ -42,11 +42,11 @@ SOURCES = {
 }
 
 
-def mechanism_causes(summary: dict[str, Any], level: dict[str, str]) -> tuple[Cause | None, Cause | None]:
+def mechanism_causes(summary: Summary, level: dict[str, str]) -> tuple[Cause | None, Cause | None]:
     """(index flips, layer type) causes for the localized pair (train/infer), each None without its
     evidence or when the pair agrees bit for bit; minor (listed, never leading) when its gap is
     negligible: where the difference lives, not a gap to fix."""
-    localization = summary.get("localization") or {}
+    localization = summary.localization
     gap = level.get("train/infer")
     if gap in (None, "exact", "unknown"):
         return None, None
@@ -55,18 +55,17 @@ def mechanism_causes(summary: dict[str, Any], level: dict[str, str]) -> tuple[Ca
                  for c in causes)
 
 
-def confinement_is_weights(summary: dict[str, Any]) -> bool:
+def confinement_is_weights(summary: Summary) -> bool:
     """May a weights cause rest on the localizers' confinement alone? Not when the layer-type split
     ran (--localize on torch engines) and train and infer load one checkpoint with no weights diff:
     then the sides differ in path or dtype, never in a tensor, and one module carrying the error is
     that module's two algorithms (a linear-attention layer's chunked vs recurrent form)."""
-    localization = summary.get("localization") or {}
-    engines = summary.get("engines") or {}
-    paths = {(engines.get(source) or {}).get("checkpoint") for source in ("train", "infer")}
-    return summary.get("weights") or "layer_types" not in localization or len(paths) != 1
+    localization = summary.localization
+    paths = {summary.engine(source).get("checkpoint") for source in ("train", "infer")}
+    return bool(present(summary.weights)) or "layer_types" not in localization or len(paths) != 1
 
 
-def _layer_type(split: dict[str, Any] | None) -> Cause | None:
+def _layer_type(split: Section | None) -> Cause | None:
     if not split or not split.get("mechanism"):
         return None
     lead = next(t for t in split["by_type"] if t["layer_type"] == split["lead_type"])
@@ -84,7 +83,7 @@ def _layer_type(split: dict[str, Any] | None) -> Cause | None:
                         "mechanism": split["mechanism"]})
 
 
-def _index_flips(flips: dict[str, Any] | None) -> Cause | None:
+def _index_flips(flips: Section | None) -> Cause | None:
     if not flips or (flips.get("k3_share_with_flip") or 0.0) < INDEX_SHARE:
         return None
     layers = ", ".join(f"layer {row['layer']} {row['frac_queries_flipped']:.1%}" for row in flips["by_layer"])

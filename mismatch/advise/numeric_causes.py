@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mismatch.results.summary_model import Probe, Summary
 from mismatch.advise.cause import Cause
 from mismatch.advise.levels import GAPS, HEALTHY
 from mismatch.advise.readers import Side, confined, listed, three_digits
@@ -14,12 +15,12 @@ from mismatch.advise.readers import facts as facts_words
 ROUTING_SHARE = 0.5  # the share of a pair's k3 on tokens with a routing flip that makes it the cause
 
 
-def batch_variance(summary: dict[str, Any], side: dict[str, Side], probed: bool | None) -> Cause | None:
-    from mismatch.analysis.prefixes import split_prefixes
+def batch_variance(summary: Summary, side: dict[str, Side], probed: bool | None) -> Cause | None:
+    from mismatch.analysis.prefixes import split_sources
     from mismatch.engines import TORCH_KINDS
 
-    engines = summary.get("engines") or {}
-    split = {source: found for source, found in split_prefixes(summary).items()
+    engines = summary.engines
+    split = {source: found for source, found in split_sources(summary.section("prefix_consistency")).items()
              if (engines.get(source) or {}).get("kind") not in TORCH_KINDS}
     if probed is False or not (probed or split):  # probes that ran and show none outweigh a split prefix
         return None
@@ -40,10 +41,10 @@ def batch_variance(summary: dict[str, Any], side: dict[str, Side], probed: bool 
                             "the renderer can do that",))
 
 
-def routing_flips(summary: dict[str, Any], weights: Cause | None) -> Cause | None:
+def routing_flips(summary: Summary, weights: Cause | None) -> Cause | None:
     from mismatch.analysis.routing import routing_share
 
-    routing = summary.get("routing") or {}
+    routing = summary.section("routing")
     for pair in ("train/infer", "train/sampler"):
         agreement = routing.get(pair)
         share = routing_share(agreement) if agreement else None
@@ -61,8 +62,8 @@ def routing_flips(summary: dict[str, Any], weights: Cause | None) -> Cause | Non
     return None
 
 
-def precision(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side], weights: Cause | None,
-               probes: list[dict[str, Any]] | None) -> Cause | None:
+def precision(summary: Summary, level: dict[str, str], side: dict[str, Side], weights: Cause | None,
+               probes: list[Probe] | None) -> Cause | None:
     """bf16 rounding, when the evidence says so: a replay in the other dtype that makes it vanish,
     error spread over every module, or the dtype probes."""
     if weights is not None:
@@ -128,23 +129,23 @@ def _pair_name(x: str, y: str) -> str:
     return f"{a}/{b}"
 
 
-def _spread(summary: dict[str, Any], pair: str) -> str | None:
+def _spread(summary: Summary, pair: str) -> str | None:
     if pair != "train/infer":
         return None
-    kernels = ((summary.get("localization") or {}).get("kernels") or {}).get("by_module") or []
+    kernels = (summary.localization.get("kernels") or {}).get("by_module") or []
     errors = [m["rel_error"] for m in kernels if isinstance(m.get("rel_error"), (int, float))]
     if errors and sum(e > 0 for e in errors) >= 0.5 * len(errors) and confined(summary) is None:
         return f"the kernel localizer finds error in {sum(e > 0 for e in errors)} of {len(errors)} modules, none standing out"
     return None
 
 
-def _dtype_probes(probes: list[dict[str, Any]] | None) -> str | None:
+def _dtype_probes(probes: list[Probe] | None) -> str | None:
     relevant = [p for p in probes or [] if p.get("source") == "dtype" and p.get("applicable")
                 and isinstance(p.get("bitwise_equal_frac"), (int, float)) and p["bitwise_equal_frac"] < 1.0]
     return "the dtype probes show each op changing with bfloat16" if relevant else None
 
 
-def kernel_path(summary: dict[str, Any], level: dict[str, str], side: dict[str, Side],
+def kernel_path(summary: Summary, level: dict[str, str], side: dict[str, Side],
                  weights: Cause | None) -> Cause | None:
     if weights is not None or level.get("train/infer") not in GAPS or "train" not in side or "infer" not in side \
             or not (side["train"].replayed and side["infer"].replayed):  # kernels are a replay's
@@ -161,8 +162,8 @@ def kernel_path(summary: dict[str, Any], level: dict[str, str], side: dict[str, 
                  where={"differs": {k: list(v) for k, v in differs.items()}})
 
 
-def position_drift(summary: dict[str, Any]) -> Cause | None:
-    turns = (summary.get("localization") or {}).get("turns") or {}
+def position_drift(summary: Summary) -> Cause | None:
+    turns = summary.localization.get("turns") or {}
     slope = turns.get("position_slope") or {}
     if turns.get("onset_turn") is not None or not slope.get("grows_with_position"):
         return None

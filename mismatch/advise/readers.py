@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from mismatch.results.summary_model import Probe, Section, Summary
 from mismatch.engines import TORCH_KINDS
 
 OUTLIER = 10.0   # a module's error this many times the median module's (and its rounding floor)
@@ -37,8 +38,8 @@ class Side:
         return {name: pair for name, pair in known.items() if None not in pair and pair[0] != pair[1]}
 
 
-def sides(summary: dict[str, Any]) -> dict[str, Side]:
-    engines = summary.get("engines") or {}
+def sides(summary: Summary) -> dict[str, Side]:
+    engines = summary.engines
     out = {}
     for source, engine in engines.items():
         meta = engine.get("meta") or {}
@@ -57,7 +58,7 @@ def sides(summary: dict[str, Any]) -> dict[str, Side]:
         torch = engine.get("kind") in TORCH_KINDS
         out[source] = Side(source=source, kind=_text(engine.get("kind")), dtype=_dtype(engine.get("dtype")),
                            attn=_text(engine.get("attn")) if torch else None,
-                           weights=str(engine.get("checkpoint") or summary.get("checkpoint") or "") or None)
+                           weights=str(engine.get("checkpoint") or summary.checkpoint or "") or None)
     return out
 
 
@@ -73,10 +74,10 @@ def _dtype(value: Any) -> str | None:
     return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(text, text)
 
 
-def confined(summary: dict[str, Any]) -> dict[str, Any] | None:
+def confined(summary: Summary) -> Section | None:
     """The train/infer error confined to a few modules by the kernel localizer (module by module,
     each fed the same input), else by the layer localizer's sub-blocks."""
-    localization = summary.get("localization") or {}
+    localization = summary.localization
     kernels = localization.get("kernels") or {}
     modules = [m for m in kernels.get("by_module") or [] if isinstance(m.get("rel_error"), (int, float))]
     if modules:
@@ -130,11 +131,11 @@ def _outlying_expert(by_expert: list[float | None]) -> int | None:
     return int(out[0]) if out is not None and len(out) == 1 else None
 
 
-def _others_max(modules: list[dict[str, Any]], out: list[str]) -> str:
+def _others_max(modules: list[Section], out: list[str]) -> str:
     return f"{max((m['rel_error'] for m in modules if m['name'] not in out), default=0.0):.3g}"
 
 
-def located(names: list[str], experts: list[str]) -> dict[str, Any]:
+def located(names: list[str], experts: list[str]) -> Section:
     """Layer, module and tensors of the names, and the words that say it."""
     layers = sorted({int(m.group(1)) for name in names if (m := _LAYER.search(name))})
     modules = [name.removesuffix(".weight").removesuffix(".bias") for name in names]
@@ -146,7 +147,7 @@ def located(names: list[str], experts: list[str]) -> dict[str, Any]:
     return {"layers": layers, "modules": modules[:10], "experts": experts[:10], "words": words}
 
 
-def batch_variant_from_probes(probes: list[dict[str, Any]]) -> bool | None:
+def batch_variant_from_probes(probes: list[Probe]) -> bool | None:
     """True when an applicable batch-shape probe is not bitwise equal; None when none ran."""
     relevant = [p for p in probes if p.get("source") in BATCH_SOURCES and p.get("applicable")
                 and p.get("bitwise_equal_frac") is not None]
@@ -159,7 +160,7 @@ def facts(differs: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{name} {a} vs {b}" for name, (a, b) in differs.items())
 
 
-def fact_counts(counts: dict[str, Any]) -> str:
+def fact_counts(counts: Section) -> str:
     return ", ".join(f"{value} {name}" for name, value in counts.items()) or "kinds not recorded"
 
 
@@ -168,8 +169,8 @@ def listed(names: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def kl_words(summary: dict[str, Any], pair: str) -> str:
-    value = ((summary.get("pairs") or {}).get(pair) or {}).get("kl_k3")
+def kl_words(summary: Summary, pair: str) -> str:
+    value = summary.metric(pair, "kl_k3")
     return three_digits(value)
 
 

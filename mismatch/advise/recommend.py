@@ -16,6 +16,8 @@ from mismatch.advise.cause import Cause
 from mismatch.advise.mechanisms import mechanism_fix
 from mismatch.advise.evidence import Evidence, evidence_from_summary
 from mismatch.advise.truncation import replay_kept_set
+from mismatch.results import summary_model as model
+from mismatch.results.summary_model import Summary
 from mismatch.frameworks.protocol import Recommendation, Target
 
 RULE = """\
@@ -48,7 +50,7 @@ RULE = """\
 """
 
 
-def recommend(summary: dict[str, Any], target: Target | None = None, **findings: Any) -> list[Recommendation]:
+def recommend(summary: Summary, target: Target | None = None, **findings: Any) -> list[Recommendation]:
     """The rule (RULE) applied to a summary, for `target`'s framework release (any
     framework's modes without one); `findings` as for evidence_from_summary."""
     return rule(evidence_from_summary(summary, **findings), target)
@@ -179,6 +181,6 @@ def _raw_logprobs(why: str) -> Recommendation:
                               "processing in the trainer, before correcting anything")
 
 
-def recommendations_dicts(recommendations: Sequence[Recommendation]) -> list[dict[str, Any]]:
-    """summary.json["recommendations"]."""
-    return [r.to_dict() for r in recommendations]
+def recommendation_records(recommendations: Sequence[Recommendation]) -> list[model.Recommendation]:
+    """summary.json's `recommendations`."""
+    return [model.Recommendation(kind=r.kind, params=dict(r.params), why=r.why, cost=r.cost) for r in recommendations]

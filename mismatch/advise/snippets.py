@@ -7,15 +7,23 @@ import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from mismatch.advise.cause import Cause
 from mismatch.advise.choice import describe
 from mismatch.advise.correction_modes import MODES
 from mismatch.frameworks.protocol import Recommendation, Target
 from mismatch.frameworks.registry import module as framework_module
 from mismatch.frameworks.registry import parse_target
+from mismatch.results import summary_model as model
+from mismatch.results.summary_model import Params
 
 
-def render_config(recommendations: Iterable[Recommendation | dict[str, Any]], target: Target | str,
-                  logged: dict[str, Any] | None = None, causes: Sequence[dict[str, Any]] = ()) -> str:
+# What a framework logs on the audit's tokens at its settings (advice.logged_metrics):
+# {"settings": {...}, "pair": "A/B", "metrics": {key: value}}.
+Logged = dict[str, Any]
+
+
+def render_config(recommendations: Iterable[Recommendation | Params], target: Target | str,
+                  logged: Logged | None = None, causes: Sequence[Cause | model.Cause] = ()) -> str:
     """A ready-to-paste snippet with the target release's real keys: YAML (verl, trl, areal), TOML
     (prime-rl), CLI flags (slime, openrlhf). The diagnosed `causes` (summary.json diagnosis) lead
     its comments; fixes without a config key become comments. A correction the release cannot
@@ -27,7 +35,7 @@ def render_config(recommendations: Iterable[Recommendation | dict[str, Any]], ta
     by_kind = {r.kind: r for r in recs}
     lines = [f"# mismatch recommend --for {target.framework}=={target.release.version}"]
     lines += [f"# note: {target.note}"] if target.note else []
-    lines += [f"# cause: {cause['title']} ({cause['pair']})" for cause in causes if not cause.get("minor")]
+    lines += [f"# cause: {cause.title} ({cause.pair})" for cause in causes if not cause.minor]
     lines += [f"# {rec.kind}: {rec.why} (cost: {rec.cost})" if rec.cost else f"# {rec.kind}: {rec.why}"
               for rec in recs]
     correction = by_kind.get("correction")
@@ -43,22 +51,22 @@ def render_config(recommendations: Iterable[Recommendation | dict[str, Any]], ta
     return "\n".join(_wrapped(lines)) + "\n"
 
 
-def _as_correction(recommendation: Recommendation) -> dict[str, Any]:
+def _as_correction(recommendation: Recommendation) -> model.Correction:
     """A correction's mode and its own parameters (without the measured extras)."""
     names = MODES[recommendation.params["mode"]].params
-    return {"mode": recommendation.params["mode"], "params": {k: recommendation.params[k] for k in names}}
+    return model.Correction(mode=recommendation.params["mode"], params={k: recommendation.params[k] for k in names})
 
 
-def snippet_settings(recommendations: Sequence[dict[str, Any]], target: Target) -> dict[str, Any]:
+def snippet_settings(recommendations: Sequence[Recommendation], target: Target) -> Params:
     """The correction settings the snippet sets, under the framework's own names."""
-    correction = next((r for r in recommendations if r["kind"] == "correction"), None)
+    correction = next((r for r in recommendations if r.kind == "correction"), None)
     if correction is None:
         return {}
-    return framework_module(target.framework).express(correction["params"]["mode"], correction["params"],
+    return framework_module(target.framework).express(correction.params["mode"], correction.params,
                                                        target.release) or {}
 
 
-def _settings_words(settings: dict[str, Any]) -> str:
+def _settings_words(settings: Params) -> str:
     return ", ".join(f"{key}={value}" for key, value in settings.items()) or "its defaults"
 
 

@@ -9,8 +9,8 @@ the kept set (`sampling=replay`, the like-for-like train_processed column) remov
 
 from __future__ import annotations
 
-from typing import Any
 
+from mismatch.results.summary_model import Section, Summary
 from mismatch.advise.cause import Cause
 from mismatch.advise.levels import HEALTHY
 from mismatch.frameworks.protocol import Recommendation
@@ -20,7 +20,7 @@ from mismatch.replay.truncation import misdeclared
 LIKE = "train_processed/sampler"
 
 
-def _parameter_words(truncation: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def _parameter_words(truncation: Section) -> tuple[str, Section]:
     """The truncation in words (declared, or estimated with its confidence) and its `where` entries."""
     declared = truncation.get("declared")
     estimate = truncation.get("estimate")
@@ -49,7 +49,7 @@ def _parameter_words(truncation: dict[str, Any]) -> tuple[str, dict[str, Any]]:
                    "range": estimate["range"]}
 
 
-def ratio_words(ratios: dict[str, Any]) -> list[str]:
+def ratio_words(ratios: Section) -> list[str]:
     """The token ratio's mean and share outside [0.9, 1.1] without and with the kept-set replay."""
     words = []
     for name, label in (("without_replay", "without replay"), ("with_replay", "renormalized over the kept set")):
@@ -60,9 +60,9 @@ def ratio_words(ratios: dict[str, Any]) -> list[str]:
     return words
 
 
-def truncated_sampling(summary: dict[str, Any], level: dict[str, str]) -> Cause | None:
+def truncated_sampling(summary: Summary, level: dict[str, str]) -> Cause | None:
     """The cause, when the alignment check reads the stored log-probs as truncated."""
-    alignment = summary.get("alignment") or {}
+    alignment = summary.section("alignment")
     if alignment.get("logprob_semantics") != "truncated":
         return None
     truncation = alignment.get("truncation") or {}
@@ -79,10 +79,10 @@ def truncated_sampling(summary: dict[str, Any], level: dict[str, str]) -> Cause 
                  "of them lowered here), one above 1 lowers likely ones"]
     if LIKE in level and level[LIKE] in HEALTHY:
         rules_out.append(f"renormalized over the kept set ({LIKE}) the gap is {level[LIKE]} (kl_k3 "
-                         f"{summary['pairs'][LIKE]['kl_k3']:.3g}): the truncation is the gap, not the numerics")
+                         f"{summary.pairs[LIKE].kl_k3:.3g}): the truncation is the gap, not the numerics")
     elif LIKE in level:
         evidence.append(f"renormalized over the kept set ({LIKE}) a {level[LIKE]} gap remains (kl_k3 "
-                        f"{summary['pairs'][LIKE]['kl_k3']:.3g}): the truncation is not all of it")
+                        f"{summary.pairs[LIKE].kl_k3:.3g}): the truncation is not all of it")
     return Cause(kind="truncated_sampling", pair="train/sampler", fix="replay_kept_set",
                  title=f"truncated sampling: the ratio carries the kept mass (mean {mass:.3g})"
                  if isinstance(mass, (int, float)) else "truncated sampling: the ratio carries the kept mass",
@@ -105,7 +105,7 @@ def replay_kept_set(cause: Cause, why: str, framework: str | None) -> Recommenda
             f"top_p = 1, top_k off, min_p 0. {truncation_fix(framework)}")
 
 
-def _declare(where: dict[str, Any]) -> str:
+def _declare(where: Section) -> str:
     """For an estimated truncation: the meta.sampler key to declare before replaying it."""
     if where.get("source") != "estimated":
         return ""

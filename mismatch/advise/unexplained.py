@@ -4,20 +4,19 @@ It has no fix of its own: `recommend` gives the correction meanwhile."""
 
 from __future__ import annotations
 
-from typing import Any
 
+from mismatch.results.summary_model import Summary, to_builtins
 from mismatch.advise.admissibility import Envelope, Refusal, times
 from mismatch.advise.cause import Cause
 from mismatch.advise.readers import Side, sampler_spec, three_digits
 
 
-def unexplained(summary: dict[str, Any], side: dict[str, Side], *, ratio_pair: str, found: Envelope | None,
+def unexplained(summary: Summary, side: dict[str, Side], *, ratio_pair: str, found: Envelope | None,
                 refused: list[Refusal]) -> Cause:
     """The gap's size, what was ruled out, and the next command to run; no fix of its own (the
     correction meanwhile is recommend's)."""
     pair = ratio_pair
-    metrics = (summary.get("pairs") or {}).get(pair) or {}
-    kl, tail = metrics.get("kl_k3"), metrics.get("frac_outside_2")
+    kl, tail = summary.metric(pair, "kl_k3"), summary.metric(pair, "frac_outside_2")
     size = (f"{times(float(kl), found.kl_k3)} {found.words}" if found is not None and isinstance(kl, (int, float))
             else "no bf16 gap measured on these weights to size it against")
     ruled = [r.why for r in refused] + _ruled_out(summary, side)
@@ -29,21 +28,21 @@ def unexplained(summary: dict[str, Any], side: dict[str, Side], *, ratio_pair: s
                        + " passes no cause's test",
                  evidence=(size,), rules_out=tuple(ruled),
                  where={"next": command, "ruled_out": ruled,
-                        "envelope": found.to_dict() if found is not None else None})
+                        "envelope": to_builtins(found.to_record()) if found is not None else None})
 
 
-def _ruled_out(summary: dict[str, Any], side: dict[str, Side]) -> list[str]:
+def _ruled_out(summary: Summary, side: dict[str, Side]) -> list[str]:
     """What the evidence shows is not the cause (each only where it was measured)."""
     out = []
-    alignment = summary.get("alignment") or {}
+    alignment = summary.section("alignment")
     if alignment.get("stored"):
         out.append("alignment shift 0" + (", stored log-probs raw" if alignment.get("logprob_semantics") == "raw" else ""))
-    if any(not (diff or {}).get("differing") for diff in (summary.get("weights") or {}).values()):
+    if any(not (diff or {}).get("differing") for diff in summary.section("weights").values()):
         out.append("the weights diff finds no differing tensor")
-    turns = (summary.get("localization") or {}).get("turns") or {}
+    turns = summary.localization.get("turns") or {}
     if turns.get("n_tokens") and turns.get("onset_turn") is None:
         out.append("no turn where the gap steps up")
-    drift = summary.get("drift") or {}
+    drift = summary.section("drift")
     if drift.get("num_rollouts_checked") and not drift.get("spans"):
         out.append("no render drift")
     infer = side.get("infer")
@@ -53,12 +52,12 @@ def _ruled_out(summary: dict[str, Any], side: dict[str, Side]) -> list[str]:
     return out
 
 
-def _next_command(summary: dict[str, Any], side: dict[str, Side], found: Envelope | None) -> str:
+def _next_command(summary: Summary, side: dict[str, Side], found: Envelope | None) -> str:
     """The audit that would decide: a replay of the sampler's declared config beside an fp32 trainer
     (it measures the bf16 gap on these weights, and whether the sampler's config reproduces the
     stored log-probs); with that replay already here, the localizers and the weights diff."""
-    base = (f"mismatch audit {summary.get('checkpoint') or 'CHECKPOINT'} --rollouts "
-            f"{summary.get('rollouts_file') or 'ROLLOUTS'} --train hf:dtype=float32")
+    base = (f"mismatch audit {summary.checkpoint or 'CHECKPOINT'} --rollouts "
+            f"{summary.rollouts_file or 'ROLLOUTS'} --train hf:dtype=float32")
     sampler, infer = side.get("sampler"), side.get("infer")
     spec = sampler_spec(sampler) if sampler is not None else "hf-decode:dtype=bfloat16"
     runs_declared = infer is not None and infer.replayed and sampler is not None and not sampler.differs(infer)
@@ -67,7 +66,7 @@ def _next_command(summary: dict[str, Any], side: dict[str, Side], found: Envelop
     if found is None:
         return f"{base} --infer {_with_dtype(spec, 'bfloat16')} --out OUT2"
     localize = " --localize" if spec.split(":", 1)[0] in ("hf", "hf-decode") else ""  # torch engines only
-    return (f"mismatch weights {summary.get('checkpoint') or 'CHECKPOINT'} SYNCED_CHECKPOINT (the copy the sampler "
+    return (f"mismatch weights {summary.checkpoint or 'CHECKPOINT'} SYNCED_CHECKPOINT (the copy the sampler "
             f"loaded); {base} --infer {spec}{localize} --out OUT2")
 
 

@@ -184,7 +184,12 @@ def _source_consistency(con: Any, source: str, column: str) -> dict[str, Any]:
 def split_prefixes(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The sources of summary.json["prefix_consistency"] whose shared prefixes are not all equal
     bit for bit: {source: its finding}."""
-    found = summary.get("prefix_consistency") or {}
+    return split_sources(summary.get("prefix_consistency") or {})
+
+
+def split_sources(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The sources of a `prefix_consistency` section whose shared prefixes are not all equal bit
+    for bit: {source: its finding}."""
     return {source: item for source, item in found.items()
             if isinstance(item, dict) and isinstance(item.get("frac_prefixes_bitwise_equal"), (int, float))
             and item["frac_prefixes_bitwise_equal"] < 1.0}

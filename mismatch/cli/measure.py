@@ -172,20 +172,20 @@ def recommend(
     from mismatch.advise.advice import for_target
     from mismatch.advise.consistency import check_summary
     from mismatch.results import SUMMARY_FILE, read_summary
-    from mismatch.results.summary_model import Diagnosis, Recommendation, from_builtins, present
+    from mismatch.results.summary_model import present
     from mismatch.results.verify import check_tables
 
     target = target_for(framework)
     probe_results = read_probes(probes) if probes is not None else None
     record = read_summary(results)
-    summary = record.to_dict()  # TRANSITIONAL: check_summary, check_tables and for_target read plain data
+    summary = record.to_dict()  # TRANSITIONAL: the checks below read plain data
     # What gate refuses as impossible gets no advice either; nor a dir whose tables are another run's.
     check_summary(summary, where=str(results / SUMMARY_FILE))
     check_tables(results, summary, required=())
     if record.command != "audit":  # a diff compares two configs: it recommends nothing
         raise MismatchError(f"{results}: a `mismatch {record.command}` results dir; recommend reads an "
                             "audit's (mismatch audit … --out DIR)")
-    advice = for_target(summary, target, results=results, probes=probe_results)
+    advice = for_target(record, target, results=results, probes=probe_results)
     if as_json:
         emit_json(advice.to_dict())
         return
@@ -194,11 +194,9 @@ def recommend(
         return
     from mismatch.present.headline import cause_line
 
-    # TRANSITIONAL: Advice holds plain data; read here as the summary's records.
-    diagnosis = from_builtins(advice.diagnosis, Diagnosis) if advice.diagnosis else None
-    for cause in diagnosis.causes if diagnosis is not None else []:  # the cause first, then what to do about it
+    for cause in advice.diagnosis.causes:  # the cause first, then what to do about it
         say(cause_line(cause))
-    for item in from_builtins(advice.recommendations, list[Recommendation]):
+    for item in advice.recommendations:
         cost = f" Cost: {item.cost}." if item.cost else ""
         out_console.print(f"{item.kind} {json.dumps(present(item.params))}: {item.why}.{cost}",
                           markup=False, highlight=False)

@@ -35,7 +35,7 @@ from mismatch.pipeline import stages
 from mismatch.pipeline.configured import resolve_options
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json, with_parts
-from mismatch.results.summary_model import Summary
+from mismatch.results.summary_model import Correction, Summary
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_processed
 from mismatch.replay.truncation import sampler_truncation, truncation_explained
 from mismatch.results import TokenStore, results_lock, staged_tokens
@@ -202,7 +202,7 @@ class AuditFindings:
     framework_metrics: dict[str, Any]
     framework_settings: dict[str, Any]
     turns: dict[str, Any]  # localization.turns
-    corrections: list[dict[str, Any]]
+    corrections: list[Correction]
     drift: dict[str, Any] | None
     routing: dict[str, Any] | None
     prefix_consistency: dict[str, Any] | None
@@ -241,7 +241,7 @@ def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | N
     return summary.result(), AuditFindings(
         alignment=alignment, trees=trees.result(),
         framework_metrics=frameworks.result(), framework_settings=settings, turns=turns.result(),
-        corrections=[result.to_dict() for result in corrections.result()], drift=beside.drift,
+        corrections=[result.to_record() for result in corrections.result()], drift=beside.drift,
         routing=beside.routing or None,
         prefix_consistency=prefixes.result() if isinstance(prefixes, PrefixConsistency) else prefixes,
         strata=strata.result(), distribution=distribution.result() if distribution is not None else None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from dataclasses import dataclass
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from mismatch.pipeline import stages
 from mismatch.pipeline.audit import ReplayFindings, analyze_audit, audit_pairs, audit_summary
 from mismatch.pipeline.diff import DIFF_PAIRS, analyze_diff
 from mismatch.pipeline.summary import Provenance
-from mismatch.results.summary_model import Summary
+from mismatch.results.summary_model import UNSET, Summary, present, to_builtins
 from mismatch.replay import bad_logprob_rows
 from mismatch.results import (
     PREFIX_KEYS_FILE,
@@ -56,33 +57,33 @@ def merge(dirs: Sequence[str | Path], out: str | Path, *, force: bool = False) -
 
 def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> Summary:
     check_out_dir(out_dir, force=force)
-    summaries = [read_summary(path).to_dict() for path in paths]  # TRANSITIONAL: plain data
-    first = _check_compatible(paths, summaries)
+    summaries = [read_summary(path) for path in paths]
+    first, inputs = _check_compatible(paths, summaries)
     shards = [_Shard(path, summary) for path, summary in zip(paths, summaries)]
     _check_same_columns(shards)
     provenance = Provenance(
-        command=first["command"], checkpoint=first["checkpoint"], rollouts_file=first["rollouts_file"],
-        engines={source: _merged_engine([s["engines"][source] for s in summaries]) for source in first["engines"]},
-        shard={"index": 0, "count": 1, "block_size": first["shard"]["block_size"],
+        command=first.command, checkpoint=first.checkpoint, rollouts_file=first.rollouts_file,
+        engines={source: _merged_engine([s.engines[source] for s in summaries]) for source in first.engines},
+        shard={"index": 0, "count": 1, "block_size": shards[0].block_size,
                "merged_from": [str(path) for path in paths]},
-        inputs=first["inputs"])
-    options = first["inputs"].get("options") or {}
+        inputs=first.inputs)
+    options = inputs.options
     with staged_tokens(out_dir, force=force) as store:
         keys = PrefixKeys(store.side_file(stages.PREFIX_KEYS_SIDE)) if all(s.has_keys for s in shards) else None
         order = _store_merged(shards, store, keys)
         workers = analysis_workers(store.num_rows)
-        if first["command"] != "audit":
+        if first.command != "audit":
             per_rollout = PerRollout(DIFF_PAIRS)
             summary = analyze_diff(store.chunks, provenance, seed=options.get("seed", 0), extra=[per_rollout],
                                    workers=workers)
             return stages.write_results_files(store, summary, per_rollout.result())
         pairs = audit_pairs(store.columns)
         per_rollout, digestion = PerRollout(pairs), stages.report_digestion(store, pairs)
-        beside = _merged_evidence(provenance, summaries, order, _merged_prefixes(store, keys, first))
+        beside = _merged_evidence(provenance, summaries, order, _merged_prefixes(store, keys, first, inputs))
         measured, findings = analyze_audit(store.chunks, beside, clip=_clip_range(first),
-                                           settings=first.get("framework_settings") or None,
+                                           settings=present(first.framework_settings) or None,
                                            extra=[per_rollout, digestion], workers=workers)
-        summary = audit_summary(provenance, measured, findings, framework=first.get("framework"))
+        summary = audit_summary(provenance, measured, findings, framework=present(first.framework))
         return stages.write_results_files(store, summary,
                                           stages.with_steps(per_rollout.result(), _merged_steps(shards)), digestion)
 
@@ -128,31 +129,31 @@ def _check_same_columns(shards: list[_Shard]) -> None:
                                f"{shards[0].file}'s ({', '.join(map(str, first))}); shards must be one run's")
 
 
-def _merged_prefixes(store: TokenStore, keys: PrefixKeys | None, first: dict[str, Any]) -> Any:
+def _merged_prefixes(store: TokenStore, keys: PrefixKeys | None, first: Summary, inputs: _Inputs) -> Any:
     """Prefix consistency's query over every shard's rows (grouped beside the analysis's first pass,
     as an audit's is); a note where a shard published no prefix keys (a diff has none to merge)."""
-    if "prefix_consistency" not in first:
+    if first.prefix_consistency is UNSET:
         return None
     if keys is None or store.file is None:
         return {"not_merged": "a shard published no prefix keys (prefix_keys.parquet); rerun it"}
-    sources = ["sampler", *first["inputs"]["engines"]]
+    sources = ["sampler", *inputs.engines]
     if keys.file is None or not keys.file.is_file():  # no row at all: nothing is shared
         return PrefixConsistency(store.table, np.empty(0, np.uint64), sources)
     return PrefixConsistency(store.file, keys.file, sources)
 
 
-def _merged_evidence(provenance: Provenance, summaries: list[dict[str, Any]], order: dict[str, int],
+def _merged_evidence(provenance: Provenance, summaries: list[Summary], order: dict[str, int],
                      prefixes: Any) -> ReplayFindings:
     """What the shards found beside their tables, as one run's: drift and routing merged, prefix
     consistency as grouped over all of them."""
     return ReplayFindings(engines=provenance.engines, drift=_merged_drift(summaries, order),
-                               routing=merged_routing(summaries), prefixes=prefixes)
+                               routing=merged_routing([s.section("routing") for s in summaries]), prefixes=prefixes)
 
 
-def _clip_range(summary: dict[str, Any]) -> ClipRange:
+def _clip_range(summary: Summary) -> ClipRange:
     """The shards' clip range (one run's, as every shard had it)."""
-    clip = summary.get("clip") or {}
-    return ClipRange(low=clip.get("eps_low", 0.2), high=clip.get("eps_high", 0.2))
+    clip = present(summary.clip)
+    return ClipRange(low=clip.eps_low, high=clip.eps_high) if clip is not None else ClipRange()
 
 
 class _Shard:
@@ -160,19 +161,22 @@ class _Shard:
     back block by block and checked as they come: only its own blocks (block % count == index),
     in file order, every log-prob within the engine contract (a stored column may lack values)."""
 
-    def __init__(self, path: Path, summary: dict[str, Any]) -> None:
+    def __init__(self, path: Path, summary: Summary) -> None:
         self.path, self.file = path, path / TOKENS_FILE
-        shard = summary["shard"]
-        self.index, self.count, self.block_size = shard["index"], shard["count"], shard["block_size"]
-        check_published_files(path, shard.get("files"))
-        recorded, counted = shard["files"][TOKENS_FILE].get("rows"), summary["counts"]["tokens"]
+        shard = present(summary.shard)
+        assert shard is not None  # _check_compatible refused a summary without one
+        self.index, self.count, self.block_size = shard.index, shard.count, shard.block_size
+        files = present(shard.files)
+        check_published_files(path, to_builtins(files) if files is not None else None)
+        files = files or {}
+        recorded, counted = files[TOKENS_FILE].rows, summary.counts.get("tokens")
         if recorded != counted:
             raise ResultsError(f"{self.file}: {recorded} rows recorded, but {path}/summary.json counts "
                                f"{counted} tokens; rerun the shard")
-        self.stored = {f"logp_{source}" for source, engine in summary["engines"].items()
+        self.stored = {f"logp_{source}" for source, engine in summary.engines.items()
                        if engine.get("kind") == "stored"}
-        self.keys_file = path / PREFIX_KEYS_FILE if PREFIX_KEYS_FILE in shard["files"] else None
-        if self.keys_file is not None and shard["files"][PREFIX_KEYS_FILE].get("rows") != counted:
+        self.keys_file = path / PREFIX_KEYS_FILE if PREFIX_KEYS_FILE in files else None
+        if self.keys_file is not None and files[PREFIX_KEYS_FILE].rows != counted:
             raise ResultsError(f"{self.keys_file}: not one prefix key per token row of {self.file}; rerun the shard")
         self.has_keys = self.keys_file is not None or not counted
 
@@ -285,12 +289,12 @@ def _merged_engine(described: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _merged_drift(summaries: list[dict[str, Any]], order: dict[str, int]) -> dict[str, Any] | None:
+def _merged_drift(summaries: list[Summary], order: dict[str, int]) -> dict[str, Any] | None:
     """The shards' drift findings as one run's: counters summed, spans back in file order. A shard
     without any `messages` has no drift block; its rollouts count as without messages."""
-    if not any("drift" in s for s in summaries):
+    if all(s.drift is UNSET for s in summaries):
         return None
-    blocks = [s.get("drift") or {"num_rollouts_without_messages": s["counts"]["rollouts"]} for s in summaries]
+    blocks = [s.section("drift") or {"num_rollouts_without_messages": s.counts.get("rollouts", 0)} for s in summaries]
     merged = stages.merge_drift(blocks)
     merged["spans"] = sorted(merged.get("spans", []),  # stable: a rollout's own order kept
                              key=lambda span: order.get(str(span["rollout"]), -1))
@@ -307,26 +311,44 @@ _DIFFERS = {"command": "its command differs", "rollouts": "its rollouts file's c
             "block_size": "its block size differs", "mismatch_version": "its mismatch version differs"}
 
 
-def _check_compatible(paths: list[Path], summaries: list[dict[str, Any]]) -> dict[str, Any]:
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _Inputs:
+    """What a merge reads of the shards' common `inputs` identity."""
+
+    identity: dict[str, Any]  # summary.json `inputs` (identity.run_inputs), the same in every shard
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return self.identity.get("options") or {}
+
+    @property
+    def engines(self) -> dict[str, Any]:
+        return self.identity["engines"]
+
+
+def _check_compatible(paths: list[Path], summaries: list[Summary]) -> tuple[Summary, _Inputs]:
     """Shards of one run: the same inputs by content (rollouts digest, checkpoint files, each
-    engine's parsed options) and each shard index exactly once."""
-    first = summaries[0]
-    for path, summary in zip(paths, summaries):
-        if "shard" not in summary:
+    engine's parsed options) and each shard index exactly once. The first shard's summary and the
+    inputs they share."""
+    first, shards = summaries[0], [present(summary.shard) for summary in summaries]
+    for path, summary, shard in zip(paths, summaries, shards):
+        if shard is None:
             raise ResultsError(f"{path}: not a sharded run (no shard info in summary.json)")
-        if not summary.get("inputs"):
+        if not present(summary.inputs):
             raise ResultsError(f"{path}: summary.json has no `inputs` identity (written by an older "
                                "mismatch); rerun the shard to merge it")
+    inputs = [_Inputs(identity=summary.inputs) for summary in summaries]
+    for path, found in zip(paths, inputs):
         for key in ("command", "rollouts", "checkpoint", "engines", "block_size", "mismatch_version"):
-            if summary["inputs"].get(key) != first["inputs"].get(key):
+            if found.identity.get(key) != inputs[0].identity.get(key):
                 raise ResultsError(f"{path}: {_DIFFERS[key]} from {paths[0]}'s; shards must come "
                                    "from one run's inputs")
-        _check_same_options(path, summary["inputs"].get("options") or {}, paths[0], first["inputs"].get("options") or {})
-    count = first["shard"]["count"]
-    indices = sorted(s["shard"]["index"] for s in summaries)
-    if any(s["shard"]["count"] != count for s in summaries) or indices != list(range(count)):
+        _check_same_options(path, found.options, paths[0], inputs[0].options)
+    count = shards[0].count
+    indices = sorted(shard.index for shard in shards)
+    if any(shard.count != count for shard in shards) or indices != list(range(count)):
         raise ResultsError(f"shards {indices} of {count}: need each of 0..{count - 1} exactly once")
-    return first
+    return first, inputs[0]
 
 
 def _check_same_options(path: Path, options: dict[str, Any], first_path: Path, first: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ from mismatch.results.jsonio import (
     write_summary,
 )
 from mismatch.results.lock import glob_escape, results_lock
+from mismatch.results.summary_model import Summary
 from mismatch.results.names import (
     DEPENDENCY_LOG,
     REPORT_FILE,
@@ -61,7 +62,7 @@ __all__ = [
     "REPORT_FILE", "ROLLOUTS_FILE", "SCHEMA_FILE", "STAGE_IN_PLACE", "SUMMARY_FILE", "SUMMARY_SCHEMA",
     "TOKENS_FILE", "TOKENS_ROW_GROUP", "TokenStore", "TokensWriter", "WorkDir", "atomic_write_text",
     "check_out_dir", "check_published_files", "file_fault", "chunk_bounds", "concat_tables", "glob_escape",
-    "is_results_dir", "json_safe", "load_json", "parquet_layout", "published_files", "read_summary",
+    "Summary", "is_results_dir", "json_safe", "load_json", "parquet_layout", "published_files", "read_summary",
     "read_tokens", "results_lock", "staged_dir", "staged_tokens", "summary_schema", "table_chunks",
     "tokens_chunks", "validate_summary", "write_results", "write_summary", "write_tokens",
 ]

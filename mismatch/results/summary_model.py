@@ -29,6 +29,17 @@ SCHEMA_NAME = "mismatch.summary/v1"
 
 _T = TypeVar("_T")
 
+# An open-ended section, whose keys the analysis that writes it decides (alignment, drift, routing,
+# localization's tables, an engine's self-description): a map, read with the keys its producer names.
+Section = dict[str, Any]
+# A recommendation's or a correction's parameters, under the names its mode or fix takes.
+Params = dict[str, Any]
+# A summary.json file's JSON as parsed, before it is decoded into records (what gate's consistency
+# checks read: a hand-edited file is bad input they name, not a type error).
+JSONObject = dict[str, Any]
+# One kernel probe's measurement as probes/result.py's ProbeResult.to_dict() writes it.
+Probe = dict[str, Any]
+
 NonNegative = Annotated[int, Meta(ge=0)]
 Number = float | None  # NaN and +-inf are written as null
 PairName = Annotated[str, Meta(pattern="^[^/]+/[^/]+$")]
@@ -94,16 +105,16 @@ class BranchKindRow(_Record, kw_only=True):
     pairs: Pairs
 
 
-class Verdict(_Record, kw_only=True):
+class Verdict(_Record, kw_only=True, omit_defaults=False):
     """`verdicts["A/B"]`: the pair's gap level, what the pair measures, and one plain sentence
     ending with the diagnosed cause."""
 
     level: str
-    meaning: str | UnsetType = UNSET
+    meaning: str | None = None
     text: str
 
 
-class Cause(_Record, kw_only=True):
+class Cause(_Record, kw_only=True, omit_defaults=False):
     """A diagnosed cause of one pair's gap: its evidence, what rules the others out, where it
     is (layer, module, expert, turn, rollouts) and the fix at its source."""
 
@@ -114,7 +125,7 @@ class Cause(_Record, kw_only=True):
     rules_out: list[str]
     fix: str
     where: dict[str, Any]
-    minor: bool | UnsetType = UNSET
+    minor: bool = False
 
 
 class Refusal(_Record, kw_only=True):
@@ -134,45 +145,45 @@ class Envelope(_Record, kw_only=True):
     words: str
 
 
-class Diagnosis(_Record, kw_only=True):
+class Diagnosis(_Record, kw_only=True, omit_defaults=False):
     """The evidence turned into ranked causes before any advice (mismatch.advise.diagnose; its
     RULE is in `rule`)."""
 
     causes: list[Cause]
     findings: list[str]
-    refused: list[Refusal] | UnsetType = UNSET
-    envelope: Envelope | None | UnsetType = UNSET
-    rule: str | UnsetType = UNSET
+    refused: list[Refusal] = []
+    envelope: Envelope | None = None
+    rule: str | None = None
 
 
-class Recommendation(_Record, kw_only=True):
+class Recommendation(_Record, kw_only=True, omit_defaults=False):
     """A fix or a correction recommended: its kind, its parameters, why, and its cost."""
 
     kind: str
-    params: dict[str, Any] | UnsetType = UNSET
+    params: Params = {}
     why: str
-    cost: str | UnsetType = UNSET
+    cost: str | None = None
 
 
-class Correction(_Record, kw_only=True):
+class Correction(_Record, kw_only=True, omit_defaults=False):
     """An IS correction the frameworks ship, simulated on the run's own tokens: its mode and
     parameters, then what it does to them (the share of tokens, sequences and rollouts it
     touches, its weights' mean/max/std, their effective sample size, by turn)."""
 
     mode: str
-    params: dict[str, Any]
-    frac_tokens_affected: Number | UnsetType = UNSET
-    frac_rollouts_affected: Number | UnsetType = UNSET
-    weight_mean: Number | UnsetType = UNSET
-    weight_max: Number | UnsetType = UNSET
-    ess: Number | UnsetType = UNSET
-    weight_std: Number | UnsetType = UNSET
-    level: str | UnsetType = UNSET
-    n_tokens: int | UnsetType = UNSET
-    n_sequences: int | UnsetType = UNSET
-    n_rollouts: int | UnsetType = UNSET
-    frac_sequences_affected: Number | UnsetType = UNSET
-    by_turn: list[dict[str, Any]] | UnsetType = UNSET
+    params: Params
+    frac_tokens_affected: Number = None
+    frac_rollouts_affected: Number = None
+    weight_mean: Number = None
+    weight_max: Number = None
+    ess: Number = None
+    weight_std: Number = None
+    level: str | None = None
+    n_tokens: int | None = None
+    n_sequences: int | None = None
+    n_rollouts: int | None = None
+    frac_sequences_affected: Number = None
+    by_turn: list[Section] = []
 
 
 class PublishedFile(_Record, kw_only=True):
@@ -248,19 +259,50 @@ class Summary(_Record, kw_only=True):
     alignment: dict[str, Any] | UnsetType = UNSET  # log-prob semantics, shift, truncation
     trees: dict[str, Any] | UnsetType = UNSET
     framework_metrics: dict[str, dict[str, dict[str, Number]]] | UnsetType = UNSET  # pair -> framework -> metric
-    framework_settings: dict[str, dict[str, Any]] | UnsetType = UNSET  # framework -> its correction settings
+    framework_settings: Annotated[dict[str, Section], Meta(description=(
+        "The correction settings (each framework's own names) its framework_metrics were computed with: "
+        "the newest read release's defaults, under what the rollouts declared, under --for's or a config's."))] \
+        | UnsetType = UNSET
     drift: dict[str, Any] | UnsetType = UNSET
     routing: dict[str, Any] | UnsetType = UNSET
     prefix_consistency: dict[str, Any] | UnsetType = UNSET
-    weights: dict[str, dict[str, Any]] | UnsetType = UNSET  # engine -> its weights diff to the trainer's
+    weights: Annotated[dict[str, Section], Meta(description=(
+        "per engine run on another checkpoint than the trainer's: the weights diff against it "
+        "(mismatch.weights.WeightsReport.brief)"))] | UnsetType = UNSET
     probes: dict[str, Any] | UnsetType = UNSET
-    strata: dict[str, dict[str, dict[str, Any]]] | UnsetType = UNSET  # pair -> dimension -> buckets
-    distribution: dict[str, dict[str, Any]] | UnsetType = UNSET  # pair -> whole-distribution gap
-    framework: str | UnsetType = UNSET  # the framework `audit --for NAME` named
+    strata: Annotated[dict[str, dict[str, Section]], Meta(description=(
+        "Per pair (A/B), the gap over the trainable tokens split on fixed bucket edges by the token's rollout "
+        "length (its trained tokens), its position in the stream, its probability under B (exp logp_B), and the "
+        "A side's entropy at the position where a torch engine recorded it (else `unavailable`, saying why). "
+        "Means are null in an empty bucket. mismatch trend reads them across steps."))] | UnsetType = UNSET
+    distribution: Annotated[dict[str, Section], Meta(description=(
+        "--distribution only. Per engine pair (A/B), the gap between the two sides' whole next-token "
+        "distributions over the trainable positions (docs/distribution.md; terms defined in "
+        "mismatch/engines/distributions.py). `kl` is the mean KL(A||B); exact when `exact` (both sides gave "
+        "every token's log-prob), else a lower bound (`bounded` says why)."))] | UnsetType = UNSET
+    framework: Annotated[str, Meta(description=(
+        "The framework `audit --for NAME` named: its config snippet leads the report's first screen."))] \
+        | UnsetType = UNSET
     diff: dict[str, Any] | UnsetType = UNSET
     skipped: Skipped | UnsetType = UNSET
     diagnosis: Diagnosis | UnsetType = UNSET
     config_snippets: dict[str, str] | UnsetType = UNSET
+
+    def metric(self, pair: str, name: str) -> float | int | None:
+        """One metric of one pair; None when the pair is not measured or the metric is null."""
+        metrics = self.pairs.get(pair)
+        return getattr(metrics, name) if metrics is not None else None
+
+    def engine(self, source: str) -> dict[str, Any]:
+        """One source's engine as it described itself (`meta` for the sampler's declaration); empty
+        where the run has no such source."""
+        return self.engines.get(source) or {}
+
+    def section(self, name: str) -> dict[str, Any]:
+        """An open-ended section (`alignment`, `drift`, `routing`, `weights`, ...) as its map, empty
+        where the summary has none."""
+        value = getattr(self, name)
+        return value if isinstance(value, dict) else {}
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as plain JSON data (what summary.json holds, NaN kept in memory): the

@@ -20,6 +20,7 @@ from mismatch.errors import ResultsError
 from mismatch.results import chunks as chunking  # DEFAULT_CHUNK_ROWS read at each use (tests patch it)
 from mismatch.results.chunks import ChunkSource, table_chunks
 from mismatch.results.jsonio import write_summary
+from mismatch.results.summary_model import Summary
 from mismatch.results.names import TOKENS_FILE
 from mismatch.results.staging import staged_dir
 
@@ -128,7 +129,7 @@ def staged_tokens(out: Path | None, *, force: bool) -> Iterator[TokenStore]:
         yield TokenStore(stage)
 
 
-def write_results(out: Path, *, tokens: pd.DataFrame, summary: dict[str, Any], force: bool) -> Path:
+def write_results(out: Path, *, tokens: pd.DataFrame, summary: Summary, force: bool) -> Path:
     """A results dir of a token table in memory and its summary, staged and renamed into place."""
     with staged_dir(out, force=force) as stage:
         write_tokens(tokens, stage / TOKENS_FILE)

@@ -17,6 +17,7 @@ import numpy as np
 
 from mismatch.errors import ResultsError
 from mismatch.results import ROLLOUTS_FILE, read_summary
+from mismatch.results.summary_model import Summary, to_builtins
 
 # Token-weighted means over a pair's trainable tokens: the run's value is Σ n_i m_i / Σ n_i over its
 # rollouts' own values (rollouts.parquet), so their spread over rollouts gives a CI. The quantiles,
@@ -75,7 +76,7 @@ def load_steps(paths: list[Path], *, order: str = "names") -> list[Step]:
         if path.resolve() in seen:
             raise ResultsError(f"trend: {path} is given twice (as {seen[path.resolve()]}); give each step's dir once")
         seen[path.resolve()] = path
-    summaries = [(path, read_summary(path).to_dict()) for path in paths]  # TRANSITIONAL: plain data
+    summaries = [(path, read_summary(path)) for path in paths]
     if len(paths) == 1:  # one audit of a step-indexed dump, split by its rollouts' steps
         _check_audit(*summaries[0])
         steps = split_by_step(*summaries[0])
@@ -94,12 +95,12 @@ def load_steps(paths: list[Path], *, order: str = "names") -> list[Step]:
     return steps
 
 
-def _step_numbers(summaries: list[tuple[Path, dict[str, Any]]]) -> tuple[list[int], str]:
+def _step_numbers(summaries: list[tuple[Path, Summary]]) -> tuple[list[int], str]:
     """Every dir's step from one source, the first that names a step for all of them; refused when
     neither does (the dirs' names say which lack one)."""
     dir_names = [path.resolve().name for path, _ in summaries]
     for source, names in (("directory name", dir_names),
-                          ("checkpoint name", [Path(str(summary.get("checkpoint", ""))).name for _, summary in summaries])):
+                          ("checkpoint name", [Path(summary.checkpoint).name for _, summary in summaries])):
         numbers = [step_in_name(name) for name in names]
         if all(number is not None for number in numbers):  # two of one step are refused, not read in another order
             return [int(number) for number in numbers if number is not None], source
@@ -118,18 +119,14 @@ def step_in_name(name: str) -> int | None:
     return int(found.group(1)) if found is not None else None
 
 
-def _check_audit(path: Path, summary: dict[str, Any]) -> None:
-    """An audit's dir whose summary any run can have written (advise's check_summary is the gate's;
-    here the pairs' shape) and whose rollouts.parquet is the one it recorded (results.verify)."""
+def _check_audit(path: Path, summary: Summary) -> None:
+    """An audit's dir (read_summary held its summary to the model) whose rollouts.parquet is the
+    one it recorded (results.verify)."""
     from mismatch.results.verify import check_tables
 
-    if summary.get("command") != "audit":
-        raise ResultsError(f"{path}: a {summary.get('command')} results dir; trend reads audits (one per step)")
-    for pair, metrics in summary["pairs"].items():
-        if not isinstance(metrics, dict):
-            raise ResultsError(f"{path}/summary.json: pairs[{pair!r}] is not an object of metrics (edited or "
-                               "corrupted)")
-    check_tables(path, summary, tables=(ROLLOUTS_FILE,), required=())
+    if summary.command != "audit":
+        raise ResultsError(f"{path}: a {summary.command} results dir; trend reads audits (one per step)")
+    check_tables(path, summary.to_dict(), tables=(ROLLOUTS_FILE,), required=())  # TRANSITIONAL: verify reads plain data
 
 
 def check_named(steps: list[Step], pair: str, metric: str) -> None:
@@ -151,22 +148,19 @@ def check_named(steps: list[Step], pair: str, metric: str) -> None:
                            "or leave those steps out")
 
 
-def _step(path: Path, summary: dict[str, Any], number: int, step_from: str) -> Step:
+def _step(path: Path, summary: Summary, number: int, step_from: str) -> Step:
     _check_audit(path, summary)
-    localization = summary.get("localization") or {}
-    verdicts = summary.get("verdicts") or {}
-    first = verdicts.get("train/sampler") or next(iter(verdicts.values()), {})
-    step = Step(step=number, path=path, step_from=step_from, checkpoint=str(summary.get("checkpoint", "")),
-                pairs=_with_distribution({name: dict(metrics) for name, metrics in (summary.get("pairs") or {}).items()
-                                          if isinstance(metrics, dict)}, summary.get("distribution")),
-                frameworks=_framework_metrics(summary.get("framework_metrics") or {}),
-                turns=list(summary.get("turns") or []), branch_kinds=list(summary.get("branch_kinds") or []),
-                strata=dict(summary.get("strata") or {}),
-                layers=localization.get("layers") if isinstance(localization.get("layers"), dict) else None,
-                engines={source: configuration(engine) for source, engine in (summary.get("engines") or {}).items()
-                         if isinstance(engine, dict)},
-                headline=str(first.get("text", "")) if isinstance(first, dict) else "",
-                has_report=(path / "index.html").is_file(), mismatch_version=str(summary.get("mismatch_version", "")))
+    layers = summary.localization.get("layers")
+    first = summary.verdicts.get("train/sampler") or next(iter(summary.verdicts.values()), None)
+    step = Step(step=number, path=path, step_from=step_from, checkpoint=summary.checkpoint,
+                pairs=_with_distribution({name: to_builtins(metrics) for name, metrics in summary.pairs.items()},
+                                         summary.section("distribution")),
+                frameworks=_framework_metrics(summary.section("framework_metrics")),
+                turns=to_builtins(summary.turns), branch_kinds=to_builtins(summary.branch_kinds),
+                strata=summary.section("strata"), layers=layers if isinstance(layers, dict) else None,
+                engines={source: configuration(engine) for source, engine in summary.engines.items()},
+                headline=first.text if first is not None else "",
+                has_report=(path / "index.html").is_file(), mismatch_version=summary.mismatch_version)
     step.ci = _confidence_intervals(path)
     return step
 
@@ -269,7 +263,7 @@ def _means(rows: Any) -> dict[str, tuple[float, tuple[float, float] | None]]:
     return out
 
 
-def split_by_step(path: Path, summary: dict[str, Any]) -> list[Step]:
+def split_by_step(path: Path, summary: Summary) -> list[Step]:
     """One audit of a step-indexed dump (its rollouts.parquet has each rollout's `step`, from
     meta.step) as one Step per training step: the mean metrics and their CIs per step, from the
     rollouts' own values. What needs the token table per step (quantiles, turns, strata) is not
@@ -278,8 +272,7 @@ def split_by_step(path: Path, summary: dict[str, Any]) -> list[Step]:
     if table is None or "step" not in table.columns:
         return []
     table = table.dropna(subset=["step"])
-    engines = {source: configuration(engine) for source, engine in (summary.get("engines") or {}).items()
-               if isinstance(engine, dict)}
+    engines = {source: configuration(engine) for source, engine in summary.engines.items()}
     steps = []
     for number, rows in table.groupby("step", sort=True):
         pairs, ci = {}, {}
@@ -288,6 +281,6 @@ def split_by_step(path: Path, summary: dict[str, Any]) -> list[Step]:
             pairs[str(pair)] = {"n_tokens": int(pair_rows["n_tokens"].sum()), "n_rollouts": len(pair_rows),
                                 **{metric: estimate for metric, (estimate, _) in found.items()}}
             ci[str(pair)] = {metric: interval for metric, (_, interval) in found.items() if interval is not None}
-        steps.append(Step(step=int(number), path=path, step_from="meta.step", checkpoint=str(summary.get("checkpoint", "")),
+        steps.append(Step(step=int(number), path=path, step_from="meta.step", checkpoint=summary.checkpoint,
                           pairs=pairs, ci=ci, engines=engines))  # the one report is the whole run's
     return steps
