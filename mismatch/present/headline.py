@@ -138,9 +138,9 @@ def clip_sentence(summary: Summary, pair: str = "train/sampler") -> str | None:
 
 def split_prefixes(summary: Summary) -> dict[str, dict[str, Any]]:
     """The sources whose shared prefixes did not all get the same log-probs (analysis.prefixes)."""
-    from mismatch.analysis.prefixes import split_prefixes as split
+    from mismatch.analysis.prefixes import split_sources
 
-    return split({"prefix_consistency": present(summary.prefix_consistency) or {}})
+    return split_sources(present(summary.prefix_consistency) or {})
 
 
 def prefix_lines(summary: Summary) -> list[str]:
