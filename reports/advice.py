@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from mismatch.reports.banner import describe, recommendation_action
-from mismatch.reports.blocks import fmt, section
-from mismatch.reports.html import Html, el, join, num
+from mismatch.present.headline import describe, recommendation_action
+from mismatch.present.numbers import formatted, num
+from mismatch.reports.blocks import section
+from mismatch.reports.html import Html, el, join
+from mismatch.results.summary_model import Correction, Recommendation, Summary, present
 
 CORRECTION_COLUMNS = (("frac_tokens_affected", "tokens affected", "pct"),
                       ("frac_rollouts_affected", "rollouts affected", "pct"),
@@ -58,86 +60,89 @@ def params_table(params: Any) -> Html | None:
     return join(*tables)
 
 
-def known_framework(summary: dict[str, Any]) -> str | None:
+def known_framework(summary: Summary) -> str | None:
     """The user's framework when the audit knows it: the one `audit --for` named, else a replay
     derived from its config (`--train verl:ppo.yaml`), whose snippet the summary holds."""
-    snippets = summary.get("config_snippets")
-    if not isinstance(snippets, dict):
+    snippets = present(summary.config_snippets)
+    if snippets is None:
         return None
-    asked = summary.get("framework")  # `audit --for NAME`
-    if isinstance(asked, str) and isinstance(snippets.get(asked), str):
+    asked = present(summary.framework)  # `audit --for NAME`
+    if asked in snippets:
         return asked
     for source in ("train", "infer"):
-        engine = (summary.get("engines") or {}).get(source) or {}
-        derived = engine.get("from_config") if isinstance(engine.get("from_config"), dict) else {}
-        name = str(derived.get("framework", ""))
-        if name in snippets and isinstance(snippets[name], str):
+        derived = (summary.engines.get(source) or {}).get("from_config")
+        name = str(derived.get("framework", "")) if isinstance(derived, dict) else ""
+        if name in snippets:
             return name
     return None
 
 
-def first_screen_snippet(summary: dict[str, Any]) -> Html | None:
+def first_screen_snippet(summary: Summary) -> Html | None:
     """The snippet for the user's framework, right under the verdict: what to paste, first."""
     framework = known_framework(summary)
     if framework is None:
         return None
     return el("section", el("h2", f"Paste into your {framework} config"),
-              el("pre", summary["config_snippets"][framework], class_="snippet"),
+              el("pre", present(summary.config_snippets)[framework], class_="snippet"),
               el("p", "The correction the recommendation below chooses, at the settings it simulated; "
                       "see the glossary (docs/glossary.md) for each term.", class_="note"),
               id="snippet", class_="panel")
 
 
-def is_recommended(correction: dict[str, Any], recs: list[dict[str, Any]]) -> bool:
+def is_recommended(correction: Correction, recs: list[Recommendation]) -> bool:
     """The simulated row a `correction` recommendation chose: same mode, same cap/bounds."""
-    params = correction.get("params") if isinstance(correction.get("params"), dict) else {}
     for rec in recs:
-        chosen = rec.get("params") if isinstance(rec.get("params"), dict) else {}
-        mode = chosen.get("mode", rec.get("kind"))
-        if mode == correction.get("mode") and all(chosen.get(k) == v for k, v in params.items()):
+        chosen = present(rec.params) or {}
+        mode = chosen.get("mode", rec.kind)
+        if mode == correction.mode and all(chosen.get(k) == v for k, v in correction.params.items()):
             return True
     return False
 
 
-def corrections_section(summary: dict[str, Any]) -> Html | None:
-    corrections = [c for c in summary.get("corrections") or [] if isinstance(c, dict)]
-    recs = [r for r in summary.get("recommendations") or [] if isinstance(r, dict)]
+def _cell(correction: Correction, key: str, kind: str) -> str:
+    """One column of a simulated correction's row: its value as the column's kind, "–" when unset."""
+    value = present(getattr(correction, key))
+    if kind == "text":
+        return "–" if value is None else str(value)
+    return formatted(value, kind)
+
+
+def corrections_section(summary: Summary) -> Html | None:
+    corrections, recs = summary.corrections, summary.recommendations
     if not corrections and not recs:
         return None
-    modes = {str(c.get("mode")) for c in corrections}
+    modes = {c.mode for c in corrections}
     rec_items = []
     for rec in recs:
         action = recommendation_action(rec, modes)
         badge = {"correct": "correct", "fix": "fix at the source", "none": "no action"}[action]
         rec_items.append(el("li", el("span", badge, class_=f"badge badge-{action}"), " ",
-                            el("strong", describe(rec)), " ", el("code", str(rec.get("kind", "")), class_="kind"),
-                            el("p", rec.get("why")) if rec.get("why") else None,
-                            params_table(rec.get("params")),
-                            snippet_blocks(rec.get("snippets") or rec.get("snippet"))))
+                            el("strong", describe(rec)), " ", el("code", rec.kind, class_="kind"),
+                            el("p", rec.why) if rec.why else None,
+                            params_table(present(rec.params))))
     # Snippets for the whole set, per framework (what `mismatch recommend --for F` prints), if stored.
-    snippets = snippet_blocks(summary.get("config_snippets"))
+    snippets = snippet_blocks(present(summary.config_snippets))
     table = None
     if corrections:
-        extra = [("level", "level", "text")] if any("level" in c for c in corrections) else []
+        extra = [("level", "level", "text")] if any(present(c.level) is not None for c in corrections) else []
         columns = extra + list(CORRECTION_COLUMNS)
         head = el("tr", el("th", "mode"), el("th", "params"), [el("th", label) for _, label, _ in columns])
         rows = []
         # Corrections that change nothing here read the same on every column: one line names them.
-        untouched = [c for c in corrections if c.get("frac_tokens_affected") == 0
+        untouched = [c for c in corrections if c.frac_tokens_affected == 0
                      and not is_recommended(c, recs)]
         shown = [c for c in corrections if not any(c is u for u in untouched)]
         if len(untouched) > 1:
             rows.append(el("tr", el("td", f"{len(untouched)} of them change no token here: " + ", ".join(
-                f"{c.get('mode')} ({_compact(c.get('params'))})" for c in untouched),
+                f"{c.mode} ({_compact(c.params)})" for c in untouched),
                 colspan=str(2 + len(columns))), class_="collapsed"))
         else:
             shown = corrections
         for c in shown:
             mark = is_recommended(c, [r for r in recs if recommendation_action(r, modes) == "correct"])
-            rows.append(el("tr", el("td", ("★ " if mark else "") + str(c.get("mode"))),
-                           el("td", _compact(c.get("params")) or "–"),
-                           [el("td", str(c.get(key, "–")) if kind == "text" else fmt(c.get(key), kind))
-                            for key, _, kind in columns],
+            rows.append(el("tr", el("td", ("★ " if mark else "") + c.mode),
+                           el("td", _compact(c.params) or "–"),
+                           [el("td", _cell(c, key, kind)) for key, _, kind in columns],
                            class_="highlight" if mark else None))
         table = el("div", el("table", el("thead", head), el("tbody", rows), class_="data num corrections"),
                    class_="scroll")

@@ -7,12 +7,13 @@ the number of bins, never on the number of tokens.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
+from mismatch.results.summary_model import PairMetrics, Summary, partial_metrics
 
 # Breakdown statistics, with the summary.json names they share (ARCHITECTURE.md, "Results dir").
 BREAKDOWN_METRICS: dict[str, str] = {
@@ -50,7 +51,36 @@ def limit_rule(max_abs: float, p999: float) -> float:
     return nice_ceil(limit) if limit > 0 else 1e-3
 
 
-def histogram(log_ratio: np.ndarray, limit: float, num_bins: int = NUM_HIST_BINS) -> dict[str, Any]:
+class Histogram(TypedDict):
+    """A pair's log-ratio histogram over [-limit, limit] (the page's JSON): bin edges and counts,
+    the values beyond the range counted apart, NaN counted apart, the extremes."""
+
+    edges: list[float]
+    counts: list[int]
+    n: int
+    n_below: int
+    n_above: int
+    n_nan: int
+    limit: float
+    min: float | None
+    max: float | None
+
+
+class _BreakdownBase(TypedDict):
+    x: list[Any]  # the key's values (turns, position bins, buckets, branch kinds)
+    labels: list[str]
+    x_title: str
+    series: dict[str, dict[str, list[Any]]]  # pair -> BREAKDOWN_METRICS name -> one value per x
+
+
+class Breakdown(_BreakdownBase, total=False):
+    """A chart's data by turn, position bin, probability bucket or branch kind (the page's JSON)."""
+
+    integer_ticks: bool
+    width: int  # the position bins' width
+
+
+def histogram(log_ratio: np.ndarray, limit: float, num_bins: int = NUM_HIST_BINS) -> Histogram:
     """Counts over [-limit, limit]; values beyond land in the edge bins and are counted apart."""
     edges = np.linspace(-limit, limit, num_bins + 1)
     below = int(np.sum(log_ratio < -limit))
@@ -66,7 +96,7 @@ def histogram(log_ratio: np.ndarray, limit: float, num_bins: int = NUM_HIST_BINS
             "max": _finite_or_none(np.nanmax(log_ratio)) if len(log_ratio) else None}
 
 
-def merge_histograms(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[str, Any]:
+def merge_histograms(first: Histogram | None, second: Histogram) -> Histogram:
     """Two histograms over the same bins (of two chunks of tokens) as one."""
     if first is None:
         return second
@@ -147,7 +177,7 @@ def _json_number(value: Any, name: str) -> Any:
     return float(value)
 
 
-def by_position_block(sums: dict[str, GroupSums], width: int) -> dict[str, Any] | None:
+def by_position_block(sums: dict[str, GroupSums], width: int) -> Breakdown | None:
     """The position chart's block from each pair's sums per bin (bins `width` tokens wide)."""
     stats = {pair: found.stats() for pair, found in sums.items() if found.sums}
     if not stats:
@@ -159,18 +189,18 @@ def by_position_block(sums: dict[str, GroupSums], width: int) -> dict[str, Any] 
             "series": _series(stats, index)}
 
 
-def by_probability_from_summary(summary: dict[str, Any], pairs: list[str]) -> dict[str, Any] | None:
+def by_probability_from_summary(summary: Summary, pairs: list[str]) -> Breakdown | None:
     """summary.json's probability buckets (localization.turns.by_prob_bucket, of the pair the turn
     localizer reads): the report draws the buckets the analysis defined, never its own."""
-    turns = (summary.get("localization") or {}).get("turns")
+    turns = summary.localization.get("turns")
     if not isinstance(turns, dict) or not isinstance(turns.get("by_prob_bucket"), list):
         return None
-    rows = [{"bucket": row.get("bucket"), "pairs": {turns.get("pair"): row}}
+    rows = [(row.get("bucket"), {turns.get("pair"): partial_metrics(row)})
             for row in turns["by_prob_bucket"] if isinstance(row, dict)]
     return by_key_from_summary(rows, "bucket", pairs, x_title="probability of the token under the pair's B side")
 
 
-def by_turn_block(sums: dict[str, GroupSums]) -> dict[str, Any] | None:
+def by_turn_block(sums: dict[str, GroupSums]) -> Breakdown | None:
     """The turn chart from tokens (results whose summary.json has no `turns`)."""
     stats = {pair: found.stats() for pair, found in sums.items() if found.sums}
     if not stats:
@@ -180,14 +210,15 @@ def by_turn_block(sums: dict[str, GroupSums]) -> dict[str, Any] | None:
             "series": _series(stats, index), "integer_ticks": True}
 
 
-def by_key_from_summary(rows: list[dict[str, Any]], key: str, pairs: list[str], *,
-                        x_title: str) -> dict[str, Any] | None:
-    """summary.json's own breakdowns (`turns`, `branch_kinds`): [{key, "pairs": {pair: metrics}}]."""
-    rows = [r for r in rows or [] if isinstance(r, dict) and key in r and isinstance(r.get("pairs"), dict)]
+def by_key_from_summary(rows: list[tuple[Any, dict[str, PairMetrics]]], key: str, pairs: list[str], *,
+                        x_title: str) -> Breakdown | None:
+    """summary.json's own breakdowns (`turns`, `branch_kinds`, the probability buckets), each row
+    as (its `key`'s value, {pair: metrics})."""
     if not rows:
         return None
-    x = [r[key] for r in rows]
-    series = {pair: {name: [_json_number(r["pairs"].get(pair, {}).get(name), name) for r in rows]
+    x = [value for value, _ in rows]
+    series = {pair: {name: [_json_number(getattr(metrics[pair], name), name) if pair in metrics else None
+                            for _, metrics in rows]
                      for name in BREAKDOWN_METRICS} for pair in pairs}
     # A pair no row has tokens for is left out rather than drawn as an empty line.
     series = {pair: s for pair, s in series.items() if any(n for n in s["n_tokens"])}

@@ -1,4 +1,4 @@
-"""The report's building blocks: numbers formatted, panels, chart placeholders, and any JSON
+"""The report's building blocks: panels, chart placeholders, and any JSON
 value as escaped markup (records as tables, objects as key/value lists).
 
 Every section of the page (sections.py, advice.py) is put together from these.
@@ -8,20 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mismatch.reports.html import Html, el, join, num, pct
+from mismatch.present.numbers import num
+from mismatch.reports.html import Html, el, join
 
 MAX_TABLE_ROWS = 50
-
-
-def fmt(value: Any, kind: str = "num") -> str:
-    if kind == "pct":
-        return pct(value)
-    if kind in ("range", "ci"):
-        low, high = value if isinstance(value, (tuple, list)) and len(value) == 2 else (None, None)
-        if low is None and high is None:
-            return "–"
-        return f"[{num(low, 3)}, {num(high, 3)}]" if kind == "ci" else f"{num(low)} – {num(high)}"
-    return num(value)
 
 
 def chart(fig_id: str, caption: str | None = None) -> Html:

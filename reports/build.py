@@ -23,29 +23,32 @@ from mismatch.errors import ReportError, ResultsError
 from mismatch.results import REPORT_FILE, TOKENS_FILE, json_safe, tokens_chunks
 from mismatch.results import read_summary as read_results_summary
 from mismatch.reports import advice, aggregate, figures, sections
-from mismatch.reports.banner import banner, focus_pair
+from mismatch.present.headline import banner, focus_pair
+from mismatch.present.views import NextTokenGap, view
 from mismatch.reports.blocks import section
 from mismatch.reports.digest import Chunks, Digest, DigestAnalysis, digest
+from mismatch.reports.figures import Figure
 from mismatch.reports.html import Html, el, join
 from mismatch.reports.worst import WorstOptions
+from mismatch.results.summary_model import Summary, present
 
 TEMPLATES = Path(__file__).with_name("templates")
 
 
-def read_summary(results_dir: Path) -> dict[str, Any]:
+def read_summary(results_dir: Path) -> Summary:
     try:
-        return read_results_summary(results_dir).to_dict()  # TRANSITIONAL (h4 moves the report onto the record)
+        return read_results_summary(results_dir)
     except ResultsError as exc:  # the report's own error kind, for callers that catch it
         raise ReportError(str(exc)) from None
 
 
-def check_results(results_dir: Path, summary: dict[str, Any]) -> None:
+def check_results(results_dir: Path, summary: Summary) -> None:
     """tokens.parquet and rollouts.parquet are the ones summary.json recorded (results.verify): the
     page must never show another run's tokens, or half of them, under this run's numbers."""
     from mismatch.results.verify import check_tables
 
     try:
-        check_tables(results_dir, summary)
+        check_tables(results_dir, summary.to_dict())  # TRANSITIONAL: results.verify reads plain data
     except ResultsError as exc:
         raise ReportError(str(exc)) from None
 
@@ -87,11 +90,9 @@ def _with_defaults(chunk: pd.DataFrame) -> pd.DataFrame:
     return chunk
 
 
-def find_tokenizer(summary: dict[str, Any], results_dir: Path) -> Path | None:
+def find_tokenizer(summary: Summary, results_dir: Path) -> Path | None:
     """The checkpoint's tokenizer.json: as recorded (relative to the cwd or the results dir's parent)."""
-    checkpoints = [summary.get("checkpoint")]
-    checkpoints += [(e or {}).get("checkpoint") for e in (summary.get("engines") or {}).values()
-                    if isinstance(e, dict)]
+    checkpoints = [summary.checkpoint, *(engine.get("checkpoint") for engine in summary.engines.values())]
     for checkpoint in filter(None, checkpoints):
         for base in (Path.cwd(), results_dir.parent, results_dir.parent.parent):
             candidate = (base / str(checkpoint) / "tokenizer.json")
@@ -130,23 +131,24 @@ def csp_hash(source: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(source.encode()).digest()).decode() + "'"
 
 
-def chart_figures(summary: dict[str, Any], found: Digest, pairs: list[str],
-                  colors: dict[str, str]) -> dict[str, Any]:
+def chart_figures(summary: Summary, found: Digest, pairs: list[str],
+                  colors: dict[str, str]) -> dict[str, Figure]:
     """Every chart of the page by id; a chart whose data are absent is simply not in the dict."""
-    figs: dict[str, Any] = {}
+    figs: dict[str, Figure] = {}
     if found.histograms:
         max_count = max(max(h["counts"]) for h in found.histograms.values())
         for pair, hist in found.histograms.items():
             figs[f"hist-{pair}"] = figures.histogram_figure(pair, hist, color=colors[pair], max_count=max_count)
-    turn = aggregate.by_key_from_summary(summary.get("turns") or [], "turn", pairs, x_title="turn") or found.by_turn
+    turn = aggregate.by_key_from_summary([(row.turn, row.pairs) for row in summary.turns], "turn", pairs,
+                                         x_title="turn") or found.by_turn
     blocks = {"turn": (turn, False, False), "position": (found.by_position, False, False),
               "prob": (aggregate.by_probability_from_summary(summary, pairs), True, True),
-              "branch_kind": (aggregate.by_key_from_summary(summary.get("branch_kinds") or [], "branch_kind",
-                                                            pairs, x_title="branch kind"), True, True)}
+              "branch_kind": (aggregate.by_key_from_summary([(row.branch_kind, row.pairs) for row in summary.branch_kinds],
+                                                            "branch_kind", pairs, x_title="branch kind"), True, True)}
     for fig_id, (block, categorical, bars) in blocks.items():
         if block is not None:
             figs[fig_id] = figures.breakdown_figure(block, colors=colors, categorical=categorical, bars=bars)
-    localization = summary.get("localization") if isinstance(summary.get("localization"), dict) else {}
+    localization = summary.localization
     if isinstance(localization.get("layers"), dict) and (fig := figures.layer_figure(localization["layers"])):
         figs["layers"] = fig
     kernels = localization.get("kernels")
@@ -156,7 +158,7 @@ def chart_figures(summary: dict[str, Any], found: Digest, pairs: list[str],
     return figs
 
 
-def distribution_section(pairs: list[str], figs: dict[str, Any], colors: dict[str, str]) -> Html | None:
+def distribution_section(pairs: list[str], figs: dict[str, Figure], colors: dict[str, str]) -> Html | None:
     panels = [el("figure", el("figcaption", el("span", class_="swatch", style=f"background:{colors[p]}"), p),
                  el("div", class_="chart", id=f"chart-hist-{i}", data_fig=f"hist-{p}"), class_="hist")
               for i, p in enumerate(pairs) if f"hist-{p}" in figs]
@@ -168,35 +170,35 @@ def distribution_section(pairs: list[str], figs: dict[str, Any], colors: dict[st
                         "the tails are what PPO's ratio feels.")
 
 
-def _moved_token_texts(summary: dict[str, Any], tokenizer_path: Path | None) -> dict[str, str] | None:
+def _moved_token_texts(summary: Summary, tokenizer_path: Path | None) -> dict[str, str] | None:
     """The text of each token the distribution pass names (often one no rollout sampled)."""
     from mismatch.reports.worst import token_texts
 
-    found = summary.get("distribution") if isinstance(summary.get("distribution"), dict) else {}
-    ids = {int(t["token_id"]) for entry in found.values() if isinstance(entry, dict)
-           for t in entry.get("tokens") or [] if isinstance(t, dict) and isinstance(t.get("token_id"), int)}
+    found = present(summary.distribution) or {}
+    ids = {int(t["token_id"]) for pair, entry in found.items()
+           for t in view(entry, NextTokenGap, f"distribution[{pair!r}]").tokens if isinstance(t.get("token_id"), int)}
     return token_texts(ids, tokenizer_path) if ids else None
 
 
-def page_body(summary: dict[str, Any], tokens: tuple[Chunks, list[str]], *, tokenizer_path: Path | None,
+def page_body(summary: Summary, tokens: tuple[Chunks, list[str]], *, tokenizer_path: Path | None,
               worst_options: WorstOptions, digested: DigestAnalysis | None = None) -> tuple[Html, dict[str, Any], str]:
     """(static markup, JSON data for the page's script, page title); `tokens` as token_chunks gives
     them. `digested`: the tokens already read for the page in the analysis's passes, used when it
     read them for this summary's pairs and focus (else they are read here)."""
-    pairs = [p for p, m in summary["pairs"].items() if isinstance(m, dict)]
+    pairs = list(summary.pairs)
     colors = figures.pair_colors(pairs)
     focus = focus_pair(summary)
+    is_audit = summary.command != "diff"
     if (digested is not None and digested.pairs == pairs and digested.focus == focus
-            and digested.options == worst_options and digested.with_turns >= (not summary.get("turns"))
-            and digested.with_worst_tokens == (summary.get("command") != "diff")):
+            and digested.options == worst_options and digested.with_turns >= (not summary.turns)
+            and digested.with_worst_tokens == is_audit):
         found = digested.result(tokenizer_path)
     else:
         chunks, columns = tokens
-        expected = {pair: metrics.get("n_tokens") for pair, metrics in summary["pairs"].items()
-                    if isinstance(metrics, dict) and isinstance(metrics.get("n_tokens"), int)}
+        expected = {pair: metrics.n_tokens for pair, metrics in summary.pairs.items() if metrics.n_tokens is not None}
         found = digest(chunks, columns, pairs=pairs, focus=focus, tokenizer_path=tokenizer_path,
-                       options=worst_options, with_turns=not summary.get("turns"),
-                       with_worst_tokens=summary.get("command") != "diff", expected=expected)
+                       options=worst_options, with_turns=not summary.turns,
+                       with_worst_tokens=is_audit, expected=expected)
     figs = chart_figures(summary, found, pairs, colors)
     worst = found.worst if focus in found.scored else None
     texts = worst["text"] if worst else None
@@ -218,7 +220,7 @@ def page_body(summary: dict[str, Any], tokens: tuple[Chunks, list[str]], *, toke
         sections.findings_section(summary),
         advice.corrections_section(summary),
         sections.frameworks_section(summary),
-        sections.worst_section(worst, found.worst_tokens if worst and summary.get("command") != "diff" else None),
+        sections.worst_section(worst, found.worst_tokens if worst and is_audit else None),
         sections.absent_line(summary),
         sections.footer(summary),
     ]
@@ -229,7 +231,7 @@ def page_body(summary: dict[str, Any], tokens: tuple[Chunks, list[str]], *, toke
                 el("nav", [el("a", label, href=f"#{anchor}") for anchor, label in nav if anchor in present]),
                 class_="top")
     data = {"figures": figs, "worst": worst, "colors": colors}
-    title = f"mismatch {summary.get('command', 'report')}: {top.label.lower()}"
+    title = f"mismatch {summary.command}: {top.label.lower()}"
     return join(header, el("main", body)), data, title
 
 

@@ -38,7 +38,7 @@ WORST_TOKENS = 20  # the focus pair's worst tokens listed under the worst rollou
 
 
 @dataclass(slots=True)
-class _Pair:
+class _PairTokenSums:
     """One pair's trainable tokens with both log-probs, summed over the chunks."""
 
     pair: str
@@ -46,7 +46,7 @@ class _Pair:
     finite: int = 0                     # tokens with a finite log-ratio
     max_abs: float = -math.inf          # largest finite |log-ratio|
     tails: Any = None                   # the top 0.1% of finite |log-ratio| (analysis.tails.Tails)
-    histogram: dict[str, Any] | None = None  # pass 3
+    histogram: aggregate.Histogram | None = None  # pass 3
     by_position: aggregate.GroupSums = field(default_factory=aggregate.GroupSums)
     by_turn: aggregate.GroupSums = field(default_factory=aggregate.GroupSums)
 
@@ -64,9 +64,9 @@ class Digest:
     """The page's token-derived data."""
 
     scored: list[str]                        # pairs whose log-prob columns the table has
-    histograms: dict[str, dict[str, Any]]    # pair -> aggregate.histogram block
-    by_position: dict[str, Any] | None
-    by_turn: dict[str, Any] | None
+    histograms: dict[str, aggregate.Histogram]  # pair -> its log-ratio histogram
+    by_position: aggregate.Breakdown | None
+    by_turn: aggregate.Breakdown | None
     worst: dict[str, Any] | None
     worst_tokens: list[dict[str, Any]]
 
@@ -86,7 +86,7 @@ class DigestAnalysis:
         self.columns, self.pairs, self.focus, self.options = columns, pairs, focus, options
         self.with_turns, self.with_worst_tokens = with_turns, with_worst_tokens
         self.scored = [p for p in pairs if all(f"logp_{role}" in columns for role in aggregate.pair_roles(p))]
-        self.found = {pair: _Pair(pair) for pair in self.scored}
+        self.found = {pair: _PairTokenSums(pair) for pair in self.scored}
         for pair, state in self.found.items():
             if expected and expected.get(pair):
                 state.tails = Tails(np.array([int(expected[pair])]), [0.999])
@@ -94,8 +94,8 @@ class DigestAnalysis:
         self.worst_tokens: list[dict[str, Any]] = []
         self.max_pos = -1
         self.stage = "first"  # then "tails" (only without `expected`), "last", "done"
-        self.populated: list[_Pair] = []
-        self.missing: list[_Pair] = []  # pairs whose tail takes a pass of its own (no `expected`)
+        self.populated: list[_PairTokenSums] = []
+        self.missing: list[_PairTokenSums] = []  # pairs whose tail takes a pass of its own (no `expected`)
         self.limit, self.width = 1e-3, 1
         self.ranked: pd.DataFrame | None = None
         self.top: pd.DataFrame | None = None
@@ -222,7 +222,7 @@ def digest(chunks: Chunks, columns: list[str], *, pairs: list[str], focus: str, 
     return found.result(tokenizer_path)
 
 
-def _histogram_limit(populated: list[_Pair]) -> float:
+def _histogram_limit(populated: list[_PairTokenSums]) -> float:
     """aggregate.histogram_limit's rule, with p99.9 of |log-ratio| per pair from its top 0.1%
     (at most ceil(0.001 n) + 1 values per pair, n its count gathered or an upper bound of it)."""
     finite = [state for state in populated if state.finite]

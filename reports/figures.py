@@ -10,8 +10,8 @@ import math
 from html import escape
 from typing import Any
 
-from mismatch.reports.aggregate import BREAKDOWN_METRICS
-from mismatch.reports.html import num
+from mismatch.reports.aggregate import BREAKDOWN_METRICS, Breakdown, Histogram
+from mismatch.present.numbers import num
 
 FONT = "-apple-system, BlinkMacSystemFont, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
 PAIR_PALETTE = ("#d9480f", "#6741d9", "#0c8599", "#2f9e44", "#c2255c", "#1971c2", "#e67700")
@@ -50,7 +50,7 @@ def log_ratio_axis_title(pair: str) -> str:
     return f"log π<sub>{a}</sub> − log π<sub>{b}</sub>"
 
 
-def histogram_figure(pair: str, hist: dict[str, Any], *, color: str, max_count: int) -> Figure:
+def histogram_figure(pair: str, hist: Histogram, *, color: str, max_count: int) -> Figure:
     """Counts on a log axis (the tail is the story), one shared y-range across the pairs' panels."""
     edges = hist["edges"]
     centers = [(lo + hi) / 2 for lo, hi in zip(edges[:-1], edges[1:])]
@@ -82,7 +82,7 @@ def histogram_figure(pair: str, hist: dict[str, Any], *, color: str, max_count: 
     return {"data": [trace], "layout": layout}
 
 
-def breakdown_figure(block: dict[str, Any], *, colors: dict[str, str], categorical: bool,
+def breakdown_figure(block: Breakdown, *, colors: dict[str, str], categorical: bool,
                      bars: bool = False) -> Figure:
     """One trace per pair; a dropdown switches the statistic (same names as summary.json)."""
     series = block["series"]

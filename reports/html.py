@@ -6,7 +6,6 @@ of the page through `el`, so nothing from the data is ever parsed as markup.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from html import escape
 from typing import Any
@@ -50,33 +49,3 @@ def el(tag: str, *children: Any, **attrs: Any) -> Html:
 
 def join(*parts: Any) -> Html:
     return Html(render(parts))
-
-
-def num(value: Any, digits: int = 4) -> str:
-    """A metric for people: 4 significant digits, thousands separators for counts, '–' for none."""
-    if value is None or isinstance(value, bool):
-        return "–" if value is None else str(value)
-    if isinstance(value, int):
-        return f"{value:,}"
-    if not isinstance(value, float):
-        return str(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "∞" if value > 0 else "−∞"
-    if value == 0:
-        return "0"
-    text = f"{value:.{digits}g}"
-    if "e" in text:  # 1.234e-05 -> 1.234e-5: shorter, and no one reads the zero
-        mantissa, exponent = text.split("e")
-        text = f"{mantissa}e{int(exponent)}"
-    return text.replace("-", "−")
-
-
-def pct(value: Any) -> str:
-    """A fraction as a percentage with 3 significant digits (never rounded to a misleading 0%)."""
-    if value is None or not isinstance(value, (int, float)) or math.isnan(value):
-        return "–"
-    if value == 0:
-        return "0%"
-    return f"{value * 100:.3g}%"

@@ -10,11 +10,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from mismatch.present.headline import Banner, focus_pair, role_spec, split_prefixes
+from mismatch.present.numbers import formatted, num, pct
+from mismatch.present.views import Alignment, Comparison, Drift, NextTokenGap, PositionSlope, view
 from mismatch.reports.aggregate import pair_roles
-from mismatch.reports.banner import Banner, focus_pair
-from mismatch.reports.blocks import chart, facts, fmt, pair_legend, records_table, section, value_html
-from mismatch.reports.figures import LEVEL_COLORS
-from mismatch.reports.html import Html, el, join, num, pct
+from mismatch.reports.blocks import chart, facts, pair_legend, records_table, section, value_html
+from mismatch.reports.figures import LEVEL_COLORS, Figure
+from mismatch.reports.html import Html, el, join
+from mismatch.results.summary_model import PairMetrics, Summary, present
 
 # One name per quantity: each card row is labelled with its summary.json key (docs/glossary.md).
 CARD_METRICS = (("kl_k3", "kl_k3", "num"), ("log_ratio_abs_mean", "log_ratio_abs_mean", "num"),
@@ -26,20 +29,19 @@ CARD_METRICS = (("kl_k3", "kl_k3", "num"), ("log_ratio_abs_mean", "log_ratio_abs
 
 # --- header and verdict -------------------------------------------------------------------------
 
-def context_line(summary: dict[str, Any]) -> Html:
-    counts = summary.get("counts") or {}
+def context_line(summary: Summary) -> Html:
+    counts = summary.counts
     items = []
     if counts:
         items.append(f"{num(counts.get('rollouts'))} rollouts · {num(counts.get('branches'))} branches · "
                      f"{num(counts.get('tokens'))} tokens ({num(counts.get('trainable_tokens'))} trainable)")
-    for key, label in (("checkpoint", "checkpoint"), ("rollouts_file", "rollouts")):
-        if summary.get(key):
-            items.append(join(label, " ", el("code", str(summary[key]))))
-    created = summary.get("created_unix")
-    if isinstance(created, (int, float)):
-        items.append(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(created)))
-    if summary.get("mismatch_version"):
-        items.append(f"mismatch {summary['mismatch_version']} · {summary.get('command', '?')}")
+    for label, value in (("checkpoint", summary.checkpoint), ("rollouts", summary.rollouts_file)):
+        if value:
+            items.append(join(label, " ", el("code", value)))
+    if summary.created_unix:  # 0: a summary made by hand (results.summary_model.partial_summary)
+        items.append(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(summary.created_unix)))
+    if summary.mismatch_version:
+        items.append(f"mismatch {summary.mismatch_version} · {summary.command}")
     items.append(join("every term: ", el("code", "docs/glossary.md"), " in mismatch's source"))
     separated = [join(el("span", " · ", class_="sep") if i else None, item) for i, item in enumerate(items)]
     return el("p", separated, class_="context")
@@ -48,7 +50,7 @@ def context_line(summary: dict[str, Any]) -> Html:
 def tile_value(value: Any, kind: str) -> Html:
     """A tile's number, with `--chars`: the widest line it needs (a range may break at its dash), so
     the CSS shrinks its font to fit the tile instead of letting it spill out (report.css, .tile)."""
-    text = fmt(value, kind)
+    text = formatted(value, kind)
     words = text.split()
     chars = max(len(w) for w in words) + (2 if len(words) > 1 else 0) if words else 1
     return el("div", text, class_="tile-value tile-range" if kind in ("range", "ci") else "tile-value",
@@ -68,45 +70,40 @@ def banner_html(b: Banner) -> Html:
 
 # --- the gaps -----------------------------------------------------------------------------------
 
-def role_spec(summary: dict[str, Any], role: str) -> str:
-    engine = (summary.get("engines") or {}).get(role) or {}
-    return str(engine.get("spec", role))
-
-
-def pair_card(summary: dict[str, Any], pair: str, color: str) -> Html:
-    metrics = summary["pairs"][pair] or {}
-    verdict = (summary.get("verdicts") or {}).get(pair) or {}
-    level = verdict.get("level", "unknown")
+def pair_card(summary: Summary, pair: str, color: str) -> Html:
+    metrics = summary.pairs[pair]
+    verdict = summary.verdicts.get(pair)
+    level = verdict.level if verdict is not None else "unknown"
     a, b = pair_roles(pair)
     sub = f"{a} = {role_spec(summary, a)}  vs  {b} = {role_spec(summary, b)}"
-    text = verdict.get("text", "").split(" (kl_k3", 1)[0]
+    text = verdict.text.split(" (kl_k3", 1)[0] if verdict is not None else ""
+    meaning = present(verdict.meaning) if verdict is not None else None
     return el("article",
               el("header", el("span", class_="swatch", style=f"background:{color}"), el("h3", pair),
-                 el("span", level.upper() if verdict else "NOT JUDGED", class_=f"level level-{level}")),
-              el("p", verdict.get("meaning"), class_="meaning") if verdict.get("meaning") else None,
+                 el("span", level.upper() if verdict is not None else "NOT JUDGED", class_=f"level level-{level}")),
+              el("p", meaning, class_="meaning") if meaning else None,
               el("p", el("code", sub), class_="specs"),
               el("p", text, class_="verdict-text") if text else None,
-              el("dl", [el("div", el("dt", label), el("dd", fmt(_metric(metrics, key), kind)))
+              el("dl", [el("div", el("dt", label), el("dd", formatted(_metric(metrics, key), kind)))
                         for key, label, kind in CARD_METRICS], class_="metrics"),
               class_=f"card level-{level}")
 
 
-def _metric(metrics: dict[str, Any], key: str | tuple[str, ...]) -> Any:
-    return tuple(metrics.get(k) for k in key) if isinstance(key, tuple) else metrics.get(key)
+def _metric(metrics: PairMetrics, key: str | tuple[str, ...]) -> Any:
+    return tuple(getattr(metrics, k) for k in key) if isinstance(key, tuple) else getattr(metrics, key)
 
 
-def triangle_svg(summary: dict[str, Any], pairs: list[str]) -> Html | None:
+def triangle_svg(summary: Summary, pairs: list[str]) -> Html | None:
     """Three roles, three edges colored by level: the triangle of an audit (or a diff) at a glance."""
     roles = list(dict.fromkeys(r for pair in pairs for r in pair_roles(pair)))
     if len(pairs) != 3 or len(roles) != 3:
         return None
     points = {roles[0]: (150, 34), roles[1]: (44, 196), roles[2]: (256, 196)}
-    verdicts = summary.get("verdicts") or {}
     edges, labels = [], []
     for pair in pairs:
         a, b = pair_roles(pair)
         (x1, y1), (x2, y2) = points[a], points[b]
-        level = (verdicts.get(pair) or {}).get("level", "unknown")
+        level = summary.verdicts[pair].level if pair in summary.verdicts else "unknown"
         color = LEVEL_COLORS.get(level, LEVEL_COLORS["unknown"])
         edges.append(el("line", x1=x1, y1=y1, x2=x2, y2=y2, stroke=color, stroke_width=7,
                         stroke_linecap="round"))
@@ -122,22 +119,22 @@ def triangle_svg(summary: dict[str, Any], pairs: list[str]) -> Html | None:
               aria_label="the triangle of gaps")
 
 
-def metrics_table(summary: dict[str, Any], pairs: list[str]) -> Html:
-    names = list(dict.fromkeys(k for pair in pairs for k in (summary["pairs"][pair] or {})))
+def metrics_table(summary: Summary, pairs: list[str]) -> Html:
+    names = PairMetrics.__struct_fields__
     head = el("tr", el("th", "metric"), [el("th", pair) for pair in pairs])
     rows = [el("tr", el("th", name, scope="row"),
-               [el("td", num((summary["pairs"][pair] or {}).get(name), 6)) for pair in pairs]) for name in names]
+               [el("td", num(getattr(summary.pairs[pair], name), 6)) for pair in pairs]) for name in names]
     return el("details", el("summary", "All pair metrics"),
               el("table", el("thead", head), el("tbody", rows), class_="data num"))
 
 
-def gaps_section(summary: dict[str, Any], pairs: list[str], colors: dict[str, str]) -> Html:
-    is_diff = summary.get("command") == "diff"
+def gaps_section(summary: Summary, pairs: list[str], colors: dict[str, str]) -> Html:
+    is_diff = summary.command == "diff"
     title = "The gaps, side by side" if is_diff else "The three gaps of the triangle"
     lead = ("Each pair A/B is log π_A − log π_B over trainable tokens: ratio = π_A / π_B as PPO uses it.")
     triangle = triangle_svg(summary, pairs)
-    negative_chi2 = any(isinstance(v, (int, float)) and v < 0 for p in pairs
-                        for v in ((summary["pairs"][p] or {}).get(k) for k in ("chi2_token", "chi2_seq")))
+    negative_chi2 = any(v is not None and v < 0 for p in pairs
+                        for v in (summary.pairs[p].chi2_token, summary.pairs[p].chi2_seq))
     caveat = el("p", "A χ² below 0 is an estimate, not a divergence: mean(r²) − 1 over a sample can dip "
                      "under its true value (≥ 0) when the gap is small; read it as ≈ 0.",
                 class_="note") if negative_chi2 else None
@@ -154,17 +151,18 @@ def slope_text(slope: Any) -> Any:
     """position_slope ({slope_per_1k, ci95_per_1k, grows_with_position, …}) in one line."""
     if not isinstance(slope, dict) or "slope_per_1k" not in slope:
         return slope
-    if slope.get("slope_per_1k") is None:
+    fit = view(slope, PositionSlope, "localization.turns.position_slope")
+    if fit.slope_per_1k is None:
         return "not enough tokens to fit"
-    ci = slope.get("ci95_per_1k") or [None, None]
-    grows = "grows with context" if slope.get("grows_with_position") else "no significant growth"
-    return (f"{num(slope['slope_per_1k'], 3)} |log-ratio| per 1k tokens, 95% CI {fmt(tuple(ci), 'ci')}"
-            f"{', p ' + num(slope['p_value'], 2) if slope.get('p_value') is not None else ''}: {grows}")
+    ci = fit.ci95_per_1k or [None, None]
+    grows = "grows with context" if fit.grows_with_position else "no significant growth"
+    return (f"{num(fit.slope_per_1k, 3)} |log-ratio| per 1k tokens, 95% CI {formatted(tuple(ci), 'ci')}"
+            f"{', p ' + num(fit.p_value, 2) if fit.p_value is not None else ''}: {grows}")
 
 
-def turn_facts(localization: dict[str, Any]) -> Html | None:
+def turn_facts(summary: Summary) -> Html | None:
     """localization["turns"]: the onset turn and the drift along position, tables one click away."""
-    turns = localization.get("turns")
+    turns = summary.localization.get("turns")
     if not isinstance(turns, dict):
         return None
     onset = turns.get("onset_turn", "not computed")
@@ -181,30 +179,27 @@ def turn_facts(localization: dict[str, Any]) -> Html | None:
                    value_html(rules) if rules else None) if tables or rules else None)
 
 
-def branch_table(summary: dict[str, Any], pairs: list[str]) -> Html | None:
-    """summary["branch_kinds"] as rows (kind × pair) with the key metrics."""
+def branch_table(summary: Summary, pairs: list[str]) -> Html | None:
+    """summary.json `branch_kinds` as rows (kind × pair) with the key metrics."""
     records = []
-    for row in summary.get("branch_kinds") or []:
-        if not isinstance(row, dict) or "branch_kind" not in row:
-            continue
+    for row in summary.branch_kinds:
         for pair in pairs:
-            metrics = (row.get("pairs") or {}).get(pair) or {}
-            if metrics.get("n_tokens"):
-                records.append({"branch kind": row["branch_kind"], "pair": pair,
-                                "tokens": metrics.get("n_tokens"), "rollouts": metrics.get("n_rollouts"),
-                                "mean |log-ratio|": metrics.get("log_ratio_abs_mean"),
-                                "kl_k3": metrics.get("kl_k3"), "max |log-ratio|": metrics.get("log_ratio_abs_max"),
-                                "ESS": metrics.get("ess")})
+            metrics = row.pairs.get(pair)
+            if metrics is not None and metrics.n_tokens:
+                records.append({"branch kind": row.branch_kind, "pair": pair,
+                                "tokens": metrics.n_tokens, "rollouts": metrics.n_rollouts,
+                                "mean |log-ratio|": metrics.log_ratio_abs_mean,
+                                "kl_k3": metrics.kl_k3, "max |log-ratio|": metrics.log_ratio_abs_max,
+                                "ESS": metrics.ess})
     if not records:
         return None
     return el("details", el("summary", "By branch kind: table"), records_table(records), id="branches")
 
 
-def where_section(summary: dict[str, Any], pairs: list[str], figures: dict[str, Any],
+def where_section(summary: Summary, pairs: list[str], figures: dict[str, Figure],
                   colors: dict[str, str]) -> Html | None:
     """Turn, position, probability bucket and branch kind: four views of one question, 2 × 2."""
-    localization = summary.get("localization") or {}
-    turn = turn_facts(localization) if isinstance(localization, dict) else None
+    turn = turn_facts(summary)
     captions = (("turn", "By turn: a turn is one model segment with the context before it."),
                 ("position", "By position in the token stream, binned."),
                 ("prob", "By the probability the pair's B side gave the token: low-probability tokens "
@@ -242,11 +237,9 @@ def _method(block: dict[str, Any]) -> Html | None:
               [el("p", join(el("strong", k.replace("_", " ") + ": "), text), class_="note") for k, text in texts])
 
 
-def localization_section(summary: dict[str, Any], figures: dict[str, Any]) -> Html | None:
+def localization_section(summary: Summary, figures: dict[str, Figure]) -> Html | None:
     """localization["layers"] and ["kernels"] (turns are under "Where the gap is")."""
-    localization = summary.get("localization")
-    if not isinstance(localization, dict):
-        return None
+    localization = summary.localization
     parts: list[Any] = []
     layers = localization.get("layers")
     if isinstance(layers, dict) and layers:
@@ -281,37 +274,34 @@ def _pct_or_none(value: Any) -> str | None:
     return pct(value) if isinstance(value, (int, float)) else None
 
 
-def findings_section(summary: dict[str, Any]) -> Html | None:
+def findings_section(summary: Summary) -> Html | None:
     parts = []
-    alignment = summary.get("alignment")
-    if isinstance(alignment, dict) and alignment:
-        shift = alignment.get("shift")
-        semantics = alignment.get("logprob_semantics")
+    alignment = present(summary.alignment)
+    if alignment:
+        checked = view(alignment, Alignment, "alignment")
+        shift, semantics, zero = checked.shift, checked.logprob_semantics, checked.padded_zero_frac
         flags = []
-        if isinstance(shift, int) and shift != 0:
+        if shift:
             flags.append(f"Stored log-probs fit better shifted by {shift:+d} position: an off-by-one "
                          "in the harness; no metric is trustworthy until it is fixed.")
         if semantics == "processed":
             flags.append("Stored log-probs are processed (temperature / top-p / top-k renormalized) "
                          "while the trainer's are raw: compare like for like.")
-        zero = alignment.get("padded_zero_frac")
-        if isinstance(zero, (int, float)) and zero > 0:
+        if zero is not None and zero > 0:
             flags.append(f"{pct(zero)} of positions carry padded-zero or constant log-probs.")
-        findings = [f for f in alignment.get("findings") or [] if isinstance(f, dict)]
+        findings = checked.findings
         parts += [el("h3", "Alignment"), [el("p", f, class_="flag") for f in flags],
                   facts([("shift (stored[i] fits token i + shift)", shift), ("log-prob semantics", semantics),
-                         ("estimated temperature", alignment.get("estimated_temperature")),
-                         ("trainable tokens without a stored log-prob",
-                          _pct_or_none(alignment.get("missing_trainable_frac"))),
-                         ("padded zeros", _pct_or_none(alignment.get("padded_zero_frac"))),
-                         ("constant runs", _pct_or_none(alignment.get("constant_frac")))]),
-                  el("ul", [el("li", el("strong", f.get("kind", "")), ": ", f.get("message", ""),
-                               el("p", "Fix: " + str(f.get("fix")), class_="note") if f.get("fix") else None)
+                         ("estimated temperature", checked.estimated_temperature),
+                         ("trainable tokens without a stored log-prob", _pct_or_none(checked.missing_trainable_frac)),
+                         ("padded zeros", _pct_or_none(zero)), ("constant runs", _pct_or_none(checked.constant_frac))]),
+                  el("ul", [el("li", el("strong", f.kind), ": ", f.message,
+                               el("p", "Fix: " + f.fix, class_="note") if f.fix else None)
                             for f in findings], class_="findings") if findings else None,
                   el("details", el("summary", "Every alignment field"), value_html(alignment))]
-    drift = summary.get("drift")
-    if isinstance(drift, dict) and drift:
-        spans = [s for s in drift.get("spans") or [] if isinstance(s, dict)]
+    drift = present(summary.drift)
+    if drift:
+        spans = view(drift, Drift, "drift").spans
         parts.append(el("h3", f"Render drift: {len(spans):,} drifted span{'s' if len(spans) != 1 else ''}"))
         if spans:
             # Stored vs rendered text is the finding: monospace, whitespace kept.
@@ -330,16 +320,15 @@ def findings_section(summary: dict[str, Any]) -> Html | None:
     return section("findings", "Render, alignment and prefix findings", parts)
 
 
-def _prefix_parts(summary: dict[str, Any]) -> list[Html]:
+def _prefix_parts(summary: Summary) -> list[Html]:
     """Prefix consistency per source: the same prefix must get the same log-prob in every request."""
-    from mismatch.analysis.prefixes import prefix_sentence, split_prefixes
+    from mismatch.analysis.prefixes import prefix_sentence
 
-    found = {source: item for source, item in (summary.get("prefix_consistency") or {}).items()
+    found = {source: item for source, item in (present(summary.prefix_consistency) or {}).items()
              if isinstance(item, dict) and item.get("n_prefixes")}
     if not found:
         return []
-    engines = summary.get("engines") or {}
-    flags = [el("p", prefix_sentence(source, item, engines.get(source)), class_="flag")
+    flags = [el("p", prefix_sentence(source, item, summary.engines.get(source)), class_="flag")
              for source, item in split_prefixes(summary).items() if source in found]
     rows = [{"source": source, "tokens sharing a prefix": item.get("n_shared_tokens"),
              "shared prefixes": item.get("n_prefixes"),
@@ -350,14 +339,14 @@ def _prefix_parts(summary: dict[str, Any]) -> list[Html]:
 
 # --- the framework crosswalk ---------------------------------------------------------------------
 
-def frameworks_section(summary: dict[str, Any]) -> Html | None:
+def frameworks_section(summary: Summary) -> Html | None:
     """The focus pair under each framework's own metric names (summary.json framework_metrics), with
     the crosswalk: our metric when it is the same number, and how it differs when it is not."""
     from mismatch.frameworks.metrics import crosswalk_rows
 
-    by_pair = summary.get("framework_metrics") if isinstance(summary.get("framework_metrics"), dict) else {}
+    by_pair = present(summary.framework_metrics) or {}
     pair = focus_pair(summary)
-    values = by_pair.get(pair) if isinstance(by_pair.get(pair), dict) else None
+    values = by_pair.get(pair)
     if not values:
         return None
     records = [{"framework": row["framework"], "logged as": row["key"],
@@ -371,21 +360,20 @@ def frameworks_section(summary: dict[str, Any]) -> Html | None:
 
 # --- diff ----------------------------------------------------------------------------------------
 
-def diff_section(summary: dict[str, Any], texts: dict[str, str] | None) -> Html | None:
-    diff = summary.get("diff")
-    if summary.get("command") != "diff" or not isinstance(diff, dict):
+def diff_section(summary: Summary, texts: dict[str, str] | None) -> Html | None:
+    if summary.command != "diff" or present(summary.diff) is None:
         return None
-    deltas = diff.get("deltas") or {}
+    diff = view(present(summary.diff), Comparison, "diff")
     rows = []
-    for name, d in deltas.items():
-        ci = d.get("ci95") or [None, None]
+    for name, d in diff.deltas.items():
+        ci = d.ci95 or [None, None]
         excludes_zero = all(isinstance(v, (int, float)) for v in ci) and (ci[0] > 0 or ci[1] < 0)
-        rows.append(el("tr", el("th", name, scope="row"), el("td", num(d.get("a"))), el("td", num(d.get("b"))),
-                       el("td", num(d.get("delta"))), el("td", f"{num(ci[0])} … {num(ci[1])}"),
+        rows.append(el("tr", el("th", name, scope="row"), el("td", num(d.a)), el("td", num(d.b)),
+                       el("td", num(d.delta)), el("td", f"{num(ci[0])} … {num(ci[1])}"),
                        el("td", "yes" if excludes_zero else "no"), class_="highlight" if excludes_zero else None))
     heads = ("metric", "A vs ref", "B vs ref", "Δ (B − A)", "95% CI", "CI excludes 0")
     table = el("table", el("thead", el("tr", [el("th", h) for h in heads])), el("tbody", rows), class_="data num")
-    worst = ((diff.get("where") or {}).get("worst_tokens")) or []
+    worst = diff.where.get("worst_tokens") or []
     if texts is not None:
         worst = [{**w, "text": texts.get(str(w.get("token_id")), "")} for w in worst if isinstance(w, dict)]
     return section("diff", "A against B", table if rows else None,
@@ -402,32 +390,30 @@ NEXT_TOKEN_FACTS = (("kl_ab_mean", "mean KL(A‖B)"), ("kl_ba_mean", "mean KL(B�
                     ("sampled_abs_log_ratio_mean", "sampled tokens' mean |log-ratio|"))
 
 
-def next_token_section(summary: dict[str, Any], texts: dict[str, str] | None = None) -> Html | None:
+def next_token_section(summary: Summary, texts: dict[str, str] | None = None) -> Html | None:
     """summary.json `distribution`: per pair, the whole next-token distribution's gap, what is exact
     or bounded, the bitwise claim checked, the tokens that moved, the worst positions and turns."""
-    found = summary.get("distribution") if isinstance(summary.get("distribution"), dict) else {}
+    found = present(summary.distribution)
     if not found:
         return None
     texts = texts or {}
     parts: list[Any] = []
     for pair, entry in found.items():
-        if not isinstance(entry, dict):
-            continue
-        view = ("exact over the whole vocabulary" if entry.get("exact")
-                else f"bounded: {entry.get('bounded')}")
-        parts.append(el("h3", f"{pair}: top-K = {entry.get('k')}, {view}"))
+        gap = view(entry, NextTokenGap, f"distribution[{pair!r}]")
+        scope = "exact over the whole vocabulary" if gap.exact else f"bounded: {gap.bounded}"
+        parts.append(el("h3", f"{pair}: top-K = {gap.k}, {scope}"))
         parts.append(facts([(label, entry.get(key)) for key, label in NEXT_TOKEN_FACTS]))
-        parts.append(el("p", (entry.get("bitwise") or {}).get("claim")))
-        tokens = [{**t, "text": texts.get(str(t.get("token_id")), "")} for t in entry.get("tokens") or []]
+        parts.append(el("p", gap.bitwise.claim))
+        tokens = [{**t, "text": texts.get(str(t.get("token_id")), "")} for t in gap.tokens]
         if tokens:
             parts.append(el("h4", "Tokens whose probability moved most (share of the moved mass)"))
             parts.append(records_table(tokens, limit=len(tokens)))
-        if entry.get("worst"):
+        if gap.worst:
             parts.append(el("h4", "Positions where the distributions differ most"))
-            parts.append(records_table(entry["worst"], limit=len(entry["worst"])))
-        if entry.get("turns"):
+            parts.append(records_table(gap.worst, limit=len(gap.worst)))
+        if gap.turns:
             parts.append(el("h4", "By turn"))
-            parts.append(records_table(entry["turns"], limit=len(entry["turns"])))
+            parts.append(records_table(gap.turns, limit=len(gap.turns)))
     return section("next-token", "The whole next-token distribution", *parts,
                    lead="Beyond the sampled token: both sides' distributions over the vocabulary at every trainable "
                         "position (--distribution; docs/distribution.md). A is the pair's first side.")
@@ -447,21 +433,21 @@ def worst_section(worst: dict[str, Any] | None, tokens: list[dict[str, Any]] | N
                    el("div", id="worst-list"), lead=lead)
 
 
-def absent_line(summary: dict[str, Any]) -> Html | None:
-    localization = summary.get("localization") if isinstance(summary.get("localization"), dict) else {}
+def absent_line(summary: Summary) -> Html | None:
+    localization = summary.localization
     checks = (("turn onset and position drift", localization.get("turns")),
               ("layer localization", localization.get("layers")),
               ("kernel localization", localization.get("kernels")),
-              ("render drift", summary.get("drift")), ("alignment checks", summary.get("alignment")),
-              ("corrections", summary.get("corrections")), ("recommendations", summary.get("recommendations")))
+              ("render drift", present(summary.drift)), ("alignment checks", present(summary.alignment)),
+              ("corrections", summary.corrections), ("recommendations", summary.recommendations))
     absent = [name for name, value in checks if not value]
     if not absent:
         return None
     return el("p", el("strong", "Not computed in this run: "), ", ".join(absent), ".", class_="absent")
 
 
-def engines_table(summary: dict[str, Any]) -> Html | None:
-    engines = summary.get("engines") or {}
+def engines_table(summary: Summary) -> Html | None:
+    engines = summary.engines
     if not engines:
         return None
     keys = ("spec", "kind", "dtype", "device", "logprob_semantics", "tokens_per_s", "seconds")
@@ -474,7 +460,7 @@ def engines_table(summary: dict[str, Any]) -> Html | None:
               value_html(engines))
 
 
-def footer(summary: dict[str, Any]) -> Html:
+def footer(summary: Summary) -> Html:
     return el("footer", engines_table(summary),
               el("p", "Built from summary.json and tokens.parquet by mismatch's reports/. Rebuild with ",
                  el("code", "mismatch report DIR"), ". Self-contained: no network, no external files."))

@@ -30,6 +30,7 @@ LAYERS = (
     "demo | record",
     "pipeline",
     "reports",
+    "present",
     "advise",
     "trend",
     "frameworks",
@@ -48,6 +49,9 @@ FORBIDDEN = (
     ("reports", ("engines", "replay", "localize", "probes")),
     ("analysis", ("engines", "weights")),  # the token table in, numbers out: no model, no engine
 )
+# Packages the rest of mismatch reaches through their __init__ only (its public names): the report's
+# modules are its own; what the terminal shares with it is mismatch.present's.
+PUBLIC_ONLY = ("reports",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +124,8 @@ def _layer_of(module: str) -> tuple[int, str] | None:
 
 
 def violations(repo: Path) -> list[str]:
-    """Each upward or sideways import, each forbidden one, and each cycle, as one line."""
+    """Each upward or sideways import, each forbidden one, each reach into a PUBLIC_ONLY package's
+    modules, and each cycle, as one line."""
     modules = project_modules(repo)
     found = list(imports(modules))
     out: list[str] = []
@@ -136,6 +141,11 @@ def violations(repo: Path) -> list[str]:
         for importer, banned in FORBIDDEN:
             if item.importer.split(".")[1:2] == [importer] and item.imported.split(".")[1] in banned:
                 out.append(f"{item} (forbidden: {importer} never imports {item.imported.split('.')[1]})")
+    for item in found:
+        package = item.imported.split(".")[1:2]
+        if package and package[0] in PUBLIC_ONLY and item.imported != f"mismatch.{package[0]}" \
+                and item.importer.split(".")[1:2] != package:
+            out.append(f"{item} (internal: outside {package[0]}, import mismatch.{package[0]}'s public names)")
     # The root package's lazy public names (PEP 562) import upward by design, on first use only.
     out.extend(f"cycle: {' -> '.join(cycle)}" for cycle in cycles([item for item in found if item.importer != "mismatch"]))
     return out

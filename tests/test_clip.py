@@ -10,10 +10,11 @@ import pandas as pd
 import pytest
 from test_golden import GOLDEN, stored_checkpoint
 
-from mismatch.analysis.clip import ClipRange, clip_sentence, table_clip_summary
+from mismatch.analysis.clip import ClipRange, table_clip_summary
 from mismatch.cli import main
 from mismatch.errors import MismatchError
-from mismatch.reports.banner import audit_banner
+from mismatch.present.headline import audit_banner, clip_sentence
+from mismatch.results import read_summary
 
 
 def test_clip_range_parses_symmetric_and_clip_higher() -> None:
@@ -56,10 +57,11 @@ def test_the_audit_says_it_first_in_the_cli_and_the_report(tmp_path: Path, capsy
     summary = json.loads((out / "summary.json").read_text())
     frac = summary["clip"]["pairs"]["train/sampler"]
     assert summary["clip"]["range"] == [0.99, 1.02] and 0 < frac < 1
-    sentence = clip_sentence(summary)
+    record = read_summary(out)
+    sentence = clip_sentence(record)
     assert sentence == f"mismatch alone takes {frac:.2%} of train/sampler tokens out of the clip range [0.99, 1.02]"
     assert sentence[1:] in capsys.readouterr().out
-    banner = audit_banner(summary)
+    banner = audit_banner(record)
     assert banner.details[0].startswith(f"Mismatch alone takes {frac:.2%} of train/sampler tokens")
     assert banner.numbers[0] == ("outside clip [0.99, 1.02]", frac, "pct")
     page = (out / "index.html").read_text()

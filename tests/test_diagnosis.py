@@ -1,7 +1,7 @@
 """The diagnosis on planted faults: each fault, built on the tiny checkpoint, is audited in process and
 must come out as the lead cause (mismatch.advise.diagnose), pointing where it was planted, with its
 source fix as the first recommendation (mismatch.advise.recommend) and its words in the report's
-headline (reports.banner).
+headline (present.headline).
 
 The base of most cases: examples/rollouts.jsonl without `messages` (no render drift) and with the
 stored log-probs an fp32 `hf` replay of the clean checkpoint, meta.sampler declaring that replay: so
@@ -217,22 +217,24 @@ def first(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def headline(summary: dict[str, Any]) -> str:
-    from mismatch.reports.banner import banner
+    from mismatch.present.headline import banner
+    from mismatch.results.summary_model import partial_summary
 
-    return banner(summary).headline
+    return banner(partial_summary(summary)).headline
 
 
 # --- 1. clean control -------------------------------------------------------------------------
 
 def test_clean_replay_has_no_cause_and_no_correction(matrix) -> None:
-    from mismatch.reports.banner import banner
+    from mismatch.present.headline import banner
+    from mismatch.results.summary_model import partial_summary
 
     summary = matrix.summary("clean")
     assert {pair: v["level"] for pair, v in summary["verdicts"].items()} == dict.fromkeys(
         ("train/sampler", "train/infer", "infer/sampler"), "exact")
     assert summary["diagnosis"]["causes"] == []
     assert kinds(summary) == ["no_correction"]
-    assert banner(summary).status == "healthy"
+    assert banner(partial_summary(summary)).status == "healthy"
 
 
 # --- 2. weight faults in one tensor of the engine's checkpoint ---------------------------------
@@ -580,7 +582,7 @@ def test_clean_controls_raise_no_cause_but_the_numerics(tiny_checkpoint, clean_c
     assert not headline(summary).startswith("Unexplained")
 
 
-# --- the headline: the lead cause in its own words (reports.banner) ---------------------------------
+# --- the headline: the lead cause in its own words (present.headline) ---------------------------------
 
 # case -> words the headline must hold besides the lead cause's title
 HEADLINES = {
@@ -598,7 +600,7 @@ HEADLINES = {
 
 @pytest.mark.parametrize("case", list(HEADLINES))
 def test_the_headline_leads_with_the_cause(matrix, case) -> None:
-    """The contract with reports/banner.py: the headline leads with the diagnosis' lead cause, in
+    """The contract with present/headline.py: the headline leads with the diagnosis' lead cause, in
     its title's words, naming where it is."""
     summary = matrix.summary(case)
     text = headline(summary)

@@ -46,6 +46,16 @@ def test_a_planted_cycle_and_a_report_reaching_an_engine_are_caught(copied: Path
     assert any(line.startswith("cycle:") and "mismatch.analysis.terms" in line for line in found), found
 
 
+def test_a_reach_into_the_reports_modules_is_caught(copied: Path):
+    """The CLI and the pipeline call the report through `mismatch.reports`; its modules are its own."""
+    target = copied / "mismatch" / "cli" / "printing.py"
+    target.write_text(target.read_text() + "\n\ndef _planted():\n    from mismatch.reports.sections import footer\n"
+                      "    return footer\n")
+    found = layering.violations(copied)
+    assert len(found) == 1 and "mismatch.cli.printing imports mismatch.reports.sections" in found[0] \
+        and "(internal: outside reports" in found[0], found
+
+
 def test_every_package_is_installed():
     """pyproject lists its packages (probes/ and reports/ map into mismatch): a new folder must be added."""
     listed = set(layering.tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])

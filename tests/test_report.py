@@ -19,10 +19,11 @@ import pandas as pd
 import pytest
 
 from conftest import REPO
+from mismatch.present.headline import banner
 from mismatch.reports.aggregate import histogram
-from mismatch.reports.banner import banner
 from mismatch.reports.build import REPORT_FILE, ReportError, build_report, plotly_js, script_json
 from mismatch.reports.worst import WorstOptions, select_rows
+from mismatch.results.summary_model import partial_summary
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -198,12 +199,13 @@ def test_reports_never_import_torch_or_the_engines(tmp_path: Path) -> None:
     assert heavy == [], heavy
     # Of the core (the reports' own modules aside), only its light packages: the package root, the
     # errors (ReportError), the results contract, the streams' data, the analysis (terms, chunked
-    # reductions, prefix findings' wording), their worker processes and the frameworks' metric
-    # names (numpy and pandas only); never an engine, the replay, the rollouts loader, a localizer,
+    # reductions, prefix findings' wording), their worker processes, the frameworks' metric
+    # names (numpy and pandas only) and the words it shares with the terminal (present); never an engine, the replay, the rollouts loader, a localizer,
     # the probes, the checkpoint, the advice or an orchestration.
     core = {m.split(".")[1] if "." in m else m for m in modules
             if m.split(".")[0] == "mismatch" and m.split(".")[1:2] != ["reports"]}
-    assert core <= {"mismatch", "errors", "version", "results", "streams", "analysis", "workers", "frameworks"}, core
+    assert core <= {"mismatch", "errors", "version", "results", "streams", "analysis", "workers", "frameworks",
+                    "present"}, core
     assert {"mismatch", "errors", "results", "analysis", "frameworks"} <= core, core
     assert (out / REPORT_FILE).is_file()
 
@@ -274,12 +276,12 @@ RECOMPUTE = {"kind": "recompute_old_logprobs", "params": {"extra_forward_tokens"
     ("small", [], "SMALL GAP", "The PPO ratio is small"),
 ])
 def test_banner_leads_with_the_right_action(level: str, recs: list, label: str, headline: str) -> None:
-    top = banner(verdict_summary(level, *recs))
+    top = banner(partial_summary(verdict_summary(level, *recs)))
     assert (top.label, top.headline) == (label, headline)
 
 
 def test_no_verdict_is_never_healthy() -> None:
-    assert banner({**verdict_summary("exact"), "verdicts": {}}).status == "unknown"
+    assert banner(partial_summary({**verdict_summary("exact"), "verdicts": {}})).status == "unknown"
 
 
 def test_large_rollout_sets_stay_small(tmp_path: Path) -> None:
@@ -436,7 +438,7 @@ def test_corrections_that_change_nothing_collapse_to_one_line_and_negative_chi2_
     corrections = [row("token_truncate", 2.0, 0.0), row("token_mask", 2.0, 0.0), row("sequence_mask", 3.0, 0.0),
                    row("token_truncate", 1.5, 0.004)]
     recs = [{"kind": "correction", "params": {"mode": "token_truncate", "cap": 1.5}, "why": "w"}]
-    page = corrections_section({"corrections": corrections, "recommendations": recs})
+    page = corrections_section(partial_summary({"corrections": corrections, "recommendations": recs}))
     assert "3 of them change no token here: token_truncate (cap=2), token_mask (cap=2), sequence_mask (cap=3)" \
         in page
     # The simulated corrections' table: the header, the collapsed line, the one that acts (recommended);
@@ -445,9 +447,10 @@ def test_corrections_that_change_nothing_collapse_to_one_line_and_negative_chi2_
     assert table.count("<tr") == 3
     metrics = {"n_tokens": 10, "chi2_token": -2e-7, "chi2_seq": 1e-3}
     summary = {"command": "audit", "pairs": {"train/sampler": metrics}}
-    assert "A χ² below 0 is an estimate" in gaps_section(summary, ["train/sampler"], {"train/sampler": "#000"})
+    assert "A χ² below 0 is an estimate" in gaps_section(partial_summary(summary), ["train/sampler"],
+                                                         {"train/sampler": "#000"})
     summary["pairs"]["train/sampler"]["chi2_token"] = 2e-7
-    assert "A χ² below 0" not in gaps_section(summary, ["train/sampler"], {"train/sampler": "#000"})
+    assert "A χ² below 0" not in gaps_section(partial_summary(summary), ["train/sampler"], {"train/sampler": "#000"})
 
 
 @pytest.mark.parametrize("width", [390, 1440])
@@ -466,7 +469,7 @@ def test_the_demo_report_stays_small(demo_report: Path) -> None:
 
 
 def test_a_few_redrawn_tokens_do_not_take_the_headline() -> None:
-    from mismatch.reports.banner import audit_banner
+    from mismatch.present.headline import audit_banner
 
     def summary(touched: int) -> dict:
         return {"pairs": {"train/sampler": {"n_tokens": 598}},
@@ -476,9 +479,9 @@ def test_a_few_redrawn_tokens_do_not_take_the_headline() -> None:
                                     {"kind": "correction", "params": {"mode": "token_truncate", "cap": 2.0},
                                      "why": "w"}]}
 
-    minor = audit_banner(summary(4))  # 4 of 598 trained tokens: the gap's own answer leads
+    minor = audit_banner(partial_summary(summary(4)))  # 4 of 598 trained tokens: the gap's own answer leads
     assert minor.headline == "Correct with token_truncate (cap=2)" and "the renderer" in " ".join(minor.details)
-    major = audit_banner(summary(100))
+    major = audit_banner(partial_summary(summary(100)))
     assert major.headline.startswith("Fix at the source: the renderer")
 
 
@@ -488,7 +491,7 @@ def test_the_audit_report_lists_its_worst_tokens(demo_report: Path) -> None:
     tokens = pd.read_parquet(demo_report.parent / "tokens.parquet")
     trainable = tokens[tokens["trainable"]]
     worst = (trainable["logp_train"] - trainable["logp_sampler"]).abs().max()
-    from mismatch.reports.html import num
+    from mismatch.present.numbers import num
 
     assert f"<td><span>{num(worst, 6)}</span></td></tr>" in page  # the largest gap, rendered as the table does
 

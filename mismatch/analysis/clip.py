@@ -2,7 +2,7 @@
 mismatch alone pushes out of [1 - eps_low, 1 + eps_high], per pair, turn and branch kind.
 
 Flow: per-span counts of tokens outside the range (analysis/grouped_metrics.py) + ClipRange ->
-summary.json["clip"] -> verdict line, report banner.
+summary.json["clip"] -> the terminal's line and the report's banner (mismatch.present.headline).
 On-policy the PPO ratio would be exactly 1; every token the mismatch moves past the clip bound
 gets no gradient from the clipped side of the objective, whatever its advantage.
 """
@@ -74,14 +74,4 @@ def table_clip_summary(table: pd.DataFrame, pairs: Sequence[tuple[str, str]], cl
     (found,) = run_grouped_metrics(chunks, [accumulator])
     return clip_summary(clip, found)
 
-
-def clip_sentence(summary: dict[str, Any], pair: str = "train/sampler") -> str | None:
-    """"mismatch alone takes 0.30% of train/sampler tokens out of the clip range [0.8, 1.2]"."""
-    clip = summary.get("clip") or {}
-    frac = (clip.get("pairs") or {}).get(pair)
-    if frac is None or not clip.get("range"):
-        return None
-    low, high = clip["range"]
-    return (f"mismatch alone takes {frac:.2%} of {pair} tokens out of the clip range "
-            f"[{low:g}, {high:g}]")
 

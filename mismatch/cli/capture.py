@@ -83,9 +83,9 @@ def demo(
     with dependency_log(out / "audit"), replay_progress(not as_json) as progress:
         result = run_demo(out, progress=progress, say=say)
     if as_json:
-        emit_json(result.summary)
+        emit_json(result.record.to_dict())
         return
-    print_pairs(result.summary)
+    print_pairs(result.record)
     out_console.print(f"wrote {result.out}/")
     out_console.print(f"report: {result.out / 'index.html'}  (open it in a browser)", markup=False,
                       highlight=False, soft_wrap=True)

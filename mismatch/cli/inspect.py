@@ -28,7 +28,7 @@ def report(
     as_json: JsonFlag = False,
 ) -> None:
     """Rebuild DIR/index.html from DIR/summary.json and DIR/tokens.parquet."""
-    from mismatch.reports.build import build_report
+    from mismatch.reports import build_report
     from mismatch.results import REPORT_FILE, file_fault, read_summary, results_lock
 
     read_summary(results)  # not a results dir: refused before the lock makes anything beside it

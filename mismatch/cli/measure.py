@@ -93,17 +93,19 @@ def audit(
     with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_audit(checkpoint, rollouts, dataclasses.replace(options, progress=progress))
     if as_json:
-        emit_json(result.summary)
+        emit_json(result.record.to_dict())
         return
-    skipped = result.summary.get("skipped")
-    if skipped and skipped["count"]:
-        first = skipped["rollouts"][0]["error"] if skipped["rollouts"] else ""
-        out_console.print(f"skipped {skipped['count']} invalid rollout(s) of {skipped['count'] + skipped['valid']} "
+    from mismatch.results.summary_model import present
+
+    skipped = present(result.record.skipped)
+    if skipped is not None and skipped.count:
+        first = skipped.rollouts[0].error if skipped.rollouts else ""
+        out_console.print(f"skipped {skipped.count} invalid rollout(s) of {skipped.count + skipped.valid} "
                           f"(summary.json skipped), the first: {first}", markup=False, highlight=False, soft_wrap=True)
-    print_pairs(result.summary, target, out)
-    print_distribution(result.summary)
-    print_findings(result.summary)
-    print_diagnosis(result.summary)
+    print_pairs(result.record, target, out)
+    print_distribution(result.record)
+    print_findings(result.record)
+    print_diagnosis(result.record)
     out_console.print(f"wrote {out}/")
 
 
@@ -133,11 +135,11 @@ def diff(
     with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_diff(checkpoint, rollouts, dataclasses.replace(options, progress=progress))
     if as_json:
-        emit_json(result.summary)
+        emit_json(result.record.to_dict())
         return
-    print_pairs(result.summary)
-    print_distribution(result.summary)
-    print_diff(result.summary["diff"])
+    print_pairs(result.record)
+    print_distribution(result.record)
+    print_diff(result.record)
     out_console.print(f"wrote {out}/")
 
 
@@ -149,12 +151,13 @@ def merge(
 ) -> None:
     """Combine the results of `--shard I/N` runs into the results of one run."""
     from mismatch.pipeline.merge import merge as run_merge
+    from mismatch.results import read_summary
 
     summary = run_merge(dirs, out, force=force)
     if as_json:
         emit_json(summary)
         return
-    print_pairs(summary)
+    print_pairs(read_summary(out))  # as published
     out_console.print(f"wrote {out}/")
 
 
@@ -169,6 +172,7 @@ def recommend(
     from mismatch.advise.advice import for_target
     from mismatch.advise.consistency import check_summary
     from mismatch.results import SUMMARY_FILE, read_summary
+    from mismatch.results.summary_model import present
     from mismatch.results.verify import check_tables
 
     target = target_for(framework)
@@ -188,11 +192,13 @@ def recommend(
     if advice.snippet is not None:  # the snippet alone (its comments carry each recommendation): pipeable
         sys.stdout.write(advice.snippet)
         return
+    from mismatch.present.headline import cause_line
+
     for cause in advice.diagnosis.causes:  # the cause first, then what to do about it
-        say(f"cause{' (minor)' if cause.minor else ''}: {cause.title} [{cause.pair}]")
+        say(cause_line(cause))
     for item in advice.recommendations:
         cost = f" Cost: {item.cost}." if item.cost else ""
-        out_console.print(f"{item.kind} {json.dumps(item.params)}: {item.why}.{cost}",
+        out_console.print(f"{item.kind} {json.dumps(present(item.params))}: {item.why}.{cost}",
                           markup=False, highlight=False)
 
 

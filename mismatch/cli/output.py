@@ -37,14 +37,6 @@ def new_table(**options: Any) -> Table:
     return Table(**options)
 
 
-def fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return f"{value:.4g}"
-
-
 # Where --json output goes: the real stdout, kept aside while the command runs with sys.stdout
 # pointed at stderr, so whatever a dependency prints (vLLM logs to stdout) cannot corrupt the JSON.
 _json_stdout: Any = None

@@ -7,71 +7,70 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mismatch.cli.output import fmt, new_table, out_console, say
+from mismatch.cli.output import new_table, out_console, say
+from mismatch.present.headline import audit_banner, cause_line, causes, clip_sentence, findings, verdict_line
+from mismatch.present.numbers import plain
 
 if TYPE_CHECKING:
     from mismatch.frameworks.protocol import Target
+    from mismatch.results.summary_model import Summary
 
 
 KEY_METRICS = ("n_tokens", "log_ratio_abs_mean", "log_ratio_abs_max", "kl_k3", "chi2_token",
                "ess", "ratio_q001", "ratio_q999", "bitwise_equal_frac")
 
 
-def print_pairs(summary: dict[str, Any], target: Target | None = None, out: Path | None = None) -> None:
+def print_pairs(summary: Summary, target: Target | None = None, out: Path | None = None) -> None:
     """Metrics as rows, pairs as columns: fits 80 columns for the three pairs of an audit. With a
     target framework, its own metric names and values as well: summary.json framework_metrics (its
     default settings), or, when the target names settings, recomputed at them from OUT's tokens."""
     table = new_table(title="log(pi_A / pi_B) over trainable tokens", title_justify="left",
                       caption="every term: docs/glossary.md", caption_justify="left")
     table.add_column("metric")
-    pairs = summary["pairs"]
-    for pair in pairs:
+    for pair in summary.pairs:
         table.add_column(pair, justify="right")
     for name in KEY_METRICS:
-        table.add_row(name, *(fmt(metrics.get(name)) for metrics in pairs.values()))
+        table.add_row(name, *(plain(getattr(metrics, name)) for metrics in summary.pairs.values()))
     out_console.print(table)
     if target is not None:
         _print_framework_metrics(summary, target, out)
-    from mismatch.analysis.clip import clip_sentence
-
     if sentence := clip_sentence(summary):  # the question behind the table: is my ratio OK?
         out_console.print(sentence[:1].upper() + sentence[1:] + ".", markup=False, highlight=False,
                           soft_wrap=True)
-    for pair, verdict in summary.get("verdicts", {}).items():
-        out_console.print(f"{pair} ({verdict['meaning']}): {verdict['level']}: {verdict['text']}",
-                          markup=False, highlight=False, soft_wrap=True)
-    from mismatch.analysis.prefixes import prefix_sentence, split_prefixes
+    for pair, verdict in summary.verdicts.items():
+        out_console.print(verdict_line(pair, verdict), markup=False, highlight=False, soft_wrap=True)
+    from mismatch.present.headline import prefix_lines
 
-    for source, finding in split_prefixes(summary).items():
-        out_console.print(prefix_sentence(source, finding, (summary.get("engines") or {}).get(source)),
-                          markup=False, highlight=False, soft_wrap=True)
+    for line in prefix_lines(summary):
+        out_console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
-def print_findings(summary: dict[str, Any]) -> None:
+def print_findings(summary: Summary) -> None:
     """What the audit found besides the pairs: alignment and semantics, render drift, the turn
     onset or position trend, and what the localizers found (each said when it ran)."""
-    alignment = summary.get("alignment") or {}
-    if alignment.get("stored"):
-        temperature = alignment.get("estimated_temperature")
-        say(f"alignment: shift {int(alignment.get('shift') or 0):+d}, stored log-probs "
-             f"{alignment.get('logprob_semantics', 'unknown')}"
-             + (f" (estimated temperature {temperature:.3g})" if isinstance(temperature, (int, float)) else ""))
-    drift = summary.get("drift") or {}
-    if drift.get("num_rollouts_checked"):
-        say(f"render drift: {drift.get('num_spans', 0)} span(s) in {drift.get('num_rollouts_drifted', 0)} of "
-             f"{drift['num_rollouts_checked']} rollouts, {drift.get('trainable_tokens_touched', 0)} trainable "
-             "token(s) touched")
-    turns = (summary.get("localization") or {}).get("turns") or {}
-    if turns.get("n_tokens"):
-        onset, slope = turns.get("onset") or {}, turns.get("position_slope") or {}
-        if turns.get("onset_turn") is not None:
-            say(f"turns: the {turns.get('pair')} gap steps up at turn {turns['onset_turn']}"
-                 + (f" in {onset['n_rollouts_departing']} of {onset['n_rollouts_compared']} rollouts" if onset else ""))
-        elif isinstance(slope.get("slope_per_1k"), (int, float)):
-            grows = "grows" if slope.get("grows_with_position") else "does not grow"
-            say(f"turns: no turn where the {turns.get('pair')} gap steps up; it {grows} with position "
-                 f"({slope['slope_per_1k']:.3g} per 1000 tokens)")
-    localization = summary.get("localization") or {}
+    from mismatch.present.views import Alignment, Drift, TurnFindings, view
+    from mismatch.results.summary_model import present
+
+    alignment = view(present(summary.alignment), Alignment, "alignment")
+    if alignment.stored:
+        temperature = alignment.estimated_temperature
+        say(f"alignment: shift {alignment.shift or 0:+d}, stored log-probs {alignment.logprob_semantics or 'unknown'}"
+            + (f" (estimated temperature {temperature:.3g})" if temperature is not None else ""))
+    drift = view(present(summary.drift), Drift, "drift")
+    if drift.num_rollouts_checked:
+        say(f"render drift: {drift.num_spans} span(s) in {drift.num_rollouts_drifted} of "
+            f"{drift.num_rollouts_checked} rollouts, {drift.trainable_tokens_touched or 0} trainable token(s) touched")
+    localization = summary.localization
+    turns = view(localization.get("turns"), TurnFindings, "localization.turns")
+    if turns.n_tokens:
+        onset, slope = turns.onset, turns.position_slope
+        if turns.onset_turn is not None:
+            say(f"turns: the {turns.pair} gap steps up at turn {turns.onset_turn}"
+                + (f" in {onset.n_rollouts_departing} of {onset.n_rollouts_compared} rollouts" if onset else ""))
+        elif slope is not None and slope.slope_per_1k is not None:
+            grows = "grows" if slope.grows_with_position else "does not grow"
+            say(f"turns: no turn where the {turns.pair} gap steps up; it {grows} with position "
+                f"({slope.slope_per_1k:.3g} per 1000 tokens)")
     if "layers" in localization or "kernels" in localization:
         from mismatch.localize import localized_what
 
@@ -79,28 +78,24 @@ def print_findings(summary: dict[str, Any]) -> None:
             say(f"localize: {line}")
 
 
-def print_diagnosis(summary: dict[str, Any]) -> None:
+def print_diagnosis(summary: Summary) -> None:
     """The diagnosis' causes (title, evidence) and findings, then the answer the report leads with."""
-    from mismatch.reports.banner import audit_banner
-
-    diagnosis = summary.get("diagnosis") or {}
-    for n, cause in enumerate(diagnosis.get("causes") or [], start=1):
-        say(f"cause {n}{' (minor)' if cause.get('minor') else ''}: {cause['title']} [{cause['pair']}]")
-        for line in [*(cause.get("evidence") or []), *(cause.get("rules_out") or [])]:
+    for n, cause in enumerate(causes(summary), start=1):
+        say(cause_line(cause, n))
+        for line in [*cause.evidence, *cause.rules_out]:
             say(f"  - {line}")
-    for finding in diagnosis.get("findings") or []:
+    for finding in findings(summary):
         say(f"note: {finding}")
-    if "verdicts" in summary:
-        say(f"answer: {audit_banner(summary).headline}")
+    say(f"answer: {audit_banner(summary).headline}")
 
 
-def _print_framework_metrics(summary: dict[str, Any], target: Target, out: Path | None) -> None:
+def _print_framework_metrics(summary: Summary, target: Target, out: Path | None) -> None:
     from mismatch.advise.advice import logged_metrics
+    from mismatch.results.summary_model import present
 
     framework = target.framework
-    named = {pair: (block or {}).get(framework) or {} for pair, block in
-             (summary.get("framework_metrics") or {}).items()}
-    settings = (summary.get("framework_settings") or {}).get(framework)
+    named = {pair: block.get(framework) or {} for pair, block in (present(summary.framework_metrics) or {}).items()}
+    settings = (present(summary.framework_settings) or {}).get(framework)
     asked = {**(settings or {}), **target.settings}
     if target.settings and asked != settings and out is not None:  # an audit made without these settings
         logged = logged_metrics(out, target)
@@ -114,27 +109,33 @@ def _print_framework_metrics(summary: dict[str, Any], target: Target, out: Path 
     for pair in named:
         table.add_column(pair, justify="right")
     for key in dict.fromkeys(k for values in named.values() for k in values):
-        table.add_row(key, *(fmt(values.get(key)) for values in named.values()))
+        table.add_row(key, *(plain(values.get(key)) for values in named.values()))
     out_console.print(table)
 
 
-def print_diff(comparison: dict[str, Any]) -> None:
+def print_diff(summary: Summary) -> None:
+    """diff's answer: each metric's b − a with its CI, the closer config by kl_k3 (and on the whole
+    distribution, with --distribution), each config's replay speed."""
+    from mismatch.present.views import Comparison, view
+    from mismatch.results.summary_model import present
+
+    comparison = view(present(summary.diff), Comparison, "diff")
     table = new_table(title="b/reference − a/reference (95% bootstrap CI over rollouts)", title_justify="left")
     for column in ("metric", "a", "b", "delta", "ci95"):
         table.add_column(column, justify="left" if column == "metric" else "right")
-    for name, d in comparison["deltas"].items():
-        table.add_row(name, fmt(d["a"]), fmt(d["b"]), fmt(d["delta"]),
-                      f"[{fmt(d['ci95'][0])}, {fmt(d['ci95'][1])}]")
+    for name, d in comparison.deltas.items():
+        low, high = d.ci95 or [None, None]
+        table.add_row(name, plain(d.a), plain(d.b), plain(d.delta), f"[{plain(low)}, {plain(high)}]")
     out_console.print(table)
-    speed = comparison["throughput_tokens_per_s"]
-    out_console.print(f"closer to the reference: {comparison['closer_to_reference']} "
-                      f"({comparison['closer_rule']}); replay tokens/s: a {fmt(speed['a'])}, "
-                      f"b {fmt(speed['b'])}", markup=False, highlight=False, soft_wrap=True)
-    on_distribution = comparison.get("distribution")
-    if on_distribution:
-        kl = on_distribution["kl"]
-        say(f"closer on the whole next-token distribution: {on_distribution['closer'] or 'undecided'} "
-            f"(mean KL a {fmt(kl['a'])}, b {fmt(kl['b'])}; {on_distribution['rule']})")
+    speed = comparison.throughput_tokens_per_s
+    out_console.print(f"closer to the reference: {comparison.closer_to_reference} "
+                      f"({comparison.closer_rule}); replay tokens/s: a {plain(speed['a'])}, "
+                      f"b {plain(speed['b'])}", markup=False, highlight=False, soft_wrap=True)
+    on_distribution = comparison.distribution
+    if on_distribution is not None:
+        kl = on_distribution.kl
+        say(f"closer on the whole next-token distribution: {on_distribution.closer or 'undecided'} "
+            f"(mean KL a {plain(kl['a'])}, b {plain(kl['b'])}; {on_distribution.rule})")
 
 
 def print_layers(found: dict[str, Any]) -> None:
@@ -147,8 +148,8 @@ def print_layers(found: dict[str, Any]) -> None:
         for column in ("layer", "block", "rel_error", "local_rel_error", "logit_lens |Δlogp|"):
             table.add_column(column, justify="left" if column == "block" else "right")
         for row in found_layers["by_layer"]:
-            table.add_row(str(row["layer"]), row["block"], fmt(row.get("rel_error")),
-                          fmt(row.get("local_rel_error")), fmt(row.get("logit_lens_abs_diff")))
+            table.add_row(str(row["layer"]), row["block"], plain(row.get("rel_error")),
+                          plain(row.get("local_rel_error")), plain(row.get("logit_lens_abs_diff")))
         out_console.print(table)
         out_console.print(f"jump: layer {found_layers['jump_layer']} {found_layers['jump_block']}",
                           markup=False)
@@ -164,7 +165,7 @@ def print_layers(found: dict[str, Any]) -> None:
     for column in ("type", "rel_error", "max_abs"):
         table.add_column(column, justify="left" if column == "type" else "right")
     for row in kernels["by_type"]:
-        table.add_row(row["type"], fmt(row.get("rel_error")), fmt(row.get("max_abs")))
+        table.add_row(row["type"], plain(row.get("rel_error")), plain(row.get("max_abs")))
     out_console.print(table)
 
 
@@ -173,8 +174,8 @@ def print_weights(payload: dict[str, Any]) -> None:
     for tensor in differing:
         out_console.print(
             f"{tensor['name']}: {tensor.get('dtype_a')} {tensor.get('shape_a')} vs {tensor.get('dtype_b')} "
-            f"{tensor.get('shape_b')}: max abs {fmt(tensor.get('max_abs_diff'))}, max rel "
-            f"{fmt(tensor.get('max_rel_diff'))}, bitwise equal {fmt(tensor.get('bitwise_equal_frac'))}",
+            f"{tensor.get('shape_b')}: max abs {plain(tensor.get('max_abs_diff'))}, max rel "
+            f"{plain(tensor.get('max_rel_diff'))}, bitwise equal {plain(tensor.get('bitwise_equal_frac'))}",
             markup=False, highlight=False, soft_wrap=True)
     for side in ("only_a", "only_b"):
         for name in payload.get(side) or []:
@@ -221,10 +222,13 @@ DISTRIBUTION_ROWS = (("KL(A‖B) mean", "kl_ab_mean"), ("KL(B‖A) mean", "kl_ba
                      ("sampled |Δlogp| mean", "sampled_abs_log_ratio_mean"))
 
 
-def print_distribution(summary: dict[str, Any]) -> None:
+def print_distribution(summary: Summary) -> None:
     """--distribution: each pair's whole next-token distribution gap, what is exact or bounded,
     the bitwise claim checked, and where and on which token it is largest."""
-    found = summary.get("distribution") or {}
+    from mismatch.present.views import NextTokenGap, view
+    from mismatch.results.summary_model import present
+
+    found = present(summary.distribution) or {}
     if not found:
         return
     table = new_table(title="whole next-token distribution, A vs B, over trainable positions", title_justify="left")
@@ -232,17 +236,18 @@ def print_distribution(summary: dict[str, Any]) -> None:
     for pair in found:
         table.add_column(pair, justify="right")
     for label, key in DISTRIBUTION_ROWS:
-        table.add_row(label, *(fmt(entry.get(key)) for entry in found.values()))
+        table.add_row(label, *(plain(entry.get(key)) for entry in found.values()))
     out_console.print(table)
     for pair, entry in found.items():
-        view = "exact over the whole vocabulary" if entry["exact"] else f"bounded ({entry['bounded']})"
-        say(f"{pair}: top-K = {entry.get('k')}, {view}")
-        say(f"{pair}: {entry['bitwise']['claim']}")
-        if entry["tokens"]:
-            top = entry["tokens"][0]
+        gap = view(entry, NextTokenGap, f"distribution[{pair!r}]")
+        scope = "exact over the whole vocabulary" if gap.exact else f"bounded ({gap.bounded})"
+        say(f"{pair}: top-K = {gap.k}, {scope}")
+        say(f"{pair}: {gap.bitwise.claim}")
+        if gap.tokens:
+            top = gap.tokens[0]
             say(f"{pair}: token {top['token_id']} moved most ({top['tv_share']:.0%} of the moved mass, "
                 f"largest change at {top['n_positions']} positions)")
-        if entry["worst"]:
-            worst = entry["worst"][0]
-            say(f"{pair}: largest KL(A‖B) {fmt(worst['kl_ab'])} at rollout {worst['rollout']} branch "
+        if gap.worst:
+            worst = gap.worst[0]
+            say(f"{pair}: largest KL(A‖B) {plain(worst['kl_ab'])} at rollout {worst['rollout']} branch "
                 f"{worst['branch']} turn {worst['turn']} position {worst['pos']} (token {worst['moved_token']} moved)")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from mismatch.cli.options import JsonFlag
 from mismatch.cli.output import emit_json, out_console
+
+if TYPE_CHECKING:
+    from mismatch.present.trend import Trend
 
 
 def trend(
@@ -36,18 +39,21 @@ def trend(
     steps = load_steps(results, order=order)
     found = analyze_steps(steps, pair=pair, metric=metric, weights=weights)  # an unknown metric is named here
     check_named(steps, pair, metric)
+    from mismatch.present.trend import read_trend
+
+    trend = read_trend(found)
     if report is not None:
-        from mismatch.reports.trend import build_trend_report
+        from mismatch.reports import build_trend_report
         from mismatch.results import file_fault
 
         try:
-            build_trend_report(found, report)
+            build_trend_report(trend, report)
         except OSError as error:  # the disk filled, or the dir changed since the check
             raise file_fault(error, str(report)) from None
     if as_json:
         emit_json(found)
         return
-    _print_trend(found)
+    _print_trend(trend)
     if report is not None:
         out_console.print(f"report: {report}", markup=False, highlight=False)
 
@@ -69,8 +75,8 @@ def check_report_path(report: Path) -> None:
         raise MismatchError(f"--report {report}: cannot be written ({error.strerror or error} in {parent})") from None
 
 
-def _print_trend(found: dict[str, Any]) -> None:
-    from mismatch.reports.trend import terminal_lines
+def _print_trend(trend: Trend) -> None:
+    from mismatch.present.trend import terminal_lines
 
-    for line in terminal_lines(found):
+    for line in terminal_lines(trend):
         out_console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -50,8 +50,9 @@ def express(mode: str, params: Mapping[str, Any], release: Release) -> dict[str,
     return {"level": level, "action": action, "metric": "ratio", "upper": upper, "lower": lower}
 
 
-class _Behave:
-    """AReaL's behaviour weight at one setting, per token (functional.py:229-420)."""
+class _RejectionSamplingWeights:
+    """AReaL's actor.rejection_sampling at one setting (level, action, bounds) and the behaviour
+    importance weight it gives each token (functional.py:229-420)."""
 
     def __init__(self, settings: Mapping[str, Any]) -> None:
         self.level, self.action = settings["level"], settings["action"]
@@ -89,14 +90,14 @@ def metrics(settings: Mapping[str, Any]) -> list[FrameworkMetric]:
     # Logged only with actor.rejection_sampling set. AReaL upcasts the log-ratio to float32 (:231).
     if settings.get("rejection_sampling", "set") is None:
         return []
-    behave = _Behave(settings)
-    where = f"{behave.level} {behave.action} [{behave.lower}, {behave.upper}]"
+    rejection = _RejectionSamplingWeights(settings)
+    where = f"{rejection.level} {rejection.action} [{rejection.lower}, {rejection.upper}]"
 
     def kept(values: Callable[[PairArrays], np.ndarray]) -> Callable[[PairArrays], np.ndarray]:
-        return lambda p: values(p)[behave.weights(p) > 0]
+        return lambda p: values(p)[rejection.weights(p) > 0]
 
     key = "ppo_actor/update/"
-    weight = kept(behave.weights)
+    weight = kept(rejection.weights)
     approx_kl = kept(lambda p: p.log_ratio)
     return [
         FrameworkMetric("areal", key + "behave_imp_weight/avg", weight, note=f"over tokens kept ({where})"),
@@ -104,7 +105,7 @@ def metrics(settings: Mapping[str, Any]) -> list[FrameworkMetric]:
         FrameworkMetric("areal", key + "behave_imp_weight/max", weight, reduce="max", note=where),
         FrameworkMetric("areal", key + "behave_approx_kl/avg", approx_kl,
                         note=f"log-ratio (k1 with the sign of ours) over tokens kept ({where})"),
-        FrameworkMetric("areal", key + "rs_filtered_fraction", behave.filtered,
+        FrameworkMetric("areal", key + "rs_filtered_fraction", rejection.filtered,
                         note=f"share of tokens masked or clamped ({where})"),
     ]
 

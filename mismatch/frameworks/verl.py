@@ -87,10 +87,11 @@ def _log_ppl_diff(p: PairArrays) -> np.ndarray:
     return p.per(p.seq, p.logp_b, EPS) - p.per(p.seq, p.logp_a, EPS)
 
 
-class _Weights:
-    """verl's IS weights at one setting (rollout_corr_helper.py:566-605): raw = exp(log-ratio, or the
-    sequence's summed log-ratio, clamped to +-20), then TIS (min with the upper bound) or IcePop (0
-    outside [lower, upper]); per token, a sequence's weight on each of its tokens."""
+class _RolloutIsWeights:
+    """verl's rollout_is at one setting (level, threshold) and the IS weights it gives
+    (rollout_corr_helper.py:566-605): raw = exp(log-ratio, or the sequence's summed log-ratio,
+    clamped to +-20), then TIS (min with the upper bound) or IcePop (0 outside [lower, upper]); per
+    token, a sequence's weight on each of its tokens."""
 
     def __init__(self, settings: Mapping[str, Any]) -> None:
         self.level = settings["rollout_is"]
@@ -120,32 +121,33 @@ def _is_metrics(settings: Mapping[str, Any]) -> list[FrameworkMetric]:
     :658-781): logged only when rollout_is is set; over every valid token, a sequence's weight on
     each of its tokens; the high/low fractions from the raw weights (per sequence, in log space, at
     sequence level); the ESS from the applied weights clamped to [0, upper], +1e-8 in the mean."""
-    w = _Weights(settings)
-    where = f"rollout_is {w.level}, rollout_is_threshold {settings['rollout_is_threshold']}"
-    log_upper, log_low = math.log(w.upper), math.log(w.low)
+    rollout_is = _RolloutIsWeights(settings)
+    where = f"rollout_is {rollout_is.level}, rollout_is_threshold {settings['rollout_is_threshold']}"
+    log_upper, log_low = math.log(rollout_is.upper), math.log(rollout_is.low)
 
     def fraction(above: bool) -> Callable[[PairArrays], np.ndarray]:
         def values(p: PairArrays) -> np.ndarray:
-            if w.level == "sequence":
+            if rollout_is.level == "sequence":
                 log_ratio = p.seq_log_ratio
                 return (log_ratio > log_upper if above else log_ratio < log_low).astype(np.float64)
-            raw = w.raw(p)
-            return (raw > w.upper if above else raw < w.low).astype(np.float64)
+            raw = rollout_is.raw(p)
+            return (raw > rollout_is.upper if above else raw < rollout_is.low).astype(np.float64)
         return values
 
     def extreme(p: PairArrays, high: bool) -> np.ndarray:
-        if w.level == "token":
-            return w.applied(p)
+        if rollout_is.level == "token":
+            return rollout_is.applied(p)
         log_ratio = p.seq_log_ratio  # the unclamped sequence log-ratio, exp'd (the max clamped to 20)
         return np.exp(np.minimum(log_ratio, SAFETY_BOUND)) if high else np.exp(log_ratio)
 
     def seq_means(p: PairArrays) -> np.ndarray:
-        return p.per(p.seq, w.applied(p), EPS)
+        return p.per(p.seq, rollout_is.applied(p), EPS)
 
     key = "rollout_corr/rollout_is_"
     out = [
-        FrameworkMetric("verl", key + "mean", w.applied, note=f"applied weights ({where})"),
-        FrameworkMetric("verl", key + "eff_sample_size", lambda p: np.clip(w.applied(p), 0.0, w.upper),
+        FrameworkMetric("verl", key + "mean", rollout_is.applied, note=f"applied weights ({where})"),
+        FrameworkMetric("verl", key + "eff_sample_size",
+                        lambda p: np.clip(rollout_is.applied(p), 0.0, rollout_is.upper),
                         reduce="ess_eps", note=f"applied weights clamped to [0, upper] ({where})"),
         FrameworkMetric("verl", key + "ratio_fraction_high", fraction(True), note=f"raw weight > upper ({where})"),
         FrameworkMetric("verl", key + "ratio_fraction_low", fraction(False),
@@ -159,9 +161,11 @@ def _is_metrics(settings: Mapping[str, Any]) -> list[FrameworkMetric]:
         FrameworkMetric("verl", key + "seq_max_deviation", lambda p: np.abs(seq_means(p) - 1.0), reduce="max",
                         note=f"max |per-sequence mean weight - 1| ({where})"),
     ]
-    if w.icepop:  # :617-622
-        out.append(FrameworkMetric("verl", key + "oob_ratio", lambda p: ((w.raw(p) < w.lower) | (w.raw(p) > w.upper))
-                                   .astype(np.float64), note=f"share of tokens outside the band ({where})"))
+    if rollout_is.icepop:  # :617-622
+        def outside(p: PairArrays) -> np.ndarray:
+            raw = rollout_is.raw(p)
+            return ((raw < rollout_is.lower) | (raw > rollout_is.upper)).astype(np.float64)
+        out.append(FrameworkMetric("verl", key + "oob_ratio", outside, note=f"share of tokens outside the band ({where})"))
     return out
 
 

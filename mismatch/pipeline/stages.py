@@ -39,7 +39,7 @@ from mismatch.results.summary_model import PublishedFile, Summary, present
 from mismatch.rollouts.drift import find_drift, recorded
 
 if TYPE_CHECKING:
-    from mismatch.reports.digest import DigestAnalysis
+    from mismatch.reports import DigestAnalysis
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -268,8 +268,7 @@ def report_digestion(store: TokenStore, pairs: Sequence[tuple[str, str]]) -> Dig
     pairs as the summary lists them, the first as the focus, and the table's row count as every
     pair's upper bound, so the tail behind the histograms' range is gathered in pass 0. The report
     reads the tokens again only if the summary's focus turns out another pair."""
-    from mismatch.reports.digest import DigestAnalysis
-    from mismatch.reports.worst import WorstOptions
+    from mismatch.reports import DigestAnalysis, WorstOptions
 
     names = [f"{a}/{b}" for a, b in pairs]
     return DigestAnalysis(store.columns, pairs=names, focus=names[0] if names else None, options=WorstOptions(),
@@ -283,7 +282,7 @@ def write_results_files(store: TokenStore, summary: Summary, per_rollout: pd.Dat
     summary records each published table's rows and digest (`shard.files`, what a merge checks);
     a shard also publishes its rows' prefix keys, which its merge groups across shards.
     `digested`: report_digestion run in the command's passes. Returns the summary written."""
-    from mismatch.reports.build import build_report
+    from mismatch.reports import build_report
 
     stage = store.directory
     assert stage is not None

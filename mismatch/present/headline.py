@@ -1,4 +1,6 @@
-"""The verdict in one glance: healthy, correct with X, or fix at the source: Y, with key numbers.
+"""The verdict in one glance: healthy, correct with X, or fix at the source: Y, with key numbers;
+and the lines a cause or a verdict is printed as. The report's banner and the terminal's `answer:`
+are both this module's words.
 
 Read from summary.json only (`diagnosis`, `verdicts`, `recommendations`, and `diff` for diff
 reports): the banner restates what the audit concluded. With a diagnosis the headline is its lead
@@ -11,8 +13,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mismatch.results.summary_model import (
+    UNSET,
+    Cause,
+    PairMetrics,
+    Recommendation,
+    Summary,
+    Verdict,
+    partial_metrics,
+    present,
+)
+from mismatch.present.views import Comparison, Drift, MetricDelta, view
+
 # How each recommendation kind reads in a headline (mismatch.advise.recommend's kinds); an unknown kind
-# is shown by its name. An item's explicit "action": "correct" | "fix" | "none" wins over the kind.
+# is shown by its name.
 CORRECT_KINDS = frozenset({"correction"})
 NO_ACTION_KINDS = frozenset({"no_correction", "none", "healthy"})
 # Fixes for a comparison that is itself wrong: a correction on top would correct the wrong thing.
@@ -43,32 +57,27 @@ class Banner:
     numbers: list[tuple[str, Any, str]] = field(default_factory=list)  # (label, value, kind)
 
 
-def focus_pair(summary: dict[str, Any]) -> str | None:
+def focus_pair(summary: Summary) -> str | None:
     """The pair the verdict is about: the first with tokens (train/sampler for an audit)."""
-    pairs = summary.get("pairs") or {}
-    for name, metrics in pairs.items():
-        if isinstance(metrics, dict) and metrics.get("n_tokens"):
+    for name, metrics in summary.pairs.items():
+        if metrics.n_tokens:
             return name
-    return next(iter(pairs), None)
+    return next(iter(summary.pairs), None)
 
 
-def recommendation_action(rec: dict[str, Any], correction_modes: set[str] = frozenset()) -> str:
-    """correct | fix | none, for one item of summary["recommendations"]."""
-    action = str(rec.get("action", "")).lower()
-    if action in ("correct", "fix", "none"):
-        return action
-    kind = str(rec.get("kind", ""))
-    if kind in NO_ACTION_KINDS:
+def recommendation_action(rec: Recommendation, correction_modes: set[str] = frozenset()) -> str:
+    """correct | fix | none, for one of the summary's recommendations."""
+    if rec.kind in NO_ACTION_KINDS:
         return "none"
-    if kind in CORRECT_KINDS or kind in correction_modes:  # a bare mode name is a correction too
+    if rec.kind in CORRECT_KINDS or rec.kind in correction_modes:  # a bare mode name is a correction too
         return "correct"
     return "fix"
 
 
-def describe(rec: dict[str, Any]) -> str:
+def describe(rec: Recommendation) -> str:
     """A recommendation as a reader would say it: `token_truncate (cap=1.5)`, `fp16 instead of bf16`."""
-    params = rec.get("params") if isinstance(rec.get("params"), dict) else {}
-    kind = str(rec.get("kind", "?"))
+    params = present(rec.params) or {}
+    kind = rec.kind
     if kind == "correction" and "mode" in params:
         # The parameters that configure the correction; the rest (its simulated effect) is evidence.
         knobs = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()
@@ -84,21 +93,62 @@ def describe(rec: dict[str, Any]) -> str:
     return kind
 
 
-def key_numbers(metrics: dict[str, Any]) -> list[tuple[str, Any, str]]:
-    # One name per quantity: each tile is labelled with its summary.json key (docs/glossary.md).
-    return [("kl_k3", metrics.get("kl_k3"), "num"),
-            ("ratio_q001 – ratio_q999", (metrics.get("ratio_q001"), metrics.get("ratio_q999")), "range"),
-            ("log_ratio_abs_max", metrics.get("log_ratio_abs_max"), "num"),
-            ("frac_outside_2", metrics.get("frac_outside_2"), "pct"),
-            ("ess", metrics.get("ess"), "num"),
-            ("bitwise_equal_frac", metrics.get("bitwise_equal_frac"), "pct"),
-            ("n_tokens", metrics.get("n_tokens"), "num")]
+# One name per quantity: each tile is labelled with its summary.json key (docs/glossary.md).
+def key_numbers(metrics: PairMetrics) -> list[tuple[str, Any, str]]:
+    return [("kl_k3", metrics.kl_k3, "num"),
+            ("ratio_q001 – ratio_q999", (metrics.ratio_q001, metrics.ratio_q999), "range"),
+            ("log_ratio_abs_max", metrics.log_ratio_abs_max, "num"),
+            ("frac_outside_2", metrics.frac_outside_2, "pct"),
+            ("ess", metrics.ess, "num"),
+            ("bitwise_equal_frac", metrics.bitwise_equal_frac, "pct"),
+            ("n_tokens", metrics.n_tokens, "num")]
 
 
-def _sentence(text: str) -> str:
-    # verdicts.py appends "(kl_k3 …)" to its sentence: the numbers are in the tiles already.
+def verdict_sentence(text: str) -> str:
+    """A verdict's sentence without the numbers verdicts.py appends ("(kl_k3 …)": they are in the
+    tiles already), capitalized."""
     head = text.split(" (kl_k3", 1)[0].strip()
     return head[:1].upper() + head[1:] if head else head
+
+
+def meaning(verdict: Verdict, default: str) -> str:
+    """What the verdict's pair measures, as it says, else `default`."""
+    return default if verdict.meaning is UNSET else verdict.meaning
+
+
+def verdict_line(pair: str, verdict: Verdict) -> str:
+    """A pair's verdict as the terminal lists it: its meaning, its level and the whole sentence."""
+    return f"{pair} ({meaning(verdict, '')}): {verdict.level}: {verdict.text}"
+
+
+def cause_line(cause: Cause, number: int | None = None) -> str:
+    """A diagnosed cause on one line: `cause 1 (minor): <title> [<pair>]` (numbered when listed)."""
+    ordinal = f" {number}" if number is not None else ""
+    return f"cause{ordinal}{' (minor)' if cause.minor else ''}: {cause.title} [{cause.pair}]"
+
+
+def clip_sentence(summary: Summary, pair: str = "train/sampler") -> str | None:
+    """"mismatch alone takes 0.30% of train/sampler tokens out of the clip range [0.8, 1.2]"."""
+    clip = present(summary.clip)
+    if clip is None or clip.pairs.get(pair) is None or not clip.range:
+        return None
+    low, high = clip.range
+    return f"mismatch alone takes {clip.pairs[pair]:.2%} of {pair} tokens out of the clip range [{low:g}, {high:g}]"
+
+
+def split_prefixes(summary: Summary) -> dict[str, dict[str, Any]]:
+    """The sources whose shared prefixes did not all get the same log-probs (analysis.prefixes)."""
+    from mismatch.analysis.prefixes import split_sources
+
+    return split_sources(present(summary.prefix_consistency) or {})
+
+
+def prefix_lines(summary: Summary) -> list[str]:
+    """One line per source whose shared prefixes got different log-probs, naming its engine's kind."""
+    from mismatch.analysis.prefixes import prefix_sentence
+
+    return [prefix_sentence(source, finding, summary.engines.get(source))
+            for source, finding in split_prefixes(summary).items()]
 
 
 # Re-rendered tokens that differ from the sampled ones lead the page only when they are a share of
@@ -106,84 +156,93 @@ def _sentence(text: str) -> str:
 MINOR_DRIFT_FRAC = 0.01
 
 
-def _minor_drift(rec: dict[str, Any], summary: dict[str, Any]) -> bool:
-    if rec.get("kind") != "fix_renderer":
+def _minor_drift(rec: Recommendation, summary: Summary) -> bool:
+    if rec.kind != "fix_renderer":
         return False
-    touched = (summary.get("drift") or {}).get("trainable_tokens_touched")
-    trainable = (summary.get("counts") or {}).get("trainable_tokens")
-    return isinstance(touched, int) and bool(trainable) and touched < MINOR_DRIFT_FRAC * trainable
+    touched = view(present(summary.drift), Drift, "drift").trainable_tokens_touched
+    trainable = summary.counts.get("trainable_tokens")
+    return touched is not None and bool(trainable) and touched < MINOR_DRIFT_FRAC * trainable
 
 
-def lead_cause(summary: dict[str, Any]) -> dict[str, Any] | None:
+def causes(summary: Summary) -> list[Cause]:
+    """The diagnosis' causes, ranked; none for a summary written before the diagnosis existed."""
+    diagnosis = present(summary.diagnosis)
+    return diagnosis.causes if diagnosis is not None else []
+
+
+def findings(summary: Summary) -> list[str]:
+    """The diagnosis' facts that explain no gap but change how to read one."""
+    diagnosis = present(summary.diagnosis)
+    return diagnosis.findings if diagnosis is not None else []
+
+
+def lead_cause(summary: Summary) -> Cause | None:
     """The diagnosis' first cause that explains a gap (a minor one, such as a handful of re-rendered
     tokens, is listed below the headline, never in it)."""
-    causes = [c for c in (summary.get("diagnosis") or {}).get("causes") or [] if isinstance(c, dict)]
-    return next((c for c in causes if not c.get("minor")), None)
+    return next((c for c in causes(summary) if not c.minor), None)
 
 
-def _cause_banner(cause: dict[str, Any], summary: dict[str, Any], recs: list[dict[str, Any]],
-                  corrections: list[dict[str, Any]], details: list[str],
+def _cause_banner(cause: Cause, summary: Summary, recs: list[Recommendation],
+                  corrections: list[Recommendation], details: list[str],
                   numbers: list[tuple[str, Any, str]]) -> Banner:
     """The cause, in its own words; the fix at its source; then the correction, only if one is
     recommended meanwhile (recommend leaves it out when the ratio is 1 up to rounding)."""
-    fix = next((r for r in recs if r.get("kind") == cause.get("fix")), None)
-    parts = [_sentence(str(cause.get("title", cause.get("kind", "?"))))]
-    unexplained = cause.get("kind") == "unexplained"
+    fix = next((r for r in recs if r.kind == cause.fix), None)
+    parts = [verdict_sentence(cause.title)]
+    unexplained = cause.kind == "unexplained"
     if unexplained:  # the size, what was ruled out and the command that would decide: no fix to name
-        where = cause.get("where") or {}
-        parts += [str(line) for line in cause.get("evidence") or []][:1]
-        if where.get("ruled_out"):
-            parts.append("ruled out: " + "; ".join(str(line) for line in where["ruled_out"]))
-        if where.get("next"):
-            parts.append(f"next: {where['next']}")
+        parts += cause.evidence[:1]
+        if cause.where.get("ruled_out"):
+            parts.append("ruled out: " + "; ".join(str(line) for line in cause.where["ruled_out"]))
+        if cause.where.get("next"):
+            parts.append(f"next: {cause.where['next']}")
     if fix is not None:
         parts.append("fix: " + describe(fix))
     if corrections:
         parts.append(("meanwhile correct with " if fix is not None or unexplained else "correct with ")
                      + "; ".join(describe(r) for r in corrections))
-    evidence = [str(line) for line in cause.get("evidence") or []]
     # An unexplained gap's evidence and what was ruled out are its headline already.
-    lines = [f"Evidence: {'; '.join(evidence)}."] if evidence and not unexplained else []
-    lines += [f"Not the others: {cause['rules_out'][0]}."] if cause.get("rules_out") and not unexplained else []
-    others = [c for c in (summary.get("diagnosis") or {}).get("causes") or [] if c is not cause]
-    lines += ["Also found: " + "; ".join(str(c.get("title")) for c in others) + "."] if others else []
+    lines = [f"Evidence: {'; '.join(cause.evidence)}."] if cause.evidence and not unexplained else []
+    lines += [f"Not the others: {cause.rules_out[0]}."] if cause.rules_out and not unexplained else []
+    others = [c for c in causes(summary) if c is not cause]
+    lines += ["Also found: " + "; ".join(c.title for c in others) + "."] if others else []
     status, label = ("fix", "FIX AT THE SOURCE") if fix is not None else ("unknown", "UNEXPLAINED") if unexplained \
         else ("correct", "CORRECT") if corrections else ("fix", "CAUSE FOUND")
     return Banner(status=status, label=label, headline=" — ".join(parts), details=[*lines, *details],
                   numbers=numbers)
 
 
-def audit_banner(summary: dict[str, Any]) -> Banner:
+def audit_banner(summary: Summary) -> Banner:
     """The diagnosis' lead cause when there is one (_cause_banner). Else: fix at the source when the
     comparison is broken, the gap is large or no cap meets the rule; correct with X when a correction
     meets its rule; else the verdict level (healthy, small, large)."""
     pair = focus_pair(summary)
-    metrics = (summary.get("pairs") or {}).get(pair) or {}
-    verdict = (summary.get("verdicts") or {}).get(pair) if pair else None
-    level = (verdict or {}).get("level", "unknown")
-    recs = [r for r in summary.get("recommendations") or [] if isinstance(r, dict)]
-    modes = {str(c.get("mode")) for c in summary.get("corrections") or [] if isinstance(c, dict)}
+    metrics = summary.pairs[pair] if pair is not None else partial_metrics({})
+    verdict = summary.verdicts.get(pair) if pair else None
+    level = verdict.level if verdict is not None else "unknown"
+    recs = summary.recommendations
+    modes = {c.mode for c in summary.corrections}
     actions = [(recommendation_action(r, modes), r) for r in recs]
     fixes = [r for a, r in actions if a == "fix"]
     corrections = [r for a, r in actions if a == "correct"]
-    bugs = [r for r in fixes if r.get("kind") in BUG_KINDS and not _minor_drift(r, summary)]
-    uncorrectable = any((r.get("params") or {}).get("meets_rule") is False for r in corrections)
+    bugs = [r for r in fixes if r.kind in BUG_KINDS and not _minor_drift(r, summary)]
+    uncorrectable = any((present(r.params) or {}).get("meets_rule") is False for r in corrections)
     numbers = key_numbers(metrics)
     details = []
-    clip = (summary.get("clip") or {})
-    if pair and (clip.get("pairs") or {}).get(pair) is not None and clip.get("range"):
+    clip = present(summary.clip)
+    if pair and clip is not None and clip.pairs.get(pair) is not None and clip.range:
         # The first line answers "is my ratio OK?" in the user's own clip range.
-        low, high = clip["range"]
-        details.append(f"Mismatch alone takes {clip['pairs'][pair]:.2%} of {pair} tokens out of the "
+        low, high = clip.range
+        details.append(f"Mismatch alone takes {clip.pairs[pair]:.2%} of {pair} tokens out of the "
                        f"PPO clip range [{low:g}, {high:g}].")
-        numbers.insert(0, (f"outside clip [{low:g}, {high:g}]", clip["pairs"][pair], "pct"))
-    verdict_line = None
-    if verdict and verdict.get("text"):
-        verdict_line = f"{pair} ({verdict.get('meaning', 'log-ratio')}): {_sentence(verdict['text'])}."
-        details.append(verdict_line)
+        numbers.insert(0, (f"outside clip [{low:g}, {high:g}]", clip.pairs[pair], "pct"))
+    verdict_detail = None
+    if verdict is not None and verdict.text:
+        verdict_detail = f"{pair} ({meaning(verdict, 'log-ratio')}): {verdict_sentence(verdict.text)}."
+        details.append(verdict_detail)
     # Facts that explain no gap but change how to read one (a replayed config farther from the
     # trainer than the sampler was; a declaration the replay contradicts).
-    details += [f"Note: {finding}." for finding in (summary.get("diagnosis") or {}).get("findings") or []]
+    details += [f"Note: {finding}." for finding in findings(summary)]
     cause = lead_cause(summary)
     if cause is not None:
         return _cause_banner(cause, summary, recs, corrections, details, numbers)
@@ -205,15 +264,15 @@ def audit_banner(summary: dict[str, Any]) -> Banner:
     if verdict is None:
         return Banner(status="unknown", label="NO VERDICT", numbers=numbers, details=details,
                       headline="No verdict recorded in summary.json (re-run the audit to get one)")
-    details = [line for line in details if line != verdict_line]  # the verdict is the headline itself
+    details = [line for line in details if line != verdict_detail]  # the verdict is the headline itself
     return _level_banner(pair, verdict, details=details, numbers=numbers, recommended=bool(recs))
 
 
-def _level_banner(pair: str | None, verdict: dict[str, Any], *, details: list[str],
+def _level_banner(pair: str | None, verdict: Verdict, *, details: list[str],
                   numbers: list[tuple[str, Any, str]], recommended: bool) -> Banner:
     """No cause, fix or correction to lead with: the verdict's own sentence and level (healthy,
     small or large gap)."""
-    level = verdict.get("level", "unknown")
+    level = verdict.level
     if level in HEALTHY_LEVELS:
         status, label = "healthy", "HEALTHY"
     elif level in ("small", "large"):
@@ -221,29 +280,32 @@ def _level_banner(pair: str | None, verdict: dict[str, Any], *, details: list[st
     else:
         status, label = "unknown", "NOT JUDGED"
     if pair:
-        details.append(f"On {pair} ({verdict.get('meaning', 'its log-ratio')}), trainable tokens.")
+        details.append(f"On {pair} ({meaning(verdict, 'its log-ratio')}), trainable tokens.")
     if not recommended and level not in HEALTHY_LEVELS:
         details.append("Recommendation: not computed for this results dir.")
-    return Banner(status=status, label=label, headline=_sentence(verdict.get("text", "")),
+    return Banner(status=status, label=label, headline=verdict_sentence(verdict.text),
                   details=details, numbers=numbers)
 
 
-def diff_banner(summary: dict[str, Any]) -> Banner:
+def role_spec(summary: Summary, role: str) -> str:
+    """The spec of the engine in `role` as it described itself, else the role's name."""
+    return str((summary.engines.get(role) or {}).get("spec", role))
+
+
+def diff_banner(summary: Summary) -> Banner:
     """Which config is closer to the reference, by kl_k3, with its bootstrap interval."""
-    diff = summary.get("diff") or {}
-    engines = summary.get("engines") or {}
-    spec = {role: (engines.get(role) or {}).get("spec", role) for role in ("a", "b", "reference")}
-    closer = diff.get("closer_to_reference")
-    kl = (diff.get("deltas") or {}).get("kl_k3") or {}
-    ci = kl.get("ci95") or [None, None]
+    diff = view(present(summary.diff), Comparison, "diff")
+    spec = {role: role_spec(summary, role) for role in ("a", "b", "reference")}
+    closer = diff.closer_to_reference
+    kl = diff.deltas["kl_k3"] if "kl_k3" in diff.deltas else MetricDelta()
     numbers: list[tuple[str, Any, str]] = [
-        ("kl_k3 A vs reference", kl.get("a"), "num"), ("kl_k3 B vs reference", kl.get("b"), "num"),
-        ("Δ kl_k3 (B − A)", kl.get("delta"), "num"), ("95% CI of Δ", tuple(ci), "ci")]
-    speed = diff.get("throughput_tokens_per_s") or {}
-    numbers += [(f"{role.upper()} tokens/s", speed.get(role), "num") for role in ("a", "b") if role in speed]
+        ("kl_k3 A vs reference", kl.a, "num"), ("kl_k3 B vs reference", kl.b, "num"),
+        ("Δ kl_k3 (B − A)", kl.delta, "num"), ("95% CI of Δ", tuple(kl.ci95 or [None, None]), "ci")]
+    speed = diff.throughput_tokens_per_s
+    numbers += [(f"{role.upper()} tokens/s", speed[role], "num") for role in ("a", "b") if role in speed]
     details = [f"A = {spec['a']}   ·   B = {spec['b']}   ·   reference = {spec['reference']}"]
-    if diff.get("closer_rule"):
-        details.append(f"Rule: {diff['closer_rule']}.")
+    if diff.closer_rule:
+        details.append(f"Rule: {diff.closer_rule}.")
     if closer in ("a", "b"):
         headline = f"Config {closer.upper()} ({spec[closer]}) is closer to the reference"
         return Banner(status="diff", label=f"{closer.upper()} IS CLOSER", headline=headline,
@@ -255,5 +317,5 @@ def diff_banner(summary: dict[str, Any]) -> Banner:
                   headline="The config comparison was not computed (no `diff` block in summary.json)")
 
 
-def banner(summary: dict[str, Any]) -> Banner:
-    return diff_banner(summary) if summary.get("command") == "diff" else audit_banner(summary)
+def banner(summary: Summary) -> Banner:
+    return diff_banner(summary) if summary.command == "diff" else audit_banner(summary)
