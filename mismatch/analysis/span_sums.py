@@ -31,16 +31,15 @@ def token_terms(pair: PairTokens, scratch: np.ndarray) -> Iterator[tuple[str, np
     yield "ratio", ratio
     yield "log_ratio_sq", np.square(log_ratio, out=scratch)
     yield "ratio_sq", terms.ratio_sq(ratio, out=scratch)
-    yield "k3", terms.k3(log_ratio, out=scratch)
+    yield "k3", pair.k3
     flags = scratch.view(np.bool_)[:len(log_ratio)]  # the same buffer, read as flags
     yield "outside_2", terms.outside(ratio, out=flags)
     yield "equal", np.equal(pair.logp_a, pair.logp_b, out=flags)
     abs_log_ratio = np.abs(log_ratio, out=scratch)
     yield "abs_log_ratio", abs_log_ratio
     yield "log_ratio_abs_max", abs_log_ratio
-    prob_abs_diff = terms.prob_abs_diff(pair.logp_a, pair.logp_b, out=scratch)
-    yield "prob_abs_diff", prob_abs_diff
-    yield "prob_abs_diff_max", prob_abs_diff
+    yield "prob_abs_diff", pair.prob_abs_diff
+    yield "prob_abs_diff_max", pair.prob_abs_diff
 
 
 def span_sums(pair: PairTokens, spans: Spans) -> dict[str, np.ndarray]:
