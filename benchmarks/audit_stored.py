@@ -20,6 +20,10 @@ the file is read once (from the page cache, not the disk), and each is given by 
 a shared VM's speed drifts by tens of percent within minutes, and the best of each, taken side by
 side, is what the code costs.
 Prints one JSON object: wall and peak RSS of each (every run's wall too), and the audit / floor ratio.
+
+--baseline OLD_TREE (a checkout of an earlier commit, e.g. `git archive COMMIT | tar -x -C DIR`):
+that code's audit of the --rollouts file runs too, in turn with the floor and this code's, so a
+before/after is measured against one floor on one machine in one run (`baseline_*` in the output).
 """
 
 from __future__ import annotations
@@ -102,12 +106,13 @@ def tree_rss_kib(pid: int) -> int:
     return total
 
 
-def timed(argv: list[str]) -> dict[str, float]:
+def timed(argv: list[str], extra_env: dict[str, str] | None = None) -> dict[str, float]:
     """Wall seconds, CPU seconds, peak RSS (MiB, the largest single process: wait4) and the peak of
     the process tree's summed RSS (MiB, sampled every 50 ms) of one child process, which must succeed."""
     # Bytecode cached as an installed package has it (pip compiles it at install): this machine's
     # PYTHONDONTWRITEBYTECODE=1 would have every run compile the project's modules again.
     env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
+    env.update(extra_env or {})
     start = time.perf_counter()
     child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     peak = [0]
@@ -144,7 +149,7 @@ def best_of(runs: list[dict[str, float]]) -> dict[str, object]:
     """The fastest run, with every run's wall time and peak RSS (the memory check compares the
     big run with the smallest of these peaks: the stricter ratio)."""
     best: dict[str, object] = dict(min(runs, key=lambda run: run["wall_s"]))
-    for key in ("wall_s", "peak_rss_mib", "peak_tree_rss_mib"):
+    for key in ("wall_s", "cpu_s", "peak_rss_mib", "peak_tree_rss_mib"):
         best[f"runs_{key}"] = [run[key] for run in runs]
     return best
 
@@ -158,6 +163,8 @@ def main() -> None:
     parser.add_argument("--big", type=int, default=30_000, help="0 skips the memory check")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/mismatch-audit-bench"))
     parser.add_argument("--repeat", type=int, default=3, help="runs of the floor and of the --rollouts audit")
+    parser.add_argument("--baseline", type=Path, default=None, help="another checkout's code, run in turn with this one")
+    parser.add_argument("--code", type=Path, default=None, help="run this checkout's code instead of the installed one")
     args = parser.parse_args()
     mismatch = str(Path(sys.executable).with_name("mismatch"))
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -172,23 +179,34 @@ def main() -> None:
     small = files[args.rollouts]
     result["file_mib"] = round(small.stat().st_size / MIB, 1)
 
-    def audit(n: int) -> dict[str, float]:
-        out = args.dir / f"audit-{n}"
+    def audit(n: int, code: Path | None = None) -> dict[str, float]:
+        out = args.dir / (f"baseline-audit-{n}" if code is not None and code == args.baseline else f"audit-{n}")
         shutil.rmtree(out, ignore_errors=True)
-        return timed([mismatch, "audit", str(checkpoint), "--rollouts", str(files[n]), "--train", "stored:trainer",
-                      "--infer", "stored:engine", "--out", str(out)])
+        # -P: not the working directory first on sys.path, so PYTHONPATH picks the baseline's code.
+        command = [mismatch] if code is None else [sys.executable, "-P", "-c", "from mismatch.cli import run; run()"]
+        return timed([*command, "audit", str(checkpoint), "--rollouts", str(files[n]), "--train", "stored:trainer",
+                      "--infer", "stored:engine", "--out", str(out)],
+                     extra_env={"PYTHONPATH": str(code)} if code is not None else None)
 
-    floors, audits = [], []
+    floors, audits, baselines = [], [], []
     for _ in range(args.repeat):
         warm(small)
         floors.append(timed([sys.executable, "-c", FLOOR, str(small)]))
         warm(small)
-        audits.append(audit(args.rollouts))
+        audits.append(audit(args.rollouts, args.code))
+        if args.baseline is not None:
+            warm(small)
+            baselines.append(audit(args.rollouts, args.baseline))
     result["json_loads_floor"] = best_of(floors)
     result[f"audit_{args.rollouts}"] = best_of(audits)
+    if baselines:
+        result[f"baseline_audit_{args.rollouts}"] = best_of(baselines)
+        result["baseline_code"] = str(args.baseline)
+        result["baseline_over_floor"] = round(result[f"baseline_audit_{args.rollouts}"]["wall_s"]
+                                              / result["json_loads_floor"]["wall_s"], 2)
     if args.big:
         warm(files[args.big])
-        result[f"audit_{args.big}"] = audit(args.big)
+        result[f"audit_{args.big}"] = audit(args.big, args.code)
     for n in files:
         summary = json.loads((args.dir / f"audit-{n}" / "summary.json").read_text())
         result[f"audit_{n}"]["tokens"] = summary["counts"]["tokens"]
@@ -196,6 +214,12 @@ def main() -> None:
     result["help"] = min((timed([mismatch, "--help"]) for _ in range(3)), key=lambda r: r["wall_s"])
     small_audit = result[f"audit_{args.rollouts}"]
     result["audit_over_floor"] = round(small_audit["wall_s"] / result["json_loads_floor"]["wall_s"], 2)
+    # CPU seconds over the floor's (the least of each one's runs): what a loaded machine moves least.
+    result["audit_cpu_over_floor_cpu"] = round(min(small_audit["runs_cpu_s"])
+                                               / min(result["json_loads_floor"]["runs_cpu_s"]), 2)
+    if baselines:
+        result["baseline_cpu_over_floor_cpu"] = round(min(result[f"baseline_audit_{args.rollouts}"]["runs_cpu_s"])
+                                                      / min(result["json_loads_floor"]["runs_cpu_s"]), 2)
     if args.big:
         for key in ("peak_rss_mib", "peak_tree_rss_mib"):
             result[f"{key.removesuffix('_mib')}_big_over_small"] = round(

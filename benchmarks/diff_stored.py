@@ -4,6 +4,8 @@
 Usage: python benchmarks/diff_stored.py [--rollouts 10000] [--big 30000] [--repeat 3] [--dir /tmp/mismatch-audit-bench]
        [--pythonpath OLD_TREE]  (the same runs on another checkout's code, e.g. a `git worktree` of
        the commit before a change, for its baseline)
+       [--baseline OLD_TREE]  (that code's diff of the --rollouts file too, in turn with this one's:
+       one floor, one machine, one run for the before and the after)
 
 The rollouts files, the config-only checkpoint and the measurement (wall, peak RSS of the largest
 process from wait4, the process tree's summed RSS sampled) are audit_stored.py's, in the same
@@ -29,47 +31,60 @@ from audit_stored import FLOOR, MIB, best_of, generate, timed, warm, write_check
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rollouts", type=int, default=10_000)
-    parser.add_argument("--big", type=int, default=30_000)
+    parser.add_argument("--big", type=int, default=30_000, help="0 skips the memory check")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/mismatch-audit-bench"))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--pythonpath", type=Path, default=None, help="run another checkout's mismatch")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another checkout's code, its diff of the --rollouts file run in turn with this one's")
     args = parser.parse_args()
-    if args.pythonpath is not None:
-        os.environ["PYTHONPATH"] = str(args.pythonpath)
     args.dir.mkdir(parents=True, exist_ok=True)
     checkpoint = args.dir / "checkpoint"
     write_checkpoint(checkpoint)
-    files = {n: args.dir / f"rollouts-{n}.jsonl" for n in (args.rollouts, args.big)}
+    files = {n: args.dir / f"rollouts-{n}.jsonl" for n in (args.rollouts, args.big) if n}
     for n, path in files.items():
         generate(path, n)
     # -P: not the working directory first on sys.path, so --pythonpath picks the code that runs.
     command = [sys.executable, "-P", "-c", "from mismatch.cli import run; run()"]
 
-    def diff(n: int) -> dict[str, float]:
-        out = args.dir / f"diff-{n}"
+    def diff(n: int, code: Path | None = args.pythonpath) -> dict[str, float]:
+        out = args.dir / (f"baseline-diff-{n}" if code is not None and code == args.baseline else f"diff-{n}")
         shutil.rmtree(out, ignore_errors=True)
         return timed([*command, "diff", str(checkpoint), "--rollouts", str(files[n]), "--a", "stored:trainer",
-                      "--b", "stored:engine", "--reference", "sampler", "--out", str(out)])
+                      "--b", "stored:engine", "--reference", "sampler", "--out", str(out)],
+                     extra_env={"PYTHONPATH": str(code)} if code is not None else None)
 
     result: dict[str, object] = {"python": sys.version.split()[0], "cores": os.cpu_count(),
                                  "code": str(args.pythonpath or Path(__file__).parent.parent),
                                  "file_mib": round(files[args.rollouts].stat().st_size / MIB, 1)}
-    floors, diffs = [], []
+    floors, diffs, baselines = [], [], []
     for _ in range(args.repeat):
         warm(files[args.rollouts])
         floors.append(timed([sys.executable, "-c", FLOOR, str(files[args.rollouts])]))
         warm(files[args.rollouts])
         diffs.append(diff(args.rollouts))
-    result["json_loads_floor"] = best_of(floors)
+        if args.baseline is not None:
+            warm(files[args.rollouts])
+            baselines.append(diff(args.rollouts, args.baseline))
+    result["json_loads_floor"] = floor = best_of(floors)
     result[f"diff_{args.rollouts}"] = small = best_of(diffs)
-    warm(files[args.big])
-    result[f"diff_{args.big}"] = big = diff(args.big)
+    if args.big:
+        warm(files[args.big])
+        result[f"diff_{args.big}"] = big = diff(args.big)
     for n in files:
         summary = json.loads((args.dir / f"diff-{n}" / "summary.json").read_text())
         result[f"diff_{n}"]["tokens"] = summary["counts"]["tokens"]
-    result["diff_over_floor"] = round(small["wall_s"] / result["json_loads_floor"]["wall_s"], 2)
-    for key in ("peak_rss_mib", "peak_tree_rss_mib"):
-        result[f"{key.removesuffix('_mib')}_big_over_small"] = round(big[key] / min(small[f"runs_{key}"]), 2)
+    result["diff_over_floor"] = round(small["wall_s"] / floor["wall_s"], 2)
+    # CPU seconds over the floor's (the least of each one's runs): what a loaded machine moves least.
+    result["diff_cpu_over_floor_cpu"] = round(min(small["runs_cpu_s"]) / min(floor["runs_cpu_s"]), 2)
+    if baselines:
+        result[f"baseline_diff_{args.rollouts}"] = baseline = best_of(baselines)
+        result["baseline_code"] = str(args.baseline)
+        result["baseline_over_floor"] = round(baseline["wall_s"] / floor["wall_s"], 2)
+        result["baseline_cpu_over_floor_cpu"] = round(min(baseline["runs_cpu_s"]) / min(floor["runs_cpu_s"]), 2)
+    if args.big:
+        for key in ("peak_rss_mib", "peak_tree_rss_mib"):
+            result[f"{key.removesuffix('_mib')}_big_over_small"] = round(big[key] / min(small[f"runs_{key}"]), 2)
     print(json.dumps(result, indent=1))
 
 

@@ -144,3 +144,21 @@ def test_json_safe_turns_every_non_finite_number_into_null() -> None:
     assert json_safe(value) == {"a": [1.0, None, 2, True, None, "x", None, None, 3, [4.5, None], [0.5, {"k": None}]],
                                 "7": None}
     assert json.dumps(json_safe(value), allow_nan=False)
+
+
+def test_a_digest_begun_ahead_is_the_files_and_a_file_changed_since_is_hashed_again(tmp_path):
+    import hashlib
+
+    from mismatch.results.staging import _AHEAD, digest_ahead, file_sha256
+
+    file = tmp_path / "rollouts.jsonl"
+    file.write_bytes(b"x" * 3_000_000)
+    digest_ahead(file)
+    assert file_sha256(file) == hashlib.sha256(b"x" * 3_000_000).hexdigest()
+    assert not _AHEAD  # taken once
+    digest_ahead(file)
+    _AHEAD[str(file)][1].result()  # hashed before the change: its stamp no longer matches
+    file.write_bytes(b"y" * 10)
+    assert file_sha256(file) == hashlib.sha256(b"y" * 10).hexdigest()
+    digest_ahead(tmp_path / "missing.jsonl")  # nothing begun: the command's checks word it
+    assert not _AHEAD

@@ -44,6 +44,16 @@ class PairTokens:
     def ratio(self) -> np.ndarray:
         return terms.ratio(self.log_ratio)
 
+    # Terms several analyses of a chunk read (the span sums, strata, the frameworks' metrics): made
+    # once per pair and view, the same bits as each computing its own.
+    @cached_property
+    def k3(self) -> np.ndarray:
+        return terms.k3(self.log_ratio)
+
+    @cached_property
+    def prob_abs_diff(self) -> np.ndarray:
+        return terms.prob_abs_diff(self.logp_a, self.logp_b)
+
     def ratio_into(self, buffer: np.ndarray) -> np.ndarray:
         """`ratio`, the kept array if there is one, else computed into `buffer` (same bits)."""
         if "ratio" in self.__dict__:

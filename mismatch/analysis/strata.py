@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from mismatch.analysis import terms
 from mismatch.analysis.chunked import Chunk
 
 # Lower edges; the last bucket is open above. Powers of two for lengths and positions (a 128k-token
@@ -54,7 +53,7 @@ class Strata:
             if tokens.view.num_tokens == 0:
                 continue
             log_ratio = tokens.log_ratio
-            values = (terms.k3(log_ratio), np.abs(log_ratio), log_ratio)
+            values = (tokens.k3, np.abs(log_ratio), log_ratio)
             pair_sums = self.sums.setdefault(name, {})
             for dimension, (bucket, known, counts) in _bucketed(tokens, a, b).items():
                 weights = values if known is None else tuple(v[known] for v in values)

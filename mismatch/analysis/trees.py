@@ -60,13 +60,17 @@ class _WeightedSums:
         self.n += len(w)
         self.total += float(w.sum())
         self.sums += np.array([dot(w, terms_of[name]) for name in _TERMS])
-        top = float(terms_of["log_ratio"].max())
+        if "shifted" not in terms_of:  # kept with the terms: the weights that share them share these
+            top = float(terms_of["log_ratio"].max())
+            with np.errstate(over="ignore", invalid="ignore"):
+                shifted = np.exp(terms_of["log_ratio"] - top)
+                terms_of.update(top=np.array(top), shifted=shifted, shifted_sq=np.square(shifted))
+        top = float(terms_of["top"])
         with np.errstate(over="ignore", invalid="ignore"):
-            shifted = np.exp(terms_of["log_ratio"] - top)
             new_top = max(self.top, top)
             old, new = np.exp(self.top - new_top), np.exp(top - new_top)
-            self.shifted = self.shifted * old + dot(w, shifted) * new
-            self.shifted_sq = self.shifted_sq * old * old + dot(w, np.square(shifted)) * new * new
+            self.shifted = self.shifted * old + dot(w, terms_of["shifted"]) * new
+            self.shifted_sq = self.shifted_sq * old * old + dot(w, terms_of["shifted_sq"]) * new * new
         self.top = new_top
 
     def merge(self, other: _WeightedSums) -> None:

@@ -73,6 +73,9 @@ def audit(
     """Replay stored rollouts through a trainer and an engine; write tokens.parquet + summary.json.
 
     Rerunning the same command after an interruption resumes from the finished blocks."""
+    from mismatch.results.staging import digest_ahead
+
+    digest_ahead(rollouts)  # the inputs' identity hashes the file: begun while the imports below run
     from mismatch.analysis.clip import ClipRange
     from mismatch.pipeline.audit import run_audit
     from mismatch.pipeline.configured import model_line, resolve_options
@@ -124,6 +127,9 @@ def diff(
     as_json: JsonFlag = False,
 ) -> None:
     """Replay two engine configs against a reference: which is closer, by how much, where, how fast."""
+    from mismatch.results.staging import digest_ahead
+
+    digest_ahead(rollouts)  # as audit's: the identity's digest begun while the imports run
     from mismatch.pipeline.configured import resolve_options
     from mismatch.pipeline.diff import run_diff
     from mismatch.pipeline.options import DiffOptions

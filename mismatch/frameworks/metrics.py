@@ -87,7 +87,7 @@ def chunk_pair_arrays(chunk: Chunk, a: str, b: str) -> PairArrays:
     pair = chunk.pair(f"logp_{a}", f"logp_{b}")
     view = pair.view
     return PairArrays(logp_a=pair.logp_a, logp_b=pair.logp_b, seq=view.spans.spread(view.span_seq),
-                      rollout=view.spans.spread(view.span_rollout), log_ratio=pair.log_ratio)
+                      rollout=view.spans.spread(view.span_rollout), log_ratio=pair.log_ratio, tokens=pair)
 
 
 class _Reduction:
@@ -176,15 +176,18 @@ class FrameworkMetrics:
                 arrays = chunk.memo(("pair_arrays", a, b), lambda a=a, b=b: chunk_pair_arrays(chunk, a, b))
                 if not len(arrays.logp_a):
                     continue
+                # Keys that reduce the same values differently (verl's per-sequence mean weight: its
+                # mean, std, max, min) share one computation of them per pair and chunk.
+                made: dict[int, np.ndarray] = {}
                 for metric in self.metrics:
                     key = ((a, b), metric.key)
                     if index == 0:
-                        values = metric.values(arrays)
+                        values = _made(made, metric, arrays)
                         self.reductions[key].add(values)
                         if key in self.medians:
                             self.medians[key].add(values)
                     elif key in self.pending:
-                        self.medians[key].add(metric.values(arrays))
+                        self.medians[key].add(_made(made, metric, arrays))
 
     def merge(self, other: FrameworkMetrics, index: int) -> None:
         if index == 0:
@@ -207,6 +210,14 @@ class FrameworkMetrics:
                 found.setdefault(metric.framework, {})[metric.key] = value
             out[f"{a}/{b}"] = found
         return out
+
+
+def _made(made: dict[int, np.ndarray], metric: FrameworkMetric, arrays: PairArrays) -> np.ndarray:
+    """metric.values(arrays), made once per values function (the metrics hold them: ids stay theirs)."""
+    key = id(metric.values)
+    if key not in made:
+        made[key] = metric.values(arrays)
+    return made[key]
 
 
 def framework_metrics(chunks: Chunks, pairs: Sequence[tuple[str, str]],

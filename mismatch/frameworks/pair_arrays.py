@@ -3,11 +3,13 @@ metrics share: verl's and slime's +-20 clamp, both sides' probabilities."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cached_property
 
 import numpy as np
 
 from mismatch.analysis import terms
+from mismatch.analysis.pair_tokens import PairTokens
 
 
 SAFETY_BOUND = 20.0  # verl and slime clamp log-ratios to +-20 before exp (rollout_corr_helper.py:75)
@@ -18,20 +20,31 @@ class PairArrays:
     (codes 0..k-1 in table order); the log-ratio and the group sizes are made once."""
 
     def __init__(self, logp_a: np.ndarray, logp_b: np.ndarray, seq: np.ndarray, rollout: np.ndarray,
-                 log_ratio: np.ndarray | None = None) -> None:
+                 log_ratio: np.ndarray | None = None, tokens: PairTokens | None = None) -> None:
         self.logp_a = logp_a    # the trainer side (log pi_train in the frameworks' terms)
         self.logp_b = logp_b    # the rollout side (log pi_rollout)
         self.seq = seq          # each token's sequence (one branch of one rollout)
         self.rollout = rollout  # each token's rollout
         self.log_ratio = logp_a - logp_b if log_ratio is None else log_ratio
+        # The chunk's PairTokens of these very arrays, when made from one: its ratio, k3 and
+        # |pi_A - pi_B| are the ones the span sums already made.
+        self.tokens = tokens
         self._counts = {id(seq): np.bincount(seq), id(rollout): np.bincount(rollout)}
         self._starts = {id(codes): _run_starts(codes, self._counts[id(codes)]) for codes in (seq, rollout)}
         self._means: dict[tuple[int, int, float], np.ndarray] = {}
+        self._memo: dict[object, np.ndarray] = {}
+
+    def memo(self, key: object, compute: Callable[[], np.ndarray]) -> np.ndarray:
+        """compute(), made once per pair and kept under `key`: a term several metrics of one
+        setting share (verl's raw and applied IS weights feed eleven of its keys)."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     # Terms several metrics share, made once per pair.
     @cached_property
     def ratio(self) -> np.ndarray:
-        return terms.ratio(self.log_ratio)
+        return self.tokens.ratio if self.tokens is not None else terms.ratio(self.log_ratio)
 
     @cached_property
     def k1(self) -> np.ndarray:
@@ -39,7 +52,7 @@ class PairArrays:
 
     @cached_property
     def k3(self) -> np.ndarray:
-        return terms.k3(self.log_ratio)
+        return self.tokens.k3 if self.tokens is not None else terms.k3(self.log_ratio)
 
     @cached_property
     def abs_log_ratio(self) -> np.ndarray:
@@ -52,7 +65,7 @@ class PairArrays:
 
     @cached_property
     def prob_abs_diff(self) -> np.ndarray:
-        return terms.prob_abs_diff(self.logp_a, self.logp_b)
+        return self.tokens.prob_abs_diff if self.tokens is not None else terms.prob_abs_diff(self.logp_a, self.logp_b)
 
     @cached_property
     def seq_log_ratio(self) -> np.ndarray:

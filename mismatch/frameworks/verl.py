@@ -106,10 +106,17 @@ class _RolloutIsWeights:
         return p.log_ratio if self.level == "token" else p.seq_log_ratio
 
     def raw(self, p: PairArrays) -> np.ndarray:
+        return p.memo(("verl_raw", self.level), lambda: self._raw(p))
+
+    def _raw(self, p: PairArrays) -> np.ndarray:
         raw = np.exp(np.clip(self.log_ratio(p), -SAFETY_BOUND, SAFETY_BOUND))
         return raw if self.level == "token" else raw[p.seq]
 
     def applied(self, p: PairArrays) -> np.ndarray:
+        # Made once per pair and setting: the mean, ESS, extremes and five per-sequence keys read it.
+        return p.memo(("verl_applied", self.level, self.upper, self.lower), lambda: self._applied(p))
+
+    def _applied(self, p: PairArrays) -> np.ndarray:
         raw = self.raw(p)
         if self.icepop:
             return np.where((raw >= self.lower) & (raw <= self.upper), raw, 0.0)

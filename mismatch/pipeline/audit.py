@@ -39,6 +39,7 @@ from mismatch.results.summary_model import Correction, Summary
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_processed
 from mismatch.replay.truncation import sampler_truncation, truncation_explained
 from mismatch.results import TokenStore, results_lock, staged_tokens
+from mismatch.results.chunks import ChunkSource
 from mismatch.streams import Sampling
 from mismatch.workers import analysis_workers, reading_workers
 
@@ -217,8 +218,12 @@ def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | N
     same passes; `extra`: more analyses for those passes (the per-rollout table, the report's
     digestion); `workers`: how many processes share them (chunked.run_passes); `settings`: each framework's
     correction settings asked for (`--for`, a config), over those the rollouts declare, over the defaults."""
-    first = next(iter(chunks()), None)
-    pairs = audit_pairs(first.columns if first is not None else ())
+    if isinstance(chunks, ChunkSource) and chunks.columns is not None:
+        columns = chunks.columns()  # from the file's footer: no chunk read for its names
+    else:
+        first = next(iter(chunks()), None)
+        columns = list(first.columns) if first is not None else []
+    pairs = audit_pairs(columns)
     summary = SummaryAnalyses(pairs, clip)
     checked = AlignmentCheck(sampler_meta=beside.engines["sampler"].get("meta")) if beside.alignment is None else None
     # The IS settings: `--for`'s (or a --train config's), over what the run declared in its rollouts'

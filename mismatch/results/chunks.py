@@ -30,6 +30,8 @@ class ChunkSource:
 
     count: Callable[[], int]
     read: Callable[[int], pd.DataFrame]
+    # The chunks' column names without reading one (a Parquet file's footer), when known.
+    columns: Callable[[], list[str]] | None = None
 
     def __call__(self) -> Iterator[pd.DataFrame]:
         return self.part(0, self.count())
@@ -77,4 +79,5 @@ def chunk_bounds(table: pd.DataFrame, rows: int | None = None) -> list[tuple[int
 def table_chunks(table: pd.DataFrame, rows: int | None = None) -> ChunkSource:
     """The table's rollout-aligned chunks (re-iterable: each call starts a new pass)."""
     bounds = chunk_bounds(table, rows)
-    return ChunkSource(count=lambda: len(bounds), read=lambda number: table.iloc[slice(*bounds[number])])
+    return ChunkSource(count=lambda: len(bounds), read=lambda number: table.iloc[slice(*bounds[number])],
+                       columns=lambda: [str(name) for name in table.columns])

@@ -289,7 +289,11 @@ def tokens_chunks(files: Sequence[Path], *, columns: Sequence[str] | None = None
         reader = pq.ParquetFile(file, metadata=metadata)  # read, not mapped: mapped pages would count in the RSS
         return _frame(reader.read(columns=columns) if groups is None else reader.read_row_groups(groups, columns=columns))
 
-    return ChunkSource(count=lambda: len(units()), read=read)
+    def names() -> list[str]:
+        listed = units()
+        return list(columns) if columns is not None else (listed[0][1].schema.to_arrow_schema().names if listed else [])
+
+    return ChunkSource(count=lambda: len(units()), read=read, columns=names)
 
 
 def _frame(table: pa.Table) -> pd.DataFrame:
