@@ -162,7 +162,8 @@ def identity(summary: dict[str, Any], level: dict[str, str], side: dict[str, Sid
     metrics = (summary.get("pairs") or {}).get(pair) or {}
     tail, kl = metrics.get("frac_outside_2"), metrics.get("kl_k3")
     train = side.get("train")
-    if train is None or not train.replayed or not isinstance(tail, (int, float)) or tail < IDENTITY_TAIL:
+    # NaN (no stored log-probs to pair: the summary in memory, before JSON writes it null) is no tail.
+    if train is None or not train.replayed or not isinstance(tail, (int, float)) or not tail >= IDENTITY_TAIL:
         return None
     declared = ((summary.get("engines") or {}).get("sampler") or {}).get("meta") or {}
     evidence = [f"{tail:.1%} of {pair} tokens have a ratio outside [0.5, 2] (kl_k3 {three_digits(kl)})"]
