@@ -162,6 +162,60 @@ def test_a_perturbed_indexer_flips_keys_and_index_replay_removes_the_gap(archite
     assert flips["removed_k3_frac"] == 1.0
 
 
+def _with_selections(rollouts: Path, selected: list[np.ndarray], out: Path) -> Path:
+    """The rollouts with each token's recorded selection (format v1 `indexer_topk`), split by segment."""
+    lines = []
+    for line, rows in zip(rollouts.read_text().splitlines(), selected, strict=True):
+        rollout = json.loads(line)
+        start = 0
+        for segment in rollout["branches"][0]["segments"]:
+            segment["indexer_topk"] = rows[start:start + len(segment["tokens"])].tolist()
+            start += len(segment["tokens"])
+        lines.append(json.dumps(rollout))
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def test_index_replay_uses_the_recorded_selection_when_the_rollouts_carry_it(architecture_checkpoint, short_rollouts,
+                                                                             tmp_path) -> None:
+    """The reference's selections written into the rollouts (as an engine that records them would):
+    replay forces the perturbed indexer to them and removes the whole gap, saying "recorded". Its
+    neighbour: the perturbed model's own selections recorded, forced on itself, remove nothing."""
+    from mismatch.localize.index_flips import index_flips, selections
+    from mismatch.replay import plan_replay
+    from mismatch.rollouts import load_rollouts
+
+    checkpoint = architecture_checkpoint("glm_moe_dsa")
+    perturbed = str(_perturbed_indexer(checkpoint, tmp_path / "perturbed"))
+    requests = plan_replay(load_rollouts(short_rollouts)).requests
+    a, b = f"hf:dtype=float32,checkpoint={perturbed}", "hf:dtype=float32"
+    for source, removed in ((b, 1.0), (a, 0.0)):
+        recorded = _with_selections(short_rollouts, selections(str(checkpoint), source, requests),
+                                    tmp_path / f"recorded-{removed}.jsonl")
+        flips = index_flips(str(checkpoint), plan_replay(load_rollouts(recorded)).requests, a=a, b=b).to_dict()
+        assert flips["replay_selection"] == "recorded"
+        assert flips["num_queries_recorded"] == sum(len(r.tokens) for r in requests)
+        assert flips["k3_share_with_flip"] == 1.0 and flips["with_flip"]["k3_sum"] > 0
+        assert flips["removed_k3_frac"] == removed
+    simulated = index_flips(str(checkpoint), requests, a=a, b=b).to_dict()
+    assert simulated["replay_selection"] == "simulated" and simulated["num_queries_recorded"] == 0
+
+
+def test_a_recorded_selection_past_its_query_is_refused_before_any_model_loads(architecture_checkpoint,
+                                                                                 short_rollouts, tmp_path) -> None:
+    from mismatch.errors import MismatchError
+    from mismatch.localize.index_flips import index_flips
+    from mismatch.replay import plan_replay
+    from mismatch.rollouts import load_rollouts
+
+    requests = plan_replay(load_rollouts(short_rollouts)).requests
+    rows = [np.tile(np.arange(8, dtype=np.int32), (len(r.tokens), 2, 1)) for r in requests]  # query 0 selects key 7
+    bad = plan_replay(load_rollouts(_with_selections(short_rollouts, rows, tmp_path / "bad.jsonl"))).requests
+    with pytest.raises(MismatchError, match="index replay: request 0: indexer_topk at position 0 layer 0 selects key 7, "
+                                            "after its query"):
+        index_flips(str(architecture_checkpoint("glm_moe_dsa")), bad, a="hf:checkpoint=/nonexistent", b="hf")
+
+
 def test_layers_cli_reports_the_split_and_the_index_flips(architecture_checkpoint, short_rollouts, tmp_path,
                                                           capsys) -> None:
     from mismatch.cli import main
