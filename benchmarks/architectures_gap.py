@@ -44,7 +44,13 @@ def one(checkpoint: Path, rollouts: Path, out: Path, train: str, infer: str) -> 
     subprocess.run([sys.executable, "-m", "mismatch", "audit", str(checkpoint), "--rollouts", str(rollouts),
                     "--train", train, "--infer", infer, "--localize", "--out", str(out), "--json"],
                    check=True, capture_output=True)
+    return read(out)
+
+
+def read(out: Path) -> dict:
+    """One audit's row from its results dir (also for dirs a run left: --read DIR...)."""
     summary = json.loads((out / "summary.json").read_text())
+    train, infer = summary["engines"]["train"]["spec"], summary["engines"]["infer"]["spec"]
     pair, localization = summary["pairs"]["train/infer"], summary["localization"]
     split = localization["layer_types"]
     causes = summary["diagnosis"]["causes"]
@@ -53,7 +59,8 @@ def one(checkpoint: Path, rollouts: Path, out: Path, train: str, infer: str) -> 
             "lead_type": split["lead_type"], "mechanism": split["mechanism"],
             "share": {t["layer_type"]: t["share"] for t in split["by_type"]},
             "index_flips": {k: v for k, v in localization.get("index_flips", {}).items() if k != "method"} or None,
-            "first_cause": (causes[0]["title"], causes[0]["minor"]) if causes else None}
+            "first_cause": (causes[0]["title"], causes[0]["minor"]) if causes else None,
+            "refused": [(r["kind"], r["why"]) for r in summary["diagnosis"]["refused"]]}
 
 
 def main() -> None:
@@ -63,7 +70,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", type=Path, default=Path("/tmp/mismatch-arch"))
     parser.add_argument("--names", default=",".join(NEW_ARCHITECTURES))
+    parser.add_argument("--read", type=Path, nargs="*", help="print the rows of these results dirs, run nothing")
     args = parser.parse_args()
+    if args.read:
+        print(json.dumps({str(out): read(out) for out in args.read if (out / "summary.json").is_file()}, indent=1))
+        return
     args.dir.mkdir(parents=True, exist_ok=True)
     tokenizer = ensure_tiny_checkpoint(args.dir / "tiny").path
     rollouts = short_rollouts(REPO / "examples" / "rollouts.jsonl", args.dir / "short.jsonl")
@@ -73,6 +84,7 @@ def main() -> None:
         for dtype in ("bfloat16", "float32"):
             report[f"{name}/{dtype}"] = one(checkpoint, rollouts, args.dir / f"{name}-{dtype}",
                                             f"hf:dtype={dtype}", f"hf-decode:dtype={dtype}")
+            print(json.dumps({f"{name}/{dtype}": report[f"{name}/{dtype}"]}), file=sys.stderr, flush=True)
         if name in ("qwen3_5", "qwen3_next", "qwen3_5_moe", "kimi_linear", "olmo_hybrid"):
             report[f"{name}/bfloat16 state"] = one(checkpoint, rollouts, args.dir / f"{name}-state",
                                                    "hf:dtype=bfloat16", "hf-decode:dtype=bfloat16,state_dtype=bfloat16")

@@ -22,6 +22,10 @@ class ReplayRequest:
     # `sampling_mask`), and the truncation meta.sampler declares: what `sampling=replay` renormalizes over.
     kept: KeptSets | None = None
     truncation: Sampling | None = None
+    # The key positions the sampler's DSA indexer selected at each position of `tokens` (format v1
+    # `indexer_topk`), int32 [L, sparse layers, top-k], rows of -1 where none was recorded: what
+    # index replay forces the trainer to (localize/index_flips).
+    indexer_topk: np.ndarray | None = None
 
     @property
     def num_scored(self) -> int:

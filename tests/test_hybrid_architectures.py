@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from mismatch.advise.levels import gap_level
-from mismatch.results.summary_model import partial_metrics
+from mismatch.results.summary_model import partial_metrics, partial_summary
 from mismatch.demo.architectures import NEW_ARCHITECTURES
 from mismatch.localize.layer_types import SPLIT_RULE, layer_types, mechanism
 from mismatch.pipeline.audit import audit
+from mismatch.present.headline import audit_banner
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
 
@@ -84,8 +85,10 @@ def test_the_mechanism_is_named_only_when_one_thing_differs() -> None:
 @pytest.mark.parametrize("name", NEW_ARCHITECTURES)
 def test_each_new_architecture_is_audited_and_the_diagnosis_names_its_layer_type(
         name, architecture_checkpoint, short_rollouts, tmp_path) -> None:
-    """hf vs hf-decode in bfloat16 with --localize: a gap, split by layer type; the diagnosis leads
-    with the lead type's mechanism when a token mixer leads, and never blames weights both sides share."""
+    """hf vs hf-decode in bfloat16 with --localize: a gap, split by layer type; the layer_type cause
+    is claimed only when its size test passes (the lead mixer type introduces >= half the local
+    error, in a model of more than one mixer type), else listed in diagnosis.refused with why; it
+    never blames weights both sides share, and no stored log-probs is no identity cause."""
     checkpoint = architecture_checkpoint(name)
     summary = audit(checkpoint, short_rollouts, train="hf-decode:dtype=bfloat16", infer="hf:dtype=bfloat16",
                     out=tmp_path / "o", localize_models=True).summary
@@ -97,17 +100,29 @@ def test_each_new_architecture_is_audited_and_the_diagnosis_names_its_layer_type
     # None only when every sub-block fed the same input agrees bit for bit (measured here in bf16: Kimi Linear, gpt-oss).
     assert split["lead_type"] == (split["by_type"][0]["layer_type"] if errors[0] > 0 else None)
     assert abs(sum(t["share"] for t in split["by_type"]) - (1.0 if errors[0] > 0 else 0.0)) < 1e-9
-    causes = summary["diagnosis"]["causes"]
-    assert "weights" not in {c["kind"] for c in causes}  # one checkpoint on both sides
+    causes, refused = summary["diagnosis"]["causes"], summary["diagnosis"]["refused"]
+    assert {"weights", "identity"}.isdisjoint(c["kind"] for c in causes)  # one checkpoint; no stored log-probs
     level = gap_level(partial_metrics(summary["pairs"]["train/infer"]))
-    if split["mechanism"] is not None and level != "exact":
-        cause = next(c for c in causes if c["kind"] == "layer_type")
-        assert cause["title"] == split["mechanism"] and cause["where"]["layer_type"] == split["lead_type"]
-        assert cause["minor"] == (level == "negligible")  # random weights: a negligible gap, located, not fixed
+    found = next((c for c in causes if c["kind"] == "layer_type"), None)
+    refusal = next((r for r in refused if r["kind"] == "layer_type"), None)
+    lead = next((t for t in split["by_type"] if t["layer_type"] == split["lead_type"]), None)
+    if split["mechanism"] is None or level == "exact":
+        assert found is None and refusal is None
+    elif len(set(TYPES[name])) == 1:  # one mixer type: the whole model's path, not a layer type's
+        assert found is None and refusal["test"] == "size"
+        assert refusal["why"].startswith(f"every layer runs {TYPES[name][0]}: the split singles out no layer type")
+    elif lead["share"] < 0.5:
+        assert found is None and refusal["why"].startswith(f"spread, not concentrated: the {lead['layer_type']} layers")
     else:
-        assert "layer_type" not in {c["kind"] for c in causes}
-        assert split["mechanism"] is None or level == "exact"
+        assert refusal is None
+        assert found["title"].startswith(f"{split['mechanism']}: {lead['share']:.0%} of the layers' local error")
+        assert found["where"]["layer_type"] == split["lead_type"]
+        assert found["minor"] == (level == "negligible")  # located, not a gap to fix, when negligible
     assert ("index_flips" in summary["localization"]) == (name == "glm_moe_dsa")
+    flips = next((c for c in causes if c["kind"] == "index_flips"), None)
+    if flips is not None:  # flips carry the gap: they lead, with their replay
+        assert flips is causes[0] and summary["localization"]["index_flips"]["k3_share_with_flip"] >= 0.5
+        assert audit_banner(partial_summary(summary)).headline.startswith("DSA index flips carry")
 
 
 def _perturbed_indexer(checkpoint: Path, out: Path) -> Path:
@@ -148,6 +163,60 @@ def test_a_perturbed_indexer_flips_keys_and_index_replay_removes_the_gap(archite
     assert flips["removed_k3_frac"] == 1.0
 
 
+def _with_selections(rollouts: Path, selected: list[np.ndarray], out: Path) -> Path:
+    """The rollouts with each token's recorded selection (format v1 `indexer_topk`), split by segment."""
+    lines = []
+    for line, rows in zip(rollouts.read_text().splitlines(), selected, strict=True):
+        rollout = json.loads(line)
+        start = 0
+        for segment in rollout["branches"][0]["segments"]:
+            segment["indexer_topk"] = rows[start:start + len(segment["tokens"])].tolist()
+            start += len(segment["tokens"])
+        lines.append(json.dumps(rollout))
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+def test_index_replay_uses_the_recorded_selection_when_the_rollouts_carry_it(architecture_checkpoint, short_rollouts,
+                                                                             tmp_path) -> None:
+    """The reference's selections written into the rollouts (as an engine that records them would):
+    replay forces the perturbed indexer to them and removes the whole gap, saying "recorded". Its
+    neighbour: the perturbed model's own selections recorded, forced on itself, remove nothing."""
+    from mismatch.localize.index_flips import index_flips, selections
+    from mismatch.replay import plan_replay
+    from mismatch.rollouts import load_rollouts
+
+    checkpoint = architecture_checkpoint("glm_moe_dsa")
+    perturbed = str(_perturbed_indexer(checkpoint, tmp_path / "perturbed"))
+    requests = plan_replay(load_rollouts(short_rollouts)).requests
+    a, b = f"hf:dtype=float32,checkpoint={perturbed}", "hf:dtype=float32"
+    for source, removed in ((b, 1.0), (a, 0.0)):
+        recorded = _with_selections(short_rollouts, selections(str(checkpoint), source, requests),
+                                    tmp_path / f"recorded-{removed}.jsonl")
+        flips = index_flips(str(checkpoint), plan_replay(load_rollouts(recorded)).requests, a=a, b=b).to_dict()
+        assert flips["replay_selection"] == "recorded"
+        assert flips["num_queries_recorded"] == sum(len(r.tokens) for r in requests)
+        assert flips["k3_share_with_flip"] == 1.0 and flips["with_flip"]["k3_sum"] > 0
+        assert flips["removed_k3_frac"] == removed
+    simulated = index_flips(str(checkpoint), requests, a=a, b=b).to_dict()
+    assert simulated["replay_selection"] == "simulated" and simulated["num_queries_recorded"] == 0
+
+
+def test_a_recorded_selection_past_its_query_is_refused_before_any_model_loads(architecture_checkpoint,
+                                                                                 short_rollouts, tmp_path) -> None:
+    from mismatch.errors import MismatchError
+    from mismatch.localize.index_flips import index_flips
+    from mismatch.replay import plan_replay
+    from mismatch.rollouts import load_rollouts
+
+    requests = plan_replay(load_rollouts(short_rollouts)).requests
+    rows = [np.tile(np.arange(8, dtype=np.int32), (len(r.tokens), 2, 1)) for r in requests]  # query 0 selects key 7
+    bad = plan_replay(load_rollouts(_with_selections(short_rollouts, rows, tmp_path / "bad.jsonl"))).requests
+    with pytest.raises(MismatchError, match="index replay: request 0: indexer_topk at position 0 layer 0 selects key 7, "
+                                            "after its query"):
+        index_flips(str(architecture_checkpoint("glm_moe_dsa")), bad, a="hf:checkpoint=/nonexistent", b="hf")
+
+
 def test_layers_cli_reports_the_split_and_the_index_flips(architecture_checkpoint, short_rollouts, tmp_path,
                                                           capsys) -> None:
     from mismatch.cli import main
@@ -184,13 +253,17 @@ def test_bf16_index_flips_are_measured_and_replay_removes_their_part(architectur
     assert np.isfinite(summary["pairs"]["train/infer"]["kl_k3"])
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "kimi_linear"])
+HYBRIDS = [name for name, types in TYPES.items() if "linear_attention" in types]
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
 def test_a_bf16_recurrent_state_puts_the_gap_in_the_linear_attention_layers(name, architecture_checkpoint,
                                                                             short_rollouts, tmp_path) -> None:
     """The sampler keeping its linear-attention state in bfloat16 (as a serving engine's state cache
     of the model's dtype does) against the trainer's chunked float32 recurrence: the gap grows, the
-    linear-attention layers carry the most of it, and the diagnosis names them. Its neighbour, the
-    float32 state (auto), is the test above (measured: full attention or nothing leads there)."""
+    linear-attention layers introduce most of it, and the diagnosis leads with them, its size test
+    stated; only MoE routing flips (downstream of those layers' rounding) may come first. Its
+    neighbours: the float32 state (the test above) and float32 on both sides (below)."""
     checkpoint = architecture_checkpoint(name)
     own = audit(checkpoint, short_rollouts, train="hf-decode:dtype=bfloat16", infer="hf:dtype=bfloat16",
                 out=tmp_path / "own").summary["pairs"]["train/infer"]
@@ -198,12 +271,45 @@ def test_a_bf16_recurrent_state_puts_the_gap_in_the_linear_attention_layers(name
                     infer="hf:dtype=bfloat16", out=tmp_path / "bf16", localize_models=True).summary
     assert summary["engines"]["train"]["options"]["state_dtype"] == "bfloat16"
     assert summary["pairs"]["train/infer"]["kl_k3"] > 5 * own["kl_k3"]
+    assert gap_level(summary["pairs"]["train/infer"]) in ("small", "large")
     split = summary["localization"]["layer_types"]
-    assert split["lead_type"] == "linear_attention"
+    lead = split["by_type"][0]
+    assert split["lead_type"] == lead["layer_type"] == "linear_attention" and lead["share"] >= 0.5
     words = "the linear-attention layers' chunked prefill vs recurrent decode (recurrent state in bfloat16)"
     assert split["mechanism"] == words
-    cause = next(c for c in summary["diagnosis"]["causes"] if c["kind"] == "layer_type")
-    assert cause["title"] == words and cause["where"]["layers"] == [0]
+    causes = summary["diagnosis"]["causes"]
+    kinds = [c["kind"] for c in causes]
+    cause = causes[kinds.index("layer_type")]
+    assert set(kinds[:kinds.index("layer_type")]) <= {"routing_flips"}
+    assert cause["title"].startswith(f"{words}: {lead['share']:.0%} of the layers' local error")
+    assert cause["where"]["layers"] == [0] and not cause["minor"]
+    assert any(r["kind"] == "align_linear_attention" and "mamba_ssm_cache_dtype" in r["why"]
+               for r in summary["recommendations"])
+    if kinds[0] == "layer_type":
+        assert audit_banner(partial_summary(summary)).headline.startswith(
+            f"The linear-attention layers' chunked prefill vs recurrent decode (recurrent state in bfloat16): "
+            f"{lead['share']:.0%} of the layers' local error")
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("qwen3_5", "float32"), ("minimax_m2", "bfloat16"),
+                                             ("gpt_oss", "float32")])
+def test_the_layer_type_does_not_lead_when_the_gap_is_not_concentrated_in_one(name, dtype, architecture_checkpoint,
+                                                                               short_rollouts, tmp_path) -> None:
+    """The neighbours: float32 on both sides (every part differs at float32 rounding, the MLPs' one-row
+    matmuls as much as the mixers), a full-attention-only model (MiniMax-M2: its one mixer type is the
+    whole model's path), gpt-oss's sink layers in float32 (spread over both types and the MLPs)."""
+    summary = audit(architecture_checkpoint(name), short_rollouts, train=f"hf:dtype={dtype}",
+                    infer=f"hf-decode:dtype={dtype}", out=tmp_path / "o", localize_models=True).summary
+    split = summary["localization"]["layer_types"]
+    assert "layer_type" not in {c["kind"] for c in summary["diagnosis"]["causes"]}
+    refusal = next((r for r in summary["diagnosis"]["refused"] if r["kind"] == "layer_type"), None)
+    if split["mechanism"] is None:  # the MLPs lead, or nothing differs: no mixer to name
+        assert refusal is None and split["lead_type"] in ("mlp", None)
+    elif name == "minimax_m2":
+        assert refusal["why"].startswith("every layer runs full_attention")
+        assert summary["diagnosis"]["causes"][0]["kind"] == "kernel_path"
+    else:
+        assert split["by_type"][0]["share"] < 0.5 and refusal["why"].startswith("spread, not concentrated")
 
 
 def test_an_unknown_state_dtype_is_refused(architecture_checkpoint) -> None:

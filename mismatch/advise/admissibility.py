@@ -159,7 +159,8 @@ def identity(summary: Summary, level: dict[str, str], side: dict[str, Side], pai
     perturbed or stale copy of a trained model does."""
     tail, kl = summary.metric(pair, "frac_outside_2"), summary.metric(pair, "kl_k3")
     train = side.get("train")
-    if train is None or not train.replayed or not isinstance(tail, (int, float)) or tail < IDENTITY_TAIL:
+    # NaN (no stored log-probs to pair: the summary in memory, before JSON writes it null) is no tail.
+    if train is None or not train.replayed or not isinstance(tail, (int, float)) or not tail >= IDENTITY_TAIL:
         return None
     declared = summary.engine("sampler").get("meta") or {}
     evidence = [f"{tail:.1%} of {pair} tokens have a ratio outside [0.5, 2] (kl_k3 {three_digits(kl)})"]

@@ -37,7 +37,7 @@ from mismatch.advise.numeric_causes import (  # noqa: F401 (ROUTING_SHARE: the r
 )
 from mismatch.advise.log_prob_semantics import alignment_shift, processed, trainer_temperature
 from mismatch.advise.truncation import truncated_sampling
-from mismatch.advise.mechanisms import confinement_is_weights, mechanism_causes
+from mismatch.advise.mechanisms import confinement_is_weights, layer_type_test, mechanism_causes
 from mismatch.advise.readers import (
     Side,
     batch_variant_from_probes,
@@ -179,7 +179,7 @@ RULES: tuple[Rule, ...] = (
     Rule(find=lambda f: mechanism_causes(f.summary, f.level)[0]),
     Rule(find=lambda f: routing_flips(f.summary, f.weights),
          test=lambda cause, f: routing_test(cause, f.level, f.side, sampler_fault=_sampler_side(f) is not None)),
-    Rule(find=lambda f: mechanism_causes(f.summary, f.level)[1]),
+    Rule(find=lambda f: mechanism_causes(f.summary, f.level)[1], test=lambda cause, f: layer_type_test(cause, f.summary)),
     Rule(find=lambda f: precision(f.summary, f.level, f.side, f.weights, f.probes), test=_size),
     Rule(find=lambda f: kernel_path(f.summary, f.level, f.side, f.weights), test=_size),
     Rule(find=lambda f: position_drift(f.summary), test=_size),

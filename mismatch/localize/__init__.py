@@ -40,7 +40,8 @@ def localized_what(found: dict[str, Any]) -> list[str]:
         removed = flips.get("removed_k3_frac")
         lines.append(f"index flips: {flips['frac_tokens_with_flip']:.1%} of tokens after a flipped query carry "
                      f"{flips.get('k3_share_with_flip') or 0:.0%} of k3; index replay removes "
-                     + (f"{removed:.0%}" if removed is not None else "nothing measurable"))
+                     + (f"{removed:.0%}" if removed is not None else "nothing measurable")
+                     + f" ({flips.get('replay_selection', 'simulated')} selection)")
     return lines
 
 

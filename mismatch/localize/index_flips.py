@@ -11,6 +11,8 @@ indexer layer (the convention of `analysis/routing`: the token's own position). 
 log_ratio = logp_a - logp_b and its k3 (analysis/terms). *Index replay* reruns a with every indexer's
 output replaced by b's selection at the same positions, as `routing=replay` does for experts (and as
 vLLM's RFC #48305 lists "DSA index replay" beside R3): what it removes is the gap the flips carried.
+When the rollouts carry the sampler's own selections (format v1 `indexer_topk`), a is forced to
+those instead, at the positions they were recorded (`replay_selection`: recorded | simulated).
 """
 
 from __future__ import annotations
@@ -61,8 +63,11 @@ class _Selections:
                 return None  # every key is selected on both sides: nothing to force
             chosen = own.copy()
             query = np.arange(start, start + len(given))[:, None]
-            # A short query's top-k holds masked (future) keys: keep those on the query itself.
-            chosen[:len(given)] = np.where((given >= 0) & (given <= query), given, query)
+            # A short query's top-k holds masked (future) keys: keep those on the query itself. A row
+            # of -1 is a query whose selection was not recorded: it keeps its own.
+            recorded = (given >= 0).any(axis=1, keepdims=True)
+            chosen[:len(given)] = np.where(recorded, np.where((given >= 0) & (given <= query), given, query),
+                                           own[:len(given)])
             return torch.from_numpy(chosen[None].astype(np.int32)).to(output.device)
         return hook
 
@@ -114,6 +119,8 @@ class IndexFlips:
     replayed_with_flip: GapPart            # a forced to b's selection, the same tokens
     replayed_without_flip: GapPart
     removed_k3_frac: float | None          # 1 - replayed k3 / own k3, all scored tokens
+    replay_selection: str                  # "recorded": the rollouts' indexer_topk; "simulated": b's selection
+    num_queries_recorded: int              # queries forced to a recorded selection (0 when simulated)
 
     def to_dict(self) -> dict[str, Any]:
         from mismatch.results import json_safe
@@ -144,6 +151,7 @@ def index_flips(checkpoint: str, requests: Sequence[ReplayRequest], *, a: str, b
             raise SpecError(f"index flips: --{flag} {spec} must be a torch engine ({', '.join(TORCH_KINDS)}): "
                             "the indexer's selection is read with hooks")
     requests = list(requests)[:max_sequences]
+    recorded = _recorded(checkpoint, requests)
     engine_b = load_engine(b, checkpoint)
     try:
         logp_b, sel_b, topk = _run(engine_b, requests, forced=None)
@@ -152,7 +160,11 @@ def index_flips(checkpoint: str, requests: Sequence[ReplayRequest], *, a: str, b
     engine_a = load_engine(a, checkpoint)
     try:
         logp_a, sel_a, _ = _run(engine_a, requests, forced=None)
-        logp_r, _, _ = _run(engine_a, requests, forced=sel_b)
+        forced = sel_b if recorded is None else recorded
+        if recorded is not None and len(recorded[0]) != len(sel_b[0]):
+            raise MismatchError(f"index replay: the rollouts' indexer_topk has {len(recorded[0])} layers, the "
+                                f"checkpoint {len(sel_b[0])} indexers")
+        logp_r, _, _ = _run(engine_a, requests, forced=forced)
     finally:
         engine_a.close()
     num_layers = len(sel_b[0]) if sel_b else 0
@@ -183,7 +195,42 @@ def index_flips(checkpoint: str, requests: Sequence[ReplayRequest], *, a: str, b
                       with_flip=with_flip, without_flip=without_flip,
                       k3_share_with_flip=with_flip.k3_sum / total if total > 0 else None,
                       replayed_with_flip=GapPart.of(lr_r[flip]), replayed_without_flip=GapPart.of(lr_r[~flip]),
-                      removed_k3_frac=1.0 - replayed_total / total if total > 0 else None)
+                      removed_k3_frac=1.0 - replayed_total / total if total > 0 else None,
+                      replay_selection="simulated" if recorded is None else "recorded",
+                      num_queries_recorded=0 if recorded is None else int(sum(
+                          (layers[0] >= 0).any(axis=1).sum() for layers in recorded)))
+
+
+def _recorded(checkpoint: str, requests: list[ReplayRequest]) -> list[list[np.ndarray]] | None:
+    """Per request, per layer, the recorded selections [positions, k] (rows of -1 where none), or
+    None when no request carries any. Checked before any model loads: the config's top-k, and no
+    key after its query (causal attention selects among the keys before it and itself)."""
+    import json
+    from pathlib import Path
+
+    if all(request.indexer_topk is None for request in requests):
+        return None
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    topk = config.get("text_config", config).get("index_topk")
+    out = []
+    for n, request in enumerate(requests):
+        if request.indexer_topk is None:
+            out.append(None)
+            continue
+        selected = request.indexer_topk
+        if selected.shape[2] != topk:
+            raise MismatchError(f"index replay: request {n}: the rollouts' indexer_topk holds top-{selected.shape[2]} "
+                                f"selections, the checkpoint's index_topk is {topk}")
+        late = np.argwhere(selected > np.arange(len(selected))[:, None, None])
+        if len(late):
+            position, layer, _ = (int(x) for x in late[0])
+            raise MismatchError(f"index replay: request {n}: indexer_topk at position {position} layer {layer} "
+                                f"selects key {int(selected[position, layer].max())}, after its query")
+        out.append([selected[:, layer] for layer in range(selected.shape[1])])
+    layers = next(len(r) for r in out if r is not None)
+    shape = next(r[0].shape[1] for r in out if r is not None)
+    return [r if r is not None else [np.full((len(q.tokens), shape), -1, np.int32)] * layers
+            for r, q in zip(out, requests)]
 
 
 def _run(engine: Any, requests: list[ReplayRequest], *, forced: list[list[np.ndarray]] | None
@@ -208,3 +255,21 @@ def _hooked(model: Any, forced: list[np.ndarray] | None) -> Iterator[_Selections
         yield hooks
     finally:
         hooks.remove()
+
+
+def selections(checkpoint: str, spec: str, requests: Sequence[ReplayRequest]) -> list[np.ndarray]:
+    """The indexer selections a torch engine makes on each request, int32 [L, layers, top-k] per
+    request (-1 in empty slots): the rows format v1's `indexer_topk` carries, as a sampler records them."""
+    engine = load_engine(spec, checkpoint)
+    try:
+        _, selected, _ = _run(engine, list(requests), forced=None)
+    finally:
+        engine.close()
+    out = []
+    for layers in selected:
+        rows = np.stack(layers, axis=1).astype(np.int32)
+        # A query before the top-k-th key "selects" masked future keys (transformers' top-k over -inf
+        # scores): no key there, -1, as an engine that records only real keys writes it.
+        rows[rows > np.arange(len(rows))[:, None, None]] = -1
+        out.append(np.sort(rows, axis=-1))
+    return out

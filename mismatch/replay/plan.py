@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.errors import MismatchError
-from mismatch.rollouts import Branch, Rollout, Segment, context_tokens, segment_turns
+from mismatch.rollouts import Branch, Rollout, Segment, context_tokens, full_indexer_topk, segment_turns
 from mismatch.streams import KeptSets, ReplayRequest, Sampling
 
 TABLE_KEYS = ("rollout_index", "rollout", "branch", "branch_kind", "turn", "segment", "pos", "role",
@@ -94,7 +94,8 @@ class _Branches:
         sampling = Sampling.from_meta(declared if isinstance(declared, dict) else None)
         self.requests.append(ReplayRequest(tokens=np.concatenate([context, *own]).astype(np.int64),
                                            generated=generated, score_from=len(context), kept=kept,
-                                           truncation=sampling.truncation if sampling.truncates else None))
+                                           truncation=sampling.truncation if sampling.truncates else None,
+                                           indexer_topk=full_indexer_topk(rollout, branch.id)))
         self.request_block.append(block)
         self.segment_branch.extend([len(self.branch_ids)] * len(own))
         self.segment_turn.extend(segment_turns([seg.role for seg in branch.segments]))

@@ -27,6 +27,7 @@ from mismatch.rollouts.model import (
     Rollout,
     Segment,
     context_tokens,
+    full_indexer_topk,
     full_routed_experts,
     full_tokens,
     routing_shape,
@@ -38,6 +39,6 @@ from mismatch.rollouts.rules import MAX_EXPERT_ID, MAX_NESTING, MAX_TREE_DEPTH
 __all__ = [
     "BRANCH_KINDS", "MAX_EXPERT_ID", "MAX_JSON_DEPTH", "MAX_NAME_CHARS", "MAX_NESTING", "MAX_TREE_DEPTH",
     "MODEL_ROLES", "PARQUET_BATCH_SIZE", "ROLES", "Branch", "FileChecks", "LineFacts", "Rollout", "Segment",
-    "ValidationReport", "check_rollout", "context_tokens", "full_routed_experts", "full_tokens", "iter_rollouts",
+    "ValidationReport", "check_rollout", "context_tokens", "full_indexer_topk", "full_routed_experts", "full_tokens", "iter_rollouts",
     "load_rollouts", "routing_shape", "segment_turns", "validate_file",
 ]

@@ -38,6 +38,8 @@ from mismatch.rollouts.rules import (
     check_object,
     check_role,
     check_rollout_object,
+    check_index_shapes,
+    check_indexer_topk,
     check_routed_experts,
     check_routing_shapes,
     check_sampling_mask,
@@ -128,6 +130,7 @@ class _TypedSegment(msgspec.Struct, forbid_unknown_fields=True):
     extra_logprobs: dict[str, list[float] | None] | None = None
     routed_experts: Any = None  # shapes and ids: rules.check_routed_experts, on the plain lists
     sampling_mask: Any = None   # CSR offsets and ids: rules.check_sampling_mask
+    indexer_topk: Any = None    # shapes and key positions: rules.check_indexer_topk
 
 
 class _TypedBranch(msgspec.Struct, forbid_unknown_fields=True):
@@ -193,6 +196,7 @@ def _typed_rollout(typed: _TypedRollout, *, file: str, line: int, vocab_size: in
         branches.append(branch)
     check_tree([{"id": b.id, "parent": b.parent, "fork_at": b.fork_at} for b in typed.branches], branches, scratch)
     check_routing_shapes(branches, scratch)
+    check_index_shapes(branches, scratch)
     if scratch.errors:
         return None
     return Rollout(id=typed.id, meta=meta, branches=tuple(branches), messages=messages, file=file, line=line)
@@ -218,6 +222,9 @@ def _typed_branch(raw: _TypedBranch, vocab_size: int | None, num_experts: int | 
         if fields.sampling_mask is not None:
             kept = check_sampling_mask(fields.sampling_mask, "sampling_mask", segments[i].tokens, vocab_size, scratch)
             segments[i] = replace(segments[i], sampling_mask=kept)
+        if fields.indexer_topk is not None:
+            selected = check_indexer_topk(fields.indexer_topk, "indexer_topk", segments[i].num_tokens, scratch)
+            segments[i] = replace(segments[i], indexer_topk=selected)
     if scratch.errors:
         return None
     return Branch(id=raw.id, kind=kind, parent=raw.parent, fork_at=raw.fork_at, segments=tuple(segments))
@@ -247,7 +254,7 @@ def fast_segments(raw_segments: list, vocab_size: int | None) -> list[Segment] |
     parts = []
     for raw in raw_segments:
         if not isinstance(raw, dict) or raw.get("routed_experts") is not None or raw.get("sampling_mask") is not None \
-                or unknown_fields(raw, SEGMENT_FIELDS):
+                or raw.get("indexer_topk") is not None or unknown_fields(raw, SEGMENT_FIELDS):
             return None
         parts.append(_SegmentFields(raw.get("role"), raw.get("tokens"), raw.get("logprobs"), raw.get("trainable"),
                                     raw.get("extra_logprobs")))
@@ -356,6 +363,7 @@ def check_rollout(raw: object, *, file: str, line: int, vocab_size: int | None,
                     for i, b in enumerate(raw_branches)]
         check_tree(raw_branches, branches, problems)
         check_routing_shapes(branches, problems)
+        check_index_shapes(branches, problems)
 
     if problems.errors:
         return None, problems.errors
@@ -416,12 +424,15 @@ def _check_segment(raw: object, where: str, vocab_size: int | None, problems: Pr
     raw_mask = raw.get("sampling_mask")
     kept = None if raw_mask is None else check_sampling_mask(raw_mask, f"{where}.sampling_mask", tokens,
                                                              vocab_size, problems)
+    raw_selected = raw.get("indexer_topk")
+    selected = None if raw_selected is None else check_indexer_topk(raw_selected, f"{where}.indexer_topk",
+                                                                    num_tokens, problems)
     check_fields(raw, SEGMENT_FIELDS, where, problems)
 
     if len(problems.errors) > num_errors:
         return None
     return Segment(role=role, tokens=tokens, logprobs=logprobs, trainable=trained_on(role, trainable),
-                   extra_logprobs=extra, routed_experts=routed, sampling_mask=kept)
+                   extra_logprobs=extra, routed_experts=routed, sampling_mask=kept, indexer_topk=selected)
 
 
 def _check_extra_logprobs(raw_extra: object, where: str, num_tokens: int | None,

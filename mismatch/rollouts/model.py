@@ -20,7 +20,8 @@ BRANCH_KINDS = ("main", "subagent", "summary", "subagent_summary")
 # The fields format v1 names at each level (docs/format.md); `meta` and `messages` are free-form.
 ROLLOUT_FIELDS = ("id", "branches", "meta", "messages")
 BRANCH_FIELDS = ("id", "kind", "parent", "fork_at", "segments")
-SEGMENT_FIELDS = ("role", "tokens", "logprobs", "trainable", "extra_logprobs", "routed_experts", "sampling_mask")
+SEGMENT_FIELDS = ("role", "tokens", "logprobs", "trainable", "extra_logprobs", "routed_experts", "sampling_mask",
+                  "indexer_topk")
 # pandas writes a DataFrame's index beside its columns (DataFrame.to_parquet): a row's key, not a field.
 _PANDAS_INDEX = re.compile(r"__index_level_\d+__")
 
@@ -42,6 +43,10 @@ class Segment:
     routed_experts: np.ndarray | None = None
     # The token ids the sampler's truncation kept at each token (CSR; rules.check_sampling_mask).
     sampling_mask: KeptSets | None = None
+    # The key positions the sampler's DSA indexer selected at each token, int32 [num_tokens,
+    # sparse_layers, top_k]; -1 in an empty slot, a row of -1 where it recorded none
+    # (index_rules.check_indexer_topk).
+    indexer_topk: np.ndarray | None = None
 
     @property
     def generated(self) -> bool:
@@ -134,14 +139,27 @@ def full_tokens(rollout: Rollout, branch_id: str) -> np.ndarray:
 def full_routed_experts(rollout: Rollout, branch_id: str, shape: tuple[int, int]) -> np.ndarray:
     """The stored experts of every token of `full_tokens`, int16 [tokens, layers, k] for a
     (layers, k) `shape`; -1 rows for the tokens whose segment stored none."""
+    return _full_rows(rollout, branch_id, shape, "routed_experts", np.int16)
+
+
+def full_indexer_topk(rollout: Rollout, branch_id: str) -> np.ndarray | None:
+    """The recorded DSA selections of every token of `full_tokens`, int32 [tokens, layers, k]; -1
+    rows for the tokens whose segment recorded none; None when no segment of the rollout did."""
+    shape = next((segment.indexer_topk.shape[1:] for branch in rollout.branches for segment in branch.segments
+                  if segment.indexer_topk is not None), None)
+    return None if shape is None else _full_rows(rollout, branch_id, shape, "indexer_topk", np.int32)
+
+
+def _full_rows(rollout: Rollout, branch_id: str, shape: tuple[int, ...], attr: str, dtype: type) -> np.ndarray:
+    """A per-token [layers][k] field over the context and own tokens of a branch (-1 rows where absent)."""
     def rows(segments: tuple[Segment, ...], num_tokens: int | None) -> list[np.ndarray]:
         parts, left = [], num_tokens
         for segment in segments:
             if left is not None and left <= 0:
                 break
-            stored = segment.routed_experts
+            stored = getattr(segment, attr)
             if stored is None:
-                stored = np.full((len(segment.tokens), *shape), -1, dtype=np.int16)
+                stored = np.full((len(segment.tokens), *shape), -1, dtype=dtype)
             parts.append(stored if left is None else stored[:left])
             left = None if left is None else left - len(segment.tokens)
         return parts
@@ -153,7 +171,7 @@ def full_routed_experts(rollout: Rollout, branch_id: str, shape: tuple[int, int]
         pieces.append(rows(parent.segments, branch.fork_at))
         branch = parent
     parts = [part for piece in pieces[::-1] for part in piece]
-    return np.concatenate(parts) if parts else np.zeros((0, *shape), dtype=np.int16)
+    return np.concatenate(parts) if parts else np.zeros((0, *shape), dtype=dtype)
 
 
 def replayed_tokens(branches: Sequence[Branch]) -> int:

@@ -14,6 +14,7 @@ from mismatch.rollouts.model import (BRANCH_KINDS, MODEL_ROLES, ROLES, Branch, d
                                      replayed_tokens)
 from mismatch.rollouts.problems import (INT_TYPES, NUMBER_TYPES, Problems, did_you_mean, first_bad_type, first_of,
                                         json_type, layers_by_k, name, nesting, short_id, show)
+from mismatch.rollouts.index_rules import check_index_shapes, check_indexer_topk  # noqa: F401
 from mismatch.rollouts.sampling_rules import check_sampler_processing, check_sampling_mask  # noqa: F401
 
 # Limits that turn hostile input into an error instead of a hang, a huge message or a RecursionError.
