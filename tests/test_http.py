@@ -333,3 +333,124 @@ def test_a_models_listing_of_another_shape_is_one_error(tiny_checkpoint, tmp_pat
     with _server({"GET /v1/models": lambda _: (200, ["tiny"])}) as url:
         with pytest.raises(MismatchError, match="is not a model list"):
             load_engine(_toml(tmp_path, url=f"{url}/v1"), str(tiny_checkpoint))
+
+
+# --distribution K over HTTP: each prompt position's top-K (vLLM prompt_logprobs=K, SGLang top_logprobs_num=K).
+
+def _openai_top_answer(k: int, seen: list[dict[str, Any]] | None = None) -> Route:
+    """vLLM's completion with prompt_logprobs=k: at each position past 0 the prompt token first,
+    then the top-k (token ids 100.. with log-probs log(0.5 / 2^j)), the prompt token at rank 3."""
+    def answer(body: dict[str, Any] | None) -> tuple[int, Any]:
+        assert body is not None
+        if seen is not None:
+            seen.append(body)
+        ids, asked = body["prompt"], body["prompt_logprobs"]
+        if asked > 20:  # vllm/sampling_params.py _validate_logprobs, with the default --max-logprobs
+            return 400, {"error": {"message": f"Requested prompt logprobs of {asked}, which is greater than "
+                                              "max allowed: 20"}}
+        rows: list[Any] = [None]
+        for token in ids[1:]:
+            top = {str(100 + j): {"logprob": float(np.log(0.5 / 2 ** j)), "rank": j + 1} for j in range(asked)}
+            rows.append({str(token): {"logprob": float(np.log(0.125)), "rank": 3}, **top})
+        return 200, {"choices": [{"prompt_logprobs": rows, "prompt_token_ids": ids}]}
+    return answer
+
+
+def _sglang_top_answer(seen: list[dict[str, Any]] | None = None) -> Route:
+    """SGLang's /generate with top_logprobs_num=k: input_token_logprobs and input_top_logprobs,
+    entry 0 None; the prompt token is among the top-k only at even positions."""
+    def answer(body: dict[str, Any] | None) -> tuple[int, Any]:
+        assert body is not None
+        if seen is not None:
+            seen.append(body)
+        ids, k = body["input_ids"], body.get("top_logprobs_num", 0)  # 0: the sampled-token replay
+        own: list[Any] = [[None, ids[0], None]]
+        tops: list[Any] = [None]
+        for i, token in enumerate(ids[1:], 1):
+            top = [[float(np.log(0.5 / 2 ** j)), 100 + j, None] for j in range(k)]
+            if i % 2 == 0:
+                top[1:2] = [[float(np.log(0.25)), token, None]]
+                own.append([float(np.log(0.25)), token, None])
+            else:
+                own.append([float(np.log(1e-4)), token, None])
+            tops.append(top)
+        return 200, {"text": "", "meta_info": {"input_token_logprobs": own,
+                                               **({"input_top_logprobs": tops} if k else {})}}
+    return answer
+
+
+def test_openai_top_rows_are_read_from_prompt_logprobs(tiny_checkpoint, tmp_path) -> None:
+    seen: list[dict[str, Any]] = []
+    with _server({"POST /v1/completions": _openai_top_answer(3, seen)}) as url:
+        engine = load_engine(_toml(tmp_path, url=f"{url}/v1", api="openai", model="tiny"), str(tiny_checkpoint))
+        [rows] = engine.top_rows([REQUEST], 3)
+    assert seen[0]["prompt_logprobs"] == 3 and seen[0]["prompt"] == [1, 7, 9, 4]
+    # score_from 2: positions 2 and 3; the prompt token kept beside the top-3 (k + 1 slots).
+    assert rows.ids_CK.tolist() == [[100, 101, 102, 9], [100, 101, 102, 4]]
+    np.testing.assert_array_equal(rows.sampled_logp_C, [np.log(0.125)] * 2)
+    np.testing.assert_array_equal(rows.sampled_rank_C, [3, 3])
+
+
+def test_sglang_top_rows_rank_the_prompt_token_only_inside_the_top_k(tiny_checkpoint, tmp_path) -> None:
+    seen: list[dict[str, Any]] = []
+    with _server({"GET /v1/models": _models("sglang"), "POST /generate": _sglang_top_answer(seen)}) as url:
+        engine = load_engine(url, str(tiny_checkpoint))
+        [rows] = engine.top_rows([REQUEST], 3)
+    assert seen[0] == {"input_ids": [1, 7, 9, 4], "return_logprob": True, "logprob_start_len": 0,
+                       "top_logprobs_num": 3,
+                       "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0}}
+    assert rows.ids_CK.tolist() == [[100, 102, 9, -1], [100, 101, 102, 4]]
+    # Position 2: inside the top-3, rank 2 (one above it); position 3: outside, SGLang gives no rank.
+    np.testing.assert_array_equal(rows.sampled_rank_C, [2, np.nan])
+    np.testing.assert_array_equal(rows.sampled_logp_C, [np.log(0.25), np.log(1e-4)])
+
+
+def test_an_audit_of_two_servers_compares_their_top_k(tmp_path) -> None:
+    """Both sides HTTP (one vLLM-like, one SGLang-like): the whole flow, bounded terms, unknown ranks
+    counted apart."""
+    from test_golden import GOLDEN, stored_checkpoint
+
+    import mismatch
+    from mismatch.results import validate_summary
+
+    with _server({"POST /v1/completions": _openai_top_answer(20)}) as vllm_url, \
+            _server({"POST /generate": _sglang_top_answer()}) as sglang_url:
+        (tmp_path / "t").mkdir()
+        (tmp_path / "i").mkdir()
+        train = _toml(tmp_path / "t", url=f"{vllm_url}/v1", api="openai", model="tiny")
+        infer = _toml(tmp_path / "i", url=sglang_url, api="sglang")
+        result = mismatch.audit(stored_checkpoint(tmp_path / "ckpt"), GOLDEN / "rollouts.jsonl", train=train,
+                                infer=infer, distribution=4, out=tmp_path / "o")
+    found = result.summary["distribution"]["train/infer"]
+    validate_summary(result.summary)
+    assert found["views"] == {"train": "top_k", "infer": "top_k"} and not found["exact"]
+    # (token 100, the fakes' argmax, is itself sampled at a few positions, where they differ)
+    assert found["argmax_agree_frac"] > 0.99 and found["topk_overlap_mean"] < 1
+    # Half the positions (odd ones) have the SGLang side's rank unknown; the rest differ (3 vs 2).
+    assert 0 < found["n_rank_unknown"] < found["n_positions"] and found["rank_differs_frac"] > 0.99
+    import pandas as pd
+
+    table = pd.read_parquet(tmp_path / "o" / "tokens.parquet")
+    compared = table[table["trainable"] & table["dist_train_infer_kl_ab"].notna()]
+    rank_b = compared["dist_train_infer_rank_b"]
+    assert int(rank_b.isna().sum()) == found["n_rank_unknown"]  # NaN in the table, none invented
+    assert {row["rank_b"] for row in found["worst"]} - {None} <= set(rank_b.dropna().astype(int))
+
+
+def test_a_server_that_cannot_give_top_k_is_one_line_before_any_replay(tmp_path, capsys) -> None:
+    from test_golden import GOLDEN, stored_checkpoint
+
+    from mismatch.cli import main
+
+    calls: list[dict[str, Any]] = []
+    with _server({"POST /v1/completions": _openai_top_answer(21, calls)}) as url:
+        spec = _toml(tmp_path, url=f"{url}/v1", api="openai", model="tiny")
+        code = main(["audit", str(stored_checkpoint(tmp_path / "ckpt")), "--rollouts", str(GOLDEN / "rollouts.jsonl"),
+                     "--train", spec, "--infer", spec, "--distribution", "21", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (
+        f"mismatch: error: --distribution 21: the server at {url} cannot give its top-21 log-probs per prompt "
+        f"position (server at {url}/v1/completions answered HTTP 400: Requested prompt logprobs of 21, which is "
+        "greater than max allowed: 20); start vLLM with --max-logprobs K or more, or pass a smaller K")
+    assert [len(call["prompt"]) for call in calls] == [2]  # the probe only: no replay
+    assert not (tmp_path / "o").exists() and not (tmp_path / ".o.work").exists()
