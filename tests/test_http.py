@@ -207,13 +207,46 @@ def test_a_vllm_server_gives_the_offline_engines_numbers_bitwise(
     facts = engine.describe()
     assert (facts["api"], facts["server"]["owned_by"]) == ("openai", "vllm")
     assert sum(calls) == len(logp_http) and facts["tokens_per_s"] > 0
+    top_http = engine.top_rows(requests, 20)  # --distribution 20 over HTTP: prompt_logprobs=20
     offline = load_engine("vllm:dtype=float32,enforce_eager=true,seed=0", str(tiny_checkpoint))
     try:
         logp_offline = np.concatenate(offline.replay(requests))
+        top_offline = offline.top_rows(requests, 20)
     finally:
         offline.close()
     print(f"http vs offline vllm: max |dlogp| = {np.nanmax(np.abs(logp_http - logp_offline))!r}")
     assert np.array_equal(logp_http, logp_offline, equal_nan=True)
+    # The same top-20 sets, log-probs, prompt-token log-probs and ranks, bit for bit (as sets: the
+    # server's JSON and the offline dict list the prompt token in other slots).
+    for http_rows, offline_rows in zip(top_http, top_offline, strict=True):
+        for row in range(len(http_rows.ids_CK)):
+            assert (dict(zip(http_rows.ids_CK[row].tolist(), http_rows.logp_CK[row].tolist()))
+                    == dict(zip(offline_rows.ids_CK[row].tolist(), offline_rows.logp_CK[row].tolist())))
+        assert np.array_equal(http_rows.sampled_logp_C, offline_rows.sampled_logp_C)
+        assert np.array_equal(http_rows.sampled_rank_C, offline_rows.sampled_rank_C)
+
+
+def test_a_vllm_server_at_k20_against_hf_and_k21_refused(vllm_server, tiny_checkpoint, sampled_rollouts, tmp_path,
+                                                         capsys) -> None:
+    """--distribution 20 against the real server (its default --max-logprobs is 20): hf fp32 whole
+    against the server's top-20, bounded and said so; K = 21 is one line before any replay."""
+    from mismatch.cli import main
+
+    spec = _toml(tmp_path, url=f"{vllm_server}/v1", concurrency=3)
+    args = ["audit", str(tiny_checkpoint), "--rollouts", str(sampled_rollouts), "--train", "hf", "--infer", spec]
+    assert main([*args, "--distribution", "21", "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mismatch: error: --distribution 21: the server at {vllm_server} cannot give its top-21 "
+                          "log-probs per prompt position (") and "max allowed: 20" in err and "\n" not in err
+    assert not (tmp_path / "refused").exists() and not (tmp_path / ".refused.work").exists()
+    assert main([*args, "--distribution", "20", "--out", str(tmp_path / "o")]) == 0
+    found = json.loads((tmp_path / "o" / "summary.json").read_text())["distribution"]["train/infer"]
+    assert found["views"] == {"train": "full", "infer": "top_k"} and found["k"] == 20
+    assert not found["exact"] and "lower bounds" in found["bounded"] and found["n_rank_unknown"] == 0
+    # The server is vLLM fp32, hf fp32 to rounding: the same top-20 sets, argmax and ranks nearly always.
+    assert found["topk_overlap_mean"] > 0.95 and found["argmax_agree_frac"] > 0.95 and found["rank_differs_frac"] < 0.05
+    assert 0 <= found["kl"] < 1e-6 and found["tv_mean"] <= found["tv_hi_mean"]
+    print(f"hf fp32 vs vllm serve fp32 at K=20: {json.dumps({k: found[k] for k in ('kl', 'tv_mean', 'tv_hi_mean', 'topk_overlap_mean', 'argmax_agree_frac', 'rank_differs_frac', 'tail_b_mean')})}")
 
 
 def _sglang_answer(fault: Callable[[int, int], tuple[float, int]]) -> Route:
