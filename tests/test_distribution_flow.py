@@ -149,4 +149,8 @@ def test_trend_of_dist_kl_over_steps_names_the_steps_without_it(tmp_path, capsys
     assert [row["value"] for row in found["series"]["dist.kl"]] == want
     assert want[0] == 0 < max(want[1:3]) < 1e-3 < 0.05 < min(want[3:])
     assert found["change_points"] == [5]  # where the engine's top-K moved
+    assert main(["trend", *kept, "--metric", "dist.kl", "--pair", "train/infer",
+                 "--report", str(tmp_path / "trend.html")]) == 0  # the terminal and the page draw it too
+    out = capsys.readouterr().out
+    assert "dist.kl" in out and "step 5" in out and (tmp_path / "trend.html").is_file()
     print(f"trend dist.kl over steps 1,3,4,5,6,8: {want}; changes {found['changes']}")
