@@ -191,7 +191,8 @@ def vllm_server(tiny_checkpoint, tmp_path_factory) -> Iterator[str]:
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(tiny_checkpoint), "--host", "127.0.0.1", "--port", str(port),
                "--dtype", "float32", "--enforce-eager", "--seed", "0"]
-    with running_vllm_server(command, port, log, VLLM_ENV) as url:
+    # 420 s: on this shared 2-core machine under a load of 20 the server took over 180 s to come up.
+    with running_vllm_server(command, port, log, VLLM_ENV, timeout=420) as url:
         yield url
 
 
