@@ -193,13 +193,46 @@ def test_a_vllm_server_gives_the_offline_engines_numbers_bitwise(
     facts = engine.describe()
     assert (facts["api"], facts["server"]["owned_by"]) == ("openai", "vllm")
     assert sum(calls) == len(logp_http) and facts["tokens_per_s"] > 0
+    top_http = engine.top_rows(requests, 20)  # --distribution 20 over HTTP: prompt_logprobs=20
     offline = load_engine("vllm:dtype=float32,enforce_eager=true,seed=0", str(tiny_checkpoint))
     try:
         logp_offline = np.concatenate(offline.replay(requests))
+        top_offline = offline.top_rows(requests, 20)
     finally:
         offline.close()
     print(f"http vs offline vllm: max |dlogp| = {np.nanmax(np.abs(logp_http - logp_offline))!r}")
     assert np.array_equal(logp_http, logp_offline, equal_nan=True)
+    # The same top-20 sets, log-probs, prompt-token log-probs and ranks, bit for bit (as sets: the
+    # server's JSON and the offline dict list the prompt token in other slots).
+    for http_rows, offline_rows in zip(top_http, top_offline, strict=True):
+        for row in range(len(http_rows.ids_CK)):
+            assert (dict(zip(http_rows.ids_CK[row].tolist(), http_rows.logp_CK[row].tolist()))
+                    == dict(zip(offline_rows.ids_CK[row].tolist(), offline_rows.logp_CK[row].tolist())))
+        assert np.array_equal(http_rows.sampled_logp_C, offline_rows.sampled_logp_C)
+        assert np.array_equal(http_rows.sampled_rank_C, offline_rows.sampled_rank_C)
+
+
+def test_a_vllm_server_at_k20_against_hf_and_k21_refused(vllm_server, tiny_checkpoint, sampled_rollouts, tmp_path,
+                                                         capsys) -> None:
+    """--distribution 20 against the real server (its default --max-logprobs is 20): hf fp32 whole
+    against the server's top-20, bounded and said so; K = 21 is one line before any replay."""
+    from mismatch.cli import main
+
+    spec = _toml(tmp_path, url=f"{vllm_server}/v1", concurrency=3)
+    args = ["audit", str(tiny_checkpoint), "--rollouts", str(sampled_rollouts), "--train", "hf", "--infer", spec]
+    assert main([*args, "--distribution", "21", "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mismatch: error: --distribution 21: the server at {vllm_server} cannot give its top-21 "
+                          "log-probs per prompt position (") and "max allowed: 20" in err and "\n" not in err
+    assert not (tmp_path / "refused").exists() and not (tmp_path / ".refused.work").exists()
+    assert main([*args, "--distribution", "20", "--out", str(tmp_path / "o")]) == 0
+    found = json.loads((tmp_path / "o" / "summary.json").read_text())["distribution"]["train/infer"]
+    assert found["views"] == {"train": "full", "infer": "top_k"} and found["k"] == 20
+    assert not found["exact"] and "lower bounds" in found["bounded"] and found["n_rank_unknown"] == 0
+    # The server is vLLM fp32, hf fp32 to rounding: the same top-20 sets, argmax and ranks nearly always.
+    assert found["topk_overlap_mean"] > 0.95 and found["argmax_agree_frac"] > 0.95 and found["rank_differs_frac"] < 0.05
+    assert 0 <= found["kl"] < 1e-6 and found["tv_mean"] <= found["tv_hi_mean"]
+    print(f"hf fp32 vs vllm serve fp32 at K=20: {json.dumps({k: found[k] for k in ('kl', 'tv_mean', 'tv_hi_mean', 'topk_overlap_mean', 'argmax_agree_frac', 'rank_differs_frac', 'tail_b_mean')})}")
 
 
 def _sglang_answer(fault: Callable[[int, int], tuple[float, int]]) -> Route:
@@ -319,3 +352,124 @@ def test_a_models_listing_of_another_shape_is_one_error(tiny_checkpoint, tmp_pat
     with _server({"GET /v1/models": lambda _: (200, ["tiny"])}) as url:
         with pytest.raises(MismatchError, match="is not a model list"):
             load_engine(_toml(tmp_path, url=f"{url}/v1"), str(tiny_checkpoint))
+
+
+# --distribution K over HTTP: each prompt position's top-K (vLLM prompt_logprobs=K, SGLang top_logprobs_num=K).
+
+def _openai_top_answer(k: int, seen: list[dict[str, Any]] | None = None) -> Route:
+    """vLLM's completion with prompt_logprobs=k: at each position past 0 the prompt token first,
+    then the top-k (token ids 100.. with log-probs log(0.5 / 2^j)), the prompt token at rank 3."""
+    def answer(body: dict[str, Any] | None) -> tuple[int, Any]:
+        assert body is not None
+        if seen is not None:
+            seen.append(body)
+        ids, asked = body["prompt"], body["prompt_logprobs"]
+        if asked > 20:  # vllm/sampling_params.py _validate_logprobs, with the default --max-logprobs
+            return 400, {"error": {"message": f"Requested prompt logprobs of {asked}, which is greater than "
+                                              "max allowed: 20"}}
+        rows: list[Any] = [None]
+        for token in ids[1:]:
+            top = {str(100 + j): {"logprob": float(np.log(0.5 / 2 ** j)), "rank": j + 1} for j in range(asked)}
+            rows.append({str(token): {"logprob": float(np.log(0.125)), "rank": 3}, **top})
+        return 200, {"choices": [{"prompt_logprobs": rows, "prompt_token_ids": ids}]}
+    return answer
+
+
+def _sglang_top_answer(seen: list[dict[str, Any]] | None = None) -> Route:
+    """SGLang's /generate with top_logprobs_num=k: input_token_logprobs and input_top_logprobs,
+    entry 0 None; the prompt token is among the top-k only at even positions."""
+    def answer(body: dict[str, Any] | None) -> tuple[int, Any]:
+        assert body is not None
+        if seen is not None:
+            seen.append(body)
+        ids, k = body["input_ids"], body.get("top_logprobs_num", 0)  # 0: the sampled-token replay
+        own: list[Any] = [[None, ids[0], None]]
+        tops: list[Any] = [None]
+        for i, token in enumerate(ids[1:], 1):
+            top = [[float(np.log(0.5 / 2 ** j)), 100 + j, None] for j in range(k)]
+            if i % 2 == 0:
+                top[1:2] = [[float(np.log(0.25)), token, None]]
+                own.append([float(np.log(0.25)), token, None])
+            else:
+                own.append([float(np.log(1e-4)), token, None])
+            tops.append(top)
+        return 200, {"text": "", "meta_info": {"input_token_logprobs": own,
+                                               **({"input_top_logprobs": tops} if k else {})}}
+    return answer
+
+
+def test_openai_top_rows_are_read_from_prompt_logprobs(tiny_checkpoint, tmp_path) -> None:
+    seen: list[dict[str, Any]] = []
+    with _server({"POST /v1/completions": _openai_top_answer(3, seen)}) as url:
+        engine = load_engine(_toml(tmp_path, url=f"{url}/v1", api="openai", model="tiny"), str(tiny_checkpoint))
+        [rows] = engine.top_rows([REQUEST], 3)
+    assert seen[0]["prompt_logprobs"] == 3 and seen[0]["prompt"] == [1, 7, 9, 4]
+    # score_from 2: positions 2 and 3; the prompt token kept beside the top-3 (k + 1 slots).
+    assert rows.ids_CK.tolist() == [[100, 101, 102, 9], [100, 101, 102, 4]]
+    np.testing.assert_array_equal(rows.sampled_logp_C, [np.log(0.125)] * 2)
+    np.testing.assert_array_equal(rows.sampled_rank_C, [3, 3])
+
+
+def test_sglang_top_rows_rank_the_prompt_token_only_inside_the_top_k(tiny_checkpoint, tmp_path) -> None:
+    seen: list[dict[str, Any]] = []
+    with _server({"GET /v1/models": _models("sglang"), "POST /generate": _sglang_top_answer(seen)}) as url:
+        engine = load_engine(url, str(tiny_checkpoint))
+        [rows] = engine.top_rows([REQUEST], 3)
+    assert seen[0] == {"input_ids": [1, 7, 9, 4], "return_logprob": True, "logprob_start_len": 0,
+                       "top_logprobs_num": 3,
+                       "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0}}
+    assert rows.ids_CK.tolist() == [[100, 102, 9, -1], [100, 101, 102, 4]]
+    # Position 2: inside the top-3, rank 2 (one above it); position 3: outside, SGLang gives no rank.
+    np.testing.assert_array_equal(rows.sampled_rank_C, [2, np.nan])
+    np.testing.assert_array_equal(rows.sampled_logp_C, [np.log(0.25), np.log(1e-4)])
+
+
+def test_an_audit_of_two_servers_compares_their_top_k(tmp_path) -> None:
+    """Both sides HTTP (one vLLM-like, one SGLang-like): the whole flow, bounded terms, unknown ranks
+    counted apart."""
+    from test_golden import GOLDEN, stored_checkpoint
+
+    import mismatch
+    from mismatch.results import validate_summary
+
+    with _server({"POST /v1/completions": _openai_top_answer(20)}) as vllm_url, \
+            _server({"POST /generate": _sglang_top_answer()}) as sglang_url:
+        (tmp_path / "t").mkdir()
+        (tmp_path / "i").mkdir()
+        train = _toml(tmp_path / "t", url=f"{vllm_url}/v1", api="openai", model="tiny")
+        infer = _toml(tmp_path / "i", url=sglang_url, api="sglang")
+        result = mismatch.audit(stored_checkpoint(tmp_path / "ckpt"), GOLDEN / "rollouts.jsonl", train=train,
+                                infer=infer, distribution=4, out=tmp_path / "o")
+    found = result.summary["distribution"]["train/infer"]
+    validate_summary(result.summary)
+    assert found["views"] == {"train": "top_k", "infer": "top_k"} and not found["exact"]
+    # (token 100, the fakes' argmax, is itself sampled at a few positions, where they differ)
+    assert found["argmax_agree_frac"] > 0.99 and found["topk_overlap_mean"] < 1
+    # Half the positions (odd ones) have the SGLang side's rank unknown; the rest differ (3 vs 2).
+    assert 0 < found["n_rank_unknown"] < found["n_positions"] and found["rank_differs_frac"] > 0.99
+    import pandas as pd
+
+    table = pd.read_parquet(tmp_path / "o" / "tokens.parquet")
+    compared = table[table["trainable"] & table["dist_train_infer_kl_ab"].notna()]
+    rank_b = compared["dist_train_infer_rank_b"]
+    assert int(rank_b.isna().sum()) == found["n_rank_unknown"]  # NaN in the table, none invented
+    assert {row["rank_b"] for row in found["worst"]} - {None} <= set(rank_b.dropna().astype(int))
+
+
+def test_a_server_that_cannot_give_top_k_is_one_line_before_any_replay(tmp_path, capsys) -> None:
+    from test_golden import GOLDEN, stored_checkpoint
+
+    from mismatch.cli import main
+
+    calls: list[dict[str, Any]] = []
+    with _server({"POST /v1/completions": _openai_top_answer(21, calls)}) as url:
+        spec = _toml(tmp_path, url=f"{url}/v1", api="openai", model="tiny")
+        code = main(["audit", str(stored_checkpoint(tmp_path / "ckpt")), "--rollouts", str(GOLDEN / "rollouts.jsonl"),
+                     "--train", spec, "--infer", spec, "--distribution", "21", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (
+        f"mismatch: error: --distribution 21: the server at {url} cannot give its top-21 log-probs per prompt "
+        f"position (server at {url}/v1/completions answered HTTP 400: Requested prompt logprobs of 21, which is "
+        "greater than max allowed: 20); start vLLM with --max-logprobs K or more, or pass a smaller K")
+    assert [len(call["prompt"]) for call in calls] == [2]  # the probe only: no replay
+    assert not (tmp_path / "o").exists() and not (tmp_path / ".o.work").exists()

@@ -34,6 +34,7 @@ class _PairSums:
         self.max_kl_ab = 0.0
         self.max_tv = 0.0
         self.n_rank_differs = 0
+        self.n_rank_known = 0  # positions where both sides gave the sampled token's rank
         self.n_exact = 0
         self.n_sampled_equal = 0
         self.n_row_equal = 0
@@ -51,7 +52,7 @@ class _PairSums:
             self.sums[key] += other.sums[key]
         self.max_kl_ab = max(self.max_kl_ab, other.max_kl_ab)
         self.max_tv = max(self.max_tv, other.max_tv)
-        for name in ("n_rank_differs", "n_exact", "n_sampled_equal", "n_row_equal", "n_both_equal"):
+        for name in ("n_rank_differs", "n_rank_known", "n_exact", "n_sampled_equal", "n_row_equal", "n_both_equal"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.sum_abs_log_ratio += other.sum_abs_log_ratio
         for token, value in other.moved.items():
@@ -107,7 +108,10 @@ class DistributionSummary:
             sums.sums[key] += float(col(key).sum())
         sums.max_kl_ab = max(sums.max_kl_ab, float(kl.max()))
         sums.max_tv = max(sums.max_tv, float(tv.max()))
-        sums.n_rank_differs += int((col("rank_a") != col("rank_b")).sum())
+        rank_a, rank_b = col("rank_a"), col("rank_b")
+        known = ~np.isnan(rank_a) & ~np.isnan(rank_b)
+        sums.n_rank_known += int(known.sum())
+        sums.n_rank_differs += int((rank_a[known] != rank_b[known]).sum())
         sums.n_exact += int(col("exact").sum())
         sampled_equal, row_equal = col("sampled_equal") == 1, col("row_equal") == 1
         sums.n_sampled_equal += int(sampled_equal.sum())
@@ -134,7 +138,7 @@ class DistributionSummary:
                 "rollout": str(record["rollout"]), "branch": str(record["branch"]), "turn": int(record["turn"]),
                 "pos": int(record["pos"]), "token_id": int(record["token_id"]), "kl_ab": float(kl[i]),
                 "kl_ba": float(col("kl_ba")[i]), "tv": float(tv[i]), "moved_token": int(tokens[i]),
-                "rank_a": int(col("rank_a")[i]), "rank_b": int(col("rank_b")[i]),
+                "rank_a": _rank(rank_a[i]), "rank_b": _rank(rank_b[i]),
                 "argmax_agree": bool(col("argmax_agree")[i] == 1)})
 
     def merge(self, other: DistributionSummary, index: int) -> None:
@@ -144,6 +148,10 @@ class DistributionSummary:
     def result(self) -> dict[str, Any] | None:
         found = {key: pair_result(sums, self.passes.get(key, {})) for key, sums in self.sums.items() if sums.n}
         return found or None
+
+
+def _rank(value: float) -> int | None:
+    return None if np.isnan(value) else int(value)
 
 
 def _grouped(tokens: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -164,7 +172,8 @@ def pair_result(sums: _PairSums, account: dict[str, Any]) -> dict[str, Any]:
         "kl": mean["kl_ab"], "kl_ab_mean": mean["kl_ab"], "kl_ba_mean": mean["kl_ba"], "kl_ab_max": sums.max_kl_ab,
         "tv_mean": mean["tv"], "tv_max": sums.max_tv, "tv_hi_mean": mean["tv_hi"],
         "topk_overlap_mean": mean["overlap"], "tail_a_mean": mean["tail_a"], "tail_b_mean": mean["tail_b"],
-        "argmax_agree_frac": mean["argmax_agree"], "rank_differs_frac": sums.n_rank_differs / n,
+        "argmax_agree_frac": mean["argmax_agree"], "rank_differs_frac": sums.n_rank_differs / sums.n_rank_known if sums.n_rank_known else None,
+        "n_rank_unknown": n - sums.n_rank_known,
         "sampled_abs_log_ratio_mean": sums.sum_abs_log_ratio / n,
         "bitwise": bitwise_claim(sums, exact),
         "tokens": [{"token_id": token, "tv_share": value / total_moved, "n_positions": sums.moved_count[token]}
@@ -174,7 +183,8 @@ def pair_result(sums: _PairSums, account: dict[str, Any]) -> dict[str, Any]:
                   for turn, (n_turn, kl, tv) in sorted(sums.turns.items())],
         "bounded": None if exact else (
             "a side gave only its top-K: KL both ways and TV are lower bounds (the tokens outside the known "
-            "set merged into one outcome), tv_hi an upper bound; overlap, tails, argmax and ranks are exact"),
+            "set merged into one outcome), tv_hi an upper bound; overlap, tails, argmax and ranks are exact "
+            "(a rank the engine did not report, n_rank_unknown, is left out of rank_differs_frac)"),
         "seconds": account.get("seconds"),
     }
 

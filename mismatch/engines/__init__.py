@@ -114,6 +114,18 @@ def engine_capabilities(spec: str | EngineSpec) -> Capabilities:
     return capabilities_of(_backend(parsed))
 
 
+def probe_top_logprobs(spec: str | EngineSpec, k: int) -> None:
+    """Before any replay (--distribution K): an engine whose top-K depends on how it was started
+    (a server's --max-logprobs) asks for it once (its backend's `probe_top_logprobs(spec, k)`,
+    raising SpecError); others are known from their class alone."""
+    parsed = parse_spec(spec) if isinstance(spec, str) else spec
+    if parsed.kind in ("stored", "python"):
+        return
+    probe = getattr(_backend(parsed), "probe_top_logprobs", None)
+    if callable(probe):
+        probe(parsed, k)
+
+
 def load_engine(spec: str | EngineSpec, checkpoint: str) -> Engine:
     """Build the engine a spec names; every spec accepts `checkpoint=PATH` to replay other weights."""
     parsed = parse_spec(spec) if isinstance(spec, str) else spec

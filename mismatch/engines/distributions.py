@@ -11,7 +11,8 @@ Terms, per position, for sides A and B (the pair A/B of summary.json):
   upper bound (equal to `tv` when exact). `exact` says which.
 - `overlap`: |top-K of A ∩ top-K of B| / K. `tail_a`, `tail_b`: each side's mass outside its own top-K
   (what a top-K view of it leaves out). `argmax_agree`: the two most likely tokens are the same.
-- `rank_a`, `rank_b`: the sampled token's rank on each side, 1 = the argmax (as vLLM counts).
+- `rank_a`, `rank_b`: the sampled token's rank on each side, 1 = the argmax (as vLLM counts); NaN
+  where a top-K side cannot say (SGLang reports no rank: one outside its top-K is unknown).
 - `token`: the known token where |a_v − b_v| is largest (what moved the distribution most).
 - `sampled_equal`: the sampled token's log-prob bit for bit equal on both sides; `row_equal`: every
   known log-prob bit for bit equal (the whole row when both sides are full).
@@ -42,7 +43,7 @@ class FullRows:
 class TopRows:
     """A side's top-K for C positions: token ids and log-probs [C, K'] (K' ≥ K: the sampled token is
     added where it is not in the top-K; padding ids are −1), and the sampled token's log-prob and
-    rank [C] as the engine reported them."""
+    rank [C] as the engine reported them (NaN: not reported)."""
 
     ids_CK: np.ndarray
     logp_CK: np.ndarray
@@ -138,4 +139,5 @@ def _top(side: FullRows | TopRows, logp_CV: Any, sampled: Any, k: int) -> tuple[
     top_ids = ids.gather(1, order)
     top_values = values.gather(1, order)
     tail = (1.0 - top_values.exp().sum(-1)).clamp(min=0.0)
-    return top_ids, tail, top_ids[:, 0], torch.from_numpy(side.sampled_rank_C.astype(np.int64))
+    # NaN where the engine reports no rank (SGLang, for a sampled token outside its top-K).
+    return top_ids, tail, top_ids[:, 0], torch.from_numpy(side.sampled_rank_C.astype(np.float64))

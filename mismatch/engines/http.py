@@ -2,6 +2,8 @@
 
 Speaks vLLM's OpenAI-compatible `/v1/completions` (token-id prompt + `prompt_logprobs`) and
 SGLang's native `/generate` (`input_ids` + `return_logprob`), with the standard library only.
+For --distribution K (`top_rows`) the same calls ask each prompt position's top-K too: vLLM's
+`prompt_logprobs=K`, SGLang's `top_logprobs_num=K`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from mismatch.engines.contract import ProgressFn, ReplayRequest
+from mismatch.engines.contract import Capabilities, ProgressFn, ReplayRequest
+from mismatch.engines.distributions import TopRows
 from mismatch.engines.spec import EngineSpec, options_from
 from mismatch.errors import EngineError, SpecError
 
@@ -49,6 +52,9 @@ class HTTPOptions:
 class HTTPEngine:
     kind = "http"
     options_cls = HTTPOptions
+    # --distribution K: each prompt position's top-K from the server (vLLM: prompt_logprobs=K, up to
+    # its --max-logprobs; SGLang: top_logprobs_num=K), checked by `probe_top_logprobs` before replay.
+    capabilities = Capabilities(top_logprobs=True)
 
     def __init__(self, options: HTTPOptions, checkpoint: str, spec_text: str) -> None:
         if not options.url:
@@ -162,6 +168,119 @@ class HTTPEngine:
                               f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]})") from None
         logp_L[0] = np.nan
         return logp_L[request.score_from:]
+
+    def top_rows(self, requests: Sequence[ReplayRequest], k: int) -> list[TopRows]:
+        """Per request, the top-k of each scored position past 0 and the prompt token's log-prob and
+        rank (engines/contract.DistributionEngine), the requests `concurrency` at a time."""
+        rows = [_top_rows([], [], [], [], k) for _ in requests]
+        todo = [i for i, r in enumerate(requests) if len(r.tokens) > max(r.score_from, 1)]
+        started = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=self.options.concurrency) as pool:
+            futures = {pool.submit(self._top, requests[i], k): i for i in todo}
+            try:
+                for future in as_completed(futures):
+                    rows[futures[future]] = future.result()
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+        self.seconds += time.perf_counter() - started
+        self.num_requests += len(todo)
+        return rows
+
+    def _top(self, request: ReplayRequest, k: int) -> TopRows:
+        tokens = request.tokens.tolist()
+        try:
+            rows = (self._openai_top if self.api == "openai" else self._sglang_top)(tokens, k)
+        except (AttributeError, TypeError, KeyError, IndexError, ValueError) as exc:
+            raise EngineError(f"server at {self.root} answered a body this API never sends "
+                              f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]})") from None
+        first = max(request.score_from, 1)
+        return _top_rows(*(column[first - 1:] for column in rows), k)
+
+    @classmethod
+    def probe_top_logprobs(cls, spec: EngineSpec, k: int) -> None:
+        """Before any replay (--distribution K): the server gives K log-probs per prompt position,
+        asked once on a two-token prompt; else one SpecError naming the server and its reason
+        (vLLM refuses K above its --max-logprobs, default 20: vllm/sampling_params.py
+        `_validate_logprobs`, "Requested prompt logprobs of K, which is greater than max allowed")."""
+        engine = cls.from_spec(spec, checkpoint="")
+        try:
+            ids, _, _, _ = (engine._openai_top if engine.api == "openai" else engine._sglang_top)([0, 0], k)
+            given = len({token for token in ids[0] if token >= 0})
+            if given < k:
+                raise EngineError(f"it gave {given} log-probs at a prompt position")
+        except (EngineError, AttributeError, TypeError, KeyError, IndexError, ValueError) as exc:
+            advice = ("start vLLM with --max-logprobs K or more" if engine.api == "openai"
+                      else "SGLang's /generate takes top_logprobs_num")
+            raise SpecError(f"--distribution {k}: the server at {engine.root} cannot give its top-{k} log-probs "
+                            f"per prompt position ({' '.join(str(exc).split())[:300]}); {advice}, or pass a "
+                            "smaller K") from None
+
+    def _openai_top(self, tokens: list[int], k: int) -> tuple[list[Any], ...]:
+        """vLLM's completion with `prompt_logprobs=k` (as `_openai`): each position past 0 maps
+        up to k + 1 token ids (its top-k, and the prompt token where it is not among them) to
+        {"logprob", "rank"} (vllm/entrypoints/openai/completion/protocol.py,
+        CompletionResponseChoice.prompt_logprobs: list[dict[int, Logprob] | None]; rank counts
+        ties in, vllm/v1/sample/ops/logprobs.py). Per position: ids, log-probs, and the prompt
+        token's log-prob and rank."""
+        body = {"model": self.model, "prompt": tokens, "max_tokens": 1, "prompt_logprobs": k,
+                "temperature": 1.0, "top_p": 1.0, "return_token_ids": True}
+        choice = (self._call("POST", "/v1/completions", body).get("choices") or [{}])[0]
+        entries = choice.get("prompt_logprobs")
+        if not entries or len(entries) != len(tokens):
+            raise EngineError(f"server at {self.root} returned {len(entries or [])} prompt log-prob entries "
+                              f"for {len(tokens)} tokens")
+        columns: tuple[list[Any], ...] = ([], [], [], [])
+        for position in range(1, len(tokens)):
+            entry = entries[position] or {}
+            own = entry.get(str(tokens[position]))
+            if not isinstance(own, dict):
+                raise EngineError(f"server at {self.root}: no log-prob for token {tokens[position]} at "
+                                  f"position {position}")
+            value = _number(own.get("logprob"), self.root, position)
+            ids, values = _with_token([int(token) for token in entry],
+                                      [_number(item.get("logprob"), self.root, position) for item in entry.values()],
+                                      tokens[position], value, k)
+            columns[0].append(ids)
+            columns[1].append(values)
+            columns[2].append(value)
+            rank = own.get("rank")
+            columns[3].append(float(rank) if isinstance(rank, int) and not isinstance(rank, bool) else math.nan)
+        return columns
+
+    def _sglang_top(self, tokens: list[int], k: int) -> tuple[list[Any], ...]:
+        """SGLang's /generate with `top_logprobs_num=k` (sglang 0.5.15.post1,
+        sglang/srt/managers/io_struct.py GenerateReqInput): `meta_info.input_top_logprobs` is
+        aligned with input_ids like `input_token_logprobs`, entry 0 None, each other a list of k
+        [logprob, token_id, text] (tokenizer_manager.py `detokenize_top_logprobs_tokens`; a
+        torch.topk of the log-softmax, layers/utils/logprob.py `get_top_logprobs_raw`). SGLang
+        reports no rank: the prompt token's is counted in its top-k (ties in, as vLLM counts),
+        and unknown (NaN) where it is not among them."""
+        body = {"input_ids": tokens, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": k,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0}}
+        meta = self._call("POST", "/generate", body).get("meta_info") or {}
+        own, tops = meta.get("input_token_logprobs"), meta.get("input_top_logprobs")
+        if not tops or not own or len(tops) != len(tokens) or len(own) != len(tokens):
+            raise EngineError(f"server at {self.root} returned {len(tops or [])} meta_info.input_top_logprobs "
+                              f"for {len(tokens)} tokens (top_logprobs_num={k})")
+        columns: tuple[list[Any], ...] = ([], [], [], [])
+        for position in range(1, len(tokens)):
+            triple = own[position]
+            if not isinstance(triple, (list, tuple)) or len(triple) < 2 or triple[1] != tokens[position]:
+                raise EngineError(f"server at {self.root}: no log-prob for token {tokens[position]} at "
+                                  f"position {position} (got {str(triple)[:80]})")
+            value = _number(triple[0], self.root, position)
+            top = (tops[position] or [])[:k]
+            top_ids = [int(entry[1]) for entry in top]
+            top_values = [_number(entry[0], self.root, position) for entry in top]
+            inside = tokens[position] in top_ids
+            ids, values = _with_token(top_ids, top_values, tokens[position], value, k)
+            columns[0].append(ids)
+            columns[1].append(values)
+            columns[2].append(value)
+            columns[3].append(float(sum(v >= value for v in top_values)) if inside else math.nan)
+        return columns
 
     def _openai(self, tokens: list[int]) -> np.ndarray:
         """vLLM's CompletionRequest (vllm/entrypoints/openai/completion/protocol.py): `prompt` may
@@ -304,6 +423,28 @@ def _json_answer(data: bytes, url: str) -> Any:
     except ValueError:  # int() refuses a literal longer than sys.get_int_max_str_digits()
         raise EngineError(f"server at {url} answered a number of more than "
                           f"{sys.get_int_max_str_digits()} digits") from None
+
+
+def _with_token(ids: list[int], values: list[float], token: int, value: float, k: int) -> tuple[list[int], list[float]]:
+    """At most k + 1 entries, the prompt token among them: a position's k best (the first k the
+    server listed, without the prompt token) and the prompt token itself."""
+    kept = [(i, v) for i, v in zip(ids, values) if i != token][:k]
+    kept.append((token, value))
+    return [i for i, _ in kept], [v for _, v in kept]
+
+
+def _top_rows(ids: list[list[int]], logp: list[list[float]], sampled_logp: list[float],
+              sampled_rank: list[float], k: int) -> TopRows:
+    """Positions' top entries as TopRows: k + 1 slots (padding id -1), the prompt token always there
+    (added in the last slot where the server's top-k leaves it out)."""
+    num_rows = len(ids)
+    ids_CK = np.full((num_rows, k + 1), -1, dtype=np.int64)
+    logp_CK = np.full((num_rows, k + 1), -np.inf)
+    for row in range(num_rows):
+        width = min(len(ids[row]), k + 1)
+        ids_CK[row, :width], logp_CK[row, :width] = ids[row][:width], logp[row][:width]
+    return TopRows(ids_CK=ids_CK, logp_CK=logp_CK, sampled_logp_C=np.asarray(sampled_logp, dtype=np.float64),
+                   sampled_rank_C=np.asarray(sampled_rank, dtype=np.float64), k=k)
 
 
 def _number(value: Any, root: str, position: int) -> float:

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis.clip import ClipRange
+from mismatch.analysis.distribution import DistributionSummary
 from mismatch.analysis.per_rollout import PerRollout
 from mismatch.analysis.prefixes import PrefixConsistency, PrefixKeys
 from mismatch.analysis.routing import merged_routing
@@ -29,9 +30,11 @@ from mismatch.errors import ResultsError
 from mismatch.pipeline import stages
 from mismatch.pipeline.audit import ReplayFindings, analyze_audit, audit_pairs, audit_summary
 from mismatch.pipeline.diff import DIFF_PAIRS, analyze_diff
+from mismatch.pipeline.options import AUDIT_DISTRIBUTION_PAIRS, DIFF_DISTRIBUTION_PAIRS
 from mismatch.pipeline.summary import Provenance
 from mismatch.results.summary_model import UNSET, Summary, present, to_builtins
 from mismatch.replay import bad_logprob_rows
+from mismatch.replay.distribution import parse_distribution, table_columns
 from mismatch.results import (
     PREFIX_KEYS_FILE,
     ROLLOUTS_FILE,
@@ -72,20 +75,42 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> Summary:
         keys = PrefixKeys(store.side_file(stages.PREFIX_KEYS_SIDE)) if all(s.has_keys for s in shards) else None
         order = _store_merged(shards, store, keys)
         workers = analysis_workers(store.num_rows)
+        distribution = _merged_distribution(first.command, options, summaries, store.columns)
         if first.command != "audit":
             per_rollout = PerRollout(DIFF_PAIRS)
             summary = analyze_diff(store.chunks, provenance, seed=options.get("seed", 0), extra=[per_rollout],
-                                   workers=workers)
+                                   workers=workers, distribution=distribution)
             return stages.write_results_files(store, summary, per_rollout.result())
         pairs = audit_pairs(store.columns)
         per_rollout, digestion = PerRollout(pairs), stages.report_digestion(store, pairs)
         beside = _merged_evidence(provenance, summaries, order, _merged_prefixes(store, keys, first, inputs))
         measured, findings = analyze_audit(store.chunks, beside, clip=_clip_range(first),
                                            settings=present(first.framework_settings) or None,
-                                           extra=[per_rollout, digestion], workers=workers)
+                                           extra=[per_rollout, digestion], workers=workers,
+                                           distribution=distribution)
         summary = audit_summary(provenance, measured, findings, framework=present(first.framework))
         return stages.write_results_files(store, summary,
                                           stages.with_steps(per_rollout.result(), _merged_steps(shards)), digestion)
+
+
+def _merged_distribution(command: str, options: dict[str, Any], summaries: list[Summary],
+                         columns: Sequence[str]) -> DistributionSummary | None:
+    """--distribution's summary rebuilt from the merged table's `dist_A_B_*` columns, as one run's
+    analysis builds it; each pair's account (K, each side's view) is the shards' (one run's
+    options), its seconds summed over them."""
+    if options.get("distribution") is None:
+        return None
+    k, full = parse_distribution(str(options["distribution"]))
+    pairs = AUDIT_DISTRIBUTION_PAIRS if command == "audit" else DIFF_DISTRIBUTION_PAIRS
+    accounts: dict[str, dict[str, Any]] = {}
+    for a, b in pairs:
+        if not set(table_columns(a, b)) <= set(columns):
+            raise ResultsError(f"the shards ran --distribution {options['distribution']} but their token tables "
+                               f"have no {a}/{b} distribution columns; rerun the shards")
+        found = [s.section("distribution")[f"{a}/{b}"] for s in summaries if f"{a}/{b}" in s.section("distribution")]
+        accounts[f"{a}/{b}"] = {"k": k, "full": full, "views": found[0]["views"] if found else None,
+                                "seconds": sum(f.get("seconds") or 0.0 for f in found)}
+    return DistributionSummary(pairs, accounts)
 
 
 def _store_merged(shards: list[_Shard], store: TokenStore, keys: PrefixKeys | None) -> dict[str, int]:

@@ -43,6 +43,11 @@ class RunOptions:
         return {}
 
 
+# The engine pairs --distribution compares (a merge of shards rebuilds the same ones).
+AUDIT_DISTRIBUTION_PAIRS = (("train", "infer"),)
+DIFF_DISTRIBUTION_PAIRS = (("a", "reference"), ("b", "reference"))
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class AuditOptions(RunOptions):
     train: str = "hf"
@@ -63,7 +68,7 @@ class AuditOptions(RunOptions):
 
     @property
     def distribution_pairs(self) -> tuple[tuple[str, str], ...]:
-        return (("train", "infer"),)
+        return AUDIT_DISTRIBUTION_PAIRS
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -79,4 +84,4 @@ class DiffOptions(RunOptions):
 
     @property
     def distribution_pairs(self) -> tuple[tuple[str, str], ...]:
-        return (("a", "reference"), ("b", "reference"))
+        return DIFF_DISTRIBUTION_PAIRS

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mismatch.engines import EngineSpec, engine_capabilities, load_engine
+from mismatch.engines import EngineSpec, engine_capabilities, load_engine, probe_top_logprobs
 from mismatch.engines.contract import capabilities_of
 from mismatch.engines.distributions import TERMS, FullRows, TopRows, compare_rows
 from mismatch.errors import SpecError
@@ -75,19 +75,22 @@ def table_columns(a: str, b: str) -> list[str]:
 
 def check_distribution(ask: DistributionAsk, specs: dict[str, EngineSpec]) -> None:
     """Before any replay: each side of each pair is an engine that can give its distribution (its
-    whole one under `full`)."""
+    whole one under `full`); a server is asked once for its top-K (`probe_top_logprobs`)."""
     for pair in ask.pairs:
         for source in pair:
             spec = specs[source]
             capabilities = engine_capabilities(spec)
-            if capabilities.full_distribution or (capabilities.top_logprobs and not ask.full):
+            if capabilities.full_distribution:
+                continue
+            if capabilities.top_logprobs and not ask.full:
+                probe_top_logprobs(spec, ask.k)
                 continue
             if capabilities.top_logprobs:
                 raise SpecError(f"--distribution full: --{source} {spec.text} gives only its top-K "
                                 "(prompt_logprobs), not its whole distribution; pass --distribution K "
                                 "(bounded, not exact) or a torch engine (hf, hf-decode)")
             raise SpecError(f"--distribution: --{source} {spec.text} cannot give its next-token distribution "
-                            "(engines that can: hf, hf-decode (whole), vllm (top-K))")
+                            "(engines that can: hf, hf-decode (whole), vllm and http servers (top-K))")
 
 
 def distribution_damage(values: np.ndarray, table: pd.DataFrame) -> str | None:

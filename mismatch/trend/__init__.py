@@ -64,7 +64,9 @@ def analyze_steps(steps: list[Step], *, pair: str, metric: str, weights: bool = 
         "pair": pair, "metric": metric, "num_steps": len(steps), "step_from": steps[0].step_from,
         "steps": [{"step": s.step, "dir": str(s.path), "checkpoint": s.checkpoint, "headline": s.headline,
                    "report": str(s.path / "index.html") if s.has_report else None} for s in steps],
-        "series": {name: series(steps, pair, name) for name in [*metrics, *frameworks]},
+        # The metric asked for first where it is none of these (dist.kl: a step's --distribution mean).
+        "series": {name: series(steps, pair, name)
+                   for name in [*([metric] if metric not in (*metrics, *frameworks) else []), *metrics, *frameworks]},
         "change_points": [steps[point.index].step for point in found],
         "changes": changes, "jumps": jumps, "configuration_changes": recorded,
         "growth": {"before": [s.step for s in steps[:half]], "after": [s.step for s in steps[-half:]],

@@ -142,6 +142,9 @@ def check_named(steps: list[Step], pair: str, metric: str) -> None:
             lacking.append(step)
     if lacking:
         what = "no pair " + repr(pair) if pair not in lacking[0].pairs else f"no value of {metric} for {pair}"
+        if metric.startswith("dist.") and pair in lacking[0].pairs and metric not in lacking[0].pairs[pair]:
+            # summary.json has no `distribution` entry for the pair: the step was not measured, not zero
+            what += " (ran without --distribution)"
         where = ", ".join(f"step {step.step} ({step.path})" for step in lacking[:3])
         more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
         raise ResultsError(f"trend: {where}{more}: {what}; give the pair and metric every step has (--pair, --metric), "
