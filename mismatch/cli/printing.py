@@ -56,6 +56,10 @@ def print_findings(summary: dict[str, Any]) -> None:
         say(f"alignment: shift {int(alignment.get('shift') or 0):+d}, stored log-probs "
              f"{alignment.get('logprob_semantics', 'unknown')}"
              + (f" (estimated temperature {temperature:.3g})" if isinstance(temperature, (int, float)) else ""))
+    followed = (((summary.get("engines") or {}).get("train") or {}).get("routing") or {}).get("from")
+    if followed not in (None, "sampler"):  # R3 in training forces the rollout engine's own experts
+        say(f"routing: --train routing=replay followed --{followed}'s experts: the rollouts store no "
+            "routed_experts, so not the rollout engine's own")
     drift = summary.get("drift") or {}
     if drift.get("num_rollouts_checked"):
         say(f"render drift: {drift.get('num_spans', 0)} span(s) in {drift.get('num_rollouts_drifted', 0)} of "
