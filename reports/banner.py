@@ -154,6 +154,27 @@ def _cause_banner(cause: dict[str, Any], summary: dict[str, Any], recs: list[dic
 
 
 def audit_banner(summary: dict[str, Any]) -> Banner:
+    """_audit_banner, with what the rollouts' meta.checkpoint says when it disagrees with the audited
+    checkpoint (summary.json declared_checkpoint.line): in the headline's first clause when the identity
+    cause leads or the weight digests differ; another name the data agree with is a notice, the
+    first of the details."""
+    banner = _audit_banner(summary)
+    found = summary.get("declared_checkpoint") or {}
+    declared = found.get("line")
+    if not declared:
+        return banner
+    cause = lead_cause(summary)
+    if cause is not None and cause.get("kind") == "identity":
+        first, _, rest = banner.headline.partition(" — ")
+        banner.headline = f"{first} ({declared})" + (f" — {rest}" if rest else "")
+    elif any(row.get("match") == "other weights" for row in found.get("declared") or []):
+        banner.headline = f"Checkpoint: {declared} — {banner.headline}"
+    else:
+        banner.details.insert(0, f"Checkpoint: {declared}.")
+    return banner
+
+
+def _audit_banner(summary: dict[str, Any]) -> Banner:
     """The diagnosis' lead cause when there is one (_cause_banner). Else: fix at the source when the
     comparison is broken, the gap is large or no cap meets the rule; correct with X when a correction
     meets its rule; else the verdict level (healthy, small, large)."""

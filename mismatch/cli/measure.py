@@ -95,6 +95,9 @@ def audit(
     if as_json:
         emit_json(result.summary)
         return
+    declared = (result.summary.get("declared_checkpoint") or {}).get("line")
+    if declared:  # the rollouts' meta.checkpoint disagrees with CHECKPOINT: the first line after the replay
+        out_console.print(f"checkpoint: {declared}", markup=False, highlight=False, soft_wrap=True)
     skipped = result.summary.get("skipped")
     if skipped and skipped["count"]:
         first = skipped["rollouts"][0]["error"] if skipped["rollouts"] else ""

@@ -25,7 +25,7 @@ from mismatch.analysis.routing import routing_summary, token_routing
 from mismatch.analysis.strata import Strata
 from mismatch.analysis.trees import TreeSums
 from mismatch.analysis.truncation import KeptMassRatios
-from mismatch.engines import check_spec, engine_capabilities
+from mismatch.engines import engine_capabilities
 from mismatch.errors import MismatchError
 from mismatch.frameworks.metrics import FrameworkMetrics, declared_settings
 from mismatch.localize import check_localizable
@@ -35,9 +35,10 @@ from mismatch.pipeline import stages
 from mismatch.pipeline.configured import with_configs, with_checkpoint_checks
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json
-from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_processed
+from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, followed_routing, replay_processed
 from mismatch.replay.truncation import sampler_truncation, truncation_explained
 from mismatch.results import TokenStore, results_lock, staged_tokens
+from mismatch.rollouts.declared_checkpoint import compare_declared, declared_line
 from mismatch.streams import Sampling
 from mismatch.workers import analysis_workers, reading_workers
 
@@ -99,6 +100,8 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) 
         stored = stages.store_audit_rows(replayed, store, checkpoint, ("sampler", *options.sources),
                                             workers=reading_workers(Path(rollouts).stat().st_size))
         alignment = _alignment_before_the_passes(replayed, store, checkpoint, options)
+        declared = compare_declared(replayed.declared_checkpoints, checkpoint,
+                                    (prepared.inputs or {}).get("checkpoint"))
         pairs = audit_pairs(store.columns)  # with the processed pair once its column is there
         beside = ReplayFindings(engines=replayed.engines, drift=stored.drift, alignment=alignment,
                                      routing=replayed_routing(replayed, pairs), prefixes=stored.prefixes)
@@ -119,7 +122,7 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) 
                                 measured, findings, localized=localized,
                                 weights=engine_weights(beside.engines, checkpoint),
                                 probes=_probes(checkpoint, options) if options.probe else None,
-                                framework=options.framework)
+                                framework=options.framework, declared_checkpoint=declared)
         if prepared.skipped is not None:
             summary["skipped"] = prepared.skipped
         if options.out is None:
@@ -163,17 +166,18 @@ def _alignment_before_the_passes(replayed: Replayed, store: TokenStore, checkpoi
     analysis's own passes. Processed log-probs the rollouts do not declare are found only in the
     data: then, and only then, the trainer replays again under the sampler's processing and the
     column joins tokens.parquet (a declared one is planned with the trainer's replay, resumable
-    with it)."""
+    with it). A routing=replay trainer replays it following the experts its own pass followed (the
+    engine's, stored or replayed by --infer), as R3 forces them in training: like for like, the
+    two columns differ by the processing alone."""
     if not engine_capabilities(options.train).processing:
         return None
-    if check_spec(options.train).options.get("routing") == "replay":
-        return None  # its experts come from the infer pass, which a like-for-like pass has none of
+    forced = followed_routing(replayed.engines, replayed.routing, ("train",)).get("train")
     meta = replayed.engines["sampler"]["meta"]
     alignment = check_alignment(store.chunks, sampler_meta=meta)
     processing = Sampling.from_meta(meta)
     if alignment["logprob_semantics"] == "truncated":
         # A declared truncation is replayed as declared unless the data refute it; the estimate is made either way.
-        found = sampler_truncation(replayed.plan, meta, options.train, checkpoint)
+        found = sampler_truncation(replayed.plan, meta, options.train, checkpoint, forced=forced)
         alignment["truncation"].update(found)
         if not truncation_explained(found):
             # Raised, yet no kept set of this model's explains it (another model's rollouts, say):
@@ -189,7 +193,8 @@ def _alignment_before_the_passes(replayed: Replayed, store: TokenStore, checkpoi
     # refute gets it replaced by the estimate's (alignment.truncation.replayed_from says so).
     if refuted or ("logp_train_processed" not in store.columns
                    and alignment["logprob_semantics"] in ("processed", "truncated")):
-        store.add_column("logp_train_processed", replay_processed(replayed.plan, options.train, checkpoint, processing))
+        store.add_column("logp_train_processed",
+                         replay_processed(replayed.plan, options.train, checkpoint, processing, forced=forced))
     return alignment
 
 
@@ -249,9 +254,11 @@ def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | N
 
 def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFindings, *,
                   localized: dict[str, Any] | None = None, weights: dict[str, Any] | None = None,
-                  probes: dict[str, Any] | None = None, framework: str | None = None) -> dict[str, Any]:
+                  probes: dict[str, Any] | None = None, framework: str | None = None,
+                  declared_checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
     """summary.json of an audit (or a merge of its shards), advised once on all of its evidence;
-    `framework`: the one `--for` named."""
+    `framework`: the one `--for` named; `declared_checkpoint`: the rollouts' meta.checkpoint against
+    the audited one (rollouts.declared_checkpoint), its `line` worded once the diagnosis is made."""
     summary = summary_json(provenance, measured, {
         "alignment": findings.alignment, "trees": findings.trees, "framework_metrics": findings.framework_metrics,
         "framework_settings": findings.framework_settings,
@@ -259,8 +266,13 @@ def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFin
         "drift": findings.drift, "routing": findings.routing, "prefix_consistency": findings.prefix_consistency,
         "weights": weights or None, "probes": probes, "strata": findings.strata,
         **({"distribution": findings.distribution} if findings.distribution is not None else {}),
-        **({"framework": framework} if framework is not None else {})})
+        **({"framework": framework} if framework is not None else {}),
+        **({"declared_checkpoint": declared_checkpoint} if declared_checkpoint is not None else {})})
     advise(summary, probes=probes["results"] if probes is not None else None)
+    if declared_checkpoint is not None:
+        causes = (summary.get("diagnosis") or {}).get("causes") or []
+        summary["declared_checkpoint"]["line"] = declared_line(declared_checkpoint, str(provenance.checkpoint),
+                                                    identity_cause=any(c.get("kind") == "identity" for c in causes))
     return summary
 
 
