@@ -125,20 +125,28 @@ def test_a_clean_run_names_nothing_and_a_per_step_seed_is_no_engine_change(clean
     assert capsys.readouterr().out.splitlines()[0].startswith("no change in kl_k3 of train/sampler over 12 steps")
 
 
-# The metrics that are no token-weighted mean: ESS has a CI by the delta method over rollouts
-# (trend/steps._ess); ratio_q999 none (a quantile of tokens, which rollouts.parquet does not hold).
+# The metrics beside the headline ones: ESS has a CI by the delta method over rollouts
+# (trend/steps._ess), chi2_token as a token-weighted mean; ratio_q999 none (a quantile of tokens,
+# which rollouts.parquet does not hold). The clean run names nothing on any of them; the fault is
+# named on ESS. Not on chi2_token (measured: -6e-4 ± 6e-4 before, -3.4e-3 ± 3.5e-3 after: a step's
+# CI as wide as the shift) nor on ratio_q999 (1.036 → 1.30-1.36, no CI): not asserted, said in RESULTS.
 OTHER_METRICS = ("ess", "chi2_token", "ratio_q999")
 
 
 @pytest.mark.parametrize("metric", OTHER_METRICS)
-def test_the_other_metrics_name_the_fault_and_nothing_on_the_clean_run(metric, faulted_run, clean_run, capsys):
+def test_the_other_metrics_name_nothing_on_the_clean_run_and_ess_names_the_fault(metric, faulted_run, clean_run,
+                                                                                 capsys):
     clean = trend_json(clean_run, capsys, "--metric", metric)
     assert clean["change_points"] == [] and clean["jumps"] == [], (clean["changes"], clean["jumps"])
-    faulted = trend_json(faulted_run, capsys, "--metric", metric)
-    assert faulted["change_points"] == [FAULT_AT], faulted["changes"]
-    if metric != "ratio_q999":
-        rows = clean["series"][metric]
-        assert all(row["ci_low"] is not None and row["ci_low"] <= row["value"] <= row["ci_high"] for row in rows), rows
+    if metric == "ratio_q999":
+        return
+    rows = clean["series"][metric]
+    assert all(row["ci_low"] is not None and row["ci_low"] <= row["value"] <= row["ci_high"] for row in rows), rows
+    if metric == "ess":
+        faulted = trend_json(faulted_run, capsys, "--metric", metric)
+        assert faulted["change_points"] == [FAULT_AT], faulted["changes"]
+        change = faulted["changes"][0]
+        assert change["p_value"] < 1e-3 and change["separated"] is True
 
 
 @pytest.mark.parametrize("width", [1280, 390])
