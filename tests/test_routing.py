@@ -58,10 +58,25 @@ def test_routing_replay_needs_a_router_and_an_engine_to_follow(moe, tiny_checkpo
     assert main([args[0], str(tiny_checkpoint), *args[1:], "--train", "hf:routing=replay", "--infer", "hf"]) == 2
     assert "this model has no MoE router to replay" in capsys.readouterr().err
     assert main([args[0], str(moe), *args[1:], "--train", "hf:routing=replay", "--infer", "sampler"]) == 2
-    assert "which must be an engine that records the experts it routes" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "routing=replay follows the rollouts' routed_experts, and they store none; then it follows --infer, " \
+           "which must be an engine that records the experts it routes" in err and len(err.strip().splitlines()) == 1
     assert main([args[0], str(moe), *args[1:], "--train", "hf:routing=maybe"]) == 2
     assert "option routing='maybe' is not one of: own, replay" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_following_the_infer_pass_is_said_when_the_rollouts_store_no_routing(own_and_replayed, capsys) -> None:
+    """R3 in training forces the rollout engine's experts; with none stored the audit's trainer
+    follows --infer's replay instead, and the output says so (the stored case says nothing)."""
+    from mismatch.cli.printing import print_findings
+
+    own, replayed = own_and_replayed
+    print_findings(replayed)
+    assert "routing: --train routing=replay followed --infer's experts: the rollouts store no routed_experts" \
+           in capsys.readouterr().out
+    print_findings(own)
+    assert "routing:" not in capsys.readouterr().out
 
 
 def test_routing_survives_a_resume(moe, tmp_path) -> None:
@@ -253,3 +268,65 @@ def test_stored_routing_that_cannot_be_this_models_is_refused_before_any_replay(
     err = run(moe, lines)
     assert "rollout 'r-0': routed_experts has 1 layers x top-2 per token, but the model routes 2 layers x top-2" in err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def undeclared_top_k(moe, tmp_path_factory) -> Path:
+    """Rollouts the fp32 decode path sampled from the MoE model under top-k 20, its processed
+    log-probs stored undeclared (meta.sampler keeps top_k, drops `logprobs`): a processing the
+    audit finds only in the data (a random-init model has no likely token a temperature would move)."""
+    import json
+
+    from mismatch.demo.toy_agent import HarnessConfig, write_rollouts
+
+    path = tmp_path_factory.mktemp("top_k") / "rollouts.jsonl"
+    write_rollouts(moe, path, HarnessConfig(num_rollouts=3, max_turns=2, top_k=20, dtype="float32"))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for line in lines:
+        line["meta"]["sampler"].pop("logprobs")
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_a_routing_replay_trainers_like_for_like_pass_forces_the_engines_experts(moe, undeclared_top_k, tmp_path) -> None:
+    """R3's like-for-like pass: the trainer under the sampler's processing follows the experts its
+    own pass followed (--infer's here, as R3 forces the rollout engine's), so train_processed and
+    train differ by the processing alone. Checked against the engines run by hand: bit for bit the
+    forced replay, and not the trainer's own routing (bf16 flips against fp32 at some token)."""
+    import pandas as pd
+
+    from mismatch.engines import load_engine
+    from mismatch.replay import plan_replay
+    from mismatch.rollouts import load_rollouts
+    from mismatch.streams import Sampling
+
+    result = audit(moe, undeclared_top_k, train="hf:dtype=bfloat16,routing=replay", infer="hf:dtype=float32",
+                   out=tmp_path / "o")
+    summary = result.summary
+    assert summary["alignment"]["logprob_semantics"] == "truncated"
+    assert "train_processed/sampler" in summary["pairs"]
+    table = pd.read_parquet(tmp_path / "o" / "tokens.parquet")
+    requests = plan_replay(load_rollouts(undeclared_top_k)).requests
+    infer = load_engine("hf:dtype=float32", str(moe))
+    try:
+        infer.replay(requests)
+        experts = [stream.experts for stream in infer.routed]
+    finally:
+        infer.close()
+    top_k = Sampling(top_k=20)
+    forced, own = load_engine("hf:dtype=bfloat16,routing=replay", str(moe)), load_engine("hf:dtype=bfloat16", str(moe))
+    try:
+        expected = np.concatenate(forced.replay(requests, forced_experts=experts, processing=top_k))
+        unforced = np.concatenate(own.replay(requests, processing=top_k))
+    finally:
+        forced.close()
+        own.close()
+    column = table["logp_train_processed"].to_numpy()
+    np.testing.assert_array_equal(column, expected)
+    assert not np.array_equal(column, unforced, equal_nan=True)
+    # The like-for-like pair is the processing removed: far below the raw pair's gap (the median
+    # token's: a bf16 trainer's top 20 differs from the fp32 sampler's at a few near-ties, -inf there).
+    stored, raw = table["logp_sampler"].to_numpy(), table["logp_train"].to_numpy()
+    both = np.isfinite(column) & np.isfinite(stored)
+    assert both.sum() > 0.9 * np.isfinite(stored).sum()
+    assert np.median(np.abs(column - stored)[both]) < 0.2 * np.median(np.abs(raw - stored)[both])

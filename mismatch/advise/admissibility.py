@@ -28,6 +28,7 @@ from mismatch.results import summary_model as model
 from mismatch.results.summary_model import Summary
 from mismatch.advise.levels import HEALTHY
 from mismatch.advise.readers import Side, three_digits
+from mismatch.rollouts.declared_checkpoint import declared_name
 
 SIZE_FACTOR = 10.0    # a gap this many times its envelope is more than the numeric cause
 ROUNDING_TAIL = 0.01  # no envelope: rounding never takes this share of tokens outside [0.5, 2]
@@ -165,8 +166,14 @@ def identity(summary: Summary, level: dict[str, str], side: dict[str, Side], pai
     declared = summary.engine("sampler").get("meta") or {}
     evidence = [f"{tail:.1%} of {pair} tokens have a ratio outside [0.5, 2] (kl_k3 {three_digits(kl)})"]
     if declared.get("checkpoint"):
-        evidence.append(f"the rollouts declare meta.checkpoint {declared['checkpoint']}; this audit replays "
+        evidence.append(f"the rollouts declare meta.sampler.checkpoint {declared['checkpoint']}; this audit replays "
                         f"{summary.checkpoint}")
+    # Each rollout's own meta.checkpoint, compared by name or weight digests (rollouts/declared_checkpoint.py).
+    compared = model.present(summary.declared_checkpoint)
+    if compared is not None and not compared.agrees:
+        evidence.append("the rollouts declare meta.checkpoint " + "; ".join(
+            f"{declared_name(row.checkpoint)} ({row.rollouts} of {compared.rollouts} rollouts, {row.match})"
+            for row in compared.declared) + f"; this audit replays {summary.checkpoint}")
     reach = (f"{times(float(kl), found.kl_k3)} {found.words}" if found is not None and isinstance(kl, (int, float))
              else f"rounding never takes over {ROUNDING_TAIL:.0%} of tokens outside [0.5, 2]")
     return Cause(kind="identity", pair=pair, fix="match_checkpoint",
@@ -175,7 +182,9 @@ def identity(summary: Summary, level: dict[str, str], side: dict[str, Side], pai
                  rules_out=(f"no numeric cause reaches it: {reach}",
                             f"a weight-sync fault or a stale copy moves some probabilities, not over "
                             f"{IDENTITY_TAIL:.0%} of them by 2x"),
-                 where={"checkpoint": summary.checkpoint, "declared": declared.get("checkpoint")})
+                 where={"checkpoint": summary.checkpoint, "declared": declared.get("checkpoint"),
+                        **({"declared_by_rollouts": [declared_name(row.checkpoint) for row in compared.declared]}
+                           if compared is not None else {})})
 
 
 TRUNCATION_OFF = {"top_p": (1.0,), "top_k": (-1, 0), "min_p": (0.0,)}  # meta.sampler values that truncate nothing

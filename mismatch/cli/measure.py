@@ -100,6 +100,9 @@ def audit(
         return
     from mismatch.results.summary_model import present
 
+    declared = present(result.record.declared_checkpoint)
+    if declared is not None and declared.line:  # meta.checkpoint disagrees with CHECKPOINT: first after the replay
+        out_console.print(f"checkpoint: {declared.line}", markup=False, highlight=False, soft_wrap=True)
     skipped = present(result.record.skipped)
     if skipped is not None and skipped.count:
         first = skipped.rollouts[0].error if skipped.rollouts else ""

@@ -56,6 +56,10 @@ def print_findings(summary: Summary) -> None:
         temperature = alignment.estimated_temperature
         say(f"alignment: shift {alignment.shift or 0:+d}, stored log-probs {alignment.logprob_semantics or 'unknown'}"
             + (f" (estimated temperature {temperature:.3g})" if temperature is not None else ""))
+    followed = (summary.engine("train").get("routing") or {}).get("from")
+    if followed not in (None, "sampler"):  # R3 in training forces the rollout engine's own experts
+        say(f"routing: --train routing=replay followed --{followed}'s experts: the rollouts store no "
+            "routed_experts, so not the rollout engine's own")
     drift = view(present(summary.drift), Drift, "drift")
     if drift.num_rollouts_checked:
         say(f"render drift: {drift.num_spans} span(s) in {drift.num_rollouts_drifted} of "

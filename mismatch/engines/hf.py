@@ -229,13 +229,15 @@ class HFEngine(TorchEngineBase):
     capabilities = Capabilities(records_routing=True, forced_experts=True, processing=True, records_entropy=True,
                                 full_distribution=True)
 
-    def scored_hidden(self, request: ReplayRequest):
-        """The hidden states that predict the request's scored tokens past position 0 (--distribution):
-        the request forwarded alone (CPU matmuls were batch-invariant here; MACHINE.md)."""
+    def scored_hidden(self, request: ReplayRequest, forced_experts: np.ndarray | None = None):
+        """The hidden states that predict the request's scored tokens past position 0 (--distribution,
+        the truncation estimate): the request forwarded alone (CPU matmuls were batch-invariant here;
+        MACHINE.md); under routing=replay, with `forced_experts` (its positions' experts) as replay() is."""
         import torch
 
         ids_1L = torch.from_numpy(request.tokens)[None].to(self.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._forcing([request], [0], None,
+                                                        None if forced_experts is None else [forced_experts]):
             hidden_LD = self.decoder(input_ids=ids_1L).last_hidden_state[0]
         if self.recorder is not None:
             self.recorder.take()  # this pass's routing is not the replay's: dropped

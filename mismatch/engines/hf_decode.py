@@ -138,16 +138,19 @@ class HFDecodeEngine(TorchEngineBase):
         self.seconds += time.perf_counter() - started
         return results
 
-    def scored_hidden(self, request: ReplayRequest):
+    def scored_hidden(self, request: ReplayRequest, forced_experts: np.ndarray | None = None):
         """The hidden states that predict the request's scored tokens past position 0, fed as the
-        replay feeds them (prefill, then one token at a time with the KV cache; --distribution)."""
+        replay feeds them (prefill, then one token at a time with the KV cache; --distribution, the
+        truncation estimate); under routing=replay, with `forced_experts` (its positions' experts)."""
         import torch
 
         tokens = request.tokens
-        session = DecodeSession(self.model, self.device)
+        session = DecodeSession(self.model, self.device, self.options.state_dtype)
         rows = []
         for start, stop in feed_chunks(request.generated, prefill=self.options.prefill == "prompt"):
-            rows.append(session.feed(tokens[start:stop]))
+            forced = self._forced_rows(None if forced_experts is None else [forced_experts], 0, start, stop)
+            with forced_routing(self.model, torch.from_numpy(forced)) if forced is not None else nullcontext():
+                rows.append(session.feed(tokens[start:stop]))
         if self.recorder is not None:
             self.recorder.take()  # this pass's routing is not the replay's: dropped
         hidden_LD = torch.cat(rows)  # inputs 0..L-2: row i predicts token i+1

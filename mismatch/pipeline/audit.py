@@ -25,7 +25,7 @@ from mismatch.analysis.routing import routing_summary, token_routing
 from mismatch.analysis.strata import Strata
 from mismatch.analysis.trees import TreeSums
 from mismatch.analysis.truncation import KeptMassRatios
-from mismatch.engines import check_spec, engine_capabilities
+from mismatch.engines import engine_capabilities
 from mismatch.errors import MismatchError
 from mismatch.frameworks.metrics import FrameworkMetrics, declared_settings
 from mismatch.localize import check_localizable
@@ -36,10 +36,11 @@ from mismatch.pipeline.configured import resolve_options
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json, with_parts
 from mismatch.results.summary_model import Correction, Summary
-from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, replay_processed
+from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, followed_routing, replay_processed
 from mismatch.replay.truncation import sampler_truncation, truncation_explained
 from mismatch.results import TokenStore, results_lock, staged_tokens
 from mismatch.results.chunks import ChunkSource
+from mismatch.rollouts.declared_checkpoint import compare_declared, declared_line
 from mismatch.streams import Sampling
 from mismatch.workers import analysis_workers, reading_workers
 
@@ -101,6 +102,8 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) 
         stored = stages.store_audit_rows(replayed, store, checkpoint, ("sampler", *options.sources),
                                             workers=reading_workers(Path(rollouts).stat().st_size))
         alignment = _alignment_before_the_passes(replayed, store, checkpoint, options)
+        declared = compare_declared(replayed.declared_checkpoints, checkpoint,
+                                    (prepared.inputs or {}).get("checkpoint"))
         pairs = audit_pairs(store.columns)  # with the processed pair once its column is there
         beside = ReplayFindings(engines=replayed.engines, drift=stored.drift, alignment=alignment,
                                      routing=replayed_routing(replayed, pairs), prefixes=stored.prefixes)
@@ -121,7 +124,8 @@ def _audit(checkpoint: str | Path, rollouts: str | Path, options: AuditOptions) 
                                 measured, findings, localized=localized,
                                 weights=engine_weights(beside.engines, checkpoint),
                                 probes=_probes(checkpoint, options) if options.probe else None,
-                                framework=options.framework, skipped=prepared.skipped)
+                                framework=options.framework, skipped=prepared.skipped,
+                                declared_checkpoint=declared)
         if options.out is None:
             return AuditResult(record=summary, out=None, table=store.table)
         summary = stages.write_results_files(store, summary, stages.with_steps(per_rollout.result(), stored.steps),
@@ -164,17 +168,18 @@ def _alignment_before_the_passes(replayed: Replayed, store: TokenStore, checkpoi
     analysis's own passes. Processed log-probs the rollouts do not declare are found only in the
     data: then, and only then, the trainer replays again under the sampler's processing and the
     column joins tokens.parquet (a declared one is planned with the trainer's replay, resumable
-    with it)."""
+    with it). A routing=replay trainer replays it following the experts its own pass followed (the
+    engine's, stored or replayed by --infer), as R3 forces them in training: like for like, the
+    two columns differ by the processing alone."""
     if not engine_capabilities(options.train).processing:
         return None
-    if check_spec(options.train).options.get("routing") == "replay":
-        return None  # its experts come from the infer pass, which a like-for-like pass has none of
+    forced = followed_routing(replayed.engines, replayed.routing, ("train",)).get("train")
     meta = replayed.engines["sampler"]["meta"]
     alignment = check_alignment(store.chunks, sampler_meta=meta)
     processing = Sampling.from_meta(meta)
     if alignment["logprob_semantics"] == "truncated":
         # A declared truncation is replayed as declared unless the data refute it; the estimate is made either way.
-        found = sampler_truncation(replayed.plan, meta, options.train, checkpoint)
+        found = sampler_truncation(replayed.plan, meta, options.train, checkpoint, forced=forced)
         alignment["truncation"].update(found)
         if not truncation_explained(found):
             # Raised, yet no kept set of this model's explains it (another model's rollouts, say):
@@ -190,7 +195,8 @@ def _alignment_before_the_passes(replayed: Replayed, store: TokenStore, checkpoi
     # refute gets it replaced by the estimate's (alignment.truncation.replayed_from says so).
     if refuted or ("logp_train_processed" not in store.columns
                    and alignment["logprob_semantics"] in ("processed", "truncated")):
-        store.add_column("logp_train_processed", replay_processed(replayed.plan, options.train, checkpoint, processing))
+        store.add_column("logp_train_processed",
+                         replay_processed(replayed.plan, options.train, checkpoint, processing, forced=forced))
     return alignment
 
 
@@ -255,9 +261,12 @@ def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | N
 def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFindings, *,
                   localized: dict[str, Any] | None = None, weights: dict[str, Any] | None = None,
                   probes: dict[str, Any] | None = None, framework: str | None = None,
-                  skipped: dict[str, Any] | None = None) -> Summary:
+                  skipped: dict[str, Any] | None = None,
+                  declared_checkpoint: dict[str, Any] | None = None) -> Summary:
     """summary.json of an audit (or a merge of its shards), advised once on all of its evidence;
-    `framework`: the one `--for` named; `skipped`: the rollouts --skip-invalid left out."""
+    `framework`: the one `--for` named; `skipped`: the rollouts --skip-invalid left out;
+    `declared_checkpoint`: the rollouts' meta.checkpoint against the audited one
+    (rollouts.declared_checkpoint), its `line` worded once the diagnosis is made."""
     summary = summary_json(provenance, measured, {
         "alignment": findings.alignment, "trees": findings.trees, "framework_metrics": findings.framework_metrics,
         "framework_settings": findings.framework_settings,
@@ -265,9 +274,15 @@ def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFin
         "drift": findings.drift, "routing": findings.routing, "prefix_consistency": findings.prefix_consistency,
         "weights": weights or None, "probes": probes, "strata": findings.strata,
         **({"distribution": findings.distribution} if findings.distribution is not None else {}),
-        **({"framework": framework} if framework is not None else {}), "skipped": skipped})
+        **({"framework": framework} if framework is not None else {}), "skipped": skipped,
+        **({"declared_checkpoint": declared_checkpoint} if declared_checkpoint is not None else {})})
     advice = advise(summary, probes=probes["results"] if probes is not None else None)
-    return with_parts(summary, advice.parts())
+    parts: dict[str, Any] = advice.parts()
+    if declared_checkpoint is not None:  # its line says what the diagnosis made of the declaration
+        identity = any(cause.kind == "identity" for cause in advice.diagnosis.causes)
+        parts["declared_checkpoint"] = {**declared_checkpoint, "line": declared_line(
+            declared_checkpoint, str(provenance.checkpoint), identity_cause=identity)}
+    return with_parts(summary, parts)
 
 
 def _localized_models(checkpoint: str | Path, requests: list[Any], prepared: stages.Prepared,

@@ -213,6 +213,26 @@ def _cause_banner(cause: Cause, summary: Summary, recs: list[Recommendation],
 
 
 def audit_banner(summary: Summary) -> Banner:
+    """_audit_banner, with what the rollouts' meta.checkpoint says when it disagrees with the audited
+    checkpoint (summary.json declared_checkpoint.line): in the headline's first clause when the identity
+    cause leads or the weight digests differ; another name the data agree with is a notice, the
+    first of the details."""
+    banner = _audit_banner(summary)
+    found = present(summary.declared_checkpoint)
+    if found is None or not found.line:
+        return banner
+    cause = lead_cause(summary)
+    if cause is not None and cause.kind == "identity":
+        first, _, rest = banner.headline.partition(" — ")
+        banner.headline = f"{first} ({found.line})" + (f" — {rest}" if rest else "")
+    elif any(row.match == "other weights" for row in found.declared):
+        banner.headline = f"Checkpoint: {found.line} — {banner.headline}"
+    else:
+        banner.details.insert(0, f"Checkpoint: {found.line}.")
+    return banner
+
+
+def _audit_banner(summary: Summary) -> Banner:
     """The diagnosis' lead cause when there is one (_cause_banner). Else: fix at the source when the
     comparison is broken, the gap is large or no cap meets the rule; correct with X when a correction
     meets its rule; else the verdict level (healthy, small, large)."""

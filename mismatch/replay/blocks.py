@@ -95,6 +95,7 @@ class FileScan:
 
     names: set[str]                 # "sampler" and every extra_logprobs name in the file
     metas: list[dict[str, Any]]     # meta.sampler of the selected rollouts, where declared
+    checkpoints: list[Any]          # meta.checkpoint of each selected rollout (None: undeclared)
     longest: tuple[int, str, str]   # (stream length, rollout, branch) of the longest stream
     stream_lengths: list[int]       # every selected stream's length (context included)
     routing: tuple[int, str, tuple[int, ...]] | None  # (line, rollout, [layers, top-k]) of the first routed_experts
@@ -106,6 +107,7 @@ def scan_file(blocks: FileBlocks) -> FileScan:
     streams the shard takes."""
     info, shard = blocks.info, blocks.shard
     names, metas, lengths, longest, routing, scored = {"sampler"}, [], [], (0, "", ""), None, 0
+    checkpoints: list[Any] = []
     for index, rollout in enumerate(pinned_rollouts(blocks.rollouts, info, blocks.pinned, blocks.skip_invalid)):
         names.update(extra_names([rollout]))
         shape = routing_shape(rollout) if routing is None else None
@@ -114,14 +116,15 @@ def scan_file(blocks: FileBlocks) -> FileScan:
         if shard is not None and not shard.takes(index // blocks.block_size):
             continue
         metas.extend(sampler_metas([rollout]))
+        checkpoints.extend(declared_checkpoints([rollout]))
         for branch in rollout.branches:
             length = len(context_tokens(rollout, branch.id)) + branch.num_tokens
             lengths.append(length)
             scored += branch.num_tokens
             if length > longest[0]:
                 longest = (length, rollout.id, branch.id)
-    return FileScan(names=names, metas=metas, longest=longest, stream_lengths=lengths, routing=routing,
-                    num_scored=scored)
+    return FileScan(names=names, metas=metas, checkpoints=checkpoints, longest=longest, stream_lengths=lengths,
+                    routing=routing, num_scored=scored)
 
 
 def extra_names(rollouts: list[Rollout]) -> set[str]:
@@ -133,6 +136,12 @@ def extra_names(rollouts: list[Rollout]) -> set[str]:
 def sampler_metas(rollouts: list[Rollout]) -> list[dict[str, Any]]:
     """meta.sampler of these rollouts, where declared."""
     return [r.meta["sampler"] for r in rollouts if isinstance(r.meta.get("sampler"), dict)]
+
+
+def declared_checkpoints(rollouts: list[Rollout]) -> list[Any]:
+    """meta.checkpoint of each of these rollouts (the checkpoint it declares it was sampled by), None
+    where undeclared (pipeline/declared_checkpoint.py compares them with the audited one)."""
+    return [r.meta.get("checkpoint") for r in rollouts]
 
 
 def sampler_meta(metas: list[dict[str, Any]]) -> dict[str, Any]:

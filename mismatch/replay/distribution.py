@@ -23,6 +23,7 @@ from mismatch.engines.contract import capabilities_of
 from mismatch.engines.distributions import TERMS, FullRows, TopRows, compare_rows
 from mismatch.errors import SpecError
 from mismatch.replay.plan import ReplayPlan
+from mismatch.streams import StreamRouting
 
 # Elements of one side's [rows, vocab] fp32 log-softmax per comparison: 2^21 (8 MiB); the
 # comparison makes a few more of that size (benchmarks/distribution_cost.py measures the peak).
@@ -104,15 +105,18 @@ class DistributionPass:
     """One pair's terms over every block: both engines loaded once, together."""
 
     def __init__(self, a: str, b: str, *, specs: dict[str, EngineSpec], checkpoint: str, ask: DistributionAsk,
-                 vocab_size: int) -> None:
+                 vocab_size: int, forced: dict[str, list[StreamRouting]] | None = None) -> None:
         self.sources = (a, b)
+        # routing=replay: a side's forced experts (one per request, plan order), as its replay followed them.
+        self.forced = forced or {}
         self.specs, self.checkpoint, self.ask, self.vocab_size = specs, checkpoint, ask, vocab_size
         self.engines: list[Any] = []
         self.seconds = 0.0
         self.num_positions = 0
 
-    def block_terms(self, plan: ReplayPlan) -> np.ndarray:
-        """The block's terms, one row per table row (NaN where a position predicts nothing).
+    def block_terms(self, plan: ReplayPlan, first_request: int = 0) -> np.ndarray:
+        """The block's terms, one row per table row (NaN where a position predicts nothing);
+        `first_request`: the block's first request in the run's plan (its forced experts).
 
         Positions are compared in chunks of `chunk_rows` that may span requests (a small vocabulary
         makes many rows cheap): a torch side's hidden states [rows, D] wait in `pending` until a
@@ -131,8 +135,9 @@ class DistributionPass:
             offset += request.num_scored
             if len(request.tokens) <= first:
                 continue
-            sides = [engine.scored_hidden(request) if _full(engine) else top[index]
-                     for engine, top in zip(self.engines, tops)]
+            sides = [engine.scored_hidden(request, self._forced(source, first_request + index))
+                     if _full(engine) else top[index]
+                     for source, engine, top in zip(self.sources, self.engines, tops)]
             pending.append((row, sides, request.tokens[first:]))
             self.num_positions += len(request.tokens) - first
             if sum(len(targets) for _, _, targets in pending) >= self.chunk_rows:
@@ -142,6 +147,10 @@ class DistributionPass:
             self._compare(pending, terms)
         self.seconds += time.perf_counter() - started
         return terms
+
+    def _forced(self, source: str, request: int) -> np.ndarray | None:
+        forced = self.forced.get(source)
+        return forced[request].experts if forced is not None else None
 
     @property
     def chunk_rows(self) -> int:
@@ -175,14 +184,15 @@ class DistributionPass:
     def run(self, blocks: Any, columns: Any) -> dict[str, Any]:
         """Every block's terms into `columns` (a SavedColumns), resumed where saved; the pass's account."""
         name = column_name(*self.sources, self.ask)
-        resumed = 0
+        resumed = first_request = 0
         try:
             for block, plan in blocks:
+                first, first_request = first_request, first_request + len(plan.requests)
                 saved = columns.work.load(name, block) if columns.work is not None else None
                 if saved is not None and distribution_damage(saved, plan.table) is None:
                     resumed += 1
                     continue
-                columns.keep(name, block, self.block_terms(plan), {"seconds": 0.0})
+                columns.keep(name, block, self.block_terms(plan, first), {"seconds": 0.0})
         finally:
             self.close()
         return {**self.described(), "resumed_blocks": resumed}

@@ -7,7 +7,7 @@ the blocks to read back (`Replayed`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from mismatch.checkpoint import checkpoint_info
 from mismatch.engines import TORCH_KINDS, Engine, EngineSpec, ProgressFn, check_spec, engine_capabilities, load_engine
 from mismatch.engines.contract import recorded_entropy, recorded_routing
 from mismatch.errors import EngineError, SpecError
-from mismatch.replay.blocks import FileBlocks, sampler_meta, scan_file
+from mismatch.replay.blocks import FileBlocks, FileScan, sampler_meta, scan_file
 from mismatch.replay.checks import (
     ENTROPY_SUFFIX,
     check_before_replay,
@@ -125,16 +125,20 @@ def replay_sources(checkpoint: str | Path, rollouts: str | Path, sources: dict[s
         iter_rollouts(rollouts)  # opens nothing yet, but checks the file exists and is readable: now
         engines.update({source: _stored_engine(spec) for source, spec in specs.items()})
     else:
-        routing = _replay_engines(specs, blocks, engines, columns, checkpoint=str(checkpoint), options=options)
+        routing, scan = _replay_engines(specs, blocks, engines, columns, checkpoint=str(checkpoint), options=options)
     distribution: dict[str, Any] = {}
     ask = options.distribution
     pairs = ask.pairs if ask is not None and not stored_only else ()
     for a, b in pairs:
         # After every replay: both engines of the pair at once (engines/distributions.py).
         distribution[f"{a}/{b}"] = DistributionPass(a, b, specs=specs, checkpoint=str(checkpoint), ask=ask,
-                                                    vocab_size=info.vocab_size).run(blocks.planned(), columns)
+                                                    vocab_size=info.vocab_size,
+                                                    forced=followed_routing(engines, routing, (a, b))
+                                                    ).run(blocks.planned(), columns)
     filled = FilledBlocks(file=blocks, specs=specs, columns=columns, engines=engines, stored_only=stored_only,
                           distribution=ask if pairs else None)
+    if not stored_only:
+        filled.checkpoints = scan.checkpoints
     return Replayed(engines=engines, routing=routing, filled=filled, distribution=distribution)
 
 
@@ -150,9 +154,9 @@ def _pinned(rollouts: str | Path, options: ReplayOptions) -> Pinned | None:
 
 def _replay_engines(specs: dict[str, EngineSpec], blocks: FileBlocks, engines: dict[str, Any],
                     columns: SavedColumns, *, checkpoint: str,
-                    options: ReplayOptions) -> dict[str, list[StreamRouting]]:
+                    options: ReplayOptions) -> tuple[dict[str, list[StreamRouting]], FileScan]:
     """The first scan and the checks it allows, then every source in replay order: each source's
-    description into `engines`; returns each source's MoE routing, where recorded or stored."""
+    description into `engines`; returns each source's MoE routing, where recorded or stored, and the scan."""
     scan = scan_file(blocks)
     engines["sampler"]["meta"] = sampler_meta(scan.metas)
     check_before_replay(specs, scan, blocks.info, file=blocks.path)
@@ -177,11 +181,24 @@ def _replay_engines(specs: dict[str, EngineSpec], blocks: FileBlocks, engines: d
         engines[source] = _with_replay_facts(described, routing_from if forced is not None else None, processing)
         if routed is not None:
             routing[source] = routed
-    return routing
+    return routing, scan
 
 
 def _stored_engine(spec: EngineSpec) -> dict[str, Any]:
     return {"kind": "stored", "spec": spec.text, "name": spec.options["name"]}
+
+
+def followed_routing(engines: dict[str, Any], routing: dict[str, list[StreamRouting]],
+                     sources: Sequence[str]) -> dict[str, list[StreamRouting]]:
+    """The experts each of `sources` followed in its replay (routing=replay: the source named by
+    its description's routing.from), one per request in plan order; a later pass of the same
+    engine (the like-for-like column, the truncation estimate, --distribution) forces the same."""
+    followed = {}
+    for source in sources:
+        routed_from = ((engines.get(source) or {}).get("routing") or {}).get("from")
+        if routed_from is not None and routing.get(routed_from) is not None:
+            followed[source] = routing[routed_from]
+    return followed
 
 
 def _forced(source: str, spec: EngineSpec, routing: dict[str, list[StreamRouting]],
@@ -218,13 +235,15 @@ def _replay_order(specs: dict[str, EngineSpec], routing_from: str | None) -> lis
     replaying = [source for source, spec in specs.items() if spec.options.get("routing") == "replay"]
     if not replaying or routing_from == "sampler":  # the stored routing needs no replay first
         return ordered
+    # Here the rollouts store no routed_experts (R3 in training forces those): said in the refusal.
     if routing_from is None or routing_from not in specs or routing_from in replaying:
-        raise SpecError(f"--{replaying[0]} {specs[replaying[0]].text}: routing=replay needs another engine "
-                        "of this command to follow (audit: --infer; diff: --reference)")
+        raise SpecError(f"--{replaying[0]} {specs[replaying[0]].text}: routing=replay follows the rollouts' "
+                        "routed_experts, and they store none; then it needs another engine of this command "
+                        "to follow (audit: --infer; diff: --reference)")
     if not engine_capabilities(specs[routing_from]).records_routing:
-        raise SpecError(f"--{replaying[0]} {specs[replaying[0]].text}: routing=replay follows "
-                        f"--{routing_from}, which must be an engine that records the experts it routes (the "
-                        f"torch engines hf, hf-decode do); "
+        raise SpecError(f"--{replaying[0]} {specs[replaying[0]].text}: routing=replay follows the rollouts' "
+                        f"routed_experts, and they store none; then it follows --{routing_from}, which must be "
+                        "an engine that records the experts it routes (the torch engines hf, hf-decode do); "
                         f"it is {specs[routing_from].text!r}")
     return [(routing_from, specs[routing_from]), *((r, s) for r, s in ordered if r != routing_from)]
 

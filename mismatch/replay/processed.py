@@ -8,6 +8,7 @@ An audit plans the processed column with the trainer's own pass (`replay_sources
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from mismatch.errors import SpecError
 from mismatch.replay.checks import check_column, replay_column
 from mismatch.replay.plan import ReplayPlan, plan_replay
 from mismatch.rollouts import load_rollouts
-from mismatch.streams import Sampling
+from mismatch.streams import Sampling, StreamRouting
 
 
 def declared_processing(meta: dict[str, Any]) -> Sampling | None:
@@ -31,13 +32,15 @@ def declared_processing(meta: dict[str, Any]) -> Sampling | None:
 
 
 def replay_processed(plan: ReplayPlan, spec: str, checkpoint: str | os.PathLike[str],
-                     sampling: Sampling) -> np.ndarray:
+                     sampling: Sampling, *, forced: Sequence[StreamRouting] | None = None) -> np.ndarray:
     """One column of the plan's token table: `spec`'s log-probs under `sampling`'s processing.
 
     `spec` must name an engine that processes its log-probs (`hf`, `hf-decode`, with any
     options), refused before it loads otherwise. An audit plans this pass with the trainer's own
     (replay_sources, when meta.sampler declares processed log-probs); this stand-alone pass serves
-    rollouts whose processing is found only in the data.
+    rollouts whose processing is found only in the data. `forced`: under routing=replay, the
+    experts the trainer's own pass followed (one per request, plan order; replay.followed_routing),
+    so the two columns differ by the processing alone, as R3 forces the engine's in training.
     """
     if not engine_capabilities(spec).processing:
         raise SpecError(f"{spec}: recomputing under the sampler's temperature/top-k/top-p "
@@ -46,7 +49,11 @@ def replay_processed(plan: ReplayPlan, spec: str, checkpoint: str | os.PathLike[
     label = f"{spec} (processed)"
     try:
         # Block by block, as replay_sources does: batch composition, and so every bit, is the same.
-        parts = [replay_column(requests, engine, name=label, processing=sampling) for _, requests in plan.blocks()]
+        parts, first = [], 0
+        for _, requests in plan.blocks():
+            experts = [stream.experts for stream in forced[first: first + len(requests)]] if forced is not None else None
+            parts.append(replay_column(requests, engine, name=label, processing=sampling, forced_experts=experts))
+            first += len(requests)
         values = np.concatenate(parts) if parts else np.empty(0)
         check_column(values, plan.table, label)
         return values

@@ -17,6 +17,7 @@ from mismatch.replay.blocks import (
     Block,
     FileBlocks,
     FoundBlock,
+    declared_checkpoints,
     extra_names,
     sampler_meta,
     sampler_metas,
@@ -108,6 +109,7 @@ class FilledBlocks:
         self.distribution = distribution
         self.engines = engines  # the Replayed's: the sampler's settings are filled in by `finish`
         self.stored_only = stored_only
+        self.checkpoints: list[Any] = []  # each selected rollout's meta.checkpoint: by the scan, else `finish`
 
     @property
     def forkable(self) -> bool:
@@ -146,32 +148,35 @@ class FilledBlocks:
         """One pass over the file: each block the shard takes, filled."""
         names: set[str] = {"sampler"}
         metas: list[dict[str, Any]] = []
+        checkpoints: list[Any] = []
 
         def seen(rollout: Rollout) -> None:  # names over the whole file, not the shard's blocks
             names.update(extra_names([rollout]))
 
         for block, indices, selected in _or_empty(self.file.read(seen=seen)):
             metas.extend(sampler_metas(selected))
+            checkpoints.extend(declared_checkpoints(selected))
             yield self.filled(block, indices, selected)
         if self.stored_only:
-            self.finish(names, metas)
+            self.finish(names, metas, checkpoints)
 
     def forked(self, fn: Callable[[Block], T], workers: int) -> Iterator[T]:
         """fn of each filled block, in file order, read and mapped by `workers` forked readers."""
         file = self.file
-        names, metas, any_taken = {"sampler"}, [], False
-        for found, taken, block_metas, result in pinned_pass(file.rollouts, file.pinned, lambda: forked_blocks(
+        names, metas, checkpoints, any_taken = {"sampler"}, [], [], False
+        for found, taken, (block_metas, block_checkpoints), result in pinned_pass(file.rollouts, file.pinned, lambda: forked_blocks(
                 file.rollouts, vocab_size=file.info.vocab_size, num_experts=file.info.num_experts,
                 block_size=file.block_size, workers=workers, work=self._mapped(fn),
                 limit=file.pinned.size if file.pinned else None)):
             names |= found
             if taken:
                 metas.extend(block_metas)
+                checkpoints.extend(block_checkpoints)
                 any_taken = True
                 yield result
         if not any_taken:  # a shard that takes no block: one empty block, every column of it
             yield fn(self.filled(-1, [], []))
-        self.finish(names, metas)
+        self.finish(names, metas, checkpoints)
 
     def _mapped(self, fn: Callable[[Block], T]) -> Callable[[int, list[int], list[Rollout]], tuple]:
         """What a forked reader does with each block: its names and sampler settings for the
@@ -180,14 +185,16 @@ class FilledBlocks:
 
         def mapped(block: int, indices: list[int], selected: list[Rollout]) -> tuple[set[str], bool, list, Any]:
             taken = shard is None or shard.takes(block)  # every block is read; a shard maps its own
-            return (extra_names(selected), taken, sampler_metas(selected) if taken else [],
-                    fn(self.filled(block, indices, selected)) if taken else None)
+            declared = (sampler_metas(selected), declared_checkpoints(selected)) if taken else ([], [])
+            return extra_names(selected), taken, declared, fn(self.filled(block, indices, selected)) if taken else None
         return mapped
 
-    def finish(self, names: set[str], metas: list[dict[str, Any]]) -> None:
-        """After the one pass of a stored-only replay: its names checked, the sampler's settings."""
+    def finish(self, names: set[str], metas: list[dict[str, Any]], checkpoints: list[Any]) -> None:
+        """After the one pass of a stored-only replay: its names checked, the sampler's settings,
+        the checkpoints the rollouts declare."""
         check_stored_names(self.specs, names)
         self.engines["sampler"]["meta"] = sampler_meta(metas)
+        self.checkpoints = checkpoints
 
 
 def _or_empty(blocks: Iterator[FoundBlock]) -> Iterator[FoundBlock]:
@@ -217,6 +224,12 @@ class Replayed:
 
     def blocks(self) -> Iterator[Block]:
         return self._filled.blocks()
+
+    @property
+    def declared_checkpoints(self) -> list[Any]:
+        """Each selected rollout's meta.checkpoint (None: undeclared); a stored-only replay knows
+        them once its one pass (`blocks()` or `map_blocks`) has ended."""
+        return self._filled.checkpoints
 
     def map_blocks(self, fn: Callable[[Block], T], workers: int = 1) -> Iterator[T]:
         """fn of each block, in order. With `workers` > 1, a replay of stored log-probs from a JSONL

@@ -14,6 +14,7 @@ tokens; its confidence is that share; its range, the parameters of its family wi
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ import numpy as np
 from mismatch.engines import engine_capabilities, load_engine
 from mismatch.errors import SpecError
 from mismatch.replay.plan import ReplayPlan
+from mismatch.streams import StreamRouting
 
 TOLERANCE = 0.01     # nats of log kept mass: what one precision's two replays can differ by at the cut
 SLACK = 0.02         # share of tokens: parameters of the best family this close to it are as good
@@ -34,10 +36,12 @@ GRIDS = {
 
 
 def support_profiles(plan: ReplayPlan, stored: np.ndarray, spec: str, checkpoint: str | os.PathLike[str],
-                     *, max_tokens: int = MAX_TOKENS) -> dict[str, np.ndarray]:
+                     *, max_tokens: int = MAX_TOKENS,
+                     forced: Sequence[StreamRouting] | None = None) -> dict[str, np.ndarray]:
     """The replay's sorted distribution at up to `max_tokens` trainable tokens with a stored
     log-prob, taken request by request in table order: cumulative sorted mass [N, W], the token's
-    rank and log-prob, and its stored log-prob."""
+    rank and log-prob, and its stored log-prob. The engine gives its hidden states as its replay
+    does (`scored_hidden`), under routing=replay following `forced` (one per request, plan order)."""
     import torch
 
     if not engine_capabilities(spec).processing:
@@ -47,18 +51,19 @@ def support_profiles(plan: ReplayPlan, stored: np.ndarray, spec: str, checkpoint
     cums, ranks, logps, stores = [], [], [], []
     row, taken = 0, 0
     try:
-        for request in plan.requests:
+        for index, request in enumerate(plan.requests):
             rows = slice(row, row + request.num_scored)
             row += request.num_scored
             wanted = np.flatnonzero(trainable[rows] & np.isfinite(stored[rows]))
             wanted = wanted[(request.score_from + wanted) > 0][: max_tokens - taken]
             if not len(wanted):
                 continue
-            ids = torch.from_numpy(request.tokens)[None].to(engine.device)
             with torch.inference_mode():
-                hidden_LD = engine.decoder(input_ids=ids).last_hidden_state[0]
+                # Row j predicts token first + j, first = max(score_from, 1).
+                hidden_ND = engine.scored_hidden(request, forced[index].experts if forced is not None else None)
                 positions = torch.from_numpy(request.score_from + wanted)
-                logits_NV = engine.lm_head(hidden_LD[positions.to(hidden_LD.device) - 1]).float()
+                first = max(request.score_from, 1)
+                logits_NV = engine.lm_head(hidden_ND[(positions - first).to(hidden_ND.device)]).float()
                 if engine.softcap is not None:
                     logits_NV = torch.tanh(logits_NV / engine.softcap) * engine.softcap
                 probs_NV = torch.softmax(logits_NV, dim=-1).double()
@@ -127,18 +132,20 @@ def _plain(value: Any) -> float | int:
 
 
 def sampler_truncation(plan: ReplayPlan, meta: dict[str, Any] | None, spec: str,
-                       checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
+                       checkpoint: str | os.PathLike[str], *,
+                       forced: Sequence[StreamRouting] | None = None) -> dict[str, Any]:
     """summary `alignment.truncation`'s `declared`, `estimate`, `declared_fit` and `replayed` (the
     Sampling the like-for-like column replays, as a dict) for stored log-probs that read as
     truncated: what meta.sampler declares is replayed as declared; the estimate is made either way,
     so a declaration the data do not fit (`declared_fit`: the share of tokens it explains, for a
-    declaration of one family) is told, not silently replayed."""
+    declaration of one family) is told, not silently replayed. `forced`: the experts a routing=replay
+    trainer followed (support_profiles)."""
     from dataclasses import asdict
 
     from mismatch.streams import Sampling
 
     declared = Sampling.from_meta(meta)
-    profiles = support_profiles(plan, plan.stored["sampler"], spec, checkpoint)
+    profiles = support_profiles(plan, plan.stored["sampler"], spec, checkpoint, forced=forced)
     estimate = estimate_truncation(profiles)
     estimated = Sampling(temperature=declared.temperature,
                          **({estimate["kind"]: estimate["value"]} if estimate is not None else {}))

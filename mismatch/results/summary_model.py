@@ -231,6 +231,27 @@ class Skipped(_Record, kw_only=True):
     rollouts: list[SkippedRollout]
 
 
+class DeclaredRow(_Record, kw_only=True):
+    checkpoint: str | Section  # a name or path, or {path|name, sha256: {file: digest}}
+    rollouts: Annotated[int, Meta(ge=1)]
+    match: Literal["same weights", "same name", "other weights", "another name"]
+
+
+class DeclaredCheckpoint(_Record, kw_only=True):
+    """audit: the checkpoint each rollout declares it was sampled by (meta.checkpoint) against the
+    audited one, when any rollout declares one: each distinct declaration with its rollout count and
+    match (same weights, same name, other weights, another name; docs/format.md), whether all agree,
+    whether any was compared by its weight digests, and the line said first when they disagree (null
+    when they agree)."""
+
+    rollouts: NonNegative
+    undeclared: NonNegative
+    declared: list[DeclaredRow]
+    agrees: bool
+    by_weights: bool | UnsetType = UNSET
+    line: str | None | UnsetType = UNSET
+
+
 class EngineEntry(_Record, kw_only=True):
     """What readers rely on of one engine in `engines`: these keys held to their types. Each
     backend's describe() adds its own facts, kept as they are: `engines` stays a map of sections,
@@ -296,6 +317,7 @@ class Summary(_Record, kw_only=True):
         | UnsetType = UNSET
     diff: dict[str, Any] | UnsetType = UNSET
     skipped: Skipped | UnsetType = UNSET
+    declared_checkpoint: DeclaredCheckpoint | UnsetType = UNSET
     diagnosis: Diagnosis | UnsetType = UNSET
     config_snippets: dict[str, str] | UnsetType = UNSET
 

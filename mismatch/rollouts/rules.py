@@ -8,6 +8,8 @@ which calls them in its fixed order and so words every problem the same way what
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from mismatch.rollouts.model import (BRANCH_KINDS, MODEL_ROLES, ROLES, Branch, deepest_branch, is_index_column,
@@ -100,6 +102,7 @@ def check_meta(meta: object, problems: Problems) -> dict:
         problems.add("meta", f"nested deeper than {MAX_NESTING} levels")
         return {}
     check_step(meta.get("step"), problems)
+    check_declared_checkpoint(meta.get("checkpoint"), problems)
     check_sampler_processing(meta.get("sampler"), problems)  # sampling_rules.py
     return meta
 
@@ -113,6 +116,42 @@ def check_step(step: object, problems: Problems) -> None:
         problems.add("meta.step", f"must be a non-negative integer (a training step), got {show(step)}")
     elif not 0 <= step < MAX_STEP:
         problems.add("meta.step", f"must be a non-negative integer below 2^53, got {show(step)}")
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def check_declared_checkpoint(value: object, problems: Problems) -> None:
+    """meta.checkpoint (the checkpoint the rollout was sampled by; rollouts/declared_checkpoint.py):
+    null, a path or name, or {"path" or "name": text, "sha256": {weight file name: lowercase hex
+    SHA-256}}, at least one of them."""
+    where = "meta.checkpoint"
+    if value is None:
+        return
+    if isinstance(value, str):
+        if not value.strip():
+            problems.add(where, "must be a non-empty path or name, got an empty string")
+        return
+    if not isinstance(value, dict):
+        problems.add(where, f"must be a path or name, or an object with path and sha256, got {json_type(value)}")
+        return
+    unknown = sorted(set(value) - {"path", "name", "sha256"})
+    if unknown:
+        problems.add(where, f"unknown field {unknown[0]!r} (valid: path, name, sha256)")
+        return
+    for key in ("path", "name"):
+        if key in value and not (isinstance(value[key], str) and value[key].strip()):
+            problems.add(f"{where}.{key}", f"must be a non-empty string, got {show(value[key])}")
+            return
+    digests = value.get("sha256")
+    if digests is not None and not (isinstance(digests, dict) and digests and all(
+            isinstance(name, str) and isinstance(digest, str) and _SHA256.fullmatch(digest)
+            for name, digest in digests.items())):
+        problems.add(f"{where}.sha256", "must map each weight file's name to its SHA-256 (64 lowercase hex "
+                                        f"digits), got {show(digests)}")
+        return
+    if not value:
+        problems.add(where, "must name the checkpoint (path or name) or give its weights' sha256")
 
 
 def check_messages(messages: object, problems: Problems) -> list | None:

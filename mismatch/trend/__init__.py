@@ -75,7 +75,8 @@ def analyze_steps(steps: list[Step], *, pair: str, metric: str, weights: bool = 
                                     "pen 5·log n; each kept if one line against two is rejected at "
                                     f"{ALPHA} (Bonferroni; χ² with the steps' errors, else F), and a change of "
                                     "level only where the step's 95% CI excludes the level before",
-                   "ci": "95%, delta method over rollouts (rollouts.parquet), for token-weighted means",
+                   "ci": "95%, delta method over rollouts (rollouts.parquet), for token-weighted means "
+                         "and ESS (on log ESS, from ratio_mean and chi2_token); none for quantiles and maxima",
                    "jumps": f"consecutive steps whose difference passes a two-sided z-test at {ALPHA} "
                             "(Bonferroni over the steps), from their CIs, not already a change point",
                    "configuration_changes": "every step where an engine's recorded configuration changed "

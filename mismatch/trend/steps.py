@@ -20,8 +20,8 @@ from mismatch.results import ROLLOUTS_FILE, read_summary
 from mismatch.results.summary_model import Summary, to_builtins
 
 # Token-weighted means over a pair's trainable tokens: the run's value is Σ n_i m_i / Σ n_i over its
-# rollouts' own values (rollouts.parquet), so their spread over rollouts gives a CI. The quantiles,
-# maxima and ESS do not decompose so: they have a value per step and no CI.
+# rollouts' own values (rollouts.parquet), so their spread over rollouts gives a CI. ESS is a function
+# of two such means (_ess); the quantiles and maxima do not decompose so: a value per step, no CI here.
 MEAN_METRICS = ("kl_k3", "kl_k1", "kl_k2", "log_ratio_abs_mean", "log_ratio_mean", "chi2_token",
                 "prob_abs_diff_mean", "ratio_mean", "bitwise_equal_frac")
 Z95 = 1.959963984540054  # the normal 97.5% quantile: the CI is the delta method's, over rollouts
@@ -263,7 +263,37 @@ def _means(rows: Any) -> dict[str, tuple[float, tuple[float, float] | None]]:
             se = math.sqrt(k / (k - 1) * np.sum((weights * (kept - estimate)) ** 2)) / weights.sum()
             ci = (estimate - Z95 * se, estimate + Z95 * se)
         out[metric] = (estimate, ci)
+    ess = _ess(rows)
+    if ess is not None:
+        out["ess"] = ess
     return out
+
+
+def _ess(rows: Any) -> tuple[float, tuple[float, float] | None] | None:
+    """ESS = (Σ r)² / (N Σ r²) over the pair's tokens (analysis/metrics.py), from each rollout's
+    ratio_mean a_i = Σ_i r / n_i and chi2_token c_i = Σ_i r² / n_i − 1: ESS = ā² / b̄ with
+    ā = Σ n_i a_i / N, b̄ = Σ n_i (c_i + 1) / N, and its 95% CI by the delta method on log ESS with
+    rollouts as clusters, each rollout's term u_i = n_i (2 (a_i − ā) / ā − (b_i − b̄) / b̄) / N.
+    None without those columns; no CI with fewer than 2 rollouts or a ratio too large for float64
+    (the audit's ESS then comes from its far-group sums, which rollouts.parquet does not hold)."""
+    if not {"ratio_mean", "chi2_token"} <= set(rows.columns):
+        return None
+    n = rows["n_tokens"].to_numpy(np.float64)
+    a, b = rows["ratio_mean"].to_numpy(np.float64), rows["chi2_token"].to_numpy(np.float64) + 1.0
+    keep = np.isfinite(a) & np.isfinite(b) & (n > 0)
+    if not keep.any():
+        return None
+    n, a, b = n[keep], a[keep], b[keep]
+    total = n.sum()
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        a_bar, b_bar = np.sum(n * a) / total, np.sum(n * b) / total
+        ess = float(a_bar ** 2 / b_bar)
+        u = n * (2 * (a - a_bar) / a_bar - (b - b_bar) / b_bar) / total
+        k = len(n)
+        se = ess * math.sqrt(k / (k - 1) * float(np.sum(u ** 2))) if k >= 2 else math.nan
+    if not math.isfinite(ess):
+        return None
+    return ess, ((ess - Z95 * se, ess + Z95 * se) if math.isfinite(se) else None)
 
 
 def split_by_step(path: Path, summary: Summary) -> list[Step]:
