@@ -87,9 +87,10 @@ def test_another_name_the_data_agree_with_is_a_notice_on_the_first_line_not_a_ca
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert "identity" not in [c["kind"] for c in summary["diagnosis"]["causes"]]
     assert "match_checkpoint" not in [r["kind"] for r in summary["recommendations"]]
-    from mismatch.reports.banner import audit_banner
+    from mismatch.present.headline import audit_banner
+    from mismatch.results.summary_model import partial_summary
 
-    banner = audit_banner(summary)  # a notice: the first detail under the headline, which it does not take
+    banner = audit_banner(partial_summary(summary))  # a notice: the first detail under the headline, which it does not take
     assert banner.details[0].startswith("Checkpoint: the rollouts declare meta.checkpoint /ckpts/copy-of-tiny")
     assert "meta.checkpoint" not in banner.headline
     # The same copy declared by its weights' digests is the same checkpoint: nothing said.
@@ -126,9 +127,10 @@ def test_another_models_rollouts_get_the_identity_cause_quoting_their_declaratio
               f"this audit replays {tiny_checkpoint}")
     assert quoted in cause["evidence"] and cause["where"]["declared_by_rollouts"] == ["/ckpts/llama3-other"]
     assert summary["declared_checkpoint"]["line"] == f"{quoted}: the data agree that they were not sampled by it"
-    from mismatch.reports.banner import audit_banner
+    from mismatch.present.headline import audit_banner
+    from mismatch.results.summary_model import partial_summary
 
-    headline = audit_banner(summary).headline
+    headline = audit_banner(partial_summary(summary)).headline
     assert headline.startswith(f"These rollouts were not sampled by this checkpoint ({quoted}: the data agree"), headline
 
 
