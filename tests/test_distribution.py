@@ -21,10 +21,13 @@ from typer.testing import CliRunner
 
 import mismatch
 from mismatch.advise.gate import parse_limits, run_gate
+from mismatch.advise.off_sample import OFF_SAMPLE_FACTOR, off_sample
 from mismatch.cli import app, main
 from mismatch.engines.distributions import TERMS, FullRows, TopRows, compare_rows
 from mismatch.errors import MismatchError, SpecError
+from mismatch.present.headline import audit_banner
 from mismatch.results import validate_summary
+from mismatch.results.summary_model import partial_summary
 from mismatch.rollouts import iter_rollouts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -125,6 +128,15 @@ def test_planted_fault_off_the_sampled_tokens_is_found_and_named(tiny_checkpoint
     assert all(row["moved_token"] == token for row in found["worst"][:3])
     assert found["worst"][0]["kl_ab"] > 1000 * summary["pairs"]["train/infer"]["kl_k3"]
     assert not found["bitwise"]["holds"]
+    # The first line the user reads names it: the weights diff of the two checkpoints leads (it names
+    # the tensor), the distribution's cause follows with the token, and its fix is listed.
+    causes = {c["kind"]: c for c in summary["diagnosis"]["causes"]}
+    assert list(causes)[:2] == ["weights", "off_sample"] and causes["weights"]["where"]["words"] == "lm_head"
+    assert causes["off_sample"]["pair"] == "train/infer" and causes["off_sample"]["where"]["token_id"] == token
+    banner = audit_banner(result.record)
+    assert banner.headline.startswith("The weights infer ran differ from the trainer's in lm_head")
+    assert any(f"in token {token}" in line for line in banner.details if line.startswith("Also found:"))
+    assert "inspect_token_rows" in [r["kind"] for r in summary["recommendations"]]
     # Where the fault is: the positions tokens.parquet names, one column per term.
     import pandas as pd
 
@@ -176,6 +188,50 @@ def test_an_engine_without_a_distribution_is_refused(tiny_checkpoint, sampled_ro
         mismatch.audit(tiny_checkpoint, sampled_rollouts, train="hf", infer="sampler", distribution=5,
                        out=tmp_path / "o")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("kl", "k3", "named"), [
+    (4.5e-5, 2.0e-5, False),     # bf16 rounding (vLLM top-20 vs hf): the whole distribution moves as its samples do
+    (9.0e-6, 1.0e-7, False),     # many times its estimate, but negligible: under 10x NEGLIGIBLE_KL
+    (2.0e-4, 1.0e-7, True),      # off the sampled tokens
+    (2.0e-4, 2.1e-5, False),     # a real sampled gap the distribution only confirms (under 10x)
+    (float("nan"), 1e-7, False),  # no distribution measured
+])
+def test_off_sample_is_earned_by_its_size(kl, k3, named) -> None:
+    """The off_sample cause needs the whole-distribution KL at OFF_SAMPLE_FACTOR times its sampled
+    estimate (kl_k3) and that times the negligible level; a token is named only when it carries
+    half the moved probability."""
+    entry = {"kl": kl, "exact": True, "n_positions": 40, "argmax_agree_frac": 1.0,
+             "tokens": [{"token_id": 7, "tv_share": 0.4, "n_positions": 3}], "worst": []}
+    summary = partial_summary({"pairs": {"train/infer": {"n_tokens": 40, "kl_k3": k3}},
+                               "distribution": {"train/infer": entry}})
+    cause = off_sample(summary)
+    assert (cause is not None) == named
+    if cause is not None:
+        assert cause.where["token_id"] is None and cause.title.endswith("in tokens that were not sampled")
+        assert f"{kl / k3:.3g}x the sampled tokens' kl_k3" in cause.evidence[0] and OFF_SAMPLE_FACTOR == 10
+
+
+def test_a_gap_off_the_sampled_tokens_leads_when_nothing_else_explains_it() -> None:
+    """Sides whose weights no diff can compare (an HTTP engine, one checkpoint path) and whose sampled
+    tokens agree to rounding: the distribution's cause is the answer's first clause."""
+    from mismatch.advise.advice import advise
+    from mismatch.pipeline.summary import with_parts
+
+    pair = {"n_tokens": 40, "n_rollouts": 2, "kl_k3": 1e-8, "frac_outside_2": 0.0, "bitwise_equal_frac": 0.5}
+    entry = {"kl": 3e-3, "exact": True, "n_positions": 40, "argmax_agree_frac": 0.9,
+             "tokens": [{"token_id": 7, "tv_share": 0.97, "n_positions": 38}],
+             "worst": [{"rollout": "r1", "pos": 12, "kl_ab": 0.02}]}
+    summary = partial_summary({"pairs": {"train/infer": pair, "train/sampler": pair, "infer/sampler": pair},
+                               "engines": {"train": {"kind": "hf", "spec": "hf"}, "infer": {"kind": "http", "spec": "x"},
+                                           "sampler": {"kind": "stored"}},
+                               "distribution": {"train/infer": entry}})
+    advised = with_parts(summary, advise(summary).parts())
+    assert advised.diagnosis.causes[0].kind == "off_sample"
+    headline = audit_banner(advised).headline
+    assert headline.startswith("The whole next-token distribution differs off the sampled tokens, in token 7 — "
+                               "fix: token 7's rows on both sides"), headline
+    assert "correct with" not in headline  # the ratio does not show it: nothing to correct
 
 
 def test_gate_keys_of_the_distribution() -> None:

@@ -42,6 +42,8 @@ def test_vllm_k20_against_hf_is_bounded_and_says_so(audited) -> None:
     # vLLM's rank of the sampled token (its own count, ties in) is hf's to fp32 rounding.
     ranks = trainable[["dist_train_infer_rank_a", "dist_train_infer_rank_b"]].to_numpy()
     assert np.mean(ranks[:, 0] == ranks[:, 1]) > 0.95
+    # Rounding moves the whole distribution as it moves the samples: no gap off the sampled tokens.
+    assert "off_sample" not in [c["kind"] for c in audited.summary["diagnosis"]["causes"]]
 
 
 def test_full_is_refused_for_vllm_before_any_model(tiny_checkpoint, sampled_rollouts, tmp_path) -> None:

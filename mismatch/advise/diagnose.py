@@ -38,6 +38,7 @@ from mismatch.advise.numeric_causes import (  # noqa: F401 (ROUTING_SHARE: the r
 from mismatch.advise.log_prob_semantics import alignment_shift, processed, trainer_temperature
 from mismatch.advise.truncation import truncated_sampling
 from mismatch.advise.mechanisms import confinement_is_weights, layer_type_test, mechanism_causes
+from mismatch.advise.off_sample import off_sample
 from mismatch.advise.readers import (
     Side,
     batch_variant_from_probes,
@@ -106,6 +107,9 @@ two dtypes), else "more than <cause>: Nx the bf16 gap"; with none measured, at m
 outside [0.5, 2].
 unexplained: when the ratio's pair (train/sampler, or train_processed/sampler) has a gap and no
 cause passes its test: the gap's size, what was ruled out, and the next command to run.
+off_sample (--distribution, after every other cause: it explains no sampled ratio): the whole
+next-token distribution's KL is over 10x its sampled estimate (advise/off_sample.py RULE); it
+leads only when no other cause does.
 """
 
 MINOR_DRIFT = 0.01  # re-rendered tokens under this share of the trained ones explain no gap
@@ -220,6 +224,11 @@ def diagnose(summary: Summary, *, probes: list[Probe] | None = None,
     causes = _minor_drift_last(tuple(kept), summary)
     if level.get(ratio_pair) in GAPS and not any(not cause.minor for cause in causes):
         causes = (unexplained(summary, side, ratio_pair=ratio_pair, found=found_envelope, refused=refused), *causes)
+    # After the unexplained test: a gap off the sampled tokens explains no sampled ratio.
+    beyond = off_sample(summary) if foreign is None else None
+    if beyond is not None:
+        lead = next((i for i, cause in enumerate(causes) if cause.minor), len(causes))
+        causes = (*causes[:lead], beyond, *causes[lead:])  # before the minor causes: a real finding
     return Diagnosis(causes=causes, findings=tuple(_findings(summary, level, side)), refused=tuple(refused),
                      envelope=found_envelope)
 

@@ -29,7 +29,8 @@ RULE = """\
    config match_sampler_config (the replay that tells precision from weights); a step at a turn
    inspect_turn (the turn and the rollouts that show it); render drift fix_renderer; batch variance
    batch_invariant; routing flips routing_replay (never over a localized weight fault: it would
-   hide it); bfloat16 rounding, when the evidence confirms it and its gap is large, fp16 (a small
+   hide it); a gap of the whole distribution off the sampled tokens inspect_token_rows (the token
+   and positions); bfloat16 rounding, when the evidence confirms it and its gap is large, fp16 (a small
    one gets the correction alone: fp16 is a migration). A minor cause (re-rendered
    tokens under 1% of the trained ones) explains no gap: its fix comes after everything else.
    Rollouts another checkpoint sampled (identity) get match_checkpoint, then the fixes of causes
@@ -82,7 +83,7 @@ def _add(out: list[Recommendation], fix: Recommendation | None) -> None:
 
 
 # Causes a fix removes at the source: recomputing old log-probs would only hide them.
-FAULTS = frozenset({"processed_logprobs", "truncated_sampling", "trainer_temperature", "weights", "sampler_weights", "sampler_config", "turn_onset"})
+FAULTS = frozenset({"off_sample", "processed_logprobs", "truncated_sampling", "trainer_temperature", "weights", "sampler_weights", "sampler_config", "turn_onset"})
 
 
 def _source_fix(cause: Cause, framework: str | None = None) -> Recommendation | None:
@@ -133,6 +134,17 @@ def _source_fix(cause: Cause, framework: str | None = None) -> Recommendation | 
                               why=f"{why}: the trainer follows the experts the engine routed each token to (R3)")
     if cause.kind in ("layer_type", "index_flips"):
         return mechanism_fix(cause, why)
+    if cause.kind == "off_sample":
+        token = where.get("token_id")
+        rows = f"token {token}'s rows" if token is not None else "the output heads"
+        return Recommendation(kind="inspect_token_rows", params={**where, "rows": rows},
+                              why=f"{why}: " + (f"compare token {token}'s rows on the two sides (lm_head, embedding: "
+                                                f"`mismatch weights`) and any logit processor, bias or mask on it"
+                                                if token is not None else
+                                                "compare the two sides' output heads (`mismatch weights`), their "
+                                                "logit processors and vocabulary masks")
+                                  + "; the sampled tokens' ratio does not show it, so no correction of the ratio "
+                                    "removes it")
     if cause.kind == "precision":
         if cause.where.get("gap") != "large":  # a small bf16 gap: the correction alone, not a migration
             return None

@@ -62,6 +62,7 @@ COSTS = {
     "fix_weight_sync": "a fix to the weight sync or the checkpoint; nothing at run time",
     "match_sampler_config": "one more audit, with the sampler's config as --infer",
     "inspect_turn": "reading the named rollouts at that turn (mismatch report)",
+    "inspect_token_rows": "reading the named token's rows and logit processing on both sides; nothing at run time",
     "index_replay": "the engine returns each token's DSA indexer top-k (layers x k key positions per token); the "
                     "trainer forces them: no extra pass",
     "align_linear_attention": "an engine setting (the recurrent state's dtype); memory for a float32 state",

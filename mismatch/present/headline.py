@@ -43,6 +43,7 @@ LABELS = {"recompute_old_logprobs": "recompute old log-probs with the trainer",
           "fix_weight_sync": "the weight sync of {at}",
           "match_sampler_config": "audit again with the sampler's config (--infer {infer})",
           "inspect_turn": "read turn {turn} of the rollouts that step up there",
+          "inspect_token_rows": "{rows} on both sides (lm_head, embedding, logit masks)",
           "routing_replay": "routing replay (R3)",
           "match_checkpoint": "audit against the checkpoint that sampled these rollouts"}
 HEALTHY_LEVELS = frozenset({"exact", "negligible"})
