@@ -354,9 +354,12 @@ def present(value: _T | UnsetType) -> _T | None:
 
 
 def _plain(value: Any) -> Any:
-    """numpy scalars and arrays as JSON values (msgspec's hook for types it does not know)."""
+    """numpy scalars and arrays as JSON values (msgspec's hook for types it does not know), and str
+    subclasses as the str they are (torch.__version__ is a TorchVersion: the probes record it)."""
     if hasattr(value, "tolist"):
         return value.tolist()
+    if isinstance(value, str):
+        return str(value)
     raise NotImplementedError(f"{type(value).__name__} is not JSON data")
 
 
