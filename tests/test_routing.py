@@ -70,8 +70,9 @@ def test_following_the_infer_pass_is_said_when_the_rollouts_store_no_routing(own
     """R3 in training forces the rollout engine's experts; with none stored the audit's trainer
     follows --infer's replay instead, and the output says so (the stored case says nothing)."""
     from mismatch.cli.printing import print_findings
+    from mismatch.results.summary_model import partial_summary
 
-    own, replayed = own_and_replayed
+    own, replayed = (partial_summary(summary) for summary in own_and_replayed)
     print_findings(replayed)
     assert "routing: --train routing=replay followed --infer's experts: the rollouts store no routed_experts" \
            in capsys.readouterr().out

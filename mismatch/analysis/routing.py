@@ -84,10 +84,10 @@ def routing_share(pair: dict[str, Any]) -> float | None:
     return pair["with_flip"]["k3_sum"] / total if total > 0 else None
 
 
-def merged_routing(shards: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """The shards' routing agreement as one run's: counts, rates and gaps combine exactly (each
-    is a sum over tokens); the margin medians do not, and are left out, said in `not_merged`."""
-    blocks = [shard.get("routing") or {} for shard in shards]
+def merged_routing(blocks: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The shards' routing agreement (each one's summary.json `routing`, empty where it has none) as
+    one run's: counts, rates and gaps combine exactly (each is a sum over tokens); the margin medians
+    do not, and are left out, said in `not_merged`."""
     pairs = dict.fromkeys(pair for block in blocks for pair in block)
     if not pairs:
         return None

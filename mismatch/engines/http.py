@@ -16,7 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -140,23 +140,32 @@ class HTTPEngine:
                progress: ProgressFn | None = None) -> list[np.ndarray]:
         results: list[np.ndarray] = [np.empty(0)] * len(requests)
         todo = [i for i, r in enumerate(requests) if r.num_scored > 0]
+
+        def done(i: int, logp: np.ndarray) -> None:
+            results[i] = logp
+            if progress is not None:
+                progress(requests[i].num_scored)
+
+        self._concurrently(todo, lambda i: self._score(requests[i]), done)
+        self.num_scored += sum(r.num_scored for r in requests)
+        return results
+
+    def _concurrently(self, todo: list[int], call: Callable[[int], Any], done: Callable[[int, Any], None]) -> None:
+        """`call(i)` for each index of `todo`, `concurrency` requests in flight, `done(i, answer)` as each
+        answers; the first failure cancels what has not started and is raised. Counts the requests and
+        their seconds."""
         started = time.perf_counter()
         with ThreadPoolExecutor(max_workers=self.options.concurrency) as pool:
-            futures = {pool.submit(self._score, requests[i]): i for i in todo}
+            futures = {pool.submit(call, i): i for i in todo}
             try:
                 for future in as_completed(futures):
-                    i = futures[future]
-                    results[i] = future.result()
-                    if progress is not None:
-                        progress(requests[i].num_scored)
+                    done(futures[future], future.result())
             except BaseException:
                 for future in futures:
                     future.cancel()
                 raise
         self.seconds += time.perf_counter() - started
         self.num_requests += len(todo)
-        self.num_scored += sum(r.num_scored for r in requests)
-        return results
 
     def _score(self, request: ReplayRequest) -> np.ndarray:
         tokens = request.tokens.tolist()
@@ -174,18 +183,7 @@ class HTTPEngine:
         rank (engines/contract.DistributionEngine), the requests `concurrency` at a time."""
         rows = [_top_rows([], [], [], [], k) for _ in requests]
         todo = [i for i, r in enumerate(requests) if len(r.tokens) > max(r.score_from, 1)]
-        started = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=self.options.concurrency) as pool:
-            futures = {pool.submit(self._top, requests[i], k): i for i in todo}
-            try:
-                for future in as_completed(futures):
-                    rows[futures[future]] = future.result()
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
-        self.seconds += time.perf_counter() - started
-        self.num_requests += len(todo)
+        self._concurrently(todo, lambda i: self._top(requests[i], k), rows.__setitem__)
         return rows
 
     def _top(self, request: ReplayRequest, k: int) -> TopRows:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mismatch.rollouts.problems import INT_TYPES, Problems, first_bad_type, first_of, json_type, layers_by_k, show
+from mismatch.rollouts.problems import INT_TYPES, Problems, check_same_rows, first_bad_type, first_of, show, token_rows
 
 # Key positions are held as int32: no context reaches 2^31 tokens.
 MAX_KEY_POSITION = np.iinfo(np.int32).max
@@ -19,25 +19,10 @@ def check_indexer_topk(value: object, where: str, num_tokens: int | None, proble
     slot with no key (a query with fewer keys than top-k), null for a token the engine recorded none
     (a stream's last token is never fed). Like routed_experts, the token's own position.
     Returns int32 [tokens, layers, k] with each top-k sorted, -1 rows for null; None when all null."""
-    if not isinstance(value, list):
-        problems.add(where, f"must be an array (one [layers][top-k] array of key positions per token), "
-                            f"got {json_type(value)}")
+    frame = token_rows(value, where, num_tokens, "key positions", "recorded", problems)
+    if frame is None:
         return None
-    if num_tokens is not None and len(value) != num_tokens:
-        problems.add(where, f"{len(value)} rows for {num_tokens} tokens (one [layers][top-k] row per token, "
-                            "null for a token the engine recorded none)")
-        return None
-    present = [i for i, row in enumerate(value) if row is not None]
-    if not present:
-        return None
-    shape = _row_shape(value[present[0]])
-    bad = next((i for i in present if _row_shape(value[i]) != shape), None) if shape else present[0]
-    if bad is not None:
-        expected = f"like token {present[0]}'s {layers_by_k(shape)}" if shape else \
-            "a non-empty array of equally long non-empty arrays"
-        problems.add(where, f"token {bad}: must be [layers][top-k] key positions ({expected}), got {show(value[bad])}")
-        return None
-    layers, k = shape
+    present, (layers, k) = frame
     flat = [key for i in present for layer in value[i] for key in layer]
     wrong = first_bad_type(flat, INT_TYPES)
     if wrong is None:
@@ -69,24 +54,6 @@ def check_indexer_topk(value: object, where: str, num_tokens: int | None, proble
     return out
 
 
-def _row_shape(row: object) -> tuple[int, int] | None:
-    """(layers, k) of a [layers][top-k] row, or None when it is not one."""
-    if not isinstance(row, list) or not row or not all(isinstance(layer, list) and layer for layer in row):
-        return None
-    k = len(row[0])
-    return (len(row), k) if all(len(layer) == k for layer in row) else None
-
-
 def check_index_shapes(branches: list, problems: Problems) -> None:
     """Every segment's indexer_topk of one rollout has the same [layers][top-k]: one model selected them."""
-    first: tuple[str, tuple[int, ...]] | None = None
-    for i, branch in enumerate(branches):
-        for j, segment in enumerate(branch.segments if branch is not None else ()):
-            if segment.indexer_topk is None:
-                continue
-            where, shape = f"branches[{i}].segments[{j}].indexer_topk", segment.indexer_topk.shape[1:]
-            if first is None:
-                first = (where, shape)
-            elif shape != first[1]:
-                problems.add(where, f"{layers_by_k(shape)} per token, but {first[0]} has {layers_by_k(first[1])} "
-                                    "(one model selects a rollout's keys)")
+    check_same_rows(branches, "indexer_topk", "one model selects a rollout's keys", problems)

@@ -99,3 +99,54 @@ def first_bad_type(values: list, allowed: frozenset[type]) -> int | None:
     if set(map(type, values)) <= allowed:
         return None
     return next(i for i, v in enumerate(values) if type(v) not in allowed)
+
+
+def token_rows(value: object, where: str, num_tokens: int | None, unit: str, recorded: str,
+               problems: Problems) -> tuple[list[int], tuple[int, int]] | None:
+    """The frame of a per-token [layers][top-k] field (routed_experts, indexer_topk): an array of
+    one row per token, null for a token the engine `recorded` none, every row the same rectangle of
+    `unit`. The indices of the rows present and their (layers, k); None when every row is null or
+    the frame is wrong (then the problem is added)."""
+    if not isinstance(value, list):
+        problems.add(where, f"must be an array (one [layers][top-k] array of {unit} per token), got {json_type(value)}")
+        return None
+    if num_tokens is not None and len(value) != num_tokens:
+        problems.add(where, f"{len(value)} rows for {num_tokens} tokens (one [layers][top-k] row per token, "
+                            f"null for a token the engine {recorded} none)")
+        return None
+    present = [i for i, row in enumerate(value) if row is not None]
+    if not present:
+        return None
+    shape = _rectangle(value[present[0]])
+    bad = next((i for i in present if _rectangle(value[i]) != shape), None) if shape else present[0]
+    if bad is not None:
+        expected = f"like token {present[0]}'s {layers_by_k(shape)}" if shape else \
+            "a non-empty array of equally long non-empty arrays"
+        problems.add(where, f"token {bad}: must be [layers][top-k] {unit} ({expected}), got {show(value[bad])}")
+        return None
+    return present, shape
+
+
+def _rectangle(row: object) -> tuple[int, int] | None:
+    """(layers, k) of one token's [layers][top-k] row, None when it is not such a rectangle."""
+    if not isinstance(row, list) or not row or not all(isinstance(layer, list) for layer in row):
+        return None
+    k = len(row[0])
+    return (len(row), k) if k and all(len(layer) == k for layer in row) else None
+
+
+def check_same_rows(branches: list, field: str, why: str, problems: Problems) -> None:
+    """Every segment's per-token `field` ([tokens, layers, k] once decoded) of one rollout has the
+    same [layers][top-k]: one model made them (`why`, its words)."""
+    first: tuple[str, tuple[int, ...]] | None = None
+    for i, branch in enumerate(branches):
+        for j, segment in enumerate(branch.segments if branch is not None else ()):
+            rows = getattr(segment, field)
+            if rows is None:
+                continue
+            where, shape = f"branches[{i}].segments[{j}].{field}", rows.shape[1:]
+            if first is None:
+                first = (where, shape)
+            elif shape != first[1]:
+                problems.add(where, f"{layers_by_k(shape)} per token, but {first[0]} has {layers_by_k(first[1])} "
+                                    f"({why})")

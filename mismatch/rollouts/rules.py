@@ -14,8 +14,9 @@ import numpy as np
 
 from mismatch.rollouts.model import (BRANCH_KINDS, MODEL_ROLES, ROLES, Branch, deepest_branch, is_index_column,
                                      replayed_tokens)
-from mismatch.rollouts.problems import (INT_TYPES, NUMBER_TYPES, Problems, did_you_mean, first_bad_type, first_of,
-                                        json_type, layers_by_k, name, nesting, short_id, show)
+from mismatch.rollouts.problems import (INT_TYPES, NUMBER_TYPES, Problems, check_same_rows, did_you_mean,
+                                        first_bad_type, first_of, json_type, name, nesting, short_id, show,
+                                        token_rows)
 from mismatch.rollouts.index_rules import check_index_shapes, check_indexer_topk  # noqa: F401
 from mismatch.rollouts.sampling_rules import check_sampler_processing, check_sampling_mask  # noqa: F401
 
@@ -326,14 +327,6 @@ def check_extra_logprobs(value: object, where: str, problems: Problems) -> bool:
     return check_object(value, where, problems)
 
 
-def _routing_row_shape(row: object) -> tuple[int, int] | None:
-    """(layers, k) of one token's [layers][top-k] row, None when it is not such a rectangle."""
-    if not isinstance(row, list) or not row or not all(isinstance(layer, list) for layer in row):
-        return None
-    k = len(row[0])
-    return (len(row), k) if k and all(len(layer) == k for layer in row) else None
-
-
 def _unflat(index: int, layers: int, k: int) -> tuple[int, int, int]:
     """(row, layer, slot) of an index into the flattened [rows][layers][k] ids."""
     row, rest = divmod(index, layers * k)
@@ -347,25 +340,10 @@ def check_routed_experts(value: object, where: str, num_tokens: int | None, num_
     the engine routed none (a stream's last token is never fed; vLLM's routed_experts_prompt_start
     skips prompt tokens an earlier turn returned). Returns int16 [tokens, layers, k], -1 rows for
     null; None when every row is null. Each row's ids are kept sorted."""
-    if not isinstance(value, list):
-        problems.add(where, f"must be an array (one [layers][top-k] array of expert ids per token), "
-                            f"got {json_type(value)}")
+    frame = token_rows(value, where, num_tokens, "expert ids", "routed", problems)
+    if frame is None:
         return None
-    if num_tokens is not None and len(value) != num_tokens:
-        problems.add(where, f"{len(value)} rows for {num_tokens} tokens (one [layers][top-k] row per "
-                            "token, null for a token the engine routed none)")
-        return None
-    present = [i for i, row in enumerate(value) if row is not None]
-    if not present:
-        return None
-    shape = _routing_row_shape(value[present[0]])
-    bad = next((i for i in present if _routing_row_shape(value[i]) != shape), None) if shape else present[0]
-    if bad is not None:
-        expected = f"like token {present[0]}'s {layers_by_k(shape)}" if shape else \
-            "a non-empty array of equally long non-empty arrays"
-        problems.add(where, f"token {bad}: must be [layers][top-k] expert ids ({expected}), "
-                            f"got {show(value[bad])}")
-        return None
+    present, shape = frame
     experts = _expert_ids(value, present, shape, where, num_experts, problems)
     if experts is None:
         return None
@@ -411,17 +389,7 @@ def _expert_ids(value: list, present: list[int], shape: tuple[int, int], where: 
 
 def check_routing_shapes(branches: list[Branch | None], problems: Problems) -> None:
     """Every segment's routed_experts of one rollout has the same [layers][top-k]: one model routed them."""
-    first: tuple[str, tuple[int, ...]] | None = None
-    for i, branch in enumerate(branches):
-        for j, segment in enumerate(branch.segments if branch is not None else ()):
-            if segment.routed_experts is None:
-                continue
-            where, shape = f"branches[{i}].segments[{j}].routed_experts", segment.routed_experts.shape[1:]
-            if first is None:
-                first = (where, shape)
-            elif shape != first[1]:
-                problems.add(where, f"{layers_by_k(shape)} per token, but {first[0]} has "
-                                    f"{layers_by_k(first[1])} (one model routes a rollout)")
+    check_same_rows(branches, "routed_experts", "one model routes a rollout", problems)
 
 
 # ---------------------------------------------------------------------------------------------
