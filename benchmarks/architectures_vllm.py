@@ -9,8 +9,9 @@ short rollouts as benchmarks/architectures_gap.py, then per architecture, in a p
 (one vLLM at a time; killed after --timeout seconds):
   mismatch audit CKPT --train hf:dtype=D --infer vllm:dtype=D --json
 and prints one JSON object per architecture: "runs" with the pair's k3 / max |log-ratio| / bitwise
-share and the diagnosis' first cause, or "refused" with the command's one line (vLLM's own reason),
-or "timeout". vLLM has no hooks: its gap cannot be split by layer type (the layer localizer needs
+share, the diagnosis' first cause and its refusals, or "refused" with the command's one line (vLLM's
+own reason) and the innermost vLLM source frame of the traceback ("raised_in"), or "timeout". Each
+run's full stderr is kept beside its results dir (DIR/NAME-vllm-DTYPE.log). vLLM has no hooks: its gap cannot be split by layer type (the layer localizer needs
 two torch engines), so the split stays hf vs hf-decode (architectures_gap.py).
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -31,6 +33,19 @@ from architectures_gap import REPO, short_rollouts  # noqa: E402
 
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
        "TOKENIZERS_PARALLELISM": "false"}
+
+
+# A traceback frame: `  File ".../site-packages/vllm/x/y.py", line 12, in f`.
+FRAME = re.compile(r'File "(?P<file>[^"]*/site-packages/(?P<module>vllm/[^"]+))", line (?P<line>\d+), in (?P<function>\S+)')
+
+
+def raised_in(stderr: str) -> str | None:
+    """The innermost vLLM frame of the last traceback in `stderr` (where vLLM raised), or None."""
+    frames = FRAME.findall(stderr)
+    if not frames:
+        return None
+    _, module, line, function = frames[-1]
+    return f"{module}:{line} ({function})"
 
 
 def one(checkpoint: Path, rollouts: Path, out: Path, dtype: str, timeout: float) -> dict:
@@ -46,21 +61,25 @@ def one(checkpoint: Path, rollouts: Path, out: Path, dtype: str, timeout: float)
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
+        _, stderr = process.communicate()
+        out.with_name(out.name + ".log").write_text(stderr or "")
         return {"status": "timeout", "seconds": round(time.perf_counter() - started),
                 "reason": f"no answer within {timeout:g} s"}
     seconds = round(time.perf_counter() - started)
+    out.with_name(out.name + ".log").write_text(stderr)
     if process.returncode != 0:
         lines = [line for line in stderr.splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("error") or "Error" in line]
         return {"status": "refused", "exit": process.returncode, "seconds": seconds,
-                "reason": (errors or lines or ["(no output)"])[-1][:600]}
+                "reason": (errors or lines or ["(no output)"])[-1][:600], "raised_in": raised_in(stderr)}
     summary = json.loads((out / "summary.json").read_text())
     pair = summary["pairs"]["train/infer"]
     causes = [c for c in summary["diagnosis"]["causes"] if c["pair"] == "train/infer"]
     return {"status": "runs", "seconds": seconds,
             **{k: pair[k] for k in ("n_tokens", "kl_k3", "log_ratio_abs_max", "bitwise_equal_frac")},
             "first_cause": (causes[0]["title"], causes[0]["minor"]) if causes else None,
+            "causes": [c["kind"] for c in causes],
+            "refused": [(r["kind"], r["why"]) for r in summary["diagnosis"]["refused"]],
             "vllm": {k: summary["engines"]["infer"].get(k) for k in ("vllm_version", "dtype", "kv_cache_dtype",
                                                                     "load_seconds", "first_replay_seconds")}}
 
