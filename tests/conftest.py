@@ -189,11 +189,15 @@ SHARED_VLLM = ("vllm_fp32", "vllm_bf16", "vllm_server")
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules with a test using a shared vLLM fixture run last, together, each in its own order:
     the shared engines and server then live only while those modules run (their memory is not held
-    through the rest of the suite), and no other module runs beside them."""
+    through the rest of the suite), and no other module runs beside them. A module that starts a
+    vLLM of its own on another checkpoint (marked `vllm`) runs with them, first, before the shared
+    engines start: one vLLM at a time in the process."""
     def module(item: pytest.Item) -> object:
         return getattr(item, "module", None)
 
-    shared = {module(item) for item in items if set(SHARED_VLLM) & set(getattr(item, "fixturenames", ()))}
+    own = {module(item) for item in items if item.get_closest_marker("vllm")}
+    shared = {module(item) for item in items if set(SHARED_VLLM) & set(getattr(item, "fixturenames", ()))} - own
+    items[:] = [item for item in items if module(item) not in own] + [item for item in items if module(item) in own]
     items[:] = [item for item in items if module(item) not in shared] + [item for item in items if module(item) in shared]
 
 

