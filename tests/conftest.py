@@ -59,13 +59,17 @@ def tiny_checkpoint() -> Path:
 @pytest.fixture(scope="session")
 def architecture_checkpoint(tiny_checkpoint: Path):
     """A builder of tiny random-init checkpoints per architecture (mismatch.demo.architectures),
-    cached like the trained one and keyed by the builder's source."""
+    cached like the trained one and keyed by the builder's source (and the config overrides)."""
+    import json
+
     from mismatch.demo import architectures
 
     digest = hashlib.sha256(Path(architectures.__file__).read_bytes()).hexdigest()[:12]
 
-    def build(name: str) -> Path:
-        return architectures.build_architecture(name, CACHE / f"arch-{name}-{digest}", tokenizer_from=tiny_checkpoint)
+    def build(name: str, overrides: dict | None = None) -> Path:
+        shaped = f"-{hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest()[:8]}" if overrides else ""
+        return architectures.build_architecture(name, CACHE / f"arch-{name}{shaped}-{digest}",
+                                                tokenizer_from=tiny_checkpoint, overrides=overrides)
     return build
 
 
@@ -189,11 +193,15 @@ SHARED_VLLM = ("vllm_fp32", "vllm_bf16", "vllm_server")
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules with a test using a shared vLLM fixture run last, together, each in its own order:
     the shared engines and server then live only while those modules run (their memory is not held
-    through the rest of the suite), and no other module runs beside them."""
+    through the rest of the suite), and no other module runs beside them. A module that starts a
+    vLLM of its own on another checkpoint (marked `vllm`) runs with them, first, before the shared
+    engines start: one vLLM at a time in the process."""
     def module(item: pytest.Item) -> object:
         return getattr(item, "module", None)
 
-    shared = {module(item) for item in items if set(SHARED_VLLM) & set(getattr(item, "fixturenames", ()))}
+    own = {module(item) for item in items if item.get_closest_marker("vllm")}
+    shared = {module(item) for item in items if set(SHARED_VLLM) & set(getattr(item, "fixturenames", ()))} - own
+    items[:] = [item for item in items if module(item) not in own] + [item for item in items if module(item) in own]
     items[:] = [item for item in items if module(item) not in shared] + [item for item in items if module(item) in shared]
 
 

