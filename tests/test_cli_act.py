@@ -287,6 +287,7 @@ def test_dependency_warnings_go_to_a_log_in_the_results_dir(tmp_path, capsys, mo
 
 def test_audit_probe_feeds_the_probes_to_the_recommendations(tiny_checkpoint, tmp_path) -> None:
     from mismatch.advise.readers import batch_variant_from_probes
+    from mismatch.results.summary_model import probe_results
 
     example = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
     assert main(["audit", str(tiny_checkpoint), "--rollouts", str(example), "--train", "sampler", "--infer",
@@ -295,4 +296,4 @@ def test_audit_probe_feeds_the_probes_to_the_recommendations(tiny_checkpoint, tm
     results = summary["probes"]["results"]
     assert results and {"source", "bitwise_equal_frac", "applicable"} <= set(results[0])
     kinds = [r["kind"] for r in summary["recommendations"]]
-    assert ("batch_invariant" in kinds) == bool(batch_variant_from_probes(results))
+    assert ("batch_invariant" in kinds) == bool(batch_variant_from_probes(probe_results(results)))

@@ -35,7 +35,7 @@ from mismatch.pipeline import stages
 from mismatch.pipeline.configured import resolve_options
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json, with_parts
-from mismatch.results.summary_model import Correction, Summary
+from mismatch.results.summary_model import Correction, Summary, present
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, followed_routing, replay_processed
 from mismatch.replay.truncation import sampler_truncation, truncation_explained
 from mismatch.results import TokenStore, results_lock, staged_tokens
@@ -276,7 +276,7 @@ def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFin
         **({"distribution": findings.distribution} if findings.distribution is not None else {}),
         **({"framework": framework} if framework is not None else {}), "skipped": skipped,
         **({"declared_checkpoint": declared_checkpoint} if declared_checkpoint is not None else {})})
-    advice = advise(summary, probes=probes["results"] if probes is not None else None)
+    advice = advise(summary, probes=present(summary.probes.results) if summary.probes else None)
     parts: dict[str, Any] = advice.parts()
     if declared_checkpoint is not None:  # its line says what the diagnosis made of the declaration
         identity = any(cause.kind == "identity" for cause in advice.diagnosis.causes)
