@@ -92,7 +92,7 @@ def _with_defaults(chunk: pd.DataFrame) -> pd.DataFrame:
 
 def find_tokenizer(summary: Summary, results_dir: Path) -> Path | None:
     """The checkpoint's tokenizer.json: as recorded (relative to the cwd or the results dir's parent)."""
-    checkpoints = [summary.checkpoint, *(engine.get("checkpoint") for engine in summary.engines.values())]
+    checkpoints = [summary.checkpoint, *(present(summary.engine(source).checkpoint) for source in summary.engines)]
     for checkpoint in filter(None, checkpoints):
         for base in (Path.cwd(), results_dir.parent, results_dir.parent.parent):
             candidate = (base / str(checkpoint) / "tokenizer.json")
@@ -149,11 +149,10 @@ def chart_figures(summary: Summary, found: Digest, pairs: list[str],
         if block is not None:
             figs[fig_id] = figures.breakdown_figure(block, colors=colors, categorical=categorical, bars=bars)
     localization = summary.localization
-    if isinstance(localization.get("layers"), dict) and (fig := figures.layer_figure(localization["layers"])):
+    if localization.layers and (fig := figures.layer_figure(localization.layers)):
         figs["layers"] = fig
-    kernels = localization.get("kernels")
-    if isinstance(kernels, dict) and isinstance(kernels.get("by_module"), list) \
-            and (fig := figures.ranked_bar_figure(kernels["by_module"])):
+    kernels = localization.kernels
+    if kernels and kernels.by_module and (fig := figures.ranked_bar_figure(kernels.by_module)):
         figs["kernels"] = fig
     return figs
 

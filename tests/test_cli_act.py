@@ -192,7 +192,11 @@ def test_localization_that_cannot_run_is_refused_up_front(tmp_path, capsys) -> N
                  "--a", "vllm:dtype=bfloat16", "--b", "hf"]) == 2
     assert "'vllm:dtype=bfloat16' is 'vllm'" in capsys.readouterr().err
     # What did run is said, and what was skipped with its reason.
-    assert localized_what({"layers": {"by_layer": []}, "kernels": {"skipped": "needs two `hf` configs"}}) == [
+    from mismatch.results.section_records import Localization
+    from mismatch.results.summary_model import from_builtins
+
+    found = {"layers": {"by_layer": []}, "kernels": {"skipped": "needs two `hf` configs"}}
+    assert localized_what(from_builtins(found, Localization)) == [
         "layers: both configs agree bit for bit at every layer", "kernels: skipped: needs two `hf` configs"]
 
 

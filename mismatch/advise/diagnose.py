@@ -344,7 +344,7 @@ def _beyond_declared(facts: Facts, judged: str, kl: float) -> str | None:
     declared = ", ".join(f"{name} {value}" for name, value in (("dtype", sampler.dtype), ("engine", sampler.kind))
                          if value) or "nothing declared to compare"
     if infer.kind in TORCH_KINDS and infer.kind == sampler.kind:
-        found = (present(summary.prefix_consistency) or {}).get("infer")
+        found = summary.prefix_findings().get("infer")
         spread = (present(found.max_abs_spread) if found is not None else None) or 0.0
         noise = 0.5 * float(spread) ** 2
         if kl <= SIZE_FACTOR * noise:

@@ -98,7 +98,10 @@ def layers(
     if as_json:
         emit_json(found)
         return
-    print_layers(found)
+    from mismatch.results.section_records import Localization
+    from mismatch.results.summary_model import from_builtins, to_builtins
+
+    print_layers(from_builtins(to_builtins(found), Localization))
 
 
 def weights(

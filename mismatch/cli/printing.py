@@ -7,9 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from msgspec import UNSET
+
 from mismatch.cli.output import new_table, out_console, say
 from mismatch.present.headline import audit_banner, cause_line, causes, clip_sentence, findings, verdict_line
 from mismatch.present.numbers import plain
+from mismatch.results.section_records import KernelLocalization, LayerLocalization, Localization
 
 if TYPE_CHECKING:
     from mismatch.frameworks.protocol import Target
@@ -48,34 +51,33 @@ def print_pairs(summary: Summary, target: Target | None = None, out: Path | None
 def print_findings(summary: Summary) -> None:
     """What the audit found besides the pairs: alignment and semantics, render drift, the turn
     onset or position trend, and what the localizers found (each said when it ran)."""
-    from mismatch.present.views import Alignment, Drift, TurnFindings, view
     from mismatch.results.summary_model import present
 
-    alignment = view(present(summary.alignment), Alignment, "alignment")
-    if alignment.stored:
-        temperature = alignment.estimated_temperature
+    alignment = summary.alignment
+    if alignment and alignment.stored:
+        temperature = present(alignment.estimated_temperature)
         say(f"alignment: shift {alignment.shift or 0:+d}, stored log-probs {alignment.logprob_semantics or 'unknown'}"
             + (f" (estimated temperature {temperature:.3g})" if temperature is not None else ""))
-    followed = (summary.engine("train").get("routing") or {}).get("from")
+    followed = (summary.engine("train").routing or {}).get("from")  # routing: the engine's own description
     if followed not in (None, "sampler"):  # R3 in training forces the rollout engine's own experts
         say(f"routing: --train routing=replay followed --{followed}'s experts: the rollouts store no "
             "routed_experts, so not the rollout engine's own")
-    drift = view(present(summary.drift), Drift, "drift")
-    if drift.num_rollouts_checked:
-        say(f"render drift: {drift.num_spans} span(s) in {drift.num_rollouts_drifted} of "
+    drift = summary.drift
+    if drift and drift.num_rollouts_checked:
+        say(f"render drift: {present(drift.num_spans)} span(s) in {present(drift.num_rollouts_drifted)} of "
             f"{drift.num_rollouts_checked} rollouts, {drift.trainable_tokens_touched or 0} trainable token(s) touched")
     localization = summary.localization
-    turns = view(localization.get("turns"), TurnFindings, "localization.turns")
-    if turns.n_tokens:
-        onset, slope = turns.onset, turns.position_slope
-        if turns.onset_turn is not None:
-            say(f"turns: the {turns.pair} gap steps up at turn {turns.onset_turn}"
+    turns = localization.turns
+    if turns and turns.n_tokens:
+        onset, slope = present(turns.onset), present(turns.position_slope)
+        if summary.onset_turn is not None:
+            say(f"turns: the {turns.pair} gap steps up at turn {summary.onset_turn}"
                 + (f" in {onset.n_rollouts_departing} of {onset.n_rollouts_compared} rollouts" if onset else ""))
-        elif slope is not None and slope.slope_per_1k is not None:
+        elif slope is not None and isinstance(slope.slope_per_1k, float):
             grows = "grows" if slope.grows_with_position else "does not grow"
             say(f"turns: no turn where the {turns.pair} gap steps up; it {grows} with position "
                 f"({slope.slope_per_1k:.3g} per 1000 tokens)")
-    if "layers" in localization or "kernels" in localization:
+    if localization.layers or localization.kernels:
         from mismatch.localize import localized_what
 
         for line in localized_what(localization):
@@ -142,34 +144,35 @@ def print_diff(summary: Summary) -> None:
             f"(mean KL a {plain(kl['a'])}, b {plain(kl['b'])}; {on_distribution.rule})")
 
 
-def print_layers(found: dict[str, Any]) -> None:
-    found_layers = found["layers"]
-    if "skipped" in found_layers:
-        out_console.print(f"layers: skipped: {found_layers['skipped']}", markup=False)
+def print_layers(found: Localization) -> None:
+    """`mismatch layers`: the layer table and its jump, the split by layer type and index flips, then
+    the error each module type introduces (each localizer's skip said with its reason)."""
+    from mismatch.localize import localized_what
+    from mismatch.results.summary_model import present
+
+    layers, kernels = found.layers or LayerLocalization(), found.kernels or KernelLocalization()
+    if layers.skipped is not UNSET:
+        out_console.print(f"layers: skipped: {layers.skipped}", markup=False)
     else:
         table = new_table(title="relative error of a vs b (reference) by layer and sub-block",
                       title_justify="left")
         for column in ("layer", "block", "rel_error", "local_rel_error", "logit_lens |Δlogp|"):
             table.add_column(column, justify="left" if column == "block" else "right")
-        for row in found_layers["by_layer"]:
-            table.add_row(str(row["layer"]), row["block"], plain(row.get("rel_error")),
-                          plain(row.get("local_rel_error")), plain(row.get("logit_lens_abs_diff")))
+        for row in layers.by_layer or ():
+            table.add_row(str(row.layer), row.block, plain(present(row.rel_error)),
+                          plain(present(row.local_rel_error)), plain(present(row.logit_lens_abs_diff)))
         out_console.print(table)
-        out_console.print(f"jump: layer {found_layers['jump_layer']} {found_layers['jump_block']}",
-                          markup=False)
-        from mismatch.localize import localized_what
-
+        out_console.print(f"jump: layer {present(layers.jump_layer)} {present(layers.jump_block)}", markup=False)
         for line in localized_what(found)[2:]:  # by layer type, index flips (after layers and kernels)
             out_console.print(line, markup=False, soft_wrap=True)
-    kernels = found["kernels"]
-    if "skipped" in kernels:
-        out_console.print(f"kernels: skipped: {kernels['skipped']}", markup=False)
+    if kernels.skipped is not UNSET:
+        out_console.print(f"kernels: skipped: {kernels.skipped}", markup=False)
         return
     table = new_table(title="error introduced by each module type (module-local)", title_justify="left")
     for column in ("type", "rel_error", "max_abs"):
         table.add_column(column, justify="left" if column == "type" else "right")
-    for row in kernels["by_type"]:
-        table.add_row(row["type"], plain(row.get("rel_error")), plain(row.get("max_abs")))
+    for row in kernels.by_type or ():
+        table.add_row(row.type, plain(present(row.rel_error)), plain(present(row.max_abs)))
     out_console.print(table)
 
 

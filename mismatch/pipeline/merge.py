@@ -194,12 +194,11 @@ class _Shard:
         files = present(shard.files)
         check_published_files(path, to_builtins(files) if files is not None else None)
         files = files or {}
-        recorded, counted = files[TOKENS_FILE].rows, summary.counts.get("tokens")
+        recorded, counted = files[TOKENS_FILE].rows, present(summary.counts.tokens)
         if recorded != counted:
             raise ResultsError(f"{self.file}: {recorded} rows recorded, but {path}/summary.json counts "
                                f"{counted} tokens; rerun the shard")
-        self.stored = {f"logp_{source}" for source, engine in summary.engines.items()
-                       if engine.get("kind") == "stored"}
+        self.stored = {f"logp_{source}" for source in summary.engines if summary.engine(source).kind == "stored"}
         self.keys_file = path / PREFIX_KEYS_FILE if PREFIX_KEYS_FILE in files else None
         if self.keys_file is not None and files[PREFIX_KEYS_FILE].rows != counted:
             raise ResultsError(f"{self.keys_file}: not one prefix key per token row of {self.file}; rerun the shard")
@@ -319,7 +318,8 @@ def _merged_drift(summaries: list[Summary], order: dict[str, int]) -> dict[str, 
     without any `messages` has no drift block; its rollouts count as without messages."""
     if all(s.drift is UNSET for s in summaries):
         return None
-    blocks = [s.section("drift") or {"num_rollouts_without_messages": s.counts.get("rollouts", 0)} for s in summaries]
+    blocks = [to_builtins(s.drift) if s.drift else {"num_rollouts_without_messages": present(s.counts.rollouts) or 0}
+              for s in summaries]
     merged = stages.merge_drift(blocks)
     merged["spans"] = sorted(merged.get("spans", []),  # stable: a rollout's own order kept
                              key=lambda span: order.get(str(span["rollout"]), -1))

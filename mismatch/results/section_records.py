@@ -17,7 +17,8 @@ from typing import Any
 
 from msgspec import UNSET, Struct, UnsetType, convert, field
 
-Number = float | None  # NaN and +-inf are written as null
+# NaN and +-inf are written as null; an int stays an int (a count or a top_k written as a number)
+Number = int | float | None
 # Rows whose columns the analysis that writes them decides (the pair metrics of a turn, a drift span).
 Table = list[dict[str, Any]]
 
@@ -96,9 +97,9 @@ class TruncationEstimate(_Open):
     its kind (top_p, top_k, min_p) and value, the share of tokens it explains, and the others tried."""
 
     kind: str | UnsetType = UNSET
-    value: float | UnsetType = UNSET
+    value: int | float | UnsetType = UNSET
     confidence: float | UnsetType = UNSET
-    range: list[float] | UnsetType = UNSET
+    range: list[int | float] | UnsetType = UNSET
     n_tokens: int | UnsetType = UNSET
     tolerance_nats: float | UnsetType = UNSET
     others: dict[str, dict[str, Any]] | UnsetType = UNSET
@@ -115,7 +116,7 @@ class Truncation(_Open):
     frac_unlikely_lowered: Number | UnsetType = UNSET
     kept_mass_mean: Number | UnsetType = UNSET
     kept_mass_q01: Number | UnsetType = UNSET
-    declared: dict[str, float] | None | UnsetType = UNSET  # top_p / top_k / min_p as meta.sampler says
+    declared: dict[str, int | float] | None | UnsetType = UNSET  # top_p / top_k / min_p as meta.sampler says
     declared_fit: Number | UnsetType = UNSET
     estimate: TruncationEstimate | None | UnsetType = UNSET
     replayed: dict[str, Any] | UnsetType = UNSET
@@ -199,7 +200,7 @@ class Drift(_Open):
 class WorstPrefix(_Open):
     rollouts: list[str] | UnsetType = UNSET
     pos: int | UnsetType = UNSET
-    spread: float | UnsetType = UNSET
+    spread: Number | UnsetType = UNSET
 
 
 class PrefixConsistency(_Open):

@@ -314,6 +314,10 @@ class EngineEntry(_Record, kw_only=True):
     dtype: Any = UNSET
     attn: Any = UNSET
     checkpoint: Any = UNSET  # the weights it ran, where not the audited checkpoint
+    device: Any = UNSET
+    logprob_semantics: Any = UNSET
+    tokens_per_s: Any = UNSET  # its replay speed
+    seconds: Any = UNSET
     options: dict[str, Any] | UnsetType = UNSET  # the spec's options (temperature=, ...)
     routing: dict[str, Any] | UnsetType = UNSET  # a routing=replay engine: the pass it followed (`from`)
     meta: SamplerDeclaration | None | UnsetType = UNSET  # the sampler's declaration (meta.sampler)
@@ -354,7 +358,8 @@ class Summary(_Record, kw_only=True):
         | UnsetType = UNSET
     drift: Drift | UnsetType = UNSET
     routing: dict[str, Any] | UnsetType = UNSET
-    prefix_consistency: dict[str, PrefixConsistency] | UnsetType = UNSET
+    # per source; a merge that could not group the shards' prefixes says why under `not_merged`
+    prefix_consistency: dict[str, PrefixConsistency | str] | UnsetType = UNSET
     weights: Annotated[dict[str, WeightsDiff], Meta(description=(
         "per engine run on another checkpoint than the trainer's: the weights diff against it "
         "(mismatch.weights.WeightsReport.brief)"))] | UnsetType = UNSET
@@ -414,7 +419,12 @@ class Summary(_Record, kw_only=True):
 
     def split_prefixes(self) -> dict[str, PrefixConsistency]:
         """The sources whose shared prefixes did not all get the same log-probs (analysis.prefixes)."""
-        return {source: found for source, found in (present(self.prefix_consistency) or {}).items() if found.split}
+        return {source: found for source, found in self.prefix_findings().items() if found.split}
+
+    def prefix_findings(self) -> dict[str, PrefixConsistency]:
+        """prefix_consistency's sources (without a merge's `not_merged` note)."""
+        return {source: found for source, found in (present(self.prefix_consistency) or {}).items()
+                if isinstance(found, PrefixConsistency)}
 
     def section(self, name: str) -> dict[str, Any]:
         """An open-ended section (`alignment`, `drift`, `routing`, `weights`, ...) as its map, empty

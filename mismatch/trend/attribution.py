@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from mismatch.results.section_records import LayerLocalization
+from mismatch.results.summary_model import present
 from mismatch.trend.steps import Step
 
 MIN_REST_SHARE = 0.1     # the other buckets must have held this share of the gap for a contrast to mean anything
@@ -187,5 +189,9 @@ def layer_change(previous: Step, current: Step) -> dict[str, Any] | None:
     """Where the two engines part (the layer localizer's jump) at each of two steps, when both ran it."""
     if previous.layers is None or current.layers is None:
         return None
-    fields = ("jump_layer", "jump_block", "jump_module", "output_logp_abs_diff_mean")
-    return {"before": {f: previous.layers.get(f) for f in fields}, "after": {f: current.layers.get(f) for f in fields}}
+    def where(layers: LayerLocalization) -> dict[str, Any]:
+        return {"jump_layer": present(layers.jump_layer), "jump_block": present(layers.jump_block),
+                "jump_module": present(layers.jump_module),
+                "output_logp_abs_diff_mean": present(layers.output_logp_abs_diff_mean)}
+
+    return {"before": where(previous.layers), "after": where(current.layers)}

@@ -17,7 +17,8 @@ import numpy as np
 
 from mismatch.errors import ResultsError
 from mismatch.results import ROLLOUTS_FILE, read_summary
-from mismatch.results.summary_model import Summary, to_builtins
+from mismatch.results.section_records import LayerLocalization
+from mismatch.results.summary_model import Summary, present, to_builtins
 
 # Token-weighted means over a pair's trainable tokens: the run's value is Σ n_i m_i / Σ n_i over its
 # rollouts' own values (rollouts.parquet), so their spread over rollouts gives a CI. ESS is a function
@@ -50,7 +51,7 @@ class Step:
     turns: list[dict[str, Any]] = field(default_factory=list)
     branch_kinds: list[dict[str, Any]] = field(default_factory=list)
     strata: dict[str, Any] = field(default_factory=dict)
-    layers: dict[str, Any] | None = None
+    layers: LayerLocalization | None = None  # the layer localizer's findings, where it ran
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)  # configuration facts only
     headline: str = ""
     has_report: bool = False
@@ -153,14 +154,13 @@ def check_named(steps: list[Step], pair: str, metric: str) -> None:
 
 def _step(path: Path, summary: Summary, number: int, step_from: str) -> Step:
     _check_audit(path, summary)
-    layers = summary.localization.get("layers")
     first = summary.verdicts.get("train/sampler") or next(iter(summary.verdicts.values()), None)
     step = Step(step=number, path=path, step_from=step_from, checkpoint=summary.checkpoint,
                 pairs=_with_distribution({name: to_builtins(metrics) for name, metrics in summary.pairs.items()},
                                          summary.section("distribution")),
                 frameworks=_framework_metrics(summary.section("framework_metrics")),
                 turns=to_builtins(summary.turns), branch_kinds=to_builtins(summary.branch_kinds),
-                strata=summary.section("strata"), layers=layers if isinstance(layers, dict) else None,
+                strata=summary.section("strata"), layers=present(summary.localization.layers),
                 engines={source: configuration(engine) for source, engine in summary.engines.items()},
                 headline=first.text if first is not None else "",
                 has_report=(path / "index.html").is_file(), mismatch_version=summary.mismatch_version)
