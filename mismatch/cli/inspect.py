@@ -117,11 +117,10 @@ def weights(
 
     with working("comparing the checkpoints tensor by tensor", not as_json):
         report = diff_checkpoints(a, b)
-    payload = report.to_dict()
     if as_json:
-        emit_json(payload)
+        emit_json(report.to_dict())
     else:
-        print_weights(payload)
+        print_weights(report)
     if fail_on_diff and not report.identical:
         raise typer.Exit(1)
 

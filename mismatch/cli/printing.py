@@ -12,10 +12,11 @@ from msgspec import UNSET
 from mismatch.cli.output import new_table, out_console, say
 from mismatch.present.headline import audit_banner, cause_line, causes, clip_sentence, findings, verdict_line
 from mismatch.present.numbers import plain
-from mismatch.results.section_records import KernelLocalization, LayerLocalization, Localization
+from mismatch.results.section_records import FromConfig, KernelLocalization, LayerLocalization, Localization
 
 if TYPE_CHECKING:
     from mismatch.frameworks.protocol import Target
+    from mismatch.weights import WeightsReport
     from mismatch.results.summary_model import Summary
 
 
@@ -176,23 +177,24 @@ def print_layers(found: Localization) -> None:
     out_console.print(table)
 
 
-def print_weights(payload: dict[str, Any]) -> None:
-    differing = [t for t in payload["tensors"] if not t.get("equal")]
+def print_weights(report: WeightsReport) -> None:
+    """`mismatch weights`: each differing tensor, the names on one side only, then the verdict."""
+    differing = [t for t in report.tensors if not t.equal]
     for tensor in differing:
         out_console.print(
-            f"{tensor['name']}: {tensor.get('dtype_a')} {tensor.get('shape_a')} vs {tensor.get('dtype_b')} "
-            f"{tensor.get('shape_b')}: max abs {plain(tensor.get('max_abs_diff'))}, max rel "
-            f"{plain(tensor.get('max_rel_diff'))}, bitwise equal {plain(tensor.get('bitwise_equal_frac'))}",
+            f"{tensor.name}: {tensor.dtype_a} {list(tensor.shape_a)} vs {tensor.dtype_b} "
+            f"{list(tensor.shape_b)}: max abs {plain(tensor.max_abs_diff)}, max rel "
+            f"{plain(tensor.max_rel_diff)}, bitwise equal {plain(tensor.bitwise_equal_frac)}",
             markup=False, highlight=False, soft_wrap=True)
-    for side in ("only_a", "only_b"):
-        for name in payload.get(side) or []:
+    for side, names in (("only_a", report.only_a), ("only_b", report.only_b)):
+        for name in names:
             out_console.print(f"{name}: {side.replace('_', ' in ')}", markup=False)
-    total = len(payload["tensors"])
+    total = len(report.tensors)
     out_console.print(f"{total - len(differing)}/{total} shared tensors bitwise equal", markup=False)
-    out_console.print(payload["summary"]["verdict"], markup=False, highlight=False, soft_wrap=True)
+    out_console.print(report.verdict, markup=False, highlight=False, soft_wrap=True)
 
 
-def print_from_config(from_config: dict[str, dict[str, Any]], console: Any = None, model: str | None = None) -> None:
+def print_from_config(from_config: dict[str, FromConfig], console: Any = None, model: str | None = None) -> None:
     """The config's model against the checkpoint first (`model`), then each config's notices (what
     changes what the audit compares, e.g. verl's bypass mode), then each source a framework config
     set: the spec it derived, a line for every setting it could not reproduce as configured
@@ -201,19 +203,19 @@ def print_from_config(from_config: dict[str, dict[str, Any]], console: Any = Non
     console = console or out_console
     if model:
         console.print(model, markup=False, highlight=False, soft_wrap=True)
-    for notice in dict.fromkeys(n for table in from_config.values() for n in table.get("notices") or []):
+    for notice in dict.fromkeys(n for table in from_config.values() for n in table.notices or ()):
         console.print(f"note: {notice}", markup=False, highlight=False, soft_wrap=True)
     for source, table in from_config.items():
-        console.print(f"--{source} {table['spec']}", markup=False, highlight=False, soft_wrap=True)
-        console.print(f"  from the {table['framework']} config {table['file']}, read with: {table['loader']}",
+        console.print(f"--{source} {table.spec}", markup=False, highlight=False, soft_wrap=True)
+        console.print(f"  from the {table.framework} config {table.file}, read with: {table.loader}",
                       markup=False, highlight=False, soft_wrap=True)
-        for setting in table["settings"]:
-            if setting["status"] == "reproduced":
+        for setting in table.settings or ():
+            if setting.status == "reproduced":
                 continue
-            became = f" → {setting['option']}" if setting.get("option") else ""
-            console.print(f"  {setting['status']}: {setting['key']}={_config_value(setting['value'])}{became}"
-                          f" ({setting['note']})", markup=False, highlight=False, soft_wrap=True)
-        for key, value in (table.get("overrides") or {}).items():
+            became = f" → {setting.option}" if setting.option else ""
+            console.print(f"  {setting.status}: {setting.key}={_config_value(setting.value)}{became}"
+                          f" ({setting.note})", markup=False, highlight=False, soft_wrap=True)
+        for key, value in (table.overrides or {}).items():
             console.print(f"  overridden in the spec: {key}={value}", markup=False, highlight=False, soft_wrap=True)
 
 

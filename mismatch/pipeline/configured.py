@@ -19,6 +19,8 @@ from mismatch.frameworks._common import yaml_scalar
 from mismatch.frameworks.configs.model_check import MODEL_KEYS, check_model
 from mismatch.frameworks.registry import MODULES
 from mismatch.pipeline.options import DEFAULT_INFER, AuditOptions, RunOptions
+from mismatch.results.section_records import FromConfig
+from mismatch.results.summary_model import from_builtins, to_builtins
 
 O = TypeVar("O", bound=RunOptions)
 
@@ -116,6 +118,11 @@ def _context(checkpoint: Path) -> int | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None  # the checkpoint's own checks name what is wrong with it
     return max_positions(config) if isinstance(config, dict) else None
+
+
+def config_tables(options: RunOptions) -> dict[str, FromConfig]:
+    """Each source a framework config set, as summary.json's `engines.<source>.from_config` records."""
+    return {source: from_builtins(to_builtins(table), FromConfig) for source, table in options.from_config.items()}
 
 
 def model_line(options: RunOptions) -> str | None:
