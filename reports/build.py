@@ -24,7 +24,6 @@ from mismatch.results import REPORT_FILE, TOKENS_FILE, json_safe, tokens_chunks
 from mismatch.results import read_summary as read_results_summary
 from mismatch.reports import advice, aggregate, figures, sections
 from mismatch.present.headline import banner, focus_pair
-from mismatch.present.views import NextTokenGap, view
 from mismatch.reports.blocks import section
 from mismatch.reports.digest import Chunks, Digest, DigestAnalysis, digest
 from mismatch.reports.figures import Figure
@@ -174,8 +173,7 @@ def _moved_token_texts(summary: Summary, tokenizer_path: Path | None) -> dict[st
     from mismatch.reports.worst import token_texts
 
     found = present(summary.distribution) or {}
-    ids = {int(t["token_id"]) for pair, entry in found.items()
-           for t in view(entry, NextTokenGap, f"distribution[{pair!r}]").tokens if isinstance(t.get("token_id"), int)}
+    ids = {int(t["token_id"]) for gap in found.values() for t in gap.tokens or ()}  # each: token_id, tv_share, n_positions
     return token_texts(ids, tokenizer_path) if ids else None
 
 

@@ -14,7 +14,6 @@ from msgspec import UNSET
 
 from mismatch.present.headline import Banner, focus_pair, prefix_sentence, role_spec
 from mismatch.present.numbers import formatted, num, pct
-from mismatch.present.views import Comparison, NextTokenGap, view
 from mismatch.reports.aggregate import pair_roles
 from mismatch.reports.blocks import chart, facts, pair_legend, records_table, section, value_html
 from mismatch.reports.figures import LEVEL_COLORS, Figure
@@ -366,19 +365,19 @@ def frameworks_section(summary: Summary) -> Html | None:
 def diff_section(summary: Summary, texts: dict[str, str] | None) -> Html | None:
     if summary.command != "diff" or present(summary.diff) is None:
         return None
-    diff = view(present(summary.diff), Comparison, "diff")
+    diff = summary.diff
     rows = []
-    for name, d in diff.deltas.items():
+    for name, d in (diff.deltas or {}).items():
         ci = d.ci95 or [None, None]
         excludes_zero = all(isinstance(v, (int, float)) for v in ci) and (ci[0] > 0 or ci[1] < 0)
-        rows.append(el("tr", el("th", name, scope="row"), el("td", num(d.a)), el("td", num(d.b)),
-                       el("td", num(d.delta)), el("td", f"{num(ci[0])} … {num(ci[1])}"),
+        rows.append(el("tr", el("th", name, scope="row"), el("td", num(present(d.a))), el("td", num(present(d.b))),
+                       el("td", num(present(d.delta))), el("td", f"{num(ci[0])} … {num(ci[1])}"),
                        el("td", "yes" if excludes_zero else "no"), class_="highlight" if excludes_zero else None))
     heads = ("metric", "A vs ref", "B vs ref", "Δ (B − A)", "95% CI", "CI excludes 0")
     table = el("table", el("thead", el("tr", [el("th", h) for h in heads])), el("tbody", rows), class_="data num")
-    worst = diff.where.get("worst_tokens") or []
-    if texts is not None:
-        worst = [{**w, "text": texts.get(str(w.get("token_id")), "")} for w in worst if isinstance(w, dict)]
+    worst = (diff.where or {}).get("worst_tokens") or []  # where: the tables a diff found, by name
+    if texts is not None:  # each worst token: rollout, branch, pos, token_id and the three log-probs
+        worst = [{**w, "text": texts.get(str(w["token_id"]), "")} for w in worst]
     return section("diff", "A against B", table if rows else None,
                    el("h3", "Tokens where A and B disagree most") if worst else None,
                    records_table(worst) if worst else None,
@@ -401,13 +400,13 @@ def next_token_section(summary: Summary, texts: dict[str, str] | None = None) ->
         return None
     texts = texts or {}
     parts: list[Any] = []
-    for pair, entry in found.items():
-        gap = view(entry, NextTokenGap, f"distribution[{pair!r}]")
-        scope = "exact over the whole vocabulary" if gap.exact else f"bounded: {gap.bounded}"
-        parts.append(el("h3", f"{pair}: top-K = {gap.k}, {scope}"))
-        parts.append(facts([(label, entry.get(key)) for key, label in NEXT_TOKEN_FACTS]))
-        parts.append(el("p", gap.bitwise.claim))
-        tokens = [{**t, "text": texts.get(str(t.get("token_id")), "")} for t in gap.tokens]
+    for pair, gap in found.items():
+        scope = "exact over the whole vocabulary" if gap.exact else f"bounded: {present(gap.bounded)}"
+        parts.append(el("h3", f"{pair}: top-K = {present(gap.k)}, {scope}"))
+        # the record's fields, by the table's names
+        parts.append(facts([(label, present(getattr(gap, key))) for key, label in NEXT_TOKEN_FACTS]))
+        parts.append(el("p", gap.bitwise.claim if gap.bitwise else ""))
+        tokens = [{**t, "text": texts.get(str(t["token_id"]), "")} for t in gap.tokens or ()]
         if tokens:
             parts.append(el("h4", "Tokens whose probability moved most (share of the moved mass)"))
             parts.append(records_table(tokens, limit=len(tokens)))

@@ -123,26 +123,27 @@ def _print_framework_metrics(summary: Summary, target: Target, out: Path | None)
 def print_diff(summary: Summary) -> None:
     """diff's answer: each metric's b − a with its CI, the closer config by kl_k3 (and on the whole
     distribution, with --distribution), each config's replay speed."""
-    from mismatch.present.views import Comparison, view
+    from mismatch.results.section_records import Comparison
     from mismatch.results.summary_model import present
 
-    comparison = view(present(summary.diff), Comparison, "diff")
+    comparison = present(summary.diff) or Comparison()
     table = new_table(title="b/reference − a/reference (95% bootstrap CI over rollouts)", title_justify="left")
     for column in ("metric", "a", "b", "delta", "ci95"):
         table.add_column(column, justify="left" if column == "metric" else "right")
-    for name, d in comparison.deltas.items():
+    for name, d in (comparison.deltas or {}).items():
         low, high = d.ci95 or [None, None]
-        table.add_row(name, plain(d.a), plain(d.b), plain(d.delta), f"[{plain(low)}, {plain(high)}]")
+        table.add_row(name, plain(present(d.a)), plain(present(d.b)), plain(present(d.delta)),
+                      f"[{plain(low)}, {plain(high)}]")
     out_console.print(table)
-    speed = comparison.throughput_tokens_per_s
-    out_console.print(f"closer to the reference: {comparison.closer_to_reference} "
-                      f"({comparison.closer_rule}); replay tokens/s: a {plain(speed['a'])}, "
+    speed = comparison.throughput_tokens_per_s or {"a": None, "b": None}  # a diff writes both
+    out_console.print(f"closer to the reference: {present(comparison.closer_to_reference)} "
+                      f"({present(comparison.closer_rule)}); replay tokens/s: a {plain(speed['a'])}, "
                       f"b {plain(speed['b'])}", markup=False, highlight=False, soft_wrap=True)
-    on_distribution = comparison.distribution
+    on_distribution = present(comparison.distribution)
     if on_distribution is not None:
-        kl = on_distribution.kl
+        kl = on_distribution.kl or {"a": None, "b": None}
         say(f"closer on the whole next-token distribution: {on_distribution.closer or 'undecided'} "
-            f"(mean KL a {plain(kl['a'])}, b {plain(kl['b'])}; {on_distribution.rule})")
+            f"(mean KL a {plain(kl['a'])}, b {plain(kl['b'])}; {present(on_distribution.rule)})")
 
 
 def print_layers(found: Localization) -> None:
@@ -234,7 +235,6 @@ DISTRIBUTION_ROWS = (("KL(A‖B) mean", "kl_ab_mean"), ("KL(B‖A) mean", "kl_ba
 def print_distribution(summary: Summary) -> None:
     """--distribution: each pair's whole next-token distribution gap, what is exact or bounded,
     the bitwise claim checked, and where and on which token it is largest."""
-    from mismatch.present.views import NextTokenGap, view
     from mismatch.results.summary_model import present
 
     found = present(summary.distribution) or {}
@@ -244,14 +244,13 @@ def print_distribution(summary: Summary) -> None:
     table.add_column("metric")
     for pair in found:
         table.add_column(pair, justify="right")
-    for label, key in DISTRIBUTION_ROWS:
-        table.add_row(label, *(plain(entry.get(key)) for entry in found.values()))
+    for label, key in DISTRIBUTION_ROWS:  # the records' fields, by the table's names
+        table.add_row(label, *(plain(present(getattr(gap, key))) for gap in found.values()))
     out_console.print(table)
-    for pair, entry in found.items():
-        gap = view(entry, NextTokenGap, f"distribution[{pair!r}]")
-        scope = "exact over the whole vocabulary" if gap.exact else f"bounded ({gap.bounded})"
-        say(f"{pair}: top-K = {gap.k}, {scope}")
-        say(f"{pair}: {gap.bitwise.claim}")
+    for pair, gap in found.items():
+        scope = "exact over the whole vocabulary" if gap.exact else f"bounded ({present(gap.bounded)})"
+        say(f"{pair}: top-K = {present(gap.k)}, {scope}")
+        say(f"{pair}: {gap.bitwise.claim if gap.bitwise else ''}")
         if gap.tokens:
             top = gap.tokens[0]
             say(f"{pair}: token {top['token_id']} moved most ({top['tv_share']:.0%} of the moved mass, "

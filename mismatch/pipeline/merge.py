@@ -107,9 +107,9 @@ def _merged_distribution(command: str, options: dict[str, Any], summaries: list[
         if not set(table_columns(a, b)) <= set(columns):
             raise ResultsError(f"the shards ran --distribution {options['distribution']} but their token tables "
                                f"have no {a}/{b} distribution columns; rerun the shards")
-        found = [s.section("distribution")[f"{a}/{b}"] for s in summaries if f"{a}/{b}" in s.section("distribution")]
-        accounts[f"{a}/{b}"] = {"k": k, "full": full, "views": found[0]["views"] if found else None,
-                                "seconds": sum(f.get("seconds") or 0.0 for f in found)}
+        found = [gaps[f"{a}/{b}"] for s in summaries if f"{a}/{b}" in (gaps := present(s.distribution) or {})]
+        accounts[f"{a}/{b}"] = {"k": k, "full": full, "views": present(found[0].views) if found else None,
+                                "seconds": sum(present(f.seconds) or 0.0 for f in found)}
     return DistributionSummary(pairs, accounts)
 
 

@@ -24,8 +24,7 @@ from mismatch.results.summary_model import (
     partial_metrics,
     present,
 )
-from mismatch.present.views import Comparison, MetricDelta, view
-from mismatch.results.section_records import PrefixConsistency
+from mismatch.results.section_records import Comparison, MetricDelta, PrefixConsistency
 
 # How each recommendation kind reads in a headline (mismatch.advise.recommend's kinds); an unknown kind
 # is shown by its name.
@@ -320,14 +319,15 @@ def role_spec(summary: Summary, role: str) -> str:
 
 def diff_banner(summary: Summary) -> Banner:
     """Which config is closer to the reference, by kl_k3, with its bootstrap interval."""
-    diff = view(present(summary.diff), Comparison, "diff")
+    diff = present(summary.diff) or Comparison()
     spec = {role: role_spec(summary, role) for role in ("a", "b", "reference")}
-    closer = diff.closer_to_reference
-    kl = diff.deltas["kl_k3"] if "kl_k3" in diff.deltas else MetricDelta()
+    closer = present(diff.closer_to_reference)
+    deltas = diff.deltas or {}
+    kl = deltas["kl_k3"] if "kl_k3" in deltas else MetricDelta()
     numbers: list[tuple[str, Any, str]] = [
-        ("kl_k3 A vs reference", kl.a, "num"), ("kl_k3 B vs reference", kl.b, "num"),
-        ("Δ kl_k3 (B − A)", kl.delta, "num"), ("95% CI of Δ", tuple(kl.ci95 or [None, None]), "ci")]
-    speed = diff.throughput_tokens_per_s
+        ("kl_k3 A vs reference", present(kl.a), "num"), ("kl_k3 B vs reference", present(kl.b), "num"),
+        ("Δ kl_k3 (B − A)", present(kl.delta), "num"), ("95% CI of Δ", tuple(kl.ci95 or [None, None]), "ci")]
+    speed = diff.throughput_tokens_per_s or {}
     numbers += [(f"{role.upper()} tokens/s", speed[role], "num") for role in ("a", "b") if role in speed]
     details = [f"A = {spec['a']}   ·   B = {spec['b']}   ·   reference = {spec['reference']}"]
     if diff.closer_rule:

@@ -428,3 +428,87 @@ class WeightsDiff(_Open):
     only_a: list[str] | UnsetType = UNSET
     only_b: list[str] | UnsetType = UNSET
     differing: list[DifferingTensor] | UnsetType = UNSET
+
+
+# --- the whole next-token distribution (analysis/distribution.py) --------------------------------
+
+class BitwiseClaim(_Open):
+    """Whether sampled-token bitwise equality carries over to the whole distribution (or the known
+    top-K log-probs): the counts behind it and the claim in words."""
+
+    n_sampled_equal: int | UnsetType = UNSET
+    n_row_equal: int | UnsetType = UNSET
+    n_both_equal: int | UnsetType = UNSET
+    scope: str | UnsetType = UNSET
+    holds: bool | UnsetType = UNSET
+    claim: str | UnsetType = UNSET
+
+
+class NextTokenGap(_Open):
+    """One pair of `distribution` (analysis.distribution.pair_result): both sides' distributions over
+    the vocabulary at every trainable position: exact or bounded by a top-K side (`bounded` says
+    why), KL both ways, TV, top-K overlap and tails, argmax agreement and ranks, the bitwise claim
+    checked, the tokens that moved most, the worst positions and the turns (terms:
+    mismatch/engines/distributions.py)."""
+
+    k: int | None | UnsetType = UNSET
+    full: Any = UNSET
+    views: Any = UNSET
+    exact: bool | UnsetType = UNSET
+    n_positions: int | UnsetType = UNSET
+    kl: Number | UnsetType = UNSET
+    kl_ab_mean: Number | UnsetType = UNSET
+    kl_ba_mean: Number | UnsetType = UNSET
+    kl_ab_max: Number | UnsetType = UNSET
+    tv_mean: Number | UnsetType = UNSET
+    tv_max: Number | UnsetType = UNSET
+    tv_hi_mean: Number | UnsetType = UNSET
+    topk_overlap_mean: Number | UnsetType = UNSET
+    tail_a_mean: Number | UnsetType = UNSET
+    tail_b_mean: Number | UnsetType = UNSET
+    argmax_agree_frac: Number | UnsetType = UNSET
+    rank_differs_frac: Number | UnsetType = UNSET
+    n_rank_unknown: int | UnsetType = UNSET
+    sampled_abs_log_ratio_mean: Number | UnsetType = UNSET
+    bitwise: BitwiseClaim | UnsetType = UNSET
+    tokens: Table | UnsetType = UNSET  # token_id, tv_share, n_positions
+    worst: Table | UnsetType = UNSET  # rollout, branch, turn, pos, kl_ab, moved_token, ...
+    turns: Table | UnsetType = UNSET  # turn, n, kl_ab_mean, tv_mean
+    bounded: str | None | UnsetType = UNSET
+    seconds: Number | UnsetType = UNSET
+
+
+# --- diff (analysis/comparison.py, pipeline/diff.py) ---------------------------------------------
+
+class MetricDelta(_Open):
+    """One metric of `diff.deltas`: a/reference, b/reference, b - a and its bootstrap 95% CI."""
+
+    a: Number | UnsetType = UNSET
+    b: Number | UnsetType = UNSET
+    delta: Number | UnsetType = UNSET
+    ci95: list[Number] | None | UnsetType = UNSET
+
+
+class DistributionCloser(_Open):
+    """`diff.distribution`: which config is closer on the whole next-token distribution (mean KL),
+    decided only where both sides are exact."""
+
+    kl: dict[str, Number] | UnsetType = UNSET  # {"a": ..., "b": ...}
+    tv_mean: dict[str, Number] | UnsetType = UNSET
+    argmax_agree_frac: dict[str, Number] | UnsetType = UNSET
+    exact: bool | UnsetType = UNSET
+    closer: str | None | UnsetType = UNSET  # a | b | tie; null when a side's KL is only a bound
+    rule: str | UnsetType = UNSET
+
+
+class Comparison(_Open):
+    """`diff` (analysis.comparison.ConfigComparison and the engines' throughputs): b/reference -
+    a/reference per metric, the closer config by kl_k3 and the rule behind it, where a and b
+    disagree most (by turn, by position, the worst tokens), each config's replay speed."""
+
+    deltas: dict[str, MetricDelta] | UnsetType = UNSET
+    closer_to_reference: str | UnsetType = UNSET  # a | b | tie
+    closer_rule: str | UnsetType = UNSET
+    where: dict[str, Table] | UnsetType = UNSET  # by_turn, by_position, worst_tokens
+    throughput_tokens_per_s: dict[str, Number] | UnsetType = UNSET
+    distribution: DistributionCloser | None | UnsetType = UNSET

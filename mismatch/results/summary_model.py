@@ -27,9 +27,11 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 from mismatch.results.section_records import (
     Alignment,
+    Comparison,
     Drift,
     FromConfig,
     Localization,
+    NextTokenGap,
     PrefixConsistency,
     SamplerDeclaration,
     WeightsDiff,
@@ -369,7 +371,7 @@ class Summary(_Record, kw_only=True):
         "length (its trained tokens), its position in the stream, its probability under B (exp logp_B), and the "
         "A side's entropy at the position where a torch engine recorded it (else `unavailable`, saying why). "
         "Means are null in an empty bucket. mismatch trend reads them across steps."))] | UnsetType = UNSET
-    distribution: Annotated[dict[str, Section], Meta(description=(
+    distribution: Annotated[dict[str, NextTokenGap], Meta(description=(
         "--distribution only. Per engine pair (A/B), the gap between the two sides' whole next-token "
         "distributions over the trainable positions (docs/distribution.md; terms defined in "
         "mismatch/engines/distributions.py). `kl` is the mean KL(A||B); exact when `exact` (both sides gave "
@@ -377,7 +379,7 @@ class Summary(_Record, kw_only=True):
     framework: Annotated[str, Meta(description=(
         "The framework `audit --for NAME` named: its config snippet leads the report's first screen."))] \
         | UnsetType = UNSET
-    diff: dict[str, Any] | UnsetType = UNSET
+    diff: Comparison | UnsetType = UNSET
     skipped: Skipped | UnsetType = UNSET
     declared_checkpoint: DeclaredCheckpoint | UnsetType = UNSET
     diagnosis: Diagnosis | UnsetType = UNSET

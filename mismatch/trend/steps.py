@@ -17,7 +17,7 @@ import numpy as np
 
 from mismatch.errors import ResultsError
 from mismatch.results import ROLLOUTS_FILE, read_summary
-from mismatch.results.section_records import LayerLocalization
+from mismatch.results.section_records import LayerLocalization, NextTokenGap
 from mismatch.results.summary_model import Summary, present, to_builtins
 
 # Token-weighted means over a pair's trainable tokens: the run's value is Σ n_i m_i / Σ n_i over its
@@ -157,7 +157,7 @@ def _step(path: Path, summary: Summary, number: int, step_from: str) -> Step:
     first = summary.verdicts.get("train/sampler") or next(iter(summary.verdicts.values()), None)
     step = Step(step=number, path=path, step_from=step_from, checkpoint=summary.checkpoint,
                 pairs=_with_distribution({name: to_builtins(metrics) for name, metrics in summary.pairs.items()},
-                                         summary.section("distribution")),
+                                         present(summary.distribution) or {}),
                 frameworks=_framework_metrics(summary.section("framework_metrics")),
                 turns=to_builtins(summary.turns), branch_kinds=to_builtins(summary.branch_kinds),
                 strata=summary.section("strata"), layers=present(summary.localization.layers),
@@ -168,15 +168,15 @@ def _step(path: Path, summary: Summary, number: int, step_from: str) -> Step:
     return step
 
 
-DISTRIBUTION_METRICS = ("kl", "tv_mean", "argmax_agree_frac")  # read as "dist.NAME" (docs/distribution.md)
 
 
-def _with_distribution(pairs: dict[str, dict[str, Any]], found: Any) -> dict[str, dict[str, Any]]:
+def _with_distribution(pairs: dict[str, dict[str, Any]], found: dict[str, NextTokenGap]) -> dict[str, dict[str, Any]]:
     """A step's pair metrics with its --distribution means, where it measured them, as `dist.NAME`
     (the gate's names), so `Step.value(pair, "dist.kl")` reads them like any metric."""
-    for pair, entry in (found.items() if isinstance(found, dict) else ()):
-        if isinstance(entry, dict) and pair in pairs:
-            pairs[pair].update({f"dist.{name}": entry.get(name) for name in DISTRIBUTION_METRICS})
+    for pair, gap in found.items():
+        if pair in pairs:
+            pairs[pair].update({"dist.kl": present(gap.kl), "dist.tv_mean": present(gap.tv_mean),
+                                "dist.argmax_agree_frac": present(gap.argmax_agree_frac)})
     return pairs
 
 
