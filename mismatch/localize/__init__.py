@@ -7,13 +7,16 @@ hooks (torch), so they are imported only when asked for. `localize_models` runs 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from msgspec import UNSET
 
 from mismatch.engines import TORCH_KINDS, ReplayRequest, parse_spec
 from mismatch.results.section_records import KernelLocalization, LayerLocalization, LayerRow, Localization
 from mismatch.results.summary_model import present
+
+if TYPE_CHECKING:
+    from mismatch.localize.layers import LayerReport
 
 
 def check_localizable(a: str, b: str, *, flag: str = "--localize") -> None:
@@ -88,8 +91,9 @@ def localize_models(checkpoint: str | Path, requests: list[ReplayRequest], *, a:
     kinds = (parse_spec(a).kind, parse_spec(b).kind)
     out: dict[str, Any] = {}
     if all(kind in TORCH_KINDS for kind in kinds):
-        out["layers"] = compare_layers(checkpoint, requests, a=a, b=b, max_tokens=max_tokens).to_dict()
-        out |= _by_mechanism(checkpoint, requests, out["layers"], a=a, b=b)
+        report = compare_layers(checkpoint, requests, a=a, b=b, max_tokens=max_tokens)
+        out["layers"] = report.to_dict()
+        out |= _by_mechanism(checkpoint, requests, report, a=a, b=b)
     else:
         out["layers"] = {"skipped": f"layers need torch engines ({', '.join(TORCH_KINDS)}), got {kinds}"}
     if kinds == ("hf", "hf"):
@@ -102,7 +106,7 @@ def localize_models(checkpoint: str | Path, requests: list[ReplayRequest], *, a:
     return out
 
 
-def _by_mechanism(checkpoint: str | Path, requests: list[ReplayRequest], layers: dict[str, Any], *,
+def _by_mechanism(checkpoint: str | Path, requests: list[ReplayRequest], layers: LayerReport, *,
                   a: str, b: str) -> dict[str, Any]:
     """The layers' error split by layer type (every model), and the index flips of a model with
     DSA's indexer (issue #47: hybrids, sparse attention, sinks)."""

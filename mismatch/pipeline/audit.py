@@ -231,10 +231,11 @@ def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | N
         columns = list(first.columns) if first is not None else []
     pairs = audit_pairs(columns)
     summary = SummaryAnalyses(pairs, clip)
-    checked = AlignmentCheck(sampler_meta=beside.engines["sampler"].get("meta")) if beside.alignment is None else None
+    meta = beside.engines["sampler"]["meta"]  # the stored side always describes its declaration (None: none)
+    checked = AlignmentCheck(sampler_meta=meta) if beside.alignment is None else None
     # The IS settings: `--for`'s (or a --train config's), over what the run declared in its rollouts'
     # meta.sampler.framework_settings (a dump hook records its trainer's), over the releases' defaults.
-    declared = declared_settings(beside.engines["sampler"].get("meta"))
+    declared = declared_settings(meta)
     settings = {name: {**values, **(settings or {}).get(name, {})} for name, values in declared.items()}
     trees, frameworks, strata = TreeSums(pairs), FrameworkMetrics(pairs, settings), Strata(pairs)
     # With processed stored log-probs the correction is simulated like for like: on the raw pair it

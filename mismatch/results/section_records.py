@@ -55,6 +55,14 @@ class ConfigSetting(_Open):
     note: str | UnsetType = UNSET
 
 
+class ModelCheck(_Open):
+    """The model a --train config names against the audited checkpoint (configs/model_check.py)."""
+
+    named: str | UnsetType = UNSET
+    verdict: str | UnsetType = UNSET  # same | differs | unknown
+    line: str | None | UnsetType = UNSET  # the audit's first line
+
+
 class FromConfig(_Open):
     """`engines.<source>.from_config`: the framework config a side's spec was read from, its
     settings' fates, what the first screen must say (notices), and the options set over it."""
@@ -69,7 +77,7 @@ class FromConfig(_Open):
     framework_settings: dict[str, Any] | UnsetType = UNSET
     settings: list[ConfigSetting] | UnsetType = UNSET
     overrides: dict[str, Any] | UnsetType = UNSET
-    model_check: dict[str, Any] | UnsetType = UNSET
+    model_check: ModelCheck | UnsetType = UNSET
 
 
 # --- alignment (analysis/alignment.py, analysis/truncation.py, replay/truncation.py) ------------
@@ -512,3 +520,30 @@ class Comparison(_Open):
     where: dict[str, Table] | UnsetType = UNSET  # by_turn, by_position, worst_tokens
     throughput_tokens_per_s: dict[str, Number] | UnsetType = UNSET
     distribution: DistributionCloser | None | UnsetType = UNSET
+
+
+# --- the inputs' identity (identity.run_inputs) ----------------------------------------------------
+
+class NumberOptions(_Open):
+    """`inputs.options`: the command's options that change its numbers but not its replay
+    (pipeline/stages.py NUMBER_OPTIONS; a clip range as its two bounds)."""
+
+    clip_eps_low: Any = UNSET
+    clip_eps_high: Any = UNSET
+    seed: Any = UNSET
+    probe: Any = UNSET
+    distribution: Any = UNSET
+
+
+class RunInputs(_Open):
+    """`inputs`: everything a resumed or merged run must share with the run it continues: the
+    command, mismatch's version, the block size, the rollouts file's size and digest, the
+    checkpoint's files and each engine's parsed options by content, and the number options."""
+
+    command: str | UnsetType = UNSET
+    mismatch_version: str | UnsetType = UNSET
+    block_size: int | UnsetType = UNSET
+    rollouts: dict[str, Any] | None | UnsetType = UNSET  # size, digest
+    checkpoint: Any = UNSET
+    engines: dict[str, Any] | UnsetType = UNSET
+    options: NumberOptions | UnsetType = UNSET

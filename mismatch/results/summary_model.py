@@ -33,6 +33,7 @@ from mismatch.results.section_records import (
     Localization,
     NextTokenGap,
     PrefixConsistency,
+    RunInputs,
     SamplerDeclaration,
     WeightsDiff,
 )
@@ -350,7 +351,7 @@ class Summary(_Record, kw_only=True):
     recommendations: list[Recommendation]
     clip: Clip | UnsetType = UNSET
     shard: Shard | UnsetType = UNSET
-    inputs: dict[str, Any] | None | UnsetType = UNSET  # the inputs' identity (identity.run_inputs)
+    inputs: RunInputs | None | UnsetType = UNSET
     alignment: Alignment | UnsetType = UNSET
     trees: dict[str, Any] | UnsetType = UNSET
     framework_metrics: dict[str, dict[str, dict[str, Number]]] | UnsetType = UNSET  # pair -> framework -> metric
