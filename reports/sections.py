@@ -306,17 +306,17 @@ def findings_section(summary: Summary) -> Html | None:
                   el("details", el("summary", "Every alignment field"), value_html(to_builtins(checked)))]
     drift = present(summary.drift)
     if drift is not None and to_builtins(drift):
-        spans = [to_builtins(span) for span in drift.spans or ()]  # a table row: the span's fields
+        spans = drift.spans or []
         parts.append(el("h3", f"Render drift: {len(spans):,} drifted span{'s' if len(spans) != 1 else ''}"))
         if spans:
             # Stored vs rendered text is the finding: monospace, whitespace kept.
             # The columns a reader needs; ids and contexts stay in summary.json.
             shown = ("rollout", "turn", "role", "kind", "trainable_tokens", "stored", "rendered")
-            if any("at_turn" in span for span in spans):  # recorded by `mismatch record`: where, and when sent
+            if any(span.at_turn is not UNSET for span in spans):  # recorded by `mismatch record`: where, and when sent
                 shown = ("rollout", "branch", "turn", "at_turn", *shown[2:])
-            parts.append(records_table([{k: (el("code", span[k], class_="span-text") if k in ("stored", "rendered")
-                                             and isinstance(span[k], str) else span[k]) for k in shown if k in span}
-                                        for span in spans]))
+            rows = [{k: present(getattr(span, k)) for k in shown} for span in spans]  # DriftSpan's fields, by name
+            parts.append(records_table([{k: el("code", v, class_="span-text") if k in ("stored", "rendered")
+                                         and isinstance(v, str) else v for k, v in row.items()} for row in rows]))
         parts.append(facts([(k.replace("_", " "), v) for k, v in to_builtins(drift).items()
                             if k != "spans" and isinstance(v, (int, float, str))]))
     parts += _prefix_parts(summary)

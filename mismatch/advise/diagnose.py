@@ -390,8 +390,9 @@ def _turn_onset(summary: Summary) -> Cause | None:
     rows = {row["turn"]: row for row in turns.by_turn or ()}
     before = [row["log_ratio_abs_mean"] for t, row in rows.items() if t < turn and row["compared"]]
     rollouts = [row.rollout for row in detail.rollouts or ()] if detail is not None else []
-    evidence = [f"mean |log-ratio| {rows[turn]['log_ratio_abs_mean']:.3g} at turn {turn}, after "
-                f"{max(before):.3g} at most before it" if before and turn in rows
+    at = rows.get(turn)
+    evidence = [f"mean |log-ratio| {at['log_ratio_abs_mean']:.3g} at turn {turn}, after "
+                f"{max(before):.3g} at most before it" if before and at is not None
                 else f"the onset rule departs at turn {turn}"]
     if detail is not None:
         evidence.append(f"{detail.n_rollouts_departing} of {detail.n_rollouts_compared} rollouts step up "

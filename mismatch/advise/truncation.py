@@ -55,8 +55,8 @@ def ratio_words(ratios: dict[str, KeptMassRatio]) -> list[str]:
     """The token ratio's mean and share outside [0.9, 1.1] without and with the kept-set replay."""
     words = []
     for name, label in (("without_replay", "without replay"), ("with_replay", "renormalized over the kept set")):
-        if name in ratios:
-            r = ratios[name]
+        r = ratios.get(name)
+        if r is not None:
             words.append(f"{label} ({r.pair}): ratio mean {r.ratio_mean:.4g}, "
                          f"{r.frac_outside_band:.1%} of tokens outside [0.9, 1.1]")
     return words
@@ -70,7 +70,8 @@ def truncated_sampling(summary: Summary, level: dict[str, str]) -> Cause | None:
     ratios = truncation.ratios or {}
     # The ratio's mean over every trainable token is the mean kept mass (what TRL #7269 reports);
     # the semantics evidence leaves stored 0.0 (a lone kept token, or padding) to the padding check.
-    mass = present(ratios["without_replay"].ratio_mean if "without_replay" in ratios else truncation.kept_mass_mean)
+    without = ratios.get("without_replay")
+    mass = present(without.ratio_mean if without is not None else truncation.kept_mass_mean)
     parameter, where = _parameter_words(truncation)
     evidence = [f"{truncation.frac_raised or 0:.0%} of {present(truncation.n_tokens)} tokens with a stored "
                 f"log-prob below 0 sit above the replay and {truncation.frac_lowered or 0:.1%} below it: "

@@ -106,7 +106,7 @@ def verdicts(pairs: Mapping[str, PairMetrics], diagnosis: Diagnosis | None = Non
 
     def stored(pair: str) -> tuple[str, str] | None:
         for source in pair.split("/"):
-            engine = engines[source] if engines is not None and source in engines else None
+            engine = (engines or {}).get(source)
             if source != "sampler" and engine is not None and engine.kind == "stored":
                 return source, str(engine.name or "?")
         return None

@@ -322,8 +322,7 @@ def diff_banner(summary: Summary) -> Banner:
     diff = present(summary.diff) or Comparison()
     spec = {role: role_spec(summary, role) for role in ("a", "b", "reference")}
     closer = present(diff.closer_to_reference)
-    deltas = diff.deltas or {}
-    kl = deltas["kl_k3"] if "kl_k3" in deltas else MetricDelta()
+    kl = (diff.deltas or {}).get("kl_k3") or MetricDelta()
     numbers: list[tuple[str, Any, str]] = [
         ("kl_k3 A vs reference", present(kl.a), "num"), ("kl_k3 B vs reference", present(kl.b), "num"),
         ("Δ kl_k3 (B − A)", present(kl.delta), "num"), ("95% CI of Δ", tuple(kl.ci95 or [None, None]), "ci")]

@@ -547,3 +547,18 @@ class RunInputs(_Open):
     checkpoint: Any = UNSET
     engines: dict[str, Any] | UnsetType = UNSET
     options: NumberOptions | UnsetType = UNSET
+
+
+# --- strata (analysis/strata.py) ---------------------------------------------------------------------
+
+class Stratum(_Open):
+    """One dimension of `strata[pair]` (length, position, prob, entropy): each bucket's lower edge,
+    tokens, mean k3, mean |log-ratio| and mean log-ratio (null where empty); `unavailable` says why
+    a dimension was not measured (the entropy without a torch engine)."""
+
+    edges: list[Number] | UnsetType = UNSET
+    n_tokens: list[int] | UnsetType = UNSET
+    kl_k3: list[Number] | UnsetType = UNSET
+    log_ratio_abs_mean: list[Number] | UnsetType = UNSET
+    log_ratio_mean: list[Number] | UnsetType = UNSET
+    unavailable: str | UnsetType = UNSET

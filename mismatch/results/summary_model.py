@@ -35,6 +35,7 @@ from mismatch.results.section_records import (
     PrefixConsistency,
     RunInputs,
     SamplerDeclaration,
+    Stratum,
     WeightsDiff,
 )
 
@@ -367,7 +368,7 @@ class Summary(_Record, kw_only=True):
         "per engine run on another checkpoint than the trainer's: the weights diff against it "
         "(mismatch.weights.WeightsReport.brief)"))] | UnsetType = UNSET
     probes: Probes | UnsetType = UNSET
-    strata: Annotated[dict[str, dict[str, Section]], Meta(description=(
+    strata: Annotated[dict[str, dict[str, Stratum]], Meta(description=(
         "Per pair (A/B), the gap over the trainable tokens split on fixed bucket edges by the token's rollout "
         "length (its trained tokens), its position in the stream, its probability under B (exp logp_B), and the "
         "A side's entropy at the position where a torch engine recorded it (else `unavailable`, saying why). "
@@ -412,8 +413,7 @@ class Summary(_Record, kw_only=True):
     def engine(self, source: str) -> EngineEntry:
         """One source's engine as it described itself, the keys readers rely on (`meta` for the
         sampler's declaration); every field UNSET where the run has no such source."""
-        return msgspec.convert(self.engines[source], EngineEntry, strict=False) if source in self.engines \
-            else EngineEntry()
+        return msgspec.convert(self.engines.get(source) or {}, EngineEntry, strict=False)
 
     @property
     def declared(self) -> SamplerDeclaration:

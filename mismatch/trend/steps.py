@@ -17,8 +17,8 @@ import numpy as np
 
 from mismatch.errors import ResultsError
 from mismatch.results import ROLLOUTS_FILE, read_summary
-from mismatch.results.section_records import LayerLocalization, NextTokenGap
-from mismatch.results.summary_model import Summary, present, to_builtins
+from mismatch.results.section_records import LayerLocalization, NextTokenGap, Stratum
+from mismatch.results.summary_model import BranchKindRow, Summary, TurnRow, present, to_builtins
 
 # Token-weighted means over a pair's trainable tokens: the run's value is Σ n_i m_i / Σ n_i over its
 # rollouts' own values (rollouts.parquet), so their spread over rollouts gives a CI. ESS is a function
@@ -48,9 +48,9 @@ class Step:
     pairs: dict[str, dict[str, Any]]    # pair -> metric -> value (summary.json `pairs`)
     ci: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)  # pair -> metric -> (low, high)
     frameworks: dict[str, dict[str, float]] = field(default_factory=dict)  # pair -> "verl:rollout_corr/kl" -> value
-    turns: list[dict[str, Any]] = field(default_factory=list)
-    branch_kinds: list[dict[str, Any]] = field(default_factory=list)
-    strata: dict[str, Any] = field(default_factory=dict)
+    turns: list[TurnRow] = field(default_factory=list)
+    branch_kinds: list[BranchKindRow] = field(default_factory=list)
+    strata: dict[str, dict[str, Stratum]] = field(default_factory=dict)  # pair -> dimension -> its buckets
     layers: LayerLocalization | None = None  # the layer localizer's findings, where it ran
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)  # configuration facts only
     headline: str = ""
@@ -159,8 +159,8 @@ def _step(path: Path, summary: Summary, number: int, step_from: str) -> Step:
                 pairs=_with_distribution({name: to_builtins(metrics) for name, metrics in summary.pairs.items()},
                                          present(summary.distribution) or {}),
                 frameworks=_framework_metrics(summary.section("framework_metrics")),
-                turns=to_builtins(summary.turns), branch_kinds=to_builtins(summary.branch_kinds),
-                strata=summary.section("strata"), layers=present(summary.localization.layers),
+                turns=summary.turns, branch_kinds=summary.branch_kinds,
+                strata=present(summary.strata) or {}, layers=present(summary.localization.layers),
                 engines={source: configuration(engine) for source, engine in summary.engines.items()},
                 headline=first.text if first is not None else "",
                 has_report=(path / "index.html").is_file(), mismatch_version=summary.mismatch_version)
