@@ -186,6 +186,16 @@ class Recommendation(_Record, kw_only=True, omit_defaults=False):
     cost: str | None = None
 
 
+class CorrectionTurn(_Record, kw_only=True):
+    """One turn of a simulated correction: its tokens, the share the correction touched, and their
+    mean weight."""
+
+    turn: Any = UNSET
+    n_tokens: int | UnsetType = UNSET
+    frac_tokens_affected: Number | UnsetType = UNSET
+    weight_mean: Number | UnsetType = UNSET
+
+
 class Correction(_Record, kw_only=True, omit_defaults=False):
     """An IS correction the frameworks ship, simulated on the run's own tokens: its mode and
     parameters, then what it does to them (the share of tokens, sequences and rollouts it
@@ -204,7 +214,7 @@ class Correction(_Record, kw_only=True, omit_defaults=False):
     n_sequences: int | None = None
     n_rollouts: int | None = None
     frac_sequences_affected: Number = None
-    by_turn: list[Section] = []
+    by_turn: list[CorrectionTurn] = []
 
 
 class ProbeResult(_Record, kw_only=True):
