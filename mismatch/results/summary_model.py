@@ -462,9 +462,12 @@ def present(value: _T | UnsetType) -> _T | None:
 
 
 def _plain(value: Any) -> Any:
-    """numpy scalars and arrays as JSON values (msgspec's hook for types it does not know)."""
+    """numpy scalars and arrays, and subclasses of str (torch's TorchVersion in the probes'
+    environment), as JSON values (msgspec's hook for types it does not know)."""
     if hasattr(value, "tolist"):
         return value.tolist()
+    if isinstance(value, str):
+        return str.__str__(value)  # its characters, whatever its own __str__ says
     raise NotImplementedError(f"{type(value).__name__} is not JSON data")
 
 
