@@ -70,8 +70,8 @@ def known_framework(summary: Summary) -> str | None:
     if asked in snippets:
         return asked
     for source in ("train", "infer"):
-        derived = (summary.engines.get(source) or {}).get("from_config")
-        name = str(derived.get("framework", "")) if isinstance(derived, dict) else ""
+        derived = summary.engine(source).from_config
+        name = str(derived.framework or "") if derived else ""
         if name in snippets:
             return name
     return None

@@ -13,7 +13,9 @@ import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
-from mismatch.results.summary_model import PairMetrics, Summary, partial_metrics
+from msgspec import UNSET
+
+from mismatch.results.summary_model import PairMetrics, Summary, partial_metrics, present
 
 # Breakdown statistics, with the summary.json names they share (ARCHITECTURE.md, "Results dir").
 BREAKDOWN_METRICS: dict[str, str] = {
@@ -192,11 +194,11 @@ def by_position_block(sums: dict[str, GroupSums], width: int) -> Breakdown | Non
 def by_probability_from_summary(summary: Summary, pairs: list[str]) -> Breakdown | None:
     """summary.json's probability buckets (localization.turns.by_prob_bucket, of the pair the turn
     localizer reads): the report draws the buckets the analysis defined, never its own."""
-    turns = summary.localization.get("turns")
-    if not isinstance(turns, dict) or not isinstance(turns.get("by_prob_bucket"), list):
+    turns = summary.localization.turns
+    if not turns or turns.by_prob_bucket is UNSET:
         return None
-    rows = [(row.get("bucket"), {turns.get("pair"): partial_metrics(row)})
-            for row in turns["by_prob_bucket"] if isinstance(row, dict)]
+    # each row: its bucket's label and the pair's metrics (localize.turns)
+    rows = [(row["bucket"], {present(turns.pair): partial_metrics(row)}) for row in turns.by_prob_bucket]
     return by_key_from_summary(rows, "bucket", pairs, x_title="probability of the token under the pair's B side")
 
 

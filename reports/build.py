@@ -24,7 +24,6 @@ from mismatch.results import REPORT_FILE, TOKENS_FILE, json_safe, tokens_chunks
 from mismatch.results import read_summary as read_results_summary
 from mismatch.reports import advice, aggregate, figures, sections
 from mismatch.present.headline import banner, focus_pair
-from mismatch.present.views import NextTokenGap, view
 from mismatch.reports.blocks import section
 from mismatch.reports.digest import Chunks, Digest, DigestAnalysis, digest
 from mismatch.reports.figures import Figure
@@ -92,7 +91,7 @@ def _with_defaults(chunk: pd.DataFrame) -> pd.DataFrame:
 
 def find_tokenizer(summary: Summary, results_dir: Path) -> Path | None:
     """The checkpoint's tokenizer.json: as recorded (relative to the cwd or the results dir's parent)."""
-    checkpoints = [summary.checkpoint, *(engine.get("checkpoint") for engine in summary.engines.values())]
+    checkpoints = [summary.checkpoint, *(present(summary.engine(source).checkpoint) for source in summary.engines)]
     for checkpoint in filter(None, checkpoints):
         for base in (Path.cwd(), results_dir.parent, results_dir.parent.parent):
             candidate = (base / str(checkpoint) / "tokenizer.json")
@@ -149,11 +148,10 @@ def chart_figures(summary: Summary, found: Digest, pairs: list[str],
         if block is not None:
             figs[fig_id] = figures.breakdown_figure(block, colors=colors, categorical=categorical, bars=bars)
     localization = summary.localization
-    if isinstance(localization.get("layers"), dict) and (fig := figures.layer_figure(localization["layers"])):
+    if localization.layers and (fig := figures.layer_figure(localization.layers)):
         figs["layers"] = fig
-    kernels = localization.get("kernels")
-    if isinstance(kernels, dict) and isinstance(kernels.get("by_module"), list) \
-            and (fig := figures.ranked_bar_figure(kernels["by_module"])):
+    kernels = localization.kernels
+    if kernels and kernels.by_module and (fig := figures.ranked_bar_figure(kernels.by_module)):
         figs["kernels"] = fig
     return figs
 
@@ -175,8 +173,7 @@ def _moved_token_texts(summary: Summary, tokenizer_path: Path | None) -> dict[st
     from mismatch.reports.worst import token_texts
 
     found = present(summary.distribution) or {}
-    ids = {int(t["token_id"]) for pair, entry in found.items()
-           for t in view(entry, NextTokenGap, f"distribution[{pair!r}]").tokens if isinstance(t.get("token_id"), int)}
+    ids = {int(t["token_id"]) for gap in found.values() for t in gap.tokens or ()}  # each: token_id, tv_share, n_positions
     return token_texts(ids, tokenizer_path) if ids else None
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 from mismatch.reports.aggregate import BREAKDOWN_METRICS, Breakdown, Histogram
 from mismatch.present.numbers import num
+from mismatch.results.section_records import LayerLocalization, LayerRow, ModuleError
+from mismatch.results.summary_model import present
 
 FONT = "-apple-system, BlinkMacSystemFont, 'Segoe UI', Roboto, 'Helvetica Neue', Arial, sans-serif"
 PAIR_PALETTE = ("#d9480f", "#6741d9", "#0c8599", "#2f9e44", "#c2255c", "#1971c2", "#e67700")
@@ -126,9 +128,9 @@ def _numeric(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _layer_series(row: dict[str, Any]) -> str:
+def _layer_series(row: LayerRow) -> str:
     """One line per hooked point: "residual", "attn", "norm: input_layernorm" (two norms per layer)."""
-    block, module = row.get("block"), row.get("module")
+    block, module = present(row.block), present(row.module)
     if block is None:
         return str(module or "value")
     if module is None or module in (block, "output") or block == "residual":
@@ -136,57 +138,46 @@ def _layer_series(row: dict[str, Any]) -> str:
     return f"{block}: {module}"
 
 
-def layer_figure(layers: dict[str, Any]) -> Figure | None:
-    """by_layer's error along depth, one line per sub-block, the jump layer marked."""
-    rows = [r for r in layers.get("by_layer") or [] if isinstance(r, dict)]
-    if not rows:
+def layer_figure(layers: LayerLocalization) -> Figure | None:
+    """by_layer's rel_error along depth, one line per sub-block, the jump layer marked."""
+    rows = layers.by_layer or []
+    if not any(_numeric(r.rel_error) for r in rows):
         return None
-    x_key = next((k for k in ("layer", "index", "depth") if k in rows[0]), None)
-    y_candidates = ("rel_error", "relative_error", "rel_err", "error", "max_abs_diff", "abs_diff_mean")
-    y_key = next((k for k in y_candidates if any(_numeric(r.get(k)) for r in rows)), None)
-    if y_key is None:
-        y_key = next((k for k in rows[0] if k != x_key and _numeric(rows[0][k])), None)
-    if y_key is None:
-        return None
-    groups: dict[str, list[dict[str, Any]]] = {}
+    groups: dict[str, list[LayerRow]] = {}
     for r in rows:
         groups.setdefault(_layer_series(r), []).append(r)
     traces = []
     for i, (name, members) in enumerate(groups.items()):
-        xs = [m.get(x_key) if x_key else j for j, m in enumerate(members)]
-        traces.append({"type": "scatter", "mode": "lines+markers", "name": plotly_text(name), "x": xs,
-                       "y": [m.get(y_key) if _numeric(m.get(y_key)) else None for m in members],
+        traces.append({"type": "scatter", "mode": "lines+markers", "name": plotly_text(name),
+                       "x": [present(m.layer) for m in members],
+                       "y": [m.rel_error if _numeric(m.rel_error) else None for m in members],
                        "marker": {"color": PAIR_PALETTE[i % len(PAIR_PALETTE)]},
                        "hovertemplate": "<b>%{fullData.name}</b><br>%{x}<br>%{y:.4g}<extra></extra>"})
     positive = all(v is None or v > 0 for t in traces for v in t["y"])
     shapes = []
-    if _numeric(layers.get("jump_layer")):
-        shapes.append({"type": "line", "x0": layers["jump_layer"], "x1": layers["jump_layer"], "y0": 0,
+    if _numeric(layers.jump_layer):
+        shapes.append({"type": "line", "x0": layers.jump_layer, "x1": layers.jump_layer, "y0": 0,
                        "y1": 1, "yref": "paper", "line": {"color": "#e03131", "width": 2, "dash": "dash"}})
     x_values = [x for t in traces for x in t["x"]]
-    x_axis = _axis(escape(x_key or "index"))  # plotly reads titles as pseudo-HTML: keys are escaped
+    x_axis = _axis("layer")
     if x_values and all(isinstance(x, int) for x in x_values):
         x_axis.update(tick0=0, dtick=max(1, math.ceil(len(set(x_values)) / 16)))  # layers are integers
     layout = base_layout(height=320, showlegend=len(traces) > 1, shapes=shapes,
                          legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"}, xaxis=x_axis,
-                         yaxis=_axis(escape(y_key) + (" (log scale)" if positive else ""),
+                         yaxis=_axis("rel_error" + (" (log scale)" if positive else ""),
                                      type="log" if positive else "linear"))
     return {"data": traces, "layout": layout}
 
 
-def ranked_bar_figure(rows: list[dict[str, Any]], *, limit: int = 15) -> Figure | None:
-    """by_module's top entries as horizontal bars on their first numeric column."""
-    rows = [r for r in rows if isinstance(r, dict)][:limit]
+def ranked_bar_figure(modules: list[ModuleError], *, limit: int = 15) -> Figure | None:
+    """by_module's top entries (most introduced error first) as horizontal bars of their rel_error."""
+    rows = modules[:limit]
     if not rows:
         return None
-    label_key = next((k for k in ("module", "name", "type", "op") if k in rows[0]), None)
-    value_key = next((k for k in rows[0] if k != label_key and _numeric(rows[0][k])), None)
-    if label_key is None or value_key is None:
-        return None
-    labels = [plotly_text(r.get(label_key)) for r in rows][::-1]
-    values = [r.get(value_key) if _numeric(r.get(value_key)) else None for r in rows][::-1]
+    labels = [plotly_text(present(r.name)) for r in rows][::-1]
+    values = [r.rel_error if _numeric(r.rel_error) else None for r in rows][::-1]
     trace = {"type": "bar", "orientation": "h", "x": values, "y": labels, "marker": {"color": "#6741d9"},
              "hovertemplate": "%{y}<br>%{x:.4g}<extra></extra>"}
     layout = base_layout(height=max(200, 26 * len(rows) + 70), margin={"l": 16, "r": 16, "t": 10, "b": 48},
-                         xaxis=_axis(escape(value_key)), yaxis={"automargin": True, "type": "category"})
+                         xaxis=_axis("rel_error"), yaxis={"automargin": True, "type": "category"})
     return {"data": [trace], "layout": layout}

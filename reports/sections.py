@@ -10,14 +10,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from mismatch.present.headline import Banner, focus_pair, role_spec, split_prefixes
+from msgspec import UNSET
+
+from mismatch.present.headline import Banner, focus_pair, prefix_sentence, role_spec
 from mismatch.present.numbers import formatted, num, pct
-from mismatch.present.views import Alignment, Comparison, Drift, NextTokenGap, PositionSlope, view
 from mismatch.reports.aggregate import pair_roles
 from mismatch.reports.blocks import chart, facts, pair_legend, records_table, section, value_html
 from mismatch.reports.figures import LEVEL_COLORS, Figure
 from mismatch.reports.html import Html, el, join
-from mismatch.results.summary_model import PairMetrics, Summary, present
+from mismatch.results.section_records import KernelLocalization, LayerLocalization, PositionSlope
+from mismatch.results.summary_model import PairMetrics, Summary, present, to_builtins
 
 # One name per quantity: each card row is labelled with its summary.json key (docs/glossary.md).
 CARD_METRICS = (("kl_k3", "kl_k3", "num"), ("log_ratio_abs_mean", "log_ratio_abs_mean", "num"),
@@ -32,9 +34,9 @@ CARD_METRICS = (("kl_k3", "kl_k3", "num"), ("log_ratio_abs_mean", "log_ratio_abs
 def context_line(summary: Summary) -> Html:
     counts = summary.counts
     items = []
-    if counts:
-        items.append(f"{num(counts.get('rollouts'))} rollouts · {num(counts.get('branches'))} branches · "
-                     f"{num(counts.get('tokens'))} tokens ({num(counts.get('trainable_tokens'))} trainable)")
+    if counts.tokens is not UNSET:  # a summary made by hand may count nothing
+        items.append(f"{num(present(counts.rollouts))} rollouts · {num(present(counts.branches))} branches · "
+                     f"{num(present(counts.tokens))} tokens ({num(present(counts.trainable_tokens))} trainable)")
     for label, value in (("checkpoint", summary.checkpoint), ("rollouts", summary.rollouts_file)):
         if value:
             items.append(join(label, " ", el("code", value)))
@@ -147,30 +149,32 @@ def gaps_section(summary: Summary, pairs: list[str], colors: dict[str, str]) -> 
 
 # --- where: turn, position, probability, branch kind ----------------------------------------------
 
-def slope_text(slope: Any) -> Any:
+def slope_text(fit: PositionSlope | None) -> str | None:
     """position_slope ({slope_per_1k, ci95_per_1k, grows_with_position, …}) in one line."""
-    if not isinstance(slope, dict) or "slope_per_1k" not in slope:
-        return slope
-    fit = view(slope, PositionSlope, "localization.turns.position_slope")
+    if fit is None or fit.slope_per_1k is UNSET:
+        return None
     if fit.slope_per_1k is None:
         return "not enough tokens to fit"
     ci = fit.ci95_per_1k or [None, None]
     grows = "grows with context" if fit.grows_with_position else "no significant growth"
+    p_value = present(fit.p_value)
     return (f"{num(fit.slope_per_1k, 3)} |log-ratio| per 1k tokens, 95% CI {formatted(tuple(ci), 'ci')}"
-            f"{', p ' + num(fit.p_value, 2) if fit.p_value is not None else ''}: {grows}")
+            f"{', p ' + num(p_value, 2) if p_value is not None else ''}: {grows}")
 
 
 def turn_facts(summary: Summary) -> Html | None:
     """localization["turns"]: the onset turn and the drift along position, tables one click away."""
-    turns = summary.localization.get("turns")
-    if not isinstance(turns, dict):
+    turns = present(summary.localization.turns)
+    if turns is None:
         return None
-    onset = turns.get("onset_turn", "not computed")
-    items = [("onset turn" + (f" ({turns['pair']})" if turns.get("pair") else ""),
+    onset = turns.onset_turn if turns.onset_turn is not UNSET else "not computed"
+    items = [("onset turn" + (f" ({turns.pair})" if turns.pair else ""),
               "none: no turn departs from the earlier ones" if onset is None else onset),
-             ("drift along position", slope_text(turns.get("position_slope")))]
-    tables = {k: v for k, v in turns.items() if isinstance(v, list) and v}
-    rules = {k: v for k, v in turns.items() if k in ("onset_rule", "onset_params")}
+             ("drift along position", slope_text(present(turns.position_slope)))]
+    # every field as summary.json holds it: the tables (lists) and the onset rule
+    fields = to_builtins(turns)
+    tables = {k: v for k, v in fields.items() if isinstance(v, list) and v}
+    rules = {k: v for k, v in fields.items() if k in ("onset_rule", "onset_params")}
     lines = el("ul", [el("li", el("strong", label + ": "), value_html(value, 1)) for label, value in items],
                class_="fact-lines")
     return join(lines,
@@ -225,12 +229,13 @@ KERNEL_FACTS = (("candidate", "candidate"), ("reference", "reference"), ("num_se
 METHOD_KEYS = ("method", "jump_rule")
 
 
-def _named_facts(block: dict[str, Any], names: tuple[tuple[str, str], ...]) -> Html | None:
-    return facts([(label, block[key] if block[key] is not None else "none") for key, label in names if key in block])
+def _named_facts(block: LayerLocalization | KernelLocalization, names: tuple[tuple[str, str], ...]) -> Html | None:
+    values = [(label, getattr(block, key)) for key, label in names]  # the record's fields, by the table's names
+    return facts([(label, value if value is not None else "none") for label, value in values if value is not UNSET])
 
 
-def _method(block: dict[str, Any]) -> Html | None:
-    texts = [(k, block[k]) for k in METHOD_KEYS if isinstance(block.get(k), str)]
+def _method(block: LayerLocalization | KernelLocalization) -> Html | None:
+    texts = [(k, text) for k in METHOD_KEYS if isinstance(text := getattr(block, k, None), str)]
     if not texts:
         return None
     return el("details", el("summary", "How this was measured"),
@@ -241,28 +246,29 @@ def localization_section(summary: Summary, figures: dict[str, Figure]) -> Html |
     """localization["layers"] and ["kernels"] (turns are under "Where the gap is")."""
     localization = summary.localization
     parts: list[Any] = []
-    layers = localization.get("layers")
-    if isinstance(layers, dict) and layers:
+    layers = present(localization.layers)
+    if layers is not None:
         shown = {key for key, _ in LAYER_FACTS} | set(METHOD_KEYS) | {"by_layer"}
+        rest = {k: v for k, v in to_builtins(layers).items() if k not in shown}  # skipped, the dist jump, ...
         parts += [el("h3", "By layer"), _named_facts(layers, LAYER_FACTS),
                   chart("layers", "Relative error of the hidden states along depth, per sub-block; "
                                   "the dashed line marks the jump layer.") if "layers" in figures else None,
                   el("details", el("summary", "by_layer table (logit lens included)"),
-                     value_html(layers["by_layer"])) if layers.get("by_layer") else None,
-                  value_html({k: v for k, v in layers.items() if k not in shown}) if set(layers) - shown else None,
+                     value_html(to_builtins(layers.by_layer))) if layers.by_layer else None,
+                  value_html(rest) if rest else None,
                   _method(layers)]
-    kernels = localization.get("kernels")
-    if isinstance(kernels, dict) and kernels:
+    kernels = present(localization.kernels)
+    if kernels is not None:
         shown = {key for key, _ in KERNEL_FACTS} | set(METHOD_KEYS)
         parts += [el("h3", "By kernel: error each module introduces on the reference's input, ranked"),
                   _named_facts(kernels, KERNEL_FACTS),
                   chart("kernels") if "kernels" in figures else None]
-        for key, value in kernels.items():
+        for key, value in to_builtins(kernels).items():
             if key not in shown:
                 parts.append(el("details", el("summary", key.replace("_", " ")), value_html(value),
                                 open=key == "by_type" or None))
         parts.append(_method(kernels))
-    others = {k: v for k, v in localization.items() if k not in ("turns", "layers", "kernels") and v}
+    others = {k: v for k, v in to_builtins(localization).items() if k not in ("turns", "layers", "kernels") and v}
     if others:
         parts.append(value_html(others))
     if not any(parts):
@@ -276,10 +282,9 @@ def _pct_or_none(value: Any) -> str | None:
 
 def findings_section(summary: Summary) -> Html | None:
     parts = []
-    alignment = present(summary.alignment)
-    if alignment:
-        checked = view(alignment, Alignment, "alignment")
-        shift, semantics, zero = checked.shift, checked.logprob_semantics, checked.padded_zero_frac
+    checked = present(summary.alignment)
+    if checked is not None and to_builtins(checked):  # `{}`: nothing stored to check
+        shift, semantics, zero = present(checked.shift), present(checked.logprob_semantics), present(checked.padded_zero_frac)
         flags = []
         if shift:
             flags.append(f"Stored log-probs fit better shifted by {shift:+d} position: an off-by-one "
@@ -292,27 +297,27 @@ def findings_section(summary: Summary) -> Html | None:
         findings = checked.findings
         parts += [el("h3", "Alignment"), [el("p", f, class_="flag") for f in flags],
                   facts([("shift (stored[i] fits token i + shift)", shift), ("log-prob semantics", semantics),
-                         ("estimated temperature", checked.estimated_temperature),
+                         ("estimated temperature", present(checked.estimated_temperature)),
                          ("trainable tokens without a stored log-prob", _pct_or_none(checked.missing_trainable_frac)),
                          ("padded zeros", _pct_or_none(zero)), ("constant runs", _pct_or_none(checked.constant_frac))]),
-                  el("ul", [el("li", el("strong", f.kind), ": ", f.message,
+                  el("ul", [el("li", el("strong", present(f.kind) or ""), ": ", present(f.message) or "",
                                el("p", "Fix: " + f.fix, class_="note") if f.fix else None)
                             for f in findings], class_="findings") if findings else None,
-                  el("details", el("summary", "Every alignment field"), value_html(alignment))]
+                  el("details", el("summary", "Every alignment field"), value_html(to_builtins(checked)))]
     drift = present(summary.drift)
-    if drift:
-        spans = view(drift, Drift, "drift").spans
+    if drift is not None and to_builtins(drift):
+        spans = drift.spans or []
         parts.append(el("h3", f"Render drift: {len(spans):,} drifted span{'s' if len(spans) != 1 else ''}"))
         if spans:
             # Stored vs rendered text is the finding: monospace, whitespace kept.
             # The columns a reader needs; ids and contexts stay in summary.json.
             shown = ("rollout", "turn", "role", "kind", "trainable_tokens", "stored", "rendered")
-            if any("at_turn" in span for span in spans):  # recorded by `mismatch record`: where, and when sent
+            if any(span.at_turn is not UNSET for span in spans):  # recorded by `mismatch record`: where, and when sent
                 shown = ("rollout", "branch", "turn", "at_turn", *shown[2:])
-            parts.append(records_table([{k: (el("code", span[k], class_="span-text") if k in ("stored", "rendered")
-                                             and isinstance(span.get(k), str) else span.get(k)) for k in shown}
-                                        for span in spans]))
-        parts.append(facts([(k.replace("_", " "), v) for k, v in drift.items()
+            rows = [{k: present(getattr(span, k)) for k in shown} for span in spans]  # DriftSpan's fields, by name
+            parts.append(records_table([{k: el("code", v, class_="span-text") if k in ("stored", "rendered")
+                                         and isinstance(v, str) else v for k, v in row.items()} for row in rows]))
+        parts.append(facts([(k.replace("_", " "), v) for k, v in to_builtins(drift).items()
                             if k != "spans" and isinstance(v, (int, float, str))]))
     parts += _prefix_parts(summary)
     if not parts:
@@ -322,18 +327,15 @@ def findings_section(summary: Summary) -> Html | None:
 
 def _prefix_parts(summary: Summary) -> list[Html]:
     """Prefix consistency per source: the same prefix must get the same log-prob in every request."""
-    from mismatch.analysis.prefixes import prefix_sentence
-
-    found = {source: item for source, item in (present(summary.prefix_consistency) or {}).items()
-             if isinstance(item, dict) and item.get("n_prefixes")}
+    found = {source: item for source, item in summary.prefix_findings().items() if item.n_prefixes}
     if not found:
         return []
-    flags = [el("p", prefix_sentence(source, item, summary.engines.get(source)), class_="flag")
-             for source, item in split_prefixes(summary).items() if source in found]
-    rows = [{"source": source, "tokens sharing a prefix": item.get("n_shared_tokens"),
-             "shared prefixes": item.get("n_prefixes"),
-             "bitwise equal": _pct_or_none(item.get("frac_prefixes_bitwise_equal")),
-             "largest spread": item.get("max_abs_spread")} for source, item in found.items()]
+    flags = [el("p", prefix_sentence(source, item, summary.engine(source)), class_="flag")
+             for source, item in summary.split_prefixes().items() if source in found]
+    rows = [{"source": source, "tokens sharing a prefix": present(item.n_shared_tokens),
+             "shared prefixes": present(item.n_prefixes),
+             "bitwise equal": _pct_or_none(item.frac_prefixes_bitwise_equal),
+             "largest spread": present(item.max_abs_spread)} for source, item in found.items()]
     return [el("h3", "Prefix consistency"), flags, records_table(rows)]
 
 
@@ -363,19 +365,19 @@ def frameworks_section(summary: Summary) -> Html | None:
 def diff_section(summary: Summary, texts: dict[str, str] | None) -> Html | None:
     if summary.command != "diff" or present(summary.diff) is None:
         return None
-    diff = view(present(summary.diff), Comparison, "diff")
+    diff = summary.diff
     rows = []
-    for name, d in diff.deltas.items():
+    for name, d in (diff.deltas or {}).items():
         ci = d.ci95 or [None, None]
         excludes_zero = all(isinstance(v, (int, float)) for v in ci) and (ci[0] > 0 or ci[1] < 0)
-        rows.append(el("tr", el("th", name, scope="row"), el("td", num(d.a)), el("td", num(d.b)),
-                       el("td", num(d.delta)), el("td", f"{num(ci[0])} … {num(ci[1])}"),
+        rows.append(el("tr", el("th", name, scope="row"), el("td", num(present(d.a))), el("td", num(present(d.b))),
+                       el("td", num(present(d.delta))), el("td", f"{num(ci[0])} … {num(ci[1])}"),
                        el("td", "yes" if excludes_zero else "no"), class_="highlight" if excludes_zero else None))
     heads = ("metric", "A vs ref", "B vs ref", "Δ (B − A)", "95% CI", "CI excludes 0")
     table = el("table", el("thead", el("tr", [el("th", h) for h in heads])), el("tbody", rows), class_="data num")
-    worst = diff.where.get("worst_tokens") or []
-    if texts is not None:
-        worst = [{**w, "text": texts.get(str(w.get("token_id")), "")} for w in worst if isinstance(w, dict)]
+    worst = (diff.where or {}).get("worst_tokens") or []  # where: the tables a diff found, by name
+    if texts is not None:  # each worst token: rollout, branch, pos, token_id and the three log-probs
+        worst = [{**w, "text": texts.get(str(w["token_id"]), "")} for w in worst]
     return section("diff", "A against B", table if rows else None,
                    el("h3", "Tokens where A and B disagree most") if worst else None,
                    records_table(worst) if worst else None,
@@ -398,13 +400,13 @@ def next_token_section(summary: Summary, texts: dict[str, str] | None = None) ->
         return None
     texts = texts or {}
     parts: list[Any] = []
-    for pair, entry in found.items():
-        gap = view(entry, NextTokenGap, f"distribution[{pair!r}]")
-        scope = "exact over the whole vocabulary" if gap.exact else f"bounded: {gap.bounded}"
-        parts.append(el("h3", f"{pair}: top-K = {gap.k}, {scope}"))
-        parts.append(facts([(label, entry.get(key)) for key, label in NEXT_TOKEN_FACTS]))
-        parts.append(el("p", gap.bitwise.claim))
-        tokens = [{**t, "text": texts.get(str(t.get("token_id")), "")} for t in gap.tokens]
+    for pair, gap in found.items():
+        scope = "exact over the whole vocabulary" if gap.exact else f"bounded: {present(gap.bounded)}"
+        parts.append(el("h3", f"{pair}: top-K = {present(gap.k)}, {scope}"))
+        # the record's fields, by the table's names
+        parts.append(facts([(label, present(getattr(gap, key))) for key, label in NEXT_TOKEN_FACTS]))
+        parts.append(el("p", gap.bitwise.claim if gap.bitwise else ""))
+        tokens = [{**t, "text": texts.get(str(t["token_id"]), "")} for t in gap.tokens or ()]
         if tokens:
             parts.append(el("h4", "Tokens whose probability moved most (share of the moved mass)"))
             parts.append(records_table(tokens, limit=len(tokens)))
@@ -435,12 +437,13 @@ def worst_section(worst: dict[str, Any] | None, tokens: list[dict[str, Any]] | N
 
 def absent_line(summary: Summary) -> Html | None:
     localization = summary.localization
-    checks = (("turn onset and position drift", localization.get("turns")),
-              ("layer localization", localization.get("layers")),
-              ("kernel localization", localization.get("kernels")),
-              ("render drift", present(summary.drift)), ("alignment checks", present(summary.alignment)),
+    checks = (("turn onset and position drift", localization.turns),
+              ("layer localization", localization.layers),
+              ("kernel localization", localization.kernels),
+              ("render drift", summary.drift), ("alignment checks", summary.alignment),
               ("corrections", summary.corrections), ("recommendations", summary.recommendations))
-    absent = [name for name, value in checks if not value]
+    # a section written empty (`{}`) was not computed either
+    absent = [name for name, value in checks if not to_builtins(present(value))]
     if not absent:
         return None
     return el("p", el("strong", "Not computed in this run: "), ", ".join(absent), ".", class_="absent")
@@ -452,9 +455,10 @@ def engines_table(summary: Summary) -> Html | None:
         return None
     keys = ("spec", "kind", "dtype", "device", "logprob_semantics", "tokens_per_s", "seconds")
     head = el("tr", el("th", "role"), [el("th", k) for k in keys])
+    described = {role: summary.engine(role) for role in engines}
     rows = [el("tr", el("th", role, scope="row"),
-               [el("td", num(e.get(k)) if isinstance(e.get(k), (int, float)) else str(e.get(k, "–")))
-                for k in keys]) for role, e in engines.items() if isinstance(e, dict)]
+               [el("td", num(value) if isinstance(value := getattr(e, k), (int, float))
+                   else "–" if value is UNSET else str(value)) for k in keys]) for role, e in described.items()]
     return el("details", el("summary", "Engines and settings"),
               el("table", el("thead", head), el("tbody", rows), class_="data"),
               value_html(engines))

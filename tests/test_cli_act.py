@@ -192,7 +192,11 @@ def test_localization_that_cannot_run_is_refused_up_front(tmp_path, capsys) -> N
                  "--a", "vllm:dtype=bfloat16", "--b", "hf"]) == 2
     assert "'vllm:dtype=bfloat16' is 'vllm'" in capsys.readouterr().err
     # What did run is said, and what was skipped with its reason.
-    assert localized_what({"layers": {"by_layer": []}, "kernels": {"skipped": "needs two `hf` configs"}}) == [
+    from mismatch.results.section_records import Localization
+    from mismatch.results.summary_model import from_builtins
+
+    found = {"layers": {"by_layer": []}, "kernels": {"skipped": "needs two `hf` configs"}}
+    assert localized_what(from_builtins(found, Localization)) == [
         "layers: both configs agree bit for bit at every layer", "kernels: skipped: needs two `hf` configs"]
 
 
@@ -287,6 +291,7 @@ def test_dependency_warnings_go_to_a_log_in_the_results_dir(tmp_path, capsys, mo
 
 def test_audit_probe_feeds_the_probes_to_the_recommendations(tiny_checkpoint, tmp_path) -> None:
     from mismatch.advise.readers import batch_variant_from_probes
+    from mismatch.results.summary_model import probe_results
 
     example = Path(__file__).resolve().parents[1] / "examples" / "rollouts.jsonl"
     assert main(["audit", str(tiny_checkpoint), "--rollouts", str(example), "--train", "sampler", "--infer",
@@ -295,4 +300,4 @@ def test_audit_probe_feeds_the_probes_to_the_recommendations(tiny_checkpoint, tm
     results = summary["probes"]["results"]
     assert results and {"source", "bitwise_equal_frac", "applicable"} <= set(results[0])
     kinds = [r["kind"] for r in summary["recommendations"]]
-    assert ("batch_invariant" in kinds) == bool(batch_variant_from_probes(results))
+    assert ("batch_invariant" in kinds) == bool(batch_variant_from_probes(probe_results(results)))

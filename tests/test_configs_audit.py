@@ -167,13 +167,13 @@ def test_bypass_mode_and_the_model_are_on_the_first_screen_before_the_specs() ->
     from rich.console import Console
 
     from mismatch.cli.printing import print_from_config
-    from mismatch.pipeline.configured import with_configs
+    from mismatch.pipeline.configured import config_tables, with_configs
     from mismatch.pipeline.options import AuditOptions
 
     script = REPO / "tests" / "data" / "upstream" / "verl" / "examples" / "rollout_correction" / "run_qwen2_5_7b_fsdp.sh.cmdline"
     options = with_configs(AuditOptions(train=f"verl:{script}"))
     console = Console(record=True, width=400)
-    print_from_config(options.from_config, console, model="model: (the model line)")
+    print_from_config(config_tables(options), console, model="model: (the model line)")
     lines = console.export_text().splitlines()
     assert lines[0] == "model: (the model line)"
     assert lines[1].startswith("note: bypass mode (algorithm.rollout_correction.bypass_mode=true): verl trains on "

@@ -126,10 +126,8 @@ def test_stats_of_token_truncate_by_hand():
     assert result.weight_max == pytest.approx(2.0, rel=1e-12)
     assert result.ess == pytest.approx(sum(weight) ** 2 / (6 * sum(w * w for w in weight)), rel=1e-12)
     # turn 0: A0 (2), C0 (1), C1 (0.25); turn 1: A1 (0.5), B0 (1.5), C2 (2, capped)
-    assert result.by_turn == [
-        {"turn": 0, "n_tokens": 3, "frac_tokens_affected": 1 / 3, "weight_mean": pytest.approx(3.25 / 3)},
-        {"turn": 1, "n_tokens": 3, "frac_tokens_affected": 1 / 3, "weight_mean": pytest.approx(4 / 3)},
-    ]
+    assert [(t.turn, t.n_tokens, t.frac_tokens_affected, t.weight_mean) for t in result.by_turn] == [
+        (0, 3, 1 / 3, pytest.approx(3.25 / 3)), (1, 3, 1 / 3, pytest.approx(4 / 3))]
 
 
 def test_rollouts_affected_counts_a_rollout_once_any_token_is():

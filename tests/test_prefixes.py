@@ -67,7 +67,9 @@ def test_a_split_prefix_in_an_inference_source_is_said_and_advised() -> None:
     """The sampler's or an inference engine's split prefixes advise the batch-invariant mode (unless
     probes ran and show no batch variance); the trainer's own replay does not: it is not the
     rollout engine."""
-    from mismatch.analysis.prefixes import prefix_sentence, split_prefixes
+    from mismatch.present.headline import prefix_sentence
+    from mismatch.results.section_records import PrefixConsistency
+    from mismatch.results.summary_model import EngineEntry, from_builtins, partial_summary
     from tests.test_recommend import TOKEN_CAPS, recommend
     from tests.test_recommend import summary as make_summary
 
@@ -77,7 +79,7 @@ def test_a_split_prefix_in_an_inference_source_is_said_and_advised() -> None:
                            ({"sampler": SPLIT, "train": SPLIT, "infer": SPLIT}, ("sampler", "infer"))]:
         summary = make_summary(corrections=TOKEN_CAPS, prefix_consistency=found)
         summary["engines"] = engines
-        assert set(split_prefixes(summary)) == {s for s, item in found.items() if item is SPLIT}
+        assert set(partial_summary(summary).split_prefixes()) == {s for s, item in found.items() if item is SPLIT}
         kinds = {rec.kind: rec for rec in recommend(summary)}
         assert ("batch_invariant" in kinds) == bool(advised)
         if advised:
@@ -87,7 +89,7 @@ def test_a_split_prefix_in_an_inference_source_is_said_and_advised() -> None:
                        for source in advised)
             no_variance = [{"source": "batch_size", "applicable": True, "bitwise_equal_frac": 1.0}]
             assert "batch_invariant" not in {rec.kind for rec in recommend(summary, probes=no_variance)}
-    assert prefix_sentence("infer", SPLIT, {"kind": "vllm"}) == (
+    assert prefix_sentence("infer", from_builtins(SPLIT, PrefixConsistency), EngineEntry(kind="vllm")) == (
         "infer (vllm): the same prefix got different log-probs in different requests: 8 of 41 shared prefixes "
         "bitwise equal, spread up to 0.013 (rollouts r-1, r-7 at position 12): batch variance, or an engine bug "
         "(one request at a time tells them apart)")

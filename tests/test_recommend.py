@@ -18,7 +18,8 @@ from mismatch.advise.readers import batch_variant_from_probes
 from mismatch.advise.recommend import recommend as recommend_summary
 from mismatch.advise.snippets import render_config
 from mismatch.frameworks.protocol import Recommendation
-from mismatch.results.summary_model import partial_summary
+from mismatch.results.section_records import Alignment, Drift
+from mismatch.results.summary_model import ProbeResult, from_builtins, partial_summary, probe_results
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,14 +35,21 @@ def trunc(mode: str, cap: float, frac: float, ess: float) -> dict:
             "weight_mean": 1.0, "weight_max": cap, "ess": ess}
 
 
+def _typed(findings: dict) -> dict:
+    """Findings given beside a summary as plain data (probe results, drift, alignment) as records."""
+    types = {"probes": list[ProbeResult], "drift": Drift, "alignment": Alignment}
+    return {name: from_builtins(value, types[name]) if name in types and value is not None else value
+            for name, value in findings.items()}
+
+
 def diagnose(summary: dict, **findings):
     """The diagnosis of a hand-made summary, read as read_summary reads one (partial_summary)."""
-    return diagnose_summary(partial_summary(summary), **findings)
+    return diagnose_summary(partial_summary(summary), **_typed(findings))
 
 
 def recommend(summary: dict, *args, **findings) -> list[Recommendation]:
     """The rule on a hand-made summary, read as read_summary reads one (partial_summary)."""
-    return recommend_summary(partial_summary(summary), *args, **findings)
+    return recommend_summary(partial_summary(summary), *args, **_typed(findings))
 
 
 def summary(metrics: dict | None = None, corrections: list | None = None, **extra) -> dict:
@@ -176,9 +184,9 @@ def test_a_shift_is_fixed_first_and_alone():
 
 def test_batch_variance_from_probes():
     assert batch_variant_from_probes([]) is None
-    assert batch_variant_from_probes([{"source": "batch_size", "applicable": True, "bitwise_equal_frac": 1.0}]) is False
-    assert batch_variant_from_probes([{"source": "split_kv", "applicable": True, "bitwise_equal_frac": 0.5}]) is True
-    assert batch_variant_from_probes([{"source": "tf32", "applicable": True, "bitwise_equal_frac": 0.5}]) is None
+    assert batch_variant_from_probes(probe_results([{"source": "batch_size", "applicable": True, "bitwise_equal_frac": 1.0}])) is False
+    assert batch_variant_from_probes(probe_results([{"source": "split_kv", "applicable": True, "bitwise_equal_frac": 0.5}])) is True
+    assert batch_variant_from_probes(probe_results([{"source": "tf32", "applicable": True, "bitwise_equal_frac": 0.5}])) is None
 
 
 def test_missing_simulations_are_a_user_error():

@@ -135,7 +135,7 @@ def diff_dir(root: Path) -> Path:
 
 FULL_EXTRA: dict[str, Any] = {
     "localization": {
-        "turns": {"onset_turn": 1, "position_slope": {"slope": 1.2e-5, "ci95": [0.8e-5, 1.6e-5]},
+        "turns": {"onset_turn": 1, "position_slope": {"slope_per_1k": 1.2e-5, "ci95_per_1k": [0.8e-5, 1.6e-5]},
                   # The report draws these buckets as the analysis wrote them, never its own.
                   "pair": "train/sampler",
                   "by_prob_bucket": [{"bucket": label, "n_tokens": 10 * (i + 1), "log_ratio_abs_mean": 0.01 / (i + 1),
@@ -145,7 +145,7 @@ FULL_EXTRA: dict[str, Any] = {
         "layers": {"jump_layer": 2, "jump_block": "mlp",
                    "by_layer": [{"layer": i, "block": block, "rel_error": 1e-4 * (1 + i) * (30 if i >= 2 else 1)}
                                 for i in range(4) for block in ("attn", "mlp")]},
-        "kernels": {"by_module": [{"module": f"layers.{i}.mlp.{IMG}", "rel_error": 1e-3 / (i + 1)}
+        "kernels": {"by_module": [{"name": f"layers.{i}.mlp.{IMG}", "rel_error": 1e-3 / (i + 1)}
                                   for i in range(5)]}},
     "alignment": {"shift": 1, "padded_zero_frac": 0.0, "logprob_semantics": "raw"},
     "drift": {"spans": [{"rollout": "r-0", "turn": 1, "stored": SCRIPT, "rendered": IMG}]},

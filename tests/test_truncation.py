@@ -219,6 +219,8 @@ def test_a_declaration_the_data_refute_is_named_and_the_estimate_replayed(tiny_c
                                                                          tmp_path) -> None:
     from mismatch.advise.truncation import _parameter_words
     from mismatch.replay.plan import plan_replay
+    from mismatch.results.section_records import Truncation
+    from mismatch.results.summary_model import from_builtins
     from mismatch.replay.truncation import sampler_truncation
 
     rollouts = load_rollouts(truncated_rollouts["top_p"], vocab_size=1024)
@@ -229,5 +231,5 @@ def test_a_declaration_the_data_refute_is_named_and_the_estimate_replayed(tiny_c
                                tiny_checkpoint)
     assert wrong["declared_fit"] < 0.9 and wrong["replayed_from"].startswith("estimate")
     assert wrong["replayed"]["top_p"] == pytest.approx(0.8)
-    words, where = _parameter_words({"declared": wrong["declared"], **wrong})
+    words, where = _parameter_words(from_builtins(wrong, Truncation))  # as alignment.truncation reads it
     assert "fix meta.sampler" in words and where["misdeclared"] is True

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from mismatch.advise.cause import Cause
 from mismatch.results import summary_model as model
-from mismatch.results.summary_model import Summary
+from mismatch.results.summary_model import Summary, present
 from mismatch.advise.levels import HEALTHY
 from mismatch.advise.readers import Side, three_digits
 from mismatch.rollouts.declared_checkpoint import declared_name
@@ -163,10 +163,10 @@ def identity(summary: Summary, level: dict[str, str], side: dict[str, Side], pai
     # NaN (no stored log-probs to pair: the summary in memory, before JSON writes it null) is no tail.
     if train is None or not train.replayed or not isinstance(tail, (int, float)) or not tail >= IDENTITY_TAIL:
         return None
-    declared = summary.engine("sampler").get("meta") or {}
+    declared = present(summary.declared.checkpoint)
     evidence = [f"{tail:.1%} of {pair} tokens have a ratio outside [0.5, 2] (kl_k3 {three_digits(kl)})"]
-    if declared.get("checkpoint"):
-        evidence.append(f"the rollouts declare meta.sampler.checkpoint {declared['checkpoint']}; this audit replays "
+    if declared:
+        evidence.append(f"the rollouts declare meta.sampler.checkpoint {declared}; this audit replays "
                         f"{summary.checkpoint}")
     # Each rollout's own meta.checkpoint, compared by name or weight digests (rollouts/declared_checkpoint.py).
     compared = model.present(summary.declared_checkpoint)
@@ -182,7 +182,7 @@ def identity(summary: Summary, level: dict[str, str], side: dict[str, Side], pai
                  rules_out=(f"no numeric cause reaches it: {reach}",
                             f"a weight-sync fault or a stale copy moves some probabilities, not over "
                             f"{IDENTITY_TAIL:.0%} of them by 2x"),
-                 where={"checkpoint": summary.checkpoint, "declared": declared.get("checkpoint"),
+                 where={"checkpoint": summary.checkpoint, "declared": declared,
                         **({"declared_by_rollouts": [declared_name(row.checkpoint) for row in compared.declared]}
                            if compared is not None else {})})
 
@@ -196,9 +196,10 @@ def truncation_test(cause: Cause, summary: Summary, *, like_for_like: bool) -> s
     like-for-like pass (`like_for_like`), and it can move stored log-probs with the same weights."""
     if cause.kind != "sampler_weights" or like_for_like:
         return None
-    declared = summary.engine("sampler").get("meta") or {}
-    truncated = [f"{name} {declared[name]}" for name, off in TRUNCATION_OFF.items()
-                 if isinstance(declared.get(name), (int, float)) and declared[name] not in off]
+    declared = summary.declared
+    values = {"top_p": declared.top_p, "top_k": declared.top_k, "min_p": declared.min_p}
+    truncated = [f"{name} {values[name]}" for name, off in TRUNCATION_OFF.items()
+                 if isinstance(values[name], (int, float)) and values[name] not in off]
     if not truncated:
         return None
     return (f"not shown to be the sampler's weights: it declares truncated sampling ({', '.join(truncated)}), which "

@@ -15,7 +15,7 @@ from mismatch.advise.verdicts import verdicts
 from mismatch.frameworks.protocol import Target
 from mismatch.frameworks.registry import FRAMEWORKS, default_target
 from mismatch.results import summary_model as model
-from mismatch.results.summary_model import Probe, Summary, present, to_builtins
+from mismatch.results.summary_model import ProbeResult, Summary, present, to_builtins
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -34,7 +34,7 @@ class AuditAdvice:
                 "recommendations": self.recommendations, "config_snippets": self.config_snippets}
 
 
-def advise(summary: Summary, *, probes: list[Probe] | None = None) -> AuditAdvice:
+def advise(summary: Summary, *, probes: list[ProbeResult] | None = None) -> AuditAdvice:
     """summary.json's diagnosis, recommendations (the rule on the summary and the `probes`' evidence)
     and each framework's config snippet for them; each pair's verdict names its cause. The summary
     is read, never edited: the command builds its summary with the part returned."""
@@ -45,7 +45,7 @@ def advise(summary: Summary, *, probes: list[Probe] | None = None) -> AuditAdvic
     snippets = {target.framework: render_config(recommend(summary, target, probes=probes), target,
                                                 causes=diagnosis.causes) for target in targets}
     return AuditAdvice(diagnosis=diagnosis.to_record(),
-                       verdicts=verdicts(summary.pairs, diagnosis, summary.engines),
+                       verdicts=verdicts(summary.pairs, diagnosis, {s: summary.engine(s) for s in summary.engines}),
                        recommendations=recommendation_records(recommend(summary, probes=probes)),
                        config_snippets=snippets)
 
@@ -70,11 +70,11 @@ class Advice:
 
 
 def for_target(summary: Summary, target: Target | None, *, results: Path | None = None,
-               probes: list[Probe] | None = None) -> Advice:
+               probes: list[ProbeResult] | None = None) -> Advice:
     """The rule for `target`'s release (the modes it can express), its snippet, and what the target
     framework logs on the audit's tokens (results/tokens.parquet) at the settings the user named in
     the target, else at those the snippet sets."""
-    stored_probes = summary.section("probes").get("results")
+    stored_probes = present(summary.probes.results) if summary.probes else None
     if target is None and probes is None:
         diagnosed = present(summary.diagnosis)
         return Advice(recommendations=list(summary.recommendations),

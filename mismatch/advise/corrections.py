@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch.results import summary_model as model
-from mismatch.results.summary_model import Section
+from mismatch.results.summary_model import CorrectionTurn
 from mismatch.advise.correction_modes import DEFAULT_CORRECTIONS, MODES, PROB_GAP_MODES, Correction
 from mismatch.advise.correction_tokens import CorrectionTokens, is_tensor, prepare_tokens, to_numpy
 from mismatch.analysis.chunked import Chunk, Chunks, run_passes
@@ -43,7 +43,7 @@ class CorrectionResult:
     weight_std: float
     weight_max: float
     ess: float
-    by_turn: list[Section]  # per turn: {turn, n_tokens, frac_tokens_affected, weight_mean}
+    by_turn: list[CorrectionTurn]  # per turn: its tokens, the share touched, their mean weight
 
     def to_record(self) -> model.Correction:
         """As summary.json's `corrections` lists it: contract keys first (ARCHITECTURE.md, "Results
@@ -53,7 +53,7 @@ class CorrectionResult:
             frac_rollouts_affected=self.frac_rollouts_affected, weight_mean=self.weight_mean,
             weight_max=self.weight_max, ess=self.ess, weight_std=self.weight_std, level=self.level,
             n_tokens=self.n_tokens, n_sequences=self.n_sequences, n_rollouts=self.n_rollouts,
-            frac_sequences_affected=self.frac_sequences_affected, by_turn=[dict(row) for row in self.by_turn])
+            frac_sequences_affected=self.frac_sequences_affected, by_turn=list(self.by_turn))
 
 
 def _apply(tokens: CorrectionTokens, correction: Correction) -> tuple[np.ndarray, np.ndarray]:
@@ -234,11 +234,11 @@ class _CorrectionSums:
             weight_std=math.sqrt(self.m2 / n) * scale if math.isfinite(mean) else nan, weight_max=self.top * scale,
             ess=self.ess.value(n), by_turn=self._by_turn(scale))
 
-    def _by_turn(self, scale: float) -> list[Section]:
+    def _by_turn(self, scale: float) -> list[CorrectionTurn]:
         """Per turn: how many tokens, the share the correction touched, and their mean weight."""
         with np.errstate(invalid="ignore", over="ignore"):
-            return [{"turn": key, "n_tokens": int(count), "frac_tokens_affected": float(hit / count),
-                     "weight_mean": float(total / count * scale)}
+            return [CorrectionTurn(turn=key, n_tokens=int(count), frac_tokens_affected=float(hit / count),
+                                   weight_mean=float(total / count * scale))
                     for key, (count, hit, total) in sorted(self.turns.items())]
 
 

@@ -54,7 +54,7 @@ from mismatch.advise.readers import (
 )
 from mismatch.advise.unexplained import unexplained
 from mismatch.results import summary_model as model
-from mismatch.results.summary_model import Probe, Section, Summary
+from mismatch.results.summary_model import ProbeResult, Summary, present
 
 RULE = """\
 Causes, in the order they lead (each only on the evidence named, and only once it passes its
@@ -148,7 +148,7 @@ class Facts:
     summary: Summary
     level: dict[str, str]
     side: dict[str, Side]
-    probes: list[Probe] | None
+    probes: list[ProbeResult] | None
     batch_variant: bool | None
     envelope: Envelope | None
     weights: Cause | None
@@ -190,7 +190,7 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def diagnose(summary: Summary, *, probes: list[Probe] | None = None,
+def diagnose(summary: Summary, *, probes: list[ProbeResult] | None = None,
              batch_variant: bool | None = None) -> Diagnosis:
     """The causes the summary's evidence supports and their admissibility tests pass, in the order
     RULE gives; "unexplained" when the ratio's pair has a gap and none does."""
@@ -202,7 +202,7 @@ def diagnose(summary: Summary, *, probes: list[Probe] | None = None,
     found_envelope = envelope(summary, side)
     # The ratio is judged like for like when the stored log-probs are processed, unless the
     # processing cannot be what makes the gap (then the like-for-like pair is no better a judge).
-    processed_run = summary.section("alignment").get("logprob_semantics") in ("processed", "truncated") \
+    processed_run = summary.semantics in ("processed", "truncated") \
         and not_processing(summary) is None
     ratio_pair = PROCESSED_PAIR if processed_run and PROCESSED_PAIR in level else "train/sampler"
     foreign = identity(summary, level, side, ratio_pair, found_envelope)
@@ -252,20 +252,20 @@ def _test_name(cause: Cause) -> str:
 
 def _weights(summary: Summary, level: dict[str, str], side: dict[str, Side]) -> Cause | None:
     """A weights diff of two checkpoints, else the localizers confining train/infer to a few modules."""
-    for source, diff in summary.section("weights").items():
-        differing = diff.get("differing") or []
-        if diff.get("identical") or not differing:
+    for source, diff in (present(summary.weights) or {}).items():
+        differing = diff.differing or []
+        if diff.identical or not differing:
             continue
         pair = f"train/{source}"
         worst = differing[0]
-        experts = [f"{t['name']}[{e}]" for t in differing for e in t.get("experts_differing") or []]
-        where = located([t["name"] for t in differing], experts)
-        evidence = [f"the weights diff of {diff.get('b')} against {diff.get('a')}: {diff.get('verdict')}",
-                    f"worst {worst['name']}: max relative difference {three_digits(worst.get('max_rel_diff'))}, "
-                    f"||a-b||/||a|| {three_digits(worst.get('rel_l2_diff'))}"]
+        experts = [f"{t.name}[{e}]" for t in differing for e in t.experts_differing or ()]
+        where = located([t.name for t in differing], experts)
+        evidence = [f"the weights diff of {present(diff.b)} against {present(diff.a)}: {present(diff.verdict)}",
+                    f"worst {worst.name}: max relative difference {three_digits(worst.max_rel_diff)}, "
+                    f"||a-b||/||a|| {three_digits(worst.rel_l2_diff)}"]
         localized = confined(summary)
         if localized is not None:
-            evidence.append(localized["words"])
+            evidence.append(localized.words)
         return Cause(kind="weights", pair=pair, fix="fix_weight_sync", where={"source": source, **where},
                      title=f"the weights {source} ran differ from the trainer's in {where['words']}",
                      evidence=tuple(evidence),
@@ -274,9 +274,9 @@ def _weights(summary: Summary, level: dict[str, str], side: dict[str, Side]) -> 
     if localized is None:
         return None
     pair = "train/infer"
-    return Cause(kind="weights", pair=pair, fix="fix_weight_sync", where={"source": "infer", **localized["where"]},
-                 title=f"the weights of train and infer differ in {localized['where']['words']}",
-                 evidence=(localized["words"],),
+    return Cause(kind="weights", pair=pair, fix="fix_weight_sync", where={"source": "infer", **localized.where},
+                 title=f"the weights of train and infer differ in {localized.where['words']}",
+                 evidence=(localized.words,),
                  rules_out=(*_same_config_words(side, "train", "infer", level.get(pair)),
                             "precision and kernels round every module a little; one module carrying the "
                             "error is a difference in its weights"))
@@ -308,7 +308,7 @@ def _sampler_side(facts: Facts) -> Cause | None:
     # only the sampler's own torch path (_beyond_declared) judges it.
     if level.get(judged) not in (*GAPS, "negligible") or facts.weights is not None:
         return None
-    if (summary.localization.get("turns") or {}).get("onset_turn") is not None:
+    if summary.onset_turn is not None:
         return None
     sampler, infer, train = side.get("sampler"), side.get("infer"), side.get("train")
     if sampler is None or infer is None or train is None or not (infer.replayed and train.replayed):
@@ -353,7 +353,8 @@ def _beyond_declared(facts: Facts, judged: str, kl: float) -> str | None:
     declared = ", ".join(f"{name} {value}" for name, value in (("dtype", sampler.dtype), ("engine", sampler.kind))
                          if value) or "nothing declared to compare"
     if infer.kind in TORCH_KINDS and infer.kind == sampler.kind:
-        spread = (summary.section("prefix_consistency").get("infer") or {}).get("max_abs_spread") or 0.0
+        found = summary.prefix_findings().get("infer")
+        spread = (present(found.max_abs_spread) if found is not None else None) or 0.0
         noise = 0.5 * float(spread) ** 2
         if kl <= SIZE_FACTOR * noise:
             return None
@@ -390,52 +391,50 @@ def _sampler_weights(summary: Summary, sampler: Side, spec: str, agree: str, siz
 
 
 def _turn_onset(summary: Summary) -> Cause | None:
-    turns = summary.localization.get("turns") or {}
-    turn = turns.get("onset_turn")
-    if turn is None:
+    turns, turn = summary.localization.turns, summary.onset_turn
+    if not turns or turn is None:
         return None
-    detail = turns.get("onset") or {}
-    rows = {row["turn"]: row for row in turns.get("by_turn") or [] if "turn" in row}
-    before = [row["log_ratio_abs_mean"] for t, row in rows.items() if t < turn and row.get("compared")]
-    at = rows.get(turn, {})
-    rollouts = [row["rollout"] for row in detail.get("rollouts") or []]
-    evidence = [f"mean |log-ratio| {at.get('log_ratio_abs_mean', float('nan')):.3g} at turn {turn}, after "
-                f"{max(before):.3g} at most before it" if before and at else f"the onset rule departs at turn {turn}"]
-    if detail:
-        evidence.append(f"{detail['n_rollouts_departing']} of {detail['n_rollouts_compared']} rollouts step up "
+    detail = present(turns.onset)
+    # by_turn rows: every turn's pair metrics, `compared` (enough tokens for the onset rule) beside them
+    rows = {row["turn"]: row for row in turns.by_turn or ()}
+    before = [row["log_ratio_abs_mean"] for t, row in rows.items() if t < turn and row["compared"]]
+    rollouts = [row.rollout for row in detail.rollouts or ()] if detail is not None else []
+    at = rows.get(turn)
+    evidence = [f"mean |log-ratio| {at['log_ratio_abs_mean']:.3g} at turn {turn}, after "
+                f"{max(before):.3g} at most before it" if before and at is not None
+                else f"the onset rule departs at turn {turn}"]
+    if detail is not None:
+        evidence.append(f"{detail.n_rollouts_departing} of {detail.n_rollouts_compared} rollouts step up "
                         f"from turn {turn}" + (f": {listed(rollouts)}" if rollouts else ""))
-    held = _turn_holds(detail)
+    new_roles = list(detail.new_roles or ()) if detail is not None else []
+    new_kinds = list(detail.new_branch_kinds or ()) if detail is not None else []
+    held = ", ".join([*(f"the first {role} rows" for role in new_roles),
+                      *(f"the first {kind} branches" for kind in new_kinds)])
     if held:
         evidence.append(f"turn {turn} holds {held}")
-    return Cause(kind="turn_onset", pair=turns.get("pair", "train/sampler"), fix="inspect_turn",
+    return Cause(kind="turn_onset", pair=turns.pair or "train/sampler", fix="inspect_turn",
                  title=f"the gap steps up at turn {turn}" + (f" ({held})" if held else ""),
                  evidence=tuple(evidence),
                  rules_out=("a step at one turn, not a slope along position: kernels and precision grow with "
                             "context smoothly; something changed at this turn (a summary, a tool result, a "
                             "rewritten history, or the sampler's weights updated mid-rollout)",),
-                 where={"turn": turn, "rollouts": rollouts[:10], "new_roles": detail.get("new_roles") or [],
-                        "new_branch_kinds": detail.get("new_branch_kinds") or []})
-
-
-def _turn_holds(detail: Section) -> str:
-    new = [*(f"the first {role} rows" for role in detail.get("new_roles") or []),
-           *(f"the first {kind} branches" for kind in detail.get("new_branch_kinds") or [])]
-    return ", ".join(new)
+                 where={"turn": turn, "rollouts": rollouts[:10], "new_roles": new_roles,
+                        "new_branch_kinds": new_kinds})
 
 
 def _render_drift(summary: Summary) -> Cause | None:
-    drift = summary.section("drift")
-    spans = drift.get("spans") or []
-    if not spans:
+    drift = present(summary.drift)
+    spans = (drift.spans or []) if drift is not None else []
+    if drift is None or not spans:
         return None
-    places = sorted({(span.get("rollout"), span.get("turn")) for span in spans}, key=str)
+    places = sorted({(present(span.rollout), present(span.turn)) for span in spans}, key=str)
     words = ", ".join(f"{rollout} turn {turn}" for rollout, turn in places[:6]) + \
         (f" and {len(places) - 6} more" if len(places) > 6 else "")
-    kinds = drift.get("spans_by_kind") or {}
+    kinds = drift.spans_by_kind or {}
     return Cause(kind="render_drift", pair="train/sampler", fix="fix_renderer",
                  title=f"re-rendered messages give other tokens than were sampled ({words})",
                  evidence=(f"{len(spans)} span(s) ({fact_counts(kinds)}), "
-                           f"{drift.get('trainable_tokens_touched', 0)} trainable token(s) touched",),
+                           f"{drift.trainable_tokens_touched or 0} trainable token(s) touched",),
                  where={"spans": len(spans), "rollouts": sorted({r for r, _ in places if r is not None})[:10],
                         "places": [{"rollout": r, "turn": t} for r, t in places[:20]]})
 
@@ -444,21 +443,21 @@ def _minor_drift_last(causes: tuple[Cause, ...], summary: Summary) -> tuple[Caus
     """A handful of drifted tokens (< MINOR_DRIFT of the trained ones) explains no gap: listed last,
     marked minor."""
     drift = next((c for c in causes if c.kind == "render_drift"), None)
-    touched = summary.section("drift").get("trainable_tokens_touched")
-    trainable = summary.counts.get("trainable_tokens")
+    touched = present(summary.drift.trainable_tokens_touched) if summary.drift else None
+    trainable = present(summary.counts.trainable_tokens)
     if drift is None or not (isinstance(touched, int) and trainable and touched < MINOR_DRIFT * trainable):
         return causes
     return (*[c for c in causes if c is not drift], replace(drift, minor=True))
 
 
-def _probes_batch_variant(probes: list[Probe] | None) -> bool | None:
+def _probes_batch_variant(probes: list[ProbeResult] | None) -> bool | None:
     return batch_variant_from_probes(probes) if probes is not None else None
 
 
 def _findings(summary: Summary, level: dict[str, str], side: dict[str, Side]) -> list[str]:
     out = []
     if level.get("train/infer") == "large" and level.get("train/sampler") in ("exact", "negligible", "small"):
-        spec = summary.engine("infer").get("spec", "infer")
+        spec = present(summary.engine("infer").spec) or "infer"
         out.append(f"train/infer is large while train/sampler is {level['train/sampler']}: the engine config "
                    f"replayed here ({spec}) is farther from the trainer than the sampler was; it is not the "
                    f"sampler's config (infer/sampler {level.get('infer/sampler', 'unknown')})")

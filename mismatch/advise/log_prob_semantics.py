@@ -6,19 +6,21 @@ from __future__ import annotations
 
 import math
 
-from mismatch.results.summary_model import Summary
+from msgspec import UNSET
+
+from mismatch.results.summary_model import Summary, present
 from mismatch.advise.cause import Cause
 from mismatch.advise.readers import kl_words, listed
 
 
 def alignment_shift(summary: Summary) -> Cause | None:
-    alignment = summary.section("alignment")
-    shift = int(alignment.get("shift") or 0)
-    if not shift:
+    alignment = present(summary.alignment)
+    shift = (alignment.shift or 0) if alignment is not None else 0
+    if alignment is None or not shift:
         return None
-    fit = alignment.get("shift_fit") or {}
-    fits = ", ".join(f"shift {k}: mean |log-ratio| {v:.3g}" for k, v in fit.items() if isinstance(v, (int, float)))
-    by_rollout = alignment.get("shift_by_rollout") or {}
+    fits = ", ".join(f"shift {k}: mean |log-ratio| {v:.3g}" for k, v in (alignment.shift_fit or {}).items()
+                     if isinstance(v, (int, float)))
+    by_rollout = alignment.shift_by_rollout or {}
     return Cause(kind="alignment_shift", pair="train/sampler", fix="fix_alignment",
                  title=f"the stored log-probs are shifted by {shift:+d} against their tokens",
                  evidence=(f"the stored log-probs fit the replay best shifted by {shift:+d} ({fits})",
@@ -34,21 +36,23 @@ def trainer_temperature(summary: Summary, level: dict[str, str]) -> Cause | None
     processed log-probs, 1 when it declares raw ones (undeclared: not judged)."""
     from mismatch.engines import TORCH_KINDS
 
-    train = summary.engines.get("train") or {}
-    trainer_t = (train.get("options") or {}).get("temperature") if train.get("kind") in TORCH_KINDS else None
-    declared = summary.engine("sampler").get("meta") or {}
-    semantics = declared.get("logprobs")
+    train = summary.engine("train")
+    # a torch trainer's spec options (temperature=T); other engines scale nothing
+    trainer_t = (train.options or {}).get("temperature") if train.kind in TORCH_KINDS else None
+    declared = summary.declared
+    semantics = declared.logprobs
     # A trainer at temperature 1 computes raw log-probs: processed stored ones are `processed`'s cause.
     if not isinstance(trainer_t, (int, float)) or trainer_t == 1.0 or semantics not in ("raw", "processed"):
         return None
-    stored_t = float(declared.get("temperature") or 1.0) if semantics == "processed" else 1.0
+    stored_t = float(declared.temperature or 1.0) if semantics == "processed" else 1.0
     if math.isclose(float(trainer_t), stored_t, rel_tol=1e-6):
         return None
-    from_config = ((train.get("from_config") or {}).get("settings") or [])
-    keys = [s["key"] for s in from_config if str(s.get("option") or "").startswith("temperature=")]
-    evidence = [f"the trainer divides its logits by temperature {trainer_t:g} (--train {train.get('spec')}"
+    settings = (train.from_config.settings or []) if train.from_config else []
+    keys = [s.key for s in settings if str(s.option or "").startswith("temperature=")]
+    evidence = [f"the trainer divides its logits by temperature {trainer_t:g} (--train {present(train.spec)}"
                 + (f"; the config's {keys[0]}" if keys else "") + ")",
-                f"meta.sampler declares {semantics} log-probs at temperature {declared.get('temperature', 1.0)}: "
+                f"meta.sampler declares {semantics} log-probs at temperature "
+                f"{declared.temperature if declared.temperature is not UNSET else 1.0}: "
                 f"the stored log-probs are at temperature {stored_t:g}"]
     like = "train_processed/sampler"
     rules_out = ([f"the trainer at the sampler's processing ({like}) is {level[like]} (kl_k3 "
@@ -63,16 +67,16 @@ def trainer_temperature(summary: Summary, level: dict[str, str]) -> Cause | None
 
 
 def processed(summary: Summary, level: dict[str, str]) -> Cause | None:
-    alignment = summary.section("alignment")
-    if alignment.get("logprob_semantics") != "processed":
+    alignment = present(summary.alignment)
+    if alignment is None or alignment.logprob_semantics != "processed":
         return None
-    temperature = alignment.get("estimated_temperature")
-    declared = (alignment.get("declared") or {})
+    temperature = alignment.estimated_temperature
+    declared = alignment.declaration
     evidence = [f"the stored log-probs are sharper or flatter than the raw ones in a way only processing gives "
                 f"(estimated temperature {temperature:.3g})" if isinstance(temperature, (int, float))
                 else "the stored log-probs are processed (temperature / top-p), not raw"]
-    if declared.get("logprobs") == "processed":
-        evidence.append(f"meta.sampler declares logprobs=processed (temperature {declared.get('temperature')})")
+    if declared.logprobs == "processed":
+        evidence.append(f"meta.sampler declares logprobs=processed (temperature {present(declared.temperature)})")
     like = "train_processed/sampler"
     rules_out = []
     if like in level:
@@ -83,5 +87,5 @@ def processed(summary: Summary, level: dict[str, str]) -> Cause | None:
     return Cause(kind="processed_logprobs", pair="train/sampler", fix="raw_logprobs",
                  title="the sampler stored processed log-probs (after temperature / top-p) and the trainer raw ones",
                  evidence=tuple(evidence), rules_out=tuple(rules_out),
-                 where={"estimated_temperature": temperature, "like_for_like": like if like in level else None,
+                 where={"estimated_temperature": present(temperature), "like_for_like": like if like in level else None,
                         "like_for_like_level": level.get(like)})

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mismatch.results.summary_model import Section, Summary, present
+from msgspec import UNSET
+
+from mismatch.results.section_records import IndexFlips, LayerTypeShare, LayerTypeSplit
+from mismatch.results.summary_model import Summary, present
 from mismatch.advise.cause import Cause
 from mismatch.frameworks.protocol import Recommendation
 
@@ -64,7 +67,7 @@ def mechanism_causes(summary: Summary, level: dict[str, str]) -> tuple[Cause | N
     gap = level.get("train/infer")
     if gap in (None, "exact", "unknown"):
         return None, None
-    causes = [_index_flips(localization.get("index_flips")), _layer_type(localization.get("layer_types"))]
+    causes = [_index_flips(present(localization.index_flips)), _layer_type(present(localization.layer_types))]
     return tuple(replace(c, minor=True) if c is not None and gap == "negligible" else c  # type: ignore[return-value]
                  for c in causes)
 
@@ -74,71 +77,72 @@ def confinement_is_weights(summary: Summary) -> bool:
     ran (--localize on torch engines) and train and infer load one checkpoint with no weights diff:
     then the sides differ in path or dtype, never in a tensor, and one module carrying the error is
     that module's two algorithms (a linear-attention layer's chunked vs recurrent form)."""
-    localization = summary.localization
-    paths = {summary.engine(source).get("checkpoint") for source in ("train", "infer")}
-    return bool(present(summary.weights)) or "layer_types" not in localization or len(paths) != 1
+    paths = {present(summary.engine(source).checkpoint) for source in ("train", "infer")}
+    return bool(present(summary.weights)) or summary.localization.layer_types is UNSET or len(paths) != 1
 
 
-def _layer_type(split: Section | None) -> Cause | None:
-    if not split or not split.get("mechanism"):
+def _layer_type(split: LayerTypeSplit | None) -> Cause | None:
+    if split is None or not split.mechanism:
         return None
-    lead = next(t for t in split["by_type"] if t["layer_type"] == split["lead_type"])
-    others = [t for t in split["by_type"] if t is not lead]
-    spread = ", ".join(f"{t['layer_type']} {t['share']:.0%}" for t in others)
-    evidence = [f"the {lead['layer_type']} layers {lead['layers']} introduce {lead['share']:.0%} of the sub-blocks' "
-                f"local error between {split['a']} and {split['b']} (each fed the same input)"
+    by_type = split.by_type or []
+    lead = next(t for t in by_type if t.layer_type == split.lead_type)
+    others = [t for t in by_type if t is not lead]
+    spread = ", ".join(f"{t.layer_type} {t.share:.0%}" for t in others)
+    evidence = [f"the {lead.layer_type} layers {lead.layers} introduce {lead.share:.0%} of the sub-blocks' "
+                f"local error between {split.a} and {split.b} (each fed the same input)"
                 + (f"; {spread}" if others else "")]
-    mixers = [t for t in others if t["layer_type"] != MLP and t["local_rel_error_sum"] > 0]
+    mixers = [t for t in others if t.layer_type != MLP and t.local_rel_error_sum > 0]
     if mixers:
         ratio = _per_layer(lead) / max(_per_layer(t) for t in mixers)
         evidence.append(f"per layer, {ratio:.3g}x the local error of the next token-mixer type's")
-    jumps = split.get("jump_type") == lead["layer_type"]
-    if split.get("jump_type"):
-        evidence.append(f"the residual error jumps at a {split['jump_type']} layer")
-    size = f"{lead['share']:.0%} of the layers' local error" + (", the residual error jumps there" if jumps else "")
-    return Cause(kind="layer_type", pair="train/infer", fix=f"align_{lead['layer_type'].removeprefix('sink_')}",
-                 title=f"{split['mechanism']}: {size}", evidence=tuple(evidence),
+    jumps = split.jump_type == lead.layer_type
+    if split.jump_type:
+        evidence.append(f"the residual error jumps at a {split.jump_type} layer")
+    size = f"{lead.share:.0%} of the layers' local error" + (", the residual error jumps there" if jumps else "")
+    return Cause(kind="layer_type", pair="train/infer", fix=f"align_{lead.layer_type.removeprefix('sink_')}",
+                 title=f"{split.mechanism}: {size}", evidence=tuple(evidence),
                  rules_out=("both sides load the same weights: the layer type's two paths (algorithm, cache, "
                             "dtype) differ, not a tensor",),
-                 where={"layer_type": lead["layer_type"], "layers": lead["layers"], "share": lead["share"],
-                        "jump": jumps, "mechanism": split["mechanism"]})
+                 where={"layer_type": lead.layer_type, "layers": lead.layers, "share": lead.share,
+                        "jump": jumps, "mechanism": split.mechanism})
 
 
-def _per_layer(share: Section) -> float:
-    return share["local_rel_error_sum"] / max(len(share["layers"]), 1)
+def _per_layer(share: LayerTypeShare) -> float:
+    return share.local_rel_error_sum / max(len(share.layers), 1)
 
 
 def layer_type_test(cause: Cause, summary: Summary) -> str | None:
     """The size test of a layer_type cause (RULE): why the split cannot carry it, or None."""
     if cause.kind != "layer_type":
         return None
-    split = summary.localization.get("layer_types") or {}
-    mixers = sorted({t["layer_type"] for t in split.get("by_type") or [] if t["layer_type"] != MLP})
+    split = summary.localization.layer_types
+    by_type = (split.by_type or []) if split else []
+    mixers = sorted({t.layer_type for t in by_type if t.layer_type != MLP})
     if len(mixers) < 2:
         return (f"every layer runs {mixers[0] if mixers else 'one token mixer'}: the split singles out no layer "
                 f"type (the path or dtype of the whole model does; kernel_path or precision speaks for it)")
     share = cause.where["share"]
     if share < LEAD_SHARE:
-        spread = ", ".join(f"{t['layer_type']} {t['share']:.0%}" for t in split["by_type"])
+        spread = ", ".join(f"{t.layer_type} {t.share:.0%}" for t in by_type)
         return (f"spread, not concentrated: the {cause.where['layer_type']} layers introduce {share:.0%} of the "
                 f"sub-blocks' local error, under {LEAD_SHARE:.0%} ({spread})")
     return None
 
 
-def _index_flips(flips: Section | None) -> Cause | None:
-    if not flips or (flips.get("k3_share_with_flip") or 0.0) < INDEX_SHARE:
+def _index_flips(flips: IndexFlips | None) -> Cause | None:
+    if flips is None or (flips.k3_share_with_flip or 0.0) < INDEX_SHARE:
         return None
-    layers = ", ".join(f"layer {row['layer']} {row['frac_queries_flipped']:.1%}" for row in flips["by_layer"])
-    removed = flips.get("removed_k3_frac")
+    layers = ", ".join(f"layer {row['layer']} {row['frac_queries_flipped']:.1%}" for row in flips.by_layer or ())
+    removed = present(flips.removed_k3_frac)
     return Cause(kind="index_flips", pair="train/infer", fix="index_replay",
-                 title=f"DSA index flips carry {flips['k3_share_with_flip']:.0%} of the train/infer gap",
-                 evidence=(f"{flips['frac_tokens_with_flip']:.1%} of scored tokens follow a query whose indexer "
-                           f"top-{flips['index_topk']} keys differ ({layers} of queries flip)",
+                 title=f"DSA index flips carry {flips.k3_share_with_flip:.0%} of the train/infer gap",
+                 evidence=(f"{flips.frac_tokens_with_flip:.1%} of scored tokens follow a query whose indexer "
+                           f"top-{flips.index_topk} keys differ ({layers} of queries flip)",
                            f"index replay (train forced to infer's selection) removes "
                            f"{removed:.0%} of the k3" if removed is not None else "index replay was not measured"),
                  rules_out=("the same keys give the same attention: forcing the selection closes the flipped "
                             "tokens' gap",),
-                 where={"k3_share": flips["k3_share_with_flip"], "frac_tokens_with_flip": flips["frac_tokens_with_flip"],
+                 where={"k3_share": flips.k3_share_with_flip, "frac_tokens_with_flip": present(flips.frac_tokens_with_flip),
                         "removed_k3_frac": removed})
 
 

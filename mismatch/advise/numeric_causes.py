@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mismatch.results.summary_model import Probe, Summary
+from mismatch.results.summary_model import ProbeResult, Summary, present
 from mismatch.advise.cause import Cause
 from mismatch.advise.levels import GAPS, HEALTHY
 from mismatch.advise.readers import Side, confined, listed, three_digits
@@ -16,23 +16,21 @@ ROUTING_SHARE = 0.5  # the share of a pair's k3 on tokens with a routing flip th
 
 
 def batch_variance(summary: Summary, side: dict[str, Side], probed: bool | None) -> Cause | None:
-    from mismatch.analysis.prefixes import split_sources
     from mismatch.engines import TORCH_KINDS
 
-    engines = summary.engines
-    split = {source: found for source, found in split_sources(summary.section("prefix_consistency")).items()
-             if (engines.get(source) or {}).get("kind") not in TORCH_KINDS}
+    split = {source: found for source, found in summary.split_prefixes().items()
+             if summary.engine(source).kind not in TORCH_KINDS}
     if probed is False or not (probed or split):  # probes that ran and show none outweigh a split prefix
         return None
     evidence = []
     if probed:
         evidence.append("the probes show log-probs that change with batch composition")
     for source, found in split.items():
-        worst = found.get("worst") or {}
+        worst = present(found.worst)
         evidence.append(f"{source} gave one prefix different log-probs in different requests: "
-                        f"{found['frac_prefixes_bitwise_equal']:.1%} of {found['n_prefixes']:,} shared prefixes "
-                        f"bitwise equal, spread up to {found['max_abs_spread']:.3g}"
-                        + (f" (rollouts {listed(worst['rollouts'])})" if worst.get("rollouts") else ""))
+                        f"{found.frac_prefixes_bitwise_equal:.1%} of {found.n_prefixes:,} shared prefixes "
+                        f"bitwise equal, spread up to {found.max_abs_spread:.3g}"
+                        + (f" (rollouts {listed(worst.rollouts)})" if worst is not None and worst.rollouts else ""))
     pair = "train/sampler" if "sampler" in split or probed else f"train/{next(iter(split))}"
     return Cause(kind="batch_variance", pair=pair, fix="batch_invariant",
                  title="the inference engine's log-probs change with what else is in the batch",
@@ -63,7 +61,7 @@ def routing_flips(summary: Summary, weights: Cause | None) -> Cause | None:
 
 
 def precision(summary: Summary, level: dict[str, str], side: dict[str, Side], weights: Cause | None,
-               probes: list[Probe] | None) -> Cause | None:
+               probes: list[ProbeResult] | None) -> Cause | None:
     """bf16 rounding, when the evidence says so: a replay in the other dtype that makes it vanish,
     error spread over every module, or the dtype probes."""
     if weights is not None:
@@ -77,9 +75,9 @@ def precision(summary: Summary, level: dict[str, str], side: dict[str, Side], we
         if dtypes is None or "bfloat16" not in dtypes:
             continue
         bf16 = a if side[a].dtype == "bfloat16" else b
-        if _declared_wrongly(level, side, bf16):
+        if _replay_refutes_the_declared_bf16(level, side, bf16):
             continue
-        confirmed = _vanishes(level, side, bf16, b if bf16 == a else a) or _spread(summary, pair) \
+        confirmed = _bf16_replay_reproduces(level, side, bf16, b if bf16 == a else a) or _spread(summary, pair) \
             or _dtype_probes(probes)
         if confirmed is None:
             continue
@@ -95,7 +93,7 @@ def _other(dtypes: tuple[Any, Any]) -> str:
     return next(d for d in dtypes if d != "bfloat16")
 
 
-def _vanishes(level: dict[str, str], side: dict[str, Side], bf16: str, other: str) -> str | None:
+def _bf16_replay_reproduces(level: dict[str, str], side: dict[str, Side], bf16: str, other: str) -> str | None:
     """A third source on the other end's weights, in bfloat16, reproduces the bf16 end: the gap is
     the same weights in two dtypes. (One reproducing the float end says nothing about the bf16 one.)"""
     for third in ("train", "infer", "sampler"):
@@ -116,7 +114,7 @@ def _vanishes(level: dict[str, str], side: dict[str, Side], bf16: str, other: st
     return None
 
 
-def _declared_wrongly(level: dict[str, str], side: dict[str, Side], bf16: str) -> bool:
+def _replay_refutes_the_declared_bf16(level: dict[str, str], side: dict[str, Side], bf16: str) -> bool:
     """meta.sampler says bfloat16, yet a replay in another dtype reproduces it bit for bit."""
     infer = side.get("infer")
     return bf16 == "sampler" and infer is not None and infer.replayed and level.get("infer/sampler") == "exact" \
@@ -132,16 +130,16 @@ def _pair_name(x: str, y: str) -> str:
 def _spread(summary: Summary, pair: str) -> str | None:
     if pair != "train/infer":
         return None
-    kernels = (summary.localization.get("kernels") or {}).get("by_module") or []
-    errors = [m["rel_error"] for m in kernels if isinstance(m.get("rel_error"), (int, float))]
+    kernels = summary.localization.kernels
+    errors = [m.rel_error for m in (kernels.by_module or ()) if isinstance(m.rel_error, (int, float))] if kernels else []
     if errors and sum(e > 0 for e in errors) >= 0.5 * len(errors) and confined(summary) is None:
         return f"the kernel localizer finds error in {sum(e > 0 for e in errors)} of {len(errors)} modules, none standing out"
     return None
 
 
-def _dtype_probes(probes: list[Probe] | None) -> str | None:
-    relevant = [p for p in probes or [] if p.get("source") == "dtype" and p.get("applicable")
-                and isinstance(p.get("bitwise_equal_frac"), (int, float)) and p["bitwise_equal_frac"] < 1.0]
+def _dtype_probes(probes: list[ProbeResult] | None) -> str | None:
+    relevant = [p for p in probes or [] if p.source == "dtype" and p.applicable
+                and isinstance(p.bitwise_equal_frac, (int, float)) and p.bitwise_equal_frac < 1.0]
     return "the dtype probes show each op changing with bfloat16" if relevant else None
 
 
@@ -163,13 +161,13 @@ def kernel_path(summary: Summary, level: dict[str, str], side: dict[str, Side],
 
 
 def position_drift(summary: Summary) -> Cause | None:
-    turns = summary.localization.get("turns") or {}
-    slope = turns.get("position_slope") or {}
-    if turns.get("onset_turn") is not None or not slope.get("grows_with_position"):
+    turns = summary.localization.turns
+    if not turns or summary.onset_turn is not None or not summary.grows_with_position:
         return None
-    low, high = slope.get("ci95_per_1k") or (None, None)
-    return Cause(kind="position_drift", pair=turns.get("pair", "train/sampler"),
+    slope = turns.position_slope  # set: it grows
+    low, high = slope.ci95_per_1k or (None, None)
+    return Cause(kind="position_drift", pair=turns.pair or "train/sampler",
                  title="the gap grows with context length",
-                 evidence=(f"|log-ratio| rises {three_digits(slope.get('slope_per_1k'))} per 1000 tokens of position (95% CI "
+                 evidence=(f"|log-ratio| rises {three_digits(slope.slope_per_1k)} per 1000 tokens of position (95% CI "
                            f"{three_digits(low)} to {three_digits(high)}), with no turn where it steps up",),
-                 where={"slope_per_1k": slope.get("slope_per_1k")})
+                 where={"slope_per_1k": present(slope.slope_per_1k)})

@@ -25,7 +25,7 @@ import math
 from mismatch.advise.cause import Cause
 from mismatch.advise.levels import NEGLIGIBLE_KL
 from mismatch.advise.readers import three_digits
-from mismatch.results.summary_model import Summary
+from mismatch.results.summary_model import Summary, present
 
 OFF_SAMPLE_FACTOR = 10.0  # whole-distribution KL over its sampled estimate that puts the gap off the samples
 CONCENTRATED = 0.5        # one token's share of the moved probability that names it
@@ -34,27 +34,26 @@ CONCENTRATED = 0.5        # one token's share of the moved probability that name
 def off_sample(summary: Summary) -> Cause | None:
     """The first distribution pair whose whole-distribution KL the sampled tokens miss (the test
     above), as a cause on that pair; None without --distribution or when the test fails."""
-    for pair, entry in summary.section("distribution").items():
+    for pair, entry in (present(summary.distribution) or {}).items():
         if pair not in summary.pairs:
             continue
-        kl, k3 = entry.get("kl"), summary.metric(pair, "kl_k3")
+        kl, k3 = present(entry.kl), summary.metric(pair, "kl_k3")
         if not _finite(kl) or not _finite(k3) or kl < OFF_SAMPLE_FACTOR * max(float(k3), NEGLIGIBLE_KL):
             continue
-        bound = "" if entry.get("exact") else " (a lower bound: one side gave its top-K only)"
+        bound = "" if present(entry.exact) else " (a lower bound: one side gave its top-K only)"
         evidence = [f"mean KL({pair.replace('/', '‖')}) over the whole next-token distribution at "
-                    f"{entry.get('n_positions')} trainable positions is {three_digits(kl)}{bound}, "
+                    f"{present(entry.n_positions)} trainable positions is {three_digits(kl)}{bound}, "
                     f"{kl / max(float(k3), 1e-300):.3g}x the sampled tokens' kl_k3 {three_digits(k3)}"]
-        tokens = entry.get("tokens") or []
-        lead = tokens[0] if tokens and tokens[0].get("tv_share", 0.0) >= CONCENTRATED else None
+        tokens = present(entry.tokens) or []  # token_id, tv_share, n_positions; most moved first
+        lead = tokens[0] if tokens and tokens[0]["tv_share"] >= CONCENTRATED else None
         if lead is not None:
             evidence.append(f"token {lead['token_id']} carries {lead['tv_share']:.0%} of the probability that "
                             f"moved, at {lead['n_positions']} positions")
-        worst = (entry.get("worst") or [])[:3]
+        worst = (present(entry.worst) or [])[:3]  # rollout, pos, kl_ab, ...; largest KL first
         if worst:
             evidence.append("worst positions: " + "; ".join(
-                f"rollout {row.get('rollout')} position {row.get('pos')} (KL {three_digits(row.get('kl_ab'))})"
-                for row in worst))
-        argmax = entry.get("argmax_agree_frac")
+                f"rollout {row['rollout']} position {row['pos']} (KL {three_digits(row['kl_ab'])})" for row in worst))
+        argmax = present(entry.argmax_agree_frac)
         if _finite(argmax) and argmax < 1.0:
             evidence.append(f"the most likely token differs at {1.0 - argmax:.2%} of positions (greedy decoding "
                             "would differ there)")
@@ -65,7 +64,7 @@ def off_sample(summary: Summary) -> Cause | None:
                      rules_out=(f"rounding moves the sampled tokens' estimate and the whole distribution alike; "
                                 f"this KL is over {OFF_SAMPLE_FACTOR:g}x its estimate",),
                      where={"token_id": lead["token_id"] if lead is not None else None,
-                            "positions": [{"rollout": row.get("rollout"), "pos": row.get("pos")} for row in worst],
+                            "positions": [{"rollout": row["rollout"], "pos": row["pos"]} for row in worst],
                             "kl": kl, "kl_k3": k3})
     return None
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
-from mismatch.results.summary_model import Probe, Section, Summary
+from mismatch.results.section_records import ModuleError
+from mismatch.results.summary_model import ProbeResult, SamplerDeclaration, Summary, present
 from mismatch.engines import TORCH_KINDS
 
 OUTLIER = 10.0   # a module's error this many times the median module's (and its rounding floor)
@@ -39,27 +40,27 @@ class Side:
 
 
 def sides(summary: Summary) -> dict[str, Side]:
-    engines = summary.engines
     out = {}
-    for source, engine in engines.items():
-        meta = engine.get("meta") or {}
+    for source in summary.engines:
+        engine = summary.engine(source)
         if source == "sampler":  # stored log-probs: what meta.sampler declares of the engine that sampled
-            out[source] = Side(source=source, kind=_text(meta.get("engine")), dtype=_dtype(meta.get("dtype")),
-                               attn=_text(meta.get("attn")), weights=None, replayed=False)
+            out[source] = _declared_side(source, summary.declared)
             continue
-        if engine.get("kind") == "stored":
+        if engine.kind == "stored":
             # A stored stream replayed as an engine (`--infer sampler`, `--train stored:trainer_old`): the
             # sampler's stream is the sampler's engine; another stored stream's engine is not known.
-            named = engines.get("sampler") if engine.get("name") == "sampler" else None
-            meta = (named or {}).get("meta") or {}
-            out[source] = Side(source=source, kind=_text(meta.get("engine")), dtype=_dtype(meta.get("dtype")),
-                               attn=_text(meta.get("attn")), weights=None, replayed=False)
+            out[source] = _declared_side(source, summary.declared if engine.name == "sampler" else SamplerDeclaration())
             continue
-        torch = engine.get("kind") in TORCH_KINDS
-        out[source] = Side(source=source, kind=_text(engine.get("kind")), dtype=_dtype(engine.get("dtype")),
-                           attn=_text(engine.get("attn")) if torch else None,
-                           weights=str(engine.get("checkpoint") or summary.checkpoint or "") or None)
+        torch = engine.kind in TORCH_KINDS
+        out[source] = Side(source=source, kind=_text(present(engine.kind)), dtype=_dtype(present(engine.dtype)),
+                           attn=_text(present(engine.attn)) if torch else None,
+                           weights=str(present(engine.checkpoint) or summary.checkpoint or "") or None)
     return out
+
+
+def _declared_side(source: str, declared: SamplerDeclaration) -> Side:
+    return Side(source=source, kind=_text(present(declared.engine)), dtype=_dtype(present(declared.dtype)),
+                attn=_text(present(declared.attn)), weights=None, replayed=False)
 
 
 def _text(value: Any) -> str | None:
@@ -74,34 +75,42 @@ def _dtype(value: Any) -> str | None:
     return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(text, text)
 
 
-def confined(summary: Summary) -> Section | None:
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Confinement:
+    """Where the localizers confine an error (`located`'s layers, modules, experts and words), and
+    the evidence in words."""
+
+    where: Located
+    words: str
+
+
+def confined(summary: Summary) -> Confinement | None:
     """The train/infer error confined to a few modules by the kernel localizer (module by module,
     each fed the same input), else by the layer localizer's sub-blocks."""
     localization = summary.localization
-    kernels = localization.get("kernels") or {}
-    modules = [m for m in kernels.get("by_module") or [] if isinstance(m.get("rel_error"), (int, float))]
+    modules = [m for m in (localization.kernels.by_module or []) if isinstance(m.rel_error, (int, float))] \
+        if localization.kernels else []
     if modules:
-        out = _outliers([(m["name"], m["rel_error"], m.get("rounding_floor") or 0.0) for m in modules])
+        out = _outliers([(m.name, m.rel_error, present(m.rounding_floor) or 0.0) for m in modules])
         if out is None:
             return None
         experts = []
         for module in modules:
-            if module["name"] in out and module.get("by_expert"):
-                expert = _outlying_expert(module["by_expert"])
+            if module.name in out and module.by_expert:
+                expert = _outlying_expert(module.by_expert)
                 if expert is not None:
-                    experts.append(f"{module['name']}[{expert}]")
-        named = {m["name"]: m for m in modules}
+                    experts.append(f"{module.name}[{expert}]")
+        named = {m.name: m for m in modules}
         words = ("the kernel localizer (each module fed the same input) finds error only in "
-                 + ", ".join(f"{name} (rel_error {named[name]['rel_error']:.3g})" for name in out)
+                 + ", ".join(f"{name} (rel_error {named[name].rel_error:.3g})" for name in out)
                  + (f", expert {', '.join(experts)}" if experts else "")
                  + f"; every other of {len(modules)} modules at most {_others_max(modules, out)}")
-        return {"where": located(out, experts), "words": words}
-    layers = localization.get("layers") or {}
-    rows = [r for r in layers.get("by_layer") or []
-            if r.get("block") != "residual" and isinstance(r.get("local_rel_error"), (int, float))]
+        return Confinement(where=located(out, experts), words=words)
+    rows = [r for r in (localization.layers.by_layer or []) if r.block != "residual"
+            and isinstance(r.local_rel_error, (int, float))] if localization.layers else []
     if not rows:
         return None
-    names = [(f"model.layers.{r['layer']}.{r['module']}", r["local_rel_error"], 0.0) for r in rows]
+    names = [(f"model.layers.{r.layer}.{r.module}", r.local_rel_error, 0.0) for r in rows]
     out = _outliers(names)
     if out is None:
         return None
@@ -109,7 +118,7 @@ def confined(summary: Summary) -> Section | None:
     words = ("the layer localizer finds error introduced only in "
              + ", ".join(f"{name} (local rel_error {values[name]:.3g})" for name in out)
              + f"; every other sub-block at most {max((v for n, v in values.items() if n not in out), default=0):.3g}")
-    return {"where": located(out, []), "words": words}
+    return Confinement(where=located(out, []), words=words)
 
 
 def _outliers(errors: list[tuple[str, float, float]]) -> list[str] | None:
@@ -131,11 +140,20 @@ def _outlying_expert(by_expert: list[float | None]) -> int | None:
     return int(out[0]) if out is not None and len(out) == 1 else None
 
 
-def _others_max(modules: list[Section], out: list[str]) -> str:
-    return f"{max((m['rel_error'] for m in modules if m['name'] not in out), default=0.0):.3g}"
+def _others_max(modules: list[ModuleError], out: list[str]) -> str:
+    return f"{max((m.rel_error for m in modules if m.name not in out), default=0.0):.3g}"
 
 
-def located(names: list[str], experts: list[str]) -> Section:
+class Located(TypedDict):
+    """A cause's `where` for the tensors it names: their layers, modules and experts, in words."""
+
+    layers: list[int]
+    modules: list[str]
+    experts: list[str]
+    words: str
+
+
+def located(names: list[str], experts: list[str]) -> Located:
     """Layer, module and tensors of the names, and the words that say it."""
     layers = sorted({int(m.group(1)) for name in names if (m := _LAYER.search(name))})
     modules = [name.removesuffix(".weight").removesuffix(".bias") for name in names]
@@ -147,20 +165,20 @@ def located(names: list[str], experts: list[str]) -> Section:
     return {"layers": layers, "modules": modules[:10], "experts": experts[:10], "words": words}
 
 
-def batch_variant_from_probes(probes: list[Probe]) -> bool | None:
+def batch_variant_from_probes(probes: list[ProbeResult]) -> bool | None:
     """True when an applicable batch-shape probe is not bitwise equal; None when none ran."""
-    relevant = [p for p in probes if p.get("source") in BATCH_SOURCES and p.get("applicable")
-                and p.get("bitwise_equal_frac") is not None]
+    relevant = [p for p in probes if p.source in BATCH_SOURCES and p.applicable
+                and isinstance(p.bitwise_equal_frac, (int, float))]
     if not relevant:
         return None
-    return any(p["bitwise_equal_frac"] < 1.0 for p in relevant)
+    return any(p.bitwise_equal_frac < 1.0 for p in relevant)
 
 
 def facts(differs: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{name} {a} vs {b}" for name, (a, b) in differs.items())
 
 
-def fact_counts(counts: Section) -> str:
+def fact_counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{value} {name}" for name, value in counts.items()) or "kinds not recorded"
 
 

@@ -10,7 +10,10 @@ the kept set (`sampling=replay`, the like-for-like train_processed column) remov
 from __future__ import annotations
 
 
-from mismatch.results.summary_model import Section, Summary
+from typing import Any
+
+from mismatch.results.section_records import KeptMassRatio, Truncation
+from mismatch.results.summary_model import Summary, present, to_builtins
 from mismatch.advise.cause import Cause
 from mismatch.advise.levels import HEALTHY
 from mismatch.frameworks.protocol import Recommendation
@@ -20,62 +23,61 @@ from mismatch.replay.truncation import misdeclared
 LIKE = "train_processed/sampler"
 
 
-def _parameter_words(truncation: Section) -> tuple[str, Section]:
+def _parameter_words(truncation: Truncation) -> tuple[str, dict[str, Any]]:
     """The truncation in words (declared, or estimated with its confidence) and its `where` entries."""
-    declared = truncation.get("declared")
-    estimate = truncation.get("estimate")
+    declared, estimate = present(truncation.declared), present(truncation.estimate)
     if declared:
         active = {k: v for k, v in declared.items()
                   if (k == "top_p" and v < 1) or (k == "top_k" and v > 0) or (k == "min_p" and v > 0)}
-        fit = truncation.get("declared_fit")
+        fit = present(truncation.declared_fit)
+        wrong = misdeclared(fit, present(estimate.confidence) if estimate is not None else None)
         words = ", ".join(f"{k} {v:g}" for k, v in active.items()) + " (declared in meta.sampler" + \
-            (")" if misdeclared(fit, estimate) else ", replayed as declared)")
-        if misdeclared(fit, estimate):
-            words += (f"; but the declaration explains {fit:.0%} of the tokens where {estimate['kind']} "
-                      f"{estimate['value']:g} explains {estimate['confidence']:.0%}: fix meta.sampler (the "
+            (")" if wrong else ", replayed as declared)")
+        if wrong:
+            words += (f"; but the declaration explains {fit:.0%} of the tokens where {estimate.kind} "
+                      f"{estimate.value:g} explains {estimate.confidence:.0%}: fix meta.sampler (the "
                       "like-for-like pair replays the estimate)")
         return words, {"source": "declared", **active, "declared_fit": fit,
-                       **({"misdeclared": True, "estimate": {estimate["kind"]: estimate["value"]}}
-                          if misdeclared(fit, estimate) else {})}
+                       **({"misdeclared": True, "estimate": {estimate.kind: estimate.value}} if wrong else {})}
     if not estimate:
         return "its parameter not estimated (the trainer is not a torch engine)", {"source": None}
-    low, high = estimate["range"]
+    low, high = estimate.range
     span = f"{low:g}" if low == high else f"{low:g}-{high:g}"
-    others = ", ".join(f"{name} {o['value']:g}: {o['confidence']:.0%}" for name, o in estimate["others"].items())
-    words = (f"{estimate['kind']} ~ {estimate['value']:g} (range {span}; estimated, not declared: it explains "
-             f"{estimate['confidence']:.0%} of {estimate['n_tokens']} tokens within {estimate['tolerance_nats']:g} nats "
+    others = ", ".join(f"{name} {o['value']:g}: {o['confidence']:.0%}" for name, o in (estimate.others or {}).items())
+    words = (f"{estimate.kind} ~ {estimate.value:g} (range {span}; estimated, not declared: it explains "
+             f"{estimate.confidence:.0%} of {estimate.n_tokens} tokens within {estimate.tolerance_nats:g} nats "
              f"of kept mass; next best {others})")
-    return words, {"source": "estimated", estimate["kind"]: estimate["value"], "confidence": estimate["confidence"],
-                   "range": estimate["range"]}
+    return words, {"source": "estimated", estimate.kind: estimate.value, "confidence": estimate.confidence,
+                   "range": estimate.range}
 
 
-def ratio_words(ratios: Section) -> list[str]:
+def ratio_words(ratios: dict[str, KeptMassRatio]) -> list[str]:
     """The token ratio's mean and share outside [0.9, 1.1] without and with the kept-set replay."""
     words = []
     for name, label in (("without_replay", "without replay"), ("with_replay", "renormalized over the kept set")):
         r = ratios.get(name)
-        if r:
-            words.append(f"{label} ({r['pair']}): ratio mean {r['ratio_mean']:.4g}, "
-                         f"{r['frac_outside_0.9_1.1']:.1%} of tokens outside [0.9, 1.1]")
+        if r is not None:
+            words.append(f"{label} ({r.pair}): ratio mean {r.ratio_mean:.4g}, "
+                         f"{r.frac_outside_band:.1%} of tokens outside [0.9, 1.1]")
     return words
 
 
 def truncated_sampling(summary: Summary, level: dict[str, str]) -> Cause | None:
     """The cause, when the alignment check reads the stored log-probs as truncated."""
-    alignment = summary.section("alignment")
-    if alignment.get("logprob_semantics") != "truncated":
+    if summary.semantics != "truncated":
         return None
-    truncation = alignment.get("truncation") or {}
-    ratios = truncation.get("ratios") or {}
+    truncation = summary.alignment.truncation or Truncation()
+    ratios = truncation.ratios or {}
     # The ratio's mean over every trainable token is the mean kept mass (what TRL #7269 reports);
     # the semantics evidence leaves stored 0.0 (a lone kept token, or padding) to the padding check.
-    mass = (ratios.get("without_replay") or {}).get("ratio_mean", truncation.get("kept_mass_mean"))
+    without = ratios.get("without_replay")
+    mass = present(without.ratio_mean if without is not None else truncation.kept_mass_mean)
     parameter, where = _parameter_words(truncation)
-    evidence = [f"{truncation.get('frac_raised', 0):.0%} of {truncation.get('n_tokens')} tokens with a stored "
-                f"log-prob below 0 sit above the replay and {truncation.get('frac_lowered', 0):.1%} below it: "
+    evidence = [f"{truncation.frac_raised or 0:.0%} of {present(truncation.n_tokens)} tokens with a stored "
+                f"log-prob below 0 sit above the replay and {truncation.frac_lowered or 0:.1%} below it: "
                 "the ratio is <= 1 up to rounding, by the kept mass",
                 f"the sampler truncated: {parameter}", *ratio_words(ratios)]
-    rules_out = [f"not a temperature: one below 1 lowers unlikely tokens ({truncation.get('frac_unlikely_lowered', 0):.0%} "
+    rules_out = [f"not a temperature: one below 1 lowers unlikely tokens ({truncation.frac_unlikely_lowered or 0:.0%} "
                  "of them lowered here), one above 1 lowers likely ones"]
     if LIKE in level and level[LIKE] in HEALTHY:
         rules_out.append(f"renormalized over the kept set ({LIKE}) the gap is {level[LIKE]} (kl_k3 "
@@ -87,7 +89,7 @@ def truncated_sampling(summary: Summary, level: dict[str, str]) -> Cause | None:
                  title=f"truncated sampling: the ratio carries the kept mass (mean {mass:.3g})"
                  if isinstance(mass, (int, float)) else "truncated sampling: the ratio carries the kept mass",
                  evidence=tuple(evidence), rules_out=tuple(rules_out),
-                 where={**where, "kept_mass_mean": mass, "ratios": ratios})
+                 where={**where, "kept_mass_mean": mass, "ratios": to_builtins(ratios)})
 
 
 def replay_kept_set(cause: Cause, why: str, framework: str | None) -> Recommendation:
@@ -105,9 +107,9 @@ def replay_kept_set(cause: Cause, why: str, framework: str | None) -> Recommenda
             f"top_p = 1, top_k off, min_p 0. {truncation_fix(framework)}")
 
 
-def _declare(where: Section) -> str:
+def _declare(where: dict[str, Any]) -> str:
     """For an estimated truncation: the meta.sampler key to declare before replaying it."""
-    if where.get("source") != "estimated":
+    if where["source"] != "estimated":
         return ""
     kind = next((k for k in ("top_p", "top_k", "min_p") if k in where), None)
     return f"declare meta.sampler.{kind}: {where[kind]:g} (the estimate) and " if kind else ""

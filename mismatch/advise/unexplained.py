@@ -5,7 +5,7 @@ It has no fix of its own: `recommend` gives the correction meanwhile."""
 from __future__ import annotations
 
 
-from mismatch.results.summary_model import Summary, to_builtins
+from mismatch.results.summary_model import Summary, present, to_builtins
 from mismatch.advise.admissibility import Envelope, Refusal, times
 from mismatch.advise.cause import Cause
 from mismatch.advise.readers import Side, sampler_spec, three_digits
@@ -34,16 +34,15 @@ def unexplained(summary: Summary, side: dict[str, Side], *, ratio_pair: str, fou
 def _ruled_out(summary: Summary, side: dict[str, Side]) -> list[str]:
     """What the evidence shows is not the cause (each only where it was measured)."""
     out = []
-    alignment = summary.section("alignment")
-    if alignment.get("stored"):
-        out.append("alignment shift 0" + (", stored log-probs raw" if alignment.get("logprob_semantics") == "raw" else ""))
-    if any(not (diff or {}).get("differing") for diff in summary.section("weights").values()):
+    if summary.alignment and summary.alignment.stored:
+        out.append("alignment shift 0" + (", stored log-probs raw" if summary.semantics == "raw" else ""))
+    if any(not diff.differing for diff in (present(summary.weights) or {}).values()):
         out.append("the weights diff finds no differing tensor")
-    turns = summary.localization.get("turns") or {}
-    if turns.get("n_tokens") and turns.get("onset_turn") is None:
+    turns = summary.localization.turns
+    if turns and turns.n_tokens and summary.onset_turn is None:
         out.append("no turn where the gap steps up")
-    drift = summary.section("drift")
-    if drift.get("num_rollouts_checked") and not drift.get("spans"):
+    drift = summary.drift
+    if drift and drift.num_rollouts_checked and not drift.spans:
         out.append("no render drift")
     infer = side.get("infer")
     if infer is not None and not infer.replayed:

@@ -9,10 +9,10 @@ sentence.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mismatch.advise.levels import gap_level
-from mismatch.results.summary_model import PairMetrics, Verdict
+from mismatch.results.summary_model import EngineEntry, PairMetrics, Verdict
 
 if TYPE_CHECKING:
     from mismatch.advise.diagnose import Diagnosis
@@ -97,7 +97,7 @@ def stored_verdict(pair: str, metrics: PairMetrics, source: str, name: str) -> V
 
 
 def verdicts(pairs: Mapping[str, PairMetrics], diagnosis: Diagnosis | None = None,
-             engines: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Verdict]:
+             engines: Mapping[str, EngineEntry] | None = None) -> dict[str, Verdict]:
     """Each pair's verdict; with `engines` (summary.json's), a pair with a stored stream replayed as
     an engine on one side is worded as such (stored_verdict)."""
     def cause(pair: str) -> str | None:
@@ -106,9 +106,9 @@ def verdicts(pairs: Mapping[str, PairMetrics], diagnosis: Diagnosis | None = Non
 
     def stored(pair: str) -> tuple[str, str] | None:
         for source in pair.split("/"):
-            engine = (engines or {}).get(source) or {}
-            if source != "sampler" and engine.get("kind") == "stored":
-                return source, str(engine.get("name") or "?")
+            engine = (engines or {}).get(source)
+            if source != "sampler" and engine is not None and engine.kind == "stored":
+                return source, str(engine.name or "?")
         return None
 
     out = {}

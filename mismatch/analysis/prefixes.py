@@ -179,30 +179,3 @@ def _source_consistency(con: Any, source: str, column: str) -> dict[str, Any]:
                  "spread": float(worst_spread)}
     return {"n_shared_tokens": int(n_shared), "n_prefixes": int(n_prefixes),
             "frac_prefixes_bitwise_equal": float(equal), "max_abs_spread": float(spread), "worst": worst}
-
-
-def split_prefixes(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The sources of summary.json["prefix_consistency"] whose shared prefixes are not all equal
-    bit for bit: {source: its finding}."""
-    return split_sources(summary.get("prefix_consistency") or {})
-
-
-def split_sources(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The sources of a `prefix_consistency` section whose shared prefixes are not all equal bit
-    for bit: {source: its finding}."""
-    return {source: item for source, item in found.items()
-            if isinstance(item, dict) and isinstance(item.get("frac_prefixes_bitwise_equal"), (int, float))
-            and item["frac_prefixes_bitwise_equal"] < 1.0}
-
-
-def prefix_sentence(source: str, finding: dict[str, Any], engine: dict[str, Any] | None = None) -> str:
-    """One line on a source whose shared prefixes got different log-probs, for the terminal and the page."""
-    kind = (engine or {}).get("kind")
-    equal = round(finding["frac_prefixes_bitwise_equal"] * finding["n_prefixes"])
-    worst = finding.get("worst") or {}
-    where = (f" (rollouts {', '.join(worst['rollouts'])} at position {worst['pos']})"
-             if worst.get("rollouts") else "")
-    return (f"{source}{f' ({kind})' if kind else ''}: the same prefix got different log-probs in different "
-            f"requests: {equal:,} of {finding['n_prefixes']:,} shared prefixes bitwise equal, spread up to "
-            f"{finding['max_abs_spread']:.3g}{where}: batch variance, or an engine bug (one request at a time "
-            "tells them apart)")

@@ -98,7 +98,10 @@ def layers(
     if as_json:
         emit_json(found)
         return
-    print_layers(found)
+    from mismatch.results.section_records import Localization
+    from mismatch.results.summary_model import from_builtins, to_builtins
+
+    print_layers(from_builtins(to_builtins(found), Localization))
 
 
 def weights(
@@ -114,11 +117,10 @@ def weights(
 
     with working("comparing the checkpoints tensor by tensor", not as_json):
         report = diff_checkpoints(a, b)
-    payload = report.to_dict()
     if as_json:
-        emit_json(payload)
+        emit_json(report.to_dict())
     else:
-        print_weights(payload)
+        print_weights(report)
     if fail_on_diff and not report.identical:
         raise typer.Exit(1)
 

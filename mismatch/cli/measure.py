@@ -78,7 +78,7 @@ def audit(
     digest_ahead(rollouts)  # the inputs' identity hashes the file: begun while the imports below run
     from mismatch.analysis.clip import ClipRange
     from mismatch.pipeline.audit import run_audit
-    from mismatch.pipeline.configured import model_line, resolve_options
+    from mismatch.pipeline.configured import config_tables, model_line, resolve_options
     from mismatch.pipeline.options import AuditOptions
 
     clip = ClipRange.parse(clip_eps)  # before any replay: a typo costs nothing
@@ -91,7 +91,7 @@ def audit(
                          framework=target.framework if target else None,
                          distribution=distribution)
     options = resolve_options(checkpoint, asked)  # the one options pass: run_audit resolves nothing again
-    print_from_config(options.from_config, err_console if as_json else None,
+    print_from_config(config_tables(options), err_console if as_json else None,
                       model=model_line(options))  # before the replay: it may be long
     with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_audit(checkpoint, rollouts, dataclasses.replace(options, progress=progress))
@@ -133,14 +133,14 @@ def diff(
     from mismatch.results.staging import digest_ahead
 
     digest_ahead(rollouts)  # as audit's: the identity's digest begun while the imports run
-    from mismatch.pipeline.configured import resolve_options
+    from mismatch.pipeline.configured import config_tables, resolve_options
     from mismatch.pipeline.diff import run_diff
     from mismatch.pipeline.options import DiffOptions
 
     options = resolve_options(checkpoint, DiffOptions(a=a, b=b, reference=reference, out=out, force=force,
                                                       shard=shard_for(shard), block_size=block_size,
                                                       distribution=distribution))
-    print_from_config(options.from_config, err_console if as_json else None)
+    print_from_config(config_tables(options), err_console if as_json else None)
     with dependency_log(out), replay_progress(not as_json) as progress:
         result = run_diff(checkpoint, rollouts, dataclasses.replace(options, progress=progress))
     if as_json:

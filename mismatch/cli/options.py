@@ -16,6 +16,7 @@ from mismatch.errors import MismatchError
 
 if TYPE_CHECKING:
     from mismatch.frameworks.protocol import Target
+    from mismatch.results.summary_model import ProbeResult
 
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")]
@@ -29,8 +30,12 @@ BlockOption = Annotated[int, typer.Option(
 DEFAULT_BLOCK = 64  # mismatch.replay.DEFAULT_BLOCK, repeated so --help needs no heavy import
 
 
-def read_probes(path: Path) -> list[dict[str, Any]]:
+def read_probes(path: Path) -> list[ProbeResult]:
     """The `results` of a `mismatch probe --out FILE` JSON."""
+    import msgspec
+
+    from mismatch.results.summary_model import probe_results
+
     try:
         payload = json.loads(path.read_text())
     except FileNotFoundError:
@@ -40,7 +45,10 @@ def read_probes(path: Path) -> list[dict[str, Any]]:
     results = payload.get("results") if isinstance(payload, dict) else None
     if not isinstance(results, list) or not all(isinstance(item, dict) for item in results):
         raise MismatchError(f"{path}: not a `mismatch probe --out` file (no `results` list)")
-    return results
+    try:
+        return probe_results(results)
+    except msgspec.ValidationError as error:
+        raise MismatchError(f"{path}: {error}") from None
 
 
 def target_for(spec: str | None) -> Target | None:

@@ -7,12 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from msgspec import UNSET
+
 from mismatch.cli.output import new_table, out_console, say
 from mismatch.present.headline import audit_banner, cause_line, causes, clip_sentence, findings, verdict_line
 from mismatch.present.numbers import plain
+from mismatch.results.section_records import FromConfig, KernelLocalization, LayerLocalization, Localization
 
 if TYPE_CHECKING:
     from mismatch.frameworks.protocol import Target
+    from mismatch.weights import WeightsReport
     from mismatch.results.summary_model import Summary
 
 
@@ -48,34 +52,33 @@ def print_pairs(summary: Summary, target: Target | None = None, out: Path | None
 def print_findings(summary: Summary) -> None:
     """What the audit found besides the pairs: alignment and semantics, render drift, the turn
     onset or position trend, and what the localizers found (each said when it ran)."""
-    from mismatch.present.views import Alignment, Drift, TurnFindings, view
     from mismatch.results.summary_model import present
 
-    alignment = view(present(summary.alignment), Alignment, "alignment")
-    if alignment.stored:
-        temperature = alignment.estimated_temperature
+    alignment = summary.alignment
+    if alignment and alignment.stored:
+        temperature = present(alignment.estimated_temperature)
         say(f"alignment: shift {alignment.shift or 0:+d}, stored log-probs {alignment.logprob_semantics or 'unknown'}"
             + (f" (estimated temperature {temperature:.3g})" if temperature is not None else ""))
-    followed = (summary.engine("train").get("routing") or {}).get("from")
+    followed = (summary.engine("train").routing or {}).get("from")  # routing: the engine's own description
     if followed not in (None, "sampler"):  # R3 in training forces the rollout engine's own experts
         say(f"routing: --train routing=replay followed --{followed}'s experts: the rollouts store no "
             "routed_experts, so not the rollout engine's own")
-    drift = view(present(summary.drift), Drift, "drift")
-    if drift.num_rollouts_checked:
-        say(f"render drift: {drift.num_spans} span(s) in {drift.num_rollouts_drifted} of "
+    drift = summary.drift
+    if drift and drift.num_rollouts_checked:
+        say(f"render drift: {present(drift.num_spans)} span(s) in {present(drift.num_rollouts_drifted)} of "
             f"{drift.num_rollouts_checked} rollouts, {drift.trainable_tokens_touched or 0} trainable token(s) touched")
     localization = summary.localization
-    turns = view(localization.get("turns"), TurnFindings, "localization.turns")
-    if turns.n_tokens:
-        onset, slope = turns.onset, turns.position_slope
-        if turns.onset_turn is not None:
-            say(f"turns: the {turns.pair} gap steps up at turn {turns.onset_turn}"
+    turns = localization.turns
+    if turns and turns.n_tokens:
+        onset, slope = present(turns.onset), present(turns.position_slope)
+        if summary.onset_turn is not None:
+            say(f"turns: the {turns.pair} gap steps up at turn {summary.onset_turn}"
                 + (f" in {onset.n_rollouts_departing} of {onset.n_rollouts_compared} rollouts" if onset else ""))
-        elif slope is not None and slope.slope_per_1k is not None:
+        elif slope is not None and isinstance(slope.slope_per_1k, float):
             grows = "grows" if slope.grows_with_position else "does not grow"
             say(f"turns: no turn where the {turns.pair} gap steps up; it {grows} with position "
                 f"({slope.slope_per_1k:.3g} per 1000 tokens)")
-    if "layers" in localization or "kernels" in localization:
+    if localization.layers or localization.kernels:
         from mismatch.localize import localized_what
 
         for line in localized_what(localization):
@@ -120,76 +123,79 @@ def _print_framework_metrics(summary: Summary, target: Target, out: Path | None)
 def print_diff(summary: Summary) -> None:
     """diff's answer: each metric's b − a with its CI, the closer config by kl_k3 (and on the whole
     distribution, with --distribution), each config's replay speed."""
-    from mismatch.present.views import Comparison, view
+    from mismatch.results.section_records import Comparison
     from mismatch.results.summary_model import present
 
-    comparison = view(present(summary.diff), Comparison, "diff")
+    comparison = present(summary.diff) or Comparison()
     table = new_table(title="b/reference − a/reference (95% bootstrap CI over rollouts)", title_justify="left")
     for column in ("metric", "a", "b", "delta", "ci95"):
         table.add_column(column, justify="left" if column == "metric" else "right")
-    for name, d in comparison.deltas.items():
+    for name, d in (comparison.deltas or {}).items():
         low, high = d.ci95 or [None, None]
-        table.add_row(name, plain(d.a), plain(d.b), plain(d.delta), f"[{plain(low)}, {plain(high)}]")
+        table.add_row(name, plain(present(d.a)), plain(present(d.b)), plain(present(d.delta)),
+                      f"[{plain(low)}, {plain(high)}]")
     out_console.print(table)
-    speed = comparison.throughput_tokens_per_s
-    out_console.print(f"closer to the reference: {comparison.closer_to_reference} "
-                      f"({comparison.closer_rule}); replay tokens/s: a {plain(speed['a'])}, "
+    speed = comparison.throughput_tokens_per_s or {"a": None, "b": None}  # a diff writes both
+    out_console.print(f"closer to the reference: {present(comparison.closer_to_reference)} "
+                      f"({present(comparison.closer_rule)}); replay tokens/s: a {plain(speed['a'])}, "
                       f"b {plain(speed['b'])}", markup=False, highlight=False, soft_wrap=True)
-    on_distribution = comparison.distribution
+    on_distribution = present(comparison.distribution)
     if on_distribution is not None:
-        kl = on_distribution.kl
+        kl = on_distribution.kl or {"a": None, "b": None}
         say(f"closer on the whole next-token distribution: {on_distribution.closer or 'undecided'} "
-            f"(mean KL a {plain(kl['a'])}, b {plain(kl['b'])}; {on_distribution.rule})")
+            f"(mean KL a {plain(kl['a'])}, b {plain(kl['b'])}; {present(on_distribution.rule)})")
 
 
-def print_layers(found: dict[str, Any]) -> None:
-    found_layers = found["layers"]
-    if "skipped" in found_layers:
-        out_console.print(f"layers: skipped: {found_layers['skipped']}", markup=False)
+def print_layers(found: Localization) -> None:
+    """`mismatch layers`: the layer table and its jump, the split by layer type and index flips, then
+    the error each module type introduces (each localizer's skip said with its reason)."""
+    from mismatch.localize import localized_what
+    from mismatch.results.summary_model import present
+
+    layers, kernels = found.layers or LayerLocalization(), found.kernels or KernelLocalization()
+    if layers.skipped is not UNSET:
+        out_console.print(f"layers: skipped: {layers.skipped}", markup=False)
     else:
         table = new_table(title="relative error of a vs b (reference) by layer and sub-block",
                       title_justify="left")
         for column in ("layer", "block", "rel_error", "local_rel_error", "logit_lens |Δlogp|"):
             table.add_column(column, justify="left" if column == "block" else "right")
-        for row in found_layers["by_layer"]:
-            table.add_row(str(row["layer"]), row["block"], plain(row.get("rel_error")),
-                          plain(row.get("local_rel_error")), plain(row.get("logit_lens_abs_diff")))
+        for row in layers.by_layer or ():
+            table.add_row(str(row.layer), row.block, plain(present(row.rel_error)),
+                          plain(present(row.local_rel_error)), plain(present(row.logit_lens_abs_diff)))
         out_console.print(table)
-        out_console.print(f"jump: layer {found_layers['jump_layer']} {found_layers['jump_block']}",
-                          markup=False)
-        from mismatch.localize import localized_what
-
+        out_console.print(f"jump: layer {present(layers.jump_layer)} {present(layers.jump_block)}", markup=False)
         for line in localized_what(found)[2:]:  # by layer type, index flips (after layers and kernels)
             out_console.print(line, markup=False, soft_wrap=True)
-    kernels = found["kernels"]
-    if "skipped" in kernels:
-        out_console.print(f"kernels: skipped: {kernels['skipped']}", markup=False)
+    if kernels.skipped is not UNSET:
+        out_console.print(f"kernels: skipped: {kernels.skipped}", markup=False)
         return
     table = new_table(title="error introduced by each module type (module-local)", title_justify="left")
     for column in ("type", "rel_error", "max_abs"):
         table.add_column(column, justify="left" if column == "type" else "right")
-    for row in kernels["by_type"]:
-        table.add_row(row["type"], plain(row.get("rel_error")), plain(row.get("max_abs")))
+    for row in kernels.by_type or ():
+        table.add_row(row.type, plain(present(row.rel_error)), plain(present(row.max_abs)))
     out_console.print(table)
 
 
-def print_weights(payload: dict[str, Any]) -> None:
-    differing = [t for t in payload["tensors"] if not t.get("equal")]
+def print_weights(report: WeightsReport) -> None:
+    """`mismatch weights`: each differing tensor, the names on one side only, then the verdict."""
+    differing = [t for t in report.tensors if not t.equal]
     for tensor in differing:
         out_console.print(
-            f"{tensor['name']}: {tensor.get('dtype_a')} {tensor.get('shape_a')} vs {tensor.get('dtype_b')} "
-            f"{tensor.get('shape_b')}: max abs {plain(tensor.get('max_abs_diff'))}, max rel "
-            f"{plain(tensor.get('max_rel_diff'))}, bitwise equal {plain(tensor.get('bitwise_equal_frac'))}",
+            f"{tensor.name}: {tensor.dtype_a} {list(tensor.shape_a)} vs {tensor.dtype_b} "
+            f"{list(tensor.shape_b)}: max abs {plain(tensor.max_abs_diff)}, max rel "
+            f"{plain(tensor.max_rel_diff)}, bitwise equal {plain(tensor.bitwise_equal_frac)}",
             markup=False, highlight=False, soft_wrap=True)
-    for side in ("only_a", "only_b"):
-        for name in payload.get(side) or []:
+    for side, names in (("only_a", report.only_a), ("only_b", report.only_b)):
+        for name in names:
             out_console.print(f"{name}: {side.replace('_', ' in ')}", markup=False)
-    total = len(payload["tensors"])
+    total = len(report.tensors)
     out_console.print(f"{total - len(differing)}/{total} shared tensors bitwise equal", markup=False)
-    out_console.print(payload["summary"]["verdict"], markup=False, highlight=False, soft_wrap=True)
+    out_console.print(report.verdict, markup=False, highlight=False, soft_wrap=True)
 
 
-def print_from_config(from_config: dict[str, dict[str, Any]], console: Any = None, model: str | None = None) -> None:
+def print_from_config(from_config: dict[str, FromConfig], console: Any = None, model: str | None = None) -> None:
     """The config's model against the checkpoint first (`model`), then each config's notices (what
     changes what the audit compares, e.g. verl's bypass mode), then each source a framework config
     set: the spec it derived, a line for every setting it could not reproduce as configured
@@ -198,19 +204,19 @@ def print_from_config(from_config: dict[str, dict[str, Any]], console: Any = Non
     console = console or out_console
     if model:
         console.print(model, markup=False, highlight=False, soft_wrap=True)
-    for notice in dict.fromkeys(n for table in from_config.values() for n in table.get("notices") or []):
+    for notice in dict.fromkeys(n for table in from_config.values() for n in table.notices or ()):
         console.print(f"note: {notice}", markup=False, highlight=False, soft_wrap=True)
     for source, table in from_config.items():
-        console.print(f"--{source} {table['spec']}", markup=False, highlight=False, soft_wrap=True)
-        console.print(f"  from the {table['framework']} config {table['file']}, read with: {table['loader']}",
+        console.print(f"--{source} {table.spec}", markup=False, highlight=False, soft_wrap=True)
+        console.print(f"  from the {table.framework} config {table.file}, read with: {table.loader}",
                       markup=False, highlight=False, soft_wrap=True)
-        for setting in table["settings"]:
-            if setting["status"] == "reproduced":
+        for setting in table.settings or ():
+            if setting.status == "reproduced":
                 continue
-            became = f" → {setting['option']}" if setting.get("option") else ""
-            console.print(f"  {setting['status']}: {setting['key']}={_config_value(setting['value'])}{became}"
-                          f" ({setting['note']})", markup=False, highlight=False, soft_wrap=True)
-        for key, value in (table.get("overrides") or {}).items():
+            became = f" → {setting.option}" if setting.option else ""
+            console.print(f"  {setting.status}: {setting.key}={_config_value(setting.value)}{became}"
+                          f" ({setting.note})", markup=False, highlight=False, soft_wrap=True)
+        for key, value in (table.overrides or {}).items():
             console.print(f"  overridden in the spec: {key}={value}", markup=False, highlight=False, soft_wrap=True)
 
 
@@ -229,7 +235,6 @@ DISTRIBUTION_ROWS = (("KL(A‖B) mean", "kl_ab_mean"), ("KL(B‖A) mean", "kl_ba
 def print_distribution(summary: Summary) -> None:
     """--distribution: each pair's whole next-token distribution gap, what is exact or bounded,
     the bitwise claim checked, and where and on which token it is largest."""
-    from mismatch.present.views import NextTokenGap, view
     from mismatch.results.summary_model import present
 
     found = present(summary.distribution) or {}
@@ -239,14 +244,13 @@ def print_distribution(summary: Summary) -> None:
     table.add_column("metric")
     for pair in found:
         table.add_column(pair, justify="right")
-    for label, key in DISTRIBUTION_ROWS:
-        table.add_row(label, *(plain(entry.get(key)) for entry in found.values()))
+    for label, key in DISTRIBUTION_ROWS:  # the records' fields, by the table's names
+        table.add_row(label, *(plain(present(getattr(gap, key))) for gap in found.values()))
     out_console.print(table)
-    for pair, entry in found.items():
-        gap = view(entry, NextTokenGap, f"distribution[{pair!r}]")
-        scope = "exact over the whole vocabulary" if gap.exact else f"bounded ({gap.bounded})"
-        say(f"{pair}: top-K = {gap.k}, {scope}")
-        say(f"{pair}: {gap.bitwise.claim}")
+    for pair, gap in found.items():
+        scope = "exact over the whole vocabulary" if gap.exact else f"bounded ({present(gap.bounded)})"
+        say(f"{pair}: top-K = {present(gap.k)}, {scope}")
+        say(f"{pair}: {gap.bitwise.claim if gap.bitwise else ''}")
         if gap.tokens:
             top = gap.tokens[0]
             say(f"{pair}: token {top['token_id']} moved most ({top['tv_share']:.0%} of the moved mass, "

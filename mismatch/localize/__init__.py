@@ -7,9 +7,16 @@ hooks (torch), so they are imported only when asked for. `localize_models` runs 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from msgspec import UNSET
 
 from mismatch.engines import TORCH_KINDS, ReplayRequest, parse_spec
+from mismatch.results.section_records import KernelLocalization, LayerLocalization, LayerRow, Localization
+from mismatch.results.summary_model import present
+
+if TYPE_CHECKING:
+    from mismatch.localize.layers import LayerReport
 
 
 def check_localizable(a: str, b: str, *, flag: str = "--localize") -> None:
@@ -26,47 +33,48 @@ def check_localizable(a: str, b: str, *, flag: str = "--localize") -> None:
                 "hf-decode or hf dtype that `mismatch diff` shows closest to your engine")
 
 
-def localized_what(found: dict[str, Any]) -> list[str]:
+def localized_what(found: Localization) -> list[str]:
     """One line per localizer: what it found, or what was skipped and why (said, never silent)."""
     lines = []
-    for name, say in (("layers", _layers_found), ("kernels", _kernels_found)):
-        block = found.get(name) or {}
-        lines.append(f"{name}: skipped: {block['skipped']}" if "skipped" in block else f"{name}: {say(block)}")
-    split, flips = found.get("layer_types"), found.get("index_flips")
+    for name, block, say in (("layers", found.layers or LayerLocalization(), _layers_found),
+                             ("kernels", found.kernels or KernelLocalization(), _kernels_found)):
+        lines.append(f"{name}: skipped: {block.skipped}" if block.skipped is not UNSET else f"{name}: {say(block)}")
+    split, flips = present(found.layer_types), present(found.index_flips)
     if split:
-        shares = ", ".join(f"{t['layer_type']} {t['share']:.0%}" for t in split["by_type"])
-        lines.append(f"layer types: {split['mechanism'] or split['lead_type'] or 'no sub-block differs'} ({shares})")
+        shares = ", ".join(f"{t.layer_type} {t.share:.0%}" for t in split.by_type or ())
+        lines.append(f"layer types: {split.mechanism or split.lead_type or 'no sub-block differs'} ({shares})")
     if flips:
-        removed = flips.get("removed_k3_frac")
-        lines.append(f"index flips: {flips['frac_tokens_with_flip']:.1%} of tokens after a flipped query carry "
-                     f"{flips.get('k3_share_with_flip') or 0:.0%} of k3; index replay removes "
+        removed = present(flips.removed_k3_frac)
+        lines.append(f"index flips: {flips.frac_tokens_with_flip:.1%} of tokens after a flipped query carry "
+                     f"{flips.k3_share_with_flip or 0:.0%} of k3; index replay removes "
                      + (f"{removed:.0%}" if removed is not None else "nothing measurable")
-                     + f" ({flips.get('replay_selection', 'simulated')} selection)")
+                     + f" ({flips.replay_selection or 'simulated'} selection)")
     return lines
 
 
-def _layers_found(block: dict[str, Any]) -> str:
-    layer, kind, module = block.get("jump_layer"), block.get("jump_block"), block.get("jump_module")
+def _layers_found(block: LayerLocalization) -> str:
+    layer, kind, module = present(block.jump_layer), present(block.jump_block), present(block.jump_module)
     if layer is None:
         return ("the embedding output already differs most" if kind == "embed"
                 else "both configs agree bit for bit at every layer")
-    worst = max((r for r in block.get("by_layer") or [] if r.get("layer") == layer and r.get("module") == module),
-                key=lambda r: r.get("local_rel_error") or 0.0, default={})
-    local = worst.get("local_rel_error")
+    worst = max((r for r in block.by_layer or () if r.layer == layer and r.module == module),
+                key=lambda r: r.local_rel_error or 0.0, default=LayerRow())
+    local = worst.local_rel_error
+    mean = block.output_logp_abs_diff_mean
     return (f"the error jumps at layer {layer}, {kind} ({module}"
             + (f", local rel_error {local:.3g}" if isinstance(local, (int, float)) else "") + ")"
-            + f"; output |Δlog-prob| mean {block.get('output_logp_abs_diff_mean', float('nan')):.3g}")
+            + f"; output |Δlog-prob| mean {mean if isinstance(mean, float) else float('nan'):.3g}")
 
 
-def _kernels_found(block: dict[str, Any]) -> str:
-    modules = [m for m in block.get("by_module") or [] if isinstance(m.get("rel_error"), (int, float))]
+def _kernels_found(block: KernelLocalization) -> str:
+    modules = [m for m in block.by_module or () if isinstance(m.rel_error, (int, float))]
     if not modules:
         return "no module compared"
-    ranked = sorted(modules, key=lambda m: -m["rel_error"])
-    if ranked[0]["rel_error"] == 0.0:
+    ranked = sorted(modules, key=lambda m: -m.rel_error)
+    if ranked[0].rel_error == 0.0:
         return f"all {len(modules)} modules agree bit for bit fed the same input"
-    nonzero = sum(m["rel_error"] > 0.0 for m in modules)
-    top = ", ".join(f"{m['name']} (rel_error {m['rel_error']:.3g})" for m in ranked[:3] if m["rel_error"] > 0.0)
+    nonzero = sum(m.rel_error > 0.0 for m in modules)
+    top = ", ".join(f"{m.name} (rel_error {m.rel_error:.3g})" for m in ranked[:3] if m.rel_error > 0.0)
     return f"{nonzero} of {len(modules)} modules differ fed the same input; largest: {top}"
 
 
@@ -83,8 +91,9 @@ def localize_models(checkpoint: str | Path, requests: list[ReplayRequest], *, a:
     kinds = (parse_spec(a).kind, parse_spec(b).kind)
     out: dict[str, Any] = {}
     if all(kind in TORCH_KINDS for kind in kinds):
-        out["layers"] = compare_layers(checkpoint, requests, a=a, b=b, max_tokens=max_tokens).to_dict()
-        out |= _by_mechanism(checkpoint, requests, out["layers"], a=a, b=b)
+        report = compare_layers(checkpoint, requests, a=a, b=b, max_tokens=max_tokens)
+        out["layers"] = report.to_dict()
+        out |= _by_mechanism(checkpoint, requests, report, a=a, b=b)
     else:
         out["layers"] = {"skipped": f"layers need torch engines ({', '.join(TORCH_KINDS)}), got {kinds}"}
     if kinds == ("hf", "hf"):
@@ -97,7 +106,7 @@ def localize_models(checkpoint: str | Path, requests: list[ReplayRequest], *, a:
     return out
 
 
-def _by_mechanism(checkpoint: str | Path, requests: list[ReplayRequest], layers: dict[str, Any], *,
+def _by_mechanism(checkpoint: str | Path, requests: list[ReplayRequest], layers: LayerReport, *,
                   a: str, b: str) -> dict[str, Any]:
     """The layers' error split by layer type (every model), and the index flips of a model with
     DSA's indexer (issue #47: hybrids, sparse attention, sinks)."""

@@ -11,12 +11,16 @@ gap lives in and, from the two configurations compared, which of those paths dif
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mismatch.engines import parse_spec
+
+if TYPE_CHECKING:
+    from mismatch.localize.layers import LayerReport
 
 LINEAR, FULL, SLIDING, SPARSE = "linear_attention", "full_attention", "sliding_attention", "sparse_attention"
 SINK_PREFIX = "sink_"  # learned sink logits in the softmax (gpt-oss): sink_full_attention, sink_sliding_attention
@@ -93,15 +97,17 @@ def _weight_names(root: Path) -> list[str]:
     return names
 
 
-def split_by_layer_type(checkpoint: str | Path, layers: dict[str, Any]) -> LayerTypeSplit:
-    """The layers localizer's report (`LayerReport.to_dict()`) split by layer type, per SPLIT_RULE."""
-    rows = [row for row in layers["by_layer"] if row["block"] != "residual"]
-    num_layers = 1 + max((row["layer"] for row in layers["by_layer"]), default=-1)
+def split_by_layer_type(checkpoint: str | Path, layers: LayerReport) -> LayerTypeSplit:
+    """The layers localizer's report split by layer type, per SPLIT_RULE."""
+    rows = [row for row in layers.by_layer if row.block != "residual"]
+    num_layers = 1 + max((row.layer for row in layers.by_layer), default=-1)
     types = layer_types(checkpoint, num_layers)
     buckets: dict[str, list[tuple[int, float]]] = {}
     for row in rows:
-        bucket = types[row["layer"]] if row["block"] == "attn" else MLP
-        buckets.setdefault(bucket, []).append((row["layer"], row.get("local_rel_error") or 0.0))
+        bucket = types[row.layer] if row.block == "attn" else MLP
+        # a sub-block whose local error was not measured (or not finite) introduces none we can count
+        error = row.local_rel_error if row.local_rel_error is not None and math.isfinite(row.local_rel_error) else 0.0
+        buckets.setdefault(bucket, []).append((row.layer, error))
     total = sum(error for parts in buckets.values() for _, error in parts)
     shares = sorted((TypeShare(layer_type=name, layers=tuple(sorted({layer for layer, _ in parts})),
                                local_rel_error_sum=sum(e for _, e in parts),
@@ -109,10 +115,10 @@ def split_by_layer_type(checkpoint: str | Path, layers: dict[str, Any]) -> Layer
                                share=sum(e for _, e in parts) / total if total else 0.0)
                      for name, parts in buckets.items()), key=lambda t: -t.share)
     lead = shares[0].layer_type if shares and total > 0 else None
-    jump = layers.get("jump_layer")
-    return LayerTypeSplit(a=layers["a"], b=layers["b"], by_type=tuple(shares), lead_type=lead,
+    jump = layers.jump_layer
+    return LayerTypeSplit(a=layers.a, b=layers.b, by_type=tuple(shares), lead_type=lead,
                           jump_type=types[jump] if isinstance(jump, int) and jump < len(types) else None,
-                          mechanism=mechanism(lead, layers["a"], layers["b"], _saved_dtype(checkpoint)) if lead else None)
+                          mechanism=mechanism(lead, layers.a, layers.b, _saved_dtype(checkpoint)) if lead else None)
 
 
 def _saved_dtype(checkpoint: str | Path) -> str:

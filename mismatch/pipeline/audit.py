@@ -35,7 +35,7 @@ from mismatch.pipeline import stages
 from mismatch.pipeline.configured import resolve_options
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json, with_parts
-from mismatch.results.summary_model import Correction, Summary
+from mismatch.results.summary_model import Correction, Summary, present
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, followed_routing, replay_processed
 from mismatch.replay.truncation import sampler_truncation, truncation_explained
 from mismatch.results import TokenStore, results_lock, staged_tokens
@@ -231,10 +231,11 @@ def analyze_audit(chunks: Chunks, beside: ReplayFindings, *, clip: ClipRange | N
         columns = list(first.columns) if first is not None else []
     pairs = audit_pairs(columns)
     summary = SummaryAnalyses(pairs, clip)
-    checked = AlignmentCheck(sampler_meta=beside.engines["sampler"].get("meta")) if beside.alignment is None else None
+    meta = beside.engines["sampler"]["meta"]  # the stored side always describes its declaration (None: none)
+    checked = AlignmentCheck(sampler_meta=meta) if beside.alignment is None else None
     # The IS settings: `--for`'s (or a --train config's), over what the run declared in its rollouts'
     # meta.sampler.framework_settings (a dump hook records its trainer's), over the releases' defaults.
-    declared = declared_settings(beside.engines["sampler"].get("meta"))
+    declared = declared_settings(meta)
     settings = {name: {**values, **(settings or {}).get(name, {})} for name, values in declared.items()}
     trees, frameworks, strata = TreeSums(pairs), FrameworkMetrics(pairs, settings), Strata(pairs)
     # With processed stored log-probs the correction is simulated like for like: on the raw pair it
@@ -276,7 +277,7 @@ def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFin
         **({"distribution": findings.distribution} if findings.distribution is not None else {}),
         **({"framework": framework} if framework is not None else {}), "skipped": skipped,
         **({"declared_checkpoint": declared_checkpoint} if declared_checkpoint is not None else {})})
-    advice = advise(summary, probes=probes["results"] if probes is not None else None)
+    advice = advise(summary, probes=present(summary.probes.results) if summary.probes else None)
     parts: dict[str, Any] = advice.parts()
     if declared_checkpoint is not None:  # its line says what the diagnosis made of the declaration
         identity = any(cause.kind == "identity" for cause in advice.diagnosis.causes)

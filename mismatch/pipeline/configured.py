@@ -19,6 +19,8 @@ from mismatch.frameworks._common import yaml_scalar
 from mismatch.frameworks.configs.model_check import MODEL_KEYS, check_model
 from mismatch.frameworks.registry import MODULES
 from mismatch.pipeline.options import DEFAULT_INFER, AuditOptions, RunOptions
+from mismatch.results.section_records import FromConfig
+from mismatch.results.summary_model import UNSET, from_builtins, present, to_builtins
 
 O = TypeVar("O", bound=RunOptions)
 
@@ -48,11 +50,11 @@ def with_configs(options: O) -> O:
             changes[source], tables[source] = resolved.spec, resolved.from_config
         elif source == "infer" and isinstance(options, AuditOptions):
             changes[source] = text
-    if isinstance(options, AuditOptions):  # a config's own correction settings, where --for gave none
-        from_train = tables.get("train", {})
-        framework, settings = from_train.get("framework"), from_train.get("framework_settings") or {}
+    if isinstance(options, AuditOptions) and "train" in tables:  # a config's own correction settings, where --for gave none
+        from_train = from_builtins(to_builtins(tables["train"]), FromConfig)
+        framework, settings = present(from_train.framework), from_train.framework_settings or {}
         if framework and settings and framework not in options.framework_settings:
-            _check_settings(framework, settings, from_train["file"])
+            _check_settings(framework, settings, str(from_train.file))
             changes["framework_settings"] = {**options.framework_settings, framework: dict(settings)}
     return dataclasses.replace(options, **changes, from_config=tables)
 
@@ -79,35 +81,35 @@ def with_checkpoint_checks(checkpoint: str | Path, options: O) -> O:
 
 
 def _with_model_check(checkpoint: Path, options: O) -> O:
-    table = options.from_config.get("train")
-    if table is None or not table.get("model") or "model_check" in table:
+    table = config_tables(options).get("train")
+    if table is None or not table.model or table.model_check is not UNSET:
         return options
-    check = check_model(str(table["model"]), checkpoint, MODEL_KEYS.get(table["framework"], "model"))
+    check = check_model(str(table.model), checkpoint, MODEL_KEYS.get(str(table.framework), "model"))
     if check.verdict == "differs" and not getattr(options, "force_model", False):
         raise MismatchError(check.line)
-    return dataclasses.replace(options, from_config={**options.from_config,
-                                                     "train": {**table, "model_check": check.to_dict()}})
+    return dataclasses.replace(options, from_config={**options.from_config, "train": {
+        **options.from_config["train"], "model_check": check.to_dict()}})
 
 
 def _with_context_check(checkpoint: Path, options: O) -> O:
     """The infer side's max_model_len (from the config, not the user's own override) capped at the
     checkpoint's context: vLLM refuses a larger one with its own message, which names neither the
     config key nor the override that works."""
-    table = options.from_config.get("infer")
-    if table is None or not isinstance(options, AuditOptions) or "max_model_len" in (table.get("overrides") or {}):
+    table = config_tables(options).get("infer")
+    if table is None or not isinstance(options, AuditOptions) or "max_model_len" in (table.overrides or {}):
         return options
     spec = parse_spec(options.infer or DEFAULT_INFER)
     asked, limit = spec.options.get("max_model_len"), _context(checkpoint)
     if asked is None or limit is None or int(asked) <= limit:
         return options
-    key = next((s["key"] for s in table["settings"] if (s.get("option") or "").startswith("max_model_len=")),
+    key = next((s.key for s in table.settings or () if (s.option or "").startswith("max_model_len=")),
                "max_model_len")
     capped = spec_text(spec.kind, {**spec.options, "max_model_len": limit})
     notice = (f"{key}={asked} asks vLLM for more context than the checkpoint's {limit} (config.json): the replay "
               f"runs max_model_len={limit} (every rollout fits it, or the audit refuses it by name); "
               f"--infer {capped.split(',max_model_len=')[0]},max_model_len=N sets another")
     return dataclasses.replace(options, infer=capped, from_config={**options.from_config, "infer": {
-        **table, "spec": capped, "notices": [*(table.get("notices") or []), notice]}})
+        **options.from_config["infer"], "spec": capped, "notices": [*(table.notices or []), notice]}})
 
 
 def _context(checkpoint: Path) -> int | None:
@@ -118,9 +120,15 @@ def _context(checkpoint: Path) -> int | None:
     return max_positions(config) if isinstance(config, dict) else None
 
 
+def config_tables(options: RunOptions) -> dict[str, FromConfig]:
+    """Each source a framework config set, as summary.json's `engines.<source>.from_config` records."""
+    return {source: from_builtins(to_builtins(table), FromConfig) for source, table in options.from_config.items()}
+
+
 def model_line(options: RunOptions) -> str | None:
     """The audit's first line: the --train config's model against the checkpoint, None without one."""
-    return (options.from_config.get("train", {}).get("model_check") or {}).get("line")
+    table = config_tables(options).get("train")
+    return present(table.model_check.line) if table is not None and table.model_check else None
 
 
 def _rollout_side(train: str) -> str | None:

@@ -32,6 +32,7 @@ from mismatch.pipeline.audit import ReplayFindings, analyze_audit, audit_pairs, 
 from mismatch.pipeline.diff import DIFF_PAIRS, analyze_diff
 from mismatch.pipeline.options import AUDIT_DISTRIBUTION_PAIRS, DIFF_DISTRIBUTION_PAIRS
 from mismatch.pipeline.summary import Provenance
+from mismatch.results.section_records import NumberOptions, RunInputs
 from mismatch.results.summary_model import UNSET, Summary, present, to_builtins
 from mismatch.replay import bad_logprob_rows
 from mismatch.replay.distribution import parse_distribution, table_columns
@@ -78,7 +79,7 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> Summary:
         distribution = _merged_distribution(first.command, options, summaries, store.columns)
         if first.command != "audit":
             per_rollout = PerRollout(DIFF_PAIRS)
-            summary = analyze_diff(store.chunks, provenance, seed=options.get("seed", 0), extra=[per_rollout],
+            summary = analyze_diff(store.chunks, provenance, seed=present(options.seed) or 0, extra=[per_rollout],
                                    workers=workers, distribution=distribution)
             return stages.write_results_files(store, summary, per_rollout.result())
         pairs = audit_pairs(store.columns)
@@ -93,23 +94,23 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> Summary:
                                           stages.with_steps(per_rollout.result(), _merged_steps(shards)), digestion)
 
 
-def _merged_distribution(command: str, options: dict[str, Any], summaries: list[Summary],
+def _merged_distribution(command: str, options: NumberOptions, summaries: list[Summary],
                          columns: Sequence[str]) -> DistributionSummary | None:
     """--distribution's summary rebuilt from the merged table's `dist_A_B_*` columns, as one run's
     analysis builds it; each pair's account (K, each side's view) is the shards' (one run's
     options), its seconds summed over them."""
-    if options.get("distribution") is None:
+    if present(options.distribution) is None:
         return None
-    k, full = parse_distribution(str(options["distribution"]))
+    k, full = parse_distribution(str(options.distribution))
     pairs = AUDIT_DISTRIBUTION_PAIRS if command == "audit" else DIFF_DISTRIBUTION_PAIRS
     accounts: dict[str, dict[str, Any]] = {}
     for a, b in pairs:
         if not set(table_columns(a, b)) <= set(columns):
-            raise ResultsError(f"the shards ran --distribution {options['distribution']} but their token tables "
+            raise ResultsError(f"the shards ran --distribution {options.distribution} but their token tables "
                                f"have no {a}/{b} distribution columns; rerun the shards")
-        found = [s.section("distribution")[f"{a}/{b}"] for s in summaries if f"{a}/{b}" in s.section("distribution")]
-        accounts[f"{a}/{b}"] = {"k": k, "full": full, "views": found[0]["views"] if found else None,
-                                "seconds": sum(f.get("seconds") or 0.0 for f in found)}
+        found = [gaps[f"{a}/{b}"] for s in summaries if f"{a}/{b}" in (gaps := present(s.distribution) or {})]
+        accounts[f"{a}/{b}"] = {"k": k, "full": full, "views": present(found[0].views) if found else None,
+                                "seconds": sum(present(f.seconds) or 0.0 for f in found)}
     return DistributionSummary(pairs, accounts)
 
 
@@ -194,12 +195,11 @@ class _Shard:
         files = present(shard.files)
         check_published_files(path, to_builtins(files) if files is not None else None)
         files = files or {}
-        recorded, counted = files[TOKENS_FILE].rows, summary.counts.get("tokens")
+        recorded, counted = files[TOKENS_FILE].rows, present(summary.counts.tokens)
         if recorded != counted:
             raise ResultsError(f"{self.file}: {recorded} rows recorded, but {path}/summary.json counts "
                                f"{counted} tokens; rerun the shard")
-        self.stored = {f"logp_{source}" for source, engine in summary.engines.items()
-                       if engine.get("kind") == "stored"}
+        self.stored = {f"logp_{source}" for source in summary.engines if summary.engine(source).kind == "stored"}
         self.keys_file = path / PREFIX_KEYS_FILE if PREFIX_KEYS_FILE in files else None
         if self.keys_file is not None and files[PREFIX_KEYS_FILE].rows != counted:
             raise ResultsError(f"{self.keys_file}: not one prefix key per token row of {self.file}; rerun the shard")
@@ -319,7 +319,8 @@ def _merged_drift(summaries: list[Summary], order: dict[str, int]) -> dict[str, 
     without any `messages` has no drift block; its rollouts count as without messages."""
     if all(s.drift is UNSET for s in summaries):
         return None
-    blocks = [s.section("drift") or {"num_rollouts_without_messages": s.counts.get("rollouts", 0)} for s in summaries]
+    blocks = [to_builtins(s.drift) if s.drift else {"num_rollouts_without_messages": present(s.counts.rollouts) or 0}
+              for s in summaries]
     merged = stages.merge_drift(blocks)
     merged["spans"] = sorted(merged.get("spans", []),  # stable: a rollout's own order kept
                              key=lambda span: order.get(str(span["rollout"]), -1))
@@ -340,15 +341,15 @@ _DIFFERS = {"command": "its command differs", "rollouts": "its rollouts file's c
 class _Inputs:
     """What a merge reads of the shards' common `inputs` identity."""
 
-    identity: dict[str, Any]  # summary.json `inputs` (identity.run_inputs), the same in every shard
+    identity: RunInputs  # summary.json `inputs` (identity.run_inputs), the same in every shard
 
     @property
-    def options(self) -> dict[str, Any]:
-        return self.identity.get("options") or {}
+    def options(self) -> NumberOptions:
+        return self.identity.options or NumberOptions()
 
     @property
     def engines(self) -> dict[str, Any]:
-        return self.identity["engines"]
+        return self.identity.engines or {}
 
 
 def _check_compatible(paths: list[Path], summaries: list[Summary]) -> tuple[Summary, _Inputs]:
@@ -365,7 +366,7 @@ def _check_compatible(paths: list[Path], summaries: list[Summary]) -> tuple[Summ
     inputs = [_Inputs(identity=summary.inputs) for summary in summaries]
     for path, found in zip(paths, inputs):
         for key in ("command", "rollouts", "checkpoint", "engines", "block_size", "mismatch_version"):
-            if found.identity.get(key) != inputs[0].identity.get(key):
+            if getattr(found.identity, key) != getattr(inputs[0].identity, key):  # RunInputs' fields, by name
                 raise ResultsError(f"{path}: {_DIFFERS[key]} from {paths[0]}'s; shards must come "
                                    "from one run's inputs")
         _check_same_options(path, found.options, paths[0], inputs[0].options)
@@ -376,10 +377,11 @@ def _check_compatible(paths: list[Path], summaries: list[Summary]) -> tuple[Summ
     return first, inputs[0]
 
 
-def _check_same_options(path: Path, options: dict[str, Any], first_path: Path, first: dict[str, Any]) -> None:
+def _check_same_options(path: Path, options: NumberOptions, first_path: Path, first: NumberOptions) -> None:
     """The options that change a number, the same in every shard: a merge recomputes the numbers
     once, under one set of them."""
-    for name in sorted(set(options) | set(first)):
-        if options.get(name) != first.get(name):
-            raise ResultsError(f"{path}: its {_OPTION_NAMES.get(name, name)} differs ({options.get(name)}, not "
-                               f"{first.get(name)} as in {first_path}); shards must be run with the same options")
+    for name in sorted(NumberOptions.__struct_fields__):
+        mine, theirs = present(getattr(options, name)), present(getattr(first, name))
+        if mine != theirs:
+            raise ResultsError(f"{path}: its {_OPTION_NAMES.get(name, name)} differs ({mine}, not "
+                               f"{theirs} as in {first_path}); shards must be run with the same options")

@@ -26,7 +26,17 @@ from mismatch.analysis.grouped_metrics import OVERALL, GroupedPairMetrics, break
 from mismatch.analysis.clip import ClipRange, clip_summary
 from mismatch.analysis.metrics import PAIR_METRICS
 from mismatch.results import SUMMARY_SCHEMA
-from mismatch.results.summary_model import BranchKindRow, Clip, PairMetrics, RoleRow, Summary, TurnRow
+from mismatch.results.section_records import Localization
+from mismatch.results.summary_model import (
+    BranchKindRow,
+    Clip,
+    PairMetrics,
+    RoleRow,
+    RowCounts,
+    Summary,
+    TurnRow,
+    to_builtins,
+)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -84,9 +94,9 @@ def summary_json(provenance: Provenance, measured: Measured,
     summary = Summary(
         schema=SUMMARY_SCHEMA, command=provenance.command, mismatch_version=__version__,
         created_unix=time.time(), checkpoint=provenance.checkpoint, rollouts_file=provenance.rollouts_file,
-        counts=measured.counts, engines=provenance.engines, pairs=measured.pairs, verdicts=verdicts(measured.pairs),
+        counts=msgspec.convert(measured.counts, RowCounts), engines=provenance.engines, pairs=measured.pairs, verdicts=verdicts(measured.pairs),
         turns=measured.turns, roles=measured.roles, branch_kinds=measured.branch_kinds,
-        localization={}, corrections=[], recommendations=[])
+        localization=Localization(), corrections=[], recommendations=[])
     parts: dict[str, Any] = {}
     if measured.clip is not None:
         parts["clip"] = measured.clip
@@ -100,7 +110,8 @@ def with_parts(summary: Summary, parts: Mapping[str, Any]) -> Summary:
     """`summary` with the named sections set (each converted to its record type where it comes as
     plain data): how a stage's part joins the summary, never by editing it."""
     hints = _section_types()
-    return msgspec.structs.replace(summary, **{name: msgspec.convert(value, hints[name], strict=False)
+    # to_builtins first: an analysis' numpy scalars and arrays become the numbers and lists they hold
+    return msgspec.structs.replace(summary, **{name: msgspec.convert(to_builtins(value), hints[name], strict=False)
                                                for name, value in parts.items()})
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from mismatch.results.summary_model import (
     UNSET,
     Cause,
+    EngineEntry,
     PairMetrics,
     Recommendation,
     Summary,
@@ -23,7 +24,7 @@ from mismatch.results.summary_model import (
     partial_metrics,
     present,
 )
-from mismatch.present.views import Comparison, Drift, MetricDelta, view
+from mismatch.results.section_records import Comparison, MetricDelta, PrefixConsistency
 
 # How each recommendation kind reads in a headline (mismatch.advise.recommend's kinds); an unknown kind
 # is shown by its name.
@@ -137,19 +138,23 @@ def clip_sentence(summary: Summary, pair: str = "train/sampler") -> str | None:
     return f"mismatch alone takes {clip.pairs[pair]:.2%} of {pair} tokens out of the clip range [{low:g}, {high:g}]"
 
 
-def split_prefixes(summary: Summary) -> dict[str, dict[str, Any]]:
-    """The sources whose shared prefixes did not all get the same log-probs (analysis.prefixes)."""
-    from mismatch.analysis.prefixes import split_sources
-
-    return split_sources(present(summary.prefix_consistency) or {})
+def prefix_sentence(source: str, finding: PrefixConsistency, engine: EngineEntry | None = None) -> str:
+    """One line on a source whose shared prefixes got different log-probs, for the terminal and the page."""
+    kind = present(engine.kind) if engine is not None else None
+    equal = round(finding.frac_prefixes_bitwise_equal * finding.n_prefixes)
+    worst = present(finding.worst)
+    where = (f" (rollouts {', '.join(worst.rollouts)} at position {worst.pos})"
+             if worst is not None and worst.rollouts else "")
+    return (f"{source}{f' ({kind})' if kind else ''}: the same prefix got different log-probs in different "
+            f"requests: {equal:,} of {finding.n_prefixes:,} shared prefixes bitwise equal, spread up to "
+            f"{finding.max_abs_spread:.3g}{where}: batch variance, or an engine bug (one request at a time "
+            "tells them apart)")
 
 
 def prefix_lines(summary: Summary) -> list[str]:
     """One line per source whose shared prefixes got different log-probs, naming its engine's kind."""
-    from mismatch.analysis.prefixes import prefix_sentence
-
-    return [prefix_sentence(source, finding, summary.engines.get(source))
-            for source, finding in split_prefixes(summary).items()]
+    return [prefix_sentence(source, finding, summary.engine(source))
+            for source, finding in summary.split_prefixes().items()]
 
 
 # Re-rendered tokens that differ from the sampled ones lead the page only when they are a share of
@@ -160,8 +165,8 @@ MINOR_DRIFT_FRAC = 0.01
 def _minor_drift(rec: Recommendation, summary: Summary) -> bool:
     if rec.kind != "fix_renderer":
         return False
-    touched = view(present(summary.drift), Drift, "drift").trainable_tokens_touched
-    trainable = summary.counts.get("trainable_tokens")
+    touched = present(summary.drift.trainable_tokens_touched) if summary.drift else None
+    trainable = present(summary.counts.trainable_tokens)
     return touched is not None and bool(trainable) and touched < MINOR_DRIFT_FRAC * trainable
 
 
@@ -310,19 +315,19 @@ def _level_banner(pair: str | None, verdict: Verdict, *, details: list[str],
 
 def role_spec(summary: Summary, role: str) -> str:
     """The spec of the engine in `role` as it described itself, else the role's name."""
-    return str((summary.engines.get(role) or {}).get("spec", role))
+    return str(present(summary.engine(role).spec) or role)
 
 
 def diff_banner(summary: Summary) -> Banner:
     """Which config is closer to the reference, by kl_k3, with its bootstrap interval."""
-    diff = view(present(summary.diff), Comparison, "diff")
+    diff = present(summary.diff) or Comparison()
     spec = {role: role_spec(summary, role) for role in ("a", "b", "reference")}
-    closer = diff.closer_to_reference
-    kl = diff.deltas["kl_k3"] if "kl_k3" in diff.deltas else MetricDelta()
+    closer = present(diff.closer_to_reference)
+    kl = (diff.deltas or {}).get("kl_k3") or MetricDelta()
     numbers: list[tuple[str, Any, str]] = [
-        ("kl_k3 A vs reference", kl.a, "num"), ("kl_k3 B vs reference", kl.b, "num"),
-        ("Δ kl_k3 (B − A)", kl.delta, "num"), ("95% CI of Δ", tuple(kl.ci95 or [None, None]), "ci")]
-    speed = diff.throughput_tokens_per_s
+        ("kl_k3 A vs reference", present(kl.a), "num"), ("kl_k3 B vs reference", present(kl.b), "num"),
+        ("Δ kl_k3 (B − A)", present(kl.delta), "num"), ("95% CI of Δ", tuple(kl.ci95 or [None, None]), "ci")]
+    speed = diff.throughput_tokens_per_s or {}
     numbers += [(f"{role.upper()} tokens/s", speed[role], "num") for role in ("a", "b") if role in speed]
     details = [f"A = {spec['a']}   ·   B = {spec['b']}   ·   reference = {spec['reference']}"]
     if diff.closer_rule:

@@ -155,7 +155,7 @@ def sampler_truncation(plan: ReplayPlan, meta: dict[str, Any] | None, spec: str,
     fit = declared_fit(profiles, declared)
     # A declaration the data refute would make the like-for-like pair measure the wrong set (and
     # blame the sampler's weights for it): that pair then replays the estimate, and says so.
-    wrong = misdeclared(fit, estimate)
+    wrong = misdeclared(fit, estimate["confidence"] if estimate is not None else None)
     return {"declared": asdict(declared.truncation), "declared_fit": fit, "estimate": estimate,
             "replayed": asdict(estimated if wrong else declared),
             "replayed_from": "estimate (the declaration does not fit)" if wrong else "declared"}
@@ -174,10 +174,10 @@ def truncation_explained(found: dict[str, Any]) -> bool:
     return found["declared"] is not None or (estimate is not None and estimate["confidence"] >= TRUNCATION_EXPLAINED)
 
 
-def misdeclared(fit: float | None, estimate: dict[str, Any] | None) -> bool:
-    """A declaration the data do not fit: it explains under 90% of the tokens and the estimate at
-    least 10 points more."""
-    return fit is not None and estimate is not None and fit < 0.9 and estimate["confidence"] >= fit + 0.1
+def misdeclared(fit: float | None, confidence: float | None) -> bool:
+    """A declaration the data do not fit: it explains under 90% of the tokens (`fit`) and the
+    estimate (its `confidence`) at least 10 points more."""
+    return fit is not None and confidence is not None and fit < 0.9 and confidence >= fit + 0.1
 
 
 def declared_fit(profiles: dict[str, np.ndarray], declared: Any) -> float | None:

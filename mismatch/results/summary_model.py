@@ -25,6 +25,20 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from mismatch.results.section_records import (
+    Alignment,
+    Comparison,
+    Drift,
+    FromConfig,
+    Localization,
+    NextTokenGap,
+    PrefixConsistency,
+    RunInputs,
+    SamplerDeclaration,
+    Stratum,
+    WeightsDiff,
+)
+
 SCHEMA_NAME = "mismatch.summary/v1"
 
 _T = TypeVar("_T")
@@ -37,8 +51,6 @@ Params = dict[str, Any]
 # A summary.json file's JSON as parsed, before it is decoded into records (what gate's consistency
 # checks read: a hand-edited file is bad input they name, not a type error).
 JSONObject = dict[str, Any]
-# One kernel probe's measurement as probes/result.py's ProbeResult.to_dict() writes it.
-Probe = dict[str, Any]
 
 NonNegative = Annotated[int, Meta(ge=0)]
 Number = float | None  # NaN and +-inf are written as null
@@ -82,6 +94,15 @@ class PairMetrics(_Record, kw_only=True):
 
 
 Pairs = dict[PairName, PairMetrics]
+
+
+class RowCounts(_Record, kw_only=True):
+    """`counts`: the token table's rollouts, branches (streams), tokens and trainable tokens."""
+
+    rollouts: NonNegative | UnsetType = UNSET
+    branches: NonNegative | UnsetType = UNSET
+    tokens: NonNegative | UnsetType = UNSET
+    trainable_tokens: NonNegative | UnsetType = UNSET
 
 
 class TurnRow(_Record, kw_only=True):
@@ -165,6 +186,16 @@ class Recommendation(_Record, kw_only=True, omit_defaults=False):
     cost: str | None = None
 
 
+class CorrectionTurn(_Record, kw_only=True):
+    """One turn of a simulated correction: its tokens, the share the correction touched, and their
+    mean weight."""
+
+    turn: Any = UNSET
+    n_tokens: int | UnsetType = UNSET
+    frac_tokens_affected: Number | UnsetType = UNSET
+    weight_mean: Number | UnsetType = UNSET
+
+
 class Correction(_Record, kw_only=True, omit_defaults=False):
     """An IS correction the frameworks ship, simulated on the run's own tokens: its mode and
     parameters, then what it does to them (the share of tokens, sequences and rollouts it
@@ -183,7 +214,41 @@ class Correction(_Record, kw_only=True, omit_defaults=False):
     n_sequences: int | None = None
     n_rollouts: int | None = None
     frac_sequences_affected: Number = None
-    by_turn: list[Section] = []
+    by_turn: list[CorrectionTurn] = []
+
+
+class ProbeResult(_Record, kw_only=True):
+    """One kernel probe (probes/result.py's ProbeResult): an op under one variation that differs
+    between engines (its `source`: batch_size, chunking, split_kv, dtype, ...), and whether the two
+    outputs agree bit for bit. Every field optional on reading: a caller may name only the ones it
+    measured."""
+
+    family: str | UnsetType = UNSET
+    op: str | UnsetType = UNSET
+    variation: str | UnsetType = UNSET
+    source: str | UnsetType = UNSET
+    dtype: str | UnsetType = UNSET
+    device: str | UnsetType = UNSET
+    applicable: bool | UnsetType = UNSET  # False: the variation does not exist on this device
+    bitwise_equal_frac: Number | UnsetType = UNSET
+    max_abs_diff: Number | UnsetType = UNSET
+    max_ulp_diff: int | None | UnsetType = UNSET
+    num_elements: int | UnsetType = UNSET
+    note: str | UnsetType = UNSET
+    num_flipped: int | None | UnsetType = UNSET
+    flipped_frac: Number | UnsetType = UNSET
+
+
+class Probes(_Record, kw_only=True):
+    """audit --probe: the machine the probes ran on, and each probe's result."""
+
+    environment: dict[str, Any] | UnsetType = UNSET
+    results: list[ProbeResult] | UnsetType = UNSET
+
+
+def probe_results(data: Any) -> list[ProbeResult]:
+    """Probe results given as plain data (ProbeResult.to_dict()'s) as records."""
+    return from_builtins(data, list[ProbeResult])
 
 
 class PublishedFile(_Record, kw_only=True):
@@ -255,12 +320,22 @@ class DeclaredCheckpoint(_Record, kw_only=True):
 class EngineEntry(_Record, kw_only=True):
     """What readers rely on of one engine in `engines`: these keys held to their types. Each
     backend's describe() adds its own facts, kept as they are: `engines` stays a map of sections,
-    checked against this record on reading (`partial_summary`), never decoded into it."""
+    checked against this record on reading (`partial_summary`); `Summary.engine` reads one through it."""
 
     kind: str | UnsetType = UNSET
     spec: str | UnsetType = UNSET
-    meta: Section | UnsetType = UNSET  # the sampler's declaration (meta.sampler)
-    from_config: Section | UnsetType = UNSET  # what a framework config set (pipeline/configured.py)
+    name: Any = UNSET  # a stored stream's name (`stored:NAME`)
+    dtype: Any = UNSET
+    attn: Any = UNSET
+    checkpoint: Any = UNSET  # the weights it ran, where not the audited checkpoint
+    device: Any = UNSET
+    logprob_semantics: Any = UNSET
+    tokens_per_s: Any = UNSET  # its replay speed
+    seconds: Any = UNSET
+    options: dict[str, Any] | UnsetType = UNSET  # the spec's options (temperature=, ...)
+    routing: dict[str, Any] | UnsetType = UNSET  # a routing=replay engine: the pass it followed (`from`)
+    meta: SamplerDeclaration | None | UnsetType = UNSET  # the sampler's declaration (meta.sampler)
+    from_config: FromConfig | UnsetType = UNSET  # what a framework config set (pipeline/configured.py)
 
 
 class Summary(_Record, kw_only=True):
@@ -275,39 +350,40 @@ class Summary(_Record, kw_only=True):
     created_unix: float
     checkpoint: str
     rollouts_file: str
-    counts: dict[str, NonNegative]
+    counts: RowCounts
     engines: dict[str, Section]  # each engine as it described itself: EngineEntry's keys, and its own
     pairs: Pairs
     verdicts: dict[str, Verdict]
     turns: list[TurnRow]
     roles: list[RoleRow]
     branch_kinds: list[BranchKindRow]
-    localization: dict[str, Any]  # turns (the onset), layers, kernels, layer types, index flips
+    localization: Localization
     corrections: list[Correction]
     recommendations: list[Recommendation]
     clip: Clip | UnsetType = UNSET
     shard: Shard | UnsetType = UNSET
-    inputs: dict[str, Any] | None | UnsetType = UNSET  # the inputs' identity (identity.run_inputs)
-    alignment: dict[str, Any] | UnsetType = UNSET  # log-prob semantics, shift, truncation
+    inputs: RunInputs | None | UnsetType = UNSET
+    alignment: Alignment | UnsetType = UNSET
     trees: dict[str, Any] | UnsetType = UNSET
     framework_metrics: dict[str, dict[str, dict[str, Number]]] | UnsetType = UNSET  # pair -> framework -> metric
     framework_settings: Annotated[dict[str, Section], Meta(description=(
         "The correction settings (each framework's own names) its framework_metrics were computed with: "
         "the newest read release's defaults, under what the rollouts declared, under --for's or a config's."))] \
         | UnsetType = UNSET
-    drift: dict[str, Any] | UnsetType = UNSET
+    drift: Drift | UnsetType = UNSET
     routing: dict[str, Any] | UnsetType = UNSET
-    prefix_consistency: dict[str, Any] | UnsetType = UNSET
-    weights: Annotated[dict[str, Section], Meta(description=(
+    # per source; a merge that could not group the shards' prefixes says why under `not_merged`
+    prefix_consistency: dict[str, PrefixConsistency | str] | UnsetType = UNSET
+    weights: Annotated[dict[str, WeightsDiff], Meta(description=(
         "per engine run on another checkpoint than the trainer's: the weights diff against it "
         "(mismatch.weights.WeightsReport.brief)"))] | UnsetType = UNSET
-    probes: dict[str, Any] | UnsetType = UNSET
-    strata: Annotated[dict[str, dict[str, Section]], Meta(description=(
+    probes: Probes | UnsetType = UNSET
+    strata: Annotated[dict[str, dict[str, Stratum]], Meta(description=(
         "Per pair (A/B), the gap over the trainable tokens split on fixed bucket edges by the token's rollout "
         "length (its trained tokens), its position in the stream, its probability under B (exp logp_B), and the "
         "A side's entropy at the position where a torch engine recorded it (else `unavailable`, saying why). "
         "Means are null in an empty bucket. mismatch trend reads them across steps."))] | UnsetType = UNSET
-    distribution: Annotated[dict[str, Section], Meta(description=(
+    distribution: Annotated[dict[str, NextTokenGap], Meta(description=(
         "--distribution only. Per engine pair (A/B), the gap between the two sides' whole next-token "
         "distributions over the trainable positions (docs/distribution.md; terms defined in "
         "mismatch/engines/distributions.py). `kl` is the mean KL(A||B); exact when `exact` (both sides gave "
@@ -315,21 +391,53 @@ class Summary(_Record, kw_only=True):
     framework: Annotated[str, Meta(description=(
         "The framework `audit --for NAME` named: its config snippet leads the report's first screen."))] \
         | UnsetType = UNSET
-    diff: dict[str, Any] | UnsetType = UNSET
+    diff: Comparison | UnsetType = UNSET
     skipped: Skipped | UnsetType = UNSET
     declared_checkpoint: DeclaredCheckpoint | UnsetType = UNSET
     diagnosis: Diagnosis | UnsetType = UNSET
     config_snippets: dict[str, str] | UnsetType = UNSET
+
+    @property
+    def semantics(self) -> str | None:
+        """What the stored log-probs are (alignment.logprob_semantics: raw, processed, truncated,
+        unknown); None where nothing stored was checked."""
+        return present(self.alignment.logprob_semantics) if self.alignment else None
+
+    @property
+    def grows_with_position(self) -> bool | None:
+        """Whether the gap grows along position (localization.turns.position_slope); None: not fitted."""
+        turns = self.localization.turns
+        return present(turns.position_slope.grows_with_position) if turns and turns.position_slope else None
+
+    @property
+    def onset_turn(self) -> int | None:
+        """The first turn where the gap steps up (localization.turns); None: none does, or not run."""
+        turns = self.localization.turns
+        return present(turns.onset_turn) if turns else None
 
     def metric(self, pair: str, name: str) -> float | int | None:
         """One metric of one pair; None when the pair is not measured or the metric is null."""
         metrics = self.pairs.get(pair)
         return getattr(metrics, name) if metrics is not None else None
 
-    def engine(self, source: str) -> dict[str, Any]:
-        """One source's engine as it described itself (`meta` for the sampler's declaration); empty
-        where the run has no such source."""
-        return self.engines.get(source) or {}
+    def engine(self, source: str) -> EngineEntry:
+        """One source's engine as it described itself, the keys readers rely on (`meta` for the
+        sampler's declaration); every field UNSET where the run has no such source."""
+        return msgspec.convert(self.engines.get(source) or {}, EngineEntry, strict=False)
+
+    @property
+    def declared(self) -> SamplerDeclaration:
+        """What meta.sampler declares (every field UNSET where it declares nothing)."""
+        return present(self.engine("sampler").meta) or SamplerDeclaration()
+
+    def split_prefixes(self) -> dict[str, PrefixConsistency]:
+        """The sources whose shared prefixes did not all get the same log-probs (analysis.prefixes)."""
+        return {source: found for source, found in self.prefix_findings().items() if found.split}
+
+    def prefix_findings(self) -> dict[str, PrefixConsistency]:
+        """prefix_consistency's sources (without a merge's `not_merged` note)."""
+        return {source: found for source, found in (present(self.prefix_consistency) or {}).items()
+                if isinstance(found, PrefixConsistency)}
 
     def section(self, name: str) -> dict[str, Any]:
         """An open-ended section (`alignment`, `drift`, `routing`, `weights`, ...) as its map, empty
@@ -354,12 +462,12 @@ def present(value: _T | UnsetType) -> _T | None:
 
 
 def _plain(value: Any) -> Any:
-    """numpy scalars and arrays as JSON values (msgspec's hook for types it does not know), and str
-    subclasses as the str they are (torch.__version__ is a TorchVersion: the probes record it)."""
+    """numpy scalars and arrays, and subclasses of str (torch's TorchVersion in the probes'
+    environment), as JSON values (msgspec's hook for types it does not know)."""
     if hasattr(value, "tolist"):
         return value.tolist()
     if isinstance(value, str):
-        return str(value)
+        return str.__str__(value)  # its characters, whatever its own __str__ says
     raise NotImplementedError(f"{type(value).__name__} is not JSON data")
 
 

@@ -19,6 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from msgspec import UNSET
+
+from mismatch.results.section_records import LayerLocalization
+from mismatch.results.summary_model import BranchKindRow, TurnRow, present
 from mismatch.trend.steps import Step
 
 MIN_REST_SHARE = 0.1     # the other buckets must have held this share of the gap for a contrast to mean anything
@@ -36,13 +40,13 @@ def pooled_stratum(steps: Sequence[Step], pair: str, dimension: str) -> tuple[np
     edges, n, k3 = None, None, None
     for step in steps:
         stratum = step.strata.get(pair, {}).get(dimension)
-        if not isinstance(stratum, dict) or "n_tokens" not in stratum:
+        if stratum is None or stratum.n_tokens is UNSET:
             return None
-        counts = np.asarray(stratum["n_tokens"], np.float64)
-        means = np.array([math.nan if v is None else v for v in stratum["kl_k3"]], np.float64)
+        counts = np.asarray(stratum.n_tokens, np.float64)
+        means = np.array([math.nan if v is None else v for v in stratum.kl_k3 or ()], np.float64)
         sums = np.where(counts > 0, np.nan_to_num(means) * counts, 0.0)
         if edges is None:
-            edges, n, k3 = np.asarray(stratum["edges"], np.float64), counts, sums
+            edges, n, k3 = np.asarray(stratum.edges, np.float64), counts, sums
         elif len(counts) != len(n):
             return None
         else:
@@ -118,8 +122,8 @@ def strata_growth(before: Sequence[Step], after: Sequence[Step], pair: str) -> d
     for dimension in _UNITS:
         pooled = pooled_stratum(before, pair, dimension), pooled_stratum(after, pair, dimension)
         if pooled[0] is None or pooled[1] is None:
-            unavailable = next((s.strata.get(pair, {}).get(dimension, {}).get("unavailable")
-                                for s in after if isinstance(s.strata.get(pair, {}).get(dimension), dict)), None)
+            found = [s.strata.get(pair, {}).get(dimension) for s in after]
+            unavailable = next((present(f.unavailable) for f in found if f is not None), None)
             out[dimension] = {"unavailable": unavailable or "not in these summaries (one audit of many steps keeps no "
                                                             "strata per step; an audit per step does)"}
             continue
@@ -130,18 +134,22 @@ def strata_growth(before: Sequence[Step], after: Sequence[Step], pair: str) -> d
     return out
 
 
-def grown(records_before: Sequence[list[dict[str, Any]]], records_after: Sequence[list[dict[str, Any]]],
+def grown(records_before: Sequence[Sequence[TurnRow | BranchKindRow]],
+          records_after: Sequence[Sequence[TurnRow | BranchKindRow]],
           key: str, pair: str, metric: str, top: int = 3) -> list[dict[str, Any]]:
-    """The groups (turns, branch kinds) whose metric grew most between the windows, token-weighted."""
-    def pooled(windows: Sequence[list[dict[str, Any]]]) -> dict[Any, tuple[float, float]]:
+    """The groups (turns, branch kinds: `key`, the rows' field) whose metric grew most between the
+    windows, token-weighted."""
+    def pooled(windows: Sequence[Sequence[TurnRow | BranchKindRow]]) -> dict[Any, tuple[float, float]]:
         found: dict[Any, tuple[float, float]] = {}
         for records in windows:
             for record in records:
-                metrics = (record.get("pairs") or {}).get(pair) or {}
-                value, n = metrics.get(metric), metrics.get("n_tokens") or 0
+                metrics, group = record.pairs.get(pair), getattr(record, key)
+                if metrics is None:  # the pair has no token in this group
+                    continue
+                value, n = getattr(metrics, metric, None), metrics.n_tokens or 0  # a metric the rows lack: none
                 if isinstance(value, (int, float)) and n > 0:
-                    total, count = found.get(record.get(key), (0.0, 0.0))
-                    found[record.get(key)] = (total + value * n, count + n)
+                    total, count = found.get(group, (0.0, 0.0))
+                    found[group] = (total + value * n, count + n)
         return found
 
     first, last = pooled(records_before), pooled(records_after)
@@ -187,5 +195,9 @@ def layer_change(previous: Step, current: Step) -> dict[str, Any] | None:
     """Where the two engines part (the layer localizer's jump) at each of two steps, when both ran it."""
     if previous.layers is None or current.layers is None:
         return None
-    fields = ("jump_layer", "jump_block", "jump_module", "output_logp_abs_diff_mean")
-    return {"before": {f: previous.layers.get(f) for f in fields}, "after": {f: current.layers.get(f) for f in fields}}
+    def where(layers: LayerLocalization) -> dict[str, Any]:
+        return {"jump_layer": present(layers.jump_layer), "jump_block": present(layers.jump_block),
+                "jump_module": present(layers.jump_module),
+                "output_logp_abs_diff_mean": present(layers.output_logp_abs_diff_mean)}
+
+    return {"before": where(previous.layers), "after": where(current.layers)}

@@ -17,7 +17,8 @@ import numpy as np
 
 from mismatch.errors import ResultsError
 from mismatch.results import ROLLOUTS_FILE, read_summary
-from mismatch.results.summary_model import Summary, to_builtins
+from mismatch.results.section_records import LayerLocalization, NextTokenGap, Stratum
+from mismatch.results.summary_model import BranchKindRow, Summary, TurnRow, present, to_builtins
 
 # Token-weighted means over a pair's trainable tokens: the run's value is Σ n_i m_i / Σ n_i over its
 # rollouts' own values (rollouts.parquet), so their spread over rollouts gives a CI. ESS is a function
@@ -47,10 +48,10 @@ class Step:
     pairs: dict[str, dict[str, Any]]    # pair -> metric -> value (summary.json `pairs`)
     ci: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)  # pair -> metric -> (low, high)
     frameworks: dict[str, dict[str, float]] = field(default_factory=dict)  # pair -> "verl:rollout_corr/kl" -> value
-    turns: list[dict[str, Any]] = field(default_factory=list)
-    branch_kinds: list[dict[str, Any]] = field(default_factory=list)
-    strata: dict[str, Any] = field(default_factory=dict)
-    layers: dict[str, Any] | None = None
+    turns: list[TurnRow] = field(default_factory=list)
+    branch_kinds: list[BranchKindRow] = field(default_factory=list)
+    strata: dict[str, dict[str, Stratum]] = field(default_factory=dict)  # pair -> dimension -> its buckets
+    layers: LayerLocalization | None = None  # the layer localizer's findings, where it ran
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)  # configuration facts only
     headline: str = ""
     has_report: bool = False
@@ -153,14 +154,13 @@ def check_named(steps: list[Step], pair: str, metric: str) -> None:
 
 def _step(path: Path, summary: Summary, number: int, step_from: str) -> Step:
     _check_audit(path, summary)
-    layers = summary.localization.get("layers")
     first = summary.verdicts.get("train/sampler") or next(iter(summary.verdicts.values()), None)
     step = Step(step=number, path=path, step_from=step_from, checkpoint=summary.checkpoint,
                 pairs=_with_distribution({name: to_builtins(metrics) for name, metrics in summary.pairs.items()},
-                                         summary.section("distribution")),
+                                         present(summary.distribution) or {}),
                 frameworks=_framework_metrics(summary.section("framework_metrics")),
-                turns=to_builtins(summary.turns), branch_kinds=to_builtins(summary.branch_kinds),
-                strata=summary.section("strata"), layers=layers if isinstance(layers, dict) else None,
+                turns=summary.turns, branch_kinds=summary.branch_kinds,
+                strata=present(summary.strata) or {}, layers=present(summary.localization.layers),
                 engines={source: configuration(engine) for source, engine in summary.engines.items()},
                 headline=first.text if first is not None else "",
                 has_report=(path / "index.html").is_file(), mismatch_version=summary.mismatch_version)
@@ -168,15 +168,15 @@ def _step(path: Path, summary: Summary, number: int, step_from: str) -> Step:
     return step
 
 
-DISTRIBUTION_METRICS = ("kl", "tv_mean", "argmax_agree_frac")  # read as "dist.NAME" (docs/distribution.md)
 
 
-def _with_distribution(pairs: dict[str, dict[str, Any]], found: Any) -> dict[str, dict[str, Any]]:
+def _with_distribution(pairs: dict[str, dict[str, Any]], found: dict[str, NextTokenGap]) -> dict[str, dict[str, Any]]:
     """A step's pair metrics with its --distribution means, where it measured them, as `dist.NAME`
     (the gate's names), so `Step.value(pair, "dist.kl")` reads them like any metric."""
-    for pair, entry in (found.items() if isinstance(found, dict) else ()):
-        if isinstance(entry, dict) and pair in pairs:
-            pairs[pair].update({f"dist.{name}": entry.get(name) for name in DISTRIBUTION_METRICS})
+    for pair, gap in found.items():
+        if pair in pairs:
+            pairs[pair].update({"dist.kl": present(gap.kl), "dist.tv_mean": present(gap.tv_mean),
+                                "dist.argmax_agree_frac": present(gap.argmax_agree_frac)})
     return pairs
 
 
