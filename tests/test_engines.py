@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -246,15 +247,17 @@ def test_a_pip_installed_package_registers_a_spec_kind(tmp_path, monkeypatch) ->
 
 
 def test_capabilities_are_declared_by_the_backend_and_known_before_it_loads() -> None:
-    """The torch engines declare routing recorded, experts forced and processed log-probs; every
-    other kind (and a `python:` engine) the basic contract only, read without loading a model."""
+    """The torch engines declare routing recorded, experts forced and processed log-probs; an HTTP
+    server its top-K rows (--distribution K); every other kind (and a `python:` engine) the basic
+    contract only, read without loading a model."""
     from mismatch.engines import BASIC, engine_capabilities
 
     for spec in ("hf", "hf-decode:dtype=bfloat16"):
         declared = engine_capabilities(spec)
         assert declared.records_routing and declared.forced_experts and declared.processing
     assert engine_capabilities("hf").records_entropy and not engine_capabilities("hf-decode").records_entropy
-    for spec in ("http://localhost:1", "python:x.py:make", "stored:trainer"):
+    assert engine_capabilities("http://localhost:1") == dataclasses.replace(BASIC, top_logprobs=True)
+    for spec in ("python:x.py:make", "stored:trainer"):
         assert engine_capabilities(spec) == BASIC
 
 

@@ -218,7 +218,7 @@ def _renamed(obj: dict, old: str, new: str) -> dict:
      "rollout 'r-0': branches[0].segments[1]: unknown field 'logprob' (did you mean 'logprobs'?)"),
     (lambda r: r["branches"][0]["segments"][0].update(weight=[1, 1, 1]),
      "rollout 'r-0': branches[0].segments[0]: unknown field 'weight' (valid: role, tokens, logprobs, trainable, "
-     "extra_logprobs, routed_experts, sampling_mask)"),
+     "extra_logprobs, routed_experts, sampling_mask, indexer_topk)"),
     (lambda r: r.update(mesages=[]), "rollout 'r-0': unknown field 'mesages' (did you mean 'messages'?)"),
     (lambda r: r["branches"][0].update(knd="main"), "rollout 'r-0': branches[0]: unknown field 'knd' "
                                                    "(did you mean 'kind'?)"),
