@@ -526,13 +526,15 @@ class Comparison(_Open):
 
 class NumberOptions(_Open):
     """`inputs.options`: the command's options that change its numbers but not its replay
-    (pipeline/stages.py NUMBER_OPTIONS; a clip range as its two bounds)."""
+    (pipeline/stages.py number_options: NUMBER_OPTIONS, a clip range as its two bounds, and
+    skip_invalid, which decides the rollouts measured)."""
 
     clip_eps_low: Any = UNSET
     clip_eps_high: Any = UNSET
     seed: Any = UNSET
     probe: Any = UNSET
     distribution: Any = UNSET
+    skip_invalid: Any = UNSET
 
 
 class RunInputs(_Open):
