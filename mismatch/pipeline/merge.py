@@ -35,6 +35,7 @@ from mismatch.pipeline.summary import Provenance
 from mismatch.results.section_records import NumberOptions, RunInputs
 from mismatch.results.summary_model import UNSET, Summary, present, to_builtins
 from mismatch.replay import bad_logprob_rows
+from mismatch.rollouts.declared_checkpoint import merged_declared
 from mismatch.replay.distribution import parse_distribution, table_columns
 from mismatch.results import (
     PREFIX_KEYS_FILE,
@@ -89,7 +90,10 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> Summary:
                                            settings=present(first.framework_settings) or None,
                                            extra=[per_rollout, digestion], workers=workers,
                                            distribution=distribution)
-        summary = audit_summary(provenance, measured, findings, framework=present(first.framework))
+        declared = merged_declared([(to_builtins(s.declared_checkpoint) if present(s.declared_checkpoint) else None,
+                                     present(s.counts.rollouts) or 0) for s in summaries])
+        summary = audit_summary(provenance, measured, findings, framework=present(first.framework),
+                                declared_checkpoint=declared)
         return stages.write_results_files(store, summary,
                                           stages.with_steps(per_rollout.result(), _merged_steps(shards)), digestion)
 

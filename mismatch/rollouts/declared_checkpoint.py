@@ -42,6 +42,25 @@ def compare_declared(declared: list[Any], checkpoint: str | Path,
             "by_weights": any(isinstance(row["checkpoint"], dict) and row["checkpoint"].get("sha256") for row in rows)}
 
 
+def merged_declared(shards: list[tuple[dict[str, Any] | None, int]]) -> dict[str, Any] | None:
+    """The shards' `declared_checkpoint` (each one's section, None where it declared nothing, with
+    its rollout count) as one run's: each declaration's rollouts summed, a shard without the
+    section counted undeclared; its `line` is worded again once the merged diagnosis is made."""
+    if not any(found for found, _ in shards):
+        return None
+    counts: Counter[str] = Counter()
+    match: dict[str, str] = {}
+    for found, _ in shards:
+        for row in (found or {}).get("declared", []):
+            counts[_key(row["checkpoint"])] += row["rollouts"]
+            match[_key(row["checkpoint"])] = row["match"]  # one checkpoint audited: the same match in each
+    rows = [{"checkpoint": json.loads(key), "rollouts": count, "match": match[key]} for key, count in counts.most_common()]
+    return {"rollouts": sum(found["rollouts"] if found else count for found, count in shards),
+            "undeclared": sum(found["undeclared"] if found else count for found, count in shards),
+            "declared": rows, "agrees": all(row["match"] in MATCHES for row in rows),
+            "by_weights": any(bool(found and found.get("by_weights")) for found, _ in shards)}
+
+
 def _key(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
