@@ -15,12 +15,13 @@ import torch
 
 from mismatch.engines.hf import resolve_device
 from mismatch.errors import MismatchError
-from mismatch.probes import attention, matmul, norm, reductions, router, softmax
+from mismatch.probes import attention, linear_attention, matmul, norm, reductions, router, softmax
 from mismatch.probes.result import SOURCES, ProbeResult
 from mismatch.probes.shapes import ProbeShapes, shapes_from_checkpoint
 
 FAMILIES = {"matmul": matmul.probe_family, "attention": attention.probe_family, "norm": norm.probe_family,
-            "softmax": softmax.probe_family, "reductions": reductions.probe_family, "router": router.probe_family}
+            "softmax": softmax.probe_family, "reductions": reductions.probe_family, "router": router.probe_family,
+            "linear_attention": linear_attention.probe_family}
 
 
 def run_probes(checkpoint_or_shapes: str | Path | ProbeShapes, *, device: str = "auto", seed: int = 0,

@@ -19,7 +19,7 @@ SOURCES = ("batch_size", "chunking", "split_kv", "prefill_decode", "dtype", "tf3
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ProbeResult:
-    family: str       # matmul | attention | norm | softmax | reductions | router
+    family: str       # matmul | attention | norm | softmax | reductions | router | linear_attention
     op: str           # the op and its shape, e.g. "linear down_proj 384->128"
     variation: str    # what is compared with what, e.g. "each row alone vs in a batch of 64"
     source: str       # one of SOURCES

@@ -40,6 +40,16 @@ class MoEShapes:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class LinearShapes:
+    """Gated delta rule layers (Qwen3-Next, Qwen3.5, OLMo-hybrid): the heads the recurrence runs on
+    (queries and keys are repeated to the value heads before it) and each head's widths."""
+
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class MLAShapes:
     """Multi-head latent attention (DeepSeek-V2/V3): low-rank q and kv, a decoupled rotary part."""
 
@@ -69,6 +79,7 @@ class ProbeShapes:
     attn_softcap: float | None = None    # scores -> cap * tanh(scores / cap) before the softmax
     final_softcap: float | None = None   # the same on the lm_head's logits
     sliding_window: int | None = None    # keys a query sees, itself included, in sliding layers
+    linear: LinearShapes | None = None   # the gated delta rule layers of a hybrid, None without any
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, "grouped-query heads must divide evenly"
@@ -100,7 +111,18 @@ def shapes_from_checkpoint(path: str | Path, *, tokens: int = 64) -> ProbeShapes
                        attn_scale=attn_scale_from_config(config, mla),
                        attn_softcap=_float_or_none(config.get("attn_logit_softcapping")),
                        final_softcap=_float_or_none(config.get("final_logit_softcapping")),
-                       sliding_window=sliding_window_from_config(config))
+                       sliding_window=sliding_window_from_config(config), linear=linear_from_config(config))
+
+
+def linear_from_config(config: dict[str, Any]) -> LinearShapes | None:
+    """The gated delta rule layers' shapes, by the names Qwen3-Next, Qwen3.5 and OLMo-hybrid's configs
+    share; None for a model without them (Kimi Linear's KDA layers name theirs otherwise)."""
+    keys = ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    if "linear_attention" not in (config.get("layer_types") or []) or not all(config.get(key) for key in keys):
+        return None
+    return LinearShapes(num_value_heads=int(config["linear_num_value_heads"]),
+                        key_head_dim=int(config["linear_key_head_dim"]),
+                        value_head_dim=int(config["linear_value_head_dim"]))
 
 
 def moe_from_config(config: dict[str, Any]) -> MoEShapes | None:
@@ -123,7 +145,11 @@ def moe_from_config(config: dict[str, Any]) -> MoEShapes | None:
     if scoring not in SCORINGS:
         raise CheckpointError(f"config.json: scoring_func {scoring!r} is not one the probes know "
                               f"({', '.join(SCORINGS)})")
-    return MoEShapes(num_experts=num_experts, top_k=int(config["num_experts_per_tok"]),
+    # Kimi Linear names its top-k num_experts_per_token; the others num_experts_per_tok.
+    top_k = config.get("num_experts_per_tok") or config.get("num_experts_per_token")
+    if not top_k:
+        raise CheckpointError("config.json: an MoE config without num_experts_per_tok (the router's top-k)")
+    return MoEShapes(num_experts=num_experts, top_k=int(top_k),
                      intermediate=intermediate, shared_intermediate=shared, scoring=scoring,
                      num_groups=int(config.get("n_group") or 1), topk_groups=int(config.get("topk_group") or 1))
 

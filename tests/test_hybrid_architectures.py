@@ -318,3 +318,21 @@ def test_an_unknown_state_dtype_is_refused(architecture_checkpoint) -> None:
 
     with pytest.raises(SpecError, match="state_dtype='fp8' is not one of: auto, float32, bfloat16, float16"):
         load_engine("hf-decode:state_dtype=fp8", str(architecture_checkpoint("qwen3_5")))
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear", "llama3"])
+def test_the_linear_attention_probe_measures_the_two_paths_and_the_state_dtype(name, architecture_checkpoint) -> None:
+    """`mismatch probe`'s linear_attention family on the gated delta rule layers' shapes: chunked
+    prefill vs recurrent decode differ at float32 rounding; a bfloat16 state moves the output far
+    more; with bfloat16 in and out the path's difference is nearly all rounded away (the hf vs
+    hf-decode table in RESULTS.md: the hybrids' bf16 gap lives in their full-attention layers)."""
+    from mismatch.probes import run_probes
+
+    results = run_probes(architecture_checkpoint(name), device="cpu", families=["linear_attention"])
+    if name in ("kimi_linear", "llama3"):  # no gated delta rule (Kimi's KDA layers name their shapes otherwise)
+        assert results == []
+        return
+    path, state, rounded = results
+    assert path.source == "prefill_decode" and path.dtype == "float32" and 0 < path.max_abs_diff < 1e-5
+    assert state.source == "dtype" and state.max_abs_diff > 100 * path.max_abs_diff
+    assert rounded.dtype == "bfloat16" and rounded.bitwise_equal_frac > 0.99

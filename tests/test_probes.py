@@ -161,7 +161,8 @@ def test_low_precision_partial_sums_differ_from_fp32_accumulation():
 
 def test_run_probes_covers_every_family_and_source_and_is_deterministic():
     results = probes.run_probes(TINY, device="cpu", seed=0)
-    assert {r.family for r in results} == set(probes.FAMILIES) - {"router"}  # a dense model has no router
+    # A dense model has no router, a model without gated delta rule layers no linear-attention probe.
+    assert {r.family for r in results} == set(probes.FAMILIES) - {"router", "linear_attention"}
     assert {r.source for r in results} == set(SOURCES)
     tf32 = [r for r in results if r.source == "tf32"]
     assert tf32 and all(not r.applicable and "not applicable on cpu" in r.note for r in tf32)
@@ -185,7 +186,7 @@ def test_shapes_come_from_the_checkpoint_config(tiny_checkpoint):
 
 def test_unknown_family_and_config_without_shapes_are_errors(tmp_path):
     with pytest.raises(MismatchError, match=r"^unknown probe family 'gemm' \(known: matmul, attention, norm, "
-                                         r"softmax, reductions, router\)$"):
+                                         r"softmax, reductions, router, linear_attention\)$"):
         probes.run_probes(TINY, families=["gemm"])
     (tmp_path / "config.json").write_text('{"vocab_size": 10, "hidden_size": 8}')
     (tmp_path / "model.safetensors").write_bytes(b"")
