@@ -12,10 +12,12 @@ walks it afterwards (OmegaConf, a reader's own loop), hence the bound on the exp
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 import yaml
 
 from mismatch.errors import SpecError
@@ -130,6 +132,39 @@ def toml_table(source: str, path: Path | str, what: str) -> dict[str, Any]:
     if _depth(table, 0) > MAX_DEPTH:
         raise SpecError(f"{path}: the {what} config is nested more than {MAX_DEPTH} deep")
     return table
+
+
+Record = TypeVar("Record")
+# msgspec's ValidationError: "Expected `int | null`, got `str` - at `$.a.b`" (no path when the root is wrong)
+_INVALID = re.compile(r"^Expected `(?P<expected>[^`]*)`, got `[^`]*`(?: - at `\$(?P<at>[^`]*)`)?$")
+_EXPECTED = (("object", "a mapping"), ("array", "a list"), ("float", "a number"), ("int", "an integer"),
+             ("bool", "true or false"), ("str", "a string"))
+
+
+def decoded(tree: Any, kind: type[Record], path: Path | str) -> Record:  # noqa: ANN401 - a parsed file
+    """`tree` (a parsed config) as the typed record `kind`, decoded once at the boundary by msgspec
+    (unknown keys ignored, each missing key the record's default). A value of the wrong type is one
+    SpecError naming the file, the dotted key and the value: `f.yaml: a.b='eight' is not an integer`."""
+    try:
+        return msgspec.convert(tree, kind)
+    except msgspec.ValidationError as exc:
+        found = _INVALID.match(str(exc))
+        if found is None:  # a constraint of the record's own (a Literal's values...)
+            message, _, at = str(exc).partition(" - at `$")
+            raise SpecError(f"{path}: {at.rstrip('`').lstrip('.') or 'config'}: {message}") from None
+        key = (found["at"] or "").lstrip(".")
+        expected = next((words for name, words in _EXPECTED if name in found["expected"]), found["expected"])
+        if not key:
+            raise SpecError(f"{path}: the config is not {expected}") from None
+        if "[...]" in key:  # a map's value: msgspec does not name the map's key
+            raise SpecError(f"{path}: {key.partition('[...]')[0]}: each value must be {expected}") from None
+        raise SpecError(f"{path}: {key}={_at(tree, key)!r} is not {expected}") from None
+
+
+def _at(tree: Any, key: str) -> Any:  # noqa: ANN401 - the value msgspec refused, by its dotted key
+    for part in re.findall(r"[^.\[\]]+", key):
+        tree = tree[int(part)] if isinstance(tree, list) else tree[part.strip("'\"")] if isinstance(tree, dict) else None
+    return tree
 
 
 def _depth(value: Any, level: int) -> int:

@@ -7,7 +7,8 @@ the release's way: OmegaConf merges it into the release's own generated default
 (verl/trainer/config/_generated_ppo_trainer.yaml, or _generated_ppo_megatron_trainer.yaml) in
 struct mode, so a key verl does not have is refused as verl refuses it, and the `${oc.select:...}`
 interpolations resolve as verl's do. Without them, the keys below are read from the file with
-verl 0.9.1's defaults (DEFAULTS), and other keys are ignored.
+verl 0.9.1's defaults (the records' own), and other keys are ignored. Either way the keys read are
+decoded once into the typed records below (VerlConfig), which the derivation reads.
 
 Read from verl 0.9.1 (PyPI wheel; verl-project/verl): what the old-log-prob forward does is in
 workers/engine_workers.py (the micro-batch settings it hands the engine), workers/engine/utils.py
@@ -25,13 +26,16 @@ import importlib.metadata
 import importlib.util
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+import msgspec
+from msgspec import UNSET, UnsetType
 
 from mismatch.errors import SpecError
 from mismatch.frameworks.configs.derived import Derived, Deriving, Machine, Side
 from mismatch.frameworks.configs.hydra_overrides import ENGINE_STRATEGY, GROUP_CHOICES, from_overrides
 from mismatch.frameworks.configs.kinds import verl_yaml_or_refused
-from mismatch.frameworks.configs.loading import text, yaml_value
+from mismatch.frameworks.configs.loading import decoded, text, yaml_value
 
 NAME = "verl"
 VERSION = "0.9.1"
@@ -39,62 +43,160 @@ ARR = "actor_rollout_ref"
 ROLLOUT = f"{ARR}.rollout"
 ACTOR = f"{ARR}.actor"
 
-# verl 0.9.1's defaults for the keys read here (trainer/config/_generated_ppo_trainer.yaml, line):
-# a string "${oc.select:KEY,DEFAULT}" or "${KEY}" is the interpolation that yaml has.
-DEFAULTS: dict[str, Any] = {
-    f"{ACTOR}.strategy": "fsdp",                                                          # :79
-    f"{ACTOR}.use_dynamic_bsz": False,                                                    # :83
-    f"{ACTOR}.ppo_micro_batch_size": None,                                                # :81
-    f"{ACTOR}.ppo_micro_batch_size_per_gpu": None,                                        # :82
-    f"{ACTOR}.ppo_max_token_len_per_gpu": 16384,                                          # :84
-    f"{ACTOR}.fsdp_config.mixed_precision": None,              # FSDPEngineConfig (workers/config/engine.py:291)
-    f"{ACTOR}.fsdp_config.model_dtype": "fp32",                                           # :37
-    f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size": 1,                             # :41
-    f"{ACTOR}.ulysses_sequence_parallel_size": 1,                  # :178 (deprecated; the engine reads fsdp_config's)
-    f"{ACTOR}.megatron.expert_model_parallel_size": 1,   # _generated_ppo_megatron_trainer.yaml
-    f"{ACTOR}.megatron.router_replay.mode": "disabled",  # ibid.:85-89 (EngineRouterReplayConfig)
-    f"{ACTOR}.megatron.override_transformer_config": {},  # ibid.
-    f"{ARR}.model.path": "~/models/deepseek-llm-7b-chat",                                 # model/hf_model.yaml
-    f"{ACTOR}.megatron.tensor_model_parallel_size": 1,   # _generated_ppo_megatron_trainer.yaml:49
-    f"{ACTOR}.megatron.pipeline_model_parallel_size": 1,  # ibid.
-    f"{ACTOR}.megatron.context_parallel_size": 1,         # ibid.
-    f"{ACTOR}.megatron.dtype": "bfloat16",                # ibid.:84
-    f"{ARR}.model.use_remove_padding": True,                                              # :446
-    f"{ARR}.model.override_config": {},                                                   # :443
-    f"{ARR}.model.use_fused_kernels": False,                                              # :453
-    f"{ROLLOUT}.name": "???",                                                             # :293 (mandatory)
-    f"{ROLLOUT}.temperature": 1.0,                                                        # :297
-    f"{ROLLOUT}.top_k": -1,                                                               # :298
-    f"{ROLLOUT}.top_p": 1,                                                                # :299
-    f"{ROLLOUT}.seed": 42,                                                                # :301
-    f"{ROLLOUT}.dtype": "bfloat16",                                                       # :304
-    f"{ROLLOUT}.enforce_eager": False,                                                    # :307
-    f"{ROLLOUT}.tensor_model_parallel_size": 2,                                           # :310
-    f"{ROLLOUT}.max_num_batched_tokens": 8192,                                            # :314
-    f"{ROLLOUT}.max_model_len": None,                                                     # :315
-    f"{ROLLOUT}.max_num_seqs": 256,                                                       # :316
-    f"{ROLLOUT}.enable_chunked_prefill": True,                                            # :317
-    f"{ROLLOUT}.enable_prefix_caching": True,                                             # :318
-    f"{ROLLOUT}.logprobs_mode": "processed_logprobs",                                     # :319
-    f"{ROLLOUT}.log_prob_micro_batch_size": None,                                         # :323
-    f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": None,                                 # :324
-    f"{ROLLOUT}.log_prob_use_dynamic_bsz": f"${{oc.select:{ACTOR}.use_dynamic_bsz,false}}",            # :325
-    f"{ROLLOUT}.log_prob_max_token_len_per_gpu": f"${{oc.select:{ACTOR}.ppo_max_token_len_per_gpu,16384}}",  # :326
-    f"{ROLLOUT}.engine_kwargs": {},                                                       # :332
-    f"{ROLLOUT}.gpu_memory_utilization": 0.5,                                             # :305
-    f"{ROLLOUT}.enable_rollout_routing_replay": False,                                    # :382
-    "algorithm.rollout_correction.rollout_is": None,                                      # :851
-    "algorithm.rollout_correction.rollout_is_threshold": 2.0,                             # :852
-    "algorithm.rollout_correction.bypass_mode": False,                                    # :855
-}
+# The keys read here, as typed records with verl 0.9.1's defaults (trainer/config/_generated_ppo_trainer.yaml,
+# line; the Megatron ones from _generated_ppo_megatron_trainer.yaml), decoded once from the composed config.
+# Other keys are ignored (the release's own merge refuses unknown ones where verl is installed).
+
+
+class _Record(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+class MixedPrecision(_Record):
+    param_dtype: str = "bf16"  # transformer_impl.py:391-403: bf16 when unset
+
+
+class FsdpConfig(_Record):  # FSDPEngineConfig (workers/config/engine.py)
+    mixed_precision: MixedPrecision | None = None  # :291
+    model_dtype: str = "fp32"                                                                       # :37
+    ulysses_sequence_parallel_size: int = 1                                                         # :41
+
+
+class RouterReplay(_Record):
+    mode: str = "disabled"  # megatron yaml :85-89 (EngineRouterReplayConfig)
+
+
+class TransformerOverrides(_Record):
+    moe_router_dtype: str | None = None
+
+
+class Megatron(_Record):  # _generated_ppo_megatron_trainer.yaml
+    tensor_model_parallel_size: int = 1                                                             # :49
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    dtype: str = "bfloat16"                                                                         # :84
+    router_replay: RouterReplay = msgspec.field(default_factory=RouterReplay)
+    override_transformer_config: TransformerOverrides = msgspec.field(default_factory=TransformerOverrides)
+
+
+class Batching(NamedTuple):
+    """One forward's micro-batch keys (prepare_micro_batches, engine/utils.py:92-130), under `prefix`."""
+
+    prefix: str                   # e.g. actor_rollout_ref.rollout.log_prob_
+    max_token_len_per_gpu: int
+    micro_batch_size: int | None
+    micro_batch_size_per_gpu: int | None
+
+
+class Actor(_Record):
+    strategy: str = "fsdp"                                                                          # :79
+    use_dynamic_bsz: bool = False                                                                   # :83
+    ppo_micro_batch_size: int | None = None                                                         # :81
+    ppo_micro_batch_size_per_gpu: int | None = None                                                 # :82
+    ppo_max_token_len_per_gpu: int = 16384                                                          # :84
+    fsdp_config: FsdpConfig = msgspec.field(default_factory=FsdpConfig)
+    ulysses_sequence_parallel_size: int = 1         # :178 (deprecated; the engine reads fsdp_config's)
+    megatron: Megatron = msgspec.field(default_factory=Megatron)
+
+    def batching(self) -> Batching:  # the policy update's forward
+        return Batching(f"{ACTOR}.ppo_", self.ppo_max_token_len_per_gpu, self.ppo_micro_batch_size,
+                        self.ppo_micro_batch_size_per_gpu)
+
+
+class ModelOverrides(_Record):
+    attn_implementation: str = "flash_attention_2"  # workers/config/model.py:185
+
+
+class Model(_Record):  # model/hf_model.yaml
+    path: str | None = None  # verl's is a placeholder (~/models/deepseek-llm-7b-chat): none unless the file names one
+    use_remove_padding: bool = True                                                                 # :446
+    override_config: ModelOverrides = msgspec.field(default_factory=ModelOverrides)                 # :443
+    use_fused_kernels: bool = False                                                                 # :453
+
+
+class EngineKwargs(_Record):
+    vllm: dict[str, Any] | None = None  # :332 (vLLM's own args: an open set)
+
+
+class Rollout(_Record):
+    name: str | None = "???"                                                                            # :293 (mandatory)
+    temperature: float = 1.0                                                                        # :297
+    top_k: int = -1                                                                                 # :298
+    top_p: float = 1.0                                                                              # :299
+    seed: int = 42                                                                                  # :301
+    dtype: str = "bfloat16"                                                                         # :304
+    gpu_memory_utilization: float = 0.5                                                             # :305
+    enforce_eager: bool = False                                                                     # :307
+    tensor_model_parallel_size: int = 2                                                             # :310
+    max_num_batched_tokens: int = 8192                                                              # :314
+    max_model_len: int | None = None                                                                # :315
+    max_num_seqs: int = 256                                                                         # :316
+    enable_chunked_prefill: bool = True                                                             # :317
+    enable_prefix_caching: bool = True                                                              # :318
+    logprobs_mode: str | None = "processed_logprobs"                                                # :319
+    log_prob_micro_batch_size: int | None = None                                                    # :323
+    log_prob_micro_batch_size_per_gpu: int | None = None                                            # :324
+    # :325-326 are ${oc.select:actor_rollout_ref.actor.<key>,...}: UNSET here means the actor's value
+    log_prob_use_dynamic_bsz: bool | UnsetType = UNSET
+    log_prob_max_token_len_per_gpu: int | UnsetType = UNSET
+    engine_kwargs: EngineKwargs = msgspec.field(default_factory=EngineKwargs)                       # :332
+    enable_rollout_routing_replay: bool = False                                                     # :382
+
+
+class ActorRolloutRef(_Record):
+    actor: Actor = msgspec.field(default_factory=Actor)
+    model: Model = msgspec.field(default_factory=Model)
+    rollout: Rollout = msgspec.field(default_factory=Rollout)
+
+
+class RolloutCorrection(_Record):  # trainer/config/algorithm.py:179-184
+    rollout_is: str | None = None                                                                   # :851
+    rollout_is_threshold: float | str = 2.0                                                         # :852
+    bypass_mode: bool = False                                                                       # :855
+
+
+class Algorithm(_Record):
+    rollout_correction: RolloutCorrection = msgspec.field(default_factory=RolloutCorrection)
+
+
+class VerlConfig(_Record):
+    """The composed config's keys read here."""
+
+    actor_rollout_ref: ActorRolloutRef = msgspec.field(default_factory=ActorRolloutRef)
+    algorithm: Algorithm = msgspec.field(default_factory=Algorithm)
+
+    @property
+    def actor(self) -> Actor:
+        return self.actor_rollout_ref.actor
+
+    @property
+    def rollout(self) -> Rollout:
+        return self.actor_rollout_ref.rollout
+
+    @property
+    def model(self) -> Model:
+        return self.actor_rollout_ref.model
+
+    def log_prob_dynamic(self) -> bool:
+        """rollout.log_prob_use_dynamic_bsz, the actor's use_dynamic_bsz unless set (:325)."""
+        own = self.rollout.log_prob_use_dynamic_bsz
+        return self.actor.use_dynamic_bsz if own is UNSET else own
+
+    def log_prob_batching(self) -> Batching:  # the old-log-prob forward (engine_workers.py:616-636)
+        own = self.rollout.log_prob_max_token_len_per_gpu
+        return Batching(f"{ROLLOUT}.log_prob_", self.actor.ppo_max_token_len_per_gpu if own is UNSET else own,
+                        self.rollout.log_prob_micro_batch_size, self.rollout.log_prob_micro_batch_size_per_gpu)
+
 
 _SELECT = re.compile(r"^\$\{oc\.select:([^,}]+),([^}]*)\}$")
 _REFERENCE = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
 
 
 
-class Config:
-    """The config's values by dotted key: the file's, else verl's default."""
+class Interpolations:
+    """The built-in reader's OmegaConf stand-in: a dotted key's value, the file's else verl's default,
+    with the two interpolations verl's defaults use resolved as OmegaConf resolves them."""
 
     def __init__(self, values: dict[str, Any], defaults: dict[str, Any], file: str = "") -> None:
         self.values, self.defaults, self.file = values, defaults, file
@@ -108,7 +210,6 @@ class Config:
         return self._resolved(value, (*seen, key))
 
     def _resolved(self, value: Any, seen: tuple[str, ...]) -> Any:
-        """The two interpolations verl's defaults use for these keys, as OmegaConf resolves them."""
         if not isinstance(value, str):
             return value
         if match := _SELECT.match(value):
@@ -130,6 +231,39 @@ def _walk(tree: Any, key: str) -> tuple[bool, Any]:
     return True, tree
 
 
+def _put(tree: dict[str, Any], key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[last] = value
+
+
+def _leaves(kind: type[msgspec.Struct], prefix: str = "") -> list[str]:
+    """The dotted keys of a record's fields, nested records walked into (a dict or an optional record is one key)."""
+    keys = []
+    for field in msgspec.structs.fields(kind):
+        if isinstance(field.type, type) and issubclass(field.type, msgspec.Struct):
+            keys += _leaves(field.type, f"{prefix}{field.encode_name}.")
+        else:
+            keys.append(prefix + field.encode_name)
+    return keys
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+KEYS = _leaves(VerlConfig)
+# The records' defaults by dotted key, for an interpolation that refers to a key the file leaves out.
+DEFAULTS = _flat(msgspec.to_builtins(VerlConfig()))
+
+
 def _yaml_value(text: str, where: str = "override") -> Any:
     return yaml_value(text.strip(), where, NAME) if text.strip() else None
 
@@ -137,14 +271,14 @@ def _yaml_value(text: str, where: str = "override") -> Any:
 def derive(path: Path, machine: Machine) -> Derived:
     config, loader = load(path)
     deriving = Deriving(framework=NAME, file=str(path), loader=loader)
-    _model(config, deriving)
+    deriving.model = config.model.path  # compared with the checkpoint by the audit
     _bypass(config, deriving)
     _trainer(config, deriving, machine)
     _engine(config, deriving, machine)
     return deriving.derived()
 
 
-def load(path: Path) -> tuple[Config, str]:
+def load(path: Path) -> tuple[VerlConfig, str]:
     """The config and how it was read: the release's own OmegaConf merge where verl is installed."""
     user = _user_config(path)
     found = importlib.util.find_spec("verl")
@@ -152,13 +286,20 @@ def load(path: Path) -> tuple[Config, str]:
         version = importlib.metadata.version("verl")
         package = Path(next(iter(found.submodule_search_locations)))
         return _with_omegaconf(path, user, package), f"verl {version} (installed): OmegaConf over its default config"
-    return Config(user, _defaults(user), str(path)), f"built-in subset of verl {VERSION}'s keys (verl not installed)"
+    return _built_in(path, user), f"built-in subset of verl {VERSION}'s keys (verl not installed)"
 
 
-def _defaults(user: dict[str, Any]) -> dict[str, Any]:
-    """DEFAULTS with the `model_engine` group's choice applied: the actor's strategy it selects."""
-    engine = user.get(GROUP_CHOICES, {}).get("model_engine", "dp")
-    return {**DEFAULTS, f"{ACTOR}.strategy": ENGINE_STRATEGY[engine]}
+def _built_in(path: Path, user: dict[str, Any]) -> VerlConfig:
+    """The keys read here that the file sets, their interpolations resolved, decoded over the records'
+    defaults; the `model_engine` group's choice sets the actor's strategy unless the file does."""
+    engine = ENGINE_STRATEGY[user.pop(GROUP_CHOICES, {}).get("model_engine", "dp")]
+    strategy = f"{ACTOR}.strategy"
+    resolver = Interpolations(user, {**DEFAULTS, strategy: engine}, str(path))
+    tree: dict[str, Any] = {}
+    for key in KEYS:
+        if _walk(user, key)[0] or key == strategy:
+            _put(tree, key, resolver.get(key))
+    return decoded(tree, VerlConfig, path)
 
 
 def _user_config(path: Path) -> dict[str, Any]:
@@ -183,12 +324,12 @@ def _text(path: Path) -> str:
     return text(path, NAME)
 
 
-def _with_omegaconf(path: Path, user: dict[str, Any], package: Path) -> Config:
+def _with_omegaconf(path: Path, user: dict[str, Any], package: Path) -> VerlConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    groups = user.pop(GROUP_CHOICES, {})
-    strategy = _walk(user, f"{ACTOR}.strategy")[1] or ENGINE_STRATEGY[groups.get("model_engine", "dp")]
+    engine = ENGINE_STRATEGY[user.pop(GROUP_CHOICES, {}).get("model_engine", "dp")]
+    strategy = _walk(user, f"{ACTOR}.strategy")[1] or engine
     name = "_generated_ppo_megatron_trainer.yaml" if strategy == "megatron" else "_generated_ppo_trainer.yaml"
     try:
         default = OmegaConf.load(package / "trainer" / "config" / name)
@@ -197,30 +338,22 @@ def _with_omegaconf(path: Path, user: dict[str, Any], package: Path) -> Config:
         values = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as exc:
         raise SpecError(f"{path}: verl refuses the config: {str(exc).splitlines()[0]}") from None
-    return Config(values, {}, str(path))
+    return decoded(values, VerlConfig, path)
 
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def _model(config: Config, deriving: Deriving) -> None:
-    """The model the config names (model/hf_model.yaml `path`), compared with the checkpoint by the audit;
-    none where the file leaves verl's placeholder default."""
-    found, _ = _walk(config.values, f"{ARR}.model.path")
-    path = config.get(f"{ARR}.model.path") if found else None
-    deriving.model = str(path) if path is not None else None
-
-
-def _bypass(config: Config, deriving: Deriving) -> None:
+def _bypass(config: VerlConfig, deriving: Deriving) -> None:
     """rollout_correction.bypass_mode (trainer/config/algorithm.py:127-131; ray_trainer.py:1575-1583): verl
     never recomputes old log-probs, it reuses the rollout's as old_log_prob; the ratio the loss sees is the
     update forward's log-probs over the sampler's. The train side then replays the update forward."""
-    level = config.get("algorithm.rollout_correction.rollout_is")
-    if level in ("token", "sequence"):  # the IS weights the run logs rollout_corr/ metrics with (--for verl names)
-        deriving.framework_settings = {"rollout_is": level, "rollout_is_threshold":
-                                       config.get("algorithm.rollout_correction.rollout_is_threshold")}
+    correction = config.algorithm.rollout_correction
+    if correction.rollout_is in ("token", "sequence"):  # the IS weights the run logs rollout_corr/ metrics with
+        deriving.framework_settings = {"rollout_is": correction.rollout_is,
+                                       "rollout_is_threshold": correction.rollout_is_threshold}
     key = "algorithm.rollout_correction.bypass_mode"
-    if config.get(key):
+    if correction.bypass_mode:
         deriving.bypass = True
         deriving.notice(f"bypass mode ({key}=true): verl trains on the rollout's log-probs as old log-probs and never "
                         "recomputes them; the train side replays the policy update's forward (actor.ppo_* "
@@ -228,54 +361,47 @@ def _bypass(config: Config, deriving: Deriving) -> None:
         deriving.same("train", key, True, note="no old-log-prob forward in the run: the train side is the update's")
 
 
-def _int(path: str, key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{path}: {key}={value!r} is not an integer")
-    return value
-
-
-def _number(path: str, key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value <= 0:
-        raise SpecError(f"{path}: {key}={value!r} is not a positive number")
-    return float(value)
-
-
-def _trainer(config: Config, deriving: Deriving, machine: Machine) -> None:
+def _trainer(config: VerlConfig, deriving: Deriving, machine: Machine) -> None:
     """The actor's compute_log_prob: engine_workers.py:616-636 hands the engine the rollout
     section's log_prob_* settings; prepare_micro_batches (engine/utils.py:92-130) cuts by them."""
     _trainer_model(config, deriving, machine)
-    temperature = _number(deriving.file, f"{ROLLOUT}.temperature", config.get(f"{ROLLOUT}.temperature"))
+    temperature = config.rollout.temperature
+    if not temperature > 0:  # NaN too: the actor divides its logits by it
+        raise SpecError(f"{deriving.file}: {ROLLOUT}.temperature={temperature!r} is not a positive number")
     # ray_trainer.py:1479 puts rollout.temperature in the batch; transformer_impl.py:1386/:1483
     # divide the logits by it before the log-softmax.
-    deriving.reproduce("train", f"{ROLLOUT}.temperature", temperature, "temperature", float(temperature),
+    deriving.reproduce("train", f"{ROLLOUT}.temperature", temperature, "temperature", temperature,
                        note="the actor divides its logits by the rollout temperature")
     # The policy update's forward: the same model and scaling in the actor's own micro-batches
     # (engine_workers.py:626-628: ppo_max_token_len_per_gpu, ppo_micro_batch_size_per_gpu).
     deriving.fork("update", "train", frozenset({"micro_batch", "batch_tokens"}))
     _routing(config, deriving)
-    _batches(config, deriving, "train", ROLLOUT, "log_prob_")
-    _batches(config, deriving, "update", ACTOR, "ppo_")
+    dynamic = config.log_prob_dynamic()
+    if dynamic != config.actor.use_dynamic_bsz:  # engine_workers.py:616 asserts they agree
+        raise SpecError(f"{deriving.file}: {ROLLOUT}.log_prob_use_dynamic_bsz={str(dynamic).lower()} but "
+                        f"{ACTOR}.use_dynamic_bsz={str(not dynamic).lower()}: verl's workers refuse the two to differ")
+    _batches(deriving, "train", dynamic, config.log_prob_batching())
+    _batches(deriving, "update", dynamic, config.actor.batching())
 
 
-def _trainer_model(config: Config, deriving: Deriving, machine: Machine) -> None:
-    strategy = config.get(f"{ACTOR}.strategy")
-    if strategy == "megatron":
-        _megatron(config, deriving)
+def _trainer_model(config: VerlConfig, deriving: Deriving, machine: Machine) -> None:
+    actor, model = config.actor, config.model
+    if actor.strategy == "megatron":
+        _megatron(actor.megatron, deriving)
     else:
-        if strategy not in ("fsdp", "fsdp2"):
-            deriving.approximate("train", f"{ACTOR}.strategy", strategy,
-                                 note=f"{strategy} runs verl's own model code; hf runs the transformers model")
-        mixed = config.get(f"{ACTOR}.fsdp_config.mixed_precision") or {}
+        if actor.strategy not in ("fsdp", "fsdp2"):
+            deriving.approximate("train", f"{ACTOR}.strategy", actor.strategy,
+                                 note=f"{actor.strategy} runs verl's own model code; hf runs the transformers model")
+        fsdp = actor.fsdp_config
         # transformer_impl.py:391-403: param_dtype (bf16 when unset), and forward_step runs under
         # torch.autocast(param_dtype) (:1555-1565) unless that is fp32.
-        param = str(mixed.get("param_dtype", "bf16"))
+        param = (fsdp.mixed_precision or MixedPrecision()).param_dtype
         dtype = DTYPES.get(param, param)
         # fsdp_config.model_dtype is the dtype the weights are loaded and kept in (transformer_impl.py:
         # torch_dtype=model_dtype): fp32 by default, so the "FSDP keeps fp32 weights" note holds only then.
-        kept = DTYPES.get(str(config.get(f"{ACTOR}.fsdp_config.model_dtype")), "float32")
+        kept = DTYPES.get(fsdp.model_dtype, "float32")
         if kept != "float32":
-            deriving.approximate("train", f"{ACTOR}.fsdp_config.model_dtype",
-                                 config.get(f"{ACTOR}.fsdp_config.model_dtype"),
+            deriving.approximate("train", f"{ACTOR}.fsdp_config.model_dtype", fsdp.model_dtype,
                                  note=f"FSDP loads and keeps the weights in {kept}, not fp32")
         if dtype == "float32":
             deriving.reproduce("train", f"{ACTOR}.fsdp_config.mixed_precision.param_dtype", param, "dtype", dtype)
@@ -284,53 +410,53 @@ def _trainer_model(config: Config, deriving: Deriving, machine: Machine) -> None
                                  note=f"FSDP keeps {kept} weights, casts them to {param} and runs under "
                                       f"torch.autocast; a {dtype} model here: autocast's fp32 ops run in {dtype}",
                                  option="dtype", option_value=dtype)
-    _attention(config, deriving, machine)
-    packed = bool(config.get(f"{ARR}.model.use_remove_padding"))
+    _attention(model.override_config.attn_implementation, deriving, machine)
+    packed = model.use_remove_padding
     deriving.reproduce("train", f"{ARR}.model.use_remove_padding", packed, "packing", "varlen" if packed else "pad",
                        note="sequences packed into one row, no padding" if packed else "")
-    for key in (f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size", f"{ACTOR}.ulysses_sequence_parallel_size"):
-        sp = config.get(key)  # fsdp_config's is the engine's (workers/config/engine.py); the other is deprecated
-        if sp and sp > 1:
+    # fsdp_config's is the engine's (workers/config/engine.py); the other is deprecated
+    for key, sp in ((f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size", actor.fsdp_config.ulysses_sequence_parallel_size),
+                    (f"{ACTOR}.ulysses_sequence_parallel_size", actor.ulysses_sequence_parallel_size)):
+        if sp > 1:
             deriving.approximate("train", key, sp,
                                  note="Ulysses splits each sequence's attention heads over GPUs; hf runs it whole")
             break
-    if config.get(f"{ARR}.model.use_fused_kernels"):
+    if model.use_fused_kernels:
         deriving.cannot("train", f"{ARR}.model.use_fused_kernels", True,
                         note="verl's fused linear-cross-entropy log-prob kernel; hf takes the log-softmax of full logits")
 
 
-def _megatron(config: Config, deriving: Deriving) -> None:
+def _megatron(megatron: Megatron, deriving: Deriving) -> None:
     deriving.approximate("train", f"{ACTOR}.strategy", "megatron",
                          note="Megatron-Core with Transformer Engine kernels; hf runs the transformers model")
-    dtype = str(config.get(f"{ACTOR}.megatron.dtype"))
-    deriving.reproduce("train", f"{ACTOR}.megatron.dtype", dtype, "dtype", dtype)
-    for name, what in (("tensor_model_parallel_size", "splits each GEMM's reduction over GPUs"),
-                       ("pipeline_model_parallel_size", "splits the layers over GPUs"),
-                       ("context_parallel_size", "splits each sequence's attention over GPUs"),
-                       ("expert_model_parallel_size", "splits the experts over GPUs (all-to-all dispatch)")):
-        size = config.get(f"{ACTOR}.megatron.{name}")
-        if size and size > 1:
+    deriving.reproduce("train", f"{ACTOR}.megatron.dtype", megatron.dtype, "dtype", megatron.dtype)
+    for name, size, what in (
+            ("tensor_model_parallel_size", megatron.tensor_model_parallel_size, "splits each GEMM's reduction over GPUs"),
+            ("pipeline_model_parallel_size", megatron.pipeline_model_parallel_size, "splits the layers over GPUs"),
+            ("context_parallel_size", megatron.context_parallel_size, "splits each sequence's attention over GPUs"),
+            ("expert_model_parallel_size", megatron.expert_model_parallel_size,
+             "splits the experts over GPUs (all-to-all dispatch)")):
+        if size > 1:
             deriving.approximate("train", f"{ACTOR}.megatron.{name}", size,
                                  note=f"hf runs the whole model on one device; {name}={size} {what} (other rounding)")
         else:  # listed even at 1: a Megatron run's parallel layout is on the first screen
             deriving.same("train", f"{ACTOR}.megatron.{name}", size, note="one device, as here")
-    router = (config.get(f"{ACTOR}.megatron.override_transformer_config") or {}).get("moe_router_dtype")
-    if router is not None:
+    if (router := megatron.override_transformer_config.moe_router_dtype) is not None:
         deriving.approximate("train", f"{ACTOR}.megatron.override_transformer_config.moe_router_dtype", router,
                              note="Megatron computes the MoE gate in this dtype; hf's router runs in the model's "
                                   "dtype (no effect on a dense model)")
 
 
-def _routing(config: Config, deriving: Deriving) -> None:
+def _routing(config: VerlConfig, deriving: Deriving) -> None:
     """verl's router replay (workers/config/engine.py:55-71, EngineRouterReplayConfig): R3 forces, in the
     trainer's forwards, the experts vLLM routed to (rollout.enable_rollout_routing_replay makes vLLM return
     them, vllm_async_server.py:438); R2 records the old-log-prob forward's experts and forces them in the update."""
-    mode = config.get(f"{ACTOR}.megatron.router_replay.mode") or "disabled"
-    returned = bool(config.get(f"{ROLLOUT}.enable_rollout_routing_replay"))
+    mode = config.actor.megatron.router_replay.mode
+    returned = config.rollout.enable_rollout_routing_replay
     if returned:
         deriving.same("infer", f"{ROLLOUT}.enable_rollout_routing_replay", True,
                       note="vLLM returns each token's experts with the rollout")
-    if mode == "R3" or (mode == "disabled" and returned and config.get(f"{ACTOR}.strategy") != "megatron"):
+    if mode == "R3" or (mode == "disabled" and returned and config.actor.strategy != "megatron"):
         for side in ("train", "update"):
             deriving.reproduce(side, f"{ACTOR}.megatron.router_replay.mode", mode, "routing", "replay",
                                note="the trainer forces the experts vLLM routed to; the replay forces those recorded "
@@ -343,9 +469,7 @@ def _routing(config: Config, deriving: Deriving) -> None:
                       note="R2: the old-log-prob forward routes freely and records its experts")
 
 
-def _attention(config: Config, deriving: Deriving, machine: Machine) -> None:
-    # workers/config/model.py:185: override_config.attn_implementation, flash_attention_2 by default.
-    attn = (config.get(f"{ARR}.model.override_config") or {}).get("attn_implementation", "flash_attention_2")
+def _attention(attn: str, deriving: Deriving, machine: Machine) -> None:
     key = f"{ARR}.model.override_config.attn_implementation"
     if attn == "flash_attention_2" and not machine.flash_attn:
         deriving.approximate("train", key, attn, option="attn", option_value="sdpa",
@@ -354,67 +478,61 @@ def _attention(config: Config, deriving: Deriving, machine: Machine) -> None:
         deriving.reproduce("train", key, attn, "attn", attn)
 
 
-def _batches(config: Config, deriving: Deriving, side: Side, section: str, prefix: str) -> None:
+def _batches(deriving: Deriving, side: Side, dynamic: bool, batching: Batching) -> None:
     """One forward's micro-batches: `{prefix}max_token_len_per_gpu` under dynamic bsz, else
     `{prefix}micro_batch_size_per_gpu` (prepare_micro_batches, engine/utils.py:92-130)."""
-    dynamic = bool(config.get(f"{ROLLOUT}.log_prob_use_dynamic_bsz"))
-    if dynamic != bool(config.get(f"{ACTOR}.use_dynamic_bsz")):  # engine_workers.py:616 asserts they agree
-        raise SpecError(f"{deriving.file}: {ROLLOUT}.log_prob_use_dynamic_bsz={str(dynamic).lower()} but "
-                        f"{ACTOR}.use_dynamic_bsz={str(not dynamic).lower()}: verl's workers refuse the two to differ")
     if dynamic:
-        key = f"{section}.{prefix}max_token_len_per_gpu"
-        budget = _int(deriving.file, key, config.get(key))
-        deriving.reproduce(side, key, budget, "batch_tokens", budget,
+        key = f"{batching.prefix}max_token_len_per_gpu"
+        deriving.reproduce(side, key, batching.max_token_len_per_gpu, "batch_tokens", batching.max_token_len_per_gpu,
                            note="verl's balanced dynamic batch size (rearrange_micro_batches), over the whole file "
                                 "rather than each GPU's share")
         return
-    if config.get(f"{section}.{prefix}micro_batch_size") is not None:  # utils/config.py:150-160 refuses it
-        raise SpecError(f"{deriving.file}: {section}.{prefix}micro_batch_size is deprecated and refused by verl; "
-                        f"set {section}.{prefix}micro_batch_size_per_gpu")
-    key = f"{section}.{prefix}micro_batch_size_per_gpu"
-    if config.get(key) is None:  # utils/config.py:153-154 and engine_workers.py:636: verl refuses it too
+    if batching.micro_batch_size is not None:  # utils/config.py:150-160 refuses it
+        raise SpecError(f"{deriving.file}: {batching.prefix}micro_batch_size is deprecated and refused by verl; "
+                        f"set {batching.prefix}micro_batch_size_per_gpu")
+    key, size = f"{batching.prefix}micro_batch_size_per_gpu", batching.micro_batch_size_per_gpu
+    if size is None:  # utils/config.py:153-154 and engine_workers.py:636: verl refuses it too
         raise SpecError(f"{deriving.file}: {key} is not set (verl needs it unless use_dynamic_bsz is true)")
-    size = _int(deriving.file, key, config.get(key))
     deriving.reproduce(side, key, size, "micro_batch", size,
                        note="in order over the whole file; verl first splits the batch over its GPUs")
 
 
-def _engine(config: Config, deriving: Deriving, machine: Machine) -> None:
+def _engine(config: VerlConfig, deriving: Deriving, machine: Machine) -> None:
     """The vLLM server's engine args (vllm_async_server.py:325-349), engine_kwargs.vllm last."""
-    name = config.get(f"{ROLLOUT}.name")
-    if name in ("???", None):
+    rollout = config.rollout
+    if rollout.name in ("???", None):
         raise SpecError(f"{deriving.file}: {ROLLOUT}.name is mandatory in verl's config (vllm or sglang)")
-    if name != "vllm":
-        deriving.approximate("infer", f"{ROLLOUT}.name", name,
-                             note=f"{name} does not run in-process; vLLM with the same args. For {name} itself, "
-                                  "serve it and pass --infer http://HOST:PORT")
-    for key, option in (("dtype", "dtype"), ("enable_prefix_caching", "enable_prefix_caching"),
-                        ("enable_chunked_prefill", "enable_chunked_prefill"),
-                        ("max_num_batched_tokens", "max_num_batched_tokens"), ("max_num_seqs", "max_num_seqs"),
-                        ("logprobs_mode", "logprobs_mode"), ("seed", "seed")):
-        deriving.reproduce("infer", f"{ROLLOUT}.{key}", config.get(f"{ROLLOUT}.{key}"), option,
-                           config.get(f"{ROLLOUT}.{key}"))
-    if (length := config.get(f"{ROLLOUT}.max_model_len")) is not None:
-        deriving.reproduce("infer", f"{ROLLOUT}.max_model_len", length, "max_model_len", length)
-    memory = config.get(f"{ROLLOUT}.gpu_memory_utilization")
-    deriving.same("infer", f"{ROLLOUT}.gpu_memory_utilization", memory,
+    if rollout.name != "vllm":
+        deriving.approximate("infer", f"{ROLLOUT}.name", rollout.name,
+                             note=f"{rollout.name} does not run in-process; vLLM with the same args. For "
+                                  f"{rollout.name} itself, serve it and pass --infer http://HOST:PORT")
+    for key, value in (("dtype", rollout.dtype), ("enable_prefix_caching", rollout.enable_prefix_caching),
+                       ("enable_chunked_prefill", rollout.enable_chunked_prefill),
+                       ("max_num_batched_tokens", rollout.max_num_batched_tokens),
+                       ("max_num_seqs", rollout.max_num_seqs), ("logprobs_mode", rollout.logprobs_mode),
+                       ("seed", rollout.seed)):
+        deriving.reproduce("infer", f"{ROLLOUT}.{key}", value, key, value)
+    if rollout.max_model_len is not None:
+        deriving.reproduce("infer", f"{ROLLOUT}.max_model_len", rollout.max_model_len, "max_model_len",
+                           rollout.max_model_len)
+    deriving.same("infer", f"{ROLLOUT}.gpu_memory_utilization", rollout.gpu_memory_utilization,
                   note="the KV-cache share of GPU memory: it decides batch sizes and preemption, not one "
                        "sequence's log-probs; the replay's engine sizes its own cache")
-    _parallel_and_graphs(config, deriving, machine)
-    for key, identity in (("temperature", 1.0), ("top_k", -1), ("top_p", 1.0)):
-        if (value := config.get(f"{ROLLOUT}.{key}")) != identity and not (key == "top_k" and value == 0):
+    _parallel_and_graphs(rollout, deriving, machine)
+    for key, value, identity in (("temperature", rollout.temperature, 1.0), ("top_k", rollout.top_k, -1),
+                                 ("top_p", rollout.top_p, 1.0)):
+        if value != identity and not (key == "top_k" and value == 0):
             deriving.approximate("infer", f"{ROLLOUT}.{key}", value,
                                  note="the engine replay scores raw log-probs; the sampler's processing is replayed "
                                       "from each rollout's meta.sampler")
-    extra = (config.get(f"{ROLLOUT}.engine_kwargs") or {}).get("vllm") or {}
-    for key, value in extra.items():
+    for key, value in (rollout.engine_kwargs.vllm or {}).items():  # vLLM's args: an open set
         if value is not None:
             deriving.cannot("infer", f"{ROLLOUT}.engine_kwargs.vllm.{key}", value,
                             note="passed to vLLM by verl; add it to the --infer spec if mismatch's vllm engine has it")
 
 
-def _parallel_and_graphs(config: Config, deriving: Deriving, machine: Machine) -> None:
-    tp = _int(deriving.file, f"{ROLLOUT}.tensor_model_parallel_size", config.get(f"{ROLLOUT}.tensor_model_parallel_size"))
+def _parallel_and_graphs(rollout: Rollout, deriving: Deriving, machine: Machine) -> None:
+    tp = rollout.tensor_model_parallel_size
     if tp <= max(machine.gpus, 1):
         deriving.reproduce("infer", f"{ROLLOUT}.tensor_model_parallel_size", tp, "tensor_parallel_size", tp)
     else:
@@ -422,7 +540,7 @@ def _parallel_and_graphs(config: Config, deriving: Deriving, machine: Machine) -
                              option="tensor_parallel_size", option_value=1,
                              note=f"{machine.gpus} GPU(s) here; TP={tp} splits each GEMM's reduction. "
                                   f"On {tp} GPUs add ,tensor_parallel_size={tp}")
-    eager = bool(config.get(f"{ROLLOUT}.enforce_eager"))
+    eager = rollout.enforce_eager
     if eager or machine.gpus > 0:
         deriving.reproduce("infer", f"{ROLLOUT}.enforce_eager", eager, "enforce_eager", eager)
     else:
