@@ -141,10 +141,12 @@ _EXPECTED = (("object", "a mapping"), ("array", "a list"), ("float", "a number")
              ("bool", "true or false"), ("str", "a string"))
 
 
-def decoded(tree: Any, kind: type[Record], path: Path | str) -> Record:  # noqa: ANN401 - a parsed file
+def decoded(tree: Any, kind: type[Record], path: Path | str,  # noqa: ANN401 - a parsed file
+            wanted: tuple[tuple[str, str], ...] = ()) -> Record:
     """`tree` (a parsed config) as the typed record `kind`, decoded once at the boundary by msgspec
     (unknown keys ignored, each missing key the record's default). A value of the wrong type is one
-    SpecError naming the file, the dotted key and the value: `f.yaml: a.b='eight' is not an integer`."""
+    SpecError naming the file, the dotted key and the value: `f.yaml: a.b='eight' is not an integer`;
+    `wanted` words what some keys must be more precisely than their type ("a positive number")."""
     try:
         return msgspec.convert(tree, kind)
     except msgspec.ValidationError as exc:
@@ -153,7 +155,8 @@ def decoded(tree: Any, kind: type[Record], path: Path | str) -> Record:  # noqa:
             message, _, at = str(exc).partition(" - at `$")
             raise SpecError(f"{path}: {at.rstrip('`').lstrip('.') or 'config'}: {message}") from None
         key = (found["at"] or "").lstrip(".")
-        expected = next((words for name, words in _EXPECTED if name in found["expected"]), found["expected"])
+        expected = dict(wanted).get(key) or next(
+            (words for name, words in _EXPECTED if name in found["expected"]), found["expected"])
         if not key:
             raise SpecError(f"{path}: the config is not {expected}") from None
         if "[...]" in key:  # a map's value: msgspec does not name the map's key

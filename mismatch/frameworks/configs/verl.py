@@ -120,7 +120,7 @@ class EngineKwargs(_Record):
 
 
 class Rollout(_Record):
-    name: str | None = "???"                                                                            # :293 (mandatory)
+    name: str | None = "???"                                                                        # :293 (mandatory)
     temperature: float = 1.0                                                                        # :297
     top_k: int = -1                                                                                 # :298
     top_p: float = 1.0                                                                              # :299
@@ -260,6 +260,7 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 KEYS = _leaves(VerlConfig)
+WANTED = ((f"{ROLLOUT}.temperature", "a positive number"),)  # the actor divides its logits by it
 # The records' defaults by dotted key, for an interpolation that refers to a key the file leaves out.
 DEFAULTS = _flat(msgspec.to_builtins(VerlConfig()))
 
@@ -292,14 +293,19 @@ def load(path: Path) -> tuple[VerlConfig, str]:
 def _built_in(path: Path, user: dict[str, Any]) -> VerlConfig:
     """The keys read here that the file sets, their interpolations resolved, decoded over the records'
     defaults; the `model_engine` group's choice sets the actor's strategy unless the file does."""
-    engine = ENGINE_STRATEGY[user.pop(GROUP_CHOICES, {}).get("model_engine", "dp")]
-    strategy = f"{ACTOR}.strategy"
+    engine, strategy = _chosen_strategy(user), f"{ACTOR}.strategy"
     resolver = Interpolations(user, {**DEFAULTS, strategy: engine}, str(path))
     tree: dict[str, Any] = {}
     for key in KEYS:
         if _walk(user, key)[0] or key == strategy:
             _put(tree, key, resolver.get(key))
-    return decoded(tree, VerlConfig, path)
+    return decoded(tree, VerlConfig, path, WANTED)
+
+
+def _chosen_strategy(user: dict[str, Any]) -> str:
+    """The actor strategy a command line's `model_engine=OPTION` selects (the group choices taken out)."""
+    groups: dict[str, str] = user.pop(GROUP_CHOICES, {})  # group -> option, as the command line gives them
+    return ENGINE_STRATEGY[groups.get("model_engine", "dp")]
 
 
 def _user_config(path: Path) -> dict[str, Any]:
@@ -328,8 +334,7 @@ def _with_omegaconf(path: Path, user: dict[str, Any], package: Path) -> VerlConf
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    engine = ENGINE_STRATEGY[user.pop(GROUP_CHOICES, {}).get("model_engine", "dp")]
-    strategy = _walk(user, f"{ACTOR}.strategy")[1] or engine
+    strategy = _walk(user, f"{ACTOR}.strategy")[1] or _chosen_strategy(user)
     name = "_generated_ppo_megatron_trainer.yaml" if strategy == "megatron" else "_generated_ppo_trainer.yaml"
     try:
         default = OmegaConf.load(package / "trainer" / "config" / name)
@@ -338,7 +343,7 @@ def _with_omegaconf(path: Path, user: dict[str, Any], package: Path) -> VerlConf
         values = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as exc:
         raise SpecError(f"{path}: verl refuses the config: {str(exc).splitlines()[0]}") from None
-    return decoded(values, VerlConfig, path)
+    return decoded(values, VerlConfig, path, WANTED)
 
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -415,7 +420,8 @@ def _trainer_model(config: VerlConfig, deriving: Deriving, machine: Machine) -> 
     deriving.reproduce("train", f"{ARR}.model.use_remove_padding", packed, "packing", "varlen" if packed else "pad",
                        note="sequences packed into one row, no padding" if packed else "")
     # fsdp_config's is the engine's (workers/config/engine.py); the other is deprecated
-    for key, sp in ((f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size", actor.fsdp_config.ulysses_sequence_parallel_size),
+    for key, sp in ((f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size",
+                     actor.fsdp_config.ulysses_sequence_parallel_size),
                     (f"{ACTOR}.ulysses_sequence_parallel_size", actor.ulysses_sequence_parallel_size)):
         if sp > 1:
             deriving.approximate("train", key, sp,
@@ -431,7 +437,8 @@ def _megatron(megatron: Megatron, deriving: Deriving) -> None:
                          note="Megatron-Core with Transformer Engine kernels; hf runs the transformers model")
     deriving.reproduce("train", f"{ACTOR}.megatron.dtype", megatron.dtype, "dtype", megatron.dtype)
     for name, size, what in (
-            ("tensor_model_parallel_size", megatron.tensor_model_parallel_size, "splits each GEMM's reduction over GPUs"),
+            ("tensor_model_parallel_size", megatron.tensor_model_parallel_size,
+             "splits each GEMM's reduction over GPUs"),
             ("pipeline_model_parallel_size", megatron.pipeline_model_parallel_size, "splits the layers over GPUs"),
             ("context_parallel_size", megatron.context_parallel_size, "splits each sequence's attention over GPUs"),
             ("expert_model_parallel_size", megatron.expert_model_parallel_size,
