@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from mismatch.errors import CheckpointError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -24,6 +26,51 @@ def normalize_dtype(name: str) -> str:
         raise CheckpointError(f"unknown dtype {name!r} (expected one of: {', '.join(DTYPES)}; "
                               f"or {', '.join(DTYPE_ALIASES)})")
     return resolved
+
+
+class TextConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The keys read from config.json, or from a multimodal config's `text_config`, as transformers
+    names them; unknown keys ignored, a missing one None (the model does not say)."""
+
+    max_position_embeddings: int | None = None
+    n_positions: int | None = None        # GPT-2's context
+    seq_length: int | None = None         # ChatGLM's, Qwen-1's
+    attn_logit_softcapping: float | None = None  # Gemma-2's
+
+
+class ModelConfig(TextConfig, frozen=True, kw_only=True):
+    model_type: str = "?"
+    vocab_size: int | None = None
+    dtype: str | None = None
+    torch_dtype: str | None = None        # transformers < 4.56 wrote the dtype under this name
+    text_config: TextConfig | None = None
+    # MoE: Qwen-MoE's num_experts, Mixtral's num_local_experts, DeepSeek's n_routed_experts; the top-k;
+    # the layers that stay dense (DeepSeek-V3's first_k_dense_replace, Qwen-MoE's step and list)
+    num_experts: int | None = None
+    num_local_experts: int | None = None
+    n_routed_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    num_hidden_layers: int | None = None
+    first_k_dense_replace: int | None = None
+    decoder_sparse_step: int | None = None
+    mlp_only_layers: list[int] | None = None
+
+    def scopes(self) -> tuple[TextConfig, ...]:
+        """Where a text model's key may be: the top level first, then the text_config."""
+        return (self, self.text_config) if self.text_config is not None else (self,)
+
+
+def model_config(config: object, where: Path) -> ModelConfig:
+    """config.json's parsed JSON as a ModelConfig (JSON's own types: no coercion); a key of the wrong
+    type is one CheckpointError naming it."""
+    try:
+        return msgspec.convert(config, ModelConfig)
+    except msgspec.ValidationError as exc:
+        message, _, at = str(exc).partition(" - at `$.")
+        key = at.rstrip("`")
+        if key == "vocab_size":  # `"vocab_size": true` must not pass as a vocab of 1
+            raise CheckpointError(f"{where}: vocab_size missing or not a positive integer") from None
+        raise CheckpointError(f"{where}: {key or 'config'}: {message[0].lower()}{message[1:]}") from None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -58,23 +105,17 @@ def checkpoint_info(path: str | Path) -> CheckpointInfo:
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_file}: must be a JSON object")
     _check_weights(root)
-    vocab_size = config.get("vocab_size")
-    # bool is an int subclass: `"vocab_size": true` must not pass as a vocab of 1.
-    if type(vocab_size) is not int or vocab_size <= 0:
+    model = model_config(config, config_file)
+    if model.vocab_size is None or model.vocab_size <= 0:
         raise CheckpointError(f"{config_file}: vocab_size missing or not a positive integer")
-    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return CheckpointInfo(path=root, model_type=str(config.get("model_type", "?")),
-                          vocab_size=vocab_size, dtype=str(dtype), max_positions=max_positions(config),
-                          num_experts=_num_experts(config), attn_softcap=_attn_softcap(config),
-                          **_moe_shape(config))
+    return CheckpointInfo(path=root, model_type=model.model_type, vocab_size=model.vocab_size,
+                          dtype=model.dtype or model.torch_dtype or "float32", max_positions=max_positions(model),
+                          num_experts=_num_experts(model), attn_softcap=_attn_softcap(model), **_moe_shape(model))
 
 
-def _attn_softcap(config: dict) -> float | None:
-    for scope in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
-        value = scope.get("attn_logit_softcapping")
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value:
-            return float(value)
-    return None
+def _attn_softcap(model: ModelConfig) -> float | None:
+    return next((float(scope.attn_logit_softcapping) for scope in model.scopes() if scope.attn_logit_softcapping),
+                None)
 
 
 # transformers' sdpa path accepts and ignores attention logit soft-capping
@@ -113,39 +154,41 @@ def _supports_sdpa(model_type: str) -> bool:
     return bool(getattr(getattr(module, name, None), "_supports_sdpa", True))
 
 
-def _num_experts(config: dict) -> int | None:
-    """Qwen-MoE's num_experts, Mixtral's num_local_experts, DeepSeek's n_routed_experts."""
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        value = config.get(key)
-        if type(value) is int and value > 1:
-            return value
-    return None
+def _num_experts(model: ModelConfig) -> int | None:
+    """The routed experts per MoE layer, under whichever name the family gives them; None for a dense model."""
+    return next((n for n in (model.num_experts, model.num_local_experts, model.n_routed_experts)
+                 if n is not None and n > 1), None)
 
 
-def _moe_shape(config: dict) -> dict[str, int]:
+def _moe_shape(model: ModelConfig) -> dict[str, int]:
     """The MoE layer count and top-k a stored routing must have, where config.json says: every
     layer routes (Mixtral) unless the family keeps some dense (transformers' layer constructors:
     DeepSeek-V3's first_k_dense_replace, Qwen-MoE's mlp_only_layers and decoder_sparse_step)."""
-    k, layers = config.get("num_experts_per_tok"), config.get("num_hidden_layers")
-    if _num_experts(config) is None or type(k) is not int or type(layers) is not int:
+    k, layers = model.num_experts_per_tok, model.num_hidden_layers
+    if _num_experts(model) is None or k is None or layers is None:
         return {}
-    dense_first = config.get("first_k_dense_replace")
-    step, dense = config.get("decoder_sparse_step"), config.get("mlp_only_layers")
+    dense_first, step, dense = model.first_k_dense_replace or 0, model.decoder_sparse_step, model.mlp_only_layers or []
     routed = [i for i in range(layers)
-              if not (type(dense_first) is int and i < dense_first)
-              and not (type(step) is int and step > 0 and (i + 1) % step)
-              and not (isinstance(dense, list) and i in dense)]
+              if i >= dense_first and not (step is not None and step > 0 and (i + 1) % step) and i not in dense]
     return {"moe_layers": len(routed), "experts_per_token": k}
 
 
-def max_positions(config: dict) -> int | None:
+def max_positions(model: ModelConfig) -> int | None:
     """The context length config.json declares (the text model's, for a multimodal config)."""
-    for scope in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
-        for key in ("max_position_embeddings", "n_positions", "seq_length"):
-            value = scope.get(key)
-            if type(value) is int and value > 0:
+    for scope in model.scopes():
+        for value in (scope.max_position_embeddings, scope.n_positions, scope.seq_length):
+            if value is not None and value > 0:
                 return value
     return None
+
+
+def declared_context(checkpoint: Path) -> int | None:
+    """max_positions of the checkpoint's config.json; None where it cannot be read (the checkpoint's own
+    checks name what is wrong with it)."""
+    try:
+        return max_positions(model_config(json.loads((checkpoint / "config.json").read_text()), checkpoint))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, CheckpointError):
+        return None
 
 
 def _check_weights(root: Path) -> None:

@@ -6,11 +6,10 @@ settings rides on the options into summary.json `engines.<source>.from_config`."
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, TypeVar
 
-from mismatch.checkpoint import max_positions
+from mismatch.checkpoint import declared_context
 from mismatch.engines.spec import parse_spec
 from mismatch.errors import MismatchError, SpecError
 from mismatch.frameworks.configs import ENGINE_SIDE_OPTIONS, config_framework, resolve
@@ -99,7 +98,7 @@ def _with_context_check(checkpoint: Path, options: O) -> O:
     if table is None or not isinstance(options, AuditOptions) or "max_model_len" in (table.overrides or {}):
         return options
     spec = parse_spec(options.infer or DEFAULT_INFER)
-    asked, limit = spec.options.get("max_model_len"), _context(checkpoint)
+    asked, limit = spec.options.get("max_model_len"), declared_context(checkpoint)
     if asked is None or limit is None or int(asked) <= limit:
         return options
     key = next((s.key for s in table.settings or () if (s.option or "").startswith("max_model_len=")),
@@ -110,14 +109,6 @@ def _with_context_check(checkpoint: Path, options: O) -> O:
               f"--infer {capped.split(',max_model_len=')[0]},max_model_len=N sets another")
     return dataclasses.replace(options, infer=capped, from_config={**options.from_config, "infer": {
         **options.from_config["infer"], "spec": capped, "notices": [*(table.notices or []), notice]}})
-
-
-def _context(checkpoint: Path) -> int | None:
-    try:
-        config = json.loads((checkpoint / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        return None  # the checkpoint's own checks name what is wrong with it
-    return max_positions(config) if isinstance(config, dict) else None
 
 
 def config_tables(options: RunOptions) -> dict[str, FromConfig]:
