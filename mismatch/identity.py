@@ -15,11 +15,12 @@ it. An HTTP server's own identity is not asked before the replay.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from mismatch.engines.spec import EngineSpec
 from mismatch.results.staging import atomic_write_text, file_sha256
@@ -50,11 +51,34 @@ def digest_cache_dir() -> Path:
     return Path(base) / "mismatch"
 
 
-def _stamp(stat: os.stat_result) -> dict[str, int]:
+class Stamp(msgspec.Struct, frozen=True, kw_only=True):
     """What must not have moved for a cached digest to stand. ctime is in it because nothing but a
     change sets it: `os.utime` puts an mtime back after an edit, never a ctime."""
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns,
-            "ino": stat.st_ino, "dev": stat.st_dev}
+
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    ino: int
+    dev: int
+
+
+def _stamp(stat: os.stat_result) -> Stamp:
+    return Stamp(size=stat.st_size, mtime_ns=stat.st_mtime_ns, ctime_ns=stat.st_ctime_ns, ino=stat.st_ino,
+                 dev=stat.st_dev)
+
+
+class CachedDigest(Stamp, frozen=True, kw_only=True):
+    sha256: str
+    used_ns: int = 0  # when last used: the oldest are dropped past _CACHE_ENTRIES
+
+    @property
+    def stamp(self) -> Stamp:
+        return Stamp(size=self.size, mtime_ns=self.mtime_ns, ctime_ns=self.ctime_ns, ino=self.ino, dev=self.dev)
+
+
+class CacheFile(msgspec.Struct, frozen=True, kw_only=True):
+    version: int
+    files: dict[str, CachedDigest]  # by resolved path
 
 
 class DigestCache:
@@ -67,40 +91,37 @@ class DigestCache:
         self.changed = False
 
     @staticmethod
-    def _load(file: Path) -> dict[str, dict[str, Any]]:
+    def _load(file: Path) -> dict[str, CachedDigest]:
         try:
-            data = json.loads(file.read_text())
-        except (OSError, ValueError):
+            cached = msgspec.json.decode(file.read_bytes(), type=CacheFile)
+        except (OSError, msgspec.DecodeError):  # ValidationError is a DecodeError: another shape, no cache
             return {}
-        if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION or not isinstance(data.get("files"), dict):
-            return {}
-        return {key: entry for key, entry in data["files"].items() if isinstance(entry, dict)}
+        return cached.files if cached.version == _CACHE_VERSION else {}
 
     def digest(self, path: Path) -> str:
         key = str(path.resolve())
         stat = path.stat()
-        entry = self.entries.get(key)
-        if entry is not None and isinstance(entry.get("sha256"), str) and \
-                {name: entry.get(name) for name in _stamp(stat)} == _stamp(stat):
-            entry["used_ns"] = time.time_ns()
+        entry = self.entries.get(key)  # a map by path
+        if entry is not None and entry.stamp == _stamp(stat):
+            self.entries[key] = msgspec.structs.replace(entry, used_ns=time.time_ns())
             self.changed = True
-            return entry["sha256"]
+            return entry.sha256
         started = time.time_ns()
         digest = content_digest(path)
         after = path.stat()
         # Changed while hashed, or too recently to trust its stamp: the digest stands, uncached.
         if _stamp(after) == _stamp(stat) and max(stat.st_mtime_ns, stat.st_ctime_ns) < started - RACY_NS:
-            self.entries[key] = {**_stamp(stat), "sha256": digest, "used_ns": started}
+            self.entries[key] = CachedDigest(**msgspec.structs.asdict(_stamp(stat)), sha256=digest, used_ns=started)
             self.changed = True
         return digest
 
     def save(self) -> None:
         if not self.changed:
             return
-        newest = sorted(self.entries.items(), key=lambda item: item[1].get("used_ns", 0), reverse=True)
+        newest = sorted(self.entries.items(), key=lambda item: item[1].used_ns, reverse=True)
         try:
-            atomic_write_text(self.file, json.dumps({"version": _CACHE_VERSION,
-                                                     "files": dict(newest[:_CACHE_ENTRIES])}) + "\n")
+            atomic_write_text(self.file, msgspec.json.encode(
+                CacheFile(version=_CACHE_VERSION, files=dict(newest[:_CACHE_ENTRIES]))).decode() + "\n")
         except OSError:
             return  # a read-only or full home: the next run hashes again
         self.changed = False

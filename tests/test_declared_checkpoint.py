@@ -51,16 +51,16 @@ def base(tiny_checkpoint, tmp_path_factory) -> Path:
 def test_declarations_are_matched_by_name_or_by_weight_digests(tiny_checkpoint, tmp_path) -> None:
     identity = [{"file": name, "size": 1, "sha256": digest} for name, digest in _digests(tiny_checkpoint).items()]
     same = compare_declared([str(tiny_checkpoint)] * 3, tiny_checkpoint, identity)
-    assert same["agrees"] and same["declared"][0]["match"] == "same name"
+    assert same.agrees and same.declared[0].match == "same name"
     assert declared_line(same, str(tiny_checkpoint), identity_cause=False) is None
     assert compare_declared([None, None], tiny_checkpoint, identity) is None  # nothing declared: nothing said
     by_name = compare_declared([tiny_checkpoint.name + "/"], tmp_path / "x" / tiny_checkpoint.name, identity)
-    assert by_name["declared"][0]["match"] == "same name"  # the directory's name, wherever it lies
+    assert by_name.declared[0].match == "same name"  # the directory's name, wherever it lies
     copy = {"path": "/elsewhere/copy-of-tiny", "sha256": _digests(tiny_checkpoint)}
-    assert compare_declared([copy], tiny_checkpoint, identity)["declared"][0]["match"] == "same weights"
+    assert compare_declared([copy], tiny_checkpoint, identity).declared[0].match == "same weights"
     other = {"path": str(tiny_checkpoint), "sha256": {name: "0" * 64 for name in _digests(tiny_checkpoint)}}
     found = compare_declared([other], tiny_checkpoint, identity)
-    assert found["declared"][0]["match"] == "other weights" and not found["agrees"] and found["by_weights"]
+    assert found.declared[0].match == "other weights" and not found.agrees and found.by_weights
     assert "their weight digests differ from its files'" in declared_line(found, "C", identity_cause=False)
 
 

@@ -35,7 +35,7 @@ from mismatch.pipeline import stages
 from mismatch.pipeline.configured import resolve_options
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json, with_parts
-from mismatch.results.summary_model import Correction, Summary, present
+from mismatch.results.summary_model import Correction, DeclaredCheckpoint, Summary, present, to_builtins
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, followed_routing, replay_processed
 from mismatch.replay.truncation import sampler_truncation, truncation_explained
 from mismatch.results import TokenStore, results_lock, staged_tokens
@@ -263,7 +263,7 @@ def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFin
                   localized: dict[str, Any] | None = None, weights: dict[str, Any] | None = None,
                   probes: dict[str, Any] | None = None, framework: str | None = None,
                   skipped: dict[str, Any] | None = None,
-                  declared_checkpoint: dict[str, Any] | None = None) -> Summary:
+                  declared_checkpoint: DeclaredCheckpoint | None = None) -> Summary:
     """summary.json of an audit (or a merge of its shards), advised once on all of its evidence;
     `framework`: the one `--for` named; `skipped`: the rollouts --skip-invalid left out;
     `declared_checkpoint`: the rollouts' meta.checkpoint against the audited one
@@ -276,12 +276,12 @@ def audit_summary(provenance: Provenance, measured: Measured, findings: AuditFin
         "weights": weights or None, "probes": probes, "strata": findings.strata,
         **({"distribution": findings.distribution} if findings.distribution is not None else {}),
         **({"framework": framework} if framework is not None else {}), "skipped": skipped,
-        **({"declared_checkpoint": declared_checkpoint} if declared_checkpoint is not None else {})})
+        **({"declared_checkpoint": to_builtins(declared_checkpoint)} if declared_checkpoint is not None else {})})
     advice = advise(summary, probes=present(summary.probes.results) if summary.probes else None)
     parts: dict[str, Any] = advice.parts()
     if declared_checkpoint is not None:  # its line says what the diagnosis made of the declaration
         identity = any(cause.kind == "identity" for cause in advice.diagnosis.causes)
-        parts["declared_checkpoint"] = {**declared_checkpoint, "line": declared_line(
+        parts["declared_checkpoint"] = {**to_builtins(declared_checkpoint), "line": declared_line(
             declared_checkpoint, str(provenance.checkpoint), identity_cause=identity)}
     return with_parts(summary, parts)
 

@@ -90,8 +90,8 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> Summary:
                                            settings=present(first.framework_settings) or None,
                                            extra=[per_rollout, digestion], workers=workers,
                                            distribution=distribution)
-        declared = merged_declared([(to_builtins(s.declared_checkpoint) if present(s.declared_checkpoint) else None,
-                                     present(s.counts.rollouts) or 0) for s in summaries])
+        declared = merged_declared([(present(s.declared_checkpoint) or None, present(s.counts.rollouts) or 0)
+                                    for s in summaries])
         summary = audit_summary(provenance, measured, findings, framework=present(first.framework),
                                 declared_checkpoint=declared)
         return stages.write_results_files(store, summary,
