@@ -39,8 +39,12 @@ class TextConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ModelConfig(TextConfig, frozen=True, kw_only=True):
-    model_type: str = "?"
+    model_type: str | None = None
+    architectures: list[str] | None = None
+    name_or_path: str | None = msgspec.field(default=None, name="_name_or_path")  # the name it was saved from
     vocab_size: int | None = None
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
     dtype: str | None = None
     torch_dtype: str | None = None        # transformers < 4.56 wrote the dtype under this name
     text_config: TextConfig | None = None
@@ -108,7 +112,8 @@ def checkpoint_info(path: str | Path) -> CheckpointInfo:
     model = model_config(config, config_file)
     if model.vocab_size is None or model.vocab_size <= 0:
         raise CheckpointError(f"{config_file}: vocab_size missing or not a positive integer")
-    return CheckpointInfo(path=root, model_type=model.model_type, vocab_size=model.vocab_size,
+    return CheckpointInfo(path=root, model_type=model.model_type if model.model_type is not None else "?",
+                          vocab_size=model.vocab_size,
                           dtype=model.dtype or model.torch_dtype or "float32", max_positions=max_positions(model),
                           num_experts=_num_experts(model), attn_softcap=_attn_softcap(model), **_moe_shape(model))
 

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from mismatch.checkpoint import ModelConfig, model_config
+from mismatch.errors import CheckpointError
+
 # Where each framework's config names its model (the readers set Derived.model from it).
 MODEL_KEYS = {"verl": "actor_rollout_ref.model.path", "openrlhf": "--actor.model_name_or_path",
               "slime": "--hf-checkpoint", "prime-rl": "model.name", "trl": "model_name_or_path"}
@@ -39,17 +42,18 @@ def check_model(named: str, checkpoint: Path, key: str) -> ModelCheck:
     local = Path(named).expanduser()
     if (local / "config.json").is_file():
         theirs = _config(local / "config.json")
-        differ = [f"{field} {theirs.get(field)!r} vs {ours.get(field)!r}" for field in SIZES
-                  if field in theirs and field in ours and theirs[field] != ours[field]]
+        compared = [(field, mine, other) for field, other, mine in zip(SIZES, _sizes(theirs), _sizes(ours), strict=True)
+                    if other is not None and mine is not None]  # a size either config.json leaves out: not compared
+        differ = [f"{field} {other!r} vs {mine!r}" for field, mine, other in compared if other != mine]
         if differ:
             return ModelCheck(named=named, verdict="differs",
                               line=f"model: the config's {key}={named} is not the checkpoint {checkpoint}: "
                                    f"{'; '.join(differ)} (pass --force-model to audit it anyway)")
+        said = [field for field, mine in zip(SIZES, _sizes(ours), strict=True) if mine is not None]
         return ModelCheck(named=named, verdict="same",
                           line=f"model: the config's {key}={named} has the checkpoint's architecture and sizes "
-                               f"({', '.join(f for f in SIZES if f in ours)})")
-    names = {_short(checkpoint.resolve().name)} | ({_short(str(ours["_name_or_path"]))}
-                                                   if ours.get("_name_or_path") else set())
+                               f"({', '.join(said)})")
+    names = {_short(checkpoint.resolve().name)} | ({_short(ours.name_or_path)} if ours.name_or_path else set())
     if _short(named) in names:
         return ModelCheck(named=named, verdict="same name",
                           line=f"model: the config's {key}={named}: the checkpoint has that name (compared by name "
@@ -60,12 +64,19 @@ def check_model(named: str, checkpoint: Path, key: str) -> ModelCheck:
                            f"{named} here), so the audit goes on")
 
 
-def _config(path: Path) -> dict[str, Any]:
+def _config(path: Path) -> ModelConfig:
+    """A config.json's keys compared here; none where it cannot be read or decoded (the checkpoint's
+    own checks name what is wrong with ours)."""
     try:
-        loaded = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        return {}
-    return loaded if isinstance(loaded, dict) else {}
+        return model_config(json.loads(path.read_text()), path)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, CheckpointError):
+        return ModelConfig()
+
+
+def _sizes(config: ModelConfig) -> tuple[Any, ...]:
+    """The values of SIZES, in its order (None: the config.json does not say)."""
+    return (config.model_type, config.architectures, config.vocab_size, config.hidden_size, config.num_hidden_layers,
+            config.num_attention_heads)
 
 
 def _short(name: str) -> str:
