@@ -334,7 +334,8 @@ def _with_omegaconf(path: Path, user: dict[str, Any], package: Path) -> VerlConf
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    strategy = _walk(user, f"{ACTOR}.strategy")[1] or _chosen_strategy(user)
+    chosen = _chosen_strategy(user)  # before the merge: the group choices are no keys of verl's config
+    strategy = _walk(user, f"{ACTOR}.strategy")[1] or chosen
     name = "_generated_ppo_megatron_trainer.yaml" if strategy == "megatron" else "_generated_ppo_trainer.yaml"
     try:
         default = OmegaConf.load(package / "trainer" / "config" / name)
