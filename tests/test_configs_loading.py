@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Annotated
 
+import msgspec
 import pytest
 
 from mismatch.errors import SpecError
+from mismatch.frameworks.configs.loading import decoded
 from mismatch.frameworks.configs import read_config
 from mismatch.frameworks.configs.derived import Machine
 
@@ -91,3 +94,31 @@ def test_a_few_aliases_are_read_as_yaml_reads_them(tmp_path: Path) -> None:
     path.write_text("common: &t 0.7\ntemperature: *t\nuse_vllm: true\n")
     derived = read_config("trl", path, Machine())
     assert "temperature=0.7" in derived.specs["train"]
+
+
+class Inner(msgspec.Struct, kw_only=True):
+    size: int | None = None
+    sizes: list[int] = []
+    by_name: dict[str, int] = {}
+    scale: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+
+
+class Outer(msgspec.Struct, kw_only=True):
+    inner: Inner = msgspec.field(default_factory=Inner)
+
+
+def test_a_decoded_config_names_the_key_and_the_value_the_file_gives() -> None:
+    """loading.decoded: a msgspec ValidationError as one line naming the file, the dotted key and the value
+    as written (not as converted), worded by the record's type or the reader's own words."""
+    assert decoded({"inner": {"size": 3, "other": "ignored"}}, Outer, "f.yaml") == Outer(inner=Inner(size=3))
+    for tree, message in (({"inner": {"size": "eight"}}, "f.yaml: inner.size='eight' is not an integer"),
+                          ({"inner": {"sizes": [1, "x"]}}, "f.yaml: inner.sizes[1]='x' is not an integer"),
+                          ({"inner": {"by_name": {"k": "v"}}}, "f.yaml: inner.by_name: each value must be an integer"),
+                          ({"inner": 3}, "f.yaml: inner=3 is not a mapping"),
+                          ([1], "f.yaml: the config is not a mapping"),
+                          ({"inner": {"scale": 0}}, "f.yaml: inner.scale=0 is not `float` > 0.0")):
+        with pytest.raises(SpecError) as raised:
+            decoded(tree, Outer, "f.yaml")
+        assert str(raised.value) == message
+    with pytest.raises(SpecError, match=r"^f.yaml: inner.scale=0 is not a positive number$"):
+        decoded({"inner": {"scale": 0}}, Outer, "f.yaml", (("inner.scale", "a positive number"),))

@@ -91,6 +91,13 @@ def test_the_spec_picks_a_side_and_overrides_options(tmp_path: Path) -> None:
      "    log_prob_use_dynamic_bsz: false\n", "refuse the two to differ"),
     ("python3 -m verl.trainer.main_ppo actor_rollout_ref.rollout.name=${INFER_BACKEND}\n", "shell variable"),
     ("just: [unclosed\n", r"bad.yaml:2: invalid YAML in the verl config"),
+    # the keys read are decoded once into typed records: a value of another type names its key and value
+    ("actor_rollout_ref:\n  rollout:\n    name: vllm\n    log_prob_micro_batch_size_per_gpu: 8\n"
+     "    enforce_eager: maybe\n", "actor_rollout_ref.rollout.enforce_eager='maybe' is not true or false"),
+    ("actor_rollout_ref:\n  actor:\n    fsdp_config:\n      mixed_precision: bf16\n",
+     "actor_rollout_ref.actor.fsdp_config.mixed_precision='bf16' is not a mapping"),
+    ("python3 -m verl.trainer.main_ppo actor_rollout_ref.rollout.temperature=0\n",
+     "actor_rollout_ref.rollout.temperature=0 is not a positive number"),
 ])
 def test_a_bad_config_is_one_line_naming_the_file_and_key(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "bad.yaml"

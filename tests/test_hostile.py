@@ -253,6 +253,9 @@ CHECKPOINTS = {
     "config_deep": (lambda root: (root / "config.json").write_text("[" * 100_000 + "]" * 100_000),
                     "{root}/config.json: invalid JSON: arrays/objects nested too deeply"),
     "vocab_bool": (edit_config(vocab_size=True), "{root}/config.json: vocab_size missing or not a positive integer"),
+    # config.json is decoded once into typed records (checkpoint.ModelConfig): a key read of another type is named
+    "layers_text": (edit_config(num_hidden_layers="2"),
+                    "{root}/config.json: num_hidden_layers: expected `int | null`, got `str`"),
     "dtype_unknown": (edit_config(dtype="float8_e9"),
                       "{root}/config.json: dtype 'float8_e9' is not a floating-point torch dtype "
                       "(pass dtype=float32 or bfloat16 in the engine spec)"),

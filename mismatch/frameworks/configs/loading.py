@@ -135,8 +135,9 @@ def toml_table(source: str, path: Path | str, what: str) -> dict[str, Any]:
 
 
 Record = TypeVar("Record")
-# msgspec's ValidationError: "Expected `int | null`, got `str` - at `$.a.b`" (no path when the root is wrong)
-_INVALID = re.compile(r"^Expected `(?P<expected>[^`]*)`, got `[^`]*`(?: - at `\$(?P<at>[^`]*)`)?$")
+# msgspec's ValidationError: "Expected `int | null`, got `str` - at `$.a.b`" (no path when the root is
+# wrong), or a constraint of the record's: "Expected `float` > 0 - at `$.a.b`"
+_INVALID = re.compile(r"^Expected `(?P<expected>[^`]*)`(?P<rest>.*?)(?: - at `\$(?P<at>[^`]*)`)?$")
 _EXPECTED = (("object", "a mapping"), ("array", "a list"), ("float", "a number"), ("int", "an integer"),
              ("bool", "true or false"), ("str", "a string"))
 
@@ -145,18 +146,18 @@ def decoded(tree: Any, kind: type[Record], path: Path | str,  # noqa: ANN401 - a
             wanted: tuple[tuple[str, str], ...] = ()) -> Record:
     """`tree` (a parsed config) as the typed record `kind`, decoded once at the boundary by msgspec
     (unknown keys ignored, each missing key the record's default). A value of the wrong type is one
-    SpecError naming the file, the dotted key and the value: `f.yaml: a.b='eight' is not an integer`;
-    `wanted` words what some keys must be more precisely than their type ("a positive number")."""
+    SpecError naming the file, the dotted key and the value as the file gives it: `f.yaml: a.b='eight'
+    is not an integer`; `wanted` words what some keys must be more precisely ("a positive number")."""
     try:
         return msgspec.convert(tree, kind)
     except msgspec.ValidationError as exc:
         found = _INVALID.match(str(exc))
-        if found is None:  # a constraint of the record's own (a Literal's values...)
-            message, _, at = str(exc).partition(" - at `$")
-            raise SpecError(f"{path}: {at.rstrip('`').lstrip('.') or 'config'}: {message}") from None
+        if found is None:
+            raise SpecError(f"{path}: {exc}") from None
         key = (found["at"] or "").lstrip(".")
-        expected = dict(wanted).get(key) or next(
-            (words for name, words in _EXPECTED if name in found["expected"]), found["expected"])
+        typed = next((words for name, words in _EXPECTED if name in found["expected"]), found["expected"])
+        expected = dict(wanted).get(key) or (typed if found["rest"].startswith(", got") else
+                                             f"`{found['expected']}`{found['rest']}")
         if not key:
             raise SpecError(f"{path}: the config is not {expected}") from None
         if "[...]" in key:  # a map's value: msgspec does not name the map's key

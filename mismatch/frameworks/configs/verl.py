@@ -26,7 +26,7 @@ import importlib.metadata
 import importlib.util
 import re
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -121,7 +121,7 @@ class EngineKwargs(_Record):
 
 class Rollout(_Record):
     name: str | None = "???"                                                                        # :293 (mandatory)
-    temperature: float = 1.0                                                                        # :297
+    temperature: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # :297; the actor divides its logits by it
     top_k: int = -1                                                                                 # :298
     top_p: float = 1.0                                                                              # :299
     seed: int = 42                                                                                  # :301
@@ -260,7 +260,7 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 KEYS = _leaves(VerlConfig)
-WANTED = ((f"{ROLLOUT}.temperature", "a positive number"),)  # the actor divides its logits by it
+WANTED = ((f"{ROLLOUT}.temperature", "a positive number"),)
 # The records' defaults by dotted key, for an interpolation that refers to a key the file leaves out.
 DEFAULTS = _flat(msgspec.to_builtins(VerlConfig()))
 
@@ -371,9 +371,7 @@ def _trainer(config: VerlConfig, deriving: Deriving, machine: Machine) -> None:
     """The actor's compute_log_prob: engine_workers.py:616-636 hands the engine the rollout
     section's log_prob_* settings; prepare_micro_batches (engine/utils.py:92-130) cuts by them."""
     _trainer_model(config, deriving, machine)
-    temperature = config.rollout.temperature
-    if not temperature > 0:  # NaN too: the actor divides its logits by it
-        raise SpecError(f"{deriving.file}: {ROLLOUT}.temperature={temperature!r} is not a positive number")
+    temperature = config.rollout.temperature  # above 0 (NaN refused too): the record's constraint
     # ray_trainer.py:1479 puts rollout.temperature in the batch; transformer_impl.py:1386/:1483
     # divide the logits by it before the log-softmax.
     deriving.reproduce("train", f"{ROLLOUT}.temperature", temperature, "temperature", temperature,
