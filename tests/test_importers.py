@@ -640,3 +640,18 @@ def test_a_verifiers_trace_of_another_shape_is_one_error_naming_its_field(tmp_pa
         import_file("verifiers", path, tmp_path / "out.jsonl")
     assert str(error.value) == f"{path}:1: {says}"
     assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("record, says", [
+    ({"rollout_id": 3, "samples": [_slime_sample(PROMPT + RESPONSE, len(RESPONSE)),
+                                   _slime_sample(PROMPT + [True], 1)]}, "samples[1].tokens[9]: Expected `int`, got `bool`"),
+    ({"rollout_id": 3, "samples": [_slime_sample(PROMPT + RESPONSE, len(RESPONSE), rollout_log_probs="x")]},
+     "samples[0].rollout_log_probs: Expected `array | null`, got `str`"),
+    ({"rollout_id": 3, "samples": {"0": {}}}, "samples: Expected `array`, got `object`"),
+    ({"tokens": PROMPT}, "Object missing required field `response_length`"),
+])
+def test_a_slime_sample_of_another_shape_is_one_error_naming_its_field(tmp_path: Path, record: Any, says: str) -> None:
+    path = _jsonl(tmp_path / "samples.jsonl", [record])
+    with pytest.raises(ImportFormatError) as error:
+        import_file("slime", path, tmp_path / "out.jsonl")
+    assert str(error.value) == f"{path}:1: {says}"
