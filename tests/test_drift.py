@@ -151,3 +151,46 @@ def test_an_unknown_harness_fault_is_refused() -> None:
     with pytest.raises(MismatchError, match=r"^HarnessConfig.faults: unknown fault 'drop_think' "
                                             r"\(known: rewrite_tool_args, shift_logprobs\)$"):
         HarnessConfig(faults=("drop_think",))
+
+
+def _recorded(drift: object) -> Rollout:
+    """A two-branch recording as `mismatch record` writes one: main, and a fork whose prompt
+    rewrote main's tokens 3..4 (meta.record.drift says so)."""
+    rollout, errors = check_rollout({"id": "rec", "meta": {"record": {"proxy": "mismatch record", "drift": drift}},
+                                     "branches": [
+                                         {"id": "main", "segments": [{"role": "user", "tokens": [5, 6, 7]},
+                                                                     {"role": "assistant", "tokens": [8, 9],
+                                                                      "logprobs": [-0.5, -0.5]}]},
+                                         {"id": "b1", "kind": "subagent", "parent": "main", "fork_at": 3,
+                                          "segments": [{"role": "user", "tokens": [10, 11]}]}]},
+                                    file="rec.jsonl", line=1, vocab_size=None)
+    assert not errors, errors
+    return rollout
+
+
+ENTRY = {"request": 1, "turn": 0, "at_turn": 1, "branch": "main", "start": 3, "stored": [8, 9],
+         "rendered_branch": "b1", "rendered_start": 3, "rendered": [10, 11]}
+
+
+def test_a_recorded_drift_entry_is_read_as_its_span(tokenizer) -> None:
+    [span] = find_drift([_recorded([ENTRY])], tokenizer)["spans"]
+    assert (span["source"], span["branch"], span["stored_start"], span["stored_ids"], span["rendered_ids"],
+            span["request"], span["turn"], span["at_turn"], span["role"]) == \
+        ("recorded", "main", 3, [8, 9], [10, 11], 1, 0, 1, "assistant")
+
+
+@pytest.mark.parametrize("drift, says", [
+    (3, "meta.record.drift: Expected `array`, got `int`"),
+    ([3], "meta.record.drift[0]: Expected `object`, got `int`"),
+    ([{**ENTRY, "start": "3"}], "meta.record.drift[0].start: Expected `int`, got `str`"),
+    ([{key: value for key, value in ENTRY.items() if key != "stored"}],
+     "meta.record.drift[0]: Object missing required field `stored`"),
+    ([ENTRY, {**ENTRY, "rendered": [10, True]}], "meta.record.drift[1].rendered[1]: Expected `int`, got `bool`"),
+    ([{**ENTRY, "branch": "nope"}], "meta.record.drift[0]: branch 'nope' is not a branch of this rollout"),
+    ([{**ENTRY, "rendered_start": -1}], "meta.record.drift[0]: rendered_start must be a token offset, got -1"),
+    ([{**ENTRY, "start": 2}], "meta.record.drift[0]: stored tokens are not at 2 of branch 'main''s path"),
+])
+def test_a_malformed_recorded_drift_is_one_line_naming_its_entry_and_field(tokenizer, drift, says) -> None:
+    with pytest.raises(RolloutError) as error:
+        find_drift([_recorded(drift)], tokenizer)
+    assert str(error.value) == f"rec.jsonl:1: rollout 'rec': {says}"

@@ -614,3 +614,44 @@ def test_step_names_and_an_empty_directory(tmp_path: Path) -> None:
     (empty / ".hidden.jsonl").write_text("{}\n")
     with pytest.raises(MismatchError, match=r"empty: no dump files in this directory \(known suffixes: \.bin, "):
         import_file("verl", empty, tmp_path / "o.jsonl")
+
+
+def _episode_with(tmp_path: Path, change: Any) -> Path:
+    """The fixture's Episode with `change(episode)` applied to it, as one traces.jsonl line."""
+    episode = json.loads((VERIFIERS_TRACES / "step_4" / "train" / "all" / "traces.jsonl").read_text().splitlines()[0])
+    change(episode)
+    return _jsonl(tmp_path / "traces.jsonl", [episode])
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda e: e["traces"][0]["nodes"][1].__setitem__("token_ids", [1, "2"]),
+     "traces[0].nodes[1].token_ids[1]: Expected `int`, got `str`"),
+    (lambda e: e["traces"][0]["nodes"][0].pop("message"), "traces[0].nodes[0]: Object missing required field `message`"),
+    (lambda e: e["traces"][0]["rewards"].__setitem__("correct", {"score": "high"}),
+     "traces[0].rewards[...].score: Expected `float | null`, got `str`"),
+    (lambda e: e["run"]["work"].__setitem__("step", "4"), "run.work.step: Expected `int | null`, got `str`"),
+    (lambda e: e["traces"][0]["nodes"][1].__setitem__("parent", 5), "traces[0].nodes[1].parent: must be an earlier "
+                                                                    "node's index, got 5"),
+])
+def test_a_verifiers_trace_of_another_shape_is_one_error_naming_its_field(tmp_path: Path, change: Any,
+                                                                          says: str) -> None:
+    path = _episode_with(tmp_path, change)
+    with pytest.raises(ImportFormatError) as error:
+        import_file("verifiers", path, tmp_path / "out.jsonl")
+    assert str(error.value) == f"{path}:1: {says}"
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("record, says", [
+    ({"rollout_id": 3, "samples": [_slime_sample(PROMPT + RESPONSE, len(RESPONSE)),
+                                   _slime_sample(PROMPT + [True], 1)]}, "samples[1].tokens[9]: Expected `int`, got `bool`"),
+    ({"rollout_id": 3, "samples": [_slime_sample(PROMPT + RESPONSE, len(RESPONSE), rollout_log_probs="x")]},
+     "samples[0].rollout_log_probs: Expected `array | null`, got `str`"),
+    ({"rollout_id": 3, "samples": {"0": {}}}, "samples: Expected `array`, got `object`"),
+    ({"tokens": PROMPT}, "Object missing required field `response_length`"),
+])
+def test_a_slime_sample_of_another_shape_is_one_error_naming_its_field(tmp_path: Path, record: Any, says: str) -> None:
+    path = _jsonl(tmp_path / "samples.jsonl", [record])
+    with pytest.raises(ImportFormatError) as error:
+        import_file("slime", path, tmp_path / "out.jsonl")
+    assert str(error.value) == f"{path}:1: {says}"

@@ -20,10 +20,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 
+from mismatch.engines import answers
 from mismatch.engines.contract import Capabilities, ProgressFn, ReplayRequest
 from mismatch.engines.distributions import TopRows
 from mismatch.engines.spec import EngineSpec, options_from
@@ -33,6 +35,7 @@ APIS = ("auto", "openai", "sglang")
 # vLLM's OpenAI server writes -inf as -9999.0 (entrypoints/generate/base/serving.py,
 # clamp_prompt_logprobs) and some SGLang versions as -999999999.0: JSON has no -inf.
 NEG_INF_FLOOR = -9999.0
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -92,22 +95,23 @@ class HTTPEngine:
         api, model = self.options.api, self.options.model
         if api == "sglang" or (api == "openai" and model is not None):
             return api, model, {}
-        listing = self._call("GET", "/v1/models", None)
-        cards = listing.get("data") if isinstance(listing, dict) else None
-        if not isinstance(cards, list) or not all(isinstance(card, dict) for card in cards):
-            raise EngineError(f"server at {self.root} answered /v1/models with something that is not a model list")
+        try:
+            cards = self._call("GET", "/v1/models", None, answers.ModelList).data
+        except answers.OtherShape:
+            raise EngineError(f"server at {self.root} answered /v1/models with something that is not a model list") from None
         if not cards:
             raise EngineError(f"server at {self.root} lists no models at /v1/models")
-        server = {"owned_by": cards[0].get("owned_by"), "root": cards[0].get("root"),
-                  "max_model_len": cards[0].get("max_model_len"), "version": self._version()}
+        first = cards[0]
+        server = {"owned_by": first.owned_by, "root": first.root, "max_model_len": first.max_model_len,
+                  "version": self._version()}
         if api == "auto":
-            api = "sglang" if server["owned_by"] == "sglang" else "openai"
+            api = "sglang" if first.owned_by == "sglang" else "openai"
         if model is None and api == "openai":
             if len(cards) > 1:
-                names = ", ".join(str(card.get("id")) for card in cards)
+                names = ", ".join(card.id for card in cards)
                 raise EngineError(f"server at {self.root} serves several models ({names}): "
                                   "set model = \"NAME\" in the engine TOML")
-            model = str(cards[0].get("id"))
+            model = first.id
         return api, model, server
 
     def _version(self) -> str | None:
@@ -115,11 +119,9 @@ class HTTPEngine:
         where the server has no such route. Part of what a resume must find unchanged."""
         try:
             with urllib.request.urlopen(self.root + "/version", timeout=min(self.options.timeout, 10.0)) as answer:
-                version = json.loads(answer.read()).get("version")
-        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError, AttributeError,
-                RecursionError):
+                return msgspec.json.decode(answer.read(), type=answers.Version).version
+        except (urllib.error.URLError, OSError, http.client.HTTPException, msgspec.MsgspecError):
             return None
-        return str(version) if version is not None else None
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -224,27 +226,26 @@ class HTTPEngine:
         token's log-prob and rank."""
         body = {"model": self.model, "prompt": tokens, "max_tokens": 1, "prompt_logprobs": k,
                 "temperature": 1.0, "top_p": 1.0, "return_token_ids": True}
-        choice = (self._call("POST", "/v1/completions", body).get("choices") or [{}])[0]
-        entries = choice.get("prompt_logprobs")
+        choices = self._call("POST", "/v1/completions", body, answers.Completion).choices
+        entries = choices[0].prompt_logprobs if choices else None
         if not entries or len(entries) != len(tokens):
             raise EngineError(f"server at {self.root} returned {len(entries or [])} prompt log-prob entries "
                               f"for {len(tokens)} tokens")
         columns: tuple[list[Any], ...] = ([], [], [], [])
         for position in range(1, len(tokens)):
             entry = entries[position] or {}
-            own = entry.get(str(tokens[position]))
-            if not isinstance(own, dict):
+            own = entry.get(str(tokens[position]))  # token id -> Logprob: a map
+            if own is None:
                 raise EngineError(f"server at {self.root}: no log-prob for token {tokens[position]} at "
                                   f"position {position}")
-            value = _number(own.get("logprob"), self.root, position)
+            value = _number(own.logprob, self.root, position)
             ids, values = _with_token([int(token) for token in entry],
-                                      [_number(item.get("logprob"), self.root, position) for item in entry.values()],
+                                      [_number(item.logprob, self.root, position) for item in entry.values()],
                                       tokens[position], value, k)
             columns[0].append(ids)
             columns[1].append(values)
             columns[2].append(value)
-            rank = own.get("rank")
-            columns[3].append(float(rank) if isinstance(rank, int) and not isinstance(rank, bool) else math.nan)
+            columns[3].append(float(own.rank) if own.rank is not None else math.nan)
         return columns
 
     def _sglang_top(self, tokens: list[int], k: int) -> tuple[list[Any], ...]:
@@ -257,8 +258,8 @@ class HTTPEngine:
         and unknown (NaN) where it is not among them."""
         body = {"input_ids": tokens, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": k,
                 "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0}}
-        meta = self._call("POST", "/generate", body).get("meta_info") or {}
-        own, tops = meta.get("input_token_logprobs"), meta.get("input_top_logprobs")
+        meta = self._call("POST", "/generate", body, answers.Generated).meta_info or answers.MetaInfo()
+        own, tops = meta.input_token_logprobs, meta.input_top_logprobs
         if not tops or not own or len(tops) != len(tokens) or len(own) != len(tokens):
             raise EngineError(f"server at {self.root} returned {len(tops or [])} meta_info.input_top_logprobs "
                               f"for {len(tokens)} tokens (top_logprobs_num={k})")
@@ -290,15 +291,15 @@ class HTTPEngine:
         """
         body = {"model": self.model, "prompt": tokens, "max_tokens": 1, "prompt_logprobs": 0,
                 "temperature": 1.0, "top_p": 1.0, "return_token_ids": True}
-        choices = self._call("POST", "/v1/completions", body).get("choices") or [{}]
-        choice = choices[0]
-        prompt_logprobs = choice.get("prompt_logprobs")
+        choices = self._call("POST", "/v1/completions", body, answers.Completion).choices
+        choice = choices[0] if choices else answers.CompletionChoice()
+        prompt_logprobs = choice.prompt_logprobs
         if not prompt_logprobs:
             raise EngineError(
                 f"server at {self.root} returned no prompt_logprobs; is it vLLM >= 0.5.5, or did "
                 "a proxy drop the extra field? (for SGLang set api = \"sglang\")")
-        echoed = choice.get("prompt_token_ids")
-        if echoed is not None and list(echoed) != tokens:
+        echoed = choice.prompt_token_ids
+        if echoed is not None and echoed != tokens:
             raise EngineError(f"server at {self.root} changed the prompt's token ids "
                               f"({len(tokens)} sent, {len(echoed)} scored)")
         if len(prompt_logprobs) != len(tokens):
@@ -306,12 +307,11 @@ class HTTPEngine:
                               f"log-probs for {len(tokens)} tokens")
         logp_L = np.full(len(tokens), np.nan)
         for position in range(1, len(tokens)):
-            entry = (prompt_logprobs[position] or {}).get(str(tokens[position]))
+            entry = (prompt_logprobs[position] or {}).get(str(tokens[position]))  # token id -> Logprob: a map
             if entry is None:
                 raise EngineError(f"server at {self.root}: no log-prob for token "
                                   f"{tokens[position]} at position {position}")
-            logp_L[position] = _number(entry.get("logprob") if isinstance(entry, dict) else None,
-                                       self.root, position)
+            logp_L[position] = _number(entry.logprob, self.root, position)
         return logp_L
 
     def _sglang(self, tokens: list[int]) -> np.ndarray:
@@ -323,8 +323,8 @@ class HTTPEngine:
         """
         body = {"input_ids": tokens, "return_logprob": True, "logprob_start_len": 0,
                 "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0}}
-        meta = self._call("POST", "/generate", body).get("meta_info") or {}
-        triples = meta.get("input_token_logprobs")
+        meta = self._call("POST", "/generate", body, answers.Generated).meta_info or answers.MetaInfo()
+        triples = meta.input_token_logprobs
         if not triples:
             raise EngineError(f"server at {self.root} returned no "
                               "meta_info.input_token_logprobs; is it SGLang? "
@@ -344,8 +344,9 @@ class HTTPEngine:
             logp_L[position] = _number(triple[0], self.root, position)
         return logp_L
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        """One JSON call, retried with exponential backoff on connection errors, timeouts, 5xx."""
+    def _call(self, method: str, path: str, body: dict[str, Any] | None, shape: type[T]) -> T:
+        """One JSON call, retried with exponential backoff on connection errors, timeouts, 5xx;
+        its answer decoded as `shape` (engines/answers.py)."""
         url = self.root + path
         data = None if body is None else json.dumps(body).encode()
         reason = ""
@@ -372,7 +373,7 @@ class HTTPEngine:
                 # refused, reset, timed out, cut off mid-answer
                 reason = str(getattr(exc, "reason", exc))
             else:
-                return _json_answer(data, url)
+                return answers.decode(data, url, shape)
         attempts = self.options.retries + 1
         raise EngineError(f"server at {url} unreachable after {attempts} "
                           f"attempt{'s' if attempts > 1 else ''}: {reason}")
@@ -401,26 +402,6 @@ def _read_by(request: urllib.request.Request, deadline: float) -> bytes:
             chunks.append(chunk)
             remaining()
         return b"".join(chunks)
-
-
-def _json_answer(data: bytes, url: str) -> Any:
-    """A server's answer as JSON (UTF-8, RFC 8259); whatever else its bytes are is one EngineError
-    naming the URL."""
-    try:
-        text = data.removeprefix(b"\xef\xbb\xbf").decode("utf-8")
-    except UnicodeDecodeError as exc:
-        start = exc.start + (len(data) - len(exc.object))  # where in the answer, its BOM counted
-        raise EngineError(f"server at {url} answered bytes that are not UTF-8 "
-                          f"(byte 0x{data[start]:02x} at offset {start})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        raise EngineError(f"server at {url} answered with something that is not JSON") from None
-    except RecursionError:  # the C decoder recurses once per level of [ or {
-        raise EngineError(f"server at {url} answered JSON nested too deeply") from None
-    except ValueError:  # int() refuses a literal longer than sys.get_int_max_str_digits()
-        raise EngineError(f"server at {url} answered a number of more than "
-                          f"{sys.get_int_max_str_digits()} digits") from None
 
 
 def _with_token(ids: list[int], values: list[float], token: int, value: float, k: int) -> tuple[list[int], list[float]]:

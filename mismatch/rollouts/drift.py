@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from mismatch.errors import MismatchError, RolloutError
@@ -202,23 +203,47 @@ def _path(rollout: Rollout, branch_id: str) -> _Path:
                  trainable=np.asarray(trainable, bool))
 
 
-def _recorded_entry(rollout: Rollout, index: int, entry: object) -> dict[str, Any]:
-    """One meta.record.drift entry, its fields checked (meta is free-form to the validator)."""
-    def bad(why: str) -> RolloutError:
-        return RolloutError(why, file=rollout.file, line=rollout.line, rollout=rollout.id,
-                            field=f"meta.record.drift[{index}]")
-    if not isinstance(entry, dict):
-        raise bad("must be an object")
-    for key in ("branch", "rendered_branch"):
-        if not isinstance(entry.get(key), str) or entry[key] not in {b.id for b in rollout.branches}:
-            raise bad(f"{key} {entry.get(key)!r} is not a branch of this rollout")
-    for key in ("start", "rendered_start"):
-        if type(entry.get(key)) is not int or entry[key] < 0:
-            raise bad(f"{key} must be a token offset, got {entry.get(key)!r}")
-    for key in ("stored", "rendered"):
-        if not isinstance(entry.get(key), list) or not all(type(t) is int for t in entry[key]):
-            raise bad(f"{key} must be an array of token ids")
-    return entry
+class RecordedDrift(msgspec.Struct, frozen=True):
+    """One meta.record.drift entry as record/assembly._drift writes it: the tokens the conversation
+    had (`stored`, at absolute position `start` on the path of branch `branch`) and what the
+    harness sent in their place (`rendered`, at `rendered_start` on the path of `rendered_branch`);
+    `request` (a meta.record.requests index) sent them in turn `at_turn`; `turn` is the turn whose
+    tokens they were."""
+
+    branch: str
+    start: int
+    stored: list[int]
+    rendered_branch: str
+    rendered_start: int
+    rendered: list[int]
+    turn: int | None = None
+    request: int | None = None
+    at_turn: int | None = None
+
+
+def _recorded_entries(rollout: Rollout) -> list[RecordedDrift]:
+    """meta.record.drift as records, each checked against the rollout's branches (meta is
+    free-form to the format's validator: this is its one check); else one RolloutError naming
+    the entry and its field."""
+    raw = rollout.meta["record"].get("drift") or []  # meta: an open map, its keys the writer's
+    try:
+        entries = msgspec.convert(raw, list[RecordedDrift])
+    except msgspec.ValidationError as error:
+        reason, _, path = str(error).partition(" - at `$")
+        raise RolloutError(reason, file=rollout.file, line=rollout.line, rollout=rollout.id,
+                           field="meta.record.drift" + path.rstrip("`")) from None
+    branch_ids = {b.id for b in rollout.branches}
+    for index, entry in enumerate(entries):
+        def bad(why: str) -> RolloutError:
+            return RolloutError(why, file=rollout.file, line=rollout.line, rollout=rollout.id,
+                                field=f"meta.record.drift[{index}]")
+        for key, branch_id in (("branch", entry.branch), ("rendered_branch", entry.rendered_branch)):
+            if branch_id not in branch_ids:
+                raise bad(f"{key} {branch_id!r} is not a branch of this rollout")
+        for key, offset in (("start", entry.start), ("rendered_start", entry.rendered_start)):
+            if offset < 0:
+                raise bad(f"{key} must be a token offset, got {offset!r}")
+    return entries
 
 
 def recorded_drift(rollout: Rollout, tokenizer: Any) -> list[dict[str, Any]]:
@@ -228,22 +253,20 @@ def recorded_drift(rollout: Rollout, tokenizer: Any) -> list[dict[str, Any]]:
     whose tokens were rewritten, `message` is None (the spans come from tokens, not messages)."""
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
     spans = []
-    for index, raw in enumerate(rollout.meta["record"].get("drift") or []):
-        entry = _recorded_entry(rollout, index, raw)
-        stored_path = _path(rollout, entry["branch"])
-        start, stored = entry["start"], entry["stored"]
+    for index, entry in enumerate(_recorded_entries(rollout)):
+        stored_path = _path(rollout, entry.branch)
+        start, stored = entry.start, entry.stored
         if start + len(stored) > len(stored_path.tokens) or stored_path.tokens[start:start + len(stored)] != stored:
-            raise RolloutError(f"stored tokens are not at {start} of branch {entry['branch']!r}'s path",
+            raise RolloutError(f"stored tokens are not at {start} of branch {entry.branch!r}'s path",
                                file=rollout.file, line=rollout.line, rollout=rollout.id,
                                field=f"meta.record.drift[{index}]")
-        rendered_path = _path(rollout, entry["rendered_branch"]).tokens
-        r_start, rendered = entry["rendered_start"], entry["rendered"]
+        rendered_path = _path(rollout, entry.rendered_branch).tokens
+        r_start, rendered = entry.rendered_start, entry.rendered
         at = min(start, len(stored_path.tokens) - 1)  # an insertion is placed at the token it precedes
         in_call = _in_tool_call(decode(stored_path.tokens[:start]))
         stored_text, rendered_text = decode(stored), decode(rendered)
-        turn = entry.get("turn")
         spans.append({
-            "rollout": rollout.id, "turn": turn if type(turn) is int else None,
+            "rollout": rollout.id, "turn": entry.turn,
             "segment": int(stored_path.segment[at]), "role": stored_path.role[at], "message": None,
             "stored": stored_text, "rendered": rendered_text,
             "kind": _kind(stored_text, rendered_text, in_call), "in_tool_call": in_call,
@@ -251,7 +274,7 @@ def recorded_drift(rollout: Rollout, tokenizer: Any) -> list[dict[str, Any]]:
             "stored_start": start, "stored_ids": stored, "rendered_ids": rendered,
             "stored_context": decode(stored_path.tokens[max(0, start - CONTEXT_TOKENS):start + len(stored) + CONTEXT_TOKENS]),
             "rendered_context": decode(rendered_path[max(0, r_start - CONTEXT_TOKENS):r_start + len(rendered) + CONTEXT_TOKENS]),
-            "branch": stored_path.branch[at], "request": entry.get("request"), "at_turn": entry.get("at_turn"),
+            "branch": stored_path.branch[at], "request": entry.request, "at_turn": entry.at_turn,
             "source": "recorded",
         })
     return spans

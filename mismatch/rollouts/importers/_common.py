@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
 
 from mismatch.errors import MismatchError
+
+T = TypeVar("T")
 
 
 class ImportFormatError(MismatchError):
@@ -53,6 +57,17 @@ def get(record: Any, key: str, where: Where, *, prefix: str = "") -> Any:
     if key not in record or record[key] is None:
         raise where.error(prefix + key, "missing required field")
     return record[key]
+
+
+def typed(record: Any, shape: type[T], where: Where, *, prefix: str = "") -> T:
+    """A dump's record as the importer's typed view of it (msgspec.convert: Structs naming the
+    fields it reads, unknown fields ignored); a field of another type is one ImportFormatError
+    naming it by msgspec's path (`traces[0].nodes[2].token_ids[5]`)."""
+    try:
+        return msgspec.convert(record, shape)
+    except msgspec.ValidationError as error:
+        reason, _, path = str(error).partition(" - at `$")
+        raise where.error((prefix + path.rstrip("`").lstrip(".")).rstrip(".") or None, reason) from None
 
 
 def ints(value: Any, field: str, where: Where) -> list[int]:

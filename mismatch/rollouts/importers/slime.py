@@ -24,46 +24,66 @@ from __future__ import annotations
 
 from typing import Any
 
-from mismatch.rollouts.importers._common import (Where, branch, floats, get, ints, masked_segments, routed_rows,
-                                                 same_length, source_meta, with_routing)
+import msgspec
+
+from mismatch.rollouts.importers._common import (Where, branch, masked_segments, routed_rows, same_length,
+                                                 source_meta, typed, with_routing)
+
+
+class _Sample(msgspec.Struct, frozen=True):
+    """`Sample.to_dict()` (types.py:93-130), the fields read here."""
+
+    tokens: list[int]                      # prompt + response
+    response_length: int                   # the response's tail of `tokens`
+    loss_mask: list[int] | None = None     # per response token; None: all 1
+    rollout_log_probs: list[float] | None = None  # per response token
+    rollout_routed_experts: Any = None     # [tokens - 1][layers][top-k]: routed_rows names its shape
+    remove_sample: bool = False
+    index: int | None = None
+    group_index: int | None = None
+    reward: Any = None                     # a number, or the reward model's dict: meta as written
+    status: str | None = None
+
+
+class _Dump(msgspec.Struct, frozen=True):
+    """`save_debug_rollout_data`'s {"rollout_id", "samples"}."""
+
+    samples: list[Any]                     # each read as a _Sample, its errors named samples[i]
+    rollout_id: int | None = None
 
 
 def convert(record: Any, where: Where) -> list[dict[str, Any]]:
     """A debug dump ({"rollout_id", "samples"}) or one Sample dict."""
     if isinstance(record, dict) and "samples" in record:
-        samples = get(record, "samples", where)
-        if not isinstance(samples, list):
-            raise where.error("samples", "must be an array of Sample.to_dict()")
-        return [_rollout(sample, where, f"slime-{where.index}-{i}", f"samples[{i}].", record.get("rollout_id"))
-                for i, sample in enumerate(samples)]
+        dump = typed(record, _Dump, where)
+        return [_rollout(sample, where, f"slime-{where.index}-{i}", f"samples[{i}].", dump.rollout_id)
+                for i, sample in enumerate(dump.samples)]
     return [_rollout(record, where, f"slime-{where.index}", "", None)]
 
 
-def _rollout(sample: Any, where: Where, rollout_id: str, prefix: str, step: Any) -> dict[str, Any]:
-    tokens = ints(get(sample, "tokens", where, prefix=prefix), prefix + "tokens", where)
-    num_response = get(sample, "response_length", where, prefix=prefix)
-    if type(num_response) is not int or not 0 <= num_response <= len(tokens):
+def _rollout(record: Any, where: Where, rollout_id: str, prefix: str, step: int | None) -> dict[str, Any]:
+    sample = typed(record, _Sample, where, prefix=prefix)
+    tokens, num_response = sample.tokens, sample.response_length
+    if not 0 <= num_response <= len(tokens):
         raise where.error(prefix + "response_length", f"must be an integer from 0 to the {len(tokens)} tokens, "
                                                       f"got {num_response!r}")
     prompt, response = tokens[: len(tokens) - num_response], tokens[len(tokens) - num_response:]
-    mask = sample.get("loss_mask")
-    mask = [1] * num_response if mask is None else ints(mask, prefix + "loss_mask", where)
+    mask = [1] * num_response if sample.loss_mask is None else sample.loss_mask
     same_length(prefix + "loss_mask", mask, "response tokens", response, where)
-    logprobs = sample.get("rollout_log_probs")
+    logprobs = sample.rollout_log_probs
     if logprobs is not None:
-        logprobs = floats(logprobs, prefix + "rollout_log_probs", where)
         same_length(prefix + "rollout_log_probs", logprobs, "response tokens", response, where)
-    routed = sample.get("rollout_routed_experts")
+    routed = sample.rollout_routed_experts
     if routed is not None:
         routed = _moe_layers(routed_rows(routed, prefix + "rollout_routed_experts", len(tokens), where))
     # Mask 0 in a response: tool / environment tokens.
     segments = [with_routing({"role": "user", "tokens": prompt}, routed[: len(prompt)] if routed else None),
                 *masked_segments(response, mask, logprobs, off_role="tool",
                                  routed=routed[len(prompt):] if routed else None)]
-    if sample.get("remove_sample"):  # slime zeroes its mask: sampled, measured, not trained
+    if sample.remove_sample:  # slime zeroes its mask: sampled, measured, not trained
         segments = [{**s, "trainable": False} if s["role"] == "assistant" else s for s in segments]
-    meta = source_meta("slime", where, step=step, index=sample.get("index"), group_index=sample.get("group_index"),
-                       reward=sample.get("reward"), status=sample.get("status"))
+    meta = source_meta("slime", where, step=step, index=sample.index, group_index=sample.group_index,
+                       reward=sample.reward, status=sample.status)
     return {"id": rollout_id, "meta": meta, "branches": [branch("main", segments)]}
 
 

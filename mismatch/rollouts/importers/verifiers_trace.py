@@ -19,9 +19,57 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mismatch.rollouts.importers._common import Where, branch, floats, get, ints, source_meta
+import msgspec
+
+from mismatch.rollouts.importers._common import Where, branch, source_meta, typed
 
 PROMPT_ROLES = ("system", "user", "tool")
+
+
+class _Message(msgspec.Struct, frozen=True):
+    role: str
+
+
+class _Node(msgspec.Struct, frozen=True):
+    """`MessageNode` (graph.py:64-112), as `model_dump(exclude_none=True)` writes it."""
+
+    message: _Message
+    parent: int | None = None          # absent on a root
+    sampled: bool = False
+    token_ids: list[int] = []
+    mask: list[bool | int] = []        # true (1) on sampled completion tokens only
+    logprobs: list[float] = []         # one per true mask entry
+
+
+class _Agent(msgspec.Struct, frozen=True):
+    name: str | None = None
+    trainable: bool | None = True
+
+
+class _Reward(msgspec.Struct, frozen=True):
+    score: float | None = None
+    weight: float = 1.0
+
+
+class _Trace(msgspec.Struct, frozen=True):
+    nodes: list[_Node]
+    id: str | None = None
+    agent: _Agent = _Agent()
+    rewards: dict[str, _Reward] = {}   # name -> {score, weight}; value = score * weight
+
+
+class _Work(msgspec.Struct, frozen=True):
+    step: int | None = None            # the training step the episode was dispatched at
+
+
+class _Run(msgspec.Struct, frozen=True):
+    work: _Work = _Work()
+
+
+class _Episode(msgspec.Struct, frozen=True):
+    traces: list[Any]                  # each read as a _Trace, its errors named traces[i]
+    id: str | None = None
+    run: _Run = _Run()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,6 +82,7 @@ class _Branch:
 
 
 def is_episode(record: Any) -> bool:
+    """Sniffed on a record of an unknown verifiers shape (one of three), before any is decoded."""
     return isinstance(record, dict) and isinstance(record.get("traces"), list)
 
 
@@ -43,41 +92,37 @@ def is_trace(record: Any) -> bool:
 
 def convert_episode(record: dict[str, Any], where: Where) -> list[dict[str, Any]]:
     """Every trace of one Episode record, tagged with the step its run dispatched it at."""
-    work = (record.get("run") or {}).get("work") or {}
-    return [convert_trace(trace, where, f"traces[{i}].", step=work.get("step"), episode=record.get("id"))
-            for i, trace in enumerate(record["traces"])]
+    episode = typed(record, _Episode, where)
+    return [convert_trace(trace, where, f"traces[{i}].", step=episode.run.work.step, episode=episode.id)
+            for i, trace in enumerate(episode.traces)]
 
 
 def convert_trace(trace: Any, where: Where, prefix: str = "", *, step: Any = None,
                   episode: Any = None) -> dict[str, Any]:
-    nodes = get(trace, "nodes", where, prefix=prefix)
-    if not isinstance(nodes, list) or not nodes:
+    read = typed(trace, _Trace, where, prefix=prefix)
+    nodes = read.nodes
+    if not nodes:
         raise where.error(prefix + "nodes", "must be a non-empty array of MessageNode")
-    agent = trace.get("agent") or {}
-    trainable = agent.get("trainable", True) is not False
+    trainable = read.agent.trainable is not False
     segments = [_node_segments(node, where, f"{prefix}nodes[{i}].", trainable) for i, node in enumerate(nodes)]
     branches = _tree(_paths(nodes, where, prefix), [sum(len(s["tokens"]) for s in node) for node in segments])
-    rewards = trace.get("rewards") or {}
-    reward = sum(r["score"] * r.get("weight", 1.0) for r in rewards.values() if isinstance(r, dict) and "score" in r)
-    meta = source_meta("verifiers", where, step=step, episode=episode, agent=agent.get("name"),
-                       reward=reward if rewards else None, num_turns=sum(1 for n in nodes if n.get("sampled")))
-    rollout_id = str(trace.get("id") or f"verifiers-{where.index}")
+    reward = sum(r.score * r.weight for r in read.rewards.values() if r.score is not None)
+    meta = source_meta("verifiers", where, step=step, episode=episode, agent=read.agent.name,
+                       reward=reward if read.rewards else None, num_turns=sum(1 for n in nodes if n.sampled))
+    rollout_id = str(read.id or f"verifiers-{where.index}")
     own = [_merged(segments, b.path[_shared_nodes(b, branches)], forked=b.parent is not None) for b in branches]
     return {"id": rollout_id, "meta": meta,
             "branches": [branch(b.id, stream, kind="main" if b.parent is None else "subagent", parent=b.parent,
                                 fork_at=b.fork_at) for b, stream in zip(branches, own)]}
 
 
-def _node_segments(node: Any, where: Where, prefix: str, trainable: bool) -> list[dict[str, Any]]:
+def _node_segments(node: _Node, where: Where, prefix: str, trainable: bool) -> list[dict[str, Any]]:
     """One node's tokens as segments: a prompt message whole under its role; an assistant node's
     scaffold (mask false: the generation prompt, or context the model never generated) as a
     prompt run, its sampled completion as an assistant segment with its log-probs."""
-    role = get(get(node, "message", where, prefix=prefix), "role", where, prefix=prefix + "message.")
-    tokens = ints(node.get("token_ids", []), prefix + "token_ids", where)
-    mask = node.get("mask", [])
-    if not isinstance(mask, list) or len(mask) != len(tokens) or not all(v in (0, 1) for v in mask):
+    role, tokens, mask, logprobs = node.message.role, node.token_ids, node.mask, node.logprobs
+    if len(mask) != len(tokens) or not all(v in (0, 1) for v in mask):
         raise where.error(prefix + "mask", f"must be {len(tokens)} booleans, one per token_ids entry")
-    logprobs = floats(node.get("logprobs", []), prefix + "logprobs", where)
     if any(mask) and len(logprobs) != sum(mask):
         raise where.error(prefix + "logprobs", f"has {len(logprobs)} entries for {sum(mask)} sampled tokens")
     if role in PROMPT_ROLES or not any(mask):
@@ -114,11 +159,11 @@ def _merged(segments: list[list[dict[str, Any]]], path: list[int], *, forked: bo
     return out
 
 
-def _paths(nodes: list[Any], where: Where, prefix: str) -> list[list[int]]:
+def _paths(nodes: list[_Node], where: Where, prefix: str) -> list[list[int]]:
     """Root-to-leaf node paths, one per leaf in node order (graph.leaves, Trace.branches)."""
-    parents = [node.get("parent") for node in nodes]
+    parents = [node.parent for node in nodes]
     for i, parent in enumerate(parents):
-        if parent is not None and (type(parent) is not int or not 0 <= parent < i):
+        if parent is not None and not 0 <= parent < i:
             raise where.error(f"{prefix}nodes[{i}].parent", f"must be an earlier node's index, got {parent!r}")
     has_child = {p for p in parents if p is not None}
     paths = []
