@@ -90,4 +90,4 @@ def _make_pair(view: TokenView, a: str, b: str) -> PairTokens:
 
 def _float64_column(view: TokenView, name: str) -> np.ndarray:
     """The table column as float64, upcast once per view (a column two pairs share is one copy)."""
-    return view.memo(("float64", name), lambda: view.table_column(name).astype(np.float64, copy=False))
+    return view.shared(("float64", name), lambda: view.table_column(name).astype(np.float64, copy=False))
