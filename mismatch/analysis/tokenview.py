@@ -8,6 +8,7 @@ and each pair's per-token terms computed once per chunk, not once per analysis.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import weakref
 from typing import Any, TypeVar
 
 import numpy as np
@@ -23,6 +24,7 @@ DEFAULT_SEQ = ("rollout", "branch")
 SPAN_KEYS = ("turn", "role", "branch_kind")
 
 T = TypeVar("T")
+_VIEWS = ("views",)  # the shared memo's key of the table's views
 
 
 class TokenView:
@@ -55,6 +57,9 @@ class TokenView:
         # What depends on the table alone (its columns, key codes), shared by every view of it: the
         # views of one chunk (every row, trainable, a pair's defined tokens) compute it once.
         self._shared: dict[Any, Any] = {} if shared is None else shared
+        # Every view of the table by its rows, so a subset with the rows of a view already made is
+        # that view (weak: a view lives as long as its chunk or its parent's memo holds it).
+        self._shared.setdefault(_VIEWS, []).append(weakref.ref(self))
         self.base_keys = tuple(dict.fromkeys([*seq, rollout, *(c for c in SPAN_KEYS if c in table.columns)]))
         self.spans = self.spans_for(())
         self.num_tokens = self.spans.num_tokens
@@ -139,18 +144,20 @@ class TokenView:
             {name: self.series_at(name, spans.starts) for name in by}, spans))
 
     def subset(self, keep: np.ndarray) -> TokenView:
-        """A view of the tokens where `keep` (aligned with this view) is True; one view per
-        selection (the pairs of log-prob columns defined on the same tokens share it, and so their
-        spans and groupings)."""
-        made: list[tuple[np.ndarray, TokenView]] = self.memo(("subsets",), list)
-        for kept, view in made:
-            if np.array_equal(kept, keep):
-                return view
+        """A view of the tokens where `keep` (aligned with this view) is True: a view of the table
+        with these very rows when there is one (the pairs of log-prob columns defined on the same
+        tokens share it, and a pair defined on exactly the trainable rows of the every-row view is
+        on the trainable view: their spans, groupings and per-token terms are made once)."""
         mask = np.zeros(len(self.table), dtype=bool)
         mask[self.rows_of(np.flatnonzero(keep))] = True
+        for ref in self._shared[_VIEWS]:
+            view = ref()
+            if view is not None and view.mask is not None and view.seq_columns == self.seq_columns \
+                    and view.rollout_column == self.rollout_column and np.array_equal(view.mask, mask):
+                return view
         view = TokenView(self.table, trainable_only=self.trainable_only, seq=self.seq_columns,
                          rollout=self.rollout_column, mask=mask, shared=self._shared)
-        made.append((keep, view))
+        self.memo(("subsets",), list).append(view)  # kept alive with this view
         return view
 
     def _key(self, name: str) -> np.ndarray:
