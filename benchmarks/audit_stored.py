@@ -24,6 +24,8 @@ Prints one JSON object: wall and peak RSS of each (every run's wall too), and th
 --baseline OLD_TREE (a checkout of an earlier commit, e.g. `git archive COMMIT | tar -x -C DIR`):
 that code's audit of the --rollouts file runs too, in turn with the floor and this code's, so a
 before/after is measured against one floor on one machine in one run (`baseline_*` in the output).
+--code TREE runs that tree's code in place of the installed one. Either tree's `mismatch` package
+is imported from the tree itself (TREE_CLI), and the run fails if any of its modules came from elsewhere.
 """
 
 from __future__ import annotations
@@ -156,6 +158,49 @@ def best_of(runs: list[dict[str, float]]) -> dict[str, object]:
 
 FLOOR = "import json,sys\nwith open(sys.argv[1],'rb') as f:\n    for line in f: json.loads(line)\n"
 
+# The CLI of another checkout's tree (the first argument), whatever is installed: the editable
+# install maps `mismatch`, `mismatch.reports` and `mismatch.probes` to this checkout by a finder
+# on sys.meta_path, which PYTHONPATH does not outrank for the two folders pyproject maps into the
+# package. A finder put first maps the three to the tree's folders (its own pyproject's package-dir),
+# and on the way out every `mismatch` module the run imported is checked to lie in that tree.
+TREE_CLI = r"""
+import importlib.abc, importlib.util, os, sys, tomllib
+from pathlib import Path
+root = Path(sys.argv.pop(1)).resolve()
+folders = {"mismatch": root / "mismatch"}
+if (root / "pyproject.toml").is_file():
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text()).get("tool", {}).get("setuptools", {})
+    folders.update({name: root / folder for name, folder in setuptools.get("package-dir", {}).items() if name})
+class Tree(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name not in folders:
+            return None
+        return importlib.util.spec_from_file_location(name, folders[name] / "__init__.py",
+                                                      submodule_search_locations=[str(folders[name])])
+sys.meta_path.insert(0, Tree())
+def check():
+    elsewhere = sorted(name for name, module in list(sys.modules.items())
+                       if name.split(".")[0] == "mismatch" and getattr(module, "__file__", None)
+                       and not Path(module.__file__).resolve().is_relative_to(root))
+    if elsewhere or "mismatch.cli" not in sys.modules:
+        sys.stderr.write(f"not the code of {root}: {elsewhere[:5] or 'mismatch.cli not imported'}\n")
+        sys.stderr.flush()
+        os._exit(3)
+from mismatch.cli import run
+sys.argv[0] = "mismatch"
+try:
+    run()
+finally:
+    check()
+"""
+
+
+def cli(code: Path | None) -> list[str]:
+    """The argv that starts `mismatch`: the installed console script, or the CLI of tree `code`."""
+    if code is None:
+        return [str(Path(sys.executable).with_name("mismatch"))]
+    return [sys.executable, "-c", TREE_CLI, str(code)]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -182,11 +227,8 @@ def main() -> None:
     def audit(n: int, code: Path | None = None) -> dict[str, float]:
         out = args.dir / (f"baseline-audit-{n}" if code is not None and code == args.baseline else f"audit-{n}")
         shutil.rmtree(out, ignore_errors=True)
-        # -P: not the working directory first on sys.path, so PYTHONPATH picks the baseline's code.
-        command = [mismatch] if code is None else [sys.executable, "-P", "-c", "from mismatch.cli import run; run()"]
-        return timed([*command, "audit", str(checkpoint), "--rollouts", str(files[n]), "--train", "stored:trainer",
-                      "--infer", "stored:engine", "--out", str(out)],
-                     extra_env={"PYTHONPATH": str(code)} if code is not None else None)
+        return timed([*cli(code), "audit", str(checkpoint), "--rollouts", str(files[n]), "--train", "stored:trainer",
+                      "--infer", "stored:engine", "--out", str(out)])
 
     floors, audits, baselines = [], [], []
     for _ in range(args.repeat):

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from audit_stored import FLOOR, MIB, best_of, generate, timed, warm, write_checkpoint  # noqa: E402
+from audit_stored import FLOOR, MIB, best_of, cli, generate, timed, warm, write_checkpoint  # noqa: E402
 
 
 def main() -> None:
@@ -44,15 +44,12 @@ def main() -> None:
     files = {n: args.dir / f"rollouts-{n}.jsonl" for n in (args.rollouts, args.big) if n}
     for n, path in files.items():
         generate(path, n)
-    # -P: not the working directory first on sys.path, so --pythonpath picks the code that runs.
-    command = [sys.executable, "-P", "-c", "from mismatch.cli import run; run()"]
-
     def diff(n: int, code: Path | None = args.pythonpath) -> dict[str, float]:
         out = args.dir / (f"baseline-diff-{n}" if code is not None and code == args.baseline else f"diff-{n}")
         shutil.rmtree(out, ignore_errors=True)
-        return timed([*command, "diff", str(checkpoint), "--rollouts", str(files[n]), "--a", "stored:trainer",
-                      "--b", "stored:engine", "--reference", "sampler", "--out", str(out)],
-                     extra_env={"PYTHONPATH": str(code)} if code is not None else None)
+        # cli(): the tree's own `mismatch` (the run fails if a module of it came from elsewhere).
+        return timed([*cli(code), "diff", str(checkpoint), "--rollouts", str(files[n]), "--a", "stored:trainer",
+                      "--b", "stored:engine", "--reference", "sampler", "--out", str(out)])
 
     result: dict[str, object] = {"python": sys.version.split()[0], "cores": os.cpu_count(),
                                  "code": str(args.pythonpath or Path(__file__).parent.parent),

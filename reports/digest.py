@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from mismatch.analysis import terms
 from mismatch.reports import aggregate
 from mismatch.reports.worst import (
     WorstOptions,
@@ -32,6 +31,7 @@ from mismatch.reports.worst import (
 
 if TYPE_CHECKING:
     from mismatch.analysis.chunked import Chunk
+    from mismatch.analysis.pair_tokens import PairTokens
 
 Chunks = Callable[[], Iterator[pd.DataFrame]]
 WORST_TOKENS = 20  # the focus pair's worst tokens listed under the worst rollouts
@@ -51,12 +51,15 @@ class _PairTokenSums:
     by_turn: aggregate.GroupSums = field(default_factory=aggregate.GroupSums)
 
 
-def _log_ratio(chunk: pd.DataFrame, pair: str) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, log-ratio) of the chunk's trainable rows where both log-probs of `pair` are defined."""
+def _pair_tokens(chunk: Chunk, pair: str) -> tuple[np.ndarray, PairTokens]:
+    """(rows, tokens) of the chunk's trainable rows where the log-ratio of `pair` is defined: the
+    chunk's own pair tokens, which the audit's other analyses of the chunk share (one log-ratio,
+    one k3 per pair and chunk), and their rows in the chunk's table."""
     a, b = (f"logp_{role}" for role in aggregate.pair_roles(pair))
-    log_ratio = chunk[a].to_numpy(np.float64) - chunk[b].to_numpy(np.float64)
-    rows = np.flatnonzero(chunk["trainable"].to_numpy(dtype=bool) & ~np.isnan(log_ratio))
-    return rows, log_ratio[rows]
+    tokens = chunk.pair(a, b)
+    view = tokens.view
+    rows = view.memo("rows", lambda: np.arange(len(view.table)) if view.mask is None else np.flatnonzero(view.mask))
+    return rows, tokens
 
 
 @dataclass(kw_only=True, slots=True)
@@ -131,16 +134,15 @@ class DigestAnalysis:
         self.stage = "last"
 
     def add(self, chunk: Chunk, index: int) -> None:
-        table = chunk.table
         if index == 0:
-            self._first(table)
+            self._first(chunk)
         elif self.stage == "tails":
             for state in self.missing:
-                _, log_ratio = _log_ratio(table, state.pair)
+                log_ratio = _pair_tokens(chunk, state.pair)[1].log_ratio
                 values = np.abs(log_ratio[np.isfinite(log_ratio)])
                 state.tails.add(values, np.zeros(len(values), dtype=np.int64))
         else:
-            self._last(table)
+            self._last(chunk)
 
     def merge(self, other: DigestAnalysis, index: int) -> None:
         """Take in what the pass found in later chunks (its stage is this one's: set before the pass)."""
@@ -165,11 +167,13 @@ class DigestAnalysis:
                 state.by_turn.merge(theirs.by_turn)
             self.rows_of.update(other.rows_of)
 
-    def _first(self, chunk: pd.DataFrame) -> None:
+    def _first(self, tokens: Chunk) -> None:
+        chunk = tokens.table
         for pair, state in self.found.items():
-            rows, log_ratio = _log_ratio(chunk, pair)
+            rows, pair_tokens = _pair_tokens(tokens, pair)
             if not len(rows):
                 continue
+            log_ratio = pair_tokens.log_ratio
             finite = np.abs(log_ratio[np.isfinite(log_ratio)])
             state.n, state.finite = state.n + len(rows), state.finite + len(finite)
             if state.tails is not None:
@@ -177,19 +181,21 @@ class DigestAnalysis:
             state.max_abs = max(state.max_abs, float(finite.max()) if len(finite) else -math.inf)
             self.max_pos = max(self.max_pos, int(chunk["pos"].to_numpy()[rows].max()))
             if pair == self.focus:
-                self.ranks.append(_rank(chunk, rows, log_ratio))
+                self.ranks.append(_rank(chunk, rows, pair_tokens))
                 if self.with_worst_tokens:
                     self.worst_tokens = _worst_tokens(self.worst_tokens + _chunk_worst(chunk, rows, log_ratio, pair))
 
-    def _last(self, chunk: pd.DataFrame) -> None:
+    def _last(self, tokens: Chunk) -> None:
+        chunk = tokens.table
         for state in self.populated:
-            rows, log_ratio = _log_ratio(chunk, state.pair)
+            rows, pair_tokens = _pair_tokens(tokens, state.pair)
+            log_ratio = pair_tokens.log_ratio
             if len(rows):
                 state.histogram = aggregate.merge_histograms(state.histogram, aggregate.histogram(log_ratio, self.limit))
-            pos = chunk["pos"].to_numpy().astype(np.int64)[rows]
+            pos = chunk["pos"].to_numpy()[rows].astype(np.int64)
             state.by_position.add((pos // self.width) * self.width, log_ratio)
             if self.with_turns:
-                state.by_turn.add(chunk["turn"].to_numpy().astype(np.int64)[rows], log_ratio)
+                state.by_turn.add(chunk["turn"].to_numpy()[rows].astype(np.int64), log_ratio)
         top_names = set(self.top["rollout"]) if self.top is not None else set()
         if top_names:
             codes, names = _rollout_codes(chunk)
@@ -243,8 +249,9 @@ def _rollout_codes(chunk: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     return codes, np.asarray(pd.Index(names).astype(str), dtype=object)
 
 
-def _rank(chunk: pd.DataFrame, rows: np.ndarray, log_ratio: np.ndarray) -> pd.DataFrame:
+def _rank(chunk: pd.DataFrame, rows: np.ndarray, tokens: PairTokens) -> pd.DataFrame:
     """Per rollout of the chunk (a rollout lies in one chunk): max |log-ratio|, mean k3, scored tokens."""
+    log_ratio = tokens.log_ratio
     codes, names = _rollout_codes(chunk)
     # Per rollout by bincount (a pandas groupby-agg took ~15 ms a chunk); as groupby's max and
     # mean, a NaN term (k3 of an infinite log-ratio) is left out of the mean.
@@ -253,7 +260,7 @@ def _rank(chunk: pd.DataFrame, rows: np.ndarray, log_ratio: np.ndarray) -> pd.Da
     top = np.full(len(present), -np.inf)
     np.maximum.at(top, group, abs_lr)
     with np.errstate(over="ignore", invalid="ignore"):
-        k3 = terms.k3(log_ratio)
+        k3 = tokens.k3  # the pair's k3, which the span sums and strata read too
         kept = ~np.isnan(k3)
         k3_mean = (np.bincount(group[kept], weights=k3[kept], minlength=len(present))
                    / np.bincount(group[kept], minlength=len(present)))
@@ -295,9 +302,11 @@ def _chunk_worst(chunk: pd.DataFrame, rows: np.ndarray, log_ratio: np.ndarray, p
         candidates = np.flatnonzero(gap >= np.partition(gap, len(gap) - WORST_TOKENS)[len(gap) - WORST_TOKENS])
     picked = rows[candidates[np.argsort(-gap[candidates], kind="stable")[:WORST_TOKENS]]]
     logp_a, logp_b = chunk[a].to_numpy(np.float64), chunk[b].to_numpy(np.float64)
-    return [{"rollout": str(chunk["rollout"].iat[row]), "branch": str(chunk["branch"].iat[row]),
-             "turn": int(chunk["turn"].iat[row]), "pos": int(chunk["pos"].iat[row]),
-             "token_id": int(chunk["token_id"].iat[row]), a: float(logp_a[row]), b: float(logp_b[row]),
+    # Each column looked up once: a frame's column lookup costs more than the 20 values read from it.
+    rollout, branch, turn, pos, token_id = (chunk[name] for name in ("rollout", "branch", "turn", "pos", "token_id"))
+    return [{"rollout": str(rollout.iat[row]), "branch": str(branch.iat[row]),
+             "turn": int(turn.iat[row]), "pos": int(pos.iat[row]),
+             "token_id": int(token_id.iat[row]), a: float(logp_a[row]), b: float(logp_b[row]),
              "|log-ratio|": float(abs(logp_a[row] - logp_b[row]))} for row in picked.tolist()]
 
 

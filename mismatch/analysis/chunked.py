@@ -40,10 +40,11 @@ class Chunk:
         self.table, self.index = table, index
         self._views: dict[bool, TokenView] = {}
         self._memo: dict[Any, Any] = {}
+        self._shared: dict[Any, Any] = {}  # what the views compute from the table alone (TokenView.shared)
 
     def view(self, trainable_only: bool = True) -> TokenView:
         if trainable_only not in self._views:
-            self._views[trainable_only] = TokenView(self.table, trainable_only=trainable_only)
+            self._views[trainable_only] = TokenView(self.table, trainable_only=trainable_only, shared=self._shared)
         return self._views[trainable_only]
 
     def pair(self, a: str, b: str, trainable_only: bool = True) -> PairTokens:
@@ -60,6 +61,7 @@ class Chunk:
             view.release()
         self._views.clear()
         self._memo.clear()
+        self._shared.clear()
 
 
 class Analysis(Protocol):

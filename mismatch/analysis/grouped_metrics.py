@@ -25,6 +25,7 @@ OVERALL = ""  # the breakdown name of the one group of all tokens
 
 
 _MISSING = object()  # the key of a NaN key value (NaN is not equal to itself: no dict key)
+_NO_KEYS = pd.DataFrame()  # a chunk's grouping by ids needs no key frame (GroupTotals.of reads none): one, not one a call
 
 
 class _GroupIds:
@@ -113,7 +114,9 @@ class GroupedPairMetrics:
         view = chunk.view(self.trainable_only)
         if index == 0:
             for name in self.by:  # the view's groups, tokens of a pair or not
-                self.ids[name].of(view.series_at(name, view.spans.starts))
+                ids = self.ids[name].of(view.series_at(name, view.spans.starts))
+                # The ids of the view's own spans: what _span_ids finds for a pair on the whole view.
+                chunk.memo(("span_ids", id(self), id(view), name), lambda ids=ids: ids)
         for number, (a, b) in enumerate(self.pairs):
             pair = chunk.pair(a, b, self.trainable_only)
             span_ids = {by: self._span_ids(chunk, pair, by) for by in self.breakdowns[number]}
@@ -155,7 +158,7 @@ class GroupedPairMetrics:
         for by, ids in span_ids.items():
             into, local = np.unique(ids, return_inverse=True)
             totals = GroupTotals.of(data, Grouping(span_group=local.reshape(-1), num_groups=len(into),
-                                                   keys=pd.DataFrame()))
+                                                   keys=_NO_KEYS))
             breakdown = self.found[number][by]
             breakdown.totals = breakdown.totals.grown(len(breakdown.ids.values))
             breakdown.totals.merge(totals, into)

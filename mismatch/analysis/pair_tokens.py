@@ -21,42 +21,54 @@ class PairTokens:
     """
 
     def __init__(self, view: TokenView, columns: tuple[str, str], keep: np.ndarray | None,
-                 table_a: np.ndarray, table_b: np.ndarray) -> None:
+                 table_a: np.ndarray, table_b: np.ndarray, same: PairTokens | None = None) -> None:
         self.view = view          # exactly those tokens
         self.columns = columns    # the two log-prob columns, A then B
         self.keep = keep          # which of the parent view's tokens they are (None: all of them)
         self.table_a = table_a    # float64 over every table row (float32 is upcast first)
         self.table_b = table_b
+        # The same columns' pair on `view` itself (keep None), when this one was cut from a parent
+        # view: the same tokens, so it holds the per-token arrays of both (`terms_of`).
+        self.same = same
+
+    @property
+    def terms_of(self) -> PairTokens:
+        """The pair whose per-token arrays these are (itself, or `same`)."""
+        return self if self.same is None else self.same
 
     @cached_property
     def logp_a(self) -> np.ndarray:
+        if self.same is not None:
+            return self.same.logp_a
         return self.table_a if self.view.mask is None else self.table_a[self.view.mask]
 
     @cached_property
     def logp_b(self) -> np.ndarray:
+        if self.same is not None:
+            return self.same.logp_b
         return self.table_b if self.view.mask is None else self.table_b[self.view.mask]
 
     @cached_property
     def log_ratio(self) -> np.ndarray:
-        return self.logp_a - self.logp_b
+        return self.same.log_ratio if self.same is not None else self.logp_a - self.logp_b
 
     @cached_property
     def ratio(self) -> np.ndarray:
-        return terms.ratio(self.log_ratio)
+        return self.same.ratio if self.same is not None else terms.ratio(self.log_ratio)
 
     # Terms several analyses of a chunk read (the span sums, strata, the frameworks' metrics): made
     # once per pair and view, the same bits as each computing its own.
     @cached_property
     def k3(self) -> np.ndarray:
-        return terms.k3(self.log_ratio)
+        return self.same.k3 if self.same is not None else terms.k3(self.log_ratio)
 
     @cached_property
     def prob_abs_diff(self) -> np.ndarray:
-        return terms.prob_abs_diff(self.logp_a, self.logp_b)
+        return self.same.prob_abs_diff if self.same is not None else terms.prob_abs_diff(self.logp_a, self.logp_b)
 
     def ratio_into(self, buffer: np.ndarray) -> np.ndarray:
         """`ratio`, the kept array if there is one, else computed into `buffer` (same bits)."""
-        if "ratio" in self.__dict__:
+        if "ratio" in self.__dict__ or "ratio" in self.terms_of.__dict__:
             return self.ratio
         out = buffer[:self.view.num_tokens]
         np.subtract(self.logp_a, self.logp_b, out=out)
@@ -83,11 +95,13 @@ def _make_pair(view: TokenView, a: str, b: str) -> PairTokens:
         undefined &= view.mask
     if not undefined.any():  # the common case: no copy, no new view
         return PairTokens(view, (a, b), None, table_a, table_b)
-    # Tokens without a defined log-ratio are dropped before anything else.
+    # Tokens without a defined log-ratio are dropped before anything else. On the subset view the
+    # pair is defined everywhere: its pair there (keep None) is this one's tokens, made once for both.
     keep = ~(undefined if view.mask is None else undefined[view.mask])
-    return PairTokens(view.subset(keep), (a, b), keep, table_a, table_b)
+    subset = view.subset(keep)
+    return PairTokens(subset, (a, b), keep, table_a, table_b, same=pair_tokens(subset, a, b))
 
 
 def _float64_column(view: TokenView, name: str) -> np.ndarray:
     """The table column as float64, upcast once per view (a column two pairs share is one copy)."""
-    return view.memo(("float64", name), lambda: view.table_column(name).astype(np.float64, copy=False))
+    return view.shared(("float64", name), lambda: view.table_column(name).astype(np.float64, copy=False))

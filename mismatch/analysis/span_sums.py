@@ -48,13 +48,14 @@ def token_terms(pair: PairTokens, scratch: np.ndarray) -> Iterator[tuple[str, np
 
 def _kept(pair: PairTokens, name: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
     """The pair's cached term `name` when an analysis made it already, else compute() (the same bits)."""
-    kept = vars(pair).get(name)
+    kept = vars(pair.terms_of).get(name)
     return kept if kept is not None else compute()
 
 
 def span_sums(pair: PairTokens, spans: Spans) -> dict[str, np.ndarray]:
     """Per span of the pair's view: the sums and extremes behind every metric (kept on the view)."""
-    return pair.view.memo(("span_sums", id(pair), id(spans)), lambda: _span_sums(pair, spans))
+    # Keyed by the pair that holds the arrays: a pair cut from a parent view sums as its `same`.
+    return pair.view.memo(("span_sums", id(pair.terms_of), id(spans)), lambda: _span_sums(pair, spans))
 
 
 def _span_sums(pair: PairTokens, spans: Spans) -> dict[str, np.ndarray]:

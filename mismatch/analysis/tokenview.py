@@ -8,6 +8,7 @@ and each pair's per-token terms computed once per chunk, not once per analysis.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import weakref
 from typing import Any, TypeVar
 
 import numpy as np
@@ -23,6 +24,7 @@ DEFAULT_SEQ = ("rollout", "branch")
 SPAN_KEYS = ("turn", "role", "branch_kind")
 
 T = TypeVar("T")
+_VIEWS = ("views",)  # the shared memo's key of the table's views
 
 
 class TokenView:
@@ -36,7 +38,7 @@ class TokenView:
 
     def __init__(self, table: pd.DataFrame, *, trainable_only: bool = True,
                  seq: Sequence[str] = DEFAULT_SEQ, rollout: str = "rollout",
-                 mask: np.ndarray | None = None) -> None:
+                 mask: np.ndarray | None = None, shared: dict[Any, Any] | None = None) -> None:
         needed = [*seq, rollout, *(["trainable"] if trainable_only and mask is None else [])]
         missing = [name for name in needed if name not in table.columns]
         if missing:
@@ -52,6 +54,12 @@ class TokenView:
         self.mask = mask  # which rows of `table` the view holds, or None for every row
         self._columns: dict[str, np.ndarray] = {}
         self._memo: dict[Any, Any] = {}
+        # What depends on the table alone (its columns, key codes), shared by every view of it: the
+        # views of one chunk (every row, trainable, a pair's defined tokens) compute it once.
+        self._shared: dict[Any, Any] = {} if shared is None else shared
+        # Every view of the table by its rows, so a subset with the rows of a view already made is
+        # that view (weak: a view lives as long as its chunk or its parent's memo holds it).
+        self._shared.setdefault(_VIEWS, []).append(weakref.ref(self))
         self.base_keys = tuple(dict.fromkeys([*seq, rollout, *(c for c in SPAN_KEYS if c in table.columns)]))
         self.spans = self.spans_for(())
         self.num_tokens = self.spans.num_tokens
@@ -64,7 +72,7 @@ class TokenView:
         if isinstance(table, TokenView):
             if table.trainable_only != trainable_only:
                 return cls(table.table, trainable_only=trainable_only, seq=table.seq_columns,
-                           rollout=table.rollout_column)
+                           rollout=table.rollout_column, shared=table._shared)
             return table
         return cls(table, trainable_only=trainable_only)
 
@@ -80,7 +88,7 @@ class TokenView:
         if name not in self.table.columns:
             raise MismatchError(f"token table has no column {name!r} "
                                 f"(columns: {', '.join(map(str, self.table.columns))})")
-        return self.memo(("table_column", name), lambda: self.table[name].to_numpy())
+        return self.shared(("table_column", name), lambda: self.table[name].to_numpy())
 
     def column(self, name: str) -> np.ndarray:
         """The column's values on the view's rows (selected once)."""
@@ -110,11 +118,18 @@ class TokenView:
         """Drop what the view holds (its memo keeps pair tokens that point back at it: a cycle)."""
         self._memo.clear()
         self._columns.clear()
+        self._shared.clear()
 
     def memo(self, key: Any, compute: Callable[[], T]) -> T:
         if key not in self._memo:
             self._memo[key] = compute()
         return self._memo[key]
+
+    def shared(self, key: Any, compute: Callable[[], T]) -> T:
+        """`memo` for a value of the table alone, whatever the rows: kept for every view of the table."""
+        if key not in self._shared:
+            self._shared[key] = compute()
+        return self._shared[key]
 
     def spans_for(self, by: Sequence[str]) -> Spans:
         """Spans cut on the base keys and on `by` (the base spans when `by` adds nothing)."""
@@ -129,15 +144,25 @@ class TokenView:
             {name: self.series_at(name, spans.starts) for name in by}, spans))
 
     def subset(self, keep: np.ndarray) -> TokenView:
-        """A view of the tokens where `keep` (aligned with this view) is True."""
+        """A view of the tokens where `keep` (aligned with this view) is True: a view of the table
+        with these very rows when there is one (the pairs of log-prob columns defined on the same
+        tokens share it, and a pair defined on exactly the trainable rows of the every-row view is
+        on the trainable view: their spans, groupings and per-token terms are made once)."""
         mask = np.zeros(len(self.table), dtype=bool)
         mask[self.rows_of(np.flatnonzero(keep))] = True
-        return TokenView(self.table, trainable_only=self.trainable_only, seq=self.seq_columns,
-                         rollout=self.rollout_column, mask=mask)
+        for ref in self._shared[_VIEWS]:
+            view = ref()
+            if view is not None and view.mask is not None and view.seq_columns == self.seq_columns \
+                    and view.rollout_column == self.rollout_column and np.array_equal(view.mask, mask):
+                return view
+        view = TokenView(self.table, trainable_only=self.trainable_only, seq=self.seq_columns,
+                         rollout=self.rollout_column, mask=mask, shared=self._shared)
+        self.memo(("subsets",), list).append(view)  # kept alive with this view
+        return view
 
     def _key(self, name: str) -> np.ndarray:
         """Per table row: values equal exactly where the key is (results.chunks.key_codes)."""
-        return self.memo(("key", name), lambda: key_codes(self.table[name]))
+        return self.shared(("key", name), lambda: key_codes(self.table[name]))
 
     def _span_codes(self, names: Sequence[str], spans: Spans) -> tuple[np.ndarray, int]:
         """Compact codes (0..k-1) of the `names` tuple at each span, and k."""
