@@ -47,7 +47,7 @@ def check_results(results_dir: Path, summary: Summary) -> None:
     from mismatch.results.verify import check_tables
 
     try:
-        check_tables(results_dir, summary.to_dict())  # TRANSITIONAL: results.verify reads plain data
+        check_tables(results_dir, summary)
     except ResultsError as exc:
         raise ReportError(str(exc)) from None
 

@@ -197,7 +197,7 @@ class _Shard:
         assert shard is not None  # _check_compatible refused a summary without one
         self.index, self.count, self.block_size = shard.index, shard.count, shard.block_size
         files = present(shard.files)
-        check_published_files(path, to_builtins(files) if files is not None else None)
+        check_published_files(path, files)
         files = files or {}
         recorded, counted = files[TOKENS_FILE].rows, present(summary.counts.tokens)
         if recorded != counted:
