@@ -35,7 +35,7 @@ from mismatch.pipeline import stages
 from mismatch.pipeline.configured import resolve_options
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json, with_parts
-from mismatch.results.summary_model import Correction, Summary, present
+from mismatch.results.summary_model import Correction, EngineEntry, Summary, present
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, followed_routing, replay_processed
 from mismatch.replay.truncation import sampler_truncation, truncation_explained
 from mismatch.results import TokenStore, results_lock, staged_tokens
@@ -323,10 +323,11 @@ def engine_weights(engines: dict[str, Any], checkpoint: str | Path) -> dict[str,
     named by its tensors."""
     from mismatch.weights import diff_checkpoints
 
-    trainer = Path((engines.get("train") or {}).get("checkpoint") or checkpoint)
+    described = {source: EngineEntry.of(engine) for source, engine in engines.items()}
+    trainer = Path(present(described["train"].checkpoint) or checkpoint) if "train" in described else Path(checkpoint)
     out = {}
-    for source, engine in engines.items():
-        other = engine.get("checkpoint")
+    for source, engine in described.items():
+        other = present(engine.checkpoint)
         if source == "train" or not other or Path(other).resolve() == trainer.resolve():
             continue
         try:

@@ -43,6 +43,15 @@ class SamplerDeclaration(_Open):
     checkpoint: Any = UNSET
 
 
+class EngineRouting(_Open):
+    """`engines.<source>.routing` (engines/hf.py describe): the MoE layers whose experts it recorded,
+    its routing mode, and, under routing=replay, the source whose experts it followed (`from`)."""
+
+    moe_layers: int | UnsetType = UNSET
+    mode: str | None | UnsetType = UNSET
+    followed: str | None | UnsetType = field(default=UNSET, name="from")
+
+
 class ConfigSetting(_Open):
     """One setting a framework config read (frameworks/configs/derived.py Setting): its key, value,
     fate (status), and the engine option it became."""

@@ -29,6 +29,7 @@ from mismatch.results.section_records import (
     Alignment,
     Comparison,
     Drift,
+    EngineRouting,
     FromConfig,
     Localization,
     NextTokenGap,
@@ -333,9 +334,15 @@ class EngineEntry(_Record, kw_only=True):
     tokens_per_s: Any = UNSET  # its replay speed
     seconds: Any = UNSET
     options: dict[str, Any] | UnsetType = UNSET  # the spec's options (temperature=, ...)
-    routing: dict[str, Any] | UnsetType = UNSET  # a routing=replay engine: the pass it followed (`from`)
+    routing: EngineRouting | UnsetType = UNSET  # a routing=replay engine: the pass it followed (`from`)
     meta: SamplerDeclaration | None | UnsetType = UNSET  # the sampler's declaration (meta.sampler)
     from_config: FromConfig | UnsetType = UNSET  # what a framework config set (pipeline/configured.py)
+
+    @classmethod
+    def of(cls, description: Section) -> EngineEntry:
+        """An engine's description (what describe() returned, or summary.json's `engines.<source>`)
+        read through the keys readers rely on."""
+        return msgspec.convert(description, cls, strict=False)
 
 
 class Summary(_Record, kw_only=True):
@@ -423,7 +430,7 @@ class Summary(_Record, kw_only=True):
     def engine(self, source: str) -> EngineEntry:
         """One source's engine as it described itself, the keys readers rely on (`meta` for the
         sampler's declaration); every field UNSET where the run has no such source."""
-        return msgspec.convert(self.engines.get(source) or {}, EngineEntry, strict=False)
+        return EngineEntry.of(self.engines[source] if source in self.engines else {})
 
     @property
     def declared(self) -> SamplerDeclaration:
