@@ -23,6 +23,8 @@ import pandas as pd
 from mismatch.analysis import terms
 from mismatch.reports import aggregate
 from mismatch.reports.worst import (
+    RankedRollout,
+    WorstBlock,
     WorstOptions,
     color_scale,
     logp_roles,
@@ -35,6 +37,21 @@ if TYPE_CHECKING:
 
 Chunks = Callable[[], Iterator[pd.DataFrame]]
 WORST_TOKENS = 20  # the focus pair's worst tokens listed under the worst rollouts
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class WorstToken:
+    """One of the focus pair's trainable tokens with the largest |log-ratio|: where it is, its id,
+    the pair's two log-probs (a: the pair's first side) and |logp_a - logp_b|."""
+
+    rollout: str
+    branch: str
+    turn: int
+    pos: int
+    token_id: int
+    logp_a: float
+    logp_b: float
+    abs_log_ratio: float
 
 
 @dataclass(slots=True)
@@ -67,8 +84,8 @@ class Digest:
     histograms: dict[str, aggregate.Histogram]  # pair -> its log-ratio histogram
     by_position: aggregate.Breakdown | None
     by_turn: aggregate.Breakdown | None
-    worst: dict[str, Any] | None
-    worst_tokens: list[dict[str, Any]]
+    worst: WorstBlock | None
+    worst_tokens: list[dict[str, object]]  # the worst tokens as the page's table shows them (_with_texts)
 
 
 class DigestAnalysis:
@@ -91,7 +108,7 @@ class DigestAnalysis:
             if expected and expected.get(pair):
                 state.tails = Tails(np.array([int(expected[pair])]), [0.999])
         self.ranks: list[pd.DataFrame] = []
-        self.worst_tokens: list[dict[str, Any]] = []
+        self.worst_tokens: list[WorstToken] = []
         self.max_pos = -1
         self.stage = "first"  # then "tails" (only without `expected`), "last", "done"
         self.populated: list[_PairTokenSums] = []
@@ -272,13 +289,14 @@ def _ranked(ranks: list[pd.DataFrame]) -> pd.DataFrame | None:
 
 def _worst(top: pd.DataFrame | None, ranked: pd.DataFrame | None, rows_of: dict[str, pd.DataFrame],
            columns: list[str], *, pairs: list[str], focus: str, tokenizer_path: Path | None,
-           options: WorstOptions) -> dict[str, Any] | None:
+           options: WorstOptions) -> WorstBlock | None:
     """The page's `worst` block: the top rollouts token by token (worst.rollout_detail)."""
     if top is None or ranked is None or top.empty:
         return None
     roles = logp_roles(pd.DataFrame(columns=columns))
+    ranked_top: list[RankedRollout] = top.to_dict("records")  # _rollout_rank's columns
     details = [rollout_detail(rows_of[record["rollout"]], pairs=pairs, roles=roles, ranked=record, focus=focus,
-                              options=options) for record in top.to_dict("records")]
+                              options=options) for record in ranked_top]
     ids = {i for d in details for i in d["token_id"]}
     return {"focus": focus, "pairs": pairs, "roles": roles, "rank_by": "max |log-ratio| on trainable tokens",
             "num_ranked": len(ranked), "rollouts": details,
@@ -286,7 +304,7 @@ def _worst(top: pd.DataFrame | None, ranked: pd.DataFrame | None, rows_of: dict[
             "text": token_texts(ids, tokenizer_path)}
 
 
-def _chunk_worst(chunk: pd.DataFrame, rows: np.ndarray, log_ratio: np.ndarray, pair: str) -> list[dict[str, Any]]:
+def _chunk_worst(chunk: pd.DataFrame, rows: np.ndarray, log_ratio: np.ndarray, pair: str) -> list[WorstToken]:
     """The chunk's WORST_TOKENS trainable tokens by |log-ratio| (ties: the earlier row)."""
     a, b = (f"logp_{role}" for role in aggregate.pair_roles(pair))
     gap = np.abs(log_ratio)
@@ -295,21 +313,22 @@ def _chunk_worst(chunk: pd.DataFrame, rows: np.ndarray, log_ratio: np.ndarray, p
         candidates = np.flatnonzero(gap >= np.partition(gap, len(gap) - WORST_TOKENS)[len(gap) - WORST_TOKENS])
     picked = rows[candidates[np.argsort(-gap[candidates], kind="stable")[:WORST_TOKENS]]]
     logp_a, logp_b = chunk[a].to_numpy(np.float64), chunk[b].to_numpy(np.float64)
-    return [{"rollout": str(chunk["rollout"].iat[row]), "branch": str(chunk["branch"].iat[row]),
-             "turn": int(chunk["turn"].iat[row]), "pos": int(chunk["pos"].iat[row]),
-             "token_id": int(chunk["token_id"].iat[row]), a: float(logp_a[row]), b: float(logp_b[row]),
-             "|log-ratio|": float(abs(logp_a[row] - logp_b[row]))} for row in picked.tolist()]
+    return [WorstToken(rollout=str(chunk["rollout"].iat[row]), branch=str(chunk["branch"].iat[row]),
+                       turn=int(chunk["turn"].iat[row]), pos=int(chunk["pos"].iat[row]),
+                       token_id=int(chunk["token_id"].iat[row]), logp_a=float(logp_a[row]), logp_b=float(logp_b[row]),
+                       abs_log_ratio=float(abs(logp_a[row] - logp_b[row]))) for row in picked.tolist()]
 
 
-def _worst_tokens(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _worst_tokens(candidates: list[WorstToken]) -> list[WorstToken]:
     """The WORST_TOKENS largest, earlier chunks first among equals (a stable sort)."""
-    return sorted(candidates, key=lambda token: -token["|log-ratio|"])[:WORST_TOKENS]
+    return sorted(candidates, key=lambda token: -token.abs_log_ratio)[:WORST_TOKENS]
 
 
-def _with_texts(tokens: list[dict[str, Any]], tokenizer_path: Path | None, pair: str) -> list[dict[str, Any]]:
-    """Each worst token with its text in place of its id (the id when there is no tokenizer)."""
-    texts = token_texts({token["token_id"] for token in tokens}, tokenizer_path) or {}
+def _with_texts(tokens: list[WorstToken], tokenizer_path: Path | None, pair: str) -> list[dict[str, object]]:
+    """Each worst token as the page's table row: its text in place of its id (the id when there is
+    no tokenizer), its log-probs under the pair's own column names."""
+    texts = token_texts({token.token_id for token in tokens}, tokenizer_path) or {}
     a, b = (f"logp_{role}" for role in aggregate.pair_roles(pair))
-    return [{"rollout": t["rollout"], "branch": t["branch"], "turn": t["turn"], "pos": t["pos"],
-             "token": texts.get(str(t["token_id"]), f"#{t['token_id']}"), a: t[a], b: t[b],
-             "|log-ratio|": t["|log-ratio|"]} for t in tokens]
+    return [{"rollout": t.rollout, "branch": t.branch, "turn": t.turn, "pos": t.pos,
+             "token": texts.get(str(t.token_id), f"#{t.token_id}"), a: t.logp_a, b: t.logp_b,
+             "|log-ratio|": t.abs_log_ratio} for t in tokens]

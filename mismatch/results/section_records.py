@@ -518,6 +518,28 @@ class DistributionCloser(_Open):
     rule: str | UnsetType = UNSET
 
 
+class DisagreeingToken(_Open):
+    """One of `diff.where.worst_tokens`: a token where configs a and b disagree most, and the three
+    log-probs it got."""
+
+    rollout: str | UnsetType = UNSET
+    branch: str | UnsetType = UNSET
+    pos: int | UnsetType = UNSET
+    token_id: int | UnsetType = UNSET
+    logp_a: Number | UnsetType = UNSET
+    logp_b: Number | UnsetType = UNSET
+    logp_reference: Number | UnsetType = UNSET
+
+
+class Disagreement(_Open):
+    """`diff.where` (analysis.comparison): the turns, position bins and tokens where configs a and b
+    disagree most with each other."""
+
+    by_turn: Table | UnsetType = UNSET  # turn, the gap's statistics
+    by_position: Table | UnsetType = UNSET  # pos_from, the gap's statistics
+    worst_tokens: list[DisagreeingToken] | UnsetType = UNSET
+
+
 class Comparison(_Open):
     """`diff` (analysis.comparison.ConfigComparison and the engines' throughputs): b/reference -
     a/reference per metric, the closer config by kl_k3 and the rule behind it, where a and b
@@ -526,7 +548,7 @@ class Comparison(_Open):
     deltas: dict[str, MetricDelta] | UnsetType = UNSET
     closer_to_reference: str | UnsetType = UNSET  # a | b | tie
     closer_rule: str | UnsetType = UNSET
-    where: dict[str, Table] | UnsetType = UNSET  # by_turn, by_position, worst_tokens
+    where: Disagreement | UnsetType = UNSET
     throughput_tokens_per_s: dict[str, Number] | UnsetType = UNSET
     distribution: DistributionCloser | None | UnsetType = UNSET
 
