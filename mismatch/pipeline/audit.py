@@ -35,6 +35,7 @@ from mismatch.pipeline import stages
 from mismatch.pipeline.configured import resolve_options
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json, with_parts
+from mismatch.results.section_records import Drift
 from mismatch.results.summary_model import Correction, EngineEntry, Summary, present
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, followed_routing, replay_processed
 from mismatch.replay.truncation import sampler_truncation, truncation_explained
@@ -155,7 +156,7 @@ class ReplayFindings:
     first pass), and the alignment check when it was read before the passes."""
 
     engines: dict[str, Any]
-    drift: dict[str, Any] | None = None
+    drift: Drift | None = None
     alignment: dict[str, Any] | None = None
     routing: dict[str, Any] | None = None
     prefixes: dict[str, Any] | PrefixConsistency | None = None
@@ -210,7 +211,7 @@ class AuditFindings:
     framework_settings: dict[str, Any]
     turns: dict[str, Any]  # localization.turns
     corrections: list[Correction]
-    drift: dict[str, Any] | None
+    drift: Drift | None
     routing: dict[str, Any] | None
     prefix_consistency: dict[str, Any] | None
     strata: dict[str, Any]
