@@ -13,7 +13,7 @@ from __future__ import annotations
 from msgspec import UNSET
 from msgspec.structs import replace
 
-from mismatch.results.section_records import KeptMassRatio, Truncation
+from mismatch.results.section_records import KeptMassRatios, Truncation
 from mismatch.results.summary_model import CauseWhere, Summary, present, to_builtins
 from mismatch.advise.cause import Cause
 from mismatch.advise.levels import HEALTHY
@@ -52,12 +52,11 @@ def _parameter_words(truncation: Truncation) -> tuple[str, CauseWhere]:
                              range=estimate.range)
 
 
-def ratio_words(ratios: dict[str, KeptMassRatio]) -> list[str]:
+def ratio_words(ratios: KeptMassRatios) -> list[str]:
     """The token ratio's mean and share outside [0.9, 1.1] without and with the kept-set replay."""
     words = []
-    for name, label in (("without_replay", "without replay"), ("with_replay", "renormalized over the kept set")):
-        r = ratios.get(name)
-        if r is not None:
+    for r, label in ((ratios.without_replay, "without replay"), (ratios.with_replay, "renormalized over the kept set")):
+        if r is not UNSET:
             words.append(f"{label} ({r.pair}): ratio mean {r.ratio_mean:.4g}, "
                          f"{r.frac_outside_band:.1%} of tokens outside [0.9, 1.1]")
     return words
@@ -68,10 +67,10 @@ def truncated_sampling(summary: Summary, level: dict[str, str]) -> Cause | None:
     if summary.semantics != "truncated":
         return None
     truncation = summary.alignment.truncation or Truncation()
-    ratios = truncation.ratios or {}
+    ratios = present(truncation.ratios) or KeptMassRatios()
     # The ratio's mean over every trainable token is the mean kept mass (what TRL #7269 reports);
     # the semantics evidence leaves stored 0.0 (a lone kept token, or padding) to the padding check.
-    without = ratios.get("without_replay")
+    without = present(ratios.without_replay)
     mass = present(without.ratio_mean if without is not None else truncation.kept_mass_mean)
     parameter, where = _parameter_words(truncation)
     evidence = [f"{truncation.frac_raised or 0:.0%} of {present(truncation.n_tokens)} tokens with a stored "

@@ -109,6 +109,14 @@ class KeptMassRatio(_Open):
     frac_outside_band: Number | UnsetType = field(default=UNSET, name="frac_outside_0.9_1.1")
 
 
+class KeptMassRatios(_Open):
+    """`alignment.truncation.ratios` (analysis/truncation.py RATIO_PAIRS): the token ratio against
+    the truncated sampler without the kept-set replay (train) and with it (train_processed)."""
+
+    without_replay: KeptMassRatio | UnsetType = UNSET
+    with_replay: KeptMassRatio | UnsetType = UNSET
+
+
 class TruncationEstimate(_Open):
     """The truncation that best explains the stored log-probs on the replay's own distributions:
     its kind (top_p, top_k, min_p) and value, the share of tokens it explains, and the others tried."""
@@ -138,7 +146,7 @@ class Truncation(_Open):
     estimate: TruncationEstimate | None | UnsetType = UNSET
     replayed: dict[str, Any] | UnsetType = UNSET
     replayed_from: str | UnsetType = UNSET
-    ratios: dict[str, KeptMassRatio] | UnsetType = UNSET  # without_replay, with_replay
+    ratios: KeptMassRatios | UnsetType = UNSET
 
 
 class Alignment(_Open):
