@@ -58,7 +58,8 @@ def merge(dirs: Sequence[str | Path], out: str | Path, *, force: bool = False) -
     out_dir = Path(out)
     analysis_workers(0)  # a bad MISMATCH_WORKERS is refused before any work
     with results_lock(out_dir):
-        return _merge([Path(d) for d in dirs], out_dir, force=force).to_dict()  # TRANSITIONAL: plain data
+        # plain data, as audit's `.summary` gives it: the library's callers read summary.json's JSON
+        return _merge([Path(d) for d in dirs], out_dir, force=force).to_dict()
 
 
 def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> Summary:

@@ -55,8 +55,9 @@ class CommandResult:
 
     @property
     def summary(self) -> dict[str, Any]:
-        """TRANSITIONAL: the summary as plain data (`Summary.to_dict()`, NaN kept) for readers not
-        yet on the record; a new copy each time."""
+        """The summary as plain data (`Summary.to_dict()`, NaN kept), what summary.json holds: the
+        library's callers (`mismatch.audit(...).summary`) read it; the package reads `record`. A new
+        copy each time."""
         return self.record.to_dict()
 
     @property
