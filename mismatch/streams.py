@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 
@@ -75,6 +76,15 @@ class StreamRouting:
     margin: np.ndarray   # float32 [positions, layers]
 
 
+class _Processing(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    """meta.sampler's processing keys (the rest of its keys are not the sampler's processing)."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Sampling:
     """The sampler's logit processing, in vLLM's order: temperature, then min-p (an argmax-invariant
@@ -87,12 +97,14 @@ class Sampling:
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any] | None) -> Sampling:
-        """From `meta.sampler` (temperature, top_k, top_p; missing keys mean off)."""
-        meta = meta or {}
-        return cls(temperature=float(meta.get("temperature", 1.0) or 1.0),
-                   top_k=int(meta.get("top_k", -1) if meta.get("top_k") is not None else -1),
-                   top_p=float(meta.get("top_p", 1.0) if meta.get("top_p") is not None else 1.0),
-                   min_p=float(meta.get("min_p") or 0.0))
+        """From `meta.sampler` (temperature, top_k, top_p, min_p; missing or null keys mean off, a
+        temperature of 0 too: greedy sampling's log-probs are the raw ones). Its values were held to
+        these types when the rollouts were read (rollouts/sampling_rules.py)."""
+        declared = msgspec.convert(meta or {}, _Processing, strict=False)
+        return cls(temperature=float(declared.temperature or 1.0),
+                   top_k=declared.top_k if declared.top_k is not None else -1,
+                   top_p=declared.top_p if declared.top_p is not None else 1.0,
+                   min_p=declared.min_p or 0.0)
 
     @property
     def truncates(self) -> bool:

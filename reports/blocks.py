@@ -6,6 +6,7 @@ Every section of the page (sections.py, advice.py) is put together from these.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mismatch.present.numbers import num
@@ -56,8 +57,9 @@ def value_html(value: Any, depth: int = 0) -> Html:
     return el("span", num(value) if isinstance(value, int) else ("–" if value is None else str(value)))
 
 
-def records_table(records: list[dict[str, Any]], *, limit: int = MAX_TABLE_ROWS,
+def records_table(records: Sequence[Mapping[str, object]], *, limit: int = MAX_TABLE_ROWS,
                   highlight: set[int] | None = None) -> Html:
+    """Rows as a table, one column per key any row has (in first-seen order; "–" where a row has none)."""
     columns = list(dict.fromkeys(k for r in records for k in r))
     rows = [el("tr", [el("td", value_html(r.get(c), 1)) for c in columns],
                class_="highlight" if highlight and i in highlight else None)

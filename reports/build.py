@@ -14,7 +14,7 @@ import re
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import pandas as pd
 
@@ -28,10 +28,19 @@ from mismatch.reports.blocks import section
 from mismatch.reports.digest import Chunks, Digest, DigestAnalysis, digest
 from mismatch.reports.figures import Figure
 from mismatch.reports.html import Html, el, join
-from mismatch.reports.worst import WorstOptions
+from mismatch.reports.worst import WorstBlock, WorstOptions
 from mismatch.results.summary_model import Summary, present
 
 TEMPLATES = Path(__file__).with_name("templates")
+
+
+class PageData(TypedDict):
+    """The JSON the page's script reads (templates/report.js): the figures by id, the worst
+    rollouts token by token, and each pair's color."""
+
+    figures: dict[str, Figure]
+    worst: WorstBlock | None
+    colors: dict[str, str]
 
 
 def read_summary(results_dir: Path) -> Summary:
@@ -47,7 +56,7 @@ def check_results(results_dir: Path, summary: Summary) -> None:
     from mismatch.results.verify import check_tables
 
     try:
-        check_tables(results_dir, summary.to_dict())  # TRANSITIONAL: results.verify reads plain data
+        check_tables(results_dir, summary)
     except ResultsError as exc:
         raise ReportError(str(exc)) from None
 
@@ -178,7 +187,7 @@ def _moved_token_texts(summary: Summary, tokenizer_path: Path | None) -> dict[st
 
 
 def page_body(summary: Summary, tokens: tuple[Chunks, list[str]], *, tokenizer_path: Path | None,
-              worst_options: WorstOptions, digested: DigestAnalysis | None = None) -> tuple[Html, dict[str, Any], str]:
+              worst_options: WorstOptions, digested: DigestAnalysis | None = None) -> tuple[Html, PageData, str]:
     """(static markup, JSON data for the page's script, page title); `tokens` as token_chunks gives
     them. `digested`: the tokens already read for the page in the analysis's passes, used when it
     read them for this summary's pairs and focus (else they are read here)."""
@@ -227,12 +236,12 @@ def page_body(summary: Summary, tokens: tuple[Chunks, list[str]], *, tokenizer_p
                              class_="brand-box"),
                 el("nav", [el("a", label, href=f"#{anchor}") for anchor, label in nav if anchor in present]),
                 class_="top")
-    data = {"figures": figs, "worst": worst, "colors": colors}
+    data: PageData = {"figures": figs, "worst": worst, "colors": colors}
     title = f"mismatch {summary.command}: {top.label.lower()}"
     return join(header, el("main", body)), data, title
 
 
-def render_page(body: Html, data: dict[str, Any], title: str) -> str:
+def render_page(body: Html, data: PageData, title: str) -> str:
     template = (TEMPLATES / "report.html").read_text()
     app_js = (TEMPLATES / "report.js").read_text()
     plotly = plotly_js()

@@ -22,6 +22,8 @@ import pandas as pd
 
 from mismatch.reports import aggregate
 from mismatch.reports.worst import (
+    RankedRollout,
+    WorstBlock,
     WorstOptions,
     color_scale,
     logp_roles,
@@ -35,6 +37,21 @@ if TYPE_CHECKING:
 
 Chunks = Callable[[], Iterator[pd.DataFrame]]
 WORST_TOKENS = 20  # the focus pair's worst tokens listed under the worst rollouts
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class WorstToken:
+    """One of the focus pair's trainable tokens with the largest |log-ratio|: where it is, its id,
+    the pair's two log-probs (a: the pair's first side) and |logp_a - logp_b|."""
+
+    rollout: str
+    branch: str
+    turn: int
+    pos: int
+    token_id: int
+    logp_a: float
+    logp_b: float
+    abs_log_ratio: float
 
 
 @dataclass(slots=True)
@@ -70,8 +87,8 @@ class Digest:
     histograms: dict[str, aggregate.Histogram]  # pair -> its log-ratio histogram
     by_position: aggregate.Breakdown | None
     by_turn: aggregate.Breakdown | None
-    worst: dict[str, Any] | None
-    worst_tokens: list[dict[str, Any]]
+    worst: WorstBlock | None
+    worst_tokens: list[dict[str, object]]  # the worst tokens as the page's table shows them (_with_texts)
 
 
 class DigestAnalysis:
@@ -94,7 +111,7 @@ class DigestAnalysis:
             if expected and expected.get(pair):
                 state.tails = Tails(np.array([int(expected[pair])]), [0.999])
         self.ranks: list[pd.DataFrame] = []
-        self.worst_tokens: list[dict[str, Any]] = []
+        self.worst_tokens: list[WorstToken] = []
         self.max_pos = -1
         self.stage = "first"  # then "tails" (only without `expected`), "last", "done"
         self.populated: list[_PairTokenSums] = []
@@ -279,13 +296,14 @@ def _ranked(ranks: list[pd.DataFrame]) -> pd.DataFrame | None:
 
 def _worst(top: pd.DataFrame | None, ranked: pd.DataFrame | None, rows_of: dict[str, pd.DataFrame],
            columns: list[str], *, pairs: list[str], focus: str, tokenizer_path: Path | None,
-           options: WorstOptions) -> dict[str, Any] | None:
+           options: WorstOptions) -> WorstBlock | None:
     """The page's `worst` block: the top rollouts token by token (worst.rollout_detail)."""
     if top is None or ranked is None or top.empty:
         return None
     roles = logp_roles(pd.DataFrame(columns=columns))
+    ranked_top: list[RankedRollout] = top.to_dict("records")  # _rollout_rank's columns
     details = [rollout_detail(rows_of[record["rollout"]], pairs=pairs, roles=roles, ranked=record, focus=focus,
-                              options=options) for record in top.to_dict("records")]
+                              options=options) for record in ranked_top]
     ids = {i for d in details for i in d["token_id"]}
     return {"focus": focus, "pairs": pairs, "roles": roles, "rank_by": "max |log-ratio| on trainable tokens",
             "num_ranked": len(ranked), "rollouts": details,
@@ -293,7 +311,7 @@ def _worst(top: pd.DataFrame | None, ranked: pd.DataFrame | None, rows_of: dict[
             "text": token_texts(ids, tokenizer_path)}
 
 
-def _chunk_worst(chunk: pd.DataFrame, rows: np.ndarray, log_ratio: np.ndarray, pair: str) -> list[dict[str, Any]]:
+def _chunk_worst(chunk: pd.DataFrame, rows: np.ndarray, log_ratio: np.ndarray, pair: str) -> list[WorstToken]:
     """The chunk's WORST_TOKENS trainable tokens by |log-ratio| (ties: the earlier row)."""
     a, b = (f"logp_{role}" for role in aggregate.pair_roles(pair))
     gap = np.abs(log_ratio)
@@ -304,21 +322,22 @@ def _chunk_worst(chunk: pd.DataFrame, rows: np.ndarray, log_ratio: np.ndarray, p
     logp_a, logp_b = chunk[a].to_numpy(np.float64), chunk[b].to_numpy(np.float64)
     # Each column looked up once: a frame's column lookup costs more than the 20 values read from it.
     rollout, branch, turn, pos, token_id = (chunk[name] for name in ("rollout", "branch", "turn", "pos", "token_id"))
-    return [{"rollout": str(rollout.iat[row]), "branch": str(branch.iat[row]),
-             "turn": int(turn.iat[row]), "pos": int(pos.iat[row]),
-             "token_id": int(token_id.iat[row]), a: float(logp_a[row]), b: float(logp_b[row]),
-             "|log-ratio|": float(abs(logp_a[row] - logp_b[row]))} for row in picked.tolist()]
+    return [WorstToken(rollout=str(rollout.iat[row]), branch=str(branch.iat[row]), turn=int(turn.iat[row]),
+                       pos=int(pos.iat[row]), token_id=int(token_id.iat[row]), logp_a=float(logp_a[row]),
+                       logp_b=float(logp_b[row]), abs_log_ratio=float(abs(logp_a[row] - logp_b[row])))
+            for row in picked.tolist()]
 
 
-def _worst_tokens(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _worst_tokens(candidates: list[WorstToken]) -> list[WorstToken]:
     """The WORST_TOKENS largest, earlier chunks first among equals (a stable sort)."""
-    return sorted(candidates, key=lambda token: -token["|log-ratio|"])[:WORST_TOKENS]
+    return sorted(candidates, key=lambda token: -token.abs_log_ratio)[:WORST_TOKENS]
 
 
-def _with_texts(tokens: list[dict[str, Any]], tokenizer_path: Path | None, pair: str) -> list[dict[str, Any]]:
-    """Each worst token with its text in place of its id (the id when there is no tokenizer)."""
-    texts = token_texts({token["token_id"] for token in tokens}, tokenizer_path) or {}
+def _with_texts(tokens: list[WorstToken], tokenizer_path: Path | None, pair: str) -> list[dict[str, object]]:
+    """Each worst token as the page's table row: its text in place of its id (the id when there is
+    no tokenizer), its log-probs under the pair's own column names."""
+    texts = token_texts({token.token_id for token in tokens}, tokenizer_path) or {}
     a, b = (f"logp_{role}" for role in aggregate.pair_roles(pair))
-    return [{"rollout": t["rollout"], "branch": t["branch"], "turn": t["turn"], "pos": t["pos"],
-             "token": texts.get(str(t["token_id"]), f"#{t['token_id']}"), a: t[a], b: t[b],
-             "|log-ratio|": t["|log-ratio|"]} for t in tokens]
+    return [{"rollout": t.rollout, "branch": t.branch, "turn": t.turn, "pos": t.pos,
+             "token": texts.get(str(t.token_id), f"#{t.token_id}"), a: t.logp_a, b: t.logp_b,
+             "|log-ratio|": t.abs_log_ratio} for t in tokens]

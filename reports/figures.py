@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from html import escape
-from typing import Any
+from typing import Any, TypedDict
 
 from mismatch.reports.aggregate import BREAKDOWN_METRICS, Breakdown, Histogram
 from mismatch.present.numbers import num
@@ -21,7 +21,49 @@ LEVEL_COLORS = {"exact": "#2b8a3e", "negligible": "#40c057", "small": "#f59f00",
                 "unknown": "#868e96"}
 DEFAULT_METRIC = "log_ratio_abs_mean"
 
-Figure = dict[str, Any]
+
+
+class Axis(TypedDict, total=False):
+    """A plotly axis, the attributes these figures set (plotly.js layout.xaxis / yaxis)."""
+
+    title: dict[str, object]
+    gridcolor: str
+    zerolinecolor: str
+    linecolor: str
+    automargin: bool
+    type: str
+    range: list[float]
+    rangemode: str
+    tick0: float
+    dtick: float
+
+
+class Layout(TypedDict, total=False):
+    """A plotly layout, the attributes these figures set (plotly takes it as the dict it is)."""
+
+    title: dict[str, object]
+    height: int
+    margin: dict[str, int]
+    font: dict[str, object]
+    paper_bgcolor: str
+    plot_bgcolor: str
+    hoverlabel: dict[str, object]
+    showlegend: bool
+    legend: dict[str, object]
+    bargap: float
+    barmode: str
+    annotations: list[dict[str, object]]
+    shapes: list[dict[str, object]]
+    updatemenus: list[dict[str, object]]
+    xaxis: Axis
+    yaxis: Axis
+
+
+class Figure(TypedDict):
+    """A plotly figure as the page draws it: its traces (each plotly's own trace attributes) and layout."""
+
+    data: list[dict[str, object]]
+    layout: Layout
 
 
 def plotly_text(value: Any) -> str:
@@ -33,8 +75,8 @@ def pair_colors(pairs: list[str]) -> dict[str, str]:
     return {pair: PAIR_PALETTE[i % len(PAIR_PALETTE)] for i, pair in enumerate(pairs)}
 
 
-def base_layout(*, height: int = 300, **extra: Any) -> dict[str, Any]:
-    layout = {"height": height, "margin": {"l": 64, "r": 16, "t": 16, "b": 52},
+def base_layout(*, height: int = 300, **extra: Any) -> Layout:
+    layout: Layout = {"height": height, "margin": {"l": 64, "r": 16, "t": 16, "b": 52},
               "font": {"family": FONT, "size": 12, "color": "#343a40"},
               "paper_bgcolor": "rgba(0,0,0,0)", "plot_bgcolor": "#ffffff",
               "hoverlabel": {"font": {"family": FONT}}, "showlegend": False}
@@ -42,7 +84,7 @@ def base_layout(*, height: int = 300, **extra: Any) -> dict[str, Any]:
     return layout
 
 
-def _axis(title: str, **extra: Any) -> dict[str, Any]:
+def _axis(title: str, **extra: Any) -> Axis:
     return {"title": {"text": title, "standoff": 6}, "gridcolor": "#eef0f2", "zerolinecolor": "#ced4da",
             "linecolor": "#ced4da", "automargin": True, **extra}
 

@@ -8,6 +8,7 @@ corrections are advice.py's; the blocks every section is made of (tables, facts,
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from msgspec import UNSET
@@ -17,6 +18,7 @@ from mismatch.present.numbers import formatted, num, pct
 from mismatch.reports.aggregate import pair_roles
 from mismatch.reports.blocks import chart, facts, pair_legend, records_table, section, value_html
 from mismatch.reports.figures import LEVEL_COLORS, Figure
+from mismatch.reports.worst import WorstBlock
 from mismatch.reports.html import Html, el, join
 from mismatch.results.section_records import KernelLocalization, LayerLocalization, PositionSlope
 from mismatch.results.summary_model import PairMetrics, Summary, present, to_builtins
@@ -375,8 +377,10 @@ def diff_section(summary: Summary, texts: dict[str, str] | None) -> Html | None:
                        el("td", "yes" if excludes_zero else "no"), class_="highlight" if excludes_zero else None))
     heads = ("metric", "A vs ref", "B vs ref", "Δ (B − A)", "95% CI", "CI excludes 0")
     table = el("table", el("thead", el("tr", [el("th", h) for h in heads])), el("tbody", rows), class_="data num")
-    worst = (diff.where or {}).get("worst_tokens") or []  # where: the tables a diff found, by name
-    if texts is not None:  # each worst token: rollout, branch, pos, token_id and the three log-probs
+    where = present(diff.where)
+    # each worst token: rollout, branch, pos, token_id and the three log-probs
+    worst = [to_builtins(token) for token in present(where.worst_tokens) or ()] if where is not None else []
+    if texts is not None:
         worst = [{**w, "text": texts.get(str(w["token_id"]), "")} for w in worst]
     return section("diff", "A against B", table if rows else None,
                    el("h3", "Tokens where A and B disagree most") if worst else None,
@@ -423,7 +427,7 @@ def next_token_section(summary: Summary, texts: dict[str, str] | None = None) ->
 
 # --- worst rollouts, absent sections, footer -------------------------------------------------------
 
-def worst_section(worst: dict[str, Any] | None, tokens: list[dict[str, Any]] | None = None) -> Html | None:
+def worst_section(worst: WorstBlock | None, tokens: Sequence[Mapping[str, object]] | None = None) -> Html | None:
     if worst is None:
         return None
     lead = (f"The {len(worst['rollouts'])} worst of {worst['num_ranked']:,} rollouts by {worst['rank_by']} "

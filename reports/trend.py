@@ -86,8 +86,8 @@ def timeline(trend: Trend, metric: str) -> Figure:
     rows = trend.series[metric]
     steps = [row.step for row in rows]
     has_ci = any(row.ci_low is not None for row in rows)
-    trace: Figure = {"type": "scatter", "mode": "lines+markers", "x": steps, "y": [row.value for row in rows],
-                     "name": metric, "line": {"color": _COLOR}}
+    trace: dict[str, object] = {"type": "scatter", "mode": "lines+markers", "x": steps,
+                                "y": [row.value for row in rows], "name": metric, "line": {"color": _COLOR}}
     if has_ci:
         trace["error_y"] = {"type": "data", "symmetric": False, "color": _COLOR,
                             "array": [None if r.ci_high is None else r.ci_high - r.value for r in rows],

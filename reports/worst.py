@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 import pandas as pd
@@ -22,6 +22,59 @@ class WorstOptions:
     num_rollouts: int = 12          # rollouts with token detail
     max_tokens_per_rollout: int = 1500
     context: int = 48               # tokens kept on each side of a bad token in a long rollout
+
+
+class RankedRollout(TypedDict):
+    """A rollout as the digest ranks them (reports/digest.py _rollout_rank): its worst token's
+    |log-ratio| on the focus pair, its mean k3 and its scored tokens."""
+
+    rollout: str
+    max_abs_log_ratio: float
+    kl_k3_mean: float
+    n_scored: int
+
+
+class BranchRef(TypedDict):
+    id: str
+    kind: str
+
+
+class RolloutDetail(TypedDict):
+    """One worst rollout in the page's JSON (report.js draws it): its scores, then its shown rows
+    as columns (`row`: their index in the rollout; branch and role as indices into `branches` and
+    `roles`), each role's log-prob and each pair's log-ratio per shown row (null: not scored)."""
+
+    rollout: str
+    max_abs_log_ratio: float
+    kl_k3_mean: float | None
+    n_scored: int
+    n_rows: int
+    row: list[int]
+    branches: list[BranchRef]
+    branch: list[int]
+    roles: list[str]
+    role: list[int]
+    segment: list[int]
+    turn: list[int]
+    pos: list[int]
+    token_id: list[int]
+    trainable: list[int]
+    logp: dict[str, list[float | None]]  # role -> per shown row
+    log_ratio: dict[str, list[float | None]]  # pair -> per shown row
+
+
+class WorstBlock(TypedDict):
+    """The page's `worst` data: the top rollouts token by token, how they were ranked, each pair's
+    color scale (|log-ratio| at full color) and each shown token id's text (None: no tokenizer)."""
+
+    focus: str
+    pairs: list[str]
+    roles: list[str]
+    rank_by: str
+    num_ranked: int
+    rollouts: list[RolloutDetail]
+    scale: dict[str, float]
+    text: dict[str, str] | None
 
 
 def logp_roles(tokens: pd.DataFrame) -> list[str]:
@@ -57,7 +110,7 @@ def _rounded(values: np.ndarray, digits: int) -> list[float | None]:
 
 
 def rollout_detail(rows: pd.DataFrame, *, pairs: list[str], roles: list[str],
-                   ranked: dict[str, Any], focus: str, options: WorstOptions) -> dict[str, Any]:
+                   ranked: RankedRollout, focus: str, options: WorstOptions) -> RolloutDetail:
     """One rollout's shown tokens as columns (JSON arrays), with its branches and scores."""
     a, b = (f"logp_{role}" for role in pair_roles(focus))
     focus_abs = np.abs(rows[a].to_numpy(np.float64) - rows[b].to_numpy(np.float64))
@@ -68,7 +121,7 @@ def rollout_detail(rows: pd.DataFrame, *, pairs: list[str], roles: list[str],
     branch_index = {key: i for i, key in enumerate(branch_keys)}
     role_names = sorted(set(rows["role"].astype(str)))
     role_index = {name: i for i, name in enumerate(role_names)}
-    log_ratio = {}
+    log_ratio: dict[str, list[float | None]] = {}
     for pair in pairs:
         pa, pb = (f"logp_{role}" for role in pair_roles(pair))
         log_ratio[pair] = _rounded(rows[pa].to_numpy(np.float64) - rows[pb].to_numpy(np.float64), 4)
@@ -107,9 +160,10 @@ def token_texts(token_ids: set[int], tokenizer_path: Path | None) -> dict[str, s
     return {str(i): text for i, text in zip(known, texts)}
 
 
-def color_scale(details: list[dict[str, Any]], pair: str) -> float:
-    """|log-ratio| that gets full color: the 99th percentile of the shown scored tokens."""
-    values = np.abs(np.asarray([v for d in details for v in d["log_ratio"].get(pair, []) if v is not None],
+def color_scale(details: list[RolloutDetail], pair: str) -> float:
+    """|log-ratio| that gets full color: the 99th percentile of the shown scored tokens (every
+    detail has every pair of the page: rollout_detail's `pairs`)."""
+    values = np.abs(np.asarray([v for d in details for v in d["log_ratio"][pair] if v is not None],
                                dtype=np.float64))
     values = values[np.isfinite(values) & (values > 0)]
     return float(np.quantile(values, 0.99)) if len(values) else 1.0

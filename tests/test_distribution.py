@@ -208,7 +208,7 @@ def test_off_sample_is_earned_by_its_size(kl, k3, named) -> None:
     cause = off_sample(summary)
     assert (cause is not None) == named
     if cause is not None:
-        assert cause.where["token_id"] is None and cause.title.endswith("in tokens that were not sampled")
+        assert cause.where.token_id is None and cause.title.endswith("in tokens that were not sampled")
         assert f"{kl / k3:.3g}x the sampled tokens' kl_k3" in cause.evidence[0] and OFF_SAMPLE_FACTOR == 10
 
 

@@ -232,4 +232,4 @@ def test_a_declaration_the_data_refute_is_named_and_the_estimate_replayed(tiny_c
     assert wrong["declared_fit"] < 0.9 and wrong["replayed_from"].startswith("estimate")
     assert wrong["replayed"]["top_p"] == pytest.approx(0.8)
     words, where = _parameter_words(from_builtins(wrong, Truncation))  # as alignment.truncation reads it
-    assert "fix meta.sampler" in words and where["misdeclared"] is True
+    assert "fix meta.sampler" in words and where.misdeclared is True

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from mismatch.advise.cause import Cause
 from mismatch.results import summary_model as model
-from mismatch.results.summary_model import Summary, present
+from mismatch.results.summary_model import UNSET, CauseWhere, Summary, present
 from mismatch.advise.levels import HEALTHY
 from mismatch.advise.readers import Side, three_digits
 from mismatch.rollouts.declared_checkpoint import declared_name
@@ -182,9 +182,9 @@ def identity(summary: Summary, level: dict[str, str], side: dict[str, Side], pai
                  rules_out=(f"no numeric cause reaches it: {reach}",
                             f"a weight-sync fault or a stale copy moves some probabilities, not over "
                             f"{IDENTITY_TAIL:.0%} of them by 2x"),
-                 where={"checkpoint": summary.checkpoint, "declared": declared,
-                        **({"declared_by_rollouts": [declared_name(row.checkpoint) for row in compared.declared]}
-                           if compared is not None else {})})
+                 where=CauseWhere(checkpoint=summary.checkpoint, declared=declared,
+                                  declared_by_rollouts=[declared_name(row.checkpoint) for row in compared.declared]
+                                  if compared is not None else UNSET))
 
 
 TRUNCATION_OFF = {"top_p": (1.0,), "top_k": (-1, 0), "min_p": (0.0,)}  # meta.sampler values that truncate nothing

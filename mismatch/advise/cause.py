@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mismatch.results import summary_model as model
-from mismatch.results.summary_model import Section
+from mismatch.results.summary_model import CauseWhere
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -18,10 +18,10 @@ class Cause:
     evidence: tuple[str, ...]       # what supports it
     rules_out: tuple[str, ...] = ()  # why not the other causes
     fix: str = ""                   # the recommendation kind that fixes it at the source
-    where: Section = field(default_factory=dict)
+    where: CauseWhere = field(default_factory=CauseWhere)  # where it is, what it names
     minor: bool = False             # real, but too small to explain the gap: listed, never leading
 
     def to_record(self) -> model.Cause:
         """As summary.json's diagnosis lists it."""
         return model.Cause(kind=self.kind, pair=self.pair, title=self.title, evidence=list(self.evidence),
-                           rules_out=list(self.rules_out), fix=self.fix, where=dict(self.where), minor=self.minor)
+                           rules_out=list(self.rules_out), fix=self.fix, where=self.where, minor=self.minor)

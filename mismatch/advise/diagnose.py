@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import msgspec
+
 from mismatch.advise.admissibility import (
     SIZE_FACTOR,
     Envelope,
@@ -54,7 +56,7 @@ from mismatch.advise.readers import (
 )
 from mismatch.advise.unexplained import unexplained
 from mismatch.results import summary_model as model
-from mismatch.results.summary_model import ProbeResult, Summary, present
+from mismatch.results.summary_model import CauseWhere, ProbeResult, Summary, present
 
 RULE = """\
 Causes, in the order they lead (each only on the evidence named, and only once it passes its
@@ -266,16 +268,16 @@ def _weights(summary: Summary, level: dict[str, str], side: dict[str, Side]) -> 
         localized = confined(summary)
         if localized is not None:
             evidence.append(localized.words)
-        return Cause(kind="weights", pair=pair, fix="fix_weight_sync", where={"source": source, **where},
-                     title=f"the weights {source} ran differ from the trainer's in {where['words']}",
+        return Cause(kind="weights", pair=pair, fix="fix_weight_sync", where=msgspec.structs.replace(where, source=source),
+                     title=f"the weights {source} ran differ from the trainer's in {where.words}",
                      evidence=tuple(evidence),
                      rules_out=_same_config_words(side, "train", source, level.get(pair)))
     localized = confined(summary)
     if localized is None:
         return None
     pair = "train/infer"
-    return Cause(kind="weights", pair=pair, fix="fix_weight_sync", where={"source": "infer", **localized.where},
-                 title=f"the weights of train and infer differ in {localized.where['words']}",
+    return Cause(kind="weights", pair=pair, fix="fix_weight_sync", where=msgspec.structs.replace(localized.where, source="infer"),
+                 title=f"the weights of train and infer differ in {localized.where.words}",
                  evidence=(localized.words,),
                  rules_out=(*_same_config_words(side, "train", "infer", level.get(pair)),
                             "precision and kernels round every module a little; one module carrying the "
@@ -338,7 +340,7 @@ def _sampler_side(facts: Facts) -> Cause | None:
                  title=f"the sampler ran another config than this replay: {facts_words(differs)}",
                  evidence=(agree, f"meta.sampler declares {facts_words(differs)}"),
                  rules_out=("precision or weights cannot be told apart until a replay runs the sampler's config",),
-                 where={"differs": {k: list(v) for k, v in differs.items()}, "infer": spec})
+                 where=CauseWhere(differs={k: list(v) for k, v in differs.items()}, infer=spec))
 
 
 def _beyond_declared(facts: Facts, judged: str, kl: float) -> str | None:
@@ -381,7 +383,7 @@ def _sampler_weights(summary: Summary, sampler: Side, spec: str, agree: str, siz
     separates = (f"`mismatch weights {checkpoint} SYNCED_CHECKPOINT` (the copy the sampler loaded) shows other "
                  f"weights; a replay of {spec.split(':')[0]} in {other} shows whether the gap moves with the config")
     return Cause(kind="sampler_weights", pair="infer/sampler", fix="fix_weight_sync",
-                 where={"source": "sampler", "words": "the sampler's weights", "infer": spec},
+                 where=CauseWhere(source="sampler", words="the sampler's weights", infer=spec),
                  title="the sampler ran other weights or an undeclared config, not the checkpoint replayed here",
                  evidence=(agree, size),
                  rules_out=("the replays agree up to their own noise, so neither the trainer's kernels nor its "
@@ -418,8 +420,7 @@ def _turn_onset(summary: Summary) -> Cause | None:
                  rules_out=("a step at one turn, not a slope along position: kernels and precision grow with "
                             "context smoothly; something changed at this turn (a summary, a tool result, a "
                             "rewritten history, or the sampler's weights updated mid-rollout)",),
-                 where={"turn": turn, "rollouts": rollouts[:10], "new_roles": new_roles,
-                        "new_branch_kinds": new_kinds})
+                 where=CauseWhere(turn=turn, rollouts=rollouts[:10], new_roles=new_roles, new_branch_kinds=new_kinds))
 
 
 def _render_drift(summary: Summary) -> Cause | None:
@@ -435,8 +436,8 @@ def _render_drift(summary: Summary) -> Cause | None:
                  title=f"re-rendered messages give other tokens than were sampled ({words})",
                  evidence=(f"{len(spans)} span(s) ({fact_counts(kinds)}), "
                            f"{drift.trainable_tokens_touched or 0} trainable token(s) touched",),
-                 where={"spans": len(spans), "rollouts": sorted({r for r, _ in places if r is not None})[:10],
-                        "places": [{"rollout": r, "turn": t} for r, t in places[:20]]})
+                 where=CauseWhere(spans=len(spans), rollouts=sorted({r for r, _ in places if r is not None})[:10],
+                                  places=[{"rollout": r, "turn": t} for r, t in places[:20]]))
 
 
 def _minor_drift_last(causes: tuple[Cause, ...], summary: Summary) -> tuple[Cause, ...]:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from mismatch.results.summary_model import JSONObject
 from mismatch.analysis.metrics import PAIR_METRICS
 from mismatch.analysis.terms import METRIC_RANGES
@@ -209,7 +211,7 @@ def load_summary(path: str | Path) -> JSONObject:
     where no run can have written it (check_summary), or where the dir's tables are not the ones it
     recorded (results.verify; a CI artifact of summary.json alone is gated on its own). Its schema
     is checked by the gate, not here."""
-    from mismatch.results.verify import check_tables
+    from mismatch.results.verify import RecordedTables, check_tables
 
     file = summary_file(path)
     if not file.is_file():
@@ -219,7 +221,11 @@ def load_summary(path: str | Path) -> JSONObject:
         raise ResultsError(f"{file}: not a JSON object")
     check_summary(summary, where=str(file))
     if Path(path).is_dir():
-        check_tables(Path(path), summary, required=())
+        try:
+            recorded = msgspec.convert(summary, RecordedTables, strict=False)
+        except msgspec.ValidationError as error:  # a hand-edited shard or counts: the field it breaks
+            raise ResultsError(f"{file}: {error}") from None
+        check_tables(Path(path), recorded, required=())
     return summary
 
 

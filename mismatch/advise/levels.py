@@ -3,7 +3,7 @@ kl_k3 and the ratio's tail: what the verdicts word, the diagnosis reads and the 
 
 from __future__ import annotations
 
-from mismatch.results.summary_model import PairMetrics, Summary, partial_metrics
+from mismatch.results.summary_model import PairMetrics, Summary
 
 # Thresholds (kl_k3 is per token; frac_outside_2 is the share of tokens with ratio outside [0.5, 2]).
 NEGLIGIBLE_KL = 1e-6
@@ -32,7 +32,4 @@ def gap_level(metrics: PairMetrics) -> str:
 
 def pair_levels(summary: Summary) -> dict[str, str]:
     """summary.json's pairs, each at its gap level."""
-    if isinstance(summary, dict):  # TRANSITIONAL: the readers still on plain data
-        return {pair: gap_level(partial_metrics(metrics)) for pair, metrics in (summary.get("pairs") or {}).items()
-                if isinstance(metrics, dict)}
     return {pair: gap_level(metrics) for pair, metrics in summary.pairs.items()}

@@ -8,7 +8,7 @@ import math
 
 from msgspec import UNSET
 
-from mismatch.results.summary_model import Summary, present
+from mismatch.results.summary_model import CauseWhere, Summary, present
 from mismatch.advise.cause import Cause
 from mismatch.advise.readers import kl_words, listed
 
@@ -27,7 +27,7 @@ def alignment_shift(summary: Summary) -> Cause | None:
                            *([f"rollouts shifted: {listed(list(by_rollout))}"] if by_rollout else [])),
                  rules_out=("every other gap is measured on misaligned pairs: nothing else can be judged "
                             "until they line up",),
-                 where={"shift": shift, "rollouts": list(by_rollout)[:10]})
+                 where=CauseWhere(shift=shift, rollouts=list(by_rollout)[:10]))
 
 
 def trainer_temperature(summary: Summary, level: dict[str, str]) -> Cause | None:
@@ -62,8 +62,8 @@ def trainer_temperature(summary: Summary, level: dict[str, str]) -> Cause | None
                  title=f"the trainer scales its logits by temperature {trainer_t:g}, the stored log-probs are at "
                        f"temperature {stored_t:g}",
                  evidence=tuple(evidence), rules_out=tuple(rules_out),
-                 where={"trainer_temperature": float(trainer_t), "stored_temperature": stored_t,
-                        "config_key": keys[0] if keys else None})
+                 where=CauseWhere(trainer_temperature=float(trainer_t), stored_temperature=stored_t,
+                                  config_key=keys[0] if keys else None))
 
 
 def processed(summary: Summary, level: dict[str, str]) -> Cause | None:
@@ -87,5 +87,5 @@ def processed(summary: Summary, level: dict[str, str]) -> Cause | None:
     return Cause(kind="processed_logprobs", pair="train/sampler", fix="raw_logprobs",
                  title="the sampler stored processed log-probs (after temperature / top-p) and the trainer raw ones",
                  evidence=tuple(evidence), rules_out=tuple(rules_out),
-                 where={"estimated_temperature": present(temperature), "like_for_like": like if like in level else None,
-                        "like_for_like_level": level.get(like)})
+                 where=CauseWhere(estimated_temperature=present(temperature),
+                                  like_for_like=like if like in level else None, like_for_like_level=level.get(like)))

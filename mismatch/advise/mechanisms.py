@@ -12,7 +12,7 @@ from dataclasses import replace
 from msgspec import UNSET
 
 from mismatch.results.section_records import IndexFlips, LayerTypeShare, LayerTypeSplit
-from mismatch.results.summary_model import Summary, present
+from mismatch.results.summary_model import CauseWhere, Summary, present, to_builtins
 from mismatch.advise.cause import Cause
 from mismatch.frameworks.protocol import Recommendation
 
@@ -103,8 +103,8 @@ def _layer_type(split: LayerTypeSplit | None) -> Cause | None:
                  title=f"{split.mechanism}: {size}", evidence=tuple(evidence),
                  rules_out=("both sides load the same weights: the layer type's two paths (algorithm, cache, "
                             "dtype) differ, not a tensor",),
-                 where={"layer_type": lead.layer_type, "layers": lead.layers, "share": lead.share,
-                        "jump": jumps, "mechanism": split.mechanism})
+                 where=CauseWhere(layer_type=lead.layer_type, layers=lead.layers, share=lead.share, jump=jumps,
+                                  mechanism=split.mechanism))
 
 
 def _per_layer(share: LayerTypeShare) -> float:
@@ -121,10 +121,10 @@ def layer_type_test(cause: Cause, summary: Summary) -> str | None:
     if len(mixers) < 2:
         return (f"every layer runs {mixers[0] if mixers else 'one token mixer'}: the split singles out no layer "
                 f"type (the path or dtype of the whole model does; kernel_path or precision speaks for it)")
-    share = cause.where["share"]
+    share = cause.where.share
     if share < LEAD_SHARE:
         spread = ", ".join(f"{t.layer_type} {t.share:.0%}" for t in by_type)
-        return (f"spread, not concentrated: the {cause.where['layer_type']} layers introduce {share:.0%} of the "
+        return (f"spread, not concentrated: the {cause.where.layer_type} layers introduce {share:.0%} of the "
                 f"sub-blocks' local error, under {LEAD_SHARE:.0%} ({spread})")
     return None
 
@@ -142,24 +142,25 @@ def _index_flips(flips: IndexFlips | None) -> Cause | None:
                            f"{removed:.0%} of the k3" if removed is not None else "index replay was not measured"),
                  rules_out=("the same keys give the same attention: forcing the selection closes the flipped "
                             "tokens' gap",),
-                 where={"k3_share": flips.k3_share_with_flip, "frac_tokens_with_flip": present(flips.frac_tokens_with_flip),
-                        "removed_k3_frac": removed})
+                 where=CauseWhere(k3_share=flips.k3_share_with_flip,
+                                  frac_tokens_with_flip=present(flips.frac_tokens_with_flip), removed_k3_frac=removed))
 
 
 def mechanism_fix(cause: Cause, why: str) -> Recommendation | None:
     """The source fix for a mechanism cause (None for the others)."""
     if cause.kind == "index_flips":
-        return Recommendation(kind="index_replay", params=dict(cause.where),
+        return Recommendation(kind="index_replay", params=to_builtins(cause.where),
                               why=f"{why}: the trainer attends to the keys the engine's indexer selected (index "
                                   f"replay, as R3 for experts); {SOURCES['sparse_attention']}")
     if cause.kind != "layer_type":
         return None
-    layer_type = cause.where["layer_type"].removeprefix("sink_")
+    layer_type = present(cause.where.layer_type)
+    layer_type = layer_type.removeprefix("sink_") if layer_type is not None else None
     if layer_type == "linear_attention":
-        return Recommendation(kind="align_linear_attention", params=dict(cause.where),
+        return Recommendation(kind="align_linear_attention", params=to_builtins(cause.where),
                               why=f"{why}: keep the engine's recurrent state in float32 and compare its decode "
                                   f"with the trainer's chunked pass; {SOURCES['linear_attention']}")
     if layer_type == "sparse_attention":
-        return Recommendation(kind="index_replay", params=dict(cause.where),
+        return Recommendation(kind="index_replay", params=to_builtins(cause.where),
                               why=f"{why}; {SOURCES['sparse_attention']}")
     return None  # full / sliding attention: a kernel path, answered by the correction and recompute

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mismatch.results.summary_model import ProbeResult, Summary, present
+from mismatch.results.summary_model import CauseWhere, ProbeResult, Summary, present
 from mismatch.advise.cause import Cause
 from mismatch.advise.levels import GAPS, HEALTHY
 from mismatch.advise.readers import Side, confined, listed, three_digits
@@ -34,7 +34,7 @@ def batch_variance(summary: Summary, side: dict[str, Side], probed: bool | None)
     pair = "train/sampler" if "sampler" in split or probed else f"train/{next(iter(split))}"
     return Cause(kind="batch_variance", pair=pair, fix="batch_invariant",
                  title="the inference engine's log-probs change with what else is in the batch",
-                 evidence=tuple(evidence), where={"sources": sorted(split)},
+                 evidence=tuple(evidence), where=CauseWhere(sources=sorted(split)),
                  rules_out=("the same prefix and the same weights gave different numbers: neither weights nor "
                             "the renderer can do that",))
 
@@ -56,7 +56,8 @@ def routing_flips(summary: Summary, weights: Cause | None) -> Cause | None:
                      evidence=(f"{flips}, and they carry {share:.0%} of the gap (k3)",),
                      rules_out=("no weight fault is localized: the flips come from rounding near the router's "
                                 "ties, which routing replay removes",),
-                     where={"pair": pair, "k3_share": share, "frac_tokens_with_flip": agreement["frac_tokens_with_flip"]})
+                     where=CauseWhere(pair=pair, k3_share=share,
+                                      frac_tokens_with_flip=agreement["frac_tokens_with_flip"]))
     return None
 
 
@@ -85,7 +86,7 @@ def precision(summary: Summary, level: dict[str, str], side: dict[str, Side], we
                      title=f"bfloat16 rounding: {bf16} runs in bfloat16, the other side of {pair} in {_other(dtypes)}",
                      evidence=(f"{a} and {b} differ in {facts_words(differs)}", confirmed),
                      rules_out=("no module carries the error alone: not one weight tensor",),
-                     where={"bf16_source": bf16, "sources": [bf16], "pair": pair, "gap": level[pair]})
+                     where=CauseWhere(bf16_source=bf16, sources=[bf16], pair=pair, gap=level[pair]))
     return None
 
 
@@ -157,7 +158,7 @@ def kernel_path(summary: Summary, level: dict[str, str], side: dict[str, Side],
                  evidence=(f"train and infer differ only in {facts_words(differs)}",
                            *(["the replay reproduces the sampler (infer/sampler "
                               f"{level['infer/sampler']}): the sampler's kernels are these"] if faithful else [])),
-                 where={"differs": {k: list(v) for k, v in differs.items()}})
+                 where=CauseWhere(differs={k: list(v) for k, v in differs.items()}))
 
 
 def position_drift(summary: Summary) -> Cause | None:
@@ -170,4 +171,4 @@ def position_drift(summary: Summary) -> Cause | None:
                  title="the gap grows with context length",
                  evidence=(f"|log-ratio| rises {three_digits(slope.slope_per_1k)} per 1000 tokens of position (95% CI "
                            f"{three_digits(low)} to {three_digits(high)}), with no turn where it steps up",),
-                 where={"slope_per_1k": present(slope.slope_per_1k)})
+                 where=CauseWhere(slope_per_1k=present(slope.slope_per_1k)))

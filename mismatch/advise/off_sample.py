@@ -25,7 +25,7 @@ import math
 from mismatch.advise.cause import Cause
 from mismatch.advise.levels import NEGLIGIBLE_KL
 from mismatch.advise.readers import three_digits
-from mismatch.results.summary_model import Summary, present
+from mismatch.results.summary_model import CauseWhere, Summary, present
 
 OFF_SAMPLE_FACTOR = 10.0  # whole-distribution KL over its sampled estimate that puts the gap off the samples
 CONCENTRATED = 0.5        # one token's share of the moved probability that names it
@@ -63,9 +63,9 @@ def off_sample(summary: Summary) -> Cause | None:
                      evidence=tuple(evidence),
                      rules_out=(f"rounding moves the sampled tokens' estimate and the whole distribution alike; "
                                 f"this KL is over {OFF_SAMPLE_FACTOR:g}x its estimate",),
-                     where={"token_id": lead["token_id"] if lead is not None else None,
-                            "positions": [{"rollout": row["rollout"], "pos": row["pos"]} for row in worst],
-                            "kl": kl, "kl_k3": k3})
+                     where=CauseWhere(token_id=lead["token_id"] if lead is not None else None,
+                                      positions=[{"rollout": row["rollout"], "pos": row["pos"]} for row in worst],
+                                      kl=kl, kl_k3=k3))
     return None
 
 

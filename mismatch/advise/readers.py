@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any
 
 from mismatch.results.section_records import ModuleError
-from mismatch.results.summary_model import ProbeResult, SamplerDeclaration, Summary, present
+from mismatch.results.summary_model import CauseWhere, ProbeResult, SamplerDeclaration, Summary, present
 from mismatch.engines import TORCH_KINDS
 
 OUTLIER = 10.0   # a module's error this many times the median module's (and its rounding floor)
@@ -80,7 +80,7 @@ class Confinement:
     """Where the localizers confine an error (`located`'s layers, modules, experts and words), and
     the evidence in words."""
 
-    where: Located
+    where: CauseWhere
     words: str
 
 
@@ -144,17 +144,9 @@ def _others_max(modules: list[ModuleError], out: list[str]) -> str:
     return f"{max((m.rel_error for m in modules if m.name not in out), default=0.0):.3g}"
 
 
-class Located(TypedDict):
-    """A cause's `where` for the tensors it names: their layers, modules and experts, in words."""
-
-    layers: list[int]
-    modules: list[str]
-    experts: list[str]
-    words: str
-
-
-def located(names: list[str], experts: list[str]) -> Located:
-    """Layer, module and tensors of the names, and the words that say it."""
+def located(names: list[str], experts: list[str]) -> CauseWhere:
+    """A cause's `where` for the tensors it names: their layers, modules and experts, and the words
+    that say it."""
     layers = sorted({int(m.group(1)) for name in names if (m := _LAYER.search(name))})
     modules = [name.removesuffix(".weight").removesuffix(".bias") for name in names]
     words = ", ".join(modules[:3]) + (f" and {len(modules) - 3} more" if len(modules) > 3 else "")
@@ -162,7 +154,7 @@ def located(names: list[str], experts: list[str]) -> Located:
         words = f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))} ({words})"
     if experts:
         words += f", expert {', '.join(experts[:3])}"
-    return {"layers": layers, "modules": modules[:10], "experts": experts[:10], "words": words}
+    return CauseWhere(layers=layers, modules=modules[:10], experts=experts[:10], words=words)
 
 
 def batch_variant_from_probes(probes: list[ProbeResult]) -> bool | None:

@@ -11,13 +11,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from msgspec.structs import replace
+
 from mismatch.advise.choice import choose_correction
 from mismatch.advise.cause import Cause
 from mismatch.advise.mechanisms import mechanism_fix
 from mismatch.advise.evidence import Evidence, evidence_from_summary
 from mismatch.advise.truncation import replay_kept_set
 from mismatch.results import summary_model as model
-from mismatch.results.summary_model import Summary
+from mismatch.results.summary_model import UNSET, Summary, present, to_builtins
 from mismatch.frameworks.protocol import Recommendation, Target
 
 RULE = """\
@@ -90,9 +92,9 @@ def _source_fix(cause: Cause, framework: str | None = None) -> Recommendation | 
     """The fix at a cause's source, in the words of the cause's evidence (kernel paths and position
     drift have none of their own: recompute and the correction's level answer them)."""
     why = "; ".join([cause.title, *cause.evidence, *cause.rules_out])
-    where = {k: v for k, v in cause.where.items() if k != "words"}
-    if "words" in cause.where:  # where the fault is, as a reader says it (the headline's "fix: ...")
-        where["at"] = cause.where["words"]
+    where = to_builtins(replace(cause.where, words=UNSET))
+    if cause.where.words:  # where the fault is, as a reader says it (the headline's "fix: ...")
+        where["at"] = cause.where.words
     if cause.kind == "processed_logprobs":
         return _raw_logprobs(why)
     if cause.kind == "truncated_sampling":
@@ -100,8 +102,8 @@ def _source_fix(cause: Cause, framework: str | None = None) -> Recommendation | 
     if cause.kind == "trainer_temperature":
         return Recommendation(kind="match_temperature", params=where,
                               why=f"{why}: the trainer must scale by the temperature the stored log-probs carry "
-                                  f"(set {where.get('config_key') or 'the trainer temperature'} to "
-                                  f"{where['stored_temperature']:g}, or store log-probs at the trainer's), before "
+                                  f"(set {cause.where.config_key or 'the trainer temperature'} to "
+                                  f"{cause.where.stored_temperature:g}, or store log-probs at the trainer's), before "
                                   "correcting anything")
     if cause.kind in ("weights", "sampler_weights"):
         return Recommendation(kind="fix_weight_sync", params={"cause": cause.kind, **where},
@@ -110,12 +112,12 @@ def _source_fix(cause: Cause, framework: str | None = None) -> Recommendation | 
                                   "a policy the trainer does not have")
     if cause.kind == "sampler_config":
         return Recommendation(kind="match_sampler_config", params=where,
-                              why=f"{why}; audit again with --infer {where.get('infer')} (the sampler's config): "
+                              why=f"{why}; audit again with --infer {present(cause.where.infer)} (the sampler's config): "
                                   "if the replay then reproduces the stored log-probs the gap is that config's "
                                   "numerics, if not the sampler ran other weights")
     if cause.kind == "turn_onset":
         return Recommendation(kind="inspect_turn", params=where,
-                              why=f"{why}; compare turn {where['turn']} with the turn before it in these rollouts "
+                              why=f"{why}; compare turn {cause.where.turn} with the turn before it in these rollouts "
                                   "(the report lists them): what the harness or the engine did differently there "
                                   "is the fix")
     if cause.kind == "render_drift":
@@ -135,7 +137,7 @@ def _source_fix(cause: Cause, framework: str | None = None) -> Recommendation | 
     if cause.kind in ("layer_type", "index_flips"):
         return mechanism_fix(cause, why)
     if cause.kind == "off_sample":
-        token = where.get("token_id")
+        token = present(cause.where.token_id)
         rows = f"token {token}'s rows" if token is not None else "the output heads"
         return Recommendation(kind="inspect_token_rows", params={**where, "rows": rows},
                               why=f"{why}: " + (f"compare token {token}'s rows on the two sides (lm_head, embedding: "
@@ -146,7 +148,7 @@ def _source_fix(cause: Cause, framework: str | None = None) -> Recommendation | 
                                   + "; the sampled tokens' ratio does not show it, so no correction of the ratio "
                                     "removes it")
     if cause.kind == "precision":
-        if cause.where.get("gap") != "large":  # a small bf16 gap: the correction alone, not a migration
+        if cause.where.gap != "large":  # a small bf16 gap: the correction alone, not a migration
             return None
         return Recommendation(kind="fp16", params={"dtype": "float16", "instead_of": "bfloat16", **where},
                               why=f"{why}; float16 has 10 mantissa bits to bfloat16's 7, so the same kernels round "
@@ -170,16 +172,17 @@ def _recompute(evidence: Evidence) -> Recommendation:
 
 
 def _fix_alignment(cause: Cause) -> Recommendation:
-    shift = cause.where["shift"]
-    return Recommendation(kind="fix_alignment", params={"shift": shift, "rollouts": cause.where.get("rollouts", [])},
+    shift = cause.where.shift
+    return Recommendation(kind="fix_alignment", params={"shift": shift, "rollouts": present(cause.where.rollouts) or []},
                           why=f"{'; '.join([cause.title, *cause.evidence])}: an off-by-one pairs each log-prob with "
                               "the wrong token; align logprob[i] with token[i] before any correction (every number "
                               "above is measured on misaligned pairs)")
 
 
 def _match_checkpoint(cause: Cause) -> Recommendation:
-    declared = cause.where.get("declared")
-    return Recommendation(kind="match_checkpoint", params={k: v for k, v in cause.where.items() if v is not None},
+    declared = present(cause.where.declared)
+    return Recommendation(kind="match_checkpoint",
+                          params={k: v for k, v in to_builtins(cause.where).items() if v is not None},
                           why=f"{'; '.join([cause.title, *cause.evidence, *cause.rules_out])}: audit these rollouts "
                               "against the checkpoint that sampled them"
                               + (f" (they declare {declared})" if declared else "")

@@ -10,10 +10,11 @@ the kept set (`sampling=replay`, the like-for-like train_processed column) remov
 from __future__ import annotations
 
 
-from typing import Any
+from msgspec import UNSET
+from msgspec.structs import replace
 
-from mismatch.results.section_records import KeptMassRatio, Truncation
-from mismatch.results.summary_model import Summary, present, to_builtins
+from mismatch.results.section_records import KeptMassRatios, Truncation
+from mismatch.results.summary_model import CauseWhere, Summary, present, to_builtins
 from mismatch.advise.cause import Cause
 from mismatch.advise.levels import HEALTHY
 from mismatch.frameworks.protocol import Recommendation
@@ -23,7 +24,7 @@ from mismatch.replay.truncation import misdeclared
 LIKE = "train_processed/sampler"
 
 
-def _parameter_words(truncation: Truncation) -> tuple[str, dict[str, Any]]:
+def _parameter_words(truncation: Truncation) -> tuple[str, CauseWhere]:
     """The truncation in words (declared, or estimated with its confidence) and its `where` entries."""
     declared, estimate = present(truncation.declared), present(truncation.estimate)
     if declared:
@@ -37,26 +38,25 @@ def _parameter_words(truncation: Truncation) -> tuple[str, dict[str, Any]]:
             words += (f"; but the declaration explains {fit:.0%} of the tokens where {estimate.kind} "
                       f"{estimate.value:g} explains {estimate.confidence:.0%}: fix meta.sampler (the "
                       "like-for-like pair replays the estimate)")
-        return words, {"source": "declared", **active, "declared_fit": fit,
-                       **({"misdeclared": True, "estimate": {estimate.kind: estimate.value}} if wrong else {})}
+        return words, CauseWhere(source="declared", **active, declared_fit=fit,
+                                 **({"misdeclared": True, "estimate": {estimate.kind: estimate.value}} if wrong else {}))
     if not estimate:
-        return "its parameter not estimated (the trainer is not a torch engine)", {"source": None}
+        return "its parameter not estimated (the trainer is not a torch engine)", CauseWhere(source=None)
     low, high = estimate.range
     span = f"{low:g}" if low == high else f"{low:g}-{high:g}"
     others = ", ".join(f"{name} {o['value']:g}: {o['confidence']:.0%}" for name, o in (estimate.others or {}).items())
     words = (f"{estimate.kind} ~ {estimate.value:g} (range {span}; estimated, not declared: it explains "
              f"{estimate.confidence:.0%} of {estimate.n_tokens} tokens within {estimate.tolerance_nats:g} nats "
              f"of kept mass; next best {others})")
-    return words, {"source": "estimated", estimate.kind: estimate.value, "confidence": estimate.confidence,
-                   "range": estimate.range}
+    return words, CauseWhere(source="estimated", **{estimate.kind: estimate.value}, confidence=estimate.confidence,
+                             range=estimate.range)
 
 
-def ratio_words(ratios: dict[str, KeptMassRatio]) -> list[str]:
+def ratio_words(ratios: KeptMassRatios) -> list[str]:
     """The token ratio's mean and share outside [0.9, 1.1] without and with the kept-set replay."""
     words = []
-    for name, label in (("without_replay", "without replay"), ("with_replay", "renormalized over the kept set")):
-        r = ratios.get(name)
-        if r is not None:
+    for r, label in ((ratios.without_replay, "without replay"), (ratios.with_replay, "renormalized over the kept set")):
+        if r is not UNSET:
             words.append(f"{label} ({r.pair}): ratio mean {r.ratio_mean:.4g}, "
                          f"{r.frac_outside_band:.1%} of tokens outside [0.9, 1.1]")
     return words
@@ -67,10 +67,10 @@ def truncated_sampling(summary: Summary, level: dict[str, str]) -> Cause | None:
     if summary.semantics != "truncated":
         return None
     truncation = summary.alignment.truncation or Truncation()
-    ratios = truncation.ratios or {}
+    ratios = present(truncation.ratios) or KeptMassRatios()
     # The ratio's mean over every trainable token is the mean kept mass (what TRL #7269 reports);
     # the semantics evidence leaves stored 0.0 (a lone kept token, or padding) to the padding check.
-    without = ratios.get("without_replay")
+    without = present(ratios.without_replay)
     mass = present(without.ratio_mean if without is not None else truncation.kept_mass_mean)
     parameter, where = _parameter_words(truncation)
     evidence = [f"{truncation.frac_raised or 0:.0%} of {present(truncation.n_tokens)} tokens with a stored "
@@ -89,17 +89,16 @@ def truncated_sampling(summary: Summary, level: dict[str, str]) -> Cause | None:
                  title=f"truncated sampling: the ratio carries the kept mass (mean {mass:.3g})"
                  if isinstance(mass, (int, float)) else "truncated sampling: the ratio carries the kept mass",
                  evidence=tuple(evidence), rules_out=tuple(rules_out),
-                 where={**where, "kept_mass_mean": mass, "ratios": to_builtins(ratios)})
+                 where=replace(where, kept_mass_mean=mass, ratios=to_builtins(ratios)))
 
 
 def replay_kept_set(cause: Cause, why: str, framework: str | None) -> Recommendation:
     """The fix: renormalize the trainer over the kept set where the stack can, else sample the
     training rollouts untruncated, in the words of the target's release."""
-    where = cause.where
     # sampling=replay renormalizes over a recorded kept set or a declared truncation, never a guess.
-    declare = _declare(where)
+    declare = _declare(cause.where)
     return Recommendation(
-        kind="replay_kept_set", params={k: v for k, v in where.items() if k != "ratios"},
+        kind="replay_kept_set", params=to_builtins(replace(cause.where, ratios=UNSET)),
         why=f"{why}: renormalize the trainer's log-probs over the sampler's kept set before the ratio (vLLM "
             f"--return-sampling-mask records it per token as format v1's sampling_mask; {declare}audit with "
             "--train hf:sampling=replay --infer hf-decode:sampling=replay to see the ratio without the bias), or "
@@ -107,9 +106,10 @@ def replay_kept_set(cause: Cause, why: str, framework: str | None) -> Recommenda
             f"top_p = 1, top_k off, min_p 0. {truncation_fix(framework)}")
 
 
-def _declare(where: dict[str, Any]) -> str:
+def _declare(where: CauseWhere) -> str:
     """For an estimated truncation: the meta.sampler key to declare before replaying it."""
-    if where["source"] != "estimated":
+    if where.source != "estimated":
         return ""
-    kind = next((k for k in ("top_p", "top_k", "min_p") if k in where), None)
-    return f"declare meta.sampler.{kind}: {where[kind]:g} (the estimate) and " if kind else ""
+    kind, value = next(((k, v) for k, v in (("top_p", where.top_p), ("top_k", where.top_k), ("min_p", where.min_p))
+                        if v is not UNSET), (None, None))
+    return f"declare meta.sampler.{kind}: {value:g} (the estimate) and " if kind else ""

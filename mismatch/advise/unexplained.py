@@ -5,7 +5,7 @@ It has no fix of its own: `recommend` gives the correction meanwhile."""
 from __future__ import annotations
 
 
-from mismatch.results.summary_model import Summary, present, to_builtins
+from mismatch.results.summary_model import CauseWhere, Summary, present, to_builtins
 from mismatch.advise.admissibility import Envelope, Refusal, times
 from mismatch.advise.cause import Cause
 from mismatch.advise.readers import Side, sampler_spec, three_digits
@@ -27,8 +27,8 @@ def unexplained(summary: Summary, side: dict[str, Side], *, ratio_pair: str, fou
                        + (f" with {tail:.2%} of tokens outside [0.5, 2]," if isinstance(tail, (int, float)) else ",")
                        + " passes no cause's test",
                  evidence=(size,), rules_out=tuple(ruled),
-                 where={"next": command, "ruled_out": ruled,
-                        "envelope": to_builtins(found.to_record()) if found is not None else None})
+                 where=CauseWhere(next=command, ruled_out=ruled,
+                                  envelope=to_builtins(found.to_record()) if found is not None else None))
 
 
 def _ruled_out(summary: Summary, side: dict[str, Side]) -> list[str]:

@@ -13,11 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import pandas as pd
 
 from mismatch.analysis.chunked import Chunk, Chunks, run_passes
 from mismatch.results.chunks import key_codes, table_chunks
+from mismatch.results.section_records import SamplerDeclaration
 from mismatch.analysis.moments import Moments
 from mismatch.analysis.groups import find_spans
 from mismatch.analysis.truncation import TruncationEvidence
@@ -208,13 +210,14 @@ def _placeholders(cols: _Columns) -> tuple[int, int, float | None]:
 def _semantics_finding(semantics: dict[str, Any], declared: dict[str, Any], stored: str, replayed: str,
                        findings: list[dict[str, Any]]) -> None:
     sampling = Sampling.from_meta(declared)
+    declaration = msgspec.convert(declared, SamplerDeclaration, strict=False)
     if semantics["semantics"] == "processed":
         # The declared settings are exact where given; the estimate is only a fallback.
         temperature = semantics["estimated_temperature"] if sampling.is_identity else sampling.temperature
         raised = semantics["frac_likely_raised"] >= ONE_SIDED
         share = max(semantics["frac_likely_raised"], semantics["frac_likely_lowered"])
-        declared_text = (f"; meta.sampler declares logprobs={declared['logprobs']!r}"
-                         if declared.get("logprobs") else "")
+        declared_text = (f"; meta.sampler declares logprobs={declaration.logprobs!r}"
+                         if declaration.logprobs else "")
         findings.append(_finding(
             "processed_logprobs", f"stored {stored} log-probs are processed (likely tokens "
             f"{'raised' if raised else 'lowered'} in {share:.0%} of cases; temperature ~ "
@@ -230,7 +233,7 @@ def _semantics_finding(semantics: dict[str, Any], declared: dict[str, Any], stor
                if sampling.truncates else "; meta.sampler declares no truncation"),
             f"replay {replayed} on the sampler's kept set (engine option sampling=replay, with meta.sampler's "
             "top_p/top_k/min_p or each segment's sampling_mask), or sample training rollouts untruncated"))
-    elif semantics["semantics"] == "raw" and declared.get("logprobs") == "processed" and not sampling.is_identity:
+    elif semantics["semantics"] == "raw" and declaration.logprobs == "processed" and not sampling.is_identity:
         findings.append(_finding("semantics_mismatch",
                                  "meta.sampler declares processed log-probs but they read as raw",
                                  "fix meta.sampler.logprobs so corrections use the right semantics"))

@@ -179,18 +179,16 @@ def recommend(
 ) -> None:
     """The correction (and fixes at the source) the measured gap calls for, with a config snippet."""
     from mismatch.advise.advice import for_target
-    from mismatch.advise.consistency import check_summary
-    from mismatch.results import SUMMARY_FILE, read_summary
+    from mismatch.advise.gate import load_summary
+    from mismatch.results import read_summary
     from mismatch.results.summary_model import present
-    from mismatch.results.verify import check_tables
 
     target = target_for(framework)
     probe_results = read_probes(probes) if probes is not None else None
     record = read_summary(results)
-    summary = record.to_dict()  # TRANSITIONAL: the checks below read plain data
-    # What gate refuses as impossible gets no advice either; nor a dir whose tables are another run's.
-    check_summary(summary, where=str(results / SUMMARY_FILE))
-    check_tables(results, summary, required=())
+    # What gate refuses as impossible gets no advice either (its checks read the file as written, not
+    # as decoded); nor a dir whose tables are another run's.
+    load_summary(results)
     if record.command != "audit":  # a diff compares two configs: it recommends nothing
         raise MismatchError(f"{results}: a `mismatch {record.command}` results dir; recommend reads an "
                             "audit's (mismatch audit … --out DIR)")

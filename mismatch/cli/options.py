@@ -34,7 +34,7 @@ def read_probes(path: Path) -> list[ProbeResult]:
     """The `results` of a `mismatch probe --out FILE` JSON."""
     import msgspec
 
-    from mismatch.results.summary_model import probe_results
+    from mismatch.results.summary_model import Probes, present
 
     try:
         payload = json.loads(path.read_text())
@@ -42,13 +42,16 @@ def read_probes(path: Path) -> list[ProbeResult]:
         raise MismatchError(f"{path}: no such probes file") from None
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise MismatchError(f"{path}: not valid JSON ({exc})") from None
-    results = payload.get("results") if isinstance(payload, dict) else None
-    if not isinstance(results, list) or not all(isinstance(item, dict) for item in results):
-        raise MismatchError(f"{path}: not a `mismatch probe --out` file (no `results` list)")
+    not_probes = MismatchError(f"{path}: not a `mismatch probe --out` file (no `results` list)")
+    if not isinstance(payload, dict):
+        raise not_probes
     try:
-        return probe_results(results)
-    except msgspec.ValidationError as error:
+        results = present(msgspec.convert(payload, Probes, strict=False).results)
+    except msgspec.ValidationError as error:  # names the field: `$.results[0].bitwise_equal_frac`
         raise MismatchError(f"{path}: {error}") from None
+    if results is None:
+        raise not_probes
+    return results
 
 
 def target_for(spec: str | None) -> Target | None:

@@ -59,7 +59,8 @@ def print_findings(summary: Summary) -> None:
         temperature = present(alignment.estimated_temperature)
         say(f"alignment: shift {alignment.shift or 0:+d}, stored log-probs {alignment.logprob_semantics or 'unknown'}"
             + (f" (estimated temperature {temperature:.3g})" if temperature is not None else ""))
-    followed = (summary.engine("train").routing or {}).get("from")  # routing: the engine's own description
+    routing = present(summary.engine("train").routing)
+    followed = present(routing.followed) if routing is not None else None
     if followed not in (None, "sampler"):  # R3 in training forces the rollout engine's own experts
         say(f"routing: --train routing=replay followed --{followed}'s experts: the rollouts store no "
             "routed_experts, so not the rollout engine's own")

@@ -27,6 +27,7 @@ import numpy as np
 from mismatch.analysis.terms import k3
 from mismatch.engines import TORCH_KINDS, ReplayRequest, load_engine, parse_spec
 from mismatch.errors import MismatchError, SpecError
+from mismatch.localize.model_config import read_model_config
 
 
 def indexers(model: Any) -> list[Any]:
@@ -135,11 +136,7 @@ class IndexFlips:
 
 def has_indexer(checkpoint: str) -> bool:
     """Does config.json declare DSA's indexer (an `index_topk`)? Read before any model loads."""
-    import json
-    from pathlib import Path
-
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
-    return "index_topk" in config.get("text_config", config)
+    return read_model_config(checkpoint).language_model.index_topk is not None
 
 
 def index_flips(checkpoint: str, requests: Sequence[ReplayRequest], *, a: str, b: str,
@@ -205,13 +202,9 @@ def _recorded(checkpoint: str, requests: list[ReplayRequest]) -> list[list[np.nd
     """Per request, per layer, the recorded selections [positions, k] (rows of -1 where none), or
     None when no request carries any. Checked before any model loads: the config's top-k, and no
     key after its query (causal attention selects among the keys before it and itself)."""
-    import json
-    from pathlib import Path
-
     if all(request.indexer_topk is None for request in requests):
         return None
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
-    topk = config.get("text_config", config).get("index_topk")
+    topk = read_model_config(checkpoint).language_model.index_topk
     out = []
     for n, request in enumerate(requests):
         if request.indexer_topk is None:

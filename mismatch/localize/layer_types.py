@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mismatch.engines import parse_spec
+from mismatch.localize.model_config import read_model_config
 
 if TYPE_CHECKING:
     from mismatch.localize.layers import LayerReport
@@ -69,9 +70,7 @@ class LayerTypeSplit:
 def layer_types(checkpoint: str | Path, num_layers: int) -> list[str]:
     """Each decoder layer's mixer type (LINEAR, FULL, SLIDING, SPARSE; sinks prefixed SINK_PREFIX)."""
     root = Path(checkpoint)
-    config = json.loads((root / "config.json").read_text())
-    config = config.get("text_config", config)  # a multimodal wrapper (Qwen3.5) holds the LM's own
-    declared = config.get("layer_types") or [FULL] * num_layers
+    declared = read_model_config(root).language_model.layer_types or [FULL] * num_layers
     types = [CONFIG_NAMES.get(name, name) for name in declared[:num_layers]]
     names = _weight_names(root)
     for index in range(len(types)):
@@ -123,8 +122,8 @@ def split_by_layer_type(checkpoint: str | Path, layers: LayerReport) -> LayerTyp
 
 def _saved_dtype(checkpoint: str | Path) -> str:
     """The dtype `dtype=auto` loads: the one config.json names."""
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
-    return str(config.get("dtype") or config.get("torch_dtype") or "auto")
+    config = read_model_config(checkpoint)
+    return config.dtype or config.torch_dtype or "auto"
 
 
 def mechanism(layer_type: str, a: str, b: str, saved_dtype: str = "auto") -> str | None:

@@ -35,7 +35,8 @@ from mismatch.pipeline import stages
 from mismatch.pipeline.configured import resolve_options
 from mismatch.pipeline.options import AuditOptions
 from mismatch.pipeline.summary import Measured, Provenance, SummaryAnalyses, summary_json, with_parts
-from mismatch.results.summary_model import Correction, DeclaredCheckpoint, Summary, present, to_builtins
+from mismatch.results.section_records import Drift
+from mismatch.results.summary_model import Correction, DeclaredCheckpoint, EngineEntry, Summary, present, to_builtins
 from mismatch.replay import DEFAULT_BLOCK, ProgressFactory, Replayed, Shard, followed_routing, replay_processed
 from mismatch.replay.truncation import sampler_truncation, truncation_explained
 from mismatch.results import TokenStore, results_lock, staged_tokens
@@ -155,7 +156,7 @@ class ReplayFindings:
     first pass), and the alignment check when it was read before the passes."""
 
     engines: dict[str, Any]
-    drift: dict[str, Any] | None = None
+    drift: Drift | None = None
     alignment: dict[str, Any] | None = None
     routing: dict[str, Any] | None = None
     prefixes: dict[str, Any] | PrefixConsistency | None = None
@@ -210,7 +211,7 @@ class AuditFindings:
     framework_settings: dict[str, Any]
     turns: dict[str, Any]  # localization.turns
     corrections: list[Correction]
-    drift: dict[str, Any] | None
+    drift: Drift | None
     routing: dict[str, Any] | None
     prefix_consistency: dict[str, Any] | None
     strata: dict[str, Any]
@@ -323,10 +324,11 @@ def engine_weights(engines: dict[str, Any], checkpoint: str | Path) -> dict[str,
     named by its tensors."""
     from mismatch.weights import diff_checkpoints
 
-    trainer = Path((engines.get("train") or {}).get("checkpoint") or checkpoint)
+    described = {source: EngineEntry.of(engine) for source, engine in engines.items()}
+    trainer = Path(present(described["train"].checkpoint) or checkpoint) if "train" in described else Path(checkpoint)
     out = {}
-    for source, engine in engines.items():
-        other = engine.get("checkpoint")
+    for source, engine in described.items():
+        other = present(engine.checkpoint)
         if source == "train" or not other or Path(other).resolve() == trainer.resolve():
             continue
         try:

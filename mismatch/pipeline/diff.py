@@ -19,7 +19,7 @@ from mismatch.pipeline import stages
 from mismatch.pipeline.configured import resolve_options
 from mismatch.pipeline.options import DiffOptions
 from mismatch.pipeline.summary import Provenance, SummaryAnalyses, summary_json
-from mismatch.results.summary_model import Summary
+from mismatch.results.summary_model import EngineEntry, Summary, present
 from mismatch.results import results_lock, staged_tokens
 from mismatch.workers import analysis_workers
 
@@ -75,7 +75,7 @@ def analyze_diff(chunks: Chunks, provenance: Provenance, *, seed: int = 0, extra
     measured, comparison = SummaryAnalyses(DIFF_PAIRS, None), ConfigComparison(seed=seed)
     run_passes(chunks, [*measured.analyses, comparison, *([distribution] if distribution is not None else []),
                         *extra], workers=workers)
-    speeds = {source: provenance.engines[source].get("tokens_per_s") for source in ("a", "b")}
+    speeds = {source: present(EngineEntry.of(provenance.engines[source]).tokens_per_s) for source in ("a", "b")}
     found = distribution.result() if distribution is not None else None
     compared = {**comparison.result(), "throughput_tokens_per_s": speeds}
     if found is not None:

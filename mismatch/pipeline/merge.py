@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from msgspec.structs import replace
 
 from mismatch.analysis.clip import ClipRange
 from mismatch.analysis.distribution import DistributionSummary
@@ -32,7 +33,7 @@ from mismatch.pipeline.audit import ReplayFindings, analyze_audit, audit_pairs, 
 from mismatch.pipeline.diff import DIFF_PAIRS, analyze_diff
 from mismatch.pipeline.options import AUDIT_DISTRIBUTION_PAIRS, DIFF_DISTRIBUTION_PAIRS
 from mismatch.pipeline.summary import Provenance
-from mismatch.results.section_records import NumberOptions, RunInputs
+from mismatch.results.section_records import Drift, NumberOptions, RunInputs
 from mismatch.results.summary_model import UNSET, Summary, present, to_builtins
 from mismatch.replay import bad_logprob_rows
 from mismatch.rollouts.declared_checkpoint import merged_declared
@@ -57,7 +58,8 @@ def merge(dirs: Sequence[str | Path], out: str | Path, *, force: bool = False) -
     out_dir = Path(out)
     analysis_workers(0)  # a bad MISMATCH_WORKERS is refused before any work
     with results_lock(out_dir):
-        return _merge([Path(d) for d in dirs], out_dir, force=force).to_dict()  # TRANSITIONAL: plain data
+        # plain data, as audit's `.summary` gives it: the library's callers read summary.json's JSON
+        return _merge([Path(d) for d in dirs], out_dir, force=force).to_dict()
 
 
 def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> Summary:
@@ -197,7 +199,7 @@ class _Shard:
         assert shard is not None  # _check_compatible refused a summary without one
         self.index, self.count, self.block_size = shard.index, shard.count, shard.block_size
         files = present(shard.files)
-        check_published_files(path, to_builtins(files) if files is not None else None)
+        check_published_files(path, files)
         files = files or {}
         recorded, counted = files[TOKENS_FILE].rows, present(summary.counts.tokens)
         if recorded != counted:
@@ -318,17 +320,16 @@ def _merged_engine(described: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _merged_drift(summaries: list[Summary], order: dict[str, int]) -> dict[str, Any] | None:
+def _merged_drift(summaries: list[Summary], order: dict[str, int]) -> Drift | None:
     """The shards' drift findings as one run's: counters summed, spans back in file order. A shard
     without any `messages` has no drift block; its rollouts count as without messages."""
     if all(s.drift is UNSET for s in summaries):
         return None
-    blocks = [to_builtins(s.drift) if s.drift else {"num_rollouts_without_messages": present(s.counts.rollouts) or 0}
+    blocks = [s.drift if s.drift else Drift(num_rollouts_without_messages=present(s.counts.rollouts) or 0)
               for s in summaries]
     merged = stages.merge_drift(blocks)
-    merged["spans"] = sorted(merged.get("spans", []),  # stable: a rollout's own order kept
-                             key=lambda span: order.get(str(span["rollout"]), -1))
-    return merged
+    return replace(merged, spans=sorted(present(merged.spans) or [],  # stable: a rollout's own order kept
+                                        key=lambda span: order.get(str(span.rollout), -1)))
 
 
 # The options that change numbers (stages.NUMBER_OPTIONS, summary.json inputs.options), as a user

@@ -35,7 +35,8 @@ from mismatch.results import (
     read_tokens,
     write_summary,
 )
-from mismatch.results.summary_model import PublishedFile, Summary, present
+from mismatch.results.section_records import Drift
+from mismatch.results.summary_model import UNSET, PublishedFile, Summary, UnsetType, present, to_builtins
 from mismatch.rollouts.drift import find_drift, recorded
 
 if TYPE_CHECKING:
@@ -54,8 +55,9 @@ class CommandResult:
 
     @property
     def summary(self) -> dict[str, Any]:
-        """TRANSITIONAL: the summary as plain data (`Summary.to_dict()`, NaN kept) for readers not
-        yet on the record; a new copy each time."""
+        """The summary as plain data (`Summary.to_dict()`, NaN kept), what summary.json holds: the
+        library's callers (`mismatch.audit(...).summary`) read it; the package reads `record`. A new
+        copy each time."""
         return self.record.to_dict()
 
     @property
@@ -176,7 +178,7 @@ class StoreFindings:
     rollout's training step where its `meta.step` gives one (a step-indexed dump audited once:
     rollouts.parquet's `step`, which `mismatch trend` splits the run by)."""
 
-    drift: dict[str, Any] | None
+    drift: Drift | None
     prefixes: PrefixConsistency
     steps: dict[str, int]
 
@@ -209,7 +211,8 @@ def store_audit_rows(replayed: Replayed, store: TokenStore, checkpoint: str | Pa
     # Same prefix, same engine config: the same log-prob, whatever request it came in.
     prefixes = PrefixConsistency(store.file if store.file is not None else store.table,
                                  keys.file if keys.file is not None else keys.values, sources)
-    return StoreFindings(drift=merge_drift(drifts) if tokenized else None, prefixes=prefixes, steps=steps)
+    return StoreFindings(drift=merge_drift([msgspec.convert(to_builtins(d), Drift, strict=False) for d in drifts])
+                         if tokenized else None, prefixes=prefixes, steps=steps)
 
 
 def _stored_parts(checkpoint: str, block: Block) -> tuple[pd.DataFrame, Any, dict[str, Any], bool, dict[str, int]]:
@@ -246,21 +249,26 @@ def _tokenizer(checkpoint: str) -> Any:
     return load_tokenizer(checkpoint)
 
 
-def merge_drift(parts: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_drift(parts: Sequence[Drift]) -> Drift:
     """find_drift of every block as one: counts summed, per-kind counts merged, spans in block order
-    (each rollout, and so each drifted one, lies in one block)."""
-    merged: dict[str, Any] = {}
+    (each rollout, and so each drifted one, lies in one block). A key no part has stays unset."""
+    def total(values: list[int | UnsetType]) -> int | UnsetType:
+        known = [value for value in values if value is not UNSET]
+        return sum(known) if known else UNSET
+
+    kinds: Counter[str] = Counter()
     for part in parts:
-        for key, value in part.items():
-            if isinstance(value, list):
-                merged[key] = merged.get(key, []) + value
-            elif isinstance(value, dict):
-                kinds = Counter(merged.get(key, {}))
-                kinds.update(value)
-                merged[key] = dict(sorted(kinds.items()))
-            else:
-                merged[key] = merged.get(key, 0) + value
-    return merged
+        kinds.update(present(part.spans_by_kind) or {})
+    with_kinds = any(part.spans_by_kind is not UNSET for part in parts)
+    with_spans = any(part.spans is not UNSET for part in parts)
+    return Drift(num_rollouts_checked=total([p.num_rollouts_checked for p in parts]),
+                 num_rollouts_without_messages=total([p.num_rollouts_without_messages for p in parts]),
+                 num_rollouts_recorded=total([p.num_rollouts_recorded for p in parts]),
+                 num_rollouts_drifted=total([p.num_rollouts_drifted for p in parts]),
+                 num_spans=total([p.num_spans for p in parts]),
+                 spans_by_kind=dict(sorted(kinds.items())) if with_kinds else UNSET,
+                 trainable_tokens_touched=total([p.trainable_tokens_touched for p in parts]),
+                 spans=[span for p in parts for span in present(p.spans) or ()] if with_spans else UNSET)
 
 
 def report_digestion(store: TokenStore, pairs: Sequence[tuple[str, str]]) -> DigestAnalysis:

@@ -198,10 +198,10 @@ def _cause_banner(cause: Cause, summary: Summary, recs: list[Recommendation],
     unexplained = cause.kind == "unexplained"
     if unexplained:  # the size, what was ruled out and the command that would decide: no fix to name
         parts += cause.evidence[:1]
-        if cause.where.get("ruled_out"):
-            parts.append("ruled out: " + "; ".join(str(line) for line in cause.where["ruled_out"]))
-        if cause.where.get("next"):
-            parts.append(f"next: {cause.where['next']}")
+        if cause.where.ruled_out:
+            parts.append("ruled out: " + "; ".join(str(line) for line in cause.where.ruled_out))
+        if cause.where.next:
+            parts.append(f"next: {cause.where.next}")
     if fix is not None:
         parts.append("fix: " + describe(fix))
     if corrections:

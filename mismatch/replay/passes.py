@@ -33,6 +33,7 @@ from mismatch.replay.plan import DEFAULT_BLOCK, ReplayPlan, Shard
 from mismatch.replay.processed import declared_processing
 from mismatch.replay.replayed import Counts, FilledBlocks, Replayed, SavedColumns
 from mismatch.results import WorkDir
+from mismatch.results.summary_model import EngineEntry, present
 from mismatch.rollouts import iter_rollouts
 from mismatch.rollouts.pinned import Pinned
 from mismatch.streams import Sampling, StreamRouting
@@ -195,7 +196,8 @@ def followed_routing(engines: dict[str, Any], routing: dict[str, list[StreamRout
     engine (the like-for-like column, the truncation estimate, --distribution) forces the same."""
     followed = {}
     for source in sources:
-        routed_from = ((engines.get(source) or {}).get("routing") or {}).get("from")
+        described = present(EngineEntry.of(engines[source]).routing) if source in engines else None
+        routed_from = present(described.followed) if described is not None else None
         if routed_from is not None and routing.get(routed_from) is not None:
             followed[source] = routing[routed_from]
     return followed

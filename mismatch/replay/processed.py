@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from mismatch.checkpoint import checkpoint_info
@@ -18,14 +19,15 @@ from mismatch.engines import engine_capabilities, load_engine
 from mismatch.errors import SpecError
 from mismatch.replay.checks import check_column, replay_column
 from mismatch.replay.plan import ReplayPlan, plan_replay
+from mismatch.results.section_records import SamplerDeclaration
 from mismatch.rollouts import load_rollouts
 from mismatch.streams import Sampling, StreamRouting
 
 
-def declared_processing(meta: dict[str, Any]) -> Sampling | None:
+def declared_processing(meta: dict[str, Any] | None) -> Sampling | None:
     """The Sampling the rollouts declare their log-probs were processed under, or None (raw,
     undeclared, or a processing that changes nothing)."""
-    if meta.get("logprobs") != "processed":
+    if msgspec.convert(meta or {}, SamplerDeclaration, strict=False).logprobs != "processed":
         return None
     sampling = Sampling.from_meta(meta)
     return None if sampling.is_identity else sampling

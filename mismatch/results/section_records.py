@@ -43,6 +43,15 @@ class SamplerDeclaration(_Open):
     checkpoint: Any = UNSET
 
 
+class EngineRouting(_Open):
+    """`engines.<source>.routing` (engines/hf.py describe): the MoE layers whose experts it recorded,
+    its routing mode, and, under routing=replay, the source whose experts it followed (`from`)."""
+
+    moe_layers: int | UnsetType = UNSET
+    mode: str | None | UnsetType = UNSET
+    followed: str | None | UnsetType = field(default=UNSET, name="from")
+
+
 class ConfigSetting(_Open):
     """One setting a framework config read (frameworks/configs/derived.py Setting): its key, value,
     fate (status), and the engine option it became."""
@@ -100,6 +109,14 @@ class KeptMassRatio(_Open):
     frac_outside_band: Number | UnsetType = field(default=UNSET, name="frac_outside_0.9_1.1")
 
 
+class KeptMassRatios(_Open):
+    """`alignment.truncation.ratios` (analysis/truncation.py RATIO_PAIRS): the token ratio against
+    the truncated sampler without the kept-set replay (train) and with it (train_processed)."""
+
+    without_replay: KeptMassRatio | UnsetType = UNSET
+    with_replay: KeptMassRatio | UnsetType = UNSET
+
+
 class TruncationEstimate(_Open):
     """The truncation that best explains the stored log-probs on the replay's own distributions:
     its kind (top_p, top_k, min_p) and value, the share of tokens it explains, and the others tried."""
@@ -129,7 +146,7 @@ class Truncation(_Open):
     estimate: TruncationEstimate | None | UnsetType = UNSET
     replayed: dict[str, Any] | UnsetType = UNSET
     replayed_from: str | UnsetType = UNSET
-    ratios: dict[str, KeptMassRatio] | UnsetType = UNSET  # without_replay, with_replay
+    ratios: KeptMassRatios | UnsetType = UNSET
 
 
 class Alignment(_Open):
@@ -509,6 +526,28 @@ class DistributionCloser(_Open):
     rule: str | UnsetType = UNSET
 
 
+class DisagreeingToken(_Open):
+    """One of `diff.where.worst_tokens`: a token where configs a and b disagree most, and the three
+    log-probs it got."""
+
+    rollout: str | UnsetType = UNSET
+    branch: str | UnsetType = UNSET
+    pos: int | UnsetType = UNSET
+    token_id: int | UnsetType = UNSET
+    logp_a: Number | UnsetType = UNSET
+    logp_b: Number | UnsetType = UNSET
+    logp_reference: Number | UnsetType = UNSET
+
+
+class Disagreement(_Open):
+    """`diff.where` (analysis.comparison): the turns, position bins and tokens where configs a and b
+    disagree most with each other."""
+
+    by_turn: Table | UnsetType = UNSET  # turn, the gap's statistics
+    by_position: Table | UnsetType = UNSET  # pos_from, the gap's statistics
+    worst_tokens: list[DisagreeingToken] | UnsetType = UNSET
+
+
 class Comparison(_Open):
     """`diff` (analysis.comparison.ConfigComparison and the engines' throughputs): b/reference -
     a/reference per metric, the closer config by kl_k3 and the rule behind it, where a and b
@@ -517,7 +556,7 @@ class Comparison(_Open):
     deltas: dict[str, MetricDelta] | UnsetType = UNSET
     closer_to_reference: str | UnsetType = UNSET  # a | b | tie
     closer_rule: str | UnsetType = UNSET
-    where: dict[str, Table] | UnsetType = UNSET  # by_turn, by_position, worst_tokens
+    where: Disagreement | UnsetType = UNSET
     throughput_tokens_per_s: dict[str, Number] | UnsetType = UNSET
     distribution: DistributionCloser | None | UnsetType = UNSET
 

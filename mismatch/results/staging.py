@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mismatch.errors import EnvironmentFault, ResultsError
+from mismatch.results.summary_model import PublishedFile
 from mismatch.results.names import ROLLOUTS_FILE, STAGE_IN_PLACE, SUMMARY_FILE, TOKENS_FILE, is_results_dir
 
 # The machine, not the input: a full disk, a quota, a read-only file system.
@@ -149,25 +150,25 @@ def published_files(directory: Path) -> dict[str, dict[str, Any]]:
     return found
 
 
-def check_published_files(directory: Path, recorded: Any) -> None:
+def check_published_files(directory: Path, recorded: dict[str, PublishedFile] | None) -> None:
     """Each file `recorded` (summary.json `shard.files`) is in `directory` with that digest: a
     shard's files are the ones its run wrote (not another shard's, not cut short)."""
-    if not isinstance(recorded, dict) or TOKENS_FILE not in recorded:
+    if recorded is None or TOKENS_FILE not in recorded:
         raise ResultsError(f"{directory}/{SUMMARY_FILE}: records no digest of its files (written by an "
                            "older mismatch, or not by mismatch); rerun the shard to merge it")
     check_recorded_files(directory, recorded, hint="; rerun the shard")
 
 
-def check_recorded_files(directory: Path, recorded: dict[str, Any], *, hint: str = "") -> None:
+def check_recorded_files(directory: Path, recorded: dict[str, PublishedFile], *, hint: str = "") -> None:
     """Each file of `recorded` (summary.json `shard.files`, or the part a reader needs) is in
     `directory` with its recorded digest; `hint` ends the message of a changed one."""
     for name, entry in recorded.items():
         file = directory / name
-        if name not in PUBLISHED_TABLES or not isinstance(entry, dict):
+        if name not in PUBLISHED_TABLES:
             raise ResultsError(f"{directory}/{SUMMARY_FILE}: files.{name}: not a file a results dir publishes")
         if not file.is_file():
             raise ResultsError(f"{file}: missing ({directory}/{SUMMARY_FILE} records it)")
-        if file_sha256(file) != entry.get("sha256"):
+        if file_sha256(file) != entry.sha256:
             raise ResultsError(f"{file}: its content is not what {directory}/{SUMMARY_FILE} recorded (another "
                                f"run's file, or changed since){hint}")
 

@@ -29,6 +29,7 @@ from mismatch.results.section_records import (
     Alignment,
     Comparison,
     Drift,
+    EngineRouting,
     FromConfig,
     Localization,
     NextTokenGap,
@@ -135,6 +136,69 @@ class Verdict(_Record, kw_only=True, omit_defaults=False):
     text: str
 
 
+class CauseWhere(_Record, kw_only=True):
+    """Where a cause is and what it names, the keys its kind sets (mismatch/advise: each rule's
+    Cause) and nothing else: the alignment shift and the rollouts it hits; the temperatures; the turn,
+    the drift spans and their places; the sources, the weights' layers, modules, experts and a
+    layer type's share, in words; the truncation declared or estimated and the kept mass; the pair
+    and its gap; the token off the sampled ones; the checkpoint the rollouts declare; the next
+    command when nothing explains the gap. The recommendations take it as their parameters (in
+    this order, without `words`, which they say as `at`)."""
+
+    shift: int | UnsetType = UNSET
+    trainer_temperature: float | UnsetType = UNSET
+    stored_temperature: int | float | None | UnsetType = UNSET
+    config_key: str | None | UnsetType = UNSET
+    estimated_temperature: int | float | None | UnsetType = UNSET
+    like_for_like: str | None | UnsetType = UNSET
+    like_for_like_level: str | None | UnsetType = UNSET
+    turn: int | UnsetType = UNSET
+    spans: int | UnsetType = UNSET
+    rollouts: list[Any] | UnsetType = UNSET
+    new_roles: list[str] | UnsetType = UNSET
+    new_branch_kinds: list[str] | UnsetType = UNSET
+    places: list[dict[str, Any]] | UnsetType = UNSET  # rollout, turn
+    differs: dict[str, list[Any]] | UnsetType = UNSET  # a setting -> its two sides' values
+    source: str | None | UnsetType = UNSET
+    layer_type: str | UnsetType = UNSET
+    layers: list[int] | UnsetType = UNSET
+    modules: list[str] | UnsetType = UNSET
+    experts: list[str] | UnsetType = UNSET
+    share: float | UnsetType = UNSET
+    jump: bool | UnsetType = UNSET
+    mechanism: str | None | UnsetType = UNSET
+    words: str | UnsetType = UNSET
+    infer: str | None | UnsetType = UNSET  # the --infer spec to audit again with
+    top_p: int | float | UnsetType = UNSET
+    top_k: int | float | UnsetType = UNSET
+    min_p: int | float | UnsetType = UNSET
+    declared_fit: Number | UnsetType = UNSET
+    misdeclared: bool | UnsetType = UNSET
+    estimate: dict[str, int | float] | UnsetType = UNSET  # {kind: value}
+    confidence: Number | UnsetType = UNSET
+    range: list[int | float] | UnsetType = UNSET
+    kept_mass_mean: Number | UnsetType = UNSET
+    ratios: dict[str, Any] | UnsetType = UNSET  # alignment.truncation.ratios
+    bf16_source: str | UnsetType = UNSET
+    sources: list[str] | UnsetType = UNSET
+    pair: str | UnsetType = UNSET
+    k3_share: Number | UnsetType = UNSET
+    frac_tokens_with_flip: Number | UnsetType = UNSET
+    removed_k3_frac: Number | UnsetType = UNSET
+    gap: str | UnsetType = UNSET
+    slope_per_1k: Number | UnsetType = UNSET
+    token_id: int | None | UnsetType = UNSET
+    positions: list[dict[str, Any]] | UnsetType = UNSET  # rollout, pos
+    kl: Number | UnsetType = UNSET
+    kl_k3: Number | UnsetType = UNSET
+    checkpoint: str | UnsetType = UNSET
+    declared: Any = UNSET  # what the rollouts' meta.checkpoint declares
+    declared_by_rollouts: list[str] | UnsetType = UNSET
+    next: str | UnsetType = UNSET
+    ruled_out: list[str] | UnsetType = UNSET
+    envelope: Any = UNSET  # the bf16 envelope (Envelope's keys), or null
+
+
 class Cause(_Record, kw_only=True, omit_defaults=False):
     """A diagnosed cause of one pair's gap: its evidence, what rules the others out, where it
     is (layer, module, expert, turn, rollouts) and the fix at its source."""
@@ -145,7 +209,7 @@ class Cause(_Record, kw_only=True, omit_defaults=False):
     evidence: list[str]
     rules_out: list[str]
     fix: str
-    where: dict[str, Any]
+    where: CauseWhere
     minor: bool = False
 
 
@@ -333,9 +397,15 @@ class EngineEntry(_Record, kw_only=True):
     tokens_per_s: Any = UNSET  # its replay speed
     seconds: Any = UNSET
     options: dict[str, Any] | UnsetType = UNSET  # the spec's options (temperature=, ...)
-    routing: dict[str, Any] | UnsetType = UNSET  # a routing=replay engine: the pass it followed (`from`)
+    routing: EngineRouting | UnsetType = UNSET  # a routing=replay engine: the pass it followed (`from`)
     meta: SamplerDeclaration | None | UnsetType = UNSET  # the sampler's declaration (meta.sampler)
     from_config: FromConfig | UnsetType = UNSET  # what a framework config set (pipeline/configured.py)
+
+    @classmethod
+    def of(cls, description: Section) -> EngineEntry:
+        """An engine's description (what describe() returned, or summary.json's `engines.<source>`)
+        read through the keys readers rely on."""
+        return msgspec.convert(description, cls, strict=False)
 
 
 class Summary(_Record, kw_only=True):
@@ -423,7 +493,7 @@ class Summary(_Record, kw_only=True):
     def engine(self, source: str) -> EngineEntry:
         """One source's engine as it described itself, the keys readers rely on (`meta` for the
         sampler's declaration); every field UNSET where the run has no such source."""
-        return msgspec.convert(self.engines.get(source) or {}, EngineEntry, strict=False)
+        return EngineEntry.of(self.engines[source] if source in self.engines else {})
 
     @property
     def declared(self) -> SamplerDeclaration:

@@ -10,24 +10,35 @@ as many token rows as `counts.tokens`. A dir that fails is one ResultsError line
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+
+from msgspec import UNSET, Struct, UnsetType, field
 
 from mismatch.errors import ResultsError
 from mismatch.results.names import ROLLOUTS_FILE, SUMMARY_FILE, TOKENS_FILE
 from mismatch.results.staging import check_published_files, check_recorded_files
+from mismatch.results.summary_model import RowCounts, Shard, Summary, present
 
 # The columns every tokens.parquet has (ARCHITECTURE.md, "Results dir"), and rollouts.parquet's.
 TOKEN_COLUMNS = ("rollout", "branch", "turn", "pos", "role", "token_id", "trainable")
 ROLLOUT_COLUMNS = ("pair", "n_tokens")
 
 
-def check_tables(directory: Path, summary: dict[str, Any], *, tables: tuple[str, ...] = (TOKENS_FILE, ROLLOUTS_FILE),
-                 required: tuple[str, ...] = (TOKENS_FILE,)) -> None:
+class RecordedTables(Struct, kw_only=True, forbid_unknown_fields=False):
+    """What a summary.json records of its tables, read alone (the gate reads the rest of a file as
+    it is: a hand-edited one is checked, not decoded): the shard's files and the token count."""
+
+    shard: Shard | UnsetType = UNSET
+    counts: RowCounts = field(default_factory=RowCounts)
+
+
+def check_tables(directory: Path, summary: Summary | RecordedTables, *,
+                 tables: tuple[str, ...] = (TOKENS_FILE, ROLLOUTS_FILE), required: tuple[str, ...] = (TOKENS_FILE,)) -> None:
     """Refuse `directory` when a table of `tables` is not the one its summary.json describes.
     `required`: the tables that must be there (report needs tokens.parquet; trend only rollouts)."""
     directory = Path(directory)
-    recorded = (summary.get("shard") or {}).get("files") if isinstance(summary.get("shard"), dict) else None
-    if isinstance(recorded, dict) and recorded:
+    shard = present(summary.shard)
+    recorded = present(shard.files) if shard is not None else None
+    if recorded:
         # A table the reader does not need may be absent (gate on a summary.json copied alone); one
         # that is there must be the one recorded.
         wanted = {name: entry for name, entry in recorded.items()
@@ -47,9 +58,8 @@ def check_tables(directory: Path, summary: dict[str, Any], *, tables: tuple[str,
             missing.append("logp_<source>")
         if missing:
             raise ResultsError(f"{file}: missing column(s) {', '.join(missing)}: not the table a run writes")
-        counts = summary.get("counts")
-        expected = counts.get("tokens") if isinstance(counts, dict) and name == TOKENS_FILE else None
-        if type(expected) is int and expected != rows:
+        expected = present(summary.counts.tokens) if name == TOKENS_FILE else None
+        if expected is not None and expected != rows:
             raise ResultsError(f"{file}: {rows} rows, but {directory}/{SUMMARY_FILE} counts {expected} tokens "
                                "(another run's file, or cut short)")
 

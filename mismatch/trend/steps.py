@@ -127,7 +127,7 @@ def _check_audit(path: Path, summary: Summary) -> None:
 
     if summary.command != "audit":
         raise ResultsError(f"{path}: a {summary.command} results dir; trend reads audits (one per step)")
-    check_tables(path, summary.to_dict(), tables=(ROLLOUTS_FILE,), required=())  # TRANSITIONAL: verify reads plain data
+    check_tables(path, summary, tables=(ROLLOUTS_FILE,), required=())
 
 
 def check_named(steps: list[Step], pair: str, metric: str) -> None:
