@@ -70,12 +70,11 @@ def compare_rows(a: FullRows | TopRows, b: FullRows | TopRows, sampled_C: np.nda
     kl_ba = torch.where(known & (pb > 0), pb * (lb - la), torch.zeros_like(pb)).sum(-1)
     diff = (pa - pb).abs()
     tv = 0.5 * diff.sum(-1)
-    rest_a = (1.0 - pa.sum(-1)).clamp(min=0.0)
-    rest_b = (1.0 - pb.sum(-1)).clamp(min=0.0)
+    (rest_a, exact_rest_a), (rest_b, exact_rest_b) = _rest(a, logp_a, known, pa), _rest(b, logp_b, known, pb)
     tv_hi = tv + 0.5 * (rest_a + rest_b)
     if not exact:  # the rest as one outcome on each side (a lower bound; see the docstring)
-        kl_ab = kl_ab + _merged(rest_a, rest_b)
-        kl_ba = kl_ba + _merged(rest_b, rest_a)
+        kl_ab = kl_ab + _merged(rest_a, exact_rest_a, rest_b, exact_rest_b)
+        kl_ba = kl_ba + _merged(rest_b, exact_rest_b, rest_a, exact_rest_a)
         tv = tv + 0.5 * (rest_a - rest_b).abs()
     else:
         tv_hi = tv
@@ -92,14 +91,37 @@ def compare_rows(a: FullRows | TopRows, b: FullRows | TopRows, sampled_C: np.nda
     return torch.stack([c.double() for c in columns], dim=1).numpy()
 
 
-def _merged(rest_p: Any, rest_q: Any) -> Any:
-    """rest_p log(rest_p / rest_q): the merged outcome's KL term (0 where rest_p is 0)."""
+def _merged(rest_p: Any, exact_p: bool, rest_q: Any, exact_q: bool) -> Any:
+    """rest_p log(rest_p / rest_q): the merged outcome's KL term (0 where rest_p is 0). A top-K side's
+    rest at or below its resolution is 0 as rest_p and the resolution as rest_q (TOP_K_REST_RESOLUTION)."""
     import torch
 
+    if not exact_p:
+        rest_p = torch.where(rest_p > TOP_K_REST_RESOLUTION, rest_p, torch.zeros_like(rest_p))
+    if not exact_q:
+        rest_q = rest_q.clamp(min=TOP_K_REST_RESOLUTION)
     term = rest_p * (rest_p.log() - rest_q.log())
     # Negative only when the rest of p is below the rest of q: a lower bound of 0 is still valid
     # on the merged pair as a whole (KL ≥ 0), but this one term may be negative; kept as is.
     return torch.where(rest_p > 0, term, torch.zeros_like(term))
+
+
+# What a top-K side's rest (1 − Σ of its float32 probabilities) cannot tell from 0: the rounding of
+# that sum. `_merged` reads a rest at or below it as 0 where it is the side measured (the term's lower
+# end) and as this much where it is the side divided by, so that rounding never turns a lower bound
+# into an infinity or a value the inputs cannot carry.
+TOP_K_REST_RESOLUTION = 4 * float(np.finfo(np.float32).eps)
+
+
+def _rest(side: FullRows | TopRows, logp_CV: Any, known: Any, p: Any) -> tuple[Any, bool]:
+    """The side's mass outside the known set [C], and whether it is exact. A full side sums it from
+    its own log-probs (1 − Σ_known cancels catastrophically when the known set holds nearly all the
+    mass); a top-K side knows only 1 − Σ_known, to TOP_K_REST_RESOLUTION."""
+    import torch
+
+    if isinstance(side, FullRows):
+        return torch.where(known, torch.zeros_like(p), logp_CV.double().exp()).sum(-1), True
+    return (1.0 - p.sum(-1)).clamp(min=0.0), False
 
 
 def _dense(side: FullRows | TopRows, vocab_size: int) -> tuple[Any, Any]:
