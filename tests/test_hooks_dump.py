@@ -119,8 +119,11 @@ _CHILD = textwrap.dedent("""
 
 
 def _child(path: Path, limit: int, steps: int, **kwargs) -> subprocess.Popen:
+    # No bytecode written under a write limit: importlib ignores a short write and leaves a truncated
+    # .pyc that every later import of that module fails on (conftest shares one bytecode cache).
     return subprocess.Popen([sys.executable, "-c", _CHILD, str(path), str(limit), str(steps)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, **kwargs)
 
 
 def test_a_disk_that_fills_mid_line_costs_the_lines_it_refused_and_never_the_run(tmp_path, capsys, tiny_checkpoint):
