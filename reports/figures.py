@@ -22,7 +22,6 @@ LEVEL_COLORS = {"exact": "#2b8a3e", "negligible": "#40c057", "small": "#f59f00",
 DEFAULT_METRIC = "log_ratio_abs_mean"
 
 
-
 class Axis(TypedDict, total=False):
     """A plotly axis, the attributes these figures set (plotly.js layout.xaxis / yaxis)."""
 

@@ -99,6 +99,10 @@ def test_a_config_naming_a_model_of_other_sizes_is_refused_unless_forced(tiny_ch
     grpo.write_text(f"model_name_or_path: {same}\n")
     checked = with_checkpoint_checks(tiny_checkpoint, with_configs(AuditOptions(train=f"trl:{grpo}")))
     assert checked.from_config["train"]["model_check"]["verdict"] == "same"
+    # A config.json with a size of another type gives nothing both can be read for: not "same".
+    (same / "config.json").write_text(json.dumps({**config, "vocab_size": str(config["vocab_size"])}))
+    unread = with_checkpoint_checks(tiny_checkpoint, with_configs(AuditOptions(train=f"trl:{grpo}")))
+    assert unread.from_config["train"]["model_check"]["verdict"] == "not compared"
 
 
 def test_audit_says_the_configs_model_first_and_computes_the_for_settings_metrics(tiny_checkpoint: Path,

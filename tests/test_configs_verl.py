@@ -107,6 +107,25 @@ def test_a_bad_config_is_one_line_naming_the_file_and_key(tmp_path: Path, text: 
     assert str(path) in str(raised.value) and "\n" not in str(raised.value)
 
 
+def test_a_null_group_or_parallel_size_reads_as_verls_default_and_a_null_temperature_is_refused(tmp_path: Path) -> None:
+    """verl reads a null group `or {}` and a null parallel size or replay mode as unset: the
+    derivation equals the one of the file without those keys. A null temperature is no default."""
+    base = ("actor_rollout_ref:\n  actor:\n    ppo_micro_batch_size_per_gpu: 4\n  rollout:\n    name: vllm\n"
+            "    log_prob_micro_batch_size_per_gpu: 8\n")
+    nulls = ("actor_rollout_ref:\n  actor:\n    ppo_micro_batch_size_per_gpu: 4\n"
+             "    ulysses_sequence_parallel_size: null\n    megatron:\n      router_replay: null\n"
+             "      override_transformer_config: null\n      context_parallel_size: null\n"
+             "  model:\n    override_config: null\n  rollout:\n    name: vllm\n"
+             "    log_prob_micro_batch_size_per_gpu: 8\n    engine_kwargs: null\n    tensor_model_parallel_size: null\n")
+    (tmp_path / "base.yaml").write_text(base)
+    (tmp_path / "nulls.yaml").write_text(nulls)
+    read = [read_config("verl", tmp_path / name, CPU) for name in ("base.yaml", "nulls.yaml")]
+    assert [(s.key, s.status, s.value) for s in read[0].settings] == [(s.key, s.status, s.value) for s in read[1].settings]
+    (tmp_path / "t.yaml").write_text(base + "    temperature: null\n")
+    with pytest.raises(SpecError, match="temperature"):
+        read_config("verl", tmp_path / "t.yaml", CPU)
+
+
 def _installed_reading(files: list[Path]) -> list[dict]:
     """Each file derived in a subprocess where verl 0.9.1 and omegaconf are importable."""
     paths = releases.install("verl", "0.9.1")

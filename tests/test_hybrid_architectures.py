@@ -336,3 +336,18 @@ def test_the_linear_attention_probe_measures_the_two_paths_and_the_state_dtype(n
     assert path.source == "prefill_decode" and path.dtype == "float32" and 0 < path.max_abs_diff < 1e-5
     assert state.source == "dtype" and state.max_abs_diff > 100 * path.max_abs_diff
     assert rounded.dtype == "bfloat16" and rounded.bitwise_equal_frac > 0.99
+
+
+@pytest.mark.parametrize("keys, at", [({"layer_types": ["full_attention", 3]}, "$.layer_types[1]"),
+                                      ({"index_topk": "many"}, "$.index_topk"),
+                                      ({"text_config": {"layer_types": "linear_attention"}}, "$.text_config.layer_types")])
+def test_a_localizer_key_of_another_type_is_one_checkpoint_error_naming_the_file_and_key(
+        tmp_path: Path, keys: dict, at: str) -> None:
+    from mismatch.errors import CheckpointError
+    from mismatch.localize.model_config import read_model_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next", **keys}))
+    with pytest.raises(CheckpointError) as raised:
+        read_model_config(tmp_path)
+    said = str(raised.value)
+    assert said.startswith(f"{tmp_path / 'config.json'}: ") and at in said and "\n" not in said

@@ -655,3 +655,44 @@ def test_a_slime_sample_of_another_shape_is_one_error_naming_its_field(tmp_path:
     with pytest.raises(ImportFormatError) as error:
         import_file("slime", path, tmp_path / "out.jsonl")
     assert str(error.value) == f"{path}:1: {says}"
+
+
+@pytest.mark.parametrize("change", [
+    lambda e: e["traces"][0].__setitem__("agent", None),
+    lambda e: e["traces"][0].__setitem__("rewards", None),
+    lambda e: e.__setitem__("run", None),
+    lambda e: e["run"].__setitem__("work", None),
+])
+def test_a_verifiers_null_group_reads_as_the_group_left_out(tmp_path: Path, change: Any) -> None:
+    """A null agent, rewards, run or work is read as that key left out (the reader took them `or {}`),
+    not refused: the import equals the one of the Episode without the key."""
+    def dropped(episode: dict[str, Any]) -> None:
+        change(episode)
+        for holder in (episode, episode.get("run") or {}, *episode["traces"]):
+            for key in [key for key, value in holder.items() if value is None and key in ("agent", "rewards", "run", "work")]:
+                del holder[key]
+
+    (tmp_path / "null").mkdir()
+    (tmp_path / "absent").mkdir()
+    null, absent = _episode_with(tmp_path / "null", change), _episode_with(tmp_path / "absent", dropped)
+    import_file("verifiers", null, tmp_path / "null.jsonl")
+    import_file("verifiers", absent, tmp_path / "absent.jsonl")
+    assert _without_source_file(tmp_path / "null.jsonl") == _without_source_file(tmp_path / "absent.jsonl")
+
+
+def test_a_slime_sample_with_remove_sample_null_is_trained_as_with_false(tmp_path: Path) -> None:
+    written = []
+    for value in (None, False):
+        path = _jsonl(tmp_path / f"{value}.jsonl", [_slime_sample(PROMPT + RESPONSE, len(RESPONSE), remove_sample=value)])
+        import_file("slime", path, tmp_path / f"{value}.out.jsonl")
+        written.append(_without_source_file(tmp_path / f"{value}.out.jsonl"))
+    assert written[0] == written[1]
+    assert all(s.get("trainable") is not False for b in written[0][0]["branches"] for s in b["segments"])
+
+
+def _without_source_file(path: Path) -> list[dict[str, Any]]:
+    """The imported rollouts with meta.source.file dropped (the inputs compared lie in two files)."""
+    rollouts = [json.loads(line) for line in path.read_text().splitlines()]
+    for rollout in rollouts:
+        del rollout["meta"]["source"]["file"]
+    return rollouts

@@ -93,7 +93,7 @@ def _source_fix(cause: Cause, framework: str | None = None) -> Recommendation | 
     drift have none of their own: recompute and the correction's level answer them)."""
     why = "; ".join([cause.title, *cause.evidence, *cause.rules_out])
     where = to_builtins(replace(cause.where, words=UNSET))
-    if cause.where.words:  # where the fault is, as a reader says it (the headline's "fix: ...")
+    if cause.where.words is not UNSET:  # where the fault is, as a reader says it (the headline's "fix: ...")
         where["at"] = cause.where.words
     if cause.kind == "processed_logprobs":
         return _raw_logprobs(why)

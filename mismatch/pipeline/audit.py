@@ -325,7 +325,8 @@ def engine_weights(engines: dict[str, Any], checkpoint: str | Path) -> dict[str,
     from mismatch.weights import diff_checkpoints
 
     described = {source: EngineEntry.of(engine) for source, engine in engines.items()}
-    trainer = Path(present(described["train"].checkpoint) or checkpoint) if "train" in described else Path(checkpoint)
+    train = described.get("train")
+    trainer = Path(present(train.checkpoint) or checkpoint) if train is not None else Path(checkpoint)
     out = {}
     for source, engine in described.items():
         other = present(engine.checkpoint)

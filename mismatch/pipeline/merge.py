@@ -34,7 +34,7 @@ from mismatch.pipeline.diff import DIFF_PAIRS, analyze_diff
 from mismatch.pipeline.options import AUDIT_DISTRIBUTION_PAIRS, DIFF_DISTRIBUTION_PAIRS
 from mismatch.pipeline.summary import Provenance
 from mismatch.results.section_records import Drift, NumberOptions, RunInputs
-from mismatch.results.summary_model import UNSET, Summary, present, to_builtins
+from mismatch.results.summary_model import UNSET, Summary, present
 from mismatch.replay import bad_logprob_rows
 from mismatch.rollouts.declared_checkpoint import merged_declared
 from mismatch.replay.distribution import parse_distribution, table_columns

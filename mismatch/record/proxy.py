@@ -289,7 +289,9 @@ class Proxy:
             return self._relay(response)
         capture = Capture(self.upstream.engine, endpoint, prepared[1], request_prompt(endpoint, body))
         read = read_request(body)
-        assert read is not None  # prepare read it
+        if read is None:  # prepare read it; a body only prepare accepts is relayed, not recorded
+            self.num_unrecorded += 1
+            return self._relay(response)
         session = request.headers.get(SESSION_HEADER) or read.user
         record = BackgroundTask(self._record, capture, body, read, endpoint, session, started)
         if not response.headers.get("content-type", "").startswith("text/event-stream"):

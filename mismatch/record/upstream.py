@@ -129,8 +129,10 @@ def _sglang(client: Any, root: str, model: str | None) -> Upstream:
     # unless the server runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (an environment variable no
     # route reports): temperature-processed, which equals raw at temperature 1. Its
     # GET /server_info (older: /get_server_info) reports the server args, dtype among them.
-    info = (_get(client, "/server_info", answers.SglangServerInfo)
-            or _get(client, "/get_server_info", answers.SglangServerInfo) or answers.SglangServerInfo())
+    empty = answers.SglangServerInfo()  # a record is always true: an empty answer is compared, not tested
+    info = _get(client, "/server_info", answers.SglangServerInfo)
+    if info is None or info == empty:
+        info = _get(client, "/get_server_info", answers.SglangServerInfo) or empty
     return Upstream(url=root, engine="sglang", model=model, version=info.version,
                     dtype=None if info.dtype in (None, "auto") else info.dtype, logprobs="processed",
                     logprobs_from="SGLang's default (temperature-scaled; raw with SGLANG_RETURN_ORIGINAL_LOGPROB=1)")

@@ -196,7 +196,8 @@ def followed_routing(engines: dict[str, Any], routing: dict[str, list[StreamRout
     engine (the like-for-like column, the truncation estimate, --distribution) forces the same."""
     followed = {}
     for source in sources:
-        described = present(EngineEntry.of(engines[source]).routing) if source in engines else None
+        engine = engines.get(source)  # a source the run has no engine description of: none
+        described = present(EngineEntry.of(engine).routing) if engine is not None else None
         routed_from = present(described.followed) if described is not None else None
         if routed_from is not None and routing.get(routed_from) is not None:
             followed[source] = routing[routed_from]

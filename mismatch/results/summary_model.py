@@ -493,7 +493,7 @@ class Summary(_Record, kw_only=True):
     def engine(self, source: str) -> EngineEntry:
         """One source's engine as it described itself, the keys readers rely on (`meta` for the
         sampler's declaration); every field UNSET where the run has no such source."""
-        return EngineEntry.of(self.engines[source] if source in self.engines else {})
+        return EngineEntry.of(self.engines.get(source, {}))
 
     @property
     def declared(self) -> SamplerDeclaration:

@@ -49,6 +49,10 @@ def check_model(named: str, checkpoint: Path, key: str) -> ModelCheck:
             return ModelCheck(named=named, verdict="differs",
                               line=f"model: the config's {key}={named} is not the checkpoint {checkpoint}: "
                                    f"{'; '.join(differ)} (pass --force-model to audit it anyway)")
+        if not compared:  # one config.json unreadable, or the two share no size: nothing says "same"
+            return ModelCheck(named=named, verdict="not compared",
+                              line=f"model: the config's {key}={named}: its config.json and the checkpoint's "
+                                   "give no size both can be read for; not compared, so the audit goes on")
         said = [field for field, mine in zip(SIZES, _sizes(ours), strict=True) if mine is not None]
         return ModelCheck(named=named, verdict="same",
                           line=f"model: the config's {key}={named} has the checkpoint's architecture and sizes "

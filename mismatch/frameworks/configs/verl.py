@@ -299,7 +299,30 @@ def _built_in(path: Path, user: dict[str, Any]) -> VerlConfig:
     for key in KEYS:
         if _walk(user, key)[0] or key == strategy:
             _put(tree, key, resolver.get(key))
-    return decoded(tree, VerlConfig, path, WANTED)
+    return decoded(_nulls_as_defaults(tree, VerlConfig), VerlConfig, path, WANTED)
+
+
+# Keys whose null the reader has always taken as verl's default (a parallel size of 1, replay
+# "disabled"): verl's own code tests them for truth (`if sp > 1` after `or 1`, `mode or "disabled"`).
+NULL_AS_DEFAULT = {"ulysses_sequence_parallel_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                   "context_parallel_size", "expert_model_parallel_size", "mode"}
+
+
+def _nulls_as_defaults(tree: Any, record: type[_Record]) -> Any:  # noqa: ANN401 - a parsed config
+    """`tree` without the nulls that mean "unset" to verl: a group written `null` (OmegaConf's empty
+    node; verl reads it `or {}`) and the NULL_AS_DEFAULT keys; every other null is decoded as written
+    (a null temperature stays an error)."""
+    if not isinstance(tree, dict):
+        return tree
+    fields = {field.encode_name: field for field in msgspec.structs.fields(record)}
+    kept = {}
+    for key, value in tree.items():
+        field = fields.get(key)  # None: a key the records do not read, kept for msgspec to ignore
+        group = field is not None and isinstance(field.type, type) and issubclass(field.type, _Record)
+        if value is None and field is not None and (group or field.name in NULL_AS_DEFAULT):
+            continue
+        kept[key] = _nulls_as_defaults(value, field.type) if group else value
+    return kept
 
 
 def _chosen_strategy(user: dict[str, Any]) -> str:
@@ -344,7 +367,7 @@ def _with_omegaconf(path: Path, user: dict[str, Any], package: Path) -> VerlConf
         values = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as exc:
         raise SpecError(f"{path}: verl refuses the config: {str(exc).splitlines()[0]}") from None
-    return decoded(values, VerlConfig, path, WANTED)
+    return decoded(_nulls_as_defaults(values, VerlConfig), VerlConfig, path, WANTED)
 
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

@@ -54,8 +54,8 @@ class _Reward(msgspec.Struct, frozen=True):
 class _Trace(msgspec.Struct, frozen=True):
     nodes: list[_Node]
     id: str | None = None
-    agent: _Agent = _Agent()
-    rewards: dict[str, _Reward] = {}   # name -> {score, weight}; value = score * weight
+    agent: _Agent | None = None        # null as absent (verifiers writes the agent's defaults)
+    rewards: dict[str, _Reward] | None = None   # name -> {score, weight}; value = score * weight
 
 
 class _Work(msgspec.Struct, frozen=True):
@@ -63,13 +63,13 @@ class _Work(msgspec.Struct, frozen=True):
 
 
 class _Run(msgspec.Struct, frozen=True):
-    work: _Work = _Work()
+    work: _Work | None = None
 
 
 class _Episode(msgspec.Struct, frozen=True):
     traces: list[Any]                  # each read as a _Trace, its errors named traces[i]
     id: str | None = None
-    run: _Run = _Run()
+    run: _Run | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -93,7 +93,8 @@ def is_trace(record: Any) -> bool:
 def convert_episode(record: dict[str, Any], where: Where) -> list[dict[str, Any]]:
     """Every trace of one Episode record, tagged with the step its run dispatched it at."""
     episode = typed(record, _Episode, where)
-    return [convert_trace(trace, where, f"traces[{i}].", step=episode.run.work.step, episode=episode.id)
+    work = (episode.run or _Run()).work or _Work()
+    return [convert_trace(trace, where, f"traces[{i}].", step=work.step, episode=episode.id)
             for i, trace in enumerate(episode.traces)]
 
 
@@ -103,12 +104,13 @@ def convert_trace(trace: Any, where: Where, prefix: str = "", *, step: Any = Non
     nodes = read.nodes
     if not nodes:
         raise where.error(prefix + "nodes", "must be a non-empty array of MessageNode")
-    trainable = read.agent.trainable is not False
+    agent, rewards = read.agent or _Agent(), read.rewards or {}
+    trainable = agent.trainable is not False
     segments = [_node_segments(node, where, f"{prefix}nodes[{i}].", trainable) for i, node in enumerate(nodes)]
     branches = _tree(_paths(nodes, where, prefix), [sum(len(s["tokens"]) for s in node) for node in segments])
-    reward = sum(r.score * r.weight for r in read.rewards.values() if r.score is not None)
-    meta = source_meta("verifiers", where, step=step, episode=episode, agent=read.agent.name,
-                       reward=reward if read.rewards else None, num_turns=sum(1 for n in nodes if n.sampled))
+    reward = sum(r.score * r.weight for r in rewards.values() if r.score is not None)
+    meta = source_meta("verifiers", where, step=step, episode=episode, agent=agent.name,
+                       reward=reward if rewards else None, num_turns=sum(1 for n in nodes if n.sampled))
     rollout_id = str(read.id or f"verifiers-{where.index}")
     own = [_merged(segments, b.path[_shared_nodes(b, branches)], forked=b.parent is not None) for b in branches]
     return {"id": rollout_id, "meta": meta,
