@@ -69,7 +69,7 @@ class GenerateParams(msgspec.Struct, frozen=True):
     logprobs: int | None = None
 
 
-class Request(msgspec.Struct, frozen=True):
+class HarnessRequest(msgspec.Struct, frozen=True):
     """What the proxy reads of a harness's request, which itself is forwarded as sent (with
     `prepare`'s additions). Read laxly (strict=False), as the engines' pydantic models read it; a
     field of a type no engine takes makes it no request to record (forwarded unchanged: the
@@ -89,22 +89,24 @@ class Request(msgspec.Struct, frozen=True):
     user: str | None = None                          # a session name, where no header gives one
 
 
-def read_request(body: Any) -> Request | None:
+def read_request(body: Any) -> HarnessRequest | None:
     """The request's fields the proxy decides on; None for what is not an object of the engine's
     types."""
     if not isinstance(body, dict):
         return None
     try:
-        return msgspec.convert(body, Request, strict=False)
+        return msgspec.convert(body, HarnessRequest, strict=False)
     except msgspec.ValidationError:
         return None
 
 
-def prepare(engine: str, endpoint: str, body: Any) -> tuple[dict[str, Any], HarnessAsked] | None:
+def prepare(engine: str, endpoint: str, body: Any,
+            request: HarnessRequest | None = None) -> tuple[dict[str, Any], HarnessAsked] | None:
     """The upstream request and what the harness asked for; None when the request is forwarded
     unchanged and not recorded (not an object of the engine's types, or options whose meaning the
-    additions change: completions `echo`, beam search, SGLang completions)."""
-    request = read_request(body)
+    additions change: completions `echo`, beam search, SGLang completions). `request`: the body as
+    read_request read it, where the caller has it."""
+    request = request if request is not None else read_request(body)
     if request is None:
         return None
     if engine == "sglang":
@@ -115,9 +117,10 @@ def prepare(engine: str, endpoint: str, body: Any) -> tuple[dict[str, Any], Harn
         return {**body, "logprobs": True, "return_input_ids_in_sglext": True,
                 "return_output_ids_in_sglext": True}, asked
     if endpoint == "generate":
-        if request.sampling_params is None or request_prompt(endpoint, body) is None:
+        if request.sampling_params is None or request_prompt(endpoint, request) is None:
             return None  # vLLM refuses it (token_ids and sampling_params are required): its error must stay
-        asked = HarnessAsked(logprobs=request.sampling_params.logprobs is not None, token_ids=True)  # ids: its own answer
+        # The ids are in generate's own answer: token_ids is always "asked".
+        asked = HarnessAsked(logprobs=request.sampling_params.logprobs is not None, token_ids=True)
         params = body["sampling_params"]  # an object (read above): its keys passed on as sent
         return {**body, "sampling_params": {**params, "logprobs": params["logprobs"] if asked.logprobs else 0}}, asked
     if request.use_beam_search or (endpoint == "completions" and request.echo):
@@ -138,9 +141,9 @@ def sampling_params(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     return {key: params[key] for key in SAMPLING_KEYS if key in params}
 
 
-def request_prompt(endpoint: str, body: Any) -> list[int] | None:
+def request_prompt(endpoint: str, request: HarnessRequest) -> list[int] | None:
     """The prompt ids the request itself sends (generate: `token_ids`); None: the answer says them."""
-    if endpoint != "generate" or (request := read_request(body)) is None:
+    if endpoint != "generate":
         return None
     return request.token_ids or None  # vLLM refuses an empty prompt
 

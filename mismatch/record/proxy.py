@@ -34,7 +34,8 @@ from starlette.routing import Route
 
 from mismatch.errors import MismatchError
 from mismatch.record.assembly import Exchange, Recorder
-from mismatch.record.dialects import ENDPOINTS, Capture, Request, prepare, read_request, request_prompt, sampling_params
+from mismatch.record.dialects import (ENDPOINTS, Capture, HarnessRequest, prepare, read_request, request_prompt,
+                                      sampling_params)
 from mismatch.record.upstream import Upstream, discover, root_url
 from mismatch.record.writer import Writer, open_out
 
@@ -210,7 +211,7 @@ class Proxy:
         rollout = await asyncio.to_thread(self.recorder.rollout, conversation)
         await self.writer.put(rollout)
 
-    async def _record(self, capture: Capture, body: dict[str, Any], request: Request, endpoint: str,
+    async def _record(self, capture: Capture, body: dict[str, Any], request: HarnessRequest, endpoint: str,
                       session: str | None, started: float) -> None:
         assert self.exchanges is not None
         done = capture.exchanges()
@@ -280,18 +281,15 @@ class Proxy:
         raw = await request.body()
         body = _strict_json(raw)
         endpoint = ENDPOINTS[request.url.path]
-        prepared = prepare(self.upstream.engine, endpoint, body)
+        read = read_request(body)  # once: prepare decides on it, the capture and the record read it
+        prepared = None if read is None else prepare(self.upstream.engine, endpoint, body, read)
         response = await self._send(request, raw if prepared is None else json.dumps(prepared[0]).encode())
         if isinstance(response, Response):
             return response
         if prepared is None or response.status_code != 200:
             self.num_unrecorded += 1  # the upstream's errors reach the harness unchanged
             return self._relay(response)
-        capture = Capture(self.upstream.engine, endpoint, prepared[1], request_prompt(endpoint, body))
-        read = read_request(body)
-        if read is None:  # prepare read it; a body only prepare accepts is relayed, not recorded
-            self.num_unrecorded += 1
-            return self._relay(response)
+        capture = Capture(self.upstream.engine, endpoint, prepared[1], request_prompt(endpoint, read))
         session = request.headers.get(SESSION_HEADER) or read.user
         record = BackgroundTask(self._record, capture, body, read, endpoint, session, started)
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
