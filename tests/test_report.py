@@ -512,3 +512,24 @@ def test_an_audits_report_read_in_its_passes_is_the_report_built_from_its_result
     first = (tmp_path / "out" / REPORT_FILE).read_bytes()
     build.build_report(tmp_path / "out")
     assert (tmp_path / "out" / REPORT_FILE).read_bytes() == first
+
+
+def test_a_diffs_report_read_in_its_passes_is_the_report_built_from_its_results(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    """diff reads its page's data in its analysis's passes too (report_digestion, without the
+    audit's worst tokens), in forked readers and workers; `mismatch report` writes the same page."""
+    from mismatch.pipeline.diff import diff
+    from mismatch.reports import build
+    from tests.test_golden import GOLDEN, stored_checkpoint
+
+    monkeypatch.setattr("mismatch.results.chunks.DEFAULT_CHUNK_ROWS", 97)
+    monkeypatch.setattr("mismatch.workers.MIN_ROWS_TO_FORK", 1)
+    monkeypatch.setattr("mismatch.workers.MIN_BYTES_TO_FORK", 1)
+    monkeypatch.setenv("MISMATCH_WORKERS", "2")
+    with monkeypatch.context() as patched:
+        patched.setattr(build, "digest", lambda *a, **k: pytest.fail("the diff's report read the tokens again"))
+        diff(stored_checkpoint(tmp_path / "ckpt"), GOLDEN / "rollouts.jsonl", a="stored:trainer",
+             b="stored:engine", reference="sampler", out=tmp_path / "out", block_size=4)
+    first = (tmp_path / "out" / REPORT_FILE).read_bytes()
+    build.build_report(tmp_path / "out")
+    assert (tmp_path / "out" / REPORT_FILE).read_bytes() == first

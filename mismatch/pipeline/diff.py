@@ -21,7 +21,7 @@ from mismatch.pipeline.options import DiffOptions
 from mismatch.pipeline.summary import Provenance, SummaryAnalyses, summary_json
 from mismatch.results.summary_model import EngineEntry, Summary, present
 from mismatch.results import results_lock, staged_tokens
-from mismatch.workers import analysis_workers
+from mismatch.workers import analysis_workers, reading_workers
 
 DIFF_PAIRS = (("a", "reference"), ("b", "reference"), ("a", "b"))
 
@@ -51,18 +51,20 @@ def _diff(checkpoint: str | Path, rollouts: str | Path, options: DiffOptions) ->
     prepared = stages.prepare(checkpoint, rollouts, options, command="diff")
     replayed = stages.replay(checkpoint, rollouts, options, prepared, processed_source=None, routing_from="reference")
     with staged_tokens(options.out, force=options.force) as store:
-        stages.store_rows(replayed, store)
+        stages.store_rows(replayed, store, workers=reading_workers(Path(rollouts).stat().st_size))
         provenance = Provenance(command="diff", checkpoint=str(checkpoint), rollouts_file=str(rollouts),
                                 engines=replayed.engines, shard=stages.shard_info(options), inputs=prepared.inputs)
         distribution = (DistributionSummary(options.distribution_pairs, replayed.distribution)
                         if options.distribution is not None else None)
         del replayed
         per_rollout = PerRollout(DIFF_PAIRS)
-        summary = analyze_diff(store.chunks, provenance, seed=options.seed, extra=[per_rollout],
+        digestion = stages.report_digestion(store, DIFF_PAIRS, command="diff") if options.out is not None else None
+        summary = analyze_diff(store.chunks, provenance, seed=options.seed,
+                               extra=[per_rollout, *([digestion] if digestion is not None else [])],
                                workers=analysis_workers(store.num_rows), distribution=distribution)
         if options.out is None:
             return DiffResult(record=summary, out=None, table=store.table)
-        summary = stages.write_results_files(store, summary, per_rollout.result())
+        summary = stages.write_results_files(store, summary, per_rollout.result(), digestion)
     if prepared.work is not None:
         prepared.work.remove()
     return DiffResult(record=summary, out=options.out)

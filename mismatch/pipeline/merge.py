@@ -82,9 +82,10 @@ def _merge(paths: list[Path], out_dir: Path, *, force: bool) -> Summary:
         distribution = _merged_distribution(first.command, options, summaries, store.columns)
         if first.command != "audit":
             per_rollout = PerRollout(DIFF_PAIRS)
-            summary = analyze_diff(store.chunks, provenance, seed=present(options.seed) or 0, extra=[per_rollout],
-                                   workers=workers, distribution=distribution)
-            return stages.write_results_files(store, summary, per_rollout.result())
+            digestion = stages.report_digestion(store, DIFF_PAIRS, command="diff")
+            summary = analyze_diff(store.chunks, provenance, seed=present(options.seed) or 0,
+                                   extra=[per_rollout, digestion], workers=workers, distribution=distribution)
+            return stages.write_results_files(store, summary, per_rollout.result(), digestion)
         pairs = audit_pairs(store.columns)
         per_rollout, digestion = PerRollout(pairs), stages.report_digestion(store, pairs)
         beside = _merged_evidence(provenance, summaries, order, _merged_prefixes(store, keys, first, inputs))

@@ -183,11 +183,16 @@ class StoreFindings:
     steps: dict[str, int]
 
 
-def store_rows(replayed: Replayed, store: TokenStore) -> None:
-    """Each block's rows into the token store, one block in memory at a time."""
-    for block in replayed.blocks():
-        store.write(block.plan.table)
+def store_rows(replayed: Replayed, store: TokenStore, workers: int = 1) -> None:
+    """Each block's rows into the token store, one block in memory at a time. `workers`: forked
+    readers of a stored-only replay's file (Replayed.map_blocks), as the audit's store has."""
+    for table in replayed.map_blocks(_block_rows, workers):
+        store.write(table)
     store.close()
+
+
+def _block_rows(block: Block) -> pd.DataFrame:
+    return block.plan.table
 
 
 def store_audit_rows(replayed: Replayed, store: TokenStore, checkpoint: str | Path, sources: Sequence[str],
@@ -271,16 +276,18 @@ def merge_drift(parts: Sequence[Drift]) -> Drift:
                  spans=[span for p in parts for span in present(p.spans) or ()] if with_spans else UNSET)
 
 
-def report_digestion(store: TokenStore, pairs: Sequence[tuple[str, str]]) -> DigestAnalysis:
+def report_digestion(store: TokenStore, pairs: Sequence[tuple[str, str]], *, command: str = "audit") -> DigestAnalysis:
     """The report's reading of the tokens, as an analysis to run in the command's own passes: its
     pairs as the summary lists them, the first as the focus, and the table's row count as every
     pair's upper bound, so the tail behind the histograms' range is gathered in pass 0. The report
-    reads the tokens again only if the summary's focus turns out another pair."""
+    reads the tokens again only if the summary's focus turns out another pair. Both commands'
+    summaries have per-turn metrics (so no per-turn reading); only an audit's page lists worst tokens."""
     from mismatch.reports import DigestAnalysis, WorstOptions
 
     names = [f"{a}/{b}" for a, b in pairs]
     return DigestAnalysis(store.columns, pairs=names, focus=names[0] if names else None, options=WorstOptions(),
-                     with_turns=False, with_worst_tokens=True, expected=dict.fromkeys(names, store.num_rows))
+                          with_turns=False, with_worst_tokens=command != "diff",
+                          expected=dict.fromkeys(names, store.num_rows))
 
 
 def write_results_files(store: TokenStore, summary: Summary, per_rollout: pd.DataFrame,
