@@ -247,3 +247,47 @@ def test_forked_readers_read_only_the_whole_lines_of_the_pinned_size(tmp_path, w
     cut = list(forked_blocks(path, vocab_size=None, num_experts=None, block_size=BLOCK, workers=workers,
                              work=_work, limit=pinned + 20))  # inside the first late line
     assert [index for _, indices, _ in cut for index in indices] == list(range(7))
+
+
+@pytest.mark.parametrize("how", ["shared memory", "no shared memory", "shared memory full"])
+def test_forked_readers_spill_blocks_through_shared_memory_and_leave_nothing_there(tmp_path, monkeypatch,
+                                                                                   how) -> None:
+    """A forked reader hands its blocks' rows over as Arrow files in shared memory (SpilledBlock),
+    or, where there is none or it is full, pickled through the pipe: tokens.parquet the same, byte
+    for byte, as one reader's; the run's spill dir gone after it, also after a run that fails."""
+    import errno
+    import hashlib
+
+    import mismatch
+    from mismatch.pipeline import stages
+    from mismatch.results import SpilledBlock
+    from tests.test_golden import GOLDEN, stored_checkpoint
+
+    checkpoint = stored_checkpoint(tmp_path / "ckpt")
+    shared = tmp_path / "shm"
+    shared.mkdir()
+    monkeypatch.setattr(stages, "SHARED_MEMORY", shared if how != "no shared memory" else tmp_path / "none")
+    if how == "shared memory full":
+        def full(cls, table, file):
+            file.write_bytes(b"part")  # cut short, as a full tmpfs leaves it
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(SpilledBlock, "write", classmethod(full))
+    read = SpilledBlock.read
+    spilled = []
+    monkeypatch.setattr(SpilledBlock, "read", lambda self: spilled.append(self.file) or read(self))
+
+    def audit(workers: str, out: Path, rollouts: Path = GOLDEN / "rollouts.jsonl") -> str:
+        monkeypatch.setenv("MISMATCH_WORKERS", workers)
+        mismatch.audit(checkpoint, rollouts, train="stored:trainer", infer="stored:engine", out=out, block_size=4)
+        return hashlib.sha256((out / "tokens.parquet").read_bytes()).hexdigest()
+
+    assert audit("2", tmp_path / "two") == audit("1", tmp_path / "one")
+    assert len(spilled) == (12 if how == "shared memory" else 0)  # the golden fixture's 12 blocks of 4
+    assert list(shared.iterdir()) == []
+
+    lines = (GOLDEN / "rollouts.jsonl").read_text().splitlines()
+    bad = write_jsonl(tmp_path / "bad.jsonl", [json.loads(line) for line in lines[:-1]] + [{"id": "r-x", "branches": []}])
+    with pytest.raises(RolloutError, match="empty branch list"):
+        audit("2", tmp_path / "failed", bad)
+    assert list(shared.iterdir()) == [] and not (tmp_path / "failed").exists()
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith(".failed")] == []

@@ -28,14 +28,25 @@ _P_INV = np.uint64(pow(0x100000001B3, -1, 2**64))
 
 def prefix_keys(requests: Sequence[ReplayRequest]) -> np.ndarray:
     """Per token-table row (the requests' scored tokens, in order): a hash of the request's tokens
-    0..position (h_i = sum_j (t_j + 1) P^(i - j) mod 2^64, computed as P^i * cumsum((t_j + 1) P^-j))."""
-    keys = []
+    0..position (h_i = sum_j (t_j + 1) P^(i - j) mod 2^64, computed as P^i * cumsum((t_j + 1) P^-j)).
+
+    All of a block's requests at once: i and j count from each request's start, and each
+    request's running sum is the block's less what the requests before it summed (exact: uint64
+    arithmetic is modulo 2^64), so no numpy call is made per request.
+    """
+    if not requests:
+        return np.empty(0, np.uint64)
+    lengths = np.fromiter((len(request.tokens) for request in requests), dtype=np.int64, count=len(requests))
+    starts = np.cumsum(lengths) - lengths
+    local = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)  # i: the position in its request
+    longest = int(lengths.max())
     with np.errstate(over="ignore"):
-        for request in requests:
-            powers = _powers(_P, len(request.tokens))
-            terms = (request.tokens.astype(np.uint64) + np.uint64(1)) * _powers(_P_INV, len(request.tokens))
-            keys.append((np.cumsum(terms, dtype=np.uint64) * powers)[request.score_from:])
-    return np.concatenate(keys) if keys else np.empty(0, np.uint64)
+        tokens = np.concatenate([request.tokens for request in requests]).astype(np.uint64)
+        sums = np.zeros(len(tokens) + 1, dtype=np.uint64)  # sums[k]: of the block's first k terms
+        np.cumsum((tokens + np.uint64(1)) * _powers(_P_INV, longest)[local], dtype=np.uint64, out=sums[1:])
+        keys = (sums[1:] - np.repeat(sums[starts], lengths)) * _powers(_P, longest)[local]
+    score_from = np.fromiter((request.score_from for request in requests), dtype=np.int64, count=len(requests))
+    return keys[local >= np.repeat(score_from, lengths)]
 
 
 def _powers(base: np.uint64, n: int) -> np.ndarray:

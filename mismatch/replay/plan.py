@@ -78,29 +78,29 @@ class _Branches:
     segment_turn: list[int] = field(default_factory=list)
     segment_index: list[int] = field(default_factory=list)   # per segment: its index in its branch
 
-    def add(self, rollout: Rollout, branch: Branch, *, position: int, block: int) -> None:
-        """One branch of the rollout at `position` (in the planned rollouts): its request and segments."""
+    def add(self, rollout: Rollout, branch: Branch, *, position: int, block: int, truncation: Sampling | None,
+            indexed: bool) -> None:
+        """One branch of the rollout at `position` (in the planned rollouts): its request and
+        segments. `truncation`: what the rollout's meta.sampler declares (read once a rollout);
+        `indexed`: whether any segment of the rollout recorded indexer_topk."""
         context = context_tokens(rollout, branch.id)
-        own = [seg.tokens for seg in branch.segments]
+        segments = branch.segments
+        own = [seg.tokens for seg in segments]
+        lengths = [len(tokens) for tokens in own]
         # Context tokens were a prompt when this branch was sampled, whatever produced them.
-        generated = np.zeros(len(context) + sum(map(len, own)), dtype=bool)
-        start = len(context)
-        for seg in branch.segments:
-            generated[start:start + len(seg.tokens)] = seg.generated
-            start += len(seg.tokens)
+        generated = np.concatenate([np.zeros(len(context), dtype=bool),
+                                    np.repeat([seg.generated for seg in segments], lengths)])
         # The scored positions are the branch's own tokens: their kept sets are its segments'.
-        kept = KeptSets.concat([seg.sampling_mask for seg in branch.segments], list(map(len, own)))
-        declared = rollout.meta.get("sampler")
-        sampling = Sampling.from_meta(declared if isinstance(declared, dict) else None)
+        kept = KeptSets.concat([seg.sampling_mask for seg in segments], lengths)
         self.requests.append(ReplayRequest(tokens=np.concatenate([context, *own]).astype(np.int64),
                                            generated=generated, score_from=len(context), kept=kept,
-                                           truncation=sampling.truncation if sampling.truncates else None,
-                                           indexer_topk=full_indexer_topk(rollout, branch.id)))
+                                           truncation=truncation,
+                                           indexer_topk=full_indexer_topk(rollout, branch.id) if indexed else None))
         self.request_block.append(block)
         self.segment_branch.extend([len(self.branch_ids)] * len(own))
-        self.segment_turn.extend(segment_turns([seg.role for seg in branch.segments]))
+        self.segment_turn.extend(segment_turns([seg.role for seg in segments]))
         self.segment_index.extend(range(len(own)))
-        self.segments.extend(branch.segments)
+        self.segments.extend(segments)
         self.branch_rollout.append(position)
         self.branch_ids.append(branch.id)
         self.branch_kinds.append(branch.kind)
@@ -117,8 +117,13 @@ def plan_replay(rollouts: Sequence[Rollout], *, indices: Sequence[int] | None = 
     indices = list(range(len(rollouts))) if indices is None else list(indices)
     branches = _Branches()
     for position, (file_index, rollout) in enumerate(zip(indices, rollouts, strict=True)):
+        declared = rollout.meta.get("sampler")
+        sampling = Sampling.from_meta(declared if isinstance(declared, dict) else None)
+        truncation = sampling.truncation if sampling.truncates else None
+        indexed = any(seg.indexer_topk is not None for branch in rollout.branches for seg in branch.segments)
         for branch in rollout.branches:
-            branches.add(rollout, branch, position=position, block=file_index // block_size)
+            branches.add(rollout, branch, position=position, block=file_index // block_size,
+                         truncation=truncation, indexed=indexed)
     segments = branches.segments
     lengths = np.fromiter((len(seg.tokens) for seg in segments), dtype=np.int64, count=len(segments))
     table = _token_table(branches, rollouts, indices, lengths)
@@ -143,6 +148,7 @@ def _token_table(branches: _Branches, rollouts: Sequence[Rollout], indices: list
     # pos: the row's offset in its request (context first), so own tokens count from the context.
     offset = np.asarray(branches.branch_context, dtype=np.int64) - branch_start[:-1]
     pos = np.arange(int(lengths.sum()), dtype=np.int64) + offset[row_branch]
+    # copy=False: the columns are fresh arrays; pandas would copy them again into one 2-D block per dtype.
     return pd.DataFrame({
         "rollout_index": np.asarray(indices, dtype=np.int64)[row_rollout],
         "rollout": _categorical([rollouts[k].id for k in range(len(rollouts))], row_rollout),
@@ -156,24 +162,28 @@ def _token_table(branches: _Branches, rollouts: Sequence[Rollout], indices: list
         "trainable": np.repeat(np.fromiter((seg.trainable for seg in segments), dtype=bool,
                                            count=len(segments)), lengths),
         "logp_sampler": _stored_column([seg.logprobs for seg in segments], lengths),
-    })
+    }, copy=False)
 
 
 def _stored_column(per_segment: list[np.ndarray | None], lengths: np.ndarray) -> np.ndarray:
-    """One stored log-prob column over the segments' rows: NaN where a segment stores none (filled
-    in place, not a NaN array made per segment)."""
+    """One stored log-prob column over the segments' rows: NaN where a segment stores none (the
+    stored values put in at once through a row mask, not a NaN array made per segment)."""
     column = np.full(int(lengths.sum()), np.nan)
-    for start, values in zip(np.cumsum(lengths) - lengths, per_segment):
-        if values is not None:
-            column[start:start + len(values)] = values
+    present = [values is not None for values in per_segment]
+    if any(present):
+        column[np.repeat(present, lengths)] = np.concatenate([values for values in per_segment if values is not None])
     return column
 
 
 def _categorical(values: list[str], rows: np.ndarray) -> pd.Categorical:
     """values[rows] as a pandas categorical with sorted categories (what astype("category") gives),
-    built from the short `values` list, not from a per-row array of Python strings."""
-    categories, codes = np.unique(np.asarray(values, dtype=object), return_inverse=True)
-    return pd.Categorical.from_codes(codes.reshape(-1)[rows], categories=pd.Index(categories.tolist()))
+    built from the short `values` list, not from a per-row array of Python strings. Its codes are
+    valid by construction, so pandas is not asked to check them again (a pass over every row)."""
+    categories = sorted(set(values))
+    code_of = {value: code for code, value in enumerate(categories)}
+    codes = np.fromiter((code_of[value] for value in values), dtype=np.int64, count=len(values))
+    dtype = pd.CategoricalDtype(pd.Index(categories))
+    return pd.Categorical.from_codes(codes[rows], dtype=dtype, validate=False)
 
 
 def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:

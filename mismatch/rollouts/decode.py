@@ -13,13 +13,13 @@ import itertools
 import json
 import sys
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
 
 from mismatch.errors import RolloutError
-from mismatch.rollouts.model import BRANCH_FIELDS, ROLLOUT_FIELDS, SEGMENT_FIELDS, Branch, Rollout, Segment
+from mismatch.rollouts.model import BRANCH_FIELDS, ROLES, ROLLOUT_FIELDS, SEGMENT_FIELDS, Branch, Rollout, Segment
 from mismatch.rollouts.problems import Problems, key_path, short_id
 from mismatch.rollouts.rules import (
     check_extra_logprobs,
@@ -29,7 +29,6 @@ from mismatch.rollouts.rules import (
     check_kind,
     check_links,
     check_logprob_count,
-    check_logprob_list,
     check_logprob_range,
     check_logprob_values,
     check_logprobs,
@@ -44,7 +43,6 @@ from mismatch.rollouts.rules import (
     check_routing_shapes,
     check_sampling_mask,
     check_token_ids,
-    check_token_list,
     check_tokens,
     check_trainable,
     check_tree,
@@ -121,9 +119,17 @@ def deeper_than(text: str | bytes, limit: int) -> bool:
 # value without checking all of it (a string's UTF-8), where the untyped decoders refuse the line.
 
 
+# The segment rules that are facts of a value's type are carried by the type, so a valid segment
+# costs no Python call for them: a role of ROLES (check_role), a non-empty list of integers
+# (check_token_list), true/false/null (check_trainable), lists of numbers (check_logprob_list) in an
+# object (check_extra_logprobs). A segment that breaks one fails the decode: the untyped decoder words it.
+_Role = Literal[ROLES]  # type: ignore[valid-type]  # Literal of the tuple's strings: ROLES is the one list
+_Tokens = Annotated[list[int], msgspec.Meta(min_length=1)]
+
+
 class _TypedSegment(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
-    tokens: list[int]
+    role: _Role
+    tokens: _Tokens
     logprobs: list[float] | None = None  # a JSON integer decodes as a float, as np.array makes it one
     trainable: bool | None = None
     extra_logprobs: dict[str, list[float] | None] | None = None
@@ -209,8 +215,7 @@ def _typed_branch(raw: _TypedBranch, vocab_size: int | None, num_experts: int | 
     check_items(raw.segments, "segments", "segment", scratch)
     if scratch.errors:
         return None
-    segments = _plain_segments([_SegmentFields(s.role, s.tokens, s.logprobs, s.trainable, s.extra_logprobs)
-                                for s in raw.segments], vocab_size, scratch, types_known=True)
+    segments = _typed_segments(raw.segments, vocab_size, scratch)
     if segments is None:
         return None
     for i, fields in enumerate(raw.segments):
@@ -235,17 +240,6 @@ def _typed_branch(raw: _TypedBranch, vocab_size: int | None, num_experts: int | 
 # and thousands of tokens; nothing here loops over tokens in Python.
 
 
-@dataclass(frozen=True, slots=True)
-class _SegmentFields:
-    """A segment's fields as decoded, not yet checked: lists of JSON values, not yet arrays."""
-
-    role: object
-    tokens: object
-    logprobs: object
-    trainable: object
-    extra_logprobs: object
-
-
 def fast_segments(raw_segments: list, vocab_size: int | None) -> list[Segment] | None:
     """A branch's segments when every one of them is plainly valid, or None: then the untyped
     decoder checks each segment and words what is wrong. The plain values (a Parquet row's) are
@@ -257,51 +251,38 @@ def fast_segments(raw_segments: list, vocab_size: int | None) -> list[Segment] |
         return None
     if any(s.routed_experts is not None or s.sampling_mask is not None or s.indexer_topk is not None for s in typed):
         return None
-    return _plain_segments([_SegmentFields(s.role, s.tokens, s.logprobs, s.trainable, s.extra_logprobs) for s in typed],
-                           vocab_size, Problems(file="", line=0), types_known=True)
+    return _typed_segments(typed, vocab_size, Problems(file="", line=0))
 
 
-def _plain_segments(parts: list[_SegmentFields], vocab_size: int | None, scratch: Problems, *,
-                    types_known: bool) -> list[Segment] | None:
+def _typed_segments(typed: list[_TypedSegment], vocab_size: int | None, scratch: Problems) -> list[Segment] | None:
     """A branch's segments, or None when the rules report anything to `scratch` (whose words are
-    never read). `types_known`: the decoder checked every list's values' types (_TypedRollout),
-    so no scan looks at them again."""
-    tokens, logprobs, extras = [], [], {}
-    for i, part in enumerate(parts):
-        check_role(part.role, "role", scratch)
-        check_trainable(part.trainable, "trainable", scratch)
-        if not check_token_list(part.tokens, "tokens", scratch):
-            return None
-        tokens.append(part.tokens)
-        logprobs.append(_counted(part.logprobs, len(part.tokens), scratch))
-        if part.extra_logprobs is not None and check_extra_logprobs(part.extra_logprobs, "extra_logprobs", scratch):
-            for key, found in part.extra_logprobs.items():
-                extras.setdefault(key, {})[i] = _counted(found, len(part.tokens), scratch)
-        if scratch.errors:
-            return None
-    lengths = [len(values) for values in tokens]
-    token_ids = check_token_ids(list(itertools.chain.from_iterable(tokens)), "tokens", vocab_size, scratch,
-                                types_known=types_known)
+    never read). Their types hold every per-segment rule but one (_TypedSegment); left to check
+    are one log-prob per token, each segment, and then over the whole branch at once each token
+    id within the vocabulary and each log-prob's range."""
+    lengths = [len(segment.tokens) for segment in typed]
+    extras: dict[str, list[list[float] | None]] = {}  # log-prob name -> each segment's values (None: none)
+    for i, (segment, num_tokens) in enumerate(zip(typed, lengths)):
+        if segment.logprobs is not None:
+            check_logprob_count(len(segment.logprobs), num_tokens, "logprobs", scratch)
+        for key, found in (segment.extra_logprobs or {}).items():
+            if found is not None:
+                check_logprob_count(len(found), num_tokens, "logprobs", scratch)
+                extras.setdefault(key, [None] * len(typed))[i] = found
+    if scratch.errors:
+        return None
+    token_ids = check_token_ids(list(itertools.chain.from_iterable(segment.tokens for segment in typed)), "tokens",
+                                vocab_size, scratch, types_known=True)
     if scratch.errors:
         return None
     cuts = list(itertools.accumulate(lengths))[:-1]
-    stored_of = _fast_logprobs(logprobs, lengths, cuts, scratch, types_known)
-    extra_of = {key: _fast_logprobs([by_segment.get(i) for i in range(len(parts))], lengths, cuts, scratch,
-                                    types_known)
-                for key, by_segment in extras.items()}
+    stored_of = _fast_logprobs([segment.logprobs for segment in typed], lengths, cuts, scratch)
+    extra_of = {key: _fast_logprobs(by_segment, lengths, cuts, scratch) for key, by_segment in extras.items()}
     if scratch.errors:
         return None
-    return [Segment(role=part.role, tokens=ids, logprobs=stored_of[i],
-                    trainable=trained_on(part.role, part.trainable),
+    return [Segment(role=segment.role, tokens=ids, logprobs=stored_of[i],
+                    trainable=trained_on(segment.role, segment.trainable),
                     extra_logprobs={key: values[i] for key, values in extra_of.items() if values[i] is not None})
-            for i, (part, ids) in enumerate(zip(parts, _split(token_ids, cuts)))]
-
-
-def _counted(values: object, num_tokens: int, scratch: Problems) -> object:
-    """A log-prob list (or None) as stored, its kind and count checked."""
-    if values is not None and check_logprob_list(values, "logprobs", scratch):
-        check_logprob_count(len(values), num_tokens, "logprobs", scratch)
-    return values
+            for i, (segment, ids) in enumerate(zip(typed, _split(token_ids, cuts)))]
 
 
 def _split(values: np.ndarray, cuts: list[int]) -> list[np.ndarray]:
@@ -310,15 +291,15 @@ def _split(values: np.ndarray, cuts: list[int]) -> list[np.ndarray]:
     return [values[start:end] for start, end in itertools.pairwise(bounds)]
 
 
-def _fast_logprobs(per_segment: list, lengths: list[int], cuts: list[int], scratch: Problems,
-                   types_known: bool) -> list[np.ndarray | None]:
+def _fast_logprobs(per_segment: list, lengths: list[int], cuts: list[int],
+                   scratch: Problems) -> list[np.ndarray | None]:
     """One log-prob name's arrays per segment (None where a segment has none), their values
-    checked in one call (their counts are _counted's)."""
+    checked in one call (their types are _TypedSegment's, their counts _typed_segments')."""
     present = [values is not None for values in per_segment]
     if not any(present):
         return [None] * len(per_segment)
     flat = list(itertools.chain.from_iterable(values for values in per_segment if values is not None))
-    logp = check_logprob_values(flat, "logprobs", scratch, types_known=types_known)
+    logp = check_logprob_values(flat, "logprobs", scratch, types_known=True)
     if logp is None:
         return [None] * len(per_segment)  # reported: the caller hands the branch on
     check_logprob_range(logp, "logprobs", scratch)

@@ -65,10 +65,11 @@ class Branch:
     parent: str | None
     fork_at: int | None  # token offset in the parent's own stream
     segments: tuple[Segment, ...]
+    # Its own tokens, counted once: the checks, the plan and the tree weights each ask.
+    num_tokens: int = field(init=False, repr=False)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.tokens) for s in self.segments)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_tokens", sum(len(s.tokens) for s in self.segments))
 
     def stream(self) -> np.ndarray:
         """This branch's own tokens (without the context it forks from)."""

@@ -104,14 +104,25 @@ def add_tree_weights(table: pd.DataFrame, rollouts: Sequence[Rollout], *,
     are checked against that order, unless `planned` says plan_replay just built it from these
     very rollouts (the replay's own call: a check that cannot fail, paid for on every row).
     """
-    branch_keys, tree, gyre = [], [], []  # branch_keys: (rollout id, branch id, own tokens)
+    branch_keys: list[tuple[str, str, int]] = []  # (rollout id, branch id, own tokens)
+    tree: list[float | np.ndarray] = []  # per branch: one weight for all its tokens, or one per token
+    gyre: list[float | np.ndarray] = []
     for rollout in rollouts:
+        if len(rollout.branches) == 1 and max_paths >= 1:
+            # One stream (most dumps): its tokens are in the one history (tree_weights: 1/1) on the
+            # one kept path (gyre_weights: 1/1); no arrays made per rollout.
+            branch = rollout.branches[0]
+            branch_keys.append((rollout.id, branch.id, branch.num_tokens))
+            tree.append(1.0)
+            gyre.append(1.0)
+            continue
         by_tree, by_gyre = tree_weights(rollout), gyre_weights(rollout, max_paths)
         for branch in rollout.branches:
             branch_keys.append((rollout.id, branch.id, branch.num_tokens))
             tree.append(by_tree[branch.id])
             gyre.append(by_gyre[branch.id])
-    num_rows = sum(length for _, _, length in branch_keys)
+    lengths = [length for _, _, length in branch_keys]
+    num_rows = sum(lengths)
     if num_rows != len(table):
         raise MismatchError(f"token table has {len(table)} rows but the rollouts have {num_rows} "
                             "own tokens; pass the table plan_replay built for these rollouts")
@@ -119,9 +130,21 @@ def add_tree_weights(table: pd.DataFrame, rollouts: Sequence[Rollout], *,
         raise MismatchError("token table rows are not in the rollouts' branch order; pass the table "
                             "plan_replay built for these rollouts")
     out = table if inplace else table.copy()
-    out["weight_tree"] = np.concatenate(tree) if tree else np.empty(0)
-    out["weight_gyre"] = np.concatenate(gyre) if gyre else np.empty(0)
+    out["weight_tree"] = _per_token(tree, lengths)
+    out["weight_gyre"] = _per_token(gyre, lengths)
     out.attrs["gyre_max_paths"] = max_paths  # so analysis.trees.tree_summary reports the cap these weights used
+    return out
+
+
+def _per_token(weights: list[float | np.ndarray], lengths: list[int]) -> np.ndarray:
+    """Each branch's weights over its rows, in order (float64): a float fills its `lengths` rows,
+    an array is them."""
+    out = np.repeat(np.asarray([w if isinstance(w, float) else 0.0 for w in weights], dtype=np.float64), lengths)
+    start = 0
+    for weight, length in zip(weights, lengths):
+        if not isinstance(weight, float):
+            out[start:start + length] = weight
+        start += length
     return out
 
 
