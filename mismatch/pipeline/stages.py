@@ -6,12 +6,8 @@ compose them in the flow's order, and nothing here knows which command runs it.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import closing, contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from pathlib import Path
@@ -32,10 +28,8 @@ from mismatch.replay.distribution import DistributionAsk, check_distribution, pa
 from mismatch.results import (
     PREFIX_KEYS_FILE,
     ROLLOUTS_FILE,
-    SpilledBlock,
     TokenStore,
     WorkDir,
-    arrow_block,
     check_out_dir,
     published_files,
     read_tokens,
@@ -210,16 +204,13 @@ def store_audit_rows(replayed: Replayed, store: TokenStore, checkpoint: str | Pa
     tokenized = False
     keys = PrefixKeys(store.side_file(PREFIX_KEYS_SIDE))
     steps: dict[str, int] = {}
-    # closing: on an error here, the readers are stopped before the dir they spill to is removed.
-    with _spill_dir(store.directory is not None) as directory, closing(replayed.map_blocks(
-            partial(_stored_parts, str(checkpoint), _Spill(directory, os.getpid()) if directory else None),
-            workers)) as parts:
-        for rows, block_keys, drift, needed_tokenizer, block_steps in parts:
-            store.write(rows.read() if isinstance(rows, SpilledBlock) else rows)
-            keys.add(block_keys)
-            drifts.append(drift)
-            tokenized = tokenized or needed_tokenizer
-            steps.update(block_steps)
+    for table, block_keys, drift, needed_tokenizer, block_steps in replayed.map_blocks(
+            partial(_stored_parts, str(checkpoint)), workers):
+        store.write(table)
+        keys.add(block_keys)
+        drifts.append(drift)
+        tokenized = tokenized or needed_tokenizer
+        steps.update(block_steps)
     store.close()
     keys.close()
     # Same prefix, same engine config: the same log-prob, whatever request it came in.
@@ -229,55 +220,14 @@ def store_audit_rows(replayed: Replayed, store: TokenStore, checkpoint: str | Pa
                          if tokenized else None, prefixes=prefixes, steps=steps)
 
 
-SHARED_MEMORY = Path("/dev/shm")  # POSIX shared memory: a file there is memory, never a disk's
-
-
-@contextmanager
-def _spill_dir(wanted: bool) -> Iterator[Path | None]:
-    """A dir of this run in shared memory for forked readers to spill blocks to (SpilledBlock),
-    removed when the store is done; None where unwanted (a token table kept in memory takes
-    DataFrames) or where the system has none. Not the staged results dir: a disk's file system
-    allocated and freed the pages of each file, which cost the readers more CPU than it saved."""
-    if not wanted or not SHARED_MEMORY.is_dir():
-        yield None
-        return
-    try:
-        directory = Path(tempfile.mkdtemp(prefix="mismatch-blocks-", dir=SHARED_MEMORY))
-    except OSError:  # not writable here: blocks come through the pipe
-        yield None
-        return
-    try:
-        yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-@dataclass(frozen=True, slots=True)
-class _Spill:
-    """Where a forked reader spills its blocks' rows (_spill_dir), and the process that stores
-    them: a block mapped in that very process is handed over as it is."""
-
-    directory: Path
-    pid: int
-
-
-def _stored_parts(checkpoint: str, spill: _Spill | None,
-                  block: Block) -> tuple[pd.DataFrame | SpilledBlock, Any, dict[str, Any], bool, dict[str, int]]:
-    """What the store keeps of a block: its rows (in a forked reader, spilled to a file as the
-    Arrow table tokens.parquet takes: SpilledBlock), their prefix keys, its rollouts' render
-    drift, whether that needed the tokenizer, and each rollout's `meta.step` (an integer one).
-    (Without messages a block's drift is its count of rollouts without them: no tokenizer.)"""
+def _stored_parts(checkpoint: str, block: Block) -> tuple[pd.DataFrame, Any, dict[str, Any], bool, dict[str, int]]:
+    """What the store keeps of a block: its rows, their prefix keys, its rollouts' render drift,
+    whether that needed the tokenizer, and each rollout's `meta.step` (an integer one). (Without
+    messages a block's drift is its count of rollouts without them: no tokenizer.)"""
     tokenizer = None
     if any(rollout.messages or recorded(rollout) for rollout in block.rollouts):
         tokenizer = _tokenizer(checkpoint)
-    rows: pd.DataFrame | SpilledBlock = block.plan.table
-    if spill is not None and os.getpid() != spill.pid:
-        file = spill.directory / f"block-{block.index}.arrow"
-        try:
-            rows = SpilledBlock.write(arrow_block(rows), file)
-        except OSError:  # shared memory full (a container's is often small): through the pipe, pickled
-            file.unlink(missing_ok=True)
-    return rows, prefix_keys(block.plan.requests), find_drift(block.rollouts, tokenizer), \
+    return block.plan.table, prefix_keys(block.plan.requests), find_drift(block.rollouts, tokenizer), \
         tokenizer is not None, rollout_steps(block.rollouts)
 
 

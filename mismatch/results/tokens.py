@@ -11,7 +11,6 @@ import functools
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,17 +44,13 @@ class TokenStore:
         self.columns: list[str] = []
         self.num_rows = 0
 
-    def write(self, block: pd.DataFrame | pa.Table) -> None:
-        """A block of whole rollouts: a DataFrame, or, for a store in a results dir, the Arrow
-        table `arrow_block` made of it (a SpilledBlock's, made by a forked reader)."""
+    def write(self, block: pd.DataFrame) -> None:
         if not self.columns:
-            self.columns = [str(name) for name in (block.column_names if hasattr(block, "column_names")
-                                                   else block.columns)]
+            self.columns = [str(name) for name in block.columns]
         self.num_rows += len(block)
         if self._writer is not None:
             self._writer.write(block)
         else:
-            assert not hasattr(block, "column_names"), "an Arrow block for a token table kept in memory"
             self._blocks.append(block)
 
     def close(self, empty: pd.DataFrame | None = None) -> None:
@@ -193,15 +188,10 @@ class TokensWriter:
         self._pending: list[Any] = []
         self._pending_rows = 0
 
-    def write(self, block: pd.DataFrame | pa.Table) -> None:
-        """A block as a DataFrame, or already as Arrow (`arrow_block`)."""
-        import pyarrow as pa
-
-        table = block if isinstance(block, pa.Table) else arrow_block(block)
+    def write(self, block: pd.DataFrame) -> None:
+        table = _arrow_table(block, self._schema)
         if self._schema is None:
             self._schema = table.schema
-        else:  # one schema for every block, whatever its number of categories
-            table = table.select(self._schema.names).cast(self._schema)
         self._pending.append(table)
         self._pending_rows += len(block)
         if self._pending_rows >= self.group_rows:
@@ -246,38 +236,9 @@ def parquet_layout(schema: Any) -> dict[str, Any]:
             "write_statistics": [name for name in ("rollout_index", "rollout") if name in schema.names]}
 
 
-@dataclass(frozen=True, slots=True)
-class SpilledBlock:
-    """A block's rows as Arrow (`arrow_block`), written by a forked reader to an Arrow IPC file in
-    shared memory, for the process that writes tokens.parquet to map rather than receive through
-    a pipe: a pickled block is copied four times on its way (pickled, into the pipe, out of it,
-    unpickled). The writer of the file removes the dir it lies in when the store is done."""
-
-    file: Path
-
-    @classmethod
-    def write(cls, table: pa.Table, file: Path) -> SpilledBlock:
-        import pyarrow as pa
-
-        with pa.OSFile(str(file), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-            writer.write_table(table)
-        return cls(file)
-
-    def read(self) -> pa.Table:
-        """The rows, memory-mapped, not copied; the file is unlinked at once (its mapping lasts
-        as long as the table)."""
-        import pyarrow as pa
-
-        with pa.memory_map(str(self.file)) as source:
-            table = pa.ipc.open_file(source).read_all()
-        self.file.unlink()
-        return table
-
-
-def arrow_block(block: pd.DataFrame) -> pa.Table:
-    """A block as TokensWriter writes it: NaN kept as NaN (not null), categoricals as
-    dictionary<int32, string> (one type for every block, whatever its number of categories).
-    A forked reader makes it, so the process that writes tokens.parquet only writes."""
+def _arrow_table(block: pd.DataFrame, schema: Any) -> Any:
+    """A block as Arrow: NaN kept as NaN (not null), categoricals as dictionary<int32, string> (one
+    type for every block, whatever its number of categories); cast to `schema` after the first."""
     import pandas as pd
     import pyarrow as pa
 
@@ -292,7 +253,8 @@ def arrow_block(block: pd.DataFrame) -> pa.Table:
             array = pa.array(values.to_numpy(), from_pandas=False)
         columns.append(array)
         fields.append(pa.field(name, array.type))
-    return pa.Table.from_arrays(columns, schema=pa.schema(fields))
+    table = pa.Table.from_arrays(columns, schema=pa.schema(fields))
+    return table if schema is None else table.select(schema.names).cast(schema)
 
 
 def tokens_chunks(files: Sequence[Path], *, columns: Sequence[str] | None = None,
