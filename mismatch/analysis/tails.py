@@ -46,18 +46,6 @@ class Tails:
         if np.count_nonzero(present) == 1:  # a chunk of one group: no sort
             self._add_group(int(np.flatnonzero(present)[0]), values)
             return
-        # Only values that can enter a side are sorted into their groups: once the groups' sides are
-        # trimmed, a few percent of a chunk. A value past neither of its group's bounds would be
-        # dropped by _keep_low and _keep_high anyway (a side with k values to keep and no bound yet
-        # takes every value; one with none takes nothing), and the kept ones keep their order: the
-        # buffers get the same values in the same order.
-        open_side = (np.isnan(self.low_bound) & (self.k_low > 0)) | (np.isnan(self.high_bound) & (self.k_high > 0))
-        enters = open_side[token_group]
-        if not enters.all():
-            enters |= values < self.low_bound[token_group]
-            enters |= values > self.high_bound[token_group]
-            values, token_group = values[enters], token_group[enters]
-            present = np.bincount(token_group, minlength=len(self.counts))
         # A stable sort of small integers is a radix sort in numpy.
         codes = token_group.astype(np.int16 if len(self.counts) < 2**15 else np.int64, copy=False)
         by_group = values[np.argsort(codes, kind="stable")]
