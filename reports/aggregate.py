@@ -7,12 +7,14 @@ the number of bins, never on the number of tokens.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import numpy as np
 import pandas as pd
 
 from mismatch.analysis import terms
+from mismatch.analysis.pair_tokens import PairTokens
 from msgspec import UNSET
 
 from mismatch.results.summary_model import PairMetrics, Summary, partial_metrics, present
@@ -113,6 +115,21 @@ def _finite_or_none(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
+@dataclass(frozen=True, slots=True)
+class TokenTerms:
+    """The per-token terms GroupSums sums (mismatch.analysis.terms), made once per pair and chunk
+    for every breakdown of it (by position, by turn); k3 and the ratio are the pair's own
+    (PairTokens: the same bits, made once per chunk for every analysis that reads them)."""
+
+    abs_log_ratio: np.ndarray
+    k3: np.ndarray
+    outside: np.ndarray  # ratio outside [0.5, 2] (bool)
+
+    @classmethod
+    def of(cls, tokens: PairTokens) -> TokenTerms:
+        return cls(abs_log_ratio=np.abs(tokens.log_ratio), k3=tokens.k3, outside=terms.outside(tokens.ratio))
+
+
 class GroupSums:
     """BREAKDOWN_METRICS per integer key, summed chunk by chunk (the per-token terms of
     mismatch.analysis.terms): bincount sums, no groupby, no per-token temporary frames."""
@@ -120,15 +137,13 @@ class GroupSums:
     def __init__(self) -> None:
         self.sums: dict[str, np.ndarray] = {}
 
-    def add(self, keys: np.ndarray, log_ratio: np.ndarray) -> None:
+    def add(self, keys: np.ndarray, tokens: TokenTerms) -> None:
         keys = np.asarray(keys, dtype=np.int64)
         if not len(keys):
             return
-        abs_lr = np.abs(log_ratio)
-        with np.errstate(over="ignore", invalid="ignore"):
-            found = {"n": np.bincount(keys).astype(np.float64), "abs": np.bincount(keys, weights=abs_lr),
-                     "k3": np.bincount(keys, weights=terms.k3(log_ratio)),
-                     "outside": np.bincount(keys, weights=terms.outside(terms.ratio(log_ratio)))}
+        abs_lr = tokens.abs_log_ratio
+        found = {"n": np.bincount(keys).astype(np.float64), "abs": np.bincount(keys, weights=abs_lr),
+                 "k3": np.bincount(keys, weights=tokens.k3), "outside": np.bincount(keys, weights=tokens.outside)}
         top = np.full(len(found["n"]), -np.inf)
         np.maximum.at(top, keys, abs_lr)
         found["max"] = top

@@ -210,9 +210,10 @@ class DigestAnalysis:
             if len(rows):
                 state.histogram = aggregate.merge_histograms(state.histogram, aggregate.histogram(log_ratio, self.limit))
             pos = chunk["pos"].to_numpy()[rows].astype(np.int64)
-            state.by_position.add((pos // self.width) * self.width, log_ratio)
+            token_terms = aggregate.TokenTerms.of(pair_tokens)  # once for both breakdowns
+            state.by_position.add((pos // self.width) * self.width, token_terms)
             if self.with_turns:
-                state.by_turn.add(chunk["turn"].to_numpy()[rows].astype(np.int64), log_ratio)
+                state.by_turn.add(chunk["turn"].to_numpy()[rows].astype(np.int64), token_terms)
         top_names = set(self.top["rollout"]) if self.top is not None else set()
         if top_names:
             codes, names = _rollout_codes(chunk)

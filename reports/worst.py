@@ -117,9 +117,12 @@ def rollout_detail(rows: pd.DataFrame, *, pairs: list[str], roles: list[str],
     focus_abs[~rows["trainable"].to_numpy(dtype=bool)] = np.nan
     shown = select_rows(focus_abs, budget=options.max_tokens_per_rollout, context=options.context)
     rows = rows.iloc[shown]
-    branch_keys = list(dict.fromkeys(zip(rows["branch"].astype(str), rows["branch_kind"].astype(str))))
+    # Python lists (tolist, one call), not the str columns iterated: that is a call per value.
+    row_branches = list(zip(rows["branch"].astype(str).tolist(), rows["branch_kind"].astype(str).tolist()))
+    row_roles = rows["role"].astype(str).tolist()
+    branch_keys = list(dict.fromkeys(row_branches))
     branch_index = {key: i for i, key in enumerate(branch_keys)}
-    role_names = sorted(set(rows["role"].astype(str)))
+    role_names = sorted(set(row_roles))
     role_index = {name: i for i, name in enumerate(role_names)}
     log_ratio: dict[str, list[float | None]] = {}
     for pair in pairs:
@@ -133,9 +136,9 @@ def rollout_detail(rows: pd.DataFrame, *, pairs: list[str], roles: list[str],
         "n_rows": len(focus_abs),
         "row": shown.tolist(),
         "branches": [{"id": bid, "kind": kind} for bid, kind in branch_keys],
-        "branch": [branch_index[k] for k in zip(rows["branch"].astype(str), rows["branch_kind"].astype(str))],
+        "branch": [branch_index[key] for key in row_branches],
         "roles": role_names,
-        "role": [role_index[r] for r in rows["role"].astype(str)],
+        "role": [role_index[role] for role in row_roles],
         "segment": rows["segment"].astype(int).tolist(),
         "turn": rows["turn"].astype(int).tolist(),
         "pos": rows["pos"].astype(int).tolist(),

@@ -67,6 +67,33 @@ def test_the_console_script_tunes_its_process_and_the_library_does_not() -> None
     assert command[0] == GC_GENERATION0 != start[0]
 
 
+def test_the_console_script_puts_arrows_buffers_in_the_tuned_heap_unless_told_otherwise() -> None:
+    """Arrow's pool is the system allocator in the command's process (its default, mimalloc,
+    faults every chunk's buffers in again); a pool named in the environment is kept; importing
+    the library leaves Arrow alone."""
+    import os
+
+    command = ("import sys, mismatch.cli\n"
+               "sys.argv = ['mismatch', '--version']\n"
+               "try:\n"
+               "    mismatch.cli.run()\n"
+               "except SystemExit:\n"
+               "    pass\n"
+               "import pyarrow\n"
+               "print(pyarrow.default_memory_pool().backend_name)\n")
+    library = "import os, mismatch, mismatch.pipeline.audit\nprint(os.environ.get('ARROW_DEFAULT_MEMORY_POOL'))\n"
+    environ = {name: value for name, value in os.environ.items() if name != "ARROW_DEFAULT_MEMORY_POOL"}
+
+    def last_line(code: str, **more: str) -> str:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**environ, **more})
+        return done.stdout.split()[-1]
+
+    assert last_line(command) == "system"
+    assert last_line(command, ARROW_DEFAULT_MEMORY_POOL="jemalloc") == "jemalloc"
+    assert last_line(library) == "None"
+
+
 def test_worker_counts_follow_the_cpus_and_what_the_work_can_use(monkeypatch) -> None:
     """mismatch/workers.py: no machine's core count is built in; MISMATCH_WORKERS still decides."""
     from mismatch import workers

@@ -38,6 +38,25 @@ def test_tails_gathered_chunk_by_chunk_give_numpys_quantiles(n, merged) -> None:
     assert np.isnan(got[3]).all()
 
 
+def test_tails_of_mixed_groups_keep_what_each_group_alone_keeps() -> None:
+    """Tails.add sorts only the values past their group's bounds into groups: its buffers hold the
+    very values, in the very order, that the group's own values added alone leave there."""
+    rng = np.random.default_rng(5)
+    counts = np.array([40_000, 3, 0, 25_000])  # group 1 keeps nothing on a side; group 2 is empty
+    mixed, alone = Tails(counts, QS), Tails(counts, QS)
+    for _ in range(9):
+        group = rng.choice([0, 1, 3], 8000, p=[0.6, 0.0005, 0.3995])
+        values = rng.standard_t(2, len(group))
+        values[::501] = np.inf
+        mixed.add(values, group)
+        for g in np.unique(group).tolist():
+            alone._add_group(g, values[group == g])
+    for side in ("low", "high"):
+        for got, expected in zip(getattr(mixed, side), getattr(alone, side)):
+            np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(mixed.quantiles(), alone.quantiles())
+
+
 @pytest.mark.parametrize("shape", ["normal", "near_zero", "infinities", "constant", "one"])
 def test_radix_selection_is_exact_in_bounded_memory(shape, monkeypatch) -> None:
     monkeypatch.setattr(radix_select, "_COLLECT", 1000)  # forces several passes

@@ -16,6 +16,7 @@ from mismatch.analysis import terms
 from mismatch.analysis.chunked import Chunk, Chunks, run_passes
 from mismatch.results.chunks import key_codes, table_chunks
 from mismatch.analysis.groups import dot, find_spans
+from mismatch.analysis.pair_tokens import PairTokens
 from mismatch.errors import MismatchError
 from mismatch.rollouts.trees import DEFAULT_MAX_PATHS, GYRE_NORMALIZATION, WEIGHTS
 
@@ -102,26 +103,33 @@ class _WeightedSums:
             }
 
 
-def _terms_of(log_ratio: np.ndarray) -> dict[str, np.ndarray]:
+def _terms_of(log_ratio: np.ndarray, tokens: PairTokens | None = None) -> dict[str, np.ndarray]:
+    """The terms of these log-ratios; `tokens`: the chunk's pair on exactly these tokens, whose
+    ratio and k3 (the same bits, made once per chunk) the span sums have already made."""
     with np.errstate(over="ignore", invalid="ignore"):
-        ratio = terms.ratio(log_ratio)
+        ratio = terms.ratio(log_ratio) if tokens is None else tokens.ratio
+        k3 = terms.k3(log_ratio) if tokens is None else tokens.k3
         return {"log_ratio": log_ratio, "abs": np.abs(log_ratio), "ratio": ratio, "k1": terms.k1(log_ratio),
-                "k2": terms.k2(log_ratio), "k3": terms.k3(log_ratio), "ratio_sq": terms.ratio_sq(ratio),
+                "k2": terms.k2(log_ratio), "k3": k3, "ratio_sq": terms.ratio_sq(ratio),
                 "outside": terms.outside(ratio).astype(np.float64)}
 
 
 def _add_weighted(sums: dict[str, _WeightedSums], logp_a: np.ndarray, logp_b: np.ndarray,
-                  weights: dict[str, np.ndarray]) -> None:
+                  weights: dict[str, np.ndarray], tokens: PairTokens | None = None) -> None:
     """Each weight's sums over these tokens: the terms are made once for the weights that keep
-    every token with a defined log-ratio, and once more for each weight that drops some."""
-    valid = ~(np.isnan(logp_a) | np.isnan(logp_b))
-    log_ratio = logp_a[valid] - logp_b[valid]
+    every token with a defined log-ratio, and once more for each weight that drops some.
+    `tokens`: the chunk's pair on exactly these tokens, every log-ratio defined (its own terms)."""
+    if tokens is None:
+        valid: np.ndarray | slice = ~(np.isnan(logp_a) | np.isnan(logp_b))
+        log_ratio = logp_a[valid] - logp_b[valid]
+    else:
+        valid, log_ratio = slice(None), tokens.log_ratio
     shared = None
     for name, weight in weights.items():
         w = weight[valid]
         keep = w > 0
         if keep.all():
-            shared = shared if shared is not None else _terms_of(log_ratio)
+            shared = shared if shared is not None else _terms_of(log_ratio, tokens)
             sums[name].add(shared, w)
         else:
             sums[name].add(_terms_of(log_ratio[keep]), w[keep])
@@ -143,7 +151,9 @@ class _KindSums:
         self.weight_totals = dict.fromkeys(WEIGHTS, 0.0)
         self.pairs = {pair: {name: _WeightedSums() for name in ("unweighted", *WEIGHTS)} for pair in pairs}
 
-    def add(self, columns: dict[str, np.ndarray], rows: np.ndarray | slice, n_branches: int) -> None:
+    def add(self, columns: dict[str, np.ndarray], rows: np.ndarray | slice, n_branches: int,
+            tokens: dict[tuple[str, str], PairTokens] | None = None) -> None:
+        """`tokens`: each pair's tokens in the chunk where they are exactly these rows."""
         self.n_branches += n_branches
         weights = {name: columns[f"weight_{name}"][rows] for name in WEIGHTS}
         self.n_tokens += len(weights["tree"])
@@ -151,7 +161,8 @@ class _KindSums:
             self.weight_totals[name] += float(weight.sum())
         weights = {"unweighted": np.ones(len(weights["tree"])), **weights}
         for (a, b), sums in self.pairs.items():
-            _add_weighted(sums, columns[f"logp_{a}"][rows], columns[f"logp_{b}"][rows], weights)
+            _add_weighted(sums, columns[f"logp_{a}"][rows], columns[f"logp_{b}"][rows], weights,
+                          (tokens or {}).get((a, b)))
 
     def merge(self, other: _KindSums) -> None:
         self.n_branches += other.n_branches
@@ -200,11 +211,15 @@ class TreeSums:
         kinds = table["branch_kind"][trainable]
         kind_codes, kind_names = pd.factorize(kinds, sort=True)
         self.kind_names.append(pd.Series(kind_names))  # dtype kept: categoricals stay categorical
+        # A chunk of one kind: its rows are all trainable tokens, where a pair with every log-ratio
+        # defined is the chunk's own pair tokens (log-ratio, ratio and k3 made once per chunk).
+        tokens = {(a, b): pair for a, b in self.pairs
+                  if (pair := chunk.pair(f"logp_{a}", f"logp_{b}")).keep is None} if len(kind_names) == 1 else {}
         for code, kind in enumerate(kind_names):
             # Each kind's sums once; all trainable tokens are the kinds' sums together.
             rows = np.flatnonzero(kind_codes == code) if len(kind_names) > 1 else slice(None)
             part = _KindSums(self.pairs)
-            part.add(columns, rows, len(np.unique(branch_of_row[rows])))
+            part.add(columns, rows, len(np.unique(branch_of_row[rows])), tokens)
             self.kinds.setdefault(kind, _KindSums(self.pairs)).merge(part)
             self.all.merge(part)
 
