@@ -2,7 +2,7 @@
 script (cli.run, cli.main), never by the library, which runs inside other people's processes (a
 training loop) whose allocator, collector and signals are theirs.
 
-Why (the figures: benchmarks/RESULTS.md, "Figures moved from the code"): glibc, and Arrow's own
+Why (the figures: benchmarks/RESULTS.md, "Figures moved from the code"): glibc, and Arrow's default
 allocator, hand every freed chunk-sized array back to the kernel and fault it in again on the next
 chunk; the cycle collector's young generation runs every 700 allocations while the rollouts' JSON
 is decoded into millions of lists and dicts that hold no cycles; and the interpreter's teardown
@@ -15,6 +15,7 @@ import ctypes
 import gc
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,11 +31,13 @@ MMAP_THRESHOLD = 32 * 2**20
 # The heap gives memory back to the kernel only when this much is free at its top: the peak RSS
 # is unchanged (the memory was in use at the peak anyway), the faults to refill it are gone.
 TRIM_THRESHOLD = 256 * 2**20
-# Arrow's memory pool (pyarrow reads ARROW_DEFAULT_MEMORY_POOL when it first allocates): the system
-# allocator, glibc's heap as tuned above. The wheels' default, mimalloc, hands a chunk's freed
+# Arrow's memory pool (pyarrow reads ARROW_DEFAULT_MEMORY_POOL when it first allocates), on Linux:
+# jemalloc, which Linux's pyarrow wheels carry. The wheels' default, mimalloc, hands a chunk's freed
 # buffers back to the kernel, and to_pandas gives the analysis Arrow's own buffers as its column
-# arrays, so every chunk of every pass faulted its columns in again (benchmarks/RESULTS.md).
-ARROW_MEMORY_POOL = "system"
+# arrays, so every chunk of every pass faulted its columns in again; glibc's heap ("system") kept
+# them but grew with the run (diff's largest process: 1.35x from 10^4 to 3*10^4 rollouts, against
+# jemalloc's 1.17x and the same CPU: benchmarks/RESULTS.md). Elsewhere Arrow's default stays.
+ARROW_MEMORY_POOL = "jemalloc" if sys.platform.startswith("linux") else None
 # The young generation's collection every this many container allocations (Python's default:
 # 700); cycles are still collected, a few hundred thousand objects later.
 GC_GENERATION0 = 100_000
@@ -42,9 +45,10 @@ GC_GENERATION0 = 100_000
 
 def tune_for_batch() -> None:
     """Keep freed heap memory for reuse (glibc only; elsewhere the allocator is left alone), Arrow's
-    buffers in that heap too (unless the environment names Arrow's pool), and collect cycles less
-    often. For the command's process: see the module docstring."""
-    os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", ARROW_MEMORY_POOL)
+    buffers in jemalloc on Linux (unless the environment names Arrow's pool), and collect cycles
+    less often. For the command's process: see the module docstring."""
+    if ARROW_MEMORY_POOL is not None:
+        os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", ARROW_MEMORY_POOL)
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
