@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from mismatch.engines.spec import EngineSpec
-from mismatch.results.staging import atomic_write_text, file_sha256
+from mismatch.results.staging import RACY_NS, atomic_write_text, file_sha256  # RACY_NS: a stamp too fresh to cache
 
 file_digest = file_sha256  # a run's inputs are digested as its published files are
 
@@ -32,10 +32,6 @@ _SMALL_SUFFIXES = frozenset({".json", ".jinja", ".model", ".txt", ".tiktoken"}) 
 CACHE_FILE = "digests.json"
 _CACHE_VERSION = 1
 _CACHE_ENTRIES = 4096  # the most recently used files kept (~200 bytes each)
-# A file changed within this long before its hashing began may change again without its ctime
-# moving (timestamps come from a coarse clock; some file systems keep seconds): its digest is used
-# but not cached, as git treats a "racily clean" index entry.
-RACY_NS = 1_000_000_000
 
 
 def content_digest(path: str | Path) -> str:

@@ -162,3 +162,37 @@ def test_a_digest_begun_ahead_is_the_files_and_a_file_changed_since_is_hashed_ag
     assert file_sha256(file) == hashlib.sha256(b"y" * 10).hexdigest()
     digest_ahead(tmp_path / "missing.jsonl")  # nothing begun: the command's checks word it
     assert str(tmp_path / "missing.jsonl") not in _AHEAD
+
+
+def test_a_pinned_file_whose_stamp_held_since_its_digest_is_not_hashed_again(tmp_path, monkeypatch):
+    """Pinned.check trusts a whole-file digest this process took while the file's stamp (size,
+    mtime, ctime, inode) has held since; a rewrite of the same size moves the ctime and is hashed,
+    and so is a file changed too recently for its stamp to vouch for it (staging.RACY_NS)."""
+    from mismatch.errors import RolloutError
+    from mismatch.results import staging
+    from mismatch.rollouts import pinned as pinning
+
+    hashed = []
+    real = pinning.prefix_digest
+    monkeypatch.setattr(pinning, "prefix_digest", lambda path, size: hashed.append(size) or real(path, size))
+    file = tmp_path / "rollouts.jsonl"
+    file.write_bytes(b"x" * 1000)
+    # Just written: too fresh to vouch for (its ctime is within RACY_NS of the hashing).
+    pin = pinning.Pinned(size=1000, digest=staging.file_sha256(file))
+    pin.check(file)
+    assert hashed == [1000]
+    monkeypatch.setattr(staging, "RACY_NS", -10**18)  # every stamp old enough: as after a second
+    pin = pinning.Pinned(size=1000, digest=staging.file_sha256(file))
+    pin.check(file)
+    assert hashed == [1000]  # not hashed again
+    file.write_bytes(b"y" * 1000)  # rewritten, the same size: the stamp moves
+    with pytest.raises(RolloutError, match="changed during the run"):
+        pin.check(file)
+    assert hashed == [1000, 1000]
+    staging.digest_ahead(file)  # a digest begun ahead is remembered as one taken in place
+    assert not staging.unchanged_since_digest(file, pin.digest)
+    pin = pinning.Pinned(size=1000, digest=staging.file_sha256(file))
+    with file.open("ab") as handle:  # appended: the pinned bytes are still there, checked by hashing them
+        handle.write(b"z" * 10)
+    pin.check(file)
+    assert hashed == [1000, 1000, 1000]

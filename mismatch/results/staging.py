@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from concurrent.futures import Future
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -177,21 +178,37 @@ def file_sha256(file: str | Path) -> str:
     """A file's SHA-256, streamed (hashlib reads it in 256 KiB pieces): the one content digest of
     the project (published files here, a run's inputs in identity). A digest `digest_ahead` began
     of the same file is taken when the file has not changed since it began."""
-    ahead = _AHEAD.pop(os.path.abspath(file), None)
+    path = os.path.abspath(file)
+    ahead = _AHEAD.pop(path, None)
     if ahead is not None:
-        stamp, future = ahead
+        (stamp, started), future = ahead
         try:
             digest = future.result()
             if _stamp(os.stat(file)) == stamp:
+                _taken(path, stamp, started, digest)
                 return digest
         except OSError:
             pass  # hashed again below, which says what is wrong with the file
+    try:
+        stamp, started = _stamp(os.stat(file)), time.time_ns()
+    except OSError:
+        stamp = None  # open() below words it
     with open(file, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    if stamp is not None and _stamp(os.stat(file)) == stamp:
+        _taken(path, stamp, started, digest)
+    return digest
 
 
-# Digests begun ahead of their use: absolute path -> (the file's stat stamp then, the digest to come).
-_AHEAD: dict[str, tuple[tuple[int, ...], Future[str]]] = {}
+# Digests begun ahead of their use: absolute path -> ((the file's stat stamp, when it was taken), the digest to come).
+_AHEAD: dict[str, tuple[tuple[tuple[int, ...], int], Future[str]]] = {}
+# The whole-file digests this process took, by absolute path: (the stamp that held from before the
+# hashing to after it, the digest); only stamps old enough to trust (RACY_NS).
+_TAKEN: dict[str, tuple[tuple[int, ...], str]] = {}
+# A file changed within this long before its hashing began may change again without its ctime
+# moving (timestamps come from a coarse clock; some file systems keep seconds): its digest stands,
+# but its stamp vouches for nothing, as git treats a "racily clean" index entry.
+RACY_NS = 1_000_000_000
 
 
 def digest_ahead(file: str | Path) -> None:
@@ -200,7 +217,7 @@ def digest_ahead(file: str | Path) -> None:
     inputs (the rollouts file: 0.13-0.19 s for benchmarks/audit_stored.py's 233 MB) overlap on two."""
     path = os.path.abspath(file)
     try:
-        stamp = _stamp(os.stat(path))
+        stamp, started = _stamp(os.stat(path)), time.time_ns()
     except OSError:
         return  # not there, or not readable: the command's own checks word that
     future: Future[str] = Future()
@@ -213,7 +230,30 @@ def digest_ahead(file: str | Path) -> None:
             future.set_exception(exc)
 
     threading.Thread(target=hash_file, name="mismatch-digest", daemon=True).start()
-    _AHEAD[path] = (stamp, future)
+    _AHEAD[path] = ((stamp, started), future)
+
+
+def unchanged_since_digest(file: str | Path, digest: str) -> bool:
+    """Whether this process took `digest` of the whole of `file` and the file's stamp has not moved
+    since: then its bytes are those it hashed, and need no hashing again (a rollouts file checked
+    unchanged after a pass: 0.2 s for 233 MB). False when in doubt: the caller hashes."""
+    taken = _TAKEN.get(os.path.abspath(file))
+    if taken is None or taken[1] != digest:
+        return False
+    try:
+        return _stamp(os.stat(file)) == taken[0]
+    except OSError:
+        return False
+
+
+def _taken(path: str, stamp: tuple[int, ...], started: int, digest: str) -> None:
+    """Remember a whole-file digest whose stamp held while it was hashed, when that stamp is old
+    enough to vouch for the content (its mtime and ctime before `started` by RACY_NS)."""
+    _, mtime_ns, ctime_ns, *_ = stamp
+    if max(mtime_ns, ctime_ns) < started - RACY_NS:
+        _TAKEN[path] = (stamp, digest)
+    else:
+        _TAKEN.pop(path, None)
 
 
 def _stamp(stat: os.stat_result) -> tuple[int, ...]:
