@@ -41,6 +41,32 @@ def test_a_spread_on_a_shared_prefix_is_found_and_named() -> None:
     assert found["y"]["frac_prefixes_bitwise_equal"] == 1.0 and found["y"]["worst"] is None
 
 
+def test_a_missing_log_prob_is_left_out_of_its_columns_groups_only(tmp_path) -> None:
+    """NaN (no log-prob for that token in that column) counts for nothing in that column's groups:
+    not a member, not a bound of the spread; the other columns' groups keep the row. The same
+    on a table in memory and on the files an audit's store writes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    requests = [_request([5, 6, 7]), _request([5, 6, 7]), _request([5, 6, 7])]
+    nan = float("nan")
+    table = pd.DataFrame({"rollout": ["a", "a", "b", "b", "c", "c"], "pos": [1, 2, 1, 2, 1, 2],
+                          "logp_x": [-1.0, -2.0, nan, -2.0, -1.0, nan],
+                          "logp_y": [-1.0, -2.0, -1.5, -2.0, -1.0, -2.0]})
+    keys = prefix_keys(requests)
+    pq.write_table(pa.Table.from_pandas(table, preserve_index=False), tmp_path / "tokens.parquet")
+    pq.write_table(pa.table({"key": pa.array(keys, pa.uint64())}), tmp_path / "keys.parquet")
+    for found in (prefix_consistency(table, keys, ["x", "y"]),
+                  prefix_consistency(tmp_path / "tokens.parquet", tmp_path / "keys.parquet", ["x", "y"])):
+        # x: position 1 shared by a and c (b has none), position 2 by a and b (c has none): both equal.
+        assert (found["x"]["n_shared_tokens"], found["x"]["n_prefixes"]) == (4, 2)
+        assert found["x"]["frac_prefixes_bitwise_equal"] == 1.0 and found["x"]["worst"] is None
+        # y: all three at both positions; b's -1.5 at position 1 is the spread.
+        assert (found["y"]["n_shared_tokens"], found["y"]["n_prefixes"]) == (6, 2)
+        assert found["y"]["max_abs_spread"] == 0.5 and found["y"]["worst"] == {"rollouts": ["a", "b", "c"], "pos": 1,
+                                                                               "spread": 0.5}
+
+
 def test_an_audit_reports_prefix_consistency_per_source(tiny_checkpoint, tmp_path) -> None:
     # A GRPO-like group: the example's first rollout three times, under new ids.
     lines = EXAMPLE.read_text().splitlines()
