@@ -3,6 +3,9 @@ start (summary.json `inputs`), every read held to that size, the digest checked 
 
 A live `mismatch record` file grows while it is audited: the run audits the lines it had. A file
 rewritten under a run would mix two contents in one token table: refused, nothing published.
+The check hashes the pinned bytes again, unless this process hashed the whole file to the pinned
+digest and the file's stat stamp (size, mtime, ctime, inode) has held since, as git trusts an
+index entry's (results.staging.unchanged_since_digest; a stamp too fresh to vouch is never trusted).
 """
 
 from __future__ import annotations
