@@ -1,10 +1,12 @@
 """Forked processes: jobs run side by side (`fork_jobs`, the parent running the first itself),
-the plumbing the rollouts readers share (`forked`, `reporting`, `received`, `PrefetchedReceiver`, `stop`),
-and how many processes an analysis, or the reading of a rollouts file, may use.
+the plumbing the rollouts readers share (`forked`, `reporting`, `send_payload`, `received`,
+`PrefetchedReceiver`, `stop`), and how many processes an analysis, or the reading of a rollouts
+file, may use.
 
 A fork, not a fresh interpreter: the child starts with the parent's imports and data (a token
 table in memory, the closures that read tokens.parquet), so nothing but a child's results is
-pickled, and only on its way back. A child dies with its parent however the parent dies (kill -9
+pickled, and only on its way back; their large buffers (arrays, Arrow's) travel beside the
+pickle, as they lie in memory (`send_payload`). A child dies with its parent however the parent dies (kill -9
 included: `_dies_with_parent`), so none is left stuck on a pipe, holding the parent's files.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -21,7 +24,10 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
+from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import numpy as np
 
 from mismatch.errors import MismatchError
 
@@ -82,7 +88,7 @@ def fork_jobs(jobs: Sequence[Callable[[], T]]) -> list[T]:
 
 def _child(job: Callable[[], object], send: Connection) -> None:
     with reporting(send):
-        send.send((True, job()))
+        send_payload(send, job())
 
 
 Forked = tuple[multiprocessing.process.BaseProcess, Connection]  # a forked child and the end it sends to
@@ -144,11 +150,75 @@ def reporting(send: Connection) -> Iterator[None]:
         send.close()
 
 
+# A buffer this large or larger travels beside its payload's pickle (send_payload); a smaller one
+# is copied into it, not worth a write of its own.
+OUT_OF_BAND_BYTES = 64 * 2**10
+
+
+@dataclass(frozen=True, slots=True)
+class _OutOfBand:
+    """A payload pickled with protocol 5 (PEP 574) and the sizes of its buffers, which follow this
+    message through the pipe, raw and in order."""
+
+    pickled: bytes
+    sizes: tuple[int, ...]
+
+    def load(self, receive: Connection) -> Any:
+        """The payload, its buffers read from the pipe straight into the memory they keep (the
+        arrays unpickled over them; EOFError if the child dies on the way)."""
+        return pickle.loads(self.pickled, buffers=[_read_exactly(receive.fileno(), size) for size in self.sizes])
+
+
+def send_payload(send: Connection, payload: Any) -> None:
+    """In a child: `payload` to the parent (`received`), pickled with its large buffers (a numpy
+    array's, an Arrow table's) out of band and written to the pipe as they lie in memory.
+
+    Connection.send pickles them into the message (a copy), and the parent reads the message into
+    a growing buffer (another) and unpickles it (a third): a block of a rollouts file, megabytes,
+    cost the parent more to receive than to write to tokens.parquet."""
+    buffers: list[memoryview] = []
+
+    def out_of_band(buffer: pickle.PickleBuffer) -> bool:  # False: out of band
+        try:
+            raw = buffer.raw()
+        except BufferError:  # not contiguous: in the pickle
+            return True
+        if raw.nbytes < OUT_OF_BAND_BYTES:
+            return True
+        buffers.append(raw)
+        return False
+
+    pickled = pickle.dumps(payload, protocol=5, buffer_callback=out_of_band)
+    send.send((True, _OutOfBand(pickled, tuple(raw.nbytes for raw in buffers))))
+    for raw in buffers:
+        _write_all(send.fileno(), raw)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read_exactly(fd: int, size: int) -> np.ndarray:
+    """`size` bytes from the pipe into fresh (uninitialized, writable) memory."""
+    buffer = np.empty(size, dtype=np.uint8)
+    view, done = memoryview(buffer), 0
+    while done < size:
+        read = os.readv(fd, [view[done:]])
+        if read == 0:
+            raise EOFError
+        done += read
+    return buffer
+
+
 def received(child: Forked, what: str) -> Any:
-    """The child's next payload; its traceback, or its death, raised as a RuntimeError."""
+    """The child's next payload (as `send_payload` or Connection.send sent it); its traceback, or
+    its death, raised as a RuntimeError."""
     process, receive = child
     try:
         ok, payload = receive.recv()
+        if isinstance(payload, _OutOfBand):
+            payload = payload.load(receive)
     except EOFError:
         process.join()
         raise RuntimeError(f"{what} process died (exit code {process.exitcode})") from None

@@ -163,6 +163,72 @@ def test_a_drained_child_that_dies_is_raised_in_order() -> None:
         stop([child])
 
 
+def _payload() -> dict:
+    """What a reader sends: small values, and large buffers in a numpy array, a DataFrame, an
+    Arrow table (dictionary, bool and NaN columns), each big enough to travel out of band."""
+    import numpy as np
+    import pandas as pd
+    import pyarrow as pa
+
+    rows = 50_000
+    frame = pd.DataFrame({"logp": np.linspace(-3, 0, rows), "token": np.arange(rows, dtype=np.int64),
+                          "role": pd.Categorical.from_codes(np.arange(rows) % 3, ["a", "b", "c"])})
+    frame.loc[7, "logp"] = np.nan
+    table = pa.table({"x": pa.array(np.arange(rows, dtype=np.float64)), "ok": pa.array(np.arange(rows) % 2 == 0),
+                      "rollout": pa.DictionaryArray.from_arrays(pa.array(np.arange(rows, dtype=np.int32) % 5),
+                                                                ["r0", "r1", "r2", "r3", "r4"])})
+    return {"keys": np.arange(rows, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15), "frame": frame,
+            "table": table, "small": [1, "two", np.arange(3)], "strided": np.arange(2 * rows)[::2]}
+
+
+def _sends_payload(send) -> None:
+    from mismatch.workers import reporting, send_payload
+
+    with reporting(send):
+        send_payload(send, _payload())
+
+
+def test_a_payload_travels_with_its_large_buffers_beside_the_pickle() -> None:
+    """workers.send_payload: arrays, DataFrames and Arrow tables arrive equal, bit for bit (NaN
+    kept), and writable (the memory they are read into is the receiver's own)."""
+    import numpy as np
+
+    from mismatch import workers
+    from mismatch.workers import forked, received, stop
+
+    child = forked(_sends_payload)
+    try:
+        got = received(child, "a sending child")
+    finally:
+        stop([child])
+    sent = _payload()
+    assert np.array_equal(got["keys"], sent["keys"]) and got["keys"].flags.writeable
+    assert got["frame"].equals(sent["frame"]) and np.isnan(got["frame"]["logp"][7])
+    assert got["table"].equals(sent["table"]) and got["table"].schema == sent["table"].schema
+    assert got["small"][:2] == [1, "two"] and np.array_equal(got["small"][2], np.arange(3))
+    assert np.array_equal(got["strided"], sent["strided"])
+    assert sent["keys"].nbytes >= workers.OUT_OF_BAND_BYTES  # so it did not travel in the pickle
+
+
+def test_a_child_that_dies_while_sending_a_large_buffer_is_raised(monkeypatch) -> None:
+    """Killed half-way through a buffer written beside the pickle: the parent's read ends (EOF),
+    and the death is raised as any other, not a hang or a half-read payload."""
+    from mismatch import workers
+    from mismatch.workers import forked, received, stop
+
+    def half_then_die(fd, data) -> None:  # in the forked child
+        os.write(fd, data[:1000])
+        os._exit(4)
+
+    monkeypatch.setattr(workers, "_write_all", half_then_die)
+    child = forked(_sends_payload)
+    try:
+        with pytest.raises(RuntimeError, match=r"a dying sender process died \(exit code 4\)"):
+            received(child, "a dying sender")
+    finally:
+        stop([child])
+
+
 # A parent that forks an analysis worker (fork_jobs) and is killed -9 while the worker runs.
 _KILLED_PARENT = '''
 import os, signal, sys, time

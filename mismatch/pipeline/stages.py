@@ -30,6 +30,7 @@ from mismatch.results import (
     ROLLOUTS_FILE,
     TokenStore,
     WorkDir,
+    arrow_block,
     check_out_dir,
     published_files,
     read_tokens,
@@ -41,6 +42,8 @@ from mismatch.results.summary_model import UNSET, PublishedFile, Summary, UnsetT
 from mismatch.rollouts.drift import find_drift, recorded
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from mismatch.reports import DigestAnalysis
 
 
@@ -187,7 +190,7 @@ class StoreFindings:
 def store_rows(replayed: Replayed, store: TokenStore, workers: int = 1) -> None:
     """Each block's rows into the token store, one block in memory at a time. `workers`: forked
     readers of a stored-only replay's file (Replayed.map_blocks), as the audit's store has."""
-    for table in replayed.map_blocks(_block_rows, workers):
+    for table in replayed.map_blocks(partial(_block_rows, store.directory is not None), workers):
         store.write(table)
     _closed(store)
 
@@ -201,8 +204,11 @@ def _closed(store: TokenStore) -> None:
         digest_ahead(store.file)
 
 
-def _block_rows(block: Block) -> pd.DataFrame:
-    return block.plan.table
+def _block_rows(on_disk: bool, block: Block) -> pd.DataFrame | pa.Table:
+    """A block's rows as the store takes them: for tokens.parquet, the Arrow table it writes, made
+    where the block is mapped (a forked reader), so that the process that writes only writes; in
+    memory, the DataFrame."""
+    return arrow_block(block.plan.table) if on_disk else block.plan.table
 
 
 def store_audit_rows(replayed: Replayed, store: TokenStore, checkpoint: str | Path, sources: Sequence[str],
@@ -215,7 +221,7 @@ def store_audit_rows(replayed: Replayed, store: TokenStore, checkpoint: str | Pa
     keys = PrefixKeys(store.side_file(PREFIX_KEYS_SIDE))
     steps: dict[str, int] = {}
     for table, block_keys, drift, needed_tokenizer, block_steps in replayed.map_blocks(
-            partial(_stored_parts, str(checkpoint)), workers):
+            partial(_stored_parts, str(checkpoint), store.directory is not None), workers):
         store.write(table)
         keys.add(block_keys)
         drifts.append(drift)
@@ -230,14 +236,15 @@ def store_audit_rows(replayed: Replayed, store: TokenStore, checkpoint: str | Pa
                          if tokenized else None, prefixes=prefixes, steps=steps)
 
 
-def _stored_parts(checkpoint: str, block: Block) -> tuple[pd.DataFrame, Any, dict[str, Any], bool, dict[str, int]]:
-    """What the store keeps of a block: its rows, their prefix keys, its rollouts' render drift,
-    whether that needed the tokenizer, and each rollout's `meta.step` (an integer one). (Without
-    messages a block's drift is its count of rollouts without them: no tokenizer.)"""
+def _stored_parts(checkpoint: str, on_disk: bool,
+                  block: Block) -> tuple[pd.DataFrame | pa.Table, Any, dict[str, Any], bool, dict[str, int]]:
+    """What the store keeps of a block: its rows (_block_rows), their prefix keys, its rollouts'
+    render drift, whether that needed the tokenizer, and each rollout's `meta.step` (an integer
+    one). (Without messages a block's drift is its count of rollouts without them: no tokenizer.)"""
     tokenizer = None
     if any(rollout.messages or recorded(rollout) for rollout in block.rollouts):
         tokenizer = _tokenizer(checkpoint)
-    return block.plan.table, prefix_keys(block.plan.requests), find_drift(block.rollouts, tokenizer), \
+    return _block_rows(on_disk, block), prefix_keys(block.plan.requests), find_drift(block.rollouts, tokenizer), \
         tokenizer is not None, rollout_steps(block.rollouts)
 
 

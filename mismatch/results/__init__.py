@@ -47,6 +47,7 @@ from mismatch.results.tokens import (
     TOKENS_ROW_GROUP,
     TokenStore,
     TokensWriter,
+    arrow_block,
     concat_tables,
     parquet_layout,
     read_tokens,
@@ -60,7 +61,7 @@ from mismatch.results.workdir import WorkDir
 __all__ = [
     "ChunkSource", "DEFAULT_CHUNK_ROWS", "DEPENDENCY_LOG", "PREFIX_KEYS_FILE", "PUBLISHED_TABLES",
     "REPORT_FILE", "ROLLOUTS_FILE", "SCHEMA_FILE", "STAGE_IN_PLACE", "SUMMARY_FILE", "SUMMARY_SCHEMA",
-    "TOKENS_FILE", "TOKENS_ROW_GROUP", "TokenStore", "TokensWriter", "WorkDir", "atomic_write_text",
+    "TOKENS_FILE", "TOKENS_ROW_GROUP", "TokenStore", "TokensWriter", "WorkDir", "arrow_block", "atomic_write_text",
     "check_out_dir", "check_published_files", "file_fault", "chunk_bounds", "concat_tables", "glob_escape",
     "Summary", "is_results_dir", "json_safe", "load_json", "parquet_layout", "published_files", "read_summary",
     "read_tokens", "results_lock", "staged_dir", "staged_tokens", "summary_schema", "table_chunks",

@@ -44,13 +44,17 @@ class TokenStore:
         self.columns: list[str] = []
         self.num_rows = 0
 
-    def write(self, block: pd.DataFrame) -> None:
+    def write(self, block: pd.DataFrame | pa.Table) -> None:
+        """A block of whole rollouts: a DataFrame, or, for a store in a results dir, the Arrow
+        table `arrow_block` made of it (in a forked reader: the parent only writes it)."""
+        arrow = _is_arrow(block)
         if not self.columns:
-            self.columns = [str(name) for name in block.columns]
+            self.columns = [str(name) for name in (block.column_names if arrow else block.columns)]
         self.num_rows += len(block)
         if self._writer is not None:
             self._writer.write(block)
         else:
+            assert not arrow, "an Arrow block for a token table kept in memory"
             self._blocks.append(block)
 
     def close(self, empty: pd.DataFrame | None = None) -> None:
@@ -188,10 +192,13 @@ class TokensWriter:
         self._pending: list[Any] = []
         self._pending_rows = 0
 
-    def write(self, block: pd.DataFrame) -> None:
-        table = _arrow_table(block, self._schema)
+    def write(self, block: pd.DataFrame | pa.Table) -> None:
+        """A block as a DataFrame, or already as Arrow (`arrow_block`)."""
+        table = block if _is_arrow(block) else arrow_block(block)
         if self._schema is None:
             self._schema = table.schema
+        else:  # one schema for every block, whatever its number of categories
+            table = table.select(self._schema.names).cast(self._schema)
         self._pending.append(table)
         self._pending_rows += len(block)
         if self._pending_rows >= self.group_rows:
@@ -236,25 +243,31 @@ def parquet_layout(schema: Any) -> dict[str, Any]:
             "write_statistics": [name for name in ("rollout_index", "rollout") if name in schema.names]}
 
 
-def _arrow_table(block: pd.DataFrame, schema: Any) -> Any:
-    """A block as Arrow: NaN kept as NaN (not null), categoricals as dictionary<int32, string> (one
-    type for every block, whatever its number of categories); cast to `schema` after the first."""
+def _is_arrow(block: pd.DataFrame | pa.Table) -> bool:
+    return hasattr(block, "column_names")  # a pa.Table's; a DataFrame has none (pyarrow not imported for it)
+
+
+def arrow_block(block: pd.DataFrame) -> pa.Table:
+    """A block as TokensWriter writes it: NaN kept as NaN (not null), categoricals as
+    dictionary<int32, string> (one type for every block, whatever its number of categories).
+    A forked reader makes it, so the process that writes tokens.parquet only writes."""
     import pandas as pd
     import pyarrow as pa
 
     columns, fields = [], []
-    for name in block.columns:
-        values = block[name]
+    for name, values in block.items():
         if isinstance(values.dtype, pd.CategoricalDtype):
-            array = pa.DictionaryArray.from_arrays(pa.array(values.cat.codes.to_numpy(np.int32)),
-                                                   pa.array(values.cat.categories.astype(str).tolist(),
+            # From the Categorical itself, not through the .cat accessor's Series and a list of its
+            # categories: 2.0 -> 1.3 ms a block of 60k rows, the same table.
+            categorical = values.array
+            array = pa.DictionaryArray.from_arrays(categorical.codes.astype(np.int32),
+                                                   pa.array(categorical.categories.astype(str).to_numpy(),
                                                             type=pa.string()))
         else:
             array = pa.array(values.to_numpy(), from_pandas=False)
         columns.append(array)
         fields.append(pa.field(name, array.type))
-    table = pa.Table.from_arrays(columns, schema=pa.schema(fields))
-    return table if schema is None else table.select(schema.names).cast(schema)
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields))
 
 
 def tokens_chunks(files: Sequence[Path], *, columns: Sequence[str] | None = None,

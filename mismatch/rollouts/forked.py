@@ -8,7 +8,8 @@ the file on the way (unique ids, one routing shape: FileChecks), so the error ra
 single reader raises first, word for word.
 
 A fork, not a fresh interpreter: `work` may be a closure over the caller's state, and only its
-results (and each rollout's LineFacts and errors) travel back, pickled.
+results (and each rollout's LineFacts and errors) travel back, pickled, their large buffers beside
+the pickle (workers.send_payload).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mismatch.errors import RolloutError
 from mismatch.rollouts.decode import UNPARSED, check_rollout
 from mismatch.rollouts.io import SKIPPED, FileChecks, LineFacts, empty_file_error, open_rollouts, read_jsonl
 from mismatch.rollouts.model import Rollout
-from mismatch.workers import PrefetchedReceiver, Forked, forked, reporting, stop
+from mismatch.workers import PrefetchedReceiver, Forked, forked, reporting, send_payload, stop
 
 T = TypeVar("T")
 Work = Callable[[int, list[int], list[Rollout]], T]  # (block, file indices, its rollouts) -> result
@@ -74,13 +75,13 @@ def _reader(file: str, index: int, workers: int, block_size: int, vocab_size: in
                 continue
             block = number // block_size
             if block != current and rows:
-                send.send((True, _block(file, current, rows, vocab_size, num_experts, work)))
+                send_payload(send, _block(file, current, rows, vocab_size, num_experts, work))
                 rows = []
             current = block
             rows.append((number, line, raw, read_errors))
         if rows:
-            send.send((True, _block(file, current, rows, vocab_size, num_experts, work)))
-        send.send((True, None))
+            send_payload(send, _block(file, current, rows, vocab_size, num_experts, work))
+        send_payload(send, None)
 
 
 def _block(file: str, block: int, rows: list[tuple[int, int, object, list[RolloutError]]],
