@@ -64,7 +64,18 @@ class PairTokens:
 
     @cached_property
     def prob_abs_diff(self) -> np.ndarray:
-        return self.same.prob_abs_diff if self.same is not None else terms.prob_abs_diff(self.logp_a, self.logp_b)
+        return self.same.prob_abs_diff if self.same is not None else terms.prob_gap(self.prob_a, self.prob_b)
+
+    # Each side's probabilities, kept on the view by column: the pairs of a chunk share their
+    # columns (train/sampler, train/infer and infer/sampler exp three columns, not six), and so do
+    # strata's probability buckets and the frameworks' probabilities. exp is most of these terms' cost.
+    @property
+    def prob_a(self) -> np.ndarray:
+        return self.view.memo(("prob", self.columns[0]), lambda: terms.prob(self.terms_of.logp_a))
+
+    @property
+    def prob_b(self) -> np.ndarray:
+        return self.view.memo(("prob", self.columns[1]), lambda: terms.prob(self.terms_of.logp_b))
 
     def ratio_into(self, buffer: np.ndarray) -> np.ndarray:
         """`ratio`, the kept array if there is one, else computed into `buffer` (same bits)."""

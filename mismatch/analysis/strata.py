@@ -96,7 +96,7 @@ def _bucketed(tokens: Any, a: str, b: str) -> dict[str, tuple[np.ndarray, np.nda
     for dimension, memo_key, keys_of in (
             ("length", ("strata", "length"), lambda: _rollout_lengths(view)),
             ("position", ("strata", "position"), lambda: view.column("pos").astype(np.float64)),
-            ("prob", ("strata", "prob", b), lambda: np.exp(tokens.logp_b)),
+            ("prob", ("strata", "prob", b), lambda: tokens.prob_b),
             ("entropy", ("strata", "entropy", a), lambda: _entropy(view, a))):
         bucketed = view.memo(memo_key, lambda dimension=dimension, keys_of=keys_of: _bucket_keys(dimension, keys_of()))
         if bucketed is not None:

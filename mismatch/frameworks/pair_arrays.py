@@ -105,5 +105,7 @@ def clamped(p: PairArrays) -> np.ndarray:
 
 
 def probs(p: PairArrays) -> np.ndarray:
-    """[2, tokens]: pi_train and pi_rollout."""
+    """[2, tokens]: pi_train and pi_rollout (the chunk's, when the arrays are its pair's: exp once)."""
+    if p.tokens is not None:
+        return np.stack([p.tokens.prob_a, p.tokens.prob_b])
     return np.exp(np.stack([p.logp_a, p.logp_b]))
