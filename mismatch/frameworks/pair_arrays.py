@@ -59,9 +59,22 @@ class PairArrays:
         return np.abs(self.log_ratio)
 
     @cached_property
+    def clamped_ratio(self) -> np.ndarray:
+        """exp(log-ratio clamped to +-SAFETY_BOUND): verl's raw IS weight per token. Inside the
+        bound the clamp changes nothing, so it is the ratio there (the same exp of the same value:
+        the same bits), and exp runs again only on the few tokens past it."""
+        log_ratio = self.log_ratio
+        far = np.abs(log_ratio) > SAFETY_BOUND
+        if not far.any():
+            return self.ratio
+        clamped = self.ratio.copy()
+        clamped[far] = np.exp(np.clip(log_ratio[far], -SAFETY_BOUND, SAFETY_BOUND))
+        return clamped
+
+    @cached_property
     def clamped_ratio_sq(self) -> np.ndarray:
         """exp(log-ratio clamped to +-SAFETY_BOUND)^2, verl's and slime's chi-square term."""
-        return np.square(np.exp(np.clip(self.log_ratio, -SAFETY_BOUND, SAFETY_BOUND)))
+        return np.square(self.clamped_ratio)
 
     @cached_property
     def prob_abs_diff(self) -> np.ndarray:
