@@ -48,7 +48,7 @@ class CorrectionTokens:
         # (_CorrectionSums, ModeSpec.balanced).
         self.balance = self.num_tokens / max(num_rollouts, 1)
         if span_stats is not None:  # the metrics' own per-span sums, when the caller has them
-            self.__dict__["run_stats"] = span_stats
+            self.__dict__["span_stats"] = span_stats
 
     @cached_property
     def ratio(self) -> np.ndarray:
