@@ -56,11 +56,15 @@ class PairTokens:
     def ratio(self) -> np.ndarray:
         return self.same.ratio if self.same is not None else terms.ratio(self.log_ratio)
 
-    # Terms several analyses of a chunk read (the span sums, strata, the frameworks' metrics): made
+    # Terms several analyses of a chunk read (the span sums, strata, trees, the frameworks' metrics): made
     # once per pair and view, the same bits as each computing its own.
     @cached_property
     def k3(self) -> np.ndarray:
         return self.same.k3 if self.same is not None else terms.k3(self.log_ratio)
+
+    @cached_property
+    def abs_log_ratio(self) -> np.ndarray:
+        return self.same.abs_log_ratio if self.same is not None else np.abs(self.log_ratio)
 
     @cached_property
     def prob_abs_diff(self) -> np.ndarray:

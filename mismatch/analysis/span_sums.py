@@ -31,16 +31,16 @@ def token_terms(pair: PairTokens, scratch: np.ndarray) -> Iterator[tuple[str, np
     yield "ratio", ratio
     yield "log_ratio_sq", np.square(log_ratio, out=scratch)
     yield "ratio_sq", terms.ratio_sq(ratio, out=scratch)
-    # Terms other analyses of the chunk read too (strata, trees, the frameworks' metrics) are the
-    # pair's own, made once by whichever asks first: made here into the scratch buffer, they were
-    # made again by the next analysis that asked the pair (0.45 CPU-s of 10^4 rollouts' pass 0).
+    # Terms other analyses of the chunk read too (strata, trees, the frameworks' metrics, the
+    # digest) are the pair's own, made once by whichever asks first: made here into the scratch
+    # buffer, they were made again by the next analysis that asked the pair (0.45 CPU-s of 10^4
+    # rollouts' pass 0).
     yield "k3", pair.k3
     flags = scratch.view(np.bool_)[:len(log_ratio)]  # the same buffer, read as flags
     yield "outside_2", terms.outside(ratio, out=flags)
     yield "equal", np.equal(pair.logp_a, pair.logp_b, out=flags)
-    abs_log_ratio = np.abs(log_ratio, out=scratch)
-    yield "abs_log_ratio", abs_log_ratio
-    yield "log_ratio_abs_max", abs_log_ratio
+    yield "abs_log_ratio", pair.abs_log_ratio
+    yield "log_ratio_abs_max", pair.abs_log_ratio
     yield "prob_abs_diff", pair.prob_abs_diff
     yield "prob_abs_diff_max", pair.prob_abs_diff
 

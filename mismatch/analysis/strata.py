@@ -53,7 +53,7 @@ class Strata:
             if tokens.view.num_tokens == 0:
                 continue
             log_ratio = tokens.log_ratio
-            values = (tokens.k3, np.abs(log_ratio), log_ratio)
+            values = (tokens.k3, tokens.abs_log_ratio, log_ratio)
             pair_sums = self.sums.setdefault(name, {})
             for dimension, (bucket, known, counts) in _bucketed(tokens, a, b).items():
                 weights = values if known is None else tuple(v[known] for v in values)

@@ -56,7 +56,7 @@ class PairArrays:
 
     @cached_property
     def abs_log_ratio(self) -> np.ndarray:
-        return np.abs(self.log_ratio)
+        return self.tokens.abs_log_ratio if self.tokens is not None else np.abs(self.log_ratio)
 
     @cached_property
     def clamped_ratio(self) -> np.ndarray:
@@ -64,7 +64,7 @@ class PairArrays:
         bound the clamp changes nothing, so it is the ratio there (the same exp of the same value:
         the same bits), and exp runs again only on the few tokens past it."""
         log_ratio = self.log_ratio
-        far = np.abs(log_ratio) > SAFETY_BOUND
+        far = self.abs_log_ratio > SAFETY_BOUND
         if not far.any():
             return self.ratio
         clamped = self.ratio.copy()
