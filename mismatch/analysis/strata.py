@@ -80,7 +80,8 @@ def _buckets(dimension: str, keys: np.ndarray) -> np.ndarray:
     edge: either is ~20x np.searchsorted's binary search per element on this machine."""
     edges = EDGES[dimension]
     if dimension in _POW2_DIMENSIONS:
-        return np.minimum(np.frexp(keys)[1], len(edges) - 1)
+        # intp, as np.bincount wants its bins: frexp's int32 exponents were cast in every weighted sum.
+        return np.minimum(np.frexp(keys)[1], len(edges) - 1).astype(np.intp)
     bucket = np.zeros(len(keys), dtype=np.intp)
     for edge in edges[1:]:
         bucket += keys >= edge
