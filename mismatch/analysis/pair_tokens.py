@@ -40,13 +40,13 @@ class PairTokens:
     def logp_a(self) -> np.ndarray:
         if self.same is not None:
             return self.same.logp_a
-        return self.table_a if self.view.mask is None else self.table_a[self.view.mask]
+        return _view_column(self.view, self.columns[0], self.table_a)
 
     @cached_property
     def logp_b(self) -> np.ndarray:
         if self.same is not None:
             return self.same.logp_b
-        return self.table_b if self.view.mask is None else self.table_b[self.view.mask]
+        return _view_column(self.view, self.columns[1], self.table_b)
 
     @cached_property
     def log_ratio(self) -> np.ndarray:
@@ -115,6 +115,14 @@ def _make_pair(view: TokenView, a: str, b: str) -> PairTokens:
     keep = ~(undefined if view.mask is None else undefined[view.mask])
     subset = view.subset(keep)
     return PairTokens(subset, (a, b), keep, table_a, table_b, same=pair_tokens(subset, a, b))
+
+
+def _view_column(view: TokenView, name: str, table_values: np.ndarray) -> np.ndarray:
+    """A log-prob column (float64) on the view's rows, selected once per view: the pairs of a chunk
+    share their columns (train/sampler and train/infer select the train column once)."""
+    if view.mask is None:
+        return table_values
+    return view.memo(("float64 rows", name), lambda: table_values[view.mask])
 
 
 def _float64_column(view: TokenView, name: str) -> np.ndarray:
