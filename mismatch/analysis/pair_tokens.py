@@ -103,11 +103,11 @@ def pairs_tokens(view: TokenView, pairs: Sequence[tuple[str, str]]) -> list[Pair
 def _make_pair(view: TokenView, a: str, b: str) -> PairTokens:
     """The pair's tokens: those of the view where log_ratio = a - b is defined."""
     table_a, table_b = _float64_column(view, a), _float64_column(view, b)
-    # Undefined: a missing log-prob (NaN), or both engines at -inf (probability 0 twice).
-    with np.errstate(invalid="ignore"):
-        undefined = np.isnan(table_a - table_b)
+    # Undefined: a missing log-prob (NaN), or both engines at -inf (probability 0 twice). Found on
+    # the table's rows once for every view of the chunk (the trainable one and every row's).
+    undefined = view.shared(("undefined", a, b), lambda: _undefined(table_a, table_b))
     if view.mask is not None:
-        undefined &= view.mask
+        undefined = undefined & view.mask
     if not undefined.any():  # the common case: no copy, no new view
         return PairTokens(view, (a, b), None, table_a, table_b)
     # Tokens without a defined log-ratio are dropped before anything else. On the subset view the
@@ -115,6 +115,11 @@ def _make_pair(view: TokenView, a: str, b: str) -> PairTokens:
     keep = ~(undefined if view.mask is None else undefined[view.mask])
     subset = view.subset(keep)
     return PairTokens(subset, (a, b), keep, table_a, table_b, same=pair_tokens(subset, a, b))
+
+
+def _undefined(table_a: np.ndarray, table_b: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore"):
+        return np.isnan(table_a - table_b)
 
 
 def _view_column(view: TokenView, name: str, table_values: np.ndarray) -> np.ndarray:
