@@ -5,7 +5,7 @@ PAIR_METRICS.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,18 +31,27 @@ def token_terms(pair: PairTokens, scratch: np.ndarray) -> Iterator[tuple[str, np
     yield "ratio", ratio
     yield "log_ratio_sq", np.square(log_ratio, out=scratch)
     yield "ratio_sq", terms.ratio_sq(ratio, out=scratch)
-    # Terms other analyses of the chunk read too (strata, trees, the frameworks' metrics, the
-    # digest) are the pair's own, made once by whichever asks first: made here into the scratch
-    # buffer, they were made again by the next analysis that asked the pair (0.45 CPU-s of 10^4
-    # rollouts' pass 0).
+    # k3 is the pair's own, made once by whichever analysis asks first: strata reads it on every
+    # pair, so made here into the scratch buffer it was made again (an expm1 per token).
     yield "k3", pair.k3
     flags = scratch.view(np.bool_)[:len(log_ratio)]  # the same buffer, read as flags
     yield "outside_2", terms.outside(ratio, out=flags)
     yield "equal", np.equal(pair.logp_a, pair.logp_b, out=flags)
-    yield "abs_log_ratio", pair.abs_log_ratio
-    yield "log_ratio_abs_max", pair.abs_log_ratio
-    yield "prob_abs_diff", pair.prob_abs_diff
-    yield "prob_abs_diff_max", pair.prob_abs_diff
+    # Cheap terms (an abs, a subtraction of the pair's kept probabilities) are the pair's when an
+    # analysis made them already, else made into the scratch buffer: a fresh array per pair and
+    # chunk costs more in page faults than recomputing them for the few analyses that read them.
+    abs_log_ratio = _kept(pair, "abs_log_ratio", lambda: np.abs(log_ratio, out=scratch))
+    yield "abs_log_ratio", abs_log_ratio
+    yield "log_ratio_abs_max", abs_log_ratio
+    prob_abs_diff = _kept(pair, "prob_abs_diff", lambda: terms.prob_gap(pair.prob_a, pair.prob_b, out=scratch))
+    yield "prob_abs_diff", prob_abs_diff
+    yield "prob_abs_diff_max", prob_abs_diff
+
+
+def _kept(pair: PairTokens, name: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
+    """The pair's cached term `name` when an analysis made it already, else compute() (the same bits)."""
+    kept = vars(pair.terms_of).get(name)
+    return kept if kept is not None else compute()
 
 
 def span_sums(pair: PairTokens, spans: Spans) -> dict[str, np.ndarray]:
