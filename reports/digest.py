@@ -274,7 +274,7 @@ def _rank(chunk: pd.DataFrame, rows: np.ndarray, tokens: PairTokens) -> pd.DataF
     # Per rollout by bincount (a pandas groupby-agg took ~15 ms a chunk); as groupby's max and
     # mean, a NaN term (k3 of an infinite log-ratio) is left out of the mean.
     group, present = pd.factorize(codes[rows])
-    abs_lr = np.abs(log_ratio)
+    abs_lr = tokens.abs_log_ratio  # the pair's, which the span sums and strata read too
     top = np.full(len(present), -np.inf)
     np.maximum.at(top, group, abs_lr)
     with np.errstate(over="ignore", invalid="ignore"):

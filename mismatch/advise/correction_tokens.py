@@ -12,6 +12,7 @@ import numpy as np
 
 from mismatch.analysis import terms
 from mismatch.analysis.groups import Spans, find_spans
+from mismatch.analysis.pair_tokens import PairTokens
 from mismatch.errors import MismatchError
 
 # verl's SAFETY_BOUND for rejection statistics (verl/trainer/ppo/rollout_corr_helper.py).
@@ -30,9 +31,14 @@ class CorrectionTokens:
                  num_seqs: int, span_rollout: np.ndarray, num_rollouts: int,
                  turn: tuple[np.ndarray, np.ndarray] | None = None,
                  span_stats: dict[str, np.ndarray] | None = None,
-                 logp: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                 logp: tuple[np.ndarray, np.ndarray] | None = None,
+                 pair: PairTokens | None = None) -> None:
         self.log_ratio = log_ratio  # log pi_train - log pi_sampler, one per token, in span order
         self.logp = logp  # (logp_train, logp_sampler) per token, for the probability-gap modes
+        # The chunk's pair of these very tokens (log_ratio is its own), when the caller has one: its
+        # ratio, probabilities and k3 are the ones the other analyses of the chunk made (the same bits).
+        self.pair = pair
+        self._verl_stats: dict[str, np.ndarray] = {}
         self.num_tokens = spans.num_tokens
         self.spans = spans
         self.span_seq, self.num_seqs = span_seq, num_seqs
@@ -42,10 +48,12 @@ class CorrectionTokens:
         # (_CorrectionSums, ModeSpec.balanced).
         self.balance = self.num_tokens / max(num_rollouts, 1)
         if span_stats is not None:  # the metrics' own per-span sums, when the caller has them
-            self.__dict__["run_stats"] = span_stats
+            self.__dict__["span_stats"] = span_stats
 
     @cached_property
     def ratio(self) -> np.ndarray:
+        if self.pair is not None:
+            return self.pair.ratio
         with np.errstate(over="ignore"):
             return np.exp(self.log_ratio)
 
@@ -110,13 +118,34 @@ class CorrectionTokens:
                                 "not only their log-ratio: pass logp_train and logp_sampler")
         logp_train, logp_sampler = self.logp
         with np.errstate(over="ignore", invalid="ignore"):
+            if self.pair is not None:
+                return self.pair.prob_a - self.pair.prob_b
             return np.exp(logp_train) - np.exp(logp_sampler)
+
+    @cached_property
+    def verl_log_ratio(self) -> np.ndarray:
+        """The log-ratio clamped at +-VERL_SAFETY_BOUND: itself when no token is past the bound
+        (the span extremes say so without a pass over the tokens)."""
+        stats = self.span_stats
+        if self.num_tokens and -VERL_SAFETY_BOUND <= stats["log_ratio_min"].min() \
+                and stats["log_ratio_max"].max() <= VERL_SAFETY_BOUND:
+            return self.log_ratio
+        return np.clip(self.log_ratio, -VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
+
+    def verl_stat(self, estimator: str) -> np.ndarray:
+        """verl_stat, made once per estimator: the token modes and the span sums share it."""
+        if estimator not in self._verl_stats:
+            log_ratio = self.verl_log_ratio
+            if estimator == "k3" and self.pair is not None and log_ratio is self.log_ratio:
+                self._verl_stats[estimator] = self.pair.k3  # k3 of these very values
+            else:
+                self._verl_stats[estimator] = {"k1": terms.k1, "k2": terms.k2, "k3": terms.k3}[estimator](log_ratio)
+        return self._verl_stats[estimator]
 
 
 def verl_stat(t: CorrectionTokens, estimator: str) -> np.ndarray:
     """verl's rejection statistic (k1, k2 or k3) of each token, on the log-ratio clamped at +-20."""
-    log_ratio = np.clip(t.log_ratio, -VERL_SAFETY_BOUND, VERL_SAFETY_BOUND)
-    return {"k1": terms.k1, "k2": terms.k2, "k3": terms.k3}[estimator](log_ratio)
+    return t.verl_stat(estimator)
 
 
 # --- input handling: numpy or torch, never importing torch ourselves ---

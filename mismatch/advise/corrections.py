@@ -321,7 +321,8 @@ def _chunk_tokens(chunk: Chunk, columns: tuple[str, str]) -> CorrectionTokens:
                             num_seqs=tokens_view.num_seqs, span_rollout=tokens_view.span_rollout,
                             num_rollouts=tokens_view.num_rollouts,
                             turn=(turns.keys["turn"].to_numpy(), turns.span_group),
-                            span_stats=span_sums(pair_view, spans), logp=(pair_view.logp_a, pair_view.logp_b))
+                            span_stats=span_sums(pair_view, spans), logp=(pair_view.logp_a, pair_view.logp_b),
+                            pair=pair_view)
 
 
 def summary_corrections(table: pd.DataFrame | Chunks,

@@ -40,13 +40,13 @@ class PairTokens:
     def logp_a(self) -> np.ndarray:
         if self.same is not None:
             return self.same.logp_a
-        return self.table_a if self.view.mask is None else self.table_a[self.view.mask]
+        return _view_column(self.view, self.columns[0], self.table_a)
 
     @cached_property
     def logp_b(self) -> np.ndarray:
         if self.same is not None:
             return self.same.logp_b
-        return self.table_b if self.view.mask is None else self.table_b[self.view.mask]
+        return _view_column(self.view, self.columns[1], self.table_b)
 
     @cached_property
     def log_ratio(self) -> np.ndarray:
@@ -56,15 +56,30 @@ class PairTokens:
     def ratio(self) -> np.ndarray:
         return self.same.ratio if self.same is not None else terms.ratio(self.log_ratio)
 
-    # Terms several analyses of a chunk read (the span sums, strata, the frameworks' metrics): made
+    # Terms several analyses of a chunk read (the span sums, strata, trees, the frameworks' metrics): made
     # once per pair and view, the same bits as each computing its own.
     @cached_property
     def k3(self) -> np.ndarray:
         return self.same.k3 if self.same is not None else terms.k3(self.log_ratio)
 
     @cached_property
+    def abs_log_ratio(self) -> np.ndarray:
+        return self.same.abs_log_ratio if self.same is not None else np.abs(self.log_ratio)
+
+    @cached_property
     def prob_abs_diff(self) -> np.ndarray:
-        return self.same.prob_abs_diff if self.same is not None else terms.prob_abs_diff(self.logp_a, self.logp_b)
+        return self.same.prob_abs_diff if self.same is not None else terms.prob_gap(self.prob_a, self.prob_b)
+
+    # Each side's probabilities, kept on the view by column: the pairs of a chunk share their
+    # columns (train/sampler, train/infer and infer/sampler exp three columns, not six), and so do
+    # strata's probability buckets and the frameworks' probabilities. exp is most of these terms' cost.
+    @property
+    def prob_a(self) -> np.ndarray:
+        return self.view.memo(("prob", self.columns[0]), lambda: terms.prob(self.terms_of.logp_a))
+
+    @property
+    def prob_b(self) -> np.ndarray:
+        return self.view.memo(("prob", self.columns[1]), lambda: terms.prob(self.terms_of.logp_b))
 
     def ratio_into(self, buffer: np.ndarray) -> np.ndarray:
         """`ratio`, the kept array if there is one, else computed into `buffer` (same bits)."""
@@ -88,11 +103,11 @@ def pairs_tokens(view: TokenView, pairs: Sequence[tuple[str, str]]) -> list[Pair
 def _make_pair(view: TokenView, a: str, b: str) -> PairTokens:
     """The pair's tokens: those of the view where log_ratio = a - b is defined."""
     table_a, table_b = _float64_column(view, a), _float64_column(view, b)
-    # Undefined: a missing log-prob (NaN), or both engines at -inf (probability 0 twice).
-    with np.errstate(invalid="ignore"):
-        undefined = np.isnan(table_a - table_b)
+    # Undefined: a missing log-prob (NaN), or both engines at -inf (probability 0 twice). Found on
+    # the table's rows once for every view of the chunk (the trainable one and every row's).
+    undefined = view.shared(("undefined", a, b), lambda: _undefined(table_a, table_b))
     if view.mask is not None:
-        undefined &= view.mask
+        undefined = undefined & view.mask
     if not undefined.any():  # the common case: no copy, no new view
         return PairTokens(view, (a, b), None, table_a, table_b)
     # Tokens without a defined log-ratio are dropped before anything else. On the subset view the
@@ -100,6 +115,19 @@ def _make_pair(view: TokenView, a: str, b: str) -> PairTokens:
     keep = ~(undefined if view.mask is None else undefined[view.mask])
     subset = view.subset(keep)
     return PairTokens(subset, (a, b), keep, table_a, table_b, same=pair_tokens(subset, a, b))
+
+
+def _undefined(table_a: np.ndarray, table_b: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore"):
+        return np.isnan(table_a - table_b)
+
+
+def _view_column(view: TokenView, name: str, table_values: np.ndarray) -> np.ndarray:
+    """A log-prob column (float64) on the view's rows, selected once per view: the pairs of a chunk
+    share their columns (train/sampler and train/infer select the train column once)."""
+    if view.mask is None:
+        return table_values
+    return view.memo(("float64 rows", name), lambda: table_values[view.mask])
 
 
 def _float64_column(view: TokenView, name: str) -> np.ndarray:

@@ -31,17 +31,19 @@ def token_terms(pair: PairTokens, scratch: np.ndarray) -> Iterator[tuple[str, np
     yield "ratio", ratio
     yield "log_ratio_sq", np.square(log_ratio, out=scratch)
     yield "ratio_sq", terms.ratio_sq(ratio, out=scratch)
-    # A term a later analysis of the chunk reads (strata, the frameworks' metrics) is kept on the pair
-    # tokens: taken from there when it is already made, else made into the scratch buffer (a
-    # command whose other analyses never ask for it, `diff`, keeps no array for it).
-    yield "k3", _kept(pair, "k3", lambda: terms.k3(log_ratio, out=scratch))
+    # k3 is the pair's own, made once by whichever analysis asks first: strata reads it on every
+    # pair, so made here into the scratch buffer it was made again (an expm1 per token).
+    yield "k3", pair.k3
     flags = scratch.view(np.bool_)[:len(log_ratio)]  # the same buffer, read as flags
     yield "outside_2", terms.outside(ratio, out=flags)
     yield "equal", np.equal(pair.logp_a, pair.logp_b, out=flags)
-    abs_log_ratio = np.abs(log_ratio, out=scratch)
+    # Cheap terms (an abs, a subtraction of the pair's kept probabilities) are the pair's when an
+    # analysis made them already, else made into the scratch buffer: a fresh array per pair and
+    # chunk costs more in page faults than recomputing them for the few analyses that read them.
+    abs_log_ratio = _kept(pair, "abs_log_ratio", lambda: np.abs(log_ratio, out=scratch))
     yield "abs_log_ratio", abs_log_ratio
     yield "log_ratio_abs_max", abs_log_ratio
-    prob_abs_diff = _kept(pair, "prob_abs_diff", lambda: terms.prob_abs_diff(pair.logp_a, pair.logp_b, out=scratch))
+    prob_abs_diff = _kept(pair, "prob_abs_diff", lambda: terms.prob_gap(pair.prob_a, pair.prob_b, out=scratch))
     yield "prob_abs_diff", prob_abs_diff
     yield "prob_abs_diff_max", prob_abs_diff
 

@@ -53,7 +53,7 @@ class Strata:
             if tokens.view.num_tokens == 0:
                 continue
             log_ratio = tokens.log_ratio
-            values = (tokens.k3, np.abs(log_ratio), log_ratio)
+            values = (tokens.k3, tokens.abs_log_ratio, log_ratio)
             pair_sums = self.sums.setdefault(name, {})
             for dimension, (bucket, known, counts) in _bucketed(tokens, a, b).items():
                 weights = values if known is None else tuple(v[known] for v in values)
@@ -80,7 +80,8 @@ def _buckets(dimension: str, keys: np.ndarray) -> np.ndarray:
     edge: either is ~20x np.searchsorted's binary search per element on this machine."""
     edges = EDGES[dimension]
     if dimension in _POW2_DIMENSIONS:
-        return np.minimum(np.frexp(keys)[1], len(edges) - 1)
+        # intp, as np.bincount wants its bins: frexp's int32 exponents were cast in every weighted sum.
+        return np.minimum(np.frexp(keys)[1], len(edges) - 1).astype(np.intp)
     bucket = np.zeros(len(keys), dtype=np.intp)
     for edge in edges[1:]:
         bucket += keys >= edge
@@ -96,7 +97,7 @@ def _bucketed(tokens: Any, a: str, b: str) -> dict[str, tuple[np.ndarray, np.nda
     for dimension, memo_key, keys_of in (
             ("length", ("strata", "length"), lambda: _rollout_lengths(view)),
             ("position", ("strata", "position"), lambda: view.column("pos").astype(np.float64)),
-            ("prob", ("strata", "prob", b), lambda: np.exp(tokens.logp_b)),
+            ("prob", ("strata", "prob", b), lambda: tokens.prob_b),
             ("entropy", ("strata", "entropy", a), lambda: _entropy(view, a))):
         bucketed = view.memo(memo_key, lambda dimension=dimension, keys_of=keys_of: _bucket_keys(dimension, keys_of()))
         if bucketed is not None:

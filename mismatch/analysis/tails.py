@@ -46,6 +46,16 @@ class Tails:
         if np.count_nonzero(present) == 1:  # a chunk of one group: no sort
             self._add_group(int(np.flatnonzero(present)[0]), values)
             return
+        # Only the values that can enter a tail go on to the sort: past their group's bound on
+        # either side, or any of a group with a side not yet bounded. A group's bounds change only
+        # while its own values are taken in, so each group keeps exactly the values it kept before.
+        with np.errstate(invalid="ignore"):
+            unbounded = (np.isnan(self.low_bound) & (self.k_low > 0)) | (np.isnan(self.high_bound) & (self.k_high > 0))
+            enter = values < self.low_bound[token_group]
+            enter |= values > self.high_bound[token_group]
+            enter |= unbounded[token_group]
+        values, token_group = values[enter], token_group[enter]
+        present = np.bincount(token_group, minlength=len(self.counts))
         # A stable sort of small integers is a radix sort in numpy.
         codes = token_group.astype(np.int16 if len(self.counts) < 2**15 else np.int64, copy=False)
         by_group = values[np.argsort(codes, kind="stable")]

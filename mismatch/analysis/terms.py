@@ -58,11 +58,21 @@ def outside_clip(ratio_values: np.ndarray, eps_low: float, eps_high: float,
     return np.logical_or(ratio_values < 1.0 - eps_low, ratio_values > 1.0 + eps_high, out=out)
 
 
+def prob(logp: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """pi = exp(logp), the token's probability."""
+    with np.errstate(over="ignore"):
+        return np.exp(logp, out=out)
+
+
 def prob_abs_diff(logp_a: np.ndarray, logp_b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """|pi_A - pi_B| of the token."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        prob_b = np.exp(logp_b)
-        return np.abs(np.subtract(np.exp(logp_a, out=out), prob_b, out=out), out=out)
+    return prob_gap(prob(logp_a, out=out), prob(logp_b), out=out)
+
+
+def prob_gap(prob_a: np.ndarray, prob_b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """|pi_A - pi_B| from the probabilities themselves (`prob_abs_diff`'s bits: the same exp)."""
+    with np.errstate(invalid="ignore"):
+        return np.abs(np.subtract(prob_a, prob_b, out=out), out=out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -105,11 +105,12 @@ class _WeightedSums:
 
 def _terms_of(log_ratio: np.ndarray, tokens: PairTokens | None = None) -> dict[str, np.ndarray]:
     """The terms of these log-ratios; `tokens`: the chunk's pair on exactly these tokens, whose
-    ratio and k3 (the same bits, made once per chunk) the span sums have already made."""
+    ratio, k3 and |log-ratio| (the same bits, made once per chunk) the span sums have already made."""
     with np.errstate(over="ignore", invalid="ignore"):
         ratio = terms.ratio(log_ratio) if tokens is None else tokens.ratio
         k3 = terms.k3(log_ratio) if tokens is None else tokens.k3
-        return {"log_ratio": log_ratio, "abs": np.abs(log_ratio), "ratio": ratio, "k1": terms.k1(log_ratio),
+        abs_log_ratio = np.abs(log_ratio) if tokens is None else tokens.abs_log_ratio
+        return {"log_ratio": log_ratio, "abs": abs_log_ratio, "ratio": ratio, "k1": terms.k1(log_ratio),
                 "k2": terms.k2(log_ratio), "k3": k3, "ratio_sq": terms.ratio_sq(ratio),
                 "outside": terms.outside(ratio).astype(np.float64)}
 

@@ -56,12 +56,25 @@ class PairArrays:
 
     @cached_property
     def abs_log_ratio(self) -> np.ndarray:
-        return np.abs(self.log_ratio)
+        return self.tokens.abs_log_ratio if self.tokens is not None else np.abs(self.log_ratio)
+
+    @cached_property
+    def clamped_ratio(self) -> np.ndarray:
+        """exp(log-ratio clamped to +-SAFETY_BOUND): verl's raw IS weight per token. Inside the
+        bound the clamp changes nothing, so it is the ratio there (the same exp of the same value:
+        the same bits), and exp runs again only on the few tokens past it."""
+        log_ratio = self.log_ratio
+        far = self.abs_log_ratio > SAFETY_BOUND
+        if not far.any():
+            return self.ratio
+        clamped = self.ratio.copy()
+        clamped[far] = np.exp(np.clip(log_ratio[far], -SAFETY_BOUND, SAFETY_BOUND))
+        return clamped
 
     @cached_property
     def clamped_ratio_sq(self) -> np.ndarray:
         """exp(log-ratio clamped to +-SAFETY_BOUND)^2, verl's and slime's chi-square term."""
-        return np.square(np.exp(np.clip(self.log_ratio, -SAFETY_BOUND, SAFETY_BOUND)))
+        return np.square(self.clamped_ratio)
 
     @cached_property
     def prob_abs_diff(self) -> np.ndarray:
@@ -105,5 +118,7 @@ def clamped(p: PairArrays) -> np.ndarray:
 
 
 def probs(p: PairArrays) -> np.ndarray:
-    """[2, tokens]: pi_train and pi_rollout."""
+    """[2, tokens]: pi_train and pi_rollout (the chunk's, when the arrays are its pair's: exp once)."""
+    if p.tokens is not None:
+        return np.stack([p.tokens.prob_a, p.tokens.prob_b])
     return np.exp(np.stack([p.logp_a, p.logp_b]))

@@ -109,8 +109,9 @@ class _RolloutIsWeights:
         return p.memo(("verl_raw", self.level), lambda: self._raw(p))
 
     def _raw(self, p: PairArrays) -> np.ndarray:
-        raw = np.exp(np.clip(self.log_ratio(p), -SAFETY_BOUND, SAFETY_BOUND))
-        return raw if self.level == "token" else raw[p.seq]
+        if self.level == "token":
+            return p.clamped_ratio  # exp(clip(log-ratio)), made once with the chi-square term
+        return np.exp(np.clip(self.log_ratio(p), -SAFETY_BOUND, SAFETY_BOUND))[p.seq]
 
     def applied(self, p: PairArrays) -> np.ndarray:
         # Made once per pair and setting: the mean, ESS, extremes and five per-sequence keys read it.
