@@ -23,7 +23,8 @@ from typing import Any
 import msgspec
 
 from mismatch.engines.spec import EngineSpec
-from mismatch.results.staging import RACY_NS, atomic_write_text, file_sha256  # RACY_NS: a stamp too fresh to cache
+from mismatch.results.staging import RACY_NS  # noqa: F401 - how fresh a stamp is too fresh to cache (stamp_vouches)
+from mismatch.results.staging import atomic_write_text, file_sha256, stamp_vouches
 
 file_digest = file_sha256  # a run's inputs are digested as its published files are
 
@@ -106,7 +107,7 @@ class DigestCache:
         digest = content_digest(path)
         after = path.stat()
         # Changed while hashed, or too recently to trust its stamp: the digest stands, uncached.
-        if _stamp(after) == _stamp(stat) and max(stat.st_mtime_ns, stat.st_ctime_ns) < started - RACY_NS:
+        if _stamp(after) == _stamp(stat) and stamp_vouches(stat.st_mtime_ns, stat.st_ctime_ns, started):
             self.entries[key] = CachedDigest(**msgspec.structs.asdict(_stamp(stat)), sha256=digest, used_ns=started)
             self.changed = True
         return digest

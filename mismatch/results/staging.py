@@ -246,11 +246,18 @@ def unchanged_since_digest(file: str | Path, digest: str) -> bool:
         return False
 
 
+def stamp_vouches(mtime_ns: int, ctime_ns: int, started_ns: int) -> bool:
+    """Whether a file's stamp, unmoved, vouches that its content is the one hashed from `started_ns`
+    on: it last changed (mtime, ctime) more than RACY_NS before. The digests remembered here and the
+    checkpoint digests identity caches across runs hold to this one rule."""
+    return max(mtime_ns, ctime_ns) < started_ns - RACY_NS
+
+
 def _taken(path: str, stamp: tuple[int, ...], started: int, digest: str) -> None:
     """Remember a whole-file digest whose stamp held while it was hashed, when that stamp is old
-    enough to vouch for the content (its mtime and ctime before `started` by RACY_NS)."""
+    enough to vouch for the content (stamp_vouches)."""
     _, mtime_ns, ctime_ns, *_ = stamp
-    if max(mtime_ns, ctime_ns) < started - RACY_NS:
+    if stamp_vouches(mtime_ns, ctime_ns, started):
         _TAKEN[path] = (stamp, digest)
     else:
         _TAKEN.pop(path, None)
